@@ -1,0 +1,159 @@
+//! The seam between the model and the hardware: every op the forward pass needs, implemented once per
+//! backend (the CPU reference here; CUDA later). Activations are `[rows, cols]` tensors whose rows are
+//! the tokens of a step, sequence after sequence; per-sequence state (attention K/V, GDN conv and
+//! recurrent state) lives inside the backend, addressed by a sequence slot.
+
+/// A sequence's share of one step: rows `start..start + len` of the step's activations are its tokens at
+/// positions `pos0..pos0 + len`. `pos0` must equal the number of tokens the slot's caches already hold
+/// for the layer being computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SeqChunk {
+    pub slot: usize,
+    pub start: usize,
+    pub len: usize,
+    pub pos0: usize,
+}
+
+/// Static shapes of an attention layer call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f32,
+}
+
+/// Rotary embedding tables: `rot_dim / 2` inverse frequencies and the cos/sin scale (YaRN's factor, else 1).
+#[derive(Debug, Clone)]
+pub struct Rope {
+    pub rot_dim: usize,
+    pub inv_freq: Vec<f32>,
+    pub mscale: f32,
+}
+
+/// Static shapes of a GDN layer call.
+#[derive(Debug, Clone, Copy)]
+pub struct GdnShape {
+    pub num_k_heads: usize,
+    pub num_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+    pub conv_kernel: usize,
+}
+
+/// Weights of a gated attention layer, in backend form.
+pub struct AttnWeights<W> {
+    /// `[num_heads · 2·head_dim, hidden]`, per head `[q | gate]`.
+    pub q_proj: W,
+    pub k_proj: W,
+    pub v_proj: W,
+    pub o_proj: W,
+    pub q_norm: W,
+    pub k_norm: W,
+}
+
+/// Weights of a GDN layer, in backend form (canonical contiguous projections).
+pub struct GdnWeights<W> {
+    pub in_proj_qkv: W,
+    pub in_proj_z: W,
+    pub in_proj_b: W,
+    pub in_proj_a: W,
+    /// `[conv_dim, kernel]`.
+    pub conv: W,
+    pub a_log: W,
+    pub dt_bias: W,
+    /// Plain-weight gated RMSNorm over `v_head_dim`.
+    pub norm: W,
+    pub out_proj: W,
+}
+
+/// A SwiGLU MLP with fused `[2I, H]` gate|up rows.
+pub struct MlpWeights<W> {
+    pub gate_up: W,
+    pub down: W,
+    pub inter: usize,
+}
+
+/// Routed experts plus the optional shared expert.
+pub struct MoeWeights<W> {
+    /// `[num_experts, hidden]`.
+    pub router: W,
+    pub experts: Vec<MlpWeights<W>>,
+    pub top_k: usize,
+    pub renormalize: bool,
+    pub shared: Option<MlpWeights<W>>,
+    /// `[1, hidden]`.
+    pub shared_gate: Option<W>,
+}
+
+/// The operations a backend provides. Ops on sequences take the step's [`SeqChunk`]s.
+pub trait Backend: Send + Sync {
+    /// Activations, `[rows, cols]`.
+    type Tensor: Send;
+    /// A weight in the backend's storage (matrix `[out, in]` or vector).
+    type Weight: Send + Sync;
+
+    /// Uploads a weight given as f32 values with its shape.
+    fn weight(&self, data: Vec<f32>, shape: &[usize]) -> Self::Weight;
+
+    /// Registers a new sequence and returns its slot; its caches start empty (GDN states at zero).
+    fn alloc_seq(&self) -> usize;
+    /// Drops a sequence's state.
+    fn free_seq(&self, slot: usize);
+
+    /// Rows of `table` `[vocab, hidden]` for the given ids.
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+    /// Row-wise RMSNorm: `offset` 1.0 = zero-centred weight `(1 + w)`, 0.0 = plain weight.
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32, offset: f32) -> Self::Tensor;
+    /// `x · wᵀ`.
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
+    /// Selected rows of `x`.
+    fn rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    /// Concatenation along columns: `[a | b]`.
+    fn concat_cols(&self, a: &Self::Tensor, b: &Self::Tensor) -> Self::Tensor;
+    /// `acc += y`.
+    fn add(&self, acc: &mut Self::Tensor, y: &Self::Tensor);
+    /// `acc += sigmoid(gate) · y` with `gate` `[rows, 1]`.
+    fn add_sigmoid_gated(&self, acc: &mut Self::Tensor, y: &Self::Tensor, gate: &Self::Tensor);
+    /// `silu(gate) · up` on a fused `[rows, 2I]` gate|up tensor.
+    fn swiglu(&self, gate_up: &Self::Tensor) -> Self::Tensor;
+
+    /// Gated attention core: splits `q_gate` per head into query and gate, applies q/k norms and RoPE,
+    /// appends k/v to the slot's cache for layer index `layer`, attends causally over the cache and
+    /// returns `attn · sigmoid(gate)` as `[rows, num_heads·head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        layer: usize,
+        shape: &AttnShape,
+        rope: &Rope,
+        q_gate: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        w: &AttnWeights<Self::Weight>,
+        seqs: &[SeqChunk],
+    ) -> Self::Tensor;
+
+    /// Gated delta net core over GDN layer `layer`'s state: causal conv + SiLU on `qkv`, decay and beta from
+    /// `a`/`b`, the delta rule (chunked for prefill, recurrent for decode), then the gated RMSNorm with `z`.
+    /// Returns `[rows, Hv·dv]` (before `out_proj`).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn(
+        &self,
+        layer: usize,
+        shape: &GdnShape,
+        qkv: &Self::Tensor,
+        z: &Self::Tensor,
+        b: &Self::Tensor,
+        a: &Self::Tensor,
+        w: &GdnWeights<Self::Weight>,
+        eps: f32,
+        seqs: &[SeqChunk],
+    ) -> Self::Tensor;
+
+    /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts.
+    fn moe_experts(&self, x: &Self::Tensor, w: &MoeWeights<Self::Weight>) -> Self::Tensor;
+
+    /// Copies a tensor to the host as `(rows, cols, values)`.
+    fn to_host(&self, x: &Self::Tensor) -> (usize, usize, Vec<f32>);
+}

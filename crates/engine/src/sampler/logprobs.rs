@@ -1,0 +1,114 @@
+//! Log-probabilities under the model's raw distribution: `log_softmax` of the logits of the real
+//! vocabulary, before penalties, bias, masks and temperature (what vLLM reports by default).
+//!
+//! Used for the sampled token, its top-N alternatives, and prompt tokens (prompt logprobs / echo).
+
+use super::math::{log_sum_exp, max};
+use super::SampleError;
+
+/// Values per block of the top-N scan: a block whose maximum cannot enter the list is skipped whole.
+const BLOCK: usize = 64;
+
+/// Puts the `n` largest `(id, logit)` of `row` into `out`, largest first, lower id first among equals.
+pub(crate) fn top_n(row: &[f32], n: usize, out: &mut Vec<(u32, f32)>) {
+    out.clear();
+    if n == 0 {
+        return;
+    }
+    for (b, block) in row.chunks(BLOCK).enumerate() {
+        if out.len() == n && !(max(block) > out[n - 1].1) {
+            continue;
+        }
+        for (j, &x) in block.iter().enumerate() {
+            if out.len() == n {
+                if !(x > out[n - 1].1) {
+                    continue;
+                }
+                out.pop();
+            } else if x.is_nan() {
+                continue;
+            }
+            // After every entry at least as large: equal values keep their (lower) earlier ids first.
+            let at = out.partition_point(|e| e.1 >= x);
+            out.insert(at, ((b * BLOCK + j) as u32, x));
+        }
+    }
+}
+
+/// A row of logits with its log-normaliser, for reading log-probabilities of any token.
+#[derive(Debug, Clone, Copy)]
+pub struct RowLogprobs<'a> {
+    row: &'a [f32],
+    log_z: f32,
+}
+
+impl<'a> RowLogprobs<'a> {
+    /// Normalises over the first `valid_vocab` logits (the ids past it are lm_head padding).
+    pub fn new(logits: &'a [f32], valid_vocab: usize) -> Result<Self, SampleError> {
+        let row = super::valid_row(logits, valid_vocab)?;
+        let log_z = log_sum_exp(row).ok_or(SampleError::NoCandidates)?;
+        Ok(Self { row, log_z })
+    }
+
+    /// From a row whose log-normaliser is already known.
+    pub(crate) fn with_log_z(row: &'a [f32], log_z: f32) -> Self {
+        Self { row, log_z }
+    }
+
+    /// `ln Σ e^logit` over the real vocabulary.
+    pub fn log_normalizer(&self) -> f32 {
+        self.log_z
+    }
+
+    /// The log-probability of `token`.
+    pub fn logprob(&self, token: u32) -> Result<f32, SampleError> {
+        let x = self
+            .row
+            .get(token as usize)
+            .ok_or(SampleError::TokenOutOfRange {
+                token,
+                valid_vocab: self.row.len(),
+            })?;
+        Ok(x - self.log_z)
+    }
+
+    /// The `n` most likely tokens with their log-probabilities, most likely first (lower id on ties).
+    pub fn top(&self, n: usize) -> Vec<(u32, f32)> {
+        let mut out = Vec::with_capacity(n + 1);
+        top_n(self.row, n, &mut out);
+        for e in &mut out {
+            e.1 -= self.log_z;
+        }
+        out
+    }
+}
+
+/// The raw log-probability of `token` given one row of logits (prompt logprobs / echo).
+pub fn token_logprob(logits: &[f32], valid_vocab: usize, token: u32) -> Result<f32, SampleError> {
+    RowLogprobs::new(logits, valid_vocab)?.logprob(token)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_n_matches_a_full_sort_with_ties() {
+        let row: Vec<f32> = (0..3000).map(|i| ((i * 7919) % 613) as f32 * 0.5).collect();
+        for n in [1, 2, 5, 20] {
+            let mut want: Vec<(u32, f32)> = row
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| (i as u32, x))
+                .collect();
+            want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            want.truncate(n);
+            let mut got = Vec::new();
+            top_n(&row, n, &mut got);
+            assert_eq!(got, want, "n={n}");
+        }
+        let mut got = Vec::new();
+        top_n(&[1.0, f32::NAN, 2.0], 5, &mut got);
+        assert_eq!(got, vec![(2, 2.0), (0, 1.0)]);
+    }
+}

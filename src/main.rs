@@ -1,1 +1,40 @@
-fn main() {}
+//! `sanmai`: the command line. Subcommands load a model (a Hugging Face checkpoint directory, random
+//! weights for a config, or the built-in default model) and run it.
+
+mod bench;
+mod generate;
+mod load;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "sanmai",
+    version,
+    about = "An LLM inference server for hybrid GDN/attention MoE models"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a completion for one prompt and print it (or a JSON record with --json).
+    Generate(generate::GenerateArgs),
+    /// Measure prefill and decode speed.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Generate(args) => generate::run(args),
+        Command::Bench(args) => bench::run(args),
+    }
+}

@@ -101,6 +101,7 @@ fn check_prompts(name: &str, chunk: usize) {
             let want = expected[t].unwrap();
             worst = worst.max((got - want).abs());
         }
+        eprintln!("{name} prompt {pi} (chunk {chunk}): max prompt logprob error {worst:.1e}");
         assert!(
             worst < TOL,
             "{name} prompt {pi} (chunk {chunk}): prompt logprob off by {worst}"
@@ -167,6 +168,7 @@ fn check_mtp(name: &str) {
                 .zip(&want)
                 .map(|(g, w)| (g - w.unwrap()).abs())
                 .fold(0.0, f64::max);
+            eprintln!("{name} MTP position {t}: max draft logprob error {worst:.1e}");
             assert!(
                 worst < TOL,
                 "{name} MTP position {t}: draft logprob off by {worst}"

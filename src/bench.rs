@@ -1,0 +1,125 @@
+//! `sanmai bench`: prefill and decode speed of a model on this machine, printed (never asserted).
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use sanmai_model::{Backend, SeqChunk};
+
+use crate::generate::PREFILL_CHUNK;
+use crate::load::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Decode batch sizes to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub batch: Vec<usize>,
+    /// Prompt length of each sequence.
+    #[arg(long, default_value_t = 512)]
+    pub prompt_len: usize,
+    /// Tokens decoded per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub gen_len: usize,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let loaded = args.model.load()?;
+    let m = &loaded.model;
+    if args.prompt_len == 0 || args.gen_len == 0 || args.batch.contains(&0) {
+        bail!("--prompt-len, --gen-len and --batch must be positive");
+    }
+    let vocab = loaded.valid_vocab as u64;
+    println!(
+        "model: {} (cpu, {} threads)",
+        loaded.name,
+        rayon::current_num_threads()
+    );
+    for &batch in &args.batch {
+        // Deterministic pseudo-random prompts, distinct per sequence.
+        let prompts: Vec<Vec<u32>> = (0..batch as u64)
+            .map(|s| {
+                (0..args.prompt_len as u64)
+                    .map(|i| ((i * 7919 + s * 104_729 + 13) % vocab) as u32)
+                    .collect()
+            })
+            .collect();
+        let slots: Vec<usize> = (0..batch).map(|_| m.backend.alloc_seq()).collect();
+        let started = Instant::now();
+        let mut ttft = Vec::new();
+        let mut next = Vec::new();
+        for (&slot, p) in slots.iter().zip(&prompts) {
+            let t0 = Instant::now();
+            let mut pos = 0;
+            let mut last = Vec::new();
+            for chunk in p.chunks(PREFILL_CHUNK) {
+                let seq = SeqChunk {
+                    slot,
+                    start: 0,
+                    len: chunk.len(),
+                    pos0: pos,
+                };
+                let out = m.forward(chunk, &[seq], &[chunk.len() - 1]);
+                last = m.backend.to_host(&m.logits(&out.hidden)).2;
+                pos += chunk.len();
+            }
+            next.push(argmax(&last[..loaded.valid_vocab]));
+            ttft.push(t0.elapsed().as_secs_f64());
+        }
+        let prefill_s = started.elapsed().as_secs_f64();
+        let mut steps = Vec::with_capacity(args.gen_len);
+        for step in 0..args.gen_len {
+            let t0 = Instant::now();
+            let seqs: Vec<SeqChunk> = slots
+                .iter()
+                .enumerate()
+                .map(|(i, &slot)| SeqChunk {
+                    slot,
+                    start: i,
+                    len: 1,
+                    pos0: args.prompt_len + step,
+                })
+                .collect();
+            let rows: Vec<usize> = (0..batch).collect();
+            let out = m.forward(&next, &seqs, &rows);
+            let (_, c, logits) = m.backend.to_host(&m.logits(&out.hidden));
+            for (i, n) in next.iter_mut().enumerate() {
+                *n = argmax(&logits[i * c..i * c + loaded.valid_vocab]);
+            }
+            steps.push(t0.elapsed().as_secs_f64());
+        }
+        for slot in slots {
+            m.backend.free_seq(slot);
+        }
+        let total: f64 = steps.iter().sum();
+        let itl = median(&mut steps);
+        println!(
+            "batch {batch}: prefill {:.1} tok/s (TTFT median {:.1} ms, prompt {} tokens) | decode {:.1} tok/s, \
+             inter-token latency median {:.2} ms, mean {:.2} ms ({} steps)",
+            (batch * args.prompt_len) as f64 / prefill_s,
+            median(&mut ttft) * 1e3,
+            args.prompt_len,
+            (batch * args.gen_len) as f64 / total,
+            itl * 1e3,
+            total / args.gen_len as f64 * 1e3,
+            args.gen_len
+        );
+    }
+    Ok(())
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

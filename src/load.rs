@@ -1,0 +1,136 @@
+//! Where a model comes from: a checkpoint directory, random weights for a config file, or the built-in
+//! default model (random weights from a fixed seed plus the real Qwen3.5/3.6 vocabulary).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use sanmai_config::ModelConfig;
+use sanmai_cpu::CpuBackend;
+use sanmai_model::{builtin, Model};
+use sanmai_tokenizer::Tokenizer;
+use sanmai_weights::{Checkpoint, Dummy, TensorSource};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LoadFormat {
+    /// Read the weights from the checkpoint's safetensors files.
+    Auto,
+    /// Random weights of the right shapes (needs a config: --model DIR or --config FILE).
+    Dummy,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// A Hugging Face model directory (config.json, *.safetensors, tokenizer files). Without it (and without
+    /// --config) the built-in default model is used.
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// How to get the weights.
+    #[arg(long, value_enum, default_value_t = LoadFormat::Auto)]
+    pub load_format: LoadFormat,
+    /// A config.json to build random weights for (with --load-format dummy).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Directory holding tokenizer.json (default: the model directory; the built-in vocabulary for
+    /// models with its 248,320-row vocabulary).
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Seed of dummy weights.
+    #[arg(long, default_value_t = builtin::SEED)]
+    pub weight_seed: u64,
+}
+
+/// A model ready to run, with its tokenizer when one is available.
+pub struct Loaded {
+    pub name: String,
+    pub model: Model<CpuBackend>,
+    pub tokenizer: Option<Tokenizer>,
+    /// Ids below this are real tokens; the lm_head rows above it are padding.
+    pub valid_vocab: usize,
+    /// Ids that end generation.
+    pub eos_ids: Vec<u32>,
+}
+
+impl ModelArgs {
+    pub fn load(&self) -> Result<Loaded> {
+        let started = Instant::now();
+        let (name, cfg, source): (String, ModelConfig, Box<dyn TensorSource>) = match (
+            &self.model,
+            &self.config,
+            self.load_format,
+        ) {
+            (Some(_), Some(_), _) => bail!("give either --model DIR or --config FILE, not both"),
+            (None, Some(_), LoadFormat::Auto) => {
+                bail!("--config FILE builds random weights: add --load-format dummy, or use --model DIR")
+            }
+            (Some(dir), None, format) => {
+                let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+                let src: Box<dyn TensorSource> =
+                    match format {
+                        LoadFormat::Auto => Box::new(Checkpoint::open(dir).with_context(|| {
+                            format!("opening the checkpoint in {}", dir.display())
+                        })?),
+                        LoadFormat::Dummy => Box::new(Dummy::new(self.weight_seed)),
+                    };
+                (dir.display().to_string(), cfg, src)
+            }
+            (None, Some(file), LoadFormat::Dummy) => (
+                file.display().to_string(),
+                ModelConfig::from_file(file)?,
+                Box::new(Dummy::new(self.weight_seed)),
+            ),
+            (None, None, _) => (
+                builtin::NAME.to_string(),
+                builtin::config(),
+                Box::new(Dummy::new(self.weight_seed)),
+            ),
+        };
+        let tokenizer = self.tokenizer(&cfg)?;
+        let model = Model::load(cfg, source.as_ref(), CpuBackend::new())
+            .with_context(|| format!("loading the weights of {name}"))?;
+        let cfg = &model.cfg;
+        let valid_vocab = match &tokenizer {
+            Some(t) => t.backend().get_vocab_size(true).min(cfg.vocab_size),
+            None => cfg.vocab_size,
+        };
+        let mut eos_ids = cfg.eos_token_ids.clone();
+        if let Some(t) = &tokenizer {
+            eos_ids.extend(t.eos_token_ids());
+        }
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        tracing::info!(
+            model = %name,
+            arch = cfg.arch.model_type(),
+            layers = cfg.num_layers,
+            hidden = cfg.hidden_size,
+            vocab = cfg.vocab_size,
+            seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
+            "model loaded"
+        );
+        Ok(Loaded {
+            name,
+            model,
+            tokenizer,
+            valid_vocab,
+            eos_ids,
+        })
+    }
+
+    fn tokenizer(&self, cfg: &ModelConfig) -> Result<Option<Tokenizer>> {
+        let dir = self.tokenizer.as_ref().or(self.model.as_ref());
+        if let Some(dir) = dir {
+            if dir.join("tokenizer.json").exists() {
+                return Ok(Some(Tokenizer::from_dir(dir)?));
+            }
+            if self.tokenizer.is_some() {
+                bail!("{}: no tokenizer.json", dir.display());
+            }
+        }
+        if cfg.vocab_size == builtin::config().vocab_size {
+            return Ok(Some(Tokenizer::builtin()?));
+        }
+        Ok(None)
+    }
+}

@@ -1,0 +1,220 @@
+//! Chunked gated delta rule: the WY / UT-transform algorithm of transformers'
+//! `torch_chunk_gated_delta_rule`, one value head at a time, carrying the state across chunks and
+//! handling a final partial chunk directly (equivalent to the reference's zero padding: padded tokens have
+//! `k = v = β = g = 0` and change neither the outputs nor the state).
+//!
+//! Per chunk of `L` tokens with in-chunk cumulative log decay `c_i = Σ_{j≤i} g_j`:
+//! - `A[i][j] = (β_i k_i · k_j)·e^{c_i−c_j}` for `j < i`; `P[i][j] = (q_i · k_j)·e^{c_i−c_j}` for `j ≤ i`;
+//! - `U = (I + A)⁻¹ (β v)`, `W = (I + A)⁻¹ (β k e^{c})` by forward substitution;
+//! - `v' = U − W S`; `o_i = (q_i e^{c_i}) S + Σ_{j≤i} P[i][j] v'_j`;
+//! - `S ← S e^{c_{L−1}} + Σ_j (k_j e^{c_{L−1}−c_j}) ⊗ v'_j`.
+//!
+//! Products the reference computes as matrix multiplications use fused multiply-adds here.
+
+use super::gdn::{for_each_head, load_qk, out_row, q_scale, Dims};
+use super::{dot_fma, multiversion, SharedOut};
+
+/// Per-head scratch for one chunk of up to `c` tokens.
+struct Scratch {
+    qn: Vec<f32>,
+    kn: Vec<f32>,
+    kb: Vec<f32>,
+    vb: Vec<f32>,
+    gc: Vec<f32>,
+    a: Vec<f32>,
+    p: Vec<f32>,
+    u: Vec<f32>,
+    w: Vec<f32>,
+    vnew: Vec<f32>,
+    qd: Vec<f32>,
+    tmp: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(c: usize, dk: usize, dv: usize) -> Self {
+        Self {
+            qn: vec![0.0; c * dk],
+            kn: vec![0.0; c * dk],
+            kb: vec![0.0; c * dk],
+            vb: vec![0.0; c * dv],
+            gc: vec![0.0; c],
+            a: vec![0.0; c * c],
+            p: vec![0.0; c * c],
+            u: vec![0.0; c * dv],
+            w: vec![0.0; c * dk],
+            vnew: vec![0.0; c * dv],
+            qd: vec![0.0; dk],
+            tmp: vec![0.0; dv.max(dk)],
+        }
+    }
+}
+
+/// `acc[:] += a · x[:]` with fused multiply-adds.
+#[inline(always)]
+fn axpy(acc: &mut [f32], a: f32, x: &[f32]) {
+    for (y, x) in acc.iter_mut().zip(x) {
+        *y = a.mul_add(*x, *y);
+    }
+}
+
+/// Solves `(I + A) X = B` in place for unit lower-triangular `I + A` (`A` strictly lower, stride `c`):
+/// `X_i = B_i − Σ_{j<i} A[i][j] X_j`, rows of width `n`.
+#[inline(always)]
+fn forward_substitute(a: &[f32], c: usize, len: usize, x: &mut [f32], n: usize) {
+    for i in 1..len {
+        let (done, rest) = x.split_at_mut(i * n);
+        let xi = &mut rest[..n];
+        for j in 0..i {
+            axpy(xi, -a[i * c + j], &done[j * n..(j + 1) * n]);
+        }
+    }
+}
+
+multiversion! {
+    fn chunked_head(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        g: &[f32],
+        beta: &[f32],
+        st: &mut [f32],
+        out: SharedOut,
+        d: Dims,
+        h: usize,
+        chunk: usize,
+    ) {
+        let (dk, dv, c) = (d.dk, d.dv, chunk);
+        let kh = d.key_head(h);
+        let scale = q_scale(dk);
+        let mut sc = Scratch::new(c, dk, dv);
+        let mut s0 = 0;
+        while s0 < d.t {
+            let len = c.min(d.t - s0);
+            // Phase 1: normalised q/k, β-weighted k/v, cumulative decay.
+            let mut cum = 0f32;
+            for i in 0..len {
+                let s = s0 + i;
+                let (qi, ki) = (&mut sc.qn[i * dk..(i + 1) * dk], &mut sc.kn[i * dk..(i + 1) * dk]);
+                load_qk(q, k, d, s, kh, scale, qi, ki);
+                let b = beta[s * d.hv + h];
+                for (o, x) in sc.kb[i * dk..(i + 1) * dk].iter_mut().zip(ki.iter()) {
+                    *o = x * b;
+                }
+                let vs = &v[(s * d.hv + h) * dv..(s * d.hv + h + 1) * dv];
+                for (o, x) in sc.vb[i * dv..(i + 1) * dv].iter_mut().zip(vs) {
+                    *o = x * b;
+                }
+                cum = if i == 0 { g[s * d.hv + h] } else { cum + g[s * d.hv + h] };
+                sc.gc[i] = cum;
+            }
+            // Phase 2: the UT system A (strictly lower) and the intra-chunk attention P (lower).
+            for i in 0..len {
+                let kbi = &sc.kb[i * dk..(i + 1) * dk];
+                let qi = &sc.qn[i * dk..(i + 1) * dk];
+                for j in 0..=i {
+                    let kj = &sc.kn[j * dk..(j + 1) * dk];
+                    let decay = (sc.gc[i] - sc.gc[j]).exp();
+                    if j < i {
+                        sc.a[i * c + j] = dot_fma(kbi, kj) * decay;
+                    }
+                    sc.p[i * c + j] = dot_fma(qi, kj) * decay;
+                }
+            }
+            // Phase 3: U = (I + A)⁻¹ βv and W = (I + A)⁻¹ βk·e^c.
+            sc.u[..len * dv].copy_from_slice(&sc.vb[..len * dv]);
+            forward_substitute(&sc.a, c, len, &mut sc.u[..len * dv], dv);
+            for i in 0..len {
+                let e = sc.gc[i].exp();
+                for (o, x) in sc.w[i * dk..(i + 1) * dk].iter_mut().zip(&sc.kb[i * dk..(i + 1) * dk]) {
+                    *o = x * e;
+                }
+            }
+            forward_substitute(&sc.a, c, len, &mut sc.w[..len * dk], dk);
+            // Phase 4: v' = U − W·S.
+            for i in 0..len {
+                let tmp = &mut sc.tmp[..dv];
+                tmp.fill(0.0);
+                for (wa, row) in sc.w[i * dk..(i + 1) * dk].iter().zip(st.chunks_exact(dv)) {
+                    axpy(tmp, *wa, row);
+                }
+                for ((o, u), m) in sc.vnew[i * dv..(i + 1) * dv].iter_mut().zip(&sc.u[i * dv..]).zip(tmp.iter()) {
+                    *o = u - m;
+                }
+            }
+            // Phase 5: o_i = (q_i e^{c_i})·S + Σ_{j≤i} P[i][j] v'_j.
+            for i in 0..len {
+                let e = sc.gc[i].exp();
+                for (o, x) in sc.qd.iter_mut().zip(&sc.qn[i * dk..(i + 1) * dk]) {
+                    *o = x * e;
+                }
+                // SAFETY: this task owns head h; one row at a time.
+                let o = unsafe { out_row(&out, d, s0 + i, h) };
+                o.fill(0.0);
+                for (qa, row) in sc.qd.iter().zip(st.chunks_exact(dv)) {
+                    axpy(o, *qa, row);
+                }
+                let tmp = &mut sc.tmp[..dv];
+                tmp.fill(0.0);
+                for j in 0..=i {
+                    axpy(tmp, sc.p[i * c + j], &sc.vnew[j * dv..(j + 1) * dv]);
+                }
+                for (o, x) in o.iter_mut().zip(tmp.iter()) {
+                    *o += x;
+                }
+            }
+            // Phase 6: S ← S·e^{c_last} + Σ_j (k_j e^{c_last − c_j}) ⊗ v'_j.
+            let last = sc.gc[len - 1];
+            for i in 0..len {
+                let e = (last - sc.gc[i]).exp();
+                for x in sc.kn[i * dk..(i + 1) * dk].iter_mut() {
+                    *x *= e;
+                }
+            }
+            let cd = last.exp();
+            for (a, row) in st.chunks_exact_mut(dv).enumerate() {
+                let tmp = &mut sc.tmp[..dv];
+                tmp.fill(0.0);
+                for j in 0..len {
+                    axpy(tmp, sc.kn[j * dk + a], &sc.vnew[j * dv..(j + 1) * dv]);
+                }
+                for (x, u) in row.iter_mut().zip(tmp.iter()) {
+                    *x = *x * cd + u;
+                }
+            }
+            s0 += len;
+        }
+    }
+}
+
+/// Gated delta rule in chunks of `chunk` tokens (64 in transformers and FLA), starting from `state`.
+///
+/// Same arguments and result as [`super::gdn_recurrent`] (equal to it up to f32 rounding, ~1e-6
+/// relative); `chunk` must be at least 1. Parallel over value heads when large.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_chunked(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    state: &mut [f32],
+    out: &mut [f32],
+    t: usize,
+    hk: usize,
+    hv: usize,
+    dk: usize,
+    dv: usize,
+    chunk: usize,
+) {
+    assert!(chunk >= 1, "gdn_chunked: chunk must be at least 1");
+    let d = Dims { t, hk, hv, dk, dv };
+    d.check("gdn_chunked", q, k, v, g, beta, state, out);
+    if t == 0 {
+        return;
+    }
+    let c = chunk.min(t);
+    let work = t * hv * (c * (2 * dk + dk + dv) + 3 * dk * dv);
+    for_each_head(state, out, d, work, |h, st, o| {
+        chunked_head(q, k, v, g, beta, st, o, d, h, c)
+    });
+}

@@ -13,6 +13,10 @@ use crate::tokenizer::{Tokenizer, TokenizerParts};
 /// The tiktoken rank file of the built-in vocabulary.
 pub const BUILTIN_RANKS: &str = include_str!("../data/qwen3_6.tiktoken");
 
+/// The merges of [`BUILTIN_RANKS`] as a split table ([`crate::tiktoken::Ranks::splits`]),
+/// precomputed by `examples/tiktoken_splits.rs` so that startup skips deriving them.
+pub const BUILTIN_SPLITS: &[u8] = include_bytes!("../data/qwen3_6.splits");
+
 /// The built-in chat template (Qwen3.5: XML tool calls, `<think>` reasoning).
 pub const BUILTIN_CHAT_TEMPLATE: &str = include_str!("../data/qwen3_5_chat_template.jinja");
 
@@ -88,6 +92,7 @@ impl Tokenizer {
             pattern: BUILTIN_PATTERN,
             special_tokens: &specials,
             nfc: true,
+            splits: Some(BUILTIN_SPLITS),
         })?;
         let parts = TokenizerParts {
             min_vocab_size: BUILTIN_VOCAB_SIZE,

@@ -5,9 +5,12 @@
 //! concatenation has the lowest rank. A `tokenizers` BPE model instead applies explicit merges
 //! `(left, right)` in priority order. The two agree when every multi-byte token `t` of rank `r`
 //! gets the merge made of the two pieces that tiktoken's own procedure leaves when run on the
-//! bytes of `t` with only ranks below `r`, and merges are prioritised by the rank of their
-//! result. tiktoken also takes a piece that is itself a token as a whole, before merging; the
-//! model reproduces that with `ignore_merges`.
+//! bytes of `t` up to the point where two pieces remain (for almost all tokens these pieces have
+//! ranks below `r`; a few hundred added words are only reached through higher-ranked pieces),
+//! and merges are prioritised by the rank of their result. tiktoken also takes a piece that is
+//! itself a token as a whole, before merging; the model reproduces that with `ignore_merges`.
+//! Tokens that merging can never reach (it gets stuck at three or more pieces) get no merge: like
+//! tiktoken, the model produces them only for a piece that is exactly the token.
 //!
 //! Vocabulary strings use the GPT-2 byte-to-unicode alphabet so that the `ByteLevel`
 //! pre-tokenizer and decoder of `tokenizers` map them back to bytes.
@@ -37,20 +40,25 @@ pub struct TiktokenSpec<'a> {
     pub special_tokens: &'a [(&'a str, u32)],
     /// Apply NFC normalization before pre-tokenization.
     pub nfc: bool,
+    /// Precomputed [`Ranks::splits`] of `ranks`; computed when absent.
+    pub splits: Option<&'a [u8]>,
 }
 
-/// A tiktoken vocabulary: `tokens[rank]` is the byte string of that rank (ranks may be sparse).
+/// A tiktoken vocabulary: the byte string of each rank (ranks may be sparse).
 #[derive(Debug, Clone, Default)]
 pub struct Ranks {
-    tokens: Vec<Option<Vec<u8>>>,
+    /// All token bytes, back to back.
+    data: Vec<u8>,
+    /// `(start, len)` in `data` per rank; `len == 0` means the rank has no token.
+    spans: Vec<(u32, u32)>,
 }
 
 impl Ranks {
     /// Parses the text of a `.tiktoken` file.
     pub fn parse(text: &str) -> Result<Ranks> {
-        let mut tokens: Vec<Option<Vec<u8>>> = Vec::new();
-        let mut seen: HashMap<&str, usize> = HashMap::new();
-        for (index, line) in text.lines().enumerate() {
+        let mut data = Vec::with_capacity(text.len() / 2);
+        let mut spans: Vec<(u32, u32)> = Vec::new();
+        for (index, line) in text.split('\n').enumerate() {
             let line_no = index + 1;
             let line = line.trim_end_matches('\r');
             if line.trim().is_empty() {
@@ -64,35 +72,32 @@ impl Ranks {
             let rank: u32 = rank
                 .parse()
                 .map_err(|_| ranks_err(line_no, format!("rank `{rank}` is not an integer")))?;
-            let bytes = base64_decode(b64)
-                .ok_or_else(|| ranks_err(line_no, format!("token `{b64}` is not valid base64")))?;
-            if bytes.is_empty() {
+            let start = data.len();
+            if !base64_decode_into(b64, &mut data) {
+                return Err(ranks_err(line_no, format!("token `{b64}` is not valid base64")));
+            }
+            let len = data.len() - start;
+            if len == 0 {
                 return Err(ranks_err(line_no, "empty token"));
             }
-            if let Some(first) = seen.insert(b64, line_no) {
-                return Err(ranks_err(
-                    line_no,
-                    format!("token `{b64}` already given on line {first}"),
-                ));
-            }
             let slot = rank as usize;
-            if slot >= tokens.len() {
-                tokens.resize(slot + 1, None);
+            if slot >= spans.len() {
+                spans.resize(slot + 1, (0, 0));
             }
-            if tokens[slot].is_some() {
+            if spans[slot].1 != 0 {
                 return Err(ranks_err(line_no, format!("rank {rank} given twice")));
             }
-            tokens[slot] = Some(bytes);
+            spans[slot] = (start as u32, len as u32);
         }
-        if tokens.is_empty() {
+        if spans.is_empty() {
             return Err(ranks_err(0, "no tokens"));
         }
-        Ok(Ranks { tokens })
+        Ok(Ranks { data, spans })
     }
 
     /// Number of tokens.
     pub fn len(&self) -> usize {
-        self.tokens.iter().filter(|t| t.is_some()).count()
+        self.spans.iter().filter(|s| s.1 != 0).count()
     }
 
     /// True when there is no token.
@@ -102,67 +107,124 @@ impl Ranks {
 
     /// One past the highest rank.
     pub fn rank_bound(&self) -> u32 {
-        self.tokens.len() as u32
+        self.spans.len() as u32
     }
 
     /// The bytes of a rank.
     pub fn bytes(&self, rank: u32) -> Option<&[u8]> {
-        self.tokens.get(rank as usize)?.as_deref()
+        let &(start, len) = self.spans.get(rank as usize)?;
+        (len != 0).then(|| &self.data[start as usize..(start + len) as usize])
     }
 
     fn iter(&self) -> impl Iterator<Item = (u32, &[u8])> {
-        self.tokens
-            .iter()
-            .enumerate()
-            .filter_map(|(r, t)| t.as_deref().map(|t| (r as u32, t)))
+        (0..self.rank_bound()).filter_map(|r| self.bytes(r).map(|b| (r, b)))
     }
 
-    /// Derives the BPE merges: for every multi-byte token, `(left rank, right rank, token rank)`,
-    /// ordered by token rank. Fails when a token cannot be built from lower-ranked pieces, or
-    /// when a single byte has no token.
-    pub fn merges(&self) -> Result<Vec<(u32, u32, u32)>> {
+    /// Bytes → rank, failing on a token given twice or a byte without a token.
+    fn index(&self) -> Result<FastMap<&[u8], u32>> {
         let mut index: FastMap<&[u8], u32> =
-            FastMap::with_capacity_and_hasher(self.tokens.len(), Default::default());
+            FastMap::with_capacity_and_hasher(self.spans.len(), Default::default());
         for (rank, bytes) in self.iter() {
-            index.insert(bytes, rank);
+            if let Some(first) = index.insert(bytes, rank) {
+                return Err(ranks_err(
+                    0,
+                    format!("ranks {first} and {rank} hold the same token"),
+                ));
+            }
         }
         for b in 0..=255u8 {
             if !index.contains_key(&[b][..]) {
                 return Err(ranks_err(0, format!("byte 0x{b:02X} has no token")));
             }
         }
-        let multi: Vec<(u32, &[u8])> = self.iter().filter(|(_, t)| t.len() > 1).collect();
-        multi
-            .par_iter()
-            .map(|&(rank, bytes)| {
-                let split = split_point(&index, bytes, rank).ok_or_else(|| {
-                    ranks_err(
-                        0,
-                        format!("token of rank {rank} cannot be built from lower ranks"),
-                    )
-                })?;
-                Ok((index[&bytes[..split]], index[&bytes[split..]], rank))
+        Ok(index)
+    }
+
+    /// Derives the BPE merges: for every multi-byte token that merging can reach,
+    /// `(left rank, right rank, token rank)`, ordered by token rank. Fails on a duplicate token
+    /// or a byte without a token.
+    pub fn merges(&self) -> Result<Vec<(u32, u32, u32)>> {
+        let index = self.index()?;
+        let splits = self.splits_with(&index);
+        Ok(self
+            .iter()
+            .filter(|&(rank, _)| splits[rank as usize] != 0)
+            .map(|(rank, bytes)| {
+                let k = splits[rank as usize] as usize;
+                (index[&bytes[..k]], index[&bytes[k..]], rank)
+            })
+            .collect())
+    }
+
+    /// The merge of each rank as a split offset into its bytes (`0`: no merge, for single
+    /// bytes and tokens merging cannot reach). This is the compact form the built-in vocabulary
+    /// ships precomputed.
+    pub fn splits(&self) -> Result<Vec<u8>> {
+        let index = self.index()?;
+        Ok(self.splits_with(&index))
+    }
+
+    fn splits_with(&self, index: &FastMap<&[u8], u32>) -> Vec<u8> {
+        (0..self.rank_bound())
+            .into_par_iter()
+            .map(|rank| match self.bytes(rank) {
+                Some(bytes) if bytes.len() > 1 => split_point(index, bytes)
+                    .and_then(|k| u8::try_from(k).ok())
+                    .unwrap_or(0),
+                _ => 0,
             })
             .collect()
     }
+
+    /// The merges given by a split table, as byte pairs in token-rank order.
+    fn merge_pieces<'s>(&'s self, splits: &[u8]) -> Result<Vec<(&'s [u8], &'s [u8])>> {
+        if splits.len() != self.spans.len() {
+            return Err(ranks_err(
+                0,
+                format!("split table has {} entries for {} ranks", splits.len(), self.spans.len()),
+            ));
+        }
+        let mut pieces = Vec::with_capacity(splits.len());
+        for (rank, bytes) in self.iter() {
+            let k = splits[rank as usize] as usize;
+            if k == 0 {
+                continue;
+            }
+            if k >= bytes.len() {
+                return Err(ranks_err(0, format!("split {k} of rank {rank} is out of range")));
+            }
+            pieces.push((&bytes[..k], &bytes[k..]));
+        }
+        Ok(pieces)
+    }
 }
 
-/// Runs tiktoken's merge procedure on `bytes` with ranks below `limit`; returns the split point
-/// when exactly two pieces remain.
-fn split_point(index: &FastMap<&[u8], u32>, bytes: &[u8], limit: u32) -> Option<usize> {
-    // Piece boundaries; piece i is bytes[bounds[i]..bounds[i + 1]].
+/// Runs tiktoken's merge procedure on `bytes` until two pieces remain; returns the split point,
+/// or `None` when merging gets stuck before.
+fn split_point(index: &FastMap<&[u8], u32>, bytes: &[u8]) -> Option<usize> {
+    // Piece i is bytes[bounds[i]..bounds[i + 1]]; pair[i] is the rank of pieces i and i + 1
+    // joined (u32::MAX: not a token).
     let mut bounds: Vec<usize> = (0..=bytes.len()).collect();
+    let pair_rank = |bounds: &[usize], i: usize| {
+        index
+            .get(&bytes[bounds[i]..bounds[i + 2]])
+            .copied()
+            .unwrap_or(u32::MAX)
+    };
+    let mut pair: Vec<u32> = (0..bytes.len() - 1).map(|i| pair_rank(&bounds, i)).collect();
     while bounds.len() > 3 {
-        let mut best: Option<(u32, usize)> = None;
-        for i in 0..bounds.len() - 2 {
-            if let Some(&r) = index.get(&bytes[bounds[i]..bounds[i + 2]]) {
-                if r < limit && best.is_none_or(|(b, _)| r < b) {
-                    best = Some((r, i));
-                }
-            }
+        let (i, &best) = pair.iter().enumerate().min_by_key(|&(i, r)| (*r, i))?;
+        if best == u32::MAX {
+            return None;
         }
-        let (_, i) = best?;
         bounds.remove(i + 1);
+        pair.remove(i);
+        if i > 0 {
+            pair[i - 1] = pair_rank(&bounds, i - 1);
+        }
+        if i < pair.len() {
+            pair[i] = pair_rank(&bounds, i);
+        }
     }
     (bounds.len() == 3).then_some(bounds[1])
 }
@@ -187,25 +249,30 @@ pub fn byte_to_char() -> [char; 256] {
 /// Builds the `tokenizers` tokenizer described by `spec`.
 pub fn build_tokenizer(spec: &TiktokenSpec<'_>) -> Result<tokenizers::Tokenizer> {
     let ranks = Ranks::parse(spec.ranks)?;
-    let merges = ranks.merges()?;
+    let computed;
+    let splits = match spec.splits {
+        Some(splits) => splits,
+        None => {
+            computed = ranks.splits()?;
+            &computed
+        }
+    };
+    let merges = ranks.merge_pieces(splits)?;
     let table = byte_to_char();
-    let strings: Vec<Option<String>> = ranks
-        .tokens
-        .iter()
-        .map(|t| {
-            t.as_ref()
-                .map(|t| t.iter().map(|&b| table[b as usize]).collect())
-        })
-        .collect();
-    let vocab: Vocab = ranks
-        .iter()
-        .map(|(rank, _)| (strings[rank as usize].clone().unwrap_or_default(), rank))
-        .collect();
-    let piece = |rank: u32| strings[rank as usize].clone().unwrap_or_default();
-    let merges: Vec<(String, String)> = merges
-        .iter()
-        .map(|&(left, right, _)| (piece(left), piece(right)))
-        .collect();
+    let to_string = |bytes: &[u8]| -> String { bytes.iter().map(|&b| table[b as usize]).collect() };
+    let (vocab, merges) = rayon::join(
+        || -> Vocab {
+            let mut vocab = Vocab::with_capacity(ranks.spans.len());
+            vocab.extend(ranks.iter().map(|(rank, bytes)| (to_string(bytes), rank)));
+            vocab
+        },
+        || -> Vec<(String, String)> {
+            merges
+                .par_iter()
+                .map(|&(left, right)| (to_string(left), to_string(right)))
+                .collect()
+        },
+    );
     let bpe = BPE::builder()
         .vocab_and_merges(vocab, merges)
         .ignore_merges(true)
@@ -268,8 +335,9 @@ fn ranks_err(line: usize, message: impl Into<String>) -> TokenizerError {
     }
 }
 
-/// Decodes standard base64 (with optional `=` padding).
-fn base64_decode(text: &str) -> Option<Vec<u8>> {
+/// Decodes standard base64 (with optional `=` padding), appending to `out`; false when the
+/// text is not base64.
+fn base64_decode_into(text: &str, out: &mut Vec<u8>) -> bool {
     fn value(c: u8) -> Option<u32> {
         Some(match c {
             b'A'..=b'Z' => c - b'A',
@@ -282,19 +350,21 @@ fn base64_decode(text: &str) -> Option<Vec<u8>> {
     }
     let body = text.trim_end_matches('=');
     if text.len() - body.len() > 2 || body.len() % 4 == 1 {
-        return None;
+        return false;
     }
-    let mut out = Vec::with_capacity(body.len() * 3 / 4);
     for chunk in body.as_bytes().chunks(4) {
         let mut acc = 0u32;
         for &c in chunk {
-            acc = (acc << 6) | value(c)?;
+            match value(c) {
+                Some(v) => acc = (acc << 6) | v,
+                None => return false,
+            }
         }
         acc <<= 6 * (4 - chunk.len()) as u32;
         let n = chunk.len() * 6 / 8;
         out.extend_from_slice(&acc.to_be_bytes()[1..1 + n]);
     }
-    Some(out)
+    true
 }
 
 /// A small multiplicative hasher for short byte-string keys (FxHash).
@@ -329,6 +399,11 @@ type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<FxHasher>>;
 mod tests {
     use super::*;
 
+    fn base64_decode(text: &str) -> Option<Vec<u8>> {
+        let mut out = Vec::new();
+        base64_decode_into(text, &mut out).then_some(out)
+    }
+
     #[test]
     fn base64_round_trips_known_values() {
         assert_eq!(base64_decode("IQ==").unwrap(), b"!");
@@ -352,12 +427,17 @@ mod tests {
     }
 
     fn tiny_ranks() -> String {
-        // All bytes, then "ab" (256), "bc" (257), "abc" (258), "cab" (259).
+        // All bytes, then "ab" (256), "bc" (257), "abc" (258), "cab" (259), "pqr" (260, no pair
+        // of it is a token), "zw" (261), "xyzw" (262, reached as "xy" + "zw" although "xy" has
+        // the higher rank 263), "xy" (263).
         let mut text = String::new();
         for b in 0..=255u8 {
             text.push_str(&format!("{} {}\n", b64(&[b]), b));
         }
-        for (i, t) in ["ab", "bc", "abc", "cab"].iter().enumerate() {
+        for (i, t) in ["ab", "bc", "abc", "cab", "pqr", "zw", "xyzw", "xy"]
+            .iter()
+            .enumerate()
+        {
             text.push_str(&format!("{} {}\n", b64(t.as_bytes()), 256 + i));
         }
         text
@@ -382,17 +462,23 @@ mod tests {
     }
 
     #[test]
-    fn merges_follow_lower_ranks() {
+    fn merges_follow_tiktoken_merge_order() {
         let ranks = Ranks::parse(&tiny_ranks()).unwrap();
         let merges = ranks.merges().unwrap();
-        let a = b'a' as u32;
-        let b = b'b' as u32;
-        let c = b'c' as u32;
-        // "abc": with ranks < 258, "ab" (256) beats "bc" (257) → (ab, c).
-        // "cab": "ca" is no token, "ab" merges → (c, ab).
+        let [a, b, c, w, x, y, z] = [b'a', b'b', b'c', b'w', b'x', b'y', b'z'].map(u32::from);
+        // "abc": "ab" (256) beats "bc" (257) → (ab, c). "cab": "ca" is no token → (c, ab).
+        // "pqr": stuck at three pieces, no merge. "xyzw": zw first, then xy → (xy, zw).
         assert_eq!(
             merges,
-            vec![(a, b, 256), (b, c, 257), (256, c, 258), (c, 256, 259)]
+            vec![
+                (a, b, 256),
+                (b, c, 257),
+                (256, c, 258),
+                (c, 256, 259),
+                (z, w, 261),
+                (263, 261, 262),
+                (x, y, 263),
+            ]
         );
     }
 
@@ -402,24 +488,33 @@ mod tests {
         let tok = build_tokenizer(&TiktokenSpec {
             ranks: &ranks,
             pattern: r"\S+|\s+",
-            special_tokens: &[("<|end|>", 260)],
+            special_tokens: &[("<|end|>", 264)],
             nfc: false,
+            splits: None,
         })
         .unwrap();
         let ids = |s: &str| tok.encode_fast(s, false).unwrap().get_ids().to_vec();
+        let byte = |c: u8| u32::from(c);
         assert_eq!(ids("abc"), vec![258]);
         assert_eq!(ids("cab"), vec![259]);
-        // "abcab": ab, c, ab → abc + ab (abc 258 < cab 259 pair "c"+"ab")
+        // a b c a b → ab, c, ab → abc, ab.
         assert_eq!(ids("abcab"), vec![258, 256]);
-        assert_eq!(ids("bc<|end|>"), vec![257, 260]);
+        assert_eq!(ids("bc<|end|>"), vec![257, 264]);
+        // Unreachable by merges: only as a whole piece.
+        assert_eq!(ids("pqr"), vec![260]);
+        assert_eq!(ids("pqrp"), vec![byte(b'p'), byte(b'q'), byte(b'r'), byte(b'p')]);
+        assert_eq!(ids("xyzwx"), vec![262, byte(b'x')]);
+        assert_eq!(ids("abc xy"), vec![258, byte(b' '), 263]);
     }
 
     #[test]
     fn malformed_ranks_are_reported_with_line() {
         let err = Ranks::parse("IQ== 0\nIg== x\n").unwrap_err();
         assert!(err.to_string().contains("line 2"), "{err}");
-        let err = Ranks::parse("IQ== 0\nIQ== 1\n").unwrap_err();
-        assert!(err.to_string().contains("already"), "{err}");
+        let err = Ranks::parse("IQ== 0\nIQ== 1\n").unwrap().merges().unwrap_err();
+        assert!(err.to_string().contains("same token"), "{err}");
+        let err = Ranks::parse("IQ== 0\nIg== 0\n").unwrap_err();
+        assert!(err.to_string().contains("given twice"), "{err}");
         let err = Ranks::parse("IQ== 0\n").unwrap().merges().unwrap_err();
         assert!(err.to_string().contains("has no token"), "{err}");
     }

@@ -3,17 +3,19 @@
 //! Each step decodes only a small window of recent ids, like vLLM's prefix/read offsets: the
 //! text of `ids[prefix..read]` was emitted already; the text of `ids[prefix..]` minus that is
 //! new. Text that ends in U+FFFD (an unfinished UTF-8 character from byte-level or
-//! `<0xAB>` byte-fallback pieces) is held back until a later id completes it. Starting the window
-//! a little before the new ids keeps decoders that treat the first token specially (e.g. a
-//! Metaspace decoder dropping a leading space) consistent, so the chunks concatenate to
-//! `decode(all ids)`.
+//! `<0xAB>` byte-fallback pieces) is held back until a later id completes it. A run of
+//! byte-fallback pieces is held back until it ends, because the `ByteFallback` decoder turns the
+//! whole run into U+FFFD when a later piece makes it invalid. Starting the window a little
+//! before the new ids keeps decoders that treat the first token specially (e.g. dropping a
+//! leading space) consistent, so the chunks concatenate to `decode(all ids)`.
 
 use crate::error::Result;
 use crate::tokenizer::Tokenizer;
 
-/// Held-back ids after which text is emitted even if it ends in U+FFFD, so that an endless run
-/// of invalid bytes cannot grow the window without bound.
-const MAX_PENDING: usize = 16;
+/// Held-back ids after which text is emitted anyway, so that an endless run of invalid bytes
+/// cannot grow the window without bound (the chunks may then differ from `decode(all)` in how
+/// the invalid bytes are replaced).
+const MAX_PENDING: usize = 64;
 
 /// Streaming detokenizer for one sequence.
 #[derive(Debug, Clone)]
@@ -52,7 +54,7 @@ impl IncrementalDecoder {
         prompt: &[u32],
     ) -> Result<IncrementalDecoder> {
         let mut dec = IncrementalDecoder::new(tokenizer, skip_special_tokens);
-        // A few ids of context are enough; starting at a point where the text is complete.
+        // A few ids of context are enough; start where the text is complete.
         let mut start = prompt.len().saturating_sub(6);
         while start > 0 {
             let text = dec.decode(&prompt[start..])?;
@@ -62,13 +64,21 @@ impl IncrementalDecoder {
             start -= 1;
         }
         dec.window = prompt[start..].to_vec();
-        dec.read = dec.window.len();
-        dec.prefix_text = dec.decode(&dec.window)?;
-        if dec.prefix_text.ends_with('\u{FFFD}') {
-            // The prompt ends inside a character: let generated ids complete it.
-            dec.read = 0;
-            dec.prefix_text.clear();
+        // The prompt may end inside a character or a byte-fallback run: those ids stay pending,
+        // so the generated ids that complete them emit the whole character.
+        let mut read = dec.window.len();
+        while read > 0 {
+            let pending = dec.tokenizer.is_byte_piece(dec.window[read - 1]);
+            if !pending {
+                let text = dec.decode(&dec.window[..read])?;
+                if !text.ends_with('\u{FFFD}') {
+                    dec.prefix_text = text;
+                    break;
+                }
+            }
+            read -= 1;
         }
+        dec.read = read;
         Ok(dec)
     }
 
@@ -76,6 +86,9 @@ impl IncrementalDecoder {
     pub fn step(&mut self, id: u32) -> Result<String> {
         self.count += 1;
         self.window.push(id);
+        if self.tokenizer.is_byte_piece(id) && self.window.len() - self.read <= MAX_PENDING {
+            return Ok(String::new());
+        }
         let text = self.decode(&self.window)?;
         if text.ends_with('\u{FFFD}') && self.window.len() - self.read <= MAX_PENDING {
             return Ok(String::new());

@@ -30,6 +30,8 @@ struct Inner {
     eos_token: Option<String>,
     pad_token: Option<String>,
     chat_template: Option<ChatTemplate>,
+    /// Ids of `<0x00>`..`<0xFF>` byte-fallback pieces, sorted (empty without them).
+    byte_piece_ids: Vec<u32>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -78,6 +80,10 @@ impl Tokenizer {
         let vocab_size = id_bound
             .max(tok.get_vocab_size(true))
             .max(parts.min_vocab_size);
+        let mut byte_piece_ids: Vec<u32> = (0..=255u8)
+            .filter_map(|b| tok.token_to_id(&format!("<0x{b:02X}>")))
+            .collect();
+        byte_piece_ids.sort_unstable();
         Tokenizer {
             inner: Arc::new(Inner {
                 tok,
@@ -87,6 +93,7 @@ impl Tokenizer {
                 eos_token: parts.eos_token,
                 pad_token: parts.pad_token,
                 chat_template: parts.chat_template,
+                byte_piece_ids,
             }),
         }
     }
@@ -195,6 +202,11 @@ impl Tokenizer {
         added
             .simple_id_to_token(id)
             .is_some_and(|t| added.is_special_token(&t))
+    }
+
+    /// True when `id` is a byte-fallback piece (`<0xAB>`).
+    pub fn is_byte_piece(&self, id: u32) -> bool {
+        self.inner.byte_piece_ids.binary_search(&id).is_ok()
     }
 
     pub fn bos_token(&self) -> Option<&str> {

@@ -1,132 +1,112 @@
 //! Truncation of the temperature-scaled distribution (top-k → top-p → min-p) and the weighted draw.
 //!
-//! Tokens are ranked by a total order: larger weight first, lower id first among equal weights. Each
-//! filter keeps a prefix of that ranking:
+//! Tokens are ranked by a total order: larger logit first, lower id first among equal logits. Each filter
+//! keeps a prefix of that ranking:
 //! - top-k keeps the first `k`;
 //! - top-p keeps the shortest prefix whose mass reaches `top_p` times the mass left by top-k
 //!   (the token that crosses the threshold is kept, as in vLLM);
-//! - min-p keeps tokens whose weight is at least `min_p` times the largest weight.
+//! - min-p keeps tokens whose probability is at least `min_p` times the largest.
 //!
-//! Sorting the whole row is avoided: one pass builds a histogram of weights (8 buckets per octave over 24
-//! octaves below the maximum, one bucket for the rest), which tells how far down the ranking the cut can
-//! reach. Only tokens above that bucket's lower edge are gathered, top-k uses `select_nth_unstable`, and
-//! top-p without top-k sorts only the bucket the cut falls in.
+//! Nothing sorts the row. Candidates are gathered by a logit threshold from the blocks whose maximum
+//! reaches it: for top-k the threshold is the k-th largest block maximum (at least `k` tokens lie above
+//! it), for top-p it is lowered in steps until the gathered mass reaches the target. The survivors are
+//! then cut with `select_nth_unstable` (top-k) and a select-based partition on cumulative mass (top-p).
 
 use std::cmp::Ordering;
+use std::f32::consts::LN_2;
 
-use super::math::CHUNK;
+use super::math::{block, exp_nonpos, LevelMass, BLOCK, LEVELS};
 use super::rng::Rng;
 
-/// A surviving token: `(id, weight)`.
-pub(crate) type Candidate = (u32, f32);
-
-/// Mantissa bits that subdivide an octave into buckets.
-const SUB_BITS: u32 = 3;
-const SHIFT: u32 = 23 - SUB_BITS;
-/// Octaves below the maximum weight with their own buckets.
-const OCTAVES: u32 = 24;
-/// Bucket key of weight 1.0 (the maximum).
-const ONE_KEY: u32 = 1.0f32.to_bits() >> SHIFT;
-/// Bucket of all weights below `2^-OCTAVES`, zero included.
-const CATCH_ALL: usize = ((OCTAVES << SUB_BITS) + 1) as usize;
-const BUCKETS: usize = CATCH_ALL + 1;
-/// Bit pattern of `2^-OCTAVES`, the smallest weight with a bucket of its own.
-const FLOOR_BITS: u32 = (127 - OCTAVES) << 23;
-
-/// The ranking: larger weight first, then lower id.
-pub(crate) fn by_rank(a: &Candidate, b: &Candidate) -> Ordering {
-    b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
+/// A token still in the running.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Candidate {
+    pub id: u32,
+    /// Its (edited) logit.
+    pub z: f32,
+    /// Its unnormalised probability `e^((z - max) / T)`.
+    pub w: f32,
 }
 
-/// Smallest bit pattern of a weight in buckets `0..=b` (weights are non-negative, so bit order is value
-/// order); the catch-all bucket starts at the smallest positive weight.
-fn lower_bits(b: usize) -> u32 {
-    if b >= CATCH_ALL {
-        1
-    } else {
-        (ONE_KEY - b as u32) << SHIFT
-    }
+/// The ranking: larger logit first, then lower id.
+pub(crate) fn by_rank(a: &Candidate, b: &Candidate) -> Ordering {
+    b.z.total_cmp(&a.z).then(a.id.cmp(&b.id))
+}
+
+fn mass(cands: &[Candidate]) -> f64 {
+    cands.iter().map(|c| c.w as f64).sum()
 }
 
 /// The truncation filters of one request.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(crate) struct Truncation {
+    /// `None` when off or not smaller than the vocabulary.
     pub top_k: Option<usize>,
     pub top_p: f32,
     pub min_p: f32,
 }
 
-/// Counts and masses of weights per bucket.
-#[derive(Debug, Clone)]
-pub(crate) struct Histogram {
-    count: [u32; BUCKETS],
-    mass: [f64; BUCKETS],
-}
+impl Truncation {
+    /// Whether [`select`] needs the total mass of the row (top-p without top-k, or no filter at all).
+    pub fn needs_total(&self) -> bool {
+        self.top_k.is_none() && (self.top_p < 1.0 || self.min_p <= 0.0)
+    }
 
-impl Default for Histogram {
-    fn default() -> Self {
-        Self {
-            count: [0; BUCKETS],
-            mass: [0.0; BUCKETS],
-        }
+    /// Whether [`select`] can use the level masses of the weights pass (top-p without top-k).
+    pub fn uses_levels(&self) -> bool {
+        self.top_k.is_none() && self.top_p < 1.0
     }
 }
 
-impl Histogram {
-    /// Buckets `weights` (all in `[0, 1]`) whose sum is `total`.
-    fn build(&mut self, weights: &[f32], total: f64) {
-        self.count = [0; BUCKETS];
-        self.mass = [0.0; BUCKETS];
-        for &w in weights {
-            let bits = w.to_bits();
-            if bits >= FLOOR_BITS {
-                let b = (ONE_KEY.saturating_sub(bits >> SHIFT) as usize).min(CATCH_ALL - 1);
-                self.count[b] += 1;
-                self.mass[b] += w as f64;
+/// The edited row as the filters see it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Scaled<'a> {
+    pub row: &'a [f32],
+    /// Maximum of every block of `row`.
+    pub maxima: &'a [f32],
+    /// Maximum of `row` (finite).
+    pub m: f32,
+    /// `1 / temperature`.
+    pub scale: f32,
+}
+
+impl Scaled<'_> {
+    /// Unnormalised probability of logit `z`; exactly 1 at the maximum.
+    pub fn weight(&self, z: f32) -> f32 {
+        exp_nonpos((z - self.m) * self.scale)
+    }
+
+    /// Gathers every token with logit `>= tau` and positive weight, skipping blocks whose max is below.
+    fn gather(&self, tau: f32, out: &mut Vec<Candidate>) {
+        out.clear();
+        for (b, &bm) in self.maxima.iter().enumerate() {
+            if bm < tau {
+                continue;
+            }
+            for (j, &z) in block(self.row, b).iter().enumerate() {
+                if z >= tau {
+                    let w = self.weight(z);
+                    if w > 0.0 {
+                        out.push(Candidate {
+                            id: (b * BLOCK + j) as u32,
+                            z,
+                            w,
+                        });
+                    }
+                }
             }
         }
-        let counted: u64 = self.count.iter().map(|&c| c as u64).sum();
-        self.count[CATCH_ALL] = (weights.len() as u64).saturating_sub(counted) as u32;
-        self.mass[CATCH_ALL] = (total - self.mass.iter().sum::<f64>()).max(0.0);
-    }
-
-    /// First bucket by which at least `k` weights have been seen.
-    fn bucket_for_count(&self, k: usize) -> usize {
-        let mut seen = 0usize;
-        for (b, &c) in self.count.iter().enumerate() {
-            seen += c as usize;
-            if seen >= k {
-                return b;
-            }
-        }
-        CATCH_ALL
-    }
-
-    /// First bucket by which at least `target` mass has been seen.
-    fn bucket_for_mass(&self, target: f64) -> usize {
-        let mut seen = 0.0f64;
-        for (b, &m) in self.mass.iter().enumerate() {
-            seen += m;
-            if seen >= target {
-                return b;
-            }
-        }
-        CATCH_ALL
     }
 }
 
-/// Gathers every `(id, w)` with `w.to_bits() >= min_bits` into `out`.
-fn gather(weights: &[f32], min_bits: u32, out: &mut Vec<Candidate>) {
-    out.clear();
-    for (i, &w) in weights.iter().enumerate() {
-        if w.to_bits() >= min_bits {
-            out.push((i as u32, w));
-        }
+/// The `k`-th largest block maximum: at least `k` tokens have a logit at or above it.
+fn kth_block_max(maxima: &[f32], k: usize, tmp: &mut Vec<f32>) -> f32 {
+    if k == 0 || k > maxima.len() {
+        return f32::NEG_INFINITY;
     }
-}
-
-fn mass(cands: &[Candidate]) -> f64 {
-    cands.iter().map(|c| c.1 as f64).sum()
+    tmp.clear();
+    tmp.extend_from_slice(maxima);
+    *tmp.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a)).1
 }
 
 /// Keeps the first `k` candidates of the ranking (in no particular order).
@@ -138,91 +118,93 @@ pub(crate) fn keep_top_k(cands: &mut Vec<Candidate>, k: usize) {
     cands.truncate(k);
 }
 
-/// Top-p over candidates already sorted by rank: keeps the shortest prefix reaching `target` mass.
-fn cut_sorted(cands: &mut Vec<Candidate>, start_mass: f64, from: usize, target: f64) {
-    let mut seen = start_mass;
-    for i in from..cands.len() {
-        seen += cands[i].1 as f64;
-        if seen >= target {
-            cands.truncate(i + 1);
-            return;
+/// Candidates at or below this many are sorted outright instead of partitioned further.
+const SORT_BELOW: usize = 64;
+
+/// Reorders `cands` so that the shortest prefix of the ranking reaching `target` mass comes first and
+/// returns its length (all of them if the target is never reached).
+fn top_p_prefix(cands: &mut [Candidate], target: f64) -> usize {
+    // Invariant: [0, lo) ranks before [lo, hi), which ranks before [hi, len); `before` is the mass of
+    // [0, lo), which is below the target; the cut lies in [lo, hi).
+    let (mut lo, mut hi, mut before) = (0, cands.len(), 0.0f64);
+    while hi - lo > SORT_BELOW {
+        let mid = lo + (hi - lo) / 2;
+        cands[lo..hi].select_nth_unstable_by(mid - lo, by_rank);
+        let left = before + mass(&cands[lo..mid]);
+        if left >= target {
+            hi = mid;
+            continue;
+        }
+        let through_mid = left + cands[mid].w as f64;
+        if through_mid >= target {
+            return mid + 1;
+        }
+        before = through_mid;
+        lo = mid + 1;
+    }
+    cands[lo..hi].sort_unstable_by(by_rank);
+    for (i, c) in cands[lo..hi].iter().enumerate() {
+        before += c.w as f64;
+        if before >= target {
+            return lo + i + 1;
         }
     }
+    hi
 }
 
-/// Top-p over the whole candidate set: sorts it and keeps the prefix reaching `top_p` of its mass.
-pub(crate) fn keep_top_p(cands: &mut Vec<Candidate>, top_p: f32) {
-    let target = top_p as f64 * mass(cands);
-    cands.sort_unstable_by(by_rank);
-    cut_sorted(cands, 0.0, 0, target);
+/// Top-p over a candidate set holding a prefix of the ranking with at least `target` mass.
+fn keep_top_p(cands: &mut Vec<Candidate>, target: f64) {
+    let n = top_p_prefix(cands, target);
+    cands.truncate(n);
 }
 
-/// Top-p when the candidates are every weight of buckets `0..=b` and `target` mass lies in bucket `b`:
-/// earlier buckets are kept whole, only bucket `b` is sorted.
-fn keep_top_p_in_bucket(cands: &mut Vec<Candidate>, b: usize, target: f64) {
-    let split = if b == 0 { u32::MAX } else { lower_bits(b - 1) };
-    let mut whole = 0;
-    for i in 0..cands.len() {
-        if cands[i].1.to_bits() >= split {
-            cands.swap(i, whole);
-            whole += 1;
-        }
-    }
-    let whole_mass = mass(&cands[..whole]);
-    if whole_mass >= target {
-        // Rounding put the cut above bucket `b`: resolve it among the whole buckets.
-        cands.truncate(whole);
-        cands.sort_unstable_by(by_rank);
-        cut_sorted(cands, 0.0, 0, target);
-        return;
-    }
-    cands[whole..].sort_unstable_by(by_rank);
-    cut_sorted(cands, whole_mass, whole, target);
-}
-
-/// Keeps candidates of weight at least `min_p` (the largest weight being 1).
-pub(crate) fn keep_min_p(cands: &mut Vec<Candidate>, min_p: f32) {
+/// Keeps candidates whose weight is at least `min_p` (the largest weight being 1).
+fn keep_min_p(cands: &mut Vec<Candidate>, min_p: f32) {
     if min_p > 0.0 {
-        cands.retain(|c| c.1 >= min_p);
+        cands.retain(|c| c.w >= min_p);
     }
 }
 
-/// Applies the filters to `weights` (largest exactly 1, sum `total`).
+/// Applies the filters. `total` is the row's total weight, read only when [`Truncation::needs_total`];
+/// `levels`, when known, are the masses at the weight levels of [`LEVELS`] (where top-p starts looking).
 ///
 /// Returns `false` when nothing is filtered out (draw from the whole row), else `true` with the kept
 /// tokens in `cands`.
-pub(crate) fn truncate(
-    weights: &[f32],
-    total: f64,
+pub(crate) fn select(
+    s: &Scaled<'_>,
     t: &Truncation,
-    hist: &mut Histogram,
+    total: f64,
+    levels: Option<&LevelMass>,
+    tmp: &mut Vec<f32>,
     cands: &mut Vec<Candidate>,
 ) -> bool {
-    let top_k = t.top_k.filter(|&k| k < weights.len());
     let top_p = t.top_p < 1.0;
-    match (top_k, top_p) {
-        (None, false) => {
-            if t.min_p <= 0.0 {
-                return false;
-            }
-            gather(weights, t.min_p.to_bits().max(1), cands);
-            return true;
+    if let Some(k) = t.top_k {
+        s.gather(kth_block_max(s.maxima, k, tmp), cands);
+        keep_top_k(cands, k);
+        if top_p {
+            keep_top_p(cands, t.top_p as f64 * mass(cands));
         }
-        (Some(k), _) => {
-            hist.build(weights, total);
-            gather(weights, lower_bits(hist.bucket_for_count(k)), cands);
-            keep_top_k(cands, k);
-            if top_p {
-                keep_top_p(cands, t.top_p);
-            }
+    } else if top_p {
+        let target = t.top_p as f64 * total;
+        // Gather tokens of weight >= 2^-j for growing j until they hold the target mass, starting at the
+        // first level the weights pass saw reach it (the gathered mass is checked again: rounding).
+        let first = levels.map_or(0, |lv| {
+            lv.iter().position(|&m| m >= target).unwrap_or(LEVELS.len())
+        });
+        let found = LEVELS[first..].iter().any(|&j| {
+            s.gather(s.m - j * LN_2 / s.scale, cands);
+            mass(cands) >= target
+        });
+        if !found {
+            s.gather(f32::NEG_INFINITY, cands);
         }
-        (None, true) => {
-            hist.build(weights, total);
-            let target = t.top_p as f64 * total;
-            let b = hist.bucket_for_mass(target);
-            gather(weights, lower_bits(b), cands);
-            keep_top_p_in_bucket(cands, b, target);
-        }
+        keep_top_p(cands, target);
+    } else if t.min_p > 0.0 {
+        // Weight >= min_p means z >= m + ln(min_p) · T; gather with a margin, then test the weights.
+        s.gather(s.m + (t.min_p.ln() - 1e-3) / s.scale, cands);
+    } else {
+        return false;
     }
     keep_min_p(cands, t.min_p);
     true
@@ -231,112 +213,113 @@ pub(crate) fn truncate(
 /// Draws a token with probability proportional to its weight among `cands`.
 pub(crate) fn draw_from(cands: &[Candidate], rng: &mut Rng) -> Option<u32> {
     let total = mass(cands);
-    if !(total > 0.0) {
+    if total.is_nan() || total <= 0.0 {
         return None;
     }
     let u = rng.next_f64() * total;
     let mut seen = 0.0f64;
     for c in cands {
-        seen += c.1 as f64;
+        seen += c.w as f64;
         if u < seen {
-            return Some(c.0);
+            return Some(c.id);
         }
     }
     // `u` can only pass the end through rounding: take the last token with weight.
-    cands.iter().rev().find(|c| c.1 > 0.0).map(|c| c.0)
+    cands.iter().rev().find(|c| c.w > 0.0).map(|c| c.id)
 }
 
-/// Draws from the whole row of `weights`, whose per-[`CHUNK`] sums are `chunk_sums` (total `total`).
+/// Draws from the whole row, given the weight sum of every block (`sums`, total `total`).
 pub(crate) fn draw_from_row(
-    weights: &[f32],
-    chunk_sums: &[f64],
+    s: &Scaled<'_>,
+    sums: &[f32],
     total: f64,
     rng: &mut Rng,
 ) -> Option<u32> {
-    if !(total > 0.0) {
+    if total.is_nan() || total <= 0.0 {
         return None;
     }
     let mut u = rng.next_f64() * total;
     let mut last = None;
-    for (c, &s) in chunk_sums.iter().enumerate() {
-        if s <= 0.0 {
+    for (b, &bs) in sums.iter().enumerate() {
+        if bs <= 0.0 {
             continue;
         }
-        last = Some(c);
-        if u >= s {
-            u -= s;
+        last = Some(b);
+        if u >= bs as f64 {
+            u -= bs as f64;
             continue;
         }
-        return pick_in_chunk(weights, c, u);
+        return pick_in_block(s, b, u);
     }
-    // Rounding carried `u` past the last chunk: take its last token with weight.
-    last.and_then(|c| pick_in_chunk(weights, c, f64::INFINITY))
+    // Rounding carried `u` past the last block: take its last token with weight.
+    last.and_then(|b| pick_in_block(s, b, f64::INFINITY))
 }
 
-fn pick_in_chunk(weights: &[f32], c: usize, u: f64) -> Option<u32> {
-    let start = c * CHUNK;
-    let chunk = weights.get(start..(start + CHUNK).min(weights.len()))?;
+fn pick_in_block(s: &Scaled<'_>, b: usize, u: f64) -> Option<u32> {
     let mut seen = 0.0f64;
-    for (i, &w) in chunk.iter().enumerate() {
-        seen += w as f64;
-        if u < seen {
-            return Some((start + i) as u32);
+    let mut last = None;
+    for (j, &z) in block(s.row, b).iter().enumerate() {
+        let w = s.weight(z);
+        if w > 0.0 {
+            last = Some((b * BLOCK + j) as u32);
+            seen += w as f64;
+            if u < seen {
+                return last;
+            }
         }
     }
-    chunk
-        .iter()
-        .rposition(|&w| w > 0.0)
-        .map(|i| (start + i) as u32)
+    last
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampler::math::{exp_weights, max};
+    use crate::sampler::math::{block_exp_sums, block_maxima};
 
-    /// The kept set by definition: rank everything, then apply each filter to the ranked list.
-    /// `total` is the row's mass as the sampler computed it (the top-p base when top-k is off).
-    fn reference(weights: &[f32], total: f64, t: &Truncation) -> Vec<u32> {
-        let mut ranked: Vec<Candidate> = weights
-            .iter()
-            .enumerate()
-            .filter(|(_, &w)| w > 0.0)
-            .map(|(i, &w)| (i as u32, w))
+    /// The kept set by definition: rank every token, then apply each filter to the ranked list.
+    fn reference(s: &Scaled<'_>, total: f64, t: &Truncation) -> Vec<u32> {
+        let mut ranked: Vec<Candidate> = (0..s.row.len())
+            .map(|i| Candidate {
+                id: i as u32,
+                z: s.row[i],
+                w: s.weight(s.row[i]),
+            })
+            .filter(|c| c.w > 0.0)
             .collect();
         ranked.sort_by(by_rank);
         if let Some(k) = t.top_k {
             ranked.truncate(k);
         }
         if t.top_p < 1.0 {
-            let base = match t.top_k {
-                Some(k) if k < weights.len() => ranked.iter().map(|c| c.1 as f64).sum::<f64>(),
-                _ => total,
+            let base = if t.top_k.is_some() {
+                mass(&ranked)
+            } else {
+                total
             };
             let target = t.top_p as f64 * base;
             let mut seen = 0.0;
             let end = ranked
                 .iter()
                 .position(|c| {
-                    seen += c.1 as f64;
+                    seen += c.w as f64;
                     seen >= target
                 })
                 .map_or(ranked.len(), |i| i + 1);
             ranked.truncate(end);
         }
-        ranked.retain(|c| c.1 >= t.min_p);
-        let mut ids: Vec<u32> = ranked.iter().map(|c| c.0).collect();
+        ranked.retain(|c| c.w >= t.min_p);
+        let mut ids: Vec<u32> = ranked.iter().map(|c| c.id).collect();
         ids.sort_unstable();
         ids
     }
 
-    fn kept(weights: &[f32], total: f64, t: &Truncation) -> Vec<u32> {
-        let mut hist = Histogram::default();
+    fn kept(s: &Scaled<'_>, total: f64, levels: Option<&LevelMass>, t: &Truncation) -> Vec<u32> {
         let mut cands = Vec::new();
-        let mut ids: Vec<u32> = if truncate(weights, total, t, &mut hist, &mut cands) {
-            cands.iter().map(|c| c.0).collect()
+        let mut ids: Vec<u32> = if select(s, t, total, levels, &mut Vec::new(), &mut cands) {
+            cands.iter().map(|c| c.id).collect()
         } else {
-            (0..weights.len() as u32)
-                .filter(|&i| weights[i as usize] > 0.0)
+            (0..s.row.len() as u32)
+                .filter(|&i| s.weight(s.row[i as usize]) > 0.0)
                 .collect()
         };
         ids.sort_unstable();
@@ -344,15 +327,14 @@ mod tests {
     }
 
     #[test]
-    fn truncation_matches_the_definition_on_random_rows() {
+    fn selection_matches_the_definition_on_random_rows() {
         let mut rng = Rng::seeded(99);
-        let mut weights = vec![];
-        let mut chunk_sums = vec![];
-        for case in 0..400 {
+        let (mut maxima, mut sums) = (Vec::new(), Vec::new());
+        for case in 0..600 {
             let n = 1 + (rng.next_u64() % 6000) as usize;
-            // Mix of spreads (peaked to flat), quantised values (many exact ties), and -inf entries.
-            let spread = [0.5f64, 2.0, 6.0, 20.0][case % 4];
-            let logits: Vec<f32> = (0..n)
+            // Peaked to flat spreads, quantised values (many exact ties), and some -inf entries.
+            let spread = [0.5f64, 2.0, 6.0, 20.0, 200.0][case % 5];
+            let row: Vec<f32> = (0..n)
                 .map(|_| {
                     let u = rng.next_f64();
                     if u < 0.02 {
@@ -364,60 +346,131 @@ mod tests {
                     }
                 })
                 .collect();
-            let m = max(&logits);
+            let m = block_maxima(&row, &mut maxima);
             if m == f32::NEG_INFINITY {
                 continue;
             }
-            let temp = [0.3f32, 0.7, 1.0, 1.5][(case / 4) % 4];
-            weights.resize(n, 0.0);
-            let total = exp_weights(&logits, m, 1.0 / temp, &mut weights, &mut chunk_sums);
+            let temp = [0.3f32, 0.7, 1.0, 1.5][(case / 5) % 4];
+            let s = Scaled {
+                row: &row,
+                maxima: &maxima,
+                m,
+                scale: 1.0 / temp,
+            };
+            let mut levels = [0.0; LEVELS.len()];
+            let total = block_exp_sums(&row, m, s.scale, &mut sums, Some(&mut levels));
             let top_k = [
                 None,
                 Some(1),
                 Some(7),
                 Some(50),
                 Some(n / 3 + 1),
-                Some(n + 5),
+                Some(n / 2 + 200),
             ][case % 6];
+            let top_k = top_k.filter(|&k| k < n);
             let top_p = [1.0f32, 0.9, 0.5, 0.999, 0.05][(case / 6) % 5];
-            let min_p = [0.0f32, 0.0, 0.01, 0.3][(case / 30) % 4];
+            let min_p = [0.0f32, 0.0, 0.01, 0.3, 1.0][(case / 30) % 5];
             let t = Truncation {
                 top_k,
                 top_p,
                 min_p,
             };
+            let want = reference(&s, total, &t);
+            assert_eq!(kept(&s, total, None, &t), want, "case {case}: {t:?} n={n}");
             assert_eq!(
-                kept(&weights, total, &t),
-                reference(&weights, total, &t),
-                "case {case}: {t:?} n={n}"
+                kept(&s, total, Some(&levels), &t),
+                want,
+                "case {case} with levels"
             );
         }
     }
 
     #[test]
+    fn top_p_prefix_finds_the_cut_in_large_sets() {
+        let mut rng = Rng::seeded(5);
+        for _ in 0..50 {
+            let n = 1 + (rng.next_u64() % 5000) as usize;
+            let mut cands: Vec<Candidate> = (0..n)
+                .map(|i| {
+                    let z = (rng.next_f64() * 10.0) as f32;
+                    Candidate {
+                        id: i as u32,
+                        z,
+                        w: (z as f64 - 10.0).exp() as f32,
+                    }
+                })
+                .collect();
+            let target = rng.next_f64() * mass(&cands);
+            let mut sorted = cands.clone();
+            sorted.sort_by(by_rank);
+            let mut seen = 0.0;
+            let want = sorted.iter().position(|c| {
+                seen += c.w as f64;
+                seen >= target
+            });
+            let got = top_p_prefix(&mut cands, target);
+            let mut got_ids: Vec<u32> = cands[..got].iter().map(|c| c.id).collect();
+            let mut want_ids: Vec<u32> = sorted[..want.map_or(n, |i| i + 1)]
+                .iter()
+                .map(|c| c.id)
+                .collect();
+            got_ids.sort_unstable();
+            want_ids.sort_unstable();
+            assert_eq!(got_ids, want_ids);
+        }
+    }
+
+    #[test]
     fn draws_follow_the_weights() {
-        let weights = [0.0f32, 1.0, 0.5, 0.0, 0.25, 0.25];
-        let cands: Vec<Candidate> = weights
-            .iter()
-            .enumerate()
-            .map(|(i, &w)| (i as u32, w))
+        let row = [
+            f32::NEG_INFINITY,
+            0.0,
+            -std::f32::consts::LN_2,
+            f32::NEG_INFINITY,
+            -2.0 * LN_2,
+            -2.0 * LN_2,
+        ];
+        let maxima = [0.0f32];
+        let s = Scaled {
+            row: &row,
+            maxima: &maxima,
+            m: 0.0,
+            scale: 1.0,
+        };
+        let weights: Vec<f32> = row.iter().map(|&z| s.weight(z)).collect();
+        let cands: Vec<Candidate> = (0..6)
+            .map(|i| Candidate {
+                id: i as u32,
+                z: row[i],
+                w: weights[i],
+            })
             .collect();
+        let total: f64 = weights.iter().map(|&w| w as f64).sum();
+        let sums = [total as f32];
         let mut rng = Rng::seeded(3);
-        let mut from_cands = [0u32; 6];
-        let mut from_row = [0u32; 6];
-        let chunk_sums = [2.0f64];
+        let (mut from_cands, mut from_row) = ([0u32; 6], [0u32; 6]);
         for _ in 0..40_000 {
             from_cands[draw_from(&cands, &mut rng).unwrap() as usize] += 1;
-            from_row[draw_from_row(&weights, &chunk_sums, 2.0, &mut rng).unwrap() as usize] += 1;
+            from_row[draw_from_row(&s, &sums, total, &mut rng).unwrap() as usize] += 1;
         }
         for counts in [from_cands, from_row] {
             assert_eq!(counts[0] + counts[3], 0);
             for (i, &w) in weights.iter().enumerate() {
                 let p = counts[i] as f64 / 40_000.0;
-                assert!((p - w as f64 / 2.0).abs() < 0.01, "{counts:?}");
+                assert!((p - w as f64 / total).abs() < 0.01, "{counts:?}");
             }
         }
-        assert_eq!(draw_from(&[(4, 0.0)], &mut rng), None);
-        assert_eq!(draw_from_row(&[0.0; 4], &[0.0], 0.0, &mut rng), None);
+        assert_eq!(
+            draw_from(
+                &[Candidate {
+                    id: 4,
+                    z: 0.0,
+                    w: 0.0
+                }],
+                &mut rng
+            ),
+            None
+        );
+        assert_eq!(draw_from_row(&s, &[0.0], 0.0, &mut rng), None);
     }
 }

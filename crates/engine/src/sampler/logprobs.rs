@@ -3,25 +3,31 @@
 //!
 //! Used for the sampled token, its top-N alternatives, and prompt tokens (prompt logprobs / echo).
 
-use super::math::{log_sum_exp, max};
+use super::math::{block, log_sum_exp, max, BLOCK};
 use super::SampleError;
 
-/// Values per block of the top-N scan: a block whose maximum cannot enter the list is skipped whole.
-const BLOCK: usize = 64;
-
 /// Puts the `n` largest `(id, logit)` of `row` into `out`, largest first, lower id first among equals.
-pub(crate) fn top_n(row: &[f32], n: usize, out: &mut Vec<(u32, f32)>) {
+///
+/// `maxima` are the row's block maxima when known; a block whose maximum cannot enter the list is
+/// skipped whole.
+pub(crate) fn top_n(row: &[f32], maxima: Option<&[f32]>, n: usize, out: &mut Vec<(u32, f32)>) {
     out.clear();
     if n == 0 {
         return;
     }
-    for (b, block) in row.chunks(BLOCK).enumerate() {
-        if out.len() == n && !(max(block) > out[n - 1].1) {
-            continue;
+    for b in 0..row.len().div_ceil(BLOCK) {
+        let values = block(row, b);
+        if out.len() == n {
+            let bm = maxima
+                .and_then(|m| m.get(b).copied())
+                .unwrap_or_else(|| max(values));
+            if bm <= out[n - 1].1 {
+                continue;
+            }
         }
-        for (j, &x) in block.iter().enumerate() {
+        for (j, &x) in values.iter().enumerate() {
             if out.len() == n {
-                if !(x > out[n - 1].1) {
+                if x.is_nan() || x <= out[n - 1].1 {
                     continue;
                 }
                 out.pop();
@@ -33,6 +39,21 @@ pub(crate) fn top_n(row: &[f32], n: usize, out: &mut Vec<(u32, f32)>) {
             out.insert(at, ((b * BLOCK + j) as u32, x));
         }
     }
+}
+
+/// The `n` most likely tokens of `row` as `(id, logprob)`, given its log-normaliser and block maxima.
+pub(crate) fn top_logprobs(
+    row: &[f32],
+    maxima: Option<&[f32]>,
+    n: usize,
+    log_z: f32,
+) -> Vec<(u32, f32)> {
+    let mut out = Vec::with_capacity(n + 1);
+    top_n(row, maxima, n, &mut out);
+    for e in &mut out {
+        e.1 -= log_z;
+    }
+    out
 }
 
 /// A row of logits with its log-normaliser, for reading log-probabilities of any token.
@@ -48,11 +69,6 @@ impl<'a> RowLogprobs<'a> {
         let row = super::valid_row(logits, valid_vocab)?;
         let log_z = log_sum_exp(row).ok_or(SampleError::NoCandidates)?;
         Ok(Self { row, log_z })
-    }
-
-    /// From a row whose log-normaliser is already known.
-    pub(crate) fn with_log_z(row: &'a [f32], log_z: f32) -> Self {
-        Self { row, log_z }
     }
 
     /// `ln Σ e^logit` over the real vocabulary.
@@ -74,12 +90,7 @@ impl<'a> RowLogprobs<'a> {
 
     /// The `n` most likely tokens with their log-probabilities, most likely first (lower id on ties).
     pub fn top(&self, n: usize) -> Vec<(u32, f32)> {
-        let mut out = Vec::with_capacity(n + 1);
-        top_n(self.row, n, &mut out);
-        for e in &mut out {
-            e.1 -= self.log_z;
-        }
-        out
+        top_logprobs(self.row, None, n, self.log_z)
     }
 }
 
@@ -104,11 +115,15 @@ mod tests {
             want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
             want.truncate(n);
             let mut got = Vec::new();
-            top_n(&row, n, &mut got);
+            top_n(&row, None, n, &mut got);
             assert_eq!(got, want, "n={n}");
+            let mut maxima = Vec::new();
+            crate::sampler::math::block_maxima(&row, &mut maxima);
+            top_n(&row, Some(&maxima), n, &mut got);
+            assert_eq!(got, want, "n={n} with block maxima");
         }
         let mut got = Vec::new();
-        top_n(&[1.0, f32::NAN, 2.0], 5, &mut got);
+        top_n(&[1.0, f32::NAN, 2.0], None, 5, &mut got);
         assert_eq!(got, vec![(2, 2.0), (0, 1.0)]);
     }
 }

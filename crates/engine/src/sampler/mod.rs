@@ -4,17 +4,21 @@
 //! them one for one:
 //!
 //! 1. **padding** — only ids below `valid_vocab` are tokens; the lm_head padding past it is never read
-//!    (equivalent to masking it to `-inf` first).
-//! 2. **raw logprobs** — log-normaliser and top-N of the untouched logits ([`logprobs`]).
+//!    (equivalent to masking it to `-inf` before anything else).
+//! 2. **raw logprobs** — log-normaliser and top-N of the untouched logits ([`logprobs`]): what the
+//!    response reports, independent of everything below.
 //! 3. **penalties** — repetition, frequency, presence ([`penalties::apply_penalties`]).
 //! 4. **bias** — `logit_bias` ([`penalties::apply_logit_bias`]).
 //! 5. **mask** — the allowed-token bitmask of a grammar, if any ([`penalties::apply_allowed_mask`]).
-//! 6. **temperature** — softmax weights `e^((z - max) / T)`; greedy (`T = 0`) takes the argmax instead.
-//! 7. **top-k → top-p → min-p** — truncation of the weights.
-//! 8. **draw** — one uniform from the request's own [`Rng`].
+//! 6. **temperature** — weights `e^((z - max) / T)`; greedy (`T = 0`) takes the argmax instead.
+//! 7. **top-k → top-p → min-p** — truncation of the weights (see the `filter` module for exact rules).
+//! 8. **draw** — one uniform from the request's own [`Rng`], none for greedy.
 //!
-//! The row is used as working space: on return its contents are unspecified. Scratch buffers live in
-//! [`Scratch`] and are reused across steps, so a step allocates nothing row-sized.
+//! Cost: two vectorised passes over the row (block maxima, block sums of exponentials) serve the raw
+//! logprobs, greedy, top-k and min-p; plain sampling and top-p at `T != 1` add a third. Everything
+//! else touches only the blocks that can hold the answer. The row is used as working space: on return
+//! its contents are unspecified. Buffers live in [`Scratch`] and are reused, so a warm step allocates
+//! nothing row-sized.
 
 mod batch;
 mod filter;
@@ -32,7 +36,7 @@ pub use params::{ParamError, SamplingParams, GREEDY_TEMPERATURE, MAX_LOGPROBS};
 pub use penalties::TokenCounts;
 pub use rng::{Rng, SplitMix64};
 
-use filter::{Candidate, Histogram, Truncation};
+use filter::{Candidate, Scaled, Truncation};
 use penalties::{apply_allowed_mask, apply_logit_bias, apply_penalties, original_value};
 
 /// Why a row could not be sampled.
@@ -109,14 +113,16 @@ impl SamplerState {
     }
 }
 
-/// Reusable buffers of one sampling thread; they grow to the row width once and stay.
+/// Reusable buffers of one sampling thread. Their size follows the number of blocks and of surviving
+/// candidates, so once warm a step allocates nothing row-sized.
 #[derive(Debug, Clone, Default)]
 pub struct Scratch {
-    weights: Vec<f32>,
-    chunk_sums: Vec<f64>,
+    maxima: Vec<f32>,
+    sums: Vec<f32>,
+    tmp: Vec<f32>,
     cands: Vec<Candidate>,
     edits: Vec<(u32, f32)>,
-    hist: Histogram,
+    levels: math::LevelMass,
 }
 
 impl Scratch {
@@ -160,37 +166,73 @@ pub fn sample_row(
     let row = &mut logits[..valid_vocab];
 
     // 2. The raw distribution, before any edit.
-    let raw_max = math::max(row);
+    let raw_max = math::block_maxima(row, &mut scratch.maxima);
     if raw_max == f32::INFINITY {
         return Err(SampleError::InfiniteLogit);
     }
     if raw_max == f32::NEG_INFINITY {
         return Err(SampleError::NoCandidates);
     }
-    let log_z = raw_max + math::sum_exp(row, raw_max).ln() as f32;
+    let greedy = params.is_greedy();
+    let t = Truncation {
+        top_k: params.top_k_limit().filter(|&k| k < valid_vocab),
+        top_p: params.top_p,
+        min_p: params.min_p,
+    };
+    let scale = 1.0 / params.temperature;
+    let want_levels = !greedy && t.uses_levels();
+    // At temperature 1 the raw weights are the sampling weights (unless edits change them below).
+    let raw_levels = (want_levels && scale == 1.0).then_some(&mut scratch.levels);
+    let raw_total = math::block_exp_sums(row, raw_max, 1.0, &mut scratch.sums, raw_levels);
+    let log_z = raw_max + raw_total.ln() as f32;
     let top_logprobs = match params.logprobs {
-        Some(n) if n > 0 => RowLogprobs::with_log_z(row, log_z).top(n),
+        Some(n) if n > 0 => logprobs::top_logprobs(row, Some(&scratch.maxima), n, log_z),
         _ => Vec::new(),
     };
 
-    // 3–5. Penalties, bias, mask.
+    // 3–5. Penalties, bias, mask; the block maxima follow the edits.
     scratch.edits.clear();
-    let mut edited = apply_penalties(row, &state.counts, params, &mut scratch.edits);
-    edited |= apply_logit_bias(row, &params.logit_bias, &mut scratch.edits);
+    apply_penalties(row, &state.counts, params, &mut scratch.edits);
+    apply_logit_bias(row, &params.logit_bias, &mut scratch.edits);
+    let mut edited = !scratch.edits.is_empty();
     if let Some(mask) = allowed {
         apply_allowed_mask(row, mask);
+        math::block_maxima(row, &mut scratch.maxima);
         edited = true;
+    } else if edited {
+        math::refresh_maxima(row, &mut scratch.maxima, scratch.edits.iter().map(|e| e.0));
     }
-    let m = if edited { math::max(row) } else { raw_max };
+    let m = if edited {
+        math::max(&scratch.maxima)
+    } else {
+        raw_max
+    };
     if m == f32::NEG_INFINITY {
         return Err(SampleError::NoCandidates);
     }
 
     // 6–8. Temperature, truncation, draw (or the argmax).
-    let id = if params.is_greedy() || m == f32::INFINITY {
-        math::position_of(row, m).map(|i| i as u32)
+    let id = if greedy || m == f32::INFINITY {
+        math::position_of_max(row, &scratch.maxima, m).map(|i| i as u32)
     } else {
-        draw(row, m, params, &mut state.rng, scratch)
+        let s = Scaled {
+            row,
+            maxima: &scratch.maxima,
+            m,
+            scale,
+        };
+        // The raw pass's block sums are the sampling weights when nothing changed them.
+        let mut total = raw_total;
+        if t.needs_total() && (edited || scale != 1.0) {
+            let levels = want_levels.then_some(&mut scratch.levels);
+            total = math::block_exp_sums(row, m, scale, &mut scratch.sums, levels);
+        }
+        let levels = want_levels.then_some(&scratch.levels);
+        if filter::select(&s, &t, total, levels, &mut scratch.tmp, &mut scratch.cands) {
+            filter::draw_from(&scratch.cands, &mut state.rng)
+        } else {
+            filter::draw_from_row(&s, &scratch.sums, total, &mut state.rng)
+        }
     }
     .ok_or(SampleError::NoCandidates)?;
 
@@ -200,35 +242,4 @@ pub fn sample_row(
         logprob: raw - log_z,
         top_logprobs,
     })
-}
-
-/// Temperature, top-k, top-p, min-p and the draw over an edited row whose maximum is `m`.
-fn draw(
-    row: &[f32],
-    m: f32,
-    params: &SamplingParams,
-    rng: &mut Rng,
-    scratch: &mut Scratch,
-) -> Option<u32> {
-    if scratch.weights.len() < row.len() {
-        scratch.weights.resize(row.len(), 0.0);
-    }
-    let weights = &mut scratch.weights[..row.len()];
-    let total = math::exp_weights(
-        row,
-        m,
-        1.0 / params.temperature,
-        weights,
-        &mut scratch.chunk_sums,
-    );
-    let t = Truncation {
-        top_k: params.top_k_limit(),
-        top_p: params.top_p,
-        min_p: params.min_p,
-    };
-    if filter::truncate(weights, total, &t, &mut scratch.hist, &mut scratch.cands) {
-        filter::draw_from(&scratch.cands, rng)
-    } else {
-        filter::draw_from_row(weights, &scratch.chunk_sums, total, rng)
-    }
 }

@@ -95,10 +95,10 @@ impl SamplingParams {
         if !(self.min_p >= 0.0 && self.min_p <= 1.0) {
             return Err(ParamError::MinP(self.min_p));
         }
-        if !(self.presence_penalty.abs() <= 2.0) {
+        if !(-2.0..=2.0).contains(&self.presence_penalty) {
             return Err(ParamError::PresencePenalty(self.presence_penalty));
         }
-        if !(self.frequency_penalty.abs() <= 2.0) {
+        if !(-2.0..=2.0).contains(&self.frequency_penalty) {
             return Err(ParamError::FrequencyPenalty(self.frequency_penalty));
         }
         if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {

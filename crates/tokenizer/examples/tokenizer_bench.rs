@@ -21,7 +21,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         builds[0], builds[2], builds[4]
     );
 
-    let text = "The quick brown fox 跳过了懒狗 🦊🐶 — fn main() { println!(\"{}\", 42); }\n".repeat(2000);
+    let text =
+        "The quick brown fox 跳过了懒狗 🦊🐶 — fn main() { println!(\"{}\", 42); }\n".repeat(2000);
     let t = Instant::now();
     let ids = tok.encode(&text, false)?;
     let secs = t.elapsed().as_secs_f64();

@@ -149,10 +149,7 @@ impl IncrementalDecoder {
             .char_indices()
             .zip(self.prefix_text.chars())
             .find(|((_, a), b)| a != b)
-            .map_or_else(
-                || text.len().min(self.prefix_text.len()),
-                |((i, _), _)| i,
-            );
+            .map_or_else(|| text.len().min(self.prefix_text.len()), |((i, _), _)| i);
         let common = (0..=common)
             .rev()
             .find(|&i| text.is_char_boundary(i))

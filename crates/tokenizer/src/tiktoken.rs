@@ -74,7 +74,10 @@ impl Ranks {
                 .map_err(|_| ranks_err(line_no, format!("rank `{rank}` is not an integer")))?;
             let start = data.len();
             if !base64_decode_into(b64, &mut data) {
-                return Err(ranks_err(line_no, format!("token `{b64}` is not valid base64")));
+                return Err(ranks_err(
+                    line_no,
+                    format!("token `{b64}` is not valid base64"),
+                ));
             }
             let len = data.len() - start;
             if len == 0 {
@@ -181,7 +184,11 @@ impl Ranks {
         if splits.len() != self.spans.len() {
             return Err(ranks_err(
                 0,
-                format!("split table has {} entries for {} ranks", splits.len(), self.spans.len()),
+                format!(
+                    "split table has {} entries for {} ranks",
+                    splits.len(),
+                    self.spans.len()
+                ),
             ));
         }
         let mut pieces = Vec::with_capacity(splits.len());
@@ -191,7 +198,10 @@ impl Ranks {
                 continue;
             }
             if k >= bytes.len() {
-                return Err(ranks_err(0, format!("split {k} of rank {rank} is out of range")));
+                return Err(ranks_err(
+                    0,
+                    format!("split {k} of rank {rank} is out of range"),
+                ));
             }
             pieces.push((&bytes[..k], &bytes[k..]));
         }
@@ -211,7 +221,9 @@ fn split_point(index: &FastMap<&[u8], u32>, bytes: &[u8]) -> Option<usize> {
             .copied()
             .unwrap_or(u32::MAX)
     };
-    let mut pair: Vec<u32> = (0..bytes.len() - 1).map(|i| pair_rank(&bounds, i)).collect();
+    let mut pair: Vec<u32> = (0..bytes.len() - 1)
+        .map(|i| pair_rank(&bounds, i))
+        .collect();
     while bounds.len() > 3 {
         let (i, &best) = pair.iter().enumerate().min_by_key(|&(i, r)| (*r, i))?;
         if best == u32::MAX {
@@ -502,7 +514,10 @@ mod tests {
         assert_eq!(ids("bc<|end|>"), vec![257, 264]);
         // Unreachable by merges: only as a whole piece.
         assert_eq!(ids("pqr"), vec![260]);
-        assert_eq!(ids("pqrp"), vec![byte(b'p'), byte(b'q'), byte(b'r'), byte(b'p')]);
+        assert_eq!(
+            ids("pqrp"),
+            vec![byte(b'p'), byte(b'q'), byte(b'r'), byte(b'p')]
+        );
         assert_eq!(ids("xyzwx"), vec![262, byte(b'x')]);
         assert_eq!(ids("abc xy"), vec![258, byte(b' '), 263]);
     }
@@ -511,7 +526,10 @@ mod tests {
     fn malformed_ranks_are_reported_with_line() {
         let err = Ranks::parse("IQ== 0\nIg== x\n").unwrap_err();
         assert!(err.to_string().contains("line 2"), "{err}");
-        let err = Ranks::parse("IQ== 0\nIQ== 1\n").unwrap().merges().unwrap_err();
+        let err = Ranks::parse("IQ== 0\nIQ== 1\n")
+            .unwrap()
+            .merges()
+            .unwrap_err();
         assert!(err.to_string().contains("same token"), "{err}");
         let err = Ranks::parse("IQ== 0\nIg== 0\n").unwrap_err();
         assert!(err.to_string().contains("given twice"), "{err}");

@@ -244,12 +244,14 @@ impl Tokenizer {
 
 fn read_json_opt(path: &PathBuf) -> Result<Option<Value>> {
     match fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|source| TokenizerError::Json {
-                path: path.clone(),
-                source,
-            }),
+        Ok(bytes) => {
+            serde_json::from_slice(&bytes)
+                .map(Some)
+                .map_err(|source| TokenizerError::Json {
+                    path: path.clone(),
+                    source,
+                })
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(TokenizerError::Io {
             path: path.clone(),
@@ -291,7 +293,10 @@ fn template_field(config: &Value, file: &str) -> Result<Option<String>> {
                     .find(|t| t.get("name").and_then(Value::as_str) == Some(name))
             };
             let chosen = named("default").or_else(|| list.first());
-            match chosen.and_then(|t| t.get("template")).and_then(Value::as_str) {
+            match chosen
+                .and_then(|t| t.get("template"))
+                .and_then(Value::as_str)
+            {
                 Some(s) => Ok(Some(s.to_string())),
                 None if list.is_empty() => Ok(None),
                 None => Err(TokenizerError::field(

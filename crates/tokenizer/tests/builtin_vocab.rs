@@ -55,7 +55,10 @@ fn decoding_the_expected_ids_gives_back_the_normalized_text() {
     let fixture = fixture();
     let tok = tokenizer();
     for case in fixture["cases"].as_array().expect("cases") {
-        let text = case["nfc"].as_str().or(case["text"].as_str()).expect("text");
+        let text = case["nfc"]
+            .as_str()
+            .or(case["text"].as_str())
+            .expect("text");
         let ids: Vec<u32> = case["ids"]
             .as_array()
             .expect("ids")
@@ -98,7 +101,11 @@ fn vocabulary_facts() {
     assert_eq!(tok.eos_token_ids(), builtin_eos_ids());
     assert_eq!(builtin_eos_ids(), &[248_046, 248_044]);
     // Byte-level pieces: a space is "Ġ", a newline "Ċ".
-    assert_eq!(tok.id_to_token(tok.encode(" the", false).unwrap()[0]).as_deref(), Some("Ġthe"));
+    assert_eq!(
+        tok.id_to_token(tok.encode(" the", false).unwrap()[0])
+            .as_deref(),
+        Some("Ġthe")
+    );
     assert_eq!(tok.encode("\n", false).unwrap().len(), 1);
     assert!(!tok.is_special(0));
     // Padding ids past the last special token have no token and decode to nothing.

@@ -34,7 +34,10 @@ fn loads_tokens_template_and_eos_ids() {
         ]
     });
     dir.write("tokenizer_config.json", &config.to_string());
-    dir.write("generation_config.json", r#"{"eos_token_id": [7, 2], "bos_token_id": 1}"#);
+    dir.write(
+        "generation_config.json",
+        r#"{"eos_token_id": [7, 2], "bos_token_id": 1}"#,
+    );
 
     let tok = Tokenizer::from_dir(dir.path()).unwrap();
     assert_eq!(tok.bos_token(), Some("<s>"));
@@ -53,7 +56,10 @@ fn loads_tokens_template_and_eos_ids() {
     let ids = tok.encode("Hello<|tool|>", true).unwrap();
     assert_eq!(ids[0], 1);
     assert_eq!(ids.last(), Some(&size));
-    assert_eq!(tok.encode("Hello", false).unwrap(), vec![tok.token_to_id("▁Hello").unwrap()]);
+    assert_eq!(
+        tok.encode("Hello", false).unwrap(),
+        vec![tok.token_to_id("▁Hello").unwrap()]
+    );
     assert_eq!(tok.decode(&ids, true).unwrap(), "Hello");
     assert_eq!(tok.decode(&ids, false).unwrap(), "<s> Hello<|tool|>");
 
@@ -115,20 +121,44 @@ fn errors_name_the_file_and_field() {
     assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
 
     let cases = [
-        (("tokenizer_config.json", r#"{"eos_token": 5}"#), "eos_token"),
-        (("tokenizer_config.json", r#"{"eos_token": "<nope>"}"#), "eos_token"),
-        (("tokenizer_config.json", r#"{"bos_token": {"id": 1}}"#), "bos_token"),
-        (("tokenizer_config.json", r#"{"chat_template": 3}"#), "chat_template"),
         (
-            ("tokenizer_config.json", r#"{"added_tokens_decoder": {"9": {"content": "</s>"}}}"#),
+            ("tokenizer_config.json", r#"{"eos_token": 5}"#),
+            "eos_token",
+        ),
+        (
+            ("tokenizer_config.json", r#"{"eos_token": "<nope>"}"#),
+            "eos_token",
+        ),
+        (
+            ("tokenizer_config.json", r#"{"bos_token": {"id": 1}}"#),
+            "bos_token",
+        ),
+        (
+            ("tokenizer_config.json", r#"{"chat_template": 3}"#),
+            "chat_template",
+        ),
+        (
+            (
+                "tokenizer_config.json",
+                r#"{"added_tokens_decoder": {"9": {"content": "</s>"}}}"#,
+            ),
             "added_tokens_decoder.9",
         ),
         (
-            ("tokenizer_config.json", r#"{"added_tokens_decoder": {"x": {"content": "a"}}}"#),
+            (
+                "tokenizer_config.json",
+                r#"{"added_tokens_decoder": {"x": {"content": "a"}}}"#,
+            ),
             "added_tokens_decoder.x",
         ),
-        (("generation_config.json", r#"{"eos_token_id": "2"}"#), "eos_token_id"),
-        (("generation_config.json", r#"{"eos_token_id": [2, -1]}"#), "eos_token_id"),
+        (
+            ("generation_config.json", r#"{"eos_token_id": "2"}"#),
+            "eos_token_id",
+        ),
+        (
+            ("generation_config.json", r#"{"eos_token_id": [2, -1]}"#),
+            "eos_token_id",
+        ),
     ];
     for ((file, text), field) in cases {
         let err = load_err(&[(file, text)]);

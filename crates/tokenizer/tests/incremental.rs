@@ -78,7 +78,11 @@ fn characters_split_over_tokens_are_held_back_until_complete() {
         found += 1;
         let mut dec = IncrementalDecoder::new(tok.clone(), false);
         for &id in &ids[..ids.len() - 1] {
-            assert_eq!(dec.step(id).unwrap(), "", "{c}: emitted part of a character");
+            assert_eq!(
+                dec.step(id).unwrap(),
+                "",
+                "{c}: emitted part of a character"
+            );
             assert!(dec.has_pending());
         }
         assert_eq!(dec.step(ids[ids.len() - 1]).unwrap(), text);
@@ -152,7 +156,9 @@ fn byte_fallback_pieces_are_assembled_into_characters() {
     let text = "Hello world, 世界 🦀!";
     let ids = tok.encode(text, false).unwrap();
     // Characters outside the small vocabulary fall back to <0xXX> byte pieces.
-    assert!(ids.iter().any(|&id| tok.id_to_token(id).as_deref() == Some("<0xF0>")));
+    assert!(ids
+        .iter()
+        .any(|&id| tok.id_to_token(id).as_deref() == Some("<0xF0>")));
     let (chunks, rest) = stream(&tok, &ids, false);
     assert!(rest.is_empty());
     for chunk in &chunks {

@@ -25,7 +25,8 @@ impl ContentFormat {
         while let Some(start) = rest.find("{%") {
             let after = &rest[start + 2..];
             let end = after.find("%}").unwrap_or(after.len());
-            let tag = after[..end].trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+            let tag =
+                after[..end].trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
             if let Some(body) = tag.strip_prefix("for") {
                 if body.starts_with(char::is_whitespace) && iterates_content(body) {
                     return ContentFormat::OpenAi;
@@ -49,9 +50,13 @@ fn iterates_content(body: &str) -> bool {
         .trim()
         .trim_end_matches("recursive")
         .trim();
-    let expr = expr.trim_end_matches(|c: char| c == ']' || c == '\'' || c == '"' || c.is_whitespace());
-    expr == "content" || expr.ends_with(".content") || expr.ends_with("[content")
-        || expr.ends_with("['content") || expr.ends_with("[\"content")
+    let expr =
+        expr.trim_end_matches(|c: char| c == ']' || c == '\'' || c == '"' || c.is_whitespace());
+    expr == "content"
+        || expr.ends_with(".content")
+        || expr.ends_with("[content")
+        || expr.ends_with("['content")
+        || expr.ends_with("[\"content")
 }
 
 /// Returns `messages` ready for rendering: tool-call `function.arguments` JSON strings decoded
@@ -125,7 +130,10 @@ fn decode_arguments(call: &mut Json) {
             }
         }
     };
-    if let Some(args) = call.get_mut("function").and_then(|f| f.get_mut("arguments")) {
+    if let Some(args) = call
+        .get_mut("function")
+        .and_then(|f| f.get_mut("arguments"))
+    {
         decode(args);
     }
     if let Some(args) = call.get_mut("arguments") {
@@ -149,9 +157,10 @@ pub fn json_to_value(json: &Json) -> Value {
         }
         Json::String(s) => Value::from(s.as_str()),
         Json::Array(items) => items.iter().map(json_to_value).collect(),
-        Json::Object(map) => {
-            Value::from_pairs(map.iter().map(|(k, v)| (Value::from(k.as_str()), json_to_value(v))))
-        }
+        Json::Object(map) => Value::from_pairs(
+            map.iter()
+                .map(|(k, v)| (Value::from(k.as_str()), json_to_value(v))),
+        ),
     }
 }
 
@@ -167,7 +176,9 @@ mod tests {
             ContentFormat::OpenAi
         );
         assert_eq!(
-            ContentFormat::detect("{% for part in message['content'] if part.type == 'text' %}{% endfor %}"),
+            ContentFormat::detect(
+                "{% for part in message['content'] if part.type == 'text' %}{% endfor %}"
+            ),
             ContentFormat::OpenAi
         );
         assert_eq!(
@@ -192,8 +203,14 @@ mod tests {
         let out = normalize_messages(&messages, ContentFormat::String).unwrap();
         assert_eq!(out[0]["content"], json!("a\nb"));
         assert_eq!(out[1]["content"], json!(""));
-        assert_eq!(out[1]["tool_calls"][0]["function"]["arguments"], json!({"x": 1, "y": [2]}));
-        assert_eq!(out[1]["tool_calls"][1]["function"]["arguments"], json!("not json"));
+        assert_eq!(
+            out[1]["tool_calls"][0]["function"]["arguments"],
+            json!({"x": 1, "y": [2]})
+        );
+        assert_eq!(
+            out[1]["tool_calls"][1]["function"]["arguments"],
+            json!("not json")
+        );
 
         let out = normalize_messages(&messages, ContentFormat::OpenAi).unwrap();
         assert_eq!(out[0]["content"], messages[0]["content"]);

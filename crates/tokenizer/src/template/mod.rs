@@ -68,10 +68,16 @@ impl ChatTemplate {
     }
 
     /// Compiles a template with a given content format.
-    pub fn with_content_format(source: &str, content_format: ContentFormat) -> Result<ChatTemplate> {
+    pub fn with_content_format(
+        source: &str,
+        content_format: ContentFormat,
+    ) -> Result<ChatTemplate> {
         let mut env = Environment::new();
         let mut syntax = SyntaxConfig::builder();
-        syntax.trim_blocks(true).lstrip_blocks(true).keep_trailing_newline(false);
+        syntax
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .keep_trailing_newline(false);
         env.set_syntax(
             syntax
                 .build()
@@ -80,7 +86,10 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_formatter(|out, _state, value| {
             if value.kind() == ValueKind::Invalid {
-                return Err(JinjaError::new(ErrorKind::InvalidOperation, value.to_string()));
+                return Err(JinjaError::new(
+                    ErrorKind::InvalidOperation,
+                    value.to_string(),
+                ));
             }
             out.write_str(&py_str(value)).map_err(JinjaError::from)
         });
@@ -131,7 +140,10 @@ impl ChatTemplate {
         ctx.push(("messages".into(), json_to_value(&messages)));
         ctx.push((
             "tools".into(),
-            request.tools.as_ref().map_or(Value::from(()), json_to_value),
+            request
+                .tools
+                .as_ref()
+                .map_or(Value::from(()), json_to_value),
         ));
         ctx.push(("documents".into(), Value::from(())));
         ctx.push((
@@ -197,7 +209,11 @@ fn strip_generation_tags(source: &str) -> String {
 
 /// `tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False)`, the
 /// filter transformers installs (Python's `json.dumps`, no HTML escaping).
-fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> std::result::Result<Value, JinjaError> {
+fn tojson(
+    value: &Value,
+    args: Rest<Value>,
+    kwargs: Kwargs,
+) -> std::result::Result<Value, JinjaError> {
     let names = ["ensure_ascii", "indent", "separators", "sort_keys"];
     if args.len() > names.len() {
         return Err(JinjaError::new(
@@ -221,7 +237,9 @@ fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> std::result::Resu
             ValueKind::None | ValueKind::Undefined => None,
             ValueKind::String => Some(v.as_str().unwrap_or_default().to_string()),
             ValueKind::Number => {
-                let n = v.as_i64().ok_or_else(|| bad_arg("indent must be an integer"))?;
+                let n = v
+                    .as_i64()
+                    .ok_or_else(|| bad_arg("indent must be an integer"))?;
                 Some(" ".repeat(n.max(0) as usize))
             }
             _ => return Err(bad_arg("indent must be an integer or a string")),
@@ -321,7 +339,9 @@ mod tests {
         }
         // Raised from inside a macro as well.
         let src = "{% macro m() %}{{ raise_exception('deep') }}{% endmacro %}{{ m() }}";
-        assert!(matches!(render(src, json!([])), Err(TokenizerError::TemplateRaised(m)) if m == "deep"));
+        assert!(
+            matches!(render(src, json!([])), Err(TokenizerError::TemplateRaised(m)) if m == "deep")
+        );
     }
 
     #[test]
@@ -346,19 +366,25 @@ mod tests {
 
     #[test]
     fn whitespace_follows_trim_and_lstrip_blocks() {
-        let src = "{% for m in messages %}\n    {% if m %}\n{{ m.c }}\n    {% endif %}\n{% endfor %}\n";
-        assert_eq!(render(src, json!([{"c": "a"}, {"c": "b"}])).unwrap(), "a\nb\n");
+        let src =
+            "{% for m in messages %}\n    {% if m %}\n{{ m.c }}\n    {% endif %}\n{% endfor %}\n";
+        assert_eq!(
+            render(src, json!([{"c": "a"}, {"c": "b"}])).unwrap(),
+            "a\nb\n"
+        );
     }
 
     #[test]
     fn generation_markers_are_ignored() {
-        let src = "{% for m in messages %}{%- generation -%} {{ m.c }} {%- endgeneration %}{% endfor %}";
+        let src =
+            "{% for m in messages %}{%- generation -%} {{ m.c }} {%- endgeneration %}{% endfor %}";
         assert_eq!(render(src, json!([{"c": "a"}, {"c": "b"}])).unwrap(), "ab");
     }
 
     #[test]
     fn kwargs_become_variables_but_cannot_replace_messages() {
-        let t = ChatTemplate::new("{{ enable_thinking }} {{ messages | length }} {{ eos_token }}").unwrap();
+        let t = ChatTemplate::new("{{ enable_thinking }} {{ messages | length }} {{ eos_token }}")
+            .unwrap();
         let mut kwargs = Map::new();
         kwargs.insert("enable_thinking".into(), json!(false));
         kwargs.insert("messages".into(), json!("x"));
@@ -375,6 +401,9 @@ mod tests {
 
     #[test]
     fn syntax_errors_are_reported() {
-        assert!(matches!(ChatTemplate::new("{% for %}"), Err(TokenizerError::TemplateSyntax(_))));
+        assert!(matches!(
+            ChatTemplate::new("{% for %}"),
+            Err(TokenizerError::TemplateSyntax(_))
+        ));
     }
 }

@@ -149,10 +149,7 @@ fn float_format(f: f64, inf: &str, nan: &str) -> String {
         let body = if point <= 0 {
             format!("0.{}{digits}", "0".repeat((-point) as usize))
         } else if (point as usize) >= digits.len() {
-            format!(
-                "{digits}{}.0",
-                "0".repeat(point as usize - digits.len())
-            )
+            format!("{digits}{}.0", "0".repeat(point as usize - digits.len()))
         } else {
             let (a, b) = digits.split_at(point as usize);
             format!("{a}.{b}")
@@ -209,7 +206,12 @@ fn newline(out: &mut String, opts: &JsonOptions, level: usize) {
     }
 }
 
-fn write_json(out: &mut String, value: &Value, opts: &JsonOptions, level: usize) -> Result<(), String> {
+fn write_json(
+    out: &mut String,
+    value: &Value,
+    opts: &JsonOptions,
+    level: usize,
+) -> Result<(), String> {
     match value.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
@@ -259,7 +261,11 @@ fn write_json(out: &mut String, value: &Value, opts: &JsonOptions, level: usize)
                     ValueKind::None => "null".to_string(),
                     ValueKind::Bool => (if key.is_true() { "true" } else { "false" }).to_string(),
                     ValueKind::Number => number_repr(key),
-                    kind => return Err(format!("keys must be str, int, float, bool or None, not {kind}")),
+                    kind => {
+                        return Err(format!(
+                            "keys must be str, int, float, bool or None, not {kind}"
+                        ))
+                    }
                 };
                 write_json_str(out, &key_text, opts);
                 out.push_str(&opts.key_separator);
@@ -347,11 +353,27 @@ impl CivilTime {
 }
 
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September",
-    "October", "November", "December",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
 ];
 const WEEKDAYS: [&str; 7] = [
-    "Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday",
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
 ];
 
 /// C `strftime` for the common directives (`%Y %y %m %d %e %H %I %M %S %p %B %b %h %A %a %j
@@ -376,7 +398,10 @@ pub fn strftime(t: &CivilTime, format: &str) -> String {
                 format!("{n:0width$}")
             }
         };
-        let hour12 = if t.hour % 12 == 0 { 12 } else { t.hour % 12 };
+        let hour12 = match t.hour % 12 {
+            0 => 12,
+            h => h,
+        };
         match chars.next() {
             Some('Y') => out.push_str(&t.year.to_string()),
             Some('y') => out.push_str(&num(t.year.rem_euclid(100) as u32, 2)),
@@ -467,7 +492,10 @@ mod tests {
     #[test]
     fn repr_matches_python() {
         let v = Value::from_serialize_json(r#"["it's", "a\"b", {"k": null, "t": false}, 3]"#);
-        assert_eq!(py_repr(&v), r#"["it's", 'a"b', {'k': None, 't': False}, 3]"#);
+        assert_eq!(
+            py_repr(&v),
+            r#"["it's", 'a"b', {'k': None, 't': False}, 3]"#
+        );
         assert_eq!(py_str(&Value::from("plain")), "plain");
         assert_eq!(py_str(&Value::from(true)), "True");
     }
@@ -490,7 +518,10 @@ mod tests {
             }
         );
         assert_eq!(strftime(&t, "%d %b %Y"), "29 Feb 2024");
-        assert_eq!(strftime(&t, "%A, %B %-d, %Y %I:%M %p"), "Thursday, February 29, 2024 01:05 PM");
+        assert_eq!(
+            strftime(&t, "%A, %B %-d, %Y %I:%M %p"),
+            "Thursday, February 29, 2024 01:05 PM"
+        );
         assert_eq!(strftime(&t, "%F %T %j %%"), "2024-02-29 13:05:09 060 %");
         assert_eq!(CivilTime::from_unix(0).weekday, 3);
     }

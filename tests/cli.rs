@@ -1,0 +1,175 @@
+//! The `sanmai` binary end to end: `generate` on a transformers fixture and on the built-in model, and the
+//! errors bad input gets.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn sanmai(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sanmai"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("the binary runs")
+}
+
+fn json_of(out: &Output) -> Value {
+    assert!(
+        out.status.success(),
+        "sanmai failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("--json prints one JSON object")
+}
+
+fn stderr(out: &Output) -> String {
+    assert!(!out.status.success(), "expected a failure");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+#[test]
+fn generate_json_matches_the_transformers_reference() {
+    let dir = fixture("qwen3_next_tiny");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let p = &reference["prompts"][1];
+    let ids: Vec<String> = p["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.to_string())
+        .collect();
+    let out = sanmai(&[
+        "generate",
+        "--model",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        &ids.join(","),
+        "--max-tokens",
+        "8",
+        "--echo",
+        "--logprobs",
+        "3",
+        "--json",
+    ]);
+    let got = json_of(&out);
+    assert_eq!(got["prompt_ids"], p["ids"]);
+    assert_eq!(
+        got["ids"].as_array().unwrap()[..],
+        p["greedy_ids"].as_array().unwrap()[..8]
+    );
+    let plp = got["prompt_logprobs"].as_array().unwrap();
+    assert!(plp[0].is_null());
+    for (g, w) in plp
+        .iter()
+        .zip(p["prompt_logprobs"].as_array().unwrap())
+        .skip(1)
+    {
+        assert!((g.as_f64().unwrap() - w.as_f64().unwrap()).abs() < 1e-3);
+    }
+    for (i, (lp, tops)) in got["logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(got["top_logprobs"].as_array().unwrap())
+        .enumerate()
+    {
+        let want = p["greedy_logprobs"][i].as_f64().unwrap();
+        assert!((lp.as_f64().unwrap() - want).abs() < 1e-3);
+        let tops = tops.as_array().unwrap();
+        assert_eq!(tops.len(), 3);
+        // Greedy: the chosen token is the most likely one.
+        assert_eq!(tops[0]["id"], got["ids"][i]);
+    }
+}
+
+#[test]
+fn builtin_model_generates_text_with_the_real_vocabulary() {
+    let out = sanmai(&[
+        "generate",
+        "--prompt",
+        "Hello there",
+        "--chat",
+        "--max-tokens",
+        "12",
+        "--json",
+    ]);
+    let got = json_of(&out);
+    let prompt = got["prompt_ids"].as_array().unwrap();
+    // `<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n` in the Qwen3.5 vocabulary.
+    assert_eq!(prompt[0], 248045);
+    assert!(prompt.contains(&Value::from(248046u32)));
+    let ids = got["ids"].as_array().unwrap();
+    assert!(!ids.is_empty() && ids.len() <= 12);
+    assert!(
+        ids.iter().all(|id| id.as_u64().unwrap() < 248_077),
+        "padding ids are never sampled"
+    );
+    // Same seed, same output.
+    let again = json_of(&sanmai(&[
+        "generate",
+        "--prompt",
+        "Hello there",
+        "--chat",
+        "--max-tokens",
+        "12",
+        "--json",
+    ]));
+    assert_eq!(again["ids"], got["ids"]);
+    let sampled = |seed: &str| {
+        json_of(&sanmai(&[
+            "generate",
+            "--prompt",
+            "Hi",
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "1.0",
+            "--seed",
+            seed,
+            "--json",
+            "--ignore-eos",
+        ]))["ids"]
+            .clone()
+    };
+    assert_eq!(sampled("5"), sampled("5"));
+    assert_ne!(sampled("5"), sampled("6"));
+}
+
+#[test]
+fn bad_input_is_a_clear_error() {
+    let err = stderr(&sanmai(&["generate", "--max-tokens", "2"]));
+    assert!(err.contains("give a prompt"), "{err}");
+    let err = stderr(&sanmai(&["generate", "--prompt-ids", "1,2,999999"]));
+    assert!(
+        err.contains("999999") && err.contains("outside the vocabulary"),
+        "{err}"
+    );
+    let err = stderr(&sanmai(&[
+        "generate",
+        "--model",
+        "/nonexistent/model",
+        "--prompt-ids",
+        "1",
+    ]));
+    assert!(err.contains("/nonexistent/model/config.json"), "{err}");
+    let err = stderr(&sanmai(&["generate", "--prompt", "x", "--top-p", "0"]));
+    assert!(err.contains("top_p"), "{err}");
+    let err = stderr(&sanmai(&[
+        "generate",
+        "--model",
+        fixture("qwen3_next_tiny").to_str().unwrap(),
+        "--prompt",
+        "text needs a tokenizer",
+    ]));
+    assert!(err.contains("--prompt-ids"), "{err}");
+}

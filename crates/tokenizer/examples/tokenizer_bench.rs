@@ -48,5 +48,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         secs * 1e6 / ids.len() as f64,
         ids.len()
     );
+
+    let template = tok.chat_template().expect("built-in template");
+    let mut request = tok.chat_request(serde_json::json!([
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What's the weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "content": "{\"temp_c\": 18}"},
+        {"role": "user", "content": "Thanks"}
+    ]));
+    request.tools = Some(serde_json::json!([{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather for a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]));
+    request.add_generation_prompt = true;
+    let n = 200;
+    let t = Instant::now();
+    for _ in 0..n {
+        template.render(&request)?;
+    }
+    println!(
+        "ChatTemplate::render (tools, 5 messages): {:.1} µs",
+        t.elapsed().as_secs_f64() * 1e6 / n as f64
+    );
     Ok(())
 }

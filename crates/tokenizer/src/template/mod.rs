@@ -2,6 +2,12 @@
 //! transformers' `apply_chat_template` (Jinja2 with `trim_blocks`, `lstrip_blocks`, loop
 //! controls, `raise_exception`, `strftime_now`, a `tojson` that is Python's `json.dumps`, Python
 //! string methods, and Python's way of printing values).
+//!
+//! Known differences from Jinja2: the `~` operator prints booleans and none the minijinja way
+//! (`true`, `none`; `{{ x }}` and `x | string` print `True`, `None` like Python);
+//! `strftime_now` formats UTC time; transformers' `{% generation %}` markers are accepted and
+//! ignored. Templates receive `messages`, `tools`, `documents` (none), `add_generation_prompt`,
+//! `bos_token`/`eos_token` when known, and the request's extra kwargs.
 
 pub mod messages;
 pub mod python;

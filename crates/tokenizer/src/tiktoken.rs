@@ -44,6 +44,9 @@ pub struct TiktokenSpec<'a> {
     pub splits: Option<&'a [u8]>,
 }
 
+/// Ranks above this are rejected (no real vocabulary comes close; it bounds memory).
+const MAX_RANK: u32 = 1 << 24;
+
 /// A tiktoken vocabulary: the byte string of each rank (ranks may be sparse).
 #[derive(Debug, Clone, Default)]
 pub struct Ranks {
@@ -82,6 +85,12 @@ impl Ranks {
             let len = data.len() - start;
             if len == 0 {
                 return Err(ranks_err(line_no, "empty token"));
+            }
+            if rank > MAX_RANK {
+                return Err(ranks_err(
+                    line_no,
+                    format!("rank {rank} is implausibly large"),
+                ));
             }
             let slot = rank as usize;
             if slot >= spans.len() {
@@ -148,7 +157,7 @@ impl Ranks {
     /// or a byte without a token.
     pub fn merges(&self) -> Result<Vec<(u32, u32, u32)>> {
         let index = self.index()?;
-        let splits = self.splits_with(&index);
+        let splits = self.splits_with(&index)?;
         Ok(self
             .iter()
             .filter(|&(rank, _)| splits[rank as usize] != 0)
@@ -164,17 +173,23 @@ impl Ranks {
     /// ships precomputed.
     pub fn splits(&self) -> Result<Vec<u8>> {
         let index = self.index()?;
-        Ok(self.splits_with(&index))
+        self.splits_with(&index)
     }
 
-    fn splits_with(&self, index: &FastMap<&[u8], u32>) -> Vec<u8> {
+    fn splits_with(&self, index: &FastMap<&[u8], u32>) -> Result<Vec<u8>> {
         (0..self.rank_bound())
             .into_par_iter()
             .map(|rank| match self.bytes(rank) {
-                Some(bytes) if bytes.len() > 1 => split_point(index, bytes)
-                    .and_then(|k| u8::try_from(k).ok())
-                    .unwrap_or(0),
-                _ => 0,
+                Some(bytes) if bytes.len() > 1 => match split_point(index, bytes) {
+                    None => Ok(0),
+                    Some(k) => u8::try_from(k).map_err(|_| {
+                        ranks_err(
+                            0,
+                            format!("rank {rank}: split at byte {k} does not fit a byte"),
+                        )
+                    }),
+                },
+                _ => Ok(0),
             })
             .collect()
     }
@@ -531,6 +546,8 @@ mod tests {
             .merges()
             .unwrap_err();
         assert!(err.to_string().contains("same token"), "{err}");
+        let err = Ranks::parse("IQ== 4000000000\n").unwrap_err();
+        assert!(err.to_string().contains("implausibly large"), "{err}");
         let err = Ranks::parse("IQ== 0\nIg== 0\n").unwrap_err();
         assert!(err.to_string().contains("given twice"), "{err}");
         let err = Ranks::parse("IQ== 0\n").unwrap().merges().unwrap_err();

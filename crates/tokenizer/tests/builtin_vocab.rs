@@ -136,3 +136,17 @@ fn built_in_chat_template_renders_a_conversation() {
     assert_eq!(ids[0], 248_045);
     assert_eq!(tok.decode(&ids, false).unwrap(), text);
 }
+
+#[test]
+fn tokenizer_and_decoder_can_cross_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+    assert_send_sync::<sanmai_tokenizer::ChatTemplate>();
+    assert_send_sync::<sanmai_tokenizer::IncrementalDecoder>();
+    let tok = tokenizer().clone();
+    let handle = std::thread::spawn(move || tok.encode("hello from a thread", false).unwrap());
+    assert_eq!(
+        handle.join().unwrap(),
+        tokenizer().encode("hello from a thread", false).unwrap()
+    );
+}

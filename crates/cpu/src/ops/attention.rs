@@ -2,80 +2,64 @@
 //! transformers' eager attention: `softmax(q·kᵀ·scale + causal mask)` in f32 with max subtraction, then
 //! the probabilities times V.
 //!
-//! Work is split into tasks of (`Q_BLOCK` query rows, one query head); inside a task each cached key and
-//! value row is loaded once for all rows of the block. Every output row is reduced in the same order
-//! whatever the blocking, so results do not depend on `t` splits or thread count.
+//! A task is either one query row with all the query heads of one KV group (when a group has at least
+//! `GROUP_MIN` heads) or a block of `Q_BLOCK` query rows of one head; either way its rows share every key
+//! and value row they load. Scores are an NT product and the weighted sum of values an NN product of
+//! `gemm.rs`, whose per-element reduction order does not depend on the tiling, so every output row is the
+//! same whatever the task split, `t` split or thread count (masked keys get probability exactly 0 and
+//! add nothing).
 
 use rayon::prelude::*;
 
-use super::{dot_fma, multiversion, SharedOut, PAR_MIN_WORK};
+use super::gemm::{gemm_nn, gemm_nt};
+use super::{SharedOut, PAR_MIN_WORK};
 
-/// Query rows per task.
+/// Query rows per task when a task takes a block of rows of one head.
 const Q_BLOCK: usize = 16;
 
-multiversion! {
-    /// Rows `i0..i1` of query head `h`; `scores` is scratch of at least `(i1 − i0) · len` floats.
-    fn block(
-        q: &[f32],
-        k_cache: &[f32],
-        v_cache: &[f32],
-        t: usize,
-        len: usize,
-        hq: usize,
-        hkv: usize,
-        d: usize,
-        scale: f32,
-        h: usize,
-        i0: usize,
-        i1: usize,
-        scores: &mut [f32],
-        out: SharedOut,
-    ) {
-        let kvh = h / (hq / hkv);
-        let past = len - t;
-        let rows = i1 - i0;
-        let ctx_last = past + i1; // keys visible to the last row of the block
-        let first_row = |j: usize| i0.max(j.saturating_sub(past));
-        let qrow = |i: usize| &q[(i * hq + h) * d..(i * hq + h + 1) * d];
-        let sc = |i: usize| (i - i0) * len;
-        // Scores, one key row at a time for every row that sees it.
-        for j in 0..ctx_last {
-            let kj = &k_cache[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
-            for i in first_row(j)..i1 {
-                scores[sc(i) + j] = dot_fma(qrow(i), kj) * scale;
-            }
+/// Query heads per KV head from which a task takes all the heads of one KV group for one query row
+/// (every key row then serves that many query rows at once).
+const GROUP_MIN: usize = 4;
+
+/// Attention of `m` query rows (`qs`, stride `ldq`) against the first `ctx` rows of one KV head (`kc`,
+/// `vc`, stride `ldkv`); row `r` sees its first `visible(r)` keys. Returns the `[m, d]` outputs, which
+/// live in `scratch`.
+#[allow(clippy::too_many_arguments)]
+fn attend<'s>(
+    qs: &[f32],
+    ldq: usize,
+    m: usize,
+    kc: &[f32],
+    vc: &[f32],
+    ldkv: usize,
+    ctx: usize,
+    d: usize,
+    scale: f32,
+    visible: impl Fn(usize) -> usize,
+    scratch: &'s mut Vec<f32>,
+) -> &'s [f32] {
+    scratch.resize(m * ctx + m * d, 0.0);
+    let (scores, o) = scratch.split_at_mut(m * ctx);
+    gemm_nt(qs, ldq, kc, ldkv, m, d, ctx, scores, ctx);
+    for (r, row) in scores.chunks_exact_mut(ctx).enumerate() {
+        let (seen, masked) = row.split_at_mut(visible(r));
+        let mut max = f32::NEG_INFINITY;
+        for x in seen.iter_mut() {
+            *x *= scale;
+            max = max.max(*x);
         }
-        // Softmax per row over its visible keys.
-        for i in i0..i1 {
-            let row = &mut scores[sc(i)..sc(i) + past + i + 1];
-            let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            let mut sum = 0f32;
-            for x in row.iter_mut() {
-                *x = (*x - max).exp();
-                sum += *x;
-            }
-            for x in row.iter_mut() {
-                *x /= sum;
-            }
+        let mut sum = 0f32;
+        for x in seen.iter_mut() {
+            *x = (*x - max).exp();
+            sum += *x;
         }
-        // Probabilities times V, one value row at a time.
-        // SAFETY: this task alone writes out[i, h, :] for i in i0..i1 (rows of distinct (i, h) are
-        // disjoint); the slices are built once and not aliased.
-        let mut outs: [&mut [f32]; Q_BLOCK] = Default::default();
-        for (r, o) in outs.iter_mut().take(rows).enumerate() {
-            *o = unsafe { out.slice((i0 + r) * hq * d + h * d, d) };
-            o.fill(0.0);
+        for x in seen.iter_mut() {
+            *x /= sum;
         }
-        for j in 0..ctx_last {
-            let vj = &v_cache[(j * hkv + kvh) * d..(j * hkv + kvh + 1) * d];
-            for i in first_row(j)..i1 {
-                let p = scores[sc(i) + j];
-                for (o, v) in outs[i - i0].iter_mut().zip(vj) {
-                    *o = p.mul_add(*v, *o);
-                }
-            }
-        }
+        masked.fill(0.0);
     }
+    gemm_nn(scores, ctx, vc, ldkv, m, ctx, d, o, d);
+    o
 }
 
 /// Causal GQA attention of `t` new queries against a cache of `len` positions.
@@ -128,24 +112,63 @@ pub fn attention_causal(
     if t == 0 || hq == 0 || d == 0 {
         return;
     }
-    let blocks = t.div_ceil(Q_BLOCK);
+    let n_rep = hq / hkv;
+    let past = len - t;
+    let ldkv = hkv * d;
     let shared = SharedOut::new(out);
-    let run = |scores: &mut Vec<f32>, task: usize| {
-        let (b, h) = (task / hq, task % hq);
-        let (i0, i1) = (b * Q_BLOCK, ((b + 1) * Q_BLOCK).min(t));
-        scores.resize((i1 - i0) * len, 0.0);
-        block(
-            q, k_cache, v_cache, t, len, hq, hkv, d, scale, h, i0, i1, scores, shared,
-        );
+    // SAFETY (both task kinds): a task writes only the rows out[i, h, :] of its own (row, head) pairs;
+    // distinct tasks own distinct pairs, and `out` stays borrowed until every task has finished.
+    let by_group = n_rep >= GROUP_MIN;
+    let run = |scratch: &mut Vec<f32>, task: usize| {
+        if by_group {
+            // One query row, all heads of one KV group: consecutive heads are rows of stride d.
+            let (i, g) = (task / hkv, task % hkv);
+            let h0 = g * n_rep;
+            let ctx = past + i + 1;
+            let (kc, vc) = (&k_cache[g * d..], &v_cache[g * d..]);
+            let qs = &q[(i * hq + h0) * d..];
+            let o = attend(qs, d, n_rep, kc, vc, ldkv, ctx, d, scale, |_| ctx, scratch);
+            let dst = unsafe { shared.slice((i * hq + h0) * d, n_rep * d) };
+            dst.copy_from_slice(o);
+        } else {
+            // A block of query rows of one head.
+            let (b, h) = (task / hq, task % hq);
+            let (i0, i1) = (b * Q_BLOCK, ((b + 1) * Q_BLOCK).min(t));
+            let g = h / n_rep;
+            let (kc, vc) = (&k_cache[g * d..], &v_cache[g * d..]);
+            let qs = &q[(i0 * hq + h) * d..];
+            let vis = |r: usize| past + i0 + r + 1;
+            let o = attend(
+                qs,
+                hq * d,
+                i1 - i0,
+                kc,
+                vc,
+                ldkv,
+                past + i1,
+                d,
+                scale,
+                vis,
+                scratch,
+            );
+            for (r, row) in o.chunks_exact(d).enumerate() {
+                let dst = unsafe { shared.slice(((i0 + r) * hq + h) * d, d) };
+                dst.copy_from_slice(row);
+            }
+        }
     };
-    let tasks = blocks * hq;
+    let tasks = if by_group {
+        t * hkv
+    } else {
+        t.div_ceil(Q_BLOCK) * hq
+    };
     let work = 2 * t * hq * len * d;
     if work < PAR_MIN_WORK || tasks == 1 {
-        let mut scores = Vec::new();
-        (0..tasks).for_each(|task| run(&mut scores, task));
+        let mut scratch = Vec::new();
+        (0..tasks).for_each(|task| run(&mut scratch, task));
     } else {
         (0..tasks)
             .into_par_iter()
-            .for_each_init(Vec::new, |scores, task| run(scores, task));
+            .for_each_init(Vec::new, |scratch, task| run(scratch, task));
     }
 }

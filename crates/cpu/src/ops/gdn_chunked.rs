@@ -9,10 +9,11 @@
 //! - `v' = U − W S`; `o_i = (q_i e^{c_i}) S + Σ_{j≤i} P[i][j] v'_j`;
 //! - `S ← S e^{c_{L−1}} + Σ_j (k_j e^{c_{L−1}−c_j}) ⊗ v'_j`.
 //!
-//! Products the reference computes as matrix multiplications use fused multiply-adds here.
+//! The products the reference computes as matrix multiplications are the GEMM kernels of `gemm.rs`.
 
 use super::gdn::{for_each_head, load_qk, out_row, q_scale, Dims};
-use super::{dot_fma, multiversion, SharedOut};
+use super::gemm::{gemm_nn, gemm_nt};
+use super::SharedOut;
 
 /// Per-head scratch for one chunk of up to `c` tokens.
 struct Scratch {
@@ -25,9 +26,12 @@ struct Scratch {
     p: Vec<f32>,
     u: Vec<f32>,
     w: Vec<f32>,
-    vnew: Vec<f32>,
     qd: Vec<f32>,
+    vnew: Vec<f32>,
+    o: Vec<f32>,
     tmp: Vec<f32>,
+    kdt: Vec<f32>,
+    upd: Vec<f32>,
 }
 
 impl Scratch {
@@ -42,147 +46,150 @@ impl Scratch {
             p: vec![0.0; c * c],
             u: vec![0.0; c * dv],
             w: vec![0.0; c * dk],
+            qd: vec![0.0; c * dk],
             vnew: vec![0.0; c * dv],
-            qd: vec![0.0; dk],
-            tmp: vec![0.0; dv.max(dk)],
+            o: vec![0.0; c * dv],
+            tmp: vec![0.0; c * dv.max(dk)],
+            kdt: vec![0.0; dk * c],
+            upd: vec![0.0; dk * dv],
         }
     }
 }
 
-/// `acc[:] += a · x[:]` with fused multiply-adds.
-#[inline(always)]
-fn axpy(acc: &mut [f32], a: f32, x: &[f32]) {
-    for (y, x) in acc.iter_mut().zip(x) {
-        *y = a.mul_add(*x, *y);
-    }
-}
-
-/// Solves `(I + A) X = B` in place for unit lower-triangular `I + A` (`A` strictly lower, stride `c`):
-/// `X_i = B_i − Σ_{j<i} A[i][j] X_j`, rows of width `n`.
-#[inline(always)]
-fn forward_substitute(a: &[f32], c: usize, len: usize, x: &mut [f32], n: usize) {
+/// Solves `(I + A) X = B` in place for unit lower-triangular `I + A` (`A` strictly lower, row stride
+/// `c`): `X_i = B_i − Σ_{j<i} A[i][j] X_j`, the sum taken first (an NN product), rows of width `n`.
+fn forward_substitute(a: &[f32], c: usize, len: usize, x: &mut [f32], n: usize, tmp: &mut [f32]) {
+    let tmp = &mut tmp[..n];
     for i in 1..len {
         let (done, rest) = x.split_at_mut(i * n);
-        let xi = &mut rest[..n];
-        for j in 0..i {
-            axpy(xi, -a[i * c + j], &done[j * n..(j + 1) * n]);
+        gemm_nn(&a[i * c..], c, done, n, 1, i, n, tmp, n);
+        for (x, s) in rest[..n].iter_mut().zip(tmp.iter()) {
+            *x -= s;
         }
     }
 }
 
-multiversion! {
-    fn chunked_head(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        g: &[f32],
-        beta: &[f32],
-        st: &mut [f32],
-        out: SharedOut,
-        d: Dims,
-        h: usize,
-        chunk: usize,
-    ) {
-        let (dk, dv, c) = (d.dk, d.dv, chunk);
-        let kh = d.key_head(h);
-        let scale = q_scale(dk);
-        let mut sc = Scratch::new(c, dk, dv);
-        let mut s0 = 0;
-        while s0 < d.t {
-            let len = c.min(d.t - s0);
-            // Phase 1: normalised q/k, β-weighted k/v, cumulative decay.
-            let mut cum = 0f32;
-            for i in 0..len {
-                let s = s0 + i;
-                let (qi, ki) = (&mut sc.qn[i * dk..(i + 1) * dk], &mut sc.kn[i * dk..(i + 1) * dk]);
-                load_qk(q, k, d, s, kh, scale, qi, ki);
-                let b = beta[s * d.hv + h];
-                for (o, x) in sc.kb[i * dk..(i + 1) * dk].iter_mut().zip(ki.iter()) {
-                    *o = x * b;
-                }
-                let vs = &v[(s * d.hv + h) * dv..(s * d.hv + h + 1) * dv];
-                for (o, x) in sc.vb[i * dv..(i + 1) * dv].iter_mut().zip(vs) {
-                    *o = x * b;
-                }
-                cum = if i == 0 { g[s * d.hv + h] } else { cum + g[s * d.hv + h] };
-                sc.gc[i] = cum;
+/// One value head over the whole sequence, chunk by chunk.
+#[allow(clippy::too_many_arguments)]
+fn chunked_head(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    st: &mut [f32],
+    out: SharedOut,
+    d: Dims,
+    h: usize,
+    chunk: usize,
+) {
+    let (dk, dv, c) = (d.dk, d.dv, chunk);
+    let kh = d.key_head(h);
+    let scale = q_scale(dk);
+    let mut sc = Scratch::new(c, dk, dv);
+    let mut s0 = 0;
+    while s0 < d.t {
+        let len = c.min(d.t - s0);
+        // Phase 1: normalised q/k, β-weighted k/v, cumulative decay.
+        let mut cum = 0f32;
+        for i in 0..len {
+            let s = s0 + i;
+            let (qi, ki) = (
+                &mut sc.qn[i * dk..(i + 1) * dk],
+                &mut sc.kn[i * dk..(i + 1) * dk],
+            );
+            load_qk(q, k, d, s, kh, scale, qi, ki);
+            let b = beta[s * d.hv + h];
+            for (o, x) in sc.kb[i * dk..(i + 1) * dk].iter_mut().zip(ki.iter()) {
+                *o = x * b;
             }
-            // Phase 2: the UT system A (strictly lower) and the intra-chunk attention P (lower).
-            for i in 0..len {
-                let kbi = &sc.kb[i * dk..(i + 1) * dk];
-                let qi = &sc.qn[i * dk..(i + 1) * dk];
-                for j in 0..=i {
-                    let kj = &sc.kn[j * dk..(j + 1) * dk];
-                    let decay = (sc.gc[i] - sc.gc[j]).exp();
-                    if j < i {
-                        sc.a[i * c + j] = dot_fma(kbi, kj) * decay;
-                    }
-                    sc.p[i * c + j] = dot_fma(qi, kj) * decay;
-                }
+            let vs = &v[(s * d.hv + h) * dv..(s * d.hv + h + 1) * dv];
+            for (o, x) in sc.vb[i * dv..(i + 1) * dv].iter_mut().zip(vs) {
+                *o = x * b;
             }
-            // Phase 3: U = (I + A)⁻¹ βv and W = (I + A)⁻¹ βk·e^c.
-            sc.u[..len * dv].copy_from_slice(&sc.vb[..len * dv]);
-            forward_substitute(&sc.a, c, len, &mut sc.u[..len * dv], dv);
-            for i in 0..len {
-                let e = sc.gc[i].exp();
-                for (o, x) in sc.w[i * dk..(i + 1) * dk].iter_mut().zip(&sc.kb[i * dk..(i + 1) * dk]) {
-                    *o = x * e;
-                }
-            }
-            forward_substitute(&sc.a, c, len, &mut sc.w[..len * dk], dk);
-            // Phase 4: v' = U − W·S.
-            for i in 0..len {
-                let tmp = &mut sc.tmp[..dv];
-                tmp.fill(0.0);
-                for (wa, row) in sc.w[i * dk..(i + 1) * dk].iter().zip(st.chunks_exact(dv)) {
-                    axpy(tmp, *wa, row);
-                }
-                for ((o, u), m) in sc.vnew[i * dv..(i + 1) * dv].iter_mut().zip(&sc.u[i * dv..]).zip(tmp.iter()) {
-                    *o = u - m;
-                }
-            }
-            // Phase 5: o_i = (q_i e^{c_i})·S + Σ_{j≤i} P[i][j] v'_j.
-            for i in 0..len {
-                let e = sc.gc[i].exp();
-                for (o, x) in sc.qd.iter_mut().zip(&sc.qn[i * dk..(i + 1) * dk]) {
-                    *o = x * e;
-                }
-                // SAFETY: this task owns head h; one row at a time.
-                let o = unsafe { out_row(&out, d, s0 + i, h) };
-                o.fill(0.0);
-                for (qa, row) in sc.qd.iter().zip(st.chunks_exact(dv)) {
-                    axpy(o, *qa, row);
-                }
-                let tmp = &mut sc.tmp[..dv];
-                tmp.fill(0.0);
-                for j in 0..=i {
-                    axpy(tmp, sc.p[i * c + j], &sc.vnew[j * dv..(j + 1) * dv]);
-                }
-                for (o, x) in o.iter_mut().zip(tmp.iter()) {
-                    *o += x;
-                }
-            }
-            // Phase 6: S ← S·e^{c_last} + Σ_j (k_j e^{c_last − c_j}) ⊗ v'_j.
-            let last = sc.gc[len - 1];
-            for i in 0..len {
-                let e = (last - sc.gc[i]).exp();
-                for x in sc.kn[i * dk..(i + 1) * dk].iter_mut() {
-                    *x *= e;
-                }
-            }
-            let cd = last.exp();
-            for (a, row) in st.chunks_exact_mut(dv).enumerate() {
-                let tmp = &mut sc.tmp[..dv];
-                tmp.fill(0.0);
-                for j in 0..len {
-                    axpy(tmp, sc.kn[j * dk + a], &sc.vnew[j * dv..(j + 1) * dv]);
-                }
-                for (x, u) in row.iter_mut().zip(tmp.iter()) {
-                    *x = *x * cd + u;
-                }
-            }
-            s0 += len;
+            cum = if i == 0 {
+                g[s * d.hv + h]
+            } else {
+                cum + g[s * d.hv + h]
+            };
+            sc.gc[i] = cum;
         }
+        // Phase 2: the UT system A (strictly lower) and the intra-chunk attention P (lower), both
+        // weighted by the pairwise decay; the upper parts are set to exactly 0.
+        gemm_nt(&sc.kb, dk, &sc.kn, dk, len, dk, len, &mut sc.a, c);
+        gemm_nt(&sc.qn, dk, &sc.kn, dk, len, dk, len, &mut sc.p, c);
+        for i in 0..len {
+            for j in 0..len {
+                let (a, p) = (&mut sc.a[i * c + j], &mut sc.p[i * c + j]);
+                if j <= i {
+                    let decay = (sc.gc[i] - sc.gc[j]).exp();
+                    *a = if j < i { *a * decay } else { 0.0 };
+                    *p *= decay;
+                } else {
+                    *a = 0.0;
+                    *p = 0.0;
+                }
+            }
+        }
+        // Phase 3: U = (I + A)⁻¹ βv and W = (I + A)⁻¹ βk·e^c.
+        sc.u[..len * dv].copy_from_slice(&sc.vb[..len * dv]);
+        forward_substitute(&sc.a, c, len, &mut sc.u[..len * dv], dv, &mut sc.tmp);
+        for i in 0..len {
+            let e = sc.gc[i].exp();
+            let (w, kb) = (
+                &mut sc.w[i * dk..(i + 1) * dk],
+                &sc.kb[i * dk..(i + 1) * dk],
+            );
+            for (o, x) in w.iter_mut().zip(kb) {
+                *o = x * e;
+            }
+        }
+        forward_substitute(&sc.a, c, len, &mut sc.w[..len * dk], dk, &mut sc.tmp);
+        // Phase 4: v' = U − W·S.
+        gemm_nn(&sc.w, dk, st, dv, len, dk, dv, &mut sc.tmp, dv);
+        for ((o, u), m) in sc.vnew[..len * dv].iter_mut().zip(&sc.u).zip(&sc.tmp) {
+            *o = u - m;
+        }
+        // Phase 5: o = (q e^c)·S + P·v'.
+        for i in 0..len {
+            let e = sc.gc[i].exp();
+            let (qd, qn) = (
+                &mut sc.qd[i * dk..(i + 1) * dk],
+                &sc.qn[i * dk..(i + 1) * dk],
+            );
+            for (o, x) in qd.iter_mut().zip(qn) {
+                *o = x * e;
+            }
+        }
+        gemm_nn(&sc.qd, dk, st, dv, len, dk, dv, &mut sc.o, dv);
+        gemm_nn(&sc.p, c, &sc.vnew, dv, len, len, dv, &mut sc.tmp, dv);
+        for (i, (o, x)) in
+            sc.o.chunks_exact_mut(dv)
+                .zip(sc.tmp.chunks_exact(dv))
+                .take(len)
+                .enumerate()
+        {
+            // SAFETY: this task owns head h; one row at a time.
+            let dst = unsafe { out_row(&out, d, s0 + i, h) };
+            for ((dst, o), x) in dst.iter_mut().zip(o.iter_mut()).zip(x) {
+                *o += x;
+                *dst = *o;
+            }
+        }
+        // Phase 6: S ← S·e^{c_last} + (k e^{c_last − c})ᵀ·v'.
+        let last = sc.gc[len - 1];
+        for j in 0..len {
+            let e = (last - sc.gc[j]).exp();
+            for a in 0..dk {
+                sc.kdt[a * c + j] = sc.kn[j * dk + a] * e;
+            }
+        }
+        gemm_nn(&sc.kdt, c, &sc.vnew, dv, dk, len, dv, &mut sc.upd, dv);
+        let cd = last.exp();
+        for (x, u) in st.iter_mut().zip(&sc.upd) {
+            *x = *x * cd + u;
+        }
+        s0 += len;
     }
 }
 

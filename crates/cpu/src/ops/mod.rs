@@ -17,6 +17,7 @@ mod attention;
 mod conv;
 mod gdn;
 mod gdn_chunked;
+mod gemm;
 mod linear;
 mod moe;
 mod norm;
@@ -114,26 +115,6 @@ pub(crate) fn hsum8(a: &[f32; 8]) -> f32 {
     let s2 = a[2] + a[6];
     let s3 = a[3] + a[7];
     (s0 + s2) + (s1 + s3)
-}
-
-/// Dot product with 8 independent fused multiply-add lanes, then `hsum8`, then the tail in order.
-#[inline(always)]
-pub(crate) fn dot_fma(a: &[f32], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; 8];
-    let mut ca = a.chunks_exact(8);
-    let mut cb = b.chunks_exact(8);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for l in 0..8 {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
-        }
-    }
-    let mut s = hsum8(&acc);
-    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        s = x.mul_add(*y, s);
-    }
-    s
 }
 
 /// Sum of squares with 8 plain (unfused) lanes, then `hsum8`, then the tail in order.

@@ -42,7 +42,10 @@ multiversion! {
 /// `offset = 1.0` is Qwen3-Next's zero-centred RMSNorm (weights stored around 0); `offset = 0.0` the plain
 /// one. `x`: `[rows, d]`; `w`: `[d]`.
 pub fn rms_norm(x: &mut [f32], w: &[f32], d: usize, eps: f32, offset: f32) {
-    assert!(d > 0 && x.len().is_multiple_of(d), "rms_norm: x must be [rows, d]");
+    assert!(
+        d > 0 && x.len().is_multiple_of(d),
+        "rms_norm: x must be [rows, d]"
+    );
     assert_eq!(w.len(), d, "rms_norm: w must be [d]");
     for_rows(x, d, |_, row| rms_row(row, w, eps, offset));
 }
@@ -88,6 +91,9 @@ multiversion! {
 
 /// l2norm per row, in place: `y = x · rsqrt(Σx² + eps)`. `x`: `[rows, d]`.
 pub fn l2_norm(x: &mut [f32], d: usize, eps: f32) {
-    assert!(d > 0 && x.len().is_multiple_of(d), "l2_norm: x must be [rows, d]");
+    assert!(
+        d > 0 && x.len().is_multiple_of(d),
+        "l2_norm: x must be [rows, d]"
+    );
     for_rows(x, d, |_, row| l2_row_mv(row, eps));
 }

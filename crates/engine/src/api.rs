@@ -1,0 +1,168 @@
+//! What the engine accepts and what it answers: the contract between the HTTP layer and the engine loop.
+//!
+//! A request is already tokenized and validated when it gets here. The engine streams [`EngineEvent`]s
+//! back on the request's channel: zero or more `Tokens`, then exactly one `Finished`. Dropping the
+//! [`RequestStream`] aborts the request (a client that disconnects frees its resources within one step).
+
+use crate::sampler::SamplingParams;
+
+/// Why a request stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS, a stop token id or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+    /// Aborted (client gone, server shutting down).
+    Abort,
+    /// The engine failed this request; the message says why.
+    Error(String),
+}
+
+/// When to stop generating.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct StopParams {
+    /// New tokens at most; `None` = up to the context length.
+    pub max_tokens: Option<usize>,
+    /// EOS and stop conditions are ignored until this many tokens are generated.
+    pub min_tokens: usize,
+    /// Stop strings: never emitted, text is held back while one could still match.
+    pub stop: Vec<String>,
+    /// Extra token ids that stop generation (the stop token itself is not emitted as text).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past EOS.
+    pub ignore_eos: bool,
+}
+
+/// A tokenized, validated request.
+#[derive(Debug, Clone)]
+pub struct EngineRequest {
+    /// Unique id (for logs, abort and metrics).
+    pub id: String,
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    pub stop: StopParams,
+    /// Report the log-probability of every prompt token (first is `None`), with `sampling.logprobs`
+    /// alternatives each.
+    pub prompt_logprobs: bool,
+    /// Extra keys mixed into the prefix-cache hashes (e.g. image hashes); empty for text.
+    pub cache_salt: Vec<u64>,
+}
+
+/// The log-probability of one token and its most likely alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    /// Most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// What the engine sends back for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// Prompt log-probabilities (only when asked), sent once before any `Tokens`.
+    PromptLogprobs(Vec<Option<TokenLogprob>>),
+    /// Newly generated tokens and the text they complete. `text` never contains a stop string and never
+    /// ends inside a UTF-8 character; it may be empty while text is held back. `logprobs` has one entry per
+    /// id when the request asked for log-probabilities, else it is empty.
+    Tokens {
+        ids: Vec<u32>,
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// The last event of a request.
+    Finished {
+        reason: FinishReason,
+        /// The stop string or stop token id that ended it, if any.
+        stop_reason: Option<StopReason>,
+        usage: Usage,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    Token(u32),
+    Text(String),
+}
+
+/// Why a request was refused before it started.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the prompt has {prompt} tokens but the context length is {max_model_len}")]
+    PromptTooLong { prompt: usize, max_model_len: usize },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the server is overloaded: {0} requests are waiting")]
+    Overloaded(usize),
+    #[error("the engine is shutting down")]
+    ShuttingDown,
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// A snapshot of the engine's counters and gauges for `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MetricsSnapshot {
+    pub requests_running: usize,
+    pub requests_waiting: usize,
+    /// Share of KV blocks in use, 0..=1.
+    pub kv_cache_usage: f64,
+    pub prompt_tokens_total: u64,
+    pub generation_tokens_total: u64,
+    pub prefix_cache_queries_total: u64,
+    pub prefix_cache_hits_total: u64,
+    pub preemptions_total: u64,
+    pub requests_finished_total: u64,
+    /// Histogram samples in seconds, since the previous snapshot is not tracked: cumulative buckets.
+    pub time_to_first_token: Histogram,
+    pub inter_token_latency: Histogram,
+    pub e2e_request_latency: Histogram,
+}
+
+/// A cumulative histogram with fixed bucket bounds (seconds).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Histogram {
+    pub bounds: Vec<f64>,
+    /// `counts[i]` = samples ≤ `bounds[i]` (cumulative); the last entry counts everything (+Inf).
+    pub counts: Vec<u64>,
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &[f64]) -> Self {
+        Histogram {
+            bounds: bounds.to_vec(),
+            counts: vec![0; bounds.len() + 1],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    pub fn observe(&mut self, v: f64) {
+        for (i, b) in self.bounds.iter().enumerate() {
+            if v <= *b {
+                self.counts[i] += 1;
+            }
+        }
+        *self.counts.last_mut().unwrap() += 1;
+        self.sum += v;
+        self.count += 1;
+    }
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Histogram::new(&[0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0])
+    }
+}

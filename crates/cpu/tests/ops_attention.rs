@@ -115,40 +115,44 @@ fn chunk_in_the_middle_matches_naive() {
 
 #[test]
 fn rows_do_not_depend_on_how_queries_are_split() {
-    // Prefill in one call equals prefill in two calls (the second against the longer cache), bit for bit.
-    let (len, hq, hkv, d) = (53, 4, 2, 24);
-    let c = Case::new(len, len, hq, hkv, d, 8);
-    let all = c.run();
-    let a = 21;
-    let w = hkv * d;
-    let mut first = vec![0f32; a * hq * d];
-    attention_causal(
-        &c.q[..a * hq * d],
-        &c.k[..a * w],
-        &c.v[..a * w],
-        a,
-        a,
-        hq,
-        hkv,
-        d,
-        c.scale(),
-        &mut first,
-    );
-    let mut second = vec![0f32; (len - a) * hq * d];
-    attention_causal(
-        &c.q[a * hq * d..],
-        &c.k,
-        &c.v,
-        len - a,
-        len,
-        hq,
-        hkv,
-        d,
-        c.scale(),
-        &mut second,
-    );
-    first.extend(second);
-    assert_eq!(all, first);
+    // Prefill in one call equals prefill in two calls (the second against the longer cache), bit for bit,
+    // with few query heads per KV head (tasks are row blocks of one head) and many (tasks are the heads
+    // of one KV group for one row).
+    for (hq, hkv) in [(4, 2), (8, 2)] {
+        let (len, d) = (53, 24);
+        let c = Case::new(len, len, hq, hkv, d, 8);
+        let all = c.run();
+        let a = 21;
+        let w = hkv * d;
+        let mut first = vec![0f32; a * hq * d];
+        attention_causal(
+            &c.q[..a * hq * d],
+            &c.k[..a * w],
+            &c.v[..a * w],
+            a,
+            a,
+            hq,
+            hkv,
+            d,
+            c.scale(),
+            &mut first,
+        );
+        let mut second = vec![0f32; (len - a) * hq * d];
+        attention_causal(
+            &c.q[a * hq * d..],
+            &c.k,
+            &c.v,
+            len - a,
+            len,
+            hq,
+            hkv,
+            d,
+            c.scale(),
+            &mut second,
+        );
+        first.extend(second);
+        assert_eq!(all, first, "hq={hq} hkv={hkv}");
+    }
 }
 
 #[test]

@@ -128,6 +128,7 @@ pub fn attention_causal(
             let (kc, vc) = (&k_cache[g * d..], &v_cache[g * d..]);
             let qs = &q[(i * hq + h0) * d..];
             let o = attend(qs, d, n_rep, kc, vc, ldkv, ctx, d, scale, |_| ctx, scratch);
+            // SAFETY: rows out[i, h0..h0 + n_rep, :] belong to this task alone.
             let dst = unsafe { shared.slice((i * hq + h0) * d, n_rep * d) };
             dst.copy_from_slice(o);
         } else {
@@ -152,6 +153,7 @@ pub fn attention_causal(
                 scratch,
             );
             for (r, row) in o.chunks_exact(d).enumerate() {
+                // SAFETY: row out[i0 + r, h, :] belongs to this task alone.
                 let dst = unsafe { shared.slice(((i0 + r) * hq + h) * d, d) };
                 dst.copy_from_slice(row);
             }

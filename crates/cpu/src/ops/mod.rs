@@ -4,10 +4,12 @@
 //! HF transformers reference (Qwen3-Next / Qwen3.5-MoE) operation by operation, in f32. Shapes are given
 //! in the doc comment of each function as `[outer, .., inner]` with the last axis contiguous.
 //!
-//! Determinism: every op gives bit-identical results for any thread count, and the hot loops are compiled
-//! twice (baseline and AVX2+FMA, picked at run time) with the same arithmetic in both, so the result does
-//! not depend on the CPU either. `matmul_t` is also batch-invariant: row `i` of the output depends only on
-//! row `i` of the input, never on how many rows are computed with it.
+//! Determinism: every op gives bit-identical results for any thread count. The SIMD versions of the hot
+//! loops (AVX2+FMA, picked at run time) perform the same operations in the same order as their portable
+//! versions, so results do not depend on the vector width either (`exp`, `ln_1p`, `cos` and `sin` come
+//! from the platform's libm). `matmul_t` is batch-invariant: row `i` of the output depends only on row `i`
+//! of the input, never on how many rows are computed with it; likewise each query row of
+//! `attention_causal` does not depend on how the queries are split across calls.
 //!
 //! Shape mismatches between the slices and the sizes passed are programming errors and panic with a
 //! message naming the op; no op panics on the values it is given (NaN and infinities flow through).

@@ -9,7 +9,8 @@
 //!
 //! Nothing sorts the row. Candidates are gathered by a logit threshold from the blocks whose maximum
 //! reaches it: for top-k the threshold is the k-th largest block maximum (at least `k` tokens lie above
-//! it), for top-p it is lowered in steps until the gathered mass reaches the target. The survivors are
+//! it; with fewer blocks than `k`, the k-th largest value among the leading blocks), for top-p it is
+//! lowered in steps until the gathered mass reaches the target. The survivors are
 //! then cut with `select_nth_unstable` (top-k) and a select-based partition on cumulative mass (top-p).
 
 use std::cmp::Ordering;
@@ -109,6 +110,29 @@ fn kth_block_max(maxima: &[f32], k: usize, tmp: &mut Vec<f32>) -> f32 {
     *tmp.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a)).1
 }
 
+/// A logit that at least `k` tokens reach (any `k` values of the row bound its `k`-th largest from
+/// below): the `k`-th largest block maximum, or with fewer than `k` blocks the `k`-th largest value of
+/// the blocks with the largest maxima.
+fn kth_lower_bound(s: &Scaled<'_>, k: usize, tmp: &mut Vec<f32>) -> f32 {
+    let blocks = s.maxima.len();
+    if k <= blocks {
+        return kth_block_max(s.maxima, k, tmp);
+    }
+    // Enough whole blocks to hold `k` values even if one of them is the short last block.
+    let need = (k.div_ceil(BLOCK) + 1).min(blocks);
+    let cut = kth_block_max(s.maxima, need, tmp);
+    tmp.clear();
+    for (b, &bm) in s.maxima.iter().enumerate() {
+        if bm >= cut {
+            tmp.extend(block(s.row, b).iter().filter(|z| !z.is_nan()));
+        }
+    }
+    if tmp.len() < k {
+        return f32::NEG_INFINITY;
+    }
+    *tmp.select_nth_unstable_by(k - 1, |a, b| b.total_cmp(a)).1
+}
+
 /// Keeps the first `k` candidates of the ranking (in no particular order).
 pub(crate) fn keep_top_k(cands: &mut Vec<Candidate>, k: usize) {
     if k == 0 || cands.len() <= k {
@@ -180,7 +204,7 @@ pub(crate) fn select(
 ) -> bool {
     let top_p = t.top_p < 1.0;
     if let Some(k) = t.top_k {
-        s.gather(kth_block_max(s.maxima, k, tmp), cands);
+        s.gather(kth_lower_bound(s, k, tmp), cands);
         keep_top_k(cands, k);
         if top_p {
             keep_top_p(cands, t.top_p as f64 * mass(cands));

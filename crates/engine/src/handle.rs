@@ -21,7 +21,10 @@ pub struct EngineInfo {
 }
 
 pub(crate) enum Command {
-    Submit(Box<EngineRequest>, tokio::sync::mpsc::UnboundedSender<EngineEvent>),
+    Submit(
+        Box<EngineRequest>,
+        tokio::sync::mpsc::UnboundedSender<EngineEvent>,
+    ),
     Abort(String),
     Shutdown,
 }
@@ -52,19 +55,28 @@ impl EngineHandle {
                 max_model_len: self.info.max_model_len,
             });
         }
-        if let Some(&bad) = req.prompt.iter().find(|&&t| t as usize >= self.info.valid_vocab) {
+        if let Some(&bad) = req
+            .prompt
+            .iter()
+            .find(|&&t| t as usize >= self.info.valid_vocab)
+        {
             return Err(SubmitError::Invalid(format!(
                 "token id {bad} is outside the vocabulary of {} tokens",
                 self.info.valid_vocab
             )));
         }
-        let waiting = self.limits.waiting.load(std::sync::atomic::Ordering::Relaxed);
+        let waiting = self
+            .limits
+            .waiting
+            .load(std::sync::atomic::Ordering::Relaxed);
         if waiting >= self.limits.max_waiting {
             return Err(SubmitError::Overloaded(waiting));
         }
         let (etx, erx) = tokio::sync::mpsc::unbounded_channel();
         let id = req.id.clone();
-        self.limits.waiting.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.limits
+            .waiting
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.tx
             .send(Command::Submit(Box::new(req), etx))
             .map_err(|_| SubmitError::ShuttingDown)?;

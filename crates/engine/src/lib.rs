@@ -2,11 +2,18 @@
 //! for many concurrent requests.
 //!
 //! [`api`] is the contract with the HTTP layer (requests in, events out), [`EngineHandle`] the front door
-//! of the engine thread, and [`sampler`] turns one row of logits per sequence into a token id plus the
-//! log-probabilities an OpenAI response reports.
+//! of the engine thread started by [`start`], [`executor`] the seam to the model, and [`sampler`] turns one
+//! row of logits per sequence into a token id plus the log-probabilities an OpenAI response reports.
 
 pub mod api;
+mod engine;
+pub mod executor;
 mod handle;
 pub mod sampler;
+mod sequence;
+mod stop;
 
+pub use engine::{start, EngineConfig};
+pub use executor::{Executor, ModelExecutor};
 pub use handle::{EngineHandle, EngineInfo, RequestStream};
+pub use stop::{StopCheck, StopStrings};

@@ -12,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use sanmai_tokenizer::Tokenizer;
 
 use crate::api::{EngineEvent, FinishReason, MetricsSnapshot, StopReason, TokenLogprob};
-use crate::executor::{Executor, LogitRows, PlannedChunk, StepPlan};
+use crate::executor::{CacheGeometry, Executor, LogitRows, PlannedChunk, StepPlan};
 use crate::handle::{Command, EngineHandle, EngineInfo, Limits};
+use crate::kv_cache::CacheManager;
 use crate::sampler::{RowLogprobs, SampleRequest, Sampler};
 use crate::sequence::{Appended, Sequence};
 
@@ -33,14 +34,89 @@ pub struct EngineConfig {
     pub valid_vocab: usize,
     /// Ids that end generation unless a request says `ignore_eos`.
     pub eos_ids: Vec<u32>,
+    /// Positions per K/V block.
+    pub block_size: usize,
+    /// Memory for K/V blocks and state checkpoints.
+    pub kv_cache_memory_bytes: usize,
+    pub enable_prefix_caching: bool,
+    /// Tokens between GDN state checkpoints (a multiple of `block_size`); `None` sizes it so a checkpoint
+    /// costs no more than the K/V of the tokens it covers.
+    pub state_checkpoint_interval: Option<usize>,
 }
 
-/// Starts the engine thread and returns its handle.
+/// The cache plan derived from the config and the model's geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CachePlan {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub interval: usize,
+    pub checkpoint_blocks: usize,
+}
+
+impl EngineConfig {
+    /// Blocks that fit the memory budget, the checkpoint interval and a checkpoint's size in blocks.
+    pub fn cache_plan(&self, g: CacheGeometry) -> Result<CachePlan, String> {
+        let bs = self.block_size.max(1);
+        let block_bytes = (g.kv_bytes_per_token * bs).max(1);
+        let num_blocks = self.kv_cache_memory_bytes / block_bytes;
+        let needed = self.max_model_len.div_ceil(bs) + 1;
+        if num_blocks < needed {
+            return Err(format!(
+                "the K/V cache budget of {} bytes holds {num_blocks} blocks of {bs} tokens ({block_bytes} bytes each), \
+                 but one request of max_model_len {} needs {needed}: raise --kv-cache-memory-bytes or lower --max-model-len",
+                self.kv_cache_memory_bytes, self.max_model_len
+            ));
+        }
+        let min_interval = (g.state_bytes / g.kv_bytes_per_token.max(1)).next_multiple_of(bs);
+        let interval = match self.state_checkpoint_interval {
+            Some(i) if i == 0 || i % bs != 0 => {
+                return Err(format!("--state-checkpoint-interval {i} must be a positive multiple of the block size {bs}"))
+            }
+            Some(i) => i,
+            None => min_interval.max(64 * bs),
+        };
+        Ok(CachePlan {
+            num_blocks,
+            block_size: bs,
+            interval,
+            checkpoint_blocks: g.state_bytes.div_ceil(block_bytes).max(1),
+        })
+    }
+}
+
+/// Plans the caches, starts the engine thread and returns its handle.
 pub fn start<E: Executor + 'static>(
-    executor: E,
+    mut executor: E,
     tokenizer: Option<Tokenizer>,
     cfg: EngineConfig,
-) -> EngineHandle {
+) -> Result<EngineHandle, String> {
+    let g = executor.geometry();
+    let plan = cfg.cache_plan(g)?;
+    let per_request = cfg.max_model_len.div_ceil(plan.block_size);
+    tracing::info!(
+        blocks = plan.num_blocks,
+        block_size = plan.block_size,
+        state_checkpoint_interval = plan.interval,
+        checkpoint_blocks = plan.checkpoint_blocks,
+        "K/V cache: {} bytes / ({} bytes per token × {} tokens per block) = {} blocks; a {}-token request \
+         needs {} blocks, so {} fit at once",
+        cfg.kv_cache_memory_bytes,
+        g.kv_bytes_per_token,
+        plan.block_size,
+        plan.num_blocks,
+        cfg.max_model_len,
+        per_request,
+        plan.num_blocks / per_request
+    );
+    executor.init_cache(plan.num_blocks, plan.block_size);
+    let cache = CacheManager::new(
+        plan.num_blocks,
+        plan.block_size,
+        cfg.enable_prefix_caching,
+        g.state_bytes > 0,
+        plan.interval,
+        plan.checkpoint_blocks,
+    );
     let (tx, rx) = channel();
     let info = Arc::new(EngineInfo {
         model_name: cfg.model_name.clone(),
@@ -54,6 +130,7 @@ pub fn start<E: Executor + 'static>(
         waiting: AtomicUsize::new(0),
     });
     let mut engine = Engine {
+        cache,
         sampler: Sampler::new(cfg.valid_vocab),
         cfg,
         executor,
@@ -69,17 +146,18 @@ pub fn start<E: Executor + 'static>(
         .name("sanmai-engine".into())
         .spawn(move || engine.run())
         .expect("spawning the engine thread");
-    EngineHandle {
+    Ok(EngineHandle {
         tx,
         info,
         metrics,
         limits,
-    }
+    })
 }
 
 struct Engine<E: Executor> {
     cfg: EngineConfig,
     executor: E,
+    cache: CacheManager,
     tokenizer: Option<Tokenizer>,
     sampler: Sampler,
     rx: Receiver<Command>,
@@ -178,56 +256,134 @@ impl<E: Executor> Engine<E> {
     }
 
     /// Builds the step: running decodes, then running prefills, then admissions, all under the budgets.
+    /// A sequence that cannot get blocks preempts the newest running sequence not yet in the step (or
+    /// itself): its caches are freed and it waits to be recomputed.
     fn schedule(&mut self) -> StepPlan {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut plan = StepPlan::default();
-        let mut order: Vec<usize> = (0..self.running.len())
-            .filter(|&i| !self.running[i].in_prefill())
+        let mut planned: Vec<String> = Vec::new();
+        let mut order: Vec<String> = self
+            .running
+            .iter()
+            .filter(|s| !s.in_prefill())
+            .map(|s| s.req.id.clone())
             .collect();
-        order.extend((0..self.running.len()).filter(|&i| self.running[i].in_prefill()));
-        for i in order {
+        order.extend(
+            self.running
+                .iter()
+                .filter(|s| s.in_prefill())
+                .map(|s| s.req.id.clone()),
+        );
+        for id in order {
             if budget == 0 {
                 break;
             }
-            if let Some(c) = self.chunk(&self.running[i], budget) {
-                budget -= c.tokens.len();
-                plan.chunks.push(c);
+            let Some(i) = self.running.iter().position(|s| s.req.id == id) else {
+                continue;
+            };
+            let len = self.chunk_len(&self.running[i], budget);
+            loop {
+                let seq = &mut self.running[i];
+                let end = seq.num_computed + len;
+                if self
+                    .cache
+                    .ensure(&mut self.executor, seq.cache.as_mut().unwrap(), end)
+                {
+                    break;
+                }
+                let victim = self
+                    .running
+                    .iter()
+                    .rposition(|s| !planned.contains(&s.req.id))
+                    .unwrap();
+                self.preempt(victim);
+                if victim == i {
+                    break;
+                }
             }
+            let Some(i) = self.running.iter().position(|s| s.req.id == id) else {
+                continue;
+            };
+            let c = self.chunk(&self.running[i], len);
+            budget -= c.tokens.len();
+            plan.chunks.push(c);
+            planned.push(id);
         }
         while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            self.limits.waiting.fetch_sub(1, Ordering::Relaxed);
-            seq.slot = Some(self.executor.alloc_slot());
-            if let Some(c) = self.chunk(&seq, budget) {
-                budget -= c.tokens.len();
-                plan.chunks.push(c);
+            let lookup = !(seq.req.prompt_logprobs && seq.num_output() == 0);
+            let (mut cache, cached) =
+                self.cache
+                    .admit(&mut self.executor, &seq.tokens, &seq.req.cache_salt, lookup);
+            seq.num_computed = cached;
+            if seq.num_output() == 0 {
+                seq.cached_tokens = cached;
             }
+            let len = self.chunk_len(&seq, budget);
+            if !self
+                .cache
+                .ensure(&mut self.executor, &mut cache, seq.num_computed + len)
+            {
+                self.cache.free(&mut self.executor, cache);
+                seq.num_computed = 0;
+                self.waiting.push_front(seq);
+                break;
+            }
+            self.limits.waiting.fetch_sub(1, Ordering::Relaxed);
+            seq.cache = Some(cache);
+            let c = self.chunk(&seq, len);
+            budget -= c.tokens.len();
+            plan.chunks.push(c);
             self.running.push(seq);
         }
         plan
     }
 
-    fn chunk(&self, seq: &Sequence, budget: usize) -> Option<PlannedChunk> {
-        let len = seq.pending().min(budget);
-        if len == 0 {
-            return None;
+    /// Tokens of `seq` to run this step: what is pending, within the budget, stopping at the next state
+    /// checkpoint boundary.
+    fn chunk_len(&self, seq: &Sequence, budget: usize) -> usize {
+        let mut len = seq.pending().min(budget);
+        if let Some(b) = self.cache.next_boundary(seq.num_computed) {
+            len = len.min(b - seq.num_computed);
         }
+        len
+    }
+
+    fn chunk(&self, seq: &Sequence, len: usize) -> PlannedChunk {
         let end = seq.num_computed + len;
-        let logits = if seq.req.prompt_logprobs && seq.num_computed < seq.prompt_len() {
+        let logits = if seq.req.prompt_logprobs && seq.num_output() == 0 {
             LogitRows::All
         } else if end == seq.tokens.len() {
             LogitRows::Last
         } else {
             LogitRows::None
         };
-        Some(PlannedChunk {
-            slot: seq.slot.expect("scheduled sequences hold a slot"),
+        let cache = seq.cache.as_ref().expect("scheduled sequences hold caches");
+        PlannedChunk {
+            state: cache.state,
+            blocks: cache.blocks.clone(),
             pos0: seq.num_computed,
             tokens: seq.tokens[seq.num_computed..end].to_vec(),
             logits,
-        })
+        }
+    }
+
+    /// Frees a running sequence's caches and puts it first in line to be recomputed.
+    fn preempt(&mut self, i: usize) {
+        let mut seq = self.running.remove(i);
+        if let Some(c) = seq.cache.take() {
+            self.cache.free(&mut self.executor, c);
+        }
+        seq.num_computed = 0;
+        if seq.num_output() == 0 {
+            seq.prompt_logprobs.clear();
+        }
+        self.stats.preemptions_total += 1;
+        tracing::debug!(request = %seq.req.id, "preempted");
+        self.limits.waiting.fetch_add(1, Ordering::Relaxed);
+        self.waiting.push_front(seq);
     }
 
     fn step(&mut self) {
@@ -247,7 +403,11 @@ impl<E: Executor> Engine<E> {
                     .to_string();
                 tracing::error!(error = %msg, "model step failed; failing its requests");
                 for c in &plan.chunks {
-                    if let Some(i) = self.running.iter().position(|s| s.slot == Some(c.slot)) {
+                    if let Some(i) = self
+                        .running
+                        .iter()
+                        .position(|s| s.cache.as_ref().map(|k| k.state) == Some(c.state))
+                    {
                         let seq = self.running.remove(i);
                         self.finish(seq, FinishReason::Error(msg.clone()), None);
                     }
@@ -261,7 +421,7 @@ impl<E: Executor> Engine<E> {
             let i = self
                 .running
                 .iter()
-                .position(|s| s.slot == Some(c.slot))
+                .position(|s| s.cache.as_ref().map(|k| k.state) == Some(c.state))
                 .expect("planned sequences are running");
             let rows = match c.logits {
                 LogitRows::None => 0,
@@ -289,7 +449,17 @@ impl<E: Executor> Engine<E> {
                     }
                 }
             }
+            let before = seq.num_computed;
             seq.num_computed += c.tokens.len();
+            let prompt_len = seq.prompt_len();
+            self.cache.after_step(
+                &mut self.executor,
+                seq.cache.as_mut().expect("running sequences hold caches"),
+                &seq.tokens,
+                before,
+                seq.num_computed,
+                prompt_len,
+            );
             if seq.num_computed < seq.tokens.len() {
                 continue; // mid-prefill
             }
@@ -352,8 +522,8 @@ impl<E: Executor> Engine<E> {
     }
 
     fn finish(&mut self, mut seq: Sequence, reason: FinishReason, stop: Option<StopReason>) {
-        if let Some(slot) = seq.slot.take() {
-            self.executor.free_slot(slot);
+        if let Some(c) = seq.cache.take() {
+            self.cache.free(&mut self.executor, c);
         }
         self.stats.requests_finished_total += 1;
         self.stats
@@ -370,6 +540,9 @@ impl<E: Executor> Engine<E> {
     fn publish(&mut self) {
         self.stats.requests_running = self.running.len();
         self.stats.requests_waiting = self.waiting.len();
+        self.stats.kv_cache_usage = self.cache.usage();
+        self.stats.prefix_cache_queries_total = self.cache.stats.queries;
+        self.stats.prefix_cache_hits_total = self.cache.stats.hits;
         *self.metrics.lock().unwrap() = self.stats.clone();
     }
 }

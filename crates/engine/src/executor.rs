@@ -17,8 +17,11 @@ pub enum LogitRows {
 /// One sequence's tokens in a step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlannedChunk {
-    pub slot: usize,
-    /// Position of `tokens[0]`; the slot's caches hold exactly `pos0` tokens before the step.
+    /// GDN state slot (holds the state after `pos0` tokens).
+    pub state: usize,
+    /// Block table covering at least `pos0 + tokens.len()` positions.
+    pub blocks: Vec<u32>,
+    /// Position of `tokens[0]`; the caches hold exactly `pos0` tokens before the step.
     pub pos0: usize,
     pub tokens: Vec<u32>,
     pub logits: LogitRows,
@@ -49,12 +52,25 @@ impl StepLogits {
     }
 }
 
-/// Runs steps for the engine loop.
+/// Sizes the engine needs to plan its cache budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheGeometry {
+    /// K/V bytes of one token across all attention layers.
+    pub kv_bytes_per_token: usize,
+    /// Bytes of one GDN state (all GDN layers); 0 for models without GDN layers.
+    pub state_bytes: usize,
+}
+
+/// Runs steps for the engine loop and owns the device-side caches they use.
 pub trait Executor: Send {
-    /// A fresh per-sequence cache slot.
-    fn alloc_slot(&mut self) -> usize;
-    /// Releases a slot's caches.
-    fn free_slot(&mut self, slot: usize);
+    fn geometry(&self) -> CacheGeometry;
+    /// Allocates the K/V block pool.
+    fn init_cache(&mut self, num_blocks: usize, block_size: usize);
+    /// A zeroed GDN state slot.
+    fn alloc_state(&mut self) -> usize;
+    fn free_state(&mut self, slot: usize);
+    fn copy_state(&mut self, src: usize, dst: usize);
+    fn copy_block(&mut self, src: u32, dst: u32);
     /// Runs one step.
     fn execute(&mut self, plan: &StepPlan) -> StepLogits;
 }
@@ -71,12 +87,31 @@ impl<B: Backend> ModelExecutor<B> {
 }
 
 impl<B: Backend> Executor for ModelExecutor<B> {
-    fn alloc_slot(&mut self) -> usize {
-        self.model.backend.alloc_seq()
+    fn geometry(&self) -> CacheGeometry {
+        CacheGeometry {
+            kv_bytes_per_token: self.model.kv_bytes_per_token(B::CACHE_ELEM_BYTES),
+            state_bytes: self.model.state_bytes(B::CACHE_ELEM_BYTES),
+        }
     }
 
-    fn free_slot(&mut self, slot: usize) {
-        self.model.backend.free_seq(slot);
+    fn init_cache(&mut self, num_blocks: usize, block_size: usize) {
+        self.model.init_cache(num_blocks, block_size);
+    }
+
+    fn alloc_state(&mut self) -> usize {
+        self.model.backend.alloc_state()
+    }
+
+    fn free_state(&mut self, slot: usize) {
+        self.model.backend.free_state(slot);
+    }
+
+    fn copy_state(&mut self, src: usize, dst: usize) {
+        self.model.backend.copy_state(src, dst);
+    }
+
+    fn copy_block(&mut self, src: u32, dst: u32) {
+        self.model.backend.copy_block(src, dst);
     }
 
     fn execute(&mut self, plan: &StepPlan) -> StepLogits {
@@ -88,10 +123,11 @@ impl<B: Backend> Executor for ModelExecutor<B> {
             let start = ids.len();
             ids.extend_from_slice(&c.tokens);
             seqs.push(SeqChunk {
-                slot: c.slot,
                 start,
                 len: c.tokens.len(),
                 pos0: c.pos0,
+                state: c.state,
+                blocks: &c.blocks,
             });
             match c.logits {
                 LogitRows::None => {}

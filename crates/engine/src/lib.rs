@@ -6,14 +6,16 @@
 //! row of logits per sequence into a token id plus the log-probabilities an OpenAI response reports.
 
 pub mod api;
+mod block_pool;
 mod engine;
 pub mod executor;
 mod handle;
+mod kv_cache;
 pub mod sampler;
 mod sequence;
 mod stop;
 
-pub use engine::{start, EngineConfig};
-pub use executor::{Executor, ModelExecutor};
+pub use engine::{start, CachePlan, EngineConfig};
+pub use executor::{CacheGeometry, Executor, ModelExecutor};
 pub use handle::{EngineHandle, EngineInfo, RequestStream};
 pub use stop::{StopCheck, StopStrings};

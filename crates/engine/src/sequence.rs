@@ -7,6 +7,7 @@ use sanmai_tokenizer::{IncrementalDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{EngineEvent, EngineRequest, FinishReason, StopReason, TokenLogprob, Usage};
+use crate::kv_cache::SeqCache;
 use crate::sampler::SamplerState;
 use crate::stop::StopStrings;
 
@@ -19,7 +20,8 @@ pub(crate) struct Sequence {
     pub num_computed: usize,
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
-    pub slot: Option<usize>,
+    /// Blocks and state slot while the sequence is running.
+    pub cache: Option<SeqCache>,
     pub sampler: SamplerState,
     detok: Option<IncrementalDecoder>,
     stops: StopStrings,
@@ -49,7 +51,7 @@ impl Sequence {
             tokens: req.prompt.clone(),
             num_computed: 0,
             cached_tokens: 0,
-            slot: None,
+            cache: None,
             sampler,
             detok: tokenizer.map(|t| IncrementalDecoder::new(t.clone(), true)),
             stops,

@@ -18,6 +18,31 @@ fn tokenizer() -> &'static Tokenizer {
 }
 
 fn engine(max_num_seqs: usize, max_num_batched_tokens: usize) -> EngineHandle {
+    engine_with(max_num_seqs, max_num_batched_tokens, 1 << 30, true)
+}
+
+fn engine_with(
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+    kv_bytes: usize,
+    prefix_caching: bool,
+) -> EngineHandle {
+    engine_full(
+        max_num_seqs,
+        max_num_batched_tokens,
+        kv_bytes,
+        prefix_caching,
+        4096,
+    )
+}
+
+fn engine_full(
+    max_num_seqs: usize,
+    max_num_batched_tokens: usize,
+    kv_bytes: usize,
+    prefix_caching: bool,
+    max_model_len: usize,
+) -> EngineHandle {
     let model = Model::load(
         builtin::config(),
         &Dummy::new(builtin::SEED),
@@ -32,13 +57,18 @@ fn engine(max_num_seqs: usize, max_num_batched_tokens: usize) -> EngineHandle {
             model_name: "test".into(),
             max_num_seqs,
             max_num_batched_tokens,
-            max_model_len: 4096,
+            max_model_len,
             max_waiting: 100,
             default_max_tokens: Some(64),
             valid_vocab: tok.backend().get_vocab_size(true),
             eos_ids: vec![248046, 248044],
+            block_size: 16,
+            kv_cache_memory_bytes: kv_bytes,
+            enable_prefix_caching: prefix_caching,
+            state_checkpoint_interval: Some(64),
         },
     )
+    .unwrap()
 }
 
 fn request(id: &str, prompt: &str, max_tokens: usize) -> EngineRequest {
@@ -198,4 +228,131 @@ fn dropping_the_stream_aborts_and_frees() {
         std::thread::sleep(Duration::from_millis(5));
     }
     assert!(h.metrics().generation_tokens_total < 4000);
+}
+
+fn with_logprobs(mut req: EngineRequest) -> EngineRequest {
+    req.sampling.logprobs = Some(5);
+    req
+}
+
+/// Generated ids and every generated token's top-5 log-probabilities.
+fn run_logprobs(h: &EngineHandle, req: EngineRequest) -> (Vec<u32>, Vec<Vec<(u32, f32)>>, usize) {
+    let mut s = h.submit(with_logprobs(req)).unwrap();
+    let (mut ids, mut lps, mut cached) = (Vec::new(), Vec::new(), 0);
+    while let Some(ev) = s.blocking_recv() {
+        match ev {
+            EngineEvent::Tokens {
+                ids: i, logprobs, ..
+            } => {
+                ids.extend(i);
+                lps.extend(logprobs.into_iter().map(|l| l.top));
+            }
+            EngineEvent::Finished { usage, .. } => cached = usage.cached_tokens,
+            EngineEvent::PromptLogprobs(_) => {}
+        }
+    }
+    (ids, lps, cached)
+}
+
+fn assert_close(a: &[Vec<(u32, f32)>], b: &[Vec<(u32, f32)>]) {
+    assert_eq!(a.len(), b.len());
+    for (x, y) in a.iter().zip(b) {
+        for ((ia, la), (ib, lb)) in x.iter().zip(y) {
+            assert_eq!(ia, ib);
+            assert!((la - lb).abs() < 1e-4, "logprob {la} vs {lb}");
+        }
+    }
+}
+
+/// An agent-shaped second turn: the first turn's prompt and reply, then a new message.
+#[test]
+fn prefix_cache_resumes_agent_turns_with_equal_logits() {
+    let cached = engine(4, 48);
+    let plain = engine_with(4, 48, 1 << 30, false);
+    let turn1 = request("t1", "<|im_start|>system\nYou are a coding agent. Use tools.<|im_end|>\n<|im_start|>user\nList the files in the repository and explain them.<|im_end|>\n<|im_start|>assistant\n", 40);
+    let (ids1, _, hit1) = run_logprobs(&cached, turn1.clone());
+    assert_eq!(hit1, 0);
+    let mut prompt2 = turn1.prompt.clone();
+    prompt2.extend(&ids1);
+    prompt2.extend(
+        tokenizer()
+            .encode(
+                "<|im_end|>\n<|im_start|>user\nNow fix the bug.<|im_end|>\n<|im_start|>assistant\n",
+                false,
+            )
+            .unwrap(),
+    );
+    let mut turn2 = request("t2", "", 30);
+    turn2.prompt = prompt2.clone();
+    let (ids2, lp2, hit2) = run_logprobs(&cached, turn2.clone());
+    // The first turn's whole prompt comes back from its prompt-end checkpoint (its reply's blocks too,
+    // if an interval checkpoint landed there).
+    assert!(
+        hit2 >= turn1.prompt.len(),
+        "cached {hit2} of the {}-token first prompt",
+        turn1.prompt.len()
+    );
+    let (ids2b, lp2b, hit2b) = run_logprobs(&plain, turn2);
+    assert_eq!(hit2b, 0);
+    assert_eq!(ids2, ids2b);
+    assert_close(&lp2, &lp2b);
+    let m = cached.metrics();
+    assert!(m.prefix_cache_hits_total >= turn1.prompt.len() as u64);
+    assert!(m.prefix_cache_queries_total >= (turn1.prompt.len() + prompt2.len()) as u64);
+}
+
+#[test]
+fn interval_checkpoints_serve_a_diverging_prompt() {
+    let cached = engine(2, 40);
+    let plain = engine_with(2, 40, 1 << 30, false);
+    let long = "The history of the printing press begins with movable type in East Asia and continues through Gutenberg's workshop in Mainz, where metal type, oil-based ink and a screw press came together around 1450.";
+    let long = format!("{long} {long}");
+    let a = request("a", &format!("{long} Summarise it."), 5);
+    assert!(
+        a.prompt.len() > 70,
+        "the prompt must cross the 64-token checkpoint interval"
+    );
+    run_logprobs(&cached, a);
+    let b = request(
+        "b",
+        &format!("{long} Now translate it into French, please, carefully."),
+        12,
+    );
+    let (ids, lps, hit) = run_logprobs(&cached, b.clone());
+    assert_eq!(hit, 64, "resumes from the interval checkpoint at 64 tokens");
+    let (ids_plain, lps_plain, _) = run_logprobs(&plain, b);
+    assert_eq!(ids, ids_plain);
+    assert_close(&lps, &lps_plain);
+}
+
+#[test]
+fn preemption_under_a_tiny_block_budget_keeps_outputs() {
+    // 16 blocks of 16 tokens (1 KiB per token): three ~106-token sequences (7 blocks each) cannot all fit.
+    let tight = engine_full(3, 64, 16 * 16 * 1024, true, 128);
+    let roomy = engine_full(3, 64, 1 << 30, true, 128);
+    let prompts = [
+        "one two three four five six",
+        "alpha beta gamma delta epsilon",
+        "red green blue yellow",
+    ];
+    let run = |h: &EngineHandle| -> Vec<Vec<u32>> {
+        let hs: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let h = h.clone();
+                let req = request(&format!("p{i}"), p, 100);
+                std::thread::spawn(move || run_logprobs(&h, req).0)
+            })
+            .collect();
+        hs.into_iter().map(|t| t.join().unwrap()).collect()
+    };
+    let a = run(&tight);
+    let b = run(&roomy);
+    assert_eq!(a, b);
+    assert!(
+        tight.metrics().preemptions_total > 0,
+        "the budget was meant to force preemption"
+    );
+    assert_eq!(roomy.metrics().preemptions_total, 0);
 }

@@ -1,17 +1,33 @@
 //! The seam between the model and the hardware: every op the forward pass needs, implemented once per
 //! backend (the CPU reference here; CUDA later). Activations are `[rows, cols]` tensors whose rows are
-//! the tokens of a step, sequence after sequence; per-sequence state (attention K/V, GDN conv and
-//! recurrent state) lives inside the backend, addressed by a sequence slot.
+//! the tokens of a step, sequence after sequence; per-sequence state (attention K/V in a block pool, GDN
+//! conv and recurrent state in state slots) lives inside the backend.
 
 /// A sequence's share of one step: rows `start..start + len` of the step's activations are its tokens at
-/// positions `pos0..pos0 + len`. `pos0` must equal the number of tokens the slot's caches already hold
-/// for the layer being computed.
+/// positions `pos0..pos0 + len`. Its attention K/V live in the pool blocks of `blocks` (block `i` holds
+/// positions `i·block_size ..`), which must cover `pos0 + len` positions; its GDN conv and recurrent state is
+/// state slot `state`, which holds the sequence's state after `pos0` tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SeqChunk {
-    pub slot: usize,
+pub struct SeqChunk<'a> {
     pub start: usize,
     pub len: usize,
     pub pos0: usize,
+    pub state: usize,
+    pub blocks: &'a [u32],
+}
+
+/// The caches a backend allocates at startup: a pool of `num_blocks` K/V blocks of `block_size` positions
+/// for each attention layer in `attn_layers` (layer indices; the MTP layer is index `num_layers`), and GDN
+/// state slots for the layers in `gdn_layers`, allocated on demand.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheSpec {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub attn_layers: Vec<usize>,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub gdn_layers: Vec<usize>,
+    pub gdn: GdnShape,
 }
 
 /// Static shapes of an attention layer call.
@@ -32,7 +48,7 @@ pub struct Rope {
 }
 
 /// Static shapes of a GDN layer call.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GdnShape {
     pub num_k_heads: usize,
     pub num_v_heads: usize,
@@ -92,14 +108,22 @@ pub trait Backend: Send + Sync {
     type Tensor: Send;
     /// A weight in the backend's storage (matrix `[out, in]` or vector).
     type Weight: Send + Sync;
+    /// Bytes per value of the K/V cache and GDN state (for memory planning).
+    const CACHE_ELEM_BYTES: usize;
 
     /// Uploads a weight given as f32 values with its shape.
     fn weight(&self, data: Vec<f32>, shape: &[usize]) -> Self::Weight;
 
-    /// Registers a new sequence and returns its slot; its caches start empty (GDN states at zero).
-    fn alloc_seq(&self) -> usize;
-    /// Drops a sequence's state.
-    fn free_seq(&self, slot: usize);
+    /// Allocates the K/V block pools (replacing any earlier ones).
+    fn init_cache(&self, spec: &CacheSpec);
+    /// A new GDN state slot, zeroed (the state of an empty sequence).
+    fn alloc_state(&self) -> usize;
+    fn free_state(&self, slot: usize);
+    /// Copies every GDN layer's state of slot `src` into slot `dst` (checkpoint save and restore).
+    fn copy_state(&self, src: usize, dst: usize);
+    /// Copies K/V block `src` into block `dst` in every attention layer (copy-on-write of a shared partial
+    /// block).
+    fn copy_block(&self, src: u32, dst: u32);
 
     /// Rows of `table` `[vocab, hidden]` for the given ids.
     fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
@@ -119,7 +143,8 @@ pub trait Backend: Send + Sync {
     fn swiglu(&self, gate_up: &Self::Tensor) -> Self::Tensor;
 
     /// Gated attention core: splits `q_gate` per head into query and gate, applies q/k norms and RoPE,
-    /// appends k/v to the slot's cache for layer index `layer`, attends causally over the cache and
+    /// writes k/v into the sequence's blocks for layer index `layer`, attends causally over positions
+    /// `0..pos0 + len` and
     /// returns `attn · sigmoid(gate)` as `[rows, num_heads·head_dim]`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
@@ -131,10 +156,10 @@ pub trait Backend: Send + Sync {
         k: &Self::Tensor,
         v: &Self::Tensor,
         w: &AttnWeights<Self::Weight>,
-        seqs: &[SeqChunk],
+        seqs: &[SeqChunk<'_>],
     ) -> Self::Tensor;
 
-    /// Gated delta net core over GDN layer `layer`'s state: causal conv + SiLU on `qkv`, decay and beta from
+    /// Gated delta net core over GDN layer `layer`'s state in each sequence's state slot: causal conv + SiLU on `qkv`, decay and beta from
     /// `a`/`b`, the delta rule (chunked for prefill, recurrent for decode), then the gated RMSNorm with `z`.
     /// Returns `[rows, Hv·dv]` (before `out_proj`).
     #[allow(clippy::too_many_arguments)]
@@ -148,7 +173,7 @@ pub trait Backend: Send + Sync {
         a: &Self::Tensor,
         w: &GdnWeights<Self::Weight>,
         eps: f32,
-        seqs: &[SeqChunk],
+        seqs: &[SeqChunk<'_>],
     ) -> Self::Tensor;
 
     /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts.

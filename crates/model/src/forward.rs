@@ -15,7 +15,7 @@ impl<B: Backend> Model<B> {
     pub fn forward(
         &self,
         ids: &[u32],
-        seqs: &[SeqChunk],
+        seqs: &[SeqChunk<'_>],
         out_rows: &[usize],
     ) -> StepOutput<B::Tensor> {
         let b = &self.backend;
@@ -36,13 +36,14 @@ impl<B: Backend> Model<B> {
     }
 
     /// The MTP draft head: for each row, the token that follows (`next_ids`) and the main model's
-    /// final-normed hidden state at the row's position (`h_prev`). Uses cache layer index `num_layers`.
+    /// final-normed hidden state at the row's position (`h_prev`). Its attention uses cache layer index
+    /// `num_layers`.
     /// Returns the hidden states after `mtp.norm`; [`Model::logits`] turns them into draft logits.
     pub fn mtp_forward(
         &self,
         next_ids: &[u32],
         h_prev: &B::Tensor,
-        seqs: &[SeqChunk],
+        seqs: &[SeqChunk<'_>],
     ) -> Option<B::Tensor> {
         let mtp = self.mtp.as_ref()?;
         let b = &self.backend;
@@ -64,7 +65,7 @@ impl<B: Backend> Model<B> {
         index: usize,
         layer: &Layer<B::Weight>,
         x: &mut B::Tensor,
-        seqs: &[SeqChunk],
+        seqs: &[SeqChunk<'_>],
     ) {
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;

@@ -6,7 +6,7 @@ use sanmai_weights::names::{text_name, Scope};
 use sanmai_weights::{Init, Result, TensorSource};
 
 use crate::backend::{
-    AttnShape, AttnWeights, Backend, GdnShape, GdnWeights, MlpWeights, MoeWeights, Rope,
+    AttnShape, AttnWeights, Backend, CacheSpec, GdnShape, GdnWeights, MlpWeights, MoeWeights, Rope,
 };
 
 pub enum Mixer<W> {
@@ -183,6 +183,49 @@ impl<B: Backend> Loader<'_, B> {
 }
 
 impl<B: Backend> Model<B> {
+    /// Layer indices with attention K/V caches (the MTP layer is `num_layers`).
+    pub fn attention_layers(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = (0..self.cfg.num_layers)
+            .filter(|&i| self.cfg.layer_types[i] == LayerType::FullAttention)
+            .collect();
+        if self.mtp.is_some() {
+            v.push(self.cfg.num_layers);
+        }
+        v
+    }
+
+    pub fn gdn_layers(&self) -> Vec<usize> {
+        (0..self.cfg.num_layers)
+            .filter(|&i| self.cfg.layer_types[i] == LayerType::LinearAttention)
+            .collect()
+    }
+
+    /// Bytes of K/V one token takes across all attention layers, at `elem` bytes per value.
+    pub fn kv_bytes_per_token(&self, elem: usize) -> usize {
+        let a = &self.cfg.attention;
+        self.attention_layers().len() * 2 * a.num_kv_heads * a.head_dim * elem
+    }
+
+    /// Bytes of one sequence's GDN state across all GDN layers (conv + recurrent), at `elem` bytes per value.
+    pub fn state_bytes(&self, elem: usize) -> usize {
+        let g = &self.cfg.gdn;
+        let per_layer = (g.conv_kernel - 1) * g.conv_dim() + g.num_v_heads * g.k_head_dim * g.v_head_dim;
+        self.gdn_layers().len() * per_layer * elem
+    }
+
+    /// Allocates the backend's caches for `num_blocks` blocks of `block_size` positions.
+    pub fn init_cache(&self, num_blocks: usize, block_size: usize) {
+        self.backend.init_cache(&CacheSpec {
+            num_blocks,
+            block_size,
+            attn_layers: self.attention_layers(),
+            num_kv_heads: self.cfg.attention.num_kv_heads,
+            head_dim: self.cfg.attention.head_dim,
+            gdn_layers: self.gdn_layers(),
+            gdn: self.gdn_shape,
+        });
+    }
+
     /// Loads every tensor of `cfg` from `src` onto `backend`.
     pub fn load(cfg: ModelConfig, src: &dyn TensorSource, backend: B) -> Result<Self> {
         let l = Loader {

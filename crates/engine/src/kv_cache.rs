@@ -1,0 +1,400 @@
+//! Per-sequence cache bookkeeping over the [`BlockPool`]: block tables, prefix matching by chain hash, and
+//! GDN state checkpoints.
+//!
+//! GDN layers keep no per-token K/V, so a cached prefix is only usable where the recurrent + conv state at its
+//! end was saved. Checkpoints are taken every `interval` tokens (prefill chunks are cut to land on those
+//! boundaries) and at the end of every prompt (where an agent's next turn branches off), keyed by the hash of
+//! the prefix they end. A checkpoint reserves pool blocks worth its memory, so checkpoints and K/V share one
+//! budget; it is dropped when the block its prefix ends in is evicted, or, oldest first, when the pool runs
+//! dry. A prompt-end checkpoint that is not block-aligned also holds its partial last block; a request that
+//! restores it copies that block before writing past it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+
+use crate::block_pool::{BlockHash, BlockPool};
+use crate::executor::Executor;
+
+/// A sequence's share of the caches.
+#[derive(Debug, Default)]
+pub struct SeqCache {
+    /// Block table: block `i` holds positions `i·block_size ..`.
+    pub blocks: Vec<u32>,
+    /// Chain hashes of the leading full blocks registered so far.
+    hashes: Vec<BlockHash>,
+    /// GDN state slot.
+    pub state: usize,
+    /// Hash of the cache salt (root of the chain).
+    root: BlockHash,
+}
+
+struct Checkpoint {
+    state: usize,
+    reserved: Vec<u32>,
+    /// The partial block a non-aligned checkpoint holds.
+    partial: Option<u32>,
+    /// The block whose eviction makes this checkpoint unreachable.
+    anchor: Option<u32>,
+    /// `(parent hash, tokens past the last full block)` for non-aligned checkpoints.
+    partial_of: Option<(BlockHash, usize)>,
+    tick: u64,
+}
+
+/// Cache statistics for `/metrics`.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct CacheStats {
+    pub queries: u64,
+    pub hits: u64,
+}
+
+pub struct CacheManager {
+    pool: BlockPool,
+    block_size: usize,
+    prefix_caching: bool,
+    /// The model has GDN layers: a prefix needs a state checkpoint to be reused.
+    stateful: bool,
+    interval: usize,
+    checkpoint_blocks: usize,
+    checkpoints: HashMap<BlockHash, Checkpoint>,
+    order: BTreeMap<u64, BlockHash>,
+    partial_children: HashMap<BlockHash, Vec<(usize, BlockHash)>>,
+    anchored: HashMap<u32, Vec<BlockHash>>,
+    tick: u64,
+    pub stats: CacheStats,
+}
+
+fn hash_of(parts: &[&dyn Fn(&mut std::collections::hash_map::DefaultHasher)]) -> BlockHash {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for p in parts {
+        p(&mut h);
+    }
+    h.finish()
+}
+
+fn chain(parent: BlockHash, tokens: &[u32]) -> BlockHash {
+    hash_of(&[&|h| parent.hash(h), &|h| tokens.hash(h)])
+}
+
+fn partial_key(parent: BlockHash, tokens: &[u32]) -> BlockHash {
+    hash_of(&[&|h| "partial".hash(h), &|h| parent.hash(h), &|h| {
+        tokens.hash(h)
+    }])
+}
+
+fn root_hash(salt: &[u64]) -> BlockHash {
+    hash_of(&[&|h| "root".hash(h), &|h| salt.hash(h)])
+}
+
+impl CacheManager {
+    /// `interval` must be a multiple of `block_size`; `checkpoint_blocks` is a checkpoint's size in blocks.
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        prefix_caching: bool,
+        stateful: bool,
+        interval: usize,
+        checkpoint_blocks: usize,
+    ) -> Self {
+        assert!(interval % block_size == 0 && interval > 0);
+        CacheManager {
+            pool: BlockPool::new(num_blocks),
+            block_size,
+            prefix_caching,
+            stateful,
+            interval,
+            checkpoint_blocks: checkpoint_blocks.max(1),
+            checkpoints: HashMap::new(),
+            order: BTreeMap::new(),
+            partial_children: HashMap::new(),
+            anchored: HashMap::new(),
+            tick: 0,
+            stats: CacheStats::default(),
+        }
+    }
+
+    /// Share of blocks in use, 0..=1.
+    pub fn usage(&self) -> f64 {
+        self.pool.num_used() as f64 / self.pool.num_blocks() as f64
+    }
+
+    /// The next position a prefill chunk should stop at to take a checkpoint there.
+    pub fn next_boundary(&self, num_computed: usize) -> Option<usize> {
+        (self.prefix_caching && self.stateful)
+            .then(|| (num_computed / self.interval + 1) * self.interval)
+    }
+
+    fn bump(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
+    }
+
+    fn drop_checkpoint(&mut self, exec: &mut dyn Executor, key: BlockHash) {
+        let Some(c) = self.checkpoints.remove(&key) else {
+            return;
+        };
+        self.order.remove(&c.tick);
+        if let Some((parent, _)) = c.partial_of {
+            if let Some(v) = self.partial_children.get_mut(&parent) {
+                v.retain(|&(_, k)| k != key);
+                if v.is_empty() {
+                    self.partial_children.remove(&parent);
+                }
+            }
+        }
+        if let Some(a) = c.anchor {
+            if let Some(v) = self.anchored.get_mut(&a) {
+                v.retain(|&k| k != key);
+                if v.is_empty() {
+                    self.anchored.remove(&a);
+                }
+            }
+        }
+        exec.free_state(c.state);
+        self.pool.release(&c.reserved);
+        if let Some(p) = c.partial {
+            self.pool.release(&[p]);
+        }
+    }
+
+    /// One block, evicting cached blocks (and the checkpoints anchored on them) or, failing that, the oldest
+    /// checkpoint.
+    fn allocate(&mut self, exec: &mut dyn Executor) -> Option<u32> {
+        loop {
+            if let Some((b, evicted)) = self.pool.allocate() {
+                if evicted.is_some() {
+                    for key in self.anchored.remove(&b).unwrap_or_default() {
+                        self.drop_checkpoint(exec, key);
+                    }
+                }
+                return Some(b);
+            }
+            let (_, &key) = self.order.iter().next()?;
+            self.drop_checkpoint(exec, key);
+        }
+    }
+
+    /// Makes sure `seq` has blocks for `positions` positions. False when the pool cannot provide them (the
+    /// blocks taken so far stay with the sequence).
+    pub fn ensure(
+        &mut self,
+        exec: &mut dyn Executor,
+        seq: &mut SeqCache,
+        positions: usize,
+    ) -> bool {
+        let needed = positions.div_ceil(self.block_size);
+        while seq.blocks.len() < needed {
+            match self.allocate(exec) {
+                Some(b) => seq.blocks.push(b),
+                None => return false,
+            }
+        }
+        true
+    }
+
+    /// Admits a sequence: finds the longest cached prefix it can resume from (at most `tokens.len() - 1`
+    /// tokens, so one token is always computed), takes its blocks and restores its state. Returns the cache
+    /// and the number of tokens already computed.
+    /// With `lookup` false (e.g. the request wants every prompt token's log-probability) nothing is reused.
+    pub fn admit(
+        &mut self,
+        exec: &mut dyn Executor,
+        tokens: &[u32],
+        salt: &[u64],
+        lookup: bool,
+    ) -> (SeqCache, usize) {
+        let root = root_hash(salt);
+        let mut seq = SeqCache {
+            root,
+            state: exec.alloc_state(),
+            ..Default::default()
+        };
+        if !self.prefix_caching || !lookup {
+            return (seq, 0);
+        }
+        self.stats.queries += tokens.len() as u64;
+        let bs = self.block_size;
+        let max_p = tokens.len().saturating_sub(1);
+        // Walk the chain of cached full blocks; remember the deepest usable resume point.
+        let mut chain_blocks = Vec::new();
+        let mut chain_hashes = Vec::new();
+        let mut best: (usize, Option<BlockHash>) = (0, None);
+        let mut parent = root;
+        let mut k = 0;
+        loop {
+            // Non-aligned checkpoints below this parent.
+            if let Some(children) = self.partial_children.get(&parent) {
+                for &(r, key) in children {
+                    let p = k * bs + r;
+                    if p <= max_p && p > best.0 && partial_key(parent, &tokens[k * bs..p]) == key {
+                        best = (p, Some(key));
+                    }
+                }
+            }
+            if (k + 1) * bs > max_p {
+                break;
+            }
+            let h = chain(parent, &tokens[k * bs..(k + 1) * bs]);
+            let Some(b) = self.pool.lookup(h) else { break };
+            chain_blocks.push(b);
+            chain_hashes.push(h);
+            k += 1;
+            parent = h;
+            if !self.stateful {
+                best = (k * bs, None);
+            } else if self.checkpoints.contains_key(&h) && k * bs > best.0 {
+                best = (k * bs, Some(h));
+            }
+        }
+        let (p, key) = best;
+        if p == 0 {
+            return (seq, 0);
+        }
+        let full = p / bs;
+        for &b in &chain_blocks[..full] {
+            self.pool.touch(b);
+        }
+        seq.blocks = chain_blocks[..full].to_vec();
+        seq.hashes = chain_hashes[..full].to_vec();
+        if let Some(key) = key {
+            let tick = self.bump();
+            let c = self
+                .checkpoints
+                .get_mut(&key)
+                .expect("matched checkpoint exists");
+            self.order.remove(&c.tick);
+            c.tick = tick;
+            self.order.insert(tick, key);
+            exec.copy_state(c.state, seq.state);
+            if let Some(pb) = c.partial {
+                // Copy-on-write: the partial block is shared with the checkpoint.
+                self.pool.touch(pb);
+                let copy = self.allocate(exec);
+                if let Some(nb) = copy {
+                    exec.copy_block(pb, nb);
+                    seq.blocks.push(nb);
+                }
+                self.pool.release(&[pb]);
+                if copy.is_none() {
+                    // No room to resume mid-block: fall back to the block-aligned part, recomputing the state.
+                    self.free(exec, std::mem::take(&mut seq));
+                    return self.admit_uncached(exec, root);
+                }
+            }
+        }
+        self.stats.hits += p as u64;
+        (seq, p)
+    }
+
+    fn admit_uncached(&mut self, exec: &mut dyn Executor, root: BlockHash) -> (SeqCache, usize) {
+        let seq = SeqCache {
+            root,
+            state: exec.alloc_state(),
+            ..Default::default()
+        };
+        (seq, 0)
+    }
+
+    /// Registers the sequence's newly completed blocks and takes the checkpoints due after a step that moved
+    /// it from `before` to `after` computed tokens.
+    pub fn after_step(
+        &mut self,
+        exec: &mut dyn Executor,
+        seq: &mut SeqCache,
+        tokens: &[u32],
+        before: usize,
+        after: usize,
+        prompt_len: usize,
+    ) {
+        if !self.prefix_caching {
+            return;
+        }
+        let bs = self.block_size;
+        while (seq.hashes.len() + 1) * bs <= after {
+            let i = seq.hashes.len();
+            let parent = seq.hashes.last().copied().unwrap_or(seq.root);
+            let h = chain(parent, &tokens[i * bs..(i + 1) * bs]);
+            self.pool.register(seq.blocks[i], h);
+            seq.hashes.push(h);
+        }
+        if !self.stateful {
+            return;
+        }
+        let crossed_interval =
+            after / self.interval > before / self.interval && after % self.interval == 0;
+        // After a preemption the recompute may run past the prompt in one chunk; the state is then not at the
+        // prompt's end, so only an exact landing takes the prompt-end checkpoint.
+        let prompt_end = before < prompt_len && after == prompt_len;
+        if crossed_interval {
+            self.checkpoint(exec, seq, tokens, after);
+        }
+        if prompt_end && !(crossed_interval && after == prompt_len) {
+            self.checkpoint(exec, seq, tokens, prompt_len);
+        }
+    }
+
+    /// Saves the sequence's state as the checkpoint for its first `p` tokens (the state must be at `p`).
+    fn checkpoint(
+        &mut self,
+        exec: &mut dyn Executor,
+        seq: &mut SeqCache,
+        tokens: &[u32],
+        p: usize,
+    ) {
+        let bs = self.block_size;
+        let k = p / bs;
+        let parent = if k == 0 { seq.root } else { seq.hashes[k - 1] };
+        let aligned = p % bs == 0;
+        let key = if aligned {
+            parent
+        } else {
+            partial_key(parent, &tokens[k * bs..p])
+        };
+        if p == 0 || self.checkpoints.contains_key(&key) {
+            return;
+        }
+        let mut reserved = Vec::with_capacity(self.checkpoint_blocks);
+        for _ in 0..self.checkpoint_blocks {
+            match self.allocate(exec) {
+                Some(b) => reserved.push(b),
+                None => {
+                    self.pool.release(&reserved);
+                    return;
+                }
+            }
+        }
+        let state = exec.alloc_state();
+        exec.copy_state(seq.state, state);
+        let partial = (!aligned).then(|| {
+            let b = seq.blocks[k];
+            self.pool.touch(b);
+            b
+        });
+        let anchor = if k > 0 { Some(seq.blocks[k - 1]) } else { None };
+        if let Some(a) = anchor {
+            self.anchored.entry(a).or_default().push(key);
+        }
+        let partial_of = (!aligned).then_some((parent, p - k * bs));
+        if let Some((par, r)) = partial_of {
+            self.partial_children.entry(par).or_default().push((r, key));
+        }
+        let tick = self.bump();
+        self.order.insert(tick, key);
+        self.checkpoints.insert(
+            key,
+            Checkpoint {
+                state,
+                reserved,
+                partial,
+                anchor,
+                partial_of,
+                tick,
+            },
+        );
+    }
+
+    /// Returns a sequence's blocks (deepest first into the LRU queue) and its state slot.
+    pub fn free(&mut self, exec: &mut dyn Executor, seq: SeqCache) {
+        self.pool.release(&seq.blocks);
+        exec.free_state(seq.state);
+    }
+}

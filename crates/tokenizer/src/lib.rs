@@ -7,6 +7,7 @@
 pub mod builtin;
 mod detok;
 mod error;
+pub mod parsers;
 pub mod template;
 pub mod tiktoken;
 mod tokenizer;

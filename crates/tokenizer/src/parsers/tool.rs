@@ -1,0 +1,168 @@
+//! The tool-call parser interface: events, the whole-response result, and the [`ToolParser`]
+//! trait with its two implementations (Qwen3 XML and Qwen3/Hermes JSON).
+
+use serde_json::Value;
+
+use super::ids::ToolCallIds;
+use super::json::JsonCall;
+use super::stream::Engine;
+use super::xml::XmlCall;
+
+/// One step of a streamed response, in output order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ToolEvent {
+    /// Text outside tool calls (including malformed tool-call text).
+    Content(String),
+    /// A tool call begins. `index` counts calls from 0 within the response.
+    Start {
+        index: usize,
+        id: String,
+        name: String,
+    },
+    /// A piece of the call's arguments; the pieces of one index concatenate to a JSON object.
+    Arguments { index: usize, fragment: String },
+    /// The call is complete.
+    End { index: usize },
+}
+
+/// One complete tool call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    /// `call_…` id.
+    pub id: String,
+    /// Function name.
+    pub name: String,
+    /// Arguments as a compact JSON object string.
+    pub arguments: String,
+}
+
+/// A whole response split into content and tool calls.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ParsedOutput {
+    /// Text outside tool calls; `None` when there is none.
+    pub content: Option<String>,
+    /// The tool calls in order.
+    pub tool_calls: Vec<ToolCall>,
+}
+
+impl ParsedOutput {
+    /// Assembles the events of a whole response (as returned by `feed`s and `finish`).
+    pub fn from_events(events: impl IntoIterator<Item = ToolEvent>) -> Self {
+        let mut content = String::new();
+        let mut tool_calls: Vec<ToolCall> = Vec::new();
+        for event in events {
+            match event {
+                ToolEvent::Content(text) => content.push_str(&text),
+                ToolEvent::Start { index, id, name } => {
+                    // Indices are dense and in order; place defensively all the same.
+                    while tool_calls.len() <= index {
+                        tool_calls.push(ToolCall {
+                            id: String::new(),
+                            name: String::new(),
+                            arguments: String::new(),
+                        });
+                    }
+                    tool_calls[index].id = id;
+                    tool_calls[index].name = name;
+                }
+                ToolEvent::Arguments { index, fragment } => {
+                    if let Some(call) = tool_calls.get_mut(index) {
+                        call.arguments.push_str(&fragment);
+                    }
+                }
+                ToolEvent::End { .. } => {}
+            }
+        }
+        ParsedOutput {
+            content: (!content.is_empty()).then_some(content),
+            tool_calls,
+        }
+    }
+}
+
+/// A streaming tool-call parser for one response.
+///
+/// Guarantees, for both formats:
+///
+/// - **No broken calls.** A call's `Start`, `Arguments` and `End` are emitted together, in the
+///   `feed` (or `finish`) that reads its closing `</tool_call>`, and only when the whole call
+///   parsed: the function name is well formed and (when tools were given) one of the tools, and
+///   the body is complete and valid. Nothing emitted is ever taken back, so the streamed result
+///   equals [`ParsedOutput::from_events`] of the same text fed in one piece, for every split.
+/// - **Malformed calls are content.** Text from `<tool_call>` that cannot be a valid call is
+///   emitted verbatim as `Content` as soon as that is certain (an unknown name once its `>` is
+///   read, stray text between tags once read), or at `finish()` (an unterminated call).
+///   Scanning for the next `<tool_call>` resumes where the error was found.
+/// - **Content streams.** Text outside calls is emitted as it arrives, holding back only a
+///   possible prefix of `<tool_call>` and a trailing whitespace run. Whitespace right before a
+///   valid call, and whitespace after the last valid call at the end of the response, is
+///   dropped: `"Let me check.\n\n<tool_call>…</tool_call>\n"` gives the content
+///   `"Let me check."`; text after a call keeps its leading whitespace.
+/// - Arguments of a call come as one fragment: a compact JSON object with keys in the order
+///   the model wrote them.
+pub trait ToolParser: Send {
+    /// Feeds the next piece of content text; returns the events it completes.
+    fn feed(&mut self, delta: &str) -> Vec<ToolEvent>;
+    /// Ends the response; returns held-back text (and unfinished calls) as content.
+    fn finish(&mut self) -> Vec<ToolEvent>;
+}
+
+/// Parser for the Qwen3.5 / Qwen3-Coder XML format:
+/// `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n…</function>\n</tool_call>`.
+///
+/// Parameter values are typed by the tool's JSON schema (see [`super::ToolFormat::Qwen3Xml`]).
+/// A `</parameter>` ends a value only when whitespace and then `<parameter=` or `</function>`
+/// follow it, so values may contain that text, newlines and `<` freely.
+#[derive(Debug)]
+pub struct XmlToolParser {
+    engine: Engine<XmlCall>,
+}
+
+impl XmlToolParser {
+    /// A parser for one response; `tools` is the request's OpenAI `tools` array (empty: any
+    /// well-formed function name is accepted and values are typed without a schema).
+    pub fn new(tools: &[Value], ids: ToolCallIds) -> Self {
+        XmlToolParser {
+            engine: Engine::new(tools, ids),
+        }
+    }
+}
+
+impl ToolParser for XmlToolParser {
+    fn feed(&mut self, delta: &str) -> Vec<ToolEvent> {
+        self.engine.feed(delta)
+    }
+
+    fn finish(&mut self) -> Vec<ToolEvent> {
+        self.engine.finish()
+    }
+}
+
+/// Parser for the Qwen3 / Hermes JSON format:
+/// `<tool_call>\n{"name": "…", "arguments": {…}}\n</tool_call>`.
+///
+/// The object must be valid JSON with a string `name`; `arguments` (or `parameters`) may be an
+/// object, a string holding a JSON object, or absent/null (`{}`). Anything else is content.
+#[derive(Debug)]
+pub struct JsonToolParser {
+    engine: Engine<JsonCall>,
+}
+
+impl JsonToolParser {
+    /// A parser for one response; `tools` as for [`XmlToolParser::new`].
+    pub fn new(tools: &[Value], ids: ToolCallIds) -> Self {
+        JsonToolParser {
+            engine: Engine::new(tools, ids),
+        }
+    }
+}
+
+impl ToolParser for JsonToolParser {
+    fn feed(&mut self, delta: &str) -> Vec<ToolEvent> {
+        self.engine.feed(delta)
+    }
+
+    fn finish(&mut self) -> Vec<ToolEvent> {
+        self.engine.finish()
+    }
+}

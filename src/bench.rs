@@ -6,7 +6,6 @@ use anyhow::{bail, Result};
 use clap::Args;
 use sanmai_model::{Backend, SeqChunk};
 
-use crate::generate::PREFILL_CHUNK;
 use crate::load::ModelArgs;
 
 #[derive(Args, Debug)]
@@ -23,6 +22,11 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 128)]
     pub gen_len: usize,
 }
+
+/// Block size of the benchmark's caches.
+const BLOCK: usize = 16;
+/// Prefill runs in chunks of this many tokens, as the engine's default step budget.
+const PREFILL_CHUNK: usize = 2048;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -50,20 +54,31 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     .collect()
             })
             .collect();
-        let slots: Vec<usize> = (0..batch).map(|_| m.backend.alloc_seq()).collect();
+        // Each sequence gets a contiguous run of blocks for its whole length.
+        let per_seq = (args.prompt_len + args.gen_len).div_ceil(BLOCK) as u32;
+        m.init_cache(per_seq as usize * batch, BLOCK);
+        let seqs_cache: Vec<(usize, Vec<u32>)> = (0..batch as u32)
+            .map(|i| {
+                (
+                    m.backend.alloc_state(),
+                    (i * per_seq..(i + 1) * per_seq).collect(),
+                )
+            })
+            .collect();
         let started = Instant::now();
         let mut ttft = Vec::new();
         let mut next = Vec::new();
-        for (&slot, p) in slots.iter().zip(&prompts) {
+        for ((state, blocks), p) in seqs_cache.iter().zip(&prompts) {
             let t0 = Instant::now();
             let mut pos = 0;
             let mut last = Vec::new();
             for chunk in p.chunks(PREFILL_CHUNK) {
                 let seq = SeqChunk {
-                    slot,
                     start: 0,
                     len: chunk.len(),
                     pos0: pos,
+                    state: *state,
+                    blocks,
                 };
                 let out = m.forward(chunk, &[seq], &[chunk.len() - 1]);
                 last = m.backend.to_host(&m.logits(&out.hidden)).2;
@@ -76,14 +91,15 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let mut steps = Vec::with_capacity(args.gen_len);
         for step in 0..args.gen_len {
             let t0 = Instant::now();
-            let seqs: Vec<SeqChunk> = slots
+            let seqs: Vec<SeqChunk> = seqs_cache
                 .iter()
                 .enumerate()
-                .map(|(i, &slot)| SeqChunk {
-                    slot,
+                .map(|(i, (state, blocks))| SeqChunk {
                     start: i,
                     len: 1,
                     pos0: args.prompt_len + step,
+                    state: *state,
+                    blocks,
                 })
                 .collect();
             let rows: Vec<usize> = (0..batch).collect();
@@ -94,8 +110,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             }
             steps.push(t0.elapsed().as_secs_f64());
         }
-        for slot in slots {
-            m.backend.free_seq(slot);
+        for (state, _) in seqs_cache {
+            m.backend.free_state(state);
         }
         let total: f64 = steps.iter().sum();
         let itl = median(&mut steps);

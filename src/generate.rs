@@ -5,21 +5,19 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use sanmai_cpu::CpuBackend;
-use sanmai_engine::sampler::{token_logprob, SampleRequest, Sampler, SamplerState, SamplingParams};
-use sanmai_model::{Backend, Model, SeqChunk};
-use sanmai_tokenizer::IncrementalDecoder;
+use sanmai_engine::api::{EngineEvent, EngineRequest, FinishReason, StopParams};
+use sanmai_engine::sampler::SamplingParams;
 use serde_json::{json, Value};
 
+use crate::engine_args::EngineArgs;
 use crate::load::ModelArgs;
-
-/// Prefill runs in chunks of this many tokens.
-pub const PREFILL_CHUNK: usize = 2048;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
     /// The prompt text.
     #[arg(long, conflicts_with = "prompt_ids")]
     pub prompt: Option<String>,
@@ -62,62 +60,8 @@ pub struct GenerateArgs {
     pub json: bool,
 }
 
-/// One sequence's prefill and decode on a model.
-pub struct SeqRun<'a> {
-    pub model: &'a Model<CpuBackend>,
-    pub slot: usize,
-    pub pos: usize,
-}
-
-impl<'a> SeqRun<'a> {
-    pub fn new(model: &'a Model<CpuBackend>) -> Self {
-        SeqRun {
-            model,
-            slot: model.backend.alloc_seq(),
-            pos: 0,
-        }
-    }
-
-    /// Feeds `ids` in prefill chunks; returns the lm_head width and the logits of every fed token when
-    /// `all_rows`, else of the last one.
-    pub fn feed(&mut self, ids: &[u32], all_rows: bool) -> (usize, Vec<f32>) {
-        let m = self.model;
-        let (mut width, mut out) = (0, Vec::new());
-        for chunk in ids.chunks(PREFILL_CHUNK) {
-            let len = chunk.len();
-            let seq = SeqChunk {
-                slot: self.slot,
-                start: 0,
-                len,
-                pos0: self.pos,
-            };
-            let rows: Vec<usize> = if all_rows {
-                (0..len).collect()
-            } else {
-                vec![len - 1]
-            };
-            let step = m.forward(chunk, &[seq], &rows);
-            let (_, c, data) = m.backend.to_host(&m.logits(&step.hidden));
-            if !all_rows {
-                out.clear();
-            }
-            out.extend(data);
-            width = c;
-            self.pos += len;
-        }
-        (width, out)
-    }
-}
-
-impl Drop for SeqRun<'_> {
-    fn drop(&mut self) {
-        self.model.backend.free_seq(self.slot);
-    }
-}
-
 pub fn run(args: GenerateArgs) -> Result<()> {
     let loaded = args.model.load()?;
-    let m = &loaded.model;
     let prompt: Vec<u32> = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) => {
@@ -147,13 +91,6 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             loaded.valid_vocab
         );
     }
-    let max_len = m.cfg.max_position_embeddings;
-    if prompt.len() >= max_len {
-        bail!(
-            "the prompt has {} tokens; the model's context is {max_len}",
-            prompt.len()
-        );
-    }
     let params = SamplingParams {
         temperature: args.temperature,
         top_p: args.top_p,
@@ -164,79 +101,84 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         frequency_penalty: args.frequency_penalty,
         repetition_penalty: args.repetition_penalty,
         logit_bias: Vec::new(),
-        logprobs: args.logprobs,
+        // Always ask: the chosen token's log-probability is reported; alternatives only with --logprobs.
+        logprobs: Some(args.logprobs.unwrap_or(0)),
     };
     params.validate(loaded.valid_vocab)?;
-    let sampler = Sampler::new(loaded.valid_vocab);
-    let mut state = SamplerState::new(&params, &prompt);
-
-    let mut seq = SeqRun::new(m);
+    let tokenizer = loaded.tokenizer.clone();
+    let engine = args
+        .engine
+        .start(loaded, args.model.default_served_name())?;
+    let request = EngineRequest {
+        id: "generate-0".into(),
+        prompt: prompt.clone(),
+        sampling: params,
+        stop: StopParams {
+            max_tokens: Some(args.max_tokens),
+            ignore_eos: args.ignore_eos,
+            ..Default::default()
+        },
+        prompt_logprobs: args.echo,
+        cache_salt: Vec::new(),
+    };
     let started = Instant::now();
-    let (width, logits) = seq.feed(&prompt, args.echo);
-    let prefill_s = started.elapsed().as_secs_f64();
-    let mut prompt_logprobs: Vec<Value> = vec![Value::Null];
-    if args.echo {
-        for t in 1..prompt.len() {
-            let row = &logits[(t - 1) * width..t * width];
-            prompt_logprobs.push(json!(token_logprob(row, loaded.valid_vocab, prompt[t])?));
-        }
-    }
-    let mut row = logits[logits.len() - width..].to_vec();
-
-    let mut decoder = loaded
-        .tokenizer
-        .as_ref()
-        .map(|t| IncrementalDecoder::new(t.clone(), true));
+    let mut stream = engine.submit(request)?;
     let mut stdout = std::io::stdout().lock();
-    let (mut ids, mut lps, mut tops, mut text) =
-        (Vec::new(), Vec::new(), Vec::new(), String::new());
     if !args.json && args.echo {
-        if let Some(t) = &loaded.tokenizer {
+        if let Some(t) = &tokenizer {
             write!(stdout, "{}", t.decode(&prompt, true)?)?;
         }
     }
-    let decode_started = Instant::now();
-    while ids.len() < args.max_tokens && prompt.len() + ids.len() < max_len {
-        let s = sampler.sample(
-            &mut row,
-            &mut SampleRequest {
-                params: &params,
-                state: &mut state,
-                allowed: None,
-            },
-        )?;
-        state.accept(s.id);
-        ids.push(s.id);
-        lps.push(s.logprob);
-        tops.push(s.top_logprobs);
-        if let Some(d) = decoder.as_mut() {
-            let piece = d.step(s.id)?;
-            if !args.json && !piece.is_empty() {
-                write!(stdout, "{piece}")?;
-                stdout.flush()?;
+    let (mut ids, mut lps, mut tops, mut text) =
+        (Vec::new(), Vec::new(), Vec::new(), String::new());
+    let mut prompt_logprobs = Vec::new();
+    let mut first_token = None;
+    let mut failure = None;
+    while let Some(ev) = stream.blocking_recv() {
+        match ev {
+            EngineEvent::PromptLogprobs(p) => {
+                prompt_logprobs = p
+                    .into_iter()
+                    .map(|x| x.map_or(Value::Null, |t| json!(t.logprob)))
+                    .collect()
             }
-            text.push_str(&piece);
-        }
-        if !args.ignore_eos && loaded.eos_ids.contains(&s.id) {
-            break;
-        }
-        if ids.len() < args.max_tokens {
-            row = seq.feed(&[s.id], false).1;
+            EngineEvent::Tokens {
+                ids: new,
+                text: piece,
+                logprobs,
+            } => {
+                first_token.get_or_insert_with(Instant::now);
+                ids.extend(new);
+                for lp in logprobs {
+                    lps.push(lp.logprob);
+                    tops.push(lp.top);
+                }
+                if !args.json && !piece.is_empty() {
+                    write!(stdout, "{piece}")?;
+                    stdout.flush()?;
+                }
+                text.push_str(&piece);
+            }
+            EngineEvent::Finished { reason, .. } => {
+                if let FinishReason::Error(e) = reason {
+                    failure = Some(e);
+                }
+            }
         }
     }
-    if let Some(d) = decoder.as_mut() {
-        let rest = d.flush()?;
-        if !args.json {
-            write!(stdout, "{rest}")?;
-        }
-        text.push_str(&rest);
+    if let Some(e) = failure {
+        bail!("generation failed: {e}");
     }
-    let decode_s = decode_started.elapsed().as_secs_f64();
+    let ttft = first_token.map_or(0.0, |t| (t - started).as_secs_f64());
+    let decode_s = first_token.map_or(0.0, |t| t.elapsed().as_secs_f64());
     tracing::info!(
         prompt_tokens = prompt.len(),
         generated = ids.len(),
-        prefill_tok_s = format!("{:.1}", prompt.len() as f64 / prefill_s),
-        decode_tok_s = format!("{:.1}", ids.len() as f64 / decode_s.max(1e-9)),
+        ttft_ms = format!("{:.1}", ttft * 1e3),
+        decode_tok_s = format!(
+            "{:.1}",
+            ids.len().saturating_sub(1) as f64 / decode_s.max(1e-9)
+        ),
         "done"
     );
     if args.json {
@@ -258,5 +200,6 @@ pub fn run(args: GenerateArgs) -> Result<()> {
     } else {
         writeln!(stdout)?;
     }
+    engine.shutdown();
     Ok(())
 }

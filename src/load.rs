@@ -50,6 +50,8 @@ pub struct Loaded {
     pub valid_vocab: usize,
     /// Ids that end generation.
     pub eos_ids: Vec<u32>,
+    /// New tokens when a request gives no limit (`None`: up to the context length).
+    pub default_max_tokens: Option<usize>,
 }
 
 impl ModelArgs {
@@ -109,13 +111,34 @@ impl ModelArgs {
             seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
             "model loaded"
         );
+        let default_max_tokens = match &self.model {
+            None if self.config.is_none() => Some(crate::engine_args::BUILTIN_DEFAULT_MAX_TOKENS),
+            Some(dir) => generation_max_new_tokens(dir),
+            None => None,
+        };
         Ok(Loaded {
             name,
             model,
             tokenizer,
             valid_vocab,
             eos_ids,
+            default_max_tokens,
         })
+    }
+
+    /// The name the model is served under by default.
+    pub fn default_served_name(&self) -> String {
+        match (&self.model, &self.config) {
+            (Some(dir), _) => dir.file_name().map_or_else(
+                || dir.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            ),
+            (None, Some(file)) => file.file_stem().map_or_else(
+                || file.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            ),
+            (None, None) => builtin::NAME.to_string(),
+        }
     }
 
     fn tokenizer(&self, cfg: &ModelConfig) -> Result<Option<Tokenizer>> {
@@ -133,4 +156,11 @@ impl ModelArgs {
         }
         Ok(None)
     }
+}
+
+/// `max_new_tokens` from a checkpoint's `generation_config.json`, if it sets one.
+fn generation_max_new_tokens(dir: &std::path::Path) -> Option<usize> {
+    let text = std::fs::read_to_string(dir.join("generation_config.json")).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v.get("max_new_tokens")?.as_u64().map(|n| n as usize)
 }

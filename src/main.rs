@@ -2,8 +2,10 @@
 //! weights for a config, or the built-in default model) and run it.
 
 mod bench;
+mod engine_args;
 mod generate;
 mod load;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -24,6 +26,8 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode speed.
     Bench(bench::BenchArgs),
+    /// Serve the OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -36,5 +40,6 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Generate(args) => generate::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Serve(args) => serve::run(args),
     }
 }

@@ -10,7 +10,7 @@ pub const CONFIG_JSON: &str = include_str!("../../../configs/models/builtin.json
 pub const SEED: u64 = 0x5a4e_4d41_4931;
 
 /// The name the built-in model is served under.
-pub const NAME: &str = "sanmai-builtin";
+pub const NAME: &str = "sanmai-demo";
 
 pub fn config() -> ModelConfig {
     ModelConfig::from_json_str(CONFIG_JSON, "configs/models/builtin.json")

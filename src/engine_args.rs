@@ -1,0 +1,88 @@
+//! Engine settings shared by every subcommand that runs the engine, and the start of the engine on a loaded
+//! model.
+
+use anyhow::{anyhow, Result};
+use clap::Args;
+use sanmai_engine::{start, EngineConfig, EngineHandle, ModelExecutor};
+
+use crate::load::Loaded;
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct EngineArgs {
+    /// Context length in tokens (prompt + generated); default: the model's max_position_embeddings.
+    #[arg(long)]
+    pub max_model_len: Option<usize>,
+    /// Sequences per step at most.
+    #[arg(long)]
+    pub max_num_seqs: Option<usize>,
+    /// Tokens per step at most (prefill is chunked to fit).
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<usize>,
+    /// Positions per K/V block.
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Turn prefix caching off (on by default).
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
+    /// Memory for K/V blocks and GDN state checkpoints, in bytes; default: room for four requests of the
+    /// full context (at least), at most 8 GiB unless one request needs more.
+    #[arg(long)]
+    pub kv_cache_memory_bytes: Option<usize>,
+    /// Tokens between GDN state checkpoints (a multiple of the block size); default: sized so that a
+    /// checkpoint costs no more than the K/V of the tokens it covers.
+    #[arg(long)]
+    pub state_checkpoint_interval: Option<usize>,
+}
+
+/// Built-in default for the number of new tokens when a request gives no `max_tokens`.
+pub const BUILTIN_DEFAULT_MAX_TOKENS: usize = 512;
+
+impl EngineArgs {
+    /// Starts the engine on `loaded` (the model moves into the engine thread).
+    pub fn start(&self, loaded: Loaded, served_name: String) -> Result<EngineHandle> {
+        let Loaded {
+            model,
+            tokenizer,
+            valid_vocab,
+            eos_ids,
+            default_max_tokens,
+            ..
+        } = loaded;
+        let max_model_len = self
+            .max_model_len
+            .unwrap_or(model.cfg.max_position_embeddings);
+        if max_model_len < 2 || max_model_len > model.cfg.max_position_embeddings {
+            return Err(anyhow!(
+                "--max-model-len {max_model_len} must be in 2..={} (the model's max_position_embeddings)",
+                model.cfg.max_position_embeddings
+            ));
+        }
+        let per_token = model.kv_bytes_per_token(4).max(1);
+        let one_request = max_model_len * per_token;
+        let kv_cache_memory_bytes = self.kv_cache_memory_bytes.unwrap_or_else(|| {
+            (4 * one_request)
+                .min(8 << 30)
+                .max(one_request + one_request / 8)
+        });
+        let cfg = EngineConfig {
+            model_name: served_name,
+            max_num_seqs: self.max_num_seqs.unwrap_or(256),
+            max_num_batched_tokens: self.max_num_batched_tokens.unwrap_or(2048),
+            max_model_len,
+            max_waiting: 4096,
+            default_max_tokens,
+            valid_vocab,
+            eos_ids,
+            block_size: self.block_size.unwrap_or(16),
+            kv_cache_memory_bytes,
+            enable_prefix_caching: !self.no_enable_prefix_caching,
+            state_checkpoint_interval: self.state_checkpoint_interval,
+        };
+        if cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 || cfg.block_size == 0 {
+            return Err(anyhow!(
+                "--max-num-seqs, --max-num-batched-tokens and --block-size must be positive"
+            ));
+        }
+        start(ModelExecutor::new(model), tokenizer, cfg).map_err(|e| anyhow!(e))
+    }
+}

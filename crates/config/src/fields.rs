@@ -65,7 +65,9 @@ impl<'a> Fields<'a> {
     }
 
     pub fn opt_usize(&self, name: &str) -> Result<Option<usize>> {
-        self.opt(name, "a non-negative integer", |v| v.as_u64().map(|x| x as usize))
+        self.opt(name, "a non-negative integer", |v| {
+            v.as_u64().map(|x| x as usize)
+        })
     }
 
     pub fn opt_f64(&self, name: &str) -> Result<Option<f64>> {

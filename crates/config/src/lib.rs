@@ -19,13 +19,23 @@ pub use rope::{RopeConfig, RopeScaling};
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path}: not valid JSON: {source}")]
-    Json { path: String, source: serde_json::Error },
+    Json {
+        path: String,
+        source: serde_json::Error,
+    },
     #[error("{file}: field `{field}` is missing")]
     Missing { file: String, field: String },
     #[error("{file}: field `{field}`: {message}")]
-    Invalid { file: String, field: String, message: String },
+    Invalid {
+        file: String,
+        field: String,
+        message: String,
+    },
 }
 
 pub type Result<T> = std::result::Result<T, ConfigError>;
@@ -196,15 +206,24 @@ impl ModelConfig {
         }
         for q in ["quantization_config", "compression_config"] {
             if top.has(q) || text.has(q) {
-                return Err(top.invalid(q, "quantized checkpoints are not supported by this build yet".into()));
+                return Err(top.invalid(
+                    q,
+                    "quantized checkpoints are not supported by this build yet".into(),
+                ));
             }
         }
         let act = text.opt_str("hidden_act")?.unwrap_or_else(|| "silu".into());
         if act != "silu" {
-            return Err(text.invalid("hidden_act", format!("`{act}` is not supported (only silu)")));
+            return Err(text.invalid(
+                "hidden_act",
+                format!("`{act}` is not supported (only silu)"),
+            ));
         }
         if text.opt_bool("attention_bias")?.unwrap_or(false) {
-            return Err(text.invalid("attention_bias", "attention biases are not supported".into()));
+            return Err(text.invalid(
+                "attention_bias",
+                "attention biases are not supported".into(),
+            ));
         }
 
         let vocab_size = text.req_usize("vocab_size")?;
@@ -218,7 +237,9 @@ impl ModelConfig {
                 format!("{num_kv_heads} must divide num_attention_heads = {num_heads}"),
             ));
         }
-        let head_dim = text.opt_usize("head_dim")?.unwrap_or(hidden_size / num_heads);
+        let head_dim = text
+            .opt_usize("head_dim")?
+            .unwrap_or(hidden_size / num_heads);
         let attention = AttentionConfig {
             num_heads,
             num_kv_heads,
@@ -232,7 +253,7 @@ impl ModelConfig {
             v_head_dim: text.opt_usize("linear_value_head_dim")?.unwrap_or(128),
             conv_kernel: text.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
         };
-        if gdn.num_k_heads == 0 || gdn.num_v_heads % gdn.num_k_heads != 0 {
+        if gdn.num_k_heads == 0 || !gdn.num_v_heads.is_multiple_of(gdn.num_k_heads) {
             return Err(text.invalid(
                 "linear_num_value_heads",
                 format!(
@@ -244,13 +265,16 @@ impl ModelConfig {
 
         let layer_types = match text.get("layer_types") {
             Some(v) => {
-                let arr = v
-                    .as_array()
-                    .ok_or_else(|| text.invalid("layer_types", "expected an array of strings".into()))?;
+                let arr = v.as_array().ok_or_else(|| {
+                    text.invalid("layer_types", "expected an array of strings".into())
+                })?;
                 if arr.len() != num_layers {
                     return Err(text.invalid(
                         "layer_types",
-                        format!("has {} entries but num_hidden_layers = {num_layers}", arr.len()),
+                        format!(
+                            "has {} entries but num_hidden_layers = {num_layers}",
+                            arr.len()
+                        ),
                     ));
                 }
                 arr.iter()
@@ -262,7 +286,10 @@ impl ModelConfig {
                     .collect::<Result<Vec<_>>>()?
             }
             None => {
-                let interval = text.opt_usize("full_attention_interval")?.unwrap_or(4).max(1);
+                let interval = text
+                    .opt_usize("full_attention_interval")?
+                    .unwrap_or(4)
+                    .max(1);
                 (0..num_layers)
                     .map(|i| {
                         if (i + 1) % interval == 0 {
@@ -288,7 +315,9 @@ impl ModelConfig {
                 num_experts,
                 top_k,
                 intermediate_size: text.req_usize("moe_intermediate_size")?,
-                shared_intermediate_size: text.opt_usize("shared_expert_intermediate_size")?.unwrap_or(0),
+                shared_intermediate_size: text
+                    .opt_usize("shared_expert_intermediate_size")?
+                    .unwrap_or(0),
                 // Qwen3.5 and the seed model always renormalise; Qwen3-Next follows its flag.
                 norm_topk_prob: match arch {
                     Arch::Qwen3Next => text.opt_bool("norm_topk_prob")?.unwrap_or(true),
@@ -303,7 +332,12 @@ impl ModelConfig {
             Some(v) => v
                 .as_array()
                 .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect())
-                .ok_or_else(|| text.invalid("mlp_only_layers", "expected an array of layer indices".into()))?,
+                .ok_or_else(|| {
+                    text.invalid(
+                        "mlp_only_layers",
+                        "expected an array of layer indices".into(),
+                    )
+                })?,
         };
         let sparse_step = text.opt_usize("decoder_sparse_step")?.unwrap_or(1).max(1);
         let ffn_types: Vec<FfnType> = (0..num_layers)
@@ -317,7 +351,9 @@ impl ModelConfig {
             .collect();
         let intermediate_size = match text.opt_usize("intermediate_size")? {
             Some(v) => v,
-            None if ffn_types.contains(&FfnType::Dense) => return Err(text.missing("intermediate_size")),
+            None if ffn_types.contains(&FfnType::Dense) => {
+                return Err(text.missing("intermediate_size"))
+            }
             None => 0,
         };
 
@@ -328,7 +364,10 @@ impl ModelConfig {
             _ => text.opt_usize("mtp_num_hidden_layers")?.unwrap_or(0),
         };
         if mtp_layers > 1 {
-            return Err(text.invalid("mtp_num_hidden_layers", format!("{mtp_layers} MTP layers: at most 1 is supported")));
+            return Err(text.invalid(
+                "mtp_num_hidden_layers",
+                format!("{mtp_layers} MTP layers: at most 1 is supported"),
+            ));
         }
         let eos_token_ids = match text.get("eos_token_id").or_else(|| top.get("eos_token_id")) {
             None | Some(Value::Null) => Vec::new(),
@@ -339,7 +378,8 @@ impl ModelConfig {
                 .ok_or_else(|| text.invalid("eos_token_id", "expected integers".into()))?,
             Some(v) => vec![v
                 .as_u64()
-                .ok_or_else(|| text.invalid("eos_token_id", "expected an integer".into()))? as u32],
+                .ok_or_else(|| text.invalid("eos_token_id", "expected an integer".into()))?
+                as u32],
         };
         let tie_word_embeddings = text
             .opt_bool("tie_word_embeddings")?
@@ -375,7 +415,10 @@ impl ModelConfig {
     }
 
     pub fn num_attention_layers(&self) -> usize {
-        self.layer_types.iter().filter(|t| **t == LayerType::FullAttention).count()
+        self.layer_types
+            .iter()
+            .filter(|t| **t == LayerType::FullAttention)
+            .count()
     }
 
     pub fn num_gdn_layers(&self) -> usize {

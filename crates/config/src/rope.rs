@@ -10,7 +10,9 @@ use crate::Result;
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (`rope_type: linear`).
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// YaRN (`rope_type: yarn`), as transformers' `_compute_yarn_parameters`.
     Yarn {
         factor: f64,
@@ -51,7 +53,9 @@ impl RopeConfig {
         let field = |name: &str| format!("{dict_name}.{name}");
         let num = |name: &str| -> Result<Option<f64>> {
             match &d {
-                Some(d) => d.opt_f64(name).map_err(|_| text.invalid(&field(name), "expected a number".into())),
+                Some(d) => d
+                    .opt_f64(name)
+                    .map_err(|_| text.invalid(&field(name), "expected a number".into())),
                 None => Ok(None),
             }
         };
@@ -64,10 +68,13 @@ impl RopeConfig {
             None => text.opt_f64("partial_rotary_factor")?.unwrap_or(0.25),
         };
         if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
-            return Err(text.invalid("partial_rotary_factor", format!("{partial_rotary_factor} is not in (0, 1]")));
+            return Err(text.invalid(
+                "partial_rotary_factor",
+                format!("{partial_rotary_factor} is not in (0, 1]"),
+            ));
         }
         let rot_dim = (head_dim as f64 * partial_rotary_factor) as usize;
-        if rot_dim == 0 || rot_dim % 2 != 0 {
+        if rot_dim == 0 || !rot_dim.is_multiple_of(2) {
             return Err(text.invalid(
                 "partial_rotary_factor",
                 format!("head_dim {head_dim} × {partial_rotary_factor} gives {rot_dim} rotary dims (must be even and > 0)"),
@@ -85,14 +92,18 @@ impl RopeConfig {
         let mrope_section = match d.as_ref().and_then(|d| d.get("mrope_section")) {
             None | Some(Value::Null) => None,
             Some(v) => {
-                let s: Option<Vec<usize>> =
-                    v.as_array().and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect());
+                let s: Option<Vec<usize>> = v
+                    .as_array()
+                    .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect());
                 match s.as_deref() {
                     Some([t, h, w]) if t + h + w == rot_dim / 2 => Some([*t, *h, *w]),
                     _ => {
                         return Err(text.invalid(
                             &field("mrope_section"),
-                            format!("expected three sections summing to rot_dim/2 = {}, found {v}", rot_dim / 2),
+                            format!(
+                                "expected three sections summing to rot_dim/2 = {}, found {v}",
+                                rot_dim / 2
+                            ),
                         ))
                     }
                 }
@@ -109,10 +120,13 @@ impl RopeConfig {
                 "only interleaved MRoPE (Qwen3.5 style) is supported".into(),
             ));
         }
-        let req = |name: &str| -> Result<f64> { num(name)?.ok_or_else(|| text.missing(&field(name))) };
+        let req =
+            |name: &str| -> Result<f64> { num(name)?.ok_or_else(|| text.missing(&field(name))) };
         let scaling = match rope_type.as_str() {
             "default" | "mrope" => RopeScaling::None,
-            "linear" => RopeScaling::Linear { factor: req("factor")? },
+            "linear" => RopeScaling::Linear {
+                factor: req("factor")?,
+            },
             "yarn" => {
                 let factor = req("factor")?;
                 let original = match num("original_max_position_embeddings")? {
@@ -121,11 +135,19 @@ impl RopeConfig {
                 };
                 let mscale = num("mscale")?;
                 let mscale_all_dim = num("mscale_all_dim")?;
-                let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+                let get_mscale = |scale: f64, m: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
                 let attention_factor = match num("attention_factor")? {
                     Some(a) => a,
                     None => match (mscale, mscale_all_dim) {
-                        (Some(m), Some(a)) if m != 0.0 && a != 0.0 => get_mscale(factor, m) / get_mscale(factor, a),
+                        (Some(m), Some(a)) if m != 0.0 && a != 0.0 => {
+                            get_mscale(factor, m) / get_mscale(factor, a)
+                        }
                         _ => get_mscale(factor, 1.0),
                     },
                 };
@@ -164,7 +186,9 @@ impl RopeConfig {
     pub fn inv_freq(&self) -> Vec<f32> {
         let dim = self.rot_dim;
         let base = self.theta;
-        let plain: Vec<f64> = (0..dim / 2).map(|j| 1.0 / base.powf((2 * j) as f64 / dim as f64)).collect();
+        let plain: Vec<f64> = (0..dim / 2)
+            .map(|j| 1.0 / base.powf((2 * j) as f64 / dim as f64))
+            .collect();
         match &self.scaling {
             RopeScaling::None => plain.iter().map(|&f| f as f32).collect(),
             RopeScaling::Linear { factor } => plain.iter().map(|&f| (f / factor) as f32).collect(),
@@ -177,7 +201,9 @@ impl RopeConfig {
                 ..
             } => {
                 let correction_dim = |rot: f64| {
-                    (dim as f64 * (original_max_position_embeddings / (rot * 2.0 * std::f64::consts::PI)).ln())
+                    (dim as f64
+                        * (original_max_position_embeddings / (rot * 2.0 * std::f64::consts::PI))
+                            .ln())
                         / (2.0 * base.ln())
                 };
                 let (mut low, mut high) = (correction_dim(*beta_fast), correction_dim(*beta_slow));
@@ -207,7 +233,9 @@ impl RopeConfig {
     /// The factor cos and sin are multiplied by (YaRN's attention factor; 1 otherwise).
     pub fn attention_factor(&self) -> f32 {
         match self.scaling {
-            RopeScaling::Yarn { attention_factor, .. } => attention_factor as f32,
+            RopeScaling::Yarn {
+                attention_factor, ..
+            } => attention_factor as f32,
             _ => 1.0,
         }
     }

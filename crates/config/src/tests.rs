@@ -5,7 +5,9 @@ fn parse(text: &str) -> Result<ModelConfig> {
 }
 
 fn repo_config(name: &str) -> ModelConfig {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/models").join(name);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../configs/models")
+        .join(name);
     ModelConfig::from_file(&path).unwrap()
 }
 
@@ -50,12 +52,22 @@ fn builtin_config_parses() {
 
 #[test]
 fn missing_field_is_named() {
-    let err = parse(r#"{"model_type":"qwen3_next","vocab_size":10,"num_hidden_layers":2}"#).unwrap_err();
-    assert_eq!(err.to_string(), "config.json: field `hidden_size` is missing");
+    let err =
+        parse(r#"{"model_type":"qwen3_next","vocab_size":10,"num_hidden_layers":2}"#).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "config.json: field `hidden_size` is missing"
+    );
     let err = parse(r#"{"model_type":"qwen3_5_moe"}"#).unwrap_err();
-    assert_eq!(err.to_string(), "config.json: field `text_config` is missing");
+    assert_eq!(
+        err.to_string(),
+        "config.json: field `text_config` is missing"
+    );
     let err = parse(r#"{"model_type":"qwen3_5_moe","text_config":{"vocab_size":10}}"#).unwrap_err();
-    assert_eq!(err.to_string(), "config.json: field `text_config.hidden_size` is missing");
+    assert_eq!(
+        err.to_string(),
+        "config.json: field `text_config.hidden_size` is missing"
+    );
 }
 
 const SMALL: &str = r#""vocab_size":100,"hidden_size":32,"num_hidden_layers":4,"num_attention_heads":2,
@@ -88,9 +100,14 @@ fn unknown_fields_ignored_and_wrong_types_named() {
 fn unsupported_model_type_and_rope_type_are_named() {
     let err = parse(r#"{"model_type":"llama"}"#).unwrap_err().to_string();
     assert!(err.contains("`llama` is not served"), "{err}");
-    let text = format!(r#"{{"model_type":"qwen3_next",{SMALL},"rope_scaling":{{"rope_type":"longrope","factor":2}}}}"#);
+    let text = format!(
+        r#"{{"model_type":"qwen3_next",{SMALL},"rope_scaling":{{"rope_type":"longrope","factor":2}}}}"#
+    );
     let err = parse(&text).unwrap_err().to_string();
-    assert!(err.contains("rope_scaling.rope_type") && err.contains("longrope"), "{err}");
+    assert!(
+        err.contains("rope_scaling.rope_type") && err.contains("longrope"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -123,7 +123,9 @@ fn check_prompts(name: &str, chunk_len: usize) {
             let want = expected[t].unwrap();
             worst = worst.max((got - want).abs());
         }
-        eprintln!("{name} prompt {pi} (chunks of {chunk_len}): max prompt logprob error {worst:.1e}");
+        eprintln!(
+            "{name} prompt {pi} (chunks of {chunk_len}): max prompt logprob error {worst:.1e}"
+        );
         assert!(
             worst < TOL,
             "{name} prompt {pi} (chunks of {chunk_len}): prompt logprob off by {worst}"
@@ -133,8 +135,7 @@ fn check_prompts(name: &str, chunk_len: usize) {
         let greedy = ids(&p["greedy_ids"]);
         let gaps = floats(&p["greedy_top2_gap"]);
         let mut next = argmax(rows.last().unwrap());
-        let mut pos = prompt.len();
-        for (i, &want) in greedy.iter().enumerate() {
+        for (pos, (i, &want)) in (prompt.len()..).zip(greedy.iter().enumerate()) {
             if gaps[i].unwrap() < 1e-3 {
                 break; // transformers' own choice is a near-tie from here on
             }
@@ -142,7 +143,6 @@ fn check_prompts(name: &str, chunk_len: usize) {
             let out = m.forward(&[next], &[chunk(&seq, 1, pos)], &[0]);
             let (_, _, logits) = m.backend.to_host(&m.logits(&out.hidden));
             next = argmax(&log_softmax(&logits));
-            pos += 1;
         }
         m.backend.free_state(seq.state);
     }

@@ -95,7 +95,7 @@ impl CacheManager {
         interval: usize,
         checkpoint_blocks: usize,
     ) -> Self {
-        assert!(interval % block_size == 0 && interval > 0);
+        assert!(interval.is_multiple_of(block_size) && interval > 0);
         CacheManager {
             pool: BlockPool::new(num_blocks),
             block_size,
@@ -320,7 +320,7 @@ impl CacheManager {
             return;
         }
         let crossed_interval =
-            after / self.interval > before / self.interval && after % self.interval == 0;
+            after / self.interval > before / self.interval && after.is_multiple_of(self.interval);
         // After a preemption the recompute may run past the prompt in one chunk; the state is then not at the
         // prompt's end, so only an exact landing takes the prompt-end checkpoint.
         let prompt_end = before < prompt_len && after == prompt_len;
@@ -343,7 +343,7 @@ impl CacheManager {
         let bs = self.block_size;
         let k = p / bs;
         let parent = if k == 0 { seq.root } else { seq.hashes[k - 1] };
-        let aligned = p % bs == 0;
+        let aligned = p.is_multiple_of(bs);
         let key = if aligned {
             parent
         } else {

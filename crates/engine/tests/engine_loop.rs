@@ -236,7 +236,10 @@ fn with_logprobs(mut req: EngineRequest) -> EngineRequest {
 }
 
 /// Generated ids and every generated token's top-5 log-probabilities.
-fn run_logprobs(h: &EngineHandle, req: EngineRequest) -> (Vec<u32>, Vec<Vec<(u32, f32)>>, usize) {
+/// Top alternatives of each generated token.
+type Tops = Vec<Vec<(u32, f32)>>;
+
+fn run_logprobs(h: &EngineHandle, req: EngineRequest) -> (Vec<u32>, Tops, usize) {
     let mut s = h.submit(with_logprobs(req)).unwrap();
     let (mut ids, mut lps, mut cached) = (Vec::new(), Vec::new(), 0);
     while let Some(ev) = s.blocking_recv() {

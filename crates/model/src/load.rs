@@ -209,7 +209,8 @@ impl<B: Backend> Model<B> {
     /// Bytes of one sequence's GDN state across all GDN layers (conv + recurrent), at `elem` bytes per value.
     pub fn state_bytes(&self, elem: usize) -> usize {
         let g = &self.cfg.gdn;
-        let per_layer = (g.conv_kernel - 1) * g.conv_dim() + g.num_v_heads * g.k_head_dim * g.v_head_dim;
+        let per_layer =
+            (g.conv_kernel - 1) * g.conv_dim() + g.num_v_heads * g.k_head_dim * g.v_head_dim;
         self.gdn_layers().len() * per_layer * elem
     }
 

@@ -81,7 +81,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     blocks,
                 };
                 let out = m.forward(chunk, &[seq], &[chunk.len() - 1]);
-                last = m.backend.to_host(&m.logits(&out.hidden)).2;
+                last = m.backend.to_host(m.logits(&out.hidden)).2;
                 pos += chunk.len();
             }
             next.push(argmax(&last[..loaded.valid_vocab]));
@@ -104,7 +104,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 .collect();
             let rows: Vec<usize> = (0..batch).collect();
             let out = m.forward(&next, &seqs, &rows);
-            let (_, c, logits) = m.backend.to_host(&m.logits(&out.hidden));
+            let (_, c, logits) = m.backend.to_host(m.logits(&out.hidden));
             for (i, n) in next.iter_mut().enumerate() {
                 *n = argmax(&logits[i * c..i * c + loaded.valid_vocab]);
             }

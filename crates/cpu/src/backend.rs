@@ -548,7 +548,7 @@ impl Backend for CpuBackend {
         out
     }
 
-    fn to_host(&self, x: &CpuTensor) -> (usize, usize, Vec<f32>) {
-        (x.rows, x.cols, x.data.clone())
+    fn to_host(&self, x: CpuTensor) -> (usize, usize, Vec<f32>) {
+        (x.rows, x.cols, x.data)
     }
 }

@@ -54,7 +54,7 @@ fn prompt(seed: u32, len: usize) -> Vec<u32> {
 
 fn logits(m: &Model<CpuBackend>, ids: &[u32], seqs: &[SeqChunk<'_>], rows: &[usize]) -> Vec<f32> {
     let out = m.forward(ids, seqs, rows);
-    m.backend.to_host(&m.logits(&out.hidden)).2
+    m.backend.to_host(m.logits(&out.hidden)).2
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {

@@ -93,7 +93,7 @@ fn prompt_logprobs(
             &[chunk(seq, len, pos)],
             &(0..len).collect::<Vec<_>>(),
         );
-        let (r, c, data) = m.backend.to_host(&m.logits(&out.hidden));
+        let (r, c, data) = m.backend.to_host(m.logits(&out.hidden));
         rows.extend((0..r).map(|i| log_softmax(&data[i * c..(i + 1) * c])));
         pos += len;
     }
@@ -141,7 +141,7 @@ fn check_prompts(name: &str, chunk_len: usize) {
             }
             assert_eq!(next, want, "{name} prompt {pi}: greedy token {i} differs");
             let out = m.forward(&[next], &[chunk(&seq, 1, pos)], &[0]);
-            let (_, _, logits) = m.backend.to_host(&m.logits(&out.hidden));
+            let (_, _, logits) = m.backend.to_host(m.logits(&out.hidden));
             next = argmax(&log_softmax(&logits));
         }
         m.backend.free_state(seq.state);
@@ -163,7 +163,7 @@ fn check_mtp(name: &str) {
         let hidden = m
             .mtp_forward(&prompt[1..], &main.hidden, &[chunk(&seq, n - 1, 0)])
             .expect("fixture has an MTP head");
-        let (_, c, data) = m.backend.to_host(&m.logits(&hidden));
+        let (_, c, data) = m.backend.to_host(m.logits(&hidden));
         for (i, pos) in case["positions"].as_array().unwrap().iter().enumerate() {
             let t = pos.as_u64().unwrap() as usize;
             let want = floats(&case["draft_logprobs"][i]);

@@ -8,14 +8,16 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
+use rayon::prelude::*;
 use sanmai_tokenizer::Tokenizer;
 
 use crate::api::{EngineEvent, FinishReason, MetricsSnapshot, StopReason, TokenLogprob};
 use crate::executor::{CacheGeometry, Executor, LogitRows, PlannedChunk, StepPlan};
 use crate::handle::{Command, EngineHandle, EngineInfo, Limits};
 use crate::kv_cache::CacheManager;
-use crate::sampler::{RowLogprobs, SampleRequest, Sampler};
+use crate::sampler::{RowLogprobs, SampleRequest, Sampled, Sampler};
 use crate::sequence::{Appended, Sequence};
 
 /// How the engine schedules.
@@ -387,12 +389,22 @@ impl<E: Executor> Engine<E> {
     }
 
     fn step(&mut self) {
+        let started = Instant::now();
+        self.step_inner();
+        self.stats.steps_total += 1;
+        self.stats.step_seconds_total += started.elapsed().as_secs_f64();
+    }
+
+    fn step_inner(&mut self) {
         let plan = self.schedule();
         if plan.chunks.is_empty() {
             return;
         }
         let executor = &mut self.executor;
-        let out = match catch_unwind(AssertUnwindSafe(|| executor.execute(&plan))) {
+        let exec_started = Instant::now();
+        let result = catch_unwind(AssertUnwindSafe(|| executor.execute(&plan)));
+        self.stats.execute_seconds_total += exec_started.elapsed().as_secs_f64();
+        let mut out = match result {
             Ok(out) => out,
             Err(panic) => {
                 let msg = panic
@@ -417,6 +429,7 @@ impl<E: Executor> Engine<E> {
         };
         let mut row = 0;
         let mut done = Vec::new();
+        let mut to_sample: Vec<Option<usize>> = vec![None; self.running.len()];
         for c in &plan.chunks {
             let i = self
                 .running
@@ -468,35 +481,55 @@ impl<E: Executor> Engine<E> {
                 all.append(&mut seq.prompt_logprobs);
                 seq.send(EngineEvent::PromptLogprobs(all));
             }
-            let mut logits = out.row(first_row + rows - 1).to_vec();
-            if seq.num_output() < seq.req.stop.min_tokens {
-                // Too early to stop: end tokens cannot be drawn.
-                for &id in self.cfg.eos_ids.iter().chain(&seq.req.stop.stop_token_ids) {
-                    if let Some(x) = logits.get_mut(id as usize) {
-                        *x = f32::NEG_INFINITY;
+            to_sample[i] = Some(first_row + rows - 1);
+        }
+        // Sample every sequence that completed its pending tokens, in parallel (a row is the full vocabulary).
+        let (sampler, eos) = (&self.sampler, &self.cfg.eos_ids);
+        let width = out.width;
+        let mut rows: Vec<Option<&mut [f32]>> =
+            out.rows.chunks_mut(width.max(1)).map(Some).collect();
+        let mut mine: Vec<Option<&mut [f32]>> = to_sample
+            .iter()
+            .map(|r| r.and_then(|r| rows[r].take()))
+            .collect();
+        let sampled: Vec<Option<Result<Sampled, String>>> = self
+            .running
+            .par_iter_mut()
+            .zip(mine.par_iter_mut())
+            .map(|(seq, row)| {
+                // The row is sampled in place: it is not needed afterwards.
+                let logits = row.take()?;
+                if seq.num_output() < seq.req.stop.min_tokens {
+                    // Too early to stop: end tokens cannot be drawn.
+                    for &id in eos.iter().chain(&seq.req.stop.stop_token_ids) {
+                        if let Some(x) = logits.get_mut(id as usize) {
+                            *x = f32::NEG_INFINITY;
+                        }
                     }
                 }
-            }
-            let sampled = self.sampler.sample(
-                &mut logits,
-                &mut SampleRequest {
+                let mut req = SampleRequest {
                     params: &seq.req.sampling,
                     state: &mut seq.sampler,
                     allowed: None,
-                },
-            );
-            let sampled = match sampled {
+                };
+                Some(sampler.sample(logits, &mut req).map_err(|e| e.to_string()))
+            })
+            .collect();
+        for (i, s) in sampled.into_iter().enumerate() {
+            let Some(s) = s else { continue };
+            let sampled = match s {
                 Ok(s) => s,
                 Err(e) => {
-                    done.push((i, FinishReason::Error(e.to_string()), None));
+                    done.push((i, FinishReason::Error(e), None));
                     continue;
                 }
             };
+            let seq = &mut self.running[i];
             let prev = seq.last_token;
             let lp = seq.req.sampling.logprobs.map(|_| TokenLogprob {
                 id: sampled.id,
                 logprob: sampled.logprob,
-                top: sampled.top_logprobs.clone(),
+                top: sampled.top_logprobs,
             });
             let outcome = seq.append(sampled.id, lp, &self.cfg.eos_ids, self.cfg.max_model_len);
             self.stats.generation_tokens_total += 1;

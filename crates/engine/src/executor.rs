@@ -139,7 +139,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         if rows.is_empty() {
             return StepLogits::default();
         }
-        let (_, width, rows) = m.backend.to_host(&m.logits(&out.hidden));
+        let (_, width, rows) = m.backend.to_host(m.logits(&out.hidden));
         StepLogits { width, rows }
     }
 }

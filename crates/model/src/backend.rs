@@ -179,6 +179,6 @@ pub trait Backend: Send + Sync {
     /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts.
     fn moe_experts(&self, x: &Self::Tensor, w: &MoeWeights<Self::Weight>) -> Self::Tensor;
 
-    /// Copies a tensor to the host as `(rows, cols, values)`.
-    fn to_host(&self, x: &Self::Tensor) -> (usize, usize, Vec<f32>);
+    /// Moves a tensor to the host as `(rows, cols, values)`.
+    fn to_host(&self, x: Self::Tensor) -> (usize, usize, Vec<f32>);
 }

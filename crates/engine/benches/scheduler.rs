@@ -82,16 +82,17 @@ fn main() {
         }
         let wall = t0.elapsed().as_secs_f64();
         let m = h.metrics();
-        let overhead = m.step_seconds_total - m.execute_seconds_total;
+        let overhead = m.overhead_seconds_total;
+        let step = m.overhead_seconds_total + m.execute_seconds_total;
         println!(
             "{seqs} sequences × {gen} tokens ({}): {} steps, {:.1} ms/step in total, of which engine overhead \
              {:.2} ms/step ({:.1} µs per sequence-step, {:.1}% of the step); {:.0} tok/s overall",
             if sampled { "top-k/top-p sampling" } else { "greedy" },
             m.steps_total,
-            m.step_seconds_total / m.steps_total as f64 * 1e3,
+            step / m.steps_total as f64 * 1e3,
             overhead / m.steps_total as f64 * 1e3,
             overhead / m.generation_tokens_total.max(1) as f64 * 1e6,
-            100.0 * overhead / m.step_seconds_total,
+            100.0 * overhead / step,
             m.generation_tokens_total as f64 / wall
         );
         h.shutdown();

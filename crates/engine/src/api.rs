@@ -123,11 +123,11 @@ pub struct MetricsSnapshot {
     pub prefix_cache_hits_total: u64,
     pub preemptions_total: u64,
     pub requests_finished_total: u64,
-    /// Engine steps run, their total wall time, and the part spent in the executor (the rest is the
-    /// engine's own overhead: scheduling, cache bookkeeping, sampling, detokenizing, events).
+    /// Engine steps run; time spent submitting to and waiting for the executor; the engine's own time
+    /// (scheduling, cache bookkeeping, sampling, detokenizing, events).
     pub steps_total: u64,
-    pub step_seconds_total: f64,
     pub execute_seconds_total: f64,
+    pub overhead_seconds_total: f64,
     /// Histogram samples in seconds, since the previous snapshot is not tracked: cumulative buckets.
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,

@@ -1,6 +1,10 @@
-//! The executor seam: the engine loop hands a [`StepPlan`] to an [`Executor`] and gets logits back.
-//! [`ModelExecutor`] runs a [`Model`] on any backend in one step; executors with several steps in flight
-//! (pipeline stages on several GPUs) implement the same trait.
+//! The executor seam: the engine loop submits [`StepPlan`]s to an [`Executor`] and waits for their logits.
+//! An executor may keep several steps in flight (pipeline stages on several GPUs: microbatches of different
+//! sequences overlap); the engine never schedules a sequence again before its previous step has returned.
+//! [`ModelExecutor`] runs a [`Model`] on one backend, one step at a time.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use sanmai_model::{Backend, Model, SeqChunk};
 
@@ -71,18 +75,38 @@ pub trait Executor: Send {
     fn free_state(&mut self, slot: usize);
     fn copy_state(&mut self, src: usize, dst: usize);
     fn copy_block(&mut self, src: u32, dst: u32);
-    /// Runs one step.
-    fn execute(&mut self, plan: &StepPlan) -> StepLogits;
+    /// Steps that may be in flight at once (1: each step finishes before the next is submitted).
+    fn max_in_flight(&self) -> usize {
+        1
+    }
+    /// Starts a step.
+    fn submit(&mut self, plan: StepPlan);
+    /// Waits for the oldest step in flight and returns its plan with its logits, or the reason it failed.
+    fn wait(&mut self) -> (StepPlan, Result<StepLogits, String>);
 }
 
-/// An executor over a model on one backend.
+/// The message of a caught panic.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("the model step panicked")
+        .to_string()
+}
+
+/// An executor over a model on one backend: a step runs to completion when it is submitted.
 pub struct ModelExecutor<B: Backend> {
     pub model: Model<B>,
+    done: VecDeque<(StepPlan, Result<StepLogits, String>)>,
 }
 
 impl<B: Backend> ModelExecutor<B> {
     pub fn new(model: Model<B>) -> Self {
-        ModelExecutor { model }
+        ModelExecutor {
+            model,
+            done: VecDeque::new(),
+        }
     }
 }
 
@@ -114,32 +138,44 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         self.model.backend.copy_block(src, dst);
     }
 
-    fn execute(&mut self, plan: &StepPlan) -> StepLogits {
-        let m = &self.model;
-        let mut ids = Vec::with_capacity(plan.num_tokens());
-        let mut seqs = Vec::with_capacity(plan.chunks.len());
-        let mut rows = Vec::new();
-        for c in &plan.chunks {
-            let start = ids.len();
-            ids.extend_from_slice(&c.tokens);
-            seqs.push(SeqChunk {
-                start,
-                len: c.tokens.len(),
-                pos0: c.pos0,
-                state: c.state,
-                blocks: &c.blocks,
-            });
-            match c.logits {
-                LogitRows::None => {}
-                LogitRows::Last => rows.push(start + c.tokens.len() - 1),
-                LogitRows::All => rows.extend(start..start + c.tokens.len()),
-            }
-        }
-        let out = m.forward(&ids, &seqs, &rows);
-        if rows.is_empty() {
-            return StepLogits::default();
-        }
-        let (_, width, rows) = m.backend.to_host(m.logits(&out.hidden));
-        StepLogits { width, rows }
+    fn submit(&mut self, plan: StepPlan) {
+        // A panic in the model fails this step's requests, not the engine.
+        let out = catch_unwind(AssertUnwindSafe(|| run_step(&self.model, &plan)))
+            .map_err(|p| panic_message(&*p));
+        self.done.push_back((plan, out));
     }
+
+    fn wait(&mut self) -> (StepPlan, Result<StepLogits, String>) {
+        self.done
+            .pop_front()
+            .expect("wait() without a step in flight")
+    }
+}
+
+fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan) -> StepLogits {
+    let mut ids = Vec::with_capacity(plan.num_tokens());
+    let mut seqs = Vec::with_capacity(plan.chunks.len());
+    let mut rows = Vec::new();
+    for c in &plan.chunks {
+        let start = ids.len();
+        ids.extend_from_slice(&c.tokens);
+        seqs.push(SeqChunk {
+            start,
+            len: c.tokens.len(),
+            pos0: c.pos0,
+            state: c.state,
+            blocks: &c.blocks,
+        });
+        match c.logits {
+            LogitRows::None => {}
+            LogitRows::Last => rows.push(start + c.tokens.len() - 1),
+            LogitRows::All => rows.extend(start..start + c.tokens.len()),
+        }
+    }
+    let out = m.forward(&ids, &seqs, &rows);
+    if rows.is_empty() {
+        return StepLogits::default();
+    }
+    let (_, width, rows) = m.backend.to_host(m.logits(&out.hidden));
+    StepLogits { width, rows }
 }

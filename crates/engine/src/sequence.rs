@@ -22,6 +22,10 @@ pub(crate) struct Sequence {
     pub cached_tokens: usize,
     /// Blocks and state slot while the sequence is running.
     pub cache: Option<SeqCache>,
+    /// A step with this sequence is in flight.
+    pub in_flight: bool,
+    /// Aborted while in flight: finish when the step returns.
+    pub abort_requested: bool,
     pub sampler: SamplerState,
     detok: Option<IncrementalDecoder>,
     stops: StopStrings,
@@ -52,6 +56,8 @@ impl Sequence {
             num_computed: 0,
             cached_tokens: 0,
             cache: None,
+            in_flight: false,
+            abort_requested: false,
             sampler,
             detok: tokenizer.map(|t| IncrementalDecoder::new(t.clone(), true)),
             stops,
@@ -63,6 +69,11 @@ impl Sequence {
             req,
             tx,
         }
+    }
+
+    /// The state slot while running (it identifies the sequence in a step's plan).
+    pub fn state(&self) -> Option<usize> {
+        self.cache.as_ref().map(|c| c.state)
     }
 
     pub fn prompt_len(&self) -> usize {

@@ -359,3 +359,112 @@ fn preemption_under_a_tiny_block_budget_keeps_outputs() {
     );
     assert_eq!(roomy.metrics().preemptions_total, 0);
 }
+
+/// An executor that keeps two steps in flight: `submit` queues, `wait` runs the oldest step. The engine must
+/// never put a sequence in a step while its previous step is still queued.
+struct TwoInFlight {
+    inner: ModelExecutor<CpuBackend>,
+    queue: std::collections::VecDeque<sanmai_engine::executor::StepPlan>,
+}
+
+impl sanmai_engine::Executor for TwoInFlight {
+    fn geometry(&self) -> sanmai_engine::CacheGeometry {
+        self.inner.geometry()
+    }
+    fn init_cache(&mut self, num_blocks: usize, block_size: usize) {
+        self.inner.init_cache(num_blocks, block_size)
+    }
+    fn alloc_state(&mut self) -> usize {
+        self.inner.alloc_state()
+    }
+    fn free_state(&mut self, slot: usize) {
+        self.inner.free_state(slot)
+    }
+    fn copy_state(&mut self, src: usize, dst: usize) {
+        self.inner.copy_state(src, dst)
+    }
+    fn copy_block(&mut self, src: u32, dst: u32) {
+        self.inner.copy_block(src, dst)
+    }
+    fn max_in_flight(&self) -> usize {
+        2
+    }
+    fn submit(&mut self, plan: sanmai_engine::executor::StepPlan) {
+        let queued: Vec<usize> = self
+            .queue
+            .iter()
+            .flat_map(|p| p.chunks.iter().map(|c| c.state))
+            .collect();
+        assert!(
+            plan.chunks.iter().all(|c| !queued.contains(&c.state)),
+            "a sequence was scheduled while its previous step was in flight"
+        );
+        self.queue.push_back(plan);
+    }
+    fn wait(
+        &mut self,
+    ) -> (
+        sanmai_engine::executor::StepPlan,
+        Result<sanmai_engine::executor::StepLogits, String>,
+    ) {
+        let plan = self.queue.pop_front().expect("a step is in flight");
+        self.inner.submit(plan);
+        self.inner.wait()
+    }
+}
+
+#[test]
+fn two_steps_in_flight_give_the_same_outputs() {
+    let prompts = [
+        "first prompt here",
+        "a second, somewhat longer prompt for the other microbatch",
+        "third",
+    ];
+    let solo = engine(1, 2048);
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| collect(&solo, request(&i.to_string(), p, 16)).ids)
+        .collect();
+    let model = Model::load(
+        builtin::config(),
+        &Dummy::new(builtin::SEED),
+        CpuBackend::new(),
+    )
+    .unwrap();
+    let tok = tokenizer().clone();
+    let h = start(
+        TwoInFlight {
+            inner: ModelExecutor::new(model),
+            queue: Default::default(),
+        },
+        Some(tok.clone()),
+        EngineConfig {
+            model_name: "pp".into(),
+            max_num_seqs: 3,
+            max_num_batched_tokens: 8,
+            max_model_len: 4096,
+            max_waiting: 100,
+            default_max_tokens: None,
+            valid_vocab: tok.backend().get_vocab_size(true),
+            eos_ids: vec![],
+            block_size: 16,
+            kv_cache_memory_bytes: 1 << 28,
+            enable_prefix_caching: true,
+            state_checkpoint_interval: Some(64),
+        },
+    )
+    .unwrap();
+    let hs: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let h = h.clone();
+            let req = request(&format!("pp{i}"), p, 16);
+            std::thread::spawn(move || collect(&h, req).ids)
+        })
+        .collect();
+    for (i, t) in hs.into_iter().enumerate() {
+        assert_eq!(t.join().unwrap(), alone[i], "prompt {i}");
+    }
+}

@@ -1,0 +1,334 @@
+//! The engine loop: one thread owns every sequence. Each step it plans (running decodes first, then chunked
+//! prefill of the sequences admitted in arrival order, under `max_num_seqs` and `max_num_batched_tokens`;
+//! [`schedule`]), submits the plan to the executor, and when a step returns samples, appends, checks stops
+//! and streams events back ([`process`]). New requests join between steps. With an executor that keeps
+//! several steps in flight, a sequence is scheduled again only after its previous step has returned.
+
+mod process;
+mod schedule;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use sanmai_tokenizer::Tokenizer;
+
+use crate::api::{EngineEvent, FinishReason, MetricsSnapshot, StopReason};
+use crate::executor::{CacheGeometry, Executor};
+use crate::handle::{Command, EngineHandle, EngineInfo, Limits};
+use crate::kv_cache::CacheManager;
+use crate::sampler::Sampler;
+use crate::sequence::Sequence;
+
+/// How the engine schedules.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub model_name: String,
+    /// Sequences per step at most.
+    pub max_num_seqs: usize,
+    /// Tokens per step at most (decodes count one each; prefill is chunked to fit).
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    /// Requests allowed to wait before new ones are refused as overloaded.
+    pub max_waiting: usize,
+    pub default_max_tokens: Option<usize>,
+    /// Ids below this are real tokens.
+    pub valid_vocab: usize,
+    /// Ids that end generation unless a request says `ignore_eos`.
+    pub eos_ids: Vec<u32>,
+    /// Positions per K/V block.
+    pub block_size: usize,
+    /// Memory for K/V blocks and state checkpoints.
+    pub kv_cache_memory_bytes: usize,
+    pub enable_prefix_caching: bool,
+    /// Tokens between GDN state checkpoints (a multiple of `block_size`); `None` sizes it so a checkpoint
+    /// costs no more than the K/V of the tokens it covers.
+    pub state_checkpoint_interval: Option<usize>,
+}
+
+/// The cache plan derived from the config and the model's geometry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CachePlan {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub interval: usize,
+    pub checkpoint_blocks: usize,
+}
+
+impl EngineConfig {
+    /// Blocks that fit the memory budget, the checkpoint interval and a checkpoint's size in blocks.
+    pub fn cache_plan(&self, g: CacheGeometry) -> Result<CachePlan, String> {
+        let bs = self.block_size.max(1);
+        let block_bytes = (g.kv_bytes_per_token * bs).max(1);
+        let num_blocks = self.kv_cache_memory_bytes / block_bytes;
+        let needed = self.max_model_len.div_ceil(bs) + 1;
+        if num_blocks < needed {
+            return Err(format!(
+                "the K/V cache budget of {} bytes holds {num_blocks} blocks of {bs} tokens ({block_bytes} bytes each), \
+                 but one request of max_model_len {} needs {needed}: raise --kv-cache-memory-bytes or lower --max-model-len",
+                self.kv_cache_memory_bytes, self.max_model_len
+            ));
+        }
+        let min_interval = (g.state_bytes / g.kv_bytes_per_token.max(1)).next_multiple_of(bs);
+        let interval = match self.state_checkpoint_interval {
+            Some(i) if i == 0 || i % bs != 0 => {
+                return Err(format!("--state-checkpoint-interval {i} must be a positive multiple of the block size {bs}"))
+            }
+            Some(i) => i,
+            None => min_interval.max(64 * bs),
+        };
+        Ok(CachePlan {
+            num_blocks,
+            block_size: bs,
+            interval,
+            checkpoint_blocks: g.state_bytes.div_ceil(block_bytes).max(1),
+        })
+    }
+}
+
+/// Plans the caches, starts the engine thread and returns its handle.
+pub fn start<E: Executor + 'static>(
+    mut executor: E,
+    tokenizer: Option<Tokenizer>,
+    cfg: EngineConfig,
+) -> Result<EngineHandle, String> {
+    let g = executor.geometry();
+    let plan = cfg.cache_plan(g)?;
+    let per_request = cfg.max_model_len.div_ceil(plan.block_size);
+    tracing::info!(
+        blocks = plan.num_blocks,
+        block_size = plan.block_size,
+        state_checkpoint_interval = plan.interval,
+        checkpoint_blocks = plan.checkpoint_blocks,
+        "K/V cache: {} bytes / ({} bytes per token × {} tokens per block) = {} blocks; a {}-token request \
+         needs {} blocks, so {} fit at once",
+        cfg.kv_cache_memory_bytes,
+        g.kv_bytes_per_token,
+        plan.block_size,
+        plan.num_blocks,
+        cfg.max_model_len,
+        per_request,
+        plan.num_blocks / per_request
+    );
+    executor.init_cache(plan.num_blocks, plan.block_size);
+    let cache = CacheManager::new(
+        plan.num_blocks,
+        plan.block_size,
+        cfg.enable_prefix_caching,
+        g.state_bytes > 0,
+        plan.interval,
+        plan.checkpoint_blocks,
+    );
+    let (tx, rx) = channel();
+    let info = Arc::new(EngineInfo {
+        model_name: cfg.model_name.clone(),
+        max_model_len: cfg.max_model_len,
+        valid_vocab: cfg.valid_vocab,
+        default_max_tokens: cfg.default_max_tokens,
+    });
+    let metrics = Arc::new(Mutex::new(MetricsSnapshot::default()));
+    let limits = Arc::new(Limits {
+        max_waiting: cfg.max_waiting,
+        waiting: AtomicUsize::new(0),
+    });
+    let mut engine = Engine {
+        cache,
+        sampler: Sampler::new(cfg.valid_vocab),
+        cfg,
+        executor,
+        tokenizer,
+        rx,
+        waiting: VecDeque::new(),
+        running: Vec::new(),
+        in_flight: 0,
+        metrics: metrics.clone(),
+        limits: limits.clone(),
+        stats: MetricsSnapshot::default(),
+    };
+    std::thread::Builder::new()
+        .name("sanmai-engine".into())
+        .spawn(move || engine.run())
+        .expect("spawning the engine thread");
+    Ok(EngineHandle {
+        tx,
+        info,
+        metrics,
+        limits,
+    })
+}
+
+struct Engine<E: Executor> {
+    cfg: EngineConfig,
+    executor: E,
+    cache: CacheManager,
+    tokenizer: Option<Tokenizer>,
+    sampler: Sampler,
+    rx: Receiver<Command>,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    /// Steps submitted and not yet processed.
+    in_flight: usize,
+    metrics: Arc<Mutex<MetricsSnapshot>>,
+    limits: Arc<Limits>,
+    stats: MetricsSnapshot,
+}
+
+impl<E: Executor> Engine<E> {
+    fn run(&mut self) {
+        loop {
+            if self.waiting.is_empty() && self.running.is_empty() && self.in_flight == 0 {
+                match self.rx.recv() {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            return;
+                        }
+                    }
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(cmd) => {
+                        if !self.handle(cmd) {
+                            return;
+                        }
+                    }
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        self.abort_all();
+                        return;
+                    }
+                }
+            }
+            self.advance();
+            self.publish();
+        }
+    }
+
+    /// Applies a command; false means stop the loop.
+    fn handle(&mut self, cmd: Command) -> bool {
+        match cmd {
+            Command::Submit(req, tx) => {
+                let room = self.cfg.max_model_len - req.prompt.len();
+                let max_tokens = req
+                    .stop
+                    .max_tokens
+                    .or(self.cfg.default_max_tokens)
+                    .map_or(room, |m| m.min(room));
+                let seq = Sequence::new(*req, tx, self.tokenizer.as_ref(), max_tokens);
+                if seq.max_tokens == 0 {
+                    self.limits.waiting.fetch_sub(1, Ordering::Relaxed);
+                    let usage = seq.usage();
+                    seq.send(EngineEvent::Finished {
+                        reason: FinishReason::Length,
+                        stop_reason: None,
+                        usage,
+                    });
+                } else {
+                    self.waiting.push_back(seq);
+                }
+                true
+            }
+            Command::Abort(id) => {
+                if let Some(i) = self.waiting.iter().position(|s| s.req.id == id) {
+                    let seq = self.waiting.remove(i).unwrap();
+                    self.limits.waiting.fetch_sub(1, Ordering::Relaxed);
+                    self.finish(seq, FinishReason::Abort, None);
+                } else if let Some(i) = self.running.iter().position(|s| s.req.id == id) {
+                    if self.running[i].in_flight {
+                        // Its step may still be writing its blocks: finish it when the step returns.
+                        self.running[i].abort_requested = true;
+                    } else {
+                        let seq = self.running.remove(i);
+                        self.finish(seq, FinishReason::Abort, None);
+                    }
+                }
+                true
+            }
+            Command::Shutdown => {
+                self.abort_all();
+                self.publish();
+                false
+            }
+        }
+    }
+
+    fn abort_all(&mut self) {
+        while self.in_flight > 0 {
+            self.collect();
+        }
+        while let Some(seq) = self.waiting.pop_front() {
+            self.limits.waiting.fetch_sub(1, Ordering::Relaxed);
+            self.finish(seq, FinishReason::Abort, None);
+        }
+        for seq in std::mem::take(&mut self.running) {
+            self.finish(seq, FinishReason::Abort, None);
+        }
+    }
+
+    /// Submits a step if the executor has room and there is work; otherwise waits for the oldest step in
+    /// flight and processes it.
+    fn advance(&mut self) {
+        if self.in_flight < self.executor.max_in_flight().max(1) {
+            let started = Instant::now();
+            let plan = self.schedule();
+            self.stats.overhead_seconds_total += started.elapsed().as_secs_f64();
+            if !plan.chunks.is_empty() {
+                for c in &plan.chunks {
+                    if let Some(s) = self.running.iter_mut().find(|s| s.state() == Some(c.state)) {
+                        s.in_flight = true;
+                    }
+                }
+                let started = Instant::now();
+                self.executor.submit(plan);
+                self.stats.execute_seconds_total += started.elapsed().as_secs_f64();
+                self.in_flight += 1;
+                if self.in_flight < self.executor.max_in_flight() {
+                    return;
+                }
+            }
+        }
+        if self.in_flight > 0 {
+            self.collect();
+        }
+    }
+
+    /// Waits for the oldest step in flight and processes its results.
+    fn collect(&mut self) {
+        let started = Instant::now();
+        let (plan, out) = self.executor.wait();
+        self.stats.execute_seconds_total += started.elapsed().as_secs_f64();
+        self.in_flight -= 1;
+        let started = Instant::now();
+        self.process(plan, out);
+        self.stats.overhead_seconds_total += started.elapsed().as_secs_f64();
+        self.stats.steps_total += 1;
+    }
+
+    fn finish(&mut self, mut seq: Sequence, reason: FinishReason, stop: Option<StopReason>) {
+        if let Some(c) = seq.cache.take() {
+            self.cache.free(&mut self.executor, c);
+        }
+        self.stats.requests_finished_total += 1;
+        self.stats
+            .e2e_request_latency
+            .observe(seq.arrived.elapsed().as_secs_f64());
+        let usage = seq.usage();
+        seq.send(EngineEvent::Finished {
+            reason,
+            stop_reason: stop,
+            usage,
+        });
+    }
+
+    fn publish(&mut self) {
+        self.stats.requests_running = self.running.len();
+        self.stats.requests_waiting = self.waiting.len();
+        self.stats.kv_cache_usage = self.cache.usage();
+        self.stats.prefix_cache_queries_total = self.cache.stats.queries;
+        self.stats.prefix_cache_hits_total = self.cache.stats.hits;
+        *self.metrics.lock().unwrap() = self.stats.clone();
+    }
+}

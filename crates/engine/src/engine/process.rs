@@ -1,0 +1,167 @@
+//! Applying a returned step to its sequences.
+
+use rayon::prelude::*;
+
+use super::Engine;
+use crate::api::{EngineEvent, FinishReason, TokenLogprob};
+use crate::executor::{Executor, LogitRows, StepLogits, StepPlan};
+use crate::sampler::{RowLogprobs, SampleRequest, Sampled};
+use crate::sequence::Appended;
+
+impl<E: Executor> Engine<E> {
+    /// Applies a returned step: prompt log-probabilities, cache bookkeeping, sampling, stop checks, events.
+    pub(super) fn process(&mut self, plan: StepPlan, result: Result<StepLogits, String>) {
+        for c in &plan.chunks {
+            if let Some(s) = self.running.iter_mut().find(|s| s.state() == Some(c.state)) {
+                s.in_flight = false;
+            }
+        }
+        // Sequences aborted while their step was in flight end now.
+        while let Some(i) = self.running.iter().position(|s| s.abort_requested) {
+            let seq = self.running.remove(i);
+            self.finish(seq, FinishReason::Abort, None);
+        }
+        let mut out = match result {
+            Ok(out) => out,
+            Err(msg) => {
+                tracing::error!(error = %msg, "model step failed; failing its requests");
+                for c in &plan.chunks {
+                    if let Some(i) = self.running.iter().position(|s| s.state() == Some(c.state)) {
+                        let seq = self.running.remove(i);
+                        self.finish(seq, FinishReason::Error(msg.clone()), None);
+                    }
+                }
+                return;
+            }
+        };
+        let mut row = 0;
+        let mut done = Vec::new();
+        let mut to_sample: Vec<Option<usize>> = vec![None; self.running.len()];
+        for c in &plan.chunks {
+            // Sequences aborted meanwhile are gone; their rows are skipped.
+            let Some(i) = self.running.iter().position(|s| s.state() == Some(c.state)) else {
+                row += match c.logits {
+                    LogitRows::None => 0,
+                    LogitRows::Last => 1,
+                    LogitRows::All => c.tokens.len(),
+                };
+                continue;
+            };
+            let rows = match c.logits {
+                LogitRows::None => 0,
+                LogitRows::Last => 1,
+                LogitRows::All => c.tokens.len(),
+            };
+            let first_row = row;
+            row += rows;
+            let seq = &mut self.running[i];
+            let prompt_part = seq.prompt_len().saturating_sub(c.pos0).min(c.tokens.len());
+            self.stats.prompt_tokens_total += prompt_part as u64;
+            if c.logits == LogitRows::All {
+                let n = seq.req.sampling.logprobs.unwrap_or(0);
+                for r in 0..rows {
+                    let target = c.pos0 + r + 1;
+                    if target < seq.prompt_len() {
+                        let lp =
+                            RowLogprobs::new(out.row(first_row + r), self.cfg.valid_vocab).ok();
+                        let id = seq.tokens[target];
+                        seq.prompt_logprobs.push(lp.map(|lp| TokenLogprob {
+                            id,
+                            logprob: lp.logprob(id).unwrap_or(f32::NEG_INFINITY),
+                            top: if n > 0 { lp.top(n) } else { Vec::new() },
+                        }));
+                    }
+                }
+            }
+            let before = seq.num_computed;
+            seq.num_computed += c.tokens.len();
+            let prompt_len = seq.prompt_len();
+            self.cache.after_step(
+                &mut self.executor,
+                seq.cache.as_mut().expect("running sequences hold caches"),
+                &seq.tokens,
+                before,
+                seq.num_computed,
+                prompt_len,
+            );
+            if seq.num_computed < seq.tokens.len() {
+                continue; // mid-prefill
+            }
+            if seq.req.prompt_logprobs && seq.num_output() == 0 {
+                let mut all = vec![None];
+                all.append(&mut seq.prompt_logprobs);
+                seq.send(EngineEvent::PromptLogprobs(all));
+            }
+            to_sample[i] = Some(first_row + rows - 1);
+        }
+        // Sample every sequence that completed its pending tokens, in parallel (a row is the full vocabulary).
+        let (sampler, eos) = (&self.sampler, &self.cfg.eos_ids);
+        let width = out.width;
+        let mut rows: Vec<Option<&mut [f32]>> =
+            out.rows.chunks_mut(width.max(1)).map(Some).collect();
+        let mut mine: Vec<Option<&mut [f32]>> = to_sample
+            .iter()
+            .map(|r| r.and_then(|r| rows[r].take()))
+            .collect();
+        let sampled: Vec<Option<Result<Sampled, String>>> = self
+            .running
+            .par_iter_mut()
+            .zip(mine.par_iter_mut())
+            .map(|(seq, row)| {
+                // The row is sampled in place: it is not needed afterwards.
+                let logits = row.take()?;
+                if seq.num_output() < seq.req.stop.min_tokens {
+                    // Too early to stop: end tokens cannot be drawn.
+                    for &id in eos.iter().chain(&seq.req.stop.stop_token_ids) {
+                        if let Some(x) = logits.get_mut(id as usize) {
+                            *x = f32::NEG_INFINITY;
+                        }
+                    }
+                }
+                let mut req = SampleRequest {
+                    params: &seq.req.sampling,
+                    state: &mut seq.sampler,
+                    allowed: None,
+                };
+                Some(sampler.sample(logits, &mut req).map_err(|e| e.to_string()))
+            })
+            .collect();
+        for (i, s) in sampled.into_iter().enumerate() {
+            let Some(s) = s else { continue };
+            let sampled = match s {
+                Ok(s) => s,
+                Err(e) => {
+                    done.push((i, FinishReason::Error(e), None));
+                    continue;
+                }
+            };
+            let seq = &mut self.running[i];
+            let prev = seq.last_token;
+            let lp = seq.req.sampling.logprobs.map(|_| TokenLogprob {
+                id: sampled.id,
+                logprob: sampled.logprob,
+                top: sampled.top_logprobs,
+            });
+            let outcome = seq.append(sampled.id, lp, &self.cfg.eos_ids, self.cfg.max_model_len);
+            self.stats.generation_tokens_total += 1;
+            match prev {
+                None => self
+                    .stats
+                    .time_to_first_token
+                    .observe(seq.arrived.elapsed().as_secs_f64()),
+                Some(p) => self
+                    .stats
+                    .inter_token_latency
+                    .observe(p.elapsed().as_secs_f64()),
+            }
+            if let Appended::Finished(reason, stop) = outcome {
+                done.push((i, reason, stop));
+            }
+        }
+        done.sort_by_key(|d| std::cmp::Reverse(d.0));
+        for (i, reason, stop) in done {
+            let seq = self.running.remove(i);
+            self.finish(seq, reason, stop);
+        }
+    }
+}

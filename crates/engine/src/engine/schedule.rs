@@ -1,0 +1,145 @@
+//! Planning a step: which sequences run, how many tokens each, with which blocks; preemption when the
+//! block pool runs dry.
+
+use std::sync::atomic::Ordering;
+
+use super::Engine;
+use crate::executor::{Executor, LogitRows, PlannedChunk, StepPlan};
+use crate::sequence::Sequence;
+
+impl<E: Executor> Engine<E> {
+    /// Builds the step: running decodes, then running prefills, then admissions, all under the budgets.
+    /// A sequence that cannot get blocks preempts the newest running sequence not yet in the step (or
+    /// itself): its caches are freed and it waits to be recomputed.
+    pub(super) fn schedule(&mut self) -> StepPlan {
+        let mut budget = self.cfg.max_num_batched_tokens;
+        let mut plan = StepPlan::default();
+        let mut planned: Vec<String> = Vec::new();
+        let idle = |s: &&Sequence| !s.in_flight && !s.abort_requested;
+        let mut order: Vec<String> = self
+            .running
+            .iter()
+            .filter(idle)
+            .filter(|s| !s.in_prefill())
+            .map(|s| s.req.id.clone())
+            .collect();
+        order.extend(
+            self.running
+                .iter()
+                .filter(idle)
+                .filter(|s| s.in_prefill())
+                .map(|s| s.req.id.clone()),
+        );
+        for id in order {
+            if budget == 0 {
+                break;
+            }
+            let Some(i) = self.running.iter().position(|s| s.req.id == id) else {
+                continue;
+            };
+            let len = self.chunk_len(&self.running[i], budget);
+            loop {
+                let seq = &mut self.running[i];
+                let end = seq.num_computed + len;
+                if self
+                    .cache
+                    .ensure(&mut self.executor, seq.cache.as_mut().unwrap(), end)
+                {
+                    break;
+                }
+                // The newest sequence that is neither in this step nor in flight (at worst this one).
+                let victim = self
+                    .running
+                    .iter()
+                    .rposition(|s| !s.in_flight && !planned.contains(&s.req.id))
+                    .expect("the sequence being scheduled is a candidate");
+                self.preempt(victim);
+                if victim == i {
+                    break;
+                }
+            }
+            let Some(i) = self.running.iter().position(|s| s.req.id == id) else {
+                continue;
+            };
+            let c = self.chunk(&self.running[i], len);
+            budget -= c.tokens.len();
+            plan.chunks.push(c);
+            planned.push(id);
+        }
+        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            let lookup = !(seq.req.prompt_logprobs && seq.num_output() == 0);
+            let (mut cache, cached) =
+                self.cache
+                    .admit(&mut self.executor, &seq.tokens, &seq.req.cache_salt, lookup);
+            seq.num_computed = cached;
+            if seq.num_output() == 0 {
+                seq.cached_tokens = cached;
+            }
+            let len = self.chunk_len(&seq, budget);
+            if !self
+                .cache
+                .ensure(&mut self.executor, &mut cache, seq.num_computed + len)
+            {
+                self.cache.free(&mut self.executor, cache);
+                seq.num_computed = 0;
+                self.waiting.push_front(seq);
+                break;
+            }
+            self.limits.waiting.fetch_sub(1, Ordering::Relaxed);
+            seq.cache = Some(cache);
+            let c = self.chunk(&seq, len);
+            budget -= c.tokens.len();
+            plan.chunks.push(c);
+            self.running.push(seq);
+        }
+        plan
+    }
+
+    /// Tokens of `seq` to run this step: what is pending, within the budget, stopping at the next state
+    /// checkpoint boundary.
+    fn chunk_len(&self, seq: &Sequence, budget: usize) -> usize {
+        let mut len = seq.pending().min(budget);
+        if let Some(b) = self.cache.next_boundary(seq.num_computed) {
+            len = len.min(b - seq.num_computed);
+        }
+        len
+    }
+
+    fn chunk(&self, seq: &Sequence, len: usize) -> PlannedChunk {
+        let end = seq.num_computed + len;
+        let logits = if seq.req.prompt_logprobs && seq.num_output() == 0 {
+            LogitRows::All
+        } else if end == seq.tokens.len() {
+            LogitRows::Last
+        } else {
+            LogitRows::None
+        };
+        let cache = seq.cache.as_ref().expect("scheduled sequences hold caches");
+        PlannedChunk {
+            state: cache.state,
+            blocks: cache.blocks.clone(),
+            pos0: seq.num_computed,
+            tokens: seq.tokens[seq.num_computed..end].to_vec(),
+            logits,
+        }
+    }
+
+    /// Frees a running sequence's caches and puts it first in line to be recomputed.
+    fn preempt(&mut self, i: usize) {
+        let mut seq = self.running.remove(i);
+        if let Some(c) = seq.cache.take() {
+            self.cache.free(&mut self.executor, c);
+        }
+        seq.num_computed = 0;
+        if seq.num_output() == 0 {
+            seq.prompt_logprobs.clear();
+        }
+        self.stats.preemptions_total += 1;
+        tracing::debug!(request = %seq.req.id, "preempted");
+        self.limits.waiting.fetch_add(1, Ordering::Relaxed);
+        self.waiting.push_front(seq);
+    }
+}

@@ -17,58 +17,48 @@ fn tokenizer() -> &'static Tokenizer {
     T.get_or_init(|| Tokenizer::builtin().unwrap())
 }
 
-fn engine(max_num_seqs: usize, max_num_batched_tokens: usize) -> EngineHandle {
-    engine_with(max_num_seqs, max_num_batched_tokens, 1 << 30, true)
-}
-
-fn engine_with(
-    max_num_seqs: usize,
-    max_num_batched_tokens: usize,
-    kv_bytes: usize,
-    prefix_caching: bool,
-) -> EngineHandle {
-    engine_full(
+/// Engine settings for the built-in model; tests adjust the fields they exercise.
+fn config(max_num_seqs: usize, max_num_batched_tokens: usize) -> EngineConfig {
+    EngineConfig {
+        model_name: "test".into(),
         max_num_seqs,
         max_num_batched_tokens,
-        kv_bytes,
-        prefix_caching,
-        4096,
+        max_model_len: 4096,
+        max_waiting: 100,
+        default_max_tokens: Some(64),
+        valid_vocab: tokenizer().backend().get_vocab_size(true),
+        eos_ids: vec![248046, 248044],
+        block_size: 16,
+        kv_cache_memory_bytes: 1 << 30,
+        enable_prefix_caching: true,
+        state_checkpoint_interval: Some(64),
+    }
+}
+
+fn executor() -> ModelExecutor<CpuBackend> {
+    ModelExecutor::new(
+        Model::load(
+            builtin::config(),
+            &Dummy::new(builtin::SEED),
+            CpuBackend::new(),
+        )
+        .unwrap(),
     )
 }
 
-fn engine_full(
-    max_num_seqs: usize,
-    max_num_batched_tokens: usize,
-    kv_bytes: usize,
-    prefix_caching: bool,
-    max_model_len: usize,
-) -> EngineHandle {
-    let model = Model::load(
-        builtin::config(),
-        &Dummy::new(builtin::SEED),
-        CpuBackend::new(),
-    )
-    .unwrap();
-    let tok = tokenizer().clone();
-    start(
-        ModelExecutor::new(model),
-        Some(tok.clone()),
-        EngineConfig {
-            model_name: "test".into(),
-            max_num_seqs,
-            max_num_batched_tokens,
-            max_model_len,
-            max_waiting: 100,
-            default_max_tokens: Some(64),
-            valid_vocab: tok.backend().get_vocab_size(true),
-            eos_ids: vec![248046, 248044],
-            block_size: 16,
-            kv_cache_memory_bytes: kv_bytes,
-            enable_prefix_caching: prefix_caching,
-            state_checkpoint_interval: Some(64),
-        },
-    )
-    .unwrap()
+fn engine_from(cfg: EngineConfig) -> EngineHandle {
+    start(executor(), Some(tokenizer().clone()), cfg).unwrap()
+}
+
+fn engine(max_num_seqs: usize, max_num_batched_tokens: usize) -> EngineHandle {
+    engine_from(config(max_num_seqs, max_num_batched_tokens))
+}
+
+fn engine_uncached(max_num_seqs: usize, max_num_batched_tokens: usize) -> EngineHandle {
+    engine_from(EngineConfig {
+        enable_prefix_caching: false,
+        ..config(max_num_seqs, max_num_batched_tokens)
+    })
 }
 
 fn request(id: &str, prompt: &str, max_tokens: usize) -> EngineRequest {
@@ -271,7 +261,7 @@ fn assert_close(a: &[Vec<(u32, f32)>], b: &[Vec<(u32, f32)>]) {
 #[test]
 fn prefix_cache_resumes_agent_turns_with_equal_logits() {
     let cached = engine(4, 48);
-    let plain = engine_with(4, 48, 1 << 30, false);
+    let plain = engine_uncached(4, 48);
     let turn1 = request("t1", "<|im_start|>system\nYou are a coding agent. Use tools.<|im_end|>\n<|im_start|>user\nList the files in the repository and explain them.<|im_end|>\n<|im_start|>assistant\n", 40);
     let (ids1, _, hit1) = run_logprobs(&cached, turn1.clone());
     assert_eq!(hit1, 0);
@@ -307,7 +297,7 @@ fn prefix_cache_resumes_agent_turns_with_equal_logits() {
 #[test]
 fn interval_checkpoints_serve_a_diverging_prompt() {
     let cached = engine(2, 40);
-    let plain = engine_with(2, 40, 1 << 30, false);
+    let plain = engine_uncached(2, 40);
     let long = "The history of the printing press begins with movable type in East Asia and continues through Gutenberg's workshop in Mainz, where metal type, oil-based ink and a screw press came together around 1450.";
     let long = format!("{long} {long}");
     let a = request("a", &format!("{long} Summarise it."), 5);
@@ -331,8 +321,15 @@ fn interval_checkpoints_serve_a_diverging_prompt() {
 #[test]
 fn preemption_under_a_tiny_block_budget_keeps_outputs() {
     // 16 blocks of 16 tokens (1 KiB per token): three ~106-token sequences (7 blocks each) cannot all fit.
-    let tight = engine_full(3, 64, 16 * 16 * 1024, true, 128);
-    let roomy = engine_full(3, 64, 1 << 30, true, 128);
+    let tight = engine_from(EngineConfig {
+        max_model_len: 128,
+        kv_cache_memory_bytes: 16 * 16 * 1024,
+        ..config(3, 64)
+    });
+    let roomy = engine_from(EngineConfig {
+        max_model_len: 128,
+        ..config(3, 64)
+    });
     let prompts = [
         "one two three four five six",
         "alpha beta gamma delta epsilon",
@@ -426,35 +423,11 @@ fn two_steps_in_flight_give_the_same_outputs() {
         .enumerate()
         .map(|(i, p)| collect(&solo, request(&i.to_string(), p, 16)).ids)
         .collect();
-    let model = Model::load(
-        builtin::config(),
-        &Dummy::new(builtin::SEED),
-        CpuBackend::new(),
-    )
-    .unwrap();
-    let tok = tokenizer().clone();
-    let h = start(
-        TwoInFlight {
-            inner: ModelExecutor::new(model),
-            queue: Default::default(),
-        },
-        Some(tok.clone()),
-        EngineConfig {
-            model_name: "pp".into(),
-            max_num_seqs: 3,
-            max_num_batched_tokens: 8,
-            max_model_len: 4096,
-            max_waiting: 100,
-            default_max_tokens: None,
-            valid_vocab: tok.backend().get_vocab_size(true),
-            eos_ids: vec![],
-            block_size: 16,
-            kv_cache_memory_bytes: 1 << 28,
-            enable_prefix_caching: true,
-            state_checkpoint_interval: Some(64),
-        },
-    )
-    .unwrap();
+    let two = TwoInFlight {
+        inner: executor(),
+        queue: Default::default(),
+    };
+    let h = start(two, Some(tokenizer().clone()), config(3, 8)).unwrap();
     let hs: Vec<_> = prompts
         .iter()
         .enumerate()

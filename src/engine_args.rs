@@ -32,6 +32,9 @@ pub struct EngineArgs {
     /// checkpoint costs no more than the K/V of the tokens it covers.
     #[arg(long)]
     pub state_checkpoint_interval: Option<usize>,
+    /// Requests allowed to wait for a place before new ones are refused as overloaded (503).
+    #[arg(long)]
+    pub max_waiting_requests: Option<usize>,
 }
 
 /// Built-in default for the number of new tokens when a request gives no `max_tokens`.
@@ -69,7 +72,7 @@ impl EngineArgs {
             max_num_seqs: self.max_num_seqs.unwrap_or(256),
             max_num_batched_tokens: self.max_num_batched_tokens.unwrap_or(2048),
             max_model_len,
-            max_waiting: 4096,
+            max_waiting: self.max_waiting_requests.unwrap_or(4096),
             default_max_tokens,
             valid_vocab,
             eos_ids,

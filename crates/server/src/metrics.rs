@@ -1,0 +1,213 @@
+//! `GET /metrics`: the engine's [`MetricsSnapshot`] in the Prometheus text format, under vLLM's metric
+//! names with a `sanmai:` prefix and a `model_name` label.
+
+use std::fmt::Write;
+
+use sanmai_engine::api::{Histogram, MetricsSnapshot};
+
+/// The Prometheus text exposition of `m`.
+pub fn render(m: &MetricsSnapshot, model_name: &str) -> String {
+    let label = format!("model_name=\"{}\"", escape(model_name));
+    let mut out = String::with_capacity(4096);
+    let gauges: [(&str, &str, f64); 3] = [
+        (
+            "num_requests_running",
+            "Number of requests in model execution batches.",
+            m.requests_running as f64,
+        ),
+        (
+            "num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            m.requests_waiting as f64,
+        ),
+        (
+            "kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            m.kv_cache_usage,
+        ),
+    ];
+    for (name, help, v) in gauges {
+        metric(&mut out, name, "gauge", help);
+        let _ = writeln!(out, "sanmai:{name}{{{label}}} {}", num(v));
+    }
+    let counters: [(&str, &str, u64); 6] = [
+        (
+            "prompt_tokens_total",
+            "Number of prefill tokens processed.",
+            m.prompt_tokens_total,
+        ),
+        (
+            "generation_tokens_total",
+            "Number of generation tokens processed.",
+            m.generation_tokens_total,
+        ),
+        (
+            "prefix_cache_queries_total",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            m.prefix_cache_queries_total,
+        ),
+        (
+            "prefix_cache_hits_total",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            m.prefix_cache_hits_total,
+        ),
+        (
+            "num_preemptions_total",
+            "Cumulative number of preemptions from the engine.",
+            m.preemptions_total,
+        ),
+        (
+            "request_success_total",
+            "Count of finished requests.",
+            m.requests_finished_total,
+        ),
+    ];
+    for (name, help, v) in counters {
+        metric(&mut out, name, "counter", help);
+        let _ = writeln!(out, "sanmai:{name}{{{label}}} {v}");
+    }
+    let histograms: [(&str, &str, &Histogram); 3] = [
+        (
+            "time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            &m.time_to_first_token,
+        ),
+        (
+            "inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            &m.inter_token_latency,
+        ),
+        (
+            "e2e_request_latency_seconds",
+            "Histogram of end to end request latency in seconds.",
+            &m.e2e_request_latency,
+        ),
+    ];
+    for (name, help, h) in histograms {
+        metric(&mut out, name, "histogram", help);
+        for (i, bound) in h.bounds.iter().enumerate() {
+            let c = h.counts.get(i).copied().unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "sanmai:{name}_bucket{{{label},le=\"{}\"}} {c}",
+                num(*bound)
+            );
+        }
+        let _ = writeln!(
+            out,
+            "sanmai:{name}_bucket{{{label},le=\"+Inf\"}} {}",
+            h.count
+        );
+        let _ = writeln!(out, "sanmai:{name}_sum{{{label}}} {}", num(h.sum));
+        let _ = writeln!(out, "sanmai:{name}_count{{{label}}} {}", h.count);
+    }
+    out
+}
+
+fn metric(out: &mut String, name: &str, kind: &str, help: &str) {
+    let _ = writeln!(out, "# HELP sanmai:{name} {help}");
+    let _ = writeln!(out, "# TYPE sanmai:{name} {kind}");
+}
+
+/// A sample value as Prometheus writes it (`1`, `0.25`, `NaN`, `+Inf`).
+fn num(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".into()
+    } else if v.is_infinite() {
+        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
+    } else {
+        format!("{v}")
+    }
+}
+
+/// A label value with `\`, `"` and newlines escaped.
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The value of the sample line starting with `key` (name plus labels).
+    fn sample(text: &str, key: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key).map(|r| r.trim().parse().unwrap()))
+            .unwrap_or_else(|| panic!("no sample {key} in\n{text}"))
+    }
+
+    #[test]
+    fn renders_every_family_with_values() {
+        let mut m = MetricsSnapshot {
+            requests_running: 2,
+            requests_waiting: 1,
+            kv_cache_usage: 0.25,
+            prompt_tokens_total: 100,
+            generation_tokens_total: 40,
+            prefix_cache_queries_total: 64,
+            prefix_cache_hits_total: 32,
+            preemptions_total: 3,
+            requests_finished_total: 5,
+            ..MetricsSnapshot::default()
+        };
+        m.time_to_first_token.observe(0.003);
+        m.time_to_first_token.observe(0.3);
+        let text = render(&m, "demo\"x");
+        let l = "{model_name=\"demo\\\"x\"}";
+        assert_eq!(
+            sample(&text, &format!("sanmai:num_requests_running{l}")),
+            2.0
+        );
+        assert_eq!(
+            sample(&text, &format!("sanmai:num_requests_waiting{l}")),
+            1.0
+        );
+        assert_eq!(
+            sample(&text, &format!("sanmai:kv_cache_usage_perc{l}")),
+            0.25
+        );
+        assert_eq!(
+            sample(&text, &format!("sanmai:prompt_tokens_total{l}")),
+            100.0
+        );
+        assert_eq!(
+            sample(&text, &format!("sanmai:generation_tokens_total{l}")),
+            40.0
+        );
+        assert_eq!(
+            sample(&text, &format!("sanmai:prefix_cache_queries_total{l}")),
+            64.0
+        );
+        assert_eq!(
+            sample(&text, &format!("sanmai:prefix_cache_hits_total{l}")),
+            32.0
+        );
+        assert_eq!(
+            sample(&text, &format!("sanmai:num_preemptions_total{l}")),
+            3.0
+        );
+        let b = "sanmai:time_to_first_token_seconds_bucket{model_name=\"demo\\\"x\"";
+        assert_eq!(sample(&text, &format!("{b},le=\"0.001\"}}")), 0.0);
+        assert_eq!(sample(&text, &format!("{b},le=\"0.005\"}}")), 1.0);
+        assert_eq!(sample(&text, &format!("{b},le=\"0.5\"}}")), 2.0);
+        assert_eq!(sample(&text, &format!("{b},le=\"+Inf\"}}")), 2.0);
+        assert_eq!(
+            sample(
+                &text,
+                &format!("sanmai:time_to_first_token_seconds_count{l}")
+            ),
+            2.0
+        );
+        assert!(
+            (sample(&text, &format!("sanmai:time_to_first_token_seconds_sum{l}")) - 0.303).abs()
+                < 1e-9
+        );
+        for family in ["inter_token_latency_seconds", "e2e_request_latency_seconds"] {
+            assert!(text.contains(&format!("# TYPE sanmai:{family} histogram")));
+        }
+        assert!(text.contains("# TYPE sanmai:prompt_tokens_total counter"));
+        assert!(text.contains("# TYPE sanmai:num_requests_running gauge"));
+    }
+}

@@ -1,0 +1,96 @@
+//! Running one API request as engine requests: submitting all choices at once, merging their event
+//! streams, and the server-sent-events body a producer task writes into (the task stops, and the engine
+//! requests are aborted, as soon as the client goes away; a panic in it ends the stream with an error).
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream::{self, select_all, BoxStream, StreamExt};
+use futures_util::FutureExt;
+use sanmai_engine::api::{EngineEvent, EngineRequest};
+use sanmai_engine::{EngineHandle, RequestStream};
+use serde_json::Value;
+use tokio::sync::mpsc;
+
+use crate::error::ApiError;
+
+/// Submits every request; if one is refused, the ones already queued are aborted.
+pub fn submit_all(
+    engine: &EngineHandle,
+    requests: Vec<EngineRequest>,
+) -> Result<Vec<RequestStream>, ApiError> {
+    let mut streams = Vec::with_capacity(requests.len());
+    for req in requests {
+        // On error `streams` is dropped here, which aborts what was queued.
+        streams.push(engine.submit(req)?);
+    }
+    Ok(streams)
+}
+
+/// The events of several requests as one stream of `(choice index, event)`. Each request's events keep
+/// their order; a request whose engine went away without `Finished` just ends. Dropping the merged
+/// stream aborts every request that has not finished.
+pub fn merge(streams: Vec<RequestStream>) -> BoxStream<'static, (usize, EngineEvent)> {
+    let per_choice = streams.into_iter().enumerate().map(|(i, s)| {
+        stream::unfold(s, move |mut s| async move {
+            s.recv().await.map(|ev| ((i, ev), s))
+        })
+        .boxed()
+    });
+    select_all(per_choice).boxed()
+}
+
+/// The sending side of a server-sent-events response.
+#[derive(Clone)]
+pub struct SseSender {
+    tx: mpsc::Sender<Event>,
+}
+
+impl SseSender {
+    /// Sends one `data:` event holding `value`; false once the client is gone.
+    pub async fn json(&self, value: &Value) -> bool {
+        self.tx
+            .send(Event::default().data(value.to_string()))
+            .await
+            .is_ok()
+    }
+
+    /// Sends the closing `data: [DONE]`.
+    pub async fn done(&self) -> bool {
+        self.tx.send(Event::default().data("[DONE]")).await.is_ok()
+    }
+
+    /// Resolves when the client has gone away (the response body was dropped).
+    pub async fn closed(&self) {
+        self.tx.closed().await
+    }
+}
+
+/// Events buffered between the producer task and the connection.
+const SSE_BUFFER: usize = 64;
+
+/// A `text/event-stream` response written by `producer`, which runs as its own task. If the producer
+/// panics, the client gets an error event and `[DONE]`; the other requests are unaffected.
+pub fn sse_response<F, Fut>(producer: F) -> Response
+where
+    F: FnOnce(SseSender) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let (tx, mut rx) = mpsc::channel::<Event>(SSE_BUFFER);
+    let sender = SseSender { tx };
+    let fut = producer(sender.clone());
+    tokio::spawn(async move {
+        if AssertUnwindSafe(fut).catch_unwind().await.is_err() {
+            tracing::error!("a streaming response panicked");
+            let err = ApiError::internal("internal error while streaming the response");
+            if sender.json(&err.body()).await {
+                sender.done().await;
+            }
+        }
+    });
+    let body = stream::poll_fn(move |cx| rx.poll_recv(cx)).map(Ok::<_, Infallible>);
+    Sse::new(body).into_response()
+}

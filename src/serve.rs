@@ -1,0 +1,407 @@
+//! `sanmai serve`: the OpenAI-compatible HTTP server. It listens first (so `/health` answers 503 while
+//! the model loads), loads the model, starts the engine loop, and shuts down gracefully on SIGTERM or
+//! Ctrl-C. A `--preset` TOML file supplies serve flags; flags given on the command line win.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use sanmai_server::{Server, ServerConfig, ToolFormat, DEFAULT_MAX_REQUEST_BYTES};
+use sanmai_tokenizer::ChatTemplate;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+use crate::engine_args::EngineArgs;
+use crate::load::ModelArgs;
+
+/// How long in-flight responses may take to end after a shutdown signal.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// A TOML file of serve flags (e.g. configs/deploy/3x3090.toml); command-line flags override it.
+    #[arg(long)]
+    pub preset: Option<PathBuf>,
+    /// Address to bind [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to bind (0 picks a free one) [default: 8000].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// The model name clients send [default: the model directory's name, or sanmai-demo for the
+    /// built-in model].
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize.
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// A Jinja chat template file replacing the tokenizer's.
+    #[arg(long)]
+    pub chat_template: Option<PathBuf>,
+    /// Tool-call format: qwen3_xml (qwen3_coder) or qwen3_json (hermes) [default: read from the chat
+    /// template].
+    #[arg(long)]
+    pub tool_call_parser: Option<String>,
+    /// Chat template variables every request starts from, as JSON (e.g. '{"enable_thinking": false}');
+    /// the built-in model defaults to thinking off.
+    #[arg(long)]
+    pub default_chat_template_kwargs: Option<String>,
+    /// Largest request body in bytes [default: 64 MiB].
+    #[arg(long)]
+    pub max_request_bytes: Option<usize>,
+    /// Turn prefix caching on (the default; overrides a preset that turns it off).
+    #[arg(long, overrides_with = "no_enable_prefix_caching")]
+    pub enable_prefix_caching: bool,
+}
+
+/// The serve flags a preset file may hold (kebab-case keys, as on the command line).
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct Preset {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub served_model_name: Option<String>,
+    pub max_model_len: Option<usize>,
+    pub chat_template: Option<PathBuf>,
+    pub tool_call_parser: Option<String>,
+    /// A table or a JSON string.
+    pub default_chat_template_kwargs: Option<toml::Value>,
+    pub max_request_bytes: Option<usize>,
+    pub max_num_seqs: Option<usize>,
+    pub max_num_batched_tokens: Option<usize>,
+    pub max_waiting_requests: Option<usize>,
+    pub block_size: Option<usize>,
+    pub kv_cache_memory_bytes: Option<usize>,
+    pub state_checkpoint_interval: Option<usize>,
+    pub enable_prefix_caching: Option<bool>,
+    /// Keys this build does not act on (settings for later features), reported at startup.
+    #[serde(flatten)]
+    pub other: toml::Table,
+}
+
+impl Preset {
+    pub fn from_file(path: &Path) -> Result<Preset> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("reading the preset {}", path.display()))?;
+        let preset: Preset = toml::from_str(&text)
+            .with_context(|| format!("parsing the preset {}", path.display()))?;
+        Ok(preset)
+    }
+}
+
+/// Everything `serve` runs with, after the preset and defaults are applied.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    pub addr: String,
+    pub server: ServerConfig,
+    pub engine: EngineArgs,
+}
+
+impl ServeArgs {
+    /// Applies the preset (command-line flags win) and the defaults, and checks the server's flags.
+    pub fn settings(&self) -> Result<Settings> {
+        let preset = match &self.preset {
+            Some(p) => Preset::from_file(p)?,
+            None => Preset::default(),
+        };
+        if !preset.other.is_empty() {
+            let keys: Vec<&String> = preset.other.keys().collect();
+            tracing::warn!(
+                ?keys,
+                "preset settings this build does not act on yet; ignored"
+            );
+        }
+        let builtin = self.model.model.is_none() && self.model.config.is_none();
+        let kwargs = match (
+            &self.default_chat_template_kwargs,
+            &preset.default_chat_template_kwargs,
+        ) {
+            (Some(s), _) => Some(parse_kwargs(s).context("--default-chat-template-kwargs")?),
+            (None, Some(toml::Value::String(s))) => {
+                Some(parse_kwargs(s).context("preset default-chat-template-kwargs")?)
+            }
+            (None, Some(v)) => match serde_json::to_value(v)? {
+                Value::Object(m) => Some(m),
+                _ => bail!("preset default-chat-template-kwargs must be a table"),
+            },
+            (None, None) => None,
+        };
+        let default_kwargs = kwargs.unwrap_or_else(|| {
+            let mut m = Map::new();
+            if builtin {
+                // The built-in model answers in `content` (thinking off) unless a request asks.
+                m.insert("enable_thinking".into(), Value::Bool(false));
+            }
+            m
+        });
+        let chat_template = match self.chat_template.clone().or(preset.chat_template) {
+            Some(path) => {
+                let src = std::fs::read_to_string(&path)
+                    .with_context(|| format!("reading the chat template {}", path.display()))?;
+                Some(
+                    ChatTemplate::new(&src)
+                        .with_context(|| format!("compiling {}", path.display()))?,
+                )
+            }
+            None => None,
+        };
+        let tool_call_parser = match self.tool_call_parser.clone().or(preset.tool_call_parser) {
+            Some(name) => Some(ToolFormat::from_name(&name).context("--tool-call-parser")?),
+            None => None,
+        };
+        let host = self
+            .host
+            .clone()
+            .or(preset.host)
+            .unwrap_or_else(|| "127.0.0.1".into());
+        let port = self.port.or(preset.port).unwrap_or(8000);
+        let addr = if host.contains(':') && !host.starts_with('[') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
+        let name = self
+            .served_model_name
+            .clone()
+            .or(preset.served_model_name)
+            .unwrap_or_else(|| self.model.default_served_name());
+        let mut server = ServerConfig::new(name);
+        server.api_key = self.api_key.clone().filter(|k| !k.is_empty());
+        server.max_request_bytes = self
+            .max_request_bytes
+            .or(preset.max_request_bytes)
+            .unwrap_or(DEFAULT_MAX_REQUEST_BYTES);
+        if server.max_request_bytes == 0 {
+            bail!("--max-request-bytes must be at least 1");
+        }
+        server.default_chat_template_kwargs = default_kwargs;
+        server.chat_template = chat_template;
+        server.tool_call_parser = tool_call_parser;
+
+        let mut engine = self.engine.clone();
+        let e = &mut engine;
+        e.max_model_len = e.max_model_len.or(preset.max_model_len);
+        e.max_num_seqs = e.max_num_seqs.or(preset.max_num_seqs);
+        e.max_num_batched_tokens = e.max_num_batched_tokens.or(preset.max_num_batched_tokens);
+        e.max_waiting_requests = e.max_waiting_requests.or(preset.max_waiting_requests);
+        e.block_size = e.block_size.or(preset.block_size);
+        e.kv_cache_memory_bytes = e.kv_cache_memory_bytes.or(preset.kv_cache_memory_bytes);
+        e.state_checkpoint_interval = e
+            .state_checkpoint_interval
+            .or(preset.state_checkpoint_interval);
+        e.no_enable_prefix_caching = if self.enable_prefix_caching {
+            false
+        } else {
+            e.no_enable_prefix_caching || preset.enable_prefix_caching == Some(false)
+        };
+        Ok(Settings {
+            addr,
+            server,
+            engine,
+        })
+    }
+}
+
+fn parse_kwargs(text: &str) -> Result<Map<String, Value>> {
+    match serde_json::from_str::<Value>(text).context("not valid JSON")? {
+        Value::Object(m) => Ok(m),
+        _ => bail!("must be a JSON object"),
+    }
+}
+
+pub fn run(args: ServeArgs) -> Result<()> {
+    let settings = args.settings()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("sanmai-http")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(serve(args, settings))
+}
+
+async fn serve(args: ServeArgs, s: Settings) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(&s.addr)
+        .await
+        .with_context(|| format!("binding {}", s.addr))?;
+    let addr: SocketAddr = listener.local_addr()?;
+    let name = s.server.served_model_name.clone();
+    let server = Server::new(s.server.clone());
+    tracing::info!(model = %name, "listening on http://{addr}");
+
+    let http = {
+        let server = server.clone();
+        tokio::spawn(async move {
+            server
+                .run(listener, async {
+                    sanmai_server::shutdown_signal().await;
+                    // In-flight responses get a grace period; then the process ends regardless.
+                    std::thread::spawn(|| {
+                        std::thread::sleep(SHUTDOWN_GRACE);
+                        tracing::warn!("responses still open after the grace period; exiting");
+                        std::process::exit(1);
+                    });
+                })
+                .await
+        })
+    };
+    let loading = {
+        let server = server.clone();
+        let args = args.clone();
+        tokio::task::spawn_blocking(move || load_and_start(&server, &args, &s))
+    };
+    tokio::pin!(http);
+    tokio::select! {
+        res = &mut http => {
+            res.context("the HTTP server task failed")??;
+            tracing::info!("stopped before the model finished loading");
+            return Ok(());
+        }
+        res = loading => {
+            res.context("the loading task failed")??;
+        }
+    }
+    http.await.context("the HTTP server task failed")??;
+    tracing::info!("server stopped");
+    Ok(())
+}
+
+/// Loads the model, starts the engine and hands it to the server.
+fn load_and_start(server: &Server, args: &ServeArgs, s: &Settings) -> Result<()> {
+    let loaded = args.model.load()?;
+    let tokenizer = loaded.tokenizer.clone();
+    let engine = s
+        .engine
+        .start(loaded, server.config().served_model_name.clone())
+        .context("starting the engine")?;
+    server.set_ready(engine, tokenizer)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn args(argv: &[&str]) -> ServeArgs {
+        Cli::try_parse_from(std::iter::once("serve").chain(argv.iter().copied()))
+            .unwrap()
+            .serve
+    }
+
+    fn repo_file(rel: &str) -> String {
+        format!("{}/{rel}", env!("CARGO_MANIFEST_DIR"))
+    }
+
+    #[test]
+    fn defaults_for_the_builtin_model() {
+        let s = args(&[]).settings().unwrap();
+        assert_eq!(s.addr, "127.0.0.1:8000");
+        assert_eq!(s.server.served_model_name, "sanmai-demo");
+        assert_eq!(
+            s.server.default_chat_template_kwargs["enable_thinking"],
+            false
+        );
+        assert_eq!(s.server.max_request_bytes, 64 << 20);
+        assert!(s.server.api_key.is_none());
+        assert!(!s.engine.no_enable_prefix_caching);
+        assert_eq!(s.engine.max_num_seqs, None);
+    }
+
+    #[test]
+    fn presets_apply_and_flags_override() {
+        let preset = repo_file("configs/deploy/3x3090.toml");
+        let s = args(&["--preset", &preset]).settings().unwrap();
+        assert_eq!(s.engine.max_num_seqs, Some(4));
+        assert_eq!(s.engine.max_num_batched_tokens, Some(512));
+        assert_eq!(s.engine.max_model_len, Some(262_144));
+        assert!(!s.engine.no_enable_prefix_caching);
+        let s = args(&[
+            "--preset",
+            &preset,
+            "--max-num-seqs",
+            "8",
+            "--no-enable-prefix-caching",
+            "--served-model-name",
+            "qwen",
+        ])
+        .settings()
+        .unwrap();
+        assert_eq!(s.engine.max_num_seqs, Some(8));
+        assert_eq!(s.engine.max_num_batched_tokens, Some(512));
+        assert!(s.engine.no_enable_prefix_caching);
+        assert_eq!(s.server.served_model_name, "qwen");
+        let h200 = repo_file("configs/deploy/1xh200.toml");
+        let s = args(&["--preset", &h200]).settings().unwrap();
+        assert_eq!(s.engine.max_num_seqs, Some(256));
+        let mtp = repo_file("configs/deploy/3x3090-mtp.toml");
+        let s = args(&["--preset", &mtp]).settings().unwrap();
+        assert_eq!(s.engine.max_num_seqs, Some(4));
+
+        // A preset's kwargs table and its prefix-caching switch; the flag turns caching back on.
+        let dir = std::env::temp_dir().join(format!("sanmai-preset-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("p.toml");
+        std::fs::write(
+            &file,
+            "enable-prefix-caching = false\nport = 9001\n[default-chat-template-kwargs]\nenable_thinking = true\n",
+        )
+        .unwrap();
+        let f = file.to_str().unwrap();
+        let s = args(&["--preset", f]).settings().unwrap();
+        assert!(s.engine.no_enable_prefix_caching);
+        assert_eq!(s.addr, "127.0.0.1:9001");
+        assert_eq!(
+            s.server.default_chat_template_kwargs["enable_thinking"],
+            true
+        );
+        let s = args(&["--preset", f, "--enable-prefix-caching", "--port", "9002"])
+            .settings()
+            .unwrap();
+        assert!(!s.engine.no_enable_prefix_caching);
+        assert_eq!(s.addr, "127.0.0.1:9002");
+        std::fs::write(&file, "max-num-seqs = \"four\"\n").unwrap();
+        assert!(args(&["--preset", f]).settings().is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn bad_flags_are_refused() {
+        for argv in [
+            &["--default-chat-template-kwargs", "[1]"][..],
+            &["--default-chat-template-kwargs", "{"],
+            &["--tool-call-parser", "nope"],
+            &["--max-request-bytes", "0"],
+            &["--chat-template", "no/such/template.jinja"],
+            &["--preset", "no/such/preset.toml"],
+        ] {
+            assert!(args(argv).settings().is_err(), "{argv:?}");
+        }
+        let s = args(&[
+            "--default-chat-template-kwargs",
+            r#"{"enable_thinking": true}"#,
+            "--host",
+            "::1",
+            "--port",
+            "0",
+        ])
+        .settings()
+        .unwrap();
+        assert_eq!(
+            s.server.default_chat_template_kwargs["enable_thinking"],
+            true
+        );
+        assert_eq!(s.addr, "[::1]:0");
+    }
+}

@@ -1,0 +1,152 @@
+//! `sanmai serve` under load and at its edges: `/metrics` counters that move, concurrent requests,
+//! a client that disconnects mid-stream (its request is freed), and graceful shutdown on SIGTERM.
+
+mod server_support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use server_support::{chat, completion, ServerProc};
+
+#[test]
+fn metrics_count_tokens_and_requests() {
+    let s = ServerProc::start(&[]);
+    let prompt0 = s.metric("sanmai:prompt_tokens_total");
+    let gen0 = s.metric("sanmai:generation_tokens_total");
+    let done0 = s.metric("sanmai:request_success_total");
+    let ttft0 = s.metric("sanmai:time_to_first_token_seconds_count");
+    let e2e0 = s.metric("sanmai:e2e_request_latency_seconds_count");
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &chat(
+            "Tell me about metrics.",
+            json!({"max_tokens": 7, "ignore_eos": true}),
+        ),
+    );
+    assert_eq!(status, 200, "{v}");
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert_eq!(
+        s.metric("sanmai:prompt_tokens_total") - prompt0,
+        prompt_tokens
+    );
+    assert_eq!(s.metric("sanmai:generation_tokens_total") - gen0, 7.0);
+    assert_eq!(s.metric("sanmai:request_success_total") - done0, 1.0);
+    assert_eq!(
+        s.metric("sanmai:time_to_first_token_seconds_count") - ttft0,
+        1.0
+    );
+    assert_eq!(
+        s.metric("sanmai:e2e_request_latency_seconds_count") - e2e0,
+        1.0
+    );
+    assert_eq!(s.metric("sanmai:num_requests_running"), 0.0);
+    assert_eq!(s.metric("sanmai:num_requests_waiting"), 0.0);
+    // The same prompt again queries the prefix cache.
+    let q0 = s.metric("sanmai:prefix_cache_queries_total");
+    let (status, _) = s.post(
+        "/v1/chat/completions",
+        &chat("Tell me about metrics.", json!({"max_tokens": 1})),
+    );
+    assert_eq!(status, 200);
+    assert!(s.metric("sanmai:prefix_cache_queries_total") > q0);
+}
+
+#[test]
+fn concurrent_requests_all_complete() {
+    let s = ServerProc::start(&[]);
+    let s = &s;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..8)
+            .map(|i| {
+                scope.spawn(move || {
+                    let max = 4 + i as u64;
+                    if i % 2 == 0 {
+                        let body = chat(
+                            &format!("Request number {i}"),
+                            json!({"max_tokens": max, "ignore_eos": true, "stream": true, "stream_options": {"include_usage": true}}),
+                        );
+                        let sse = s.stream("/v1/chat/completions", &body);
+                        assert!(sse.done);
+                        assert_eq!(sse.events.last().unwrap()["usage"]["completion_tokens"], max);
+                    } else {
+                        let (status, v) = s.post(
+                            "/v1/completions",
+                            &completion(json!(format!("Prompt {i}")), json!({"max_tokens": max, "ignore_eos": true})),
+                        );
+                        assert_eq!(status, 200, "{v}");
+                        assert_eq!(v["usage"]["completion_tokens"], max);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().unwrap();
+        }
+    });
+    assert_eq!(s.metric("sanmai:num_requests_running"), 0.0);
+}
+
+/// Polls until `f` holds or `limit` passes.
+fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    false
+}
+
+#[test]
+fn a_client_that_disconnects_frees_its_request() {
+    let s = ServerProc::start(&[]);
+    let body = chat(
+        "Go on forever.",
+        json!({"max_tokens": 100000, "ignore_eos": true, "stream": true}),
+    );
+    let mut reader = s.open_stream("/v1/chat/completions", &body);
+    // The role chunk, then generated text.
+    for _ in 0..3 {
+        assert!(reader.next_data().is_some());
+    }
+    assert_eq!(s.metric("sanmai:num_requests_running"), 1.0);
+    let gen_before = s.metric("sanmai:generation_tokens_total");
+    drop(reader);
+    assert!(
+        eventually(Duration::from_secs(20), || s
+            .metric("sanmai:num_requests_running")
+            == 0.0),
+        "the request kept running after its client left"
+    );
+    // And generation has stopped.
+    let gen_after = s.metric("sanmai:generation_tokens_total");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(s.metric("sanmai:generation_tokens_total"), gen_after);
+    assert!(gen_after >= gen_before);
+    // The server still serves.
+    let (status, _) = s.post(
+        "/v1/completions",
+        &completion(json!("still there?"), json!({"max_tokens": 2})),
+    );
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn sigterm_ends_streams_cleanly_and_exits() {
+    let mut s = ServerProc::start(&[]);
+    let body = chat(
+        "Keep talking.",
+        json!({"max_tokens": 100000, "ignore_eos": true, "stream": true}),
+    );
+    let mut reader = s.open_stream("/v1/chat/completions", &body);
+    for _ in 0..3 {
+        assert!(reader.next_data().is_some());
+    }
+    let code = s.terminate(Duration::from_secs(20));
+    assert_eq!(code, Some(0), "exit code after SIGTERM\n{}", s.log());
+    // The stream got a final chunk (finish_reason "abort") and [DONE].
+    let rest = reader.rest();
+    assert!(rest.contains("\"finish_reason\":\"abort\""), "{rest}");
+    assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
+}

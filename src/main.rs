@@ -2,6 +2,7 @@
 //! weights for a config, or the built-in default model) and run it.
 
 mod bench;
+mod bench_serve;
 mod engine_args;
 mod generate;
 mod load;
@@ -24,8 +25,8 @@ struct Cli {
 enum Command {
     /// Generate a completion for one prompt and print it (or a JSON record with --json).
     Generate(generate::GenerateArgs),
-    /// Measure prefill and decode speed.
-    Bench(bench::BenchArgs),
+    /// Measure prefill and decode speed (`bench serve`: load a running server).
+    Bench(bench_serve::BenchCommand),
     /// Serve the OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),
 }
@@ -39,7 +40,10 @@ fn main() -> anyhow::Result<()> {
         .init();
     match Cli::parse().command {
         Command::Generate(args) => generate::run(args),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(b) => match b.command {
+            Some(bench_serve::BenchSub::Serve(args)) => bench_serve::run(args),
+            None => bench::run(b.local),
+        },
         Command::Serve(args) => serve::run(args),
     }
 }

@@ -264,12 +264,14 @@ pub async fn chat_completions(
     if let Some(fmt) = &chat.response_format {
         match fmt.get("type").and_then(Value::as_str) {
             None | Some("text") => {}
-            Some(other) => return Err(ApiError::invalid(
-                "response_format",
-                format!(
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    "response_format",
+                    format!(
                     "response_format {other:?} is not supported yet (it needs structured output)"
                 ),
-            )),
+                ))
+            }
         }
     }
     let top_logprobs = match (chat.logprobs, chat.top_logprobs) {

@@ -224,7 +224,36 @@ pub async fn blocking<T: Send + 'static>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::body::Body;
     use axum::http::HeaderValue;
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+
+    #[tokio::test]
+    async fn a_panicking_handler_answers_500_and_the_router_carries_on() {
+        let app = Router::new()
+            .route(
+                "/boom",
+                get(|| async {
+                    if true {
+                        panic!("handler bug");
+                    }
+                    "unreachable"
+                }),
+            )
+            .route("/ok", get(|| async { "fine" }))
+            .layer(middleware::from_fn(catch_panic));
+        let req = |p: &str| Request::get(p).body(Body::empty()).unwrap();
+        let resp = app.clone().oneshot(req("/boom")).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["type"], "internal_error");
+        let resp = app.oneshot(req("/ok")).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"fine");
+    }
 
     #[test]
     fn bearer_keys() {

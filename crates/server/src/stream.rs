@@ -94,3 +94,56 @@ where
     let body = stream::poll_fn(move |cx| rx.poll_recv(cx)).map(Ok::<_, Infallible>);
     Sse::new(body).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+    use serde_json::json;
+
+    async fn body_of(resp: Response) -> String {
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(bytes.to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn events_arrive_in_order_then_done() {
+        let resp = sse_response(|sse| async move {
+            assert!(sse.json(&json!({"n": 1})).await);
+            assert!(sse.json(&json!({"n": 2})).await);
+            sse.done().await;
+        });
+        let ct = resp.headers()["content-type"].to_str().unwrap().to_string();
+        assert!(ct.starts_with("text/event-stream"));
+        assert_eq!(
+            body_of(resp).await,
+            "data: {\"n\":1}\n\ndata: {\"n\":2}\n\ndata: [DONE]\n\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_panicking_producer_ends_the_stream_with_an_error() {
+        let resp = sse_response(|sse| async move {
+            sse.json(&json!({"n": 1})).await;
+            panic!("producer bug");
+        });
+        let text = body_of(resp).await;
+        assert!(text.starts_with("data: {\"n\":1}\n\n"), "{text}");
+        assert!(text.contains("\"type\":\"internal_error\""), "{text}");
+        assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn the_producer_learns_when_the_client_leaves() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let resp = sse_response(|sse| async move {
+            sse.closed().await;
+            let _ = tx.send(sse.json(&json!({"late": true})).await);
+        });
+        drop(resp);
+        assert!(
+            !rx.await.unwrap(),
+            "sending after the client left must fail"
+        );
+    }
+}

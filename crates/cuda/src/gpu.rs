@@ -1,0 +1,134 @@
+//! [`Gpu`]: one device's context, its stream, the loaded kernels and a cuBLAS handle, plus the host
+//! transfers every op and test needs.
+
+use std::sync::Arc;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DeviceSlice,
+    LaunchConfig, ValidAsZeroBits,
+};
+
+use crate::device::{self, guarded, DeviceInfo};
+use crate::error::{CudaError, Result};
+use crate::registry::Kernels;
+
+/// One CUDA device ready to run the kernels: context, a stream, every kernel compiled and loaded.
+/// Every op and transfer is queued on [`Gpu::stream`]; buffers must not be used from another stream.
+pub struct Gpu {
+    info: DeviceInfo,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    blas: CudaBlas,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`, compiles (or loads from the cache) every kernel for its architecture and
+    /// creates a cuBLAS handle. Errors (never panics) when there is no such device or a kernel fails.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let devices = device::probe()?;
+        let info = devices
+            .into_iter()
+            .find(|d| d.ordinal == ordinal)
+            .ok_or_else(|| CudaError::NoDevice(format!("no CUDA device with ordinal {ordinal}")))?;
+        let ctx = guarded("context", || Ok(CudaContext::new(ordinal)?))?;
+        // Every op runs on the one stream below, in order, so cudarc's per-buffer event tracking (an
+        // event record per buffer per launch, for cross-stream safety) is not needed.
+        // SAFETY: no buffer exists yet; all later buffers are used on `stream` only.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let kernels = Kernels::load(&ctx, &info.arch(), info.driver_version)?;
+        // SAFETY: cuBLAS is loaded on demand; a missing library surfaces as an error through `guarded`.
+        let blas = guarded("cuBLAS", || Ok(CudaBlas::new(stream.clone())?))?;
+        Ok(Self {
+            info,
+            ctx,
+            stream,
+            kernels,
+            blas,
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream every op of this `Gpu` is queued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    pub fn kernels(&self) -> &Kernels {
+        &self.kernels
+    }
+
+    pub(crate) fn blas(&self) -> &CudaBlas {
+        &self.blas
+    }
+
+    pub(crate) fn kernel(&self, name: &str) -> Result<&CudaFunction> {
+        self.kernels.get(name)
+    }
+
+    /// Copies host data into a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.clone_htod(data)?)
+    }
+
+    /// Copies a device buffer back to the host (waits for the stream).
+    pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, buf: &S) -> Result<Vec<T>> {
+        Ok(self.stream.clone_dtoh(buf)?)
+    }
+
+    /// A new zeroed device buffer of `len` elements.
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        Ok(self.stream.alloc_zeros(len)?)
+    }
+
+    /// Waits until every queued op has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+}
+
+/// A launch configuration of `grid` blocks of `block` threads with `smem` bytes of dynamic shared memory.
+pub(crate) fn cfg(grid: (u32, u32, u32), block: u32, smem: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: grid,
+        block_dim: (block, 1, 1),
+        shared_mem_bytes: smem,
+    }
+}
+
+/// Checks that a buffer holds at least `need` elements.
+pub(crate) fn check_len<T>(
+    op: &'static str,
+    what: &str,
+    buf: &impl DeviceSlice<T>,
+    need: usize,
+) -> Result<()> {
+    crate::error::ensure(buf.len() >= need, op, || {
+        format!("{what} holds {} elements, needs {need}", buf.len())
+    })
+}
+
+/// A grid dimension that fits the hardware limit of `u32` blocks.
+pub(crate) fn grid_u32(op: &'static str, blocks: usize) -> Result<u32> {
+    u32::try_from(blocks).map_err(|_| CudaError::Shape {
+        op,
+        msg: format!("{blocks} blocks exceed the grid limit"),
+    })
+}
+
+/// An `i32` kernel argument.
+pub(crate) fn int(op: &'static str, what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| CudaError::Shape {
+        op,
+        msg: format!("{what} = {v} does not fit a 32-bit int"),
+    })
+}

@@ -1,0 +1,24 @@
+//! The ops: host-side launchers of the kernels in `kernels/*.cu`, as methods of [`crate::Gpu`].
+//!
+//! Every op takes device buffers (`CudaSlice`, `CudaView`, `CudaViewMut` or anything implementing
+//! cudarc's `DevicePtr`/`DevicePtrMut`) with their shape, checks the buffer lengths and shape limits
+//! (an error, never a panic or an out-of-bounds access), and queues the kernel on the `Gpu`'s stream.
+//! Activations are bf16 with f32 arithmetic inside the kernels and one rounding per output.
+
+mod conv;
+mod elementwise;
+mod gdn;
+mod gemm;
+mod gemv;
+mod norm;
+mod rope;
+mod router;
+
+pub use gdn::GdnDims;
+pub use gemv::GEMV_MAX_M;
+pub use router::ROUTER_MAX_K;
+
+/// Threads per block for a row of `d` elements: one warp at least, 256 at most.
+pub(crate) fn row_threads(d: usize) -> u32 {
+    (d.div_ceil(32) * 32).clamp(32, 256) as u32
+}

@@ -1,0 +1,62 @@
+//! The MoE router: softmax, top-k with ties to the lower expert id, optional renormalisation.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+
+use crate::error::{ensure, Result};
+use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
+
+/// The largest `k` the router kernel takes.
+pub const ROUTER_MAX_K: usize = 64;
+
+impl Gpu {
+    /// Routes each of `t` tokens to its `k` most probable of `e` experts: `p = softmax(logits)` in
+    /// f32, the `k` largest kept (ties: lower id), divided by their sum when `renorm`. `logits`:
+    /// `[t, e]`; `ids`, `weights`: `[t, k]`, each row by descending weight. Matches
+    /// `sanmai_cpu::ops::route_topk` up to near-ties (probabilities within rounding of each other).
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_topk(
+        &self,
+        logits: &impl DevicePtr<f32>,
+        ids: &mut impl DevicePtrMut<u32>,
+        weights: &mut impl DevicePtrMut<f32>,
+        t: usize,
+        e: usize,
+        k: usize,
+        renorm: bool,
+    ) -> Result<()> {
+        const OP: &str = "route_topk";
+        ensure(k >= 1 && k <= e && k <= ROUTER_MAX_K, OP, || {
+            format!(
+                "k = {k} must be in 1..={} and at most e = {e}",
+                ROUTER_MAX_K
+            )
+        })?;
+        let smem = 5 * e;
+        ensure(smem <= 48 * 1024, OP, || {
+            format!("{e} experts exceed shared memory")
+        })?;
+        check_len(OP, "logits", logits, t * e)?;
+        check_len(OP, "ids", ids, t * k)?;
+        check_len(OP, "weights", weights, t * k)?;
+        if t == 0 {
+            return Ok(());
+        }
+        let (ei, ki, rn) = (int(OP, "e", e)?, k as i32, i32::from(renorm));
+        let threads = (e.div_ceil(32) * 32).clamp(32, 256) as u32;
+        let s = self.stream();
+        let (lp, _gl) = logits.device_ptr(s);
+        let (ip, _gi) = ids.device_ptr_mut(s);
+        let (wp, _gw) = weights.device_ptr_mut(s);
+        let mut b = s.launch_builder(self.kernel("router_topk_f32")?);
+        b.arg(&lp).arg(&ip).arg(&wp).arg(&ei).arg(&ki).arg(&rn);
+        // SAFETY: argument types match the kernel; lengths and shared memory checked above.
+        unsafe {
+            b.launch(cfg(
+                (grid_u32(OP, t)?, 1, 1),
+                threads,
+                smem.div_ceil(4) as u32 * 4,
+            ))
+        }?;
+        Ok(())
+    }
+}

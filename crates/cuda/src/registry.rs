@@ -1,0 +1,185 @@
+//! The kernel registry: every `kernels/*.cu` file is embedded in the binary, compiled with NVRTC for the
+//! device's architecture once (cached on disk, see [`crate::cache`]), loaded once, and its entry points
+//! (`extern "C" __global__` functions, one per line) looked up by name.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::Ptx;
+
+use crate::cache::{self, KeyHasher};
+use crate::error::{CudaError, Result};
+use crate::nvrtc::{self, Source};
+
+macro_rules! source {
+    ($file:literal) => {
+        Source {
+            name: $file,
+            text: include_str!(concat!("../../../kernels/", $file)),
+        }
+    };
+}
+
+/// Headers the kernels include with `#include "name"`.
+pub const HEADERS: &[Source] = &[source!("common.cuh")];
+
+/// The kernel sources, one file per op family.
+pub const SOURCES: &[Source] = &[
+    source!("norm.cu"),
+    source!("rope.cu"),
+    source!("act.cu"),
+    source!("embed.cu"),
+    source!("gemv.cu"),
+    source!("router.cu"),
+    source!("conv.cu"),
+    source!("gdn.cu"),
+];
+
+/// The entry points a source declares: every `extern "C" __global__ ... name(` line.
+pub fn entry_points(src: &Source) -> Vec<String> {
+    src.text
+        .lines()
+        .filter(|l| l.trim_start().starts_with("extern \"C\" __global__"))
+        .filter_map(|l| {
+            // The identifier before the first `(` that does not open `__launch_bounds__(..)`.
+            l.match_indices('(').find_map(|(i, _)| {
+                let name = l[..i]
+                    .rsplit(|c: char| !(c.is_alphanumeric() || c == '_'))
+                    .next()?;
+                (!name.is_empty() && name != "__launch_bounds__").then(|| name.to_string())
+            })
+        })
+        .collect()
+}
+
+/// The cache key of `src` for `arch` under the given driver version.
+fn cache_key(src: &Source, arch: &str, driver: i32, nvrtc: (i32, i32)) -> String {
+    let mut h = KeyHasher::default();
+    h.field(env!("CARGO_PKG_VERSION").as_bytes())
+        .field(src.name.as_bytes())
+        .field(src.text.as_bytes())
+        .field(arch.as_bytes())
+        .field(&driver.to_le_bytes())
+        .field(&nvrtc.0.to_le_bytes())
+        .field(&nvrtc.1.to_le_bytes());
+    for hd in HEADERS {
+        h.field(hd.name.as_bytes()).field(hd.text.as_bytes());
+    }
+    h.hex()
+}
+
+/// Compiles (or takes from the cache) every source for `arch`; returns `(file name, cubin)` pairs.
+/// `driver` is the driver version (0 when compiling without a device). Sources compile in parallel.
+pub fn compile_all(arch: &str, driver: i32) -> Result<Vec<(&'static str, Vec<u8>)>> {
+    let nvrtc_v = nvrtc::nvrtc_version()?;
+    let include = vec![nvrtc::cuda_include_dir()?];
+    let dir = cache::cache_dir().map(|d| d.join("kernels"));
+    let one = |src: &Source| -> Result<(&'static str, Vec<u8>)> {
+        let stem = src.name.trim_end_matches(".cu");
+        let path: Option<PathBuf> = dir.as_ref().map(|d| {
+            d.join(format!(
+                "{stem}-{arch}-{}.cubin",
+                cache_key(src, arch, driver, nvrtc_v)
+            ))
+        });
+        if let Some(bytes) = path.as_deref().and_then(cache::load) {
+            tracing::debug!("kernel cache hit: {}", src.name);
+            return Ok((src.name, bytes));
+        }
+        let t0 = std::time::Instant::now();
+        let cubin = nvrtc::compile_cubin(src, HEADERS, arch, &include)?;
+        tracing::debug!("compiled {} for {arch} in {:?}", src.name, t0.elapsed());
+        if let Some(p) = &path {
+            cache::store(p, &cubin);
+        }
+        Ok((src.name, cubin))
+    };
+    std::thread::scope(|s| {
+        let handles: Vec<_> = SOURCES
+            .iter()
+            .map(|src| s.spawn(move || one(src)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(CudaError::Nvrtc("compile thread panicked".into())))
+            })
+            .collect()
+    })
+}
+
+/// Every kernel of every source, loaded into one context.
+pub struct Kernels {
+    functions: HashMap<String, CudaFunction>,
+    _modules: Vec<Arc<CudaModule>>,
+}
+
+impl Kernels {
+    /// Compiles (or takes from the cache) and loads every source for `arch` into `ctx`.
+    pub fn load(ctx: &Arc<CudaContext>, arch: &str, driver: i32) -> Result<Self> {
+        let cubins = compile_all(arch, driver)?;
+        let mut functions = HashMap::new();
+        let mut modules = Vec::new();
+        for (src, (name, cubin)) in SOURCES.iter().zip(cubins) {
+            debug_assert_eq!(src.name, name);
+            let module = ctx.load_module(Ptx::from_binary(cubin))?;
+            for f in entry_points(src) {
+                let func = module.load_function(&f).map_err(|e| {
+                    CudaError::Nvrtc(format!("{name}: kernel {f} not in the module: {e}"))
+                })?;
+                functions.insert(f, func);
+            }
+            modules.push(module);
+        }
+        Ok(Self {
+            functions,
+            _modules: modules,
+        })
+    }
+
+    /// The kernel called `name`.
+    pub fn get(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| CudaError::UnknownKernel(name.to_string()))
+    }
+
+    /// Names of every loaded kernel, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.functions.keys().map(String::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_source_declares_entry_points() {
+        let mut all = Vec::new();
+        for src in SOURCES {
+            let eps = entry_points(src);
+            assert!(!eps.is_empty(), "{} declares no kernel", src.name);
+            all.extend(eps);
+        }
+        let n = all.len();
+        all.sort();
+        all.dedup();
+        assert_eq!(all.len(), n, "kernel names must be unique across files");
+        assert!(all.iter().any(|k| k == "gemv_bf16_m1"));
+    }
+
+    #[test]
+    fn entry_point_parser_reads_names() {
+        let src = Source {
+            name: "x.cu",
+            text: "extern \"C\" __global__ void foo(int a) {}\n  extern \"C\" __global__ void __launch_bounds__(256) bar(float* x)\n// extern \"C\" __global__ void no(",
+        };
+        assert_eq!(entry_points(&src), vec!["foo", "bar"]);
+    }
+}

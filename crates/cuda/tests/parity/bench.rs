@@ -1,0 +1,136 @@
+//! Timing (ignored by default; `--ignored` runs it): the decode GEMV at the lm_head shape against the
+//! HBM roofline, a device-to-device copy for the measured bandwidth, and one cuBLAS prefill GEMM.
+//! Prints `BENCH` lines.
+
+use cudarc::driver::sys::CUevent_flags;
+use half::bf16;
+use sanmai_cuda::{cudarc, Gpu};
+
+use crate::common::gpu;
+
+/// Datasheet HBM3e bandwidth of the H200, bytes/s.
+const H200_BW: f64 = 4.8e12;
+
+/// Mean seconds per call of `f` over `iters` calls after `warm` warm-up calls, timed with events.
+fn time(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut()) -> f64 {
+    for _ in 0..warm {
+        f();
+    }
+    let s = g.stream();
+    let start = s
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .unwrap();
+    for _ in 0..iters {
+        f();
+    }
+    let end = s
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .unwrap();
+    start.elapsed_ms(&end).unwrap() as f64 / 1e3 / iters as f64
+}
+
+/// Cheap deterministic bf16 filler in about [-0.5, 0.5).
+fn pattern(n: usize, salt: u32) -> Vec<bf16> {
+    (0..n as u32)
+        .map(|i| {
+            let h = (i ^ salt).wrapping_mul(2_654_435_761) >> 16;
+            bf16::from_f32(h as f32 / 65536.0 - 0.5)
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_gemv_gemm_copy() {
+    let t0 = std::time::Instant::now();
+    let Some(g) = gpu("bench_gemv_gemm_copy") else {
+        return;
+    };
+    println!(
+        "BENCH startup gpu_new_ms={:.0} (context, kernels from the disk cache, cuBLAS handle)",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    let info = g.info();
+    println!(
+        "BENCH device name=\"{}\" arch={} sms={} mem_gib={:.1} driver={}",
+        info.name,
+        info.arch(),
+        info.multiprocessors,
+        info.total_memory as f64 / (1u64 << 30) as f64,
+        info.driver_version
+    );
+
+    // Device copy bandwidth (read + write), 2 GiB.
+    let len = 1usize << 30;
+    let src = g.zeros::<bf16>(len).unwrap();
+    let mut dst = g.zeros::<bf16>(len).unwrap();
+    let t = time(g, 2, 10, || g.stream().memcpy_dtod(&src, &mut dst).unwrap());
+    let copy_bw = 2.0 * (len * 2) as f64 / t;
+    println!(
+        "BENCH copy bytes={} time_us={:.1} GB/s={:.0}",
+        2 * len * 2,
+        t * 1e6,
+        copy_bw / 1e9
+    );
+    drop((src, dst));
+
+    // Decode GEMV at the lm_head shape (vocab 248320, hidden 2560).
+    let (n, k) = (248_320usize, 2560usize);
+    let w = g.upload(&pattern(n * k, 1)).unwrap();
+    for m in [1usize, 2, 4, 8] {
+        let x = g.upload(&pattern(m * k, 7)).unwrap();
+        let mut y = g.zeros::<bf16>(m * n).unwrap();
+        let t = time(g, 5, 50, || g.gemv_bf16(&w, &x, &mut y, m, n, k).unwrap());
+        let bytes = (n * k + m * k + m * n) * 2;
+        let bw = bytes as f64 / t;
+        println!(
+            "BENCH gemv_bf16 m={m} n={n} k={k} bytes={bytes} time_us={:.1} GB/s={:.0} \
+             frac_of_4.8TB/s={:.3} frac_of_copy={:.3}",
+            t * 1e6,
+            bw / 1e9,
+            bw / H200_BW,
+            bw / copy_bw
+        );
+    }
+    let x = g.upload(&pattern(k, 7)).unwrap();
+    let mut y = g.zeros::<f32>(n).unwrap();
+    let t = time(g, 5, 50, || {
+        g.gemv_bf16_f32(&w, &x, &mut y, 1, n, k).unwrap()
+    });
+    let bytes = (n * k + k) * 2 + n * 4;
+    println!(
+        "BENCH gemv_bf16_f32 m=1 n={n} k={k} time_us={:.1} GB/s={:.0} frac_of_4.8TB/s={:.3}",
+        t * 1e6,
+        bytes as f64 / t / 1e9,
+        bytes as f64 / t / H200_BW
+    );
+    drop(w);
+
+    // Smaller decode GEMVs (one dense projection of Qwen3-Next: 2048 → 8192 rows).
+    for (n, k) in [(8192usize, 2048usize), (2048, 4096)] {
+        let w = g.upload(&pattern(n * k, 3)).unwrap();
+        let x = g.upload(&pattern(k, 5)).unwrap();
+        let mut y = g.zeros::<bf16>(n).unwrap();
+        let t = time(g, 5, 200, || g.gemv_bf16(&w, &x, &mut y, 1, n, k).unwrap());
+        let bytes = (n * k + k + n) * 2;
+        println!(
+            "BENCH gemv_bf16 m=1 n={n} k={k} bytes={bytes} time_us={:.2} GB/s={:.0} frac_of_4.8TB/s={:.3}",
+            t * 1e6,
+            bytes as f64 / t / 1e9,
+            bytes as f64 / t / H200_BW
+        );
+    }
+
+    // Prefill GEMM through cuBLAS.
+    for (m, n, k) in [(4096usize, 8192usize, 2048usize), (2048, 2048, 4096)] {
+        let x = g.upload(&pattern(m * k, 9)).unwrap();
+        let w = g.upload(&pattern(n * k, 11)).unwrap();
+        let mut y = g.zeros::<bf16>(m * n).unwrap();
+        let t = time(g, 3, 20, || g.gemm_bf16(&x, &w, &mut y, m, n, k).unwrap());
+        println!(
+            "BENCH gemm_bf16 m={m} n={n} k={k} time_us={:.1} TFLOP/s={:.0}",
+            t * 1e6,
+            2.0 * (m * n * k) as f64 / t / 1e12
+        );
+    }
+}

@@ -1,0 +1,143 @@
+//! Shared test plumbing: the GPU (or the reason there is none), a seeded generator, bf16 rounding and
+//! the comparison that prints `PARITY` lines.
+
+use std::sync::OnceLock;
+
+use half::bf16;
+use sanmai_cuda::Gpu;
+
+/// The test GPU, created once; `None` (after printing why) when there is no usable device.
+pub fn gpu(test: &str) -> Option<&'static Gpu> {
+    static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
+    match GPU.get_or_init(|| Gpu::new(0).map_err(|e| e.to_string())) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            None
+        }
+    }
+}
+
+/// xorshift64* with Box–Muller normals: deterministic, dependency-free.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// Uniform in [0, 1).
+    pub fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    pub fn normal(&mut self) -> f32 {
+        let u = self.unit().max(1e-7);
+        let v = self.unit();
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+    }
+
+    /// `n` normals times `scale` plus `mean`.
+    pub fn normals(&mut self, n: usize, mean: f32, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| mean + scale * self.normal()).collect()
+    }
+
+    pub fn below(&mut self, n: u32) -> u32 {
+        (self.next_u64() % n as u64) as u32
+    }
+}
+
+/// Rounds to bf16: the device copy and the f32 values the CPU oracle sees.
+pub fn to_bf16(x: &[f32]) -> (Vec<bf16>, Vec<f32>) {
+    let b: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+    let f = b.iter().map(|v| v.to_f32()).collect();
+    (b, f)
+}
+
+pub fn from_bf16(x: &[bf16]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
+}
+
+/// Error statistics of `got` against `want`.
+pub struct Stats {
+    pub max_abs: f32,
+    /// `max|got − want| / max|want|`.
+    pub max_rel: f32,
+    /// `‖got − want‖ / ‖want‖`.
+    pub rms_rel: f32,
+    /// Largest `|got − want| / (2⁻⁸·|want| + 1e-4·max|want|)`: ≤ 1 means within one bf16 rounding.
+    pub elem_ratio: f32,
+}
+
+pub fn stats(got: &[f32], want: &[f32]) -> Stats {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (mut max_abs, mut se, mut sw, mut ratio) = (0f32, 0f64, 0f64, 0f32);
+    for (g, w) in got.iter().zip(want) {
+        let d = (g - w).abs();
+        assert!(d.is_finite(), "non-finite result: got {g}, want {w}");
+        max_abs = max_abs.max(d);
+        se += (d as f64).powi(2);
+        sw += (*w as f64).powi(2);
+        ratio = ratio.max(d / (w.abs() / 256.0 + 1e-4 * scale));
+    }
+    Stats {
+        max_abs,
+        max_rel: if scale > 0.0 {
+            max_abs / scale
+        } else {
+            max_abs
+        },
+        rms_rel: if sw > 0.0 {
+            (se / sw).sqrt() as f32
+        } else {
+            se.sqrt() as f32
+        },
+        elem_ratio: ratio,
+    }
+}
+
+fn report(op: &str, shape: &str, s: &Stats, tol: &str) {
+    println!(
+        "PARITY op={op} shape={shape} max_abs={:.3e} max_rel={:.3e} rms_rel={:.3e} elem_ratio={:.3} tol={tol}",
+        s.max_abs, s.max_rel, s.rms_rel, s.elem_ratio
+    );
+}
+
+/// An elementwise op with a bf16 output: every element within one bf16 rounding of the reference.
+pub fn check_elementwise(op: &str, shape: &str, got: &[f32], want: &[f32]) {
+    let s = stats(got, want);
+    report(op, shape, &s, "elem");
+    assert!(
+        s.elem_ratio <= 1.0 && s.max_rel <= 1e-2,
+        "{op} {shape}: elementwise error {:.3} roundings (max_rel {:.3e})",
+        s.elem_ratio,
+        s.max_rel
+    );
+}
+
+/// A reduction with a bf16 output: max-norm relative ≤ 1e-2, rms relative ≤ 4e-3.
+pub fn check_reduction(op: &str, shape: &str, got: &[f32], want: &[f32]) {
+    let s = stats(got, want);
+    report(op, shape, &s, "max_rel<=1e-2,rms_rel<=4e-3");
+    assert!(
+        s.max_rel <= 1e-2 && s.rms_rel <= 4e-3,
+        "{op} {shape}: max_rel {:.3e}, rms_rel {:.3e}",
+        s.max_rel,
+        s.rms_rel
+    );
+}
+
+/// An f32 result: max-norm relative ≤ 1e-4.
+pub fn check_f32(op: &str, shape: &str, got: &[f32], want: &[f32]) {
+    let s = stats(got, want);
+    report(op, shape, &s, "max_rel<=1e-4");
+    assert!(s.max_rel <= 1e-4, "{op} {shape}: max_rel {:.3e}", s.max_rel);
+}

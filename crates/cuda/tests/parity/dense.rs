@@ -1,0 +1,132 @@
+//! SwiGLU, the embedding gather, the decode GEMV and the cuBLAS GEMM against the CPU ops.
+
+use half::bf16;
+use sanmai_cpu::ops;
+
+use crate::common::{check_elementwise, check_reduction, from_bf16, gpu, to_bf16, Rng};
+
+#[test]
+fn swiglu_matches_cpu() {
+    let Some(g) = gpu("swiglu_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(10);
+    for &(t, i) in &[(1, 512), (37, 1536), (3, 100)] {
+        let (gub, guf) = to_bf16(&rng.normals(t * 2 * i, 0.0, 3.0));
+        let mut want = vec![0f32; t * i];
+        ops::swiglu(&guf, t, i, &mut want);
+        let gu = g.upload(&gub).unwrap();
+        let mut out = g.zeros(t * i).unwrap();
+        g.swiglu(&gu, &mut out, t, i).unwrap();
+        let got = from_bf16(&g.download(&out).unwrap());
+        check_elementwise("swiglu", &format!("{t}x{i}"), &got, &want);
+    }
+}
+
+#[test]
+fn embed_gathers_rows_and_zeroes_bad_ids() {
+    let Some(g) = gpu("embed_gathers_rows_and_zeroes_bad_ids") else {
+        return;
+    };
+    let mut rng = Rng::new(11);
+    for &(vocab, hidden) in &[(1000, 2048), (300, 100)] {
+        let (tb, tf) = to_bf16(&rng.normals(vocab * hidden, 0.0, 1.0));
+        let ids: Vec<u32> = vec![0, 5, vocab as u32 - 1, vocab as u32, 7, u32::MAX, 5];
+        let table = g.upload(&tb).unwrap();
+        let idb = g.upload(&ids).unwrap();
+        let mut out = g.zeros(ids.len() * hidden).unwrap();
+        g.embed(&table, &idb, &mut out, vocab, hidden, ids.len())
+            .unwrap();
+        let got = from_bf16(&g.download(&out).unwrap());
+        for (row, &id) in got.chunks_exact(hidden).zip(&ids) {
+            let id = id as usize;
+            if id < vocab {
+                assert_eq!(row, &tf[id * hidden..(id + 1) * hidden], "row of id {id}");
+            } else {
+                assert!(row.iter().all(|&v| v == 0.0), "id {id} is out of range");
+            }
+        }
+        println!("PARITY op=embed shape={vocab}x{hidden} exact=true");
+    }
+}
+
+fn gemv_case(g: &sanmai_cuda::Gpu, rng: &mut Rng, m: usize, n: usize, k: usize) {
+    let (wb, wf) = to_bf16(&rng.normals(n * k, 0.0, 0.05));
+    let (xb, xf) = to_bf16(&rng.normals(m * k, 0.0, 1.0));
+    let mut want = vec![0f32; m * n];
+    ops::matmul_t(&xf, &wf, m, k, n, &mut want);
+    let (w, x) = (g.upload(&wb).unwrap(), g.upload(&xb).unwrap());
+    let mut y = g.zeros::<bf16>(m * n).unwrap();
+    g.gemv_bf16(&w, &x, &mut y, m, n, k).unwrap();
+    let got = from_bf16(&g.download(&y).unwrap());
+    check_reduction("gemv_bf16", &format!("m{m}_n{n}_k{k}"), &got, &want);
+    let mut y32 = g.zeros::<f32>(m * n).unwrap();
+    g.gemv_bf16_f32(&w, &x, &mut y32, m, n, k).unwrap();
+    let got = g.download(&y32).unwrap();
+    check_reduction("gemv_bf16_f32", &format!("m{m}_n{n}_k{k}"), &got, &want);
+}
+
+#[test]
+fn gemv_matches_cpu() {
+    let Some(g) = gpu("gemv_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(12);
+    for &(m, n, k) in &[
+        (1, 4096, 2048),
+        (2, 1003, 2560),
+        (3, 515, 512),
+        (4, 2048, 512),
+        (5, 64, 8),
+        (8, 777, 4096),
+        (1, 151_936, 1024),
+    ] {
+        gemv_case(g, &mut rng, m, n, k);
+    }
+}
+
+#[test]
+fn gemv_rejects_bad_shapes() {
+    let Some(g) = gpu("gemv_rejects_bad_shapes") else {
+        return;
+    };
+    let w = g.zeros::<bf16>(64 * 24).unwrap();
+    let x = g.zeros::<bf16>(9 * 24).unwrap();
+    let mut y = g.zeros::<bf16>(9 * 64).unwrap();
+    assert!(g.gemv_bf16(&w, &x, &mut y, 9, 64, 24).is_err(), "m > 8");
+    assert!(g.gemv_bf16(&w, &x, &mut y, 1, 64, 20).is_err(), "k % 8");
+    assert!(
+        g.gemv_bf16(&w, &x, &mut y, 1, 65, 24).is_err(),
+        "W too short"
+    );
+    // A view starting 2 bytes in is misaligned for 16-byte loads.
+    let wv = w.slice(1..);
+    assert!(
+        g.gemv_bf16(&wv, &x, &mut y, 1, 32, 24).is_err(),
+        "alignment"
+    );
+}
+
+#[test]
+fn gemm_matches_cpu() {
+    let Some(g) = gpu("gemm_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(13);
+    for &(m, n, k) in &[
+        (64, 1024, 2048),
+        (300, 512, 768),
+        (1, 256, 64),
+        (129, 100, 36),
+    ] {
+        let (xb, xf) = to_bf16(&rng.normals(m * k, 0.0, 1.0));
+        let (wb, wf) = to_bf16(&rng.normals(n * k, 0.0, 0.05));
+        let mut want = vec![0f32; m * n];
+        ops::matmul_t(&xf, &wf, m, k, n, &mut want);
+        let (x, w) = (g.upload(&xb).unwrap(), g.upload(&wb).unwrap());
+        let mut y = g.zeros::<bf16>(m * n).unwrap();
+        g.gemm_bf16(&x, &w, &mut y, m, n, k).unwrap();
+        let got = from_bf16(&g.download(&y).unwrap());
+        check_reduction("gemm_bf16", &format!("m{m}_n{n}_k{k}"), &got, &want);
+    }
+}

@@ -1,0 +1,21 @@
+//! GPU parity tests: every kernel against its CPU twin in `sanmai_cpu::ops` on random inputs, plus the
+//! NVRTC compile check for sm_86 and sm_90 and (ignored by default) the GEMV/GEMM timing.
+//!
+//! Without a GPU each test prints `skipped: <test>: <reason>` and passes. Each parity test prints one
+//! `PARITY` line per case, which `scripts/gpu_check.sh` collects into its report.
+//!
+//! Tolerances (bf16 outputs carry 8 significant bits, so one rounding is at most 2⁻⁸ relative):
+//! - elementwise ops (norms, RoPE, SwiGLU, conv): every element within `2⁻⁸·|ref| + 1e-4·max|ref|`;
+//! - reductions with a bf16 output (GEMV, GEMM, GDN output): `max|gpu − ref| / max|ref| ≤ 1e-2` and
+//!   `‖gpu − ref‖ / ‖ref‖ ≤ 4e-3`;
+//! - f32 results (router weights, GDN state): `max|gpu − ref| / max|ref| ≤ 1e-4`;
+//! - router ids: equal, except documented near-ties (the two probabilities within 1e-6 relative).
+
+mod bench;
+mod common;
+mod compile;
+mod conv;
+mod dense;
+mod gdn;
+mod norm;
+mod router;

@@ -1,5 +1,6 @@
 //! `sanmai serve` under load and at its edges: `/metrics` counters that move, concurrent requests,
-//! a client that disconnects mid-stream (its request is freed), and graceful shutdown on SIGTERM.
+//! a client that disconnects mid-stream (its request is freed), graceful shutdown on SIGTERM, prefix-cache
+//! hits that give the same log-probabilities as computing, and preemption that leaves outputs unchanged.
 
 mod server_support;
 
@@ -149,4 +150,94 @@ fn sigterm_ends_streams_cleanly_and_exits() {
     let rest = reader.rest();
     assert!(rest.contains("\"finish_reason\":\"abort\""), "{rest}");
     assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
+}
+
+/// The top log-probabilities of the one token a completion generates.
+fn first_token_logprobs(s: &ServerProc, prompt: &str) -> (serde_json::Value, u64) {
+    let (status, v) = s.post(
+        "/v1/completions",
+        &completion(
+            json!(prompt),
+            json!({"max_tokens": 1, "temperature": 0, "logprobs": 5}),
+        ),
+    );
+    assert_eq!(status, 200, "{v}");
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    (
+        v["choices"][0]["logprobs"]["top_logprobs"][0].clone(),
+        cached,
+    )
+}
+
+#[test]
+fn prefix_cache_hits_are_counted_and_change_nothing() {
+    // An agent-shaped conversation: each turn's prompt extends the previous one.
+    let first = "word ".repeat(60);
+    let second = format!("{first} and then more words follow");
+    let cached = ServerProc::start(&[]);
+    let hits0 = cached.metric("sanmai:prefix_cache_hits_total");
+    let (_, c0) = first_token_logprobs(&cached, &first);
+    assert_eq!(c0, 0);
+    let (with_cache, c1) = first_token_logprobs(&cached, &second);
+    assert!(
+        c1 >= 48,
+        "the first turn's prompt was not reused: {c1} cached tokens"
+    );
+    assert!(cached.metric("sanmai:prefix_cache_hits_total") - hits0 >= c1 as f64);
+    drop(cached);
+
+    let fresh = ServerProc::start(&["--no-enable-prefix-caching"]);
+    first_token_logprobs(&fresh, &first);
+    let (without, c2) = first_token_logprobs(&fresh, &second);
+    assert_eq!(c2, 0);
+    let a = with_cache.as_object().unwrap();
+    let b = without.as_object().unwrap();
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (k, v) in a {
+        let d = (v.as_f64().unwrap() - b[k].as_f64().unwrap()).abs();
+        assert!(d < 1e-4, "{k:?}: cached {v} vs computed {}", b[k]);
+    }
+}
+
+#[test]
+fn preemption_under_a_tiny_block_budget_keeps_outputs() {
+    // 24 blocks of 16 tokens: one 256-token request fits, two long ones do not.
+    let s = ServerProc::start(&[
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory-bytes",
+        "400000",
+    ]);
+    let body = |i: usize| {
+        completion(
+            json!(format!("Story number {i} begins here and goes on")),
+            json!({"max_tokens": 200, "temperature": 0, "ignore_eos": true}),
+        )
+    };
+    let together: Vec<String> = std::thread::scope(|scope| {
+        let hs: Vec<_> = (0..2)
+            .map(|i| {
+                let s = &s;
+                let b = body(i);
+                scope.spawn(move || {
+                    let (status, v) = s.post("/v1/completions", &b);
+                    assert_eq!(status, 200, "{v}");
+                    v["choices"][0]["text"].as_str().unwrap().to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(s.metric("sanmai:num_preemptions_total") >= 1.0);
+    for (i, text) in together.iter().enumerate() {
+        let (_, alone) = s.post("/v1/completions", &body(i));
+        assert_eq!(
+            alone["choices"][0]["text"].as_str().unwrap(),
+            text,
+            "request {i}"
+        );
+    }
+    assert_eq!(s.metric("sanmai:num_requests_running"), 0.0);
 }

@@ -125,6 +125,24 @@ fn a_client_that_disconnects_frees_its_request() {
     std::thread::sleep(Duration::from_millis(300));
     assert_eq!(s.metric("sanmai:generation_tokens_total"), gen_after);
     assert!(gen_after >= gen_before);
+    // A client of a whole (non-streamed) answer that gives up frees its request too.
+    let long = completion(
+        json!("Go on forever."),
+        json!({"max_tokens": 100000, "ignore_eos": true}),
+    );
+    let sent = s
+        .client()
+        .post(s.url("/v1/completions"))
+        .json(&long)
+        .timeout(Duration::from_millis(800))
+        .send();
+    assert!(sent.is_err(), "the answer cannot be done in time");
+    assert!(
+        eventually(Duration::from_secs(20), || s
+            .metric("sanmai:num_requests_running")
+            == 0.0),
+        "the whole-answer request kept running after its client left"
+    );
     // The server still serves.
     let (status, _) = s.post(
         "/v1/completions",

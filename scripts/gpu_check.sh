@@ -2,6 +2,7 @@
 # Runs the prebuilt, stripped CUDA test binaries on a GPU host and writes one report. Builds nothing.
 #
 #   scripts/gpu_check.sh OUT_DIR [BIN_DIR]
+#   scripts/gpu_check.sh --report-only OUT_DIR    (re-renders OUT_DIR/report.md from the logs there)
 #
 # BIN_DIR (default: .device-bin) holds `parity`, the sanmai-cuda parity test binary, built elsewhere with
 #   cargo test -p sanmai-cuda --release --no-run
@@ -11,11 +12,74 @@
 # $CUDA_HOME/lib64 (default /usr/local/cuda) is added when it exists; headers through $CUDA_HOME/include.
 set -uo pipefail
 
-out=${1:?usage: gpu_check.sh OUT_DIR [BIN_DIR]}
+report_only=0
+if [ "${1:-}" = "--report-only" ]; then report_only=1; shift; fi
+out=${1:?usage: gpu_check.sh [--report-only] OUT_DIR [BIN_DIR]}
 bin_dir=${2:-.device-bin}
 bin="$bin_dir/parity"
-[ -x "$bin" ] || { echo "no executable $bin" >&2; exit 2; }
 mkdir -p "$out"
+
+# Every tagged line of a log, also when the test harness printed it after "test name ... ".
+tagged() { grep -o "$1 .*" "$2" 2>/dev/null || true; }
+
+render() {
+  {
+    echo "# CUDA parity and timing report"
+    echo
+    cat "$out/meta.md"
+    echo "- $(grep -E '^test result:' "$out/parity.log" | head -1)"
+    if tagged 'skipped:' "$out/parity.log" | grep -q .; then
+      echo "- skipped:"
+      tagged 'skipped:' "$out/parity.log" | sed 's/^/  - /'
+    fi
+    if grep -q 'panicked' "$out/parity.log"; then
+      echo
+      echo "## Failures"
+      echo
+      echo '```'
+      grep -A3 'panicked' "$out/parity.log" | head -60
+      echo '```'
+    fi
+    echo
+    echo "## Parity against the CPU oracle"
+    echo
+    echo "max_rel = max|gpu − cpu| / max|cpu|; rms_rel = ‖gpu − cpu‖ / ‖cpu‖; elem_ratio = largest"
+    echo "|gpu − cpu| / (2⁻⁸·|cpu| + 1e-4·max|cpu|) (≤ 1: every element within one bf16 rounding)."
+    echo
+    echo "| op | shape | max_abs | max_rel | rms_rel | elem_ratio | tolerance |"
+    echo "| --- | --- | --- | --- | --- | --- | --- |"
+    tagged PARITY "$out/parity.log" | while read -r _ rest; do
+      declare -A f=()
+      for kv in $rest; do f[${kv%%=*}]=${kv#*=}; done
+      if [ -n "${f[max_rel]:-}" ]; then
+        echo "| ${f[op]} | ${f[shape]} | ${f[max_abs]} | ${f[max_rel]} | ${f[rms_rel]} | ${f[elem_ratio]} | ${f[tol]} |"
+      else
+        extra=$(echo "$rest" | tr ' ' '\n' | grep -v '^op=\|^shape=' | tr '\n' ' ')
+        echo "| ${f[op]} | ${f[shape]} | | | | | $extra|"
+      fi
+      unset f
+    done
+    echo
+    echo "## NVRTC compile times (cold)"
+    echo
+    echo '```'
+    tagged COMPILE "$out/parity.log"
+    echo '```'
+    echo
+    echo "## Timing"
+    echo
+    echo '```'
+    tagged BENCH "$out/bench.log"
+    echo '```'
+  } >"$out/report.md"
+  cat "$out/report.md"
+}
+
+if [ "$report_only" = 1 ]; then
+  render
+  exit 0
+fi
+[ -x "$bin" ] || { echo "no executable $bin" >&2; exit 2; }
 
 cuda_home=${CUDA_HOME:-/usr/local/cuda}
 if [ -d "$cuda_home/lib64" ]; then
@@ -34,8 +98,6 @@ bench_rc=$?
 t2=$(date +%s)
 
 {
-  echo "# CUDA parity and timing report"
-  echo
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
   echo "- commit: ${GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   if command -v nvidia-smi >/dev/null 2>&1; then
@@ -43,51 +105,6 @@ t2=$(date +%s)
   fi
   echo "- parity run: exit $parity_rc in $((t1 - t0)) s (cold kernel cache, every kernel compiled);" \
     "timing run: exit $bench_rc in $((t2 - t1)) s (warm cache)"
-  echo "- $(grep -E '^test result:' "$out/parity.log" | head -1)"
-  if grep -q '^skipped:' "$out/parity.log"; then
-    echo "- skipped:"
-    grep '^skipped:' "$out/parity.log" | sed 's/^/  - /'
-  fi
-  if grep -q -- '--- FAILED\|panicked' "$out/parity.log"; then
-    echo
-    echo "## Failures"
-    echo
-    echo '```'
-    grep -A6 'panicked' "$out/parity.log" | head -60
-    echo '```'
-  fi
-  echo
-  echo "## Parity against the CPU oracle"
-  echo
-  echo "max_rel = max|gpu − cpu| / max|cpu|; rms_rel = ‖gpu − cpu‖ / ‖cpu‖; elem_ratio = largest"
-  echo "|gpu − cpu| / (2⁻⁸·|cpu| + 1e-4·max|cpu|) (≤ 1: every element within one bf16 rounding)."
-  echo
-  echo "| op | shape | max_abs | max_rel | rms_rel | elem_ratio | tolerance |"
-  echo "| --- | --- | --- | --- | --- | --- | --- |"
-  grep '^PARITY' "$out/parity.log" | while read -r _ rest; do
-    declare -A f=()
-    for kv in $rest; do f[${kv%%=*}]=${kv#*=}; done
-    if [ -n "${f[max_rel]:-}" ]; then
-      echo "| ${f[op]} | ${f[shape]} | ${f[max_abs]} | ${f[max_rel]} | ${f[rms_rel]} | ${f[elem_ratio]} | ${f[tol]} |"
-    else
-      extra=$(echo "$rest" | tr ' ' '\n' | grep -v '^op=\|^shape=' | tr '\n' ' ')
-      echo "| ${f[op]} | ${f[shape]} | | | | | $extra|"
-    fi
-    unset f
-  done
-  echo
-  echo "## NVRTC compile times (cold)"
-  echo
-  echo '```'
-  grep '^COMPILE' "$out/parity.log"
-  echo '```'
-  echo
-  echo "## Timing"
-  echo
-  echo '```'
-  grep '^BENCH' "$out/bench.log" || tail -20 "$out/bench.log"
-  echo '```'
-} >"$out/report.md"
-
-cat "$out/report.md"
+} >"$out/meta.md"
+render
 [ "$parity_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -26,7 +26,7 @@ impl FromStr for DeviceSelection {
         let t = s.trim().to_ascii_lowercase();
         match t.as_str() {
             "cpu" => Ok(Self::Cpu),
-            "cuda" | "gpu" => Ok(Self::Cuda(0)),
+            "cuda" => Ok(Self::Cuda(0)),
             _ => t
                 .strip_prefix("cuda:")
                 .and_then(|n| n.parse::<usize>().ok())

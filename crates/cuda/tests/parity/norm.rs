@@ -132,8 +132,14 @@ fn rope_neox_strided_rotates_only_the_query_half() {
     for (a, b) in got.chunks_exact(2 * hd).zip(xf.chunks_exact(2 * hd)) {
         assert_eq!(&a[hd..], &b[hd..], "the gate half must be untouched");
     }
-    // A view too short for the strided extent is an error, not an out-of-bounds write.
-    let mut short = g.zeros::<half::bf16>(t * nh * 2 * hd - 1).unwrap();
+    // A buffer one element short of the strided extent (the last head's query half) is an error,
+    // not an out-of-bounds write; exactly the extent is enough.
+    let extent = (t - 1) * nh * 2 * hd + (nh - 1) * 2 * hd + hd;
+    let mut exact = g.zeros::<half::bf16>(extent).unwrap();
+    assert!(g
+        .rope_neox(&mut exact, &p, &f, t, nh, hd, rot, nh * 2 * hd, 2 * hd, 1.0)
+        .is_ok());
+    let mut short = g.zeros::<half::bf16>(extent - 1).unwrap();
     assert!(g
         .rope_neox(&mut short, &p, &f, t, nh, hd, rot, nh * 2 * hd, 2 * hd, 1.0)
         .is_err());

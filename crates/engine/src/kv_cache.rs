@@ -211,7 +211,6 @@ impl CacheManager {
         if !self.prefix_caching || !lookup {
             return (seq, 0);
         }
-        self.stats.queries += tokens.len() as u64;
         let bs = self.block_size;
         let max_p = tokens.len().saturating_sub(1);
         // Walk the chain of cached full blocks; remember the deepest usable resume point.
@@ -281,8 +280,15 @@ impl CacheManager {
                 }
             }
         }
-        self.stats.hits += p as u64;
         (seq, p)
+    }
+
+    /// Counts an admission that went through: `queried` prompt tokens looked up, `hit` of them reused.
+    pub fn record_admission(&mut self, queried: usize, hit: usize) {
+        if self.prefix_caching {
+            self.stats.queries += queried as u64;
+            self.stats.hits += hit as u64;
+        }
     }
 
     fn admit_uncached(&mut self, exec: &mut dyn Executor, root: BlockHash) -> (SeqCache, usize) {

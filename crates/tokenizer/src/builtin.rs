@@ -66,6 +66,11 @@ pub const BUILTIN_SPECIAL_TOKENS: [&str; 33] = [
     "<|audio_pad|>",
 ];
 
+/// Added tokens of the built-in vocabulary that are text rather than control tokens (marked non-special,
+/// as in Qwen's own `tokenizer.json`).
+pub const BUILTIN_TEXT_TOKENS: [&str; 6] =
+    ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"];
+
 /// `<|endoftext|>`.
 pub const ENDOFTEXT_ID: u32 = BUILTIN_SPECIAL_START;
 /// `<|im_end|>`.
@@ -91,6 +96,7 @@ impl Tokenizer {
             ranks: BUILTIN_RANKS,
             pattern: BUILTIN_PATTERN,
             special_tokens: &specials,
+            text_tokens: &BUILTIN_TEXT_TOKENS,
             nfc: true,
             splits: Some(BUILTIN_SPLITS),
         })?;

@@ -36,8 +36,11 @@ pub struct TiktokenSpec<'a> {
     pub ranks: &'a str,
     /// The pre-tokenizer regex (tiktoken's `pat_str`).
     pub pattern: &'a str,
-    /// Special tokens and their ids. They are matched in raw text, before normalization.
+    /// Added tokens and their ids. They are matched in raw text, before normalization.
     pub special_tokens: &'a [(&'a str, u32)],
+    /// Added tokens that are text, not control tokens (`<think>`, `<tool_call>`, …): decoding keeps them
+    /// even when skipping special tokens, as the reasoning and tool-call parsers need them.
+    pub text_tokens: &'a [&'a str],
     /// Apply NFC normalization before pre-tokenization.
     pub nfc: bool,
     /// Precomputed [`Ranks::splits`] of `ranks`; computed when absent.
@@ -337,7 +340,10 @@ pub fn build_tokenizer(spec: &TiktokenSpec<'_>) -> Result<tokenizers::Tokenizer>
         .add_special_tokens(
             specials
                 .iter()
-                .map(|&(content, _)| AddedToken::from(content.to_string(), true)),
+                .map(|&(content, _)| {
+                    // Matched in the raw text (before NFC) whether special or not, as tiktoken does.
+                    AddedToken::from(content.to_string(), !spec.text_tokens.contains(&content)).normalized(false)
+                }),
         )
         .map_err(|e| TokenizerError::backend("adding special tokens", e))?;
     for &(content, id) in &specials {
@@ -516,6 +522,7 @@ mod tests {
             ranks: &ranks,
             pattern: r"\S+|\s+",
             special_tokens: &[("<|end|>", 264)],
+            text_tokens: &[],
             nfc: false,
             splits: None,
         })

@@ -90,6 +90,9 @@ impl<E: Executor> Engine<E> {
             }
             self.limits.waiting.fetch_sub(1, Ordering::Relaxed);
             seq.cache = Some(cache);
+            if lookup {
+                self.cache.record_admission(seq.tokens.len(), cached);
+            }
             let c = self.chunk(&seq, len);
             budget -= c.tokens.len();
             plan.chunks.push(c);

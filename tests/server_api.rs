@@ -22,6 +22,10 @@ fn small_routes_answer() {
     assert_eq!(m["id"], "sanmai-demo");
     assert_eq!(m["object"], "model");
     assert!(m["max_model_len"].as_u64().unwrap() >= 65_536, "{v}");
+    let (status, one) = s.get_json("/v1/models/sanmai-demo");
+    assert_eq!(status, 200);
+    assert_eq!(one["id"], "sanmai-demo");
+    assert_eq!(one["max_model_len"], m["max_model_len"]);
 
     let (status, text) = s.get("/metrics");
     assert_eq!(status, 200);
@@ -361,6 +365,10 @@ fn unknown_models_routes_and_methods() {
     // Without `model` the served one is meant.
     let (status, _) = s.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1}));
     assert_eq!(status, 200);
+
+    let (status, v) = s.get_json("/v1/models/gpt-4");
+    assert_eq!(status, 404);
+    assert_eq!(error_of(&v)["param"], "model");
 
     let (status, text) = s.get("/v1/nothing-here");
     assert_eq!(status, 404);

@@ -4,7 +4,7 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -27,6 +27,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/health", get(health))
@@ -99,21 +100,36 @@ async fn method_not_allowed(req: Request) -> ApiError {
     )
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+/// The served model's card.
+fn model_card(state: &AppState) -> Result<Value, ApiError> {
     let ready = state.ready()?;
-    let name = &state.config.served_model_name;
-    Ok(Json(json!({
-        "object": "list",
-        "data": [{
-            "id": name,
-            "object": "model",
-            "created": unix_now(),
-            "owned_by": "sanmai",
-            "root": ready.engine.info().model_name,
-            "parent": null,
-            "max_model_len": ready.engine.info().max_model_len,
-        }],
-    })))
+    Ok(json!({
+        "id": state.config.served_model_name,
+        "object": "model",
+        "created": unix_now(),
+        "owned_by": "sanmai",
+        "root": ready.engine.info().model_name,
+        "parent": null,
+        "max_model_len": ready.engine.info().max_model_len,
+    }))
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
+    Ok(Json(
+        json!({"object": "list", "data": [model_card(&state)?]}),
+    ))
+}
+
+async fn model(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    if id != state.config.served_model_name {
+        return Err(
+            ApiError::not_found(format!("the model `{id}` does not exist")).with_param("model"),
+        );
+    }
+    Ok(Json(model_card(&state)?))
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {

@@ -120,6 +120,7 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         },
         prompt_logprobs: args.echo,
         cache_salt: Vec::new(),
+        checkpoint_at: Vec::new(),
     };
     let started = Instant::now();
     let mut stream = engine.submit(request)?;

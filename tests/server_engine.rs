@@ -259,3 +259,39 @@ fn preemption_under_a_tiny_block_budget_keeps_outputs() {
     }
     assert_eq!(s.metric("sanmai:num_requests_running"), 0.0);
 }
+
+/// A short chat's second turn reuses the first turn's conversation history from the prefix cache, although
+/// the template renders the first reply differently in the history than in the generation prompt.
+#[test]
+fn a_short_second_turn_resumes_from_the_history() {
+    let s = ServerProc::start(&[]);
+    let first = json!([
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Name three primes."}
+    ]);
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": first, "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let reply = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut second = first.as_array().unwrap().clone();
+    second.push(json!({"role": "assistant", "content": reply}));
+    second.push(json!({"role": "user", "content": "Two more."}));
+    let (status, v) = s.post(
+        "/v1/chat/completions",
+        &json!({"messages": second, "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        cached > 10 && cached < prompt,
+        "cached {cached} of {prompt}"
+    );
+}

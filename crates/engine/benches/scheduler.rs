@@ -68,6 +68,7 @@ fn main() {
                     },
                     prompt_logprobs: false,
                     cache_salt: vec![],
+                    checkpoint_at: Vec::new(),
                 })
                 .unwrap()
             })

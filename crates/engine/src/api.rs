@@ -47,6 +47,11 @@ pub struct EngineRequest {
     pub prompt_logprobs: bool,
     /// Extra keys mixed into the prefix-cache hashes (e.g. image hashes); empty for text.
     pub cache_salt: Vec<u64>,
+    /// Prompt positions where the GDN state is checkpointed besides the regular ones — for a chat, where
+    /// the conversation history ends and the generation prompt begins: the next turn re-renders the
+    /// reply that follows differently (e.g. without an empty think block), so it shares the prompt only up
+    /// to there.
+    pub checkpoint_at: Vec<usize>,
 }
 
 /// The log-probability of one token and its most likely alternatives.

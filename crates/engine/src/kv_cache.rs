@@ -3,9 +3,9 @@
 //!
 //! GDN layers keep no per-token K/V, so a cached prefix is only usable where the recurrent + conv state at its
 //! end was saved. Checkpoints are taken every `interval` tokens (prefill chunks are cut to land on those
-//! boundaries) and at the end of every prompt (where an agent's next turn branches off), keyed by the hash of
-//! the prefix they end. A checkpoint reserves pool blocks worth its memory, so checkpoints and K/V share one
-//! budget; it is dropped when the block its prefix ends in is evicted, or, oldest first, when the pool runs
+//! boundaries), at the end of every prompt and at positions the request names (where a chat's history ends):
+//! the points an agent's next turn branches off. They are keyed by the hash of the prefix they end. A
+//! checkpoint reserves pool blocks worth its memory, so checkpoints and K/V share one budget; it is dropped when the block its prefix ends in is evicted, or, oldest first, when the pool runs
 //! dry. A prompt-end checkpoint that is not block-aligned also holds its partial last block; a request that
 //! restores it copies that block before writing past it.
 
@@ -117,10 +117,20 @@ impl CacheManager {
         self.pool.num_used() as f64 / self.pool.num_blocks() as f64
     }
 
-    /// The next position a prefill chunk should stop at to take a checkpoint there.
-    pub fn next_boundary(&self, num_computed: usize) -> Option<usize> {
-        (self.prefix_caching && self.stateful)
-            .then(|| (num_computed / self.interval + 1) * self.interval)
+    /// The next position a prefill chunk should stop at to take a checkpoint there: the next interval
+    /// boundary or requested position (`extra`).
+    pub fn next_boundary(&self, num_computed: usize, extra: &[usize]) -> Option<usize> {
+        if !(self.prefix_caching && self.stateful) {
+            return None;
+        }
+        let interval = (num_computed / self.interval + 1) * self.interval;
+        Some(
+            extra
+                .iter()
+                .copied()
+                .filter(|&p| p > num_computed)
+                .fold(interval, usize::min),
+        )
     }
 
     fn bump(&mut self) -> u64 {
@@ -302,6 +312,7 @@ impl CacheManager {
 
     /// Registers the sequence's newly completed blocks and takes the checkpoints due after a step that moved
     /// it from `before` to `after` computed tokens.
+    #[allow(clippy::too_many_arguments)]
     pub fn after_step(
         &mut self,
         exec: &mut dyn Executor,
@@ -310,6 +321,7 @@ impl CacheManager {
         before: usize,
         after: usize,
         prompt_len: usize,
+        extra: &[usize],
     ) {
         if !self.prefix_caching {
             return;
@@ -330,7 +342,7 @@ impl CacheManager {
         // After a preemption the recompute may run past the prompt in one chunk; the state is then not at the
         // prompt's end, so only an exact landing takes the prompt-end checkpoint.
         let prompt_end = before < prompt_len && after == prompt_len;
-        if crossed_interval {
+        if crossed_interval || (after > before && extra.contains(&after)) {
             self.checkpoint(exec, seq, tokens, after);
         }
         if prompt_end && !(crossed_interval && after == prompt_len) {

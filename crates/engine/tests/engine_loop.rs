@@ -73,6 +73,7 @@ fn request(id: &str, prompt: &str, max_tokens: usize) -> EngineRequest {
         },
         prompt_logprobs: false,
         cache_salt: Vec::new(),
+        checkpoint_at: Vec::new(),
     }
 }
 
@@ -440,4 +441,46 @@ fn two_steps_in_flight_give_the_same_outputs() {
     for (i, t) in hs.into_iter().enumerate() {
         assert_eq!(t.join().unwrap(), alone[i], "prompt {i}");
     }
+}
+
+/// The Qwen3.5 template renders the generation prompt with an empty think block that the next turn's
+/// history leaves out: the turns share the prompt only up to the end of the history, where the request
+/// asked for a checkpoint.
+#[test]
+fn history_end_checkpoint_serves_the_next_turn() {
+    let h = engine(2, 64);
+    let history = "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nName three primes.<|im_end|>\n";
+    let history_ids = tokenizer().encode(history, false).unwrap();
+    let mut turn1 = request(
+        "h1",
+        &format!("{history}<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+        8,
+    );
+    turn1.checkpoint_at = vec![history_ids.len()];
+    let (reply, _, _) = run_logprobs(&h, turn1);
+    let mut turn2 = request("h2", "", 8);
+    turn2.prompt = history_ids.clone();
+    turn2.prompt.extend(
+        tokenizer()
+            .encode("<|im_start|>assistant\n", false)
+            .unwrap(),
+    );
+    turn2.prompt.extend(reply);
+    turn2.prompt.extend(
+        tokenizer()
+            .encode(
+                "<|im_end|>\n<|im_start|>user\nAnd two more.<|im_end|>\n",
+                false,
+            )
+            .unwrap(),
+    );
+    let (ids, lps, cached) = run_logprobs(&h, turn2.clone());
+    assert_eq!(
+        cached,
+        history_ids.len(),
+        "resumes exactly where the history ended"
+    );
+    let (ids_plain, lps_plain, _) = run_logprobs(&engine_uncached(2, 64), turn2);
+    assert_eq!(ids, ids_plain);
+    assert_close(&lps, &lps_plain);
 }

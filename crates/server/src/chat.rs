@@ -41,12 +41,21 @@ pub fn tokenizer(ready: &Ready) -> Result<&Tokenizer, ApiError> {
     })
 }
 
+/// A rendered and encoded conversation.
+pub struct Encoded {
+    pub text: String,
+    pub ids: Vec<u32>,
+    /// Tokens of the conversation history alone (without the generation prompt), when they are a proper
+    /// prefix of `ids`: the point the next turn shares.
+    pub history_len: Option<usize>,
+}
+
 /// Renders a conversation and encodes it (without adding special tokens: the template writes them).
 pub async fn render_and_encode(
     state: &AppState,
     ready: &Ready,
     prompt: ChatPrompt,
-) -> Result<(String, Vec<u32>), ApiError> {
+) -> Result<Encoded, ApiError> {
     let tok = tokenizer(ready)?.clone();
     let template = ready.template.clone().ok_or_else(|| {
         ApiError::bad_request(
@@ -61,6 +70,7 @@ pub async fn render_and_encode(
     req.add_generation_prompt = prompt.add_generation_prompt;
     req.kwargs = kwargs;
     blocking(move || {
+        let mut req = req;
         let text = template.render(&req).map_err(|e| match e {
             TokenizerError::TemplateRaised(m) => ApiError::invalid(
                 "messages",
@@ -71,7 +81,22 @@ pub async fn render_and_encode(
         let ids = tok
             .encode(&text, false)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-        Ok((text, ids))
+        let history_len = if req.add_generation_prompt {
+            req.add_generation_prompt = false;
+            template
+                .render(&req)
+                .ok()
+                .and_then(|h| tok.encode(&h, false).ok())
+                .filter(|h| !h.is_empty() && h.len() < ids.len() && ids.starts_with(h))
+                .map(|h| h.len())
+        } else {
+            None
+        };
+        Ok(Encoded {
+            text,
+            ids,
+            history_len,
+        })
     })
     .await
 }
@@ -308,7 +333,11 @@ pub async fn chat_completions(
         add_generation_prompt: chat.add_generation_prompt.unwrap_or(true),
         kwargs: chat.chat_template_kwargs.clone().unwrap_or_default(),
     };
-    let (rendered, ids) = render_and_encode(&state, ready, prompt).await?;
+    let Encoded {
+        text: rendered,
+        ids,
+        history_len,
+    } = render_and_encode(&state, ready, prompt).await?;
     stop.max_tokens = params::max_tokens(
         requested,
         field,
@@ -340,6 +369,7 @@ pub async fn chat_completions(
             stop: stop.clone(),
             prompt_logprobs: false,
             cache_salt: Vec::new(),
+            checkpoint_at: history_len.into_iter().collect(),
         })
         .collect();
     let streams = submit_all(&ready.engine, requests)?;

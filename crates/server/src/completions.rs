@@ -180,6 +180,7 @@ pub async fn completions(
                 stop: stop.clone(),
                 prompt_logprobs: echo && logprobs.is_some(),
                 cache_salt: Vec::new(),
+                checkpoint_at: Vec::new(),
             });
         }
     }

@@ -186,7 +186,7 @@ async fn tokenize(
                 add_generation_prompt: f.add_generation_prompt.unwrap_or(true),
                 kwargs: f.chat_template_kwargs.clone().unwrap_or_default(),
             };
-            chat::render_and_encode(&state, ready, req).await?.1
+            chat::render_and_encode(&state, ready, req).await?.ids
         }
         (None, None) => return Err(ApiError::invalid("prompt", "give `prompt` or `messages`")),
     };

@@ -68,8 +68,14 @@ pub const BUILTIN_SPECIAL_TOKENS: [&str; 33] = [
 
 /// Added tokens of the built-in vocabulary that are text rather than control tokens (marked non-special,
 /// as in Qwen's own `tokenizer.json`).
-pub const BUILTIN_TEXT_TOKENS: [&str; 6] =
-    ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"];
+pub const BUILTIN_TEXT_TOKENS: [&str; 6] = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<think>",
+    "</think>",
+];
 
 /// `<|endoftext|>`.
 pub const ENDOFTEXT_ID: u32 = BUILTIN_SPECIAL_START;

@@ -337,14 +337,11 @@ pub fn build_tokenizer(spec: &TiktokenSpec<'_>) -> Result<tokenizers::Tokenizer>
         ));
     }
     tokenizer
-        .add_special_tokens(
-            specials
-                .iter()
-                .map(|&(content, _)| {
-                    // Matched in the raw text (before NFC) whether special or not, as tiktoken does.
-                    AddedToken::from(content.to_string(), !spec.text_tokens.contains(&content)).normalized(false)
-                }),
-        )
+        .add_special_tokens(specials.iter().map(|&(content, _)| {
+            // Matched in the raw text (before NFC) whether special or not, as tiktoken does.
+            AddedToken::from(content.to_string(), !spec.text_tokens.contains(&content))
+                .normalized(false)
+        }))
         .map_err(|e| TokenizerError::backend("adding special tokens", e))?;
     for &(content, id) in &specials {
         let got = tokenizer.token_to_id(content);

@@ -4,8 +4,8 @@
 use std::sync::OnceLock;
 
 use sanmai_tokenizer::builtin::{
-    BUILTIN_PATTERN, BUILTIN_RANKS, BUILTIN_SPECIAL_START, BUILTIN_SPECIAL_TOKENS, BUILTIN_TEXT_TOKENS, BUILTIN_SPLITS,
-    BUILTIN_VOCAB_SIZE,
+    BUILTIN_PATTERN, BUILTIN_RANKS, BUILTIN_SPECIAL_START, BUILTIN_SPECIAL_TOKENS, BUILTIN_SPLITS,
+    BUILTIN_TEXT_TOKENS, BUILTIN_VOCAB_SIZE,
 };
 use sanmai_tokenizer::tiktoken::Ranks;
 use sanmai_tokenizer::{builtin_eos_ids, Tokenizer};
@@ -68,7 +68,10 @@ fn decoding_the_expected_ids_gives_back_the_normalized_text() {
         assert_eq!(tok.decode(&ids, false).expect("decode"), text);
         // Skipping special tokens drops exactly their text (the reasoning and tool tags are text).
         let mut plain = text.to_string();
-        for special in BUILTIN_SPECIAL_TOKENS.iter().filter(|t| !BUILTIN_TEXT_TOKENS.contains(t)) {
+        for special in BUILTIN_SPECIAL_TOKENS
+            .iter()
+            .filter(|t| !BUILTIN_TEXT_TOKENS.contains(t))
+        {
             plain = plain.replace(special, "");
         }
         if !ids.iter().any(|&id| id >= BUILTIN_SPECIAL_START) {
@@ -95,7 +98,11 @@ fn vocabulary_facts() {
         let id = BUILTIN_SPECIAL_START + i as u32;
         assert_eq!(tok.token_to_id(special), Some(id), "{special}");
         assert_eq!(tok.id_to_token(id).as_deref(), Some(*special));
-        assert_eq!(tok.is_special(id), !BUILTIN_TEXT_TOKENS.contains(special), "{special}");
+        assert_eq!(
+            tok.is_special(id),
+            !BUILTIN_TEXT_TOKENS.contains(special),
+            "{special}"
+        );
     }
     assert_eq!(tok.token_to_id("<|im_end|>"), Some(248_046));
     assert_eq!(tok.eos_token_ids(), builtin_eos_ids());

@@ -83,6 +83,7 @@ impl<E: Executor> Engine<E> {
                 before,
                 seq.num_computed,
                 prompt_len,
+                &seq.req.checkpoint_at,
             );
             if seq.num_computed < seq.tokens.len() {
                 continue; // mid-prefill

@@ -81,12 +81,12 @@ impl PleHasher {
     }
 
     /// For each position `t` in `positions`, writes the row index inside each sub-table ((order,
-    /// head) order, `num_tables()` per position) into `out`. `tokens` is the whole sequence up to at
+    /// head) order, `num_tables()` per position) into `out`. `tokens` (any integer id type) is the whole sequence up to at
     /// least `positions.end`, so the context of every position is visible; the document boundary is
     /// the last `eos_token_id` at or before `t`, and positions before it or before 0 read as EOS.
-    pub fn fill_indices(
+    pub fn fill_indices<T: Copy + Into<i64>>(
         &self,
-        tokens: &[i64],
+        tokens: &[T],
         positions: Range<usize>,
         out: &mut [u64],
     ) -> Result<(), PleError> {
@@ -109,11 +109,11 @@ impl PleHasher {
         // Last EOS strictly before positions.start (as a signed position; -1 = none).
         let mut last_eos: i64 = tokens[..positions.start]
             .iter()
-            .rposition(|&x| x == self.eos)
+            .rposition(|&x| x.into() == self.eos)
             .map_or(-1, |p| p as i64);
         let mut ctx = vec![0i64; max_order];
         for (i, t) in positions.enumerate() {
-            if tokens[t] == self.eos {
+            if tokens[t].into() == self.eos {
                 last_eos = t as i64;
             }
             // ctx[j] = cleaned c_{t-j}
@@ -122,7 +122,7 @@ impl PleHasher {
                 *c = if p < 0 || p < last_eos {
                     self.eos
                 } else {
-                    tokens[p as usize]
+                    tokens[p as usize].into()
                 };
             }
             let row = &mut out[i * nt..(i + 1) * nt];
@@ -141,7 +141,7 @@ impl PleHasher {
     }
 
     /// Convenience over [`Self::fill_indices`]: the indices of every position of `tokens`.
-    pub fn indices(&self, tokens: &[i64]) -> Vec<u64> {
+    pub fn indices<T: Copy + Into<i64>>(&self, tokens: &[T]) -> Vec<u64> {
         let mut out = vec![0u64; tokens.len() * self.num_tables()];
         self.fill_indices(tokens, 0..tokens.len(), &mut out)
             .expect("whole-sequence ranges are valid");

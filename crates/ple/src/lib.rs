@@ -5,7 +5,13 @@
 mod config;
 mod error;
 mod hash;
+mod reader;
+mod table;
 
 pub use config::PleConfig;
 pub use error::PleError;
 pub use hash::{splitmix64_outputs, PleHasher};
+pub use reader::PleTable;
+pub use table::{
+    check_table, create_table, scaled_sizes, CreateOptions, Fill, Sidecar, SIDECAR_FILE, TABLE_FILE,
+};

@@ -42,7 +42,7 @@ fn indices_match_hand_computed_vectors_with_wrapping_and_eos() {
     // Token 4e9 times the multipliers wraps i64 many times over; position 3 holds EOS (= 2), so
     // positions 3.. see only EOS before it; the 2^62 size keeps the high bits of the mix visible.
     let h = PleHasher::new(&cfg(7, json!([[1000003, 999983], [13, 1u64 << 62]]), 2));
-    let tokens = [5, 17, 99, 2, 4_000_000_000, 7];
+    let tokens: [i64; 6] = [5, 17, 99, 2, 4_000_000_000, 7];
     let expected: [[u64; 4]; 6] = [
         [715086, 231805, 11, 3986690465488493839],
         [253423, 949326, 6, 4091433534736908752],

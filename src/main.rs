@@ -6,6 +6,7 @@ mod bench_serve;
 mod engine_args;
 mod generate;
 mod load;
+mod ple;
 mod serve;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +30,8 @@ enum Command {
     Bench(bench_serve::BenchCommand),
     /// Serve the OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),
+    /// The PLE n-gram table: hash, create, check.
+    Ple(ple::PleArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -45,5 +48,6 @@ fn main() -> anyhow::Result<()> {
             None => bench::run(b.local),
         },
         Command::Serve(args) => serve::run(args),
+        Command::Ple(args) => ple::run(args),
     }
 }

@@ -15,11 +15,14 @@
 //!   f32 arithmetic, one rounding per output): `rms_norm` (zero-centred and plain), `gated_rms_norm`,
 //!   `rope_neox` (partial, strided heads), `swiglu`, `embed`, `gemv_bf16` / `gemv_bf16_f32` (decode,
 //!   1–8 rows), `gemm_bf16` (cuBLAS, prefill), `route_topk` (softmax + top-k + renormalise),
-//!   `conv1d_prefill` / `conv1d_update` (causal conv + SiLU with rolling state) and
-//!   `gdn_recurrent_step` (GDN decode, f32 state in slots).
+//!   `conv1d_prefill` / `conv1d_update` (causal conv + SiLU with rolling state),
+//!   `gdn_recurrent_step` (GDN decode, f32 state in slots), `gdn_recurrent_prefill` (one sequence's
+//!   chunk, token by token inside one launch) and `attention_paged_decode` /
+//!   `attention_paged_prefill` (gated GQA attention over the paged K/V cache, split-K with a reduce
+//!   kernel that applies `sigmoid(gate)`).
 //!
-//! What is next (the rest of the CUDA issue): GDN chunked prefill, gated attention over the block
-//! table (prefill and split-K decode), MRoPE, fused residual+norm, routed experts (grouped GEMV for
+//! What is next (the rest of the CUDA issue): the faithful chunked (WY/UT) GDN prefill, a tiled
+//! prefill attention that shares K/V loads across query rows, K/V cache writes, MRoPE, fused residual+norm, routed experts (grouped GEMV for
 //! decode, grouped GEMM for prefill), quantised weights (INT4/INT8/INT6 pack-quantized), on-device
 //! sampling, the `Backend` implementation over these ops with a memory plan, CUDA graphs for decode
 //! and the `sanmai bench` roofline.
@@ -36,4 +39,4 @@ pub use cudarc;
 pub use device::{device_count, driver_version, gpu_present, probe, DeviceInfo, DeviceSelection};
 pub use error::{CudaError, Result};
 pub use gpu::Gpu;
-pub use ops::{GdnDims, GEMV_MAX_M, ROUTER_MAX_K};
+pub use ops::{AttnDims, GdnDims, ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, ROUTER_MAX_K};

@@ -35,6 +35,7 @@ pub const SOURCES: &[Source] = &[
     source!("router.cu"),
     source!("conv.cu"),
     source!("gdn.cu"),
+    source!("attention.cu"),
 ];
 
 /// The entry points a source declares: every `extern "C" __global__ ... name(` line.

@@ -5,6 +5,7 @@
 //! (an error, never a panic or an out-of-bounds access), and queues the kernel on the `Gpu`'s stream.
 //! Activations are bf16 with f32 arithmetic inside the kernels and one rounding per output.
 
+mod attention;
 mod conv;
 mod elementwise;
 mod gdn;
@@ -14,6 +15,7 @@ mod norm;
 mod rope;
 mod router;
 
+pub use attention::{AttnDims, ATTN_MAX_HEAD_DIM, ATTN_SPLIT};
 pub use gdn::GdnDims;
 pub use gemv::GEMV_MAX_M;
 pub use router::ROUTER_MAX_K;

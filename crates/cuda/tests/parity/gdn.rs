@@ -1,4 +1,5 @@
-//! The GDN recurrent decode step against the CPU gates + `sanmai_cpu::ops::gdn_recurrent` (t = 1).
+//! The GDN recurrent decode step against the CPU gates + `sanmai_cpu::ops::gdn_recurrent` (t = 1), and
+//! the GDN prefill against the CPU gates + `sanmai_cpu::ops::gdn_chunked` (chunk 64).
 
 use half::bf16;
 use sanmai_cpu::ops;
@@ -91,6 +92,93 @@ fn gdn_recurrent_step_matches_cpu() {
         assert!(
             got[3 * hv * dv..].iter().all(|&v| v == 0.0),
             "bad slot gives zeros"
+        );
+    }
+}
+
+#[test]
+fn gdn_recurrent_prefill_matches_cpu_chunked() {
+    let Some(g) = gpu("gdn_recurrent_prefill_matches_cpu_chunked") else {
+        return;
+    };
+    let mut rng = Rng::new(41);
+    for (dims, t) in [
+        // Qwen3-Next's shape over two full chunks of 64 and a partial one; a small odd shape.
+        (
+            GdnDims {
+                hk: 16,
+                hv: 32,
+                dk: 128,
+                dv: 128,
+            },
+            150usize,
+        ),
+        (
+            GdnDims {
+                hk: 2,
+                hv: 6,
+                dk: 64,
+                dv: 80,
+            },
+            70,
+        ),
+    ] {
+        let GdnDims { hk, hv, dk, dv } = dims;
+        let (cd, sl) = (dims.conv_dim(), dims.state_len());
+        let (qkvb, qkvf) = to_bf16(&rng.normals(t * cd, 0.0, 1.0));
+        let (ab, af) = to_bf16(&rng.normals(t * hv, 0.0, 1.0));
+        let (bb, bf) = to_bf16(&rng.normals(t * hv, 0.0, 1.0));
+        let a_log: Vec<f32> = (0..hv).map(|_| rng.unit() * 2.0 - 1.0).collect();
+        let dt_bias: Vec<f32> = rng.normals(hv, 0.0, 0.5);
+        let state0 = rng.normals(sl, 0.0, 0.3);
+
+        // The CPU backend's split of the conv rows and its gates, then the chunked form (chunk 64).
+        let key = hk * dk;
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        for row in qkvf.chunks_exact(cd) {
+            q.extend_from_slice(&row[..key]);
+            k.extend_from_slice(&row[key..2 * key]);
+            v.extend_from_slice(&row[2 * key..]);
+        }
+        let beta: Vec<f32> = bf.iter().map(|&x| ops::sigmoid(x)).collect();
+        let gate: Vec<f32> = af
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| -a_log[i % hv].exp() * ops::softplus(x + dt_bias[i % hv]))
+            .collect();
+        let mut want_state = state0.clone();
+        let mut want = vec![0f32; t * hv * dv];
+        ops::gdn_chunked(
+            &q,
+            &k,
+            &v,
+            &gate,
+            &beta,
+            &mut want_state,
+            &mut want,
+            t,
+            hk,
+            hv,
+            dk,
+            dv,
+            64,
+        );
+
+        let qkv = g.upload(&qkvb).unwrap();
+        let (a, bg) = (g.upload(&ab).unwrap(), g.upload(&bb).unwrap());
+        let (al, dt) = (g.upload(&a_log).unwrap(), g.upload(&dt_bias).unwrap());
+        let mut state = g.upload(&state0).unwrap();
+        let mut out = g.zeros::<bf16>(t * hv * dv).unwrap();
+        g.gdn_recurrent_prefill(dims, &qkv, &a, &bg, &al, &dt, &mut state, &mut out, t)
+            .unwrap();
+        let got = from_bf16(&g.download(&out).unwrap());
+        let shape = format!("t{t}_hk{hk}_hv{hv}_dk{dk}_dv{dv}");
+        check_reduction("gdn_prefill_out", &shape, &got, &want);
+        check_f32(
+            "gdn_prefill_state",
+            &shape,
+            &g.download(&state).unwrap(),
+            &want_state,
         );
     }
 }

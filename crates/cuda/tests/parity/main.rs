@@ -6,11 +6,12 @@
 //!
 //! Tolerances (bf16 outputs carry 8 significant bits, so one rounding is at most 2⁻⁸ relative):
 //! - elementwise ops (norms, RoPE, SwiGLU, conv): every element within `2⁻⁸·|ref| + 1e-4·max|ref|`;
-//! - reductions with a bf16 output (GEMV, GEMM, GDN output): `max|gpu − ref| / max|ref| ≤ 1e-2` and
+//! - reductions with a bf16 output (GEMV, GEMM, GDN output, attention output): `max|gpu − ref| / max|ref| ≤ 1e-2` and
 //!   `‖gpu − ref‖ / ‖ref‖ ≤ 4e-3`;
 //! - f32 results (router weights, GDN state): `max|gpu − ref| / max|ref| ≤ 1e-4`;
 //! - router ids: equal, except documented near-ties (the two probabilities within 1e-6 relative).
 
+mod attention;
 mod bench;
 mod common;
 mod compile;

@@ -1,0 +1,263 @@
+//! Gated attention over the paged K/V cache: decode (one query per sequence, a batch of sequences of
+//! different lengths) and prefill (one chunk of one sequence, causal), both as split-K: a partial
+//! kernel per span of [`ATTN_SPLIT`] context positions, then a reduce kernel that merges the spans and
+//! multiplies by `sigmoid(gate)` (the Qwen3-Next output gate, same `[rows, hq·head_dim]` layout as the
+//! output, so it is fused into the reduce).
+//!
+//! The cache layout is the CPU backend's: `k_pool`, `v_pool` are `[num_blocks, block_size,
+//! hkv·head_dim]` bf16; position `p` of a sequence lies in block `table[p / block_size]`, row
+//! `p % block_size`. The split workspace (`rows·hq·splits·(head_dim + 2)` f32) is allocated per call.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use half::bf16;
+
+use super::row_threads;
+use crate::error::{ensure, Result};
+use crate::gpu::{cfg, check_len, int, Gpu};
+
+/// The largest head size the kernels take.
+pub const ATTN_MAX_HEAD_DIM: usize = 256;
+/// Context positions per split (one block of the partial kernel).
+pub const ATTN_SPLIT: usize = 256;
+/// Threads of a partial-kernel block.
+const PARTIAL_THREADS: u32 = 128;
+/// The hardware limit of grid dimensions y and z.
+const GRID_YZ_MAX: usize = 65535;
+
+/// Head counts, head size and cache block size of an attention layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnDims {
+    pub hq: usize,
+    pub hkv: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+impl AttnDims {
+    /// Elements of one cache row, `hkv·head_dim`.
+    pub fn kv_row(&self) -> usize {
+        self.hkv * self.head_dim
+    }
+
+    /// Elements of one query / gate / output row, `hq·head_dim`.
+    pub fn q_row(&self) -> usize {
+        self.hq * self.head_dim
+    }
+}
+
+/// Where the rows' lengths and block tables come from.
+enum Rows {
+    /// Row `r` is sequence `r`: length `lens[r]` (device), table row `r` of `max_blocks` ids.
+    Decode { lens: u64, max_blocks: usize },
+    /// Row `r` is query `pos0 + r` of one sequence whose table holds `max_blocks` ids.
+    Prefill { pos0: usize, max_blocks: usize },
+}
+
+impl Gpu {
+    /// Decode attention of `batch` sequences, one query each. `q`, `gate`, `out`: `[batch,
+    /// hq·head_dim]` (q normed and roped; `out = attention · sigmoid(gate)`); `block_table`: `[batch,
+    /// max_blocks]` block ids; `seq_lens`: `[batch]` context lengths including the new token (capped at
+    /// `max_blocks·block_size`; a block id beyond the pool masks its positions); `max_len` ≥ every
+    /// `seq_lens[i]` sets the number of splits (positions beyond it are not attended).
+    /// Matches `sanmai_cpu::ops::attention_causal` with `t = 1` times `sigmoid(gate)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_paged_decode(
+        &self,
+        dims: AttnDims,
+        q: &impl DevicePtr<bf16>,
+        gate: &impl DevicePtr<bf16>,
+        k_pool: &impl DevicePtr<bf16>,
+        v_pool: &impl DevicePtr<bf16>,
+        block_table: &impl DevicePtr<u32>,
+        max_blocks: usize,
+        seq_lens: &impl DevicePtr<u32>,
+        max_len: usize,
+        out: &mut impl DevicePtrMut<bf16>,
+        batch: usize,
+    ) -> Result<()> {
+        const OP: &str = "attention_paged_decode";
+        check_len(OP, "block_table", block_table, batch * max_blocks)?;
+        check_len(OP, "seq_lens", seq_lens, batch)?;
+        let (lp, _gl) = seq_lens.device_ptr(self.stream());
+        let rows = Rows::Decode {
+            lens: lp,
+            max_blocks,
+        };
+        self.attn_paged(
+            OP,
+            dims,
+            q,
+            gate,
+            k_pool,
+            v_pool,
+            block_table,
+            rows,
+            max_len,
+            out,
+            batch,
+        )
+    }
+
+    /// Causal prefill attention of one chunk of one sequence: `t` queries at positions `pos0 ..
+    /// pos0 + t` (their K/V already written to the cache) against positions `0 ..= pos0 + i`.
+    /// `q`, `gate`, `out`: `[t, hq·head_dim]`; `block_table`: the sequence's block ids, at least
+    /// `⌈(pos0 + t) / block_size⌉`. Matches `sanmai_cpu::ops::attention_causal` over the gathered
+    /// cache of `pos0 + t` positions, times `sigmoid(gate)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_paged_prefill(
+        &self,
+        dims: AttnDims,
+        q: &impl DevicePtr<bf16>,
+        gate: &impl DevicePtr<bf16>,
+        k_pool: &impl DevicePtr<bf16>,
+        v_pool: &impl DevicePtr<bf16>,
+        block_table: &impl DevicePtr<u32>,
+        pos0: usize,
+        t: usize,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<()> {
+        const OP: &str = "attention_paged_prefill";
+        let max_blocks = block_table.len();
+        ensure(
+            dims.block_size > 0 && max_blocks * dims.block_size >= pos0 + t,
+            OP,
+            || {
+                format!(
+                    "{max_blocks} blocks of {} cannot hold {} positions",
+                    dims.block_size,
+                    pos0 + t
+                )
+            },
+        )?;
+        let rows = Rows::Prefill { pos0, max_blocks };
+        self.attn_paged(
+            OP,
+            dims,
+            q,
+            gate,
+            k_pool,
+            v_pool,
+            block_table,
+            rows,
+            pos0 + t,
+            out,
+            t,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attn_paged(
+        &self,
+        op: &'static str,
+        dims: AttnDims,
+        q: &impl DevicePtr<bf16>,
+        gate: &impl DevicePtr<bf16>,
+        k_pool: &impl DevicePtr<bf16>,
+        v_pool: &impl DevicePtr<bf16>,
+        block_table: &impl DevicePtr<u32>,
+        rows: Rows,
+        max_len: usize,
+        out: &mut impl DevicePtrMut<bf16>,
+        n: usize,
+    ) -> Result<()> {
+        let AttnDims {
+            hq,
+            hkv,
+            head_dim: d,
+            block_size: bs,
+        } = dims;
+        ensure(hkv > 0 && hq > 0 && hq % hkv == 0, op, || {
+            format!("hq = {hq} must be a positive multiple of hkv = {hkv}")
+        })?;
+        ensure(d > 0 && d <= ATTN_MAX_HEAD_DIM, op, || {
+            format!("head_dim = {d} must be in 1..={ATTN_MAX_HEAD_DIM}")
+        })?;
+        ensure(bs > 0, op, || "block_size must be positive".into())?;
+        let splits = max_len.div_ceil(ATTN_SPLIT).max(1);
+        ensure(n <= GRID_YZ_MAX && splits <= GRID_YZ_MAX, op, || {
+            format!("{n} rows or {splits} splits exceed {GRID_YZ_MAX}")
+        })?;
+        let pool_rows = bs * dims.kv_row();
+        ensure(
+            k_pool.len() == v_pool.len() && k_pool.len() % pool_rows == 0,
+            op,
+            || {
+                format!(
+                    "k_pool ({}) and v_pool ({}) must be equal multiples of block_size·hkv·head_dim = {pool_rows}",
+                    k_pool.len(),
+                    v_pool.len()
+                )
+            },
+        )?;
+        check_len(op, "q", q, n * dims.q_row())?;
+        check_len(op, "gate", gate, n * dims.q_row())?;
+        check_len(op, "out", out, n * dims.q_row())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let num_blocks = u32::try_from(k_pool.len() / pool_rows).unwrap_or(u32::MAX);
+        let (lens, pos0, max_blocks, table_stride) = match rows {
+            Rows::Decode { lens, max_blocks } => (lens, 0, max_blocks, max_blocks),
+            Rows::Prefill { pos0, max_blocks } => (0u64, pos0, max_blocks, 0),
+        };
+        let (hqi, hkvi, di, bsi) = (
+            int(op, "hq", hq)?,
+            int(op, "hkv", hkv)?,
+            d as i32,
+            int(op, "block_size", bs)?,
+        );
+        let (stride_i, mb_i, pos0_i, splits_i) = (
+            int(op, "table stride", table_stride)?,
+            int(op, "max_blocks", max_blocks)?,
+            int(op, "pos0 + rows", pos0 + n).map(|_| pos0 as i32)?,
+            splits as i32,
+        );
+        let scale = (d as f64).powf(-0.5) as f32;
+        let mut part_o = self.zeros::<f32>(n * hq * splits * d)?;
+        let mut part_ml = self.zeros::<f32>(n * hq * splits * 2)?;
+        let s = self.stream();
+        let (qp, _gq) = q.device_ptr(s);
+        let (gp, _gg) = gate.device_ptr(s);
+        let (kp, _gk) = k_pool.device_ptr(s);
+        let (vp, _gv) = v_pool.device_ptr(s);
+        let (tp, _gt) = block_table.device_ptr(s);
+        let (pop, _gpo) = part_o.device_ptr_mut(s);
+        let (pmp, _gpm) = part_ml.device_ptr_mut(s);
+        let (op_, _go) = out.device_ptr_mut(s);
+        let mut l = s.launch_builder(self.kernel("attn_paged_partial")?);
+        l.arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&tp)
+            .arg(&stride_i)
+            .arg(&mb_i)
+            .arg(&lens)
+            .arg(&pos0_i)
+            .arg(&pop)
+            .arg(&pmp)
+            .arg(&hqi)
+            .arg(&hkvi)
+            .arg(&di)
+            .arg(&bsi)
+            .arg(&num_blocks)
+            .arg(&splits_i)
+            .arg(&scale);
+        let grid = (hq as u32, splits as u32, n as u32);
+        // SAFETY: argument types match the kernel; q and the pools' lengths checked above; the table
+        // holds `n` rows of `max_blocks` ids (decode, checked by the caller) or one row (prefill,
+        // stride 0); the kernel caps every length at max_blocks·block_size and masks block ids at or
+        // beyond num_blocks; the workspace holds n·hq·splits slots.
+        unsafe { l.launch(cfg(grid, PARTIAL_THREADS, 0)) }?;
+        let mut l = s.launch_builder(self.kernel("attn_paged_reduce")?);
+        l.arg(&pop)
+            .arg(&pmp)
+            .arg(&gp)
+            .arg(&op_)
+            .arg(&hqi)
+            .arg(&di)
+            .arg(&splits_i);
+        // SAFETY: argument types match the kernel; gate and out hold n·hq·head_dim elements.
+        unsafe { l.launch(cfg((hq as u32, n as u32, 1), row_threads(d), 0)) }?;
+        Ok(())
+    }
+}

@@ -1,16 +1,25 @@
 //! The PLE hashed n-gram memory table (spec §3): the one row-index hash every path calls, the model
-//! config's `ple` block, the table file with its JSON sidecar (create, check), and the mmap reader
-//! that gathers 16 rows per token into a caller's buffer.
+//! config's `ple` block, the table file with its JSON sidecar (create, check), the mmap reader that
+//! gathers 16 rows per token into a caller's buffer, page plans, and the prefetch thread that asks
+//! the kernel (`process_madvise`, or `madvise` per range) for a prompt's pages ahead of its gathers.
 
+mod advise;
 mod config;
 mod error;
 mod hash;
+mod metrics;
+mod plan;
+mod prefetch;
 mod reader;
 mod table;
 
+pub use advise::{AdviseMode, PageAdvisor, MAX_IOV};
 pub use config::PleConfig;
 pub use error::PleError;
 pub use hash::{splitmix64_outputs, PleHasher};
+pub use metrics::{PleMetrics, PleMetricsSnapshot};
+pub use plan::{page_ranges, system_page_size};
+pub use prefetch::{PrefetchOptions, Prefetcher, WINDOW_TOKENS};
 pub use reader::PleTable;
 pub use table::{
     check_table, create_table, scaled_sizes, CreateOptions, Fill, Sidecar, SIDECAR_FILE, TABLE_FILE,

@@ -4,11 +4,15 @@
 use crate::config::PleConfig;
 use crate::error::PleError;
 use crate::hash::PleHasher;
+use crate::metrics::PleMetrics;
+use crate::plan::{page_ranges, system_page_size};
 use crate::table::{check_table, Sidecar};
 use half::bf16;
 use memmap2::{Advice, Mmap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
 
 /// An open, validated PLE table.
 pub struct PleTable {
@@ -20,6 +24,8 @@ pub struct PleTable {
     /// First row of each sub-table, (order, head) order.
     base_rows: Vec<u64>,
     sizes: Vec<u64>,
+    page_size: u64,
+    metrics: Arc<PleMetrics>,
 }
 
 impl PleTable {
@@ -48,6 +54,8 @@ impl PleTable {
             row_dim: cfg.row_dim,
             base_rows,
             sizes,
+            page_size: system_page_size(),
+            metrics: Arc::default(),
         })
     }
 
@@ -79,6 +87,43 @@ impl PleTable {
         self.num_tables() * self.row_dim
     }
 
+    /// The page size plans are made in.
+    pub fn page_size(&self) -> u64 {
+        self.page_size
+    }
+
+    /// Counters of gathers and prefetches on this table.
+    pub fn metrics(&self) -> &Arc<PleMetrics> {
+        &self.metrics
+    }
+
+    /// The page plan of `indices`: sorted, merged, page-aligned byte ranges of the file covering
+    /// every page the gather of those rows touches, and the number of unique pages. See
+    /// [`page_ranges`]; `pages` is scratch.
+    pub fn page_plan_into(
+        &self,
+        indices: &[u64],
+        pages: &mut Vec<u64>,
+        out: &mut Vec<Range<u64>>,
+    ) -> usize {
+        page_ranges(
+            indices,
+            &self.base_rows,
+            &self.sizes,
+            self.row_dim as u64 * 2,
+            self.page_size,
+            pages,
+            out,
+        )
+    }
+
+    /// [`Self::page_plan_into`] with fresh buffers.
+    pub fn page_plan(&self, indices: &[u64]) -> Vec<Range<u64>> {
+        let mut out = Vec::new();
+        self.page_plan_into(indices, &mut Vec::new(), &mut out);
+        out
+    }
+
     /// The mapped bytes.
     pub fn bytes(&self) -> &[u8] {
         &self.mmap
@@ -102,6 +147,7 @@ impl PleTable {
                 self.row_dim
             )));
         }
+        let start = Instant::now();
         let rb = self.row_dim * 2;
         for (i, (&row, dst)) in indices
             .iter()
@@ -121,6 +167,8 @@ impl PleTable {
                 *d = bf16::from_le_bytes([s[0], s[1]]);
             }
         }
+        PleMetrics::add(&self.metrics.gather_ns, start.elapsed().as_nanos() as u64);
+        PleMetrics::add(&self.metrics.gathered_tokens, (indices.len() / nt) as u64);
         Ok(())
     }
 

@@ -11,6 +11,7 @@ mod metrics;
 mod plan;
 mod prefetch;
 mod reader;
+mod store;
 mod table;
 
 pub use advise::{AdviseMode, PageAdvisor, MAX_IOV};
@@ -21,6 +22,7 @@ pub use metrics::{PleMetrics, PleMetricsSnapshot};
 pub use plan::{page_ranges, system_page_size};
 pub use prefetch::{PrefetchOptions, Prefetcher, WINDOW_TOKENS};
 pub use reader::PleTable;
+pub use store::PleStore;
 pub use table::{
     check_table, create_table, scaled_sizes, CreateOptions, Fill, Sidecar, SIDECAR_FILE, TABLE_FILE,
 };

@@ -207,3 +207,41 @@ fn disabled_prefetch_does_nothing() {
     assert_eq!(p.flush(), None);
     assert_eq!(t.metrics().snapshot().windows_done, 0);
 }
+
+#[test]
+fn the_store_gathers_prefill_and_decode_rows_like_the_table() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = open_table(tmp.path());
+    drop(t);
+    let cfg = PleConfig::from_block(&json!({
+        "orders": [2, 3], "heads": 8, "row_dim": 160, "seed": 1, "layer_ids": [1],
+        "table_sizes": [[4001, 4003, 4007, 4013, 4019, 4021, 4027, 4049],
+                        [4051, 4057, 4073, 4079, 4091, 4093, 4099, 4111]],
+        "conv_kernel": 4, "conv_dilation": 3, "eos_token_id": 0
+    }))
+    .unwrap();
+    let store = sanmai_ple::PleStore::open(tmp.path(), &cfg, PrefetchOptions::from_env()).unwrap();
+    let tokens: Vec<u32> = prompt(1500, 4).iter().map(|&x| x as u32).collect();
+    store.submit(1, &tokens);
+    let dim = store.table().token_dim();
+    let mut out = vec![half::bf16::ZERO; 1500 * dim];
+    store.gather(&tokens, 0..1500, &mut out).unwrap();
+    store.prefetcher().flush();
+    let before = store.table().metrics().snapshot();
+    let mut one = vec![half::bf16::ZERO; dim];
+    store.gather_decode(&tokens, &mut one).unwrap();
+    assert_eq!(one, out[1499 * dim..]);
+    // The decode step requested exactly its token's pages.
+    let idx = store.table().hasher().indices(&tokens);
+    let after = store.table().metrics().snapshot();
+    if store.prefetcher().enabled() {
+        assert_eq!(before.windows_done, 2);
+        assert_eq!(
+            after.pages_requested - before.pages_requested,
+            touched_pages(store.table(), &idx[1499 * 16..]).len() as u64
+        );
+    }
+    assert_eq!(after.gathered_tokens, before.gathered_tokens + 1);
+    store.cancel(1);
+    assert!(store.gather_decode(&tokens[..0], &mut one).is_err());
+}

@@ -155,6 +155,16 @@ impl PleConfig {
         })
     }
 
+    /// The config a table's sidecar implies (its sizes as written, `rows_scale` folded in), for
+    /// tools that open a table without the model config; `eos_token_id` is not in the sidecar.
+    pub fn from_sidecar(s: &crate::table::Sidecar, eos_token_id: i64) -> Result<Self, PleError> {
+        Self::from_block(&serde_json::json!({
+            "orders": s.orders, "heads": s.heads, "row_dim": s.row_dim, "seed": s.seed,
+            "layer_ids": [], "table_sizes": s.sizes, "conv_kernel": 1, "conv_dilation": 1,
+            "eos_token_id": eos_token_id,
+        }))
+    }
+
     /// Number of sub-tables (= rows gathered per token): `len(orders) · heads`.
     pub fn num_tables(&self) -> usize {
         self.orders.len() * self.heads

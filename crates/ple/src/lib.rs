@@ -4,6 +4,7 @@
 //! the kernel (`process_madvise`, or `madvise` per range) for a prompt's pages ahead of its gathers.
 
 mod advise;
+mod bench;
 mod config;
 mod error;
 mod hash;
@@ -15,6 +16,7 @@ mod store;
 mod table;
 
 pub use advise::{AdviseMode, PageAdvisor, MAX_IOV};
+pub use bench::{evict, random_read_4k_rate, resident_fraction, run_bench, BenchReport};
 pub use config::PleConfig;
 pub use error::PleError;
 pub use hash::{splitmix64_outputs, PleHasher};
@@ -24,5 +26,6 @@ pub use prefetch::{PrefetchOptions, Prefetcher, WINDOW_TOKENS};
 pub use reader::PleTable;
 pub use store::PleStore;
 pub use table::{
-    check_table, create_table, scaled_sizes, CreateOptions, Fill, Sidecar, SIDECAR_FILE, TABLE_FILE,
+    check_sidecar, check_table, create_table, scaled_sizes, CreateOptions, Fill, Sidecar,
+    SIDECAR_FILE, TABLE_FILE,
 };

@@ -6,7 +6,7 @@ use crate::error::PleError;
 use crate::hash::PleHasher;
 use crate::metrics::PleMetrics;
 use crate::plan::{page_ranges, system_page_size};
-use crate::table::{check_table, Sidecar};
+use crate::table::{check_sidecar, check_table, Sidecar};
 use half::bf16;
 use memmap2::{Advice, Mmap};
 use std::ops::Range;
@@ -32,6 +32,18 @@ impl PleTable {
     /// Validates `dir` against `cfg` (see [`check_table`]) and maps the table file.
     pub fn open(dir: &Path, cfg: &PleConfig) -> Result<Self, PleError> {
         let sidecar = check_table(dir, cfg)?;
+        Self::map(dir, sidecar, cfg)
+    }
+
+    /// Opens a table by its sidecar alone (checksum and length checked; no model config), for
+    /// tools such as the benchmark. `eos_token_id` is the document separator the hash uses.
+    pub fn open_sidecar(dir: &Path, eos_token_id: i64) -> Result<Self, PleError> {
+        let sidecar = check_sidecar(dir)?;
+        let cfg = PleConfig::from_sidecar(&sidecar, eos_token_id)?;
+        Self::map(dir, sidecar, &cfg)
+    }
+
+    fn map(dir: &Path, sidecar: Sidecar, cfg: &PleConfig) -> Result<Self, PleError> {
         let path = dir.join(&sidecar.file);
         let file = std::fs::File::open(&path).map_err(|e| PleError::io(&path, e))?;
         // SAFETY: the table is read-only for the server's lifetime; nothing here writes to it.

@@ -234,10 +234,9 @@ pub fn create_table(cfg: &PleConfig, dir: &Path, opts: CreateOptions) -> Result<
     Ok(sidecar)
 }
 
-/// Validates the table in `dir` against `cfg`: the sidecar's checksum, file name, dtype, shape,
-/// seed and sizes (the config's, scaled by the sidecar's `rows_scale`), and the file's length.
-/// Returns the sidecar; errors name what disagrees.
-pub fn check_table(dir: &Path, cfg: &PleConfig) -> Result<Sidecar, PleError> {
+/// Validates a table directory on its own: the sidecar's checksum, file name and dtype, and that
+/// the file's length matches the sizes the sidecar records. Returns the sidecar.
+pub fn check_sidecar(dir: &Path) -> Result<Sidecar, PleError> {
     let s = Sidecar::read(dir)?;
     let sum = s.compute_checksum();
     if s.checksum != sum {
@@ -258,6 +257,24 @@ pub fn check_table(dir: &Path, cfg: &PleConfig) -> Result<Sidecar, PleError> {
             format!("dtype {} (only bf16 is supported)", s.dtype),
         ));
     }
+    let path = dir.join(&s.file);
+    let len = std::fs::metadata(&path)
+        .map_err(|e| PleError::io(&path, e))?
+        .len();
+    if len != s.file_len() {
+        return Err(table_err(
+            dir,
+            format!("{} is {len} bytes, the sizes need {}", s.file, s.file_len()),
+        ));
+    }
+    Ok(s)
+}
+
+/// Validates the table in `dir` against `cfg`: [`check_sidecar`], then the shape, seed and sizes
+/// (the config's, scaled by the sidecar's `rows_scale`). Returns the sidecar; errors name what
+/// disagrees.
+pub fn check_table(dir: &Path, cfg: &PleConfig) -> Result<Sidecar, PleError> {
+    let s = check_sidecar(dir)?;
     let mismatch = |what: &str, table: String, config: String| {
         table_err(
             dir,
@@ -300,16 +317,6 @@ pub fn check_table(dir: &Path, cfg: &PleConfig) -> Result<Sidecar, PleError> {
             "table_sizes",
             format!("{:?}", s.sizes),
             format!("{want:?}{scaled}"),
-        ));
-    }
-    let path = dir.join(&s.file);
-    let len = std::fs::metadata(&path)
-        .map_err(|e| PleError::io(&path, e))?
-        .len();
-    if len != s.file_len() {
-        return Err(table_err(
-            dir,
-            format!("{} is {len} bytes, the sizes need {}", s.file, s.file_len()),
         ));
     }
     Ok(s)

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
-use sanmai_ple::{check_table, create_table, CreateOptions, Fill, PleConfig, PleHasher};
+use sanmai_ple::{check_table, create_table, run_bench, CreateOptions, Fill, PleConfig, PleHasher};
 use serde_json::json;
 
 #[derive(Args, Debug)]
@@ -22,6 +22,25 @@ pub enum PleCommand {
     Create(CreateArgs),
     /// Validate a table directory against a model config.
     Check(CheckArgs),
+    /// Cold-prompt gather time without and with prefetch, warm, and the disk's random-read rate.
+    Bench(BenchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// The table directory (made with `sanmai ple create`).
+    #[arg(long)]
+    pub dir: PathBuf,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 8192)]
+    pub tokens: usize,
+    /// Model config: when given, the table is validated against it and its EOS id is used.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[arg(long, default_value_t = 248046)]
+    pub eos_token_id: i64,
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -109,6 +128,37 @@ pub fn run(args: PleArgs) -> Result<()> {
                 s.rows_scale,
                 s.checksum
             );
+        }
+        PleCommand::Bench(a) => {
+            let mut eos = a.eos_token_id;
+            if let Some(c) = &a.config {
+                let cfg = load_config(c)?;
+                check_table(&a.dir, &cfg)?;
+                eos = cfg.eos_token_id;
+            }
+            let r = run_bench(&a.dir, a.tokens, eos)?;
+            if a.json {
+                println!("{}", serde_json::to_string(&r)?);
+            } else {
+                let rate = r
+                    .random_read_4k_per_s
+                    .map_or("n/a (O_DIRECT refused)".to_string(), |x| {
+                        format!("{x:.0}/s")
+                    });
+                println!(
+                    "{} tokens, {} pages; cold without prefetch {:.3} s ({:.0} pages/s), \
+                     cold with prefetch {:.3} s ({:.0} pages/s), warm {:.3} s; \
+                     4 KiB random reads at depth 1: {rate}; resident after eviction {:.1}%",
+                    r.tokens,
+                    r.pages,
+                    r.cold_no_prefetch_s,
+                    r.cold_no_prefetch_pages_per_s,
+                    r.cold_prefetch_s,
+                    r.cold_prefetch_pages_per_s,
+                    r.warm_s,
+                    100.0 * r.resident_after_evict
+                );
+            }
         }
     }
     Ok(())

@@ -106,11 +106,14 @@ impl PleHasher {
             )));
         }
         let max_order = self.mults.len();
-        // Last EOS strictly before positions.start (as a signed position; -1 = none).
-        let mut last_eos: i64 = tokens[..positions.start]
+        // Last EOS strictly before positions.start (as a signed position; -1 = none). Only the
+        // max_order − 1 positions before the start can fall inside an n-gram, so an EOS further
+        // back cleans nothing and the scan stops there (decode stays O(order) per token).
+        let lo = positions.start.saturating_sub(max_order.saturating_sub(1));
+        let mut last_eos: i64 = tokens[lo..positions.start]
             .iter()
             .rposition(|&x| x.into() == self.eos)
-            .map_or(-1, |p| p as i64);
+            .map_or(-1, |p| (lo + p) as i64);
         let mut ctx = vec![0i64; max_order];
         for (i, t) in positions.enumerate() {
             if tokens[t].into() == self.eos {

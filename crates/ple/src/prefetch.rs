@@ -111,8 +111,8 @@ impl Prefetcher {
         self.send(Cmd::Resume);
     }
 
-    /// Waits until every queued window has been requested; returns the advisor's mode then
-    /// (`None` when prefetch is off).
+    /// Waits until every queued window has been requested (after a `resume` if paused); returns
+    /// the advisor's mode then (`None` when prefetch is off).
     pub fn flush(&self) -> Option<AdviseMode> {
         let (tx, rx) = channel();
         self.send(Cmd::Flush(tx));

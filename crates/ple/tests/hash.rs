@@ -156,3 +156,26 @@ fn config_errors_name_the_field() {
         Err(PleError::Config { field, .. }) if field == "ple"
     ));
 }
+
+#[test]
+fn every_sub_range_matches_the_whole_sequence() {
+    // EOS ids sprinkled at various distances before each range start.
+    let h = PleHasher::new(&cfg(5, json!([[101, 103], [107, 109]]), 9));
+    let tokens: Vec<i64> = (0..64)
+        .map(|i| {
+            if i % 7 == 3 || i == 40 || i == 41 {
+                9
+            } else {
+                i * 31 + 1
+            }
+        })
+        .collect();
+    let all = h.indices(&tokens);
+    for start in 0..tokens.len() {
+        for end in start..=tokens.len().min(start + 5) {
+            let mut part = vec![0u64; (end - start) * 4];
+            h.fill_indices(&tokens, start..end, &mut part).unwrap();
+            assert_eq!(part, all[start * 4..end * 4], "{start}..{end}");
+        }
+    }
+}

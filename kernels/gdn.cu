@@ -13,6 +13,28 @@
 // q + b·qkv_stride (same stride for the three; q, k [hk·dk], v [hv·dv]); a, b_gate: [B, hv] at stride
 // ab_stride; state_pool: [num_slots, hv, dk, dv], sequence b in slot slots[b] (out of range: zeros,
 // nothing touched); out: [B, hv·dv]; q_scale = dk^-0.5 as the host rounds it.
+// Loads one token's query and key head into shared memory, l2-normalised (eps 1e-6, as FLA) with the
+// query also scaled by q_scale (dk^-0.5). Ends with a barrier: qs and ks are ready for every thread.
+__device__ __forceinline__ void load_qk_normed(const bf16* qr, const bf16* kr, int dk, float q_scale, float* qs,
+                                               float* ks, float* scratch) {
+    float sq = 0.0f, sk = 0.0f;
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        const float qv = bf2f(qr[i]), kv = bf2f(kr[i]);
+        qs[i] = qv;
+        ks[i] = kv;
+        sq += qv * qv;
+        sk += kv * kv;
+    }
+    sq = block_sum(sq, scratch);
+    sk = block_sum(sk, scratch);
+    const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        qs[i] = (qs[i] * rq) * q_scale;
+        ks[i] = ks[i] * rk;
+    }
+    __syncthreads();
+}
+
 extern "C" __global__ void gdn_recurrent_step(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, long long qkv_stride,
                                               const bf16* __restrict__ a, const bf16* __restrict__ b_gate,
@@ -35,24 +57,8 @@ extern "C" __global__ void gdn_recurrent_step(const bf16* __restrict__ q, const 
     }
     const int kh = h / (hv / hk);
 
-    const bf16* qr = q + b * qkv_stride + (size_t)kh * dk;
-    const bf16* kr = k + b * qkv_stride + (size_t)kh * dk;
-    float sq = 0.0f, sk = 0.0f;
-    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-        const float qv = bf2f(qr[i]), kv = bf2f(kr[i]);
-        qs[i] = qv;
-        ks[i] = kv;
-        sq += qv * qv;
-        sk += kv * kv;
-    }
-    sq = block_sum(sq, scratch);
-    sk = block_sum(sk, scratch);
-    const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
-    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-        qs[i] = (qs[i] * rq) * q_scale;
-        ks[i] = ks[i] * rk;
-    }
-    __syncthreads();
+    load_qk_normed(q + b * qkv_stride + (size_t)kh * dk, k + b * qkv_stride + (size_t)kh * dk, dk, q_scale,
+                   qs, ks, scratch);
 
     const float g = -expf(A_log[h]) * softplus_f(bf2f(a[b * ab_stride + h]) + dt_bias[h]);
     const float decay = expf(g);
@@ -130,24 +136,8 @@ extern "C" __global__ void gdn_recurrent_prefill(const bf16* __restrict__ q, con
     const float A = -expf(A_log[h]), bias = dt_bias[h];
 
     for (int tok = 0; tok < t; ++tok) {
-        const bf16* qr = q + tok * qkv_stride + (size_t)kh * dk;
-        const bf16* kr = k + tok * qkv_stride + (size_t)kh * dk;
-        float sq = 0.0f, sk = 0.0f;
-        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-            const float qv = bf2f(qr[i]), kv = bf2f(kr[i]);
-            qs[i] = qv;
-            ks[i] = kv;
-            sq += qv * qv;
-            sk += kv * kv;
-        }
-        sq = block_sum(sq, scratch);
-        sk = block_sum(sk, scratch);
-        const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
-        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-            qs[i] = (qs[i] * rq) * q_scale;
-            ks[i] = ks[i] * rk;
-        }
-        __syncthreads();
+        load_qk_normed(q + tok * qkv_stride + (size_t)kh * dk, k + tok * qkv_stride + (size_t)kh * dk, dk,
+                       q_scale, qs, ks, scratch);
 
         const float g = A * softplus_f(bf2f(a[tok * ab_stride + h]) + bias);
         const float decay = expf(g);

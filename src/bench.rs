@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use sanmai_model::{Backend, SeqChunk};
 
-use crate::load::ModelArgs;
+use crate::load::{Loaded, ModelArgs, OnModel};
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -34,17 +34,26 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
-    let loaded = args.model.load()?;
+    args.model.clone().load_then(Bench(args))
+}
+
+struct Bench(BenchArgs);
+
+impl OnModel for Bench {
+    type Output = ();
+
+    fn run<B: Backend + 'static>(self, loaded: Loaded<B>) -> Result<()> {
+        bench(self.0, loaded)
+    }
+}
+
+fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
     let m = &loaded.model;
     if args.prompt_len == 0 || args.gen_len == 0 || args.batch.contains(&0) {
         bail!("--prompt-len, --gen-len and --batch must be positive");
     }
     let vocab = loaded.valid_vocab as u64;
-    println!(
-        "model: {} (cpu, {} threads)",
-        loaded.name,
-        rayon::current_num_threads()
-    );
+    println!("model: {} on {}", loaded.name, loaded.device);
     for &batch in &args.batch {
         // Deterministic pseudo-random prompts, distinct per sequence.
         let prompts: Vec<Vec<u32>> = (0..batch as u64)

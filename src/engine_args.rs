@@ -4,6 +4,7 @@
 use anyhow::{anyhow, Result};
 use clap::Args;
 use sanmai_engine::{start, EngineConfig, EngineHandle, ModelExecutor};
+use sanmai_model::Backend;
 
 use crate::load::Loaded;
 
@@ -42,7 +43,11 @@ pub const BUILTIN_DEFAULT_MAX_TOKENS: usize = 512;
 
 impl EngineArgs {
     /// Starts the engine on `loaded` (the model moves into the engine thread).
-    pub fn start(&self, loaded: Loaded, served_name: String) -> Result<EngineHandle> {
+    pub fn start<B: Backend + 'static>(
+        &self,
+        loaded: Loaded<B>,
+        served_name: String,
+    ) -> Result<EngineHandle> {
         let Loaded {
             model,
             tokenizer,

@@ -10,7 +10,8 @@ use sanmai_engine::sampler::SamplingParams;
 use serde_json::{json, Value};
 
 use crate::engine_args::EngineArgs;
-use crate::load::ModelArgs;
+use crate::load::{Loaded, ModelArgs, OnModel};
+use sanmai_model::Backend;
 
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
@@ -61,7 +62,20 @@ pub struct GenerateArgs {
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
-    let loaded = args.model.load()?;
+    args.model.clone().load_then(Generate(args))
+}
+
+struct Generate(GenerateArgs);
+
+impl OnModel for Generate {
+    type Output = ();
+
+    fn run<B: Backend + 'static>(self, loaded: Loaded<B>) -> Result<()> {
+        generate(self.0, loaded)
+    }
+}
+
+fn generate<B: Backend + 'static>(args: GenerateArgs, loaded: Loaded<B>) -> Result<()> {
     let prompt: Vec<u32> = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) => {

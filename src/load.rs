@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_model::{builtin, Model};
+use sanmai_model::{builtin, Backend, Model};
 use sanmai_tokenizer::Tokenizer;
 use sanmai_weights::{Checkpoint, Dummy, TensorSource};
 
@@ -39,12 +39,33 @@ pub struct ModelArgs {
     /// Seed of dummy weights.
     #[arg(long, default_value_t = builtin::SEED)]
     pub weight_seed: u64,
+    /// Where the model runs: cpu, cuda or cuda:N [default: cuda:0 when this build has CUDA and a GPU is
+    /// found, else cpu].
+    #[arg(long)]
+    pub device: Option<String>,
+}
+
+/// A device the model can run on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    #[cfg(feature = "cuda")]
+    Cuda(usize),
+}
+
+/// Work to do once a model is loaded, generic over the backend it was loaded on (a function that is
+/// generic over the backend, as a trait because closures cannot be).
+pub trait OnModel {
+    type Output;
+    fn run<B: Backend + 'static>(self, loaded: Loaded<B>) -> Result<Self::Output>;
 }
 
 /// A model ready to run, with its tokenizer when one is available.
-pub struct Loaded {
+pub struct Loaded<B: Backend> {
     pub name: String,
-    pub model: Model<CpuBackend>,
+    /// The device it runs on, for logs and reports (e.g. `cpu (16 threads)`).
+    pub device: String,
+    pub model: Model<B>,
     pub tokenizer: Option<Tokenizer>,
     /// Ids below this are real tokens; the lm_head rows above it are padding.
     pub valid_vocab: usize,
@@ -55,7 +76,53 @@ pub struct Loaded {
 }
 
 impl ModelArgs {
-    pub fn load(&self) -> Result<Loaded> {
+    /// The device `--device` names, or the default one.
+    pub fn device(&self) -> Result<Device> {
+        let Some(text) = self.device.as_deref() else {
+            #[cfg(feature = "cuda")]
+            if sanmai_cuda::gpu_present() {
+                return Ok(Device::Cuda(0));
+            }
+            return Ok(Device::Cpu);
+        };
+        #[cfg(feature = "cuda")]
+        {
+            use sanmai_cuda::DeviceSelection;
+            match text.parse::<DeviceSelection>() {
+                Ok(DeviceSelection::Cpu) => Ok(Device::Cpu),
+                Ok(DeviceSelection::Cuda(n)) => Ok(Device::Cuda(n)),
+                Err(e) => bail!("--device: {e}"),
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        match text.trim().to_ascii_lowercase().as_str() {
+            "cpu" => Ok(Device::Cpu),
+            t if t == "cuda" || t.starts_with("cuda:") => bail!(
+                "--device {text}: this build has no CUDA support (build with `--features cuda`)"
+            ),
+            _ => bail!("--device {text}: expected cpu, cuda or cuda:N"),
+        }
+    }
+
+    /// Loads the model on the chosen device and hands it to `work`.
+    pub fn load_then<W: OnModel>(&self, work: W) -> Result<W::Output> {
+        match self.device()? {
+            Device::Cpu => {
+                let threads = rayon::current_num_threads();
+                work.run(self.load_on(CpuBackend::new(), format!("cpu ({threads} threads)"))?)
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(n) => {
+                let backend = sanmai_cuda::CudaBackend::new(n)
+                    .with_context(|| format!("opening CUDA device {n}"))?;
+                let name = backend.gpu().info().name.clone();
+                work.run(self.load_on(backend, format!("cuda:{n} ({name})"))?)
+            }
+        }
+    }
+
+    /// Loads the model on `backend`.
+    pub fn load_on<B: Backend>(&self, backend: B, device: String) -> Result<Loaded<B>> {
         let started = Instant::now();
         let (name, cfg, source): (String, ModelConfig, Box<dyn TensorSource>) = match (
             &self.model,
@@ -89,7 +156,7 @@ impl ModelArgs {
             ),
         };
         let tokenizer = self.tokenizer(&cfg)?;
-        let model = Model::load(cfg, source.as_ref(), CpuBackend::new())
+        let model = Model::load(cfg, source.as_ref(), backend)
             .with_context(|| format!("loading the weights of {name}"))?;
         let cfg = &model.cfg;
         let valid_vocab = match &tokenizer {
@@ -104,6 +171,7 @@ impl ModelArgs {
         eos_ids.dedup();
         tracing::info!(
             model = %name,
+            device = %device,
             arch = cfg.arch.model_type(),
             layers = cfg.num_layers,
             hidden = cfg.hidden_size,
@@ -118,6 +186,7 @@ impl ModelArgs {
         };
         Ok(Loaded {
             name,
+            device,
             model,
             tokenizer,
             valid_vocab,

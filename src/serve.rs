@@ -14,7 +14,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use crate::engine_args::EngineArgs;
-use crate::load::ModelArgs;
+use crate::load::{Loaded, ModelArgs, OnModel};
+use sanmai_model::Backend;
 
 /// How long in-flight responses may take to end after a shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
@@ -273,14 +274,27 @@ async fn serve(args: ServeArgs, s: Settings) -> Result<()> {
 
 /// Loads the model, starts the engine and hands it to the server.
 fn load_and_start(server: &Server, args: &ServeArgs, s: &Settings) -> Result<()> {
-    let loaded = args.model.load()?;
-    let tokenizer = loaded.tokenizer.clone();
-    let engine = s
-        .engine
-        .start(loaded, server.config().served_model_name.clone())
-        .context("starting the engine")?;
-    server.set_ready(engine, tokenizer)?;
-    Ok(())
+    args.model.load_then(StartEngine { server, s })
+}
+
+struct StartEngine<'a> {
+    server: &'a Server,
+    s: &'a Settings,
+}
+
+impl OnModel for StartEngine<'_> {
+    type Output = ();
+
+    fn run<B: Backend + 'static>(self, loaded: Loaded<B>) -> Result<()> {
+        let tokenizer = loaded.tokenizer.clone();
+        let engine = self
+            .s
+            .engine
+            .start(loaded, self.server.config().served_model_name.clone())
+            .context("starting the engine")?;
+        self.server.set_ready(engine, tokenizer)?;
+        Ok(())
+    }
 }
 
 #[cfg(test)]

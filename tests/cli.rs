@@ -172,4 +172,12 @@ fn bad_input_is_a_clear_error() {
         "text needs a tokenizer",
     ]));
     assert!(err.contains("--prompt-ids"), "{err}");
+    let err = stderr(&sanmai(&[
+        "generate",
+        "--prompt-ids",
+        "1",
+        "--device",
+        "tpu",
+    ]));
+    assert!(err.contains("--device tpu"), "{err}");
 }

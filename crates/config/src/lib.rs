@@ -6,6 +6,7 @@
 //! cannot serve is an error naming the field.
 
 mod fields;
+mod quant;
 mod rope;
 
 use std::path::Path;
@@ -13,6 +14,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use fields::Fields;
+pub use quant::{QuantConfig, QuantScheme};
 pub use rope::{RopeConfig, RopeScaling};
 
 /// Errors from reading a model configuration.
@@ -148,6 +150,8 @@ pub struct ModelConfig {
     pub pad_token_id: Option<u32>,
     /// Prefix of the text model's tensors (`model.` or `model.language_model.`).
     pub weight_prefix: String,
+    /// The compressed-tensors weight quantization (`quantization_config`); `None` = bf16 weights.
+    pub quantization: Option<QuantConfig>,
 }
 
 impl ModelConfig {
@@ -204,13 +208,24 @@ impl ModelConfig {
                 }
             }
         }
-        for q in ["quantization_config", "compression_config"] {
-            if top.has(q) || text.has(q) {
-                return Err(top.invalid(
-                    q,
-                    "quantized checkpoints are not supported by this build yet".into(),
-                ));
-            }
+        let quantization = match (
+            top.has("quantization_config"),
+            text.has("quantization_config"),
+        ) {
+            (true, _) => Some(QuantConfig::from_fields(
+                &top.child("quantization_config")?,
+            )?),
+            (false, true) => Some(QuantConfig::from_fields(
+                &text.child("quantization_config")?,
+            )?),
+            (false, false) => None,
+        };
+        if top.has("compression_config") || text.has("compression_config") {
+            return Err(top.invalid(
+                "compression_config",
+                "the legacy compression_config block is not served (use quantization_config)"
+                    .into(),
+            ));
         }
         let act = text.opt_str("hidden_act")?.unwrap_or_else(|| "silu".into());
         if act != "silu" {
@@ -411,6 +426,7 @@ impl ModelConfig {
             bos_token_id: text.opt_usize("bos_token_id")?.map(|x| x as u32),
             pad_token_id: text.opt_usize("pad_token_id")?.map(|x| x as u32),
             weight_prefix,
+            quantization,
         })
     }
 

@@ -101,13 +101,23 @@ pub fn random_read_4k_rate(path: &Path, budget: Duration) -> Option<f64> {
     (ok && reads > 0).then(|| reads as f64 / secs)
 }
 
-fn gather_all(table: &PleTable, tokens: &[i64], out: &mut [bf16]) -> Result<(), PleError> {
+/// Gathers the prompt window by window, as a chunked prefill would, reporting each position to the
+/// prefetcher (when there is one) as the engine does.
+fn gather_all(
+    table: &PleTable,
+    tokens: &[i64],
+    out: &mut [bf16],
+    prefetch: Option<&Prefetcher>,
+) -> Result<(), PleError> {
     let dim = table.token_dim();
     let mut pos = 0;
     while pos < tokens.len() {
         let end = (pos + WINDOW_TOKENS).min(tokens.len());
         table.gather(tokens, pos..end, &mut out[..(end - pos) * dim])?;
         pos = end;
+        if let Some(p) = prefetch {
+            p.progress(1, pos);
+        }
     }
     Ok(())
 }
@@ -136,16 +146,13 @@ pub fn run_bench(dir: &Path, n: usize, eos_token_id: i64) -> Result<BenchReport,
     let table = PleTable::open_sidecar(dir, eos_token_id)?;
     let resident_after_evict = resident_fraction(&table);
     let t0 = Instant::now();
-    gather_all(&table, &tokens, &mut out)?;
+    gather_all(&table, &tokens, &mut out, None)?;
     let cold_no_prefetch_s = t0.elapsed().as_secs_f64();
     drop(table);
 
     evict(&path)?;
     let table = Arc::new(PleTable::open_sidecar(dir, eos_token_id)?);
-    let opts = PrefetchOptions {
-        enabled: true,
-        force_eperm: false,
-    };
+    let opts = PrefetchOptions::default();
     let prefetcher = Prefetcher::spawn(table.clone(), opts);
     let t0 = Instant::now();
     prefetcher.submit(1, &tokens);
@@ -154,7 +161,7 @@ pub fn run_bench(dir: &Path, n: usize, eos_token_id: i64) -> Result<BenchReport,
             prefetcher.flush();
             t0.elapsed().as_secs_f64()
         });
-        let g = gather_all(&table, &tokens, &mut out);
+        let g = gather_all(&table, &tokens, &mut out, Some(&prefetcher));
         (g, issue.join().unwrap_or(f64::NAN))
     });
     gathered?;
@@ -163,7 +170,7 @@ pub fn run_bench(dir: &Path, n: usize, eos_token_id: i64) -> Result<BenchReport,
     drop(prefetcher);
 
     let t0 = Instant::now();
-    gather_all(&table, &tokens, &mut out)?;
+    gather_all(&table, &tokens, &mut out, None)?;
     let warm_s = t0.elapsed().as_secs_f64();
     drop(table);
 

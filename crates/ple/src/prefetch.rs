@@ -1,8 +1,11 @@
 //! The prompt prefetch thread: when a request is admitted its prompt's rows are hashed here, window
 //! by window of 1024 tokens in order, and each window's pages are requested from the kernel
-//! ([`PageAdvisor`]) so the reads run in parallel ahead of the prefill's gathers. A cancelled
-//! (finished or preempted) request's pending windows are dropped. `SANMAI_PLE_PREFETCH=0` turns the
-//! thread off: `submit` and `cancel` then do nothing.
+//! ([`PageAdvisor`]) so the reads run in parallel ahead of the prefill's gathers. The thread stays at
+//! most [`PrefetchOptions::max_ahead_windows`] windows ahead of the position the prefill reports
+//! ([`Prefetcher::progress`]), so a long prompt's pages do not push its own earlier pages (or the
+//! K/V pool) out of memory before they are read. A cancelled (finished or preempted) request's
+//! pending windows are dropped. `SANMAI_PLE_PREFETCH=0` turns the thread off: `submit` and `cancel`
+//! then do nothing.
 
 use crate::advise::{AdviseMode, PageAdvisor};
 use crate::metrics::PleMetrics;
@@ -15,27 +18,44 @@ use std::thread::JoinHandle;
 /// Tokens per prefetch window.
 pub const WINDOW_TOKENS: usize = 1024;
 
+/// Windows the thread runs ahead of the reported prefill position by default (16k tokens: about
+/// 1 GiB of pages for the full-size table).
+pub const DEFAULT_MAX_AHEAD_WINDOWS: usize = 16;
+
 /// How the prefetch thread runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefetchOptions {
     pub enabled: bool,
     /// Test switch: take the EPERM fallback path as if `process_madvise` were refused.
     pub force_eperm: bool,
+    /// Windows requested at most beyond a request's reported prefill position; 0 = no limit.
+    pub max_ahead_windows: usize,
+}
+
+impl Default for PrefetchOptions {
+    fn default() -> Self {
+        PrefetchOptions {
+            enabled: true,
+            force_eperm: false,
+            max_ahead_windows: DEFAULT_MAX_AHEAD_WINDOWS,
+        }
+    }
 }
 
 impl PrefetchOptions {
-    /// Enabled unless `SANMAI_PLE_PREFETCH=0`.
+    /// The defaults, disabled by `SANMAI_PLE_PREFETCH=0`.
     pub fn from_env() -> Self {
         let off = std::env::var("SANMAI_PLE_PREFETCH").is_ok_and(|v| v.trim() == "0");
         PrefetchOptions {
             enabled: !off,
-            force_eperm: false,
+            ..Self::default()
         }
     }
 }
 
 enum Cmd {
     Submit(u64, Arc<[i64]>),
+    Progress(u64, usize),
     Cancel(u64),
     Pause,
     Resume,
@@ -47,11 +67,18 @@ struct Job {
     request: u64,
     tokens: Arc<[i64]>,
     next: usize,
+    /// The prefill position the engine last reported.
+    done: usize,
 }
 
 impl Job {
     fn windows_left(&self) -> u64 {
         (self.tokens.len().saturating_sub(self.next)).div_ceil(WINDOW_TOKENS) as u64
+    }
+
+    /// Whether its next window is within `ahead` windows of the prefill position (0: no limit).
+    fn runnable(&self, ahead: usize) -> bool {
+        ahead == 0 || self.next < self.done + ahead * WINDOW_TOKENS
     }
 }
 
@@ -74,7 +101,13 @@ impl Prefetcher {
         let (tx, rx) = channel();
         let thread = std::thread::Builder::new()
             .name("ple-prefetch".into())
-            .spawn(move || worker(PageAdvisor::new(table, opts.force_eperm), rx))
+            .spawn(move || {
+                worker(
+                    PageAdvisor::new(table, opts.force_eperm),
+                    opts.max_ahead_windows,
+                    rx,
+                )
+            })
             .ok();
         Prefetcher {
             tx: thread.as_ref().map(|_| tx),
@@ -97,6 +130,12 @@ impl Prefetcher {
         self.send(Cmd::Submit(request, tokens.into()));
     }
 
+    /// The request's prefill has gathered its first `pos` tokens: windows up to
+    /// `max_ahead_windows` beyond it may be requested.
+    pub fn progress(&self, request: u64, pos: usize) {
+        self.send(Cmd::Progress(request, pos));
+    }
+
     /// Drops the request's pending windows.
     pub fn cancel(&self, request: u64) {
         self.send(Cmd::Cancel(request));
@@ -111,8 +150,8 @@ impl Prefetcher {
         self.send(Cmd::Resume);
     }
 
-    /// Waits until every queued window has been requested (after a `resume` if paused); returns
-    /// the advisor's mode then (`None` when prefetch is off).
+    /// Waits until every queued window that the reported positions allow has been requested (after
+    /// a `resume` if paused); returns the advisor's mode then (`None` when prefetch is off).
     pub fn flush(&self) -> Option<AdviseMode> {
         let (tx, rx) = channel();
         self.send(Cmd::Flush(tx));
@@ -129,7 +168,7 @@ impl Drop for Prefetcher {
     }
 }
 
-fn worker(mut advisor: PageAdvisor, rx: Receiver<Cmd>) {
+fn worker(mut advisor: PageAdvisor, ahead: usize, rx: Receiver<Cmd>) {
     let table = advisor.table().clone();
     let metrics: &PleMetrics = table.metrics();
     let nt = table.num_tables();
@@ -142,7 +181,7 @@ fn worker(mut advisor: PageAdvisor, rx: Receiver<Cmd>) {
     loop {
         // Apply every pending command; block when there is nothing to do.
         loop {
-            let idle = paused || queue.is_empty();
+            let idle = paused || !queue.iter().any(|j| j.runnable(ahead));
             let cmd = if idle {
                 if !paused {
                     for f in flushes.drain(..) {
@@ -166,7 +205,13 @@ fn worker(mut advisor: PageAdvisor, rx: Receiver<Cmd>) {
                     request,
                     tokens,
                     next: 0,
+                    done: 0,
                 }),
+                Cmd::Progress(request, pos) => {
+                    for j in queue.iter_mut().filter(|j| j.request == request) {
+                        j.done = j.done.max(pos);
+                    }
+                }
                 Cmd::Cancel(request) => queue.retain(|j| {
                     if j.request == request {
                         PleMetrics::add(&metrics.windows_dropped, j.windows_left());
@@ -178,10 +223,11 @@ fn worker(mut advisor: PageAdvisor, rx: Receiver<Cmd>) {
                 Cmd::Flush(f) => flushes.push(f),
             }
         }
-        // One window of the oldest request.
-        let Some(job) = queue.front_mut() else {
+        // One window of the oldest request that may run ahead.
+        let Some(at) = queue.iter().position(|j| j.runnable(ahead)) else {
             continue;
         };
+        let job = &mut queue[at];
         let end = (job.next + WINDOW_TOKENS).min(job.tokens.len());
         idx.resize((end - job.next) * nt, 0);
         if table
@@ -198,7 +244,7 @@ fn worker(mut advisor: PageAdvisor, rx: Receiver<Cmd>) {
         PleMetrics::add(&metrics.windows_done, 1);
         job.next = end;
         if job.next >= job.tokens.len() {
-            queue.pop_front();
+            queue.remove(at);
         }
     }
 }

@@ -58,6 +58,11 @@ impl PleStore {
         }
     }
 
+    /// A request's prefill has gathered its first `pos` tokens (paces the prefetch thread).
+    pub fn progress(&self, request: u64, pos: usize) {
+        self.prefetcher.progress(request, pos);
+    }
+
     /// Drops a request's pending prefetch windows.
     pub fn cancel(&self, request: u64) {
         self.prefetcher.cancel(request);

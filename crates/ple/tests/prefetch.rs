@@ -114,6 +114,7 @@ fn cancellation_drops_pending_windows() {
         PrefetchOptions {
             enabled: true,
             force_eperm: false,
+            max_ahead_windows: 0,
         },
     );
     assert!(p.enabled());
@@ -142,6 +143,45 @@ fn cancellation_drops_pending_windows() {
 }
 
 #[test]
+fn prefetch_stays_a_set_number_of_windows_ahead_of_the_prefill() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = open_table(tmp.path());
+    let p = Prefetcher::spawn(
+        t.clone(),
+        PrefetchOptions {
+            max_ahead_windows: 2,
+            ..PrefetchOptions::default()
+        },
+    );
+    let a = prompt(6000, 5); // 6 windows
+    let b = prompt(1500, 6); // 2 windows
+    p.submit(1, &a);
+    p.submit(2, &b);
+    // Nothing gathered yet: two windows of each request.
+    p.flush().unwrap();
+    assert_eq!(t.metrics().snapshot().windows_done, 4);
+    // The prefill of request 1 reached token 1100: windows starting below 1100 + 2048.
+    p.progress(1, 1100);
+    p.flush().unwrap();
+    assert_eq!(t.metrics().snapshot().windows_done, 6);
+    p.progress(1, 6000);
+    p.flush().unwrap();
+    let m = t.metrics().snapshot();
+    assert_eq!(m.windows_done, 8);
+    assert_eq!(
+        m.pages_requested,
+        window_pages(&t, &a) + window_pages(&t, &b)
+    );
+    // A paced request that is cancelled drops what it had not reached.
+    p.submit(3, &a);
+    p.flush().unwrap();
+    p.cancel(3);
+    p.flush().unwrap();
+    let m = t.metrics().snapshot();
+    assert_eq!((m.windows_done, m.windows_dropped), (10, 4));
+}
+
+#[test]
 fn eperm_falls_back_to_per_range_madvise() {
     let tmp = tempfile::tempdir().unwrap();
     let t = open_table(tmp.path());
@@ -151,6 +191,7 @@ fn eperm_falls_back_to_per_range_madvise() {
         PrefetchOptions {
             enabled: true,
             force_eperm: true,
+            max_ahead_windows: 0,
         },
     );
     p.submit(7, &tokens);
@@ -199,7 +240,7 @@ fn disabled_prefetch_does_nothing() {
         t.clone(),
         PrefetchOptions {
             enabled: false,
-            force_eperm: false,
+            ..PrefetchOptions::default()
         },
     );
     assert!(!p.enabled());

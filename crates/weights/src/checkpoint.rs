@@ -1,6 +1,11 @@
 //! safetensors checkpoints through memmap2: one `model.safetensors`, or shards listed by
 //! `model.safetensors.index.json`. Headers are validated up front, so a truncated file is an error
 //! at open time, never a crash later.
+//!
+//! A compressed-tensors checkpoint stores a quantized Linear `X` as `X.weight_packed`, `X.weight_scale`
+//! and `X.weight_shape` instead of `X.weight`; the scheme of each comes from the `quantization_config` of
+//! the `config.json` beside the weights. Asking for `X.weight` then yields the dequantised values, and
+//! [`TensorSource::packed`] the packed form, borrowed from the mmap.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -8,7 +13,9 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype as StDtype, SafeTensors};
+use sanmai_config::QuantConfig;
 
+use crate::quant::{quant_module, PackedTensor, PackedWords};
 use crate::{DType, HostTensor, Init, Result, TensorData, TensorSource, WeightError};
 
 struct Entry {
@@ -25,6 +32,7 @@ pub struct Checkpoint {
     dir: PathBuf,
     files: Vec<(PathBuf, Mmap)>,
     tensors: HashMap<String, Entry>,
+    quant: Option<QuantConfig>,
 }
 
 fn file_err(path: &Path, message: impl Into<String>) -> WeightError {
@@ -84,6 +92,7 @@ impl Checkpoint {
             dir: dir.to_path_buf(),
             files: Vec::new(),
             tensors: HashMap::new(),
+            quant: None,
         };
         for path in files {
             let file = File::open(&path).map_err(|e| file_err(&path, e.to_string()))?;
@@ -119,7 +128,107 @@ impl Checkpoint {
             }
             ckpt.files.push((path, mmap));
         }
+        if ckpt.tensors.keys().any(|n| n.ends_with("_packed")) {
+            ckpt.quant = read_quant_config(&dir.join("config.json"))?;
+        }
         Ok(ckpt)
+    }
+
+    /// The quantization the packed tensors follow (read from `config.json` when the checkpoint has any).
+    pub fn quantization(&self) -> Option<&QuantConfig> {
+        self.quant.as_ref()
+    }
+
+    /// Sets the quantization config, for a checkpoint whose `config.json` lives elsewhere.
+    pub fn set_quantization(&mut self, quant: Option<QuantConfig>) {
+        self.quant = quant;
+    }
+
+    fn bytes(&self, e: &Entry) -> &[u8] {
+        &self.files[e.file].1[e.start..e.end]
+    }
+
+    fn float_values(&self, name: &str, e: &Entry) -> Result<Vec<f32>> {
+        let dtype = float_dtype(name, e.dtype)?;
+        Ok(HostTensor {
+            name: name.into(),
+            shape: e.shape.clone(),
+            data: TensorData::Bytes(dtype, self.bytes(e)),
+        }
+        .into_f32())
+    }
+
+    /// The packed triplet `{name}_packed`, `{name}_scale`, `{name}_shape` of `name`, if present; checks
+    /// the stored shape against `shape` (size-1 dims aside).
+    fn load_packed(&self, name: &str, shape: &[usize]) -> Result<Option<PackedTensor<'_>>> {
+        let Some(packed) = self.tensors.get(&format!("{name}_packed")) else {
+            return Ok(None);
+        };
+        let qerr = |message: String| WeightError::Quant {
+            name: name.into(),
+            message,
+        };
+        let get = |suffix: &str| {
+            self.tensors
+                .get(&format!("{name}{suffix}"))
+                .ok_or_else(|| WeightError::Missing {
+                    name: format!("{name}{suffix}"),
+                })
+        };
+        let (scale_e, shape_e) = (get("_scale")?, get("_shape")?);
+        let sb = self.bytes(shape_e);
+        let stored: Vec<usize> = match shape_e.dtype {
+            StDtype::I32 => sb
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize)
+                .collect(),
+            StDtype::I64 => sb
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])) as usize)
+                .collect(),
+            other => {
+                return Err(qerr(format!(
+                    "`{name}_shape` has dtype {other:?}, expected int32"
+                )))
+            }
+        };
+        if squeeze(&stored) != squeeze(shape) {
+            return Err(WeightError::Shape {
+                name: name.into(),
+                expected: shape.to_vec(),
+                found: stored,
+            });
+        }
+        if packed.dtype != StDtype::I32 && packed.dtype != StDtype::U32 {
+            return Err(qerr(format!(
+                "`{name}_packed` has dtype {:?}, expected int32",
+                packed.dtype
+            )));
+        }
+        let (module, linear) = quant_module(name, shape)
+            .ok_or_else(|| qerr("only 2-D Linear weights may be packed".into()))?;
+        let scheme = self
+            .quant
+            .as_ref()
+            .ok_or_else(|| qerr("packed, but config.json has no quantization_config".into()))?
+            .scheme_for_module(module, linear)
+            .ok_or_else(|| {
+                qerr(format!(
+                    "packed, but no quantization_config group targets `{module}`"
+                ))
+            })?;
+        let k = *shape.last().unwrap_or(&0);
+        let n = shape.iter().product::<usize>() / k.max(1);
+        let scales = self.float_values(&format!("{name}_scale"), scale_e)?;
+        PackedTensor::new(
+            name,
+            scheme,
+            n,
+            k,
+            PackedWords::Bytes(self.bytes(packed)),
+            scales,
+        )
+        .map(Some)
     }
 
     pub fn dir(&self) -> &Path {
@@ -139,12 +248,17 @@ impl Checkpoint {
 
 impl TensorSource for Checkpoint {
     fn tensor(&self, name: &str, shape: &[usize], _init: Init) -> Result<HostTensor<'_>> {
-        let e = self
-            .tensors
-            .get(name)
-            .ok_or_else(|| WeightError::Missing { name: name.into() })?;
+        let Some(e) = self.tensors.get(name) else {
+            return match self.load_packed(name, shape)? {
+                Some(p) => Ok(HostTensor {
+                    name: name.into(),
+                    shape: shape.to_vec(),
+                    data: TensorData::F32(p.dequantize()),
+                }),
+                None => Err(WeightError::Missing { name: name.into() }),
+            };
+        };
         // A [n, 1, k] conv weight and a [n, k] one hold the same values; size-1 dims are layout, not data.
-        let squeeze = |s: &[usize]| s.iter().copied().filter(|&d| d != 1).collect::<Vec<_>>();
         if e.shape != shape && squeeze(&e.shape) != squeeze(shape) {
             return Err(WeightError::Shape {
                 name: name.into(),
@@ -152,26 +266,54 @@ impl TensorSource for Checkpoint {
                 found: e.shape.clone(),
             });
         }
-        let dtype = match e.dtype {
-            StDtype::BF16 => DType::BF16,
-            StDtype::F16 => DType::F16,
-            StDtype::F32 => DType::F32,
-            other => {
-                return Err(WeightError::DType {
-                    name: name.into(),
-                    found: format!("{other:?}").to_lowercase(),
-                })
-            }
-        };
-        let bytes = &self.files[e.file].1[e.start..e.end];
+        let dtype = float_dtype(name, e.dtype)?;
         Ok(HostTensor {
             name: name.into(),
             shape: shape.to_vec(),
-            data: TensorData::Bytes(dtype, bytes),
+            data: TensorData::Bytes(dtype, self.bytes(e)),
         })
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
+        self.tensors.contains_key(name) || self.tensors.contains_key(&format!("{name}_packed"))
+    }
+
+    fn packed(&self, name: &str, shape: &[usize], _init: Init) -> Result<Option<PackedTensor<'_>>> {
+        self.load_packed(name, shape)
+    }
+}
+
+fn squeeze(s: &[usize]) -> Vec<usize> {
+    s.iter().copied().filter(|&d| d != 1).collect()
+}
+
+fn float_dtype(name: &str, dtype: StDtype) -> Result<DType> {
+    match dtype {
+        StDtype::BF16 => Ok(DType::BF16),
+        StDtype::F16 => Ok(DType::F16),
+        StDtype::F32 => Ok(DType::F32),
+        other => Err(WeightError::DType {
+            name: name.into(),
+            found: format!("{other:?}").to_lowercase(),
+        }),
+    }
+}
+
+/// The `quantization_config` of a `config.json` (at the top level or under `text_config`).
+fn read_quant_config(path: &Path) -> Result<Option<QuantConfig>> {
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return Ok(None);
+    };
+    let v: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| file_err(path, format!("not valid JSON: {e}")))?;
+    let q = v.get("quantization_config").or_else(|| {
+        v.get("text_config")
+            .and_then(|t| t.get("quantization_config"))
+    });
+    match q {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(q) => QuantConfig::from_value(q, &path.display().to_string())
+            .map(Some)
+            .map_err(|e| file_err(path, e.to_string())),
     }
 }

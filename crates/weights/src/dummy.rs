@@ -3,11 +3,14 @@
 
 use rayon::prelude::*;
 
+use crate::quant::{quant_module, random_packed, PackedTensor};
 use crate::{HostTensor, Init, Result, TensorData, TensorSource};
 
 /// A source that makes up every tensor it is asked for.
 pub struct Dummy {
     seed: u64,
+    /// Linears this config quantizes come out packed (and `tensor` returns their dequantised values).
+    quant: Option<sanmai_config::QuantConfig>,
 }
 
 const CHUNK: usize = 1 << 16;
@@ -28,7 +31,13 @@ fn fnv1a(s: &str) -> u64 {
 
 impl Dummy {
     pub fn new(seed: u64) -> Self {
-        Dummy { seed }
+        Dummy { seed, quant: None }
+    }
+
+    /// Makes the Linears `quant` targets packed, so a quantized config's dummy weights have its bytes.
+    pub fn with_quantization(mut self, quant: Option<sanmai_config::QuantConfig>) -> Self {
+        self.quant = quant;
+        self
     }
 
     /// Fills `out` deterministically from the seed and `name`.
@@ -56,6 +65,11 @@ impl Dummy {
 
 impl TensorSource for Dummy {
     fn tensor(&self, name: &str, shape: &[usize], init: Init) -> Result<HostTensor<'_>> {
+        if let Some(p) = self.packed(name, shape, init)? {
+            let data = TensorData::F32(p.dequantize());
+            let (name, shape) = (name.into(), shape.to_vec());
+            return Ok(HostTensor { name, shape, data });
+        }
         let mut data = vec![0f32; shape.iter().product()];
         self.fill(name, init, &mut data);
         Ok(HostTensor {
@@ -67,5 +81,13 @@ impl TensorSource for Dummy {
 
     fn contains(&self, _name: &str) -> bool {
         true
+    }
+
+    fn packed(&self, name: &str, shape: &[usize], init: Init) -> Result<Option<PackedTensor<'_>>> {
+        let scheme = quant_module(name, shape)
+            .and_then(|(m, linear)| self.quant.as_ref()?.scheme_for_module(m, linear));
+        scheme
+            .map(|s| random_packed(self.seed ^ fnv1a(name), name, shape, s, init))
+            .transpose()
     }
 }

@@ -5,14 +5,20 @@
 //! A [`TensorSource`] answers "give me tensor NAME of shape S"; [`names::LayerWeights`] knows where each
 //! architecture keeps a layer's tensors (Qwen3-Next's grouped GDN projections, per-expert or fused 3-D
 //! routed experts, the multimodal wrapper's `model.language_model.` prefix, `mtp.*`).
+//!
+//! Quantized checkpoints (compressed-tensors `pack-quantized`, see [`quant`]) are read transparently:
+//! [`TensorSource::tensor`] dequantises a packed Linear to f32, and [`TensorSource::packed`] hands the
+//! packed words and scales to a backend that consumes them directly.
 
 mod checkpoint;
 mod dummy;
 pub mod names;
+pub mod quant;
 mod tensor;
 
 pub use checkpoint::Checkpoint;
 pub use dummy::Dummy;
+pub use quant::{PackedTensor, PackedWords};
 pub use tensor::{DType, HostTensor, TensorData};
 
 /// Errors from loading weights. Each names the tensor (and file) involved.
@@ -30,6 +36,8 @@ pub enum WeightError {
     },
     #[error("tensor `{name}` has dtype {found}, expected one of bf16, f16, f32")]
     DType { name: String, found: String },
+    #[error("quantized tensor `{name}`: {message}")]
+    Quant { name: String, message: String },
 }
 
 pub type Result<T> = std::result::Result<T, WeightError>;
@@ -57,6 +65,13 @@ impl Init {
 pub trait TensorSource: Send + Sync {
     /// The tensor called `name`, which must have `shape`; `init` fills it when the source is random.
     fn tensor(&self, name: &str, shape: &[usize], init: Init) -> Result<HostTensor<'_>>;
-    /// Whether `name` exists (a random source has every tensor).
+    /// Whether `name` exists (a random source has every tensor). A quantized Linear's `X.weight` exists
+    /// when its packed triplet does.
     fn contains(&self, name: &str) -> bool;
+    /// The packed form of the quantized weight `name` (`X.weight`, or a fused 3-D expert tensor) of
+    /// `shape`, or `None` when the source holds it unquantized.
+    fn packed(&self, name: &str, shape: &[usize], init: Init) -> Result<Option<PackedTensor<'_>>> {
+        let _ = (name, shape, init);
+        Ok(None)
+    }
 }

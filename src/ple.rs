@@ -39,9 +39,6 @@ pub struct BenchArgs {
     pub config: Option<PathBuf>,
     #[arg(long, default_value_t = 248046)]
     pub eos_token_id: i64,
-    /// Threads issuing the prefetch thread's page requests.
-    #[arg(long, default_value_t = sanmai_ple::DEFAULT_THREADS)]
-    pub prefetch_threads: usize,
     #[arg(long)]
     pub json: bool,
 }
@@ -139,7 +136,7 @@ pub fn run(args: PleArgs) -> Result<()> {
                 check_table(&a.dir, &cfg)?;
                 eos = cfg.eos_token_id;
             }
-            let r = run_bench(&a.dir, a.tokens, eos, a.prefetch_threads)?;
+            let r = run_bench(&a.dir, a.tokens, eos)?;
             if a.json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {

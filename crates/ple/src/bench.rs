@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchReport {
     pub tokens: usize,
-    pub prefetch_threads: usize,
     /// Unique pages the prompt's rows live on.
     pub pages: u64,
     pub cold_no_prefetch_s: f64,
@@ -124,12 +123,7 @@ fn gather_all(
 }
 
 /// Runs the benchmark on the table in `dir` for a prompt of `n` fresh random tokens.
-pub fn run_bench(
-    dir: &Path,
-    n: usize,
-    eos_token_id: i64,
-    prefetch_threads: usize,
-) -> Result<BenchReport, PleError> {
+pub fn run_bench(dir: &Path, n: usize, eos_token_id: i64) -> Result<BenchReport, PleError> {
     let salt = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64);
@@ -158,10 +152,7 @@ pub fn run_bench(
 
     evict(&path)?;
     let table = Arc::new(PleTable::open_sidecar(dir, eos_token_id)?);
-    let opts = PrefetchOptions {
-        threads: prefetch_threads,
-        ..PrefetchOptions::default()
-    };
+    let opts = PrefetchOptions::default();
     let prefetcher = Prefetcher::spawn(table.clone(), opts);
     let t0 = Instant::now();
     prefetcher.submit(1, &tokens);
@@ -186,7 +177,6 @@ pub fn run_bench(
     let random_read_4k_per_s = random_read_4k_rate(&path, Duration::from_secs(2));
     Ok(BenchReport {
         tokens: n,
-        prefetch_threads,
         pages,
         cold_no_prefetch_s,
         cold_prefetch_s,

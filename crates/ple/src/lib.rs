@@ -22,9 +22,7 @@ pub use error::PleError;
 pub use hash::{splitmix64_outputs, PleHasher};
 pub use metrics::{PleMetrics, PleMetricsSnapshot};
 pub use plan::{page_ranges, system_page_size};
-pub use prefetch::{
-    PrefetchOptions, Prefetcher, DEFAULT_MAX_AHEAD_WINDOWS, DEFAULT_THREADS, WINDOW_TOKENS,
-};
+pub use prefetch::{PrefetchOptions, Prefetcher, WINDOW_TOKENS};
 pub use reader::PleTable;
 pub use store::PleStore;
 pub use table::{

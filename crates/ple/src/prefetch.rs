@@ -8,11 +8,9 @@
 //! then do nothing.
 
 use crate::advise::{AdviseMode, PageAdvisor};
-use crate::error::PleError;
 use crate::metrics::PleMetrics;
 use crate::reader::PleTable;
 use std::collections::VecDeque;
-use std::ops::Range;
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -24,9 +22,6 @@ pub const WINDOW_TOKENS: usize = 1024;
 /// 1 GiB of pages for the full-size table).
 pub const DEFAULT_MAX_AHEAD_WINDOWS: usize = 16;
 
-/// Threads issuing a window's page requests by default.
-pub const DEFAULT_THREADS: usize = 4;
-
 /// How the prefetch thread runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefetchOptions {
@@ -35,10 +30,6 @@ pub struct PrefetchOptions {
     pub force_eperm: bool,
     /// Windows requested at most beyond a request's reported prefill position; 0 = no limit.
     pub max_ahead_windows: usize,
-    /// Threads that issue one window's requests in parallel (each takes a contiguous share of its
-    /// page ranges): one `madvise` caller submits the reads of its ranges one by one, so a single
-    /// thread caps the queue depth the disk sees.
-    pub threads: usize,
 }
 
 impl Default for PrefetchOptions {
@@ -47,7 +38,6 @@ impl Default for PrefetchOptions {
             enabled: true,
             force_eperm: false,
             max_ahead_windows: DEFAULT_MAX_AHEAD_WINDOWS,
-            threads: DEFAULT_THREADS,
         }
     }
 }
@@ -112,10 +102,11 @@ impl Prefetcher {
         let thread = std::thread::Builder::new()
             .name("ple-prefetch".into())
             .spawn(move || {
-                let advisors = (0..opts.threads.max(1))
-                    .map(|_| PageAdvisor::new(table.clone(), opts.force_eperm))
-                    .collect();
-                worker(advisors, opts.max_ahead_windows, rx)
+                worker(
+                    PageAdvisor::new(table, opts.force_eperm),
+                    opts.max_ahead_windows,
+                    rx,
+                )
             })
             .ok();
         Prefetcher {
@@ -177,34 +168,8 @@ impl Drop for Prefetcher {
     }
 }
 
-/// Requests `ranges` with every advisor in parallel, each taking a contiguous share.
-fn advise_parallel(advisors: &mut [PageAdvisor], ranges: &[Range<u64>]) -> Result<(), PleError> {
-    if advisors.len() == 1 || ranges.len() < 2 * advisors.len() {
-        return advisors[0].advise(ranges);
-    }
-    let share = ranges.len().div_ceil(advisors.len());
-    std::thread::scope(|s| {
-        let jobs: Vec<_> = advisors
-            .iter_mut()
-            .zip(ranges.chunks(share))
-            .map(|(a, part)| s.spawn(move || a.advise(part)))
-            .collect();
-        jobs.into_iter()
-            .try_for_each(|j| j.join().unwrap_or(Ok(())))
-    })
-}
-
-/// The mode the advisors run in (the fallback once any of them fell back).
-fn mode_of(advisors: &[PageAdvisor]) -> AdviseMode {
-    advisors
-        .iter()
-        .map(PageAdvisor::mode)
-        .find(|m| *m == AdviseMode::PerRange)
-        .unwrap_or(AdviseMode::ProcessMadvise)
-}
-
-fn worker(mut advisors: Vec<PageAdvisor>, ahead: usize, rx: Receiver<Cmd>) {
-    let table = advisors[0].table().clone();
+fn worker(mut advisor: PageAdvisor, ahead: usize, rx: Receiver<Cmd>) {
+    let table = advisor.table().clone();
     let metrics: &PleMetrics = table.metrics();
     let nt = table.num_tables();
     let mut queue: VecDeque<Job> = VecDeque::new();
@@ -220,7 +185,7 @@ fn worker(mut advisors: Vec<PageAdvisor>, ahead: usize, rx: Receiver<Cmd>) {
             let cmd = if idle {
                 if !paused {
                     for f in flushes.drain(..) {
-                        let _ = f.send(mode_of(&advisors));
+                        let _ = f.send(advisor.mode());
                     }
                 }
                 match rx.recv() {
@@ -271,7 +236,7 @@ fn worker(mut advisors: Vec<PageAdvisor>, ahead: usize, rx: Receiver<Cmd>) {
             .is_ok()
         {
             let n = table.page_plan_into(&idx, &mut pages, &mut ranges);
-            match advise_parallel(&mut advisors, &ranges) {
+            match advisor.advise(&ranges) {
                 Ok(()) => PleMetrics::add(&metrics.pages_requested, n as u64),
                 Err(e) => tracing::warn!("PLE prefetch: {e}"),
             }

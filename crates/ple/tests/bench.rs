@@ -35,7 +35,7 @@ fn bench_reports_a_scaled_table_opened_by_its_sidecar() {
     drop((t, by_cfg));
     evict(&tmp.path().join(sanmai_ple::TABLE_FILE)).unwrap();
 
-    let r = run_bench(tmp.path(), 3000, 7, 2).unwrap();
+    let r = run_bench(tmp.path(), 3000, 7).unwrap();
     assert_eq!(r.tokens, 3000);
     assert!(r.pages > 0 && r.pages <= s.file_len().div_ceil(4096));
     assert!(r.cold_no_prefetch_s > 0.0 && r.cold_prefetch_s > 0.0 && r.warm_s > 0.0);

@@ -115,7 +115,6 @@ fn cancellation_drops_pending_windows() {
             enabled: true,
             force_eperm: false,
             max_ahead_windows: 0,
-            threads: 1,
         },
     );
     assert!(p.enabled());
@@ -193,7 +192,6 @@ fn eperm_falls_back_to_per_range_madvise() {
             enabled: true,
             force_eperm: true,
             max_ahead_windows: 0,
-            threads: 3,
         },
     );
     p.submit(7, &tokens);

@@ -140,15 +140,15 @@ pub fn run(args: PleArgs) -> Result<()> {
             if a.json {
                 println!("{}", serde_json::to_string(&r)?);
             } else {
-                let rate = r
-                    .random_read_4k_per_s
-                    .map_or("n/a (O_DIRECT refused)".to_string(), |x| {
+                let rate = |r: Option<f64>| {
+                    r.map_or("n/a (O_DIRECT refused)".to_string(), |x| {
                         format!("{x:.0}/s")
-                    });
+                    })
+                };
                 println!(
                     "{} tokens, {} pages; cold without prefetch {:.3} s ({:.0} pages/s), \
                      cold with prefetch {:.3} s ({:.0} pages/s), warm {:.3} s; \
-                     4 KiB random reads at depth 1: {rate}; resident after eviction {:.1}%",
+                     4 KiB random reads at depth 1: {}, at depth 32: {}; resident after eviction {:.1}%",
                     r.tokens,
                     r.pages,
                     r.cold_no_prefetch_s,
@@ -156,6 +156,8 @@ pub fn run(args: PleArgs) -> Result<()> {
                     r.cold_prefetch_s,
                     r.cold_prefetch_pages_per_s,
                     r.warm_s,
+                    rate(r.random_read_4k_per_s),
+                    rate(r.random_read_4k_qd32_per_s),
                     100.0 * r.resident_after_evict
                 );
             }

@@ -27,6 +27,8 @@ pub struct BenchReport {
     pub prefetch_issue_s: f64,
     /// 4 KiB O_DIRECT random reads per second at queue depth 1 (`None` where O_DIRECT is refused).
     pub random_read_4k_per_s: Option<f64>,
+    /// The same at queue depth [`PARALLEL_DEPTH`]: the disk's ceiling for prefetched gathers.
+    pub random_read_4k_qd32_per_s: Option<f64>,
     /// `pages / cold_*_s`: the effective page rate of each cold run.
     pub cold_no_prefetch_pages_per_s: f64,
     pub cold_prefetch_pages_per_s: f64,
@@ -62,25 +64,43 @@ pub fn resident_fraction(table: &PleTable) -> f64 {
     vec.iter().filter(|&&b| b & 1 != 0).count() as f64 / n as f64
 }
 
-/// 4 KiB random reads per second at queue depth 1 with `O_DIRECT`, over at most `budget`.
-pub fn random_read_4k_rate(path: &Path, budget: Duration) -> Option<f64> {
+/// Queue depth of the parallel random-read measurement (threads each reading at depth 1).
+pub const PARALLEL_DEPTH: usize = 32;
+
+/// 4 KiB random reads per second with `O_DIRECT` at queue depth `depth` (that many threads, each
+/// reading one block at a time), over at most `budget`.
+pub fn random_read_4k_rate(path: &Path, budget: Duration, depth: usize) -> Option<f64> {
+    let len = std::fs::metadata(path).ok()?.len();
+    let blocks = len / 4096;
+    if blocks == 0 {
+        return None;
+    }
+    let start = Instant::now();
+    let counts: Vec<Option<u64>> = std::thread::scope(|s| {
+        let jobs: Vec<_> = (0..depth.max(1) as u64)
+            .map(|t| s.spawn(move || reads_at_depth_1(path, blocks, len ^ t ^ 0x5EED, budget)))
+            .collect();
+        jobs.into_iter().map(|j| j.join().ok().flatten()).collect()
+    });
+    let secs = start.elapsed().as_secs_f64();
+    let total: Option<u64> = counts.into_iter().sum();
+    total.filter(|&n| n > 0).map(|n| n as f64 / secs)
+}
+
+/// One reader: random 4 KiB `O_DIRECT` reads of `blocks` blocks until `budget` runs out; the count.
+fn reads_at_depth_1(path: &Path, blocks: u64, seed: u64, budget: Duration) -> Option<u64> {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
         .open(path)
         .ok()?;
-    let len = f.metadata().ok()?.len();
-    let blocks = len / 4096;
-    if blocks == 0 {
-        return None;
-    }
     let layout = std::alloc::Layout::from_size_align(4096, 4096).ok()?;
     // SAFETY: a non-zero-sized layout; freed below.
     let buf = unsafe { std::alloc::alloc(layout) };
     if buf.is_null() {
         return None;
     }
-    let mut state = splitmix64_outputs(len ^ 0x5EED, 1)[0];
+    let mut state = splitmix64_outputs(seed, 1)[0];
     let start = Instant::now();
     let mut reads = 0u64;
     let mut ok = true;
@@ -95,10 +115,9 @@ pub fn random_read_4k_rate(path: &Path, budget: Duration) -> Option<f64> {
         }
         reads += 1;
     }
-    let secs = start.elapsed().as_secs_f64();
     // SAFETY: allocated above with this layout.
     unsafe { std::alloc::dealloc(buf, layout) };
-    (ok && reads > 0).then(|| reads as f64 / secs)
+    ok.then_some(reads)
 }
 
 /// Gathers the prompt window by window, as a chunked prefill would, reporting each position to the
@@ -174,7 +193,9 @@ pub fn run_bench(dir: &Path, n: usize, eos_token_id: i64) -> Result<BenchReport,
     let warm_s = t0.elapsed().as_secs_f64();
     drop(table);
 
-    let random_read_4k_per_s = random_read_4k_rate(&path, Duration::from_secs(2));
+    let random_read_4k_per_s = random_read_4k_rate(&path, Duration::from_secs(2), 1);
+    let random_read_4k_qd32_per_s =
+        random_read_4k_rate(&path, Duration::from_secs(2), PARALLEL_DEPTH);
     Ok(BenchReport {
         tokens: n,
         pages,
@@ -183,6 +204,7 @@ pub fn run_bench(dir: &Path, n: usize, eos_token_id: i64) -> Result<BenchReport,
         warm_s,
         prefetch_issue_s,
         random_read_4k_per_s,
+        random_read_4k_qd32_per_s,
         cold_no_prefetch_pages_per_s: pages as f64 / cold_no_prefetch_s,
         cold_prefetch_pages_per_s: pages as f64 / cold_prefetch_s,
         resident_after_evict,

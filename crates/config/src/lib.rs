@@ -5,6 +5,7 @@
 //! (plain, linear or YaRN). Unknown fields are ignored; a missing required field or a value the engine
 //! cannot serve is an error naming the field.
 
+mod blocks;
 mod fields;
 mod quant;
 mod rope;
@@ -13,6 +14,7 @@ use std::path::Path;
 
 use serde_json::Value;
 
+pub use blocks::{HyperConnectionsConfig, PleConfig, QsaConfig};
 use fields::Fields;
 pub use quant::{QuantConfig, QuantScheme};
 pub use rope::{RopeConfig, RopeScaling};
@@ -152,6 +154,12 @@ pub struct ModelConfig {
     pub weight_prefix: String,
     /// The compressed-tensors weight quantization (`quantization_config`); `None` = bf16 weights.
     pub quantization: Option<QuantConfig>,
+    /// qwen4_exp: sparse attention with a lightning indexer on every full-attention layer.
+    pub qsa: Option<QsaConfig>,
+    /// qwen4_exp: the hashed n-gram memory (PLE) inserted before the mixers of `ple.layer_ids`.
+    pub ple: Option<PleConfig>,
+    /// qwen4_exp: S residual streams with gated residuals.
+    pub hyper_connections: Option<HyperConnectionsConfig>,
 }
 
 impl ModelConfig {
@@ -198,16 +206,6 @@ impl ModelConfig {
         } else {
             top.clone()
         };
-        if arch == Arch::Qwen4Exp {
-            for block in ["qsa", "ple", "hyper_connections"] {
-                if text.has(block) {
-                    return Err(text.invalid(
-                        block,
-                        format!("the qwen4_exp `{block}` block is not supported by this build yet"),
-                    ));
-                }
-            }
-        }
         let quantization = match (
             top.has("quantization_config"),
             text.has("quantization_config"),
@@ -400,6 +398,16 @@ impl ModelConfig {
             .opt_bool("tie_word_embeddings")?
             .or(top.opt_bool("tie_word_embeddings")?)
             .unwrap_or(false);
+        // The extension blocks belong to qwen4_exp; other architectures ignore such fields.
+        let (qsa, ple, hyper_connections) = if arch == Arch::Qwen4Exp {
+            (
+                blocks::parse_qsa(&text)?,
+                blocks::parse_ple(&text, &layer_types)?,
+                blocks::parse_hc(&text)?,
+            )
+        } else {
+            (None, None, None)
+        };
         let weight_prefix = if arch == Arch::Qwen35Moe {
             "model.language_model.".to_string()
         } else {
@@ -427,6 +435,9 @@ impl ModelConfig {
             pad_token_id: text.opt_usize("pad_token_id")?.map(|x| x as u32),
             weight_prefix,
             quantization,
+            qsa,
+            ple,
+            hyper_connections,
         })
     }
 

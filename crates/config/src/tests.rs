@@ -74,15 +74,84 @@ const SMALL: &str = r#""vocab_size":100,"hidden_size":32,"num_hidden_layers":4,"
     "num_key_value_heads":1,"head_dim":16,"intermediate_size":64,"linear_num_key_heads":1,
     "linear_num_value_heads":2,"linear_key_head_dim":8,"linear_value_head_dim":8"#;
 
+const PLE_BLOCK: &str = r#""ple":{"orders":[2,3],"heads":2,"row_dim":8,"seed":0,"layer_ids":[1],
+    "table_sizes":[[7,11],[13,17]],"conv_kernel":4,"conv_dilation":3,"eos_token_id":1}"#;
+
 #[test]
-fn qwen4_exp_extension_blocks_are_refused_by_name() {
-    for block in ["qsa", "ple", "hyper_connections"] {
-        let text = format!(r#"{{"model_type":"qwen4_exp",{SMALL},"{block}":{{"x":1}}}}"#);
-        let err = parse(&text).unwrap_err().to_string();
-        assert!(err.contains(&format!("`{block}`")), "{err}");
-    }
+fn qwen4_exp_extension_blocks_parse_independently() {
     let text = format!(r#"{{"model_type":"qwen4_exp",{SMALL}}}"#);
-    assert_eq!(parse(&text).unwrap().arch, Arch::Qwen4Exp);
+    let c = parse(&text).unwrap();
+    assert_eq!(c.arch, Arch::Qwen4Exp);
+    assert!(c.qsa.is_none() && c.ple.is_none() && c.hyper_connections.is_none());
+
+    let qsa = r#""qsa":{"index_n_heads":4,"index_head_dim":16,"index_rope_dim":8,"index_topk":32}"#;
+    let c = parse(&format!(r#"{{"model_type":"qwen4_exp",{SMALL},{qsa}}}"#)).unwrap();
+    let q = c.qsa.unwrap();
+    assert_eq!(
+        (
+            q.index_n_heads,
+            q.index_head_dim,
+            q.index_rope_dim,
+            q.index_topk
+        ),
+        (4, 16, 8, 32)
+    );
+    assert_eq!(q.index_entry_bytes(), 18);
+    assert!(c.ple.is_none() && c.hyper_connections.is_none());
+
+    let hc = r#""hyper_connections":{"num_streams":4,"rank":8}"#;
+    let c = parse(&format!(r#"{{"model_type":"qwen4_exp",{SMALL},{hc}}}"#)).unwrap();
+    assert_eq!(c.hyper_connections.unwrap().num_streams, 4);
+
+    let c = parse(&format!(
+        r#"{{"model_type":"qwen4_exp",{SMALL},{PLE_BLOCK}}}"#
+    ))
+    .unwrap();
+    let p = c.ple.unwrap();
+    assert_eq!(p.layer_ids, vec![1]);
+    assert_eq!(p.flat_sizes(), vec![7, 11, 13, 17]);
+
+    // Other architectures ignore the blocks.
+    let c = parse(&format!(
+        r#"{{"model_type":"qwen3_5_moe_text",{SMALL},{hc}}}"#
+    ))
+    .unwrap();
+    assert!(c.hyper_connections.is_none());
+}
+
+#[test]
+fn qwen4_exp_bad_blocks_are_named() {
+    let cases = [
+        (
+            r#""qsa":{"index_n_heads":4,"index_head_dim":16,"index_rope_dim":9,"index_topk":32}"#,
+            "qsa.index_rope_dim",
+        ),
+        (
+            r#""qsa":{"index_n_heads":4,"index_head_dim":16,"index_rope_dim":8}"#,
+            "qsa.index_topk",
+        ),
+        (
+            r#""hyper_connections":{"num_streams":0,"rank":8}"#,
+            "hyper_connections.num_streams",
+        ),
+        (r#""ple":{"orders":[2]}"#, "ple"),
+    ];
+    for (block, field) in cases {
+        let err = parse(&format!(r#"{{"model_type":"qwen4_exp",{SMALL},{block}}}"#))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(&format!("`{field}`")), "{err}");
+    }
+    let bad_layer = PLE_BLOCK.replace(r#""layer_ids":[1]"#, r#""layer_ids":[4]"#);
+    let err = parse(&format!(
+        r#"{{"model_type":"qwen4_exp",{SMALL},{bad_layer}}}"#
+    ))
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("`ple.layer_ids`") && err.contains("layer 4"),
+        "{err}"
+    );
 }
 
 #[test]

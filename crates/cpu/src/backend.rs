@@ -1,5 +1,6 @@
 //! [`CpuBackend`]: the model's ops on host memory in f32, with attention K/V in block pools (one per
-//! attention layer) and GDN conv + recurrent state in state slots.
+//! attention layer, with QSA's index keys next to them) and GDN conv + recurrent state (and the PLE
+//! conv state) in state slots. The qwen4_exp ops live in `backend_ext.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -7,7 +8,8 @@ use std::sync::{Mutex, RwLock};
 
 use rayon::prelude::*;
 use sanmai_model::backend::{
-    AttnShape, AttnWeights, Backend, CacheSpec, GdnShape, GdnWeights, MoeWeights, Rope, SeqChunk,
+    AttnShape, AttnWeights, Backend, CacheSpec, GdnShape, GdnWeights, IndexerWeights, MoeWeights,
+    PleShape, PleWeights, QsaShape, Rope, SeqChunk,
 };
 
 use crate::ops;
@@ -29,7 +31,7 @@ impl CpuTensor {
         }
     }
 
-    fn row_range(&self, start: usize, len: usize) -> &[f32] {
+    pub(crate) fn row_range(&self, start: usize, len: usize) -> &[f32] {
         &self.data[start * self.cols..(start + len) * self.cols]
     }
 }
@@ -43,18 +45,20 @@ pub struct CpuWeight {
 
 impl CpuWeight {
     /// Columns of a matrix (its input width); the length of a vector.
-    fn cols(&self) -> usize {
+    pub(crate) fn cols(&self) -> usize {
         *self.shape.last().unwrap_or(&1)
     }
-    fn rows(&self) -> usize {
+    pub(crate) fn rows(&self) -> usize {
         self.data.len() / self.cols().max(1)
     }
 }
 
-/// K/V of one attention layer for every block: `[num_blocks, block_size, kv_heads·head_dim]` each.
-struct KvPool {
-    k: Vec<f32>,
-    v: Vec<f32>,
+/// K/V of one attention layer for every block: `[num_blocks, block_size, kv_heads·head_dim]` each,
+/// and QSA's index-key entries `[num_blocks, block_size, dI + 2]` bytes (empty without QSA).
+pub(crate) struct KvPool {
+    pub(crate) k: Vec<f32>,
+    pub(crate) v: Vec<f32>,
+    pub(crate) idx: Vec<u8>,
 }
 
 struct GdnState {
@@ -64,22 +68,30 @@ struct GdnState {
 
 /// The block pools and their geometry.
 #[derive(Default)]
-struct Pools {
-    block_size: usize,
+pub(crate) struct Pools {
+    pub(crate) block_size: usize,
     /// `kv_heads · head_dim`.
-    row: usize,
-    layers: HashMap<usize, KvPool>,
+    pub(crate) row: usize,
+    /// Bytes of one index-key entry (`dI + 2`; 0 without QSA).
+    pub(crate) idx_row: usize,
+    pub(crate) layers: HashMap<usize, KvPool>,
 }
 
-/// GDN states of one state slot, per GDN layer.
-type SlotStates = HashMap<usize, GdnState>;
+/// The states of one state slot: GDN conv + recurrent state per GDN layer, PLE conv state
+/// `[(kernel−1)·dilation, S·H]` per PLE layer.
+#[derive(Default)]
+pub(crate) struct SlotStates {
+    gdn: HashMap<usize, GdnState>,
+    pub(crate) ple: HashMap<usize, Vec<f32>>,
+}
 
 /// The f32 reference backend.
 #[derive(Default)]
 pub struct CpuBackend {
-    pools: RwLock<Pools>,
+    pub(crate) pools: RwLock<Pools>,
     states: Mutex<HashMap<usize, SlotStates>>,
     gdn: Mutex<Option<(Vec<usize>, GdnShape)>>,
+    ple: Mutex<Option<(Vec<usize>, PleShape)>>,
     next_state: AtomicUsize,
 }
 
@@ -89,12 +101,19 @@ impl CpuBackend {
     }
 
     fn fresh_states(&self) -> SlotStates {
+        let mut out = SlotStates::default();
+        if let Some((layers, sh)) = self.ple.lock().unwrap().as_ref() {
+            for &l in layers {
+                out.ple
+                    .insert(l, vec![0.0; sh.state_rows() * sh.channels()]);
+            }
+        }
         let guard = self.gdn.lock().unwrap();
         let Some((layers, g)) = guard.as_ref() else {
-            return SlotStates::new();
+            return out;
         };
         let conv_dim = 2 * g.num_k_heads * g.k_head_dim + g.num_v_heads * g.v_head_dim;
-        layers
+        out.gdn = layers
             .iter()
             .map(|&l| {
                 let st = GdnState {
@@ -103,11 +122,12 @@ impl CpuBackend {
                 };
                 (l, st)
             })
-            .collect()
+            .collect();
+        out
     }
 
     /// Takes the state slots of the step's sequences out of the table (so they can be worked on in parallel).
-    fn take(&self, seqs: &[SeqChunk<'_>]) -> Vec<SlotStates> {
+    pub(crate) fn take(&self, seqs: &[SeqChunk<'_>]) -> Vec<SlotStates> {
         let mut table = self.states.lock().unwrap();
         seqs.iter()
             .map(|s| {
@@ -118,7 +138,7 @@ impl CpuBackend {
             .collect()
     }
 
-    fn put_back(&self, seqs: &[SeqChunk<'_>], states: Vec<SlotStates>) {
+    pub(crate) fn put_back(&self, seqs: &[SeqChunk<'_>], states: Vec<SlotStates>) {
         let mut table = self.states.lock().unwrap();
         for (s, st) in seqs.iter().zip(states) {
             table.insert(s.state, st);
@@ -126,7 +146,7 @@ impl CpuBackend {
     }
 
     /// Stacks per-sequence outputs (`cols` wide) in row order.
-    fn stack(seqs: &[SeqChunk<'_>], cols: usize, outs: Vec<Vec<f32>>) -> CpuTensor {
+    pub(crate) fn stack(seqs: &[SeqChunk<'_>], cols: usize, outs: Vec<Vec<f32>>) -> CpuTensor {
         let rows = seqs.iter().map(|s| s.start + s.len).max().unwrap_or(0);
         let mut out = CpuTensor::zeros(rows, cols);
         for (s, o) in seqs.iter().zip(outs) {
@@ -137,12 +157,18 @@ impl CpuBackend {
 }
 
 /// Offset of position `pos`'s row in a pool.
-fn pool_offset(blocks: &[u32], block_size: usize, row: usize, pos: usize) -> usize {
+pub(crate) fn pool_offset(blocks: &[u32], block_size: usize, row: usize, pos: usize) -> usize {
     (blocks[pos / block_size] as usize * block_size + pos % block_size) * row
 }
 
 /// Copies positions `0..len` of a sequence's K or V out of the pool into a contiguous `[len, row]` buffer.
-fn gather(pool: &[f32], blocks: &[u32], block_size: usize, row: usize, len: usize) -> Vec<f32> {
+pub(crate) fn gather(
+    pool: &[f32],
+    blocks: &[u32],
+    block_size: usize,
+    row: usize,
+    len: usize,
+) -> Vec<f32> {
     let mut out = Vec::with_capacity(len * row);
     let mut pos = 0;
     while pos < len {
@@ -154,11 +180,61 @@ fn gather(pool: &[f32], blocks: &[u32], block_size: usize, row: usize, len: usiz
     out
 }
 
-fn matmul(x: &[f32], t: usize, w: &CpuWeight) -> CpuTensor {
+pub(crate) fn matmul(x: &[f32], t: usize, w: &CpuWeight) -> CpuTensor {
     let (n, k) = (w.rows(), w.cols());
     let mut y = CpuTensor::zeros(t, n);
     ops::matmul_t(x, &w.data, t, k, n, &mut y.data);
     y
+}
+
+/// One sequence's gated-attention inputs: the query heads and gates split from `[q | gate]` rows, the
+/// zero-centred q/k norms and RoPE applied; returns `(q, gate, k)` as `[len, heads·head_dim]`.
+pub(crate) fn prepare_attention(
+    s: &SeqChunk<'_>,
+    sh: &AttnShape,
+    rope: &Rope,
+    q_gate: &CpuTensor,
+    k: &CpuTensor,
+    w: &AttnWeights<CpuWeight>,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (nh, nkv, d) = (sh.num_heads, sh.num_kv_heads, sh.head_dim);
+    let t = s.len;
+    let mut q = vec![0f32; t * nh * d];
+    let mut gate = vec![0f32; t * nh * d];
+    for (r, row) in q_gate
+        .row_range(s.start, t)
+        .chunks_exact(2 * nh * d)
+        .enumerate()
+    {
+        for h in 0..nh {
+            let src = &row[h * 2 * d..(h + 1) * 2 * d];
+            q[(r * nh + h) * d..(r * nh + h + 1) * d].copy_from_slice(&src[..d]);
+            gate[(r * nh + h) * d..(r * nh + h + 1) * d].copy_from_slice(&src[d..]);
+        }
+    }
+    let mut kn = k.row_range(s.start, t).to_vec();
+    ops::rms_norm(&mut q, &w.q_norm.data, d, sh.eps, 1.0);
+    ops::rms_norm(&mut kn, &w.k_norm.data, d, sh.eps, 1.0);
+    let positions: Vec<u32> = (s.pos0..s.pos0 + t).map(|p| p as u32).collect();
+    ops::rope_neox(
+        &mut q,
+        nh,
+        d,
+        rope.rot_dim,
+        &positions,
+        &rope.inv_freq,
+        rope.mscale,
+    );
+    ops::rope_neox(
+        &mut kn,
+        nkv,
+        d,
+        rope.rot_dim,
+        &positions,
+        &rope.inv_freq,
+        rope.mscale,
+    );
+    (q, gate, kn)
 }
 
 impl Backend for CpuBackend {
@@ -181,9 +257,15 @@ impl Backend for CpuBackend {
     fn init_cache(&self, spec: &CacheSpec) {
         let row = spec.num_kv_heads * spec.head_dim;
         let n = spec.num_blocks * spec.block_size * row;
+        let idx_row = if spec.index_head_dim > 0 {
+            spec.index_head_dim + 2
+        } else {
+            0
+        };
         let mut pools = self.pools.write().unwrap();
         pools.block_size = spec.block_size;
         pools.row = row;
+        pools.idx_row = idx_row;
         // Zero-filled allocations are lazily backed by the OS: only touched blocks cost memory.
         pools.layers = spec
             .attn_layers
@@ -194,11 +276,13 @@ impl Backend for CpuBackend {
                     KvPool {
                         k: vec![0.0; n],
                         v: vec![0.0; n],
+                        idx: vec![0; spec.num_blocks * spec.block_size * idx_row],
                     },
                 )
             })
             .collect();
         *self.gdn.lock().unwrap() = Some((spec.gdn_layers.clone(), spec.gdn));
+        *self.ple.lock().unwrap() = spec.ple.map(|sh| (spec.ple_layers.clone(), sh));
     }
 
     fn alloc_state(&self) -> usize {
@@ -214,16 +298,21 @@ impl Backend for CpuBackend {
 
     fn copy_state(&self, src: usize, dst: usize) {
         let mut table = self.states.lock().unwrap();
-        let copy: SlotStates = table[&src]
-            .iter()
-            .map(|(&l, st)| {
-                let st = GdnState {
-                    conv: st.conv.clone(),
-                    ssm: st.ssm.clone(),
-                };
-                (l, st)
-            })
-            .collect();
+        let from = &table[&src];
+        let copy = SlotStates {
+            gdn: from
+                .gdn
+                .iter()
+                .map(|(&l, st)| {
+                    let st = GdnState {
+                        conv: st.conv.clone(),
+                        ssm: st.ssm.clone(),
+                    };
+                    (l, st)
+                })
+                .collect(),
+            ple: from.ple.clone(),
+        };
         table.insert(dst, copy);
     }
 
@@ -231,9 +320,12 @@ impl Backend for CpuBackend {
         let mut pools = self.pools.write().unwrap();
         let n = pools.block_size * pools.row;
         let (s, d) = (src as usize * n, dst as usize * n);
+        let ni = pools.block_size * pools.idx_row;
+        let (si, di) = (src as usize * ni, dst as usize * ni);
         for pool in pools.layers.values_mut() {
             pool.k.copy_within(s..s + n, d);
             pool.v.copy_within(s..s + n, d);
+            pool.idx.copy_within(si..si + ni, di);
         }
     }
 
@@ -321,45 +413,7 @@ impl Backend for CpuBackend {
         // 1. Per sequence: split [q | gate], norms, RoPE (in parallel, no shared state).
         let prepared: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = seqs
             .par_iter()
-            .map(|s| {
-                let t = s.len;
-                let mut q = vec![0f32; t * nh * d];
-                let mut gate = vec![0f32; t * nh * d];
-                for (r, row) in q_gate
-                    .row_range(s.start, t)
-                    .chunks_exact(2 * nh * d)
-                    .enumerate()
-                {
-                    for h in 0..nh {
-                        let src = &row[h * 2 * d..(h + 1) * 2 * d];
-                        q[(r * nh + h) * d..(r * nh + h + 1) * d].copy_from_slice(&src[..d]);
-                        gate[(r * nh + h) * d..(r * nh + h + 1) * d].copy_from_slice(&src[d..]);
-                    }
-                }
-                let mut kn = k.row_range(s.start, t).to_vec();
-                ops::rms_norm(&mut q, &w.q_norm.data, d, sh.eps, 1.0);
-                ops::rms_norm(&mut kn, &w.k_norm.data, d, sh.eps, 1.0);
-                let positions: Vec<u32> = (s.pos0..s.pos0 + t).map(|p| p as u32).collect();
-                ops::rope_neox(
-                    &mut q,
-                    nh,
-                    d,
-                    rope.rot_dim,
-                    &positions,
-                    &rope.inv_freq,
-                    rope.mscale,
-                );
-                ops::rope_neox(
-                    &mut kn,
-                    nkv,
-                    d,
-                    rope.rot_dim,
-                    &positions,
-                    &rope.inv_freq,
-                    rope.mscale,
-                );
-                (q, gate, kn)
-            })
+            .map(|s| prepare_attention(s, sh, rope, q_gate, k, w))
             .collect();
         // 2. Write the new K/V rows into each sequence's blocks.
         let mut pools = self.pools.write().unwrap();
@@ -425,77 +479,77 @@ impl Backend for CpuBackend {
         let key_dim = hk * dk;
         let conv_dim = 2 * key_dim + hv * dv;
         let mut states = self.take(seqs);
-        let outs: Vec<Vec<f32>> = seqs
-            .par_iter()
-            .zip(states.par_iter_mut())
-            .map(|(s, st)| {
-                let t = s.len;
-                let state = st
-                    .get_mut(&layer)
-                    .unwrap_or_else(|| panic!("no GDN state for layer {layer}: init_cache first"));
-                let mut mixed = vec![0f32; t * conv_dim];
-                ops::causal_conv1d_silu(
-                    qkv.row_range(s.start, t),
-                    &w.conv.data,
-                    &mut state.conv,
-                    t,
-                    conv_dim,
-                    kk,
-                    &mut mixed,
-                );
-                let mut q = Vec::with_capacity(t * key_dim);
-                let mut k = Vec::with_capacity(t * key_dim);
-                let mut v = Vec::with_capacity(t * hv * dv);
-                for row in mixed.chunks_exact(conv_dim) {
-                    q.extend_from_slice(&row[..key_dim]);
-                    k.extend_from_slice(&row[key_dim..2 * key_dim]);
-                    v.extend_from_slice(&row[2 * key_dim..]);
-                }
-                let mut beta = b.row_range(s.start, t).to_vec();
-                beta.iter_mut().for_each(|x| *x = ops::sigmoid(*x));
-                let mut g = a.row_range(s.start, t).to_vec();
-                for row in g.chunks_exact_mut(hv) {
-                    for (h, x) in row.iter_mut().enumerate() {
-                        *x = -w.a_log.data[h].exp() * ops::softplus(*x + w.dt_bias.data[h]);
+        let outs: Vec<Vec<f32>> =
+            seqs.par_iter()
+                .zip(states.par_iter_mut())
+                .map(|(s, st)| {
+                    let t = s.len;
+                    let state = st.gdn.get_mut(&layer).unwrap_or_else(|| {
+                        panic!("no GDN state for layer {layer}: init_cache first")
+                    });
+                    let mut mixed = vec![0f32; t * conv_dim];
+                    ops::causal_conv1d_silu(
+                        qkv.row_range(s.start, t),
+                        &w.conv.data,
+                        &mut state.conv,
+                        t,
+                        conv_dim,
+                        kk,
+                        &mut mixed,
+                    );
+                    let mut q = Vec::with_capacity(t * key_dim);
+                    let mut k = Vec::with_capacity(t * key_dim);
+                    let mut v = Vec::with_capacity(t * hv * dv);
+                    for row in mixed.chunks_exact(conv_dim) {
+                        q.extend_from_slice(&row[..key_dim]);
+                        k.extend_from_slice(&row[key_dim..2 * key_dim]);
+                        v.extend_from_slice(&row[2 * key_dim..]);
                     }
-                }
-                let mut out = vec![0f32; t * hv * dv];
-                if t == 1 {
-                    ops::gdn_recurrent(
-                        &q,
-                        &k,
-                        &v,
-                        &g,
-                        &beta,
-                        &mut state.ssm,
-                        &mut out,
-                        t,
-                        hk,
-                        hv,
-                        dk,
-                        dv,
-                    );
-                } else {
-                    ops::gdn_chunked(
-                        &q,
-                        &k,
-                        &v,
-                        &g,
-                        &beta,
-                        &mut state.ssm,
-                        &mut out,
-                        t,
-                        hk,
-                        hv,
-                        dk,
-                        dv,
-                        64,
-                    );
-                }
-                ops::gated_rms_norm(&mut out, z.row_range(s.start, t), &w.norm.data, dv, eps);
-                out
-            })
-            .collect();
+                    let mut beta = b.row_range(s.start, t).to_vec();
+                    beta.iter_mut().for_each(|x| *x = ops::sigmoid(*x));
+                    let mut g = a.row_range(s.start, t).to_vec();
+                    for row in g.chunks_exact_mut(hv) {
+                        for (h, x) in row.iter_mut().enumerate() {
+                            *x = -w.a_log.data[h].exp() * ops::softplus(*x + w.dt_bias.data[h]);
+                        }
+                    }
+                    let mut out = vec![0f32; t * hv * dv];
+                    if t == 1 {
+                        ops::gdn_recurrent(
+                            &q,
+                            &k,
+                            &v,
+                            &g,
+                            &beta,
+                            &mut state.ssm,
+                            &mut out,
+                            t,
+                            hk,
+                            hv,
+                            dk,
+                            dv,
+                        );
+                    } else {
+                        ops::gdn_chunked(
+                            &q,
+                            &k,
+                            &v,
+                            &g,
+                            &beta,
+                            &mut state.ssm,
+                            &mut out,
+                            t,
+                            hk,
+                            hv,
+                            dk,
+                            dv,
+                            64,
+                        );
+                    }
+                    ops::gated_rms_norm(&mut out, z.row_range(s.start, t), &w.norm.data, dv, eps);
+                    out
+                })
+                .collect();
         self.put_back(seqs, states);
         Self::stack(seqs, hv * dv, outs)
     }
@@ -550,5 +604,57 @@ impl Backend for CpuBackend {
 
     fn to_host(&self, x: CpuTensor) -> (usize, usize, Vec<f32>) {
         (x.rows, x.cols, x.data)
+    }
+
+    fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> CpuTensor {
+        assert_eq!(data.len(), rows * cols, "upload: data must be [rows, cols]");
+        CpuTensor { rows, cols, data }
+    }
+
+    fn silu(&self, x: &CpuTensor) -> CpuTensor {
+        let mut y = x.clone();
+        y.data.iter_mut().for_each(|v| *v = ops::silu(*v));
+        y
+    }
+
+    fn hc_premix(&self, streams: &CpuTensor, pre: &CpuWeight) -> CpuTensor {
+        self.hc_premix_impl(streams, pre)
+    }
+
+    fn hc_gated_residual(&self, streams: &mut CpuTensor, u: &CpuTensor, y: &CpuTensor) {
+        self.hc_gated_residual_impl(streams, u, y)
+    }
+
+    fn qsa_attention(
+        &self,
+        layer: usize,
+        shape: &AttnShape,
+        rope: &Rope,
+        qsa: &QsaShape,
+        q_gate: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        w: &AttnWeights<CpuWeight>,
+        iq: &CpuTensor,
+        ik: &CpuTensor,
+        iw: &CpuTensor,
+        iw_: &IndexerWeights<CpuWeight>,
+        seqs: &[SeqChunk<'_>],
+    ) -> CpuTensor {
+        self.qsa_impl(
+            layer, shape, rope, qsa, q_gate, k, v, w, iq, ik, iw, iw_, seqs,
+        )
+    }
+
+    fn ple_mix(
+        &self,
+        layer: usize,
+        shape: &PleShape,
+        streams: &mut CpuTensor,
+        rows: &CpuTensor,
+        w: &PleWeights<CpuWeight>,
+        seqs: &[SeqChunk<'_>],
+    ) {
+        self.ple_mix_impl(layer, shape, streams, rows, w, seqs)
     }
 }

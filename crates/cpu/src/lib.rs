@@ -3,6 +3,7 @@
 //! checkpoints on machines without a GPU.
 
 mod backend;
+mod backend_ext;
 pub mod ops;
 
 pub use backend::{CpuBackend, CpuTensor, CpuWeight};

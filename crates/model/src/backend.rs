@@ -2,6 +2,12 @@
 //! backend (the CPU reference here; CUDA later). Activations are `[rows, cols]` tensors whose rows are
 //! the tokens of a step, sequence after sequence; per-sequence state (attention K/V in a block pool, GDN
 //! conv and recurrent state in state slots) lives inside the backend.
+//!
+//! qwen4_exp adds (see `ext.rs` for the shapes and weights): QSA's fp8 index-key cache next to the
+//! K/V of every attention layer (one entry of `dI` fp8 e4m3 values and a bf16 scale per position, in
+//! the same blocks, so prefix caching and `copy_block` cover it), the PLE short conv's state in the
+//! state slots next to the GDN state (so `copy_state` checkpoints cover it), and hyper-connections'
+//! S residual streams carried as one `[rows, S·H]` tensor (stream `c` in columns `c·H .. (c+1)·H`).
 
 /// A sequence's share of one step: rows `start..start + len` of the step's activations are its tokens at
 /// positions `pos0..pos0 + len`. Its attention K/V live in the pool blocks of `blocks` (block `i` holds
@@ -26,8 +32,15 @@ pub struct CacheSpec {
     pub attn_layers: Vec<usize>,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// QSA: `dI` of the index keys kept per position next to the K/V of every attention layer
+    /// (`dI + 2` bytes per entry); 0 = no index keys.
+    pub index_head_dim: usize,
     pub gdn_layers: Vec<usize>,
     pub gdn: GdnShape,
+    /// PLE: layers whose short-conv state lives in each state slot (empty = none).
+    pub ple_layers: Vec<usize>,
+    /// PLE: the conv's shape (`None` when `ple_layers` is empty).
+    pub ple: Option<PleShape>,
 }
 
 /// Static shapes of an attention layer call.
@@ -101,6 +114,8 @@ pub struct MoeWeights<W> {
     /// `[1, hidden]`.
     pub shared_gate: Option<W>,
 }
+
+pub use crate::ext::{HcWeights, IndexerWeights, PleShape, PleWeights, QsaShape};
 
 /// The operations a backend provides. Ops on sequences take the step's [`SeqChunk`]s.
 pub trait Backend: Send + Sync {
@@ -181,4 +196,73 @@ pub trait Backend: Send + Sync {
 
     /// Moves a tensor to the host as `(rows, cols, values)`.
     fn to_host(&self, x: Self::Tensor) -> (usize, usize, Vec<f32>);
+
+    /// An activation tensor `[rows, cols]` from host values (row-major); used for the PLE rows
+    /// gathered on the host (bf16 values given as f32, so a bf16 device copy is exact).
+    fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> Self::Tensor;
+
+    /// `silu(x)` elementwise.
+    fn silu(&self, x: &Self::Tensor) -> Self::Tensor;
+
+    /// Hyper-connections pre-mix (and head collapse): `streams` is `[rows, S·H]` with S = `pre.len()`;
+    /// returns `[rows, H]` with `x = Σ_c softmax(pre)_c · R_c` (softmax over the S values of `pre` in
+    /// f32, max subtracted; the sum taken in order c = 0..S−1).
+    fn hc_premix(&self, streams: &Self::Tensor, pre: &Self::Weight) -> Self::Tensor;
+
+    /// Hyper-connections gated residual: `streams` `[rows, S·H]`, `u` `[rows, S·H]`, `y` `[rows, H]`;
+    /// `R_c += sigmoid(u_c) ⊙ y` for every stream c (u_c = columns `c·H .. (c+1)·H` of `u`).
+    fn hc_gated_residual(&self, streams: &mut Self::Tensor, u: &Self::Tensor, y: &Self::Tensor);
+
+    /// QSA attention of attention layer `layer` (spec §2). Inputs per row (token) of the step:
+    /// `q_gate`, `k`, `v` as for [`Backend::attention`]; the indexer projections `iq = wq·x`
+    /// `[rows, nI·dI]`, `ik = wk·x` `[rows, dI]` (before its LayerNorm) and `iw = weights_proj·x`
+    /// `[rows, nI]`, with `x` the normed layer input.
+    ///
+    /// Exactly: `kI = LayerNorm(ik; iw_.k_norm, iw_.k_norm_bias, eps 1e-6)` (mean and biased variance
+    /// over dI); NeoX RoPE on the first `qsa.rope.rot_dim` dims of every `iq` head and of `kI` at the
+    /// token's position with `qsa.rope.inv_freq`; the index key entry `s = bf16(max|kI| / 448)` (1 when
+    /// that is 0), `k8 = fp8_e4m3(kI / s)` (f32 division by the bf16-rounded s, round to nearest even,
+    /// saturating at ±448) is written with the token's K/V into the sequence's blocks. Then for each
+    /// query row at position t: `w_h = iw_h · nI^-0.5 · dI^-0.5`, score
+    /// `I[t,s] = Σ_h w_h · ReLU(qI_h · k̂_s)` with `k̂ = k8·s` for every s ≤ t; the selected set S_t is
+    /// the `min(qsa.topk, t+1)` positions of largest score, ties going to the larger position; the output
+    /// is the gated attention of [`Backend::attention`] with keys/values restricted to S_t (softmax over
+    /// S_t only), `[rows, num_heads·head_dim]`. Only the selected K/V rows are read.
+    #[allow(clippy::too_many_arguments)]
+    fn qsa_attention(
+        &self,
+        layer: usize,
+        shape: &AttnShape,
+        rope: &Rope,
+        qsa: &QsaShape,
+        q_gate: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        w: &AttnWeights<Self::Weight>,
+        iq: &Self::Tensor,
+        ik: &Self::Tensor,
+        iw: &Self::Tensor,
+        iw_: &IndexerWeights<Self::Weight>,
+        seqs: &[SeqChunk<'_>],
+    ) -> Self::Tensor;
+
+    /// The PLE mix of layer `layer` (spec §3.7), in place on the residual streams `[rows, S·H]`
+    /// (S = `shape.streams`; S = 1 is the plain residual). `rows` `[rows, E]` are the tokens' table
+    /// rows. Exactly, per token: `v = value·e + value_bias`; for each stream c:
+    /// `key_c = rmsnorm(key[c]·e + key_bias[c]; key_norm[c])`, `q_c = rmsnorm(R_c; query_norm[c])`,
+    /// `σ = ⟨key_c, q_c⟩ / sqrt(H)`, `σ = sign(σ)·sqrt(max(|σ|, 1e-6))`, `u_c = sigmoid(σ)·v`,
+    /// `z_c = rmsnorm(u_c; conv_norm[c])` (every rmsnorm plain-weight, eps 1e-6, over H);
+    /// `y = silu(conv(z))` with the depthwise causal dilated conv over the S·H channels
+    /// (`y[t,ch] = Σ_j conv[ch, j] · z[t − (kernel−1−j)·dilation, ch]`, in order of j), whose past
+    /// inputs come from the sequence's state slot (`(kernel−1)·dilation` rows of z, zeros for a new
+    /// sequence) and are updated; then `R_c += u_c + y_c`.
+    fn ple_mix(
+        &self,
+        layer: usize,
+        shape: &PleShape,
+        streams: &mut Self::Tensor,
+        rows: &Self::Tensor,
+        w: &PleWeights<Self::Weight>,
+        seqs: &[SeqChunk<'_>],
+    );
 }

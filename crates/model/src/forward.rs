@@ -1,6 +1,13 @@
 //! One step of the forward pass over a batch of sequence chunks, and the MTP draft head.
+//!
+//! The residual is a `[rows, S·H]` tensor of S streams (S = 1 without hyper-connections, where it is
+//! the plain `[rows, H]` residual). Per decoder layer: the PLE mix on the streams (PLE layers only),
+//! then for the mixer and the FFN sublayer: `x` = the streams (S = 1) or their pre-mix, `y = F(N(x))`,
+//! then `R += y` (S = 1) or the gated residual of spec §4.
 
-use crate::backend::{Backend, MlpWeights, SeqChunk};
+use sanmai_ple::PleError;
+
+use crate::backend::{Backend, HcWeights, MlpWeights, SeqChunk};
 use crate::load::{Ffn, Layer, Mixer, Model};
 
 /// What a step returns: the final-normed hidden states of the requested rows (what the lm_head and the
@@ -12,21 +19,88 @@ pub struct StepOutput<T> {
 impl<B: Backend> Model<B> {
     /// Runs `ids` (the tokens of every chunk, in `seqs` order) through the model, appending to the slots'
     /// caches, and returns the final-normed hidden states of `out_rows`.
+    ///
+    /// # Panics
+    /// If the model has PLE layers: those need the rows of [`Model::ple_rows`] through
+    /// [`Model::forward_with`].
     pub fn forward(
         &self,
         ids: &[u32],
         seqs: &[SeqChunk<'_>],
         out_rows: &[usize],
     ) -> StepOutput<B::Tensor> {
+        self.forward_with(ids, seqs, out_rows, None)
+    }
+
+    /// [`Model::forward`] with the step's PLE rows (`[rows, E]`, from [`Model::ple_rows`]), which a model
+    /// with PLE layers requires.
+    pub fn forward_with(
+        &self,
+        ids: &[u32],
+        seqs: &[SeqChunk<'_>],
+        out_rows: &[usize],
+        ple_rows: Option<&B::Tensor>,
+    ) -> StepOutput<B::Tensor> {
         let b = &self.backend;
-        let mut x = b.embed(&self.embed, ids);
+        let x = b.embed(&self.embed, ids);
+        // Every stream starts as the token embedding.
+        let mut streams = match &self.cfg.hyper_connections {
+            Some(hc) if hc.num_streams > 1 => {
+                (2..hc.num_streams).fold(b.concat_cols(&x, &x), |acc, _| b.concat_cols(&acc, &x))
+            }
+            _ => x,
+        };
         for (i, layer) in self.layers.iter().enumerate() {
-            self.layer_forward(i, layer, &mut x, seqs);
+            if let Some(w) = &layer.ple {
+                let (shape, _) = self
+                    .ple
+                    .as_ref()
+                    .expect("PLE weights come with a PLE shape");
+                let rows = ple_rows.expect("a model with PLE layers needs forward_with(ple_rows)");
+                b.ple_mix(i, shape, &mut streams, rows, w, seqs);
+            }
+            self.layer_forward(i, layer, &mut streams, seqs);
         }
-        let x = b.rows(&x, out_rows);
+        let r = b.rows(&streams, out_rows);
+        let x = match &self.hc_head {
+            Some(pre) => b.hc_premix(&r, pre),
+            None => r,
+        };
         StepOutput {
             hidden: b.rms_norm(&x, &self.norm, self.cfg.rms_norm_eps, 1.0),
         }
+    }
+
+    /// The PLE rows of a step: for chunk `i` of `seqs`, the rows of positions `pos0 .. pos0 + len` of
+    /// `tokens[i]` (the sequence's tokens from position 0, at least `pos0 + len` of them), placed at the
+    /// chunk's activation rows. `None` when the model has no PLE.
+    pub fn ple_rows(
+        &self,
+        tokens: &[&[u32]],
+        seqs: &[SeqChunk<'_>],
+    ) -> Result<Option<B::Tensor>, PleError> {
+        let Some((shape, source)) = &self.ple else {
+            return Ok(None);
+        };
+        if tokens.len() != seqs.len() {
+            return Err(PleError::Input(format!(
+                "{} token histories for {} chunks",
+                tokens.len(),
+                seqs.len()
+            )));
+        }
+        let e = shape.row_width;
+        let rows = seqs.iter().map(|s| s.start + s.len).max().unwrap_or(0);
+        let mut data = vec![0f32; rows * e];
+        for (s, toks) in seqs.iter().zip(tokens) {
+            source.gather(
+                toks,
+                s.pos0..s.pos0 + s.len,
+                e,
+                &mut data[s.start * e..(s.start + s.len) * e],
+            )?;
+        }
+        Ok(Some(self.backend.upload(rows, e, data)))
     }
 
     /// Logits `[rows, vocab]` of final-normed hidden states.
@@ -37,7 +111,7 @@ impl<B: Backend> Model<B> {
 
     /// The MTP draft head: for each row, the token that follows (`next_ids`) and the main model's
     /// final-normed hidden state at the row's position (`h_prev`). Its attention uses cache layer index
-    /// `num_layers`.
+    /// `num_layers` (QSA when the model has `qsa`); its residual is plain (no hyper-connections, no PLE).
     /// Returns the hidden states after `mtp.norm`; [`Model::logits`] turns them into draft logits.
     pub fn mtp_forward(
         &self,
@@ -64,31 +138,24 @@ impl<B: Backend> Model<B> {
         &self,
         index: usize,
         layer: &Layer<B::Weight>,
-        x: &mut B::Tensor,
+        streams: &mut B::Tensor,
         seqs: &[SeqChunk<'_>],
     ) {
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
-        let hn = b.rms_norm(x, &layer.input_norm, eps, 1.0);
-        let mixed = match &layer.mixer {
-            Mixer::Attention(w) => {
-                let q = b.linear(&hn, &w.q_proj);
-                let k = b.linear(&hn, &w.k_proj);
-                let v = b.linear(&hn, &w.v_proj);
-                let o = b.attention(index, &self.attn_shape, &self.rope, &q, &k, &v, w, seqs);
-                b.linear(&o, &w.o_proj)
-            }
-            Mixer::Gdn(w) => {
-                let qkv = b.linear(&hn, &w.in_proj_qkv);
-                let z = b.linear(&hn, &w.in_proj_z);
-                let bb = b.linear(&hn, &w.in_proj_b);
-                let a = b.linear(&hn, &w.in_proj_a);
-                let o = b.gdn(index, &self.gdn_shape, &qkv, &z, &bb, &a, w, eps, seqs);
-                b.linear(&o, &w.out_proj)
-            }
-        };
-        b.add(x, &mixed);
-        let hn = b.rms_norm(x, &layer.post_attention_norm, eps, 1.0);
+        let hc = layer.hc.as_ref();
+        let x = hc.map(|(a, _)| b.hc_premix(streams, &a.pre));
+        let hn = b.rms_norm(x.as_ref().unwrap_or(streams), &layer.input_norm, eps, 1.0);
+        let mixed = self.mixer(index, layer, &hn, seqs);
+        self.residual(streams, x.as_ref(), &mixed, hc.map(|(a, _)| a));
+
+        let x = hc.map(|(_, f)| b.hc_premix(streams, &f.pre));
+        let hn = b.rms_norm(
+            x.as_ref().unwrap_or(streams),
+            &layer.post_attention_norm,
+            eps,
+            1.0,
+        );
         let out = match &layer.ffn {
             Ffn::Dense(m) => self.mlp(m, &hn),
             Ffn::Moe(m) => {
@@ -101,7 +168,84 @@ impl<B: Backend> Model<B> {
                 routed
             }
         };
-        b.add(x, &out);
+        self.residual(streams, x.as_ref(), &out, hc.map(|(_, f)| f));
+    }
+
+    fn mixer(
+        &self,
+        index: usize,
+        layer: &Layer<B::Weight>,
+        hn: &B::Tensor,
+        seqs: &[SeqChunk<'_>],
+    ) -> B::Tensor {
+        let b = &self.backend;
+        let eps = self.cfg.rms_norm_eps;
+        match &layer.mixer {
+            Mixer::Attention(w) => {
+                let q = b.linear(hn, &w.q_proj);
+                let k = b.linear(hn, &w.k_proj);
+                let v = b.linear(hn, &w.v_proj);
+                let o = b.attention(index, &self.attn_shape, &self.rope, &q, &k, &v, w, seqs);
+                b.linear(&o, &w.o_proj)
+            }
+            Mixer::Qsa(w, iw) => {
+                let qsa = self
+                    .qsa
+                    .as_ref()
+                    .expect("QSA weights come with a QSA shape");
+                let q = b.linear(hn, &w.q_proj);
+                let k = b.linear(hn, &w.k_proj);
+                let v = b.linear(hn, &w.v_proj);
+                let iq = b.linear(hn, &iw.wq);
+                let ik = b.linear(hn, &iw.wk);
+                let ig = b.linear(hn, &iw.weights_proj);
+                let o = b.qsa_attention(
+                    index,
+                    &self.attn_shape,
+                    &self.rope,
+                    qsa,
+                    &q,
+                    &k,
+                    &v,
+                    w,
+                    &iq,
+                    &ik,
+                    &ig,
+                    iw,
+                    seqs,
+                );
+                b.linear(&o, &w.o_proj)
+            }
+            Mixer::Gdn(w) => {
+                let qkv = b.linear(hn, &w.in_proj_qkv);
+                let z = b.linear(hn, &w.in_proj_z);
+                let bb = b.linear(hn, &w.in_proj_b);
+                let a = b.linear(hn, &w.in_proj_a);
+                let o = b.gdn(index, &self.gdn_shape, &qkv, &z, &bb, &a, w, eps, seqs);
+                b.linear(&o, &w.out_proj)
+            }
+        }
+    }
+
+    /// `R += y` without hyper-connections; with them (x the sublayer's pre-mixed input)
+    /// `s = silu(down·y + inject·x)`, `u = up·s`, `R_c += sigmoid(u_c) ⊙ y`.
+    fn residual(
+        &self,
+        streams: &mut B::Tensor,
+        x: Option<&B::Tensor>,
+        y: &B::Tensor,
+        hc: Option<&HcWeights<B::Weight>>,
+    ) {
+        let b = &self.backend;
+        match (hc, x) {
+            (Some(w), Some(x)) => {
+                let mut pre = b.linear(y, &w.down);
+                b.add(&mut pre, &b.linear(x, &w.inject));
+                let u = b.linear(&b.silu(&pre), &w.up);
+                b.hc_gated_residual(streams, &u, y);
+            }
+            _ => b.add(streams, y),
+        }
     }
 
     fn mlp(&self, m: &MlpWeights<B::Weight>, x: &B::Tensor) -> B::Tensor {

@@ -1,15 +1,22 @@
-//! The forward pass of Qwen3-Next / Qwen3.5-MoE hybrid models, written once over the [`Backend`] trait:
-//! embedding, gated attention and gated-delta-net mixers, dense and MoE feed-forward blocks, the final
-//! norm and lm_head, and the MTP draft head. Backends (CPU reference, CUDA) supply the ops and own the
-//! per-sequence caches; this crate decides what is computed, in which order, with which weights.
+//! The forward pass of Qwen3-Next / Qwen3.5-MoE hybrid models and of qwen4_exp, written once over the
+//! [`Backend`] trait: embedding, gated attention (dense, or QSA with its lightning indexer) and
+//! gated-delta-net mixers, dense and MoE feed-forward blocks, the PLE mix with its host-gathered table
+//! rows, hyper-connections' residual streams, the final norm and lm_head, and the MTP draft head.
+//! Backends (CPU reference, CUDA) supply the ops and own the per-sequence caches; this crate decides
+//! what is computed, in which order, with which weights.
 
 pub mod backend;
 pub mod builtin;
+mod ext;
 mod forward;
 mod load;
+mod load_ext;
+mod ple;
 
 pub use backend::{
-    AttnShape, AttnWeights, Backend, GdnShape, GdnWeights, MlpWeights, MoeWeights, Rope, SeqChunk,
+    AttnShape, AttnWeights, Backend, GdnShape, GdnWeights, HcWeights, IndexerWeights, MlpWeights,
+    MoeWeights, PleShape, PleWeights, QsaShape, Rope, SeqChunk,
 };
 pub use forward::StepOutput;
 pub use load::{Ffn, Layer, Mixer, Model, MtpWeights};
+pub use ple::PleSource;

@@ -3,14 +3,18 @@
 
 use sanmai_config::{FfnType, LayerType, ModelConfig};
 use sanmai_weights::names::{text_name, Scope};
-use sanmai_weights::{Init, Result, TensorSource};
+use sanmai_weights::{Init, Result, TensorSource, WeightError};
 
 use crate::backend::{
-    AttnShape, AttnWeights, Backend, CacheSpec, GdnShape, GdnWeights, MlpWeights, MoeWeights, Rope,
+    AttnShape, AttnWeights, Backend, CacheSpec, GdnShape, GdnWeights, HcWeights, IndexerWeights,
+    MlpWeights, MoeWeights, PleShape, PleWeights, QsaShape, Rope,
 };
+use crate::ple::PleSource;
 
 pub enum Mixer<W> {
     Attention(AttnWeights<W>),
+    /// qwen4_exp QSA: gated attention restricted to the indexer's top-k positions.
+    Qsa(AttnWeights<W>, IndexerWeights<W>),
     Gdn(GdnWeights<W>),
 }
 
@@ -24,6 +28,10 @@ pub struct Layer<W> {
     pub post_attention_norm: W,
     pub mixer: Mixer<W>,
     pub ffn: Ffn<W>,
+    /// qwen4_exp PLE mix before the mixer (layers in `ple.layer_ids`).
+    pub ple: Option<PleWeights<W>>,
+    /// qwen4_exp hyper-connections of the mixer and FFN sublayers.
+    pub hc: Option<(HcWeights<W>, HcWeights<W>)>,
 }
 
 /// The MTP draft head: `fc(cat[norm_e(embed(next)), norm_h(h_prev)])`, one decoder layer, `norm`.
@@ -48,26 +56,38 @@ pub struct Model<B: Backend> {
     pub attn_shape: AttnShape,
     pub gdn_shape: GdnShape,
     pub rope: Rope,
+    /// QSA shapes (every full-attention layer and the MTP layer), when the config has `qsa`.
+    pub qsa: Option<QsaShape>,
+    /// PLE shape and row source, when the config has `ple`.
+    pub ple: Option<(PleShape, PleSource)>,
+    /// Hyper-connections' head collapse `hc_head.pre` `[S]`, when the config has them.
+    pub hc_head: Option<B::Weight>,
 }
 
 /// Zero-centred RMSNorm weights are stored as offsets from 1.
 const NORM: Init = Init::ZEROS;
 
-struct Loader<'a, B: Backend> {
-    backend: &'a B,
-    cfg: &'a ModelConfig,
+pub(crate) struct Loader<'a, B: Backend> {
+    pub(crate) backend: &'a B,
+    pub(crate) cfg: &'a ModelConfig,
 }
 
 impl<B: Backend> Loader<'_, B> {
-    fn w(&self, data: Vec<f32>, shape: &[usize]) -> B::Weight {
+    pub(crate) fn w(&self, data: Vec<f32>, shape: &[usize]) -> B::Weight {
         self.backend.weight(data, shape)
     }
 
-    fn get(&self, s: &Scope, rel: &str, shape: &[usize], init: Init) -> Result<B::Weight> {
+    pub(crate) fn get(
+        &self,
+        s: &Scope,
+        rel: &str,
+        shape: &[usize],
+        init: Init,
+    ) -> Result<B::Weight> {
         Ok(self.w(s.get(rel, shape, init)?, shape))
     }
 
-    fn proj(&self, s: &Scope, rel: &str, out: usize, inp: usize) -> Result<B::Weight> {
+    pub(crate) fn proj(&self, s: &Scope, rel: &str, out: usize, inp: usize) -> Result<B::Weight> {
         self.get(s, rel, &[out, inp], Init::std((inp as f32).powf(-0.5)))
     }
 
@@ -168,16 +188,41 @@ impl<B: Backend> Loader<'_, B> {
         }
     }
 
-    fn layer(&self, s: &Scope, mixer: LayerType, ffn: FfnType) -> Result<Layer<B::Weight>> {
+    /// One decoder layer; `main` is false for the MTP layer (plain residual, no PLE).
+    fn layer(
+        &self,
+        s: &Scope,
+        index: usize,
+        mixer: LayerType,
+        ffn: FfnType,
+        main: bool,
+    ) -> Result<Layer<B::Weight>> {
         let h = self.cfg.hidden_size;
+        let ple_here = main
+            && self
+                .cfg
+                .ple
+                .as_ref()
+                .is_some_and(|p| p.layer_ids.contains(&index));
         Ok(Layer {
             input_norm: self.get(s, "input_layernorm.weight", &[h], NORM)?,
             post_attention_norm: self.get(s, "post_attention_layernorm.weight", &[h], NORM)?,
-            mixer: match mixer {
-                LayerType::FullAttention => Mixer::Attention(self.attention(s)?),
-                LayerType::LinearAttention => Mixer::Gdn(self.gdn(s)?),
+            mixer: match (mixer, &self.cfg.qsa) {
+                (LayerType::FullAttention, None) => Mixer::Attention(self.attention(s)?),
+                (LayerType::FullAttention, Some(q)) => {
+                    Mixer::Qsa(self.attention(s)?, self.indexer(s, q)?)
+                }
+                (LayerType::LinearAttention, _) => Mixer::Gdn(self.gdn(s)?),
             },
             ffn: self.ffn(s, ffn)?,
+            ple: if ple_here { Some(self.ple(s)?) } else { None },
+            hc: match (&self.cfg.hyper_connections, main) {
+                (Some(hc), true) => Some((
+                    self.hc(s, "hc_attn.", hc.num_streams, hc.rank)?,
+                    self.hc(s, "hc_ffn.", hc.num_streams, hc.rank)?,
+                )),
+                _ => None,
+            },
         })
     }
 }
@@ -200,18 +245,31 @@ impl<B: Backend> Model<B> {
             .collect()
     }
 
-    /// Bytes of K/V one token takes across all attention layers, at `elem` bytes per value.
+    /// Bytes of K/V one token takes across all attention layers, at `elem` bytes per value, plus the
+    /// QSA index-key entry (`dI + 2` bytes) of each attention layer.
     pub fn kv_bytes_per_token(&self, elem: usize) -> usize {
         let a = &self.cfg.attention;
-        self.attention_layers().len() * 2 * a.num_kv_heads * a.head_dim * elem
+        let index = self.cfg.qsa.as_ref().map_or(0, |q| q.index_entry_bytes());
+        self.attention_layers().len() * (2 * a.num_kv_heads * a.head_dim * elem + index)
     }
 
-    /// Bytes of one sequence's GDN state across all GDN layers (conv + recurrent), at `elem` bytes per value.
+    /// Bytes of one sequence's state: GDN conv + recurrent state across all GDN layers and the PLE
+    /// conv state of each PLE layer, at `elem` bytes per value.
     pub fn state_bytes(&self, elem: usize) -> usize {
         let g = &self.cfg.gdn;
         let per_layer =
             (g.conv_kernel - 1) * g.conv_dim() + g.num_v_heads * g.k_head_dim * g.v_head_dim;
-        self.gdn_layers().len() * per_layer * elem
+        let ple = self.ple.as_ref().map_or(0, |(sh, _)| {
+            self.ple_layers().len() * sh.state_rows() * sh.channels()
+        });
+        (self.gdn_layers().len() * per_layer + ple) * elem
+    }
+
+    /// Layers with a PLE mix (and a PLE conv state per state slot).
+    pub fn ple_layers(&self) -> Vec<usize> {
+        (0..self.cfg.num_layers)
+            .filter(|&i| self.layers[i].ple.is_some())
+            .collect()
     }
 
     /// Allocates the backend's caches for `num_blocks` blocks of `block_size` positions.
@@ -222,13 +280,36 @@ impl<B: Backend> Model<B> {
             attn_layers: self.attention_layers(),
             num_kv_heads: self.cfg.attention.num_kv_heads,
             head_dim: self.cfg.attention.head_dim,
+            index_head_dim: self.qsa.as_ref().map_or(0, |q| q.head_dim),
             gdn_layers: self.gdn_layers(),
             gdn: self.gdn_shape,
+            ple_layers: self.ple_layers(),
+            ple: self.ple.as_ref().map(|(sh, _)| *sh),
         });
     }
 
-    /// Loads every tensor of `cfg` from `src` onto `backend`.
+    /// Loads every tensor of `cfg` from `src` onto `backend`. A config with a `ple` block needs
+    /// [`Model::load_with_ple`].
     pub fn load(cfg: ModelConfig, src: &dyn TensorSource, backend: B) -> Result<Self> {
+        Self::load_with_ple(cfg, src, backend, None)
+    }
+
+    /// Loads the model with the source of its PLE rows (required iff the config has `ple`; see
+    /// [`PleSource::open`] for the table checks).
+    pub fn load_with_ple(
+        cfg: ModelConfig,
+        src: &dyn TensorSource,
+        backend: B,
+        ple_source: Option<PleSource>,
+    ) -> Result<Self> {
+        if cfg.ple.is_some() && ple_source.is_none() {
+            return Err(WeightError::File {
+                path: "config.json".into(),
+                message: "the model config has a `ple` block: load it with a PLE table \
+                          (--ple-table DIR)"
+                    .into(),
+            });
+        }
         let l = Loader {
             backend: &backend,
             cfg: &cfg,
@@ -255,8 +336,10 @@ impl<B: Backend> Model<B> {
             .map(|i| {
                 l.layer(
                     &Scope::layer(src, &cfg, i),
+                    i,
                     cfg.layer_types[i],
                     cfg.ffn_types[i],
+                    true,
                 )
             })
             .collect::<Result<Vec<_>>>()?;
@@ -271,7 +354,13 @@ impl<B: Backend> Model<B> {
                 fc: l.proj(&s, "fc.weight", h, 2 * h)?,
                 pre_fc_norm_embedding: l.get(&s, "pre_fc_norm_embedding.weight", &[h], NORM)?,
                 pre_fc_norm_hidden: l.get(&s, "pre_fc_norm_hidden.weight", &[h], NORM)?,
-                layer: l.layer(&s.child("layers.0."), LayerType::FullAttention, ffn)?,
+                layer: l.layer(
+                    &s.child("layers.0."),
+                    cfg.num_layers,
+                    LayerType::FullAttention,
+                    ffn,
+                    false,
+                )?,
                 norm: l.get(&s, "norm.weight", &[h], NORM)?,
             })
         } else {
@@ -297,6 +386,45 @@ impl<B: Backend> Model<B> {
             inv_freq: cfg.rope.inv_freq(),
             mscale: cfg.rope.attention_factor(),
         };
+        let qsa = cfg.qsa.as_ref().map(|q| QsaShape {
+            n_heads: q.index_n_heads,
+            head_dim: q.index_head_dim,
+            topk: q.index_topk,
+            rope: Rope {
+                rot_dim: q.index_rope_dim,
+                inv_freq: (0..q.index_rope_dim / 2)
+                    .map(|j| {
+                        cfg.rope
+                            .theta
+                            .powf(-2.0 * j as f64 / q.index_rope_dim as f64)
+                            as f32
+                    })
+                    .collect(),
+                mscale: 1.0,
+            },
+        });
+        let ple = match (&cfg.ple, ple_source) {
+            (Some(p), Some(source)) => Some((
+                PleShape {
+                    streams: cfg.hyper_connections.as_ref().map_or(1, |h| h.num_streams),
+                    hidden: h,
+                    row_width: p.num_tables() * p.row_dim,
+                    conv_kernel: p.conv_kernel,
+                    conv_dilation: p.conv_dilation,
+                },
+                source,
+            )),
+            _ => None,
+        };
+        let hc_head = match &cfg.hyper_connections {
+            Some(hc) => Some(l.get(
+                &top,
+                &text_name(&cfg, "hc_head.pre"),
+                &[hc.num_streams],
+                Init::ZEROS,
+            )?),
+            None => None,
+        };
         Ok(Model {
             cfg,
             backend,
@@ -308,6 +436,9 @@ impl<B: Backend> Model<B> {
             attn_shape,
             gdn_shape,
             rope,
+            qsa,
+            ple,
+            hc_head,
         })
     }
 }

@@ -17,22 +17,31 @@
 mod act;
 mod attention;
 mod conv;
+mod fp8;
 mod gdn;
 mod gdn_chunked;
 mod gemm;
 mod linear;
 mod moe;
 mod norm;
+mod ple;
+mod qsa;
 mod rope;
 
 pub use act::{sigmoid, silu, softplus, swiglu};
 pub use attention::attention_causal;
 pub use conv::causal_conv1d_silu;
+pub use fp8::{
+    bf16_bits, bf16_value, dequantize_index_key, fp8_e4m3_decode, fp8_e4m3_encode,
+    quantize_index_key, FP8_E4M3_MAX,
+};
 pub use gdn::gdn_recurrent;
 pub use gdn_chunked::gdn_chunked;
 pub use linear::matmul_t;
 pub use moe::route_topk;
 pub use norm::{gated_rms_norm, l2_norm, rms_norm};
+pub use ple::{dilated_conv_silu, hc_weights, ple_gate, signed_sqrt, PLE_EPS};
+pub use qsa::{attend_rows, index_scores, layer_norm, topk_positions};
 pub use rope::{mrope_axis, rope_mrope_interleaved, rope_neox};
 
 /// Work (in multiply-adds) below which an op stays on the calling thread: a rayon fork costs a few

@@ -378,6 +378,51 @@ mod tests {
         assert_eq!(q.scheme_for("x.layers.1.q").unwrap().bits, 8);
     }
 
+    #[test]
+    fn full_size_qwen3_next_config_carries_the_spec_mix() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../configs/models/qwen3-next-80b-a3b.json");
+        let cfg = crate::ModelConfig::from_file(&path).unwrap();
+        let q = cfg.quantization.expect("quantization_config");
+        let scheme = |m: &str| q.scheme_for(m).map(|s| (s.bits, s.group_size));
+        for l in [0, 3, 47] {
+            let p = format!("model.layers.{l}.");
+            assert_eq!(
+                scheme(&format!("{p}mlp.experts.511.gate_proj")),
+                Some((4, 128))
+            );
+            assert_eq!(
+                scheme(&format!("{p}mlp.experts.0.down_proj")),
+                Some((4, 128))
+            );
+            assert_eq!(
+                scheme(&format!("{p}mlp.experts.gate_up_proj")),
+                Some((4, 128))
+            );
+            assert_eq!(
+                scheme(&format!("{p}mlp.shared_expert.down_proj")),
+                Some((6, 0))
+            );
+            assert_eq!(
+                scheme(&format!("{p}linear_attn.in_proj_qkvz")),
+                Some((8, 0))
+            );
+            assert_eq!(scheme(&format!("{p}linear_attn.out_proj")), Some((8, 0)));
+            assert_eq!(scheme(&format!("{p}self_attn.q_proj")), Some((8, 0)));
+            assert_eq!(scheme(&format!("{p}linear_attn.in_proj_ba")), None);
+            assert_eq!(scheme(&format!("{p}mlp.gate")), None);
+            assert_eq!(scheme(&format!("{p}mlp.shared_expert_gate")), None);
+        }
+        assert_eq!(scheme("lm_head"), Some((8, 0)));
+        assert_eq!(scheme("mtp.fc"), None);
+        assert_eq!(scheme("mtp.layers.0.mlp.experts.7.up_proj"), Some((4, 128)));
+        assert_eq!(
+            q.scheme_for_module("model.embed_tokens", false)
+                .map(|s| s.bits),
+            Some(8)
+        );
+    }
+
     fn err(v: Value) -> String {
         parse(v).unwrap_err().to_string()
     }

@@ -93,11 +93,41 @@ pub struct CpuBackend {
     gdn: Mutex<Option<(Vec<usize>, GdnShape)>>,
     ple: Mutex<Option<(Vec<usize>, PleShape)>>,
     next_state: AtomicUsize,
+    /// QSA selections recorded while tracing is on (see [`CpuBackend::trace_qsa`]).
+    pub(crate) qsa_trace: Mutex<Option<Vec<QsaSelection>>>,
+}
+
+/// One query row's QSA selection, recorded by a tracing backend.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QsaSelection {
+    /// Attention layer index (the MTP layer is `num_layers`).
+    pub layer: usize,
+    /// The sequence's state slot.
+    pub state: usize,
+    /// The query's position.
+    pub pos: usize,
+    /// The selected positions, increasing.
+    pub selected: Vec<usize>,
 }
 
 impl CpuBackend {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Starts (or stops) recording every QSA query row's selected positions.
+    pub fn trace_qsa(&self, on: bool) {
+        *self.qsa_trace.lock().unwrap() = on.then(Vec::new);
+    }
+
+    /// The selections recorded since the last call (empty when tracing is off).
+    pub fn take_qsa_trace(&self) -> Vec<QsaSelection> {
+        self.qsa_trace
+            .lock()
+            .unwrap()
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     fn fresh_states(&self) -> SlotStates {

@@ -7,7 +7,7 @@ use sanmai_model::backend::{
     AttnShape, AttnWeights, IndexerWeights, PleShape, PleWeights, QsaShape, Rope, SeqChunk,
 };
 
-use crate::backend::{gather, matmul, pool_offset, prepare_attention, CpuBackend};
+use crate::backend::{gather, matmul, pool_offset, prepare_attention, CpuBackend, QsaSelection};
 use crate::{ops, CpuTensor, CpuWeight};
 
 /// Epsilon of the indexer's key LayerNorm.
@@ -126,6 +126,8 @@ impl CpuBackend {
         }
         let pool = &*pool;
         let scale = (d as f32).powf(-0.5);
+        let tracing = self.qsa_trace.lock().unwrap().is_some();
+        let trace = std::sync::Mutex::new(Vec::new());
         // 3. Attend: densely while every position is selected, else over each row's top-k.
         let outs: Vec<Vec<f32>> = seqs
             .par_iter()
@@ -134,6 +136,18 @@ impl CpuBackend {
                 let len = s.pos0 + s.len;
                 let mut out = vec![0f32; s.len * nh * d];
                 if len <= qsa.topk {
+                    if tracing {
+                        let mut tr = trace.lock().unwrap();
+                        for i in 0..s.len {
+                            let pos = s.pos0 + i;
+                            tr.push(QsaSelection {
+                                layer,
+                                state: s.state,
+                                pos,
+                                selected: (0..=pos).collect(),
+                            });
+                        }
+                    }
                     let kc = gather(&pool.k, s.blocks, bs, row, len);
                     let vc = gather(&pool.v, s.blocks, bs, row, len);
                     ops::attention_causal(&p.q, &kc, &vc, s.len, len, nh, nkv, d, scale, &mut out);
@@ -163,6 +177,14 @@ impl CpuBackend {
                         );
                         ops::topk_positions(&scores, qsa.topk)
                     };
+                    if tracing {
+                        trace.lock().unwrap().push(QsaSelection {
+                            layer,
+                            state: s.state,
+                            pos: ctx - 1,
+                            selected: sel.clone(),
+                        });
+                    }
                     // Only the selected K/V rows are read.
                     let mut kr = Vec::with_capacity(sel.len() * row);
                     let mut vr = Vec::with_capacity(sel.len() * row);
@@ -186,6 +208,13 @@ impl CpuBackend {
                 out
             })
             .collect();
+        if tracing {
+            let mut recorded = trace.into_inner().unwrap();
+            recorded.sort_by_key(|r| (r.state, r.pos));
+            if let Some(t) = self.qsa_trace.lock().unwrap().as_mut() {
+                t.extend(recorded);
+            }
+        }
         Self::stack(seqs, nh * d, outs)
     }
 

@@ -6,4 +6,4 @@ mod backend;
 mod backend_ext;
 pub mod ops;
 
-pub use backend::{CpuBackend, CpuTensor, CpuWeight};
+pub use backend::{CpuBackend, CpuTensor, CpuWeight, QsaSelection};

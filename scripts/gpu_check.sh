@@ -4,11 +4,14 @@
 #   scripts/gpu_check.sh OUT_DIR [BIN_DIR]
 #   scripts/gpu_check.sh --report-only OUT_DIR    (re-renders OUT_DIR/report.md from the logs there)
 #
-# BIN_DIR (default: .device-bin) holds `parity`, the sanmai-cuda parity test binary, built elsewhere with
+# BIN_DIR (default: .device-bin) holds `parity` and `e2e`, the sanmai-cuda test binaries, built elsewhere with
 #   cargo test -p sanmai-cuda --release --no-run
-# (cargo prints its path: target/release/deps/parity-<hash>), then stripped and copied as BIN_DIR/parity.
-# Writes OUT_DIR/report.md (device, parity table, timings), OUT_DIR/parity.log and OUT_DIR/bench.log.
-# Exits non-zero when a parity test fails. The CUDA libraries are found through LD_LIBRARY_PATH, to which
+# (cargo prints their paths: target/release/deps/parity-<hash>, target/release/deps/e2e-<hash>), then
+# stripped and copied as BIN_DIR/parity and BIN_DIR/e2e. The e2e binary reads the committed fixtures
+# under tests/fixtures, so run this from the repository root.
+# Writes OUT_DIR/report.md (device, parity table, end-to-end results, timings), OUT_DIR/parity.log,
+# OUT_DIR/e2e.log and OUT_DIR/bench.log. Exits non-zero when a parity or end-to-end test fails (or when
+# BIN_DIR/e2e is missing). The CUDA libraries are found through LD_LIBRARY_PATH, to which
 # $CUDA_HOME/lib64 (default /usr/local/cuda) is added when it exists; headers through $CUDA_HOME/include.
 set -uo pipefail
 
@@ -17,6 +20,7 @@ if [ "${1:-}" = "--report-only" ]; then report_only=1; shift; fi
 out=${1:?usage: gpu_check.sh [--report-only] OUT_DIR [BIN_DIR]}
 bin_dir=${2:-.device-bin}
 bin="$bin_dir/parity"
+e2e_bin="$bin_dir/e2e"
 mkdir -p "$out"
 
 # Every tagged line of a log, also when the test harness printed it after "test name ... ".
@@ -27,17 +31,18 @@ render() {
     echo "# CUDA parity and timing report"
     echo
     cat "$out/meta.md"
-    echo "- $(grep -E '^test result:' "$out/parity.log" | head -1)"
+    echo "- parity $(grep -E '^test result:' "$out/parity.log" | head -1)"
+    echo "- e2e $(grep -E '^test result:' "$out/e2e.log" 2>/dev/null | head -1)"
     if tagged 'skipped:' "$out/parity.log" | grep -q .; then
       echo "- skipped:"
       tagged 'skipped:' "$out/parity.log" | sed 's/^/  - /'
     fi
-    if grep -q 'panicked' "$out/parity.log"; then
+    if grep -q 'panicked' "$out/parity.log" "$out/e2e.log" 2>/dev/null; then
       echo
       echo "## Failures"
       echo
       echo '```'
-      grep -A3 'panicked' "$out/parity.log" | head -60
+      grep -h -A3 'panicked' "$out/parity.log" "$out/e2e.log" 2>/dev/null | head -60
       echo '```'
     fi
     echo
@@ -59,6 +64,16 @@ render() {
       fi
       unset f
     done
+    echo
+    echo "## End to end (CudaBackend on the tiny fixtures)"
+    echo
+    echo "Against transformers' reference log-probs and greedy tokens, and against the CPU backend on a"
+    echo "mixed multi-sequence step (see crates/cuda/tests/e2e.rs for the tolerances)."
+    echo
+    echo '```'
+    tagged E2E "$out/e2e.log"
+    tagged 'skipped:' "$out/e2e.log"
+    echo '```'
     echo
     echo "## NVRTC compile times (cold)"
     echo
@@ -96,6 +111,14 @@ t1=$(date +%s)
 "$bin" --ignored --exact bench::bench_gemv_gemm_copy --nocapture >"$out/bench.log" 2>&1
 bench_rc=$?
 t2=$(date +%s)
+if [ -x "$e2e_bin" ]; then
+  "$e2e_bin" --test-threads=1 --nocapture >"$out/e2e.log" 2>&1
+  e2e_rc=$?
+else
+  echo "no executable $e2e_bin" >"$out/e2e.log"
+  e2e_rc=2
+fi
+t3=$(date +%s)
 
 {
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -104,7 +127,7 @@ t2=$(date +%s)
     echo "- device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
   fi
   echo "- parity run: exit $parity_rc in $((t1 - t0)) s (cold kernel cache, every kernel compiled);" \
-    "timing run: exit $bench_rc in $((t2 - t1)) s (warm cache)"
+    "timing run: exit $bench_rc in $((t2 - t1)) s (warm cache); e2e run: exit $e2e_rc in $((t3 - t2)) s"
 } >"$out/meta.md"
 render
-[ "$parity_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+[ "$parity_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ]

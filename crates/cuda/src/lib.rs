@@ -27,6 +27,7 @@
 //! sampling, the `Backend` implementation over these ops with a memory plan, CUDA graphs for decode
 //! and the `sanmai bench` roofline.
 
+mod backend;
 pub mod cache;
 mod device;
 mod error;
@@ -35,8 +36,15 @@ pub mod nvrtc;
 mod ops;
 pub mod registry;
 
+pub use backend::{
+    CudaBackend, CudaTensor, CudaWeight, DenseBf16, MemoryReport, DEFAULT_MAX_SEQS,
+    DEFAULT_MAX_TOKENS,
+};
 pub use cudarc;
 pub use device::{device_count, driver_version, gpu_present, probe, DeviceInfo, DeviceSelection};
 pub use error::{CudaError, Result};
 pub use gpu::Gpu;
-pub use ops::{AttnDims, GdnDims, ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, ROUTER_MAX_K};
+pub use ops::{
+    moe_max_tiles, AttnDims, GdnDims, HeadLayout, MoeOut, RopeArgs, ATTN_MAX_HEAD_DIM, ATTN_SPLIT,
+    GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
+};

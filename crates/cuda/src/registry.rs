@@ -36,6 +36,9 @@ pub const SOURCES: &[Source] = &[
     source!("conv.cu"),
     source!("gdn.cu"),
     source!("attention.cu"),
+    source!("kv.cu"),
+    source!("moe.cu"),
+    source!("elementwise.cu"),
 ];
 
 /// The entry points a source declares: every `extern "C" __global__ ... name(` line.

@@ -18,14 +18,59 @@ impl Gpu {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        const OP: &str = "gemm_bf16";
-        check_len(OP, "x", x, m * k)?;
-        check_len(OP, "W", w, n * k)?;
-        check_len(OP, "y", y, m * n)?;
+        self.gemm_ex(
+            "gemm_bf16",
+            x,
+            w,
+            y,
+            sys::cudaDataType::CUDA_R_16BF,
+            m,
+            n,
+            k,
+        )
+    }
+
+    /// As [`Gpu::gemm_bf16`] with an f32 output (router logits).
+    pub fn gemm_bf16_f32(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<bf16>,
+        y: &mut impl DevicePtrMut<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        self.gemm_ex(
+            "gemm_bf16_f32",
+            x,
+            w,
+            y,
+            sys::cudaDataType::CUDA_R_32F,
+            m,
+            n,
+            k,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_ex<O>(
+        &self,
+        op: &'static str,
+        x: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<bf16>,
+        y: &mut impl DevicePtrMut<O>,
+        y_type: sys::cudaDataType,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        check_len(op, "x", x, m * k)?;
+        check_len(op, "W", w, n * k)?;
+        check_len(op, "y", y, m * n)?;
         if m == 0 || n == 0 {
             return Ok(());
         }
-        let (mi, ni, ki) = (int(OP, "m", m)?, int(OP, "n", n)?, int(OP, "k", k)?);
+        let (mi, ni, ki) = (int(op, "m", m)?, int(op, "n", n)?, int(op, "k", k)?);
         let s = self.stream();
         let (xp, _gx) = x.device_ptr(s);
         let (wp, _gw) = w.device_ptr(s);
@@ -51,7 +96,7 @@ impl Gpu {
                 ki,
                 (&beta) as *const f32 as *const _,
                 yp as *mut _,
-                sys::cudaDataType::CUDA_R_16BF,
+                y_type,
                 ni,
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

@@ -11,13 +11,18 @@ mod elementwise;
 mod gdn;
 mod gemm;
 mod gemv;
+mod kv;
+mod moe;
 mod norm;
 mod rope;
 mod router;
+mod tensor;
 
 pub use attention::{AttnDims, ATTN_MAX_HEAD_DIM, ATTN_SPLIT};
 pub use gdn::GdnDims;
 pub use gemv::GEMV_MAX_M;
+pub use kv::{HeadLayout, RopeArgs, QK_MAX_HEAD_DIM};
+pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
 pub use router::ROUTER_MAX_K;
 
 /// Threads per block for a row of `d` elements: one warp at least, 256 at most.

@@ -1,0 +1,251 @@
+//! The caches: a K/V block pool pair per attention layer (`[num_blocks, block_size, kv_heads·head_dim]`
+//! bf16, the CPU backend's layout) and the GDN state slots, one conv pool (`[slots, kernel−1,
+//! conv_dim]` bf16: it holds projection outputs, exact in bf16) and one recurrent pool (`[slots, hv,
+//! dk, dv]` f32) per GDN layer. Slot pools grow on demand (doubling, contents copied on the device);
+//! a fresh slot is zeroed.
+
+use std::collections::HashMap;
+
+use cudarc::driver::{result, CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use half::bf16;
+use sanmai_model::backend::{CacheSpec, GdnShape};
+
+use crate::error::{CudaError, Result};
+use crate::gpu::Gpu;
+
+/// The K and V pools of one attention layer.
+pub(crate) struct KvPool {
+    pub k: CudaSlice<bf16>,
+    pub v: CudaSlice<bf16>,
+}
+
+#[derive(Default)]
+pub(crate) struct KvPools {
+    pub block_size: usize,
+    /// `kv_heads · head_dim`.
+    pub row: usize,
+    pub num_blocks: usize,
+    pub layers: HashMap<usize, KvPool>,
+}
+
+impl KvPools {
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .values()
+            .map(|p| 2 * (p.k.len() + p.v.len()))
+            .sum()
+    }
+}
+
+/// The state pools of one GDN layer.
+pub(crate) struct StatePool {
+    pub conv: CudaSlice<bf16>,
+    pub ssm: CudaSlice<f32>,
+}
+
+#[derive(Default)]
+pub(crate) struct StateSlots {
+    pub shape: Option<GdnShape>,
+    pub layers: HashMap<usize, StatePool>,
+    /// Slots the pools hold.
+    pub cap: usize,
+    pub live: Vec<bool>,
+    free: Vec<usize>,
+}
+
+/// Conv state values of one slot of one layer.
+pub(crate) fn conv_len(g: &GdnShape) -> usize {
+    (g.conv_kernel - 1) * (2 * g.num_k_heads * g.k_head_dim + g.num_v_heads * g.v_head_dim)
+}
+
+/// Recurrent state values of one slot of one layer.
+pub(crate) fn ssm_len(g: &GdnShape) -> usize {
+    g.num_v_heads * g.k_head_dim * g.v_head_dim
+}
+
+/// Copies `n` elements from element `src` to element `dst` of `buf` (or of `to`, when given).
+fn copy_within<T: DeviceRepr>(
+    gpu: &Gpu,
+    buf: &CudaSlice<T>,
+    to: Option<&CudaSlice<T>>,
+    src: usize,
+    dst: usize,
+    n: usize,
+) -> Result<()> {
+    let sz = std::mem::size_of::<T>();
+    let s = gpu.stream();
+    let (sp, _g) = buf.device_ptr(s);
+    let dp = to.map_or(sp, |t| t.device_ptr(s).0);
+    // SAFETY: the caller keeps both ranges inside their buffers; the ranges of one buffer are disjoint.
+    unsafe {
+        result::memcpy_dtod_async(
+            dp + (dst * sz) as u64,
+            sp + (src * sz) as u64,
+            n * sz,
+            s.cu_stream(),
+        )
+    }?;
+    Ok(())
+}
+
+/// Zeroes `n` elements from element `at` of `buf`.
+fn zero<T: DeviceRepr + ValidAsZeroBits>(
+    gpu: &Gpu,
+    buf: &CudaSlice<T>,
+    at: usize,
+    n: usize,
+) -> Result<()> {
+    let sz = std::mem::size_of::<T>();
+    let s = gpu.stream();
+    let (p, _g) = buf.device_ptr(s);
+    // SAFETY: the range lies inside `buf` (callers pass slot ranges below the capacity).
+    unsafe { result::memset_d8_async(p + (at * sz) as u64, 0, n * sz, s.cu_stream()) }?;
+    Ok(())
+}
+
+impl KvPools {
+    pub fn init(&mut self, gpu: &Gpu, spec: &CacheSpec) -> Result<()> {
+        let row = spec.num_kv_heads * spec.head_dim;
+        let n = (spec.num_blocks * spec.block_size * row).max(1);
+        self.layers.clear();
+        self.block_size = spec.block_size;
+        self.row = row;
+        self.num_blocks = spec.num_blocks;
+        for &l in &spec.attn_layers {
+            let pool = KvPool {
+                k: gpu.zeros(n)?,
+                v: gpu.zeros(n)?,
+            };
+            self.layers.insert(l, pool);
+        }
+        Ok(())
+    }
+
+    pub fn copy_block(&self, gpu: &Gpu, src: u32, dst: u32) -> Result<()> {
+        let n = self.block_size * self.row;
+        if src as usize >= self.num_blocks || dst as usize >= self.num_blocks {
+            return Err(CudaError::Shape {
+                op: "copy_block",
+                msg: format!("block {src} or {dst} outside a pool of {}", self.num_blocks),
+            });
+        }
+        if src == dst {
+            return Ok(());
+        }
+        let (s, d) = (src as usize * n, dst as usize * n);
+        for p in self.layers.values() {
+            copy_within(gpu, &p.k, None, s, d, n)?;
+            copy_within(gpu, &p.v, None, s, d, n)?;
+        }
+        Ok(())
+    }
+}
+
+impl StateSlots {
+    /// (Re)allocates the pools for the spec's GDN layers at the current capacity, zeroed.
+    pub fn init(&mut self, gpu: &Gpu, spec: &CacheSpec) -> Result<()> {
+        self.shape = Some(spec.gdn);
+        self.layers.clear();
+        let cap = self.cap;
+        self.cap = 0;
+        for &l in &spec.gdn_layers {
+            self.layers.insert(
+                l,
+                StatePool {
+                    conv: gpu.zeros(1)?,
+                    ssm: gpu.zeros(1)?,
+                },
+            );
+        }
+        self.grow(gpu, cap)
+    }
+
+    /// Makes the pools hold at least `cap` slots, keeping the contents of the existing ones.
+    fn grow(&mut self, gpu: &Gpu, cap: usize) -> Result<()> {
+        if cap <= self.cap && self.cap > 0 {
+            return Ok(());
+        }
+        if let Some(g) = self.shape {
+            let (cl, sl) = (conv_len(&g), ssm_len(&g));
+            for p in self.layers.values_mut() {
+                let conv: CudaSlice<bf16> = gpu.zeros((cap * cl).max(1))?;
+                let ssm: CudaSlice<f32> = gpu.zeros((cap * sl).max(1))?;
+                if self.cap > 0 {
+                    copy_within(gpu, &p.conv, Some(&conv), 0, 0, self.cap * cl)?;
+                    copy_within(gpu, &p.ssm, Some(&ssm), 0, 0, self.cap * sl)?;
+                }
+                *p = StatePool { conv, ssm };
+            }
+        }
+        self.cap = cap;
+        Ok(())
+    }
+
+    pub fn alloc(&mut self, gpu: &Gpu) -> Result<usize> {
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.live.push(false);
+                self.live.len() - 1
+            }
+        };
+        self.live[slot] = true;
+        if slot >= self.cap {
+            self.grow(gpu, (2 * self.cap).max(slot + 1).max(8))?;
+        }
+        self.zero_slot(gpu, slot)?;
+        Ok(slot)
+    }
+
+    fn zero_slot(&self, gpu: &Gpu, slot: usize) -> Result<()> {
+        if let Some(g) = self.shape {
+            let (cl, sl) = (conv_len(&g), ssm_len(&g));
+            for p in self.layers.values() {
+                zero(gpu, &p.conv, slot * cl, cl)?;
+                zero(gpu, &p.ssm, slot * sl, sl)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn free(&mut self, slot: usize) {
+        if self.live.get(slot).copied().unwrap_or(false) {
+            self.live[slot] = false;
+            self.free.push(slot);
+        }
+    }
+
+    pub fn check(&self, slot: usize) -> Result<()> {
+        if self.live.get(slot).copied().unwrap_or(false) && slot < self.cap {
+            Ok(())
+        } else {
+            Err(CudaError::Shape {
+                op: "state slot",
+                msg: format!("state slot {slot} is not allocated"),
+            })
+        }
+    }
+
+    pub fn copy(&self, gpu: &Gpu, src: usize, dst: usize) -> Result<()> {
+        self.check(src)?;
+        self.check(dst)?;
+        if src == dst {
+            return Ok(());
+        }
+        if let Some(g) = self.shape {
+            let (cl, sl) = (conv_len(&g), ssm_len(&g));
+            for p in self.layers.values() {
+                copy_within(gpu, &p.conv, None, src * cl, dst * cl, cl)?;
+                copy_within(gpu, &p.ssm, None, src * sl, dst * sl, sl)?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .values()
+            .map(|p| 2 * p.conv.len() + 4 * p.ssm.len())
+            .sum()
+    }
+}

@@ -1,0 +1,135 @@
+//! The qwen4_exp extension ops of the trait on the device: tensors from the host, SiLU and the
+//! hyper-connections' pre-mix and gated residual. QSA attention and the PLE mix are not on the device
+//! yet (they need the fp8 index-key cache and the PLE conv state next to the GDN state): calling them
+//! panics with that reason.
+
+use half::bf16;
+
+use super::tensor::{CudaTensor, CudaWeight};
+use super::CudaBackend;
+use crate::error::{CudaError, Result};
+
+impl CudaBackend {
+    /// A `[rows, cols]` tensor from host values (rounded to bf16).
+    pub fn tensor_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaTensor> {
+        if data.len() != rows * cols {
+            return Err(CudaError::Shape {
+                op: "from_host",
+                msg: format!("{} values for [{rows}, {cols}]", data.len()),
+            });
+        }
+        let b: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x)).collect();
+        let buf = if b.is_empty() {
+            self.gpu.zeros(1)?
+        } else {
+            self.gpu.upload(&b)?
+        };
+        Ok(CudaTensor { rows, cols, buf })
+    }
+
+    pub(crate) fn silu_impl(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        let mut y = self.alloc(x.rows, x.cols)?;
+        self.gpu.silu(&x.buf, &mut y.buf, x.len())?;
+        Ok(y)
+    }
+
+    pub(crate) fn hc_premix_impl(
+        &self,
+        streams: &CudaTensor,
+        pre: &CudaWeight,
+    ) -> Result<CudaTensor> {
+        let s = pre.cols();
+        let p = pre.f32().ok_or_else(|| CudaError::Shape {
+            op: "hc_premix",
+            msg: "pre is not a vector".into(),
+        })?;
+        if s == 0 || !streams.cols.is_multiple_of(s) {
+            return Err(CudaError::Shape {
+                op: "hc_premix",
+                msg: format!("{} columns are not {s} streams", streams.cols),
+            });
+        }
+        let h = streams.cols / s;
+        let mut y = self.alloc(streams.rows, h)?;
+        self.gpu
+            .hc_premix(&streams.buf, p, &mut y.buf, streams.rows, s, h)?;
+        Ok(y)
+    }
+
+    pub(crate) fn hc_gated_residual_impl(
+        &self,
+        streams: &mut CudaTensor,
+        u: &CudaTensor,
+        y: &CudaTensor,
+    ) -> Result<()> {
+        let h = y.cols;
+        if h == 0 || !streams.cols.is_multiple_of(h) || u.cols != streams.cols {
+            return Err(CudaError::Shape {
+                op: "hc_gated_residual",
+                msg: format!(
+                    "streams {} / u {} columns against y {h}",
+                    streams.cols, u.cols
+                ),
+            });
+        }
+        let (rows, s) = (streams.rows, streams.cols / h);
+        self.gpu
+            .hc_gated_residual(&mut streams.buf, &u.buf, &y.buf, rows, s, h)
+    }
+}
+
+/// The extension methods of the `Backend` impl (expanded inside it in `mod.rs`).
+macro_rules! ext_methods {
+    () => {
+        fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> CudaTensor {
+            ok("upload", self.tensor_from_host(rows, cols, &data))
+        }
+
+        fn silu(&self, x: &CudaTensor) -> CudaTensor {
+            ok("silu", self.silu_impl(x))
+        }
+
+        fn hc_premix(&self, streams: &CudaTensor, pre: &CudaWeight) -> CudaTensor {
+            ok("hc_premix", self.hc_premix_impl(streams, pre))
+        }
+
+        fn hc_gated_residual(&self, streams: &mut CudaTensor, u: &CudaTensor, y: &CudaTensor) {
+            ok(
+                "hc_gated_residual",
+                self.hc_gated_residual_impl(streams, u, y),
+            )
+        }
+
+        fn qsa_attention(
+            &self,
+            _layer: usize,
+            _shape: &AttnShape,
+            _rope: &Rope,
+            _qsa: &sanmai_model::backend::QsaShape,
+            _q_gate: &CudaTensor,
+            _k: &CudaTensor,
+            _v: &CudaTensor,
+            _w: &AttnWeights<CudaWeight>,
+            _iq: &CudaTensor,
+            _ik: &CudaTensor,
+            _iw: &CudaTensor,
+            _iw_: &sanmai_model::backend::IndexerWeights<CudaWeight>,
+            _seqs: &[SeqChunk<'_>],
+        ) -> CudaTensor {
+            panic!("CUDA backend: QSA attention is not implemented on the device yet")
+        }
+
+        fn ple_mix(
+            &self,
+            _layer: usize,
+            _shape: &sanmai_model::backend::PleShape,
+            _streams: &mut CudaTensor,
+            _rows: &CudaTensor,
+            _w: &sanmai_model::backend::PleWeights<CudaWeight>,
+            _seqs: &[SeqChunk<'_>],
+        ) {
+            panic!("CUDA backend: the PLE mix is not implemented on the device yet")
+        }
+    };
+}
+pub(crate) use ext_methods;

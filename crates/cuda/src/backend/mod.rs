@@ -1,0 +1,471 @@
+//! [`CudaBackend`]: `sanmai_model::Backend` on one CUDA device. Activations are device bf16 tensors
+//! ([`CudaTensor`]), weights device bf16 ([`CudaWeight`]), attention K/V bf16 block pools and GDN state
+//! in slot pools (conv state bf16, recurrent state f32).
+//!
+//! Graph-ready: each step's metadata (token ids, output rows, positions, K/V destinations, state
+//! slots, context lengths, block tables) reaches the device in one async copy from pinned staging
+//! ([`CudaBackend::begin_step`]; without it, each op uploads what it needs the first time it sees it),
+//! every kernel reads it from persistent device buffers, and nothing in a forward pass waits for the
+//! device except [`Backend::to_host`]. Intermediate tensors come from the stream-ordered allocator.
+//!
+//! The trait's ops return values, not `Result`s: a device failure (out of memory, a launch error) or
+//! a call that breaks the trait's contract (a state slot not allocated, a K/V pool not initialised)
+//! panics with the op's name and the error, as the CPU backend panics on the same contract breaches.
+
+mod attn;
+mod cache;
+mod ext;
+mod gdn;
+mod meta;
+mod moe;
+mod tensor;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
+use half::bf16;
+use sanmai_model::backend::{
+    AttnShape, AttnWeights, Backend, CacheSpec, GdnShape, GdnWeights, MoeWeights, Rope, SeqChunk,
+};
+
+use crate::error::{CudaError, Result};
+use crate::gpu::Gpu;
+use crate::ops::GEMV_MAX_M;
+pub use tensor::{CudaTensor, CudaWeight, DenseBf16};
+
+/// Default step limits the metadata buffers are first sized for (larger steps grow them).
+pub const DEFAULT_MAX_TOKENS: usize = 8192;
+pub const DEFAULT_MAX_SEQS: usize = 256;
+
+/// Device memory by purpose, in bytes (what the memory plan prints).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryReport {
+    pub weights: usize,
+    pub kv_pools: usize,
+    /// GDN state slots (conv state at 2 bytes a value, recurrent state at 4), at the pools' capacity.
+    pub gdn_states: usize,
+    /// Persistent workspace: step metadata, expert address tables, RoPE tables. Intermediate tensors
+    /// come from the stream-ordered allocator's pool and are not counted.
+    pub workspace: usize,
+}
+
+pub(crate) struct State {
+    pub meta: meta::Meta,
+    pub kv: cache::KvPools,
+    pub states: cache::StateSlots,
+    pub experts: HashMap<u64, moe::ExpertTable>,
+    /// Device copies of RoPE inverse frequencies, by their host values.
+    rope: Vec<(Vec<f32>, CudaSlice<f32>)>,
+    max_tokens: usize,
+    max_seqs: usize,
+}
+
+impl State {
+    /// The index in `rope` of the device copy of `inv_freq`, uploaded on first use.
+    pub fn rope_table(&mut self, gpu: &Gpu, inv_freq: &[f32]) -> Result<usize> {
+        if let Some(i) = self.rope.iter().position(|(h, _)| h == inv_freq) {
+            return Ok(i);
+        }
+        let t = gpu.upload(if inv_freq.is_empty() {
+            &[0.0]
+        } else {
+            inv_freq
+        })?;
+        self.rope.push((inv_freq.to_vec(), t));
+        Ok(self.rope.len() - 1)
+    }
+}
+
+/// The CUDA backend: one device, one stream.
+pub struct CudaBackend {
+    pub(crate) gpu: Gpu,
+    state: Mutex<State>,
+    weight_bytes: AtomicUsize,
+}
+
+/// Whether every chunk is one token and chunk `i` is row `i` (the batched decode launches).
+pub(crate) fn all_decode(seqs: &[SeqChunk<'_>]) -> bool {
+    !seqs.is_empty()
+        && seqs
+            .iter()
+            .enumerate()
+            .all(|(i, s)| s.len == 1 && s.start == i)
+}
+
+/// Unwraps an op's result: the trait's ops cannot return errors.
+fn ok<T>(op: &str, r: Result<T>) -> T {
+    r.unwrap_or_else(|e| panic!("CUDA backend {op}: {e}"))
+}
+
+impl CudaBackend {
+    /// Opens CUDA device `ordinal` (compiling or loading every kernel) with the default step limits.
+    /// `sanmai --device cuda:N` builds its backend with `CudaBackend::new(N)`.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_limits(ordinal, DEFAULT_MAX_TOKENS, DEFAULT_MAX_SEQS)
+    }
+
+    /// As [`CudaBackend::new`], with the step metadata buffers sized for `max_tokens` rows and
+    /// `max_seqs` sequences.
+    pub fn with_limits(ordinal: usize, max_tokens: usize, max_seqs: usize) -> Result<Self> {
+        Self::from_gpu(Gpu::new(ordinal)?, max_tokens, max_seqs)
+    }
+
+    /// A backend on an opened [`Gpu`].
+    pub fn from_gpu(gpu: Gpu, max_tokens: usize, max_seqs: usize) -> Result<Self> {
+        let meta = meta::Meta::new(&gpu, max_tokens, max_seqs, 64)?;
+        Ok(Self {
+            gpu,
+            state: Mutex::new(State {
+                meta,
+                kv: cache::KvPools::default(),
+                states: cache::StateSlots::default(),
+                experts: HashMap::new(),
+                rope: Vec::new(),
+                max_tokens,
+                max_seqs,
+            }),
+            weight_bytes: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Device memory by purpose.
+    pub fn memory(&self) -> MemoryReport {
+        let st = self.lock();
+        MemoryReport {
+            weights: self.weight_bytes.load(Ordering::Relaxed),
+            kv_pools: st.kv.bytes(),
+            gdn_states: st.states.bytes(),
+            workspace: st.meta.bytes()
+                + st.experts.values().map(|t| t.bytes()).sum::<usize>()
+                + st.rope.iter().map(|(_, t)| 4 * t.len()).sum::<usize>(),
+        }
+    }
+
+    /// Bytes of one GDN state slot over `layers` GDN layers of shape `g`: conv state (bf16) plus
+    /// recurrent state (f32). `Model::state_bytes(CACHE_ELEM_BYTES)` counts both at 2 bytes a value;
+    /// this is the exact figure.
+    pub fn state_bytes_per_slot(g: &GdnShape, layers: usize) -> usize {
+        layers * (2 * cache::conv_len(g) + 4 * cache::ssm_len(g))
+    }
+
+    /// Uploads a step's metadata (the ids `forward` gets, its chunks and output rows) in one copy; the
+    /// ops of the step then find it on the device. Optional: ops upload what is missing themselves.
+    pub fn begin_step(&self, ids: &[u32], seqs: &[SeqChunk<'_>], out_rows: &[usize]) {
+        let mut st = self.lock();
+        let bs = st.kv.block_size;
+        ok(
+            "begin_step",
+            st.meta.stage(&self.gpu, ids, seqs, out_rows, bs),
+        );
+    }
+
+    /// The step limits the metadata buffers were sized for.
+    pub fn limits(&self) -> (usize, usize) {
+        let st = self.lock();
+        (st.max_tokens, st.max_seqs)
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// An uninitialised `[rows, cols]` tensor (every element is written by the op that asks for it).
+    pub(crate) fn alloc(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        // SAFETY: callers write every element before it is read.
+        let buf = unsafe { self.gpu.stream().alloc::<bf16>((rows * cols).max(1)) }?;
+        Ok(CudaTensor { rows, cols, buf })
+    }
+
+    pub(crate) fn zeros(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
+        let buf = self.gpu.zeros::<bf16>((rows * cols).max(1))?;
+        Ok(CudaTensor { rows, cols, buf })
+    }
+
+    /// An uninitialised scratch buffer of `n` values (written by the next op).
+    pub(crate) fn scratch<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>> {
+        // SAFETY: callers write every element before it is read.
+        Ok(unsafe { self.gpu.stream().alloc::<T>(n.max(1)) }?)
+    }
+
+    fn weight_impl(&self, data: Vec<f32>, shape: &[usize]) -> Result<CudaWeight> {
+        if data.len() != shape.iter().product::<usize>() {
+            return Err(CudaError::Shape {
+                op: "weight",
+                msg: format!("{} values for shape {shape:?}", data.len()),
+            });
+        }
+        let b: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x)).collect();
+        let dev = if b.is_empty() {
+            self.gpu.zeros(1)?
+        } else {
+            self.gpu.upload(&b)?
+        };
+        let f32 = if shape.len() == 1 && !data.is_empty() {
+            Some(self.gpu.upload(&data)?)
+        } else {
+            None
+        };
+        let w = CudaWeight::Bf16(DenseBf16 {
+            shape: shape.to_vec(),
+            data: dev,
+            f32,
+        });
+        self.weight_bytes.fetch_add(w.bytes(), Ordering::Relaxed);
+        Ok(w)
+    }
+
+    fn linear_impl(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaTensor> {
+        let (m, n, k) = (x.rows, w.rows(), w.cols());
+        if x.cols != k {
+            return Err(CudaError::Shape {
+                op: "linear",
+                msg: format!("input width {} does not match the weight's {k}", x.cols),
+            });
+        }
+        let mut y = self.alloc(m, n)?;
+        match w {
+            CudaWeight::Bf16(d) => {
+                if (1..=GEMV_MAX_M).contains(&m) && k.is_multiple_of(8) {
+                    self.gpu.gemv_bf16(&d.data, &x.buf, &mut y.buf, m, n, k)?;
+                } else {
+                    self.gpu.gemm_bf16(&x.buf, &d.data, &mut y.buf, m, n, k)?;
+                }
+            }
+        }
+        Ok(y)
+    }
+
+    /// `x · wᵀ` with an f32 result (router logits).
+    pub(crate) fn linear_f32(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaSlice<f32>> {
+        let (m, n, k) = (x.rows, w.rows(), w.cols());
+        if x.cols != k {
+            return Err(CudaError::Shape {
+                op: "linear",
+                msg: format!("input width {} does not match the weight's {k}", x.cols),
+            });
+        }
+        let mut y = self.scratch::<f32>(m * n)?;
+        match w {
+            CudaWeight::Bf16(d) => {
+                if (1..=GEMV_MAX_M).contains(&m) && k.is_multiple_of(8) {
+                    self.gpu.gemv_bf16_f32(&d.data, &x.buf, &mut y, m, n, k)?;
+                } else {
+                    self.gpu.gemm_bf16_f32(&x.buf, &d.data, &mut y, m, n, k)?;
+                }
+            }
+        }
+        Ok(y)
+    }
+
+    fn embed_impl(&self, table: &CudaWeight, ids: &[u32]) -> Result<CudaTensor> {
+        let (vocab, hidden) = (table.rows(), table.cols());
+        let mut out = self.alloc(ids.len(), hidden)?;
+        let mut st = self.lock();
+        let at = st.meta.ids(&self.gpu, ids)?;
+        let view = st.meta.view(at, ids.len());
+        self.gpu
+            .embed(table.bf16(), &view, &mut out.buf, vocab, hidden, ids.len())?;
+        Ok(out)
+    }
+
+    fn rows_impl(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+        let mut out = self.alloc(rows.len(), x.cols)?;
+        if let Some(&bad) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(CudaError::Shape {
+                op: "rows",
+                msg: format!("row {bad} of a {}-row tensor", x.rows),
+            });
+        }
+        let contiguous = rows.windows(2).all(|w| w[1] == w[0] + 1);
+        if rows.is_empty() {
+            return Ok(out);
+        }
+        if contiguous {
+            let c = x.cols;
+            let src = x.buf.slice(rows[0] * c..(rows[0] + rows.len()) * c);
+            self.gpu
+                .stream()
+                .memcpy_dtod(&src, &mut out.buf.slice_mut(..rows.len() * c))?;
+        } else {
+            let mut st = self.lock();
+            let at = st.meta.out_rows(&self.gpu, rows)?;
+            let view = st.meta.view(at, rows.len());
+            self.gpu
+                .gather_rows(&x.buf, &view, &mut out.buf, x.rows, rows.len(), x.cols)?;
+        }
+        Ok(out)
+    }
+
+    fn to_host_impl(&self, x: &CudaTensor) -> Result<Vec<f32>> {
+        let n = x.len();
+        let v = self.gpu.download(&x.buf)?;
+        Ok(v[..n].iter().map(|b| b.to_f32()).collect())
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = CudaTensor;
+    type Weight = CudaWeight;
+    /// K/V values are bf16. GDN state is not counted at this width: conv state is bf16 but the
+    /// recurrent state is f32 (see [`CudaBackend::state_bytes_per_slot`]).
+    const CACHE_ELEM_BYTES: usize = 2;
+
+    fn weight(&self, data: Vec<f32>, shape: &[usize]) -> CudaWeight {
+        ok("weight", self.weight_impl(data, shape))
+    }
+
+    fn init_cache(&self, spec: &CacheSpec) {
+        let mut st = self.lock();
+        let st = &mut *st;
+        ok("init_cache", st.kv.init(&self.gpu, spec));
+        ok("init_cache", st.states.init(&self.gpu, spec));
+    }
+
+    fn alloc_state(&self) -> usize {
+        ok("alloc_state", self.lock().states.alloc(&self.gpu))
+    }
+
+    fn free_state(&self, slot: usize) {
+        self.lock().states.free(slot);
+    }
+
+    fn copy_state(&self, src: usize, dst: usize) {
+        ok("copy_state", self.lock().states.copy(&self.gpu, src, dst));
+    }
+
+    fn copy_block(&self, src: u32, dst: u32) {
+        ok("copy_block", self.lock().kv.copy_block(&self.gpu, src, dst));
+    }
+
+    fn embed(&self, table: &CudaWeight, ids: &[u32]) -> CudaTensor {
+        ok("embed", self.embed_impl(table, ids))
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32, offset: f32) -> CudaTensor {
+        ok(
+            "rms_norm",
+            (|| {
+                let mut y = self.alloc(x.rows, x.cols)?;
+                self.gpu
+                    .rms_norm(&x.buf, w.bf16(), &mut y.buf, x.rows, x.cols, eps, offset)?;
+                Ok(y)
+            })(),
+        )
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
+        ok("linear", self.linear_impl(x, w))
+    }
+
+    fn rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
+        ok("rows", self.rows_impl(x, rows))
+    }
+
+    fn concat_cols(&self, a: &CudaTensor, b: &CudaTensor) -> CudaTensor {
+        ok(
+            "concat_cols",
+            (|| {
+                if a.rows != b.rows {
+                    return Err(CudaError::Shape {
+                        op: "concat_cols",
+                        msg: format!("{} rows against {}", a.rows, b.rows),
+                    });
+                }
+                let mut y = self.alloc(a.rows, a.cols + b.cols)?;
+                self.gpu
+                    .concat_cols(&a.buf, &b.buf, &mut y.buf, a.rows, a.cols, b.cols)?;
+                Ok(y)
+            })(),
+        )
+    }
+
+    fn add(&self, acc: &mut CudaTensor, y: &CudaTensor) {
+        let n = acc.len();
+        if y.len() != n {
+            ok::<()>(
+                "add",
+                Err(CudaError::Shape {
+                    op: "add",
+                    msg: format!("{n} values plus {}", y.len()),
+                }),
+            );
+        }
+        ok("add", self.gpu.add_bf16(&mut acc.buf, &y.buf, n));
+    }
+
+    fn add_sigmoid_gated(&self, acc: &mut CudaTensor, y: &CudaTensor, gate: &CudaTensor) {
+        let (r, c) = (acc.rows, acc.cols);
+        ok(
+            "add_sigmoid_gated",
+            self.gpu
+                .add_sigmoid_gated(&mut acc.buf, &y.buf, &gate.buf, r, c),
+        );
+    }
+
+    fn swiglu(&self, gate_up: &CudaTensor) -> CudaTensor {
+        ok(
+            "swiglu",
+            (|| {
+                let i = gate_up.cols / 2;
+                let mut y = self.alloc(gate_up.rows, i)?;
+                self.gpu.swiglu(&gate_up.buf, &mut y.buf, gate_up.rows, i)?;
+                Ok(y)
+            })(),
+        )
+    }
+
+    fn attention(
+        &self,
+        layer: usize,
+        shape: &AttnShape,
+        rope: &Rope,
+        q_gate: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        w: &AttnWeights<CudaWeight>,
+        seqs: &[SeqChunk<'_>],
+    ) -> CudaTensor {
+        ok(
+            "attention",
+            self.attention_impl(layer, shape, rope, q_gate, k, v, w, seqs),
+        )
+    }
+
+    fn gdn(
+        &self,
+        layer: usize,
+        shape: &GdnShape,
+        qkv: &CudaTensor,
+        z: &CudaTensor,
+        b: &CudaTensor,
+        a: &CudaTensor,
+        w: &GdnWeights<CudaWeight>,
+        eps: f32,
+        seqs: &[SeqChunk<'_>],
+    ) -> CudaTensor {
+        ok(
+            "gdn",
+            self.gdn_impl(layer, shape, qkv, z, b, a, w, eps, seqs),
+        )
+    }
+
+    fn moe_experts(&self, x: &CudaTensor, w: &MoeWeights<CudaWeight>) -> CudaTensor {
+        ok("moe_experts", self.moe_impl(x, w))
+    }
+
+    fn to_host(&self, x: CudaTensor) -> (usize, usize, Vec<f32>) {
+        let v = ok("to_host", self.to_host_impl(&x));
+        (x.rows, x.cols, v)
+    }
+
+    ext::ext_methods!();
+}

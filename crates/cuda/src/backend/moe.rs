@@ -1,0 +1,126 @@
+//! Routed experts on the device: router logits (f32), softmax top-k, the pairs grouped by expert, a
+//! grouped GEMV for the experts' gate|up rows and one for their down rows (reading only the chosen
+//! experts, through a device table of expert weight addresses built once per layer), SwiGLU between
+//! them, and the weighted combine. No host round trip: the same launches serve decode and prefill.
+
+use cudarc::driver::CudaSlice;
+use sanmai_model::backend::MoeWeights;
+
+use super::tensor::{CudaTensor, CudaWeight};
+use super::CudaBackend;
+use crate::error::{CudaError, Result};
+use crate::gpu::Gpu;
+use crate::ops::moe_max_tiles;
+
+/// The device tables of one MoE layer's expert weight addresses.
+pub(crate) struct ExpertTable {
+    /// The addresses, as uploaded (to notice reloaded weights).
+    host: Vec<u64>,
+    pub gate_up: CudaSlice<u64>,
+    pub down: CudaSlice<u64>,
+}
+
+impl ExpertTable {
+    pub fn bytes(&self) -> usize {
+        8 * (self.gate_up.len() + self.down.len())
+    }
+}
+
+/// Every expert's gate|up then down address.
+fn addresses(gpu: &Gpu, w: &MoeWeights<CudaWeight>) -> Vec<u64> {
+    let gu = w.experts.iter().map(|e| e.gate_up.address(gpu));
+    let dn = w.experts.iter().map(|e| e.down.address(gpu));
+    gu.chain(dn).collect()
+}
+
+impl CudaBackend {
+    /// The expert tables of `w`, built on first use (keyed by the first expert's address).
+    fn expert_table<'a>(
+        &self,
+        tables: &'a mut std::collections::HashMap<u64, ExpertTable>,
+        w: &MoeWeights<CudaWeight>,
+    ) -> Result<&'a ExpertTable> {
+        let g = &self.gpu;
+        let addrs = addresses(g, w);
+        let key = addrs[0];
+        let fresh = tables.get(&key).is_none_or(|t| t.host != addrs);
+        if fresh {
+            let e = w.experts.len();
+            let t = ExpertTable {
+                gate_up: g.upload(&addrs[..e])?,
+                down: g.upload(&addrs[e..])?,
+                host: addrs,
+            };
+            tables.insert(key, t);
+        }
+        Ok(&tables[&key])
+    }
+
+    pub(crate) fn moe_impl(
+        &self,
+        x: &CudaTensor,
+        w: &MoeWeights<CudaWeight>,
+    ) -> Result<CudaTensor> {
+        let g = &self.gpu;
+        let (t, h, e, k) = (x.rows, x.cols, w.experts.len(), w.top_k);
+        let bad = |msg: String| CudaError::Shape { op: "moe", msg };
+        if e == 0 {
+            return Err(bad("no experts".into()));
+        }
+        let inter = w.experts[0].inter;
+        for ex in &w.experts {
+            if ex.inter != inter
+                || ex.gate_up.shape() != [2 * inter, h]
+                || ex.down.shape() != [h, inter]
+            {
+                return Err(bad(
+                    "experts must share one [2I, H] gate|up and [H, I] down shape".into(),
+                ));
+            }
+        }
+        let mut out = self.alloc(t, h)?;
+        if t == 0 {
+            return Ok(out);
+        }
+        let logits = self.linear_f32(x, &w.router)?;
+        let n = t * k;
+        let mut ids = g.stream().alloc_zeros::<u32>(n)?;
+        let mut wts = self.scratch::<f32>(n)?;
+        g.route_topk(&logits, &mut ids, &mut wts, t, e, k, w.renormalize)?;
+        let mut perm = self.scratch::<u32>(n)?;
+        let mut tiles = self.scratch::<u32>(3 * moe_max_tiles(n, e))?;
+        g.moe_sort(&ids, n, e, &mut perm, &mut tiles)?;
+        let mut st = self.lock();
+        let table = self.expert_table(&mut st.experts, w)?;
+        let mut gu = self.alloc(n, 2 * inter)?;
+        g.moe_gemv(
+            &table.gate_up,
+            &x.buf,
+            t,
+            k,
+            &perm,
+            &tiles,
+            n,
+            &mut gu.buf,
+            2 * inter,
+            h,
+        )?;
+        let mut act = self.alloc(n, inter)?;
+        g.swiglu(&gu.buf, &mut act.buf, n, inter)?;
+        let mut y = self.scratch::<f32>(n * h)?;
+        g.moe_gemv(
+            &table.down,
+            &act.buf,
+            n,
+            1,
+            &perm,
+            &tiles,
+            n,
+            &mut y,
+            h,
+            inter,
+        )?;
+        g.moe_combine(&y, &wts, &ids, e, &mut out.buf, t, k, h)?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,168 @@
+//! Attention input preparation (per-head q/k RMSNorm + partial NeoX RoPE, the gate split out of the
+//! fused `[q | gate]` projection) and the write of new K/V rows into the paged pools.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use half::bf16;
+
+use super::row_threads;
+use crate::error::{ensure, Result};
+use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
+
+/// The largest head size [`Gpu::qk_norm_rope`] takes (`KV_MAX_D` in `kv.cu`).
+pub const QK_MAX_HEAD_DIM: usize = 256;
+
+/// Where the heads of a [`Gpu::qk_norm_rope`] input lie.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeadLayout {
+    pub rows: usize,
+    pub n_heads: usize,
+    pub head_dim: usize,
+    /// Elements between consecutive rows of the input.
+    pub row_stride: usize,
+    /// Elements between consecutive heads of a row (`2·head_dim` inside a fused `[q | gate]` row).
+    pub head_stride: usize,
+}
+
+/// The rotary embedding of [`Gpu::qk_norm_rope`]: `rot_dim / 2` inverse frequencies (device) and the
+/// cos/sin scale.
+pub struct RopeArgs<'a, F: DevicePtr<f32>> {
+    pub inv_freq: &'a F,
+    pub rot_dim: usize,
+    pub mscale: f32,
+}
+
+impl Gpu {
+    /// Per head: `y = rms_norm(x_head)·(1 + w)` then NeoX RoPE on the first `rot_dim` dims at
+    /// `positions[row]`, in f32 with one rounding; `out`: `[rows, n_heads·head_dim]`. With `gate_out`
+    /// (`[rows, n_heads·head_dim]`), the `head_dim` values after each input head (the gate half of a
+    /// fused `[q | gate]` head) are copied there. Matches `sanmai_cpu::ops::rms_norm` (offset 1)
+    /// followed by `sanmai_cpu::ops::rope_neox`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_rope<F: DevicePtr<f32>>(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        layout: HeadLayout,
+        w: &impl DevicePtr<bf16>,
+        eps: f32,
+        positions: &impl DevicePtr<u32>,
+        rope: &RopeArgs<'_, F>,
+        out: &mut impl DevicePtrMut<bf16>,
+        gate_out: Option<&mut cudarc::driver::CudaViewMut<'_, bf16>>,
+    ) -> Result<()> {
+        const OP: &str = "qk_norm_rope";
+        let HeadLayout {
+            rows,
+            n_heads,
+            head_dim: d,
+            row_stride,
+            head_stride,
+        } = layout;
+        ensure(d > 0 && d <= QK_MAX_HEAD_DIM, OP, || {
+            format!("head_dim = {d} must be in 1..={QK_MAX_HEAD_DIM}")
+        })?;
+        ensure(
+            rope.rot_dim.is_multiple_of(2) && rope.rot_dim <= d,
+            OP,
+            || {
+                format!(
+                    "rot_dim {} must be even and at most head_dim {d}",
+                    rope.rot_dim
+                )
+            },
+        )?;
+        let need_stride = if gate_out.is_some() { 2 * d } else { d };
+        ensure(head_stride >= need_stride, OP, || {
+            format!("head_stride {head_stride} < {need_stride}")
+        })?;
+        if rows == 0 || n_heads == 0 {
+            return Ok(());
+        }
+        let extent = (rows - 1) * row_stride + (n_heads - 1) * head_stride + need_stride;
+        check_len(OP, "x", x, extent)?;
+        check_len(OP, "w", w, d)?;
+        check_len(OP, "positions", positions, rows)?;
+        check_len(OP, "inv_freq", rope.inv_freq, rope.rot_dim / 2)?;
+        check_len(OP, "out", out, rows * n_heads * d)?;
+        if let Some(g) = &gate_out {
+            check_len(OP, "gate_out", *g, rows * n_heads * d)?;
+        }
+        ensure(rows <= 65535, OP, || "more than 65535 rows".into())?;
+        let s = self.stream();
+        let (xp, _gx) = x.device_ptr(s);
+        let (wp, _gw) = w.device_ptr(s);
+        let (pp, _gp) = positions.device_ptr(s);
+        let (fp, _gf) = rope.inv_freq.device_ptr(s);
+        let (op, _go) = out.device_ptr_mut(s);
+        let gp = match gate_out {
+            Some(g) => g.device_ptr_mut(s).0,
+            None => 0u64,
+        };
+        let (xrs, xhs, ors) = (row_stride as i64, head_stride as i64, (n_heads * d) as i64);
+        let (di, half) = (d as i32, (rope.rot_dim / 2) as i32);
+        let mut b = s.launch_builder(self.kernel("qk_norm_rope_bf16")?);
+        b.arg(&xp)
+            .arg(&xrs)
+            .arg(&xhs)
+            .arg(&op)
+            .arg(&ors)
+            .arg(&gp)
+            .arg(&wp)
+            .arg(&eps)
+            .arg(&di)
+            .arg(&pp)
+            .arg(&fp)
+            .arg(&half)
+            .arg(&rope.mscale);
+        let grid = (grid_u32(OP, n_heads)?, rows as u32, 1);
+        // SAFETY: argument types match the kernel; the strided extent of x, out, gate_out, positions
+        // and inv_freq are checked above; head_dim ≤ KV_MAX_D.
+        unsafe { b.launch(cfg(grid, row_threads(d), 0)) }?;
+        Ok(())
+    }
+
+    /// Copies row `r` of `k` and `v` (`[rows, row_elems]`) into pool row `dst[r]` of `k_pool` and
+    /// `v_pool` (`[pool_rows, row_elems]`); a `dst` at or beyond the pool is skipped.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_write(
+        &self,
+        k: &impl DevicePtr<bf16>,
+        v: &impl DevicePtr<bf16>,
+        k_pool: &mut impl DevicePtrMut<bf16>,
+        v_pool: &mut impl DevicePtrMut<bf16>,
+        dst: &impl DevicePtr<u32>,
+        rows: usize,
+        row_elems: usize,
+    ) -> Result<()> {
+        const OP: &str = "kv_write";
+        ensure(row_elems > 0, OP, || "row_elems must be positive".into())?;
+        ensure(k_pool.len() == v_pool.len(), OP, || {
+            "k_pool and v_pool differ in length".into()
+        })?;
+        check_len(OP, "k", k, rows * row_elems)?;
+        check_len(OP, "v", v, rows * row_elems)?;
+        check_len(OP, "dst", dst, rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let pool_rows = u32::try_from(k_pool.len() / row_elems).unwrap_or(u32::MAX);
+        let re = int(OP, "row_elems", row_elems)?;
+        let s = self.stream();
+        let (kp, _gk) = k.device_ptr(s);
+        let (vp, _gv) = v.device_ptr(s);
+        let (kpp, _gkp) = k_pool.device_ptr_mut(s);
+        let (vpp, _gvp) = v_pool.device_ptr_mut(s);
+        let (dp, _gd) = dst.device_ptr(s);
+        let mut b = s.launch_builder(self.kernel("kv_write_bf16")?);
+        b.arg(&kp)
+            .arg(&vp)
+            .arg(&kpp)
+            .arg(&vpp)
+            .arg(&dp)
+            .arg(&re)
+            .arg(&pool_rows);
+        // SAFETY: argument types match the kernel; k, v, dst lengths checked; the kernel skips pool
+        // rows at or beyond the pools' length.
+        unsafe { b.launch(cfg((grid_u32(OP, rows)?, 1, 1), row_threads(row_elems), 0)) }?;
+        Ok(())
+    }
+}

@@ -1,0 +1,74 @@
+// Attention input preparation and the K/V cache write.
+//
+// qk_norm_rope_bf16: per head, the zero-centred RMSNorm over head_dim (weight offset 1, as q_norm and
+// k_norm) followed by NeoX RoPE on the first 2·half dims at the row's position (read from device memory),
+// in f32 with one rounding per output; optionally also copies the head's gate half out of a fused
+// [q | gate] row. kv_write_bf16: copies the step's new K and V rows into their pool rows (the pool row of
+// every token is computed on the host as block·block_size + pos % block_size and uploaded with the step).
+#include "common.cuh"
+
+#define KV_MAX_D 256
+
+// Grid (n_heads, rows); block a multiple of 32 threads (≤ 256). Head h of row r is read at
+// x + r·x_row_stride + h·x_head_stride and written at out + r·out_row_stride + h·d; when gate_out is
+// non-null, the d values after the head are copied to gate_out + r·out_row_stride + h·d. w: [d] (the
+// norm weight, used as 1 + w); pos: [rows]; inv_freq: [half] (half = 0: no rotation).
+extern "C" __global__ void qk_norm_rope_bf16(const bf16* __restrict__ x, long long x_row_stride,
+                                             long long x_head_stride, bf16* __restrict__ out,
+                                             long long out_row_stride, bf16* __restrict__ gate_out,
+                                             const bf16* __restrict__ w, float eps, int d,
+                                             const u32* __restrict__ pos, const float* __restrict__ inv_freq,
+                                             int half, float mscale) {
+    __shared__ float v[KV_MAX_D];
+    __shared__ float scratch[32];
+    const int h = blockIdx.x, r = blockIdx.y;
+    if (d > KV_MAX_D) return;
+    const bf16* xh = x + (long long)r * x_row_stride + (long long)h * x_head_stride;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        const float a = bf2f(xh[i]);
+        v[i] = a;
+        ss += a * a;
+    }
+    ss = block_sum(ss, scratch);  // ends with a barrier: v is complete
+    const float rr = 1.0f / sqrtf(ss / (float)d + eps);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) v[i] = (v[i] * rr) * (1.0f + bf2f(w[i]));
+    __syncthreads();
+    bf16* oh = out + (long long)r * out_row_stride + (long long)h * d;
+    const float p = (float)pos[r];
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float o = v[i];
+        if (i < 2 * half) {
+            const int j = i < half ? i : i - half;
+            float sn, cs;
+            sincosf(p * inv_freq[j], &sn, &cs);
+            cs *= mscale;
+            sn *= mscale;
+            const float a = v[j], b = v[j + half];
+            o = i < half ? a * cs + (-b) * sn : b * cs + a * sn;
+        }
+        oh[i] = f2bf(o);
+    }
+    if (gate_out) {
+        bf16* gh = gate_out + (long long)r * out_row_stride + (long long)h * d;
+        for (int i = threadIdx.x; i < d; i += blockDim.x) gh[i] = xh[d + i];
+    }
+}
+
+// Grid (rows); block any multiple of 32. Row r of k and v ([rows, row_elems]) goes to pool row dst[r]
+// of k_pool and v_pool ([pool_rows, row_elems]); a dst at or beyond pool_rows is skipped.
+extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v,
+                                         bf16* __restrict__ k_pool, bf16* __restrict__ v_pool,
+                                         const u32* __restrict__ dst, int row_elems, u32 pool_rows) {
+    const int r = blockIdx.x;
+    const u32 d = dst[r];
+    if (d >= pool_rows) return;
+    const bf16* ks = k + (size_t)r * row_elems;
+    const bf16* vs = v + (size_t)r * row_elems;
+    bf16* kd = k_pool + (size_t)d * row_elems;
+    bf16* vd = v_pool + (size_t)d * row_elems;
+    for (int i = threadIdx.x; i < row_elems; i += blockDim.x) {
+        kd[i] = ks[i];
+        vd[i] = vs[i];
+    }
+}

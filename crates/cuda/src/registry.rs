@@ -32,6 +32,7 @@ pub const SOURCES: &[Source] = &[
     source!("act.cu"),
     source!("embed.cu"),
     source!("gemv.cu"),
+    source!("quant.cu"),
     source!("router.cu"),
     source!("conv.cu"),
     source!("gdn.cu"),

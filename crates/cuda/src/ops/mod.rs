@@ -14,6 +14,7 @@ mod gemv;
 mod kv;
 mod moe;
 mod norm;
+mod quant;
 mod rope;
 mod router;
 mod tensor;

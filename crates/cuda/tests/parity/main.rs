@@ -22,4 +22,5 @@ mod gdn;
 mod kv;
 mod moe;
 mod norm;
+mod quant;
 mod router;

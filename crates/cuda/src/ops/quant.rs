@@ -1,0 +1,275 @@
+//! Packed-integer weights consumed in their packed form (`kernels/quant.cu`): compressed-tensors
+//! `pack-quantized` INT4 (8 codes per u32) and INT8 (4 per u32), and INT6 gapless (32 codes in 6 u32,
+//! rows padded to 32), symmetric, with f32 scales per group of `group_size` inputs or per row
+//! (`group_size` 0). The layout is the one `sanmai_weights::quant::PackedTensor` holds: upload its
+//! `words()` and `scales` as they are.
+//!
+//! - Decode: [`Gpu::gemv_packed`] / [`Gpu::gemv_packed_f32`], `y[m, :] = dequant(W) · x[m, :]` for
+//!   1 ≤ m ≤ 8, f32 accumulation, one rounding per output.
+//! - Prefill: [`Gpu::gemm_packed`] dequantises W tile by tile into a caller-owned bf16 workspace
+//!   ([`Gpu::dequant_packed`]) and multiplies each tile with cuBLAS; no dequantised copy outlives the call.
+//!
+//! Shape rules (errors, never panics): bits ∈ {4, 6, 8}; `k % 32 == 0` for INT4/INT8 and `k % 8 == 0`
+//! for INT6; `group_size % 8 == 0` (or 0); W, x 16-byte aligned.
+
+use cudarc::cublas::{result as blas, sys};
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use half::bf16;
+
+use crate::error::{ensure, Result};
+use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
+
+/// Rows of W per GEMV block: 8 warps of 2 rows (`QROWS` in quant.cu).
+const ROWS_PER_BLOCK: usize = 16;
+
+/// u32 words of one packed row of `k` inputs.
+pub fn packed_words_per_row(bits: u32, k: usize) -> usize {
+    match bits {
+        6 => k.div_ceil(32) * 6,
+        b => k.div_ceil((32 / b.max(1)) as usize),
+    }
+}
+
+/// Scales per row: `ceil(k / group_size)`, or 1 for per-row scales (`group_size` 0).
+pub fn packed_scale_cols(group_size: usize, k: usize) -> usize {
+    if group_size == 0 {
+        1
+    } else {
+        k.div_ceil(group_size)
+    }
+}
+
+/// Checks the packed shape and buffer lengths; returns the effective group (k for per-row scales).
+fn check_packed(
+    op: &'static str,
+    w: &impl DevicePtr<u32>,
+    scales: &impl DevicePtr<f32>,
+    bits: u32,
+    group_size: usize,
+    n: usize,
+    k: usize,
+) -> Result<usize> {
+    ensure(matches!(bits, 4 | 6 | 8), op, || {
+        format!("{bits}-bit weights: expected 4, 6 or 8")
+    })?;
+    let step = if bits == 6 { 8 } else { 32 };
+    ensure(k > 0 && k.is_multiple_of(step), op, || {
+        format!("k = {k} must be a positive multiple of {step} for INT{bits}")
+    })?;
+    ensure(group_size.is_multiple_of(8), op, || {
+        format!("group_size = {group_size} must be a multiple of 8")
+    })?;
+    check_len(op, "W", w, n * packed_words_per_row(bits, k))?;
+    check_len(op, "scales", scales, n * packed_scale_cols(group_size, k))?;
+    Ok(if group_size == 0 { k } else { group_size })
+}
+
+impl Gpu {
+    /// `y[m, :] = dequant(W) · x[m, :]`: W packed `[n, k]` (`bits`, `group_size`, see the module doc),
+    /// `x`: `[m, k]` bf16, `y`: `[m, n]` bf16, `1 ≤ m ≤ 8`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_packed(
+        &self,
+        w: &impl DevicePtr<u32>,
+        scales: &impl DevicePtr<f32>,
+        bits: u32,
+        group_size: usize,
+        x: &impl DevicePtr<bf16>,
+        y: &mut impl DevicePtrMut<bf16>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        self.gemv_q("", w, scales, bits, group_size, x, y, m, n, k)
+    }
+
+    /// As [`Gpu::gemv_packed`] with an f32 output (an INT8 lm_head's logits).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_packed_f32(
+        &self,
+        w: &impl DevicePtr<u32>,
+        scales: &impl DevicePtr<f32>,
+        bits: u32,
+        group_size: usize,
+        x: &impl DevicePtr<bf16>,
+        y: &mut impl DevicePtrMut<f32>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        self.gemv_q("_f32", w, scales, bits, group_size, x, y, m, n, k)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_q<O>(
+        &self,
+        suffix: &str,
+        w: &impl DevicePtr<u32>,
+        scales: &impl DevicePtr<f32>,
+        bits: u32,
+        group_size: usize,
+        x: &impl DevicePtr<bf16>,
+        y: &mut impl DevicePtrMut<O>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        const OP: &str = "gemv_packed";
+        ensure((1..=8).contains(&m), OP, || {
+            format!("m = {m} rows, expected 1..=8")
+        })?;
+        let group = check_packed(OP, w, scales, bits, group_size, n, k)?;
+        check_len(OP, "x", x, m * k)?;
+        check_len(OP, "y", y, m * n)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (ni, ki, gi) = (int(OP, "n", n)?, int(OP, "k", k)?, int(OP, "group", group)?);
+        let grid = grid_u32(OP, n.div_ceil(ROWS_PER_BLOCK))?;
+        let s = self.stream();
+        let (wp, _gw) = w.device_ptr(s);
+        let (sp, _gs) = scales.device_ptr(s);
+        let (xp, _gx) = x.device_ptr(s);
+        let (yp, _gy) = y.device_ptr_mut(s);
+        ensure(wp % 16 == 0 && xp % 16 == 0, OP, || {
+            "W and x must be 16-byte aligned".into()
+        })?;
+        let mut b = s.launch_builder(self.kernel(&format!("gemv_q{bits}{suffix}_m{m}"))?);
+        b.arg(&wp)
+            .arg(&sp)
+            .arg(&xp)
+            .arg(&yp)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&gi);
+        // SAFETY: argument types match the kernel; lengths, k and group rules and alignment checked above.
+        unsafe { b.launch(cfg((grid, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Rows `[row0, row0 + rows)` of `dequant(W)` as bf16 into `out` (`[rows, k]`, row-major).
+    #[allow(clippy::too_many_arguments)]
+    pub fn dequant_packed(
+        &self,
+        w: &impl DevicePtr<u32>,
+        scales: &impl DevicePtr<f32>,
+        bits: u32,
+        group_size: usize,
+        out: &mut impl DevicePtrMut<bf16>,
+        n: usize,
+        k: usize,
+        row0: usize,
+        rows: usize,
+    ) -> Result<()> {
+        const OP: &str = "dequant_packed";
+        let group = check_packed(OP, w, scales, bits, group_size, n, k)?;
+        ensure(row0 + rows <= n, OP, || {
+            format!("rows {row0}..{} past n = {n}", row0 + rows)
+        })?;
+        check_len(OP, "out", out, rows * k)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let s = self.stream();
+        let (op, _go) = out.device_ptr_mut(s);
+        ensure(op % 16 == 0, OP, || "out must be 16-byte aligned".into())?;
+        let (wp, _gw) = w.device_ptr(s);
+        let (sp, _gs) = scales.device_ptr(s);
+        ensure(wp % 16 == 0, OP, || "W must be 16-byte aligned".into())?;
+        let threads = rows * k.div_ceil(32);
+        let grid = grid_u32(OP, threads.div_ceil(256))?;
+        let (r0, ri, ki, gi) = (
+            int(OP, "row0", row0)?,
+            int(OP, "rows", rows)?,
+            int(OP, "k", k)?,
+            int(OP, "group", group)?,
+        );
+        let mut b = s.launch_builder(self.kernel(&format!("dequant_q{bits}"))?);
+        b.arg(&wp)
+            .arg(&sp)
+            .arg(&op)
+            .arg(&r0)
+            .arg(&ri)
+            .arg(&ki)
+            .arg(&gi);
+        // SAFETY: argument types match the kernel; W, scales and out lengths and the row range checked.
+        unsafe { b.launch(cfg((grid, 1, 1), 256, 0)) }?;
+        Ok(())
+    }
+
+    /// Rows of W one [`Gpu::gemm_packed`] tile holds with a workspace of `ws_len` bf16 elements.
+    pub fn packed_tile_rows(ws_len: usize, n: usize, k: usize) -> usize {
+        (ws_len / k.max(1)).min(n)
+    }
+
+    /// `y[m, n] = x[m, k] · dequant(W)ᵀ` for prefill: W packed `[n, k]`, bf16 in and out, f32
+    /// accumulation. W is dequantised [`Gpu::packed_tile_rows`] rows at a time into `ws` (bf16, caller
+    /// owned, at least `k` elements; 8–32 MiB makes the cuBLAS tiles large enough) and each tile
+    /// multiplied by cuBLAS into its columns of y.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_packed(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<u32>,
+        scales: &impl DevicePtr<f32>,
+        bits: u32,
+        group_size: usize,
+        y: &mut impl DevicePtrMut<bf16>,
+        ws: &mut impl DevicePtrMut<bf16>,
+        m: usize,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        const OP: &str = "gemm_packed";
+        check_packed(OP, w, scales, bits, group_size, n, k)?;
+        check_len(OP, "x", x, m * k)?;
+        check_len(OP, "y", y, m * n)?;
+        let tile = Self::packed_tile_rows(ws.len(), n, k);
+        ensure(tile > 0 || n == 0, OP, || {
+            format!("workspace of {} elements holds no row of k = {k}", ws.len())
+        })?;
+        if m == 0 || n == 0 {
+            return Ok(());
+        }
+        let (mi, ni, ki) = (int(OP, "m", m)?, int(OP, "n", n)?, int(OP, "k", k)?);
+        let mut row0 = 0;
+        while row0 < n {
+            let rows = tile.min(n - row0);
+            self.dequant_packed(w, scales, bits, group_size, &mut *ws, n, k, row0, rows)?;
+            let s = self.stream();
+            let (xp, _gx) = x.device_ptr(s);
+            let (wsp, _gws) = ws.device_ptr_mut(s);
+            let (yp, _gy) = y.device_ptr_mut(s);
+            let ri = int(OP, "rows", rows)?;
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            // Column-major view: yᵀ[row0.., :] (ld n) = tile [k, rows]ᵀ · xᵀ [k, m].
+            // SAFETY: the handle is bound to this stream; the tile holds rows·k elements, y's columns
+            // row0..row0+rows of m rows with ld n lie inside the checked m·n; alpha and beta are host f32.
+            unsafe {
+                blas::gemm_ex(
+                    *self.blas().handle(),
+                    sys::cublasOperation_t::CUBLAS_OP_T,
+                    sys::cublasOperation_t::CUBLAS_OP_N,
+                    ri,
+                    mi,
+                    ki,
+                    (&alpha) as *const f32 as *const _,
+                    wsp as *const _,
+                    sys::cudaDataType::CUDA_R_16BF,
+                    ki,
+                    xp as *const _,
+                    sys::cudaDataType::CUDA_R_16BF,
+                    ki,
+                    (&beta) as *const f32 as *const _,
+                    (yp + (row0 * 2) as u64) as *mut _,
+                    sys::cudaDataType::CUDA_R_16BF,
+                    ni,
+                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }?;
+            row0 += rows;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,365 @@
+//! Packed-integer weights (INT4 / INT8 pack-quantized, INT6 gapless): the decode GEMV, the tile
+//! dequantiser and the prefill GEMM against the CPU twin (dequantise, then `sanmai_cpu::ops::matmul_t`),
+//! plus (ignored by default) the GEMV timing in GB/s of packed bytes.
+//!
+//! The packer here is written from the format description alone (a bit stream per row), independent of
+//! `sanmai_weights::quant`, whose own tests pin it to the Python quantiser.
+
+use half::bf16;
+use sanmai_cpu::ops;
+use sanmai_cuda::Gpu;
+
+use crate::common::{check_reduction, from_bf16, gpu, stats, to_bf16, Rng};
+
+/// A packed matrix on the host: words, f32 scales and the f32 weights they stand for.
+struct Packed {
+    bits: u32,
+    group: usize,
+    n: usize,
+    k: usize,
+    words: Vec<u32>,
+    scales: Vec<f32>,
+    dense: Vec<f32>,
+}
+
+fn words_per_row(bits: u32, k: usize) -> usize {
+    if bits == 6 {
+        k.div_ceil(32) * 6
+    } else {
+        k.div_ceil(32 / bits as usize)
+    }
+}
+
+/// Random codes over the whole range and random positive scales, packed LSB-first: INT4/INT8 whole
+/// codes per word, INT6 as one bit stream per row padded to 32 values.
+fn make(rng: &mut Rng, bits: u32, group: usize, n: usize, k: usize) -> Packed {
+    let wpr = words_per_row(bits, k);
+    let g = if group == 0 { k } else { group };
+    let sc = k.div_ceil(g);
+    let scales: Vec<f32> = (0..n * sc).map(|_| 0.002 + 0.01 * rng.unit()).collect();
+    let mut words = vec![0u32; n * wpr];
+    let mut dense = vec![0f32; n * k];
+    let off = 1i32 << (bits - 1);
+    for r in 0..n {
+        let mut bitpos = 0usize;
+        for j in 0..k {
+            let code = rng.below(1 << bits);
+            dense[r * k + j] = (code as i32 - off) as f32 * scales[r * sc + j / g];
+            let (word, shift) = if bits == 6 {
+                (bitpos / 32, bitpos % 32)
+            } else {
+                let per = 32 / bits as usize;
+                (j / per, (j % per) * bits as usize)
+            };
+            let row = &mut words[r * wpr..(r + 1) * wpr];
+            row[word] |= code << shift;
+            if shift + bits as usize > 32 {
+                row[word + 1] |= code >> (32 - shift);
+            }
+            bitpos += bits as usize;
+        }
+    }
+    Packed {
+        bits,
+        group,
+        n,
+        k,
+        words,
+        scales,
+        dense,
+    }
+}
+
+fn name(p: &Packed, m: usize) -> String {
+    format!("q{}_g{}_m{m}_n{}_k{}", p.bits, p.group, p.n, p.k)
+}
+
+fn gemv_case(g: &Gpu, rng: &mut Rng, p: &Packed, m: usize, f32_out: bool) {
+    let (xb, xf) = to_bf16(&rng.normals(m * p.k, 0.0, 1.0));
+    let mut want = vec![0f32; m * p.n];
+    ops::matmul_t(&xf, &p.dense, m, p.k, p.n, &mut want);
+    let (w, s, x) = (
+        g.upload(&p.words).unwrap(),
+        g.upload(&p.scales).unwrap(),
+        g.upload(&xb).unwrap(),
+    );
+    let mut y = g.zeros::<bf16>(m * p.n).unwrap();
+    g.gemv_packed(&w, &s, p.bits, p.group, &x, &mut y, m, p.n, p.k)
+        .unwrap();
+    let got = from_bf16(&g.download(&y).unwrap());
+    check_reduction("gemv_packed", &name(p, m), &got, &want);
+    if f32_out {
+        let mut y = g.zeros::<f32>(m * p.n).unwrap();
+        g.gemv_packed_f32(&w, &s, p.bits, p.group, &x, &mut y, m, p.n, p.k)
+            .unwrap();
+        let got = g.download(&y).unwrap();
+        check_reduction("gemv_packed_f32", &name(p, m), &got, &want);
+    }
+}
+
+#[test]
+fn gemv_packed_matches_cpu() {
+    let Some(g) = gpu("gemv_packed_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(40);
+    // Every row count 1..8 on one shape per format.
+    for (bits, group, n, k) in [(4, 128, 1003, 2560), (8, 0, 515, 1024), (6, 0, 300, 1000)] {
+        let p = make(&mut rng, bits, group, n, k);
+        for m in 1..=8 {
+            gemv_case(g, &mut rng, &p, m, m == 1);
+        }
+    }
+    for (m, bits, group, n, k) in [
+        (1, 4, 128, 4096, 2048),
+        (2, 4, 32, 100, 64),
+        (5, 4, 0, 64, 256),
+        (8, 4, 128, 257, 512),
+        (1, 8, 0, 2048, 2048),
+        (8, 8, 32, 300, 96),
+        (3, 8, 128, 77, 4096),
+        (1, 6, 0, 512, 2048),
+        (2, 6, 0, 2048, 512),
+        (8, 6, 0, 77, 48),
+        (6, 6, 0, 129, 2056),
+        (7, 6, 8, 64, 40),
+        (4, 6, 128, 33, 520),
+    ] {
+        let p = make(&mut rng, bits, group, n, k);
+        gemv_case(g, &mut rng, &p, m, false);
+    }
+    // An INT8 lm_head (logits in f32).
+    let p = make(&mut rng, 8, 0, 151_936, 2048);
+    gemv_case(g, &mut rng, &p, 1, true);
+}
+
+#[test]
+fn dequant_and_gemm_packed_match_cpu() {
+    let Some(g) = gpu("dequant_and_gemm_packed_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(41);
+    for (m, bits, group, n, k, tile_rows) in [
+        (64, 4, 128, 1024, 2048, 1024),
+        (300, 8, 0, 512, 768, 100),
+        (129, 6, 0, 100, 1000, 33),
+        (1, 4, 32, 256, 64, 7),
+        (37, 6, 0, 515, 48, 515),
+    ] {
+        let p = make(&mut rng, bits, group, n, k);
+        let (w, s) = (g.upload(&p.words).unwrap(), g.upload(&p.scales).unwrap());
+        // The dequantised tile is each weight rounded once to bf16.
+        let (r0, rows) = (n / 3, n - n / 3);
+        let mut tile = g.zeros::<bf16>(rows * k).unwrap();
+        g.dequant_packed(&w, &s, bits, group, &mut tile, n, k, r0, rows)
+            .unwrap();
+        let got = from_bf16(&g.download(&tile).unwrap());
+        let want = to_bf16(&p.dense[r0 * k..n * k]).1;
+        assert_eq!(got, want, "dequant_packed {}", name(&p, 0));
+        println!(
+            "PARITY op=dequant_packed shape={} exact=true",
+            name(&p, rows)
+        );
+
+        let (xb, xf) = to_bf16(&rng.normals(m * k, 0.0, 1.0));
+        let mut want = vec![0f32; m * n];
+        ops::matmul_t(&xf, &p.dense, m, k, n, &mut want);
+        let x = g.upload(&xb).unwrap();
+        let mut y = g.zeros::<bf16>(m * n).unwrap();
+        let mut ws = g.zeros::<bf16>(tile_rows * k).unwrap();
+        g.gemm_packed(&x, &w, &s, bits, group, &mut y, &mut ws, m, n, k)
+            .unwrap();
+        let got = from_bf16(&g.download(&y).unwrap());
+        check_reduction(
+            "gemm_packed",
+            &format!("{}_tile{tile_rows}", name(&p, m)),
+            &got,
+            &want,
+        );
+    }
+    // Against the oracle on the bf16-rounded weights (what cuBLAS multiplies) the GEMM differs only by
+    // summation order and the output rounding.
+    let p = make(&mut rng, 4, 128, 64, 256);
+    let (xb, xf) = to_bf16(&rng.normals(4 * 256, 0.0, 1.0));
+    let wq = to_bf16(&p.dense).1;
+    let mut want = vec![0f32; 4 * 64];
+    ops::matmul_t(&xf, &wq, 4, 256, 64, &mut want);
+    let (w, s, x) = (
+        g.upload(&p.words).unwrap(),
+        g.upload(&p.scales).unwrap(),
+        g.upload(&xb).unwrap(),
+    );
+    let mut y = g.zeros::<bf16>(4 * 64).unwrap();
+    let mut ws = g.zeros::<bf16>(32 * 256).unwrap();
+    g.gemm_packed(&x, &w, &s, 4, 128, &mut y, &mut ws, 4, 64, 256)
+        .unwrap();
+    let got = from_bf16(&g.download(&y).unwrap());
+    let s = stats(&got, &want);
+    println!(
+        "PARITY op=gemm_packed_vs_bf16_weights shape=q4_m4_n64_k256 max_rel={:.3e} rms_rel={:.3e}",
+        s.max_rel, s.rms_rel
+    );
+    assert!(s.rms_rel <= 4e-3);
+}
+
+#[test]
+fn packed_ops_reject_bad_shapes() {
+    let Some(g) = gpu("packed_ops_reject_bad_shapes") else {
+        return;
+    };
+    let w = g.zeros::<u32>(64 * 64).unwrap();
+    let s = g.zeros::<f32>(64 * 8).unwrap();
+    let x = g.zeros::<bf16>(9 * 256).unwrap();
+    let mut y = g.zeros::<bf16>(9 * 64).unwrap();
+    assert!(
+        g.gemv_packed(&w, &s, 4, 0, &x, &mut y, 9, 64, 256).is_err(),
+        "m > 8"
+    );
+    assert!(
+        g.gemv_packed(&w, &s, 4, 0, &x, &mut y, 1, 64, 40).is_err(),
+        "INT4 k % 32"
+    );
+    assert!(
+        g.gemv_packed(&w, &s, 6, 0, &x, &mut y, 1, 64, 36).is_err(),
+        "INT6 k % 8"
+    );
+    assert!(
+        g.gemv_packed(&w, &s, 5, 0, &x, &mut y, 1, 64, 256).is_err(),
+        "5 bits"
+    );
+    assert!(
+        g.gemv_packed(&w, &s, 4, 12, &x, &mut y, 1, 64, 256)
+            .is_err(),
+        "group % 8"
+    );
+    assert!(
+        g.gemv_packed(&w, &s, 8, 0, &x, &mut y, 1, 65, 256).is_err(),
+        "W too short"
+    );
+    assert!(
+        g.gemv_packed(&w, &s, 4, 16, &x, &mut y, 1, 64, 256)
+            .is_err(),
+        "scales too short"
+    );
+    let mut ws = g.zeros::<bf16>(100).unwrap();
+    assert!(
+        g.gemm_packed(&x, &w, &s, 4, 0, &mut y, &mut ws, 2, 64, 256)
+            .is_err(),
+        "workspace below one row"
+    );
+    let mut tile = g.zeros::<bf16>(256).unwrap();
+    assert!(
+        g.dequant_packed(&w, &s, 4, 0, &mut tile, 64, 256, 64, 1)
+            .is_err(),
+        "rows past n"
+    );
+}
+
+/// Mean seconds per call of `f` over `iters` calls after `warm` warm-up calls.
+fn time(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut(usize)) -> f64 {
+    use sanmai_cuda::cudarc::driver::sys::CUevent_flags;
+    for i in 0..warm {
+        f(i);
+    }
+    let s = g.stream();
+    let start = s
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .unwrap();
+    for i in 0..iters {
+        f(i);
+    }
+    let end = s
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .unwrap();
+    start.elapsed_ms(&end).unwrap() as f64 / 1e3 / iters as f64
+}
+
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_packed_gemv_gemm() {
+    let Some(g) = gpu("bench_packed_gemv_gemm") else {
+        return;
+    };
+    let mut rng = Rng::new(42);
+    // Enough copies that one pass (> 300 MB) cannot sit in the 50 MB L2: every call streams from HBM.
+    let (n, k) = (8192usize, 2560usize);
+    for (bits, group) in [(4u32, 128usize), (8, 0), (6, 0)] {
+        let p = make(&mut rng, bits, group, n, k);
+        let wb = (p.words.len() + p.scales.len()) * 4;
+        let copies = (320 << 20) / wb + 1;
+        let ws: Vec<_> = (0..copies).map(|_| g.upload(&p.words).unwrap()).collect();
+        let s = g.upload(&p.scales).unwrap();
+        for m in [1usize, 4, 8] {
+            let x = g.upload(&to_bf16(&rng.normals(m * k, 0.0, 1.0)).0).unwrap();
+            let mut y = g.zeros::<bf16>(m * n).unwrap();
+            let t_cold = time(g, copies, 4 * copies, |i| {
+                g.gemv_packed(&ws[i % copies], &s, bits, group, &x, &mut y, m, n, k)
+                    .unwrap()
+            });
+            let t_hot = time(g, 10, 200, |_| {
+                g.gemv_packed(&ws[0], &s, bits, group, &x, &mut y, m, n, k)
+                    .unwrap()
+            });
+            println!(
+                "BENCH gemv_packed bits={bits} group={group} m={m} n={n} k={k} packed_bytes={wb} \
+                 hbm_time_us={:.2} hbm_GB/s={:.0} l2_time_us={:.2} l2_GB/s={:.0} \
+                 bf16_equiv_GB/s={:.0}",
+                t_cold * 1e6,
+                wb as f64 / t_cold / 1e9,
+                t_hot * 1e6,
+                wb as f64 / t_hot / 1e9,
+                (n * k * 2) as f64 / t_cold / 1e9,
+            );
+        }
+    }
+    // The bf16 GEMV on the same shape, streamed from HBM the same way, for comparison.
+    let wb = n * k * 2;
+    let copies = (320 << 20) / wb + 1;
+    let dense: Vec<_> = (0..copies)
+        .map(|_| {
+            g.upload(&to_bf16(&rng.normals(n * k, 0.0, 0.05)).0)
+                .unwrap()
+        })
+        .collect();
+    let x = g.upload(&to_bf16(&rng.normals(k, 0.0, 1.0)).0).unwrap();
+    let mut y = g.zeros::<bf16>(n).unwrap();
+    let t = time(g, copies, 4 * copies, |i| {
+        g.gemv_bf16(&dense[i % copies], &x, &mut y, 1, n, k)
+            .unwrap()
+    });
+    println!(
+        "BENCH gemv_bf16 m=1 n={n} k={k} bytes={wb} hbm_time_us={:.2} hbm_GB/s={:.0}",
+        t * 1e6,
+        wb as f64 / t / 1e9
+    );
+    drop(dense);
+
+    // Prefill: packed GEMM (dequantise tiles into a 32 MiB workspace + cuBLAS) against bf16 cuBLAS.
+    let (m, n, k) = (4096usize, 8192usize, 2048usize);
+    let x = g.upload(&to_bf16(&rng.normals(m * k, 0.0, 1.0)).0).unwrap();
+    let mut y = g.zeros::<bf16>(m * n).unwrap();
+    let mut ws = g.zeros::<bf16>(16 << 20).unwrap();
+    for (bits, group) in [(4u32, 128usize), (8, 0), (6, 0)] {
+        let p = make(&mut rng, bits, group, n, k);
+        let (w, s) = (g.upload(&p.words).unwrap(), g.upload(&p.scales).unwrap());
+        let t = time(g, 3, 20, |_| {
+            g.gemm_packed(&x, &w, &s, bits, group, &mut y, &mut ws, m, n, k)
+                .unwrap()
+        });
+        println!(
+            "BENCH gemm_packed bits={bits} group={group} m={m} n={n} k={k} ws_rows={} time_us={:.1} TFLOP/s={:.0}",
+            Gpu::packed_tile_rows(16 << 20, n, k),
+            t * 1e6,
+            2.0 * (m * n * k) as f64 / t / 1e12
+        );
+    }
+    let wd = g
+        .upload(&to_bf16(&rng.normals(n * k, 0.0, 0.05)).0)
+        .unwrap();
+    let t = time(g, 3, 20, |_| g.gemm_bf16(&x, &wd, &mut y, m, n, k).unwrap());
+    println!(
+        "BENCH gemm_bf16 m={m} n={n} k={k} time_us={:.1} TFLOP/s={:.0}",
+        t * 1e6,
+        2.0 * (m * n * k) as f64 / t / 1e12
+    );
+}

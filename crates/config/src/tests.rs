@@ -213,3 +213,103 @@ fn rope_parameters_win_over_flat_fields() {
     assert_eq!(c.rope.theta, 100.0);
     assert_eq!(c.rope.rot_dim, 8);
 }
+
+#[test]
+fn qwen4_exp_full_size_config() {
+    let c = repo_config("qwen4-exp-125b-a6b.json");
+    assert_eq!(c.arch, Arch::Qwen4Exp);
+    assert_eq!(
+        (c.vocab_size, c.hidden_size, c.num_layers),
+        (248320, 2560, 48)
+    );
+    assert_eq!((c.num_attention_layers(), c.num_gdn_layers()), (12, 36));
+    assert_eq!((c.attention.num_heads, c.attention.num_kv_heads), (24, 2));
+    assert_eq!(c.attention.head_dim, 256);
+    assert_eq!((c.gdn.num_k_heads, c.gdn.num_v_heads), (16, 48));
+    // GDN state per layer: 48·128·128 f32 = 3,145,728 B; conv 3·10240 bf16 = 61,440 B.
+    assert_eq!(
+        c.gdn.num_v_heads * c.gdn.k_head_dim * c.gdn.v_head_dim * 4,
+        3_145_728
+    );
+    assert_eq!((c.gdn.conv_kernel - 1) * c.gdn.conv_dim() * 2, 61_440);
+    let moe = c.moe.as_ref().unwrap();
+    assert_eq!(
+        (moe.num_experts, moe.top_k, moe.intermediate_size),
+        (512, 10, 640)
+    );
+    assert_eq!(moe.shared_intermediate_size, 640);
+    let q = c.qsa.as_ref().unwrap();
+    assert_eq!(
+        (q.index_n_heads, q.index_head_dim, q.index_topk),
+        (16, 64, 2048)
+    );
+    assert_eq!(q.index_entry_bytes(), 66);
+    let p = c.ple.as_ref().unwrap();
+    assert_eq!(p.num_tables(), 16);
+    let bytes: u64 = p.flat_sizes().iter().sum::<u64>() * p.row_bytes() as u64;
+    assert!((bytes as f64 / (1u64 << 30) as f64 - 95.37).abs() < 0.01);
+    let hc = c.hyper_connections.as_ref().unwrap();
+    assert_eq!((hc.num_streams, hc.rank), (4, 256));
+    assert_eq!(c.mtp_layers, 1);
+    assert_eq!(c.max_position_embeddings, 262144);
+    assert!(c.quantization.is_some());
+}
+
+#[test]
+fn qwen4_exp_tiny_config_has_every_block() {
+    let c = repo_config("qwen4-exp-tiny.json");
+    assert_eq!(c.arch, Arch::Qwen4Exp);
+    assert!(c.qsa.is_some() && c.ple.is_some() && c.hyper_connections.is_some());
+    assert_eq!(c.mtp_layers, 1);
+}
+
+#[test]
+fn qwen4_exp_full_size_quantization_follows_the_spec_mix() {
+    let c = repo_config("qwen4-exp-125b-a6b.json");
+    let q = c.quantization.as_ref().unwrap();
+    let scheme = |m: &str| q.scheme_for(m).map(|s| (s.bits, s.group_size));
+    let l = "model.layers.3.";
+    assert_eq!(
+        scheme(&format!("{l}mlp.experts.7.gate_proj")),
+        Some((4, 128))
+    );
+    assert_eq!(
+        scheme(&format!("{l}mlp.experts.511.down_proj")),
+        Some((4, 128))
+    );
+    assert_eq!(
+        scheme(&format!("{l}mlp.shared_expert.up_proj")),
+        Some((6, 0))
+    );
+    assert!(q
+        .scheme_for(&format!("{l}mlp.shared_expert.up_proj"))
+        .unwrap()
+        .gapless());
+    for m in [
+        "self_attn.q_proj",
+        "self_attn.o_proj",
+        "hc_attn.down",
+        "hc_ffn.up",
+    ] {
+        assert_eq!(scheme(&format!("{l}{m}")), Some((8, 0)), "{m}");
+    }
+    let g = "model.layers.0.linear_attn.";
+    assert_eq!(scheme(&format!("{g}in_proj_qkv")), Some((8, 0)));
+    assert_eq!(scheme(&format!("{g}out_proj")), Some((8, 0)));
+    assert_eq!(scheme("lm_head"), Some((8, 0)));
+    assert_eq!(scheme("model.embed_tokens"), Some((8, 0)));
+    for m in [
+        "model.layers.0.linear_attn.in_proj_b",
+        "model.layers.0.linear_attn.in_proj_a",
+        "model.layers.3.mlp.gate",
+        "model.layers.3.mlp.shared_expert_gate",
+        "model.layers.3.hc_attn.inject",
+        "model.layers.3.self_attn.indexer.wq",
+        "model.layers.3.self_attn.indexer.weights_proj",
+        "model.layers.1.ple.value",
+        "model.layers.1.ple.key.2",
+        "mtp.fc",
+    ] {
+        assert_eq!(scheme(m), None, "{m} stays bf16");
+    }
+}

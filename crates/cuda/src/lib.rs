@@ -1,5 +1,6 @@
-//! The CUDA backend's foundation: device selection and detection, the NVRTC kernel registry with its
-//! on-disk cache, and the first bf16 kernels, each checked against its CPU twin in `sanmai_cpu::ops`.
+//! The CUDA backend: device selection and detection, the NVRTC kernel registry with its on-disk cache,
+//! bf16 kernels (each checked against its CPU twin in `sanmai_cpu::ops`) and [`CudaBackend`], the
+//! `sanmai_model::Backend` implementation over them.
 //!
 //! The CUDA libraries (driver, NVRTC, cuBLAS) are loaded at run time (cudarc's dynamic loading), so the
 //! crate builds and its tests run on machines without a GPU or a CUDA toolkit: probes answer "no
@@ -13,19 +14,33 @@
 //!   error names the `.cu` file and line ([`CudaError::Compile`]).
 //! - [`Gpu`]: context, stream, loaded kernels and a cuBLAS handle, with these ops (bf16 activations,
 //!   f32 arithmetic, one rounding per output): `rms_norm` (zero-centred and plain), `gated_rms_norm`,
-//!   `rope_neox` (partial, strided heads), `swiglu`, `embed`, `gemv_bf16` / `gemv_bf16_f32` (decode,
-//!   1–8 rows), `gemm_bf16` (cuBLAS, prefill), `route_topk` (softmax + top-k + renormalise),
-//!   `conv1d_prefill` / `conv1d_update` (causal conv + SiLU with rolling state),
-//!   `gdn_recurrent_step` (GDN decode, f32 state in slots), `gdn_recurrent_prefill` (one sequence's
-//!   chunk, token by token inside one launch) and `attention_paged_decode` /
-//!   `attention_paged_prefill` (gated GQA attention over the paged K/V cache, split-K with a reduce
-//!   kernel that applies `sigmoid(gate)`).
+//!   `rope_neox` (partial, strided heads), `qk_norm_rope` (per-head q/k norm + partial RoPE + gate
+//!   split), `kv_write` (new K/V rows into the paged pools), `swiglu`, `silu`, `embed`, `gemv_bf16` /
+//!   `gemv_bf16_f32` (decode, 1–8 rows), `gemm_bf16` / `gemm_bf16_f32` (cuBLAS, prefill),
+//!   `route_topk` (softmax + top-k + renormalise), `moe_sort` / `moe_gemv` / `moe_combine` (routed
+//!   experts grouped by expert on the device, through a table of expert weight addresses),
+//!   `conv1d_prefill` / `conv1d_update` (causal conv + SiLU with rolling state), `gdn_recurrent_step`
+//!   (GDN decode, f32 state in slots), `gdn_recurrent_prefill` (one sequence's chunk, token by token
+//!   inside one launch), `attention_paged_decode` / `attention_paged_prefill` (gated GQA attention
+//!   over the paged K/V cache, split-K with a reduce kernel that applies `sigmoid(gate)`), and the
+//!   elementwise `add_bf16`, `add_sigmoid_gated`, `gather_rows`, `concat_cols`, `hc_premix`,
+//!   `hc_gated_residual`.
+//! - [`CudaBackend`]: `CudaBackend::new(ordinal)` (or `with_limits(ordinal, max_tokens, max_seqs)`)
+//!   opens device `ordinal` and is a `sanmai_model::Backend`: `Model::load(cfg, &src,
+//!   CudaBackend::new(n)?)` runs a model on `cuda:n`. Tensors and weights are device bf16, K/V pools
+//!   bf16 (`CACHE_ELEM_BYTES = 2`), GDN state slots conv bf16 + recurrent f32
+//!   ([`CudaBackend::state_bytes_per_slot`]); [`CudaBackend::memory`] reports bytes of weights, K/V
+//!   pools, GDN state slots and persistent workspace for the memory plan. Step metadata (ids, output
+//!   rows, positions, K/V destinations, state slots, lengths, block tables) reaches the device once
+//!   per step through pinned staging ([`CudaBackend::begin_step`], or lazily per op); no op waits for
+//!   the device except `to_host`.
 //!
-//! What is next (the rest of the CUDA issue): the faithful chunked (WY/UT) GDN prefill, a tiled
-//! prefill attention that shares K/V loads across query rows, K/V cache writes, MRoPE, fused residual+norm, routed experts (grouped GEMV for
-//! decode, grouped GEMM for prefill), quantised weights (INT4/INT8/INT6 pack-quantized), on-device
-//! sampling, the `Backend` implementation over these ops with a memory plan, CUDA graphs for decode
-//! and the `sanmai bench` roofline.
+//! What is next: QSA attention and the PLE mix on the device (they panic with that reason today), the
+//! faithful chunked (WY/UT) GDN prefill, a tiled prefill attention that shares K/V loads across query
+//! rows, a grouped GEMM for large prefill MoE (the tiled grouped GEMV reads each expert once per 8
+//! routed tokens), MRoPE, fused residual+norm, quantised weights (INT4/INT8/INT6 pack-quantized) as
+//! further `CudaWeight` variants, on-device sampling and f32 logits, CUDA graphs for decode (the step
+//! metadata already lives in persistent device buffers) and the `sanmai bench` roofline.
 
 mod backend;
 pub mod cache;

@@ -36,6 +36,11 @@ const MAX_TOL: f64 = 2.5;
 const GAP: f64 = 1.0;
 /// The MTP check compares draft log-probs at or above this reference value.
 const MTP_FLOOR: f64 = -10.0;
+/// The MTP draft's mean bound: its input is the main pass's last hidden state, which already carries
+/// that pass's bf16 error (prompt log-probs off by up to 2.1 on the 300-token prompt), and one more
+/// layer follows. On the H200 (docs/gpu/backend-2026-11-29.md) qwen3_next_tiny's 300-token case measured
+/// 0.262 (its argmax equal to transformers'), the other cases 0.06–0.15.
+const MTP_MEAN_TOL: f64 = 0.4;
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 32;
 const FIXTURES: [&str; 3] = [
@@ -298,10 +303,10 @@ fn check_mtp(name: &str) {
         let (mean, worst) = mean_max(&errs);
         let (all_mean, all_max) = mean_max(&all);
         println!(
-            "E2E check=mtp model={name} case={ci} mean_err={mean:.3} max_err={worst:.3} (ref logprob >= {MTP_FLOOR}) tol_mean={MEAN_TOL} argmax_equal={top1}/{gated} (gap >= {GAP}) all_vocab_mean_err={all_mean:.3} all_vocab_max_err={all_max:.3}"
+            "E2E check=mtp model={name} case={ci} mean_err={mean:.3} max_err={worst:.3} (ref logprob >= {MTP_FLOOR}) tol_mean={MTP_MEAN_TOL} argmax_equal={top1}/{gated} (gap >= {GAP}) all_vocab_mean_err={all_mean:.3} all_vocab_max_err={all_max:.3}"
         );
         assert!(
-            mean <= MEAN_TOL,
+            mean <= MTP_MEAN_TOL,
             "{name} MTP case {ci}: draft log-prob error mean {mean}"
         );
         m.backend.free_state(seq.state);

@@ -54,6 +54,7 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
     }
     let vocab = loaded.valid_vocab as u64;
     println!("model: {} on {}", loaded.name, loaded.device);
+    let bandwidth = m.backend.copy_bandwidth();
     for &batch in &args.batch {
         // Deterministic pseudo-random prompts, distinct per sequence.
         let prompts: Vec<Vec<u32>> = (0..batch as u64)
@@ -63,8 +64,9 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
                     .collect()
             })
             .collect();
-        // Each sequence gets a contiguous run of blocks for its whole length.
-        let per_seq = (args.prompt_len + args.gen_len).div_ceil(BLOCK) as u32;
+        // Each sequence gets a contiguous run of blocks for its whole length (and the untimed step
+        // that records the routing).
+        let per_seq = (args.prompt_len + args.gen_len + 1).div_ceil(BLOCK) as u32;
         m.init_cache(per_seq as usize * batch, BLOCK);
         let seqs_cache: Vec<(usize, Vec<u32>)> = (0..batch as u32)
             .map(|i| {
@@ -119,21 +121,64 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
             }
             steps.push(t0.elapsed().as_secs_f64());
         }
+        // One more step, untimed, recording how many distinct experts each MoE layer routed to.
+        m.backend.record_routing(true);
+        let seqs: Vec<SeqChunk> = seqs_cache
+            .iter()
+            .enumerate()
+            .map(|(i, (state, blocks))| SeqChunk {
+                start: i,
+                len: 1,
+                pos0: args.prompt_len + args.gen_len,
+                state: *state,
+                blocks,
+            })
+            .collect();
+        let rows: Vec<usize> = (0..batch).collect();
+        let out = m.forward(&next, &seqs, &rows);
+        drop(m.backend.to_host(m.logits(&out.hidden)));
+        let routed = m.backend.take_routing();
+        m.backend.record_routing(false);
         for (state, _) in seqs_cache {
             m.backend.free_state(state);
         }
         let total: f64 = steps.iter().sum();
         let itl = median(&mut steps);
+        let decode_tok_s = (batch * args.gen_len) as f64 / total;
         println!(
             "batch {batch}: prefill {:.1} tok/s (TTFT median {:.1} ms, prompt {} tokens) | decode {:.1} tok/s, \
              inter-token latency median {:.2} ms, mean {:.2} ms ({} steps)",
             (batch * args.prompt_len) as f64 / prefill_s,
             median(&mut ttft) * 1e3,
             args.prompt_len,
-            (batch * args.gen_len) as f64 / total,
+            decode_tok_s,
             itl * 1e3,
             total / args.gen_len as f64 * 1e3,
             args.gen_len
+        );
+        let context = args.prompt_len + args.gen_len / 2;
+        let bytes = m.decode_step_bytes(batch, context, &routed);
+        let ceiling = batch as f64 * bandwidth / bytes.total() as f64;
+        let experts = if routed.is_empty() {
+            String::new()
+        } else {
+            format!(
+                " for {:.1} distinct experts per MoE layer",
+                routed.iter().sum::<usize>() as f64 / routed.len() as f64
+            )
+        };
+        println!(
+            "  roofline: {:.3} GB read per decode step (dense weights {:.3} GB, routed experts {:.3} GB{experts}, \
+             embedding rows {:.1} KB, state and K/V at context {context} {:.3} GB); copy bandwidth {:.1} GB/s \
+             -> ceiling {:.1} tok/s; achieved {:.1}%",
+            bytes.total() as f64 / 1e9,
+            bytes.dense_weights as f64 / 1e9,
+            bytes.routed_experts as f64 / 1e9,
+            bytes.embedding_rows as f64 / 1e3,
+            bytes.state as f64 / 1e9,
+            bandwidth / 1e9,
+            ceiling,
+            100.0 * decode_tok_s / ceiling
         );
     }
     Ok(())

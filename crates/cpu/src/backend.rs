@@ -95,6 +95,8 @@ pub struct CpuBackend {
     next_state: AtomicUsize,
     /// QSA selections recorded while tracing is on (see [`CpuBackend::trace_qsa`]).
     pub(crate) qsa_trace: Mutex<Option<Vec<QsaSelection>>>,
+    /// Distinct experts per MoE call while recording is on (see [`Backend::record_routing`]).
+    routing: Mutex<Option<Vec<usize>>>,
 }
 
 /// One query row's QSA selection, recorded by a tracing backend.
@@ -599,6 +601,11 @@ impl Backend for CpuBackend {
             &mut ids,
             &mut weights,
         );
+        if let Some(log) = self.routing.lock().unwrap().as_mut() {
+            let mut seen = vec![false; e];
+            ids.iter().for_each(|&i| seen[i as usize] = true);
+            log.push(seen.iter().filter(|&&x| x).count());
+        }
         // Tokens (and their routing weight) per expert.
         let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
         for (i, (&id, &wt)) in ids.iter().zip(&weights).enumerate() {
@@ -634,6 +641,41 @@ impl Backend for CpuBackend {
 
     fn to_host(&self, x: CpuTensor) -> (usize, usize, Vec<f32>) {
         (x.rows, x.cols, x.data)
+    }
+
+    fn weight_bytes(&self, w: &CpuWeight) -> usize {
+        w.data.len() * std::mem::size_of::<f32>()
+    }
+
+    /// The best of five parallel copies of 256 MiB (one chunk per thread).
+    fn copy_bandwidth(&self) -> f64 {
+        const BYTES: usize = 256 << 20;
+        let src = vec![1u8; BYTES];
+        let mut dst = vec![0u8; BYTES];
+        let chunk = BYTES.div_ceil(rayon::current_num_threads().max(1));
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            let t0 = std::time::Instant::now();
+            dst.par_chunks_mut(chunk)
+                .zip(src.par_chunks(chunk))
+                .for_each(|(d, s)| d.copy_from_slice(s));
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        std::hint::black_box(&dst);
+        2.0 * BYTES as f64 / best
+    }
+
+    fn record_routing(&self, on: bool) {
+        *self.routing.lock().unwrap() = on.then(Vec::new);
+    }
+
+    fn take_routing(&self) -> Vec<usize> {
+        self.routing
+            .lock()
+            .unwrap()
+            .as_mut()
+            .map(std::mem::take)
+            .unwrap_or_default()
     }
 
     fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> CpuTensor {

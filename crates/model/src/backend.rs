@@ -197,6 +197,22 @@ pub trait Backend: Send + Sync {
     /// Moves a tensor to the host as `(rows, cols, values)`.
     fn to_host(&self, x: Self::Tensor) -> (usize, usize, Vec<f32>);
 
+    /// Bytes a weight occupies in this backend's storage: what one pass over it reads.
+    fn weight_bytes(&self, w: &Self::Weight) -> usize;
+
+    /// The device's memory bandwidth in bytes/s (bytes read plus bytes written), measured now with a
+    /// large copy: the ceiling a memory-bound decode step runs against.
+    fn copy_bandwidth(&self) -> f64;
+
+    /// Starts (`true`) or stops recording routed experts: while on, every [`Backend::moe_experts`]
+    /// call records how many distinct experts its rows were routed to (which may cost a device
+    /// synchronisation per call: for measurements, not for serving).
+    fn record_routing(&self, on: bool);
+
+    /// The distinct-expert counts recorded so far, one per `moe_experts` call in call order; clears
+    /// them.
+    fn take_routing(&self) -> Vec<usize>;
+
     /// An activation tensor `[rows, cols]` from host values (row-major); used for the PLE rows
     /// gathered on the host (bf16 values given as f32, so a bf16 device copy is exact).
     fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> Self::Tensor;

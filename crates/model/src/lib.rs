@@ -12,6 +12,7 @@ mod forward;
 mod load;
 mod load_ext;
 mod ple;
+mod roofline;
 
 pub use backend::{
     AttnShape, AttnWeights, Backend, GdnShape, GdnWeights, HcWeights, IndexerWeights, MlpWeights,
@@ -20,3 +21,4 @@ pub use backend::{
 pub use forward::StepOutput;
 pub use load::{Ffn, Layer, Mixer, Model, MtpWeights};
 pub use ple::PleSource;
+pub use roofline::StepBytes;

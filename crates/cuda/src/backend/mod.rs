@@ -18,6 +18,7 @@ mod ext;
 mod gdn;
 mod meta;
 mod moe;
+mod roofline;
 mod tensor;
 
 use std::collections::HashMap;
@@ -83,6 +84,7 @@ pub struct CudaBackend {
     pub(crate) gpu: Gpu,
     state: Mutex<State>,
     weight_bytes: AtomicUsize,
+    routing: roofline::RoutingLog,
 }
 
 /// Whether every chunk is one token and chunk `i` is row `i` (the batched decode launches).
@@ -127,6 +129,7 @@ impl CudaBackend {
                 max_seqs,
             }),
             weight_bytes: AtomicUsize::new(0),
+            routing: roofline::RoutingLog::default(),
         })
     }
 
@@ -460,6 +463,22 @@ impl Backend for CudaBackend {
 
     fn moe_experts(&self, x: &CudaTensor, w: &MoeWeights<CudaWeight>) -> CudaTensor {
         ok("moe_experts", self.moe_impl(x, w))
+    }
+
+    fn weight_bytes(&self, w: &CudaWeight) -> usize {
+        w.bytes()
+    }
+
+    fn copy_bandwidth(&self) -> f64 {
+        ok("copy_bandwidth", self.copy_bandwidth_impl())
+    }
+
+    fn record_routing(&self, on: bool) {
+        self.routing.set(on);
+    }
+
+    fn take_routing(&self) -> Vec<usize> {
+        self.routing.take()
     }
 
     fn to_host(&self, x: CudaTensor) -> (usize, usize, Vec<f32>) {

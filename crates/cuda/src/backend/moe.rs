@@ -87,6 +87,7 @@ impl CudaBackend {
         let mut ids = g.stream().alloc_zeros::<u32>(n)?;
         let mut wts = self.scratch::<f32>(n)?;
         g.route_topk(&logits, &mut ids, &mut wts, t, e, k, w.renormalize)?;
+        self.log_routing(&ids, n, e)?;
         let mut perm = self.scratch::<u32>(n)?;
         let mut tiles = self.scratch::<u32>(3 * moe_max_tiles(n, e))?;
         g.moe_sort(&ids, n, e, &mut perm, &mut tiles)?;

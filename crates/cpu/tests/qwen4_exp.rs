@@ -391,3 +391,37 @@ fn all_blocks_off_equals_the_qwen3_5_moe_fixture() {
     let b = step(&base, &new_seq(&base, 7), &prompt, 0, prompt.len());
     assert_eq!(a, b);
 }
+
+/// With `index_topk` at least the context, a QSA layer is dense gated attention: the QSA checkpoint
+/// with a large `index_topk` computes exactly what it computes with the `qsa` block removed.
+#[test]
+fn qsa_with_topk_over_the_context_is_dense_attention() {
+    let dir = fixture("qwen4_exp_qsa_tiny");
+    let mut cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    cfg.qsa.as_mut().unwrap().index_topk = 4096;
+    let sparse = load_cfg(&dir, cfg.clone());
+    cfg.qsa = None;
+    let dense = load_cfg(&dir, cfg);
+    let prompt = ids(&reference(&dir)["prompts"][2]["ids"]);
+    for chunk_len in [1024, 37] {
+        let a = prompt_logprobs(&sparse, &new_seq(&sparse, 0), &prompt, chunk_len);
+        let b = prompt_logprobs(&dense, &new_seq(&dense, 0), &prompt, chunk_len);
+        assert_eq!(a, b, "chunks of {chunk_len}");
+    }
+    // And with the fixture's own index_topk (32 < 300) the layer does select: the logits differ.
+    let (m, _) = load("qwen4_exp_qsa_tiny");
+    let c = prompt_logprobs(&m, &new_seq(&m, 1), &prompt, 1024);
+    let d = prompt_logprobs(&dense, &new_seq(&dense, 1), &prompt, 1024);
+    let diff = |a: &[Vec<f64>], b: &[Vec<f64>]| {
+        a.iter()
+            .zip(b)
+            .flat_map(|(x, y)| x.iter().zip(y).map(|(p, q)| (p - q).abs()))
+            .fold(0.0, f64::max)
+    };
+    // Positions within index_topk see every key (through the sparse kernel: equal up to rounding).
+    assert!(diff(&c[..32], &d[..32]) < 1e-5);
+    assert!(
+        diff(&c[40..], &d[40..]) > 1e-2,
+        "later positions attend to 32 keys only"
+    );
+}

@@ -60,8 +60,24 @@ __device__ __forceinline__ void qput<bf16>(bf16* y, size_t i, float v) { y[i] = 
 template <>
 __device__ __forceinline__ void qput<float>(float* y, size_t i, float v) { y[i] = v; }
 
-// One warp owns QROWS consecutive rows; lane l decodes units l, l+32, ... of each. Per 8-value chunk of a
-// unit: decode the chunk of every row once, then one x chunk per m (read-only cache), dot, times scale.
+// Loads unit u of each of a warp's rows: its words and the scale of each 8-value chunk (the chunk
+// index is clamped to k - 1 so the INT6 tail past k reads a valid scale; that chunk is skipped).
+template <int BITS>
+__device__ __forceinline__ void fetch_unit(const u32* const wrow[QROWS], const float* const srow[QROWS],
+                                           int u, int k, int group, u32 w[QROWS][Unit<BITS>::WORDS],
+                                           float sc[QROWS][4]) {
+#pragma unroll
+    for (int r = 0; r < QROWS; ++r) {
+        Unit<BITS>::load(wrow[r], u, w[r]);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) sc[r][c] = __ldg(srow[r] + min(u * 32 + c * 8, k - 1) / group);
+    }
+}
+
+// One warp owns QROWS consecutive rows (rows past n re-read row n - 1 and are not stored); lane l takes
+// units l, l+32, ... and loads unit u+32 (words and scales) before computing unit u, so two units' loads
+// are in flight. Per 8-value chunk: decode the chunk of every row once, then for each m one x chunk
+// (read-only cache, shared by the block's warps), dot, times the chunk's scale.
 template <int BITS, int M, typename OUT>
 __device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const float* __restrict__ S,
                                             const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
@@ -75,34 +91,47 @@ __device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const flo
     const int units = (k + 31) >> 5;
     const size_t wpr = (size_t)units * U::WORDS;
     const int scols = (k + group - 1) / group;
+    const u32* wrow[QROWS];
+    const float* srow[QROWS];
+#pragma unroll
+    for (int r = 0; r < QROWS; ++r) {
+        const long long row = min(row0 + r, (long long)n - 1);
+        wrow[r] = W + row * wpr;
+        srow[r] = S + row * scols;
+    }
     float acc[QROWS][M];
 #pragma unroll
     for (int r = 0; r < QROWS; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
 
-    for (int u = lane; u < units; u += 32) {
-        u32 w[QROWS][U::WORDS];
+    u32 w[QROWS][U::WORDS];
+    float sc[QROWS][4];
+    int u = lane;
+    if (u < units) fetch_unit<BITS>(wrow, srow, u, k, group, w, sc);
+#pragma unroll 1
+    while (u < units) {
+        u32 cw[QROWS][U::WORDS];
+        float cs[QROWS][4];
 #pragma unroll
         for (int r = 0; r < QROWS; ++r) {
-            if (r < nrows) {
-                U::load(W + (row0 + r) * wpr, u, w[r]);
-            } else {
 #pragma unroll
-                for (int i = 0; i < U::WORDS; ++i) w[r][i] = 0u;
-            }
+            for (int i = 0; i < U::WORDS; ++i) cw[r][i] = w[r][i];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) cs[r][c] = sc[r][c];
         }
+        const int un = u + 32;
+        if (un < units) fetch_unit<BITS>(wrow, srow, un, k, group, w, sc);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             const int j0 = u * 32 + c * 8;
-            if (j0 >= k) break;  // INT6 partial last unit (k % 8 == 0)
-            float q[QROWS][8], s[QROWS];
+            // Only INT6 has a partial last unit (k % 8 == 0); INT4/INT8 need k % 32 == 0.
+            if (BITS == 6 && j0 >= k) continue;
+            float q[QROWS][8];
 #pragma unroll
-            for (int r = 0; r < QROWS; ++r) {
+            for (int r = 0; r < QROWS; ++r)
 #pragma unroll
-                for (int e = 0; e < 8; ++e) q[r][e] = qval<BITS>(U::code(w[r], c * 8 + e));
-                s[r] = r < nrows ? __ldg(S + (row0 + r) * scols + j0 / group) : 0.0f;
-            }
+                for (int e = 0; e < 8; ++e) q[r][e] = qval<BITS>(U::code(cw[r], c * 8 + e));
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 float xf[8];
@@ -112,10 +141,11 @@ __device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const flo
                     float d = 0.0f;
 #pragma unroll
                     for (int e = 0; e < 8; ++e) d = fmaf(q[r][e], xf[e], d);
-                    acc[r][m] = fmaf(d, s[r], acc[r][m]);
+                    acc[r][m] = fmaf(d, cs[r][c], acc[r][m]);
                 }
             }
         }
+        u = un;
     }
 #pragma unroll
     for (int r = 0; r < QROWS; ++r)

@@ -281,9 +281,14 @@ fn bench_packed_gemv_gemm() {
         return;
     };
     let mut rng = Rng::new(42);
-    // Enough copies that one pass (> 300 MB) cannot sit in the 50 MB L2: every call streams from HBM.
-    let (n, k) = (8192usize, 2560usize);
-    for (bits, group) in [(4u32, 128usize), (8, 0), (6, 0)] {
+    // Enough copies that one pass (> 320 MB) cannot sit in the 50 MB L2: every call streams from HBM.
+    for (bits, group, n, k) in [
+        (4u32, 128usize, 8192usize, 2560usize),
+        (8, 0, 8192, 2560),
+        (6, 0, 8192, 2560),
+        (4, 128, 32768, 2560),
+        (8, 0, 151_936, 2048),
+    ] {
         let p = make(&mut rng, bits, group, n, k);
         let wb = (p.words.len() + p.scales.len()) * 4;
         let copies = (320 << 20) / wb + 1;
@@ -312,6 +317,7 @@ fn bench_packed_gemv_gemm() {
             );
         }
     }
+    let (n, k) = (8192usize, 2560usize);
     // The bf16 GEMV on the same shape, streamed from HBM the same way, for comparison.
     let wb = n * k * 2;
     let copies = (320 << 20) / wb + 1;

@@ -343,7 +343,8 @@ fn splitmix(state: &mut u64) -> u64 {
 
 /// Random packed weights for a dummy source, deterministic in `seed`: codes uniform over the symmetric
 /// range `[−(2^(b−1)−1), 2^(b−1)−1]` (INT4/INT8 map the one extra negative code to 0), all scales equal so
-/// the values have the standard deviation `init` asks for (`Const(c)`: every value is exactly `c`).
+/// the values have the standard deviation `init` asks for around 0 (Linear weights; a `Random` mean is
+/// not applied), and `Const(c)` makes every value exactly `c`.
 pub fn random_packed(
     seed: u64,
     name: &str,

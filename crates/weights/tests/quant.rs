@@ -174,3 +174,40 @@ fn dummy_weights_come_packed_for_targeted_linears() {
         .unwrap()
         .is_none());
 }
+
+#[test]
+fn dummy_bytes_of_the_full_size_qwen3_next_mix() {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/models/qwen3-next-80b-a3b.json");
+    let cfg = ModelConfig::from_file(&path).unwrap();
+    let d = Dummy::new(1).with_quantization(cfg.quantization.clone());
+    let init = Init::std(0.02);
+    let bytes =
+        |name: &str, shape: &[usize]| d.packed(name, shape, init).unwrap().map(|p| p.nbytes());
+    // One routed expert's gate: 512 × 2048 INT4 g128 = 256 words and 16 scales a row.
+    assert_eq!(
+        bytes(
+            "model.layers.0.mlp.experts.9.gate_proj.weight",
+            &[512, 2048]
+        ),
+        Some(512 * (256 + 16) * 4)
+    );
+    // Shared expert down: 2048 × 512 INT6 gapless = 96 words and 1 scale a row.
+    assert_eq!(
+        bytes(
+            "model.layers.5.mlp.shared_expert.down_proj.weight",
+            &[2048, 512]
+        ),
+        Some(2048 * (96 + 1) * 4)
+    );
+    // Attention output: 2048 × 4096 INT8 channel = 1024 words and 1 scale a row.
+    assert_eq!(
+        bytes("model.layers.3.self_attn.o_proj.weight", &[2048, 4096]),
+        Some(2048 * (1024 + 1) * 4)
+    );
+    assert_eq!(
+        bytes("model.layers.0.linear_attn.in_proj_ba.weight", &[64, 2048]),
+        None
+    );
+    assert_eq!(bytes("model.layers.0.mlp.gate.weight", &[512, 2048]), None);
+}

@@ -4,7 +4,23 @@
 //! back on the request's channel: zero or more `Tokens`, then exactly one `Finished`. Dropping the
 //! [`RequestStream`] aborts the request (a client that disconnects frees its resources within one step).
 
+use sanmai_structured::GrammarMatcher;
+
 use crate::sampler::SamplingParams;
+
+/// A grammar the output must follow (structured output), submitted with
+/// [`EngineHandle::submit_constrained`](crate::EngineHandle::submit_constrained).
+///
+/// Before each sample the engine asks the matcher for the allowed tokens (computed off the engine loop,
+/// while the model runs the step; a sequence whose mask is late waits a step, the batch does not); every
+/// accepted token advances it. When the grammar is done the sequence ends with `Stop`.
+#[derive(Debug)]
+pub struct OutputConstraint {
+    pub matcher: GrammarMatcher,
+    /// The constraint starts once the output ends with these tokens (`</think>` when the prompt opens a
+    /// reasoning block: reasoning is unconstrained); empty = from the first token.
+    pub activate_after: Vec<u32>,
+}
 
 /// Why a request stopped.
 #[derive(Debug, Clone, PartialEq, Eq)]

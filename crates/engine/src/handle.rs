@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::api::{EngineEvent, EngineRequest, MetricsSnapshot, SubmitError};
+use crate::api::{EngineEvent, EngineRequest, MetricsSnapshot, OutputConstraint, SubmitError};
 
 /// Static facts about the served model.
 #[derive(Debug, Clone)]
@@ -24,6 +24,7 @@ pub(crate) enum Command {
     Submit(
         Box<EngineRequest>,
         tokio::sync::mpsc::UnboundedSender<EngineEvent>,
+        Option<Box<OutputConstraint>>,
     ),
     Abort(String),
     Shutdown,
@@ -46,6 +47,15 @@ pub(crate) struct Limits {
 impl EngineHandle {
     /// Queues a request. Its events arrive on the returned stream.
     pub fn submit(&self, req: EngineRequest) -> Result<RequestStream, SubmitError> {
+        self.submit_constrained(req, None)
+    }
+
+    /// Queues a request whose output follows `constraint` (structured output).
+    pub fn submit_constrained(
+        &self,
+        req: EngineRequest,
+        constraint: Option<OutputConstraint>,
+    ) -> Result<RequestStream, SubmitError> {
         if req.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
@@ -78,7 +88,11 @@ impl EngineHandle {
             .waiting
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.tx
-            .send(Command::Submit(Box::new(req), etx))
+            .send(Command::Submit(
+                Box::new(req),
+                etx,
+                constraint.map(Box::new),
+            ))
             .map_err(|_| SubmitError::ShuttingDown)?;
         Ok(RequestStream {
             id,

@@ -7,6 +7,7 @@ use sanmai_tokenizer::{IncrementalDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{EngineEvent, EngineRequest, FinishReason, StopReason, TokenLogprob, Usage};
+use crate::engine::{Accepted, Constrained};
 use crate::kv_cache::SeqCache;
 use crate::sampler::SamplerState;
 use crate::stop::StopStrings;
@@ -34,6 +35,12 @@ pub(crate) struct Sequence {
     pub arrived: Instant,
     pub first_token: Option<Instant>,
     pub last_token: Option<Instant>,
+    /// The grammar its output follows (structured output).
+    pub constraint: Option<Constrained>,
+    /// Logits of a position whose grammar mask was late: sampled once the mask arrives, meanwhile the
+    /// sequence is not scheduled.
+    pub deferred_row: Vec<f32>,
+    pub deferred: bool,
 }
 
 /// What appending a token decided.
@@ -66,6 +73,9 @@ impl Sequence {
             arrived: Instant::now(),
             first_token: None,
             last_token: None,
+            constraint: None,
+            deferred_row: Vec::new(),
+            deferred: false,
             req,
             tx,
         }
@@ -119,6 +129,11 @@ impl Sequence {
         self.last_token = Some(now);
         self.tokens.push(id);
         self.sampler.accept(id);
+        let prompt_len = self.req.prompt.len();
+        let grammar = match self.constraint.as_mut() {
+            Some(c) => c.accept(id, &self.tokens[prompt_len..]),
+            None => Accepted::Continue,
+        };
         let stop = &self.req.stop;
         let past_min = self.num_output() > stop.min_tokens;
         let stop_token = past_min
@@ -138,6 +153,16 @@ impl Sequence {
                     // Too early to stop: the match is ordinary text.
                     text.push_str(&s);
                     text.push_str(&self.stops.feed(&check.rest).emit);
+                }
+            }
+        }
+        if finish.is_none() {
+            match grammar {
+                Accepted::Continue => {}
+                // The grammar is complete: nothing else may follow.
+                Accepted::Done => finish = Some((FinishReason::Stop, None)),
+                Accepted::Failed(e) => {
+                    finish = Some((FinishReason::Error(format!("structured output: {e}")), None))
                 }
             }
         }

@@ -4,14 +4,17 @@
 //! and streams events back ([`process`]). New requests join between steps. With an executor that keeps
 //! several steps in flight, a sequence is scheduled again only after its previous step has returned.
 
+mod masks;
 mod process;
 mod schedule;
+
+pub(crate) use masks::{Accepted, Constrained};
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, TryRecvError};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sanmai_tokenizer::Tokenizer;
 
@@ -21,6 +24,7 @@ use crate::handle::{Command, EngineHandle, EngineInfo, Limits};
 use crate::kv_cache::CacheManager;
 use crate::sampler::Sampler;
 use crate::sequence::Sequence;
+use masks::MaskWorkers;
 
 /// How the engine schedules.
 #[derive(Debug, Clone)]
@@ -146,6 +150,7 @@ pub fn start<E: Executor + 'static>(
         metrics: metrics.clone(),
         limits: limits.clone(),
         stats: MetricsSnapshot::default(),
+        masks: MaskWorkers::new(2),
     };
     std::thread::Builder::new()
         .name("sanmai-engine".into())
@@ -173,6 +178,8 @@ struct Engine<E: Executor> {
     metrics: Arc<Mutex<MetricsSnapshot>>,
     limits: Arc<Limits>,
     stats: MetricsSnapshot,
+    /// Grammar mask workers (structured output).
+    masks: MaskWorkers,
 }
 
 impl<E: Executor> Engine<E> {
@@ -210,14 +217,20 @@ impl<E: Executor> Engine<E> {
     /// Applies a command; false means stop the loop.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Submit(req, tx) => {
+            Command::Submit(req, tx, constraint) => {
                 let room = self.cfg.max_model_len - req.prompt.len();
                 let max_tokens = req
                     .stop
                     .max_tokens
                     .or(self.cfg.default_max_tokens)
                     .map_or(room, |m| m.min(room));
-                let seq = Sequence::new(*req, tx, self.tokenizer.as_ref(), max_tokens);
+                let mut seq = Sequence::new(*req, tx, self.tokenizer.as_ref(), max_tokens);
+                if let Some(c) = constraint {
+                    // The first mask is computed while the prompt is prefilled.
+                    let mut c = Constrained::new(*c);
+                    c.request_mask(&mut self.masks);
+                    seq.constraint = Some(c);
+                }
                 if seq.max_tokens == 0 {
                     self.limits.waiting.fetch_sub(1, Ordering::Relaxed);
                     let usage = seq.usage();
@@ -271,6 +284,9 @@ impl<E: Executor> Engine<E> {
     /// Submits a step if the executor has room and there is work; otherwise waits for the oldest step in
     /// flight and processes it.
     fn advance(&mut self) {
+        let started = Instant::now();
+        self.sample_deferred();
+        self.stats.overhead_seconds_total += started.elapsed().as_secs_f64();
         if self.in_flight < self.executor.max_in_flight().max(1) {
             let started = Instant::now();
             let plan = self.schedule();
@@ -287,6 +303,16 @@ impl<E: Executor> Engine<E> {
                 self.in_flight += 1;
                 if self.in_flight < self.executor.max_in_flight() {
                     return;
+                }
+            } else if self.in_flight == 0 {
+                // Nothing to run: only late grammar masks are awaited.
+                if let Some(c) = self
+                    .running
+                    .iter()
+                    .find(|s| s.deferred)
+                    .and_then(|s| s.constraint.as_ref())
+                {
+                    c.wait(Duration::from_millis(2));
                 }
             }
         }

@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::Engine;
-use crate::api::{EngineEvent, FinishReason, TokenLogprob};
+use crate::api::{EngineEvent, FinishReason, StopReason, TokenLogprob};
 use crate::executor::{Executor, LogitRows, StepLogits, StepPlan};
 use crate::sampler::{RowLogprobs, SampleRequest, Sampled};
 use crate::sequence::Appended;
@@ -119,50 +119,125 @@ impl<E: Executor> Engine<E> {
                         }
                     }
                 }
+                let mask = match seq.constraint.as_mut() {
+                    Some(c) if c.active() => {
+                        if !c.poll() {
+                            // The grammar mask is late: this sequence samples when it arrives.
+                            seq.deferred_row.clear();
+                            seq.deferred_row.extend_from_slice(logits);
+                            seq.deferred = true;
+                            return None;
+                        }
+                        match c.mask() {
+                            Some(Ok(m)) => Some(m),
+                            Some(Err(e)) => return Some(Err(format!("structured output: {e}"))),
+                            None => None,
+                        }
+                    }
+                    _ => None,
+                };
                 let mut req = SampleRequest {
                     params: &seq.req.sampling,
                     state: &mut seq.sampler,
-                    allowed: None,
+                    allowed: mask,
                 };
                 Some(sampler.sample(logits, &mut req).map_err(|e| e.to_string()))
             })
             .collect();
         for (i, s) in sampled.into_iter().enumerate() {
             let Some(s) = s else { continue };
-            let sampled = match s {
-                Ok(s) => s,
-                Err(e) => {
-                    done.push((i, FinishReason::Error(e), None));
-                    continue;
-                }
-            };
-            let seq = &mut self.running[i];
-            let prev = seq.last_token;
-            let lp = seq.req.sampling.logprobs.map(|_| TokenLogprob {
-                id: sampled.id,
-                logprob: sampled.logprob,
-                top: sampled.top_logprobs,
-            });
-            let outcome = seq.append(sampled.id, lp, &self.cfg.eos_ids, self.cfg.max_model_len);
-            self.stats.generation_tokens_total += 1;
-            match prev {
-                None => self
-                    .stats
-                    .time_to_first_token
-                    .observe(seq.arrived.elapsed().as_secs_f64()),
-                Some(p) => self
-                    .stats
-                    .inter_token_latency
-                    .observe(p.elapsed().as_secs_f64()),
-            }
-            if let Appended::Finished(reason, stop) = outcome {
-                done.push((i, reason, stop));
+            if let Some(end) = self.accept_sampled(i, s) {
+                done.push(end);
             }
         }
+        self.finish_done(done);
+    }
+
+    /// Appends a sampled token (or fails the sequence), records its latency and asks for the next grammar
+    /// mask; returns how the sequence ends, if it does.
+    fn accept_sampled(
+        &mut self,
+        i: usize,
+        s: Result<Sampled, String>,
+    ) -> Option<(usize, FinishReason, Option<StopReason>)> {
+        let sampled = match s {
+            Ok(s) => s,
+            Err(e) => return Some((i, FinishReason::Error(e), None)),
+        };
+        let seq = &mut self.running[i];
+        let prev = seq.last_token;
+        let lp = seq.req.sampling.logprobs.map(|_| TokenLogprob {
+            id: sampled.id,
+            logprob: sampled.logprob,
+            top: sampled.top_logprobs,
+        });
+        let outcome = seq.append(sampled.id, lp, &self.cfg.eos_ids, self.cfg.max_model_len);
+        self.stats.generation_tokens_total += 1;
+        match prev {
+            None => self
+                .stats
+                .time_to_first_token
+                .observe(seq.arrived.elapsed().as_secs_f64()),
+            Some(p) => self
+                .stats
+                .inter_token_latency
+                .observe(p.elapsed().as_secs_f64()),
+        }
+        match outcome {
+            Appended::Finished(reason, stop) => Some((i, reason, stop)),
+            Appended::Continue => {
+                if let Some(c) = seq.constraint.as_mut() {
+                    // Computed while the model runs the next step.
+                    c.request_mask(&mut self.masks);
+                }
+                None
+            }
+        }
+    }
+
+    fn finish_done(&mut self, mut done: Vec<(usize, FinishReason, Option<StopReason>)>) {
         done.sort_by_key(|d| std::cmp::Reverse(d.0));
         for (i, reason, stop) in done {
             let seq = self.running.remove(i);
             self.finish(seq, reason, stop);
         }
+    }
+
+    /// Samples the sequences whose late grammar mask has arrived.
+    pub(super) fn sample_deferred(&mut self) {
+        let mut done = Vec::new();
+        for i in 0..self.running.len() {
+            let seq = &mut self.running[i];
+            if !seq.deferred {
+                continue;
+            }
+            let Some(c) = seq.constraint.as_mut() else {
+                seq.deferred = false;
+                continue;
+            };
+            if !c.poll() {
+                continue;
+            }
+            seq.deferred = false;
+            let mut row = std::mem::take(&mut seq.deferred_row);
+            let s = match c.mask() {
+                Some(Err(e)) => Err(format!("structured output: {e}")),
+                mask => {
+                    let mut req = SampleRequest {
+                        params: &seq.req.sampling,
+                        state: &mut seq.sampler,
+                        allowed: mask.and_then(Result::ok),
+                    };
+                    self.sampler
+                        .sample(&mut row, &mut req)
+                        .map_err(|e| e.to_string())
+                }
+            };
+            self.running[i].deferred_row = row;
+            if let Some(end) = self.accept_sampled(i, s) {
+                done.push(end);
+            }
+        }
+        self.finish_done(done);
     }
 }

@@ -15,7 +15,8 @@ impl<E: Executor> Engine<E> {
         let mut budget = self.cfg.max_num_batched_tokens;
         let mut plan = StepPlan::default();
         let mut planned: Vec<String> = Vec::new();
-        let idle = |s: &&Sequence| !s.in_flight && !s.abort_requested;
+        // A sequence waiting for its grammar mask has nothing to run.
+        let idle = |s: &&Sequence| !s.in_flight && !s.abort_requested && !s.deferred;
         let mut order: Vec<String> = self
             .running
             .iter()
@@ -140,6 +141,8 @@ impl<E: Executor> Engine<E> {
             self.cache.free(&mut self.executor, c);
         }
         seq.num_computed = 0;
+        // Recomputing gives the late position's logits again.
+        seq.deferred = false;
         if seq.num_output() == 0 {
             seq.prompt_logprobs.clear();
         }

@@ -5,11 +5,12 @@
 //!
 //! 1. **padding** — only ids below `valid_vocab` are tokens; the lm_head padding past it is never read
 //!    (equivalent to masking it to `-inf` before anything else).
-//! 2. **raw logprobs** — log-normaliser and top-N of the untouched logits ([`logprobs`]): what the
+//! 2. **mask** — the allowed-token bitmask of a grammar, if any ([`penalties::apply_allowed_mask`]):
+//!    structured output reports and samples the constrained distribution.
+//! 3. **raw logprobs** — log-normaliser and top-N of the logits so far ([`logprobs`]): what the
 //!    response reports, independent of everything below.
-//! 3. **penalties** — repetition, frequency, presence ([`penalties::apply_penalties`]).
-//! 4. **bias** — `logit_bias` ([`penalties::apply_logit_bias`]).
-//! 5. **mask** — the allowed-token bitmask of a grammar, if any ([`penalties::apply_allowed_mask`]).
+//! 4. **penalties** — repetition, frequency, presence ([`penalties::apply_penalties`]).
+//! 5. **bias** — `logit_bias` ([`penalties::apply_logit_bias`]).
 //! 6. **temperature** — weights `e^((z - max) / T)`; greedy (`T = 0`) takes the argmax instead.
 //! 7. **top-k → top-p → min-p** — truncation of the weights (see the `filter` module for exact rules).
 //! 8. **draw** — one uniform from the request's own [`Rng`], none for greedy.
@@ -164,8 +165,12 @@ pub fn sample_row(
     check_vocab(logits.len(), valid_vocab)?;
     // 1. Padding: everything below works on the real vocabulary only.
     let row = &mut logits[..valid_vocab];
+    // 2. The grammar's mask: tokens it forbids do not exist for anything below.
+    if let Some(mask) = allowed {
+        apply_allowed_mask(row, mask);
+    }
 
-    // 2. The raw distribution, before any edit.
+    // 3. The raw distribution, before any edit.
     let raw_max = math::block_maxima(row, &mut scratch.maxima);
     if raw_max == f32::INFINITY {
         return Err(SampleError::InfiniteLogit);
@@ -185,21 +190,21 @@ pub fn sample_row(
     let raw_levels = (want_levels && scale == 1.0).then_some(&mut scratch.levels);
     let raw_total = math::block_exp_sums(row, raw_max, 1.0, &mut scratch.sums, raw_levels);
     let log_z = raw_max + raw_total.ln() as f32;
-    let top_logprobs = match params.logprobs {
+    let mut top_logprobs = match params.logprobs {
         Some(n) if n > 0 => logprobs::top_logprobs(row, Some(&scratch.maxima), n, log_z),
         _ => Vec::new(),
     };
+    // Tokens a grammar forbids are no alternatives.
+    if allowed.is_some() {
+        top_logprobs.retain(|t| t.1 > f32::NEG_INFINITY);
+    }
 
-    // 3–5. Penalties, bias, mask; the block maxima follow the edits.
+    // 4–5. Penalties and bias; the block maxima follow the edits.
     scratch.edits.clear();
     apply_penalties(row, &state.counts, params, &mut scratch.edits);
     apply_logit_bias(row, &params.logit_bias, &mut scratch.edits);
-    let mut edited = !scratch.edits.is_empty();
-    if let Some(mask) = allowed {
-        apply_allowed_mask(row, mask);
-        math::block_maxima(row, &mut scratch.maxima);
-        edited = true;
-    } else if edited {
+    let edited = !scratch.edits.is_empty();
+    if edited {
         math::refresh_maxima(row, &mut scratch.maxima, scratch.edits.iter().map(|e| e.0));
     }
     let m = if edited {
@@ -242,4 +247,34 @@ pub fn sample_row(
         logprob: raw - log_z,
         top_logprobs,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mask_makes_the_reported_distribution_the_constrained_one() {
+        let mut logits = vec![0.0f32; 64];
+        let mask = [0b11u32, 0];
+        let params = SamplingParams {
+            logprobs: Some(3),
+            ..SamplingParams::default()
+        };
+        let mut state = SamplerState::new(&params, &[]);
+        let s = sample_row(
+            &mut logits,
+            64,
+            &params,
+            &mut state,
+            Some(&mask),
+            &mut Scratch::new(),
+        )
+        .unwrap();
+        assert!(s.id < 2);
+        assert!((s.logprob - 0.5f32.ln()).abs() < 1e-5, "{}", s.logprob);
+        // Only the two allowed tokens are alternatives.
+        assert_eq!(s.top_logprobs.len(), 2);
+        assert!((s.top_logprobs[0].1 - 0.5f32.ln()).abs() < 1e-5);
+    }
 }

@@ -148,6 +148,10 @@ pub fn apply_allowed_mask(logits: &mut [f32], allowed: &[u32]) {
         if word == u32::MAX {
             continue;
         }
+        if word == 0 {
+            chunk.fill(f32::NEG_INFINITY);
+            continue;
+        }
         for (bit, z) in chunk.iter_mut().enumerate() {
             if word & (1 << bit) == 0 {
                 *z = f32::NEG_INFINITY;

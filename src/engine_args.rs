@@ -7,6 +7,7 @@ use sanmai_engine::{start, EngineConfig, EngineHandle, ModelExecutor};
 use sanmai_model::Backend;
 
 use crate::load::Loaded;
+use crate::memory_plan::{self, PlanInput};
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct EngineArgs {
@@ -36,7 +37,13 @@ pub struct EngineArgs {
     /// Requests allowed to wait for a place before new ones are refused as overloaded (503).
     #[arg(long)]
     pub max_waiting_requests: Option<usize>,
+    /// Fraction of the GPU's memory the server may use (weights, activations, state, K/V).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
 }
+
+/// Default of `--gpu-memory-utilization`.
+pub const GPU_MEMORY_UTILIZATION: f64 = 0.9;
 
 /// Built-in default for the number of new tokens when a request gives no `max_tokens`.
 pub const BUILTIN_DEFAULT_MAX_TOKENS: usize = 512;
@@ -49,6 +56,7 @@ impl EngineArgs {
         served_name: String,
     ) -> Result<EngineHandle> {
         let Loaded {
+            gpu,
             model,
             tokenizer,
             valid_vocab,
@@ -65,32 +73,54 @@ impl EngineArgs {
                 model.cfg.max_position_embeddings
             ));
         }
-        let per_token = model.kv_bytes_per_token(4).max(1);
-        let one_request = max_model_len * per_token;
-        let kv_cache_memory_bytes = self.kv_cache_memory_bytes.unwrap_or_else(|| {
-            (4 * one_request)
-                .min(8 << 30)
-                .max(one_request + one_request / 8)
-        });
+        let max_num_seqs = self.max_num_seqs.unwrap_or(256);
+        let max_num_batched_tokens = self.max_num_batched_tokens.unwrap_or(2048);
+        let block_size = self.block_size.unwrap_or(16);
+        if max_num_seqs == 0 || max_num_batched_tokens == 0 || block_size == 0 {
+            return Err(anyhow!(
+                "--max-num-seqs, --max-num-batched-tokens and --block-size must be positive"
+            ));
+        }
+        let kv_cache_memory_bytes = match &gpu {
+            Some(gpu) => memory_plan::plan(
+                &model,
+                gpu,
+                &PlanInput {
+                    utilization: self
+                        .gpu_memory_utilization
+                        .unwrap_or(GPU_MEMORY_UTILIZATION),
+                    max_model_len,
+                    max_num_seqs,
+                    max_num_batched_tokens,
+                    block_size,
+                    valid_vocab,
+                    kv_cache_memory_bytes: self.kv_cache_memory_bytes,
+                },
+            )?,
+            None => {
+                let per_token = model.kv_bytes_per_token(4).max(1);
+                let one_request = max_model_len * per_token;
+                self.kv_cache_memory_bytes.unwrap_or_else(|| {
+                    (4 * one_request)
+                        .min(8 << 30)
+                        .max(one_request + one_request / 8)
+                })
+            }
+        };
         let cfg = EngineConfig {
             model_name: served_name,
-            max_num_seqs: self.max_num_seqs.unwrap_or(256),
-            max_num_batched_tokens: self.max_num_batched_tokens.unwrap_or(2048),
+            max_num_seqs,
+            max_num_batched_tokens,
             max_model_len,
             max_waiting: self.max_waiting_requests.unwrap_or(4096),
             default_max_tokens,
             valid_vocab,
             eos_ids,
-            block_size: self.block_size.unwrap_or(16),
+            block_size,
             kv_cache_memory_bytes,
             enable_prefix_caching: !self.no_enable_prefix_caching,
             state_checkpoint_interval: self.state_checkpoint_interval,
         };
-        if cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 || cfg.block_size == 0 {
-            return Err(anyhow!(
-                "--max-num-seqs, --max-num-batched-tokens and --block-size must be positive"
-            ));
-        }
         start(ModelExecutor::new(model), tokenizer, cfg).map_err(|e| anyhow!(e))
     }
 }

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_model::{builtin, Backend, Model};
+use sanmai_model::{builtin, Backend, Model, PleSource};
 use sanmai_tokenizer::Tokenizer;
 use sanmai_weights::{Checkpoint, Dummy, TensorSource};
 
@@ -39,6 +39,10 @@ pub struct ModelArgs {
     /// Seed of dummy weights.
     #[arg(long, default_value_t = builtin::SEED)]
     pub weight_seed: u64,
+    /// The PLE n-gram table directory (made with `sanmai ple create`) of a model whose config has a `ple`
+    /// block. With --load-format dummy and no table, every PLE row is zero.
+    #[arg(long)]
+    pub ple_table: Option<PathBuf>,
     /// Where the model runs: cpu, cuda or cuda:N [default: cuda:0 when this build has CUDA and a GPU is
     /// found, else cpu].
     #[arg(long)]
@@ -62,6 +66,8 @@ pub trait OnModel {
 
 /// A model ready to run, with its tokenizer when one is available.
 pub struct Loaded<B: Backend> {
+    /// What the GPU's memory plan needs (`None` on the CPU).
+    pub gpu: Option<crate::memory_plan::GpuMemory>,
     pub name: String,
     /// The device it runs on, for logs and reports (e.g. `cpu (16 threads)`).
     pub device: String,
@@ -115,8 +121,16 @@ impl ModelArgs {
             Device::Cuda(n) => {
                 let backend = sanmai_cuda::CudaBackend::new(n)
                     .with_context(|| format!("opening CUDA device {n}"))?;
-                let name = backend.gpu().info().name.clone();
-                work.run(self.load_on(backend, format!("cuda:{n} ({name})"))?)
+                backend.gpu().keep_pool_memory()?;
+                let info = backend.gpu().info().clone();
+                let ctx = backend.gpu().context().clone();
+                let mut loaded = self.load_on(backend, format!("cuda:{n} ({})", info.name))?;
+                loaded.gpu = Some(crate::memory_plan::GpuMemory {
+                    total: info.total_memory,
+                    weights: loaded.model.backend.memory().weights,
+                    free: Box::new(move || Ok(sanmai_cuda::device_memory(&ctx)?.0)),
+                });
+                work.run(loaded)
             }
         }
     }
@@ -135,20 +149,23 @@ impl ModelArgs {
             }
             (Some(dir), None, format) => {
                 let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-                let src: Box<dyn TensorSource> =
-                    match format {
-                        LoadFormat::Auto => Box::new(Checkpoint::open(dir).with_context(|| {
+                let src: Box<dyn TensorSource> = match format {
+                    LoadFormat::Auto => {
+                        Box::new(Checkpoint::open(dir).with_context(|| {
                             format!("opening the checkpoint in {}", dir.display())
-                        })?),
-                        LoadFormat::Dummy => Box::new(Dummy::new(self.weight_seed)),
-                    };
+                        })?)
+                    }
+                    LoadFormat::Dummy => Box::new(
+                        Dummy::new(self.weight_seed).with_quantization(cfg.quantization.clone()),
+                    ),
+                };
                 (dir.display().to_string(), cfg, src)
             }
-            (None, Some(file), LoadFormat::Dummy) => (
-                file.display().to_string(),
-                ModelConfig::from_file(file)?,
-                Box::new(Dummy::new(self.weight_seed)),
-            ),
+            (None, Some(file), LoadFormat::Dummy) => {
+                let cfg = ModelConfig::from_file(file)?;
+                let src = Dummy::new(self.weight_seed).with_quantization(cfg.quantization.clone());
+                (file.display().to_string(), cfg, Box::new(src))
+            }
             (None, None, _) => (
                 builtin::NAME.to_string(),
                 builtin::config(),
@@ -156,7 +173,8 @@ impl ModelArgs {
             ),
         };
         let tokenizer = self.tokenizer(&cfg)?;
-        let model = Model::load(cfg, source.as_ref(), backend)
+        let ple = self.ple_source(&cfg)?;
+        let model = Model::load_with_ple(cfg, source.as_ref(), backend, ple)
             .with_context(|| format!("loading the weights of {name}"))?;
         let cfg = &model.cfg;
         let valid_vocab = match &tokenizer {
@@ -185,6 +203,7 @@ impl ModelArgs {
             None => None,
         };
         Ok(Loaded {
+            gpu: None,
             name,
             device,
             model,
@@ -193,6 +212,24 @@ impl ModelArgs {
             eos_ids,
             default_max_tokens,
         })
+    }
+
+    /// Where a PLE model's table rows come from: `--ple-table`, or zero rows for dummy weights.
+    fn ple_source(&self, cfg: &ModelConfig) -> Result<Option<PleSource>> {
+        let dummy = self.load_format == LoadFormat::Dummy || self.model.is_none();
+        match (&cfg.ple, &self.ple_table) {
+            (None, None) => Ok(None),
+            (None, Some(_)) => bail!("--ple-table: the model config has no `ple` block"),
+            (Some(_), None) if dummy => Ok(Some(PleSource::Zeros)),
+            (Some(_), None) => {
+                bail!("the model config has a `ple` block: give its table with --ple-table DIR")
+            }
+            (Some(p), Some(dir)) => {
+                Ok(Some(PleSource::open(dir, p, dummy).with_context(|| {
+                    format!("--ple-table {}", dir.display())
+                })?))
+            }
+        }
     }
 
     /// The name the model is served under by default.

@@ -6,6 +6,7 @@ mod bench_serve;
 mod engine_args;
 mod generate;
 mod load;
+mod memory_plan;
 mod ple;
 mod serve;
 

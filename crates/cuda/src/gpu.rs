@@ -94,6 +94,33 @@ impl Gpu {
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)
     }
+
+    /// Keeps memory the stream-ordered allocator has freed in its pool instead of handing it back to
+    /// the driver at each synchronisation: the next step's tensors reuse it without a round trip to the
+    /// driver, and after a profiling step the device's free memory shows the step's peak.
+    pub fn keep_pool_memory(&self) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        let mut pool = std::ptr::null_mut();
+        let mut keep = u64::MAX;
+        // SAFETY: plain driver calls on this context's device with valid out-pointers.
+        unsafe {
+            cudarc::driver::sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device())
+                .result()?;
+            cudarc::driver::sys::cuMemPoolSetAttribute(
+                pool,
+                cudarc::driver::sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep as *mut u64).cast(),
+            )
+            .result()?;
+        }
+        Ok(())
+    }
+}
+
+/// `(free, total)` bytes of the device `ctx` belongs to, as the driver reports them (every process).
+pub fn device_memory(ctx: &CudaContext) -> Result<(usize, usize)> {
+    ctx.bind_to_thread()?;
+    Ok(cudarc::driver::result::mem_get_info()?)
 }
 
 /// A launch configuration of `grid` blocks of `block` threads with `smem` bytes of dynamic shared memory.

@@ -58,7 +58,7 @@ pub use backend::{
 pub use cudarc;
 pub use device::{device_count, driver_version, gpu_present, probe, DeviceInfo, DeviceSelection};
 pub use error::{CudaError, Result};
-pub use gpu::Gpu;
+pub use gpu::{device_memory, Gpu};
 pub use ops::{
     moe_max_tiles, AttnDims, GdnDims, HeadLayout, MoeOut, RopeArgs, ATTN_MAX_HEAD_DIM, ATTN_SPLIT,
     GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,

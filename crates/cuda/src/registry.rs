@@ -40,6 +40,8 @@ pub const SOURCES: &[Source] = &[
     source!("kv.cu"),
     source!("moe.cu"),
     source!("elementwise.cu"),
+    source!("qsa.cu"),
+    source!("ple.cu"),
 ];
 
 /// The entry points a source declares: every `extern "C" __global__ ... name(` line.

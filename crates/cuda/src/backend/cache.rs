@@ -2,13 +2,16 @@
 //! bf16, the CPU backend's layout) and the GDN state slots, one conv pool (`[slots, kernel−1,
 //! conv_dim]` bf16: it holds projection outputs, exact in bf16) and one recurrent pool (`[slots, hv,
 //! dk, dv]` f32) per GDN layer. Slot pools grow on demand (doubling, contents copied on the device);
-//! a fresh slot is zeroed.
+//! a fresh slot is zeroed. QSA layers also keep an index-key pool (`[num_blocks, block_size, dI + 2]`
+//! bytes: dI fp8 e4m3 bytes and the bf16 scale per position) in the same blocks as their K/V, so
+//! `copy_block` carries it; PLE layers keep their conv state (`[slots, (kernel−1)·dilation, S·H]` f32,
+//! normed conv inputs) in the state slots, so `copy_state` carries it.
 
 use std::collections::HashMap;
 
 use cudarc::driver::{result, CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
-use sanmai_model::backend::{CacheSpec, GdnShape};
+use sanmai_model::backend::{CacheSpec, GdnShape, PleShape};
 
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
@@ -17,6 +20,8 @@ use crate::gpu::Gpu;
 pub(crate) struct KvPool {
     pub k: CudaSlice<bf16>,
     pub v: CudaSlice<bf16>,
+    /// QSA index keys `[num_blocks, block_size, idx_row]` bytes (`None` without QSA).
+    pub idx: Option<CudaSlice<u8>>,
 }
 
 #[derive(Default)]
@@ -25,14 +30,21 @@ pub(crate) struct KvPools {
     /// `kv_heads · head_dim`.
     pub row: usize,
     pub num_blocks: usize,
+    /// Bytes of one index-key entry, `dI + 2` (0 without QSA).
+    pub idx_row: usize,
     pub layers: HashMap<usize, KvPool>,
+    /// QSA selections recorded while tracing is on (see `CudaBackend::trace_qsa`).
+    pub qsa_trace: Option<Vec<QsaPick>>,
 }
+
+/// One query row's QSA selection: `(layer, state slot, position, selected positions ascending)`.
+pub type QsaPick = (usize, usize, usize, Vec<usize>);
 
 impl KvPools {
     pub fn bytes(&self) -> usize {
         self.layers
             .values()
-            .map(|p| 2 * (p.k.len() + p.v.len()))
+            .map(|p| 2 * (p.k.len() + p.v.len()) + p.idx.as_ref().map_or(0, |i| i.len()))
             .sum()
     }
 }
@@ -47,6 +59,9 @@ pub(crate) struct StatePool {
 pub(crate) struct StateSlots {
     pub shape: Option<GdnShape>,
     pub layers: HashMap<usize, StatePool>,
+    /// The PLE conv's shape and its state pool per PLE layer (`[cap, (kernel−1)·dilation, S·H]` f32).
+    pub ple_shape: Option<PleShape>,
+    pub ple: HashMap<usize, CudaSlice<f32>>,
     /// Slots the pools hold.
     pub cap: usize,
     pub live: Vec<bool>,
@@ -56,6 +71,11 @@ pub(crate) struct StateSlots {
 /// Conv state values of one slot of one layer.
 pub(crate) fn conv_len(g: &GdnShape) -> usize {
     (g.conv_kernel - 1) * (2 * g.num_k_heads * g.k_head_dim + g.num_v_heads * g.v_head_dim)
+}
+
+/// PLE conv state values of one slot of one layer.
+pub(crate) fn ple_len(p: &PleShape) -> usize {
+    p.state_rows() * p.channels()
 }
 
 /// Recurrent state values of one slot of one layer.
@@ -111,10 +131,21 @@ impl KvPools {
         self.block_size = spec.block_size;
         self.row = row;
         self.num_blocks = spec.num_blocks;
+        self.idx_row = if spec.index_head_dim > 0 {
+            spec.index_head_dim + 2
+        } else {
+            0
+        };
+        let ni = (spec.num_blocks * spec.block_size * self.idx_row).max(1);
         for &l in &spec.attn_layers {
             let pool = KvPool {
                 k: gpu.zeros(n)?,
                 v: gpu.zeros(n)?,
+                idx: if self.idx_row > 0 {
+                    Some(gpu.zeros(ni)?)
+                } else {
+                    None
+                },
             };
             self.layers.insert(l, pool);
         }
@@ -133,9 +164,13 @@ impl KvPools {
             return Ok(());
         }
         let (s, d) = (src as usize * n, dst as usize * n);
+        let ni = self.block_size * self.idx_row;
         for p in self.layers.values() {
             copy_within(gpu, &p.k, None, s, d, n)?;
             copy_within(gpu, &p.v, None, s, d, n)?;
+            if let Some(idx) = &p.idx {
+                copy_within(gpu, idx, None, src as usize * ni, dst as usize * ni, ni)?;
+            }
         }
         Ok(())
     }
@@ -157,6 +192,13 @@ impl StateSlots {
                 },
             );
         }
+        self.ple_shape = spec.ple.filter(|_| !spec.ple_layers.is_empty());
+        self.ple.clear();
+        if self.ple_shape.is_some() {
+            for &l in &spec.ple_layers {
+                self.ple.insert(l, gpu.zeros(1)?);
+            }
+        }
         self.grow(gpu, cap)
     }
 
@@ -175,6 +217,16 @@ impl StateSlots {
                     copy_within(gpu, &p.ssm, Some(&ssm), 0, 0, self.cap * sl)?;
                 }
                 *p = StatePool { conv, ssm };
+            }
+        }
+        if let Some(ps) = self.ple_shape {
+            let pl = ple_len(&ps);
+            for p in self.ple.values_mut() {
+                let st: CudaSlice<f32> = gpu.zeros((cap * pl).max(1))?;
+                if self.cap > 0 {
+                    copy_within(gpu, p, Some(&st), 0, 0, self.cap * pl)?;
+                }
+                *p = st;
             }
         }
         self.cap = cap;
@@ -203,6 +255,12 @@ impl StateSlots {
             for p in self.layers.values() {
                 zero(gpu, &p.conv, slot * cl, cl)?;
                 zero(gpu, &p.ssm, slot * sl, sl)?;
+            }
+        }
+        if let Some(ps) = self.ple_shape {
+            let pl = ple_len(&ps);
+            for p in self.ple.values() {
+                zero(gpu, p, slot * pl, pl)?;
             }
         }
         Ok(())
@@ -239,6 +297,12 @@ impl StateSlots {
                 copy_within(gpu, &p.ssm, None, src * sl, dst * sl, sl)?;
             }
         }
+        if let Some(ps) = self.ple_shape {
+            let pl = ple_len(&ps);
+            for p in self.ple.values() {
+                copy_within(gpu, p, None, src * pl, dst * pl, pl)?;
+            }
+        }
         Ok(())
     }
 
@@ -246,6 +310,7 @@ impl StateSlots {
         self.layers
             .values()
             .map(|p| 2 * p.conv.len() + 4 * p.ssm.len())
-            .sum()
+            .sum::<usize>()
+            + self.ple.values().map(|p| 4 * p.len()).sum::<usize>()
     }
 }

@@ -1,7 +1,6 @@
 //! The qwen4_exp extension ops of the trait on the device: tensors from the host, SiLU and the
-//! hyper-connections' pre-mix and gated residual. QSA attention and the PLE mix are not on the device
-//! yet (they need the fp8 index-key cache and the PLE conv state next to the GDN state): calling them
-//! panics with that reason.
+//! hyper-connections' pre-mix and gated residual here; QSA attention (`qsa.rs`, over the fp8
+//! index-key pool next to the K/V) and the PLE mix (`ple.rs`, its conv state in the state slots).
 
 use half::bf16;
 
@@ -102,33 +101,41 @@ macro_rules! ext_methods {
 
         fn qsa_attention(
             &self,
-            _layer: usize,
-            _shape: &AttnShape,
-            _rope: &Rope,
-            _qsa: &sanmai_model::backend::QsaShape,
-            _q_gate: &CudaTensor,
-            _k: &CudaTensor,
-            _v: &CudaTensor,
-            _w: &AttnWeights<CudaWeight>,
-            _iq: &CudaTensor,
-            _ik: &CudaTensor,
-            _iw: &CudaTensor,
-            _iw_: &sanmai_model::backend::IndexerWeights<CudaWeight>,
-            _seqs: &[SeqChunk<'_>],
+            layer: usize,
+            shape: &AttnShape,
+            rope: &Rope,
+            qsa: &sanmai_model::backend::QsaShape,
+            q_gate: &CudaTensor,
+            k: &CudaTensor,
+            v: &CudaTensor,
+            w: &AttnWeights<CudaWeight>,
+            iq: &CudaTensor,
+            ik: &CudaTensor,
+            iw: &CudaTensor,
+            iw_: &sanmai_model::backend::IndexerWeights<CudaWeight>,
+            seqs: &[SeqChunk<'_>],
         ) -> CudaTensor {
-            panic!("CUDA backend: QSA attention is not implemented on the device yet")
+            ok(
+                "qsa_attention",
+                self.qsa_impl(
+                    layer, shape, rope, qsa, q_gate, k, v, w, iq, ik, iw, iw_, seqs,
+                ),
+            )
         }
 
         fn ple_mix(
             &self,
-            _layer: usize,
-            _shape: &sanmai_model::backend::PleShape,
-            _streams: &mut CudaTensor,
-            _rows: &CudaTensor,
-            _w: &sanmai_model::backend::PleWeights<CudaWeight>,
-            _seqs: &[SeqChunk<'_>],
+            layer: usize,
+            shape: &sanmai_model::backend::PleShape,
+            streams: &mut CudaTensor,
+            rows: &CudaTensor,
+            w: &sanmai_model::backend::PleWeights<CudaWeight>,
+            seqs: &[SeqChunk<'_>],
         ) {
-            panic!("CUDA backend: the PLE mix is not implemented on the device yet")
+            ok(
+                "ple_mix",
+                self.ple_impl(layer, shape, streams, rows, w, seqs),
+            )
         }
     };
 }

@@ -18,6 +18,8 @@ mod ext;
 mod gdn;
 mod meta;
 mod moe;
+mod ple;
+mod qsa;
 mod roofline;
 mod tensor;
 

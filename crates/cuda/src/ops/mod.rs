@@ -14,6 +14,8 @@ mod gemv;
 mod kv;
 mod moe;
 mod norm;
+mod ple;
+mod qsa;
 mod quant;
 mod rope;
 mod router;
@@ -24,6 +26,7 @@ pub use gdn::GdnDims;
 pub use gemv::GEMV_MAX_M;
 pub use kv::{HeadLayout, RopeArgs, QK_MAX_HEAD_DIM};
 pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
+pub use ple::{PleDims, PleGateWeights};
 pub use router::ROUTER_MAX_K;
 
 /// Threads per block for a row of `d` elements: one warp at least, 256 at most.

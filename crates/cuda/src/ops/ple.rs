@@ -1,0 +1,171 @@
+//! The PLE mix after its projections (`kernels/ple.cu`): the per-stream gate and its normed copy, and
+//! the dilated causal depthwise conv + SiLU with its per-sequence state and the residual update.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use half::bf16;
+
+use super::row_threads;
+use crate::error::{ensure, Result};
+use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
+
+/// The shape of one PLE mix: `streams` S, `hidden` H, and the conv's `kernel` and `dilation`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PleDims {
+    pub streams: usize,
+    pub hidden: usize,
+    pub kernel: usize,
+    pub dilation: usize,
+}
+
+impl PleDims {
+    /// Past rows of the conv state, `(kernel − 1)·dilation`.
+    pub fn past(&self) -> usize {
+        (self.kernel - 1) * self.dilation
+    }
+}
+
+/// The per-stream weights of [`Gpu::ple_gate`]: biases and norm weights, `[H]` bf16 each.
+pub struct PleGateWeights<'a, W: DevicePtr<bf16>> {
+    pub value_bias: &'a W,
+    pub key_bias: &'a W,
+    pub key_norm: &'a W,
+    pub query_norm: &'a W,
+    pub conv_norm: &'a W,
+}
+
+impl Gpu {
+    /// Stream `c` of `rows` tokens: `v = v_lin + value_bias`, `key = rmsnorm(k_lin + key_bias;
+    /// key_norm)`, `q = rmsnorm(R_c; query_norm)`, `σ = signed_sqrt(⟨key, q⟩/sqrt(H))`, `u_c =
+    /// sigmoid(σ)·v`, `z_c = rmsnorm(u_c; conv_norm)` (plain-weight rmsnorms, eps 1e-6). `v_lin`,
+    /// `k_lin`: `[rows, H]` f32; `streams`: `[rows, S·H]` bf16; `u`, `z`: `[rows, S·H]` f32, stream
+    /// `c`'s columns written. Matches `sanmai_cpu::ops::ple_gate` then `rms_norm`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ple_gate<W: DevicePtr<bf16>>(
+        &self,
+        dims: PleDims,
+        c: usize,
+        v_lin: &impl DevicePtr<f32>,
+        k_lin: &impl DevicePtr<f32>,
+        w: &PleGateWeights<'_, W>,
+        streams: &impl DevicePtr<bf16>,
+        u: &mut impl DevicePtrMut<f32>,
+        z: &mut impl DevicePtrMut<f32>,
+        rows: usize,
+    ) -> Result<()> {
+        const OP: &str = "ple_gate";
+        let (s, h) = (dims.streams, dims.hidden);
+        ensure(c < s && h > 0, OP, || {
+            format!("stream {c} of {s}, hidden {h}")
+        })?;
+        check_len(OP, "v_lin", v_lin, rows * h)?;
+        check_len(OP, "k_lin", k_lin, rows * h)?;
+        for (what, x) in [
+            ("value_bias", w.value_bias),
+            ("key_bias", w.key_bias),
+            ("key_norm", w.key_norm),
+            ("query_norm", w.query_norm),
+            ("conv_norm", w.conv_norm),
+        ] {
+            check_len(OP, what, x, h)?;
+        }
+        check_len(OP, "streams", streams, rows * s * h)?;
+        check_len(OP, "u", u, rows * s * h)?;
+        check_len(OP, "z", z, rows * s * h)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (hi, si, ci) = (int(OP, "H", h)?, int(OP, "S", s)?, int(OP, "c", c)?);
+        let st = self.stream();
+        let (vp, _g1) = v_lin.device_ptr(st);
+        let (vb, _g2) = w.value_bias.device_ptr(st);
+        let (kp, _g3) = k_lin.device_ptr(st);
+        let (kb, _g4) = w.key_bias.device_ptr(st);
+        let (kn, _g5) = w.key_norm.device_ptr(st);
+        let (rp, _g6) = streams.device_ptr(st);
+        let (qn, _g7) = w.query_norm.device_ptr(st);
+        let (cn, _g8) = w.conv_norm.device_ptr(st);
+        let (up, _g9) = u.device_ptr_mut(st);
+        let (zp, _g10) = z.device_ptr_mut(st);
+        let mut l = st.launch_builder(self.kernel("ple_gate")?);
+        l.arg(&vp)
+            .arg(&vb)
+            .arg(&kp)
+            .arg(&kb)
+            .arg(&kn)
+            .arg(&rp)
+            .arg(&qn)
+            .arg(&cn)
+            .arg(&up)
+            .arg(&zp)
+            .arg(&hi)
+            .arg(&si)
+            .arg(&ci);
+        // SAFETY: argument types match the kernel; lengths checked above.
+        unsafe { l.launch(cfg((grid_u32(OP, rows)?, 1, 1), row_threads(h), 0)) }?;
+        Ok(())
+    }
+
+    /// One chunk of `t` rows of one sequence: `y = silu(Σ_j w[ch, j]·xx[s + j·dil, ch])` with `xx =
+    /// state ++ z`, `streams[s, ch] += u[s, ch] + y`, then `state ←` the last `(K−1)·dil` rows of `xx`.
+    /// `z`, `u`: `[t, C]` f32; `streams`: `[t, C]` bf16; `w`: `[C, K]`; `state`: `[(K−1)·dil, C]` f32.
+    /// Matches `sanmai_cpu::ops::dilated_conv_silu` and the residual update of the PLE mix.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ple_conv(
+        &self,
+        dims: PleDims,
+        z: &impl DevicePtr<f32>,
+        u: &impl DevicePtr<f32>,
+        w: &impl DevicePtr<bf16>,
+        state: &mut impl DevicePtrMut<f32>,
+        streams: &mut impl DevicePtrMut<bf16>,
+        t: usize,
+    ) -> Result<()> {
+        const OP: &str = "ple_conv";
+        ensure(dims.kernel >= 1 && dims.dilation >= 1, OP, || {
+            "kernel and dilation must be positive".into()
+        })?;
+        let c = dims.streams * dims.hidden;
+        let past = dims.past();
+        check_len(OP, "z", z, t * c)?;
+        check_len(OP, "u", u, t * c)?;
+        check_len(OP, "w", w, c * dims.kernel)?;
+        check_len(OP, "state", state, past * c)?;
+        check_len(OP, "streams", streams, t * c)?;
+        if t == 0 || c == 0 {
+            return Ok(());
+        }
+        let (ti, ci, ki, di, pi) = (
+            int(OP, "t", t)?,
+            int(OP, "C", c)?,
+            int(OP, "kernel", dims.kernel)?,
+            int(OP, "dilation", dims.dilation)?,
+            int(OP, "past", past)?,
+        );
+        let st = self.stream();
+        let (zp, _g1) = z.device_ptr(st);
+        let (wp, _g2) = w.device_ptr(st);
+        let (sp, _g3) = state.device_ptr_mut(st);
+        let (up, _g4) = u.device_ptr(st);
+        let (rp, _g5) = streams.device_ptr_mut(st);
+        let mut l = st.launch_builder(self.kernel("ple_conv")?);
+        l.arg(&zp)
+            .arg(&wp)
+            .arg(&sp)
+            .arg(&up)
+            .arg(&rp)
+            .arg(&ti)
+            .arg(&ci)
+            .arg(&ki)
+            .arg(&di);
+        let blocks = grid_u32(OP, (t * c).div_ceil(256).min(1 << 20))?;
+        // SAFETY: argument types match the kernel; lengths checked above.
+        unsafe { l.launch(cfg((blocks, 1, 1), 256, 0)) }?;
+        if past > 0 {
+            let mut l = st.launch_builder(self.kernel("ple_conv_state")?);
+            l.arg(&zp).arg(&sp).arg(&ti).arg(&ci).arg(&pi);
+            // SAFETY: as above; queued after the convolution on the same stream.
+            unsafe { l.launch(cfg((grid_u32(OP, c.div_ceil(256))?, 1, 1), 256, 0)) }?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,367 @@
+//! QSA's lightning indexer and the attention over its selection (`kernels/qsa.cu`): the index-key
+//! write (LayerNorm, RoPE, bf16 scale, fp8 e4m3), the indexer query preparation, the index scores over
+//! the paged index-key pool, the exact top-k (ties to the larger position) and the gated attention
+//! over the selected positions only.
+//!
+//! The index-key pool is `[num_blocks, block_size, dI + 2]` bytes (the CPU backend's layout). The
+//! byte-, score- and selection-deciding arithmetic follows the CPU oracle's f32 operations in order,
+//! so the fp8 bytes, the scores and the selected sets equal `sanmai_cpu::ops`'s on equal inputs.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use half::bf16;
+
+use crate::error::{ensure, Result};
+use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
+
+/// The largest indexer head size `dI` the kernels take.
+pub const QSA_MAX_INDEX_DIM: usize = 256;
+/// Selected positions per block of the gathered attention's partial kernel.
+pub const QSA_SPLIT: usize = 256;
+/// The largest attention head size of the gathered attention.
+const QSA_MAX_HEAD_DIM: usize = 256;
+/// Largest `nI·dI + nI` floats of the score kernel's shared memory (48 KiB).
+const SCORE_SMEM_FLOATS: usize = 12 * 1024;
+const GRID_YZ_MAX: usize = 65535;
+
+impl Gpu {
+    /// Index-key entries of `rows` tokens: `kI = LayerNorm(ik; w, b, eps)` of `ik` `[rows, dI]`, NeoX
+    /// RoPE at `positions[r]`, then `s = bf16(max|kI| / 448)` (1 when 0) and `k8 = fp8_e4m3(kI / s)`,
+    /// written as `dI` bytes + the bf16 scale (little-endian) to pool row `dst[r]` of `idx_pool`
+    /// (`[pool_rows, dI + 2]` bytes; a `dst` beyond the pool is skipped). Matches
+    /// `sanmai_cpu::ops::{layer_norm, rope_neox, quantize_index_key}` byte for byte.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qsa_index_key_write<F: DevicePtr<f32>>(
+        &self,
+        ik: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<bf16>,
+        b: &impl DevicePtr<bf16>,
+        eps: f32,
+        positions: &impl DevicePtr<u32>,
+        (head_dim, half, inv_freq): (usize, usize, &F),
+        dst: &impl DevicePtr<u32>,
+        idx_pool: &mut impl DevicePtrMut<u8>,
+        rows: usize,
+    ) -> Result<()> {
+        const OP: &str = "qsa_index_key_write";
+        let di = head_dim;
+        ensure((1..=QSA_MAX_INDEX_DIM).contains(&di), OP, || {
+            format!("dI = {di} must be in 1..={QSA_MAX_INDEX_DIM}")
+        })?;
+        ensure(2 * half <= di, OP, || "rot_dim exceeds dI".into())?;
+        check_len(OP, "ik", ik, rows * di)?;
+        check_len(OP, "w", w, di)?;
+        check_len(OP, "b", b, di)?;
+        check_len(OP, "positions", positions, rows)?;
+        check_len(OP, "inv_freq", inv_freq, half)?;
+        check_len(OP, "dst", dst, rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let pool_rows = u32::try_from(idx_pool.len() / (di + 2)).unwrap_or(u32::MAX);
+        let (dii, ri, half) = (
+            int(OP, "dI", di)?,
+            int(OP, "rows", rows)?,
+            int(OP, "half", half)?,
+        );
+        let s = self.stream();
+        let (ip, _g1) = ik.device_ptr(s);
+        let (wp, _g2) = w.device_ptr(s);
+        let (bp, _g3) = b.device_ptr(s);
+        let (pp, _g4) = positions.device_ptr(s);
+        let (fp, _g5) = inv_freq.device_ptr(s);
+        let (dp, _g6) = dst.device_ptr(s);
+        let (op, _g7) = idx_pool.device_ptr_mut(s);
+        let mut l = s.launch_builder(self.kernel("qsa_index_key_write")?);
+        l.arg(&ip)
+            .arg(&wp)
+            .arg(&bp)
+            .arg(&eps)
+            .arg(&pp)
+            .arg(&fp)
+            .arg(&half)
+            .arg(&dp)
+            .arg(&pool_rows)
+            .arg(&op)
+            .arg(&dii)
+            .arg(&ri);
+        // SAFETY: argument types match the kernel; lengths checked; rows beyond the pool are skipped.
+        unsafe { l.launch(cfg((grid_u32(OP, rows.div_ceil(64))?, 1, 1), 64, 0)) }?;
+        Ok(())
+    }
+
+    /// The indexer queries and head weights of `rows` tokens: `qi` `[rows, nI·dI]` f32 = `iq` roped at
+    /// `positions[r]`; `wts` `[rows, nI]` f32 = `iw · head_scale`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qsa_query_prep<F: DevicePtr<f32>>(
+        &self,
+        iq: &impl DevicePtr<bf16>,
+        iw: &impl DevicePtr<bf16>,
+        positions: &impl DevicePtr<u32>,
+        (n_heads, head_dim, half, inv_freq): (usize, usize, usize, &F),
+        head_scale: f32,
+        qi: &mut impl DevicePtrMut<f32>,
+        wts: &mut impl DevicePtrMut<f32>,
+        rows: usize,
+    ) -> Result<()> {
+        const OP: &str = "qsa_query_prep";
+        let (ni, di) = (n_heads, head_dim);
+        ensure((1..=QSA_MAX_INDEX_DIM).contains(&di), OP, || {
+            format!("dI = {di} must be in 1..={QSA_MAX_INDEX_DIM}")
+        })?;
+        ensure(2 * half <= di, OP, || "rot_dim exceeds dI".into())?;
+        check_len(OP, "iq", iq, rows * ni * di)?;
+        check_len(OP, "iw", iw, rows * ni)?;
+        check_len(OP, "positions", positions, rows)?;
+        check_len(OP, "inv_freq", inv_freq, half)?;
+        check_len(OP, "qi", qi, rows * ni * di)?;
+        check_len(OP, "wts", wts, rows * ni)?;
+        if rows == 0 || ni == 0 {
+            return Ok(());
+        }
+        let (nii, dii, ri, half) = (
+            int(OP, "nI", ni)?,
+            int(OP, "dI", di)?,
+            int(OP, "rows", rows)?,
+            int(OP, "half", half)?,
+        );
+        let s = self.stream();
+        let (qp, _g1) = iq.device_ptr(s);
+        let (wp, _g2) = iw.device_ptr(s);
+        let (pp, _g3) = positions.device_ptr(s);
+        let (fp, _g4) = inv_freq.device_ptr(s);
+        let (op, _g5) = qi.device_ptr_mut(s);
+        let (tp, _g6) = wts.device_ptr_mut(s);
+        let mut l = s.launch_builder(self.kernel("qsa_query_prep")?);
+        l.arg(&qp)
+            .arg(&wp)
+            .arg(&pp)
+            .arg(&fp)
+            .arg(&half)
+            .arg(&head_scale)
+            .arg(&op)
+            .arg(&tp)
+            .arg(&nii)
+            .arg(&dii)
+            .arg(&ri);
+        // SAFETY: argument types match the kernel; lengths checked above.
+        unsafe { l.launch(cfg((grid_u32(OP, (rows * ni).div_ceil(64))?, 1, 1), 64, 0)) }?;
+        Ok(())
+    }
+
+    /// Index scores of `n_rows` queries of one sequence (row `r` is position `pos0 + r`):
+    /// `scores[r·ld + s] = Σ_h wts[r,h] · ReLU(qi[r,h] · k̂_s)` for every `s ≤ pos0 + r`, the keys
+    /// dequantised from `idx_pool` through the sequence's block `table`. Entries beyond a row's context
+    /// are not written. Matches `sanmai_cpu::ops::index_scores` bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qsa_scores(
+        &self,
+        qi: &impl DevicePtr<f32>,
+        wts: &impl DevicePtr<f32>,
+        idx_pool: &impl DevicePtr<u8>,
+        table: &impl DevicePtr<u32>,
+        n_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+        pos0: usize,
+        n_rows: usize,
+        scores: &mut impl DevicePtrMut<f32>,
+        ld: usize,
+    ) -> Result<()> {
+        const OP: &str = "qsa_scores";
+        let (ni, di, bs) = (n_heads, head_dim, block_size);
+        ensure((1..=QSA_MAX_INDEX_DIM).contains(&di), OP, || {
+            format!("dI = {di} must be in 1..={QSA_MAX_INDEX_DIM}")
+        })?;
+        ensure(ni * di + ni <= SCORE_SMEM_FLOATS, OP, || {
+            format!("nI·dI = {} exceeds the shared-memory limit", ni * di)
+        })?;
+        ensure(bs > 0, OP, || "block size must be positive".into())?;
+        ensure(n_rows <= GRID_YZ_MAX, OP, || {
+            "too many rows in one call".into()
+        })?;
+        let ctx = pos0 + n_rows;
+        ensure(ld >= ctx, OP, || format!("ld {ld} below the context {ctx}"))?;
+        check_len(OP, "qi", qi, n_rows * ni * di)?;
+        check_len(OP, "wts", wts, n_rows * ni)?;
+        check_len(OP, "table", table, ctx.div_ceil(bs))?;
+        check_len(OP, "scores", scores, n_rows * ld)?;
+        if n_rows == 0 {
+            return Ok(());
+        }
+        // Every block id of the table must lie inside the pool: checked on the host by the caller
+        // (the table comes from the step's chunks); the pool length bounds the largest entry.
+        let pool_rows = idx_pool.len() / (di + 2);
+        ensure(pool_rows >= bs, OP, || "index pool holds no block".into())?;
+        let (nii, dii, bsi, p0) = (
+            int(OP, "nI", ni)?,
+            int(OP, "dI", di)?,
+            int(OP, "block_size", bs)?,
+            int(OP, "pos0", pos0)?,
+        );
+        let ldl = ld as i64;
+        let s = self.stream();
+        let (qp, _g1) = qi.device_ptr(s);
+        let (wp, _g2) = wts.device_ptr(s);
+        let (ip, _g3) = idx_pool.device_ptr(s);
+        let (tp, _g4) = table.device_ptr(s);
+        let (sp, _g5) = scores.device_ptr_mut(s);
+        let mut l = s.launch_builder(self.kernel("qsa_scores")?);
+        l.arg(&qp)
+            .arg(&wp)
+            .arg(&ip)
+            .arg(&tp)
+            .arg(&p0)
+            .arg(&nii)
+            .arg(&dii)
+            .arg(&bsi)
+            .arg(&sp)
+            .arg(&ldl);
+        let grid = (grid_u32(OP, ctx.div_ceil(128))?, n_rows as u32, 1);
+        let smem = ((ni * di + ni) * 4) as u32;
+        // SAFETY: argument types match the kernel; lengths checked above; block ids come from the
+        // caller's validated tables.
+        unsafe { l.launch(cfg(grid, 128, smem)) }?;
+        Ok(())
+    }
+
+    /// The selected set of `n_rows` queries of one sequence (row `r` is position `pos0 + r`, context
+    /// `pos0 + r + 1`): all positions when the context is at most `topk`, else the `topk` of largest
+    /// `scores[r·ld + s]` (NaN below every number, ties to the larger position), in increasing order,
+    /// to `sel[r·topk ..]`; `counts[r]` = how many. Matches `sanmai_cpu::ops::topk_positions`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qsa_topk(
+        &self,
+        scores: &impl DevicePtr<f32>,
+        ld: usize,
+        pos0: usize,
+        n_rows: usize,
+        topk: usize,
+        sel: &mut impl DevicePtrMut<u32>,
+        counts: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        const OP: &str = "qsa_topk";
+        ensure(topk > 0, OP, || "topk must be positive".into())?;
+        ensure(ld >= pos0 + n_rows, OP, || "ld below the context".into())?;
+        check_len(OP, "scores", scores, n_rows * ld)?;
+        check_len(OP, "sel", sel, n_rows * topk)?;
+        check_len(OP, "counts", counts, n_rows)?;
+        if n_rows == 0 {
+            return Ok(());
+        }
+        let (p0, k) = (int(OP, "pos0", pos0)?, int(OP, "topk", topk)?);
+        int(OP, "context", pos0 + n_rows)?;
+        let ldl = ld as i64;
+        let s = self.stream();
+        let (sp, _g1) = scores.device_ptr(s);
+        let (op, _g2) = sel.device_ptr_mut(s);
+        let (cp, _g3) = counts.device_ptr_mut(s);
+        let mut l = s.launch_builder(self.kernel("qsa_topk")?);
+        l.arg(&sp).arg(&ldl).arg(&p0).arg(&k).arg(&op).arg(&cp);
+        // SAFETY: argument types match the kernel; lengths checked above.
+        unsafe { l.launch(cfg((grid_u32(OP, n_rows)?, 1, 1), 1024, 0)) }?;
+        Ok(())
+    }
+
+    /// Gated attention of `n_rows` queries of one sequence over their selected positions: row `r`
+    /// attends to `sel[r·sel_stride .. + counts[r]]` (positions, gathered through `table` from the
+    /// `[num_blocks, block_size, hkv·d]` pools); `q`, `gate`, `out` `[n_rows, hq·d]`; `max_count` ≥
+    /// every `counts[r]` sets the splits. `out = softmax(q·k·d^-0.5) v · sigmoid(gate)`. Matches
+    /// `sanmai_cpu::ops::attend_rows`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qsa_attention_gather(
+        &self,
+        dims: crate::ops::AttnDims,
+        q: &impl DevicePtr<bf16>,
+        gate: &impl DevicePtr<bf16>,
+        k_pool: &impl DevicePtr<bf16>,
+        v_pool: &impl DevicePtr<bf16>,
+        table: &impl DevicePtr<u32>,
+        sel: &impl DevicePtr<u32>,
+        sel_stride: usize,
+        counts: &impl DevicePtr<u32>,
+        max_count: usize,
+        out: &mut impl DevicePtrMut<bf16>,
+        n_rows: usize,
+    ) -> Result<()> {
+        const OP: &str = "qsa_attention_gather";
+        let (hq, hkv, d, bs) = (dims.hq, dims.hkv, dims.head_dim, dims.block_size);
+        ensure(hkv > 0 && hq.is_multiple_of(hkv), OP, || {
+            format!("{hq} query heads are not a multiple of {hkv} KV heads")
+        })?;
+        ensure((1..=QSA_MAX_HEAD_DIM).contains(&d), OP, || {
+            format!("head_dim {d} must be in 1..={QSA_MAX_HEAD_DIM}")
+        })?;
+        ensure(bs > 0, OP, || "block size must be positive".into())?;
+        ensure(max_count <= sel_stride, OP, || {
+            "max_count exceeds sel_stride".into()
+        })?;
+        check_len(OP, "q", q, n_rows * hq * d)?;
+        check_len(OP, "gate", gate, n_rows * hq * d)?;
+        check_len(OP, "out", out, n_rows * hq * d)?;
+        check_len(OP, "sel", sel, n_rows * sel_stride)?;
+        check_len(OP, "counts", counts, n_rows)?;
+        ensure(k_pool.len() == v_pool.len(), OP, || "pools differ".into())?;
+        if n_rows == 0 {
+            return Ok(());
+        }
+        ensure(n_rows <= GRID_YZ_MAX, OP, || {
+            "too many rows in one call".into()
+        })?;
+        let splits = max_count.div_ceil(QSA_SPLIT).max(1);
+        ensure(splits <= GRID_YZ_MAX, OP, || "too many splits".into())?;
+        let slots = n_rows * hq * splits;
+        let mut part_o = self.stream().alloc_zeros::<f32>(slots * d)?;
+        let mut part_ml = self.stream().alloc_zeros::<f32>(slots * 2)?;
+        let (hqi, hkvi, di, bsi, spi, ss) = (
+            int(OP, "hq", hq)?,
+            int(OP, "hkv", hkv)?,
+            int(OP, "d", d)?,
+            int(OP, "bs", bs)?,
+            int(OP, "splits", splits)?,
+            int(OP, "sel_stride", sel_stride)?,
+        );
+        let scale = (d as f32).powf(-0.5);
+        let s = self.stream();
+        let (qp, _g1) = q.device_ptr(s);
+        let (gp, _g2) = gate.device_ptr(s);
+        let (kp, _g3) = k_pool.device_ptr(s);
+        let (vp, _g4) = v_pool.device_ptr(s);
+        let (tp, _g5) = table.device_ptr(s);
+        let (lp, _g6) = sel.device_ptr(s);
+        let (cp, _g7) = counts.device_ptr(s);
+        let (op, _g8) = out.device_ptr_mut(s);
+        let (po, _g9) = part_o.device_ptr_mut(s);
+        let (pm, _g10) = part_ml.device_ptr_mut(s);
+        let mut l = s.launch_builder(self.kernel("qsa_attn_partial")?);
+        l.arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&tp)
+            .arg(&lp)
+            .arg(&ss)
+            .arg(&cp)
+            .arg(&po)
+            .arg(&pm)
+            .arg(&hqi)
+            .arg(&hkvi)
+            .arg(&di)
+            .arg(&bsi)
+            .arg(&spi)
+            .arg(&scale);
+        let grid = (hq as u32, splits as u32, n_rows as u32);
+        // SAFETY: argument types match the kernel; lengths checked; the selected positions come from
+        // qsa_topk (each below its row's context, which the table covers).
+        unsafe { l.launch(cfg(grid, 128, 0)) }?;
+        let mut l = s.launch_builder(self.kernel("qsa_attn_reduce")?);
+        l.arg(&po)
+            .arg(&pm)
+            .arg(&gp)
+            .arg(&op)
+            .arg(&hqi)
+            .arg(&di)
+            .arg(&spi);
+        // SAFETY: as above.
+        unsafe { l.launch(cfg((hq as u32, n_rows as u32, 1), 128, 0)) }?;
+        Ok(())
+    }
+}

@@ -1,0 +1,938 @@
+//! QSA and the PLE mix on the device against the CPU oracle:
+//!
+//! - kernels: the index-key write (LayerNorm, RoPE, bf16 scale, fp8 e4m3) byte for byte; the index
+//!   scores bit for bit and the top-k selected sets exactly (ties included: repeated keys and all-zero
+//!   scores); the attention over gathered selected rows within bf16 rounding;
+//! - the backend ops: `qsa_attention` (mixed prefill chunks and decodes of two sequences, dense and
+//!   selecting, selected sets recorded on both sides) and `ple_mix` (chunks, decodes, a `copy_state`
+//!   fork) on `CudaBackend` against `CpuBackend` with the same inputs;
+//! - end to end: the tiny qwen4_exp fixtures on `CudaBackend` against the CPU backend (prompt
+//!   log-probs, QSA selected sets; differing sets are printed as near-ties with their size).
+//!
+//! Without a GPU every test prints `skipped: <test>: <reason>` and passes. Each check prints a
+//! `PARITY` or `E2E` line.
+
+use std::path::{Path, PathBuf};
+
+use half::bf16;
+use sanmai_config::ModelConfig;
+use sanmai_cpu::{ops as cpu, CpuBackend};
+use sanmai_cuda::{AttnDims, CudaBackend};
+use sanmai_model::backend::{
+    AttnShape, AttnWeights, CacheSpec, GdnShape, IndexerWeights, PleShape, PleWeights, QsaShape,
+    Rope,
+};
+use sanmai_model::{Backend, Model, PleSource, SeqChunk};
+use sanmai_weights::Checkpoint;
+use serde_json::Value;
+
+/// xorshift64* with Box–Muller normals.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn normal(&mut self) -> f32 {
+        let u = self.unit().max(1e-7);
+        let v = self.unit();
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+    }
+    /// `n` bf16-representable normals times `scale` plus `mean`.
+    fn bf16s(&mut self, n: usize, mean: f32, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| bf16::from_f32(mean + scale * self.normal()).to_f32())
+            .collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+fn backend(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            None
+        }
+    }
+}
+
+fn to_dev(b: &CudaBackend, x: &[f32]) -> sanmai_cuda::cudarc::driver::CudaSlice<bf16> {
+    let v: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+    b.gpu().upload(&v).unwrap()
+}
+
+fn inv_freq(rot: usize, theta: f32) -> Vec<f32> {
+    (0..rot / 2)
+        .map(|j| theta.powf(-2.0 * j as f32 / rot as f32))
+        .collect()
+}
+
+/// `max|got − want| / max|want|`.
+fn max_rel(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let m = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / m
+}
+
+/// CPU index-key entries of `ik` `[rows, di]` (bf16 values) at `pos`.
+fn cpu_entries(
+    ik: &[f32],
+    w: &[f32],
+    b: &[f32],
+    pos: &[u32],
+    di: usize,
+    rot: usize,
+    f: &[f32],
+) -> Vec<u8> {
+    let mut k = ik.to_vec();
+    cpu::layer_norm(&mut k, w, b, di, 1e-6);
+    if rot > 0 {
+        cpu::rope_neox(&mut k, 1, di, rot, pos, f, 1.0);
+    }
+    let mut out = vec![0u8; pos.len() * (di + 2)];
+    for (r, e) in k.chunks_exact(di).zip(out.chunks_exact_mut(di + 2)) {
+        cpu::quantize_index_key(r, e);
+    }
+    out
+}
+
+/// Index keys of `rows` positions written by the device into an identity-mapped pool; also returns the
+/// CPU's entries.
+fn write_keys(
+    b: &CudaBackend,
+    ik: &[f32],
+    pos: &[u32],
+    di: usize,
+    rot: usize,
+    rng: &mut Rng,
+) -> (Vec<u8>, Vec<u8>) {
+    let rows = pos.len();
+    let w = rng.bf16s(di, 1.0, 0.3);
+    let bias = rng.bf16s(di, 0.0, 0.2);
+    let f = inv_freq(rot, 1e7);
+    let g = b.gpu();
+    let fd = g
+        .upload(if f.is_empty() { &[0.0f32][..] } else { &f })
+        .unwrap();
+    let pd = g.upload(pos).unwrap();
+    let dst: Vec<u32> = (0..rows as u32).collect();
+    let dd = g.upload(&dst).unwrap();
+    let mut pool = g.zeros::<u8>(rows * (di + 2)).unwrap();
+    g.qsa_index_key_write(
+        &to_dev(b, ik),
+        &to_dev(b, &w),
+        &to_dev(b, &bias),
+        1e-6,
+        &pd,
+        (di, rot / 2, &fd),
+        &dd,
+        &mut pool,
+        rows,
+    )
+    .unwrap();
+    let got = g.download(&pool).unwrap();
+    (got, cpu_entries(ik, &w, &bias, pos, di, rot, &f))
+}
+
+#[test]
+fn index_key_bytes_match_cpu() {
+    let Some(b) = backend("index_key_bytes_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(1);
+    for (rows, di, rot) in [(37, 64, 32), (300, 16, 8), (5, 128, 128), (64, 64, 0)] {
+        let mut ik = Vec::new();
+        for r in 0..rows {
+            // Scales from tiny to huge, and an all-zero row (scale 1 after LayerNorm's bias).
+            let scale = [1.0, 1e-4, 30.0, 1e3, 0.0][r % 5];
+            ik.extend(rng.bf16s(di, 0.1, scale));
+        }
+        let pos: Vec<u32> = (0..rows).map(|_| rng.below(262_144) as u32).collect();
+        let (got, want) = write_keys(&b, &ik, &pos, di, rot, &mut rng);
+        let diff = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+        println!(
+            "PARITY op=qsa_index_key shape=rows{rows}_dI{di}_rot{rot} bytes={} differing={diff} tol=exact",
+            got.len()
+        );
+        assert_eq!(diff, 0, "index-key bytes differ (rows {rows}, dI {di})");
+    }
+}
+
+/// The device's scores and selections for `rows` queries at the end of a `ctx`-position sequence.
+#[allow(clippy::too_many_arguments)]
+fn check_select(
+    b: &CudaBackend,
+    rng: &mut Rng,
+    ctx: usize,
+    n_rows: usize,
+    topk: usize,
+    ni: usize,
+    di: usize,
+    ties: bool,
+    zero_weights: bool,
+) -> usize {
+    let (rot, bs) = (di / 2, 16);
+    // Keys: with `ties`, only 7 distinct rows repeated, so equal scores abound.
+    let distinct = if ties { 7 } else { ctx };
+    let base = rng.bf16s(distinct * di, 0.0, 1.0);
+    let ik: Vec<f32> = (0..ctx)
+        .flat_map(|p| base[(p % distinct) * di..(p % distinct + 1) * di].to_vec())
+        .collect();
+    let pos: Vec<u32> = if ties {
+        vec![0; ctx] // one position: equal rows give equal entries
+    } else {
+        (0..ctx as u32).collect()
+    };
+    let nb = ctx.div_ceil(bs);
+    // The pool in a shuffled block order: entry of position p at block perm[p / bs].
+    let mut perm: Vec<u32> = (0..nb as u32).collect();
+    for i in (1..nb).rev() {
+        perm.swap(i, rng.below(i + 1));
+    }
+    let (lin, cpu_e) = write_keys(b, &ik, &pos, di, rot, rng);
+    let row = di + 2;
+    let mut pool = vec![0u8; nb * bs * row];
+    for p in 0..ctx {
+        let at = (perm[p / bs] as usize * bs + p % bs) * row;
+        pool[at..at + row].copy_from_slice(&lin[p * row..(p + 1) * row]);
+    }
+    let g = b.gpu();
+    let pool_d = g.upload(&pool).unwrap();
+    let table = g.upload(&perm).unwrap();
+    let iq = rng.bf16s(n_rows * ni * di, 0.0, 1.0);
+    // With `zero_weights` every score is 0: the selection is the last topk positions.
+    let iw = rng.bf16s(n_rows * ni, 0.0, if zero_weights { 0.0 } else { 1.0 });
+    let pos0 = ctx - n_rows;
+    let qpos: Vec<u32> = (pos0..ctx).map(|p| p as u32).collect();
+    let f = inv_freq(rot, 1e7);
+    let fd = g.upload(&f).unwrap();
+    let mut qi = g.zeros::<f32>(n_rows * ni * di).unwrap();
+    let mut wts = g.zeros::<f32>(n_rows * ni).unwrap();
+    let head_scale = (ni as f32).powf(-0.5) * (di as f32).powf(-0.5);
+    g.qsa_query_prep(
+        &to_dev(b, &iq),
+        &to_dev(b, &iw),
+        &g.upload(&qpos).unwrap(),
+        (ni, di, rot / 2, &fd),
+        head_scale,
+        &mut qi,
+        &mut wts,
+        n_rows,
+    )
+    .unwrap();
+    let ld = ctx;
+    let mut scores = g.zeros::<f32>(n_rows * ld).unwrap();
+    g.qsa_scores(
+        &qi,
+        &wts,
+        &pool_d,
+        &table,
+        ni,
+        di,
+        bs,
+        pos0,
+        n_rows,
+        &mut scores,
+        ld,
+    )
+    .unwrap();
+    let mut sel = g.zeros::<u32>(n_rows * topk).unwrap();
+    let mut counts = g.zeros::<u32>(n_rows).unwrap();
+    g.qsa_topk(&scores, ld, pos0, n_rows, topk, &mut sel, &mut counts)
+        .unwrap();
+    let (scores, sel, counts) = (
+        g.download(&scores).unwrap(),
+        g.download(&sel).unwrap(),
+        g.download(&counts).unwrap(),
+    );
+    // The CPU oracle from its own entries.
+    let mut keys = vec![0f32; ctx * di];
+    for (e, k) in cpu_e.chunks_exact(row).zip(keys.chunks_exact_mut(di)) {
+        cpu::dequantize_index_key(e, k);
+    }
+    let (mut score_diff, mut set_diff) = (0, 0);
+    for r in 0..n_rows {
+        let c = pos0 + r + 1;
+        let mut q = iq[r * ni * di..(r + 1) * ni * di].to_vec();
+        cpu::rope_neox(&mut q, ni, di, rot, &[(pos0 + r) as u32], &f, 1.0);
+        let w: Vec<f32> = iw[r * ni..(r + 1) * ni]
+            .iter()
+            .map(|x| x * head_scale)
+            .collect();
+        let mut want = vec![0f32; c];
+        cpu::index_scores(&q, &w, &keys[..c * di], di, &mut want);
+        score_diff += want
+            .iter()
+            .zip(&scores[r * ld..r * ld + c])
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        let want_sel = cpu::topk_positions(&want, topk);
+        let got: Vec<usize> = sel[r * topk..r * topk + counts[r] as usize]
+            .iter()
+            .map(|&x| x as usize)
+            .collect();
+        if got != want_sel {
+            set_diff += 1;
+        }
+    }
+    println!(
+        "PARITY op=qsa_scores_topk shape=ctx{ctx}_rows{n_rows}_topk{topk}_nI{ni}_dI{di}{}{} score_bits_differing={score_diff} sets_differing={set_diff} tol=exact",
+        if ties { "_ties" } else { "" },
+        if zero_weights { "_zero_scores" } else { "" }
+    );
+    score_diff + set_diff
+}
+
+#[test]
+fn scores_and_topk_match_cpu() {
+    let Some(b) = backend("scores_and_topk_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(2);
+    let mut bad = 0;
+    bad += check_select(&b, &mut rng, 300, 300, 32, 4, 16, false, false);
+    bad += check_select(&b, &mut rng, 5000, 8, 256, 16, 64, false, false);
+    bad += check_select(&b, &mut rng, 70_000, 3, 2048, 16, 64, false, false);
+    bad += check_select(&b, &mut rng, 3000, 4, 100, 16, 64, true, false);
+    bad += check_select(&b, &mut rng, 3000, 2, 100, 4, 32, false, true);
+    bad += check_select(&b, &mut rng, 40, 40, 64, 4, 16, false, false);
+    assert_eq!(bad, 0, "scores or selected sets differ from the CPU's");
+}
+
+#[test]
+fn gathered_attention_matches_cpu() {
+    let Some(b) = backend("gathered_attention_matches_cpu") else {
+        return;
+    };
+    let g = b.gpu();
+    let mut rng = Rng::new(3);
+    for (hq, hkv, d, ctx, n_rows, topk) in [
+        (4usize, 2usize, 32usize, 300usize, 5usize, 32usize),
+        (16, 2, 256, 5000, 3, 2048),
+        (8, 8, 128, 1000, 4, 700),
+    ] {
+        let bs = 16;
+        let nb = ctx.div_ceil(bs);
+        let row = hkv * d;
+        let kp = rng.bf16s(nb * bs * row, 0.0, 1.0);
+        let vp = rng.bf16s(nb * bs * row, 0.0, 1.0);
+        let mut perm: Vec<u32> = (0..nb as u32).collect();
+        for i in (1..nb).rev() {
+            perm.swap(i, rng.below(i + 1));
+        }
+        let q = rng.bf16s(n_rows * hq * d, 0.0, 1.0);
+        let gate = rng.bf16s(n_rows * hq * d, 0.0, 1.0);
+        let mut sel = vec![0u32; n_rows * topk];
+        let mut counts = vec![0u32; n_rows];
+        for r in 0..n_rows {
+            let mut all: Vec<u32> = (0..ctx as u32).collect();
+            for i in (1..ctx).rev() {
+                all.swap(i, rng.below(i + 1));
+            }
+            let n = topk - r; // different counts per row
+            let mut pick = all[..n].to_vec();
+            pick.sort_unstable();
+            sel[r * topk..r * topk + n].copy_from_slice(&pick);
+            counts[r] = n as u32;
+        }
+        let mut out = g.zeros::<bf16>(n_rows * hq * d).unwrap();
+        g.qsa_attention_gather(
+            AttnDims {
+                hq,
+                hkv,
+                head_dim: d,
+                block_size: bs,
+            },
+            &to_dev(&b, &q),
+            &to_dev(&b, &gate),
+            &to_dev(&b, &kp),
+            &to_dev(&b, &vp),
+            &g.upload(&perm).unwrap(),
+            &g.upload(&sel).unwrap(),
+            topk,
+            &g.upload(&counts).unwrap(),
+            topk,
+            &mut out,
+            n_rows,
+        )
+        .unwrap();
+        let got: Vec<f32> = g
+            .download(&out)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        let mut want = vec![0f32; n_rows * hq * d];
+        for r in 0..n_rows {
+            let n = counts[r] as usize;
+            let (mut kr, mut vr) = (Vec::new(), Vec::new());
+            for &p in &sel[r * topk..r * topk + n] {
+                let p = p as usize;
+                let at = (perm[p / bs] as usize * bs + p % bs) * row;
+                kr.extend_from_slice(&kp[at..at + row]);
+                vr.extend_from_slice(&vp[at..at + row]);
+            }
+            cpu::attend_rows(
+                &q[r * hq * d..(r + 1) * hq * d],
+                &gate[r * hq * d..(r + 1) * hq * d],
+                &kr,
+                &vr,
+                hq,
+                hkv,
+                d,
+                (d as f32).powf(-0.5),
+                &mut want[r * hq * d..(r + 1) * hq * d],
+            );
+        }
+        let rel = max_rel(&got, &want);
+        println!(
+            "PARITY op=qsa_attention_gather shape=hq{hq}_hkv{hkv}_d{d}_ctx{ctx}_topk{topk} max_rel={rel:.2e} tol=1e-2"
+        );
+        assert!(rel <= 1e-2, "gathered attention off by {rel}");
+    }
+}
+
+/// Both backends with the same weights and caches.
+struct Pair {
+    gpu: CudaBackend,
+    cpu: CpuBackend,
+}
+
+impl Pair {
+    fn weight(
+        &self,
+        data: Vec<f32>,
+        shape: &[usize],
+    ) -> (sanmai_cuda::CudaWeight, sanmai_cpu::CpuWeight) {
+        (
+            self.gpu.weight(data.clone(), shape),
+            self.cpu.weight(data, shape),
+        )
+    }
+    fn init(&self, spec: &CacheSpec) {
+        self.gpu.init_cache(spec);
+        self.cpu.init_cache(spec);
+    }
+}
+
+fn spec(attn: bool, di: usize, ple: Option<PleShape>) -> CacheSpec {
+    CacheSpec {
+        num_blocks: 128,
+        block_size: 16,
+        attn_layers: if attn { vec![0] } else { vec![] },
+        num_kv_heads: 2,
+        head_dim: 32,
+        index_head_dim: di,
+        gdn_layers: vec![],
+        gdn: GdnShape {
+            num_k_heads: 1,
+            num_v_heads: 1,
+            k_head_dim: 8,
+            v_head_dim: 8,
+            conv_kernel: 4,
+        },
+        ple_layers: if ple.is_some() { vec![0] } else { vec![] },
+        ple,
+    }
+}
+
+#[test]
+fn qsa_backend_matches_cpu() {
+    let Some(gpu) = backend("qsa_backend_matches_cpu") else {
+        return;
+    };
+    let p = Pair {
+        gpu,
+        cpu: CpuBackend::new(),
+    };
+    let (nh, nkv, d, hidden) = (4, 2, 32, 64);
+    let (ni, di, topk) = (4, 16, 48);
+    let mut rng = Rng::new(4);
+    p.init(&spec(true, di, None));
+    let (qn_g, qn_c) = p.weight(rng.bf16s(d, 0.0, 0.1), &[d]);
+    let (kn_g, kn_c) = p.weight(rng.bf16s(d, 0.0, 0.1), &[d]);
+    let (lw_g, lw_c) = p.weight(rng.bf16s(di, 1.0, 0.2), &[di]);
+    let (lb_g, lb_c) = p.weight(rng.bf16s(di, 0.0, 0.2), &[di]);
+    // Projections are not used by the op (inputs come projected); tiny placeholders of the right shape.
+    let mk = |rows: usize, cols: usize, rng: &mut Rng| {
+        p.weight(rng.bf16s(rows * cols, 0.0, 0.1), &[rows, cols])
+    };
+    let (qp_g, qp_c) = mk(2 * nh * d, hidden, &mut rng);
+    let (kp_g, kp_c) = mk(nkv * d, hidden, &mut rng);
+    let (vp_g, vp_c) = mk(nkv * d, hidden, &mut rng);
+    let (op_g, op_c) = mk(hidden, nh * d, &mut rng);
+    let (wq_g, wq_c) = mk(ni * di, hidden, &mut rng);
+    let (wk_g, wk_c) = mk(di, hidden, &mut rng);
+    let (wp_g, wp_c) = mk(ni, hidden, &mut rng);
+    let aw_g = AttnWeights {
+        q_proj: qp_g,
+        k_proj: kp_g,
+        v_proj: vp_g,
+        o_proj: op_g,
+        q_norm: qn_g,
+        k_norm: kn_g,
+    };
+    let aw_c = AttnWeights {
+        q_proj: qp_c,
+        k_proj: kp_c,
+        v_proj: vp_c,
+        o_proj: op_c,
+        q_norm: qn_c,
+        k_norm: kn_c,
+    };
+    let iw_g = IndexerWeights {
+        wq: wq_g,
+        wk: wk_g,
+        k_norm: lw_g,
+        k_norm_bias: lb_g,
+        weights_proj: wp_g,
+    };
+    let iw_c = IndexerWeights {
+        wq: wq_c,
+        wk: wk_c,
+        k_norm: lw_c,
+        k_norm_bias: lb_c,
+        weights_proj: wp_c,
+    };
+    let shape = AttnShape {
+        num_heads: nh,
+        num_kv_heads: nkv,
+        head_dim: d,
+        eps: 1e-6,
+    };
+    let rope = Rope {
+        rot_dim: 16,
+        inv_freq: inv_freq(16, 1e7),
+        mscale: 1.0,
+    };
+    let qsa = QsaShape {
+        n_heads: ni,
+        head_dim: di,
+        topk,
+        rope: Rope {
+            rot_dim: 8,
+            inv_freq: inv_freq(8, 1e7),
+            mscale: 1.0,
+        },
+    };
+    let blocks_a: Vec<u32> = (0..40).collect();
+    let blocks_b: Vec<u32> = (40..80).rev().collect();
+    let (sa_g, sb_g) = (p.gpu.alloc_state(), p.gpu.alloc_state());
+    let (sa_c, sb_c) = (p.cpu.alloc_state(), p.cpu.alloc_state());
+    assert_eq!((sa_g, sb_g), (sa_c, sb_c), "slot ids agree");
+    // Steps: (a_len, b_len) with positions advancing; a prefills 30 (dense) then 100 (selecting),
+    // b decodes and prefills around the topk boundary, then both decode.
+    let steps: [(usize, usize); 7] = [
+        (30, 20),
+        (100, 27),
+        (1, 1),
+        (1, 40),
+        (1, 1),
+        (64, 1),
+        (1, 1),
+    ];
+    let (mut pa, mut pb) = (0, 0);
+    p.gpu.trace_qsa(true);
+    p.cpu.trace_qsa(true);
+    let mut worst = 0f32;
+    for (la, lb) in steps {
+        let rows = la + lb;
+        let seqs = [
+            SeqChunk {
+                start: 0,
+                len: la,
+                pos0: pa,
+                state: sa_g,
+                blocks: &blocks_a,
+            },
+            SeqChunk {
+                start: la,
+                len: lb,
+                pos0: pb,
+                state: sb_g,
+                blocks: &blocks_b,
+            },
+        ];
+        let data = |cols: usize, rng: &mut Rng| rng.bf16s(rows * cols, 0.0, 1.0);
+        let (qg, kk, vv) = (
+            data(2 * nh * d, &mut rng),
+            data(nkv * d, &mut rng),
+            data(nkv * d, &mut rng),
+        );
+        let (iq, ik, iw) = (
+            data(ni * di, &mut rng),
+            data(di, &mut rng),
+            data(ni, &mut rng),
+        );
+        let up_g = |c: usize, x: &[f32]| p.gpu.upload(rows, c, x.to_vec());
+        let up_c = |c: usize, x: &[f32]| p.cpu.upload(rows, c, x.to_vec());
+        let out_g = p.gpu.qsa_attention(
+            0,
+            &shape,
+            &rope,
+            &qsa,
+            &up_g(2 * nh * d, &qg),
+            &up_g(nkv * d, &kk),
+            &up_g(nkv * d, &vv),
+            &aw_g,
+            &up_g(ni * di, &iq),
+            &up_g(di, &ik),
+            &up_g(ni, &iw),
+            &iw_g,
+            &seqs,
+        );
+        let out_c = p.cpu.qsa_attention(
+            0,
+            &shape,
+            &rope,
+            &qsa,
+            &up_c(2 * nh * d, &qg),
+            &up_c(nkv * d, &kk),
+            &up_c(nkv * d, &vv),
+            &aw_c,
+            &up_c(ni * di, &iq),
+            &up_c(di, &ik),
+            &up_c(ni, &iw),
+            &iw_c,
+            &seqs,
+        );
+        let (_, _, g) = p.gpu.to_host(out_g);
+        let (_, _, c) = p.cpu.to_host(out_c);
+        let rel = max_rel(&g, &c);
+        worst = worst.max(rel);
+        pa += la;
+        pb += lb;
+    }
+    let tg = p.gpu.take_qsa_trace();
+    let mut tc: Vec<_> = p
+        .cpu
+        .take_qsa_trace()
+        .into_iter()
+        .map(|s| (s.layer, s.state, s.pos, s.selected))
+        .collect();
+    tc.sort_by_key(|r| (r.0, r.1, r.2));
+    let selecting = tc.iter().filter(|r| r.3.len() < r.2 + 1).count();
+    let differing = tg.iter().zip(&tc).filter(|(a, b)| a != b).count();
+    println!(
+        "PARITY op=qsa_attention shape=two_seqs_ctx{pa}+{pb}_topk{topk} max_rel={worst:.2e} rows={} selecting_rows={selecting} sets_differing={differing} tol=1e-2",
+        tc.len()
+    );
+    assert_eq!(tg.len(), tc.len(), "one selection per query row on both");
+    assert!(selecting > 100, "the schedule exercises selection");
+    assert_eq!(differing, 0, "selected sets differ from the CPU's");
+    assert!(worst <= 1e-2, "QSA attention off by {worst}");
+}
+
+#[test]
+fn ple_backend_matches_cpu() {
+    let Some(gpu) = backend("ple_backend_matches_cpu") else {
+        return;
+    };
+    let p = Pair {
+        gpu,
+        cpu: CpuBackend::new(),
+    };
+    let mut rng = Rng::new(5);
+    for (ns, h, e, kernel, dil) in [(1, 64, 64, 4, 3), (4, 64, 64, 4, 3), (2, 256, 320, 3, 2)] {
+        let sh = PleShape {
+            streams: ns,
+            hidden: h,
+            row_width: e,
+            conv_kernel: kernel,
+            conv_dilation: dil,
+        };
+        p.init(&spec(false, 0, Some(sh)));
+        let vec_w = |rng: &mut Rng, mean: f32| p.weight(rng.bf16s(h, mean, 0.2), &[h]);
+        let (vw_g, vw_c) = p.weight(rng.bf16s(h * e, 0.0, 0.1), &[h, e]);
+        let (vb_g, vb_c) = vec_w(&mut rng, 0.0);
+        let (mut key_g, mut key_c, mut kb_g, mut kb_c) = (vec![], vec![], vec![], vec![]);
+        let (mut kn_g, mut kn_c, mut qn_g, mut qn_c, mut cn_g, mut cn_c) =
+            (vec![], vec![], vec![], vec![], vec![], vec![]);
+        for _ in 0..ns {
+            let (a, b) = p.weight(rng.bf16s(h * e, 0.0, 0.1), &[h, e]);
+            key_g.push(a);
+            key_c.push(b);
+            let (a, b) = vec_w(&mut rng, 0.0);
+            kb_g.push(a);
+            kb_c.push(b);
+            let (a, b) = vec_w(&mut rng, 1.0);
+            kn_g.push(a);
+            kn_c.push(b);
+            let (a, b) = vec_w(&mut rng, 1.0);
+            qn_g.push(a);
+            qn_c.push(b);
+            let (a, b) = vec_w(&mut rng, 1.0);
+            cn_g.push(a);
+            cn_c.push(b);
+        }
+        let (cw_g, cw_c) = p.weight(rng.bf16s(ns * h * kernel, 0.0, 0.5), &[ns * h, kernel]);
+        let w_g = PleWeights {
+            value: vw_g,
+            value_bias: vb_g,
+            key: key_g,
+            key_bias: kb_g,
+            key_norm: kn_g,
+            query_norm: qn_g,
+            conv_norm: cn_g,
+            conv: cw_g,
+        };
+        let w_c = PleWeights {
+            value: vw_c,
+            value_bias: vb_c,
+            key: key_c,
+            key_bias: kb_c,
+            key_norm: kn_c,
+            query_norm: qn_c,
+            conv_norm: cn_c,
+            conv: cw_c,
+        };
+        let (sa, sb) = (p.gpu.alloc_state(), p.gpu.alloc_state());
+        assert_eq!((sa, sb), (p.cpu.alloc_state(), p.cpu.alloc_state()));
+        let blocks: Vec<u32> = vec![];
+        let mut worst = 0f32;
+        // (a_len, b_len) per step; after step 2, b is forked from a with copy_state.
+        let steps: [(usize, usize); 6] = [(13, 5), (1, 2), (7, 0), (1, 1), (1, 9), (2, 1)];
+        for (i, (la, lb)) in steps.into_iter().enumerate() {
+            if i == 3 {
+                p.gpu.copy_state(sa, sb);
+                p.cpu.copy_state(sa, sb);
+            }
+            let rows = la + lb;
+            let seqs = [
+                SeqChunk {
+                    start: 0,
+                    len: la,
+                    pos0: 0,
+                    state: sa,
+                    blocks: &blocks,
+                },
+                SeqChunk {
+                    start: la,
+                    len: lb,
+                    pos0: 0,
+                    state: sb,
+                    blocks: &blocks,
+                },
+            ];
+            let r = rng.bf16s(rows * ns * h, 0.0, 1.0);
+            let x = rng.bf16s(rows * e, 0.0, 1.0);
+            let mut st_g = p.gpu.upload(rows, ns * h, r.clone());
+            let mut st_c = p.cpu.upload(rows, ns * h, r);
+            p.gpu.ple_mix(
+                0,
+                &sh,
+                &mut st_g,
+                &p.gpu.upload(rows, e, x.clone()),
+                &w_g,
+                &seqs,
+            );
+            p.cpu
+                .ple_mix(0, &sh, &mut st_c, &p.cpu.upload(rows, e, x), &w_c, &seqs);
+            let (_, _, g) = p.gpu.to_host(st_g);
+            let (_, _, c) = p.cpu.to_host(st_c);
+            worst = worst.max(max_rel(&g, &c));
+        }
+        println!(
+            "PARITY op=ple_mix shape=S{ns}_H{h}_E{e}_k{kernel}_d{dil} max_rel={worst:.2e} tol=1e-2"
+        );
+        assert!(worst <= 1e-2, "PLE mix off by {worst}");
+        p.gpu.free_state(sa);
+        p.gpu.free_state(sb);
+        p.cpu.free_state(sa);
+        p.cpu.free_state(sb);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// End to end on the tiny qwen4_exp fixtures.
+
+const BLOCK: usize = 16;
+const BLOCKS_PER_SEQ: usize = 32;
+/// Mean |Δ log-prob| between the backends on the prompts' tokens.
+const E2E_MEAN_TOL: f64 = 0.05;
+
+fn fixture(name: &str) -> PathBuf {
+    let dirs = [
+        std::env::var_os("SANMAI_FIXTURES").map(PathBuf::from),
+        Some(PathBuf::from("tests/fixtures")),
+        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")),
+    ];
+    dirs.into_iter()
+        .flatten()
+        .find(|d| d.join(name).is_dir())
+        .unwrap_or_else(|| panic!("fixture {name} not found: set SANMAI_FIXTURES"))
+        .join(name)
+}
+
+fn load<B: Backend>(name: &str, b: B) -> Model<B> {
+    let dir = fixture(name);
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let ple = cfg
+        .ple
+        .as_ref()
+        .map(|p| PleSource::open(&dir, p, false).unwrap());
+    let m = Model::load_with_ple(cfg, &ckpt, b, ple).unwrap();
+    m.init_cache(BLOCKS_PER_SEQ * 8, BLOCK);
+    m
+}
+
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+    let lse = row
+        .iter()
+        .map(|&x| (x as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
+    row.iter().map(|&x| x as f64 - lse).collect()
+}
+
+/// Log-probs of every prompt token after the first, prefilled in chunks of `chunk`.
+fn prompt_logprobs<B: Backend>(m: &Model<B>, i: usize, prompt: &[u32], chunk: usize) -> Vec<f64> {
+    let state = m.backend.alloc_state();
+    let first = (i * BLOCKS_PER_SEQ) as u32;
+    let blocks: Vec<u32> = (first..first + BLOCKS_PER_SEQ as u32).collect();
+    let mut out = Vec::new();
+    let mut pos = 0;
+    while pos < prompt.len() {
+        let len = chunk.min(prompt.len() - pos);
+        let c = [SeqChunk {
+            start: 0,
+            len,
+            pos0: pos,
+            state,
+            blocks: &blocks,
+        }];
+        let rows = m.ple_rows(&[prompt], &c).unwrap();
+        let o = m.forward_with(
+            &prompt[pos..pos + len],
+            &c,
+            &(0..len).collect::<Vec<_>>(),
+            rows.as_ref(),
+        );
+        let (r, cols, data) = m.backend.to_host(m.logits(&o.hidden));
+        for j in 0..r {
+            let t = pos + j + 1;
+            if t < prompt.len() {
+                out.push(log_softmax(&data[j * cols..(j + 1) * cols])[prompt[t] as usize]);
+            }
+        }
+        pos += len;
+    }
+    m.backend.free_state(state);
+    out
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+/// Prompt log-probs and QSA selections of `name` on both backends; returns (mean, max) |Δ|.
+/// Also whether the selected sets agree (at most 1 in 20 selecting rows differing, as near-ties).
+fn e2e(name: &str, chunk: usize) -> Option<(f64, f64, bool)> {
+    let gpu = backend(&format!("e2e {name}"))?;
+    let gm = load(name, gpu);
+    let cm = load(name, CpuBackend::new());
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture(name).join("reference.json")).unwrap(),
+    )
+    .unwrap();
+    let mut errs = Vec::new();
+    let (mut rows, mut differing, mut selecting) = (0, 0, 0);
+    for (pi, p) in reference["prompts"].as_array().unwrap().iter().enumerate() {
+        let prompt = ids(&p["ids"]);
+        gm.backend.trace_qsa(true);
+        cm.backend.trace_qsa(true);
+        let g = prompt_logprobs(&gm, pi, &prompt, chunk);
+        let c = prompt_logprobs(&cm, pi, &prompt, chunk);
+        errs.extend(g.iter().zip(&c).map(|(a, b)| (a - b).abs()));
+        let tg = gm.backend.take_qsa_trace();
+        let mut tc: Vec<_> = cm
+            .backend
+            .take_qsa_trace()
+            .into_iter()
+            .map(|s| (s.layer, s.state, s.pos, s.selected))
+            .collect();
+        tc.sort_by_key(|r| (r.0, r.1, r.2));
+        if tg.len() != tc.len() {
+            println!(
+                "E2E {name}: {} selections on the GPU, {} on the CPU",
+                tg.len(),
+                tc.len()
+            );
+            differing += tg.len().abs_diff(tc.len()).max(1) * 100;
+        }
+        for (a, b) in tg.iter().zip(&tc) {
+            rows += 1;
+            if b.3.len() < b.2 + 1 {
+                selecting += 1;
+            }
+            if a.3 != b.3 {
+                differing += 1;
+                let only_g = a.3.iter().filter(|x| !b.3.contains(x)).count();
+                println!(
+                    "E2E near-tie {name} chunk={chunk} prompt {pi} layer {} position {}: {only_g} of {} selected positions differ",
+                    a.0,
+                    a.2,
+                    a.3.len()
+                );
+            }
+        }
+    }
+    let mean = errs.iter().sum::<f64>() / errs.len().max(1) as f64;
+    let max = errs.iter().copied().fold(0.0, f64::max);
+    println!(
+        "E2E {name} chunk={chunk}: gpu-vs-cpu prompt logprob mean {mean:.4} max {max:.4} (tol mean {E2E_MEAN_TOL}); qsa rows {rows}, selecting {selecting}, sets differing {differing}"
+    );
+    let sets_ok = gm.cfg.qsa.is_none() || (selecting > 0 && differing * 20 <= selecting);
+    Some((mean, max, sets_ok))
+}
+
+#[test]
+fn e2e_qwen4_exp_fixtures_match_cpu() {
+    if backend("e2e_qwen4_exp_fixtures_match_cpu").is_none() {
+        return;
+    }
+    // Baseline: a fixture without the qwen4_exp blocks, the same comparison.
+    let mut failed = Vec::new();
+    for (name, chunk) in [
+        ("qwen3_5_moe_text_tiny", 1024),
+        ("qwen4_exp_qsa_tiny", 1024),
+        ("qwen4_exp_qsa_tiny", 37),
+        ("qwen4_exp_ple_tiny", 1024),
+        ("qwen4_exp_ple_tiny", 37),
+        ("qwen4_exp_all_tiny", 1024),
+        ("qwen4_exp_all_tiny", 37),
+    ] {
+        if let Some((mean, _, sets_ok)) = e2e(name, chunk) {
+            if mean > E2E_MEAN_TOL {
+                failed.push(format!("{name} chunk {chunk}: mean {mean:.4}"));
+            }
+            if !sets_ok {
+                failed.push(format!("{name} chunk {chunk}: selected sets differ"));
+            }
+        }
+    }
+    assert!(failed.is_empty(), "above the mean bound: {failed:?}");
+}

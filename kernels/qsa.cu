@@ -1,0 +1,315 @@
+// QSA (spec §2): the lightning indexer and the attention restricted to its selection.
+//
+// Index-key pool layout (the CPU backend's): idx_pool [num_blocks, bs, dI + 2] bytes; an entry is dI fp8
+// e4m3 bytes of kI / s followed by the bf16 scale s little-endian. Position p of a sequence lies in block
+// table[p / bs], row p % bs. Everything that decides a byte, a score or a selection is computed with
+// the CPU oracle's f32 operations in its order (explicit _rn intrinsics: no FMA contraction), so the
+// fp8 bytes, the scores and the selected sets equal the CPU's bit for bit on equal inputs.
+#include "common.cuh"
+
+#define QSA_MAX_DI 256
+#define QSA_SPLIT 256
+#define QSA_MAX_D 256
+
+// fp8 e4m3 ("fn": max 448, 0x7F NaN) of x, nearest even, saturating; the CPU's fp8_e4m3_encode.
+__device__ __forceinline__ unsigned char fp8_e4m3_encode(float x) {
+    if (isnan(x)) return 0x7f;
+    const unsigned char sign = (__float_as_uint(x) & 0x80000000u) ? 0x80 : 0;
+    const float a = fabsf(x);
+    int e;
+    if (a < 0.015625f) {  // 2^-6: the subnormal quantum 2^-9
+        e = -6;
+    } else {
+        e = (int)((__float_as_uint(a) >> 23) & 0xff) - 127;
+        if (e > 8) e = 8;
+    }
+    const float q = ldexpf(1.0f, e - 3);
+    const float r = fminf(__fmul_rn(rintf(__fdiv_rn(a, q)), q), 448.0f);
+    if (r == 0.0f) return sign;
+    if (r < 0.015625f) return sign | (unsigned char)(int)__fdiv_rn(r, 0.001953125f);
+    const int er = (int)((__float_as_uint(r) >> 23) & 0xff) - 127;
+    const int m = (int)__fmul_rn(__fdiv_rn(r, ldexpf(1.0f, er)), 8.0f) - 8;
+    return sign | (unsigned char)((er + 7) << 3) | (unsigned char)m;
+}
+
+// The f32 value of an e4m3 byte (exact).
+__device__ __forceinline__ float fp8_e4m3_decode(unsigned char b) {
+    const int e = (b >> 3) & 0xf, m = b & 7;
+    if (e == 0xf && m == 7) return __int_as_float(0x7fc00000);
+    const float v = e == 0 ? (float)m * 0.001953125f : (1.0f + (float)m / 8.0f) * ldexpf(1.0f, e - 7);
+    return (b & 0x80) ? -v : v;
+}
+
+// NeoX rotation of the first 2·half values of x (one head) at position p, as the CPU's rope_neox:
+// angle (f32) = p·f, cos/sin in f64 rounded to f32; a' = a·c + (−b)·s, b' = b·c + a·s.
+__device__ __forceinline__ void rope_head(float* x, u32 p, const float* inv_freq, int half) {
+    for (int j = 0; j < half; ++j) {
+        const float ang = __fmul_rn((float)p, inv_freq[j]);
+        const float c = (float)cos((double)ang), s = (float)sin((double)ang);
+        const float a = x[j], b = x[j + half];
+        x[j] = __fadd_rn(__fmul_rn(a, c), __fmul_rn(-b, s));
+        x[j + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+}
+
+// One thread per row: kI = LayerNorm(ik; w, b, eps) (mean, biased variance, summed in order), NeoX
+// RoPE on the first 2·half dims at pos[r], the entry s = bf16(max|kI| / 448) (1 when 0), k8 =
+// fp8(kI / s), written to pool row dst[r] of idx_pool (a dst at or beyond pool_rows is skipped).
+extern "C" __global__ void qsa_index_key_write(const bf16* __restrict__ ik, const bf16* __restrict__ w,
+                                               const bf16* __restrict__ b, float eps, const u32* __restrict__ pos,
+                                               const float* __restrict__ inv_freq, int half,
+                                               const u32* __restrict__ dst, u32 pool_rows,
+                                               unsigned char* __restrict__ idx_pool, int di, int rows) {
+    const int r = blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= rows || di > QSA_MAX_DI) return;
+    const u32 d = dst[r];
+    if (d >= pool_rows) return;
+    float k[QSA_MAX_DI];
+    float sum = 0.0f;
+    for (int i = 0; i < di; ++i) {
+        k[i] = bf2f(ik[(size_t)r * di + i]);
+        sum = __fadd_rn(sum, k[i]);
+    }
+    const float mean = __fdiv_rn(sum, (float)di);
+    float var = 0.0f;
+    for (int i = 0; i < di; ++i) {
+        const float t = __fsub_rn(k[i], mean);
+        var = __fadd_rn(var, __fmul_rn(t, t));
+    }
+    var = __fdiv_rn(var, (float)di);
+    const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
+    for (int i = 0; i < di; ++i)
+        k[i] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(k[i], mean), rs), bf2f(w[i])), bf2f(b[i]));
+    if (half > 0) rope_head(k, pos[r], inv_freq, half);
+    float amax = 0.0f;
+    for (int i = 0; i < di; ++i) amax = fmaxf(amax, fabsf(k[i]));
+    bf16 sb = f2bf(__fdiv_rn(amax, 448.0f));
+    if (bf2f(sb) == 0.0f) sb = f2bf(1.0f);
+    const float sv = bf2f(sb);
+    unsigned char* e = idx_pool + (size_t)d * (di + 2);
+    for (int i = 0; i < di; ++i) e[i] = fp8_e4m3_encode(__fdiv_rn(k[i], sv));
+    const unsigned short bits = __bfloat16_as_ushort(sb);
+    e[di] = (unsigned char)(bits & 0xff);
+    e[di + 1] = (unsigned char)(bits >> 8);
+}
+
+// One thread per (row, head): the indexer query head in f32 (bf16 input), roped at pos[r], to
+// qi [rows, ni·di]; the thread of head 0... every head also writes its weight wts[r, h] = iw[r, h]·scale.
+extern "C" __global__ void qsa_query_prep(const bf16* __restrict__ iq, const bf16* __restrict__ iw,
+                                          const u32* __restrict__ pos, const float* __restrict__ inv_freq,
+                                          int half, float head_scale, float* __restrict__ qi,
+                                          float* __restrict__ wts, int ni, int di, int rows) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= rows * ni || di > QSA_MAX_DI) return;
+    const int r = t / ni, h = t - r * ni;
+    float x[QSA_MAX_DI];
+    const size_t at = ((size_t)r * ni + h) * di;
+    for (int i = 0; i < di; ++i) x[i] = bf2f(iq[at + i]);
+    if (half > 0) rope_head(x, pos[r], inv_freq, half);
+    for (int i = 0; i < di; ++i) qi[at + i] = x[i];
+    wts[(size_t)r * ni + h] = __fmul_rn(bf2f(iw[(size_t)r * ni + h]), head_scale);
+}
+
+// Grid (ceil(ctx_max / blockDim), n_rows); dynamic shared memory (ni·di + ni) floats. Row r (query
+// pos0 + r of one sequence) scores every position s ≤ pos0 + r: scores[r·ld + s] = Σ_h w_h ·
+// ReLU(q_h · k̂_s), k̂ = k8·s dequantised from the entry, summed in order as the CPU's index_scores.
+extern "C" __global__ void qsa_scores(const float* __restrict__ qi, const float* __restrict__ wts,
+                                      const unsigned char* __restrict__ idx_pool, const u32* __restrict__ table,
+                                      int pos0, int ni, int di, int bs, float* __restrict__ scores, long long ld) {
+    extern __shared__ float sm[];
+    float* qs = sm;
+    float* ws = sm + ni * di;
+    const int r = blockIdx.y;
+    for (int i = threadIdx.x; i < ni * di; i += blockDim.x) qs[i] = qi[(size_t)r * ni * di + i];
+    for (int i = threadIdx.x; i < ni; i += blockDim.x) ws[i] = wts[(size_t)r * ni + i];
+    __syncthreads();
+    const long long s = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long ctx = (long long)pos0 + r + 1;
+    if (s >= ctx || di > QSA_MAX_DI) return;
+    const unsigned char* e = idx_pool + ((size_t)table[s / bs] * bs + (size_t)(s % bs)) * (di + 2);
+    const float sv = __uint_as_float(((u32)e[di] | ((u32)e[di + 1] << 8)) << 16);
+    float k[QSA_MAX_DI];
+    for (int i = 0; i < di; ++i) k[i] = __fmul_rn(fp8_e4m3_decode(e[i]), sv);
+    float acc = 0.0f;
+    for (int h = 0; h < ni; ++h) {
+        const float* q = qs + h * di;
+        float dot = 0.0f;
+        for (int i = 0; i < di; ++i) dot = __fadd_rn(dot, __fmul_rn(q[i], k[i]));
+        acc = __fadd_rn(acc, __fmul_rn(ws[h], fmaxf(dot, 0.0f)));
+    }
+    scores[(size_t)r * ld + s] = acc;
+}
+
+// The rank key of position s: the score in total order (NaN as −inf) above the position, so that
+// larger keys rank first and equal scores prefer the larger position; keys are unique.
+__device__ __forceinline__ unsigned long long rank_key(float x, long long s) {
+    if (isnan(x)) x = NEG_INF;
+    u32 b = __float_as_uint(x);
+    b = (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+    return ((unsigned long long)b << 32) | (unsigned long long)s;
+}
+
+// Grid (n_rows); block 1024 threads. Row r (query pos0 + r, ctx = pos0 + r + 1 positions) selects
+// n = min(topk, ctx) positions: all of them when ctx ≤ topk, else the topk largest rank keys (radix
+// select of the topk-th key, eight passes of 8 bits, then an in-order compaction). Writes sel[r·topk ..]
+// in increasing position order and counts[r] = n.
+extern "C" __global__ void __launch_bounds__(1024) qsa_topk(const float* __restrict__ scores, long long ld,
+                                                            int pos0, int topk, u32* __restrict__ sel,
+                                                            u32* __restrict__ counts) {
+    __shared__ u32 hist[256];
+    __shared__ u32 warp_n[32];
+    __shared__ unsigned long long sh_prefix;
+    __shared__ u32 sh_need;
+    const int r = blockIdx.x;
+    const long long ctx = (long long)pos0 + r + 1;
+    u32* out = sel + (size_t)r * topk;
+    const float* sc = scores + (size_t)r * ld;
+    if (ctx <= topk) {
+        for (long long s = threadIdx.x; s < ctx; s += blockDim.x) out[s] = (u32)s;
+        if (threadIdx.x == 0) counts[r] = (u32)ctx;
+        return;
+    }
+    unsigned long long prefix = 0, mask = 0;
+    u32 need = (u32)topk;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (long long s = threadIdx.x; s < ctx; s += blockDim.x) {
+            const unsigned long long k = rank_key(sc[s], s);
+            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 above = 0;
+            int dgt = 255;
+            for (; dgt > 0; --dgt) {
+                if (above + hist[dgt] >= need) break;
+                above += hist[dgt];
+            }
+            sh_prefix = prefix | ((unsigned long long)dgt << shift);
+            sh_need = need - above;
+        }
+        __syncthreads();
+        prefix = sh_prefix;
+        need = sh_need;
+        mask |= 255ull << shift;
+        __syncthreads();
+    }
+    // prefix is now the topk-th largest key: select every key ≥ it, in position order.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    u32 base = 0;
+    for (long long c0 = 0; c0 < ctx; c0 += blockDim.x) {
+        const long long s = c0 + threadIdx.x;
+        const bool take = s < ctx && rank_key(sc[s], s) >= prefix;
+        const u32 ball = __ballot_sync(0xffffffffu, take);
+        if (lane == 0) warp_n[warp] = __popc(ball);
+        __syncthreads();
+        u32 before = 0, total = 0;
+        for (int i = 0; i < nw; ++i) {
+            if (i < warp) before += warp_n[i];
+            total += warp_n[i];
+        }
+        if (take) {
+            const u32 at = base + before + __popc(ball & ((1u << lane) - 1u));
+            if (at < (u32)topk) out[at] = (u32)s;
+        }
+        base += total;
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) counts[r] = (u32)topk;
+}
+
+// Grid (hq, splits, rows); block a multiple of 32 threads. Row r (query pos0 + r of one sequence, q
+// normed and roped) attends to its counts[r] selected positions sel[r·sel_stride ..], span sp of
+// QSA_SPLIT of them; K/V rows are gathered through the sequence's block table. Writes part_o [rows, hq,
+// splits, d] (unnormalised Σ e·v) and part_ml [.., 2] (max, Σ e), as attn_paged_partial.
+extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf16* __restrict__ k_pool,
+                                            const bf16* __restrict__ v_pool, const u32* __restrict__ table,
+                                            const u32* __restrict__ sel, int sel_stride,
+                                            const u32* __restrict__ counts, float* __restrict__ part_o,
+                                            float* __restrict__ part_ml, int hq, int hkv, int d, int bs,
+                                            int splits, float scale) {
+    __shared__ float qs[QSA_MAX_D];
+    __shared__ float sc[QSA_SPLIT];
+    __shared__ float scratch[32];
+    const int h = blockIdx.x, sp = blockIdx.y, r = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    if (d > QSA_MAX_D) return;
+    const int kh = h / (hq / hkv);
+    const int n = (int)counts[r];
+    const u32* ps = sel + (size_t)r * sel_stride;
+    const int i0 = sp * QSA_SPLIT;
+    const int i1 = min(i0 + QSA_SPLIT, n);
+    const size_t slot = ((size_t)r * hq + h) * splits + sp;
+    if (i0 >= i1) {
+        for (int i = threadIdx.x; i < d; i += blockDim.x) part_o[slot * d + i] = 0.0f;
+        if (threadIdx.x == 0) {
+            part_ml[2 * slot] = NEG_INF;
+            part_ml[2 * slot + 1] = 0.0f;
+        }
+        return;
+    }
+    const bf16* qr = q + ((size_t)r * hq + h) * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = bf2f(qr[i]);
+    __syncthreads();
+    const size_t row = (size_t)hkv * d;
+    for (int j = i0 + warp; j < i1; j += nw) {
+        const u32 p = ps[j];
+        const bf16* kr = k_pool + ((size_t)table[p / bs] * bs + p % bs) * row + (size_t)kh * d;
+        float acc = 0.0f;
+        for (int i = lane; i < d; i += 32) acc += qs[i] * bf2f(kr[i]);
+        acc = warp_sum(acc) * scale;
+        if (lane == 0) sc[j - i0] = acc;
+    }
+    __syncthreads();
+    float m = NEG_INF;
+    for (int i = threadIdx.x; i < i1 - i0; i += blockDim.x) m = fmaxf(m, sc[i]);
+    m = block_max(m, scratch);
+    float l = 0.0f;
+    for (int i = threadIdx.x; i < i1 - i0; i += blockDim.x) {
+        const float e = (m == NEG_INF || sc[i] == NEG_INF) ? 0.0f : expf(sc[i] - m);
+        sc[i] = e;
+        l += e;
+    }
+    l = block_sum(l, scratch);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = i0; j < i1; ++j) {
+            const float e = sc[j - i0];
+            if (e == 0.0f) continue;
+            const u32 p = ps[j];
+            acc += e * bf2f(v_pool[((size_t)table[p / bs] * bs + p % bs) * row + (size_t)kh * d + i]);
+        }
+        part_o[slot * d + i] = acc;
+    }
+    if (threadIdx.x == 0) {
+        part_ml[2 * slot] = m;
+        part_ml[2 * slot + 1] = l;
+    }
+}
+
+// Grid (hq, rows). Merges the splits of qsa_attn_partial and multiplies by sigmoid(gate) (gate, out:
+// [rows, hq·d]), one bf16 rounding.
+extern "C" __global__ void qsa_attn_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
+                                           const bf16* __restrict__ gate, bf16* __restrict__ out, int hq, int d,
+                                           int splits) {
+    const int h = blockIdx.x, r = blockIdx.y;
+    const size_t slot0 = ((size_t)r * hq + h) * splits;
+    float M = NEG_INF;
+    for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[2 * (slot0 + s)]);
+    float den = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float m = part_ml[2 * (slot0 + s)];
+        if (m != NEG_INF) den += expf(m - M) * part_ml[2 * (slot0 + s) + 1];
+    }
+    const size_t at = ((size_t)r * hq + h) * d;
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+        float num = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float m = part_ml[2 * (slot0 + s)];
+            if (m != NEG_INF) num += expf(m - M) * part_o[(slot0 + s) * d + i];
+        }
+        const float o = den > 0.0f ? num / den : 0.0f;
+        out[at + i] = f2bf(o * sigmoid_f(bf2f(gate[at + i])));
+    }
+}

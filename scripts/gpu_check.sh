@@ -4,14 +4,19 @@
 #   scripts/gpu_check.sh OUT_DIR [BIN_DIR]
 #   scripts/gpu_check.sh --report-only OUT_DIR    (re-renders OUT_DIR/report.md from the logs there)
 #
-# BIN_DIR (default: .device-bin) holds `parity` and `e2e`, the sanmai-cuda test binaries, built elsewhere with
+# BIN_DIR (default: .device-bin) holds `parity`, `e2e` and `graphs`, the sanmai-cuda test binaries, built
+# elsewhere with
 #   cargo test -p sanmai-cuda --release --no-run
-# (cargo prints their paths: target/release/deps/parity-<hash>, target/release/deps/e2e-<hash>), then
-# stripped and copied as BIN_DIR/parity and BIN_DIR/e2e. The e2e binary reads the committed fixtures
-# under tests/fixtures, so run this from the repository root.
-# Writes OUT_DIR/report.md (device, parity table, end-to-end results, timings), OUT_DIR/parity.log,
-# OUT_DIR/e2e.log and OUT_DIR/bench.log. Exits non-zero when a parity or end-to-end test fails (or when
-# BIN_DIR/e2e is missing). The CUDA libraries are found through LD_LIBRARY_PATH, to which
+# (cargo prints their paths: target/release/deps/parity-<hash>, target/release/deps/e2e-<hash>,
+# target/release/deps/graphs-<hash>), then stripped and copied as BIN_DIR/parity, BIN_DIR/e2e and
+# BIN_DIR/graphs. The e2e and graphs binaries read the committed fixtures under tests/fixtures (graphs
+# also configs/models), so run this from the repository root.
+# Writes OUT_DIR/report.md (device, parity table, end-to-end results, CUDA graphs, timings),
+# OUT_DIR/parity.log, OUT_DIR/e2e.log, OUT_DIR/graphs.log and OUT_DIR/bench.log. The graphs run includes
+# its timing tests (decode step eager against graph replay on the fixtures and on a dummy-weight
+# qwen3.5-35b-a3b with SANMAI_GRAPH_BENCH_LAYERS layers, default 4; SANMAI_GRAPH_BENCH=0 skips the
+# timings). Exits non-zero when a parity, end-to-end or graph test fails (or when BIN_DIR/e2e or
+# BIN_DIR/graphs is missing). The CUDA libraries are found through LD_LIBRARY_PATH, to which
 # $CUDA_HOME/lib64 (default /usr/local/cuda) is added when it exists; headers through $CUDA_HOME/include.
 set -uo pipefail
 
@@ -21,6 +26,7 @@ out=${1:?usage: gpu_check.sh [--report-only] OUT_DIR [BIN_DIR]}
 bin_dir=${2:-.device-bin}
 bin="$bin_dir/parity"
 e2e_bin="$bin_dir/e2e"
+graphs_bin="$bin_dir/graphs"
 mkdir -p "$out"
 
 # Every tagged line of a log, also when the test harness printed it after "test name ... ".
@@ -33,16 +39,17 @@ render() {
     cat "$out/meta.md"
     echo "- parity $(grep -E '^test result:' "$out/parity.log" | head -1)"
     echo "- e2e $(grep -E '^test result:' "$out/e2e.log" 2>/dev/null | head -1)"
+    echo "- graphs $(grep -E '^test result:' "$out/graphs.log" 2>/dev/null | head -1)"
     if tagged 'skipped:' "$out/parity.log" | grep -q .; then
       echo "- skipped:"
       tagged 'skipped:' "$out/parity.log" | sed 's/^/  - /'
     fi
-    if grep -q 'panicked' "$out/parity.log" "$out/e2e.log" 2>/dev/null; then
+    if grep -q 'panicked' "$out/parity.log" "$out/e2e.log" "$out/graphs.log" 2>/dev/null; then
       echo
       echo "## Failures"
       echo
       echo '```'
-      grep -h -A3 'panicked' "$out/parity.log" "$out/e2e.log" 2>/dev/null | head -60
+      grep -h -A3 'panicked' "$out/parity.log" "$out/e2e.log" "$out/graphs.log" 2>/dev/null | head -60
       echo '```'
     fi
     echo
@@ -73,6 +80,20 @@ render() {
     echo '```'
     tagged E2E "$out/e2e.log"
     tagged 'skipped:' "$out/e2e.log"
+    echo '```'
+    echo
+    echo "## CUDA graphs for decode steps"
+    echo
+    echo "A backend recording decode steps (warm-up, capture, replays) against an eager one, and an"
+    echo "eager control; the second round replays the first round's graphs at other context lengths and"
+    echo "block tables; batch 3 is not recorded (see crates/cuda/tests/graphs/main.rs). Decode step"
+    echo "times are forward + lm_head + logits to the host, eager against graph replay."
+    echo
+    echo '```'
+    tagged GRAPH "$out/graphs.log"
+    tagged GRAPH_BENCH "$out/graphs.log"
+    tagged 'skipped:' "$out/graphs.log"
+    grep -h 'CUDA graph capture' "$out/graphs.log" 2>/dev/null | head -5
     echo '```'
     echo
     echo "## NVRTC compile times (cold)"
@@ -119,6 +140,18 @@ else
   e2e_rc=2
 fi
 t3=$(date +%s)
+if [ -x "$graphs_bin" ]; then
+  if [ "${SANMAI_GRAPH_BENCH:-1}" = 0 ]; then
+    "$graphs_bin" --test-threads=1 --nocapture >"$out/graphs.log" 2>&1
+  else
+    "$graphs_bin" --include-ignored --test-threads=1 --nocapture >"$out/graphs.log" 2>&1
+  fi
+  graphs_rc=$?
+else
+  echo "no executable $graphs_bin" >"$out/graphs.log"
+  graphs_rc=2
+fi
+t4=$(date +%s)
 
 {
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -127,7 +160,8 @@ t3=$(date +%s)
     echo "- device: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
   fi
   echo "- parity run: exit $parity_rc in $((t1 - t0)) s (cold kernel cache, every kernel compiled);" \
-    "timing run: exit $bench_rc in $((t2 - t1)) s (warm cache); e2e run: exit $e2e_rc in $((t3 - t2)) s"
+    "timing run: exit $bench_rc in $((t2 - t1)) s (warm cache); e2e run: exit $e2e_rc in $((t3 - t2)) s;" \
+    "graphs run: exit $graphs_rc in $((t4 - t3)) s"
 } >"$out/meta.md"
 render
-[ "$parity_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ]
+[ "$parity_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$graphs_rc" -eq 0 ]

@@ -219,20 +219,17 @@ fn bad_requests_get_400s_naming_the_field() {
         c,
         chat(
             "hi",
-            json!({"tool_choice": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            json!({"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [{"type": "function", "function": {"name": "f"}}]}),
         ),
         Some("tool_choice"),
-        "not supported",
+        "not in `tools`",
     );
     expect_400(
         &s,
         c,
-        chat(
-            "hi",
-            json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),
-        ),
+        chat("hi", json!({"tool_choice": "required"})),
         Some("tool_choice"),
-        "not supported",
+        "`tools` is empty",
     );
     expect_400(
         &s,

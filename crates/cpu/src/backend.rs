@@ -678,6 +678,14 @@ impl Backend for CpuBackend {
             .unwrap_or_default()
     }
 
+    fn decode_step(
+        &self,
+        _step: &sanmai_model::DecodeStep<'_>,
+        run: &dyn Fn() -> Vec<CpuTensor>,
+    ) -> Vec<CpuTensor> {
+        run()
+    }
+
     fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> CpuTensor {
         assert_eq!(data.len(), rows * cols, "upload: data must be [rows, cols]");
         CpuTensor { rows, cols, data }

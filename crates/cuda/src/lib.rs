@@ -34,13 +34,22 @@
 //!   rows, positions, K/V destinations, state slots, lengths, block tables) reaches the device once
 //!   per step through pinned staging ([`CudaBackend::begin_step`], or lazily per op); no op waits for
 //!   the device except `to_host`.
+//! - CUDA graphs for decode steps (`Backend::decode_step`, which `Model::forward` and
+//!   `Model::forward_logits` use for steps of one-token chunks): batch sizes
+//!   [`DEFAULT_GRAPH_BATCH_SIZES`] by default ([`CudaBackend::set_graph_batch_sizes`]; empty, or the
+//!   environment variable [`GRAPHS_ENV`] = `0`, keeps every step eager). Per region, batch size and
+//!   attention span (the next power of two of the longest context, at least [`MIN_GRAPH_SPAN`]; decode
+//!   attention sizes its split grid by it and splits past a sequence's length exit early): one eager
+//!   warm-up step, a stream capture at the next, replays after, outputs copied out of persistent
+//!   per-graph buffers. A failed capture logs a warning and leaves that key eager;
+//!   [`CudaBackend::graph_stats`] counts what ran how.
 //!
 //! What is next: QSA attention and the PLE mix on the device (they panic with that reason today), the
 //! faithful chunked (WY/UT) GDN prefill, a tiled prefill attention that shares K/V loads across query
 //! rows, a grouped GEMM for large prefill MoE (the tiled grouped GEMV reads each expert once per 8
 //! routed tokens), MRoPE, fused residual+norm, quantised weights (INT4/INT8/INT6 pack-quantized) as
-//! further `CudaWeight` variants, on-device sampling and f32 logits, CUDA graphs for decode (the step
-//! metadata already lives in persistent device buffers) and the `sanmai bench` roofline.
+//! further `CudaWeight` variants, on-device sampling and f32 logits, CUDA graphs for QSA and PLE models
+//! (their decode steps run eagerly) and the `sanmai bench` roofline.
 
 mod backend;
 pub mod cache;
@@ -52,8 +61,8 @@ mod ops;
 pub mod registry;
 
 pub use backend::{
-    CudaBackend, CudaTensor, CudaWeight, DenseBf16, MemoryReport, DEFAULT_MAX_SEQS,
-    DEFAULT_MAX_TOKENS,
+    CudaBackend, CudaTensor, CudaWeight, DenseBf16, GraphStats, MemoryReport,
+    DEFAULT_GRAPH_BATCH_SIZES, DEFAULT_MAX_SEQS, DEFAULT_MAX_TOKENS, GRAPHS_ENV, MIN_GRAPH_SPAN,
 };
 pub use cudarc;
 pub use device::{device_count, driver_version, gpu_present, probe, DeviceInfo, DeviceSelection};

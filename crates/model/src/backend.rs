@@ -115,6 +115,18 @@ pub struct MoeWeights<W> {
     pub shared_gate: Option<W>,
 }
 
+/// A decode step handed to [`Backend::decode_step`]: the ids `forward` gets, its chunks (one token
+/// each, chunk `i` at row `i`) and the rows it returns. `region` names the computation (the closure):
+/// steps of one region and shape run the same ops on the same weights, so a backend may replay one
+/// recording for all of them.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeStep<'a> {
+    pub region: u32,
+    pub ids: &'a [u32],
+    pub seqs: &'a [SeqChunk<'a>],
+    pub out_rows: &'a [usize],
+}
+
 pub use crate::ext::{HcWeights, IndexerWeights, PleShape, PleWeights, QsaShape};
 
 /// The operations a backend provides. Ops on sequences take the step's [`SeqChunk`]s.
@@ -193,6 +205,18 @@ pub trait Backend: Send + Sync {
 
     /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts.
     fn moe_experts(&self, x: &Self::Tensor, w: &MoeWeights<Self::Weight>) -> Self::Tensor;
+
+    /// Runs one decode step its own way: `step` says what the step is (every chunk one token) and `run`
+    /// computes its outputs with this backend's ops. Each call of `run` that executes writes the
+    /// step's K/V and advances its GDN state, so the step must execute exactly once; a backend may call
+    /// `run` under a recording that does not execute (a CUDA stream capture) and replay the recording,
+    /// for this step and later steps of the same region and shape. The outputs are what an executed
+    /// `run` returns. The CPU backend calls `run` once.
+    fn decode_step(
+        &self,
+        step: &DecodeStep<'_>,
+        run: &dyn Fn() -> Vec<Self::Tensor>,
+    ) -> Vec<Self::Tensor>;
 
     /// Moves a tensor to the host as `(rows, cols, values)`.
     fn to_host(&self, x: Self::Tensor) -> (usize, usize, Vec<f32>);

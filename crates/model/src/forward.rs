@@ -7,8 +7,13 @@
 
 use sanmai_ple::PleError;
 
-use crate::backend::{Backend, HcWeights, MlpWeights, SeqChunk};
+use crate::backend::{Backend, DecodeStep, HcWeights, MlpWeights, SeqChunk};
 use crate::load::{Ffn, Layer, Mixer, Model};
+
+/// [`DecodeStep::region`] of [`Model::forward`]'s decode steps (outputs: the hidden states).
+const REGION_HIDDEN: u32 = 0;
+/// [`DecodeStep::region`] of [`Model::forward_logits`]'s decode steps (outputs: hidden states, logits).
+const REGION_LOGITS: u32 = 1;
 
 /// What a step returns: the final-normed hidden states of the requested rows (what the lm_head and the
 /// MTP head consume).
@@ -41,6 +46,75 @@ impl<B: Backend> Model<B> {
         out_rows: &[usize],
         ple_rows: Option<&B::Tensor>,
     ) -> StepOutput<B::Tensor> {
+        if ple_rows.is_none() && self.replayable(seqs) {
+            let step = DecodeStep {
+                region: REGION_HIDDEN,
+                ids,
+                seqs,
+                out_rows,
+            };
+            let run = || vec![self.forward_pass(ids, seqs, out_rows, None)];
+            let hidden = self.backend.decode_step(&step, &run).pop();
+            return StepOutput {
+                hidden: hidden.expect("decode_step returned no tensor"),
+            };
+        }
+        StepOutput {
+            hidden: self.forward_pass(ids, seqs, out_rows, ple_rows),
+        }
+    }
+
+    /// [`Model::forward`] followed by [`Model::logits`] of its hidden states: `(hidden, logits)`. A
+    /// decode step (every chunk one token) runs as one [`Backend::decode_step`] from the embedding to
+    /// the logits, which a backend may replay from a recording.
+    ///
+    /// # Panics
+    /// As [`Model::forward`].
+    pub fn forward_logits(
+        &self,
+        ids: &[u32],
+        seqs: &[SeqChunk<'_>],
+        out_rows: &[usize],
+    ) -> (StepOutput<B::Tensor>, B::Tensor) {
+        let run = || {
+            let hidden = self.forward_pass(ids, seqs, out_rows, None);
+            let logits = self.logits(&hidden);
+            vec![hidden, logits]
+        };
+        let mut out = if self.replayable(seqs) {
+            let step = DecodeStep {
+                region: REGION_LOGITS,
+                ids,
+                seqs,
+                out_rows,
+            };
+            self.backend.decode_step(&step, &run)
+        } else {
+            run()
+        };
+        let (Some(logits), Some(hidden), None) = (out.pop(), out.pop(), out.pop()) else {
+            panic!("decode_step returned other than (hidden, logits)");
+        };
+        (StepOutput { hidden }, logits)
+    }
+
+    /// Whether a step may go through [`Backend::decode_step`]: every chunk one token, and no input
+    /// that lives outside the backend's step metadata (PLE rows, a tensor made per step; QSA's
+    /// selection, whose launches may depend on host-side lengths).
+    fn replayable(&self, seqs: &[SeqChunk<'_>]) -> bool {
+        self.ple.is_none()
+            && self.qsa.is_none()
+            && !seqs.is_empty()
+            && seqs.iter().all(|s| s.len == 1)
+    }
+
+    fn forward_pass(
+        &self,
+        ids: &[u32],
+        seqs: &[SeqChunk<'_>],
+        out_rows: &[usize],
+        ple_rows: Option<&B::Tensor>,
+    ) -> B::Tensor {
         let b = &self.backend;
         let x = b.embed(&self.embed, ids);
         // Every stream starts as the token embedding.
@@ -66,9 +140,7 @@ impl<B: Backend> Model<B> {
             Some(pre) => b.hc_premix(&r, pre),
             None => r,
         };
-        StepOutput {
-            hidden: b.rms_norm(&x, &self.norm, self.cfg.rms_norm_eps, 1.0),
-        }
+        b.rms_norm(&x, &self.norm, self.cfg.rms_norm_eps, 1.0)
     }
 
     /// The PLE rows of a step: for chunk `i` of `seqs`, the rows of positions `pos0 .. pos0 + len` of

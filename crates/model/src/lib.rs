@@ -15,8 +15,8 @@ mod ple;
 mod roofline;
 
 pub use backend::{
-    AttnShape, AttnWeights, Backend, GdnShape, GdnWeights, HcWeights, IndexerWeights, MlpWeights,
-    MoeWeights, PleShape, PleWeights, QsaShape, Rope, SeqChunk,
+    AttnShape, AttnWeights, Backend, DecodeStep, GdnShape, GdnWeights, HcWeights, IndexerWeights,
+    MlpWeights, MoeWeights, PleShape, PleWeights, QsaShape, Rope, SeqChunk,
 };
 pub use forward::StepOutput;
 pub use load::{Ffn, Layer, Mixer, Model, MtpWeights};

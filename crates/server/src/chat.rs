@@ -22,6 +22,7 @@ use crate::response::{collect, finish_reason, stop_reason_json, usage_json};
 use crate::routes::blocking;
 use crate::state::{new_id, unix_now, AppState, Ready};
 use crate::stream::{merge, sse_response, submit_all, SseSender};
+use crate::structured::{self, StructuredFields, ToolChoice};
 
 /// What the chat template renders.
 pub struct ChatPrompt {
@@ -207,31 +208,6 @@ fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Whether tool calls are parsed, from `tool_choice`. `required` and named tools need constrained
-/// decoding, which is not available yet.
-fn tools_enabled(tool_choice: Option<&Value>) -> Result<bool, ApiError> {
-    let unsupported = |what: &str| {
-        ApiError::invalid(
-            "tool_choice",
-            format!("tool_choice {what} is not supported yet (it needs structured output); use \"auto\" or \"none\""),
-        )
-    };
-    match tool_choice {
-        None | Some(Value::Null) => Ok(true),
-        Some(Value::String(s)) => match s.as_str() {
-            "auto" => Ok(true),
-            "none" => Ok(false),
-            "required" => Err(unsupported("\"required\"")),
-            other => Err(ApiError::invalid(
-                "tool_choice",
-                format!("tool_choice must be \"auto\", \"none\", \"required\" or a named tool, got {other:?}"),
-            )),
-        },
-        Some(Value::Object(_)) => Err(unsupported("naming a function")),
-        Some(_) => Err(ApiError::invalid("tool_choice", "tool_choice must be a string or an object")),
-    }
-}
-
 /// The response's fixed fields and per-choice settings.
 struct ChatCtx {
     id: String,
@@ -285,20 +261,13 @@ pub async fn chat_completions(
 
     let tools = chat.tools.clone().unwrap_or_default();
     check_tools(&tools)?;
-    let parse_tools = tools_enabled(chat.tool_choice.as_ref())? && !tools.is_empty();
-    if let Some(fmt) = &chat.response_format {
-        match fmt.get("type").and_then(Value::as_str) {
-            None | Some("text") => {}
-            Some(other) => {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    format!(
-                    "response_format {other:?} is not supported yet (it needs structured output)"
-                ),
-                ))
-            }
-        }
-    }
+    let choice = structured::tool_choice(chat.tool_choice.as_ref())?;
+    let parse_tools = choice != ToolChoice::None && !tools.is_empty();
+    // A forced tool call is the output's constraint; otherwise `response_format` and friends.
+    let constraint = match structured::tool_constraint(&choice, &tools, ready.tool_format)? {
+        Some(c) => Some(c),
+        None => structured::requested(&fields::<StructuredFields>(&body)?)?,
+    };
     let top_logprobs = match (chat.logprobs, chat.top_logprobs) {
         (Some(true), n) => Some(n.unwrap_or(0).max(0) as usize),
         (_, Some(n)) if n > 0 => {
@@ -347,6 +316,13 @@ pub async fn chat_completions(
         &info,
     )?;
 
+    let opens_think = prompt_opens_think(&rendered);
+    let grammar = match constraint {
+        Some(c) => Some(
+            structured::compile(&ready.compilers, ready.tokenizer.as_ref(), c, opens_think).await?,
+        ),
+        None => None,
+    };
     let ctx = ChatCtx {
         id: new_id("chatcmpl"),
         created: unix_now(),
@@ -358,7 +334,7 @@ pub async fn chat_completions(
             .unwrap_or(false),
         top_logprobs,
         token_text: ready.token_text.clone(),
-        opens_think: prompt_opens_think(&rendered),
+        opens_think,
         tools: parse_tools.then_some((ready.tool_format, tools)),
     };
     let requests = (0..n)
@@ -372,7 +348,7 @@ pub async fn chat_completions(
             checkpoint_at: history_len.into_iter().collect(),
         })
         .collect();
-    let streams = submit_all(&ready.engine, requests)?;
+    let streams = submit_all(&ready.engine, requests, grammar.as_ref())?;
     if common.stream.unwrap_or(false) {
         Ok(sse_response(move |sse| stream_chat(sse, ctx, streams)))
     } else {
@@ -596,21 +572,7 @@ mod tests {
     }
 
     #[test]
-    fn tool_choice_and_tools() {
-        assert!(tools_enabled(None).unwrap());
-        assert!(tools_enabled(Some(&json!("auto"))).unwrap());
-        assert!(!tools_enabled(Some(&json!("none"))).unwrap());
-        for bad in [
-            json!("required"),
-            json!({"type": "function", "function": {"name": "f"}}),
-            json!("maybe"),
-            json!(3),
-        ] {
-            assert_eq!(
-                tools_enabled(Some(&bad)).unwrap_err().param.as_deref(),
-                Some("tool_choice")
-            );
-        }
+    fn tools_are_checked() {
         assert!(check_tools(&[json!({"type": "function", "function": {"name": "f"}})]).is_ok());
         let e = check_tools(&[json!({"type": "function", "function": {}})]).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("tools[0]"));

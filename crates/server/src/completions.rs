@@ -21,6 +21,7 @@ use crate::response::{collect, finish_reason, stop_reason_json, usage_json};
 use crate::routes::blocking;
 use crate::state::{new_id, unix_now, AppState};
 use crate::stream::{merge, sse_response, submit_all, SseSender};
+use crate::structured::{self, StructuredFields};
 
 /// One prompt, tokenized, with the text `echo` repeats.
 struct Prompt {
@@ -199,7 +200,13 @@ pub async fn completions(
         token_text: ready.token_text.clone(),
         prompts,
     };
-    let streams = submit_all(&ready.engine, requests)?;
+    let grammar = match structured::requested(&fields::<StructuredFields>(&body)?)? {
+        Some(c) => {
+            Some(structured::compile(&ready.compilers, ready.tokenizer.as_ref(), c, false).await?)
+        }
+        None => None,
+    };
+    let streams = submit_all(&ready.engine, requests, grammar.as_ref())?;
     if common.stream.unwrap_or(false) {
         Ok(sse_response(move |sse| {
             stream_completions(sse, ctx, streams)

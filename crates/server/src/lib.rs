@@ -1,5 +1,6 @@
 //! The OpenAI-compatible HTTP API of sanmai: routes, request validation (OpenAI JSON → engine requests),
-//! chat-template rendering, reasoning and tool-call parsing of outputs, responses and server-sent events
+//! chat-template rendering, structured output (JSON schema and mode, forced tool calls, regex, choice and
+//! Lark grammars, compiled with llguidance), reasoning and tool-call parsing of outputs, responses and server-sent events
 //! in OpenAI's shapes, Prometheus metrics, the API key, and graceful shutdown.
 //!
 //! A [`Server`] answers as soon as it listens: `/health` and the model routes say 503 until
@@ -22,6 +23,7 @@ mod response;
 mod routes;
 mod state;
 mod stream;
+mod structured;
 
 use axum::serve::ListenerExt;
 use std::future::Future;
@@ -94,12 +96,26 @@ impl Server {
             tokenizer,
             template,
             tool_format,
+            compilers: structured::Compilers::default(),
         };
-        if self.state.set_ready(ready) {
-            Ok(())
-        } else {
-            Err(ServerError::AlreadyReady)
+        if !self.state.set_ready(ready) {
+            return Err(ServerError::AlreadyReady);
         }
+        // The structured-output token trie is built in the background, once.
+        let state = self.state.clone();
+        let spawned = std::thread::Builder::new()
+            .name("sanmai-grammar-init".into())
+            .spawn(move || {
+                if let Some(r) = state.try_ready() {
+                    if let Some(tok) = &r.tokenizer {
+                        let _ = r.compilers.get(tok);
+                    }
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "the token trie will be built by the first constrained request");
+        }
+        Ok(())
     }
 
     /// Whether the model is loaded.

@@ -113,7 +113,6 @@ pub struct ChatFields {
     pub max_completion_tokens: Option<i64>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
     pub add_generation_prompt: Option<bool>,
-    pub response_format: Option<Value>,
 }
 
 /// Fields of `POST /v1/completions` beyond [`CommonFields`].

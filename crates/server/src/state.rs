@@ -54,6 +54,8 @@ pub struct Ready {
     /// The tool-call format of this model's outputs.
     pub tool_format: ToolFormat,
     pub token_text: TokenText,
+    /// The structured-output grammar compiler (built once, in the background).
+    pub compilers: crate::structured::Compilers,
 }
 
 /// Shared by every handler.

@@ -16,16 +16,19 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 
 use crate::error::ApiError;
+use crate::structured::Prepared;
 
-/// Submits every request; if one is refused, the ones already queued are aborted.
+/// Submits every request, each with its own matcher of `grammar` if one is given; if one is refused,
+/// the ones already queued are aborted.
 pub fn submit_all(
     engine: &EngineHandle,
     requests: Vec<EngineRequest>,
+    grammar: Option<&Prepared>,
 ) -> Result<Vec<RequestStream>, ApiError> {
     let mut streams = Vec::with_capacity(requests.len());
     for req in requests {
         // On error `streams` is dropped here, which aborts what was queued.
-        streams.push(engine.submit(req)?);
+        streams.push(engine.submit_constrained(req, grammar.map(Prepared::for_choice))?);
     }
     Ok(streams)
 }

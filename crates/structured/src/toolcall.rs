@@ -10,7 +10,8 @@
 //! JSON (Hermes): `<tool_call>\n{"name":"NAME","arguments":ARGS}\n</tool_call>` with `ARGS` valid
 //! against `parameters`.
 //!
-//! With thinking the model may open its answer with newlines; the grammar allows them before the call.
+//! With thinking the model may open its answer with a newline or two; the grammar allows them before
+//! the call (no more: a weak model would repeat newlines forever).
 
 use serde_json::{json, Map, Value};
 
@@ -82,7 +83,7 @@ pub fn tool_call_lark(tools: &[Value], syntax: ToolSyntax, name: Option<&str>) -
         calls.push(rule);
     }
     Ok(format!(
-        "start: LEAD? call\nLEAD: /\\n+/\ncall: {}\n{rules}",
+        "start: LEAD? call\nLEAD: /\\n{{1,2}}/\ncall: {}\n{rules}",
         calls.join(" | ")
     ))
 }

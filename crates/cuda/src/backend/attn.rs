@@ -112,7 +112,10 @@ impl CudaBackend {
         let mut out = self.zeros(rows, nh * d)?;
         let tables = st.meta.view(m.tables, m.n_seq * m.stride);
         if all_decode(seqs) {
-            let max_len = seqs.iter().map(|s| s.pos0 + 1).max().unwrap_or(1);
+            // A decode step that may be recorded sizes the split grid by its span: splits beyond a
+            // sequence's length (read on the device) exit at once.
+            let longest = seqs.iter().map(|s| s.pos0 + 1).max().unwrap_or(1);
+            let max_len = st.decode_span.map_or(longest, |span| span.max(longest));
             let lens = st.meta.view(m.lens, m.n_seq);
             g.attention_paged_decode(
                 dims,

@@ -72,6 +72,8 @@ pub(crate) struct Meta {
     ids: Option<(Vec<u32>, usize)>,
     out_rows: Option<(Vec<u32>, usize)>,
     seqs: Option<(SeqKey, SeqMeta)>,
+    /// Counts reallocations of `dev` (a recorded graph holds its address).
+    pub generation: u64,
 }
 
 fn pinned(ctx: &Arc<CudaContext>, words: usize) -> Result<Staging> {
@@ -83,13 +85,20 @@ fn pinned(ctx: &Arc<CudaContext>, words: usize) -> Result<Staging> {
     })
 }
 
-/// Words the packed step region needs.
-fn packed_words(ids: usize, rows_out: usize, rows: usize, seqs: &[SeqChunk<'_>]) -> (usize, usize) {
+/// Words the packed step region needs, and its table stride (at least `min_stride`).
+fn packed_words(
+    ids: usize,
+    rows_out: usize,
+    rows: usize,
+    seqs: &[SeqChunk<'_>],
+    min_stride: usize,
+) -> (usize, usize) {
     let stride = seqs
         .iter()
         .map(|s| s.blocks.len())
         .max()
         .unwrap_or(0)
+        .max(min_stride)
         .max(1);
     (
         ids + rows_out + 2 * rows + 2 * seqs.len() + seqs.len() * stride,
@@ -114,6 +123,7 @@ impl Meta {
             ids: None,
             out_rows: None,
             seqs: None,
+            generation: 0,
         })
     }
 
@@ -134,6 +144,7 @@ impl Meta {
             // Kernels already queued keep reading the old buffer: it is freed in stream order.
             self.dev = gpu.zeros::<u32>(need.max(self.dev.len()).next_power_of_two())?;
             self.cap_tok = cap_tok;
+            self.generation += 1;
             self.ids = None;
             self.out_rows = None;
             self.seqs = None;
@@ -227,7 +238,8 @@ impl Meta {
         })
     }
 
-    /// Uploads a whole step (ids, output rows, sequences) in one copy.
+    /// Uploads a whole step (ids, output rows, sequences) in one copy, block tables padded to at
+    /// least `min_stride` ids a row (a recorded decode step keeps its layout across context lengths).
     pub fn stage(
         &mut self,
         gpu: &Gpu,
@@ -235,9 +247,10 @@ impl Meta {
         seqs: &[SeqChunk<'_>],
         out_rows: &[usize],
         block_size: usize,
+        min_stride: usize,
     ) -> Result<()> {
         let rows = ids.len();
-        let (words, stride) = packed_words(ids.len(), out_rows.len(), rows, seqs);
+        let (words, stride) = packed_words(ids.len(), out_rows.len(), rows, seqs, min_stride);
         self.reserve(gpu, 0, words)?;
         let base = self.packed_base();
         let mut w = Vec::with_capacity(words);
@@ -294,7 +307,7 @@ impl Meta {
                 return Ok(*m);
             }
         }
-        let (words, stride) = packed_words(0, 0, rows, seqs);
+        let (words, stride) = packed_words(0, 0, rows, seqs, 0);
         // Keep ids / rows staged with the step: place sequence words after them.
         let keep = [&self.ids, &self.out_rows]
             .iter()

@@ -16,6 +16,7 @@ mod attn;
 mod cache;
 mod ext;
 mod gdn;
+mod graph;
 mod meta;
 mod moe;
 mod ple;
@@ -24,18 +25,20 @@ mod roofline;
 mod tensor;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
-    AttnShape, AttnWeights, Backend, CacheSpec, GdnShape, GdnWeights, MoeWeights, Rope, SeqChunk,
+    AttnShape, AttnWeights, Backend, CacheSpec, DecodeStep, GdnShape, GdnWeights, MoeWeights, Rope,
+    SeqChunk,
 };
 
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::ops::GEMV_MAX_M;
+pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, GRAPHS_ENV, MIN_GRAPH_SPAN};
 pub use tensor::{CudaTensor, CudaWeight, DenseBf16};
 
 /// Default step limits the metadata buffers are first sized for (larger steps grow them).
@@ -61,6 +64,9 @@ pub(crate) struct State {
     pub experts: HashMap<u64, moe::ExpertTable>,
     /// Device copies of RoPE inverse frequencies, by their host values.
     rope: Vec<(Vec<f32>, CudaSlice<f32>)>,
+    /// Context positions decode attention sizes its split grid for, while a decode step that may be
+    /// recorded runs (see `graph`); `None`: the step's longest context.
+    pub decode_span: Option<usize>,
     max_tokens: usize,
     max_seqs: usize,
 }
@@ -87,6 +93,10 @@ pub struct CudaBackend {
     state: Mutex<State>,
     weight_bytes: AtomicUsize,
     routing: roofline::RoutingLog,
+    routing_on: AtomicBool,
+    graphs: Mutex<graph::Graphs>,
+    /// Bumped when a buffer a recorded graph may point at is replaced (weights, caches, state pools).
+    epoch: AtomicU64,
 }
 
 /// Whether every chunk is one token and chunk `i` is row `i` (the batched decode launches).
@@ -127,11 +137,15 @@ impl CudaBackend {
                 states: cache::StateSlots::default(),
                 experts: HashMap::new(),
                 rope: Vec::new(),
+                decode_span: None,
                 max_tokens,
                 max_seqs,
             }),
             weight_bytes: AtomicUsize::new(0),
             routing: roofline::RoutingLog::default(),
+            routing_on: AtomicBool::new(false),
+            graphs: Mutex::new(graph::Graphs::from_env()),
+            epoch: AtomicU64::new(0),
         })
     }
 
@@ -166,7 +180,7 @@ impl CudaBackend {
         let bs = st.kv.block_size;
         ok(
             "begin_step",
-            st.meta.stage(&self.gpu, ids, seqs, out_rows, bs),
+            st.meta.stage(&self.gpu, ids, seqs, out_rows, bs, 0),
         );
     }
 
@@ -225,6 +239,7 @@ impl CudaBackend {
             f32,
         });
         self.weight_bytes.fetch_add(w.bytes(), Ordering::Relaxed);
+        self.epoch.fetch_add(1, Ordering::Relaxed);
         Ok(w)
     }
 
@@ -333,10 +348,18 @@ impl Backend for CudaBackend {
         let st = &mut *st;
         ok("init_cache", st.kv.init(&self.gpu, spec));
         ok("init_cache", st.states.init(&self.gpu, spec));
+        self.epoch.fetch_add(1, Ordering::Relaxed);
     }
 
     fn alloc_state(&self) -> usize {
-        ok("alloc_state", self.lock().states.alloc(&self.gpu))
+        let mut st = self.lock();
+        let before = st.states.bytes();
+        let slot = ok("alloc_state", st.states.alloc(&self.gpu));
+        if st.states.bytes() != before {
+            // The pools grew (moved).
+            self.epoch.fetch_add(1, Ordering::Relaxed);
+        }
+        slot
     }
 
     fn free_state(&self, slot: usize) {
@@ -477,6 +500,15 @@ impl Backend for CudaBackend {
 
     fn record_routing(&self, on: bool) {
         self.routing.set(on);
+        self.routing_on.store(on, Ordering::Relaxed);
+    }
+
+    fn decode_step(
+        &self,
+        step: &DecodeStep<'_>,
+        run: &dyn Fn() -> Vec<CudaTensor>,
+    ) -> Vec<CudaTensor> {
+        self.decode_step_impl(step, run)
     }
 
     fn take_routing(&self) -> Vec<usize> {

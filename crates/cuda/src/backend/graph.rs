@@ -1,0 +1,329 @@
+//! CUDA graphs for decode steps ([`Backend::decode_step`](sanmai_model::Backend::decode_step)).
+//!
+//! A decode step of a batch size in the configured set ([`DEFAULT_GRAPH_BATCH_SIZES`], changed with
+//! [`CudaBackend::set_graph_batch_sizes`]) stages its metadata first ([`CudaBackend::begin_step`]
+//! with the block tables padded to the step's *span*), so every launch of the step reads its
+//! positions, K/V destinations, state slots, context lengths and block tables from the same device
+//! addresses. The span is the context the attention split grid covers: the next power of two of
+//! the step's longest context (at least [`MIN_GRAPH_SPAN`]); decode attention launches one split
+//! per 256 positions of the span and the splits beyond a sequence's length (read on the device)
+//! exit at once, so one recording serves every context length up to its span.
+//!
+//! Per (region, batch size, output rows, span): the first step runs eagerly (a warm-up: lazy
+//! uploads such as RoPE tables and expert address tables happen there, never under capture); the
+//! second is captured (thread-local stream capture; intermediate tensors from the stream-ordered
+//! allocator become graph memory nodes, allocated and freed inside the graph), its outputs copied at
+//! the end of the graph into persistent per-graph buffers, then launched; later steps launch the
+//! graph and hand back fresh copies of those buffers. A capture that fails (an op that is not
+//! capturable, a panic under capture) logs one warning and leaves that key eager.
+//!
+//! Recordings hold device addresses: uploading a weight, re-initialising the caches, growing the
+//! state slot pools or the metadata buffer drops every recording (the next step warms up again).
+//! While routed experts are recorded (a host round trip per MoE call) steps run eagerly.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::{sys, CudaGraph};
+use sanmai_model::DecodeStep;
+
+use super::{all_decode, ok, CudaBackend, CudaTensor};
+use crate::error::Result;
+
+/// The batch sizes recorded by default.
+pub const DEFAULT_GRAPH_BATCH_SIZES: [usize; 4] = [1, 2, 4, 8];
+/// The smallest attention span of a recording (context positions).
+pub const MIN_GRAPH_SPAN: usize = 4096;
+/// Set to `0` (or `off`) to start backends without graphs (every step eager).
+pub const GRAPHS_ENV: &str = "SANMAI_CUDA_GRAPHS";
+
+/// What a recording is keyed by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    region: u32,
+    batch: usize,
+    out_rows: usize,
+    span: usize,
+}
+
+/// A recorded step: the graph and the persistent buffers its last nodes copy the outputs into.
+struct Recorded {
+    graph: CudaGraph,
+    outs: Vec<CudaTensor>,
+}
+
+// SAFETY: a CudaGraph holds raw driver handles that must not be used from two threads at once;
+// every use goes through the `Graphs` mutex.
+unsafe impl Send for Recorded {}
+
+enum Entry {
+    /// Ran eagerly once (the warm-up) with these output shapes: captured at the next step.
+    Warm(Vec<(usize, usize)>),
+    Ready(Recorded),
+    /// The capture failed: eager from now on.
+    Failed,
+}
+
+/// How decode steps ran so far.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    /// Steps run eagerly without a recording in view (size not recorded, graphs off, failed keys).
+    pub eager: u64,
+    /// Eager first steps of a key.
+    pub warmups: u64,
+    /// Graphs captured.
+    pub captures: u64,
+    /// Steps run by launching a graph (captures included).
+    pub replays: u64,
+    /// Captures that failed.
+    pub failures: u64,
+}
+
+pub(crate) struct Graphs {
+    sizes: Vec<usize>,
+    entries: HashMap<Key, Entry>,
+    /// The (backend epoch, metadata buffer generation) the entries were recorded against.
+    epoch: (u64, u64),
+    stats: GraphStats,
+    /// Why the last failed capture failed.
+    failure: Option<String>,
+}
+
+impl Graphs {
+    /// The default set, or none when [`GRAPHS_ENV`] says `0` / `off`.
+    pub fn from_env() -> Self {
+        let off = std::env::var(GRAPHS_ENV)
+            .map(|v| matches!(v.trim(), "0" | "off" | "false"))
+            .unwrap_or(false);
+        Self {
+            sizes: if off {
+                Vec::new()
+            } else {
+                DEFAULT_GRAPH_BATCH_SIZES.to_vec()
+            },
+            entries: HashMap::new(),
+            epoch: (0, 0),
+            stats: GraphStats::default(),
+            failure: None,
+        }
+    }
+}
+
+/// Resets the attention span of the backend's state when dropped (also on a panic).
+struct SpanGuard<'a>(&'a CudaBackend);
+
+impl<'a> SpanGuard<'a> {
+    fn set(b: &'a CudaBackend, span: usize) -> Self {
+        b.lock().decode_span = Some(span);
+        SpanGuard(b)
+    }
+}
+
+impl Drop for SpanGuard<'_> {
+    fn drop(&mut self) {
+        self.0.lock().decode_span = None;
+    }
+}
+
+/// Copies the values of `src` into `dst` (same shape) on the stream.
+fn copy(b: &CudaBackend, src: &CudaTensor, dst: &mut CudaTensor) -> Result<()> {
+    let n = src.len();
+    if n > 0 {
+        b.gpu
+            .stream()
+            .memcpy_dtod(&src.buf.slice(..n), &mut dst.buf.slice_mut(..n))?;
+    }
+    Ok(())
+}
+
+fn shapes(ts: &[CudaTensor]) -> Vec<(usize, usize)> {
+    ts.iter().map(|t| (t.rows, t.cols)).collect()
+}
+
+impl CudaBackend {
+    /// Records decode steps of these batch sizes as CUDA graphs (empty: every step eager). Drops
+    /// the recordings made so far.
+    pub fn set_graph_batch_sizes(&self, sizes: &[usize]) {
+        let mut g = self.graphs();
+        g.sizes = sizes.to_vec();
+        g.entries.clear();
+    }
+
+    /// The batch sizes recorded as CUDA graphs.
+    pub fn graph_batch_sizes(&self) -> Vec<usize> {
+        self.graphs().sizes.clone()
+    }
+
+    /// How decode steps ran so far.
+    pub fn graph_stats(&self) -> GraphStats {
+        self.graphs().stats
+    }
+
+    /// Why the last failed capture failed (`None`: none failed).
+    pub fn graph_failure(&self) -> Option<String> {
+        self.graphs().failure.clone()
+    }
+
+    fn graphs(&self) -> std::sync::MutexGuard<'_, Graphs> {
+        self.graphs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn decode_step_impl(
+        &self,
+        step: &DecodeStep<'_>,
+        run: &dyn Fn() -> Vec<CudaTensor>,
+    ) -> Vec<CudaTensor> {
+        let mut guard = self.graphs();
+        let g = &mut *guard;
+        let batch = step.seqs.len();
+        let eligible = g.sizes.contains(&batch)
+            && all_decode(step.seqs)
+            && step.ids.len() == batch
+            && !self.routing_on.load(Ordering::Relaxed);
+        if !eligible {
+            g.stats.eager += 1;
+            drop(guard);
+            self.begin_step(step.ids, step.seqs, step.out_rows);
+            return run();
+        }
+        let (span, epoch) = ok("decode_step", self.stage_padded(step));
+        if g.epoch != epoch {
+            g.entries.clear();
+            g.epoch = epoch;
+        }
+        let key = Key {
+            region: step.region,
+            batch,
+            out_rows: step.out_rows.len(),
+            span,
+        };
+        match g.entries.get(&key) {
+            Some(Entry::Ready(rec)) => {
+                g.stats.replays += 1;
+                ok("decode_step", self.replay(rec))
+            }
+            Some(Entry::Warm(sh)) => {
+                let sh = sh.clone();
+                match self.capture(&sh, span, run) {
+                    Ok(rec) => {
+                        g.stats.captures += 1;
+                        g.stats.replays += 1;
+                        let out = ok("decode_step", self.replay(&rec));
+                        g.entries.insert(key, Entry::Ready(rec));
+                        out
+                    }
+                    Err(why) => {
+                        tracing::warn!(
+                            "CUDA graph capture of decode steps of batch {batch} failed ({why}); \
+                             they run eagerly"
+                        );
+                        g.stats.failures += 1;
+                        g.failure = Some(why);
+                        g.entries.insert(key, Entry::Failed);
+                        let _span = SpanGuard::set(self, span);
+                        run()
+                    }
+                }
+            }
+            Some(Entry::Failed) => {
+                g.stats.eager += 1;
+                let _span = SpanGuard::set(self, span);
+                run()
+            }
+            None => {
+                g.stats.warmups += 1;
+                let out = {
+                    let _span = SpanGuard::set(self, span);
+                    run()
+                };
+                g.entries.insert(key, Entry::Warm(shapes(&out)));
+                out
+            }
+        }
+    }
+
+    /// Stages the step with its block tables padded to its span; returns the span and the epoch
+    /// the step's device addresses belong to.
+    fn stage_padded(&self, step: &DecodeStep<'_>) -> Result<(usize, (u64, u64))> {
+        let mut st = self.lock();
+        let bs = st.kv.block_size.max(1);
+        let need = step
+            .seqs
+            .iter()
+            .map(|s| (s.pos0 + s.len).max(s.blocks.len() * bs))
+            .max()
+            .unwrap_or(1);
+        let stride = need.next_power_of_two().max(MIN_GRAPH_SPAN).div_ceil(bs);
+        st.meta
+            .stage(&self.gpu, step.ids, step.seqs, step.out_rows, bs, stride)?;
+        let epoch = (self.epoch.load(Ordering::Relaxed), st.meta.generation);
+        Ok((stride * bs, epoch))
+    }
+
+    /// Captures `run` (whose outputs have shapes `sh`) into a graph that ends by copying the outputs
+    /// into persistent buffers. Nothing executes.
+    fn capture(
+        &self,
+        sh: &[(usize, usize)],
+        span: usize,
+        run: &dyn Fn() -> Vec<CudaTensor>,
+    ) -> std::result::Result<Recorded, String> {
+        let mut outs = sh
+            .iter()
+            .map(|&(r, c)| self.alloc(r, c))
+            .collect::<Result<Vec<_>>>()
+            .map_err(|e| e.to_string())?;
+        let s = self.gpu.stream();
+        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| e.to_string())?;
+        let body = catch_unwind(AssertUnwindSafe(|| {
+            let _span = SpanGuard::set(self, span);
+            let ts = run();
+            if shapes(&ts) != sh {
+                return Err(format!(
+                    "outputs {:?} differ from the warm-up's {sh:?}",
+                    shapes(&ts)
+                ));
+            }
+            for (t, o) in ts.iter().zip(outs.iter_mut()) {
+                copy(self, t, o).map_err(|e| e.to_string())?;
+            }
+            // The outputs are freed inside the graph: the graph owns no allocation across launches.
+            drop(ts);
+            Ok(())
+        }))
+        .unwrap_or_else(|p| {
+            Err(p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "a panic under capture".into()))
+        });
+        let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
+        // Errors recorded by buffers freed under a failed capture.
+        let _ = self.gpu.context().check_err();
+        body?;
+        match graph {
+            Ok(Some(graph)) => {
+                graph.upload().map_err(|e| e.to_string())?;
+                Ok(Recorded { graph, outs })
+            }
+            Ok(None) => Err("the capture recorded nothing".into()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Launches a recording and returns fresh copies of its outputs.
+    fn replay(&self, rec: &Recorded) -> Result<Vec<CudaTensor>> {
+        rec.graph.launch()?;
+        rec.outs
+            .iter()
+            .map(|o| {
+                let mut t = self.alloc(o.rows, o.cols)?;
+                copy(self, o, &mut t)?;
+                Ok(t)
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,432 @@
+//! CUDA graphs for decode steps: a backend that records and replays decode steps
+//! ([`CudaBackend::set_graph_batch_sizes`]) against one that runs every step eagerly, on the committed
+//! tiny fixtures, through `Model::forward_logits` (embedding to logits in one recording) and
+//! `Model::forward` (to the hidden states).
+//!
+//! Both run the same kernels on the same inputs, so their outputs must agree bit for bit. A second
+//! eager backend is the control: if eager runs are not bitwise reproducible the graph run may differ
+//! from the eager one by no more than the control does. Each batch size runs two rounds of fresh
+//! sequences (other prompt lengths, other block ids): the second round replays the graphs the first
+//! captured, at context lengths and block tables the capture never saw. Batch 3 is not a recorded
+//! size and must run eagerly. A long-context case crosses [`MIN_GRAPH_SPAN`] and checks the larger span.
+//!
+//! The ignored tests print decode step times eager against graph (`GRAPH_BENCH` lines) on the fixtures
+//! and on `configs/models/qwen3.5-35b-a3b.json` with dummy weights and fewer layers
+//! (`SANMAI_GRAPH_BENCH_LAYERS`, default 4). Without a GPU every test prints `skipped:` and passes.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use sanmai_config::ModelConfig;
+use sanmai_cuda::{CudaBackend, GraphStats, MIN_GRAPH_SPAN};
+use sanmai_model::{Backend, Model, SeqChunk};
+use sanmai_weights::{Checkpoint, Dummy};
+
+const BLOCK: usize = 16;
+const NUM_BLOCKS: usize = 1536;
+const STEPS: usize = 5;
+const FIXTURES: [&str; 3] = [
+    "qwen3_next_tiny",
+    "qwen3_5_moe_text_tiny",
+    "qwen3_5_moe_tiny",
+];
+
+/// A directory of the repository: under the working directory (a prebuilt binary run from the
+/// repository root), else next to this crate.
+fn repo_path(rel: &str) -> PathBuf {
+    let here = PathBuf::from(rel);
+    if here.exists() {
+        return here;
+    }
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
+        .join(rel)
+}
+
+fn fixture(name: &str) -> PathBuf {
+    std::env::var_os("SANMAI_FIXTURES")
+        .map(PathBuf::from)
+        .filter(|d| d.join(name).is_dir())
+        .unwrap_or_else(|| repo_path("tests/fixtures"))
+        .join(name)
+}
+
+fn backend(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            None
+        }
+    }
+}
+
+fn load_fixture(name: &str, b: CudaBackend) -> Model<CudaBackend> {
+    let dir = fixture(name);
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let m = Model::load(cfg, &ckpt, b).unwrap();
+    m.init_cache(NUM_BLOCKS, BLOCK);
+    m
+}
+
+/// A sequence's caches and length.
+struct Seq {
+    state: usize,
+    blocks: Vec<u32>,
+    len: usize,
+}
+
+impl Seq {
+    fn chunk(&self, start: usize, len: usize) -> SeqChunk<'_> {
+        SeqChunk {
+            start,
+            len,
+            pos0: self.len,
+            state: self.state,
+            blocks: &self.blocks,
+        }
+    }
+}
+
+/// Hands out block ids in a scattered order (so block tables are not ranges) and state slots from
+/// a list allocated up front (the slot pools never grow during the test).
+struct Alloc {
+    blocks: Vec<u32>,
+    states: Vec<usize>,
+}
+
+impl Alloc {
+    fn new(m: &Model<CudaBackend>, states: usize) -> Self {
+        let n = NUM_BLOCKS as u32;
+        let mut blocks: Vec<u32> = (0..n).map(|i| (i * 7 + 3) % n).collect();
+        blocks.reverse();
+        Alloc {
+            blocks,
+            states: (0..states).map(|_| m.backend.alloc_state()).collect(),
+        }
+    }
+
+    fn seq(&mut self, positions: usize) -> Seq {
+        let nb = positions.div_ceil(BLOCK);
+        let at = self.blocks.len() - nb;
+        Seq {
+            state: self.states.pop().expect("enough state slots"),
+            blocks: self.blocks.split_off(at),
+            len: 0,
+        }
+    }
+}
+
+fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
+    (0..len)
+        .map(|i| ((i * 131 + salt * 977 + 17) % vocab) as u32)
+        .collect()
+}
+
+/// Prefills every sequence with its prompt in one step.
+fn prefill(m: &Model<CudaBackend>, seqs: &mut [Seq], prompts: &[Vec<u32>]) {
+    let mut ids = Vec::new();
+    let mut chunks = Vec::new();
+    let mut rows = Vec::new();
+    for (s, p) in seqs.iter().zip(prompts) {
+        chunks.push(s.chunk(ids.len(), p.len()));
+        ids.extend_from_slice(p);
+        rows.push(ids.len() - 1);
+    }
+    let out = m.forward(&ids, &chunks, &rows);
+    m.backend.to_host(out.hidden);
+    for (s, p) in seqs.iter_mut().zip(prompts) {
+        s.len += p.len();
+    }
+}
+
+/// One decode step (one token per sequence): hidden states and logits on the host, through
+/// `forward_logits` (or `forward` alone: logits empty).
+fn decode(
+    m: &Model<CudaBackend>,
+    seqs: &mut [Seq],
+    ids: &[u32],
+    with_logits: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    let chunks: Vec<SeqChunk<'_>> = seqs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| s.chunk(i, 1))
+        .collect();
+    let rows: Vec<usize> = (0..seqs.len()).collect();
+    let out = if with_logits {
+        let (h, l) = m.forward_logits(ids, &chunks, &rows);
+        (m.backend.to_host(h.hidden).2, m.backend.to_host(l).2)
+    } else {
+        (
+            m.backend.to_host(m.forward(ids, &chunks, &rows).hidden).2,
+            Vec::new(),
+        )
+    };
+    for s in seqs.iter_mut() {
+        s.len += 1;
+    }
+    out
+}
+
+fn argmax_rows(logits: &[f32], rows: usize) -> Vec<u32> {
+    let w = logits.len() / rows.max(1);
+    (0..rows)
+        .map(|r| {
+            let row = &logits[r * w..(r + 1) * w];
+            (0..w).fold(0, |b, i| if row[i] > row[b] { i } else { b }) as u32
+        })
+        .collect()
+}
+
+fn max_abs(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "output sizes differ");
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() })
+        .fold(0.0, f32::max)
+}
+
+fn delta(after: GraphStats, before: GraphStats) -> GraphStats {
+    GraphStats {
+        eager: after.eager - before.eager,
+        warmups: after.warmups - before.warmups,
+        captures: after.captures - before.captures,
+        replays: after.replays - before.replays,
+        failures: after.failures - before.failures,
+    }
+}
+
+/// Three copies of a fixture: graphs on, eager, eager (the control).
+fn trio(name: &str, test: &str) -> Option<[Model<CudaBackend>; 3]> {
+    let bs = [backend(test)?, backend(test)?, backend(test)?];
+    let [g, e, c] = bs.map(|b| load_fixture(name, b));
+    e.backend.set_graph_batch_sizes(&[]);
+    c.backend.set_graph_batch_sizes(&[]);
+    Some([g, e, c])
+}
+
+/// Runs the same decode steps on the three models; returns the largest difference graph − eager
+/// and control − eager over hidden states and logits.
+fn lockstep(
+    ms: &[Model<CudaBackend>; 3],
+    seqs: &mut [Vec<Seq>; 3],
+    steps: usize,
+    with_logits: bool,
+    first: &[u32],
+) -> (f32, f32) {
+    let (mut dg, mut dc) = (0f32, 0f32);
+    let mut ids = first.to_vec();
+    for _ in 0..steps {
+        let [g, e, c] = ms;
+        let [sg, se, sc] = seqs;
+        let og = decode(g, sg, &ids, with_logits);
+        let oe = decode(e, se, &ids, with_logits);
+        let oc = decode(c, sc, &ids, with_logits);
+        dg = dg.max(max_abs(&og.0, &oe.0)).max(max_abs(&og.1, &oe.1));
+        dc = dc.max(max_abs(&oc.0, &oe.0)).max(max_abs(&oc.1, &oe.1));
+        ids = if with_logits {
+            argmax_rows(&oe.1, ids.len())
+        } else {
+            ids.iter().map(|&t| (t * 3 + 1) % 64).collect()
+        };
+    }
+    (dg, dc)
+}
+
+fn check_equal(what: &str, dg: f32, dc: f32) {
+    if dc == 0.0 {
+        assert_eq!(dg, 0.0, "{what}: graph replay differs from eager by {dg}");
+    } else {
+        assert!(
+            dg <= dc,
+            "{what}: graph replay differs from eager by {dg}, more than eager from eager ({dc})"
+        );
+    }
+}
+
+#[test]
+fn graph_replay_equals_eager() {
+    for name in FIXTURES {
+        let Some(ms) = trio(name, "graph_replay_equals_eager") else {
+            return;
+        };
+        let vocab = ms[0].cfg.vocab_size;
+        let mut allocs = [0, 1, 2].map(|i| Alloc::new(&ms[i], 48));
+        for round in 0..2 {
+            for batch in [1, 2, 3, 4, 8] {
+                let prompts: Vec<Vec<u32>> = (0..batch)
+                    .map(|i| prompt(5 + 3 * i + 11 * round, 10 * round + i, vocab))
+                    .collect();
+                let mut seqs = [0, 1, 2].map(|k| {
+                    prompts
+                        .iter()
+                        .map(|p| allocs[k].seq(p.len() + STEPS + 4))
+                        .collect::<Vec<_>>()
+                });
+                for (m, s) in ms.iter().zip(seqs.iter_mut()) {
+                    prefill(m, s, &prompts);
+                }
+                let before = ms[0].backend.graph_stats();
+                let first: Vec<u32> = (0..batch as u32).map(|i| i + 1).collect();
+                let (dg, dc) = lockstep(&ms, &mut seqs, STEPS, true, &first);
+                let d = delta(ms[0].backend.graph_stats(), before);
+                println!(
+                    "GRAPH fixture={name} round={round} batch={batch} steps={STEPS} \
+                     max_abs_graph_vs_eager={dg:e} max_abs_eager_vs_eager={dc:e} warmups={} \
+                     captures={} replays={} eager={} failures={}",
+                    d.warmups, d.captures, d.replays, d.eager, d.failures
+                );
+                let what = format!("{name} round {round} batch {batch}");
+                check_equal(&what, dg, dc);
+                assert_eq!(
+                    d.failures,
+                    0,
+                    "{what}: a capture failed: {:?}",
+                    ms[0].backend.graph_failure()
+                );
+                let expect = match (batch, round) {
+                    (3, _) => (0, 0, 0, STEPS as u64),
+                    (_, 0) => (1, 1, STEPS as u64 - 1, 0),
+                    // Fresh sequences, other lengths and block tables: the first round's graph.
+                    _ => (0, 0, STEPS as u64, 0),
+                };
+                assert_eq!(
+                    (d.warmups, d.captures, d.replays, d.eager),
+                    expect,
+                    "{what}: (warm-ups, captures, replays, eager steps)"
+                );
+                if batch == 4 && round == 1 {
+                    // Model::forward's region (hidden states only): warm-up, capture, replays.
+                    let before = ms[0].backend.graph_stats();
+                    let (dg, dc) = lockstep(&ms, &mut seqs, 4, false, &first);
+                    let d = delta(ms[0].backend.graph_stats(), before);
+                    println!(
+                        "GRAPH fixture={name} forward_hidden batch=4 steps=4 \
+                         max_abs_graph_vs_eager={dg:e} max_abs_eager_vs_eager={dc:e} \
+                         captures={} replays={}",
+                        d.captures, d.replays
+                    );
+                    check_equal(&format!("{name} forward"), dg, dc);
+                    assert_eq!((d.warmups, d.captures, d.replays), (1, 1, 3));
+                }
+            }
+        }
+    }
+}
+
+/// A sequence past [`MIN_GRAPH_SPAN`] next to a short one: a recording of the larger span (more
+/// attention splits than either context needs eagerly) equals eager.
+#[test]
+fn graph_long_context_equals_eager() {
+    let name = "qwen3_5_moe_text_tiny";
+    let Some(ms) = trio(name, "graph_long_context_equals_eager") else {
+        return;
+    };
+    let vocab = ms[0].cfg.vocab_size;
+    let long = MIN_GRAPH_SPAN + 300;
+    let prompts = vec![prompt(long, 1, vocab), prompt(9, 2, vocab)];
+    let mut allocs = [0, 1, 2].map(|i| Alloc::new(&ms[i], 4));
+    let mut seqs = [0, 1, 2].map(|k| {
+        prompts
+            .iter()
+            .map(|p| allocs[k].seq(p.len() + 8))
+            .collect::<Vec<_>>()
+    });
+    for (m, s) in ms.iter().zip(seqs.iter_mut()) {
+        prefill(m, s, &prompts);
+    }
+    let before = ms[0].backend.graph_stats();
+    let (dg, dc) = lockstep(&ms, &mut seqs, 4, true, &[5, 6]);
+    let d = delta(ms[0].backend.graph_stats(), before);
+    println!(
+        "GRAPH fixture={name} long_context={long} batch=2 steps=4 max_abs_graph_vs_eager={dg:e} \
+         max_abs_eager_vs_eager={dc:e} captures={} replays={}",
+        d.captures, d.replays
+    );
+    assert_eq!(d.failures, 0, "{:?}", ms[0].backend.graph_failure());
+    check_equal("long context", dg, dc);
+    assert_eq!((d.warmups, d.captures, d.replays), (1, 1, 3));
+}
+
+/// Mean decode step time (forward_logits + logits to the host) over `steps` steps at `batch`.
+fn time_steps(m: &Model<CudaBackend>, alloc: &mut Alloc, batch: usize, steps: usize) -> f64 {
+    let vocab = m.cfg.vocab_size;
+    let prompts: Vec<Vec<u32>> = (0..batch).map(|i| prompt(32, i, vocab)).collect();
+    let mut seqs: Vec<Seq> = prompts
+        .iter()
+        .map(|p| alloc.seq(p.len() + steps + 8))
+        .collect();
+    prefill(m, &mut seqs, &prompts);
+    let mut ids: Vec<u32> = (0..batch as u32).collect();
+    let mut t0 = Instant::now();
+    for i in 0..steps + 3 {
+        if i == 3 {
+            // Warm-up and capture done.
+            t0 = Instant::now();
+        }
+        let (_, l) = decode(m, &mut seqs, &ids, true);
+        ids = argmax_rows(&l, batch);
+    }
+    t0.elapsed().as_secs_f64() / steps as f64
+}
+
+fn bench(label: &str, m: &Model<CudaBackend>, steps: usize) {
+    let mut alloc = Alloc::new(m, 40);
+    for batch in [1, 8] {
+        m.backend.set_graph_batch_sizes(&[]);
+        let eager = time_steps(m, &mut alloc, batch, steps);
+        m.backend.set_graph_batch_sizes(&[batch]);
+        let graph = time_steps(m, &mut alloc, batch, steps);
+        let st = m.backend.graph_stats();
+        println!(
+            "GRAPH_BENCH model={label} batch={batch} steps={steps} eager_us={:.1} graph_us={:.1} \
+             speedup={:.2} replays={} failures={}",
+            eager * 1e6,
+            graph * 1e6,
+            eager / graph,
+            st.replays,
+            st.failures
+        );
+    }
+}
+
+#[test]
+#[ignore = "timing: run explicitly (scripts/gpu_check.sh does)"]
+fn graph_decode_timing_fixtures() {
+    for name in FIXTURES {
+        let Some(b) = backend("graph_decode_timing_fixtures") else {
+            return;
+        };
+        bench(name, &load_fixture(name, b), 50);
+    }
+}
+
+#[test]
+#[ignore = "timing: run explicitly (scripts/gpu_check.sh does)"]
+fn graph_decode_timing_dummy() {
+    let Some(b) = backend("graph_decode_timing_dummy") else {
+        return;
+    };
+    let layers: usize = std::env::var("SANMAI_GRAPH_BENCH_LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
+    let path = repo_path("configs/models/qwen3.5-35b-a3b.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let tc = v.get_mut("text_config").expect("a text_config block");
+    tc["num_hidden_layers"] = layers.into();
+    tc["mtp_num_hidden_layers"] = 0.into();
+    let cfg = ModelConfig::from_value(&v, "qwen3.5-35b-a3b.json").unwrap();
+    let t = Instant::now();
+    let m = Model::load(cfg, &Dummy::new(7), b).unwrap();
+    m.init_cache(NUM_BLOCKS, BLOCK);
+    println!(
+        "GRAPH_BENCH model=qwen3.5-35b-a3b layers={layers} dummy bf16 weights={:.2} GiB loaded in {:.1} s",
+        m.backend.memory().weights as f64 / (1u64 << 30) as f64,
+        t.elapsed().as_secs_f64()
+    );
+    bench(&format!("qwen3.5-35b-a3b-{layers}layers"), &m, 30);
+}

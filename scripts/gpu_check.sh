@@ -18,6 +18,9 @@
 # timings). Exits non-zero when a parity, end-to-end or graph test fails (or when BIN_DIR/e2e or
 # BIN_DIR/graphs is missing). The CUDA libraries are found through LD_LIBRARY_PATH, to which
 # $CUDA_HOME/lib64 (default /usr/local/cuda) is added when it exists; headers through $CUDA_HOME/include.
+# Optional: BIN_DIR/qsa_ple and BIN_DIR/qsa_ple_e2e (target/release/deps/qsa_ple-<hash>,
+# qsa_ple_e2e-<hash>), the QSA and PLE parity and end-to-end tests, run when present into
+# OUT_DIR/qsa_ple.log (their failure fails the check).
 set -uo pipefail
 
 report_only=0
@@ -102,6 +105,15 @@ render() {
     tagged COMPILE "$out/parity.log"
     echo '```'
     echo
+    echo "## QSA and PLE"
+    echo
+    echo '```'
+    tagged PARITY "$out/qsa_ple.log"
+    tagged E2E "$out/qsa_ple.log" | grep -v '^E2E near-tie'
+    echo "near-tie rows: $(tagged 'E2E near-tie' "$out/qsa_ple.log" | wc -l)"
+    grep -E '^test result:' "$out/qsa_ple.log" 2>/dev/null
+    echo '```'
+    echo
     echo "## Timing"
     echo
     echo '```'
@@ -152,6 +164,13 @@ else
   graphs_rc=2
 fi
 t4=$(date +%s)
+qsa_rc=0
+: >"$out/qsa_ple.log"
+for b in qsa_ple qsa_ple_e2e; do
+  if [ -x "$bin_dir/$b" ]; then
+    "$bin_dir/$b" --test-threads=1 --nocapture >>"$out/qsa_ple.log" 2>&1 || qsa_rc=$?
+  fi
+done
 
 {
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -164,4 +183,5 @@ t4=$(date +%s)
     "graphs run: exit $graphs_rc in $((t4 - t3)) s"
 } >"$out/meta.md"
 render
-[ "$parity_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$graphs_rc" -eq 0 ]
+[ "$parity_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$graphs_rc" -eq 0 ] &&
+  [ "$qsa_rc" -eq 0 ]

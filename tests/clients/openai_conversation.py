@@ -5,7 +5,8 @@ Usage: openai_conversation.py BASE_URL MODEL [--api-key KEY]
    e.g. openai_conversation.py http://127.0.0.1:8000/v1 sanmai-demo
 
 It covers non-streamed and streamed chat (usage chunk, role chunk, finish reasons), log-probabilities with
-alternatives, `n`, stop strings, tools with `tool_choice="auto"` and tool results sent back, reasoning with
+alternatives, `n`, stop strings, tools with `tool_choice="auto"` and tool results sent back, structured output
+(`chat.completions.parse` with a pydantic model, forced tool calls, `structured_outputs`), reasoning with
 thinking on, prefix-cache reuse across turns, the completions API (echo + logprobs, token-id prompts,
 several prompts, streaming), the models list and error answers.
 
@@ -22,6 +23,7 @@ import time
 import traceback
 
 import openai
+import pydantic
 from openai import OpenAI
 
 
@@ -390,6 +392,86 @@ class Conversation:
         self.check_message(r.choices[0], "turn after a tool result")
         check(r.usage.prompt_tokens > 40, f"tool history rendered into only {r.usage.prompt_tokens} tokens")
 
+    def structured_output(self):
+        # Penalties keep a random model from repeating one token; the constraint does the rest.
+        kw = dict(max_tokens=200, temperature=1.0, frequency_penalty=1.0, presence_penalty=1.0)
+
+        class Plan(pydantic.BaseModel):
+            city: str = pydantic.Field(min_length=1, max_length=12)
+            days: int = pydantic.Field(ge=1, le=7)
+            units: str = pydantic.Field(pattern="^(metric|imperial)$")
+
+        for seed in range(3):
+            r = self.client.chat.completions.parse(
+                model=self.model, messages=self.user("Plan a trip as JSON."), response_format=Plan, seed=seed, **kw
+            )
+            c = r.choices[0]
+            eq(c.finish_reason, "stop", "finish_reason of a schema answer")
+            plan = c.message.parsed
+            check(isinstance(plan, Plan), f"the answer did not parse into the schema: {c.message.content!r}")
+            check(1 <= plan.days <= 7 and plan.units in ("metric", "imperial"), f"out of the schema: {plan!r}")
+        # A forced call of one tool, whole and streamed (qwen-code's side-query shape).
+        side_tool = {
+            "type": "function",
+            "function": {
+                "name": "respond_in_schema",
+                "description": "Provide the response in the requested schema.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "reasoning": {"type": "string", "maxLength": 30},
+                        "next_speaker": {"type": "string", "enum": ["user", "model"]},
+                    },
+                    "required": ["reasoning", "next_speaker"],
+                },
+            },
+        }
+        for seed in range(3):
+            r = self.chat(self.user("Who speaks next?"), tools=[side_tool], tool_choice="required", seed=seed, **kw)
+            c = r.choices[0]
+            eq(c.finish_reason, "tool_calls", "finish_reason of a forced tool call")
+            calls = c.message.tool_calls or []
+            eq(len(calls), 1, "forced tool calls")
+            eq(calls[0].function.name, "respond_in_schema", "forced tool name")
+            args = json.loads(calls[0].function.arguments)
+            check(args.get("next_speaker") in ("user", "model"), f"arguments out of the schema: {args}")
+            check(len(args.get("reasoning", "x" * 99)) <= 30, f"arguments out of the schema: {args}")
+            stream = self.chat(
+                self.user("Who speaks next?"),
+                tools=[side_tool],
+                tool_choice={"type": "function", "function": {"name": "respond_in_schema"}},
+                seed=seed,
+                stream=True,
+                **kw,
+            )
+            arguments, name, finish = "", "", None
+            for chunk in stream:
+                for ch in chunk.choices:
+                    for tc in ch.delta.tool_calls or []:
+                        name += tc.function.name or ""
+                        arguments += tc.function.arguments or ""
+                    finish = ch.finish_reason or finish
+            eq(name, "respond_in_schema", "streamed forced tool name")
+            eq(finish, "tool_calls", "streamed finish_reason of a forced tool call")
+            args = json.loads(arguments)
+            check(args.get("next_speaker") in ("user", "model"), f"streamed arguments out of the schema: {args}")
+        # vLLM's extension: a choice.
+        r = self.chat(
+            self.user("Sentiment?"), extra_body={"structured_outputs": {"choice": ["good", "bad"]}}, seed=1, **kw
+        )
+        check(r.choices[0].message.content in ("good", "bad"), f"choice answer {r.choices[0].message.content!r}")
+        # A schema that cannot compile is a 400 before any token.
+        try:
+            self.chat(
+                self.user("x"),
+                response_format={"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}},
+                max_tokens=4,
+            )
+        except openai.BadRequestError as e:
+            eq(e.status_code, 400, "status of an invalid schema")
+        else:
+            raise Mismatch("an invalid schema was accepted")
+
     def reasoning(self):
         # Sampled with a seed (greedy output of a random model can be all whitespace, which is no reasoning).
         kw = dict(
@@ -550,6 +632,7 @@ def main():
         ("n=2", conv.n_choices),
         ("stop string", conv.stop_string),
         ("tools with tool_choice=auto", conv.tools),
+        ("structured output: schema, forced tool calls, choice", conv.structured_output),
         ("reasoning with thinking on", conv.reasoning),
         ("prefix cache across turns", conv.prefix_cache),
         ("completions: echo, logprobs, ids, stream", conv.completions),

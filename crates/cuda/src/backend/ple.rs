@@ -1,6 +1,7 @@
 //! The PLE mix on the device (spec §3.7): the value and per-stream key projections as f32 linears,
 //! the per-stream gate and normed conv input (one kernel per stream), then per sequence the dilated
-//! causal conv over its state slot's PLE state and the residual update.
+//! causal conv over its state slot's PLE state and the residual update. Not recorded into CUDA graphs
+//! (the state slots are host-side launch arguments; see `CudaBackend::refuse_capture`).
 
 use sanmai_model::backend::{PleShape, PleWeights, SeqChunk};
 
@@ -20,6 +21,7 @@ impl CudaBackend {
         w: &PleWeights<CudaWeight>,
         seqs: &[SeqChunk<'_>],
     ) -> Result<()> {
+        self.refuse_capture("ple_mix")?;
         let g = &self.gpu;
         let (ns, h, e) = (sh.streams, sh.hidden, sh.row_width);
         let sc = ns * h;

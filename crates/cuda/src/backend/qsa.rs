@@ -1,9 +1,10 @@
 //! QSA attention on the device (spec §2): the attention inputs as for gated attention (q/k norms and
 //! RoPE, the K/V write), the index-key write into the layer's index pool, then per sequence either the
 //! dense paged kernels (every position selected: context ≤ topk) or the indexer scan, the exact top-k
-//! and the attention over the gathered selected rows only.
+//! and the attention over the gathered selected rows only. Not recorded into CUDA graphs (see
+//! `CudaBackend::refuse_capture`): decode steps of QSA models run eagerly.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{sys, CudaSlice};
 use sanmai_model::backend::{AttnShape, AttnWeights, IndexerWeights, QsaShape, Rope, SeqChunk};
 
 use super::attn::vector;
@@ -21,6 +22,22 @@ const SCORE_BUDGET: usize = 32 << 20;
 const MAX_GROUP_ROWS: usize = 65535;
 
 impl CudaBackend {
+    /// Refuses to be recorded into a CUDA graph: QSA and the PLE mix choose their launches from the
+    /// step's host-side lengths (dense or selecting, score grid, splits) and state slots, which a
+    /// replay for a later step would not update. The error fails the capture, and the graph code
+    /// runs such decode steps eagerly.
+    pub(crate) fn refuse_capture(&self, op: &'static str) -> Result<()> {
+        let status = self.gpu.stream().capture_status()?;
+        if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            Ok(())
+        } else {
+            Err(CudaError::Shape {
+                op,
+                msg: "not capturable into a CUDA graph (host-side lengths and slots)".into(),
+            })
+        }
+    }
+
     /// Starts (`true`) or stops recording QSA selections (each query row's selected positions; a
     /// device synchronisation per QSA call while on: for tests and diagnostics).
     pub fn trace_qsa(&self, on: bool) {
@@ -58,6 +75,7 @@ impl CudaBackend {
         iw_: &IndexerWeights<CudaWeight>,
         seqs: &[SeqChunk<'_>],
     ) -> Result<CudaTensor> {
+        self.refuse_capture("qsa_attention")?;
         let g = &self.gpu;
         let (nh, nkv, d) = (sh.num_heads, sh.num_kv_heads, sh.head_dim);
         let (ni, di, topk) = (qsa.n_heads, qsa.head_dim, qsa.topk.max(1));

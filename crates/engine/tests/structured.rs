@@ -301,3 +301,45 @@ fn the_constraint_starts_after_think_end() {
         );
     }
 }
+
+#[test]
+fn constrained_sequences_leave_their_batch_alone() {
+    // Greedy free sequences give the same tokens alone and next to constrained ones.
+    let free = |tag: &str| {
+        let mut r = request(format!("free-{tag}"), 1, 24);
+        r.sampling = SamplingParams::greedy();
+        r.stop.ignore_eos = true;
+        r
+    };
+    let alone: Vec<u32> = {
+        let mut s = engine().submit(free("alone")).unwrap();
+        let mut ids = Vec::new();
+        while let Some(ev) = s.blocking_recv() {
+            if let EngineEvent::Tokens { ids: t, .. } = ev {
+                ids.extend(t);
+            }
+        }
+        ids
+    };
+    let grammar = compiler()
+        .compile(&Constraint::JsonSchema(json!({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 8})))
+        .unwrap();
+    let mut free_streams: Vec<_> = (0..3)
+        .map(|i| engine().submit(free(&format!("busy{i}"))).unwrap())
+        .collect();
+    let constrained = generate(&grammar, 12, 100, "beside", |_| {}, &[]);
+    for o in constrained {
+        assert_eq!(o.reason, FinishReason::Stop, "{}", o.text);
+        let v: Value = serde_json::from_str(&o.text).unwrap();
+        assert!(v.as_array().is_some_and(|a| a.len() <= 8), "{}", o.text);
+    }
+    for s in &mut free_streams {
+        let mut ids = Vec::new();
+        while let Some(ev) = s.blocking_recv() {
+            if let EngineEvent::Tokens { ids: t, .. } = ev {
+                ids.extend(t);
+            }
+        }
+        assert_eq!(ids, alone);
+    }
+}

@@ -192,3 +192,46 @@ fn draft_masks_leave_the_matcher_in_place() {
     m.rollback(draft.len()).unwrap();
     assert_eq!(m.num_consumed(), 0);
 }
+
+#[test]
+fn json_tool_call_walks_parse() {
+    let tools = vec![
+        json!({"type": "function", "function": {"name": "noop"}}),
+        json!({"type": "function", "function": {"name": "set", "parameters": {
+            "type": "object",
+            "properties": {"on": {"type": "boolean"}, "level": {"enum": [1, 2, 3]}},
+            "required": ["on", "level"],
+            "additionalProperties": false
+        }}}),
+    ];
+    let c = Constraint::ToolCall {
+        tools: tools.clone(),
+        syntax: ToolSyntax::Json,
+        name: Some("set".into()),
+    };
+    let g = compiler().compile(&c).unwrap();
+    let mut rng = Rng(13);
+    for _ in 0..20 {
+        let t = walk(&mut g.matcher(), &mut rng, 100).unwrap();
+        let parsed = sanmai_tokenizer::parsers::ToolFormat::Qwen3Json.parse_complete(&t, &tools);
+        assert_eq!(parsed.tool_calls.len(), 1, "{t:?}");
+        assert_eq!(parsed.tool_calls[0].name, "set");
+        let args: Value = serde_json::from_str(&parsed.tool_calls[0].arguments).unwrap();
+        assert!(args["on"].is_boolean(), "{t:?}");
+        assert!(
+            [1, 2, 3].contains(&args["level"].as_i64().unwrap()),
+            "{t:?}"
+        );
+    }
+    // A tool without parameters: an empty XML call.
+    let c = Constraint::ToolCall {
+        tools: tools.clone(),
+        syntax: ToolSyntax::Xml,
+        name: Some("noop".into()),
+    };
+    let g = compiler().compile(&c).unwrap();
+    let t = walk(&mut g.matcher(), &mut rng, 100).unwrap();
+    let parsed = sanmai_tokenizer::parsers::ToolFormat::Qwen3Xml.parse_complete(&t, &tools);
+    assert_eq!(parsed.tool_calls.len(), 1, "{t:?}");
+    assert_eq!(parsed.tool_calls[0].arguments, "{}");
+}

@@ -4,6 +4,7 @@
 //   moe_gemv_* a grouped GEMV over the tiles: a block multiplies up to MOE_TILE input rows by rows of its
 //              tile's expert weight, whose address comes from a device table of expert pointers, so only
 //              the chosen experts' weights are read (each once per tile);
+//   moe_gemv_q* the same grouped GEMV over packed integer experts (words and scales address tables);
 //   moe_combine sums each token's expert outputs times its routing weights.
 // Pairs are numbered p = token·top_k + choice, as the router writes ids and weights.
 #include "common.cuh"
@@ -118,6 +119,149 @@ __device__ __forceinline__ void moe_gemv_impl(const unsigned long long* __restri
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_bf16(const unsigned long long* w_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k) { moe_gemv_impl<bf16>(w_ptrs, X, x_div, perm, tiles, Y, n, k); }
 // Y: [n_pairs, n] f32 (the experts' down projections, combined by moe_combine).
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_f32(const unsigned long long* w_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k) { moe_gemv_impl<float>(w_ptrs, X, x_div, perm, tiles, Y, n, k); }
+
+// ---- The grouped GEMV over packed integer experts (INT4 / INT8 pack-quantized, INT6 gapless) ----
+// The same tiles and pair permutation as moe_gemv_*, with each expert's weight given as packed words
+// (w_ptrs[x], [n, words_per_row] u32) and f32 scales (s_ptrs[x], [n, ceil(k / group)]), decoded in
+// registers: only the chosen experts' words and scales are read. The packing is quant.cu's: value j of
+// a row is the code q + 2^(b-1), LSB first; INT4 8 codes a word, INT8 4, INT6 a 6-bit stream over rows
+// padded to 32 values. A unit is 32 values of a row (4, 8 or 6 words).
+
+// Unsigned code -> signed value as f32 (exact: (code | 2^23 pattern) is the float 2^23 + code).
+template <int BITS>
+__device__ __forceinline__ float moe_qval(u32 code) {
+    return __uint_as_float(code | 0x4B000000u) - (8388608.0f + (float)(1 << (BITS - 1)));
+}
+
+template <int BITS> struct MoeUnit;
+template <> struct MoeUnit<4> {
+    static constexpr int WORDS = 4;
+    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[4]) {
+        const uint4 v = __ldg((const uint4*)row + u);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    }
+    __device__ __forceinline__ static u32 code(const u32 w[4], int j) { return (w[j >> 3] >> ((j & 7) * 4)) & 15u; }
+};
+template <> struct MoeUnit<8> {
+    static constexpr int WORDS = 8;
+    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[8]) {
+        const uint4 a = __ldg((const uint4*)row + 2 * u), b = __ldg((const uint4*)row + 2 * u + 1);
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    }
+    __device__ __forceinline__ static u32 code(const u32 w[8], int j) { return (w[j >> 2] >> ((j & 3) * 8)) & 255u; }
+};
+template <> struct MoeUnit<6> {
+    static constexpr int WORDS = 6;
+    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[6]) {
+        const uint2* p = (const uint2*)(row + 6 * u);
+        const uint2 a = __ldg(p), b = __ldg(p + 1), c = __ldg(p + 2);
+        w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y; w[4] = c.x; w[5] = c.y;
+    }
+    __device__ __forceinline__ static u32 code(const u32 w[6], int j) {
+        const int bit = 6 * j, wi = bit >> 5, sh = bit & 31;
+        const u32 v = sh <= 26 ? (w[wi] >> sh) : __funnelshift_r(w[wi], w[wi + 1], sh);
+        return v & 63u;
+    }
+};
+
+// Grid (ceil(n / (8·MOE_ROWS)), max_tiles); 256 threads (8 warps of MOE_ROWS weight rows; rows past n
+// re-read row n - 1 and are not stored). Lane l decodes units l, l+32, ...; per 8-value chunk the
+// rows' codes are decoded once and dotted with every pair's x chunk, times the chunk's scale, f32
+// accumulation. k % 32 == 0 (INT4/INT8) or k % 8 == 0 (INT6), group % 8 == 0, X 16-byte aligned.
+template <int BITS, typename OUT>
+__device__ __forceinline__ void moe_gemv_q_impl(const unsigned long long* __restrict__ w_ptrs,
+                                                const unsigned long long* __restrict__ s_ptrs,
+                                                const bf16* __restrict__ X, int x_div, const u32* __restrict__ perm,
+                                                const u32* __restrict__ tiles, OUT* __restrict__ Y, int n, int k,
+                                                int group) {
+    typedef MoeUnit<BITS> U;
+    const u32 cnt = tiles[3 * blockIdx.y + 2];
+    if (cnt == 0) return;
+    const u32 x = tiles[3 * blockIdx.y], start = tiles[3 * blockIdx.y + 1];
+    const int lane = threadIdx.x & 31;
+    const long long row0 = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * MOE_ROWS;
+    if (row0 >= n) return;
+    const int nrows = (int)min((long long)MOE_ROWS, (long long)n - row0);
+    const int units = (k + 31) >> 5;
+    const size_t wpr = (size_t)units * U::WORDS;
+    const int scols = (k + group - 1) / group;
+    const u32* W = (const u32*)w_ptrs[x];
+    const float* S = (const float*)s_ptrs[x];
+    const u32* wrow[MOE_ROWS];
+    const float* srow[MOE_ROWS];
+#pragma unroll
+    for (int r = 0; r < MOE_ROWS; ++r) {
+        const long long row = min(row0 + r, (long long)n - 1);
+        wrow[r] = W + row * wpr;
+        srow[r] = S + row * scols;
+    }
+    u32 p[MOE_TILE];
+    const bf16* xr[MOE_TILE];
+#pragma unroll
+    for (int m = 0; m < MOE_TILE; ++m) {
+        p[m] = m < (int)cnt ? perm[start + m] : perm[start];
+        xr[m] = X + (size_t)(p[m] / x_div) * k;
+    }
+    float acc[MOE_ROWS][MOE_TILE];
+#pragma unroll
+    for (int r = 0; r < MOE_ROWS; ++r)
+#pragma unroll
+        for (int m = 0; m < MOE_TILE; ++m) acc[r][m] = 0.0f;
+#pragma unroll 1
+    for (int u = lane; u < units; u += 32) {
+        u32 w[MOE_ROWS][U::WORDS];
+#pragma unroll
+        for (int r = 0; r < MOE_ROWS; ++r) U::load(wrow[r], u, w[r]);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int j0 = u * 32 + c * 8;
+            // Only INT6 has a partial last unit (k % 8 == 0); INT4/INT8 need k % 32 == 0.
+            if (BITS == 6 && j0 >= k) continue;
+            float q[MOE_ROWS][8];
+            float sc[MOE_ROWS];
+#pragma unroll
+            for (int r = 0; r < MOE_ROWS; ++r) {
+                sc[r] = __ldg(srow[r] + j0 / group);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) q[r][e] = moe_qval<BITS>(U::code(w[r], c * 8 + e));
+            }
+#pragma unroll
+            for (int m = 0; m < MOE_TILE; ++m) {
+                if (m < (int)cnt) {
+                    float xf[8];
+                    unpack8(__ldg((const uint4*)(xr[m] + j0)), xf);
+#pragma unroll
+                    for (int r = 0; r < MOE_ROWS; ++r) {
+                        float d = 0.0f;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) d = fmaf(q[r][e], xf[e], d);
+                        acc[r][m] = fmaf(d, sc[r], acc[r][m]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_ROWS; ++r)
+#pragma unroll
+        for (int m = 0; m < MOE_TILE; ++m) acc[r][m] = warp_sum(acc[r][m]);
+    if (lane == 0) {
+#pragma unroll
+        for (int m = 0; m < MOE_TILE; ++m)
+            if (m < (int)cnt)
+#pragma unroll
+                for (int r = 0; r < MOE_ROWS; ++r)
+                    if (r < nrows) moe_put<OUT>(Y, (size_t)p[m] * n + row0 + r, acc[r][m]);
+    }
+}
+
+// Entry points: moe_gemv_q{bits}_{bf16 | f32}, Y [n_pairs, n] as for moe_gemv_bf16 / moe_gemv_f32.
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_bf16(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k, int group) { moe_gemv_q_impl<4, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_f32(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k, int group) { moe_gemv_q_impl<4, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_bf16(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k, int group) { moe_gemv_q_impl<8, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_f32(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k, int group) { moe_gemv_q_impl<8, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_bf16(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k, int group) { moe_gemv_q_impl<6, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_f32(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k, int group) { moe_gemv_q_impl<6, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
 
 // out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j], in choice order. Grid (tokens); y: [tokens·top_k,
 // h] f32; weights: [tokens, top_k] f32; out: [tokens, h] bf16. Pairs whose expert id was dropped by

@@ -286,6 +286,12 @@ impl Backend for CpuBackend {
         }
     }
 
+    /// Dequantises the packed integers (`q · scale` in f32, the same values the GPU decodes) and
+    /// stores them like [`Backend::weight`].
+    fn packed_weight(&self, p: &sanmai_model::backend::PackedTensor<'_>) -> CpuWeight {
+        self.weight(p.dequantize(), &[p.out_features, p.in_features])
+    }
+
     fn init_cache(&self, spec: &CacheSpec) {
         let row = spec.num_kv_heads * spec.head_dim;
         let n = spec.num_blocks * spec.block_size * row;

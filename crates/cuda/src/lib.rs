@@ -60,6 +60,7 @@ pub mod nvrtc;
 mod ops;
 pub mod registry;
 
+pub use backend::{packed_device_bytes, packed_fits, PackedWeight, PACKED_WORKSPACE_BYTES};
 pub use backend::{
     CudaBackend, CudaTensor, CudaWeight, DenseBf16, GraphStats, MemoryReport,
     DEFAULT_GRAPH_BATCH_SIZES, DEFAULT_MAX_SEQS, DEFAULT_MAX_TOKENS, GRAPHS_ENV, MIN_GRAPH_SPAN,

@@ -128,6 +128,21 @@ pub struct DecodeStep<'a> {
 }
 
 pub use crate::ext::{HcWeights, IndexerWeights, PleShape, PleWeights, QsaShape};
+pub use sanmai_weights::quant::{PackedTensor, PackedWords};
+
+/// A weight the loader handed to the backend in packed form ([`Backend::packed_weight`]): its name
+/// (for fused weights, the name of the fused tensor the model uses), scheme, shape and packed size.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackedInfo {
+    pub name: String,
+    pub bits: u32,
+    /// Inputs per scale; 0 = one scale per output row.
+    pub group_size: usize,
+    pub out_features: usize,
+    pub in_features: usize,
+    /// Packed words plus f32 scales.
+    pub bytes: usize,
+}
 
 /// The operations a backend provides. Ops on sequences take the step's [`SeqChunk`]s.
 pub trait Backend: Send + Sync {
@@ -140,6 +155,14 @@ pub trait Backend: Send + Sync {
 
     /// Uploads a weight given as f32 values with its shape.
     fn weight(&self, data: Vec<f32>, shape: &[usize]) -> Self::Weight;
+
+    /// Uploads a quantized Linear weight `[p.out_features, p.in_features]` given in its packed form
+    /// (compressed-tensors INT4/INT8 or INT6 gapless, see [`PackedTensor`]). A backend that consumes
+    /// packed integers keeps them; the default dequantises (exactly `p.dequantize()`) into
+    /// [`Backend::weight`].
+    fn packed_weight(&self, p: &PackedTensor<'_>) -> Self::Weight {
+        self.weight(p.dequantize(), &[p.out_features, p.in_features])
+    }
 
     /// Allocates the K/V block pools (replacing any earlier ones).
     fn init_cache(&self, spec: &CacheSpec);

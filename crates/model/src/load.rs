@@ -1,13 +1,16 @@
 //! Building a [`Model`]: asks the weight source for every tensor (through the architecture's name map),
 //! converts it into the backend's storage and assembles the layers.
 
+use std::cell::RefCell;
+
 use sanmai_config::{FfnType, LayerType, ModelConfig};
-use sanmai_weights::names::{text_name, Scope};
+use sanmai_weights::names::{text_name, ungroup_qwen3_next, GdnInProj, Scope};
+use sanmai_weights::quant::{PackedTensor, PackedWords};
 use sanmai_weights::{Init, Result, TensorSource, WeightError};
 
 use crate::backend::{
     AttnShape, AttnWeights, Backend, CacheSpec, GdnShape, GdnWeights, HcWeights, IndexerWeights,
-    MlpWeights, MoeWeights, PleShape, PleWeights, QsaShape, Rope,
+    MlpWeights, MoeWeights, PackedInfo, PleShape, PleWeights, QsaShape, Rope,
 };
 use crate::ple::PleSource;
 
@@ -62,7 +65,12 @@ pub struct Model<B: Backend> {
     pub ple: Option<(PleShape, PleSource)>,
     /// Hyper-connections' head collapse `hc_head.pre` `[S]`, when the config has them.
     pub hc_head: Option<B::Weight>,
+    /// The weights loaded in packed form, in load order.
+    pub packed: Vec<PackedInfo>,
 }
+
+/// The four GDN input projections `(qkv, z, b, a)` in backend form.
+type GdnWeights4<W> = (W, W, W, W);
 
 /// Zero-centred RMSNorm weights are stored as offsets from 1.
 const NORM: Init = Init::ZEROS;
@@ -70,11 +78,80 @@ const NORM: Init = Init::ZEROS;
 pub(crate) struct Loader<'a, B: Backend> {
     pub(crate) backend: &'a B,
     pub(crate) cfg: &'a ModelConfig,
+    /// What went to the backend packed.
+    pub(crate) packed: RefCell<Vec<PackedInfo>>,
+}
+
+/// Rows `rows` of a packed matrix (in that order) as a new owned packed matrix named `name`.
+fn packed_rows(
+    name: &str,
+    parts: &[&PackedTensor<'_>],
+    rows: &[(usize, usize)],
+) -> PackedTensor<'static> {
+    let p0 = parts[0];
+    let (wpr, sc) = (p0.words_per_row(), p0.scale_cols());
+    let words: Vec<_> = parts.iter().map(|p| p.words()).collect();
+    let mut w = Vec::with_capacity(rows.len() * wpr);
+    let mut scales = Vec::with_capacity(rows.len() * sc);
+    for &(part, r) in rows {
+        w.extend_from_slice(&words[part][r * wpr..(r + 1) * wpr]);
+        scales.extend_from_slice(&parts[part].scales[r * sc..(r + 1) * sc]);
+    }
+    PackedTensor {
+        name: name.into(),
+        bits: p0.bits,
+        group_size: p0.group_size,
+        out_features: rows.len(),
+        in_features: p0.in_features,
+        packed: PackedWords::Owned(w),
+        scales,
+    }
+}
+
+/// `a` rows then `b` rows, when both share a scheme and input width.
+fn packed_concat(
+    name: &str,
+    a: &PackedTensor<'_>,
+    b: &PackedTensor<'_>,
+) -> Option<PackedTensor<'static>> {
+    if a.scheme() != b.scheme() || a.in_features != b.in_features {
+        return None;
+    }
+    let rows: Vec<_> = (0..a.out_features)
+        .map(|r| (0, r))
+        .chain((0..b.out_features).map(|r| (1, r)))
+        .collect();
+    Some(packed_rows(name, &[a, b], &rows))
 }
 
 impl<B: Backend> Loader<'_, B> {
     pub(crate) fn w(&self, data: Vec<f32>, shape: &[usize]) -> B::Weight {
         self.backend.weight(data, shape)
+    }
+
+    /// Hands a packed matrix to the backend and records it.
+    fn packed_w(&self, p: &PackedTensor<'_>) -> B::Weight {
+        self.packed.borrow_mut().push(PackedInfo {
+            name: p.name.clone(),
+            bits: p.bits,
+            group_size: p.group_size,
+            out_features: p.out_features,
+            in_features: p.in_features,
+            bytes: p.nbytes(),
+        });
+        self.backend.packed_weight(p)
+    }
+
+    /// The packed form of the Linear weight `rel` `[out, inp]`, when the source holds it packed.
+    fn packed<'s>(
+        &self,
+        s: &Scope<'s>,
+        rel: &str,
+        out: usize,
+        inp: usize,
+        init: Init,
+    ) -> Result<Option<PackedTensor<'s>>> {
+        s.src.packed(&s.name(rel), &[out, inp], init)
     }
 
     pub(crate) fn get(
@@ -87,20 +164,182 @@ impl<B: Backend> Loader<'_, B> {
         Ok(self.w(s.get(rel, shape, init)?, shape))
     }
 
+    /// A Linear weight `[out, inp]`: packed when the source holds it packed, else as f32.
     pub(crate) fn proj(&self, s: &Scope, rel: &str, out: usize, inp: usize) -> Result<B::Weight> {
-        self.get(s, rel, &[out, inp], Init::std((inp as f32).powf(-0.5)))
+        let init = Init::std((inp as f32).powf(-0.5));
+        match self.packed(s, rel, out, inp, init)? {
+            Some(p) => Ok(self.packed_w(&p)),
+            None => self.get(s, rel, &[out, inp], init),
+        }
+    }
+
+    /// Two Linear weights `[n_a, inp]`, `[n_b, inp]` stacked into one `[n_a + n_b, inp]` weight
+    /// `fused` (a scope-relative name): packed when both are packed with one scheme, else as f32
+    /// (a packed half dequantised).
+    fn stacked(
+        &self,
+        s: &Scope,
+        (a, n_a): (&str, usize),
+        (b, n_b): (&str, usize),
+        inp: usize,
+        fused: &str,
+    ) -> Result<B::Weight> {
+        let init = Init::std((inp as f32).powf(-0.5));
+        let pa = self.packed(s, a, n_a, inp, init)?;
+        let pb = self.packed(s, b, n_b, inp, init)?;
+        if let (Some(x), Some(y)) = (&pa, &pb) {
+            if let Some(p) = packed_concat(&s.name(fused), x, y) {
+                return Ok(self.packed_w(&p));
+            }
+        }
+        let mut data = match pa {
+            Some(p) => p.dequantize(),
+            None => s.get(a, &[n_a, inp], init)?,
+        };
+        data.extend(match pb {
+            Some(p) => p.dequantize(),
+            None => s.get(b, &[n_b, inp], init)?,
+        });
+        Ok(self.w(data, &[n_a + n_b, inp]))
     }
 
     fn mlp(&self, s: &Scope, prefix: &str, inter: usize) -> Result<MlpWeights<B::Weight>> {
         let h = self.cfg.hidden_size;
-        let init = Init::std((h as f32).powf(-0.5));
-        let mut gate_up = s.get(&format!("{prefix}gate_proj.weight"), &[inter, h], init)?;
-        gate_up.extend(s.get(&format!("{prefix}up_proj.weight"), &[inter, h], init)?);
         Ok(MlpWeights {
-            gate_up: self.w(gate_up, &[2 * inter, h]),
+            gate_up: self.stacked(
+                s,
+                (&format!("{prefix}gate_proj.weight"), inter),
+                (&format!("{prefix}up_proj.weight"), inter),
+                h,
+                &format!("{prefix}gate_up_proj"),
+            )?,
             down: self.proj(s, &format!("{prefix}down_proj.weight"), h, inter)?,
             inter,
         })
+    }
+
+    /// The routed experts, packed when the source holds them packed (fused 3-D tensors or
+    /// per-expert ones), else as f32 through [`Scope::experts`].
+    fn experts(&self, s: &Scope, e: usize, inter: usize) -> Result<Vec<MlpWeights<B::Weight>>> {
+        let h = self.cfg.hidden_size;
+        let fused = s.name("mlp.experts.gate_up_proj");
+        let per_expert = s.name("mlp.experts.0.gate_proj.weight");
+        if s.src.contains(&fused) || !s.src.contains(&per_expert) {
+            let gu = s
+                .src
+                .packed(&fused, &[e, 2 * inter, h], Init::std((h as f32).powf(-0.5)))?;
+            let dn = s.src.packed(
+                &s.name("mlp.experts.down_proj"),
+                &[e, h, inter],
+                Init::std((inter as f32).powf(-0.5)),
+            )?;
+            if let (Some(gu), Some(dn)) = (gu, dn) {
+                return Ok((0..e)
+                    .map(|x| {
+                        let rows =
+                            |n: usize| (x * n..(x + 1) * n).map(|r| (0, r)).collect::<Vec<_>>();
+                        let g = packed_rows(&format!("{fused}.{x}"), &[&gu], &rows(2 * inter));
+                        let d = packed_rows(&format!("{}.{x}", dn.name), &[&dn], &rows(h));
+                        MlpWeights {
+                            gate_up: self.packed_w(&g),
+                            down: self.packed_w(&d),
+                            inter,
+                        }
+                    })
+                    .collect());
+            }
+        } else {
+            let before = self.packed.borrow().len();
+            let experts = (0..e)
+                .map(|x| self.mlp(s, &format!("mlp.experts.{x}."), inter))
+                .collect::<Result<Vec<_>>>()?;
+            self.check_expert_schemes(s, e, before)?;
+            return Ok(experts);
+        }
+        Ok(s.experts(e, inter)?
+            .into_iter()
+            .map(|x| MlpWeights {
+                gate_up: self.w(x.gate_up, &[2 * inter, h]),
+                down: self.w(x.down, &[h, inter]),
+                inter,
+            })
+            .collect())
+    }
+
+    /// Refuses per-expert weights of one layer that mix quantization schemes (or packed and
+    /// unpacked) within a projection: a backend runs each projection of a layer's experts as one
+    /// grouped call. `before` is the packed record's length before the experts were loaded.
+    fn check_expert_schemes(&self, s: &Scope, e: usize, before: usize) -> Result<()> {
+        let packed = self.packed.borrow();
+        for what in ["gate_up_proj", "down_proj.weight"] {
+            let schemes: Vec<_> = packed[before..]
+                .iter()
+                .filter(|p| p.name.ends_with(what))
+                .map(|p| (p.bits, p.group_size))
+                .collect();
+            let uniform = schemes.windows(2).all(|w| w[0] == w[1]);
+            if !(schemes.is_empty() || schemes.len() == e && uniform) {
+                return Err(WeightError::Quant {
+                    name: s.name("mlp.experts"),
+                    message: format!(
+                        "the routed experts' {what} mix quantization schemes ({} of {e} packed, \
+                         schemes {schemes:?}): every expert of a layer must share one",
+                        schemes.len()
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Qwen3-Next's grouped `in_proj_qkvz` held packed: its rows rearranged into the canonical
+    /// `in_proj_qkv` and `in_proj_z` without dequantising (`in_proj_ba` as f32, or packed likewise).
+    fn grouped_in_proj(&self, s: &Scope) -> Result<Option<GdnWeights4<B::Weight>>> {
+        let g = &self.cfg.gdn;
+        let h = self.cfg.hidden_size;
+        let init = Init::std((h as f32).powf(-0.5));
+        let n_qkvz = 2 * g.key_dim() + 2 * g.value_dim();
+        let n_ba = 2 * g.num_v_heads;
+        let Some(qkvz) = self.packed(s, "linear_attn.in_proj_qkvz.weight", n_qkvz, h, init)? else {
+            return Ok(None);
+        };
+        // The row order of every output, from the re-layout applied to row numbers (h = 1).
+        let idx = |n: usize| (0..n).map(|r| r as f32).collect::<Vec<_>>();
+        let order: GdnInProj = ungroup_qwen3_next(g, 1, &idx(n_qkvz), &idx(n_ba));
+        let rows = |o: &[f32]| o.iter().map(|&r| (0, r as usize)).collect::<Vec<_>>();
+        let qkv = packed_rows(
+            &s.name("linear_attn.in_proj_qkv"),
+            &[&qkvz],
+            &rows(&order.qkv),
+        );
+        let z = packed_rows(&s.name("linear_attn.in_proj_z"), &[&qkvz], &rows(&order.z));
+        let (b, a) = match self.packed(s, "linear_attn.in_proj_ba.weight", n_ba, h, init)? {
+            Some(ba) => (
+                self.packed_w(&packed_rows(
+                    &s.name("linear_attn.in_proj_b"),
+                    &[&ba],
+                    &rows(&order.b),
+                )),
+                self.packed_w(&packed_rows(
+                    &s.name("linear_attn.in_proj_a"),
+                    &[&ba],
+                    &rows(&order.a),
+                )),
+            ),
+            None => {
+                let ba = s.get("linear_attn.in_proj_ba.weight", &[n_ba, h], init)?;
+                let pick = |o: &[f32]| {
+                    o.iter()
+                        .flat_map(|&r| ba[r as usize * h..(r as usize + 1) * h].iter().copied())
+                        .collect::<Vec<_>>()
+                };
+                (
+                    self.w(pick(&order.b), &[g.num_v_heads, h]),
+                    self.w(pick(&order.a), &[g.num_v_heads, h]),
+                )
+            }
+        };
+        Ok(Some((self.packed_w(&qkv), self.packed_w(&z), b, a)))
     }
 
     fn attention(&self, s: &Scope) -> Result<AttnWeights<B::Weight>> {
@@ -124,17 +363,38 @@ impl<B: Backend> Loader<'_, B> {
     fn gdn(&self, s: &Scope) -> Result<GdnWeights<B::Weight>> {
         let g = &self.cfg.gdn;
         let h = self.cfg.hidden_size;
-        let p = s.gdn_in_proj()?;
+        let (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) =
+            if self.cfg.arch.grouped_gdn_projections() {
+                match self.grouped_in_proj(s)? {
+                    Some(w) => w,
+                    None => {
+                        let p = s.gdn_in_proj()?;
+                        (
+                            self.w(p.qkv, &[g.conv_dim(), h]),
+                            self.w(p.z, &[g.value_dim(), h]),
+                            self.w(p.b, &[g.num_v_heads, h]),
+                            self.w(p.a, &[g.num_v_heads, h]),
+                        )
+                    }
+                }
+            } else {
+                (
+                    self.proj(s, "linear_attn.in_proj_qkv.weight", g.conv_dim(), h)?,
+                    self.proj(s, "linear_attn.in_proj_z.weight", g.value_dim(), h)?,
+                    self.proj(s, "linear_attn.in_proj_b.weight", g.num_v_heads, h)?,
+                    self.proj(s, "linear_attn.in_proj_a.weight", g.num_v_heads, h)?,
+                )
+            };
         // A ~ U(1, 16) as transformers initialises it, so log A is positive; dt_bias near 1.
         let a_log = Init::Random {
             mean: 1.7,
             std: 0.6,
         };
         Ok(GdnWeights {
-            in_proj_qkv: self.w(p.qkv, &[g.conv_dim(), h]),
-            in_proj_z: self.w(p.z, &[g.value_dim(), h]),
-            in_proj_b: self.w(p.b, &[g.num_v_heads, h]),
-            in_proj_a: self.w(p.a, &[g.num_v_heads, h]),
+            in_proj_qkv,
+            in_proj_z,
+            in_proj_b,
+            in_proj_a,
             conv: self.w(
                 s.get(
                     "linear_attn.conv1d.weight",
@@ -154,15 +414,7 @@ impl<B: Backend> Loader<'_, B> {
         let h = self.cfg.hidden_size;
         match (kind, &self.cfg.moe) {
             (FfnType::Moe, Some(m)) => {
-                let experts = s
-                    .experts(m.num_experts, m.intermediate_size)?
-                    .into_iter()
-                    .map(|e| MlpWeights {
-                        gate_up: self.w(e.gate_up, &[2 * m.intermediate_size, h]),
-                        down: self.w(e.down, &[h, m.intermediate_size]),
-                        inter: m.intermediate_size,
-                    })
-                    .collect();
+                let experts = self.experts(s, m.num_experts, m.intermediate_size)?;
                 let (shared, shared_gate) = if m.shared_intermediate_size > 0 {
                     (
                         Some(self.mlp(s, "mlp.shared_expert.", m.shared_intermediate_size)?),
@@ -313,6 +565,7 @@ impl<B: Backend> Model<B> {
         let l = Loader {
             backend: &backend,
             cfg: &cfg,
+            packed: RefCell::new(Vec::new()),
         };
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let top = Scope {
@@ -425,6 +678,7 @@ impl<B: Backend> Model<B> {
             )?),
             None => None,
         };
+        let packed = l.packed.take();
         Ok(Model {
             cfg,
             backend,
@@ -439,6 +693,7 @@ impl<B: Backend> Model<B> {
             qsa,
             ple,
             hc_head,
+            packed,
         })
     }
 }

@@ -19,6 +19,7 @@ mod gdn;
 mod graph;
 mod meta;
 mod moe;
+mod packed;
 mod ple;
 mod qsa;
 mod roofline;
@@ -39,7 +40,8 @@ use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::ops::GEMV_MAX_M;
 pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, GRAPHS_ENV, MIN_GRAPH_SPAN};
-pub use tensor::{CudaTensor, CudaWeight, DenseBf16};
+pub use packed::{packed_device_bytes, packed_fits, PACKED_WORKSPACE_BYTES};
+pub use tensor::{CudaTensor, CudaWeight, DenseBf16, PackedWeight};
 
 /// Default step limits the metadata buffers are first sized for (larger steps grow them).
 pub const DEFAULT_MAX_TOKENS: usize = 8192;
@@ -62,6 +64,8 @@ pub(crate) struct State {
     pub kv: cache::KvPools,
     pub states: cache::StateSlots,
     pub experts: HashMap<u64, moe::ExpertTable>,
+    /// The packed GEMM's bf16 workspace, allocated with the first packed weight.
+    pub packed_ws: Option<CudaSlice<bf16>>,
     /// Device copies of RoPE inverse frequencies, by their host values.
     rope: Vec<(Vec<f32>, CudaSlice<f32>)>,
     /// Context positions decode attention sizes its split grid for, while a decode step that may be
@@ -136,6 +140,7 @@ impl CudaBackend {
                 kv: cache::KvPools::default(),
                 states: cache::StateSlots::default(),
                 experts: HashMap::new(),
+                packed_ws: None,
                 rope: Vec::new(),
                 decode_span: None,
                 max_tokens,
@@ -162,7 +167,8 @@ impl CudaBackend {
             gdn_states: st.states.bytes(),
             workspace: st.meta.bytes()
                 + st.experts.values().map(|t| t.bytes()).sum::<usize>()
-                + st.rope.iter().map(|(_, t)| 4 * t.len()).sum::<usize>(),
+                + st.rope.iter().map(|(_, t)| 4 * t.len()).sum::<usize>()
+                + st.packed_ws.as_ref().map_or(0, |w| 2 * w.len()),
         }
     }
 
@@ -260,6 +266,7 @@ impl CudaBackend {
                     self.gpu.gemm_bf16(&x.buf, &d.data, &mut y.buf, m, n, k)?;
                 }
             }
+            CudaWeight::Packed(p) => self.linear_packed(x, p, &mut y.buf)?,
         }
         Ok(y)
     }
@@ -282,6 +289,7 @@ impl CudaBackend {
                     self.gpu.gemm_bf16_f32(&x.buf, &d.data, &mut y, m, n, k)?;
                 }
             }
+            CudaWeight::Packed(p) => self.linear_packed_f32(x, p, &mut y)?,
         }
         Ok(y)
     }
@@ -341,6 +349,10 @@ impl Backend for CudaBackend {
 
     fn weight(&self, data: Vec<f32>, shape: &[usize]) -> CudaWeight {
         ok("weight", self.weight_impl(data, shape))
+    }
+
+    fn packed_weight(&self, p: &sanmai_model::backend::PackedTensor<'_>) -> CudaWeight {
+        ok("packed_weight", self.packed_weight_impl(p))
     }
 
     fn init_cache(&self, spec: &CacheSpec) {

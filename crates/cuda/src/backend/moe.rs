@@ -2,6 +2,8 @@
 //! grouped GEMV for the experts' gate|up rows and one for their down rows (reading only the chosen
 //! experts, through a device table of expert weight addresses built once per layer), SwiGLU between
 //! them, and the weighted combine. No host round trip: the same launches serve decode and prefill.
+//! Packed integer experts (each projection's experts all of one scheme) go through the packed grouped
+//! GEMV, with a second table of scale addresses; a layer whose experts mix formats is refused.
 
 use cudarc::driver::CudaSlice;
 use sanmai_model::backend::MoeWeights;
@@ -12,25 +14,71 @@ use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::ops::moe_max_tiles;
 
-/// The device tables of one MoE layer's expert weight addresses.
+/// The device tables of one MoE layer's expert weight addresses (bf16 values or packed words) and,
+/// for packed experts, their scale addresses.
 pub(crate) struct ExpertTable {
     /// The addresses, as uploaded (to notice reloaded weights).
     host: Vec<u64>,
     pub gate_up: CudaSlice<u64>,
     pub down: CudaSlice<u64>,
+    pub gate_up_scales: CudaSlice<u64>,
+    pub down_scales: CudaSlice<u64>,
 }
 
 impl ExpertTable {
     pub fn bytes(&self) -> usize {
-        8 * (self.gate_up.len() + self.down.len())
+        8 * (self.gate_up.len()
+            + self.down.len()
+            + self.gate_up_scales.len()
+            + self.down_scales.len())
     }
 }
 
-/// Every expert's gate|up then down address.
+/// Every expert's gate|up, down, gate|up scales and down scales address (scales 0 for bf16).
 fn addresses(gpu: &Gpu, w: &MoeWeights<CudaWeight>) -> Vec<u64> {
     let gu = w.experts.iter().map(|e| e.gate_up.address(gpu));
     let dn = w.experts.iter().map(|e| e.down.address(gpu));
-    gu.chain(dn).collect()
+    let gus = w.experts.iter().map(|e| e.gate_up.scales_address(gpu));
+    let dns = w.experts.iter().map(|e| e.down.scales_address(gpu));
+    gu.chain(dn).chain(gus).chain(dns).collect()
+}
+
+/// How one projection of a layer's experts is stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ExpertFormat {
+    Bf16,
+    Packed { bits: u32, group_size: usize },
+}
+
+fn format_of(w: &CudaWeight) -> ExpertFormat {
+    match w.packed() {
+        None => ExpertFormat::Bf16,
+        Some(p) => ExpertFormat::Packed {
+            bits: p.bits,
+            group_size: p.group_size,
+        },
+    }
+}
+
+/// The one format of the experts' `what` projection, or an error when they mix formats.
+pub(crate) fn expert_format<'a>(
+    what: &str,
+    mut ws: impl Iterator<Item = &'a CudaWeight>,
+) -> Result<ExpertFormat> {
+    let Some(first) = ws.next() else {
+        return Ok(ExpertFormat::Bf16);
+    };
+    let f = format_of(first);
+    match ws.map(format_of).find(|g| *g != f) {
+        None => Ok(f),
+        Some(other) => Err(CudaError::Shape {
+            op: "moe",
+            msg: format!(
+                "the experts' {what} weights mix formats ({f:?} and {other:?}); every expert of a \
+                 layer must share one scheme"
+            ),
+        }),
+    }
 }
 
 impl CudaBackend {
@@ -48,7 +96,9 @@ impl CudaBackend {
             let e = w.experts.len();
             let t = ExpertTable {
                 gate_up: g.upload(&addrs[..e])?,
-                down: g.upload(&addrs[e..])?,
+                down: g.upload(&addrs[e..2 * e])?,
+                gate_up_scales: g.upload(&addrs[2 * e..3 * e])?,
+                down_scales: g.upload(&addrs[3 * e..])?,
                 host: addrs,
             };
             tables.insert(key, t);
@@ -78,6 +128,8 @@ impl CudaBackend {
                 ));
             }
         }
+        let gu_format = expert_format("gate|up", w.experts.iter().map(|x| &x.gate_up))?;
+        let dn_format = expert_format("down", w.experts.iter().map(|x| &x.down))?;
         let mut out = self.alloc(t, h)?;
         if t == 0 {
             return Ok(out);
@@ -94,33 +146,67 @@ impl CudaBackend {
         let mut st = self.lock();
         let table = self.expert_table(&mut st.experts, w)?;
         let mut gu = self.alloc(n, 2 * inter)?;
-        g.moe_gemv(
-            &table.gate_up,
-            &x.buf,
-            t,
-            k,
-            &perm,
-            &tiles,
-            n,
-            &mut gu.buf,
-            2 * inter,
-            h,
-        )?;
+        match gu_format {
+            ExpertFormat::Bf16 => g.moe_gemv(
+                &table.gate_up,
+                &x.buf,
+                t,
+                k,
+                &perm,
+                &tiles,
+                n,
+                &mut gu.buf,
+                2 * inter,
+                h,
+            )?,
+            ExpertFormat::Packed { bits, group_size } => g.moe_gemv_packed(
+                &table.gate_up,
+                &table.gate_up_scales,
+                bits,
+                group_size,
+                &x.buf,
+                t,
+                k,
+                &perm,
+                &tiles,
+                n,
+                &mut gu.buf,
+                2 * inter,
+                h,
+            )?,
+        }
         let mut act = self.alloc(n, inter)?;
         g.swiglu(&gu.buf, &mut act.buf, n, inter)?;
         let mut y = self.scratch::<f32>(n * h)?;
-        g.moe_gemv(
-            &table.down,
-            &act.buf,
-            n,
-            1,
-            &perm,
-            &tiles,
-            n,
-            &mut y,
-            h,
-            inter,
-        )?;
+        match dn_format {
+            ExpertFormat::Bf16 => g.moe_gemv(
+                &table.down,
+                &act.buf,
+                n,
+                1,
+                &perm,
+                &tiles,
+                n,
+                &mut y,
+                h,
+                inter,
+            )?,
+            ExpertFormat::Packed { bits, group_size } => g.moe_gemv_packed(
+                &table.down,
+                &table.down_scales,
+                bits,
+                group_size,
+                &act.buf,
+                n,
+                1,
+                &perm,
+                &tiles,
+                n,
+                &mut y,
+                h,
+                inter,
+            )?,
+        }
         g.moe_combine(&y, &wts, &ids, e, &mut out.buf, t, k, h)?;
         Ok(out)
     }

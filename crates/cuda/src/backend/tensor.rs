@@ -1,4 +1,5 @@
-//! The backend's activation and weight types: device bf16 tensors and weights.
+//! The backend's activation and weight types: device bf16 tensors, and weights in bf16 or in packed
+//! integer form (compressed-tensors INT4/INT8, INT6 gapless; see `ops::quant`).
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
@@ -31,16 +32,41 @@ pub struct DenseBf16 {
     pub(crate) f32: Option<CudaSlice<f32>>,
 }
 
-/// A weight in the backend's storage. `linear` dispatches on the variant; packed integer formats are
-/// further variants.
+/// A quantized `[out, in]` matrix kept packed on the device: `out · words_per_row(bits, in)` u32
+/// words and `out · scale_cols(group_size, in)` f32 scales, exactly as `PackedTensor` holds them. No
+/// dequantised copy is kept; `linear` decodes it in the GEMV or tile by tile in the GEMM.
+pub struct PackedWeight {
+    /// `[out, in]`.
+    pub shape: Vec<usize>,
+    /// 4, 6 (gapless) or 8.
+    pub bits: u32,
+    /// Inputs per scale; 0 = one scale per row.
+    pub group_size: usize,
+    pub(crate) words: CudaSlice<u32>,
+    pub(crate) scales: CudaSlice<f32>,
+}
+
+impl PackedWeight {
+    pub fn out_features(&self) -> usize {
+        self.shape[0]
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.shape[1]
+    }
+}
+
+/// A weight in the backend's storage. `linear` dispatches on the variant.
 pub enum CudaWeight {
     Bf16(DenseBf16),
+    Packed(PackedWeight),
 }
 
 impl CudaWeight {
     pub fn shape(&self) -> &[usize] {
         match self {
             CudaWeight::Bf16(w) => &w.shape,
+            CudaWeight::Packed(w) => &w.shape,
         }
     }
 
@@ -58,13 +84,28 @@ impl CudaWeight {
     pub fn bytes(&self) -> usize {
         match self {
             CudaWeight::Bf16(w) => 2 * w.data.len() + 4 * w.f32.as_ref().map_or(0, |f| f.len()),
+            CudaWeight::Packed(w) => 4 * (w.words.len() + w.scales.len()),
         }
     }
 
-    /// The dense bf16 values (every variant today).
+    /// The dense bf16 values. Only matrices are loaded packed, never the vectors and tables the ops
+    /// that call this read (norms, convs, the embedding), so a packed weight here breaks the
+    /// loader's contract and panics with the weight's shape.
     pub(crate) fn bf16(&self) -> &CudaSlice<bf16> {
         match self {
             CudaWeight::Bf16(w) => &w.data,
+            CudaWeight::Packed(w) => panic!(
+                "CUDA backend: a packed INT{} {:?} weight where dense bf16 values are needed",
+                w.bits, w.shape
+            ),
+        }
+    }
+
+    /// The packed form, if this weight is packed.
+    pub(crate) fn packed(&self) -> Option<&PackedWeight> {
+        match self {
+            CudaWeight::Packed(w) => Some(w),
+            CudaWeight::Bf16(_) => None,
         }
     }
 
@@ -72,11 +113,24 @@ impl CudaWeight {
     pub(crate) fn f32(&self) -> Option<&CudaSlice<f32>> {
         match self {
             CudaWeight::Bf16(w) => w.f32.as_ref(),
+            CudaWeight::Packed(_) => None,
         }
     }
 
-    /// The device address of the bf16 values (for the expert pointer tables).
+    /// The device address of the bf16 values, or of the packed words (for the expert pointer
+    /// tables).
     pub(crate) fn address(&self, gpu: &Gpu) -> u64 {
-        self.bf16().device_ptr(gpu.stream()).0
+        match self {
+            CudaWeight::Bf16(w) => w.data.device_ptr(gpu.stream()).0,
+            CudaWeight::Packed(w) => w.words.device_ptr(gpu.stream()).0,
+        }
+    }
+
+    /// The device address of the packed scales (0 for a bf16 weight).
+    pub(crate) fn scales_address(&self, gpu: &Gpu) -> u64 {
+        match self {
+            CudaWeight::Bf16(_) => 0,
+            CudaWeight::Packed(w) => w.scales.device_ptr(gpu.stream()).0,
+        }
     }
 }

@@ -1,0 +1,179 @@
+//! Packed integer weights in the backend (compressed-tensors INT4/INT8, INT6 gapless): uploaded as
+//! their words and scales ([`CudaWeight::Packed`], no dequantised copy), multiplied by the packed
+//! GEMV for up to 8 rows and by the tiled dequantise + cuBLAS GEMM beyond, through one persistent
+//! bf16 workspace of [`PACKED_WORKSPACE_BYTES`] allocated with the first packed weight (counted in
+//! `memory().workspace`).
+//!
+//! A matrix whose shape the packed kernels do not take (`k` not a multiple of 32 for INT4/INT8 or of
+//! 8 for INT6, a group size not a multiple of 8) is dequantised on the host and kept as bf16 instead.
+
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use sanmai_model::backend::PackedTensor;
+
+use super::tensor::{CudaTensor, CudaWeight, PackedWeight};
+use super::CudaBackend;
+use crate::error::{CudaError, Result};
+
+/// Bytes of the bf16 workspace the prefill GEMM dequantises weight tiles into.
+pub const PACKED_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Rows the packed GEMV takes per launch.
+const GEMV_ROWS: usize = 8;
+
+/// Whether the packed kernels take a `[_, k]` matrix of `bits` with `group_size` (0 = per row).
+pub fn packed_fits(bits: u32, group_size: usize, k: usize) -> bool {
+    let step = match bits {
+        4 | 8 => 32,
+        6 => 8,
+        _ => return false,
+    };
+    k > 0 && k.is_multiple_of(step) && group_size.is_multiple_of(8)
+}
+
+/// Device bytes `p` occupies when the backend keeps it packed (words and f32 scales), or `None`
+/// when it would be dequantised to bf16 instead (see [`packed_fits`]).
+pub fn packed_device_bytes(p: &PackedTensor<'_>) -> Option<usize> {
+    packed_fits(p.bits, p.group_size, p.in_features)
+        .then(|| 4 * (p.out_features * p.words_per_row() + p.scales.len()))
+}
+
+impl CudaBackend {
+    pub(crate) fn packed_weight_impl(&self, p: &PackedTensor<'_>) -> Result<CudaWeight> {
+        let shape = [p.out_features, p.in_features];
+        if !packed_fits(p.bits, p.group_size, p.in_features) || p.out_features == 0 {
+            return self.weight_impl(p.dequantize(), &shape);
+        }
+        let words = self.gpu.upload(&p.words())?;
+        let scales = self.gpu.upload(&p.scales)?;
+        {
+            let mut st = self.lock();
+            if st.packed_ws.is_none() {
+                st.packed_ws = Some(self.gpu.zeros::<bf16>(PACKED_WORKSPACE_BYTES / 2)?);
+            }
+        }
+        let w = CudaWeight::Packed(PackedWeight {
+            shape: shape.to_vec(),
+            bits: p.bits,
+            group_size: p.group_size,
+            words,
+            scales,
+        });
+        self.weight_bytes.fetch_add(w.bytes(), Ordering::Relaxed);
+        self.epoch.fetch_add(1, Ordering::Relaxed);
+        Ok(w)
+    }
+
+    /// `y = x · dequant(w)ᵀ` into `y` (`[m, n]` bf16).
+    pub(crate) fn linear_packed(
+        &self,
+        x: &CudaTensor,
+        w: &PackedWeight,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let (m, n, k) = (x.rows, w.out_features(), w.in_features());
+        let g = &self.gpu;
+        if (1..=GEMV_ROWS).contains(&m) {
+            return g.gemv_packed(
+                &w.words,
+                &w.scales,
+                w.bits,
+                w.group_size,
+                &x.buf,
+                y,
+                m,
+                n,
+                k,
+            );
+        }
+        let mut st = self.lock();
+        let ws = st.packed_ws.as_mut().ok_or_else(|| CudaError::Shape {
+            op: "linear",
+            msg: "packed weight without the packed workspace".into(),
+        })?;
+        g.gemm_packed(
+            &x.buf,
+            &w.words,
+            &w.scales,
+            w.bits,
+            w.group_size,
+            y,
+            ws,
+            m,
+            n,
+            k,
+        )
+    }
+
+    /// `y = x · dequant(w)ᵀ` with an f32 result (`[m, n]`): the packed GEMV over chunks of 8 rows, so
+    /// every output is one f32 accumulation with no bf16 rounding.
+    pub(crate) fn linear_packed_f32(
+        &self,
+        x: &CudaTensor,
+        w: &PackedWeight,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (m, n, k) = (x.rows, w.out_features(), w.in_features());
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = GEMV_ROWS.min(m - r0);
+            let xs = x.buf.slice(r0 * k..(r0 + rows) * k);
+            let mut ys = y.slice_mut(r0 * n..(r0 + rows) * n);
+            self.gpu.gemv_packed_f32(
+                &w.words,
+                &w.scales,
+                w.bits,
+                w.group_size,
+                &xs,
+                &mut ys,
+                rows,
+                n,
+                k,
+            )?;
+            r0 += rows;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sanmai_model::backend::PackedWords;
+
+    #[test]
+    fn fits_follows_the_kernel_shape_rules() {
+        assert!(packed_fits(4, 128, 2048));
+        assert!(packed_fits(8, 0, 512));
+        assert!(packed_fits(6, 0, 48));
+        assert!(!packed_fits(4, 0, 48));
+        assert!(!packed_fits(8, 12, 64));
+        assert!(!packed_fits(5, 0, 64));
+        assert!(!packed_fits(6, 0, 0));
+    }
+
+    #[test]
+    fn device_bytes_are_words_plus_scales() {
+        let p = PackedTensor {
+            name: "w".into(),
+            bits: 4,
+            group_size: 128,
+            out_features: 3,
+            in_features: 256,
+            packed: PackedWords::Owned(vec![0; 3 * 32]),
+            scales: vec![1.0; 3 * 2],
+        };
+        assert_eq!(packed_device_bytes(&p), Some(4 * (96 + 6)));
+        assert_eq!(packed_device_bytes(&p), Some(p.nbytes()));
+        let odd = PackedTensor {
+            in_features: 40,
+            packed: PackedWords::Owned(vec![0; 3 * 5]),
+            scales: vec![1.0; 3],
+            group_size: 0,
+            ..p
+        };
+        assert_eq!(packed_device_bytes(&odd), None);
+    }
+}

@@ -1,0 +1,172 @@
+//! The quantized tiny fixture on the GPU (packed) against the CPU (the same integers dequantised):
+//! prompt log-probs through one prefill chunk (the tiled packed GEMM) and then one-token decode steps
+//! (the packed GEMV and the packed grouped GEMV of the experts).
+
+use std::path::{Path, PathBuf};
+
+use sanmai_config::ModelConfig;
+use sanmai_cpu::CpuBackend;
+use sanmai_cuda::{CudaBackend, CudaWeight};
+use sanmai_model::{Backend, Ffn, Model, SeqChunk};
+use sanmai_weights::Checkpoint;
+
+const FIXTURE: &str = "qwen3_5_moe_text_tiny_quant";
+/// Bound on the mean |GPU − CPU| prompt log-prob: the integers and scales are the same on both, so
+/// the difference is bf16 activations and accumulation order only.
+const MEAN_TOL: f64 = 0.1;
+const MAX_TOL: f64 = 1.0;
+const PREFILL: usize = 40;
+const DECODE: usize = 12;
+const BLOCK: usize = 16;
+const BLOCKS: usize = 8;
+
+fn fixture() -> PathBuf {
+    let dirs = [
+        std::env::var_os("SANMAI_FIXTURES").map(PathBuf::from),
+        Some(PathBuf::from("tests/fixtures")),
+        Some(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")),
+    ];
+    dirs.into_iter()
+        .flatten()
+        .map(|d| d.join(FIXTURE))
+        .find(|d| d.is_dir())
+        .unwrap_or_else(|| panic!("fixture {FIXTURE} not found: set SANMAI_FIXTURES"))
+}
+
+fn load<B: Backend>(b: B) -> Model<B> {
+    let dir = fixture();
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let m = Model::load(cfg, &ckpt, b).unwrap();
+    m.init_cache(BLOCKS, BLOCK);
+    m
+}
+
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
+    let lse = row
+        .iter()
+        .map(|&x| (x as f64 - max).exp())
+        .sum::<f64>()
+        .ln()
+        + max;
+    row.iter().map(|&x| x as f64 - lse).collect()
+}
+
+/// Log-prob rows of every position of `prompt`: one prefill chunk of `PREFILL` tokens, then one
+/// decode step per token.
+fn prompt_logprobs<B: Backend>(m: &Model<B>, prompt: &[u32]) -> Vec<Vec<f64>> {
+    let state = m.backend.alloc_state();
+    let blocks: Vec<u32> = (0..BLOCKS as u32).collect();
+    let mut rows = Vec::new();
+    let mut pos = 0;
+    while pos < prompt.len() {
+        let len = if pos == 0 { PREFILL } else { 1 };
+        let chunk = [SeqChunk {
+            start: 0,
+            len,
+            pos0: pos,
+            state,
+            blocks: &blocks,
+        }];
+        let out_rows: Vec<usize> = (0..len).collect();
+        let out = m.forward(&prompt[pos..pos + len], &chunk, &out_rows);
+        let (r, c, data) = m.backend.to_host(m.logits(&out.hidden));
+        rows.extend((0..r).map(|i| log_softmax(&data[i * c..(i + 1) * c])));
+        pos += len;
+    }
+    rows
+}
+
+#[test]
+fn quant_fixture_gpu_matches_cpu() {
+    let test = "quant_fixture_gpu_matches_cpu";
+    let gpu = match CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            return;
+        }
+    };
+    let g = load(gpu);
+    let c = load(CpuBackend::default());
+
+    // Loaded packed: every routed expert INT4 g32, the shared experts INT6, the projections INT8.
+    assert_eq!(
+        g.packed, c.packed,
+        "both backends were handed the same packed weights"
+    );
+    let count = |bits: u32, group: usize| {
+        g.packed
+            .iter()
+            .filter(|p| p.bits == bits && p.group_size == group)
+            .count()
+    };
+    // 5 MoE layers (4 + MTP) × 8 experts × (gate|up, down).
+    assert_eq!(count(4, 32), 5 * 8 * 2, "{:?}", g.packed);
+    assert_eq!(count(6, 0), 5 * 2, "shared gate|up and down per MoE layer");
+    assert!(count(8, 0) > 0);
+    let Ffn::Moe(moe) = &g.layers[0].ffn else {
+        panic!("layer 0 is MoE");
+    };
+    let e0 = &moe.experts[0].gate_up;
+    assert!(matches!(e0, CudaWeight::Packed(_)), "expert kept packed");
+    let info = g
+        .packed
+        .iter()
+        .find(|p| p.name == "model.layers.0.mlp.experts.0.gate_up_proj")
+        .expect("expert 0's gate|up recorded");
+    assert_eq!(g.backend.weight_bytes(e0), info.bytes);
+    // [64, 64] INT4 g32: 8 words and 2 scales a row.
+    assert_eq!(info.bytes, 64 * (8 + 2) * 4);
+    assert!(
+        matches!(moe.router, CudaWeight::Bf16(_)),
+        "router left bf16"
+    );
+    assert!(
+        matches!(g.lm_head, Some(CudaWeight::Packed(_))),
+        "lm_head packed"
+    );
+
+    // A deterministic prompt over the vocabulary.
+    let vocab = g.cfg.vocab_size as u64;
+    let mut s = 12345u64;
+    let prompt: Vec<u32> = (0..PREFILL + DECODE)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab) as u32
+        })
+        .collect();
+    let lg = prompt_logprobs(&g, &prompt);
+    let lc = prompt_logprobs(&c, &prompt);
+    let errs: Vec<f64> = (1..prompt.len())
+        .map(|t| (lg[t - 1][prompt[t] as usize] - lc[t - 1][prompt[t] as usize]).abs())
+        .collect();
+    let mean = errs.iter().sum::<f64>() / errs.len() as f64;
+    let worst = errs.iter().copied().fold(0.0, f64::max);
+    let (pf, dc) = errs.split_at(PREFILL - 1);
+    let pf_mean = pf.iter().sum::<f64>() / pf.len() as f64;
+    let dc_mean = dc.iter().sum::<f64>() / dc.len().max(1) as f64;
+    let agree = (0..prompt.len())
+        .filter(|&t| argmax(&lg[t]) == argmax(&lc[t]))
+        .count();
+    println!(
+        "PACKED check=e2e model={FIXTURE} tokens={} prefill={PREFILL} decode={DECODE} mean_abs={mean:.4} max_abs={worst:.4} prefill_mean={pf_mean:.4} decode_mean={dc_mean:.4} argmax_agree={agree}/{} tol_mean={MEAN_TOL} tol_max={MAX_TOL}",
+        prompt.len(),
+        prompt.len()
+    );
+    assert!(mean <= MEAN_TOL, "mean |GPU − CPU| log-prob {mean}");
+    assert!(worst <= MAX_TOL, "max |GPU − CPU| log-prob {worst}");
+}
+
+fn argmax(row: &[f64]) -> usize {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best
+}

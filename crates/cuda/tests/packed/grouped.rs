@@ -1,0 +1,246 @@
+//! The packed grouped GEMV of the routed experts and the backend's packed `linear`, against the CPU.
+
+use cudarc::driver::DevicePtr;
+use half::bf16;
+use sanmai_config::QuantScheme;
+use sanmai_cpu::{ops, CpuBackend};
+use sanmai_cuda::{cudarc, CudaBackend, Gpu, PACKED_WORKSPACE_BYTES};
+use sanmai_model::Backend;
+use sanmai_weights::quant::{quantize, PackedTensor};
+
+use crate::{bf16_round, rel_errors, Rng};
+
+fn gpu(test: &str) -> Option<Gpu> {
+    match Gpu::new(0) {
+        Ok(g) => Some(g),
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            None
+        }
+    }
+}
+
+fn scheme(bits: u32, group_size: usize) -> QuantScheme {
+    QuantScheme { bits, group_size }
+}
+
+/// A random `[n, k]` weight quantized with `s` (the compressed-tensors quantiser).
+fn packed(rng: &mut Rng, s: QuantScheme, n: usize, k: usize) -> PackedTensor<'static> {
+    let w = rng.normals(n * k, (k as f32).powf(-0.5));
+    quantize("w", &w, n, k, s).unwrap()
+}
+
+/// The experts' words and scales on the device with their address tables.
+struct Table {
+    _words: Vec<cudarc::driver::CudaSlice<u32>>,
+    _scales: Vec<cudarc::driver::CudaSlice<f32>>,
+    w_ptrs: cudarc::driver::CudaSlice<u64>,
+    s_ptrs: cudarc::driver::CudaSlice<u64>,
+}
+
+fn table(g: &Gpu, ps: &[PackedTensor<'_>]) -> Table {
+    let words: Vec<_> = ps.iter().map(|p| g.upload(&p.words()).unwrap()).collect();
+    let scales: Vec<_> = ps.iter().map(|p| g.upload(&p.scales).unwrap()).collect();
+    let s = g.stream();
+    let wp: Vec<u64> = words.iter().map(|b| b.device_ptr(s).0).collect();
+    let sp: Vec<u64> = scales.iter().map(|b| b.device_ptr(s).0).collect();
+    Table {
+        w_ptrs: g.upload(&wp).unwrap(),
+        s_ptrs: g.upload(&sp).unwrap(),
+        _words: words,
+        _scales: scales,
+    }
+}
+
+#[test]
+fn packed_grouped_gemv_matches_cpu() {
+    let Some(g) = gpu("packed_grouped_gemv_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(71);
+    // (bits, group, hidden, inter, experts, top_k, tokens)
+    let cases = [
+        (4, 128, 2048, 512, 16, 4, 1),
+        (4, 128, 2048, 512, 64, 10, 33),
+        (4, 32, 64, 32, 8, 2, 5),
+        (8, 0, 256, 96, 8, 2, 40),
+        (6, 0, 128, 48, 8, 2, 3),
+        (6, 0, 96, 40, 4, 3, 17),
+    ];
+    for (bits, group, h, i, e, k, t) in cases {
+        let s = scheme(bits, group);
+        let gus: Vec<_> = (0..e).map(|_| packed(&mut rng, s, 2 * i, h)).collect();
+        let dns: Vec<_> = (0..e).map(|_| packed(&mut rng, s, h, i)).collect();
+        let gu_dense: Vec<Vec<f32>> = gus.iter().map(|p| p.dequantize()).collect();
+        let dn_dense: Vec<Vec<f32>> = dns.iter().map(|p| p.dequantize()).collect();
+        let n = t * k;
+        let x = bf16_round(&rng.normals(t * h, 1.0));
+        let act = bf16_round(&rng.normals(n * i, 1.0));
+        let ids: Vec<u32> = (0..n).map(|_| rng.below(e as u32)).collect();
+
+        // CPU: each pair's expert, dequantised, times its row.
+        let mut want_gu = vec![0f32; n * 2 * i];
+        let mut want_dn = vec![0f32; n * h];
+        for p in 0..n {
+            let x_row = &x[(p / k) * h..(p / k + 1) * h];
+            let ex = ids[p] as usize;
+            ops::matmul_t(
+                x_row,
+                &gu_dense[ex],
+                1,
+                h,
+                2 * i,
+                &mut want_gu[p * 2 * i..(p + 1) * 2 * i],
+            );
+            ops::matmul_t(
+                &act[p * i..(p + 1) * i],
+                &dn_dense[ex],
+                1,
+                i,
+                h,
+                &mut want_dn[p * h..(p + 1) * h],
+            );
+        }
+
+        // GPU: sort the pairs, then the packed grouped GEMVs.
+        let gu_t = table(&g, &gus);
+        let dn_t = table(&g, &dns);
+        let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+        let ab: Vec<bf16> = act.iter().map(|&v| bf16::from_f32(v)).collect();
+        let (dx, da, di) = (
+            g.upload(&xb).unwrap(),
+            g.upload(&ab).unwrap(),
+            g.upload(&ids).unwrap(),
+        );
+        let mut perm = g.zeros::<u32>(n).unwrap();
+        let mut tiles = g
+            .zeros::<u32>(3 * sanmai_cuda::moe_max_tiles(n, e))
+            .unwrap();
+        g.moe_sort(&di, n, e, &mut perm, &mut tiles).unwrap();
+        let mut y_gu = g.zeros::<bf16>(n * 2 * i).unwrap();
+        g.moe_gemv_packed(
+            &gu_t.w_ptrs,
+            &gu_t.s_ptrs,
+            bits,
+            group,
+            &dx,
+            t,
+            k,
+            &perm,
+            &tiles,
+            n,
+            &mut y_gu,
+            2 * i,
+            h,
+        )
+        .unwrap();
+        let mut y_dn = g.zeros::<f32>(n * h).unwrap();
+        g.moe_gemv_packed(
+            &dn_t.w_ptrs,
+            &dn_t.s_ptrs,
+            bits,
+            group,
+            &da,
+            n,
+            1,
+            &perm,
+            &tiles,
+            n,
+            &mut y_dn,
+            h,
+            i,
+        )
+        .unwrap();
+        let got_gu: Vec<f32> = g
+            .download(&y_gu)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        let got_dn = g.download(&y_dn).unwrap();
+        let shape = format!("int{bits}_g{group}_h{h}_i{i}_e{e}_k{k}_t{t}");
+        let (gu_max, gu_rms) = rel_errors(&got_gu, &want_gu);
+        let (dn_max, dn_rms) = rel_errors(&got_dn, &want_dn);
+        println!(
+            "PACKED check=moe_gemv_packed shape={shape} gate_up_max_rel={gu_max:.3e} gate_up_rms_rel={gu_rms:.3e} down_f32_max_rel={dn_max:.3e} down_f32_rms_rel={dn_rms:.3e} tol=bf16:1e-2/4e-3,f32:1e-4"
+        );
+        assert!(
+            gu_max <= 1e-2 && gu_rms <= 4e-3,
+            "{shape}: gate|up {gu_max} {gu_rms}"
+        );
+        assert!(dn_max <= 1e-4, "{shape}: down {dn_max}");
+    }
+}
+
+#[test]
+fn packed_grouped_gemv_refuses_bad_shapes() {
+    let Some(g) = gpu("packed_grouped_gemv_refuses_bad_shapes") else {
+        return;
+    };
+    let z64 = g.zeros::<u64>(2).unwrap();
+    let x = g.zeros::<bf16>(4 * 40).unwrap();
+    let perm = g.zeros::<u32>(4).unwrap();
+    let tiles = g
+        .zeros::<u32>(3 * sanmai_cuda::moe_max_tiles(4, 2))
+        .unwrap();
+    let mut y = g.zeros::<bf16>(4 * 8).unwrap();
+    // INT4 needs k % 32 == 0; 5 bits are not served; the scale table must match.
+    for (bits, group, k, s_len) in [
+        (4u32, 0usize, 40usize, 2usize),
+        (5, 0, 32, 2),
+        (4, 12, 32, 2),
+    ] {
+        let s = g.zeros::<u64>(s_len).unwrap();
+        let r = g.moe_gemv_packed(
+            &z64, &s, bits, group, &x, 4, 1, &perm, &tiles, 4, &mut y, 8, k,
+        );
+        assert!(r.is_err(), "bits {bits} group {group} k {k} accepted");
+    }
+    let s1 = g.zeros::<u64>(1).unwrap();
+    let r = g.moe_gemv_packed(&z64, &s1, 8, 0, &x, 4, 1, &perm, &tiles, 4, &mut y, 8, 32);
+    assert!(
+        r.is_err(),
+        "a scale table shorter than the word table accepted"
+    );
+}
+
+#[test]
+fn backend_linear_on_packed_weights_matches_cpu() {
+    let test = "backend_linear_on_packed_weights_matches_cpu";
+    let b = match CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            return;
+        }
+    };
+    let cpu = CpuBackend::default();
+    let mut rng = Rng::new(72);
+    for (bits, group, n, k) in [(4, 128, 300, 512), (8, 0, 1000, 256), (6, 0, 96, 136)] {
+        let p = packed(&mut rng, scheme(bits, group), n, k);
+        let wg = b.packed_weight(&p);
+        let wc = cpu.packed_weight(&p);
+        assert!(matches!(wg, sanmai_cuda::CudaWeight::Packed(_)));
+        assert_eq!(
+            b.weight_bytes(&wg),
+            p.nbytes(),
+            "weight_bytes = packed size"
+        );
+        for m in [1usize, 5, 8, 9, 40] {
+            let x = bf16_round(&rng.normals(m * k, 1.0));
+            let (_, _, got) = b.to_host(b.linear(&b.upload(m, k, x.clone()), &wg));
+            let (_, _, want) = cpu.to_host(cpu.linear(&cpu.upload(m, k, x), &wc));
+            let (max_rel, rms_rel) = rel_errors(&got, &want);
+            println!(
+                "PACKED check=linear shape=int{bits}_g{group}_n{n}_k{k}_m{m} max_rel={max_rel:.3e} rms_rel={rms_rel:.3e} tol=1e-2/4e-3"
+            );
+            assert!(
+                max_rel <= 1e-2 && rms_rel <= 4e-3,
+                "int{bits} m {m}: {max_rel} {rms_rel}"
+            );
+        }
+    }
+    let mem = b.memory();
+    assert!(mem.workspace >= PACKED_WORKSPACE_BYTES, "{mem:?}");
+    assert!(mem.weights > 0);
+}

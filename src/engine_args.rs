@@ -56,6 +56,7 @@ impl EngineArgs {
         served_name: String,
     ) -> Result<EngineHandle> {
         let Loaded {
+            ple_prefetch,
             gpu,
             model,
             tokenizer,
@@ -121,6 +122,11 @@ impl EngineArgs {
             enable_prefix_caching: !self.no_enable_prefix_caching,
             state_checkpoint_interval: self.state_checkpoint_interval,
         };
-        start(ModelExecutor::new(model), tokenizer, cfg).map_err(|e| anyhow!(e))
+        start(
+            ModelExecutor::with_prefetch(model, ple_prefetch),
+            tokenizer,
+            cfg,
+        )
+        .map_err(|e| anyhow!(e))
     }
 }

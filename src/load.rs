@@ -9,6 +9,7 @@ use clap::{Args, ValueEnum};
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
 use sanmai_model::{builtin, Backend, Model, PleSource};
+use sanmai_ple::PrefetchOptions;
 use sanmai_tokenizer::Tokenizer;
 use sanmai_weights::{Checkpoint, Dummy, TensorSource};
 
@@ -43,6 +44,9 @@ pub struct ModelArgs {
     /// block. With --load-format dummy and no table, every PLE row is zero.
     #[arg(long)]
     pub ple_table: Option<PathBuf>,
+    /// Do not prefetch an admitted prompt's PLE table pages (the same as SANMAI_PLE_PREFETCH=0).
+    #[arg(long)]
+    pub no_ple_prefetch: bool,
     /// Where the model runs: cpu, cuda or cuda:N [default: cuda:0 when this build has CUDA and a GPU is
     /// found, else cpu].
     #[arg(long)]
@@ -66,6 +70,8 @@ pub trait OnModel {
 
 /// A model ready to run, with its tokenizer when one is available.
 pub struct Loaded<B: Backend> {
+    /// How the PLE table's pages are prefetched (a model with a PLE table).
+    pub ple_prefetch: PrefetchOptions,
     /// What the GPU's memory plan needs (`None` on the CPU).
     pub gpu: Option<crate::memory_plan::GpuMemory>,
     pub name: String,
@@ -202,7 +208,10 @@ impl ModelArgs {
             Some(dir) => generation_max_new_tokens(dir),
             None => None,
         };
+        let mut ple_prefetch = PrefetchOptions::from_env();
+        ple_prefetch.enabled &= !self.no_ple_prefetch;
         Ok(Loaded {
+            ple_prefetch,
             gpu: None,
             name,
             device,

@@ -145,6 +145,45 @@ fn builtin_model_generates_text_with_the_real_vocabulary() {
     assert_ne!(sampled("5"), sampled("6"));
 }
 
+/// The qwen4_exp fixture with every block on (QSA, PLE with its table, hyper-connections) through the
+/// engine: prefill in 16-token chunks (PLE n-grams across chunk boundaries) and decode give the
+/// reference's greedy tokens.
+#[test]
+fn qwen4_exp_with_every_block_generates_the_reference_tokens() {
+    let dir = fixture("qwen4_exp_all_tiny");
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    let case = &reference["prompts"][1];
+    let ids: Vec<String> = case["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
+    let greedy = case["greedy_ids"].as_array().unwrap();
+    let d = dir.to_str().unwrap();
+    let max = greedy.len().to_string();
+    let out = json_of(&sanmai(&[
+        "generate",
+        "--model",
+        d,
+        "--ple-table",
+        d,
+        "--prompt-ids",
+        &ids.join(","),
+        "--max-tokens",
+        &max,
+        "--ignore-eos",
+        "--max-num-batched-tokens",
+        "16",
+        "--json",
+    ]));
+    assert_eq!(out["ids"].as_array().unwrap(), greedy);
+    let err = stderr(&sanmai(&["generate", "--model", d, "--prompt-ids", "1"]));
+    assert!(err.contains("--ple-table"), "{err}");
+}
+
 #[test]
 fn bad_input_is_a_clear_error() {
     let err = stderr(&sanmai(&["generate", "--max-tokens", "2"]));

@@ -6,7 +6,8 @@
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use sanmai_model::{Backend, Model, SeqChunk};
+use sanmai_model::{Backend, Model, PleSource, SeqChunk};
+use sanmai_ple::{PrefetchOptions, Prefetcher};
 
 /// Which logits a chunk needs back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +22,11 @@ pub enum LogitRows {
 /// One sequence's tokens in a step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlannedChunk {
+    /// The request's key (the one given to [`Executor::prefetch`]).
+    pub request: u64,
+    /// The last [`CacheGeometry::history_tokens`] tokens before `pos0` (fewer near the start): what the
+    /// model reads of the past besides its caches (the PLE n-gram hash).
+    pub history: Vec<u32>,
     /// GDN state slot (holds the state after `pos0` tokens).
     pub state: usize,
     /// Block table covering at least `pos0 + tokens.len()` positions.
@@ -63,6 +69,8 @@ pub struct CacheGeometry {
     pub kv_bytes_per_token: usize,
     /// Bytes of one GDN state (all GDN layers); 0 for models without GDN layers.
     pub state_bytes: usize,
+    /// Tokens before a chunk that a step needs besides the caches (see [`PlannedChunk::history`]).
+    pub history_tokens: usize,
 }
 
 /// Runs steps for the engine loop and owns the device-side caches they use.
@@ -75,6 +83,15 @@ pub trait Executor: Send {
     fn free_state(&mut self, slot: usize);
     fn copy_state(&mut self, src: usize, dst: usize);
     fn copy_block(&mut self, src: u32, dst: u32);
+    /// A request whose prompt positions from `from` on will be computed was admitted: an executor that
+    /// reads per-token data from disk (the PLE table) may start requesting it now.
+    fn prefetch(&mut self, request: u64, prompt: &[u32], from: usize) {
+        let _ = (request, prompt, from);
+    }
+    /// The request finished or was preempted: drop what is pending for it.
+    fn cancel_prefetch(&mut self, request: u64) {
+        let _ = request;
+    }
     /// Steps that may be in flight at once (1: each step finishes before the next is submitted).
     fn max_in_flight(&self) -> usize {
         1
@@ -95,17 +112,32 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         .to_string()
 }
 
-/// An executor over a model on one backend: a step runs to completion when it is submitted.
+/// An executor over a model on one backend: a step runs to completion when it is submitted. A model
+/// with a PLE table gets a page prefetch thread for admitted prompts, paced by the prefill.
 pub struct ModelExecutor<B: Backend> {
     pub model: Model<B>,
     done: VecDeque<(StepPlan, Result<StepLogits, String>)>,
+    prefetcher: Option<Prefetcher>,
 }
 
 impl<B: Backend> ModelExecutor<B> {
+    /// An executor with PLE page prefetch as `SANMAI_PLE_PREFETCH` says (on unless `0`).
     pub fn new(model: Model<B>) -> Self {
+        Self::with_prefetch(model, PrefetchOptions::from_env())
+    }
+
+    /// An executor whose PLE prefetch thread (for a model with a PLE table) runs as `opts` say.
+    pub fn with_prefetch(model: Model<B>, opts: PrefetchOptions) -> Self {
+        let prefetcher = match &model.ple {
+            Some((_, PleSource::Table(t))) if opts.enabled => {
+                Some(Prefetcher::spawn(t.clone(), opts))
+            }
+            _ => None,
+        };
         ModelExecutor {
             model,
             done: VecDeque::new(),
+            prefetcher,
         }
     }
 }
@@ -114,7 +146,27 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     fn geometry(&self) -> CacheGeometry {
         CacheGeometry {
             kv_bytes_per_token: self.model.kv_bytes_per_token(B::CACHE_ELEM_BYTES),
-            state_bytes: self.model.state_bytes(B::CACHE_ELEM_BYTES),
+            // The recurrent state is f32 on every backend.
+            state_bytes: self.model.state_bytes(4),
+            history_tokens: self
+                .model
+                .cfg
+                .ple
+                .as_ref()
+                .map_or(0, |p| p.orders.iter().max().map_or(0, |o| o - 1)),
+        }
+    }
+
+    fn prefetch(&mut self, request: u64, prompt: &[u32], from: usize) {
+        if let Some(p) = &self.prefetcher {
+            let t: Vec<i64> = prompt.iter().map(|&x| x.into()).collect();
+            p.submit_from(request, &t, from);
+        }
+    }
+
+    fn cancel_prefetch(&mut self, request: u64) {
+        if let Some(p) = &self.prefetcher {
+            p.cancel(request);
         }
     }
 
@@ -141,7 +193,13 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     fn submit(&mut self, plan: StepPlan) {
         // A panic in the model fails this step's requests, not the engine.
         let out = catch_unwind(AssertUnwindSafe(|| run_step(&self.model, &plan)))
-            .map_err(|p| panic_message(&*p));
+            .map_err(|p| panic_message(&*p))
+            .and_then(|r| r);
+        if let Some(p) = &self.prefetcher {
+            for c in &plan.chunks {
+                p.progress(c.request, c.pos0 + c.tokens.len());
+            }
+        }
         self.done.push_back((plan, out));
     }
 
@@ -152,7 +210,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     }
 }
 
-fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan) -> StepLogits {
+fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan) -> Result<StepLogits, String> {
     let mut ids = Vec::with_capacity(plan.num_tokens());
     let mut seqs = Vec::with_capacity(plan.chunks.len());
     let mut rows = Vec::new();
@@ -172,10 +230,39 @@ fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan) -> StepLogits {
             LogitRows::All => rows.extend(start..start + c.tokens.len()),
         }
     }
-    let out = m.forward(&ids, &seqs, &rows);
-    if rows.is_empty() {
-        return StepLogits::default();
+    if m.ple.is_some() {
+        // The PLE rows of each chunk hash its tokens with the history before it: the gather sees the
+        // history followed by the chunk, at positions shifted by what the history leaves out.
+        let toks: Vec<Vec<u32>> = plan
+            .chunks
+            .iter()
+            .map(|c| [c.history.as_slice(), &c.tokens].concat())
+            .collect();
+        let shifted: Vec<SeqChunk> = seqs
+            .iter()
+            .zip(&plan.chunks)
+            .map(|(s, c)| SeqChunk {
+                pos0: c.history.len(),
+                ..*s
+            })
+            .collect();
+        let slices: Vec<&[u32]> = toks.iter().map(Vec::as_slice).collect();
+        let ple = m
+            .ple_rows(&slices, &shifted)
+            .map_err(|e| format!("PLE rows: {e}"))?;
+        let out = m.forward_with(&ids, &seqs, &rows, ple.as_ref());
+        if rows.is_empty() {
+            return Ok(StepLogits::default());
+        }
+        let (_, width, rows) = m.backend.to_host(m.logits(&out.hidden));
+        return Ok(StepLogits { width, rows });
     }
-    let (_, width, rows) = m.backend.to_host(m.logits(&out.hidden));
-    StepLogits { width, rows }
+    if rows.is_empty() {
+        m.forward(&ids, &seqs, &rows);
+        return Ok(StepLogits::default());
+    }
+    // Forward, final norm and lm_head in one region (one graph replay for decode steps on a GPU).
+    let (_, logits) = m.forward_logits(&ids, &seqs, &rows);
+    let (_, width, rows) = m.backend.to_host(logits);
+    Ok(StepLogits { width, rows })
 }

@@ -50,6 +50,13 @@ pub(crate) enum Appended {
 }
 
 impl Sequence {
+    /// A number naming the request for the executor (its id's FNV-1a hash).
+    pub fn key(&self) -> u64 {
+        self.req.id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+    }
+
     pub fn new(
         req: EngineRequest,
         tx: UnboundedSender<EngineEvent>,

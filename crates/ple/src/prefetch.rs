@@ -54,7 +54,7 @@ impl PrefetchOptions {
 }
 
 enum Cmd {
-    Submit(u64, Arc<[i64]>),
+    Submit(u64, Arc<[i64]>, usize),
     Progress(u64, usize),
     Cancel(u64),
     Pause,
@@ -127,7 +127,13 @@ impl Prefetcher {
 
     /// Queues `tokens` (the request's whole prompt, from position 0) for prefetch.
     pub fn submit(&self, request: u64, tokens: &[i64]) {
-        self.send(Cmd::Submit(request, tokens.into()));
+        self.submit_from(request, tokens, 0);
+    }
+
+    /// Queues the positions from `from` on of `tokens` (the request's whole prompt, from position 0):
+    /// the positions before it are already computed (a cached prefix) and will not be gathered.
+    pub fn submit_from(&self, request: u64, tokens: &[i64], from: usize) {
+        self.send(Cmd::Submit(request, tokens.into(), from));
     }
 
     /// The request's prefill has gathered its first `pos` tokens: windows up to
@@ -200,12 +206,12 @@ fn worker(mut advisor: PageAdvisor, ahead: usize, rx: Receiver<Cmd>) {
                 }
             };
             match cmd {
-                Cmd::Submit(_, tokens) if tokens.is_empty() => {}
-                Cmd::Submit(request, tokens) => queue.push_back(Job {
+                Cmd::Submit(_, tokens, from) if from >= tokens.len() => {}
+                Cmd::Submit(request, tokens, from) => queue.push_back(Job {
                     request,
                     tokens,
-                    next: 0,
-                    done: 0,
+                    next: from,
+                    done: from,
                 }),
                 Cmd::Progress(request, pos) => {
                     for j in queue.iter_mut().filter(|j| j.request == request) {

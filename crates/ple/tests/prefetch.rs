@@ -182,6 +182,30 @@ fn prefetch_stays_a_set_number_of_windows_ahead_of_the_prefill() {
 }
 
 #[test]
+fn a_cached_prefix_is_not_prefetched() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = open_table(tmp.path());
+    let p = Prefetcher::spawn(
+        t.clone(),
+        PrefetchOptions {
+            max_ahead_windows: 0,
+            ..PrefetchOptions::default()
+        },
+    );
+    let a = prompt(3000, 8);
+    p.submit_from(1, &a, 2000);
+    p.submit_from(2, &a, 3000); // everything cached: nothing to do
+    p.flush().unwrap();
+    let m = t.metrics().snapshot();
+    assert_eq!(m.windows_done, 1);
+    let idx = t.hasher().indices(&a);
+    assert_eq!(
+        m.pages_requested,
+        touched_pages(&t, &idx[2000 * 16..]).len() as u64
+    );
+}
+
+#[test]
 fn eperm_falls_back_to_per_range_madvise() {
     let tmp = tempfile::tempdir().unwrap();
     let t = open_table(tmp.path());

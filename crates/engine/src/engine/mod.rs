@@ -151,6 +151,7 @@ pub fn start<E: Executor + 'static>(
         limits: limits.clone(),
         stats: MetricsSnapshot::default(),
         masks: MaskWorkers::new(2),
+        history_tokens: g.history_tokens,
     };
     std::thread::Builder::new()
         .name("sanmai-engine".into())
@@ -180,6 +181,8 @@ struct Engine<E: Executor> {
     stats: MetricsSnapshot,
     /// Grammar mask workers (structured output).
     masks: MaskWorkers,
+    /// Tokens before a chunk each step carries (the executor's [`CacheGeometry::history_tokens`]).
+    history_tokens: usize,
 }
 
 impl<E: Executor> Engine<E> {
@@ -337,6 +340,7 @@ impl<E: Executor> Engine<E> {
         if let Some(c) = seq.cache.take() {
             self.cache.free(&mut self.executor, c);
         }
+        self.executor.cancel_prefetch(seq.key());
         self.stats.requests_finished_total += 1;
         self.stats
             .e2e_request_latency

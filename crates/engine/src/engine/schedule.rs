@@ -91,6 +91,10 @@ impl<E: Executor> Engine<E> {
             }
             self.limits.waiting.fetch_sub(1, Ordering::Relaxed);
             seq.cache = Some(cache);
+            if seq.num_computed < seq.tokens.len() {
+                self.executor
+                    .prefetch(seq.key(), &seq.tokens, seq.num_computed);
+            }
             if lookup {
                 self.cache.record_admission(seq.tokens.len(), cached);
             }
@@ -125,7 +129,10 @@ impl<E: Executor> Engine<E> {
             LogitRows::None
         };
         let cache = seq.cache.as_ref().expect("scheduled sequences hold caches");
+        let past = self.history_tokens.min(seq.num_computed);
         PlannedChunk {
+            request: seq.key(),
+            history: seq.tokens[seq.num_computed - past..seq.num_computed].to_vec(),
             state: cache.state,
             blocks: cache.blocks.clone(),
             pos0: seq.num_computed,
@@ -140,6 +147,7 @@ impl<E: Executor> Engine<E> {
         if let Some(c) = seq.cache.take() {
             self.cache.free(&mut self.executor, c);
         }
+        self.executor.cancel_prefetch(seq.key());
         seq.num_computed = 0;
         // Recomputing gives the late position's logits again.
         seq.deferred = false;

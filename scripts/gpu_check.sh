@@ -21,6 +21,9 @@
 # Optional: BIN_DIR/qsa_ple and BIN_DIR/qsa_ple_e2e (target/release/deps/qsa_ple-<hash>,
 # qsa_ple_e2e-<hash>), the QSA and PLE parity and end-to-end tests, run when present into
 # OUT_DIR/qsa_ple.log (their failure fails the check).
+# Optional: BIN_DIR/packed (target/release/deps/packed-<hash>), the packed-weight tests (grouped packed
+# GEMV and packed linear parity, the quantized tiny fixture GPU against CPU), run when present into
+# OUT_DIR/packed.log (its failure fails the check).
 set -uo pipefail
 
 report_only=0
@@ -47,12 +50,12 @@ render() {
       echo "- skipped:"
       tagged 'skipped:' "$out/parity.log" | sed 's/^/  - /'
     fi
-    if grep -q 'panicked' "$out/parity.log" "$out/e2e.log" "$out/graphs.log" 2>/dev/null; then
+    if grep -q 'panicked' "$out/parity.log" "$out/e2e.log" "$out/graphs.log" "$out/packed.log" 2>/dev/null; then
       echo
       echo "## Failures"
       echo
       echo '```'
-      grep -h -A3 'panicked' "$out/parity.log" "$out/e2e.log" "$out/graphs.log" 2>/dev/null | head -60
+      grep -h -A3 'panicked' "$out/parity.log" "$out/e2e.log" "$out/graphs.log" "$out/packed.log" 2>/dev/null | head -60
       echo '```'
     fi
     echo
@@ -114,6 +117,14 @@ render() {
     grep -E '^test result:' "$out/qsa_ple.log" 2>/dev/null
     echo '```'
     echo
+    echo "## Packed weights (INT4 / INT8 / INT6 gapless)"
+    echo
+    echo '```'
+    tagged PACKED "$out/packed.log"
+    tagged 'skipped:' "$out/packed.log"
+    grep -E '^test result:' "$out/packed.log" 2>/dev/null
+    echo '```'
+    echo
     echo "## Timing"
     echo
     echo '```'
@@ -171,6 +182,11 @@ for b in qsa_ple qsa_ple_e2e; do
     "$bin_dir/$b" --test-threads=1 --nocapture >>"$out/qsa_ple.log" 2>&1 || qsa_rc=$?
   fi
 done
+packed_rc=0
+: >"$out/packed.log"
+if [ -x "$bin_dir/packed" ]; then
+  "$bin_dir/packed" --test-threads=1 --nocapture >"$out/packed.log" 2>&1 || packed_rc=$?
+fi
 
 {
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -184,4 +200,4 @@ done
 } >"$out/meta.md"
 render
 [ "$parity_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$graphs_rc" -eq 0 ] &&
-  [ "$qsa_rc" -eq 0 ]
+  [ "$qsa_rc" -eq 0 ] && [ "$packed_rc" -eq 0 ]

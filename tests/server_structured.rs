@@ -290,6 +290,12 @@ fn constraints_that_cannot_compile_are_400s() {
             "json_schema",
         ),
         (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": true,
+                "schema": {"type": "array", "uniqueItems": true}}}}),
+            "response_format",
+            "uniqueItems",
+        ),
+        (
             json!({"structured_outputs": {"regex": "(unclosed"}}),
             "structured_outputs",
             "regex",

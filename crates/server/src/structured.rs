@@ -166,7 +166,12 @@ fn response_format(v: &Value) -> Result<Option<Requested>, ApiError> {
                 // A schema without constraints: any JSON value.
                 None => json!({}),
             };
-            Constraint::JsonSchema(schema)
+            // `strict: true` asks for exact adherence: a keyword that cannot be enforced is a 400.
+            if spec.get("strict").and_then(Value::as_bool) == Some(true) {
+                Constraint::JsonSchema(schema)
+            } else {
+                Constraint::JsonSchemaBestEffort(schema)
+            }
         }
         Some(other) => {
             return Err(ApiError::invalid(
@@ -369,6 +374,16 @@ mod tests {
         let f = StructuredFields {
             response_format: Some(
                 json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+            ),
+            ..Default::default()
+        };
+        assert_eq!(
+            requested(&f).unwrap().unwrap().constraint,
+            Constraint::JsonSchemaBestEffort(json!({"type": "object"}))
+        );
+        let f = StructuredFields {
+            response_format: Some(
+                json!({"type": "json_schema", "json_schema": {"name": "x", "strict": true, "schema": {"type": "object"}}}),
             ),
             ..Default::default()
         };

@@ -24,8 +24,13 @@ pub enum ToolSyntax {
 pub enum Constraint {
     /// Any JSON object (`response_format: {"type": "json_object"}`).
     JsonObject,
-    /// JSON valid against `schema` (`response_format: {"type": "json_schema"}`, `structured_outputs.json`).
+    /// JSON valid against `schema` (`response_format` `json_schema` with `strict: true`,
+    /// `structured_outputs.json`); a keyword llguidance does not implement is an error.
     JsonSchema(Value),
+    /// JSON following `schema` as far as llguidance implements it: unimplemented keywords and unknown
+    /// formats are ignored and `oneOf` is read as `anyOf` (`response_format` `json_schema` without
+    /// `strict`). Schemas that are wrong or unsatisfiable are still errors.
+    JsonSchemaBestEffort(Value),
     /// Text matching a regular expression (Rust `regex` syntax, matched as a whole).
     Regex(String),
     /// Exactly one of these strings.
@@ -42,8 +47,9 @@ pub enum Constraint {
     },
 }
 
-/// Adds the compact-JSON options to a schema that does not set its own.
-pub(crate) fn compact_schema(schema: &Value) -> Value {
+/// Adds the compact-JSON options to a schema that does not set its own; `lenient` ignores what
+/// llguidance does not implement (see [`Constraint::JsonSchemaBestEffort`]).
+pub(crate) fn compact_schema(schema: &Value, lenient: bool) -> Value {
     let mut s = match schema {
         Value::Bool(true) => json!({}),
         Value::Bool(false) => json!({"not": {}}),
@@ -53,7 +59,8 @@ pub(crate) fn compact_schema(schema: &Value) -> Value {
         if !map.contains_key("x-guidance") {
             map.insert(
                 "x-guidance".into(),
-                json!({"whitespace_flexible": false, "item_separator": ",", "key_separator": ":"}),
+                json!({"whitespace_flexible": false, "item_separator": ",", "key_separator": ":",
+                    "lenient": lenient}),
             );
         }
     }
@@ -70,15 +77,16 @@ impl Constraint {
     pub fn to_grammar(&self) -> Result<TopLevelGrammar> {
         Ok(match self {
             Constraint::JsonObject => {
-                TopLevelGrammar::from_json_schema(compact_schema(&json!({"type": "object"})))
+                TopLevelGrammar::from_json_schema(compact_schema(&json!({"type": "object"}), false))
             }
-            Constraint::JsonSchema(schema) => {
+            Constraint::JsonSchema(schema) | Constraint::JsonSchemaBestEffort(schema) => {
                 if !(schema.is_object() || schema.is_boolean()) {
                     return Err(StructuredError::Invalid(
                         "a JSON schema must be an object".into(),
                     ));
                 }
-                TopLevelGrammar::from_json_schema(compact_schema(schema))
+                let lenient = matches!(self, Constraint::JsonSchemaBestEffort(_));
+                TopLevelGrammar::from_json_schema(compact_schema(schema, lenient))
             }
             Constraint::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Constraint::Choice(options) => {

@@ -10,6 +10,9 @@
 //! JSON (Hermes): `<tool_call>\n{"name":"NAME","arguments":ARGS}\n</tool_call>` with `ARGS` valid
 //! against `parameters`.
 //!
+//! Tool schemas are written for the agent, not for us: what llguidance does not implement is ignored
+//! (`oneOf` is read as `anyOf`) rather than refused.
+//!
 //! With thinking the model may open its answer with a newline or two; the grammar allows them before
 //! the call (no more: a weak model would repeat newlines forever).
 
@@ -100,7 +103,7 @@ fn json_call(t: &Tool) -> Result<String> {
     Ok(format!(
         "{} %json {} {}",
         lark_str(&head),
-        compact_schema(&params),
+        compact_schema(&params, true),
         lark_str("}\n</tool_call>")
     ))
 }
@@ -134,7 +137,7 @@ fn xml_call(t: &Tool, i: usize, rules: &mut String) -> Result<String> {
                         term
                     }
                     None => {
-                        let mut s = compact_schema(schema);
+                        let mut s = compact_schema(schema, true);
                         if let (Value::Object(m), Some(d)) = (&mut s, &defs) {
                             for (k, v) in d {
                                 m.entry(k.clone()).or_insert_with(|| v.clone());

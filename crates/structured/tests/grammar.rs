@@ -235,3 +235,39 @@ fn json_tool_call_walks_parse() {
     assert_eq!(parsed.tool_calls.len(), 1, "{t:?}");
     assert_eq!(parsed.tool_calls[0].arguments, "{}");
 }
+
+#[test]
+fn best_effort_schemas_ignore_what_cannot_be_enforced() {
+    let schema = json!({"type": "object", "properties": {
+        "ids": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3, "uniqueItems": true},
+        "v": {"oneOf": [{"type": "boolean"}, {"type": "null"}]}
+    }, "required": ["ids", "v"], "additionalProperties": false});
+    let e = compiler()
+        .compile(&Constraint::JsonSchema(schema.clone()))
+        .unwrap_err();
+    assert!(e.to_string().contains("uniqueItems"), "{e}");
+    let g = compiler()
+        .compile(&Constraint::JsonSchemaBestEffort(schema.clone()))
+        .unwrap();
+    let mut rng = Rng(17);
+    for _ in 0..10 {
+        let t = walk(&mut g.matcher(), &mut rng, 100).unwrap();
+        let v: Value = serde_json::from_str(&t).unwrap();
+        assert!(v["v"].is_boolean() || v["v"].is_null(), "{t}");
+    }
+    // Tool parameters are read the same way.
+    let tools = vec![json!({"type": "function", "function": {"name": "f", "parameters": schema}})];
+    for syntax in [ToolSyntax::Xml, ToolSyntax::Json] {
+        let c = Constraint::ToolCall {
+            tools: tools.clone(),
+            syntax,
+            name: None,
+        };
+        assert!(compiler().compile(&c).is_ok(), "{syntax:?}");
+    }
+    // A wrong schema is still an error.
+    let bad = json!({"type": "object", "properties": {"a": {"type": "frobnicate"}}});
+    assert!(compiler()
+        .compile(&Constraint::JsonSchemaBestEffort(bad))
+        .is_err());
+}

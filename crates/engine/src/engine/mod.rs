@@ -3,6 +3,8 @@
 //! [`schedule`]), submits the plan to the executor, and when a step returns samples, appends, checks stops
 //! and streams events back ([`process`]). New requests join between steps. With an executor that keeps
 //! several steps in flight, a sequence is scheduled again only after its previous step has returned.
+//! Sequences with a grammar (structured output) get their allowed-token masks from worker threads
+//! ([`masks`]) while the model runs; one whose mask is late keeps its logits and samples a step later.
 
 mod masks;
 mod process;

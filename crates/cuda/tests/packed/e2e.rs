@@ -78,6 +78,41 @@ fn prompt_logprobs<B: Backend>(m: &Model<B>, prompt: &[u32]) -> Vec<Vec<f64>> {
     rows
 }
 
+/// Without a GPU: the fixture's routed experts (INT4 g32), shared experts (INT6 gapless) and
+/// projections (INT8, the lm_head included) reach the backend packed; the router does not.
+#[test]
+fn quant_fixture_loads_packed() {
+    let c = load(CpuBackend::default());
+    let count = |bits: u32, group: usize| {
+        c.packed
+            .iter()
+            .filter(|p| p.bits == bits && p.group_size == group)
+            .count()
+    };
+    // 5 MoE layers (4 + MTP) × 8 experts × (gate|up, down).
+    assert_eq!(count(4, 32), 5 * 8 * 2, "{:?}", c.packed);
+    assert_eq!(count(6, 0), 5 * 2, "shared gate|up and down per MoE layer");
+    assert!(c
+        .packed
+        .iter()
+        .any(|p| p.name == "lm_head.weight" && p.bits == 8));
+    assert!(!c.packed.iter().any(|p| p.name.ends_with("mlp.gate.weight")));
+    let info = c
+        .packed
+        .iter()
+        .find(|p| p.name == "model.layers.0.mlp.experts.0.gate_up_proj")
+        .expect("expert 0's gate|up recorded");
+    // [64, 64] INT4 g32: 8 words and 2 scales a row.
+    assert_eq!(info.bytes, 64 * (8 + 2) * 4);
+    println!(
+        "PACKED check=fixture_load model={FIXTURE} packed_tensors={} int4_g32={} int6={} int8={}",
+        c.packed.len(),
+        count(4, 32),
+        count(6, 0),
+        count(8, 0)
+    );
+}
+
 #[test]
 fn quant_fixture_gpu_matches_cpu() {
     let test = "quant_fixture_gpu_matches_cpu";
@@ -91,21 +126,11 @@ fn quant_fixture_gpu_matches_cpu() {
     let g = load(gpu);
     let c = load(CpuBackend::default());
 
-    // Loaded packed: every routed expert INT4 g32, the shared experts INT6, the projections INT8.
+    // The GPU keeps the packed weights packed (which they are: `quant_fixture_loads_packed`).
     assert_eq!(
         g.packed, c.packed,
         "both backends were handed the same packed weights"
     );
-    let count = |bits: u32, group: usize| {
-        g.packed
-            .iter()
-            .filter(|p| p.bits == bits && p.group_size == group)
-            .count()
-    };
-    // 5 MoE layers (4 + MTP) × 8 experts × (gate|up, down).
-    assert_eq!(count(4, 32), 5 * 8 * 2, "{:?}", g.packed);
-    assert_eq!(count(6, 0), 5 * 2, "shared gate|up and down per MoE layer");
-    assert!(count(8, 0) > 0);
     let Ffn::Moe(moe) = &g.layers[0].ffn else {
         panic!("layer 0 is MoE");
     };
@@ -117,8 +142,6 @@ fn quant_fixture_gpu_matches_cpu() {
         .find(|p| p.name == "model.layers.0.mlp.experts.0.gate_up_proj")
         .expect("expert 0's gate|up recorded");
     assert_eq!(g.backend.weight_bytes(e0), info.bytes);
-    // [64, 64] INT4 g32: 8 words and 2 scales a row.
-    assert_eq!(info.bytes, 64 * (8 + 2) * 4);
     assert!(
         matches!(moe.router, CudaWeight::Bf16(_)),
         "router left bf16"

@@ -48,15 +48,13 @@
 //!   shapes the packed kernels do not take, see [`packed_fits`], become bf16); `linear` runs the packed
 //!   GEMV up to 8 rows and the tiled dequantise + cuBLAS GEMM beyond, through one persistent
 //!   [`PACKED_WORKSPACE_BYTES`] workspace; routed experts run the packed grouped GEMV over tables of
-//!   word and scale addresses. A packed embedding table arrives dequantised (bf16 on the device) while
-//!   the lm_head stays packed.
+//!   word and scale addresses; a packed embedding table stays packed (its lookup decodes the rows).
 //!
 //! What is next: QSA attention and the PLE mix on the device (they panic with that reason today), the
 //! faithful chunked (WY/UT) GDN prefill, a tiled prefill attention that shares K/V loads across query
 //! rows, a grouped GEMM for large prefill MoE (the tiled grouped GEMV reads each expert once per 8
-//! routed tokens), MRoPE, fused residual+norm, an INT8 embedding lookup on the packed table, on-device
-//! sampling and f32 logits, CUDA graphs for QSA and PLE models
-//! (their decode steps run eagerly) and the `sanmai bench` roofline.
+//! routed tokens), MRoPE, fused residual+norm, on-device sampling and f32 logits, CUDA graphs for QSA
+//! and PLE models (their decode steps run eagerly) and the `sanmai bench` roofline.
 
 mod backend;
 pub mod cache;

@@ -33,6 +33,7 @@ pub const SOURCES: &[Source] = &[
     source!("embed.cu"),
     source!("gemv.cu"),
     source!("quant.cu"),
+    source!("embed_packed.cu"),
     source!("router.cu"),
     source!("conv.cu"),
     source!("gdn.cu"),

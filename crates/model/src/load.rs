@@ -573,12 +573,12 @@ impl<B: Backend> Model<B> {
             cfg: &cfg,
             prefix: String::new(),
         };
-        let embed = l.get(
-            &top,
-            &text_name(&cfg, "embed_tokens.weight"),
-            &[v, h],
-            Init::std(1.0),
-        )?;
+        // A quantized embedding table goes to the backend packed too (its lookup decodes rows).
+        let embed_name = text_name(&cfg, "embed_tokens.weight");
+        let embed = match src.packed(&embed_name, &[v, h], Init::std(1.0))? {
+            Some(p) => l.packed_w(&p),
+            None => l.get(&top, &embed_name, &[v, h], Init::std(1.0))?,
+        };
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else {

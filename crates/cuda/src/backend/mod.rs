@@ -300,8 +300,13 @@ impl CudaBackend {
         let mut st = self.lock();
         let at = st.meta.ids(&self.gpu, ids)?;
         let view = st.meta.view(at, ids.len());
-        self.gpu
-            .embed(table.bf16(), &view, &mut out.buf, vocab, hidden, ids.len())?;
+        match table {
+            CudaWeight::Packed(p) => self.embed_packed(p, &view, &mut out.buf, ids.len())?,
+            CudaWeight::Bf16(d) => {
+                self.gpu
+                    .embed(&d.data, &view, &mut out.buf, vocab, hidden, ids.len())?
+            }
+        }
         Ok(out)
     }
 

@@ -4,18 +4,22 @@
 //! bf16 workspace of [`PACKED_WORKSPACE_BYTES`] allocated with the first packed weight (counted in
 //! `memory().workspace`).
 //!
+//! A packed embedding table stays packed too: [`CudaBackend::embed_packed`] decodes the rows of the
+//! step's ids (`kernels/embed_packed.cu`), and a tied lm_head multiplies by it like any packed matrix.
+//!
 //! A matrix whose shape the packed kernels do not take (`k` not a multiple of 32 for INT4/INT8 or of
 //! 8 for INT6, a group size not a multiple of 8) is dequantised on the host and kept as bf16 instead.
 
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 use sanmai_model::backend::PackedTensor;
 
 use super::tensor::{CudaTensor, CudaWeight, PackedWeight};
 use super::CudaBackend;
-use crate::error::{CudaError, Result};
+use crate::error::{ensure, CudaError, Result};
+use crate::gpu::{cfg, check_len, grid_u32, int};
 
 /// Bytes of the bf16 workspace the prefill GEMM dequantises weight tiles into.
 pub const PACKED_WORKSPACE_BYTES: usize = 32 << 20;
@@ -105,6 +109,56 @@ impl CudaBackend {
             n,
             k,
         )
+    }
+
+    /// `out[s, :] = bf16(dequant(w)[ids[s], :])` for `t` ids (device `u32`), zeros for an id outside
+    /// the table: the embedding lookup on a packed table.
+    pub(crate) fn embed_packed(
+        &self,
+        w: &PackedWeight,
+        ids: &impl DevicePtr<u32>,
+        out: &mut CudaSlice<bf16>,
+        t: usize,
+    ) -> Result<()> {
+        const OP: &str = "embed_packed";
+        let (vocab, k) = (w.out_features(), w.in_features());
+        ensure(packed_fits(w.bits, w.group_size, k), OP, || {
+            format!(
+                "INT{} table of width {k} outside the packed kernels' shapes",
+                w.bits
+            )
+        })?;
+        check_len(OP, "ids", ids, t)?;
+        check_len(OP, "out", out, t * k)?;
+        if t == 0 {
+            return Ok(());
+        }
+        let group = if w.group_size == 0 { k } else { w.group_size };
+        let v = u32::try_from(vocab).unwrap_or(u32::MAX);
+        let (ki, gi) = (int(OP, "k", k)?, int(OP, "group", group)?);
+        let threads = (k.div_ceil(32).div_ceil(32).clamp(1, 8) * 32) as u32;
+        let g = &self.gpu;
+        let s = g.stream();
+        let (wp, _gw) = w.words.device_ptr(s);
+        let (sp, _gs) = w.scales.device_ptr(s);
+        let (ip, _gi) = ids.device_ptr(s);
+        let (op, _go) = out.device_ptr_mut(s);
+        ensure(wp % 16 == 0 && op % 16 == 0, OP, || {
+            "table and out must be 16-byte aligned".into()
+        })?;
+        let mut b = s.launch_builder(g.kernel(&format!("embed_q{}", w.bits))?);
+        b.arg(&wp)
+            .arg(&sp)
+            .arg(&ip)
+            .arg(&op)
+            .arg(&v)
+            .arg(&ki)
+            .arg(&gi);
+        // SAFETY: argument types match the kernel; the words and scales are the weight's own
+        // (vocab rows of its shape), ids and out lengths checked above; rows are read only for ids
+        // below vocab.
+        unsafe { b.launch(cfg((grid_u32(OP, t)?, 1, 1), threads, 0)) }?;
+        Ok(())
     }
 
     /// `y = x · dequant(w)ᵀ` with an f32 result (`[m, n]`): the packed GEMV over chunks of 8 rows, so

@@ -79,7 +79,7 @@ fn prompt_logprobs<B: Backend>(m: &Model<B>, prompt: &[u32]) -> Vec<Vec<f64>> {
 }
 
 /// Without a GPU: the fixture's routed experts (INT4 g32), shared experts (INT6 gapless) and
-/// projections (INT8, the lm_head included) reach the backend packed; the router does not.
+/// projections (INT8, the lm_head and the embedding table included) reach the backend packed; the router does not.
 #[test]
 fn quant_fixture_loads_packed() {
     let c = load(CpuBackend::default());
@@ -92,10 +92,12 @@ fn quant_fixture_loads_packed() {
     // 5 MoE layers (4 + MTP) × 8 experts × (gate|up, down).
     assert_eq!(count(4, 32), 5 * 8 * 2, "{:?}", c.packed);
     assert_eq!(count(6, 0), 5 * 2, "shared gate|up and down per MoE layer");
-    assert!(c
-        .packed
-        .iter()
-        .any(|p| p.name == "lm_head.weight" && p.bits == 8));
+    for name in ["lm_head.weight", "model.embed_tokens.weight"] {
+        assert!(
+            c.packed.iter().any(|p| p.name == name && p.bits == 8),
+            "{name}"
+        );
+    }
     assert!(!c.packed.iter().any(|p| p.name.ends_with("mlp.gate.weight")));
     let info = c
         .packed
@@ -149,6 +151,10 @@ fn quant_fixture_gpu_matches_cpu() {
     assert!(
         matches!(g.lm_head, Some(CudaWeight::Packed(_))),
         "lm_head packed"
+    );
+    assert!(
+        matches!(g.embed, CudaWeight::Packed(_)),
+        "embedding table packed"
     );
 
     // A deterministic prompt over the vocabulary.

@@ -244,3 +244,36 @@ fn backend_linear_on_packed_weights_matches_cpu() {
     assert!(mem.workspace >= PACKED_WORKSPACE_BYTES, "{mem:?}");
     assert!(mem.weights > 0);
 }
+
+#[test]
+fn backend_embedding_on_packed_table_matches_cpu() {
+    let test = "backend_embedding_on_packed_table_matches_cpu";
+    let b = match CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            return;
+        }
+    };
+    let cpu = CpuBackend::default();
+    let mut rng = Rng::new(73);
+    for (bits, group, v, h) in [(8, 0, 1000, 256), (4, 128, 300, 512), (6, 0, 50, 136)] {
+        let p = packed(&mut rng, scheme(bits, group), v, h);
+        let wg = b.packed_weight(&p);
+        let wc = cpu.packed_weight(&p);
+        assert!(matches!(wg, sanmai_cuda::CudaWeight::Packed(_)));
+        let ids: Vec<u32> = (0..37).map(|_| rng.below(v as u32)).collect();
+        let (_, _, got) = b.to_host(b.embed(&wg, &ids));
+        let (_, _, want) = cpu.to_host(cpu.embed(&wc, &ids));
+        // The GPU rounds each dequantised value to bf16 once.
+        let worst = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs() / (w.abs() / 256.0 + 1e-30))
+            .fold(0f32, f32::max);
+        println!(
+            "PACKED check=embed shape=int{bits}_g{group}_v{v}_h{h}_t37 elem_ratio={worst:.3} tol=1"
+        );
+        assert!(worst <= 1.0, "int{bits}: {worst} bf16 roundings");
+    }
+}

@@ -74,6 +74,7 @@ fn qwen3_next_80b_dummy_loads_packed() {
     assert_eq!(find("model.layers.0.linear_attn.in_proj_qkv").bits, 8);
     assert_eq!(find("model.layers.0.linear_attn.out_proj.weight").bits, 8);
     assert_eq!(find("lm_head.weight").bits, 8);
+    assert_eq!(find("model.embed_tokens.weight").bits, 8);
     for dense in [
         "mlp.gate.weight",
         "in_proj_b",

@@ -21,6 +21,8 @@
 # Optional: BIN_DIR/qsa_ple and BIN_DIR/qsa_ple_e2e (target/release/deps/qsa_ple-<hash>,
 # qsa_ple_e2e-<hash>), the QSA and PLE parity and end-to-end tests, run when present into
 # OUT_DIR/qsa_ple.log (their failure fails the check).
+# Optional: BIN_DIR/sanmai (`cargo build --release --features cuda`, stripped): scripts/gpu_models.sh
+# runs `sanmai bench` on the full-size configs and a `sanmai serve` smoke test into OUT_DIR/models.log.
 # Optional: BIN_DIR/packed (target/release/deps/packed-<hash>), the packed-weight tests (grouped packed
 # GEMV and packed linear parity, the quantized tiny fixture GPU against CPU), run when present into
 # OUT_DIR/packed.log (its failure fails the check).
@@ -125,6 +127,12 @@ render() {
     grep -E '^test result:' "$out/packed.log" 2>/dev/null
     echo '```'
     echo
+    echo "## Models (scripts/gpu_models.sh: sanmai bench with the roofline, sanmai serve)"
+    echo
+    echo '```'
+    cat "$out/models.log" 2>/dev/null
+    echo '```'
+    echo
     echo "## Timing"
     echo
     echo '```'
@@ -135,7 +143,12 @@ render() {
 }
 
 if [ "$report_only" = 1 ]; then
-  render
+  # The model benchmarks and the serve smoke test, with BIN_DIR/sanmai when present.
+models_rc=0
+if [ -x "$bin_dir/sanmai" ]; then
+  bash "$(dirname "$0")/gpu_models.sh" "$out" "$bin_dir" || models_rc=$?
+fi
+render
   exit 0
 fi
 [ -x "$bin" ] || { echo "no executable $bin" >&2; exit 2; }
@@ -198,6 +211,11 @@ fi
     "timing run: exit $bench_rc in $((t2 - t1)) s (warm cache); e2e run: exit $e2e_rc in $((t3 - t2)) s;" \
     "graphs run: exit $graphs_rc in $((t4 - t3)) s"
 } >"$out/meta.md"
+# The model benchmarks and the serve smoke test, with BIN_DIR/sanmai when present.
+models_rc=0
+if [ -x "$bin_dir/sanmai" ]; then
+  bash "$(dirname "$0")/gpu_models.sh" "$out" "$bin_dir" || models_rc=$?
+fi
 render
 [ "$parity_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$graphs_rc" -eq 0 ] &&
-  [ "$qsa_rc" -eq 0 ] && [ "$packed_rc" -eq 0 ]
+  [ "$qsa_rc" -eq 0 ] && [ "$packed_rc" -eq 0 ] && [ "$models_rc" -eq 0 ]

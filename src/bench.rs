@@ -7,6 +7,7 @@ use clap::Args;
 use sanmai_model::{Backend, SeqChunk};
 
 use crate::load::{Loaded, ModelArgs, OnModel};
+use crate::step;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -91,7 +92,7 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
                     state: *state,
                     blocks,
                 };
-                let out = m.forward(chunk, &[seq], &[chunk.len() - 1]);
+                let out = step::forward(m, chunk, &[seq], &[chunk.len() - 1], &[p])?;
                 last = m.backend.to_host(m.logits(&out.hidden)).2;
                 pos += chunk.len();
             }
@@ -100,8 +101,13 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
         }
         let prefill_s = started.elapsed().as_secs_f64();
         let mut steps = Vec::with_capacity(args.gen_len);
+        // Each sequence's tokens from position 0 (what a PLE model hashes).
+        let mut hist: Vec<Vec<u32>> = prompts.clone();
         for step in 0..args.gen_len {
             let t0 = Instant::now();
+            for (h, &n) in hist.iter_mut().zip(&next) {
+                h.push(n);
+            }
             let seqs: Vec<SeqChunk> = seqs_cache
                 .iter()
                 .enumerate()
@@ -114,7 +120,8 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
                 })
                 .collect();
             let rows: Vec<usize> = (0..batch).collect();
-            let out = m.forward(&next, &seqs, &rows);
+            let slices: Vec<&[u32]> = hist.iter().map(Vec::as_slice).collect();
+            let out = step::forward(m, &next, &seqs, &rows, &slices)?;
             let (_, c, logits) = m.backend.to_host(m.logits(&out.hidden));
             for (i, n) in next.iter_mut().enumerate() {
                 *n = argmax(&logits[i * c..i * c + loaded.valid_vocab]);
@@ -135,7 +142,11 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
             })
             .collect();
         let rows: Vec<usize> = (0..batch).collect();
-        let out = m.forward(&next, &seqs, &rows);
+        for (h, &n) in hist.iter_mut().zip(&next) {
+            h.push(n);
+        }
+        let slices: Vec<&[u32]> = hist.iter().map(Vec::as_slice).collect();
+        let out = step::forward(m, &next, &seqs, &rows, &slices)?;
         drop(m.backend.to_host(m.logits(&out.hidden)));
         let routed = m.backend.take_routing();
         m.backend.record_routing(false);

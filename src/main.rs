@@ -9,6 +9,7 @@ mod load;
 mod memory_plan;
 mod ple;
 mod serve;
+mod step;
 
 use clap::{Parser, Subcommand};
 

@@ -60,7 +60,7 @@ pub fn plan<B: Backend>(model: &Model<B>, gpu: &GpuMemory, p: &PlanInput) -> Res
         blocks: &blocks,
     };
     let rows: Vec<usize> = (0..t).collect();
-    let out = model.forward(&ids, &[seq], &rows);
+    let out = crate::step::forward(model, &ids, &[seq], &rows, &[&ids])?;
     drop(model.backend.to_host(model.logits(&out.hidden)));
     model.backend.free_state(slot);
     model.init_cache(0, p.block_size);

@@ -184,6 +184,37 @@ fn qwen4_exp_with_every_block_generates_the_reference_tokens() {
     assert!(err.contains("--ple-table"), "{err}");
 }
 
+/// `sanmai bench` on dummy weights of the tiny qwen4_exp config (every block on, PLE rows zero without a
+/// table) prints its figures and the roofline line for each batch size.
+#[test]
+fn bench_prints_speeds_and_the_roofline() {
+    let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen4-exp-tiny.json");
+    let out = sanmai(&[
+        "bench",
+        "--load-format",
+        "dummy",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--batch",
+        "1,3",
+        "--prompt-len",
+        "40",
+        "--gen-len",
+        "4",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for b in ["batch 1:", "batch 3:"] {
+        assert!(text.contains(b), "{text}");
+    }
+    assert_eq!(text.matches("roofline:").count(), 2, "{text}");
+    assert!(text.contains("distinct experts per MoE layer"), "{text}");
+}
+
 #[test]
 fn bad_input_is_a_clear_error() {
     let err = stderr(&sanmai(&["generate", "--max-tokens", "2"]));

@@ -136,3 +136,67 @@ fn qwen3_next_80b_dummy_loads_packed() {
     assert!(w.in_proj_b.data == want.b, "in_proj_b rows");
     assert!(w.in_proj_a.data == want.a, "in_proj_a rows");
 }
+
+/// The full-size qwen4_exp config, shrunken the same way (4 layers with QSA, PLE and hyper-connections,
+/// 8 experts, a 512-token vocabulary): routed experts INT4 g128 (fused gate|up and down), shared experts
+/// INT6 gapless, projections, hyper-connection `down`/`up`, lm_head and embedding INT8; the indexer, the
+/// PLE projections, `inject` and the router dense.
+#[test]
+fn qwen4_exp_125b_dummy_loads_packed() {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/models/qwen4-exp-125b-a6b.json");
+    let mut cfg = ModelConfig::from_file(&path).unwrap();
+    cfg.num_layers = 4;
+    cfg.layer_types.truncate(4);
+    cfg.ffn_types.truncate(4);
+    cfg.vocab_size = 512;
+    cfg.mtp_layers = 0;
+    let moe = cfg.moe.as_mut().unwrap();
+    moe.num_experts = 8;
+    moe.top_k = 2;
+    let (h, m) = (cfg.hidden_size, cfg.moe.clone().unwrap());
+    let src = Dummy::new(7).with_quantization(cfg.quantization.clone());
+    let model = Model::load_with_ple(
+        cfg,
+        &src,
+        CpuBackend::default(),
+        Some(sanmai_model::PleSource::Zeros),
+    )
+    .unwrap();
+    let p = &model.packed;
+    let find = |name: &str| {
+        p.iter()
+            .find(|x| x.name == name)
+            .unwrap_or_else(|| panic!("{name} not packed: {p:?}"))
+    };
+    let gu = find("model.layers.0.mlp.experts.gate_up_proj.3");
+    assert_eq!((gu.bits, gu.group_size), (4, 128));
+    assert_eq!(
+        (gu.out_features, gu.in_features),
+        (2 * m.intermediate_size, h)
+    );
+    let experts = p.iter().filter(|x| x.name.contains("mlp.experts.")).count();
+    assert_eq!(experts, 4 * 8 * 2, "every expert of every layer packed");
+    assert_eq!(
+        find("model.layers.1.mlp.shared_expert.gate_up_proj").bits,
+        6
+    );
+    assert_eq!(find("lm_head.weight").bits, 8);
+    assert_eq!(find("model.embed_tokens.weight").bits, 8);
+    assert!(p
+        .iter()
+        .any(|x| x.name.contains("hc_attn.down") && x.bits == 8));
+    for dense in ["mlp.gate.weight", "indexer", ".ple.", "inject"] {
+        assert!(
+            !p.iter().any(|x| x.name.contains(dense)),
+            "{dense} should stay dense"
+        );
+    }
+    for x in p {
+        assert!(
+            packed_fits(x.bits, x.group_size, x.in_features),
+            "{} would be dequantised on the GPU",
+            x.name
+        );
+    }
+}

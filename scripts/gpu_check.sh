@@ -72,10 +72,10 @@ render() {
       declare -A f=()
       for kv in $rest; do f[${kv%%=*}]=${kv#*=}; done
       if [ -n "${f[max_rel]:-}" ]; then
-        echo "| ${f[op]} | ${f[shape]} | ${f[max_abs]} | ${f[max_rel]} | ${f[rms_rel]} | ${f[elem_ratio]} | ${f[tol]} |"
+        echo "| ${f[op]:-} | ${f[shape]:-} | ${f[max_abs]:-} | ${f[max_rel]} | ${f[rms_rel]:-} | ${f[elem_ratio]:-} | ${f[tol]:-} |"
       else
         extra=$(echo "$rest" | tr ' ' '\n' | grep -v '^op=\|^shape=' | tr '\n' ' ')
-        echo "| ${f[op]} | ${f[shape]} | | | | | $extra|"
+        echo "| ${f[op]:-} | ${f[shape]:-} | | | | | $extra|"
       fi
       unset f
     done

@@ -2,10 +2,11 @@
 //! RoPE (one kernel each for q and k), the K/V write into the layer's pools, then the paged decode
 //! kernel for a batch of one-token chunks or the paged prefill kernel per chunk.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
 use sanmai_model::backend::{AttnShape, AttnWeights, Rope, SeqChunk};
 
+use super::cache::KvPool;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
@@ -46,63 +47,19 @@ impl CudaBackend {
         let m = st.meta.seqs(g, seqs, rows, bs)?;
         let ri = st.rope_table(g, &rope.inv_freq)?;
         let inv_freq = &st.rope[ri].1;
-        let mut q = self.alloc(rows, nh * d)?;
-        let mut gate = self.alloc(rows, nh * d)?;
-        let mut kn = self.alloc(rows, nkv * d)?;
         let positions = st.meta.view(m.positions, rows);
         let ra = RopeArgs {
             inv_freq,
             rot_dim: rope.rot_dim,
             mscale: rope.mscale,
         };
-        let mut gv = gate.buf.slice_mut(..);
-        g.qk_norm_rope(
-            &q_gate.buf,
-            HeadLayout {
-                rows,
-                n_heads: nh,
-                head_dim: d,
-                row_stride: 2 * nh * d,
-                head_stride: 2 * d,
-            },
-            vector(&w.q_norm)?,
-            sh.eps,
-            &positions,
-            &ra,
-            &mut q.buf,
-            Some(&mut gv),
-        )?;
-        g.qk_norm_rope::<CudaSlice<f32>>(
-            &k.buf,
-            HeadLayout {
-                rows,
-                n_heads: nkv,
-                head_dim: d,
-                row_stride: nkv * d,
-                head_stride: d,
-            },
-            vector(&w.k_norm)?,
-            sh.eps,
-            &positions,
-            &ra,
-            &mut kn.buf,
-            None,
-        )?;
         let pool = st
             .kv
             .layers
             .get_mut(&layer)
             .ok_or_else(|| bad(format!("no K/V pool for layer {layer}: init_cache first")))?;
         let kv_dst = st.meta.view(m.kv_dst, rows);
-        g.kv_write(
-            &kn.buf,
-            &v.buf,
-            &mut pool.k,
-            &mut pool.v,
-            &kv_dst,
-            rows,
-            nkv * d,
-        )?;
+        let (q, gate) = self.qkv_prepare(sh, &ra, &positions, &kv_dst, q_gate, k, v, w, pool)?;
         let dims = AttnDims {
             hq: nh,
             hkv: nkv,
@@ -150,6 +107,73 @@ impl CudaBackend {
             }
         }
         Ok(out)
+    }
+
+    /// The start of dense and QSA attention alike: q (per-head RMSNorm and partial RoPE) and the gate
+    /// split out of `q_gate`, k normed and roped the same way and written with v into `pool` at the
+    /// step's K/V destinations. Returns `(q, gate)`, each `[rows, num_heads·head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn qkv_prepare(
+        &self,
+        sh: &AttnShape,
+        ra: &RopeArgs<'_, CudaSlice<f32>>,
+        positions: &CudaView<'_, u32>,
+        kv_dst: &CudaView<'_, u32>,
+        q_gate: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        w: &AttnWeights<CudaWeight>,
+        pool: &mut KvPool,
+    ) -> Result<(CudaTensor, CudaTensor)> {
+        let g = &self.gpu;
+        let (nh, nkv, d) = (sh.num_heads, sh.num_kv_heads, sh.head_dim);
+        let rows = q_gate.rows;
+        let mut q = self.alloc(rows, nh * d)?;
+        let mut gate = self.alloc(rows, nh * d)?;
+        let mut kn = self.alloc(rows, nkv * d)?;
+        let mut gv = gate.buf.slice_mut(..);
+        g.qk_norm_rope(
+            &q_gate.buf,
+            HeadLayout {
+                rows,
+                n_heads: nh,
+                head_dim: d,
+                row_stride: 2 * nh * d,
+                head_stride: 2 * d,
+            },
+            vector(&w.q_norm)?,
+            sh.eps,
+            positions,
+            ra,
+            &mut q.buf,
+            Some(&mut gv),
+        )?;
+        g.qk_norm_rope::<CudaSlice<f32>>(
+            &k.buf,
+            HeadLayout {
+                rows,
+                n_heads: nkv,
+                head_dim: d,
+                row_stride: nkv * d,
+                head_stride: d,
+            },
+            vector(&w.k_norm)?,
+            sh.eps,
+            positions,
+            ra,
+            &mut kn.buf,
+            None,
+        )?;
+        g.kv_write(
+            &kn.buf,
+            &v.buf,
+            &mut pool.k,
+            &mut pool.v,
+            kv_dst,
+            rows,
+            nkv * d,
+        )?;
+        Ok((q, gate))
     }
 }
 

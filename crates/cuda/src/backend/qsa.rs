@@ -4,7 +4,7 @@
 //! and the attention over the gathered selected rows only. Not recorded into CUDA graphs (see
 //! `CudaBackend::refuse_capture`): decode steps of QSA models run eagerly.
 
-use cudarc::driver::{sys, CudaSlice};
+use cudarc::driver::sys;
 use sanmai_model::backend::{AttnShape, AttnWeights, IndexerWeights, QsaShape, Rope, SeqChunk};
 
 use super::attn::vector;
@@ -12,7 +12,7 @@ use super::cache::QsaPick;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
-use crate::ops::{AttnDims, HeadLayout, RopeArgs};
+use crate::ops::{AttnDims, RopeArgs};
 
 /// Epsilon of the indexer's key LayerNorm.
 const INDEX_NORM_EPS: f32 = 1e-6;
@@ -116,64 +116,20 @@ impl CudaBackend {
         let inv_freq = &st.rope[ri].1;
         let index_freq = &st.rope[qi_rope].1;
         let positions = st.meta.view(m.positions, rows);
-        // 1. q (normed, roped), gate and the normed, roped k, as the dense attention.
-        let mut q = self.alloc(rows, nh * d)?;
-        let mut gate = self.alloc(rows, nh * d)?;
-        let mut kn = self.alloc(rows, nkv * d)?;
+        // 1. q (normed, roped), gate and the normed, roped k, as the dense attention; 2. K, V and the
+        // index-key entries into the sequences' blocks.
         let ra = RopeArgs {
             inv_freq,
             rot_dim: rope.rot_dim,
             mscale: rope.mscale,
         };
-        let mut gv = gate.buf.slice_mut(..);
-        g.qk_norm_rope(
-            &q_gate.buf,
-            HeadLayout {
-                rows,
-                n_heads: nh,
-                head_dim: d,
-                row_stride: 2 * nh * d,
-                head_stride: 2 * d,
-            },
-            vector(&w.q_norm)?,
-            sh.eps,
-            &positions,
-            &ra,
-            &mut q.buf,
-            Some(&mut gv),
-        )?;
-        g.qk_norm_rope::<CudaSlice<f32>>(
-            &k.buf,
-            HeadLayout {
-                rows,
-                n_heads: nkv,
-                head_dim: d,
-                row_stride: nkv * d,
-                head_stride: d,
-            },
-            vector(&w.k_norm)?,
-            sh.eps,
-            &positions,
-            &ra,
-            &mut kn.buf,
-            None,
-        )?;
-        // 2. K, V and the index-key entries into the sequences' blocks.
         let pool = st
             .kv
             .layers
             .get_mut(&layer)
             .ok_or_else(|| bad(format!("no K/V pool for layer {layer}: init_cache first")))?;
         let kv_dst = st.meta.view(m.kv_dst, rows);
-        g.kv_write(
-            &kn.buf,
-            &v.buf,
-            &mut pool.k,
-            &mut pool.v,
-            &kv_dst,
-            rows,
-            nkv * d,
-        )?;
+        let (q, gate) = self.qkv_prepare(sh, &ra, &positions, &kv_dst, q_gate, k, v, w, pool)?;
         let half = qsa.rope.rot_dim / 2;
         let idx = pool
             .idx

@@ -47,7 +47,7 @@ fn load<B: Backend>(b: B) -> Model<B> {
 
 fn load_dir<B: Backend>(b: B, dir: &Path) -> Model<B> {
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let ckpt = Checkpoint::open(&dir).unwrap();
+    let ckpt = Checkpoint::open(dir).unwrap();
     let m = Model::load(cfg, &ckpt, b).unwrap();
     m.init_cache(BLOCKS, BLOCK);
     m

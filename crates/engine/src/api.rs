@@ -153,6 +153,8 @@ pub struct MetricsSnapshot {
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
     pub e2e_request_latency: Histogram,
+    /// The PLE table's read counters (a model with a PLE table).
+    pub ple: Option<sanmai_ple::PleMetricsSnapshot>,
 }
 
 /// A cumulative histogram with fixed bucket bounds (seconds).

@@ -92,6 +92,10 @@ pub trait Executor: Send {
     fn cancel_prefetch(&mut self, request: u64) {
         let _ = request;
     }
+    /// The PLE table's read counters, when the model reads one.
+    fn ple_metrics(&self) -> Option<sanmai_ple::PleMetricsSnapshot> {
+        None
+    }
     /// Steps that may be in flight at once (1: each step finishes before the next is submitted).
     fn max_in_flight(&self) -> usize {
         1
@@ -167,6 +171,13 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     fn cancel_prefetch(&mut self, request: u64) {
         if let Some(p) = &self.prefetcher {
             p.cancel(request);
+        }
+    }
+
+    fn ple_metrics(&self) -> Option<sanmai_ple::PleMetricsSnapshot> {
+        match &self.model.ple {
+            Some((_, PleSource::Table(t))) => Some(t.metrics().snapshot()),
+            _ => None,
         }
     }
 

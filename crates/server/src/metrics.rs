@@ -66,6 +66,39 @@ pub fn render(m: &MetricsSnapshot, model_name: &str) -> String {
         metric(&mut out, name, "counter", help);
         let _ = writeln!(out, "sanmai:{name}{{{label}}} {v}");
     }
+    if let Some(p) = &m.ple {
+        let ple: [(&str, &str, f64); 5] = [
+            (
+                "ple_pages_requested_total",
+                "PLE table pages requested ahead of their reads (prompt windows and decode rows).",
+                p.pages_requested as f64,
+            ),
+            (
+                "ple_prefetch_windows_total",
+                "PLE prompt prefetch windows of 1024 tokens requested.",
+                p.windows_done as f64,
+            ),
+            (
+                "ple_prefetch_windows_dropped_total",
+                "PLE prompt prefetch windows dropped because their request ended or was preempted.",
+                p.windows_dropped as f64,
+            ),
+            (
+                "ple_gathered_tokens_total",
+                "Tokens whose PLE rows were gathered from the table.",
+                p.gathered_tokens as f64,
+            ),
+            (
+                "ple_gather_seconds_total",
+                "Time spent gathering PLE rows from the table.",
+                p.gather_ns as f64 * 1e-9,
+            ),
+        ];
+        for (name, help, v) in ple {
+            metric(&mut out, name, "counter", help);
+            let _ = writeln!(out, "sanmai:{name}{{{label}}} {}", num(v));
+        }
+    }
     let histograms: [(&str, &str, &Histogram); 3] = [
         (
             "time_to_first_token_seconds",
@@ -136,6 +169,34 @@ mod tests {
         text.lines()
             .find_map(|l| l.strip_prefix(key).map(|r| r.trim().parse().unwrap()))
             .unwrap_or_else(|| panic!("no sample {key} in\n{text}"))
+    }
+
+    #[test]
+    fn ple_counters_appear_only_with_a_ple_table() {
+        let m = MetricsSnapshot::default();
+        assert!(!render(&m, "demo").contains("ple_"));
+        let m = MetricsSnapshot {
+            ple: Some(sanmai_ple::PleMetricsSnapshot {
+                pages_requested: 120,
+                windows_done: 3,
+                windows_dropped: 1,
+                gather_ns: 2_500_000_000,
+                gathered_tokens: 4096,
+            }),
+            ..MetricsSnapshot::default()
+        };
+        let text = render(&m, "demo");
+        let l = "{model_name=\"demo\"}";
+        for (name, v) in [
+            ("ple_pages_requested_total", 120.0),
+            ("ple_prefetch_windows_total", 3.0),
+            ("ple_prefetch_windows_dropped_total", 1.0),
+            ("ple_gathered_tokens_total", 4096.0),
+            ("ple_gather_seconds_total", 2.5),
+        ] {
+            assert_eq!(sample(&text, &format!("sanmai:{name}{l}")), v, "{name}");
+            assert!(text.contains(&format!("# TYPE sanmai:{name} counter")));
+        }
     }
 
     #[test]

@@ -361,6 +361,7 @@ impl<E: Executor> Engine<E> {
         self.stats.kv_cache_usage = self.cache.usage();
         self.stats.prefix_cache_queries_total = self.cache.stats.queries;
         self.stats.prefix_cache_hits_total = self.cache.stats.hits;
+        self.stats.ple = self.executor.ple_metrics();
         *self.metrics.lock().unwrap() = self.stats.clone();
     }
 }

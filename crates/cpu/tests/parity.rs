@@ -1,80 +1,25 @@
 //! Parity with HF transformers: the CPU backend against the reference outputs recorded by
 //! `tests/reference/make_fixtures.py` for tiny random checkpoints of each supported architecture.
 
-use std::path::{Path, PathBuf};
-
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_model::{Backend, Model, SeqChunk};
+use sanmai_model::{Backend, Model};
 use sanmai_weights::Checkpoint;
 use serde_json::Value;
 
+mod fixture_util;
+use fixture_util::*;
+
 const TOL: f64 = 1e-3;
 const BLOCK: usize = 16;
-const BLOCKS_PER_SEQ: usize = 64;
-
-/// A sequence's caches: a state slot and a contiguous run of blocks (sequence `i` of a model gets
-/// blocks `i·64 ..`).
-struct Seq {
-    state: usize,
-    blocks: Vec<u32>,
-}
-
-fn new_seq(m: &Model<CpuBackend>, i: usize) -> Seq {
-    let first = (i * BLOCKS_PER_SEQ) as u32;
-    Seq {
-        state: m.backend.alloc_state(),
-        blocks: (first..first + BLOCKS_PER_SEQ as u32).collect(),
-    }
-}
-
-fn chunk(s: &Seq, len: usize, pos0: usize) -> SeqChunk<'_> {
-    SeqChunk {
-        start: 0,
-        len,
-        pos0,
-        state: s.state,
-        blocks: &s.blocks,
-    }
-}
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
 
 fn load(name: &str) -> (Model<CpuBackend>, Value) {
-    let dir = fixtures().join(name);
+    let dir = fixture(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
     let model = Model::load(cfg, &ckpt, CpuBackend::new()).unwrap();
     model.init_cache(BLOCKS_PER_SEQ * 8, BLOCK);
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    (model, reference)
-}
-
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
-    let lse = row
-        .iter()
-        .map(|&x| (x as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
-    row.iter().map(|&x| x as f64 - lse).collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn floats(v: &Value) -> Vec<Option<f64>> {
-    v.as_array().unwrap().iter().map(Value::as_f64).collect()
+    (model, reference(&dir))
 }
 
 /// Runs the prompt in chunks of `chunk` tokens and returns every position's log-probabilities.
@@ -98,16 +43,6 @@ fn prompt_logprobs(
         pos += len;
     }
     rows
-}
-
-fn argmax(row: &[f64]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 fn check_prompts(name: &str, chunk_len: usize) {

@@ -9,29 +9,25 @@
 //!   shift of 0.92 nats (max 8.9) and the same top-1 token at 57.5 % of 372 positions; the bounds below
 //!   sit just outside that and far from what a misplaced tensor gives (unrelated outputs).
 
-use std::path::{Path, PathBuf};
-
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
 use sanmai_model::{Backend, Model, SeqChunk};
 use sanmai_weights::{Checkpoint, HostTensor, Init, TensorData, TensorSource};
-use serde_json::Value;
+
+mod fixture_util;
+use fixture_util::{argmax, fixture, ids, log_softmax, reference};
 
 const BLOCK: usize = 16;
 const BLOCKS: usize = 64;
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
 fn load(name: &str) -> Model<CpuBackend> {
-    let dir = fixtures().join(name);
+    let dir = fixture(name);
     let ckpt = Checkpoint::open(&dir).unwrap();
     load_from(name, &ckpt)
 }
 
 fn load_from(name: &str, src: &dyn TensorSource) -> Model<CpuBackend> {
-    let dir = fixtures().join(name);
+    let dir = fixture(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let model = Model::load(cfg, src, CpuBackend::new()).unwrap();
     model.init_cache(BLOCKS, BLOCK);
@@ -46,13 +42,13 @@ struct Dequantised {
 
 impl Dequantised {
     fn open() -> Self {
-        let base = Checkpoint::open(&fixtures().join("qwen3_5_moe_text_tiny")).unwrap();
+        let base = Checkpoint::open(&fixture("qwen3_5_moe_text_tiny")).unwrap();
         let raw = std::fs::read(
-            fixtures().join("qwen3_5_moe_text_tiny_quant/quant_reference.safetensors"),
+            fixture("qwen3_5_moe_text_tiny_quant").join("quant_reference.safetensors"),
         )
         .unwrap();
         let n = u64::from_le_bytes(raw[..8].try_into().unwrap()) as usize;
-        let header: Value = serde_json::from_slice(&raw[8..8 + n]).unwrap();
+        let header: serde_json::Value = serde_json::from_slice(&raw[8..8 + n]).unwrap();
         let mut values = std::collections::HashMap::new();
         for (name, info) in header.as_object().unwrap() {
             let Some(module) = name.strip_suffix(".dequant") else {
@@ -100,17 +96,6 @@ impl TensorSource for Dequantised {
     }
 }
 
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
-    let lse = row
-        .iter()
-        .map(|&x| (x as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
-    row.iter().map(|&x| x as f64 - lse).collect()
-}
-
 /// Every position's log-probabilities for `prompt`, one prefill.
 fn logprobs(m: &Model<CpuBackend>, prompt: &[u32]) -> Vec<Vec<f64>> {
     let state = m.backend.alloc_state();
@@ -132,27 +117,12 @@ fn logprobs(m: &Model<CpuBackend>, prompt: &[u32]) -> Vec<Vec<f64>> {
 }
 
 fn prompts() -> Vec<Vec<u32>> {
-    let reference: Value = serde_json::from_str(
-        &std::fs::read_to_string(fixtures().join("qwen3_5_moe_text_tiny/reference.json")).unwrap(),
-    )
-    .unwrap();
-    reference["prompts"]
+    reference(&fixture("qwen3_5_moe_text_tiny"))["prompts"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|p| {
-            p["ids"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as u32)
-                .collect()
-        })
+        .map(|p| ids(&p["ids"]))
         .collect()
-}
-
-fn argmax(row: &[f64]) -> usize {
-    (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b })
 }
 
 #[test]

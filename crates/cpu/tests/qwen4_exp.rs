@@ -3,50 +3,19 @@
 //! sets; the PLE rows against a direct read of the table; and, with every block off, the Qwen3.5-MoE
 //! fixture.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_model::{Backend, Model, PleSource, SeqChunk};
+use sanmai_model::{Backend, Model, PleSource};
 use sanmai_weights::Checkpoint;
 use serde_json::Value;
 
+mod fixture_util;
+use fixture_util::*;
+
 const TOL: f64 = 1e-3;
 const BLOCK: usize = 16;
-const BLOCKS_PER_SEQ: usize = 64;
-
-struct Seq {
-    state: usize,
-    blocks: Vec<u32>,
-}
-
-fn new_seq(m: &Model<CpuBackend>, i: usize) -> Seq {
-    let first = (i * BLOCKS_PER_SEQ) as u32;
-    Seq {
-        state: m.backend.alloc_state(),
-        blocks: (first..first + BLOCKS_PER_SEQ as u32).collect(),
-    }
-}
-
-fn chunk(s: &Seq, len: usize, pos0: usize) -> SeqChunk<'_> {
-    SeqChunk {
-        start: 0,
-        len,
-        pos0,
-        state: s.state,
-        blocks: &s.blocks,
-    }
-}
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures")
-        .join(name)
-}
-
-fn reference(dir: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap()
-}
 
 fn load_cfg(dir: &Path, cfg: ModelConfig) -> Model<CpuBackend> {
     let ckpt = Checkpoint::open(dir).unwrap();
@@ -63,39 +32,6 @@ fn load(name: &str) -> (Model<CpuBackend>, Value) {
     let dir = fixture(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     (load_cfg(&dir, cfg), reference(&dir))
-}
-
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
-    let lse = row
-        .iter()
-        .map(|&x| (x as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
-    row.iter().map(|&x| x as f64 - lse).collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
-
-fn floats(v: &Value) -> Vec<Option<f64>> {
-    v.as_array().unwrap().iter().map(Value::as_f64).collect()
-}
-
-fn argmax(row: &[f64]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// One step of a single sequence: `tokens` is the whole history, the step covers `pos0..pos0 + len`.

@@ -141,6 +141,29 @@ fn shapes(ts: &[CudaTensor]) -> Vec<(usize, usize)> {
     ts.iter().map(|t| (t.rows, t.cols)).collect()
 }
 
+impl Drop for CudaBackend {
+    /// Says how decode steps ran (a bench or a server's shutdown shows whether graphs were used).
+    fn drop(&mut self) {
+        let g = self.graphs();
+        let s = g.stats;
+        if s.eager + s.warmups + s.replays > 0 {
+            tracing::info!(
+                "CUDA decode steps: {} graph launches ({} captures), {} warm-ups, {} eager, {} failed \
+                 captures{}",
+                s.replays,
+                s.captures,
+                s.warmups,
+                s.eager,
+                s.failures,
+                g.failure
+                    .as_deref()
+                    .map(|w| format!(" (last: {w})"))
+                    .unwrap_or_default()
+            );
+        }
+    }
+}
+
 impl CudaBackend {
     /// Records decode steps of these batch sizes as CUDA graphs (empty: every step eager). Drops
     /// the recordings made so far.

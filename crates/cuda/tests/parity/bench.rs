@@ -12,7 +12,7 @@ use crate::common::gpu;
 const H200_BW: f64 = 4.8e12;
 
 /// Mean seconds per call of `f` over `iters` calls after `warm` warm-up calls, timed with events.
-fn time(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut()) -> f64 {
+pub fn time(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut()) -> f64 {
     for _ in 0..warm {
         f();
     }
@@ -30,7 +30,7 @@ fn time(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut()) -> f64 {
 }
 
 /// Cheap deterministic bf16 filler in about [-0.5, 0.5).
-fn pattern(n: usize, salt: u32) -> Vec<bf16> {
+pub fn pattern(n: usize, salt: u32) -> Vec<bf16> {
     (0..n as u32)
         .map(|i| {
             let h = (i ^ salt).wrapping_mul(2_654_435_761) >> 16;

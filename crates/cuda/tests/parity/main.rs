@@ -13,6 +13,9 @@
 
 mod attention;
 mod bench;
+mod bench_attn;
+mod bench_dense;
+mod bench_moe;
 mod common;
 mod compile;
 mod conv;

@@ -505,3 +505,30 @@ fn lockstep_ops_match_cpu() {
     }
     assert!(bad.is_empty(), "ops off the CPU: {bad:?}");
 }
+
+/// The lockstep schedule on the quantized tiny fixture (INT4 experts, INT6 shared experts, INT8
+/// projections, lm_head and embedding, all packed on the GPU, dequantised on the CPU): names the op
+/// where packed prefill departs from the CPU, if one does (prompts of the bf16 fixture it was made from).
+#[test]
+fn lockstep_quant_fixture_ops_match_cpu() {
+    let name = "qwen3_5_moe_text_tiny_quant";
+    let Some(b) = backend(&format!("{name}_lockstep")) else {
+        return;
+    };
+    let gpu = load(name, b);
+    let cpu = load(name, CpuBackend::new());
+    let toks = ids(&reference("qwen3_5_moe_text_tiny")["prompts"][2]["ids"]);
+    let mut ls = lockstep::Lockstep::new(&cpu, &gpu);
+    lockstep_schedule(&mut ls, &toks);
+    let mut bad = Vec::new();
+    for (op, (max_rel, rms_rel, calls)) in &ls.worst {
+        let (tm, tr) = lockstep::bounds(op);
+        println!(
+            "E2E check=lockstep model={name} op={op} calls={calls} max_rel={max_rel:.2e} rms_rel={rms_rel:.2e} tol_max_rel={tm} tol_rms_rel={tr}"
+        );
+        if *max_rel > tm || *rms_rel > tr {
+            bad.push(format!("{name}:{op}"));
+        }
+    }
+    assert!(bad.is_empty(), "ops off the CPU: {bad:?}");
+}

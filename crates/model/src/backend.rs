@@ -187,6 +187,19 @@ pub trait Backend: Send + Sync {
     fn concat_cols(&self, a: &Self::Tensor, b: &Self::Tensor) -> Self::Tensor;
     /// `acc += y`.
     fn add(&self, acc: &mut Self::Tensor, y: &Self::Tensor);
+    /// `acc += y`, then [`Backend::rms_norm`] of the new `acc` (the residual add and the next
+    /// sublayer's norm; a backend may fuse them into one pass).
+    fn add_rms_norm(
+        &self,
+        acc: &mut Self::Tensor,
+        y: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+        offset: f32,
+    ) -> Self::Tensor {
+        self.add(acc, y);
+        self.rms_norm(acc, w, eps, offset)
+    }
     /// `acc += sigmoid(gate) · y` with `gate` `[rows, 1]`.
     fn add_sigmoid_gated(&self, acc: &mut Self::Tensor, y: &Self::Tensor, gate: &Self::Tensor);
     /// `silu(gate) · up` on a fused `[rows, 2I]` gate|up tensor.

@@ -124,8 +124,13 @@ impl<B: Backend> Model<B> {
             }
             _ => x,
         };
+        // The last sublayer's output, not yet added to the residual: the next norm adds it.
+        let mut pending = None;
         for (i, layer) in self.layers.iter().enumerate() {
             if let Some(w) = &layer.ple {
+                if let Some(y) = pending.take() {
+                    b.add(&mut streams, &y);
+                }
                 let (shape, _) = self
                     .ple
                     .as_ref()
@@ -133,7 +138,10 @@ impl<B: Backend> Model<B> {
                 let rows = ple_rows.expect("a model with PLE layers needs forward_with(ple_rows)");
                 b.ple_mix(i, shape, &mut streams, rows, w, seqs);
             }
-            self.layer_forward(i, layer, &mut streams, seqs);
+            pending = self.layer_forward(i, layer, &mut streams, pending, seqs);
+        }
+        if let Some(y) = pending {
+            b.add(&mut streams, &y);
         }
         let r = b.rows(&streams, out_rows);
         let x = match &self.hc_head {
@@ -202,45 +210,73 @@ impl<B: Backend> Model<B> {
         );
         let h = b.rms_norm(h_prev, &mtp.pre_fc_norm_hidden, eps, 1.0);
         let mut x = b.linear(&b.concat_cols(&e, &h), &mtp.fc);
-        self.layer_forward(self.cfg.num_layers, &mtp.layer, &mut x, seqs);
-        Some(b.rms_norm(&x, &mtp.norm, eps, 1.0))
+        match self.layer_forward(self.cfg.num_layers, &mtp.layer, &mut x, None, seqs) {
+            Some(y) => Some(b.add_rms_norm(&mut x, &y, &mtp.norm, eps, 1.0)),
+            None => Some(b.rms_norm(&x, &mtp.norm, eps, 1.0)),
+        }
     }
 
+    /// One decoder layer on the residual `streams`. `pending` is the previous sublayer's output not
+    /// yet added (plain residual only): its add is fused with this layer's input norm. Returns this
+    /// layer's FFN output, not yet added, for the next norm to take (`None` with hyper-connections,
+    /// whose gated residual is applied here).
     fn layer_forward(
         &self,
         index: usize,
         layer: &Layer<B::Weight>,
         streams: &mut B::Tensor,
+        pending: Option<B::Tensor>,
         seqs: &[SeqChunk<'_>],
-    ) {
+    ) -> Option<B::Tensor> {
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
         let hc = layer.hc.as_ref();
-        let x = hc.map(|(a, _)| b.hc_premix(streams, &a.pre));
-        let hn = b.rms_norm(x.as_ref().unwrap_or(streams), &layer.input_norm, eps, 1.0);
+        let (hn, x) = match (hc, pending) {
+            (None, Some(y)) => (
+                b.add_rms_norm(streams, &y, &layer.input_norm, eps, 1.0),
+                None,
+            ),
+            (_, pending) => {
+                if let Some(y) = pending {
+                    b.add(streams, &y);
+                }
+                let x = hc.map(|(a, _)| b.hc_premix(streams, &a.pre));
+                let hn = b.rms_norm(x.as_ref().unwrap_or(streams), &layer.input_norm, eps, 1.0);
+                (hn, x)
+            }
+        };
         let mixed = self.mixer(index, layer, &hn, seqs);
-        self.residual(streams, x.as_ref(), &mixed, hc.map(|(a, _)| a));
 
-        let x = hc.map(|(_, f)| b.hc_premix(streams, &f.pre));
-        let hn = b.rms_norm(
-            x.as_ref().unwrap_or(streams),
-            &layer.post_attention_norm,
-            eps,
-            1.0,
-        );
-        let out = match &layer.ffn {
-            Ffn::Dense(m) => self.mlp(m, &hn),
+        let hn = match hc {
+            None => b.add_rms_norm(streams, &mixed, &layer.post_attention_norm, eps, 1.0),
+            Some((a, f)) => {
+                self.residual(streams, x.as_ref(), &mixed, a);
+                let x = b.hc_premix(streams, &f.pre);
+                let hn = b.rms_norm(&x, &layer.post_attention_norm, eps, 1.0);
+                let out = self.ffn(layer, &hn);
+                self.residual(streams, Some(&x), &out, f);
+                return None;
+            }
+        };
+        Some(self.ffn(layer, &hn))
+    }
+
+    /// The FFN sublayer's output for normed input `hn`: the dense MLP, or the routed experts plus the
+    /// sigmoid-gated shared expert.
+    fn ffn(&self, layer: &Layer<B::Weight>, hn: &B::Tensor) -> B::Tensor {
+        let b = &self.backend;
+        match &layer.ffn {
+            Ffn::Dense(m) => self.mlp(m, hn),
             Ffn::Moe(m) => {
-                let mut routed = b.moe_experts(&hn, m);
+                let mut routed = b.moe_experts(hn, m);
                 if let (Some(shared), Some(gate)) = (&m.shared, &m.shared_gate) {
-                    let y = self.mlp(shared, &hn);
-                    let g = b.linear(&hn, gate);
+                    let y = self.mlp(shared, hn);
+                    let g = b.linear(hn, gate);
                     b.add_sigmoid_gated(&mut routed, &y, &g);
                 }
                 routed
             }
-        };
-        self.residual(streams, x.as_ref(), &out, hc.map(|(_, f)| f));
+        }
     }
 
     fn mixer(
@@ -299,25 +335,21 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// `R += y` without hyper-connections; with them (x the sublayer's pre-mixed input)
+    /// The hyper-connections' gated residual (x the sublayer's pre-mixed input):
     /// `s = silu(down·y + inject·x)`, `u = up·s`, `R_c += sigmoid(u_c) ⊙ y`.
     fn residual(
         &self,
         streams: &mut B::Tensor,
         x: Option<&B::Tensor>,
         y: &B::Tensor,
-        hc: Option<&HcWeights<B::Weight>>,
+        w: &HcWeights<B::Weight>,
     ) {
         let b = &self.backend;
-        match (hc, x) {
-            (Some(w), Some(x)) => {
-                let mut pre = b.linear(y, &w.down);
-                b.add(&mut pre, &b.linear(x, &w.inject));
-                let u = b.linear(&b.silu(&pre), &w.up);
-                b.hc_gated_residual(streams, &u, y);
-            }
-            _ => b.add(streams, y),
-        }
+        let x = x.expect("a hyper-connection sublayer has its pre-mixed input");
+        let mut pre = b.linear(y, &w.down);
+        b.add(&mut pre, &b.linear(x, &w.inject));
+        let u = b.linear(&b.silu(&pre), &w.up);
+        b.hc_gated_residual(streams, &u, y);
     }
 
     fn mlp(&self, m: &MlpWeights<B::Weight>, x: &B::Tensor) -> B::Tensor {

@@ -447,6 +447,40 @@ impl Backend for CudaBackend {
         ok("add", self.gpu.add_bf16(&mut acc.buf, &y.buf, n));
     }
 
+    fn add_rms_norm(
+        &self,
+        acc: &mut CudaTensor,
+        y: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> CudaTensor {
+        ok(
+            "add_rms_norm",
+            (|| {
+                if y.rows != acc.rows || y.cols != acc.cols {
+                    return Err(CudaError::Shape {
+                        op: "add_rms_norm",
+                        msg: format!("[{}, {}] plus [{}, {}]", acc.rows, acc.cols, y.rows, y.cols),
+                    });
+                }
+                let (r, c) = (acc.rows, acc.cols);
+                let mut out = self.alloc(r, c)?;
+                self.gpu.add_rms_norm(
+                    &mut acc.buf,
+                    &y.buf,
+                    w.bf16(),
+                    &mut out.buf,
+                    r,
+                    c,
+                    eps,
+                    offset,
+                )?;
+                Ok(out)
+            })(),
+        )
+    }
+
     fn add_sigmoid_gated(&self, acc: &mut CudaTensor, y: &CudaTensor, gate: &CudaTensor) {
         let (r, c) = (acc.rows, acc.cols);
         ok(

@@ -38,6 +38,48 @@ impl Gpu {
         Ok(())
     }
 
+    /// `acc += y`, then `out = rms_norm(acc)` row-wise (`[rows, d]`, `w`: `[d]`, `offset` as
+    /// [`Gpu::rms_norm`]): one launch, the same values as [`Gpu::add_bf16`] then [`Gpu::rms_norm`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_rms_norm(
+        &self,
+        acc: &mut impl DevicePtrMut<bf16>,
+        y: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
+        rows: usize,
+        d: usize,
+        eps: f32,
+        offset: f32,
+    ) -> Result<()> {
+        const OP: &str = "add_rms_norm";
+        ensure(d > 0, OP, || "d must be positive".into())?;
+        check_len(OP, "acc", acc, rows * d)?;
+        check_len(OP, "y", y, rows * d)?;
+        check_len(OP, "w", w, d)?;
+        check_len(OP, "out", out, rows * d)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let (grid, di) = (grid_u32(OP, rows)?, int(OP, "d", d)?);
+        let s = self.stream();
+        let (ap, _ga) = acc.device_ptr_mut(s);
+        let (yp, _gy) = y.device_ptr(s);
+        let (wp, _gw) = w.device_ptr(s);
+        let (op, _go) = out.device_ptr_mut(s);
+        let mut b = s.launch_builder(self.kernel("add_rms_norm_bf16")?);
+        b.arg(&ap)
+            .arg(&yp)
+            .arg(&wp)
+            .arg(&op)
+            .arg(&di)
+            .arg(&eps)
+            .arg(&offset);
+        // SAFETY: argument types match the kernel; acc, y and out hold rows·d elements, w d.
+        unsafe { b.launch(cfg((grid, 1, 1), row_threads(d), 0)) }?;
+        Ok(())
+    }
+
     /// `acc[r, c] += sigmoid(gate[r]) · y[r, c]`; `acc`, `y`: `[rows, cols]`, `gate`: `[rows]`.
     pub fn add_sigmoid_gated(
         &self,

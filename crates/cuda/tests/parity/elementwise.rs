@@ -125,3 +125,45 @@ fn hyper_connection_ops_match_cpu() {
         &want,
     );
 }
+
+/// The residual add fused with the next RMSNorm: the sums rounded to bf16 as `add_bf16` leaves them,
+/// the norm of the rounded sums as the CPU computes it; rows short enough for registers and longer.
+#[test]
+fn add_rms_norm_matches_cpu() {
+    let Some(g) = gpu("add_rms_norm_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(61);
+    for (rows, d) in [(1, 2048), (8, 2048), (3, 2560), (37, 200), (2, 5000)] {
+        let n = rows * d;
+        let (ab, af) = to_bf16(&rng.normals(n, 0.0, 1.0));
+        let (yb, yf) = to_bf16(&rng.normals(n, 0.0, 0.5));
+        let (wb, wf) = to_bf16(&rng.normals(d, 0.0, 0.2));
+        let (eps, offset) = (1e-6, 1.0);
+        let mut acc = g.upload(&ab).unwrap();
+        let y = g.upload(&yb).unwrap();
+        let w = g.upload(&wb).unwrap();
+        let mut out = g.zeros::<bf16>(n).unwrap();
+        g.add_rms_norm(&mut acc, &y, &w, &mut out, rows, d, eps, offset)
+            .unwrap();
+        let sums: Vec<f32> = af
+            .iter()
+            .zip(&yf)
+            .map(|(a, b)| bf16::from_f32(a + b).to_f32())
+            .collect();
+        let shape = format!("{rows}x{d}");
+        assert_eq!(
+            from_bf16(&g.download(&acc).unwrap()),
+            sums,
+            "add_rms_norm sums {shape}"
+        );
+        let mut want = sums.clone();
+        ops::rms_norm(&mut want, &wf, d, eps, offset);
+        check_elementwise(
+            "add_rms_norm",
+            &shape,
+            &from_bf16(&g.download(&out).unwrap()),
+            &want,
+        );
+    }
+}

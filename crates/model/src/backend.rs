@@ -257,6 +257,27 @@ pub trait Backend: Send + Sync {
     /// Moves a tensor to the host as `(rows, cols, values)`.
     fn to_host(&self, x: Self::Tensor) -> (usize, usize, Vec<f32>);
 
+    /// Samples one token from each row of `logits` `[rows.len(), cols]` (the first `valid_vocab`
+    /// columns are real tokens) as [`crate::sample::sample_row`] defines it, row `i` with `rows[i]`;
+    /// returns each chosen id with its raw log-probability. The default moves the logits to the host
+    /// and runs that function; a backend that samples where the logits are sends back only the ids
+    /// and log-probabilities (the same tokens up to float near-ties in cumulative sums).
+    fn sample(
+        &self,
+        logits: Self::Tensor,
+        valid_vocab: usize,
+        rows: &[crate::sample::RowSampling<'_>],
+    ) -> Vec<Result<crate::sample::Sampled, crate::sample::RowError>> {
+        let (_, cols, mut values) = self.to_host(logits);
+        crate::sample::sample_rows(&mut values, cols, valid_vocab, rows)
+    }
+
+    /// Whether [`Backend::sample`] runs next to the logits (saving their copy to the host), so that an
+    /// engine should sample through it; `false` for a backend whose logits live on the host anyway.
+    fn device_sampling(&self) -> bool {
+        false
+    }
+
     /// Bytes a weight occupies in this backend's storage: what one pass over it reads.
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
 

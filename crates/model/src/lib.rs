@@ -13,6 +13,7 @@ mod load;
 mod load_ext;
 mod ple;
 mod roofline;
+pub mod sample;
 
 pub use backend::{
     AttnShape, AttnWeights, Backend, DecodeStep, GdnShape, GdnWeights, HcWeights, IndexerWeights,

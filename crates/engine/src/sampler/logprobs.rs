@@ -1,60 +1,11 @@
 //! Log-probabilities under the model's raw distribution: `log_softmax` of the logits of the real
 //! vocabulary, before penalties, bias, masks and temperature (what vLLM reports by default).
 //!
-//! Used for the sampled token, its top-N alternatives, and prompt tokens (prompt logprobs / echo).
+//! Used for prompt tokens (prompt logprobs / echo); the sampled token's come with the draw.
 
-use super::math::{block, log_sum_exp, max, BLOCK};
+use sanmai_model::sample::{log_sum_exp, top_n};
+
 use super::SampleError;
-
-/// Puts the `n` largest `(id, logit)` of `row` into `out`, largest first, lower id first among equals.
-///
-/// `maxima` are the row's block maxima when known; a block whose maximum cannot enter the list is
-/// skipped whole.
-pub(crate) fn top_n(row: &[f32], maxima: Option<&[f32]>, n: usize, out: &mut Vec<(u32, f32)>) {
-    out.clear();
-    if n == 0 {
-        return;
-    }
-    for b in 0..row.len().div_ceil(BLOCK) {
-        let values = block(row, b);
-        if out.len() == n {
-            let bm = maxima
-                .and_then(|m| m.get(b).copied())
-                .unwrap_or_else(|| max(values));
-            if bm <= out[n - 1].1 {
-                continue;
-            }
-        }
-        for (j, &x) in values.iter().enumerate() {
-            if out.len() == n {
-                if x.is_nan() || x <= out[n - 1].1 {
-                    continue;
-                }
-                out.pop();
-            } else if x.is_nan() {
-                continue;
-            }
-            // After every entry at least as large: equal values keep their (lower) earlier ids first.
-            let at = out.partition_point(|e| e.1 >= x);
-            out.insert(at, ((b * BLOCK + j) as u32, x));
-        }
-    }
-}
-
-/// The `n` most likely tokens of `row` as `(id, logprob)`, given its log-normaliser and block maxima.
-pub(crate) fn top_logprobs(
-    row: &[f32],
-    maxima: Option<&[f32]>,
-    n: usize,
-    log_z: f32,
-) -> Vec<(u32, f32)> {
-    let mut out = Vec::with_capacity(n + 1);
-    top_n(row, maxima, n, &mut out);
-    for e in &mut out {
-        e.1 -= log_z;
-    }
-    out
-}
 
 /// A row of logits with its log-normaliser, for reading log-probabilities of any token.
 #[derive(Debug, Clone, Copy)]
@@ -90,40 +41,16 @@ impl<'a> RowLogprobs<'a> {
 
     /// The `n` most likely tokens with their log-probabilities, most likely first (lower id on ties).
     pub fn top(&self, n: usize) -> Vec<(u32, f32)> {
-        top_logprobs(self.row, None, n, self.log_z)
+        let mut out = Vec::with_capacity(n + 1);
+        top_n(self.row, None, n, &mut out);
+        for e in &mut out {
+            e.1 -= self.log_z;
+        }
+        out
     }
 }
 
 /// The raw log-probability of `token` given one row of logits (prompt logprobs / echo).
 pub fn token_logprob(logits: &[f32], valid_vocab: usize, token: u32) -> Result<f32, SampleError> {
     RowLogprobs::new(logits, valid_vocab)?.logprob(token)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn top_n_matches_a_full_sort_with_ties() {
-        let row: Vec<f32> = (0..3000).map(|i| ((i * 7919) % 613) as f32 * 0.5).collect();
-        for n in [1, 2, 5, 20] {
-            let mut want: Vec<(u32, f32)> = row
-                .iter()
-                .enumerate()
-                .map(|(i, &x)| (i as u32, x))
-                .collect();
-            want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-            want.truncate(n);
-            let mut got = Vec::new();
-            top_n(&row, None, n, &mut got);
-            assert_eq!(got, want, "n={n}");
-            let mut maxima = Vec::new();
-            crate::sampler::math::block_maxima(&row, &mut maxima);
-            top_n(&row, Some(&maxima), n, &mut got);
-            assert_eq!(got, want, "n={n} with block maxima");
-        }
-        let mut got = Vec::new();
-        top_n(&[1.0, f32::NAN, 2.0], None, 5, &mut got);
-        assert_eq!(got, vec![(2, 2.0), (0, 1.0)]);
-    }
 }

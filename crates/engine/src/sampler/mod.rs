@@ -1,44 +1,27 @@
-//! Token sampling on the CPU: one row of f32 logits per sequence in, one token id plus log-probabilities out.
+//! Token sampling: one row of f32 logits per sequence in, one token id plus log-probabilities out.
 //!
-//! One step runs these stages in order, each a function of its own so a device implementation can mirror
-//! them one for one:
-//!
-//! 1. **padding** — only ids below `valid_vocab` are tokens; the lm_head padding past it is never read
-//!    (equivalent to masking it to `-inf` before anything else).
-//! 2. **mask** — the allowed-token bitmask of a grammar, if any ([`penalties::apply_allowed_mask`]):
-//!    structured output reports and samples the constrained distribution.
-//! 3. **raw logprobs** — log-normaliser and top-N of the logits so far ([`logprobs`]): what the
-//!    response reports, independent of everything below.
-//! 4. **penalties** — repetition, frequency, presence ([`penalties::apply_penalties`]).
-//! 5. **bias** — `logit_bias` ([`penalties::apply_logit_bias`]).
-//! 6. **temperature** — weights `e^((z - max) / T)`; greedy (`T = 0`) takes the argmax instead.
-//! 7. **top-k → top-p → min-p** — truncation of the weights (see the `filter` module for exact rules).
-//! 8. **draw** — one uniform from the request's own [`Rng`], none for greedy.
-//!
-//! Cost: two vectorised passes over the row (block maxima, block sums of exponentials) serve the raw
-//! logprobs, greedy, top-k and min-p; plain sampling and top-p at `T != 1` add a third. Everything
-//! else touches only the blocks that can hold the answer. The row is used as working space: on return
-//! its contents are unspecified. Buffers live in [`Scratch`] and are reused, so a warm step allocates
-//! nothing row-sized.
+//! The math (mask, raw logprobs, penalties and bias, temperature, top-k → top-p → min-p, the draw) lives
+//! in [`sanmai_model::sample`], shared with the backends' sampling op so that host and device pick the
+//! same tokens; this module holds what a request owns around it: parameters and their validation, the
+//! random stream ([`Rng`], one uniform per draw), the token counts penalties read ([`TokenCounts`]),
+//! the batch entry point ([`Sampler`]) and prompt log-probabilities ([`RowLogprobs`]).
 
 mod batch;
-mod filter;
 pub mod logprobs;
-mod math;
 mod params;
 pub mod penalties;
 mod rng;
 
 use thiserror::Error;
 
+use sanmai_model::sample::{RowError, RowSampling};
+
 pub use batch::{SampleRequest, Sampler};
 pub use logprobs::{token_logprob, RowLogprobs};
 pub use params::{ParamError, SamplingParams, GREEDY_TEMPERATURE, MAX_LOGPROBS};
 pub use penalties::TokenCounts;
 pub use rng::{Rng, SplitMix64};
-
-use filter::{Candidate, Scaled, Truncation};
-use penalties::{apply_allowed_mask, apply_logit_bias, apply_penalties, original_value};
+pub use sanmai_model::sample::Scratch;
 
 /// Why a row could not be sampled.
 #[derive(Debug, Clone, PartialEq, Error)]
@@ -61,6 +44,22 @@ pub enum SampleError {
     },
 }
 
+impl From<RowError> for SampleError {
+    fn from(e: RowError) -> Self {
+        match e {
+            RowError::Vocab {
+                valid_vocab,
+                row_len,
+            } => Self::Vocab {
+                valid_vocab,
+                row_len,
+            },
+            RowError::NoCandidates => Self::NoCandidates,
+            RowError::InfiniteLogit => Self::InfiniteLogit,
+        }
+    }
+}
+
 /// One sampled token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sampled {
@@ -79,6 +78,8 @@ pub struct SamplerState {
     rng: Rng,
     counts: TokenCounts,
     track: bool,
+    /// A uniform drawn ahead for a step that samples on the device, used by whichever path samples it.
+    reserved: Option<f64>,
 }
 
 impl SamplerState {
@@ -93,6 +94,7 @@ impl SamplerState {
                 TokenCounts::new()
             },
             track,
+            reserved: None,
         }
     }
 
@@ -112,24 +114,16 @@ impl SamplerState {
     pub fn rng_mut(&mut self) -> &mut Rng {
         &mut self.rng
     }
-}
 
-/// Reusable buffers of one sampling thread. Their size follows the number of blocks and of surviving
-/// candidates, so once warm a step allocates nothing row-sized.
-#[derive(Debug, Clone, Default)]
-pub struct Scratch {
-    maxima: Vec<f32>,
-    sums: Vec<f32>,
-    tmp: Vec<f32>,
-    cands: Vec<Candidate>,
-    edits: Vec<(u32, f32)>,
-    levels: math::LevelMass,
-}
+    /// The uniform of the next draw, drawn now and kept until that draw happens (the same value
+    /// however often this is called before it).
+    pub fn reserve_uniform(&mut self) -> f64 {
+        *self.reserved.get_or_insert_with(|| self.rng.next_f64())
+    }
 
-impl Scratch {
-    /// Empty scratch.
-    pub fn new() -> Self {
-        Self::default()
+    /// The uniform of the draw happening now: the reserved one, else the next of the stream.
+    pub fn take_uniform(&mut self) -> f64 {
+        self.reserved.take().unwrap_or_else(|| self.rng.next_f64())
     }
 }
 
@@ -149,10 +143,34 @@ fn check_vocab(row_len: usize, valid_vocab: usize) -> Result<(), SampleError> {
     Ok(())
 }
 
+/// The sampling math's description of one row: `params` over `counts`, the mask `allowed`, and the
+/// draw's `uniform`.
+pub fn row_sampling<'a>(
+    params: &'a SamplingParams,
+    counts: &'a TokenCounts,
+    allowed: Option<&'a [u32]>,
+    uniform: f64,
+) -> RowSampling<'a> {
+    RowSampling {
+        temperature: params.temperature,
+        top_k: params.top_k_limit().unwrap_or(0),
+        top_p: params.top_p,
+        min_p: params.min_p,
+        repetition_penalty: params.repetition_penalty,
+        frequency_penalty: params.frequency_penalty,
+        presence_penalty: params.presence_penalty,
+        seen: counts.seen(),
+        logit_bias: &params.logit_bias,
+        allowed,
+        uniform,
+    }
+}
+
 /// Samples one token from one row of logits (`logits.len()` is the lm_head width, of which the first
 /// `valid_vocab` are real tokens). `allowed` is an optional allowed-token bitmask (see
 /// [`penalties::apply_allowed_mask`]). The row is clobbered; `state`'s counts are not updated (call
-/// [`SamplerState::accept`] once the token is accepted).
+/// [`SamplerState::accept`] once the token is accepted). A drawing request takes one uniform from its
+/// stream (or the one [`SamplerState::reserve_uniform`] set aside); greedy takes none.
 pub fn sample_row(
     logits: &mut [f32],
     valid_vocab: usize,
@@ -163,88 +181,21 @@ pub fn sample_row(
 ) -> Result<Sampled, SampleError> {
     params.validate(valid_vocab)?;
     check_vocab(logits.len(), valid_vocab)?;
-    // 1. Padding: everything below works on the real vocabulary only.
-    let row = &mut logits[..valid_vocab];
-    // 2. The grammar's mask: tokens it forbids do not exist for anything below.
-    if let Some(mask) = allowed {
-        apply_allowed_mask(row, mask);
-    }
-
-    // 3. The raw distribution, before any edit.
-    let raw_max = math::block_maxima(row, &mut scratch.maxima);
-    if raw_max == f32::INFINITY {
-        return Err(SampleError::InfiniteLogit);
-    }
-    if raw_max == f32::NEG_INFINITY {
-        return Err(SampleError::NoCandidates);
-    }
-    let greedy = params.is_greedy();
-    let t = Truncation {
-        top_k: params.top_k_limit().filter(|&k| k < valid_vocab),
-        top_p: params.top_p,
-        min_p: params.min_p,
-    };
-    let scale = 1.0 / params.temperature;
-    let want_levels = !greedy && t.uses_levels();
-    // At temperature 1 the raw weights are the sampling weights (unless edits change them below).
-    let raw_levels = (want_levels && scale == 1.0).then_some(&mut scratch.levels);
-    let raw_total = math::block_exp_sums(row, raw_max, 1.0, &mut scratch.sums, raw_levels);
-    let log_z = raw_max + raw_total.ln() as f32;
-    let mut top_logprobs = match params.logprobs {
-        Some(n) if n > 0 => logprobs::top_logprobs(row, Some(&scratch.maxima), n, log_z),
-        _ => Vec::new(),
-    };
-    // Tokens a grammar forbids are no alternatives.
-    if allowed.is_some() {
-        top_logprobs.retain(|t| t.1 > f32::NEG_INFINITY);
-    }
-
-    // 4–5. Penalties and bias; the block maxima follow the edits.
-    scratch.edits.clear();
-    apply_penalties(row, &state.counts, params, &mut scratch.edits);
-    apply_logit_bias(row, &params.logit_bias, &mut scratch.edits);
-    let edited = !scratch.edits.is_empty();
-    if edited {
-        math::refresh_maxima(row, &mut scratch.maxima, scratch.edits.iter().map(|e| e.0));
-    }
-    let m = if edited {
-        math::max(&scratch.maxima)
+    let uniform = if params.is_greedy() {
+        0.0
     } else {
-        raw_max
+        state.take_uniform()
     };
-    if m == f32::NEG_INFINITY {
-        return Err(SampleError::NoCandidates);
-    }
-
-    // 6–8. Temperature, truncation, draw (or the argmax).
-    let id = if greedy || m == f32::INFINITY {
-        math::position_of_max(row, &scratch.maxima, m).map(|i| i as u32)
-    } else {
-        let s = Scaled {
-            row,
-            maxima: &scratch.maxima,
-            m,
-            scale,
-        };
-        // The raw pass's block sums are the sampling weights when nothing changed them.
-        let mut total = raw_total;
-        if t.needs_total() && (edited || scale != 1.0) {
-            let levels = want_levels.then_some(&mut scratch.levels);
-            total = math::block_exp_sums(row, m, scale, &mut scratch.sums, levels);
-        }
-        let levels = want_levels.then_some(&scratch.levels);
-        if filter::select(&s, &t, total, levels, &mut scratch.tmp, &mut scratch.cands) {
-            filter::draw_from(&scratch.cands, &mut state.rng)
-        } else {
-            filter::draw_from_row(&s, &scratch.sums, total, &mut state.rng)
-        }
-    }
-    .ok_or(SampleError::NoCandidates)?;
-
-    let raw = original_value(row[id as usize], id, &scratch.edits);
+    let spec = row_sampling(params, &state.counts, allowed, uniform);
+    let (s, top_logprobs) = sanmai_model::sample::sample_row(
+        &mut logits[..valid_vocab],
+        &spec,
+        params.logprobs.unwrap_or(0),
+        scratch,
+    )?;
     Ok(Sampled {
-        id,
-        logprob: raw - log_z,
+        id: s.id,
+        logprob: s.logprob,
         top_logprobs,
     })
 }

@@ -8,8 +8,7 @@ use thiserror::Error;
 /// The most top-N alternatives a request may ask for (OpenAI's `top_logprobs` limit).
 pub const MAX_LOGPROBS: usize = 20;
 
-/// Temperatures below this are greedy (the same cut-off vLLM uses).
-pub const GREEDY_TEMPERATURE: f32 = 1e-5;
+pub use sanmai_model::sample::GREEDY_TEMPERATURE;
 
 /// How to pick the next token of one sequence.
 #[derive(Debug, Clone, PartialEq)]

@@ -11,19 +11,19 @@
 
 use std::collections::HashMap;
 
-use super::params::SamplingParams;
+use sanmai_model::sample::{Edit, RowSampling, SeenToken};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Entry {
-    id: u32,
-    in_prompt: bool,
-    output: u32,
-}
+pub use sanmai_model::sample::apply_allowed_mask;
+
+use super::params::SamplingParams;
 
 /// Which tokens a sequence has seen: membership of the prompt, and occurrence counts in the output.
 #[derive(Debug, Clone, Default)]
 pub struct TokenCounts {
-    entries: Vec<Entry>,
+    /// Distinct tokens in first-seen order, with their output counts.
+    entries: Vec<SeenToken>,
+    /// Whether `entries[i]` occurs in the prompt.
+    in_prompt: Vec<bool>,
     index: HashMap<u32, u32>,
 }
 
@@ -42,27 +42,26 @@ impl TokenCounts {
         counts
     }
 
-    fn entry(&mut self, id: u32) -> &mut Entry {
+    fn slot(&mut self, id: u32) -> usize {
         let next = self.entries.len() as u32;
         let slot = *self.index.entry(id).or_insert(next);
         if slot == next {
-            self.entries.push(Entry {
-                id,
-                in_prompt: false,
-                output: 0,
-            });
+            self.entries.push(SeenToken { id, output: 0 });
+            self.in_prompt.push(false);
         }
-        &mut self.entries[slot as usize]
+        slot as usize
     }
 
     /// Records a prompt token (repetition penalty only).
     pub fn add_prompt_token(&mut self, id: u32) {
-        self.entry(id).in_prompt = true;
+        let i = self.slot(id);
+        self.in_prompt[i] = true;
     }
 
     /// Records one accepted output token.
     pub fn add_output_token(&mut self, id: u32) {
-        let e = self.entry(id);
+        let i = self.slot(id);
+        let e = &mut self.entries[i];
         e.output = e.output.saturating_add(1);
     }
 
@@ -77,12 +76,28 @@ impl TokenCounts {
     pub fn in_prompt(&self, id: u32) -> bool {
         self.index
             .get(&id)
-            .is_some_and(|&i| self.entries[i as usize].in_prompt)
+            .is_some_and(|&i| self.in_prompt[i as usize])
     }
 
     /// Number of distinct tokens seen in prompt or output.
     pub fn distinct(&self) -> usize {
         self.entries.len()
+    }
+
+    /// Every distinct token seen, with its output count (what the penalties read).
+    pub fn seen(&self) -> &[SeenToken] {
+        &self.entries
+    }
+}
+
+/// The sampling math's view of `params`' penalties over `counts` (the rest at its defaults).
+fn penalty_spec<'a>(params: &'a SamplingParams, counts: &'a TokenCounts) -> RowSampling<'a> {
+    RowSampling {
+        repetition_penalty: params.repetition_penalty,
+        frequency_penalty: params.frequency_penalty,
+        presence_penalty: params.presence_penalty,
+        seen: counts.seen(),
+        ..RowSampling::default()
     }
 }
 
@@ -92,7 +107,9 @@ fn edit(logits: &mut [f32], id: u32, value: f32, edits: &mut Vec<(u32, f32)>) {
     *slot = value;
 }
 
-/// Applies repetition, frequency and presence penalties in place; returns whether anything changed.
+/// Applies repetition, frequency and presence penalties in place (as the sampler does, see
+/// [`Edit::apply`]); returns whether anything changed. `edits` receives `(id, previous value)` of
+/// every changed logit.
 pub fn apply_penalties(
     logits: &mut [f32],
     counts: &TokenCounts,
@@ -102,22 +119,21 @@ pub fn apply_penalties(
     if !params.uses_penalties() {
         return false;
     }
-    let rep = params.repetition_penalty;
-    let (freq, pres) = (params.frequency_penalty, params.presence_penalty);
+    let spec = penalty_spec(params, counts);
     let before = edits.len();
-    for e in &counts.entries {
-        let Some(&z) = logits.get(e.id as usize) else {
+    for t in counts.seen() {
+        let Some(&z) = logits.get(t.id as usize) else {
             continue;
         };
-        let mut v = z;
-        if rep != 1.0 {
-            v = if v > 0.0 { v / rep } else { v * rep };
-        }
-        if e.output > 0 {
-            v -= freq * e.output as f32 + pres;
-        }
+        let e = Edit {
+            id: t.id,
+            penalized: true,
+            output: t.output,
+            bias: None,
+        };
+        let v = e.apply(z, &spec);
         if v.to_bits() != z.to_bits() {
-            edit(logits, e.id, v, edits);
+            edit(logits, t.id, v, edits);
         }
     }
     edits.len() > before
@@ -130,39 +146,19 @@ pub fn apply_logit_bias(
     edits: &mut Vec<(u32, f32)>,
 ) -> bool {
     let before = edits.len();
+    let spec = RowSampling::default();
     for &(id, b) in bias {
         if let Some(&z) = logits.get(id as usize) {
-            edit(logits, id, z + b, edits);
+            let e = Edit {
+                id,
+                penalized: false,
+                output: 0,
+                bias: Some(b),
+            };
+            edit(logits, id, e.apply(z, &spec), edits);
         }
     }
     edits.len() > before
-}
-
-/// Sets the logit of every token whose bit is clear in `allowed` to `-inf`.
-///
-/// `allowed` is a bitmask, token `i` at bit `i % 32` of word `i / 32` (the layout grammar engines
-/// produce); tokens past the end of the mask are disallowed.
-pub fn apply_allowed_mask(logits: &mut [f32], allowed: &[u32]) {
-    for (w, chunk) in logits.chunks_mut(32).enumerate() {
-        let word = allowed.get(w).copied().unwrap_or(0);
-        if word == u32::MAX {
-            continue;
-        }
-        if word == 0 {
-            chunk.fill(f32::NEG_INFINITY);
-            continue;
-        }
-        for (bit, z) in chunk.iter_mut().enumerate() {
-            if word & (1 << bit) == 0 {
-                *z = f32::NEG_INFINITY;
-            }
-        }
-    }
-}
-
-/// The value `id` had before any logged edit, given its current value.
-pub(crate) fn original_value(current: f32, id: u32, edits: &[(u32, f32)]) -> f32 {
-    edits.iter().find(|e| e.0 == id).map_or(current, |e| e.1)
 }
 
 #[cfg(test)]
@@ -196,12 +192,5 @@ mod tests {
             assert_eq!(z == 1.0, kept, "token {i}");
             assert_eq!(z == f32::NEG_INFINITY, !kept, "token {i}");
         }
-    }
-
-    #[test]
-    fn original_value_reads_the_first_edit() {
-        let edits = [(4, 1.0), (2, 5.0), (4, 0.5)];
-        assert_eq!(original_value(9.0, 4, &edits), 1.0);
-        assert_eq!(original_value(9.0, 3, &edits), 9.0);
     }
 }

@@ -7,6 +7,11 @@
 //!   (the token that crosses the threshold is kept, as in vLLM);
 //! - min-p keeps tokens whose probability is at least `min_p` times the largest.
 //!
+//! The draw is an inverse CDF over the kept tokens **in id order** with one uniform from the request's
+//! stream: `u · mass` lands on the first token whose cumulative weight exceeds it. Id order (not rank
+//! order) is what a device kernel can walk without sorting, so host and device pick the same token for
+//! the same uniform (up to rounding of the cumulative sums).
+//!
 //! Nothing sorts the row. Candidates are gathered by a logit threshold from the blocks whose maximum
 //! reaches it: for top-k the threshold is the k-th largest block maximum (at least `k` tokens lie above
 //! it; with fewer blocks than `k`, the k-th largest value among the leading blocks), for top-p it is
@@ -17,7 +22,6 @@ use std::cmp::Ordering;
 use std::f32::consts::LN_2;
 
 use super::math::{block, exp_nonpos, LevelMass, BLOCK, LEVELS};
-use super::rng::Rng;
 
 /// A token still in the running.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -176,12 +180,6 @@ fn top_p_prefix(cands: &mut [Candidate], target: f64) -> usize {
     hi
 }
 
-/// Top-p over a candidate set holding a prefix of the ranking with at least `target` mass.
-fn keep_top_p(cands: &mut Vec<Candidate>, target: f64) {
-    let n = top_p_prefix(cands, target);
-    cands.truncate(n);
-}
-
 /// Keeps candidates whose weight is at least `min_p` (the largest weight being 1).
 fn keep_min_p(cands: &mut Vec<Candidate>, min_p: f32) {
     if min_p > 0.0 {
@@ -189,11 +187,17 @@ fn keep_min_p(cands: &mut Vec<Candidate>, min_p: f32) {
     }
 }
 
+/// The last-ranked candidate of the kept prefix `cands[..n]` after [`top_p_prefix`] or a top-k
+/// selection placed it at `n - 1`; `None` when the whole set is kept.
+fn cut_at(cands: &[Candidate], n: usize) -> Option<Candidate> {
+    (n < cands.len() && n > 0).then(|| cands[n - 1])
+}
+
 /// Applies the filters. `total` is the row's total weight, read only when [`Truncation::needs_total`];
 /// `levels`, when known, are the masses at the weight levels of [`LEVELS`] (where top-p starts looking).
 ///
 /// Returns `false` when nothing is filtered out (draw from the whole row), else `true` with the kept
-/// tokens in `cands`.
+/// tokens in `cands`, in id order. `work` is scratch.
 pub(crate) fn select(
     s: &Scaled<'_>,
     t: &Truncation,
@@ -201,13 +205,23 @@ pub(crate) fn select(
     levels: Option<&LevelMass>,
     tmp: &mut Vec<f32>,
     cands: &mut Vec<Candidate>,
+    work: &mut Vec<Candidate>,
 ) -> bool {
     let top_p = t.top_p < 1.0;
+    // The kept set is a prefix of the ranking: everything up to `cut` (gathered in id order).
+    let mut cut = None;
     if let Some(k) = t.top_k {
         s.gather(kth_lower_bound(s, k, tmp), cands);
-        keep_top_k(cands, k);
+        work.clear();
+        work.extend_from_slice(cands);
+        if work.len() > k {
+            keep_top_k(work, k);
+            cut = Some(work[k - 1]);
+        }
         if top_p {
-            keep_top_p(cands, t.top_p as f64 * mass(cands));
+            let target = t.top_p as f64 * mass(work);
+            let n = top_p_prefix(work, target);
+            cut = cut_at(work, n).or(cut);
         }
     } else if top_p {
         let target = t.top_p as f64 * total;
@@ -223,24 +237,31 @@ pub(crate) fn select(
         if !found {
             s.gather(f32::NEG_INFINITY, cands);
         }
-        keep_top_p(cands, target);
+        work.clear();
+        work.extend_from_slice(cands);
+        let n = top_p_prefix(work, target);
+        cut = cut_at(work, n);
     } else if t.min_p > 0.0 {
         // Weight >= min_p means z >= m + ln(min_p) · T; gather with a margin, then test the weights.
         s.gather(s.m + (t.min_p.ln() - 1e-3) / s.scale, cands);
     } else {
         return false;
     }
+    if let Some(cut) = cut {
+        cands.retain(|c| by_rank(c, &cut) != Ordering::Greater);
+    }
     keep_min_p(cands, t.min_p);
     true
 }
 
-/// Draws a token with probability proportional to its weight among `cands`.
-pub(crate) fn draw_from(cands: &[Candidate], rng: &mut Rng) -> Option<u32> {
+/// Draws a token with probability proportional to its weight among `cands` (in id order), given a
+/// uniform `u` in `[0, 1)`.
+pub(crate) fn draw_from(cands: &[Candidate], u: f64) -> Option<u32> {
     let total = mass(cands);
     if total.is_nan() || total <= 0.0 {
         return None;
     }
-    let u = rng.next_f64() * total;
+    let u = u * total;
     let mut seen = 0.0f64;
     for c in cands {
         seen += c.w as f64;
@@ -252,17 +273,13 @@ pub(crate) fn draw_from(cands: &[Candidate], rng: &mut Rng) -> Option<u32> {
     cands.iter().rev().find(|c| c.w > 0.0).map(|c| c.id)
 }
 
-/// Draws from the whole row, given the weight sum of every block (`sums`, total `total`).
-pub(crate) fn draw_from_row(
-    s: &Scaled<'_>,
-    sums: &[f32],
-    total: f64,
-    rng: &mut Rng,
-) -> Option<u32> {
+/// Draws from the whole row, given the weight sum of every block (`sums`, total `total`) and a uniform
+/// `u` in `[0, 1)`.
+pub(crate) fn draw_from_row(s: &Scaled<'_>, sums: &[f32], total: f64, u: f64) -> Option<u32> {
     if total.is_nan() || total <= 0.0 {
         return None;
     }
-    let mut u = rng.next_f64() * total;
+    let mut u = u * total;
     let mut last = None;
     for (b, &bs) in sums.iter().enumerate() {
         if bs <= 0.0 {
@@ -298,7 +315,8 @@ fn pick_in_block(s: &Scaled<'_>, b: usize, u: f64) -> Option<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sampler::math::{block_exp_sums, block_maxima};
+    use crate::sample::math::{block_exp_sums, block_maxima};
+    use crate::sample::rng::TestRng as Rng;
 
     /// The kept set by definition: rank every token, then apply each filter to the ranked list.
     fn reference(s: &Scaled<'_>, total: f64, t: &Truncation) -> Vec<u32> {
@@ -339,7 +357,16 @@ mod tests {
 
     fn kept(s: &Scaled<'_>, total: f64, levels: Option<&LevelMass>, t: &Truncation) -> Vec<u32> {
         let mut cands = Vec::new();
-        let mut ids: Vec<u32> = if select(s, t, total, levels, &mut Vec::new(), &mut cands) {
+        let mut ids: Vec<u32> = if select(
+            s,
+            t,
+            total,
+            levels,
+            &mut Vec::new(),
+            &mut cands,
+            &mut Vec::new(),
+        ) {
+            assert!(cands.windows(2).all(|w| w[0].id < w[1].id), "id order");
             cands.iter().map(|c| c.id).collect()
         } else {
             (0..s.row.len() as u32)
@@ -474,8 +501,8 @@ mod tests {
         let mut rng = Rng::seeded(3);
         let (mut from_cands, mut from_row) = ([0u32; 6], [0u32; 6]);
         for _ in 0..40_000 {
-            from_cands[draw_from(&cands, &mut rng).unwrap() as usize] += 1;
-            from_row[draw_from_row(&s, &sums, total, &mut rng).unwrap() as usize] += 1;
+            from_cands[draw_from(&cands, rng.next_f64()).unwrap() as usize] += 1;
+            from_row[draw_from_row(&s, &sums, total, rng.next_f64()).unwrap() as usize] += 1;
         }
         for counts in [from_cands, from_row] {
             assert_eq!(counts[0] + counts[3], 0);
@@ -491,10 +518,10 @@ mod tests {
                     z: 0.0,
                     w: 0.0
                 }],
-                &mut rng
+                rng.next_f64()
             ),
             None
         );
-        assert_eq!(draw_from_row(&s, &[0.0], 0.0, &mut rng), None);
+        assert_eq!(draw_from_row(&s, &[0.0], 0.0, rng.next_f64()), None);
     }
 }

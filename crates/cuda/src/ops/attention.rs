@@ -1,12 +1,20 @@
 //! Gated attention over the paged K/V cache: decode (one query per sequence, a batch of sequences of
 //! different lengths) and prefill (one chunk of one sequence, causal), both as split-K: a partial
-//! kernel per span of [`ATTN_SPLIT`] context positions, then a reduce kernel that merges the spans and
-//! multiplies by `sigmoid(gate)` (the Qwen3-Next output gate, same `[rows, hq·head_dim]` layout as the
-//! output, so it is fused into the reduce).
+//! kernel per (query row, span of context positions, group of up to 8 query heads sharing a KV head,
+//! so each K/V row is read once per group), then a reduce kernel that merges the spans and multiplies
+//! by `sigmoid(gate)` (the Qwen3-Next output gate, same `[rows, hq·head_dim]` layout as the output, so
+//! it is fused into the reduce).
+//!
+//! The number of spans per row is fixed by the host from `max_len` (for a recorded decode step, its
+//! span): at most [`ATTN_SPLIT`] positions each, and for decode about 64 spans of the longest context
+//! so a short context still spreads over many blocks. Each row divides its own length over those
+//! spans on the device (spans of at least 32 positions), so the spans past a row's
+//! length exit at once.
 //!
 //! The cache layout is the CPU backend's: `k_pool`, `v_pool` are `[num_blocks, block_size,
 //! hkv·head_dim]` bf16; position `p` of a sequence lies in block `table[p / block_size]`, row
-//! `p % block_size`. The split workspace (`rows·hq·splits·(head_dim + 2)` f32) is allocated per call.
+//! `p % block_size`. The split workspace (`rows·hq·splits·(head_dim + 2)` f32) is allocated per call
+//! from the stream-ordered pool, uninitialised (the reduce reads only what the partial kernel wrote).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
@@ -17,9 +25,17 @@ use crate::gpu::{cfg, check_len, int, Gpu};
 
 /// The largest head size the kernels take.
 pub const ATTN_MAX_HEAD_DIM: usize = 256;
-/// Context positions per split (one block of the partial kernel).
+/// Context positions one split (one block of the partial kernel) attends at most (`ATT_MAX_SPLIT`
+/// in `attention.cu`); prefill uses splits of this size.
 pub const ATTN_SPLIT: usize = 256;
-/// Threads of a partial-kernel block.
+/// The smallest split a row's length is divided into (`ATT_MIN_SPLIT` in `attention.cu`).
+const ATTN_MIN_SPLIT: usize = 32;
+/// Decode divides its longest context into about this many splits (fewer when they would be
+/// shorter than [`ATTN_MIN_SPLIT`]).
+const DECODE_SPLITS: usize = 64;
+/// Query heads of one partial block at most (`ATT_HB` in `attention.cu`).
+const HEADS_PER_BLOCK: usize = 8;
+/// Threads of a partial-kernel block (`ATT_THREADS` in `attention.cu`).
 const PARTIAL_THREADS: u32 = 128;
 /// The hardware limit of grid dimensions y and z.
 const GRID_YZ_MAX: usize = 65535;
@@ -173,7 +189,11 @@ impl Gpu {
             format!("head_dim = {d} must be in 1..={ATTN_MAX_HEAD_DIM}")
         })?;
         ensure(bs > 0, op, || "block_size must be positive".into())?;
-        let splits = max_len.div_ceil(ATTN_SPLIT).max(1);
+        let max_split = match rows {
+            Rows::Decode { .. } => decode_max_split(max_len),
+            Rows::Prefill { .. } => ATTN_SPLIT,
+        };
+        let splits = max_len.div_ceil(max_split).max(1);
         ensure(n <= GRID_YZ_MAX && splits <= GRID_YZ_MAX, op, || {
             format!("{n} rows or {splits} splits exceed {GRID_YZ_MAX}")
         })?;
@@ -213,9 +233,15 @@ impl Gpu {
             splits as i32,
         );
         let scale = (d as f64).powf(-0.5) as f32;
-        let mut part_o = self.zeros::<f32>(n * hq * splits * d)?;
-        let mut part_ml = self.zeros::<f32>(n * hq * splits * 2)?;
+        let group = hq / hkv;
+        let chunks = group.div_ceil(HEADS_PER_BLOCK);
+        let hb = group.div_ceil(chunks);
+        let (max_split_i, hb_i) = (max_split as i32, hb as i32);
         let s = self.stream();
+        // SAFETY: plain device allocations; the partial kernel writes every part_ml slot and the
+        // part_o slots of every split whose max is finite, the only ones the reduce reads.
+        let mut part_o = unsafe { s.alloc::<f32>(n * hq * splits * d) }?;
+        let mut part_ml = unsafe { s.alloc::<f32>(n * hq * splits * 2) }?;
         let (qp, _gq) = q.device_ptr(s);
         let (gp, _gg) = gate.device_ptr(s);
         let (kp, _gk) = k_pool.device_ptr(s);
@@ -241,8 +267,10 @@ impl Gpu {
             .arg(&bsi)
             .arg(&num_blocks)
             .arg(&splits_i)
+            .arg(&max_split_i)
+            .arg(&hb_i)
             .arg(&scale);
-        let grid = (hq as u32, splits as u32, n as u32);
+        let grid = ((hkv * chunks) as u32, n as u32, splits as u32);
         // SAFETY: argument types match the kernel; q and the pools' lengths checked above; the table
         // holds `n` rows of `max_blocks` ids (decode, checked by the caller) or one row (prefill,
         // stride 0); the kernel caps every length at max_blocks·block_size and masks block ids at or
@@ -256,8 +284,18 @@ impl Gpu {
             .arg(&hqi)
             .arg(&di)
             .arg(&splits_i);
-        // SAFETY: argument types match the kernel; gate and out hold n·hq·head_dim elements.
+        // SAFETY: argument types match the kernel; gate and out hold n·hq·head_dim elements; the
+        // block has at least head_dim threads.
         unsafe { l.launch(cfg((hq as u32, n as u32, 1), row_threads(d), 0)) }?;
         Ok(())
     }
+}
+
+/// The largest split of a decode launch whose longest context is `max_len`: about
+/// [`DECODE_SPLITS`] splits, a power of two in `ATTN_MIN_SPLIT..=ATTN_SPLIT`.
+fn decode_max_split(max_len: usize) -> usize {
+    max_len
+        .div_ceil(DECODE_SPLITS)
+        .next_power_of_two()
+        .clamp(ATTN_MIN_SPLIT, ATTN_SPLIT)
 }

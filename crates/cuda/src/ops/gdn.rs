@@ -28,15 +28,20 @@ impl GdnDims {
     }
 }
 
-/// The largest key head size the kernel takes.
+/// The largest key head size the kernels take.
 const MAX_DK: usize = 256;
-/// Row groups (warps) per block.
-const GROUPS: u32 = 4;
+/// Threads of a decode-step block (`GDN_STEP_THREADS` in `gdn.cu`).
+const STEP_THREADS: u32 = 128;
+/// Value columns of a decode-step block (`GDN_STEP_COLS` in `gdn.cu`).
+const STEP_COLS: usize = 32;
+/// The largest key head size of `gdn_recurrent_step`; larger ones take `gdn_recurrent_step_dk256`.
+const STEP_SMALL_DK: usize = 128;
 /// Row groups (warps) per block of the prefill kernel (`GDN_PF_GROUPS` in `gdn.cu`).
 const PREFILL_GROUPS: u32 = 4;
 
 impl Gpu {
-    /// One decode step of `batch` sequences. `qkv`: `[batch, conv_dim]`, the conv+SiLU output
+    /// One decode step of `batch` sequences (one block per sequence, value head and 32 value
+    /// columns; the block's slice of the state is read once into registers and written once). `qkv`: `[batch, conv_dim]`, the conv+SiLU output
     /// `[q | k | v]` (q, k `[hk, dk]`, v `[hv, dv]`); `a`, `b`: `[batch, hv]` raw projections;
     /// `a_log`, `dt_bias`: `[hv]`; sequence `i` updates slot `slots[i]` of `state_pool`
     /// `[num_slots, hv, dk, dv]` (out of range: zero output, no state touched); `out`: `[batch, hv·dv]`.
@@ -85,7 +90,12 @@ impl Gpu {
             int(OP, "dv", dv)?,
         );
         let (qkv_stride, ab_stride) = (cd as i64, hv as i64);
-        let grid = (hvi as u32, dv.div_ceil(32) as u32, batch as u32);
+        let grid = (hvi as u32, dv.div_ceil(STEP_COLS) as u32, batch as u32);
+        let kernel = if dk <= STEP_SMALL_DK {
+            "gdn_recurrent_step"
+        } else {
+            "gdn_recurrent_step_dk256"
+        };
         let s = self.stream();
         let (qp, _gq) = qkv.device_ptr(s);
         let kp = qp + (hk * dk * 2) as u64;
@@ -97,7 +107,7 @@ impl Gpu {
         let (sp, _gs) = state_pool.device_ptr_mut(s);
         let (slp, _gsl) = slots.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
-        let mut l = s.launch_builder(self.kernel("gdn_recurrent_step")?);
+        let mut l = s.launch_builder(self.kernel(kernel)?);
         l.arg(&qp)
             .arg(&kp)
             .arg(&vp)
@@ -117,8 +127,9 @@ impl Gpu {
             .arg(&q_scale)
             .arg(&num_slots);
         // SAFETY: argument types match the kernel; lengths checked above (k and v lie inside each qkv
-        // row); slot ids at or beyond `num_slots` are skipped by the kernel.
-        unsafe { l.launch(cfg(grid, 32 * GROUPS, 0)) }?;
+        // row); slot ids at or beyond `num_slots` are skipped by the kernel; the block size is the
+        // GDN_STEP_THREADS it requires and dk is within the chosen kernel's limit.
+        unsafe { l.launch(cfg(grid, STEP_THREADS, 0)) }?;
         Ok(())
     }
 

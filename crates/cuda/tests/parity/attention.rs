@@ -64,10 +64,18 @@ fn reference(
     out
 }
 
-const SHAPES: [AttnDims; 2] = [
-    // Qwen3-Next's full-attention layer, then one without GQA and a head size below a warp multiple.
+const SHAPES: [AttnDims; 5] = [
+    // Qwen3-Next's full-attention layer (8 query heads per KV head); qwen4-exp's (12 per KV head: two
+    // blocks of 6); one without GQA and a head size of 16-byte chunks below a warp; the tiny configs'
+    // head size 32; a head size that is not a multiple of 8 (scalar loads).
     AttnDims {
         hq: 16,
+        hkv: 2,
+        head_dim: 256,
+        block_size: 16,
+    },
+    AttnDims {
+        hq: 24,
         hkv: 2,
         head_dim: 256,
         block_size: 16,
@@ -78,7 +86,81 @@ const SHAPES: [AttnDims; 2] = [
         head_dim: 72,
         block_size: 32,
     },
+    AttnDims {
+        hq: 4,
+        hkv: 2,
+        head_dim: 32,
+        block_size: 16,
+    },
+    AttnDims {
+        hq: 6,
+        hkv: 2,
+        head_dim: 36,
+        block_size: 8,
+    },
 ];
+
+/// One decode launch over sequences of `lens` whose tables hold `span / block_size` ids each (the
+/// ids past a sequence's blocks are `u32::MAX`, as a padded table of a recorded step would never be
+/// read there), split grid sized by `span`. Returns the GPU output and the CPU reference.
+fn decode_case(
+    g: &sanmai_cuda::Gpu,
+    rng: &mut Rng,
+    dims: AttnDims,
+    lens: &[u32],
+    span: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let b = lens.len();
+    let bs = dims.block_size;
+    let max_blocks = span.div_ceil(bs);
+    let used: Vec<usize> = lens.iter().map(|&l| (l as usize).div_ceil(bs)).collect();
+    let num_blocks = used.iter().sum::<usize>() + 3; // spare blocks no table names
+    let p = pool(rng, dims, num_blocks);
+    let ids = shuffled(rng, num_blocks);
+    let mut table = vec![u32::MAX; b * max_blocks];
+    let mut next = 0;
+    for (i, &n) in used.iter().enumerate() {
+        table[i * max_blocks..i * max_blocks + n].copy_from_slice(&ids[next..next + n]);
+        next += n;
+    }
+    let (qb, qf) = to_bf16(&rng.normals(b * dims.q_row(), 0.0, 1.0));
+    let (gb, gf) = to_bf16(&rng.normals(b * dims.q_row(), 0.0, 2.0));
+
+    let mut want = Vec::new();
+    for (i, &len) in lens.iter().enumerate() {
+        let r = i * dims.q_row()..(i + 1) * dims.q_row();
+        let blocks = &table[i * max_blocks..(i + 1) * max_blocks];
+        want.extend(reference(
+            &p,
+            blocks,
+            dims,
+            &qf[r.clone()],
+            &gf[r],
+            1,
+            len as usize,
+        ));
+    }
+
+    let (q, gate) = (g.upload(&qb).unwrap(), g.upload(&gb).unwrap());
+    let (k, v) = (g.upload(&p.kb).unwrap(), g.upload(&p.vb).unwrap());
+    let (tab, sl) = (g.upload(&table).unwrap(), g.upload(lens).unwrap());
+    let mut out = g.zeros::<bf16>(b * dims.q_row()).unwrap();
+    g.attention_paged_decode(
+        dims, &q, &gate, &k, &v, &tab, max_blocks, &sl, span, &mut out, b,
+    )
+    .unwrap();
+    (from_bf16(&g.download(&out).unwrap()), want)
+}
+
+fn dims_name(dims: AttnDims) -> String {
+    let AttnDims {
+        hq,
+        hkv,
+        head_dim: d,
+        block_size: bs,
+    } = dims;
+    format!("hq{hq}_hkv{hkv}_d{d}_bs{bs}")
+}
 
 #[test]
 fn attention_paged_decode_matches_cpu() {
@@ -89,48 +171,45 @@ fn attention_paged_decode_matches_cpu() {
     for dims in SHAPES {
         // One short sequence, one inside a split, two spanning several splits (split-K + reduce).
         let lens: Vec<u32> = vec![1, 37, 300, 1100];
-        let b = lens.len();
-        let bs = dims.block_size;
-        let max_len = *lens.iter().max().unwrap() as usize;
-        let max_blocks = max_len.div_ceil(bs);
-        let num_blocks = b * max_blocks;
-        let p = pool(&mut rng, dims, num_blocks);
-        let ids = shuffled(&mut rng, num_blocks);
-        let table: Vec<u32> = ids.clone(); // sequence i owns ids[i·max_blocks ..]
-        let (qb, qf) = to_bf16(&rng.normals(b * dims.q_row(), 0.0, 1.0));
-        let (gb, gf) = to_bf16(&rng.normals(b * dims.q_row(), 0.0, 2.0));
+        let (got, want) = decode_case(g, &mut rng, dims, &lens, 1100);
+        let shape = format!("b4_lens1-1100_{}", dims_name(dims));
+        check_reduction("attn_paged_decode", &shape, &got, &want);
+    }
+}
 
-        let mut want = Vec::new();
-        for (i, &len) in lens.iter().enumerate() {
-            let r = i * dims.q_row()..(i + 1) * dims.q_row();
-            let blocks = &table[i * max_blocks..(i + 1) * max_blocks];
-            want.extend(reference(
-                &p,
-                blocks,
-                dims,
-                &qf[r.clone()],
-                &gf[r],
-                1,
-                len as usize,
-            ));
-        }
-
-        let (q, gate) = (g.upload(&qb).unwrap(), g.upload(&gb).unwrap());
-        let (k, v) = (g.upload(&p.kb).unwrap(), g.upload(&p.vb).unwrap());
-        let (tab, sl) = (g.upload(&table).unwrap(), g.upload(&lens).unwrap());
-        let mut out = g.zeros::<bf16>(b * dims.q_row()).unwrap();
-        g.attention_paged_decode(
-            dims, &q, &gate, &k, &v, &tab, max_blocks, &sl, max_len, &mut out, b,
-        )
-        .unwrap();
-        let got = from_bf16(&g.download(&out).unwrap());
-        let AttnDims {
-            hq,
-            hkv,
-            head_dim: d,
-            block_size: bs,
-        } = dims;
-        let shape = format!("b{b}_lens1-1100_hq{hq}_hkv{hkv}_d{d}_bs{bs}");
+#[test]
+fn attention_paged_decode_span_matches_cpu() {
+    let Some(g) = gpu("attention_paged_decode_span_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(52);
+    // Qwen3-Next's layer as a recorded decode step runs it: the split grid sized by the span (4096:
+    // 64 splits of at most 64 positions; 8192: 64 of at most 128), each sequence dividing its own
+    // length over them (spans of 32 positions up to 2048 of context, then longer, several steps of
+    // rows per block), the splits past its length empty.
+    let dims = SHAPES[0];
+    let cases: [(usize, &[u32]); 12] = [
+        (4096, &[1]),
+        (4096, &[255]),
+        (4096, &[576]),
+        (4096, &[4096]),
+        (8192, &[1]),
+        (8192, &[255]),
+        (8192, &[576]),
+        (8192, &[4097]),
+        (4096, &[576; 8]),
+        (4096, &[1, 255, 576, 4096, 576, 2, 1024, 3000]),
+        (8192, &[576; 8]),
+        (8192, &[1, 255, 576, 4097, 576, 33, 2048, 8192]),
+    ];
+    for (span, lens) in cases {
+        let (got, want) = decode_case(g, &mut rng, dims, lens, span);
+        let (lo, hi) = (lens.iter().min().unwrap(), lens.iter().max().unwrap());
+        let shape = format!(
+            "b{}_lens{lo}-{hi}_span{span}_{}",
+            lens.len(),
+            dims_name(dims)
+        );
         check_reduction("attn_paged_decode", &shape, &got, &want);
     }
 }
@@ -142,8 +221,9 @@ fn attention_paged_prefill_matches_cpu() {
     };
     let mut rng = Rng::new(51);
     for dims in SHAPES {
-        // A first chunk, then a later chunk whose queries straddle a split boundary.
-        for (pos0, t) in [(0usize, 40usize), (300, 70)] {
+        // A first chunk, then a later chunk whose queries straddle a split boundary, then a long one
+        // (rows of several splits of up to 256 positions, several steps of rows per block).
+        for (pos0, t) in [(0usize, 40usize), (300, 70), (600, 160)] {
             let len = pos0 + t;
             let bs = dims.block_size;
             let nb = len.div_ceil(bs);

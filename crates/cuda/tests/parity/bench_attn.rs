@@ -1,2 +1,153 @@
 //! Timing (ignored by default; `--ignored` runs it) of decode attention and the GDN recurrent step at the shapes of a
 //! full-size decode step. Prints `BENCH` lines.
+
+use half::bf16;
+use sanmai_cuda::{AttnDims, GdnDims};
+
+use crate::bench::{pattern, time};
+use crate::common::gpu;
+
+/// Qwen3-Next's full-attention layer with the cache's block size.
+const ATTN: AttnDims = AttnDims {
+    hq: 16,
+    hkv: 2,
+    head_dim: 256,
+    block_size: 16,
+};
+
+/// Qwen3-Next's gated-delta-net layer.
+const GDN: GdnDims = GdnDims {
+    hk: 16,
+    hv: 32,
+    dk: 128,
+    dv: 128,
+};
+
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_attention_decode() {
+    let Some(g) = gpu("bench_attention_decode") else {
+        return;
+    };
+    let dims = ATTN;
+    let bs = dims.block_size;
+    // (batch, context of every sequence, span of the recording: the split grid covers it).
+    for (batch, ctx, span) in [
+        (1usize, 576usize, 4096usize),
+        (8, 576, 4096),
+        (1, 4096, 4096),
+        (8, 4096, 4096),
+        (1, 8192, 8192),
+        (8, 8192, 8192),
+        (1, 32768, 32768),
+        (8, 32768, 32768),
+    ] {
+        let per_seq = ctx.div_ceil(bs);
+        let max_blocks = span / bs;
+        let n = batch * per_seq * bs * dims.kv_row();
+        let k = g.upload(&pattern(n, 1)).unwrap();
+        let v = g.upload(&pattern(n, 2)).unwrap();
+        let mut table = vec![0u32; batch * max_blocks];
+        for b in 0..batch {
+            for i in 0..per_seq {
+                table[b * max_blocks + i] = (b * per_seq + i) as u32;
+            }
+        }
+        let tab = g.upload(&table).unwrap();
+        let lens = g.upload(&vec![ctx as u32; batch]).unwrap();
+        let q = g.upload(&pattern(batch * dims.q_row(), 3)).unwrap();
+        let gate = g.upload(&pattern(batch * dims.q_row(), 4)).unwrap();
+        let mut out = g.zeros::<bf16>(batch * dims.q_row()).unwrap();
+        let t = time(g, 3, 50, || {
+            g.attention_paged_decode(
+                dims, &q, &gate, &k, &v, &tab, max_blocks, &lens, span, &mut out, batch,
+            )
+            .unwrap()
+        });
+        // The K and V rows of every sequence, read once for all query heads of their group.
+        let bytes = batch * ctx * dims.kv_row() * 2 * 2;
+        println!(
+            "BENCH attn_paged_decode b={batch} ctx={ctx} span={span} hq={} hkv={} d={} bs={bs} bytes={bytes} time_us={:.1} GB/s={:.0}",
+            dims.hq,
+            dims.hkv,
+            dims.head_dim,
+            t * 1e6,
+            bytes as f64 / t / 1e9
+        );
+    }
+}
+
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_attention_prefill() {
+    let Some(g) = gpu("bench_attention_prefill") else {
+        return;
+    };
+    let dims = ATTN;
+    let bs = dims.block_size;
+    // One chunk of one sequence: (position of its first query, queries).
+    for (pos0, t) in [(0usize, 512usize), (0, 2048), (4096, 512)] {
+        let len = pos0 + t;
+        let nb = len.div_ceil(bs);
+        let n = nb * bs * dims.kv_row();
+        let k = g.upload(&pattern(n, 5)).unwrap();
+        let v = g.upload(&pattern(n, 6)).unwrap();
+        let table: Vec<u32> = (0..nb as u32).collect();
+        let tab = g.upload(&table).unwrap();
+        let q = g.upload(&pattern(t * dims.q_row(), 7)).unwrap();
+        let gate = g.upload(&pattern(t * dims.q_row(), 8)).unwrap();
+        let mut out = g.zeros::<bf16>(t * dims.q_row()).unwrap();
+        let secs = time(g, 2, 10, || {
+            g.attention_paged_prefill(dims, &q, &gate, &k, &v, &tab, pos0, t, &mut out)
+                .unwrap()
+        });
+        // K/V rows each query row attends (causal), read once per KV head group.
+        let rows: usize = (0..t).map(|r| pos0 + r + 1).sum();
+        let bytes = rows * dims.kv_row() * 2 * 2;
+        println!(
+            "BENCH attn_paged_prefill pos0={pos0} t={t} hq={} hkv={} d={} bs={bs} bytes={bytes} time_us={:.1} GB/s={:.0}",
+            dims.hq,
+            dims.hkv,
+            dims.head_dim,
+            secs * 1e6,
+            bytes as f64 / secs / 1e9
+        );
+    }
+}
+
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_gdn_step() {
+    let Some(g) = gpu("bench_gdn_step") else {
+        return;
+    };
+    let dims = GDN;
+    for batch in [1usize, 8] {
+        let cd = dims.conv_dim();
+        let qkv = g.upload(&pattern(batch * cd, 9)).unwrap();
+        let a = g.upload(&pattern(batch * dims.hv, 10)).unwrap();
+        let b = g.upload(&pattern(batch * dims.hv, 11)).unwrap();
+        let a_log = g.upload(&vec![-1.0f32; dims.hv]).unwrap();
+        let dt_bias = g.upload(&vec![0.5f32; dims.hv]).unwrap();
+        let mut pool = g.zeros::<f32>(batch * dims.state_len()).unwrap();
+        let slots = g.upload(&(0..batch as u32).collect::<Vec<_>>()).unwrap();
+        let mut out = g.zeros::<bf16>(batch * dims.hv * dims.dv).unwrap();
+        let t = time(g, 3, 50, || {
+            g.gdn_recurrent_step(
+                dims, &qkv, &a, &b, &a_log, &dt_bias, &mut pool, &slots, &mut out, batch,
+            )
+            .unwrap()
+        });
+        // The state read and written once.
+        let bytes = 2 * batch * dims.state_len() * 4;
+        println!(
+            "BENCH gdn_recurrent_step b={batch} hk={} hv={} dk={} dv={} bytes={bytes} time_us={:.1} GB/s={:.0}",
+            dims.hk,
+            dims.hv,
+            dims.dk,
+            dims.dv,
+            t * 1e6,
+            bytes as f64 / t / 1e9
+        );
+    }
+}

@@ -40,6 +40,7 @@ pub const SOURCES: &[Source] = &[
     source!("attention.cu"),
     source!("kv.cu"),
     source!("moe.cu"),
+    source!("moe_gemm.cu"),
     source!("elementwise.cu"),
     source!("qsa.cu"),
     source!("ple.cu"),

@@ -50,6 +50,16 @@ pub(crate) enum ExpertFormat {
     Packed { bits: u32, group_size: usize },
 }
 
+impl ExpertFormat {
+    /// The scheme as [`Gpu::moe_gemm`] takes it: `None` for bf16, else `(bits, group_size)`.
+    fn scheme(self) -> Option<(u32, usize)> {
+        match self {
+            Self::Bf16 => None,
+            Self::Packed { bits, group_size } => Some((bits, group_size)),
+        }
+    }
+}
+
 fn format_of(w: &CudaWeight) -> ExpertFormat {
     match w.packed() {
         None => ExpertFormat::Bf16,
@@ -140,7 +150,44 @@ impl CudaBackend {
         let mut wts = self.scratch::<f32>(n)?;
         g.route_topk(&logits, &mut ids, &mut wts, t, e, k, w.renormalize)?;
         self.log_routing(&ids, n, e)?;
+        // Prefill-sized steps take the tensor-core grouped GEMM (tiles of up to 64 pairs), decode steps
+        // the grouped GEMV; the choice depends on the step's shape only.
+        let gemm = Gpu::moe_gemm_wanted(t, n)
+            && Gpu::moe_gemm_supports(gu_format.scheme(), h)
+            && Gpu::moe_gemm_supports(dn_format.scheme(), inter);
         let mut perm = self.scratch::<u32>(n)?;
+        if gemm {
+            let mut tiles = self.scratch::<u32>(3 * Gpu::moe_gemm_max_tiles(n, e))?;
+            g.moe_gemm_plan(&ids, n, e, &mut perm, &mut tiles)?;
+            let mut st = self.lock();
+            let table = self.expert_table(&mut st.experts, w)?;
+            let mut gu = self.alloc(n, 2 * inter)?;
+            let (gu_s, dn_s) = (gu_format.scheme(), dn_format.scheme());
+            let (gw, gs) = (&table.gate_up, &table.gate_up_scales);
+            g.moe_gemm(
+                gw,
+                gs,
+                gu_s,
+                &x.buf,
+                t,
+                k,
+                &perm,
+                &tiles,
+                n,
+                &mut gu.buf,
+                2 * inter,
+                h,
+            )?;
+            let mut act = self.alloc(n, inter)?;
+            g.swiglu(&gu.buf, &mut act.buf, n, inter)?;
+            let mut y = self.scratch::<f32>(n * h)?;
+            let (dw, ds) = (&table.down, &table.down_scales);
+            g.moe_gemm(
+                dw, ds, dn_s, &act.buf, n, 1, &perm, &tiles, n, &mut y, h, inter,
+            )?;
+            g.moe_combine(&y, &wts, &ids, e, &mut out.buf, t, k, h)?;
+            return Ok(out);
+        }
         let mut tiles = self.scratch::<u32>(3 * moe_max_tiles(n, e))?;
         g.moe_sort(&ids, n, e, &mut perm, &mut tiles)?;
         let mut st = self.lock();

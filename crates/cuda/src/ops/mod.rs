@@ -13,6 +13,7 @@ mod gemm;
 mod gemv;
 mod kv;
 mod moe;
+mod moe_gemm;
 mod norm;
 mod ple;
 mod qsa;

@@ -1,0 +1,218 @@
+//! Routed experts as a grouped GEMM on tensor cores (`kernels/moe_gemm.cu`), for steps with many
+//! (token, expert) pairs: [`Gpu::moe_gemm_plan`] groups the pairs by expert into tiles of at most
+//! [`Gpu::MOE_GEMM_TILE`] pairs, and [`Gpu::moe_gemm`] multiplies each tile's gathered input rows by
+//! its expert's weight (bf16 values or packed INT4/INT6/INT8 words with f32 scales, through the same
+//! address tables as the grouped GEMV) with `mma.sync`, f32 accumulation, each scale group's partial
+//! product scaled in f32. The outputs are the grouped GEMV's: `y[p, :]` for pair `p`.
+//!
+//! The grouped GEMV ([`Gpu::moe_gemv`], [`Gpu::moe_gemv_packed`]) decodes every weight on the CUDA
+//! cores once per tile of at most 8 pairs; the GEMM reads each chosen expert's weight once per 64 pairs
+//! and does the arithmetic on tensor cores, so it runs near the weight-streaming bound. Decode steps
+//! keep the GEMV (see [`Gpu::moe_gemm_wanted`]).
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use half::bf16;
+
+use super::moe::MoeOut;
+use crate::error::{ensure, Result};
+use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
+
+/// Weight rows per block (`MG_BM`).
+const BM: usize = 128;
+/// k per pipeline stage (`MG_KC`).
+const KC: usize = 64;
+/// Shared bytes of one input row of a stage (`MG_XROW`).
+const XROW: usize = 144;
+
+/// `(shared bytes per weight row of a stage, stages)` of each format, as `MgFmt` in the kernel.
+fn layout(scheme: Option<(u32, usize)>) -> (usize, usize) {
+    match scheme {
+        None => (144, 3),
+        Some((4, _)) => (32, 4),
+        Some((6, _)) => (48, 4),
+        _ => (80, 3),
+    }
+}
+
+impl Gpu {
+    /// Pairs per tile of the grouped GEMM (`MG_TILE`).
+    pub const MOE_GEMM_TILE: usize = 64;
+    /// Fewest (token, expert) pairs for which the backend takes the grouped GEMM. At about 100 pairs
+    /// over 512 experts each chosen expert has one or two pairs: the GEMM streams those experts'
+    /// weights at close to the copy bandwidth (tensor cores, integer codes decoded in a few
+    /// instructions each), where the GEMV spends most of its time decoding on the CUDA cores, so the
+    /// GEMM is already several times faster there; below that the two are a few microseconds apart
+    /// and decode steps stay on the GEMV.
+    pub const MOE_GEMM_MIN_PAIRS: usize = 96;
+    /// Most tokens of a step that keeps the grouped GEMV (the decode batch sizes).
+    pub const MOE_GEMM_MAX_GEMV_TOKENS: usize = 8;
+
+    /// Whether a step of `tokens` tokens and `pairs` pairs takes the grouped GEMM: more than
+    /// [`Gpu::MOE_GEMM_MAX_GEMV_TOKENS`] tokens and at least [`Gpu::MOE_GEMM_MIN_PAIRS`] pairs. It
+    /// depends on the step's shape only (never on the routing), so a recorded step replays the same
+    /// launches.
+    pub fn moe_gemm_wanted(tokens: usize, pairs: usize) -> bool {
+        tokens > Self::MOE_GEMM_MAX_GEMV_TOKENS && pairs >= Self::MOE_GEMM_MIN_PAIRS
+    }
+
+    /// Whether [`Gpu::moe_gemm`] serves weights of `scheme` (`None`: bf16; `Some((bits, group_size))`
+    /// packed, `group_size` 0 for per-row scales) with `k` inputs: `k % 64 == 0`, bits 4, 6 or 8, and
+    /// a group of 16, 32, a multiple of 64, or per row.
+    pub fn moe_gemm_supports(scheme: Option<(u32, usize)>, k: usize) -> bool {
+        let k_ok = k > 0 && k.is_multiple_of(KC);
+        match scheme {
+            None => k_ok,
+            Some((bits, g)) => {
+                k_ok && matches!(bits, 4 | 6 | 8) && (g == 0 || g == 16 || g == 32 || g % KC == 0)
+            }
+        }
+    }
+
+    /// The most tiles `n_pairs` pairs over `e` experts can need: each non-empty expert adds at most one
+    /// partial tile.
+    pub fn moe_gemm_max_tiles(n_pairs: usize, e: usize) -> usize {
+        n_pairs
+            .min(n_pairs.div_ceil(Self::MOE_GEMM_TILE) + e.min(n_pairs))
+            .max(1)
+    }
+
+    /// Groups `n_pairs` expert ids (`ids`, each `< e`; others are dropped) by expert: `perm`
+    /// `[n_pairs]` lists pair numbers expert after expert (as [`Gpu::moe_sort`]), `tiles`
+    /// `[max_tiles, 3]` holds `(expert, start in perm, count ≤ MOE_GEMM_TILE)` with an unused tail
+    /// of count 0, where `max_tiles = Gpu::moe_gemm_max_tiles(n_pairs, e)`.
+    pub fn moe_gemm_plan(
+        &self,
+        ids: &impl DevicePtr<u32>,
+        n_pairs: usize,
+        e: usize,
+        perm: &mut impl DevicePtrMut<u32>,
+        tiles: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        const OP: &str = "moe_gemm_plan";
+        ensure(e > 0 && 8 * e <= 46 * 1024, OP, || {
+            format!("{e} experts do not fit shared memory")
+        })?;
+        let max_tiles = Self::moe_gemm_max_tiles(n_pairs, e);
+        check_len(OP, "ids", ids, n_pairs)?;
+        check_len(OP, "perm", perm, n_pairs)?;
+        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
+        let (np, ei, mt) = (
+            int(OP, "n_pairs", n_pairs)?,
+            int(OP, "e", e)?,
+            int(OP, "max_tiles", max_tiles)?,
+        );
+        let s = self.stream();
+        let (ip, _gi) = ids.device_ptr(s);
+        let (pp, _gp) = perm.device_ptr_mut(s);
+        let (tp, _gt) = tiles.device_ptr_mut(s);
+        let mut b = s.launch_builder(self.kernel("moe_gemm_plan")?);
+        b.arg(&ip).arg(&np).arg(&ei).arg(&pp).arg(&tp).arg(&mt);
+        // SAFETY: argument types match the kernel; lengths and shared memory (2·e u32) checked above.
+        unsafe { b.launch(cfg((1, 1, 1), 1024, (8 * e) as u32)) }?;
+        Ok(())
+    }
+
+    /// For every tile `(x, start, count)` of `tiles` (from [`Gpu::moe_gemm_plan`]) and each pair
+    /// `p = perm[start + m]` of it: `y[p, :] = W_x · x[p / x_div, :]`, `W_x` the `[n, k]` weight of
+    /// expert `x`: bf16 values at `w_ptrs[x]` (`scheme` `None`; `s_ptrs` is not read) or packed words
+    /// at `w_ptrs[x]` with f32 scales at `s_ptrs[x]` (`scheme` `Some((bits, group_size))`, the layout
+    /// of [`Gpu::moe_gemv_packed`]). `x_div = top_k` reads token rows (gate|up), `1` pair rows (down).
+    /// Needs [`Gpu::moe_gemm_supports`]`(scheme, k)`, 16-byte aligned weights and `x`; the caller builds
+    /// the tables from live weights of that scheme and shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemm<O: MoeOut>(
+        &self,
+        w_ptrs: &impl DevicePtr<u64>,
+        s_ptrs: &impl DevicePtr<u64>,
+        scheme: Option<(u32, usize)>,
+        x: &impl DevicePtr<bf16>,
+        x_rows: usize,
+        x_div: usize,
+        perm: &impl DevicePtr<u32>,
+        tiles: &impl DevicePtr<u32>,
+        n_pairs: usize,
+        y: &mut impl DevicePtrMut<O>,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        const OP: &str = "moe_gemm";
+        ensure(Self::moe_gemm_supports(scheme, k), OP, || {
+            format!(
+                "weights {scheme:?} with k = {k}: need k % 64 == 0, bits 4, 6 or 8 and a group of \
+                 16, 32, a multiple of 64 or per row"
+            )
+        })?;
+        ensure(x_div >= 1 && n_pairs.div_ceil(x_div) <= x_rows, OP, || {
+            format!("{n_pairs} pairs over x_div {x_div} need more than {x_rows} rows of x")
+        })?;
+        let e = w_ptrs.len();
+        if scheme.is_some() {
+            check_len(OP, "s_ptrs", s_ptrs, e)?;
+        }
+        let max_tiles = Self::moe_gemm_max_tiles(n_pairs, e);
+        check_len(OP, "x", x, x_rows * k)?;
+        check_len(OP, "perm", perm, n_pairs)?;
+        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
+        check_len(OP, "y", y, n_pairs * n)?;
+        if n_pairs == 0 || n == 0 {
+            return Ok(());
+        }
+        ensure(max_tiles <= 65535, OP, || {
+            format!("{max_tiles} tiles exceed the grid limit")
+        })?;
+        let group = match scheme {
+            Some((_, g)) if g > 0 => g,
+            _ => k,
+        };
+        let spc = if group < KC { KC / group } else { 1 };
+        let (srow, stages) = layout(scheme);
+        let scale_bytes = if scheme.is_some() { BM * 4 * spc } else { 0 };
+        let smem = stages * (BM * srow + Self::MOE_GEMM_TILE * XROW + scale_bytes);
+        let name = match scheme {
+            None => format!("moe_gemm_bf16_{}", O::SUFFIX),
+            Some((bits, _)) => format!("moe_gemm_q{bits}_{}", O::SUFFIX),
+        };
+        let f = self.kernel(&name)?;
+        // Above the default 48 KiB of dynamic shared memory a kernel must opt in (a host-side attribute
+        // of the function, no stream operation); every layout is below the 99 KiB of sm_86.
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+        let s = self.stream();
+        let (wp, _gw) = w_ptrs.device_ptr(s);
+        let (sp, _gs) = s_ptrs.device_ptr(s);
+        let (xp, _gx) = x.device_ptr(s);
+        let (pp, _gp) = perm.device_ptr(s);
+        let (tp, _gt) = tiles.device_ptr(s);
+        let (yp, _gy) = y.device_ptr_mut(s);
+        ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
+        let (xd, ni, ki, gi, si) = (
+            int(OP, "x_div", x_div)?,
+            int(OP, "n", n)?,
+            int(OP, "k", k)?,
+            int(OP, "group", group)?,
+            int(OP, "spc", spc)?,
+        );
+        let mut b = s.launch_builder(f);
+        b.arg(&wp)
+            .arg(&sp)
+            .arg(&xp)
+            .arg(&xd)
+            .arg(&pp)
+            .arg(&tp)
+            .arg(&yp)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&gi)
+            .arg(&si);
+        let grid = (grid_u32(OP, n.div_ceil(BM))?, max_tiles as u32, 1);
+        // SAFETY: argument types match the kernel; x, perm, tiles, y and table lengths and the shape
+        // rules checked above; perm holds pair numbers below n_pairs (written by moe_gemm_plan), so x
+        // rows p / x_div < x_rows and y rows p < n_pairs; weight (and scale) addresses come from the
+        // caller's tables of live [n, k] weights of this scheme; shared memory opted in above.
+        unsafe { b.launch(cfg(grid, 256, smem as u32)) }?;
+        Ok(())
+    }
+}

@@ -1,4 +1,6 @@
-//! The executor seam: the engine loop submits [`StepPlan`]s to an [`Executor`] and waits for their logits.
+//! The executor seam: the engine loop submits [`StepPlan`]s to an [`Executor`] and waits for their logits
+//! (or, when every row of a step says how to draw its token and the executor samples where the logits
+//! are, for the sampled tokens: see [`ChunkSampling`]).
 //! An executor may keep several steps in flight (pipeline stages on several GPUs: microbatches of different
 //! sequences overlap); the engine never schedules a sequence again before its previous step has returned.
 //! [`ModelExecutor`] runs a [`Model`] on one backend, one step at a time.
@@ -6,6 +8,7 @@
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use sanmai_model::sample::{RowSampling, Sampled, SeenToken};
 use sanmai_model::{Backend, Model, PleSource, SeqChunk};
 use sanmai_ple::{PrefetchOptions, Prefetcher};
 
@@ -35,6 +38,50 @@ pub struct PlannedChunk {
     pub pos0: usize,
     pub tokens: Vec<u32>,
     pub logits: LogitRows,
+    /// How the token after the chunk is drawn, for a [`LogitRows::Last`] chunk the engine lets the
+    /// executor sample (see [`Executor::samples_on_device`]).
+    pub sampling: Option<ChunkSampling>,
+}
+
+/// One row's sampling, owned: what [`RowSampling`] borrows.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChunkSampling {
+    /// Ids below this are real tokens.
+    pub valid_vocab: usize,
+    pub temperature: f32,
+    /// 0: off.
+    pub top_k: usize,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// Distinct tokens of prompt and output with their output counts (empty without penalties).
+    pub seen: Vec<SeenToken>,
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Allowed tokens (grammar mask, and end tokens cleared before `min_tokens`), `valid_vocab` bits.
+    pub allowed: Option<Vec<u32>>,
+    /// The draw's uniform from the request's stream.
+    pub uniform: f64,
+}
+
+impl ChunkSampling {
+    /// The borrowed form the sampling op takes.
+    pub fn row(&self) -> RowSampling<'_> {
+        RowSampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            seen: &self.seen,
+            logit_bias: &self.logit_bias,
+            allowed: self.allowed.as_deref(),
+            uniform: self.uniform,
+        }
+    }
 }
 
 /// One step: the chunks of the scheduled sequences.
@@ -49,11 +96,13 @@ impl StepPlan {
     }
 }
 
-/// Logits of the requested rows, in chunk order, `width` wide each.
+/// Logits of the requested rows, in chunk order, `width` wide each; or, when the executor sampled the
+/// step itself, no logits and one sampled token (or the reason it failed) per row in `sampled`.
 #[derive(Debug, Clone, Default)]
 pub struct StepLogits {
     pub width: usize,
     pub rows: Vec<f32>,
+    pub sampled: Option<Vec<Result<Sampled, String>>>,
 }
 
 impl StepLogits {
@@ -96,6 +145,11 @@ pub trait Executor: Send {
     fn ple_metrics(&self) -> Option<sanmai_ple::PleMetricsSnapshot> {
         None
     }
+    /// Whether the executor samples a step's tokens itself when every row of it carries a
+    /// [`ChunkSampling`] (the engine then attaches them; otherwise it samples on the host).
+    fn samples_on_device(&self) -> bool {
+        false
+    }
     /// Steps that may be in flight at once (1: each step finishes before the next is submitted).
     fn max_in_flight(&self) -> usize {
         1
@@ -122,6 +176,7 @@ pub struct ModelExecutor<B: Backend> {
     pub model: Model<B>,
     done: VecDeque<(StepPlan, Result<StepLogits, String>)>,
     prefetcher: Option<Prefetcher>,
+    device_sampling: bool,
 }
 
 impl<B: Backend> ModelExecutor<B> {
@@ -138,11 +193,19 @@ impl<B: Backend> ModelExecutor<B> {
             }
             _ => None,
         };
+        let device_sampling = model.backend.device_sampling();
         ModelExecutor {
             model,
             done: VecDeque::new(),
             prefetcher,
+            device_sampling,
         }
+    }
+
+    /// Samples through [`Backend::sample`] (`true`; the default where the backend samples on the
+    /// device) or returns logits for the engine to sample (`false`).
+    pub fn set_device_sampling(&mut self, on: bool) {
+        self.device_sampling = on;
     }
 }
 
@@ -185,6 +248,10 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         self.model.init_cache(num_blocks, block_size);
     }
 
+    fn samples_on_device(&self) -> bool {
+        self.device_sampling
+    }
+
     fn alloc_state(&mut self) -> usize {
         self.model.backend.alloc_state()
     }
@@ -203,7 +270,8 @@ impl<B: Backend> Executor for ModelExecutor<B> {
 
     fn submit(&mut self, plan: StepPlan) {
         // A panic in the model fails this step's requests, not the engine.
-        let out = catch_unwind(AssertUnwindSafe(|| run_step(&self.model, &plan)))
+        let device = self.device_sampling;
+        let out = catch_unwind(AssertUnwindSafe(|| run_step(&self.model, &plan, device)))
             .map_err(|p| panic_message(&*p))
             .and_then(|r| r);
         if let Some(p) = &self.prefetcher {
@@ -221,7 +289,52 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     }
 }
 
-fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan) -> Result<StepLogits, String> {
+/// The rows' sampling when the whole step can be sampled by the backend: every row is the last of its
+/// chunk and carries its [`ChunkSampling`], all over one vocabulary.
+fn device_rows(plan: &StepPlan) -> Option<(usize, Vec<RowSampling<'_>>)> {
+    let mut vocab = None;
+    let mut rows = Vec::new();
+    for c in &plan.chunks {
+        match (c.logits, &c.sampling) {
+            (LogitRows::None, _) => {}
+            (LogitRows::Last, Some(s)) if vocab.is_none_or(|v| v == s.valid_vocab) => {
+                vocab = Some(s.valid_vocab);
+                rows.push(s.row());
+            }
+            _ => return None,
+        }
+    }
+    vocab.map(|v| (v, rows))
+}
+
+/// The step's logits on the host, or its sampled tokens when `device` and [`device_rows`] allow.
+fn finish_step<B: Backend>(
+    m: &Model<B>,
+    plan: &StepPlan,
+    logits: B::Tensor,
+    device: bool,
+) -> StepLogits {
+    if let Some((vocab, rows)) = device.then(|| device_rows(plan)).flatten() {
+        let sampled = m.backend.sample(logits, vocab, &rows);
+        return StepLogits {
+            sampled: Some(
+                sampled
+                    .into_iter()
+                    .map(|r| r.map_err(|e| e.to_string()))
+                    .collect(),
+            ),
+            ..StepLogits::default()
+        };
+    }
+    let (_, width, rows) = m.backend.to_host(logits);
+    StepLogits {
+        width,
+        rows,
+        sampled: None,
+    }
+}
+
+fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan, device: bool) -> Result<StepLogits, String> {
     let mut ids = Vec::with_capacity(plan.num_tokens());
     let mut seqs = Vec::with_capacity(plan.chunks.len());
     let mut rows = Vec::new();
@@ -265,8 +378,7 @@ fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan) -> Result<StepLogits, Str
         if rows.is_empty() {
             return Ok(StepLogits::default());
         }
-        let (_, width, rows) = m.backend.to_host(m.logits(&out.hidden));
-        return Ok(StepLogits { width, rows });
+        return Ok(finish_step(m, plan, m.logits(&out.hidden), device));
     }
     if rows.is_empty() {
         m.forward(&ids, &seqs, &rows);
@@ -274,6 +386,5 @@ fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan) -> Result<StepLogits, Str
     }
     // Forward, final norm and lm_head in one region (one graph replay for decode steps on a GPU).
     let (_, logits) = m.forward_logits(&ids, &seqs, &rows);
-    let (_, width, rows) = m.backend.to_host(logits);
-    Ok(StepLogits { width, rows })
+    Ok(finish_step(m, plan, logits, device))
 }

@@ -95,6 +95,28 @@ impl<E: Executor> Engine<E> {
             }
             to_sample[i] = Some(first_row + rows - 1);
         }
+        if let Some(sampled) = out.sampled.take() {
+            // The executor sampled every row already (with the uniforms reserved when it was planned).
+            let mut sampled: Vec<Option<_>> = sampled.into_iter().map(Some).collect();
+            for (i, r) in to_sample.iter().enumerate() {
+                let Some(r) = *r else { continue };
+                let s = sampled
+                    .get_mut(r)
+                    .and_then(Option::take)
+                    .unwrap_or_else(|| Err("the step returned no token for this sequence".into()))
+                    .map(|s| Sampled {
+                        id: s.id,
+                        logprob: s.logprob,
+                        top_logprobs: Vec::new(),
+                    });
+                self.running[i].sampler.discard_reserved();
+                if let Some(end) = self.accept_sampled(i, s) {
+                    done.push(end);
+                }
+            }
+            self.finish_done(done);
+            return;
+        }
         // Sample every sequence that completed its pending tokens, in parallel (a row is the full vocabulary).
         let (sampler, eos) = (&self.sampler, &self.cfg.eos_ids);
         let width = out.width;

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use super::Engine;
-use crate::executor::{Executor, LogitRows, PlannedChunk, StepPlan};
+use crate::executor::{ChunkSampling, Executor, LogitRows, PlannedChunk, StepPlan};
 use crate::sequence::Sequence;
 
 impl<E: Executor> Engine<E> {
@@ -62,7 +62,14 @@ impl<E: Executor> Engine<E> {
             let Some(i) = self.running.iter().position(|s| s.req.id == id) else {
                 continue;
             };
-            let c = self.chunk(&self.running[i], len);
+            let mut c = self.chunk(&self.running[i], len);
+            if c.logits == LogitRows::Last && self.executor.samples_on_device() {
+                c.sampling = device_sampling(
+                    &mut self.running[i],
+                    self.cfg.valid_vocab,
+                    &self.cfg.eos_ids,
+                );
+            }
             budget -= c.tokens.len();
             plan.chunks.push(c);
             planned.push(id);
@@ -98,7 +105,10 @@ impl<E: Executor> Engine<E> {
             if lookup {
                 self.cache.record_admission(seq.tokens.len(), cached);
             }
-            let c = self.chunk(&seq, len);
+            let mut c = self.chunk(&seq, len);
+            if c.logits == LogitRows::Last && self.executor.samples_on_device() {
+                c.sampling = device_sampling(&mut seq, self.cfg.valid_vocab, &self.cfg.eos_ids);
+            }
             budget -= c.tokens.len();
             plan.chunks.push(c);
             self.running.push(seq);
@@ -138,6 +148,7 @@ impl<E: Executor> Engine<E> {
             pos0: seq.num_computed,
             tokens: seq.tokens[seq.num_computed..end].to_vec(),
             logits,
+            sampling: None,
         }
     }
 
@@ -159,4 +170,68 @@ impl<E: Executor> Engine<E> {
         self.limits.waiting.fetch_add(1, Ordering::Relaxed);
         self.waiting.push_front(seq);
     }
+}
+
+/// How `seq`'s next token can be drawn by the executor, or `None` when it must be sampled on the host:
+/// top-N logprobs asked for, parameters the host sampler will reject, or a grammar whose mask is not
+/// in hand yet (or failed). Reserves the draw's uniform from the sequence's stream, so the token is the
+/// same whichever side samples it.
+pub(super) fn device_sampling(
+    seq: &mut Sequence,
+    valid_vocab: usize,
+    eos: &[u32],
+) -> Option<ChunkSampling> {
+    let p = &seq.req.sampling;
+    if p.logprobs.unwrap_or(0) > 0 || p.validate(valid_vocab).is_err() {
+        return None;
+    }
+    let words = valid_vocab.div_ceil(32);
+    let mut allowed = match seq.constraint.as_mut() {
+        Some(c) if c.active() => {
+            if !c.poll() {
+                return None;
+            }
+            match c.mask() {
+                Some(Ok(m)) => {
+                    let mut m = m.to_vec();
+                    m.resize(words, 0);
+                    Some(m)
+                }
+                _ => return None,
+            }
+        }
+        _ => None,
+    };
+    if seq.num_output() < seq.req.stop.min_tokens {
+        // Too early to stop: end tokens cannot be drawn.
+        let m = allowed.get_or_insert_with(|| vec![u32::MAX; words]);
+        for &id in eos.iter().chain(&seq.req.stop.stop_token_ids) {
+            if (id as usize) < valid_vocab {
+                m[id as usize / 32] &= !(1 << (id % 32));
+            }
+        }
+    }
+    let p = &seq.req.sampling;
+    Some(ChunkSampling {
+        valid_vocab,
+        temperature: p.temperature,
+        top_k: p.top_k_limit().unwrap_or(0),
+        top_p: p.top_p,
+        min_p: p.min_p,
+        repetition_penalty: p.repetition_penalty,
+        frequency_penalty: p.frequency_penalty,
+        presence_penalty: p.presence_penalty,
+        seen: if p.uses_penalties() {
+            seq.sampler.counts().seen().to_vec()
+        } else {
+            Vec::new()
+        },
+        logit_bias: p.logit_bias.clone(),
+        allowed,
+        uniform: if p.is_greedy() {
+            0.0
+        } else {
+            seq.sampler.reserve_uniform()
+        },
+    })
 }

@@ -121,6 +121,11 @@ impl SamplerState {
         *self.reserved.get_or_insert_with(|| self.rng.next_f64())
     }
 
+    /// Forgets the reserved uniform: the draw it was for happened elsewhere (on the device).
+    pub fn discard_reserved(&mut self) {
+        self.reserved = None;
+    }
+
     /// The uniform of the draw happening now: the reserved one, else the next of the stream.
     pub fn take_uniform(&mut self) -> f64 {
         self.reserved.take().unwrap_or_else(|| self.rng.next_f64())

@@ -5,9 +5,10 @@
 //! with the block tables padded to the step's *span*), so every launch of the step reads its
 //! positions, K/V destinations, state slots, context lengths and block tables from the same device
 //! addresses. The span is the context the attention split grid covers: the next power of two of
-//! the step's longest context (at least [`MIN_GRAPH_SPAN`]); decode attention launches one split
-//! per 256 positions of the span and the splits beyond a sequence's length (read on the device)
-//! exit at once, so one recording serves every context length up to its span.
+//! the step's longest context (at least [`MIN_GRAPH_SPAN`]); decode attention launches about 64
+//! splits of at most span/64 positions (32 to 256), each sequence divides its own length (read on
+//! the device) over them and the splits beyond it exit at once, so one recording serves every
+//! context length up to its span.
 //!
 //! Per (region, batch size, output rows, span): the first step runs eagerly (a warm-up: lazy
 //! uploads such as RoPE tables and expert address tables happen there, never under capture); the

@@ -1,10 +1,17 @@
 // Decode GEMV, bf16 weights and activations with f32 accumulation: Y[m, :] = W · X[m, :] for M ≤ 8 rows
-// of X at once, W [n, k] row-major. Memory-bound: each warp owns GEMV_ROWS consecutive rows of W and
-// streams them with 16-byte loads (evict-first, the weights are read once), several loads in flight per
-// lane; X (a few KB) is read through the read-only cache. Requires k % 8 == 0 and 16-byte aligned W, X.
+// of X at once, W [n, k] row-major. Memory-bound: the work is cut so that every GEMV fills the GPU
+// whatever n is. A block of 256 threads is split into row slots of `tpr` threads (2^tpr_log2, 1..256);
+// a slot owns `rps` (1..GEMV_ROWS) consecutive rows of W and its threads stride through the rows' 16-byte
+// chunks together (coalesced, evict-first loads: the weights are read once), so each thread keeps
+// 2 · rps loads in flight; X (a few KB) is read through the read-only cache. A slot's partial sums are
+// reduced with shuffles inside a warp and, when a slot spans several warps (tpr > 32), through shared
+// memory. The host picks rps and tpr per shape: 4 rows per 32-thread slot on large n (the lm_head), wider
+// slots and fewer rows when n is small, so that even n = 1 spreads k over a block and n = 512 fills the
+// GPU. Requires k % 8 == 0 and 16-byte aligned W, X.
 #include "common.cuh"
 
 #define GEMV_ROWS 4
+#define GEMV_THREADS 256
 
 template <typename OUT>
 __device__ __forceinline__ void put(OUT* y, size_t i, float v);
@@ -15,14 +22,16 @@ __device__ __forceinline__ void put<float>(float* y, size_t i, float v) { y[i] =
 
 template <int M, typename OUT>
 __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
-                                          OUT* __restrict__ Y, int n, int k) {
-    const int lane = threadIdx.x & 31;
-    const long long warp = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const long long row0 = warp * GEMV_ROWS;
-    if (row0 >= n) return;
-    const int nrows = (int)min((long long)GEMV_ROWS, (long long)n - row0);
+                                          OUT* __restrict__ Y, int n, int k, int rps, int tpr_log2) {
+    __shared__ float red[GEMV_THREADS / 32][GEMV_ROWS][M];
+    const int tpr = 1 << tpr_log2;
+    const int slot = threadIdx.x >> tpr_log2, p = threadIdx.x & (tpr - 1);
+    const int slots = GEMV_THREADS >> tpr_log2;
+    const long long row0 = ((long long)blockIdx.x * slots + slot) * rps;
+    const int nrows = (int)max(0LL, min((long long)rps, (long long)n - row0));
     const int kv = k >> 3;
-    const uint4* w4 = (const uint4*)W + row0 * kv;
+    const int kend = nrows > 0 ? kv : 0;
+    const uint4* w4 = (const uint4*)W + (nrows > 0 ? row0 : 0) * kv;
     const uint4* x4 = (const uint4*)X;
     float acc[GEMV_ROWS][M];
 #pragma unroll
@@ -31,7 +40,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16
         for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
 
 #pragma unroll 2
-    for (int c = lane; c < kv; c += 32) {
+    for (int c = p; c < kend; c += tpr) {
         uint4 wv[GEMV_ROWS];
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; ++r)
@@ -49,11 +58,38 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16
             }
         }
     }
+    // Sum over the slot: shuffles over the lanes of one slot (offsets below tpr), then across warps.
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; ++r)
 #pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
-    if (lane == 0) {
+        for (int m = 0; m < M; ++m) {
+            float v = acc[r][m];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                if (o < tpr) v += __shfl_xor_sync(0xffffffffu, v, o);
+            acc[r][m] = v;
+        }
+    if (tpr > 32) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+                for (int m = 0; m < M; ++m) red[warp][r][m] = acc[r][m];
+        __syncthreads();
+        if (p == 0) {
+            const int nw = tpr >> 5;
+#pragma unroll
+            for (int r = 0; r < GEMV_ROWS; ++r)
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    float v = acc[r][m];
+                    for (int i = 1; i < nw; ++i) v += red[warp + i][r][m];
+                    acc[r][m] = v;
+                }
+        }
+    }
+    if (p == 0) {
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; ++r)
             if (r < nrows)
@@ -62,21 +98,22 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16
     }
 }
 
-// Y: [M, n] bf16. Launch with 256 threads; grid = ceil(n / (8 · GEMV_ROWS)).
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m1(const bf16* W, const bf16* X, bf16* Y, int n, int k) { gemv_impl<1, bf16>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m2(const bf16* W, const bf16* X, bf16* Y, int n, int k) { gemv_impl<2, bf16>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m3(const bf16* W, const bf16* X, bf16* Y, int n, int k) { gemv_impl<3, bf16>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m4(const bf16* W, const bf16* X, bf16* Y, int n, int k) { gemv_impl<4, bf16>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m5(const bf16* W, const bf16* X, bf16* Y, int n, int k) { gemv_impl<5, bf16>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m6(const bf16* W, const bf16* X, bf16* Y, int n, int k) { gemv_impl<6, bf16>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m7(const bf16* W, const bf16* X, bf16* Y, int n, int k) { gemv_impl<7, bf16>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m8(const bf16* W, const bf16* X, bf16* Y, int n, int k) { gemv_impl<8, bf16>(W, X, Y, n, k); }
-// Y: [M, n] f32 (logits, router scores).
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m1(const bf16* W, const bf16* X, float* Y, int n, int k) { gemv_impl<1, float>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m2(const bf16* W, const bf16* X, float* Y, int n, int k) { gemv_impl<2, float>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m3(const bf16* W, const bf16* X, float* Y, int n, int k) { gemv_impl<3, float>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m4(const bf16* W, const bf16* X, float* Y, int n, int k) { gemv_impl<4, float>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m5(const bf16* W, const bf16* X, float* Y, int n, int k) { gemv_impl<5, float>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m6(const bf16* W, const bf16* X, float* Y, int n, int k) { gemv_impl<6, float>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m7(const bf16* W, const bf16* X, float* Y, int n, int k) { gemv_impl<7, float>(W, X, Y, n, k); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m8(const bf16* W, const bf16* X, float* Y, int n, int k) { gemv_impl<8, float>(W, X, Y, n, k); }
+// Y: [M, n] bf16. 256 threads; rps ∈ 1..GEMV_ROWS rows per slot, slots of 2^tpr_log2 ≤ 256 threads;
+// grid = ceil(n / (rps · 256 / 2^tpr_log2)).
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m1(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<1, bf16>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m2(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<2, bf16>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m3(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<3, bf16>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m4(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<4, bf16>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m5(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<5, bf16>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m6(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<6, bf16>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m7(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<7, bf16>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m8(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<8, bf16>(W, X, Y, n, k, rps, tpr_log2); }
+// Y: [M, n] f32 (logits, router scores); same launch as above.
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m1(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<1, float>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m2(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<2, float>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m3(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<3, float>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m4(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<4, float>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m5(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<5, float>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m6(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<6, float>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m7(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<7, float>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m8(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<8, float>(W, X, Y, n, k, rps, tpr_log2); }

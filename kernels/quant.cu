@@ -7,7 +7,7 @@
 //   INT8: 4 codes per word (value j at bits 8(j%4) of word j/4)       32 values = 8 words
 //   INT6: rows padded to 32 values, value j at bits [6j, 6j+6) of the row's bit stream: 32 values = 6 words
 // S is [n, ceil(k / group)] f32 (group = k for per-channel scales); w[r, j] = q[r, j] · S[r, j / group].
-// A "unit" is 32 consecutive values of a row; each lane decodes whole units. Requirements (checked on
+// A "unit" is 32 consecutive values of a row; each thread decodes whole units. Requirements (checked on
 // the host): k % 32 == 0 for INT4/INT8, k % 8 == 0 for INT6 (its last unit is partial when k % 32 != 0),
 // group % 8 == 0, 16-byte aligned W, X.
 #include "common.cuh"
@@ -53,6 +53,28 @@ template <> struct Unit<6> {
     }
 };
 
+// Values 8c .. 8c + 7 of a unit as f32 (the GEMV's decode). INT8 and INT4 place each code in the low byte
+// of the float 2^23 (one byte permute, then the offset subtracted: 2 instructions a value); INT6 shifts.
+template <int BITS>
+__device__ __forceinline__ void decode8(const u32 w[Unit<BITS>::WORDS], int c, float q[8]) {
+    const float base = 8388608.0f + (float)(1 << (BITS - 1));
+    if (BITS == 8) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            q[e] = __uint_as_float(__byte_perm(w[2 * c + (e >> 2)], 0x4B000000u, 0x7540u | (e & 3))) - base;
+    } else if (BITS == 4) {
+        const u32 lo = w[c] & 0x0F0F0F0Fu, hi = (w[c] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[2 * i] = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7540u | i)) - base;
+            q[2 * i + 1] = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7540u | i)) - base;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) q[e] = qval<BITS>(Unit<BITS>::code(w, c * 8 + e));
+    }
+}
+
 template <typename OUT>
 __device__ __forceinline__ void qput(OUT* y, size_t i, float v);
 template <>
@@ -60,42 +82,107 @@ __device__ __forceinline__ void qput<bf16>(bf16* y, size_t i, float v) { y[i] = 
 template <>
 __device__ __forceinline__ void qput<float>(float* y, size_t i, float v) { y[i] = v; }
 
-// Loads unit u of each of a warp's rows: its words and the scale of each 8-value chunk (the chunk
-// index is clamped to k - 1 so the INT6 tail past k reads a valid scale; that chunk is skipped).
-template <int BITS>
+// Loads unit u of each of a slot's first `nrows` rows: its words and the scale of each 8-value chunk (the
+// chunk index is clamped to k - 1 so the INT6 tail past k reads a valid scale; that chunk is skipped), or
+// with UNIT_SCALE (group % 32 == 0: a unit lies inside one group) the unit's one scale in sc[r][0].
+// Rows past nrows are not read (zero words; their sums are never stored).
+template <int BITS, bool UNIT_SCALE>
 __device__ __forceinline__ void fetch_unit(const u32* const wrow[QROWS], const float* const srow[QROWS],
-                                           int u, int k, int group, u32 w[QROWS][Unit<BITS>::WORDS],
-                                           float sc[QROWS][4]) {
+                                           int nrows, int u, int k, int group,
+                                           u32 w[QROWS][Unit<BITS>::WORDS], float sc[QROWS][4]) {
 #pragma unroll
     for (int r = 0; r < QROWS; ++r) {
-        Unit<BITS>::load(wrow[r], u, w[r]);
+        if (r < nrows) {
+            Unit<BITS>::load(wrow[r], u, w[r]);
+            if (UNIT_SCALE) {
+                sc[r][0] = __ldg(srow[r] + (u * 32) / group);
+            } else {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) sc[r][c] = __ldg(srow[r] + min(u * 32 + c * 8, k - 1) / group);
+                for (int c = 0; c < 4; ++c) sc[r][c] = __ldg(srow[r] + min(u * 32 + c * 8, k - 1) / group);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < Unit<BITS>::WORDS; ++i) w[r][i] = 0u;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) sc[r][c] = 0.0f;
+        }
     }
 }
 
-// One warp owns QROWS consecutive rows (rows past n re-read row n - 1 and are not stored); lane l takes
-// units l, l+32, ... and loads unit u+32 (words and scales) before computing unit u, so two units' loads
-// are in flight. Per 8-value chunk: decode the chunk of every row once, then for each m one x chunk
-// (read-only cache, shared by the block's warps), dot, times the chunk's scale.
-template <int BITS, int M, typename OUT>
-__device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const float* __restrict__ S,
-                                            const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
-                                            int group) {
+// acc[r][m] += unit u of row r · x[m, 32u .. 32u + 32) for the slot's rows (words cw, scales cs as
+// fetch_unit leaves them). Per 8-value chunk: decode the chunk of every row once, then for each m one x
+// chunk (read-only cache, shared by the block) and the dot, times the chunk's scale (with UNIT_SCALE the
+// unit's one scale, and for M ≤ 4 the unit's 32-value dot is summed before the one multiply).
+template <int BITS, int M, bool UNIT_SCALE>
+__device__ __forceinline__ void unit_dot(const u32 cw[QROWS][Unit<BITS>::WORDS], const float cs[QROWS][4],
+                                         const bf16* __restrict__ X, int k, int u, float acc[QROWS][M]) {
+    // Up to M = 4 the unit's dot is summed first (one scale multiply per unit); past that the extra
+    // accumulators would cost more registers than the per-chunk multiplies cost time.
+    constexpr bool SUM_UNIT = UNIT_SCALE && M <= 4;
+    float d[QROWS][M];
+#pragma unroll
+    for (int r = 0; r < QROWS; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) d[r][m] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const int j0 = u * 32 + c * 8;
+        // Only INT6 has a partial last unit (k % 8 == 0); INT4/INT8 need k % 32 == 0.
+        if (BITS == 6 && j0 >= k) continue;
+        float q[QROWS][8];
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r) decode8<BITS>(cw[r], c, q[r]);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float xf[8];
+            unpack8(__ldg((const uint4*)(X + (size_t)m * k + j0)), xf);
+#pragma unroll
+            for (int r = 0; r < QROWS; ++r) {
+                if (SUM_UNIT) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) d[r][m] = fmaf(q[r][e], xf[e], d[r][m]);
+                } else {
+                    float t = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) t = fmaf(q[r][e], xf[e], t);
+                    acc[r][m] = fmaf(t, cs[r][UNIT_SCALE ? 0 : c], acc[r][m]);
+                }
+            }
+        }
+    }
+    if (SUM_UNIT)
+#pragma unroll
+        for (int r = 0; r < QROWS; ++r)
+#pragma unroll
+            for (int m = 0; m < M; ++m) acc[r][m] = fmaf(d[r][m], cs[r][0], acc[r][m]);
+}
+
+// A block of 256 threads is split into row slots of tpr = 2^tpr_log2 threads (1..256); a slot owns rps
+// (1..QROWS) consecutive rows and its threads take units p, p + tpr, ... (p the thread's place in the
+// slot). With UNIT_SCALE (group % 32 == 0: groups of 32, 64, 128, or per-row scales with k % 32 == 0) a
+// thread loads unit u + tpr (words and scale) before computing unit u, so two units per row are in
+// flight, and needs one scale load and one integer division per unit and row. The slot's sums are reduced with shuffles within a warp and through
+// shared memory across the warps of a slot wider than 32. The host picks rps and tpr per shape so that
+// small n still fills the GPU (see the launcher). The two variants are separate functions so that the
+// rare one's registers do not weigh on the common one.
+template <int BITS, int M, typename OUT, bool UNIT_SCALE>
+__device__ __noinline__ void gemv_q_body(const u32* __restrict__ W, const float* __restrict__ S,
+                                         const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
+                                         int group, int rps, int tpr_log2, float (*red)[QROWS][M]) {
     typedef Unit<BITS> U;
-    const int lane = threadIdx.x & 31;
-    const long long warp = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const long long row0 = warp * QROWS;
-    if (row0 >= n) return;
-    const int nrows = (int)min((long long)QROWS, (long long)n - row0);
+    const int tpr = 1 << tpr_log2;
+    const int slot = threadIdx.x >> tpr_log2, p = threadIdx.x & (tpr - 1);
+    const long long row0 = ((long long)blockIdx.x * (256 >> tpr_log2) + slot) * rps;
+    const int nrows = (int)max(0LL, min((long long)rps, (long long)n - row0));
     const int units = (k + 31) >> 5;
+    const int uend = nrows > 0 ? units : 0;
     const size_t wpr = (size_t)units * U::WORDS;
     const int scols = (k + group - 1) / group;
     const u32* wrow[QROWS];
     const float* srow[QROWS];
 #pragma unroll
     for (int r = 0; r < QROWS; ++r) {
-        const long long row = min(row0 + r, (long long)n - 1);
+        const long long row = max(0LL, min(row0 + r, (long long)n - 1));
         wrow[r] = W + row * wpr;
         srow[r] = S + row * scols;
     }
@@ -105,59 +192,87 @@ __device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const flo
 #pragma unroll
         for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
 
-    u32 w[QROWS][U::WORDS];
-    float sc[QROWS][4];
-    int u = lane;
-    if (u < units) fetch_unit<BITS>(wrow, srow, u, k, group, w, sc);
+    if (UNIT_SCALE) {
+        // Two units per row in flight: unit u + tpr is loaded before unit u is computed.
+        u32 w[QROWS][U::WORDS];
+        float sc[QROWS][4];
+        int u = p;
+        if (u < uend) fetch_unit<BITS, true>(wrow, srow, nrows, u, k, group, w, sc);
 #pragma unroll 1
-    while (u < units) {
-        u32 cw[QROWS][U::WORDS];
-        float cs[QROWS][4];
+        while (u < uend) {
+            u32 cw[QROWS][U::WORDS];
+            float cs[QROWS][4];
 #pragma unroll
-        for (int r = 0; r < QROWS; ++r) {
+            for (int r = 0; r < QROWS; ++r) {
 #pragma unroll
-            for (int i = 0; i < U::WORDS; ++i) cw[r][i] = w[r][i];
-#pragma unroll
-            for (int c = 0; c < 4; ++c) cs[r][c] = sc[r][c];
-        }
-        const int un = u + 32;
-        if (un < units) fetch_unit<BITS>(wrow, srow, un, k, group, w, sc);
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int j0 = u * 32 + c * 8;
-            // Only INT6 has a partial last unit (k % 8 == 0); INT4/INT8 need k % 32 == 0.
-            if (BITS == 6 && j0 >= k) continue;
-            float q[QROWS][8];
-#pragma unroll
-            for (int r = 0; r < QROWS; ++r)
-#pragma unroll
-                for (int e = 0; e < 8; ++e) q[r][e] = qval<BITS>(U::code(cw[r], c * 8 + e));
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                float xf[8];
-                unpack8(__ldg((const uint4*)(X + (size_t)m * k + j0)), xf);
-#pragma unroll
-                for (int r = 0; r < QROWS; ++r) {
-                    float d = 0.0f;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) d = fmaf(q[r][e], xf[e], d);
-                    acc[r][m] = fmaf(d, cs[r][c], acc[r][m]);
-                }
+                for (int i = 0; i < U::WORDS; ++i) cw[r][i] = w[r][i];
+                cs[r][0] = sc[r][0];
             }
+            const int un = u + tpr;
+            if (un < uend) fetch_unit<BITS, true>(wrow, srow, nrows, un, k, group, w, sc);
+            unit_dot<BITS, M, true>(cw, cs, X, k, u, acc);
+            u = un;
         }
-        u = un;
+    } else {
+        // Rare shapes (groups of 8 or 16 values, INT6 rows of k % 32 != 0 per channel): one unit at a
+        // time, which keeps this path's registers below the common one's.
+#pragma unroll 1
+        for (int u = p; u < uend; u += tpr) {
+            u32 w[QROWS][U::WORDS];
+            float sc[QROWS][4];
+            fetch_unit<BITS, false>(wrow, srow, nrows, u, k, group, w, sc);
+            unit_dot<BITS, M, false>(w, sc, X, k, u, acc);
+        }
     }
+    // Sum over the slot: shuffles over the lanes of one slot (offsets below tpr), then across warps.
 #pragma unroll
     for (int r = 0; r < QROWS; ++r)
 #pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] = warp_sum(acc[r][m]);
-    if (lane == 0) {
+        for (int m = 0; m < M; ++m) {
+            float v = acc[r][m];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                if (o < tpr) v += __shfl_xor_sync(0xffffffffu, v, o);
+            acc[r][m] = v;
+        }
+    if (tpr > 32) {
+        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < QROWS; ++r)
+#pragma unroll
+                for (int m = 0; m < M; ++m) red[warp][r][m] = acc[r][m];
+        __syncthreads();
+        if (p == 0) {
+            const int nw = tpr >> 5;
+#pragma unroll
+            for (int r = 0; r < QROWS; ++r)
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    float v = acc[r][m];
+                    for (int i = 1; i < nw; ++i) v += red[warp + i][r][m];
+                    acc[r][m] = v;
+                }
+        }
+    }
+    if (p == 0) {
 #pragma unroll
         for (int r = 0; r < QROWS; ++r)
             if (r < nrows)
 #pragma unroll
                 for (int m = 0; m < M; ++m) qput<OUT>(Y, (size_t)m * n + row0 + r, acc[r][m]);
     }
+}
+
+template <int BITS, int M, typename OUT>
+__device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const float* __restrict__ S,
+                                            const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
+                                            int group, int rps, int tpr_log2) {
+    __shared__ float red[8][QROWS][M];
+    if (group % 32 == 0)
+        gemv_q_body<BITS, M, OUT, true>(W, S, X, Y, n, k, group, rps, tpr_log2, red);
+    else
+        gemv_q_body<BITS, M, OUT, false>(W, S, X, Y, n, k, group, rps, tpr_log2, red);
 }
 
 // Rows [row0, row0 + rows) of dequant(W) as bf16 into OUT [rows, k]: one thread per unit.
@@ -189,55 +304,57 @@ __device__ __forceinline__ void dequant_q_impl(const u32* __restrict__ W, const 
     }
 }
 
-// Entry points. GEMV: 256 threads (8 warps of QROWS rows), grid = ceil(n / 16). Y: [M, n].
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<4, 1, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<4, 2, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<4, 3, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<4, 4, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<4, 5, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<4, 6, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<4, 7, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<4, 8, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<4, 1, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<4, 2, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<4, 3, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<4, 4, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<4, 5, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<4, 6, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<4, 7, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<4, 8, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<8, 1, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<8, 2, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<8, 3, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<8, 4, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<8, 5, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<8, 6, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<8, 7, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<8, 8, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<8, 1, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<8, 2, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<8, 3, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<8, 4, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<8, 5, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<8, 6, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<8, 7, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<8, 8, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<6, 1, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<6, 2, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<6, 3, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<6, 4, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<6, 5, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<6, 6, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<6, 7, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group) { gemv_q_impl<6, 8, bf16>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<6, 1, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<6, 2, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<6, 3, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<6, 4, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<6, 5, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<6, 6, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<6, 7, float>(W, S, X, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group) { gemv_q_impl<6, 8, float>(W, S, X, Y, n, k, group); }
+// Entry points. GEMV: 256 threads (M ≥ 5 held to two resident blocks' registers), rps ∈ 1..QROWS rows per
+// slot, slots of 2^tpr_log2 ≤ 256 threads,
+// grid = ceil(n / (rps · 256 / 2^tpr_log2)). Y: [M, n].
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 // Dequantise rows [row0, row0 + rows) into a bf16 [rows, k] tile: 256 threads, one per unit of 32 values.
 extern "C" __global__ void __launch_bounds__(256) dequant_q4(const u32* W, const float* S, bf16* OUT, int row0, int rows, int k, int group) { dequant_q_impl<4>(W, S, OUT, row0, rows, k, group); }
 extern "C" __global__ void __launch_bounds__(256) dequant_q8(const u32* W, const float* S, bf16* OUT, int row0, int rows, int k, int group) { dequant_q_impl<8>(W, S, OUT, row0, rows, k, group); }

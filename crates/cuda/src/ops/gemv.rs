@@ -1,5 +1,10 @@
 //! The decode GEMV: `y[m, :] = W · x[m, :]` for up to [`GEMV_MAX_M`] rows of `x`, bf16 weights and
 //! activations, f32 accumulation, bf16 or f32 output.
+//!
+//! The GEMV kernels (here and the packed ones in `quant.rs`) split a 256-thread block into row slots
+//! ([`gemv_plan`]): on a large `n` a warp owns a few rows and streams them, as many blocks as rows
+//! allow; on a small `n` the slots widen (up to the whole block on one row, reduced through shared
+//! memory) and own fewer rows, so that every shape fills the GPU's multiprocessors.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
@@ -10,8 +15,48 @@ use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 /// The most rows of `x` one GEMV call takes.
 pub const GEMV_MAX_M: usize = 8;
 
-/// Rows of `W` per block: 8 warps of 4 rows (`GEMV_ROWS` in gemv.cu).
-const ROWS_PER_BLOCK: usize = 32;
+/// Most rows of `W` one row slot of the bf16 GEMV owns (`GEMV_ROWS` in gemv.cu).
+const GEMV_ROWS: usize = 4;
+
+/// Threads per GEMV block (bf16 and packed).
+pub(crate) const GEMV_THREADS: usize = 256;
+
+/// How a GEMV over `n` rows is cut (see [`gemv_plan`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct GemvPlan {
+    /// Rows each slot owns, 1 ≤ rps ≤ the kernel's maximum.
+    pub rps: usize,
+    /// log2 of the threads per slot (0..=8).
+    pub tpr_log2: u32,
+    /// Blocks of [`GEMV_THREADS`].
+    pub blocks: usize,
+}
+
+/// The cut of a GEMV over `n` rows of `chunks` loads each (16-byte chunks for bf16, 32-value units for
+/// packed weights) on a GPU of `sms` multiprocessors, `max_rows` the kernel's most rows per slot.
+///
+/// Starts from a warp per slot owning `max_rows` rows (narrower if a row has fewer than 32 chunks);
+/// while that gives fewer than two blocks per multiprocessor, first widens the slot (each thread keeps at
+/// least one chunk of every row: fewer serial loads per thread), then gives each slot fewer rows. Depends
+/// on the shape alone, so a captured decode step replays the same launches.
+pub(crate) fn gemv_plan(n: usize, chunks: usize, max_rows: usize, sms: usize) -> GemvPlan {
+    let target = 2 * sms.max(1);
+    let c = chunks.clamp(1, GEMV_THREADS);
+    let tpr_max = 1usize << (usize::BITS - 1 - c.leading_zeros());
+    let blocks = |rps: usize, tpr: usize| n.div_ceil(rps * (GEMV_THREADS / tpr));
+    let (mut rps, mut tpr) = (max_rows.max(1), tpr_max.min(32));
+    while blocks(rps, tpr) < target && tpr < tpr_max {
+        tpr *= 2;
+    }
+    while blocks(rps, tpr) < target && rps > 1 {
+        rps /= 2;
+    }
+    GemvPlan {
+        rps,
+        tpr_log2: tpr.trailing_zeros(),
+        blocks: blocks(rps, tpr),
+    }
+}
 
 impl Gpu {
     /// `y[m, :] = W · x[m, :]`, `W`: `[n, k]` row-major, `x`: `[m, k]`, `y`: `[m, n]` bf16.
@@ -66,7 +111,9 @@ impl Gpu {
             return Ok(());
         }
         let (ni, ki) = (int(OP, "n", n)?, int(OP, "k", k)?);
-        let grid = grid_u32(OP, n.div_ceil(ROWS_PER_BLOCK))?;
+        let plan = gemv_plan(n, k / 8, GEMV_ROWS, self.info().multiprocessors as usize);
+        let grid = grid_u32(OP, plan.blocks)?;
+        let (rps, tpr_log2) = (plan.rps as i32, plan.tpr_log2 as i32);
         let s = self.stream();
         let (wp, _gw) = w.device_ptr(s);
         let (xp, _gx) = x.device_ptr(s);
@@ -75,9 +122,62 @@ impl Gpu {
             "W and x must be 16-byte aligned".into()
         })?;
         let mut b = s.launch_builder(self.kernel(&format!("{base}_m{m}"))?);
-        b.arg(&wp).arg(&xp).arg(&yp).arg(&ni).arg(&ki);
-        // SAFETY: argument types match the kernel; lengths, k % 8 and alignment checked above.
-        unsafe { b.launch(cfg((grid, 1, 1), 256, 0)) }?;
+        b.arg(&wp)
+            .arg(&xp)
+            .arg(&yp)
+            .arg(&ni)
+            .arg(&ki)
+            .arg(&rps)
+            .arg(&tpr_log2);
+        // SAFETY: argument types match the kernel; lengths, k % 8 and alignment checked above; the
+        // plan's rps ≤ GEMV_ROWS and slots of at most the block.
+        unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(n: usize, chunks: usize, max_rows: usize) -> (usize, usize, usize) {
+        let p = gemv_plan(n, chunks, max_rows, 132);
+        (p.rps, 1 << p.tpr_log2, p.blocks)
+    }
+
+    #[test]
+    fn large_n_keeps_a_warp_of_max_rows_per_slot() {
+        // The lm_head: 4 rows per warp, 32 rows per block.
+        assert_eq!(plan(151_936, 256, 4), (4, 32, 4748));
+        assert_eq!(plan(12_288, 64, 2), (2, 32, 768));
+    }
+
+    #[test]
+    fn small_n_widens_slots_then_drops_rows() {
+        // The router, n = 512, k = 2048: whole-block slots of one row.
+        assert_eq!(plan(512, 256, 4), (1, 256, 512));
+        // n = 4096, k = 2048: 128-thread slots of 4 rows.
+        assert_eq!(plan(4096, 256, 4), (4, 128, 512));
+        // n = 1: one block, the row split over 256 threads.
+        assert_eq!(plan(1, 256, 4), (1, 256, 1));
+        // Packed k = 512 (16 units a row): slots of 16 threads, one row each.
+        assert_eq!(plan(2048, 16, 2), (1, 16, 128));
+        // Fewer chunks than a warp: the slot never outgrows the row.
+        assert_eq!(plan(64, 1, 4), (1, 1, 1));
+    }
+
+    #[test]
+    fn every_plan_covers_n_within_the_kernel_limits() {
+        for n in [1usize, 7, 64, 100, 512, 2048, 8192, 151_936] {
+            for chunks in [1usize, 3, 16, 64, 256, 320, 512, 4096] {
+                for max_rows in [2usize, 4] {
+                    let p = gemv_plan(n, chunks, max_rows, 132);
+                    let tpr = 1usize << p.tpr_log2;
+                    assert!((1..=max_rows).contains(&p.rps) && tpr <= GEMV_THREADS);
+                    assert!(tpr <= chunks.max(1), "n {n} chunks {chunks}: tpr {tpr}");
+                    assert!(p.blocks * p.rps * (GEMV_THREADS / tpr) >= n);
+                }
+            }
+        }
     }
 }

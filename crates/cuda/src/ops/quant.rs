@@ -16,11 +16,12 @@ use cudarc::cublas::{result as blas, sys};
 use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
+use super::gemv::{gemv_plan, GEMV_THREADS};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
-/// Rows of W per GEMV block: 8 warps of 2 rows (`QROWS` in quant.cu).
-const ROWS_PER_BLOCK: usize = 16;
+/// Most rows of W one row slot of the packed GEMV owns (`QROWS` in quant.cu).
+const QROWS: usize = 2;
 
 /// u32 words of one packed row of `k` inputs.
 pub fn packed_words_per_row(bits: u32, k: usize) -> usize {
@@ -125,7 +126,15 @@ impl Gpu {
             return Ok(());
         }
         let (ni, ki, gi) = (int(OP, "n", n)?, int(OP, "k", k)?, int(OP, "group", group)?);
-        let grid = grid_u32(OP, n.div_ceil(ROWS_PER_BLOCK))?;
+        // Work items of a row: units of 32 values.
+        let plan = gemv_plan(
+            n,
+            k.div_ceil(32),
+            QROWS,
+            self.info().multiprocessors as usize,
+        );
+        let grid = grid_u32(OP, plan.blocks)?;
+        let (rps, tpr_log2) = (plan.rps as i32, plan.tpr_log2 as i32);
         let s = self.stream();
         let (wp, _gw) = w.device_ptr(s);
         let (sp, _gs) = scales.device_ptr(s);
@@ -141,9 +150,12 @@ impl Gpu {
             .arg(&yp)
             .arg(&ni)
             .arg(&ki)
-            .arg(&gi);
-        // SAFETY: argument types match the kernel; lengths, k and group rules and alignment checked above.
-        unsafe { b.launch(cfg((grid, 1, 1), 256, 0)) }?;
+            .arg(&gi)
+            .arg(&rps)
+            .arg(&tpr_log2);
+        // SAFETY: argument types match the kernel; lengths, k and group rules and alignment checked
+        // above; the plan's rps ≤ QROWS and slots of at most the block.
+        unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
         Ok(())
     }
 

@@ -1,2 +1,188 @@
 //! Timing (ignored by default; `--ignored` runs it) of the dense decode GEMVs (bf16 and packed), RMSNorm at the shapes of a
 //! full-size decode step. Prints `BENCH` lines.
+//!
+//! In a decode step every weight comes from HBM (the model is far larger than L2), so each case cycles
+//! through enough copies of its weight (over 320 MB) that no call finds it in L2; `time_us` is the mean
+//! per call and `GB/s` the bytes the kernel must move (weights, scales, x, y) over that time.
+
+use half::bf16;
+use sanmai_cuda::cudarc::driver::CudaSlice;
+use sanmai_cuda::Gpu;
+
+use crate::bench::{pattern, time};
+use crate::common::gpu;
+
+/// Bytes of weights cycled through so that every call streams from HBM.
+const COLD_BYTES: usize = 320 << 20;
+
+fn copies(bytes: usize) -> usize {
+    (COLD_BYTES / bytes.max(1)).clamp(1, 4096) + 1
+}
+
+/// Cheap deterministic u32 words: any word is a valid packed code.
+fn words(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i ^ salt).wrapping_mul(2_654_435_761).rotate_left(13))
+        .collect()
+}
+
+fn line(what: &str, shape: &str, bytes: usize, t: f64) {
+    println!(
+        "BENCH {what} {shape} bytes={bytes} time_us={:.2} GB/s={:.0}",
+        t * 1e6,
+        bytes as f64 / t / 1e9
+    );
+}
+
+fn bench_bf16(g: &Gpu, m: usize, n: usize, k: usize, f32_out: bool) {
+    let wb = n * k * 2;
+    let c = copies(wb);
+    let ws: Vec<CudaSlice<bf16>> = (0..c)
+        .map(|i| g.upload(&pattern(n * k, 3 + i as u32)).unwrap())
+        .collect();
+    let x = g.upload(&pattern(m * k, 5)).unwrap();
+    let shape = format!("m={m} n={n} k={k}");
+    let mut i = 0;
+    if f32_out {
+        let mut y = g.zeros::<f32>(m * n).unwrap();
+        let t = time(g, c, 4 * c.max(25), || {
+            i += 1;
+            g.gemv_bf16_f32(&ws[i % c], &x, &mut y, m, n, k).unwrap()
+        });
+        line("gemv_bf16_f32", &shape, wb + m * k * 2 + m * n * 4, t);
+    } else {
+        let mut y = g.zeros::<bf16>(m * n).unwrap();
+        let t = time(g, c, 4 * c.max(25), || {
+            i += 1;
+            g.gemv_bf16(&ws[i % c], &x, &mut y, m, n, k).unwrap()
+        });
+        line("gemv_bf16", &shape, wb + m * k * 2 + m * n * 2, t);
+    }
+}
+
+fn bench_packed(g: &Gpu, bits: u32, group: usize, m: usize, n: usize, k: usize, f32_out: bool) {
+    let wpr = if bits == 6 {
+        k.div_ceil(32) * 6
+    } else {
+        k.div_ceil(32 / bits as usize)
+    };
+    let scols = if group == 0 { 1 } else { k.div_ceil(group) };
+    let wb = n * wpr * 4 + n * scols * 4;
+    let c = copies(wb);
+    let ws: Vec<CudaSlice<u32>> = (0..c)
+        .map(|i| g.upload(&words(n * wpr, 7 + i as u32)).unwrap())
+        .collect();
+    let s = g.upload(&vec![0.01f32; n * scols]).unwrap();
+    let x = g.upload(&pattern(m * k, 9)).unwrap();
+    let shape = format!("bits={bits} group={group} m={m} n={n} k={k}");
+    let mut i = 0;
+    if f32_out {
+        let mut y = g.zeros::<f32>(m * n).unwrap();
+        let t = time(g, c, 4 * c.max(25), || {
+            i += 1;
+            g.gemv_packed_f32(&ws[i % c], &s, bits, group, &x, &mut y, m, n, k)
+                .unwrap()
+        });
+        line("gemv_packed_f32", &shape, wb + m * k * 2 + m * n * 4, t);
+    } else {
+        let mut y = g.zeros::<bf16>(m * n).unwrap();
+        let t = time(g, c, 4 * c.max(25), || {
+            i += 1;
+            g.gemv_packed(&ws[i % c], &s, bits, group, &x, &mut y, m, n, k)
+                .unwrap()
+        });
+        line("gemv_packed", &shape, wb + m * k * 2 + m * n * 2, t);
+    }
+}
+
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_dense_gemv() {
+    let Some(g) = gpu("bench_dense_gemv") else {
+        return;
+    };
+    // bf16: the shared expert's gate (n = 1), the GDN b|a projection (64), the router (512, f32 out),
+    // mid-size projections and a bf16 lm_head.
+    for m in [1usize, 8] {
+        for (n, k) in [
+            (1usize, 2048usize),
+            (64, 2048),
+            (512, 2048),
+            (2048, 2048),
+            (4096, 2048),
+            (2048, 512),
+            (2048, 4096),
+            (12_288, 2048),
+        ] {
+            bench_bf16(g, m, n, k, false);
+        }
+        bench_bf16(g, m, 512, 2048, true);
+    }
+    bench_bf16(g, 1, 151_936, 2048, true);
+    bench_bf16(g, 1, 248_320, 2560, false);
+
+    // Packed: INT8 per row (the dense projections), INT6 per row (the shared expert), INT4 group 128.
+    for (bits, group) in [(8u32, 0usize), (6, 0), (4, 128)] {
+        for m in [1usize, 8] {
+            for (n, k) in [
+                (64usize, 2048usize),
+                (512, 2048),
+                (1024, 2048),
+                (2048, 512),
+                (2048, 2048),
+                (2048, 4096),
+                (8192, 2048),
+                (12_288, 2048),
+            ] {
+                bench_packed(g, bits, group, m, n, k, false);
+            }
+        }
+    }
+    // An INT8 lm_head, f32 logits.
+    bench_packed(g, 8, 0, 1, 151_936, 2048, true);
+    bench_packed(g, 8, 0, 8, 151_936, 2048, true);
+}
+
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_norms() {
+    let Some(g) = gpu("bench_norms") else {
+        return;
+    };
+    for (rows, d) in [
+        (1usize, 2048usize),
+        (8, 2048),
+        (1, 2560),
+        (4096, 2048),
+        (16, 256),
+        (2, 100),
+    ] {
+        let x = g.upload(&pattern(rows * d, 1)).unwrap();
+        let w = g.upload(&pattern(d, 2)).unwrap();
+        let mut y = g.zeros::<bf16>(rows * d).unwrap();
+        let t = time(g, 10, 200, || {
+            g.rms_norm(&x, &w, &mut y, rows, d, 1e-6, 1.0).unwrap()
+        });
+        line(
+            "rms_norm",
+            &format!("rows={rows} d={d}"),
+            (2 * rows * d + d) * 2,
+            t,
+        );
+    }
+    for (rows, d) in [(32usize, 128usize), (256, 128), (131_072, 128)] {
+        let x = g.upload(&pattern(rows * d, 3)).unwrap();
+        let z = g.upload(&pattern(rows * d, 4)).unwrap();
+        let w = g.upload(&pattern(d, 5)).unwrap();
+        let mut y = g.zeros::<bf16>(rows * d).unwrap();
+        let t = time(g, 10, 200, || {
+            g.gated_rms_norm(&x, &z, &w, &mut y, rows, d, 1e-6).unwrap()
+        });
+        line(
+            "gated_rms_norm",
+            &format!("rows={rows} d={d}"),
+            (3 * rows * d + d) * 2,
+            t,
+        );
+    }
+}

@@ -80,8 +80,34 @@ fn gemv_matches_cpu() {
         (5, 64, 8),
         (8, 777, 4096),
         (1, 151_936, 1024),
+        // Two rows per slot (n = 1024, k = 4096) and slots narrower than a warp (k = 64, 128).
+        (1, 1024, 4096),
+        (6, 300, 64),
+        (8, 1000, 128),
     ] {
         gemv_case(g, &mut rng, m, n, k);
+    }
+}
+
+/// The decode shapes of a full-size model at batch 1 and 8: every row count from one (the shared
+/// expert's gate) to 12288 (the GDN input projection), the router's 512, the narrow down projection
+/// (k = 512) and the wide output projection (k = 4096). Each cut of the GEMV (slots of a whole block
+/// reduced through shared memory, of one warp, of several rows) appears among them.
+#[test]
+fn gemv_matches_cpu_at_decode_shapes() {
+    let Some(g) = gpu("gemv_matches_cpu_at_decode_shapes") else {
+        return;
+    };
+    let mut rng = Rng::new(14);
+    for m in [1usize, 8] {
+        for n in [1usize, 64, 512, 2048, 12_288] {
+            for k in [512usize, 2048, 4096] {
+                if n == 12_288 && k != 2048 {
+                    continue;
+                }
+                gemv_case(g, &mut rng, m, n, k);
+            }
+        }
     }
 }
 

@@ -10,7 +10,23 @@ fn rms_norm_matches_cpu() {
         return;
     };
     let mut rng = Rng::new(1);
-    for &(rows, d) in &[(1, 2048), (7, 4096), (33, 128), (5, 100), (3, 2)] {
+    // Vector kernels: one decode row of 2048 and 2560, batch 8, prefill rows, small heads (several rows a
+    // block, slots narrower than a warp), the widest vector row (8192); the `_any` kernel: d = 100, 2, and
+    // d = 8200 (past the vector kernels' limit).
+    for &(rows, d) in &[
+        (1, 2048),
+        (7, 4096),
+        (33, 128),
+        (5, 100),
+        (3, 2),
+        (1, 2560),
+        (8, 2048),
+        (300, 2048),
+        (2, 8),
+        (65, 256),
+        (3, 8192),
+        (2, 8200),
+    ] {
         for (offset, w_mean) in [(1.0f32, 0.0f32), (0.0, 1.0)] {
             let (xb, xf) = to_bf16(&rng.normals(rows * d, 0.0, 2.0));
             let (wb, wf) = to_bf16(&rng.normals(d, w_mean, 0.2));
@@ -42,7 +58,16 @@ fn gated_rms_norm_matches_cpu() {
         return;
     };
     let mut rng = Rng::new(2);
-    for &(rows, d) in &[(96, 128), (5, 256), (3, 100)] {
+    // Vector kernel: a decode step's 32 heads of 128, batch 8, prefill; the `_any` kernel: d = 100.
+    for &(rows, d) in &[
+        (96, 128),
+        (5, 256),
+        (3, 100),
+        (32, 128),
+        (256, 128),
+        (4099, 128),
+        (2, 2048),
+    ] {
         let (xb, xf) = to_bf16(&rng.normals(rows * d, 0.0, 1.5));
         let (zb, zf) = to_bf16(&rng.normals(rows * d, 0.0, 2.0));
         let (wb, wf) = to_bf16(&rng.normals(d, 1.0, 0.2));

@@ -128,9 +128,44 @@ fn gemv_packed_matches_cpu() {
         let p = make(&mut rng, bits, group, n, k);
         gemv_case(g, &mut rng, &p, m, false);
     }
+    // Per-chunk scales (groups of 8 and 16 values) at M > 4, and INT6 per-row scales on a k that is
+    // not a multiple of 32 (the GEMV's rarer path) on a wide cut.
+    for (m, bits, group, n, k) in [
+        (8, 4, 16, 515, 512),
+        (6, 8, 8, 64, 2048),
+        (8, 6, 0, 33, 2056),
+        (1, 6, 0, 1, 4072),
+    ] {
+        let p = make(&mut rng, bits, group, n, k);
+        gemv_case(g, &mut rng, &p, m, true);
+    }
     // An INT8 lm_head (logits in f32).
     let p = make(&mut rng, 8, 0, 151_936, 2048);
     gemv_case(g, &mut rng, &p, 1, true);
+}
+
+/// The decode shapes of a full-size model at batch 1 and 8 for each format (INT4 group 128, INT6 and
+/// INT8 per-row scales), bf16 and f32 outputs: n from one row to 12288, k = 512, 2048, 4096, so every
+/// cut of the GEMV (slots narrower than a warp, of a warp, of a whole block; one or two rows) runs.
+#[test]
+fn gemv_packed_matches_cpu_at_decode_shapes() {
+    let Some(g) = gpu("gemv_packed_matches_cpu_at_decode_shapes") else {
+        return;
+    };
+    let mut rng = Rng::new(43);
+    for (bits, group) in [(4u32, 128usize), (6, 0), (8, 0)] {
+        for n in [1usize, 64, 512, 2048, 12_288] {
+            for k in [512usize, 2048, 4096] {
+                if n == 12_288 && k != 2048 {
+                    continue;
+                }
+                let p = make(&mut rng, bits, group, n, k);
+                for m in [1usize, 8] {
+                    gemv_case(g, &mut rng, &p, m, true);
+                }
+            }
+        }
+    }
 }
 
 #[test]

@@ -1,51 +1,206 @@
 // Routed experts on the device, without the host learning which experts were chosen:
-//   moe_sort   groups the (token, choice) pairs by expert and cuts each expert's run into tiles of at
-//              most MOE_TILE pairs (one block, counting sort);
-//   moe_gemv_* a grouped GEMV over the tiles: a block multiplies up to MOE_TILE input rows by rows of its
-//              tile's expert weight, whose address comes from a device table of expert pointers, so only
-//              the chosen experts' weights are read (each once per tile);
+//   moe_sort    groups the (token, choice) pairs by expert and cuts each expert's run into tiles of at
+//               most MOE_TILE pairs (one block, counting sort with a block-wide scan over the experts);
+//   moe_gemv_*  a grouped GEMV over the tiles: a block multiplies its tile's input rows by a slice of
+//               rows of its tile's expert weight, whose address comes from a device table of expert
+//               pointers, so only the chosen experts' weights are read (each once per tile);
 //   moe_gemv_q* the same grouped GEMV over packed integer experts (words and scales address tables);
 //   moe_combine sums each token's expert outputs times its routing weights.
 // Pairs are numbered p = token·top_k + choice, as the router writes ids and weights.
 #include "common.cuh"
 
 #define MOE_TILE 8
-#define MOE_ROWS 4
 
-// One block (any multiple of 32 threads). ids: [n_pairs] expert ids (< e; others are dropped); perm:
-// [n_pairs] pair numbers grouped by expert; tiles: [max_tiles, 3] (expert, start in perm, count), the
-// unused tail with count 0. Dynamic shared memory: 2·e u32.
+// One block of blockDim threads (a multiple of 32, at most 1024). ids: [n_pairs] expert ids (< e;
+// others are dropped); perm: [n_pairs] pair numbers grouped by expert, experts in ascending order;
+// tiles: [max_tiles, 3] (expert, start in perm, count), expert after expert, the unused tail
+// (0, 0, 0). Dynamic shared memory: (2·e + 2) u32 (each expert's pair offset and tile offset, plus the
+// totals). Steps: count (shared atomics), one block-wide exclusive scan of the counts and of the tile
+// counts ceil(count / MOE_TILE) (each thread a run of consecutive experts), each tile slot finds its
+// expert by binary search over the tile offsets, and the pairs are scattered through per-expert
+// cursors (the order within an expert is unspecified).
 extern "C" __global__ void moe_sort(const u32* __restrict__ ids, int n_pairs, int e, u32* __restrict__ perm,
                                     u32* __restrict__ tiles, int max_tiles) {
     extern __shared__ u32 sh[];
-    u32* cnt = sh;
-    u32* cur = sh + e;
-    for (int i = threadIdx.x; i < e; i += blockDim.x) cnt[i] = 0;
+    u32* off = sh;          // [e + 1]: counts, then pair offsets, then scatter cursors
+    u32* toff = sh + e + 1; // [e + 1]: tile offsets
+    __shared__ u32 wsum[2][32];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+    for (int i = tid; i <= e; i += blockDim.x) off[i] = 0;
     __syncthreads();
-    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x)
-        if (ids[p] < (u32)e) atomicAdd(&cnt[ids[p]], 1u);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        u32 off = 0;
-        int nt = 0;
-        for (int x = 0; x < e; ++x) {
-            cur[x] = off;
-            for (u32 s = 0; s < cnt[x] && nt < max_tiles; s += MOE_TILE) {
-                tiles[3 * nt] = x;
-                tiles[3 * nt + 1] = off + s;
-                tiles[3 * nt + 2] = min((u32)MOE_TILE, cnt[x] - s);
-                ++nt;
-            }
-            off += cnt[x];
-        }
-        for (; nt < max_tiles; ++nt) tiles[3 * nt + 2] = 0;
+    for (int p = tid; p < n_pairs; p += blockDim.x) {
+        const u32 x = ids[p];
+        if (x < (u32)e) atomicAdd(&off[x], 1u);
     }
     __syncthreads();
-    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+    // Thread tid owns experts [lo, hi): local sums, then an exclusive scan over the threads.
+    const int per = (e + blockDim.x - 1) / blockDim.x;
+    const int lo = min(e, tid * per), hi = min(e, lo + per);
+    u32 c_sum = 0, t_sum = 0;
+    for (int x = lo; x < hi; ++x) {
+        const u32 c = off[x];
+        c_sum += c;
+        t_sum += (c + MOE_TILE - 1) / MOE_TILE;
+    }
+    u32 c_inc = c_sum, t_inc = t_sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 a = __shfl_up_sync(0xffffffffu, c_inc, o), b = __shfl_up_sync(0xffffffffu, t_inc, o);
+        if (lane >= o) {
+            c_inc += a;
+            t_inc += b;
+        }
+    }
+    if (lane == 31) {
+        wsum[0][warp] = c_inc;
+        wsum[1][warp] = t_inc;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        u32 a = lane < nwarps ? wsum[0][lane] : 0u, b = lane < nwarps ? wsum[1][lane] : 0u;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 a2 = __shfl_up_sync(0xffffffffu, a, o), b2 = __shfl_up_sync(0xffffffffu, b, o);
+            if (lane >= o) {
+                a += a2;
+                b += b2;
+            }
+        }
+        wsum[0][lane] = a; // inclusive over warps
+        wsum[1][lane] = b;
+    }
+    __syncthreads();
+    u32 c_off = c_inc - c_sum + (warp > 0 ? wsum[0][warp - 1] : 0u);
+    u32 t_off = t_inc - t_sum + (warp > 0 ? wsum[1][warp - 1] : 0u);
+    for (int x = lo; x < hi; ++x) {
+        const u32 c = off[x];
+        off[x] = c_off;
+        toff[x] = t_off;
+        c_off += c;
+        t_off += (c + MOE_TILE - 1) / MOE_TILE;
+    }
+    if (tid == 0) {
+        off[e] = wsum[0][nwarps - 1];
+        toff[e] = wsum[1][nwarps - 1];
+    }
+    __syncthreads();
+    const int nt = (int)min(toff[e], (u32)max_tiles);
+    for (int t = tid; t < max_tiles; t += blockDim.x) {
+        u32 x = 0, st = 0, c = 0;
+        if (t < nt) {
+            // The expert x with toff[x] ≤ t < toff[x + 1] (the last x with toff[x] ≤ t; toff[0] = 0).
+            int a = 0, b = e;
+            while (a < b) {
+                const int mid = (a + b + 1) >> 1;
+                if (toff[mid] <= (u32)t) a = mid;
+                else b = mid - 1;
+            }
+            x = (u32)a;
+            const u32 s = ((u32)t - toff[a]) * MOE_TILE;
+            st = off[a] + s;
+            c = min((u32)MOE_TILE, off[a + 1] - off[a] - s);
+        }
+        tiles[3 * t] = x;
+        tiles[3 * t + 1] = st;
+        tiles[3 * t + 2] = c;
+    }
+    __syncthreads();
+    for (int p = tid; p < n_pairs; p += blockDim.x) {
         const u32 x = ids[p];
-        if (x < (u32)e) perm[atomicAdd(&cur[x], 1u)] = (u32)p;
+        if (x < (u32)e) perm[atomicAdd(&off[x], 1u)] = (u32)p;
     }
 }
+
+// ---- The grouped GEMV (bf16 experts, and packed integer experts: INT4 / INT8 pack-quantized, INT6
+// gapless) ----
+// A bf16 expert weight is W_x = (const bf16*)w_ptrs[x], [n, k] row-major. A packed one is given as
+// packed words (w_ptrs[x], [n, words_per_row] u32) and f32 scales (s_ptrs[x], [n, ceil(k / group)]),
+// decoded in registers: only the chosen experts' words and scales are read. The packing is quant.cu's:
+// value j of a row is the code q + 2^(b-1), LSB first; INT4 8 codes a word, INT8 4, INT6 a 6-bit stream
+// over rows padded to 32 values.
+//
+// Work split: a row is cut into units (8 values for bf16, 32 for packed: 4, 8 or 6 words); a lane group
+// of `lanes` lanes (a power of two ≤ 32, chosen by the launcher from the row's unit count so that each
+// lane has about D units of a row) shares a row, lane `sub` taking units sub, sub + lanes, ...; each
+// lane group owns RPG rows. A lane issues the loads of D units of each of its RPG rows (and their
+// scales) before using any, so a short row (k = 512 INT4: 16 units) does not idle half the warp and
+// every lane has several 16-byte loads in flight. Per 8-value chunk the rows' codes are decoded and
+// dotted with every pair's x chunk (packed: times the chunk's scale), f32 accumulation, then a shuffle
+// sum over the lane group. A tile's pairs are taken in passes of at most MMAX (1 or 8); a one-pair pass
+// (the common case at decode) runs a body with one accumulator per row, a larger one the MMAX-pair
+// body (slots past the pass's pairs repeat its first pair and are not stored). The grid does not
+// depend on the routing: every tile slot runs, empty ones return at once.
+
+// bf16 weights (BITS 16), INT4, INT8 and INT6: values per unit, 8-value chunks per unit, u32 words per
+// unit, whether the values carry scales, whether the last unit may be partial (INT6: k % 8 == 0, rows
+// padded to 32 values).
+template <int BITS> struct MoeFmt;
+template <> struct MoeFmt<16> {
+    static constexpr int VALS = 8, CHUNKS = 1, WORDS = 4;
+    static constexpr bool SCALED = false, PARTIAL = false;
+    __device__ __forceinline__ static size_t row_words(int k) { return (size_t)(k >> 1); }
+    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[4]) {
+        const uint4 v = __ldg((const uint4*)row + u);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    }
+    __device__ __forceinline__ static void decode(const u32 w[4], int, float q[8]) {
+        unpack8(make_uint4(w[0], w[1], w[2], w[3]), q);
+    }
+};
+
+// Unsigned code -> signed value as f32 (exact: (code | 2^23 pattern) is the float 2^23 + code).
+template <int BITS>
+__device__ __forceinline__ float moe_qval(u32 code) {
+    return __uint_as_float(code | 0x4B000000u) - (8388608.0f + (float)(1 << (BITS - 1)));
+}
+
+template <> struct MoeFmt<4> {
+    static constexpr int VALS = 32, CHUNKS = 4, WORDS = 4;
+    static constexpr bool SCALED = true, PARTIAL = false;
+    __device__ __forceinline__ static size_t row_words(int k) { return (size_t)((k + 31) >> 5) * WORDS; }
+    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[4]) {
+        const uint4 v = __ldg((const uint4*)row + u);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    }
+    // Chunk c is word c: 8 codes, LSB first.
+    __device__ __forceinline__ static void decode(const u32 w[4], int c, float q[8]) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) q[e] = moe_qval<4>((w[c] >> (4 * e)) & 15u);
+    }
+};
+template <> struct MoeFmt<8> {
+    static constexpr int VALS = 32, CHUNKS = 4, WORDS = 8;
+    static constexpr bool SCALED = true, PARTIAL = false;
+    __device__ __forceinline__ static size_t row_words(int k) { return (size_t)((k + 31) >> 5) * WORDS; }
+    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[8]) {
+        const uint4 a = __ldg((const uint4*)row + 2 * u), b = __ldg((const uint4*)row + 2 * u + 1);
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    }
+    // Chunk c is words 2c, 2c + 1: 4 codes each, LSB first.
+    __device__ __forceinline__ static void decode(const u32 w[8], int c, float q[8]) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) q[e] = moe_qval<8>((w[2 * c + (e >> 2)] >> (8 * (e & 3))) & 255u);
+    }
+};
+template <> struct MoeFmt<6> {
+    static constexpr int VALS = 32, CHUNKS = 4, WORDS = 6;
+    static constexpr bool SCALED = true, PARTIAL = true;
+    __device__ __forceinline__ static size_t row_words(int k) { return (size_t)((k + 31) >> 5) * WORDS; }
+    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[6]) {
+        const uint2* p = (const uint2*)(row + 6 * u);
+        const uint2 a = __ldg(p), b = __ldg(p + 1), c = __ldg(p + 2);
+        w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y; w[4] = c.x; w[5] = c.y;
+    }
+    // Value j of the unit is bits 6j .. 6j + 5 of the 192-bit unit.
+    __device__ __forceinline__ static void decode(const u32 w[6], int c, float q[8]) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const int bit = 6 * (c * 8 + e), wi = bit >> 5, sh = bit & 31;
+            const u32 v = sh <= 26 ? (w[wi] >> sh) : __funnelshift_r(w[wi], w[wi + 1], sh);
+            q[e] = moe_qval<6>(v & 63u);
+        }
+    }
+};
 
 template <typename OUT>
 __device__ __forceinline__ void moe_put(OUT* y, size_t i, float v);
@@ -54,228 +209,269 @@ __device__ __forceinline__ void moe_put<bf16>(bf16* y, size_t i, float v) { y[i]
 template <>
 __device__ __forceinline__ void moe_put<float>(float* y, size_t i, float v) { y[i] = v; }
 
-// Grid (ceil(n / (8·MOE_ROWS)), max_tiles); 256 threads (8 warps of MOE_ROWS weight rows). Tile t =
-// (expert x, start, count): for each of its pairs p = perm[start + m], y[p, :] = W_x · X[p / x_div, :]
-// with W_x = (const bf16*)w_ptrs[x], [n, k] row-major. k % 8 == 0 and every W_x and X 16-byte aligned.
-template <typename OUT>
-__device__ __forceinline__ void moe_gemv_impl(const unsigned long long* __restrict__ w_ptrs,
-                                              const bf16* __restrict__ X, int x_div, const u32* __restrict__ perm,
-                                              const u32* __restrict__ tiles, OUT* __restrict__ Y, int n, int k) {
-    const u32 cnt = tiles[3 * blockIdx.y + 2];
-    if (cnt == 0) return;
-    const u32 x = tiles[3 * blockIdx.y], start = tiles[3 * blockIdx.y + 1];
-    const int lane = threadIdx.x & 31;
-    const long long row0 = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * MOE_ROWS;
-    if (row0 >= n) return;
-    const int nrows = (int)min((long long)MOE_ROWS, (long long)n - row0);
-    const int kv = k >> 3;
-    const uint4* w4 = (const uint4*)(const bf16*)w_ptrs[x] + row0 * kv;
-    u32 p[MOE_TILE];
-    const uint4* x4[MOE_TILE];
+// One pass over up to M pairs (pp[0 .. mc), mc ≤ M; slots past mc repeat pair 0 and are not stored) of
+// the lane group's RPG rows row0, row0 + rstep, ... (rows ≥ n re-read row n - 1, not stored).
+template <int BITS, int RPG, int D, int M, typename OUT>
+__device__ __forceinline__ void moe_pass(const u32* __restrict__ W, const float* __restrict__ S,
+                                         const bf16* __restrict__ X, int x_div, const u32* __restrict__ pp,
+                                         int mc, OUT* __restrict__ Y, int n, int k, int group, int lanes,
+                                         int sub, int row0, int rstep) {
+    typedef MoeFmt<BITS> F;
+    const int units = (k + F::VALS - 1) / F::VALS;
+    const size_t wpr = F::row_words(k);
+    const int scols = F::SCALED ? (k + group - 1) / group : 0;
+    // One scale per unit when groups are whole units (always for INT4/INT8 with group % 32 == 0).
+    const bool unit_scale = F::SCALED && group % F::VALS == 0;
+    const u32* wrow[RPG];
+    const float* srow[RPG];
 #pragma unroll
-    for (int m = 0; m < MOE_TILE; ++m) {
-        p[m] = m < (int)cnt ? perm[start + m] : perm[start];
-        x4[m] = (const uint4*)X + (size_t)(p[m] / x_div) * kv;
+    for (int r = 0; r < RPG; ++r) {
+        const size_t row = (size_t)min(row0 + r * rstep, n - 1);
+        wrow[r] = W + row * wpr;
+        srow[r] = F::SCALED ? S + row * scols : nullptr;
     }
-    float acc[MOE_ROWS][MOE_TILE];
+    u32 p[M];
+    const bf16* xr[M];
 #pragma unroll
-    for (int r = 0; r < MOE_ROWS; ++r)
+    for (int m = 0; m < M; ++m) {
+        p[m] = pp[m < mc ? m : 0];
+        xr[m] = X + (size_t)(p[m] / x_div) * k;
+    }
+    float acc[RPG][M];
 #pragma unroll
-        for (int m = 0; m < MOE_TILE; ++m) acc[r][m] = 0.0f;
-    for (int c = lane; c < kv; c += 32) {
-        uint4 wv[MOE_ROWS];
+    for (int r = 0; r < RPG; ++r)
 #pragma unroll
-        for (int r = 0; r < MOE_ROWS; ++r) wv[r] = r < nrows ? __ldg(w4 + (size_t)r * kv + c) : make_uint4(0, 0, 0, 0);
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+    const int step = lanes * D;
+#pragma unroll 1
+    for (int u0 = sub; u0 < units; u0 += step) {
+        // Every load of this step first: D units of each row (and their scales).
+        u32 w[D][RPG][F::WORDS];
+        float su[D][RPG];
 #pragma unroll
-        for (int m = 0; m < MOE_TILE; ++m) {
-            if (m < (int)cnt) {
-                float xf[8];
-                unpack8(__ldg(x4[m] + c), xf);
+        for (int d = 0; d < D; ++d) {
+            const int u = u0 + d * lanes;
 #pragma unroll
-                for (int r = 0; r < MOE_ROWS; ++r) {
-                    float wf[8];
-                    unpack8(wv[r], wf);
+            for (int r = 0; r < RPG; ++r) {
+                if (u < units) {
+                    F::load(wrow[r], u, w[d][r]);
+                    su[d][r] = F::SCALED ? __ldg(srow[r] + (u * F::VALS) / group) : 1.0f;
+                } else {
 #pragma unroll
-                    for (int q = 0; q < 8; ++q) acc[r][m] = fmaf(wf[q], xf[q], acc[r][m]);
+                    for (int i = 0; i < F::WORDS; ++i) w[d][r][i] = 0;
+                    su[d][r] = 0.0f;
                 }
             }
         }
-    }
 #pragma unroll
-    for (int r = 0; r < MOE_ROWS; ++r)
+        for (int d = 0; d < D; ++d) {
+            const int u = u0 + d * lanes;
+            if (u >= units) break;
 #pragma unroll
-        for (int m = 0; m < MOE_TILE; ++m) acc[r][m] = warp_sum(acc[r][m]);
-    if (lane == 0) {
+            for (int c = 0; c < F::CHUNKS; ++c) {
+                const int j0 = u * F::VALS + c * 8;
+                if (F::PARTIAL && j0 >= k) break;
+                if constexpr (M <= 2) {
+                    float xf[M][8];
 #pragma unroll
-        for (int m = 0; m < MOE_TILE; ++m)
-            if (m < (int)cnt)
+                    for (int m = 0; m < M; ++m) unpack8(__ldg((const uint4*)(xr[m] + j0)), xf[m]);
 #pragma unroll
-                for (int r = 0; r < MOE_ROWS; ++r)
-                    if (r < nrows) moe_put<OUT>(Y, (size_t)p[m] * n + row0 + r, acc[r][m]);
-    }
-}
-
-// Y: [n_pairs, n] bf16 (the experts' fused gate|up rows).
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_bf16(const unsigned long long* w_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k) { moe_gemv_impl<bf16>(w_ptrs, X, x_div, perm, tiles, Y, n, k); }
-// Y: [n_pairs, n] f32 (the experts' down projections, combined by moe_combine).
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_f32(const unsigned long long* w_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k) { moe_gemv_impl<float>(w_ptrs, X, x_div, perm, tiles, Y, n, k); }
-
-// ---- The grouped GEMV over packed integer experts (INT4 / INT8 pack-quantized, INT6 gapless) ----
-// The same tiles and pair permutation as moe_gemv_*, with each expert's weight given as packed words
-// (w_ptrs[x], [n, words_per_row] u32) and f32 scales (s_ptrs[x], [n, ceil(k / group)]), decoded in
-// registers: only the chosen experts' words and scales are read. The packing is quant.cu's: value j of
-// a row is the code q + 2^(b-1), LSB first; INT4 8 codes a word, INT8 4, INT6 a 6-bit stream over rows
-// padded to 32 values. A unit is 32 values of a row (4, 8 or 6 words).
-
-// Unsigned code -> signed value as f32 (exact: (code | 2^23 pattern) is the float 2^23 + code).
-template <int BITS>
-__device__ __forceinline__ float moe_qval(u32 code) {
-    return __uint_as_float(code | 0x4B000000u) - (8388608.0f + (float)(1 << (BITS - 1)));
-}
-
-template <int BITS> struct MoeUnit;
-template <> struct MoeUnit<4> {
-    static constexpr int WORDS = 4;
-    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[4]) {
-        const uint4 v = __ldg((const uint4*)row + u);
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    }
-    __device__ __forceinline__ static u32 code(const u32 w[4], int j) { return (w[j >> 3] >> ((j & 7) * 4)) & 15u; }
-};
-template <> struct MoeUnit<8> {
-    static constexpr int WORDS = 8;
-    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[8]) {
-        const uint4 a = __ldg((const uint4*)row + 2 * u), b = __ldg((const uint4*)row + 2 * u + 1);
-        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
-    }
-    __device__ __forceinline__ static u32 code(const u32 w[8], int j) { return (w[j >> 2] >> ((j & 3) * 8)) & 255u; }
-};
-template <> struct MoeUnit<6> {
-    static constexpr int WORDS = 6;
-    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[6]) {
-        const uint2* p = (const uint2*)(row + 6 * u);
-        const uint2 a = __ldg(p), b = __ldg(p + 1), c = __ldg(p + 2);
-        w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y; w[4] = c.x; w[5] = c.y;
-    }
-    __device__ __forceinline__ static u32 code(const u32 w[6], int j) {
-        const int bit = 6 * j, wi = bit >> 5, sh = bit & 31;
-        const u32 v = sh <= 26 ? (w[wi] >> sh) : __funnelshift_r(w[wi], w[wi + 1], sh);
-        return v & 63u;
-    }
-};
-
-// Grid (ceil(n / (8·MOE_ROWS)), max_tiles); 256 threads (8 warps of MOE_ROWS weight rows; rows past n
-// re-read row n - 1 and are not stored). Lane l decodes units l, l+32, ...; per 8-value chunk the
-// rows' codes are decoded once and dotted with every pair's x chunk, times the chunk's scale, f32
-// accumulation. k % 32 == 0 (INT4/INT8) or k % 8 == 0 (INT6), group % 8 == 0, X 16-byte aligned.
-template <int BITS, typename OUT>
-__device__ __forceinline__ void moe_gemv_q_impl(const unsigned long long* __restrict__ w_ptrs,
-                                                const unsigned long long* __restrict__ s_ptrs,
-                                                const bf16* __restrict__ X, int x_div, const u32* __restrict__ perm,
-                                                const u32* __restrict__ tiles, OUT* __restrict__ Y, int n, int k,
-                                                int group) {
-    typedef MoeUnit<BITS> U;
-    const u32 cnt = tiles[3 * blockIdx.y + 2];
-    if (cnt == 0) return;
-    const u32 x = tiles[3 * blockIdx.y], start = tiles[3 * blockIdx.y + 1];
-    const int lane = threadIdx.x & 31;
-    const long long row0 = ((long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * MOE_ROWS;
-    if (row0 >= n) return;
-    const int nrows = (int)min((long long)MOE_ROWS, (long long)n - row0);
-    const int units = (k + 31) >> 5;
-    const size_t wpr = (size_t)units * U::WORDS;
-    const int scols = (k + group - 1) / group;
-    const u32* W = (const u32*)w_ptrs[x];
-    const float* S = (const float*)s_ptrs[x];
-    const u32* wrow[MOE_ROWS];
-    const float* srow[MOE_ROWS];
+                    for (int r = 0; r < RPG; ++r) {
+                        float q[8];
+                        F::decode(w[d][r], c, q);
+                        if constexpr (F::SCALED) {
+                            const float s = (c == 0 || unit_scale) ? su[d][r] : __ldg(srow[r] + j0 / group);
 #pragma unroll
-    for (int r = 0; r < MOE_ROWS; ++r) {
-        const long long row = min(row0 + r, (long long)n - 1);
-        wrow[r] = W + row * wpr;
-        srow[r] = S + row * scols;
-    }
-    u32 p[MOE_TILE];
-    const bf16* xr[MOE_TILE];
+                            for (int m = 0; m < M; ++m) {
+                                float dd = 0.0f;
 #pragma unroll
-    for (int m = 0; m < MOE_TILE; ++m) {
-        p[m] = m < (int)cnt ? perm[start + m] : perm[start];
-        xr[m] = X + (size_t)(p[m] / x_div) * k;
-    }
-    float acc[MOE_ROWS][MOE_TILE];
+                                for (int e = 0; e < 8; ++e) dd = fmaf(q[e], xf[m][e], dd);
+                                acc[r][m] = fmaf(dd, s, acc[r][m]);
+                            }
+                        } else {
 #pragma unroll
-    for (int r = 0; r < MOE_ROWS; ++r)
+                            for (int m = 0; m < M; ++m)
 #pragma unroll
-        for (int m = 0; m < MOE_TILE; ++m) acc[r][m] = 0.0f;
-#pragma unroll 1
-    for (int u = lane; u < units; u += 32) {
-        u32 w[MOE_ROWS][U::WORDS];
+                                for (int e = 0; e < 8; ++e) acc[r][m] = fmaf(q[e], xf[m][e], acc[r][m]);
+                        }
+                    }
+                } else {
+                    // Many pairs: decode every row's chunk once, then one pair's x chunk at a time.
+                    float q[RPG][8];
+                    float s[RPG];
 #pragma unroll
-        for (int r = 0; r < MOE_ROWS; ++r) U::load(wrow[r], u, w[r]);
+                    for (int r = 0; r < RPG; ++r) {
+                        F::decode(w[d][r], c, q[r]);
+                        if constexpr (F::SCALED)
+                            s[r] = (c == 0 || unit_scale) ? su[d][r] : __ldg(srow[r] + j0 / group);
+                    }
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            const int j0 = u * 32 + c * 8;
-            // Only INT6 has a partial last unit (k % 8 == 0); INT4/INT8 need k % 32 == 0.
-            if (BITS == 6 && j0 >= k) continue;
-            float q[MOE_ROWS][8];
-            float sc[MOE_ROWS];
+                    for (int m = 0; m < M; ++m) {
+                        float xf[8];
+                        unpack8(__ldg((const uint4*)(xr[m] + j0)), xf);
 #pragma unroll
-            for (int r = 0; r < MOE_ROWS; ++r) {
-                sc[r] = __ldg(srow[r] + j0 / group);
+                        for (int r = 0; r < RPG; ++r) {
+                            if constexpr (F::SCALED) {
+                                float dd = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) q[r][e] = moe_qval<BITS>(U::code(w[r], c * 8 + e));
-            }
+                                for (int e = 0; e < 8; ++e) dd = fmaf(q[r][e], xf[e], dd);
+                                acc[r][m] = fmaf(dd, s[r], acc[r][m]);
+                            } else {
 #pragma unroll
-            for (int m = 0; m < MOE_TILE; ++m) {
-                if (m < (int)cnt) {
-                    float xf[8];
-                    unpack8(__ldg((const uint4*)(xr[m] + j0)), xf);
-#pragma unroll
-                    for (int r = 0; r < MOE_ROWS; ++r) {
-                        float d = 0.0f;
-#pragma unroll
-                        for (int e = 0; e < 8; ++e) d = fmaf(q[r][e], xf[e], d);
-                        acc[r][m] = fmaf(d, sc[r], acc[r][m]);
+                                for (int e = 0; e < 8; ++e) acc[r][m] = fmaf(q[r][e], xf[e], acc[r][m]);
+                            }
+                        }
                     }
                 }
             }
         }
     }
+    // Sum over the lane group (groups are aligned runs of `lanes` lanes, so xor offsets < lanes stay
+    // inside the group).
 #pragma unroll
-    for (int r = 0; r < MOE_ROWS; ++r)
+    for (int r = 0; r < RPG; ++r)
 #pragma unroll
-        for (int m = 0; m < MOE_TILE; ++m) acc[r][m] = warp_sum(acc[r][m]);
-    if (lane == 0) {
+        for (int m = 0; m < M; ++m)
+            for (int o = lanes >> 1; o > 0; o >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], o);
+    if (sub == 0) {
 #pragma unroll
-        for (int m = 0; m < MOE_TILE; ++m)
-            if (m < (int)cnt)
+        for (int m = 0; m < M; ++m)
+            if (m < mc)
 #pragma unroll
-                for (int r = 0; r < MOE_ROWS; ++r)
-                    if (r < nrows) moe_put<OUT>(Y, (size_t)p[m] * n + row0 + r, acc[r][m]);
+                for (int r = 0; r < RPG; ++r) {
+                    const int row = row0 + r * rstep;
+                    if (row < n) moe_put<OUT>(Y, (size_t)p[m] * n + row, acc[r][m]);
+                }
     }
 }
 
-// Entry points: moe_gemv_q{bits}_{bf16 | f32}, Y [n_pairs, n] as for moe_gemv_bf16 / moe_gemv_f32.
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_bf16(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k, int group) { moe_gemv_q_impl<4, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_f32(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k, int group) { moe_gemv_q_impl<4, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_bf16(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k, int group) { moe_gemv_q_impl<8, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_f32(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k, int group) { moe_gemv_q_impl<8, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_bf16(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k, int group) { moe_gemv_q_impl<6, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_f32(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k, int group) { moe_gemv_q_impl<6, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+// The grouped GEMV. Grid (row blocks, max_tiles); block a multiple of 32 threads (the launcher uses
+// 256). Tile t = (expert x, start, count): for each of its pairs p = perm[start + m],
+// y[p, :] = W_x · X[p / x_div, :]. The block's blockDim / lanes lane groups cover row blocks of
+// (blockDim / lanes) · RPG rows, blockIdx.x, blockIdx.x + gridDim.x, ... (any grid.x is correct; the
+// launcher uses ceil(n / rows per block)); group g of row block b owns rows b · groups · RPG + g +
+// r · groups. Shape rules: bf16 k % 8 == 0, INT4/INT8 k % 32 == 0, INT6 k % 8 == 0, group % 8 == 0
+// (group = k for one scale per row); W, X 16-byte aligned.
+template <int BITS, int RPG, int D, int MMAX, typename OUT>
+__device__ __forceinline__ void moe_gemv_tile(const unsigned long long* __restrict__ w_ptrs,
+                                              const unsigned long long* __restrict__ s_ptrs,
+                                              const bf16* __restrict__ X, int x_div, const u32* __restrict__ perm,
+                                              const u32* __restrict__ tiles, OUT* __restrict__ Y, int n, int k,
+                                              int group, int lanes) {
+    const int cnt = (int)tiles[3 * blockIdx.y + 2];
+    if (cnt == 0) return;
+    const u32 x = tiles[3 * blockIdx.y], start = tiles[3 * blockIdx.y + 1];
+    const int groups = blockDim.x / lanes;
+    const int g = threadIdx.x / lanes, sub = threadIdx.x & (lanes - 1);
+    const u32* W = (const u32*)w_ptrs[x];
+    const float* S = MoeFmt<BITS>::SCALED ? (const float*)s_ptrs[x] : nullptr;
+    const u32* pp = perm + start;
+    for (int rb = blockIdx.x * groups * RPG; rb < n; rb += gridDim.x * groups * RPG) {
+        const int row0 = rb + g;
+        for (int base = 0; base < cnt; base += MMAX) {
+            const int mc = min(MMAX, cnt - base);
+            if (MMAX == 1 || mc == 1)
+                moe_pass<BITS, RPG, D, 1, OUT>(W, S, X, x_div, pp + base, mc, Y, n, k, group, lanes, sub, row0, groups);
+            else
+                moe_pass<BITS, RPG, D, (MMAX > 1 ? MMAX : 1), OUT>(W, S, X, x_div, pp + base, mc, Y, n, k, group, lanes, sub, row0, groups);
+        }
+    }
+}
 
-// out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j], in choice order. Grid (tokens); y: [tokens·top_k,
-// h] f32; weights: [tokens, top_k] f32; out: [tokens, h] bf16. Pairs whose expert id was dropped by
-// moe_sort (id ≥ e) count as zero: ids is read to skip them.
+// Entry points. moe_gemv_{bf16 | f32}: bf16 experts (W_x = (const bf16*)w_ptrs[x]; s_ptrs and group
+// unused); moe_gemv_q{bits}_{bf16 | f32}: packed experts. Y: [n_pairs, n], bf16 (the experts' fused
+// gate|up rows) or f32 (the experts' down projections, combined by moe_combine). The plain forms take
+// a tile's pairs up to eight at a time (RPG 4; D 2 for bf16, 1 packed); the *_m1 forms (for decode,
+// where a tile holds one pair or few) one at a time with fewer registers (RPG 4, D 2 for bf16; RPG 2
+// and D 2 for INT4/INT6, D 1 for INT8), re-reading the rows from cache for a tile's further pairs.
+// The launcher mirrors these (RPG, D) to size the grid and pick `lanes`.
+#define MOE_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles
+#define MOE_PASS w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, lanes
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<16, 4, 2, 8, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<16, 4, 2, 8, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<4, 4, 1, 8, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<4, 4, 1, 8, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<8, 4, 1, 8, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<8, 4, 1, 8, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<6, 4, 1, 8, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<6, 4, 1, 8, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<16, 4, 2, 1, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<16, 4, 2, 1, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q4_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<4, 2, 2, 1, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q4_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<4, 2, 2, 1, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<8, 2, 1, 1, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<8, 2, 1, 1, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<6, 2, 2, 1, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<6, 2, 2, 1, float>(MOE_PASS); }
+#undef MOE_ARGS
+#undef MOE_PASS
+
+// out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j], in choice order. Grid (tokens, ceil(h / (4 ·
+// blockDim))); each thread sums 4 consecutive columns (16-byte loads when h % 4 == 0 and y is 16-byte
+// aligned), the loads of all choices independent of the kept flags, so they are in flight together
+// rather than one dependent round trip per choice. y: [tokens·top_k, h] f32; weights: [tokens, top_k] f32;
+// out: [tokens, h] bf16. Pairs whose expert id was dropped by moe_sort (id ≥ e) count as zero (their
+// y rows, never written, are loaded but not added). Dynamic shared memory: 8·top_k bytes (the token's
+// weights and kept flags).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights,
                                        const u32* __restrict__ ids, int e, bf16* __restrict__ out, int top_k,
                                        int h) {
+    extern __shared__ float cw[];
+    int* keep = (int*)(cw + top_k);
     const int t = blockIdx.x;
-    for (int j = threadIdx.x; j < h; j += blockDim.x) {
-        float acc = 0.0f;
+    for (int c = threadIdx.x; c < top_k; c += blockDim.x) {
+        const size_t p = (size_t)t * top_k + c;
+        keep[c] = ids[p] < (u32)e;
+        cw[c] = weights[p];
+    }
+    __syncthreads();
+    const int j = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
+    if (j >= h) return;
+    const float* yt = y + (size_t)t * top_k * h;
+    bf16* o = out + (size_t)t * h + j;
+    if ((h & 3) == 0 && ((size_t)y & 15) == 0) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 8
         for (int c = 0; c < top_k; ++c) {
-            const size_t p = (size_t)t * top_k + c;
-            if (ids[p] < (u32)e) acc += weights[p] * y[p * h + j];
+            const float4 v = __ldg((const float4*)(yt + (size_t)c * h + j));
+            const float w = cw[c];
+            if (keep[c]) {
+                acc.x += w * v.x;
+                acc.y += w * v.y;
+                acc.z += w * v.z;
+                acc.w += w * v.w;
+            }
         }
-        out[(size_t)t * h + j] = f2bf(acc);
+        __nv_bfloat162 lo, hi;
+        lo.x = f2bf(acc.x);
+        lo.y = f2bf(acc.y);
+        hi.x = f2bf(acc.z);
+        hi.y = f2bf(acc.w);
+        if (((size_t)o & 7) == 0) {
+            __nv_bfloat162* o2 = (__nv_bfloat162*)o;
+            o2[0] = lo;
+            o2[1] = hi;
+        } else {
+            o[0] = lo.x;
+            o[1] = lo.y;
+            o[2] = hi.x;
+            o[3] = hi.y;
+        }
+    } else {
+        const int cols = min(4, h - j);
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int c = 0; c < top_k; ++c) {
+            const float w = cw[c];
+            const bool kc = keep[c];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                if (q < cols) {
+                    const float v = __ldg(yt + (size_t)c * h + j + q);
+                    if (kc) acc[q] += w * v;
+                }
+        }
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            if (q < cols) o[q] = f2bf(acc[q]);
     }
 }

@@ -1,5 +1,7 @@
 // MoE router: softmax over the expert logits in f32, top-k (ties to the lower expert id), optional
-// renormalisation of the kept probabilities. One block per token.
+// renormalisation of the kept probabilities. Up to 32·V experts (V = 8, 16, 32): one warp per token
+// with the token's probabilities in registers (router_topk_w{V}); more experts: one block per token
+// (router_topk_f32).
 #include "common.cuh"
 
 #define ROUTER_MAX_K 64
@@ -12,8 +14,8 @@ __device__ __forceinline__ bool ranks_before(float pa, u32 ia, float pb, u32 ib)
     return pa > pb || (pa == pb && ia < ib);
 }
 
-// logits: [t, e]; ids, weights: [t, k], each row by descending weight. Dynamic shared memory: 5·e bytes.
-// Block size a multiple of 32; k ≤ ROUTER_MAX_K.
+// logits: [t, e]; ids, weights: [t, k], each row by descending weight. Grid (t); dynamic shared memory:
+// 5·e bytes; block size a multiple of 32; k ≤ ROUTER_MAX_K.
 extern "C" __global__ void router_topk_f32(const float* __restrict__ logits, u32* __restrict__ ids,
                                            float* __restrict__ weights, int e, int k, int renorm) {
     extern __shared__ float smem[];
@@ -85,3 +87,103 @@ extern "C" __global__ void router_topk_f32(const float* __restrict__ logits, u32
         }
     }
 }
+
+// One warp per token: lane l holds probabilities l, l + 32, ..., l + 32·(V - 1) (e ≤ 32·V) in
+// registers. Softmax with warp reductions; then k rounds, each a 5-step shuffle arg-max of the lanes'
+// best remaining candidates under ranks_before (so ties go to the lower id, as in router_topk_f32), after
+// which only the winner's lane rescans its V values. The kept probabilities are summed in rank order,
+// as router_topk_f32 sums them. Grid (ceil(t / warps per block)); block a multiple of 32 threads;
+// k ≤ ROUTER_MAX_K; no shared memory.
+template <int V>
+__device__ __forceinline__ void router_topk_warp(const float* __restrict__ logits, u32* __restrict__ ids,
+                                                 float* __restrict__ weights, int t, int e, int k, int renorm) {
+    const int lane = threadIdx.x & 31;
+    const int tok = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (tok >= t) return;
+    const float* row = logits + (size_t)tok * e;
+    float v[V];
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+        const int i = j * 32 + lane;
+        v[j] = i < e ? __ldg(row + i) : NEG_INF;
+    }
+    float m = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < V; ++j) m = fmaxf(m, v[j]);
+    m = warp_max(m);
+    float s = 0.0f;
+    u32 avail = 0;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+        if (j * 32 + lane < e) {
+            v[j] = expf(v[j] - m);
+            s += v[j];
+            avail |= 1u << j;
+        }
+    s = warp_sum(s);
+#pragma unroll
+    for (int j = 0; j < V; ++j) v[j] = v[j] / s;
+    // This lane's best remaining candidate.
+    float bp = 0.0f;
+    u32 bi = NONE;
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+        if (((avail >> j) & 1u) && ranks_before(v[j], (u32)(j * 32 + lane), bp, bi)) {
+            bp = v[j];
+            bi = (u32)(j * 32 + lane);
+        }
+    // Lane r keeps rank r (and r + 32).
+    float out_p0 = 0.0f, out_p1 = 0.0f;
+    u32 out_i0 = NONE, out_i1 = NONE;
+    float total = 0.0f;
+    for (int r = 0; r < k; ++r) {
+        float wp = bp;
+        u32 wi = bi;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float op = __shfl_xor_sync(0xffffffffu, wp, o);
+            const u32 oi = __shfl_xor_sync(0xffffffffu, wi, o);
+            if (ranks_before(op, oi, wp, wi)) {
+                wp = op;
+                wi = oi;
+            }
+        }
+        // One winner for every lane (lane 0's, should the order not be total, as with NaN).
+        wp = __shfl_sync(0xffffffffu, wp, 0);
+        wi = __shfl_sync(0xffffffffu, wi, 0);
+        total += wp;
+        if (lane == (r & 31)) {
+            if (r < 32) {
+                out_p0 = wp;
+                out_i0 = wi;
+            } else {
+                out_p1 = wp;
+                out_i1 = wi;
+            }
+        }
+        if (wi != NONE && (int)(wi & 31u) == lane && wi == bi) {
+            avail &= ~(1u << (wi >> 5));
+            bp = 0.0f;
+            bi = NONE;
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+                if (((avail >> j) & 1u) && ranks_before(v[j], (u32)(j * 32 + lane), bp, bi)) {
+                    bp = v[j];
+                    bi = (u32)(j * 32 + lane);
+                }
+        }
+    }
+    const size_t o = (size_t)tok * k;
+    if (lane < k) {
+        ids[o + lane] = out_i0;
+        weights[o + lane] = renorm ? out_p0 / total : out_p0;
+    }
+    if (lane + 32 < k) {
+        ids[o + lane + 32] = out_i1;
+        weights[o + lane + 32] = renorm ? out_p1 / total : out_p1;
+    }
+}
+
+extern "C" __global__ void router_topk_w8(const float* logits, u32* ids, float* weights, int t, int e, int k, int renorm) { router_topk_warp<8>(logits, ids, weights, t, e, k, renorm); }
+extern "C" __global__ void router_topk_w16(const float* logits, u32* ids, float* weights, int t, int e, int k, int renorm) { router_topk_warp<16>(logits, ids, weights, t, e, k, renorm); }
+extern "C" __global__ void router_topk_w32(const float* logits, u32* ids, float* weights, int t, int e, int k, int renorm) { router_topk_warp<32>(logits, ids, weights, t, e, k, renorm); }

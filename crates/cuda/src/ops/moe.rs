@@ -14,8 +14,10 @@ use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 /// Pairs per tile of the grouped GEMV (`MOE_TILE` in `moe.cu`).
 pub const MOE_TILE: usize = 8;
-/// Weight rows per block of the grouped GEMV: 8 warps of 4 rows.
-const ROWS_PER_BLOCK: usize = 32;
+/// Threads per block of the grouped GEMV.
+const GEMV_THREADS: usize = 256;
+/// Threads per block of `moe_combine` (each sums 4 columns).
+const COMBINE_THREADS: usize = 128;
 
 /// The most tiles `n_pairs` pairs over `e` experts can need: each non-empty expert adds at most one
 /// partial tile.
@@ -29,6 +31,7 @@ pub trait MoeOut: DeviceRepr {
     /// The packed kernels' name suffix.
     const SUFFIX: &'static str;
 }
+// `KERNEL` names the bf16 experts' plain kernel; the launchers build every name from `SUFFIX`.
 impl MoeOut for bf16 {
     const KERNEL: &'static str = "moe_gemv_bf16";
     const SUFFIX: &'static str = "bf16";
@@ -38,11 +41,64 @@ impl MoeOut for f32 {
     const SUFFIX: &'static str = "f32";
 }
 
+/// How a grouped GEMV launch is cut: the kernel (the `_m1` form for decode-sized batches), the lanes
+/// sharing a weight row and the grid's row blocks. Depends on shapes only (never on the routing), so
+/// a captured graph replays it for any routing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MoeGemvPlan {
+    /// The entry point in `moe.cu`.
+    pub(crate) kernel: String,
+    /// Lanes per weight row (a power of two, 8..=32).
+    pub(crate) lanes: usize,
+    /// Weight rows per block.
+    pub(crate) rows_per_block: usize,
+}
+
+/// The plan of a grouped GEMV over `e` experts of `[n, k]` weights stored with `bits` (16 = bf16; 4,
+/// 6, 8 packed), for `n_pairs` pairs, output suffix `suffix` (`bf16` or `f32`). At most 4 pairs per
+/// expert on average (decode) it takes the `_m1` kernels, which keep few registers (many warps, all
+/// their loads in flight) and take a tile's pairs one at a time; beyond, the plain kernels, which take
+/// up to 8 pairs per weight read. The per-variant rows per lane group (RPG) and units loaded ahead
+/// per lane (D) mirror the entry points in `moe.cu`; a lane group is sized so each lane has about D
+/// units (8 bf16 values or 32 packed values) of a row.
+pub(crate) fn moe_gemv_plan(
+    bits: u32,
+    suffix: &str,
+    n_pairs: usize,
+    e: usize,
+    k: usize,
+) -> MoeGemvPlan {
+    let decode = n_pairs <= 4 * e;
+    let (rpg, d) = match (bits, decode) {
+        (16, _) => (4, 2),
+        (4 | 6, true) => (2, 2),
+        (_, true) => (2, 1),
+        (_, false) => (4, 1),
+    };
+    let units = if bits == 16 {
+        k.div_ceil(8)
+    } else {
+        k.div_ceil(32)
+    };
+    let lanes = units.div_ceil(d).next_power_of_two().clamp(8, 32);
+    let base = if bits == 16 {
+        format!("moe_gemv_{suffix}")
+    } else {
+        format!("moe_gemv_q{bits}_{suffix}")
+    };
+    MoeGemvPlan {
+        kernel: if decode { format!("{base}_m1") } else { base },
+        lanes,
+        rows_per_block: GEMV_THREADS / lanes * rpg,
+    }
+}
+
 impl Gpu {
     /// Groups `n_pairs` expert ids (`ids`, each `< e`; others are dropped) by expert: `perm`
     /// `[n_pairs]` lists pair numbers expert after expert, `tiles` `[max_tiles, 3]` holds
-    /// `(expert, start in perm, count ≤ MOE_TILE)` with an unused tail of count 0, where
-    /// `max_tiles = moe_max_tiles(n_pairs, e)`.
+    /// `(expert, start in perm, count ≤ MOE_TILE)`, experts ascending, with an unused tail of
+    /// `(0, 0, 0)`, where `max_tiles = moe_max_tiles(n_pairs, e)`. One block; the counts, offsets and
+    /// tile slots are computed in parallel (a block-wide scan over the experts).
     pub fn moe_sort(
         &self,
         ids: &impl DevicePtr<u32>,
@@ -52,7 +108,8 @@ impl Gpu {
         tiles: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
         const OP: &str = "moe_sort";
-        ensure(e > 0 && 8 * e <= 48 * 1024, OP, || {
+        let smem = 4 * (2 * e + 2);
+        ensure(e > 0 && smem <= 48 * 1024, OP, || {
             format!("{e} experts do not fit shared memory")
         })?;
         let max_tiles = moe_max_tiles(n_pairs, e);
@@ -70,8 +127,9 @@ impl Gpu {
         let (tp, _gt) = tiles.device_ptr_mut(s);
         let mut b = s.launch_builder(self.kernel("moe_sort")?);
         b.arg(&ip).arg(&np).arg(&ei).arg(&pp).arg(&tp).arg(&mt);
-        // SAFETY: argument types match the kernel; lengths and shared memory (2·e u32) checked above.
-        unsafe { b.launch(cfg((1, 1, 1), 1024, (8 * e) as u32)) }?;
+        // SAFETY: argument types match the kernel; lengths and shared memory ((2·e + 2) u32) checked
+        // above.
+        unsafe { b.launch(cfg((1, 1, 1), 1024, smem as u32)) }?;
         Ok(())
     }
 
@@ -79,7 +137,9 @@ impl Gpu {
     /// `y[p, :] = W_x · x[p / x_div, :]`, `W_x` the `[n, k]` bf16 matrix at address `w_ptrs[x]`.
     /// `x_div = top_k` reads token rows (the gate|up projection), `1` reads pair rows (the down
     /// projection). Needs `k % 8 == 0` and 16-byte aligned weights and `x`; every address in `w_ptrs`
-    /// must hold `n·k` elements (the caller builds the table from live weights).
+    /// must hold `n·k` elements (the caller builds the table from live weights). The kernel and grid
+    /// come from the shapes alone (see `moe_gemv_plan`): every tile slot is launched, empty ones
+    /// return at once, so the launch is the same for any routing.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gemv<O: MoeOut>(
         &self,
@@ -120,25 +180,36 @@ impl Gpu {
         let (tp, _gt) = tiles.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
         ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
-        let (xd, ni, ki) = (int(OP, "x_div", x_div)?, int(OP, "n", n)?, int(OP, "k", k)?);
-        let mut b = s.launch_builder(self.kernel(O::KERNEL)?);
+        let plan = moe_gemv_plan(16, O::SUFFIX, n_pairs, e, k);
+        let (xd, ni, ki, gi, li) = (
+            int(OP, "x_div", x_div)?,
+            int(OP, "n", n)?,
+            int(OP, "k", k)?,
+            1i32,
+            plan.lanes as i32,
+        );
+        let mut b = s.launch_builder(self.kernel(&plan.kernel)?);
+        // The scale table is unused for bf16 experts: the word table stands in.
         b.arg(&wp)
+            .arg(&wp)
             .arg(&xp)
             .arg(&xd)
             .arg(&pp)
             .arg(&tp)
             .arg(&yp)
             .arg(&ni)
-            .arg(&ki);
+            .arg(&ki)
+            .arg(&gi)
+            .arg(&li);
         let grid = (
-            grid_u32(OP, n.div_ceil(ROWS_PER_BLOCK))?,
+            grid_u32(OP, n.div_ceil(plan.rows_per_block))?,
             max_tiles as u32,
             1,
         );
         // SAFETY: argument types match the kernel; x, perm, tiles and y lengths checked above; perm
         // holds pair numbers below n_pairs (written by moe_sort), so x rows p / x_div < x_rows and y
         // rows p < n_pairs; weight addresses come from the caller's table of live [n, k] weights.
-        unsafe { b.launch(cfg(grid, 256, 0)) }?;
+        unsafe { b.launch(cfg(grid, GEMV_THREADS as u32, 0)) }?;
         Ok(())
     }
 
@@ -201,14 +272,15 @@ impl Gpu {
         let (tp, _gt) = tiles.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
         ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
-        let (xd, ni, ki, gi) = (
+        let plan = moe_gemv_plan(bits, O::SUFFIX, n_pairs, e, k);
+        let (xd, ni, ki, gi, li) = (
             int(OP, "x_div", x_div)?,
             int(OP, "n", n)?,
             int(OP, "k", k)?,
             int(OP, "group", group)?,
+            plan.lanes as i32,
         );
-        let name = format!("moe_gemv_q{bits}_{}", O::SUFFIX);
-        let mut b = s.launch_builder(self.kernel(&name)?);
+        let mut b = s.launch_builder(self.kernel(&plan.kernel)?);
         b.arg(&wp)
             .arg(&sp)
             .arg(&xp)
@@ -218,9 +290,10 @@ impl Gpu {
             .arg(&yp)
             .arg(&ni)
             .arg(&ki)
-            .arg(&gi);
+            .arg(&gi)
+            .arg(&li);
         let grid = (
-            grid_u32(OP, n.div_ceil(ROWS_PER_BLOCK))?,
+            grid_u32(OP, n.div_ceil(plan.rows_per_block))?,
             max_tiles as u32,
             1,
         );
@@ -228,12 +301,13 @@ impl Gpu {
         // rules checked above; perm holds pair numbers below n_pairs (written by moe_sort), so x rows
         // p / x_div < x_rows and y rows p < n_pairs; word and scale addresses come from the caller's
         // tables of live packed [n, k] weights of this scheme.
-        unsafe { b.launch(cfg(grid, 256, 0)) }?;
+        unsafe { b.launch(cfg(grid, GEMV_THREADS as u32, 0)) }?;
         Ok(())
     }
 
     /// `out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j]`, skipping pairs whose id is `≥ e`.
     /// `y`: `[tokens·top_k, h]` f32; `weights`, `ids`: `[tokens, top_k]`; `out`: `[tokens, h]`.
+    /// Grid `(tokens, ceil(h / 512))` of 128 threads, 4 columns a thread.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_combine(
         &self,
@@ -260,6 +334,10 @@ impl Gpu {
         let (ip, _gi) = ids.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
         let (ei, ki, hi) = (int(OP, "e", e)?, int(OP, "top_k", top_k)?, int(OP, "h", h)?);
+        let smem = 8 * top_k;
+        ensure(smem <= 48 * 1024, OP, || {
+            format!("top_k = {top_k} exceeds shared memory")
+        })?;
         let mut b = s.launch_builder(self.kernel("moe_combine")?);
         b.arg(&yp)
             .arg(&wp)
@@ -268,8 +346,14 @@ impl Gpu {
             .arg(&op)
             .arg(&ki)
             .arg(&hi);
-        // SAFETY: argument types match the kernel; lengths checked above.
-        unsafe { b.launch(cfg((grid_u32(OP, tokens)?, 1, 1), super::row_threads(h), 0)) }?;
+        let grid = (
+            grid_u32(OP, tokens)?,
+            grid_u32(OP, h.div_ceil(4 * COMBINE_THREADS))?,
+            1,
+        );
+        // SAFETY: argument types match the kernel; lengths and shared memory (8·top_k bytes) checked
+        // above.
+        unsafe { b.launch(cfg(grid, COMBINE_THREADS as u32, smem as u32)) }?;
         Ok(())
     }
 }

@@ -1,4 +1,6 @@
-//! The MoE router: softmax, top-k with ties to the lower expert id, optional renormalisation.
+//! The MoE router: softmax, top-k with ties to the lower expert id, optional renormalisation. Up to
+//! 1024 experts one warp routes a token with its probabilities in registers (`router_topk_w{8,16,32}`);
+//! beyond, one block per token (`router_topk_f32`).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 
@@ -7,6 +9,8 @@ use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 /// The largest `k` the router kernel takes.
 pub const ROUTER_MAX_K: usize = 64;
+/// Tokens (warps) per block of the one-warp-per-token kernels.
+const WARPS_PER_BLOCK: usize = 4;
 
 impl Gpu {
     /// Routes each of `t` tokens to its `k` most probable of `e` experts: `p = softmax(logits)` in
@@ -42,11 +46,39 @@ impl Gpu {
             return Ok(());
         }
         let (ei, ki, rn) = (int(OP, "e", e)?, k as i32, i32::from(renorm));
-        let threads = (e.div_ceil(32) * 32).clamp(32, 256) as u32;
         let s = self.stream();
         let (lp, _gl) = logits.device_ptr(s);
         let (ip, _gi) = ids.device_ptr_mut(s);
         let (wp, _gw) = weights.device_ptr_mut(s);
+        let warp_kernel = match e {
+            0..=256 => Some("router_topk_w8"),
+            257..=512 => Some("router_topk_w16"),
+            513..=1024 => Some("router_topk_w32"),
+            _ => None,
+        };
+        if let Some(name) = warp_kernel {
+            let ti = int(OP, "t", t)?;
+            let mut b = s.launch_builder(self.kernel(name)?);
+            b.arg(&lp)
+                .arg(&ip)
+                .arg(&wp)
+                .arg(&ti)
+                .arg(&ei)
+                .arg(&ki)
+                .arg(&rn);
+            let warps = t.min(WARPS_PER_BLOCK);
+            // SAFETY: argument types match the kernel; lengths checked above; e ≤ 32·V for the
+            // kernel's V, so every token's row fits its warp's registers.
+            unsafe {
+                b.launch(cfg(
+                    (grid_u32(OP, t.div_ceil(warps))?, 1, 1),
+                    (32 * warps) as u32,
+                    0,
+                ))
+            }?;
+            return Ok(());
+        }
+        let threads = (e.div_ceil(32) * 32).clamp(32, 256) as u32;
         let mut b = s.launch_builder(self.kernel("router_topk_f32")?);
         b.arg(&lp).arg(&ip).arg(&wp).arg(&ei).arg(&ki).arg(&rn);
         // SAFETY: argument types match the kernel; lengths and shared memory checked above.

@@ -30,7 +30,9 @@ fn packed(rng: &mut Rng, s: QuantScheme, n: usize, k: usize) -> PackedTensor<'st
     quantize("w", &w, n, k, s).unwrap()
 }
 
-/// The experts' words and scales on the device with their address tables.
+/// The experts' words and scales on the device with their address tables. Table entry `x` points at
+/// `ps[slot[x]]`: the experts a case routes to are real, the others share one of them (their
+/// addresses must be live, their values are never used).
 struct Table {
     _words: Vec<cudarc::driver::CudaSlice<u32>>,
     _scales: Vec<cudarc::driver::CudaSlice<f32>>,
@@ -38,12 +40,12 @@ struct Table {
     s_ptrs: cudarc::driver::CudaSlice<u64>,
 }
 
-fn table(g: &Gpu, ps: &[PackedTensor<'_>]) -> Table {
+fn table(g: &Gpu, ps: &[PackedTensor<'_>], slot: &[usize]) -> Table {
     let words: Vec<_> = ps.iter().map(|p| g.upload(&p.words()).unwrap()).collect();
     let scales: Vec<_> = ps.iter().map(|p| g.upload(&p.scales).unwrap()).collect();
     let s = g.stream();
-    let wp: Vec<u64> = words.iter().map(|b| b.device_ptr(s).0).collect();
-    let sp: Vec<u64> = scales.iter().map(|b| b.device_ptr(s).0).collect();
+    let wp: Vec<u64> = slot.iter().map(|&i| words[i].device_ptr(s).0).collect();
+    let sp: Vec<u64> = slot.iter().map(|&i| scales[i].device_ptr(s).0).collect();
     Table {
         w_ptrs: g.upload(&wp).unwrap(),
         s_ptrs: g.upload(&sp).unwrap(),
@@ -58,32 +60,76 @@ fn packed_grouped_gemv_matches_cpu() {
         return;
     };
     let mut rng = Rng::new(71);
-    // (bits, group, hidden, inter, experts, top_k, tokens)
+    // (bits, group, hidden, inter, experts, top_k, tokens, pool): the pairs route to `pool` distinct
+    // experts (0: any of the `experts`). At most 4 pairs per expert on average take the decode
+    // kernels (`_m1`, one pair per pass), beyond the plain ones (up to 8 pairs per pass).
     let cases = [
-        (4, 128, 2048, 512, 16, 4, 1),
-        (4, 128, 2048, 512, 64, 10, 33),
-        (4, 32, 64, 32, 8, 2, 5),
-        (8, 0, 256, 96, 8, 2, 40),
-        (6, 0, 128, 48, 8, 2, 3),
-        (6, 0, 96, 40, 4, 3, 17),
+        (4, 128, 2048, 512, 16, 4, 1, 0),
+        (4, 128, 2048, 512, 64, 10, 33, 0),
+        (4, 32, 64, 32, 8, 2, 5, 0),
+        (8, 0, 256, 96, 8, 2, 40, 0),
+        (6, 0, 128, 48, 8, 2, 3, 0),
+        (6, 0, 96, 40, 4, 3, 17, 0),
+        // Decode kernels with tiles of several pairs, a group of 16 (two scales a unit), a group of
+        // 48 (units across groups), INT6 with a partial last unit (k = 40) and groups not of whole
+        // units, INT8 channel.
+        (4, 16, 256, 64, 8, 4, 6, 0),
+        (8, 48, 192, 96, 8, 2, 12, 0),
+        (6, 0, 96, 40, 4, 3, 5, 0),
+        (8, 0, 256, 96, 16, 2, 24, 0),
+        // Plain kernels with every pass size (1..8 pairs a tile) and a group of 16.
+        (4, 16, 256, 64, 16, 4, 20, 0),
+        // Qwen3-Next-80B-A3B decode: 512 experts, top 10, hidden 2048, intermediate 512 (gate|up
+        // n 1024 k 2048, down n 2048 k 512); batch 1 (10 pairs, 10 experts) and batch 8 (80 pairs over
+        // 40 experts: tiles of one to several pairs).
+        (4, 128, 2048, 512, 512, 10, 1, 10),
+        (4, 128, 2048, 512, 512, 10, 8, 40),
+        (8, 0, 2048, 512, 512, 10, 1, 10),
+        (8, 0, 2048, 512, 512, 10, 8, 40),
+        (6, 0, 2048, 512, 512, 10, 1, 10),
+        (6, 0, 2048, 512, 512, 10, 8, 40),
+        // qwen4-exp-125b-a6b: hidden 2560, intermediate 768 (gate|up n 1536 k 2560, down n 2560
+        // k 768: 24 units a row).
+        (4, 128, 2560, 768, 512, 10, 1, 10),
+        (4, 128, 2560, 768, 512, 10, 8, 40),
+        // Prefill-sized: 64 tokens over 16 experts (40 pairs an expert: full tiles, plain kernels).
+        (4, 128, 2048, 512, 16, 10, 64, 0),
     ];
-    for (bits, group, h, i, e, k, t) in cases {
+    for (bits, group, h, i, e, k, t, pool) in cases {
         let s = scheme(bits, group);
-        let gus: Vec<_> = (0..e).map(|_| packed(&mut rng, s, 2 * i, h)).collect();
-        let dns: Vec<_> = (0..e).map(|_| packed(&mut rng, s, h, i)).collect();
+        let n = t * k;
+        // The experts in use and each pair's expert.
+        let used: Vec<u32> = if pool == 0 {
+            (0..e as u32).collect()
+        } else {
+            let mut all: Vec<u32> = (0..e as u32).collect();
+            for j in 0..pool {
+                let r = j + rng.below((e - j) as u32) as usize;
+                all.swap(j, r);
+            }
+            all.truncate(pool);
+            all
+        };
+        let ids: Vec<u32> = (0..n)
+            .map(|_| used[rng.below(used.len() as u32) as usize])
+            .collect();
+        let mut slot = vec![0usize; e];
+        for (j, &x) in used.iter().enumerate() {
+            slot[x as usize] = j;
+        }
+        let gus: Vec<_> = used.iter().map(|_| packed(&mut rng, s, 2 * i, h)).collect();
+        let dns: Vec<_> = used.iter().map(|_| packed(&mut rng, s, h, i)).collect();
         let gu_dense: Vec<Vec<f32>> = gus.iter().map(|p| p.dequantize()).collect();
         let dn_dense: Vec<Vec<f32>> = dns.iter().map(|p| p.dequantize()).collect();
-        let n = t * k;
         let x = bf16_round(&rng.normals(t * h, 1.0));
         let act = bf16_round(&rng.normals(n * i, 1.0));
-        let ids: Vec<u32> = (0..n).map(|_| rng.below(e as u32)).collect();
 
         // CPU: each pair's expert, dequantised, times its row.
         let mut want_gu = vec![0f32; n * 2 * i];
         let mut want_dn = vec![0f32; n * h];
         for p in 0..n {
             let x_row = &x[(p / k) * h..(p / k + 1) * h];
-            let ex = ids[p] as usize;
+            let ex = slot[ids[p] as usize];
             ops::matmul_t(
                 x_row,
                 &gu_dense[ex],
@@ -103,8 +149,8 @@ fn packed_grouped_gemv_matches_cpu() {
         }
 
         // GPU: sort the pairs, then the packed grouped GEMVs.
-        let gu_t = table(&g, &gus);
-        let dn_t = table(&g, &dns);
+        let gu_t = table(&g, &gus, &slot);
+        let dn_t = table(&g, &dns, &slot);
         let xb: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
         let ab: Vec<bf16> = act.iter().map(|&v| bf16::from_f32(v)).collect();
         let (dx, da, di) = (
@@ -158,7 +204,8 @@ fn packed_grouped_gemv_matches_cpu() {
             .map(|v| v.to_f32())
             .collect();
         let got_dn = g.download(&y_dn).unwrap();
-        let shape = format!("int{bits}_g{group}_h{h}_i{i}_e{e}_k{k}_t{t}");
+        let kind = if n <= 4 * e { "m1" } else { "plain" };
+        let shape = format!("int{bits}_g{group}_h{h}_i{i}_e{e}_k{k}_t{t}_pool{pool}_{kind}");
         let (gu_max, gu_rms) = rel_errors(&got_gu, &want_gu);
         let (dn_max, dn_rms) = rel_errors(&got_dn, &want_dn);
         println!(

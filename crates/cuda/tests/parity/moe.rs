@@ -1,5 +1,6 @@
 //! Routed experts on the device (route, sort by expert, grouped GEMV gate|up, SwiGLU, grouped GEMV
-//! down, combine) against the CPU backend's MoE arithmetic (`route_topk`, `matmul_t`, `swiglu`).
+//! down, combine) against the CPU backend's MoE arithmetic (`route_topk`, `matmul_t`, `swiglu`); the
+//! sort's tiles checked exactly; the combine against a CPU sum.
 
 use half::bf16;
 use sanmai_cpu::ops;
@@ -12,8 +13,25 @@ fn moe_sort_groups_pairs() {
         return;
     };
     let mut rng = Rng::new(50);
-    for &(n, e) in &[(1usize, 8usize), (20, 8), (333, 64), (4096, 512)] {
-        let ids: Vec<u32> = (0..n).map(|_| rng.below(e as u32)).collect();
+    // (pairs, experts, dropped pairs (id ≥ e)); 10 and 80 pairs over 512 experts are decode at batch
+    // 1 and 8 (top 10), 40960 prefill of 4096 tokens.
+    for &(n, e, dropped) in &[
+        (1usize, 8usize, 0usize),
+        (20, 8, 0),
+        (333, 64, 0),
+        (4096, 512, 0),
+        (10, 512, 0),
+        (80, 512, 0),
+        (50, 16, 7),
+        (40960, 512, 0),
+        (3000, 2000, 0),
+        (9, 1, 0),
+    ] {
+        let mut ids: Vec<u32> = (0..n).map(|_| rng.below(e as u32)).collect();
+        for _ in 0..dropped {
+            let p = rng.below(n as u32) as usize;
+            ids[p] = e as u32 + rng.below(3);
+        }
         let max_tiles = sanmai_cuda::moe_max_tiles(n, e);
         let di = g.upload(&ids).unwrap();
         let mut perm = g.zeros::<u32>(n).unwrap();
@@ -21,11 +39,30 @@ fn moe_sort_groups_pairs() {
         g.moe_sort(&di, n, e, &mut perm, &mut tiles).unwrap();
         let perm = g.download(&perm).unwrap();
         let tiles = g.download(&tiles).unwrap();
+        let mut counts = vec![0usize; e];
+        for &x in &ids {
+            if (x as usize) < e {
+                counts[x as usize] += 1;
+            }
+        }
+        let kept: usize = counts.iter().sum();
+        let want_tiles: usize = counts
+            .iter()
+            .map(|c| c.div_ceil(sanmai_cuda::MOE_TILE))
+            .sum();
         let mut seen = vec![false; n];
         let mut covered = 0;
-        for t in tiles.chunks_exact(3) {
+        let mut next = 0usize; // where the next tile must start in perm
+        for (ti, t) in tiles.chunks_exact(3).enumerate() {
             let (x, start, cnt) = (t[0], t[1] as usize, t[2] as usize);
             assert!(cnt <= sanmai_cuda::MOE_TILE);
+            if ti >= want_tiles {
+                assert_eq!(t, [0, 0, 0], "tile slot {ti} past the {want_tiles} tiles");
+                continue;
+            }
+            assert!(cnt > 0, "tile {ti} of {want_tiles} empty");
+            assert_eq!(start, next, "tiles follow each other in perm");
+            next += cnt;
             for &p in &perm[start..start + cnt] {
                 assert_eq!(ids[p as usize], x, "pair {p} in a tile of expert {x}");
                 assert!(!seen[p as usize], "pair {p} twice");
@@ -33,8 +70,63 @@ fn moe_sort_groups_pairs() {
                 covered += 1;
             }
         }
-        assert_eq!(covered, n, "every pair in exactly one tile");
-        println!("PARITY op=moe_sort shape=pairs{n}_e{e} exact=true");
+        assert_eq!(covered, kept, "every kept pair in exactly one tile");
+        println!("PARITY op=moe_sort shape=pairs{n}_e{e}_dropped{dropped} exact=true");
+    }
+}
+
+#[test]
+fn moe_combine_matches_cpu() {
+    let Some(g) = gpu("moe_combine_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(52);
+    // (tokens, top_k, hidden, dropped pairs): decode at batch 1 and 8 for both hidden sizes, an odd
+    // hidden size (the kernel's scalar path), dropped pairs whose y rows hold NaN.
+    for &(t, k, h, dropped) in &[
+        (1usize, 10usize, 2048usize, 0usize),
+        (8, 10, 2048, 0),
+        (1, 10, 2560, 0),
+        (8, 10, 2560, 0),
+        (3, 4, 6, 0),
+        (5, 3, 130, 4),
+        (4, 10, 2048, 6),
+    ] {
+        let e = 64u32;
+        let n = t * k;
+        let mut ids: Vec<u32> = (0..n).map(|_| rng.below(e)).collect();
+        let mut y = rng.normals(n * h, 0.0, 1.0);
+        for _ in 0..dropped {
+            let p = rng.below(n as u32) as usize;
+            ids[p] = e + 1;
+            y[p * h..(p + 1) * h].fill(f32::NAN);
+        }
+        let w: Vec<f32> = (0..n).map(|_| rng.unit()).collect();
+        let mut want = vec![0f32; t * h];
+        for tok in 0..t {
+            for c in 0..k {
+                let p = tok * k + c;
+                if ids[p] < e {
+                    for j in 0..h {
+                        want[tok * h + j] += w[p] * y[p * h + j];
+                    }
+                }
+            }
+        }
+        let (dy, dw, di) = (
+            g.upload(&y).unwrap(),
+            g.upload(&w).unwrap(),
+            g.upload(&ids).unwrap(),
+        );
+        let mut out = g.zeros::<bf16>(t * h).unwrap();
+        g.moe_combine(&dy, &dw, &di, e as usize, &mut out, t, k, h)
+            .unwrap();
+        check_reduction(
+            "moe_combine",
+            &format!("t{t}_k{k}_h{h}_dropped{dropped}"),
+            &from_bf16(&g.download(&out).unwrap()),
+            &want,
+        );
     }
 }
 
@@ -44,31 +136,47 @@ fn moe_experts_match_cpu() {
         return;
     };
     let mut rng = Rng::new(51);
-    // (tokens, hidden, inter, experts, top_k)
+    // (tokens, hidden, inter, experts, top_k). At most 4 pairs per expert on average take the decode
+    // kernels (`_m1`), beyond the plain ones; the last three are Qwen3-Next-80B-A3B decode at batch 1
+    // and 8 (512 experts, top 10, hidden 2048, intermediate 512) and qwen4-exp-125b-a6b at batch 1
+    // (hidden 2560, intermediate 768).
     for &(t, h, i, e, k) in &[
         (1, 64, 32, 8, 2),
         (3, 256, 128, 16, 4),
         (40, 128, 64, 8, 2),
         (9, 512, 96, 64, 8),
+        (1, 2048, 512, 512, 10),
+        (8, 2048, 512, 512, 10),
+        (1, 2560, 768, 512, 10),
     ] {
         let (xb, xf) = to_bf16(&rng.normals(t * h, 0.0, 1.0));
         let (rb, rf) = to_bf16(&rng.normals(e * h, 0.0, 0.2));
-        let gus: Vec<(Vec<bf16>, Vec<f32>)> = (0..e)
-            .map(|_| to_bf16(&rng.normals(2 * i * h, 0.0, (h as f32).powf(-0.5))))
-            .collect();
-        let dns: Vec<(Vec<bf16>, Vec<f32>)> = (0..e)
-            .map(|_| to_bf16(&rng.normals(h * i, 0.0, (i as f32).powf(-0.5))))
-            .collect();
         // CPU reference (the CPU backend's MoE, in f32).
         let mut logits = vec![0f32; t * e];
         ops::matmul_t(&xf, &rf, t, h, e, &mut logits);
         let mut want_ids = vec![0u32; t * k];
         let mut want_w = vec![0f32; t * k];
         ops::route_topk(&logits, t, e, k, true, &mut want_ids, &mut want_w);
+        // Weights for the routed experts only; the other table entries share the first one's.
+        let mut used: Vec<usize> = want_ids.iter().map(|&x| x as usize).collect();
+        used.sort_unstable();
+        used.dedup();
+        let mut slot = vec![0usize; e];
+        for (j, &x) in used.iter().enumerate() {
+            slot[x] = j;
+        }
+        let gus: Vec<(Vec<bf16>, Vec<f32>)> = used
+            .iter()
+            .map(|_| to_bf16(&rng.normals(2 * i * h, 0.0, (h as f32).powf(-0.5))))
+            .collect();
+        let dns: Vec<(Vec<bf16>, Vec<f32>)> = used
+            .iter()
+            .map(|_| to_bf16(&rng.normals(h * i, 0.0, (i as f32).powf(-0.5))))
+            .collect();
         let mut want = vec![0f32; t * h];
         for tok in 0..t {
             for c in 0..k {
-                let ex = want_ids[tok * k + c] as usize;
+                let ex = slot[want_ids[tok * k + c] as usize];
                 let mut gu = vec![0f32; 2 * i];
                 ops::matmul_t(
                     &xf[tok * h..(tok + 1) * h],
@@ -94,8 +202,8 @@ fn moe_experts_match_cpu() {
         let dn_w: Vec<_> = dns.iter().map(|w| g.upload(&w.0).unwrap()).collect();
         use sanmai_cuda::cudarc::driver::DevicePtr;
         let s = g.stream();
-        let gu_ptrs: Vec<u64> = gu_w.iter().map(|b| b.device_ptr(s).0).collect();
-        let dn_ptrs: Vec<u64> = dn_w.iter().map(|b| b.device_ptr(s).0).collect();
+        let gu_ptrs: Vec<u64> = slot.iter().map(|&j| gu_w[j].device_ptr(s).0).collect();
+        let dn_ptrs: Vec<u64> = slot.iter().map(|&j| dn_w[j].device_ptr(s).0).collect();
         let gu_tab = g.upload(&gu_ptrs).unwrap();
         let dn_tab = g.upload(&dn_ptrs).unwrap();
         let mut lg = g.zeros::<f32>(t * e).unwrap();
@@ -125,7 +233,8 @@ fn moe_experts_match_cpu() {
         let mut out = g.zeros::<bf16>(t * h).unwrap();
         g.moe_combine(&y, &wts, &ids, e, &mut out, t, k, h).unwrap();
         let got_ids = g.download(&ids).unwrap();
-        let shape = format!("t{t}_h{h}_i{i}_e{e}_k{k}");
+        let kind = if n <= 4 * e { "m1" } else { "plain" };
+        let shape = format!("t{t}_h{h}_i{i}_e{e}_k{k}_{kind}");
         if got_ids != want_ids {
             // Router near-ties are checked by the router test; here only identical routings compare.
             println!("PARITY op=moe_experts shape={shape} skipped=router_near_tie");

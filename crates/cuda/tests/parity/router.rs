@@ -17,7 +17,9 @@ fn router_topk_matches_cpu() {
         return;
     };
     let mut rng = Rng::new(20);
-    // (tokens, experts, k, renormalise, logits rounded to bf16 so that exact ties occur)
+    // (tokens, experts, k, renormalise, logits rounded to bf16 so that exact ties occur). Up to 1024
+    // experts one warp routes a token (8, 16 or 32 values a lane), beyond one block per token.
+    // 512 experts top 10 at batch 1 and 8 is the decode shape of both target models.
     for &(t, e, k, renorm, rounded) in &[
         (16, 512, 10, true, false),
         (16, 512, 10, true, true),
@@ -25,6 +27,16 @@ fn router_topk_matches_cpu() {
         (33, 128, 8, true, true),
         (4, 8, 8, true, false),
         (3, 1000, 1, false, false),
+        (1, 512, 10, true, false),
+        (8, 512, 10, true, false),
+        (8, 512, 10, true, true),
+        (5, 256, 10, true, true),
+        (6, 1024, 10, true, false),
+        (7, 200, 40, true, true),
+        (2, 64, 64, true, false),
+        (3, 2000, 10, true, false),
+        (3, 3000, 6, false, true),
+        (300, 512, 10, true, false),
     ] {
         let mut logits = rng.normals(t * e, 0.0, if rounded { 0.5 } else { 2.0 });
         if rounded {

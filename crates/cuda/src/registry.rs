@@ -44,6 +44,7 @@ pub const SOURCES: &[Source] = &[
     source!("elementwise.cu"),
     source!("qsa.cu"),
     source!("ple.cu"),
+    source!("sample.cu"),
 ];
 
 /// The entry points a source declares: every `extern "C" __global__ ... name(` line.

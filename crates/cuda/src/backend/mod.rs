@@ -23,6 +23,7 @@ mod packed;
 mod ple;
 mod qsa;
 mod roofline;
+mod sample;
 mod tensor;
 
 use std::collections::HashMap;
@@ -569,6 +570,20 @@ impl Backend for CudaBackend {
     fn to_host(&self, x: CudaTensor) -> (usize, usize, Vec<f32>) {
         let v = ok("to_host", self.to_host_impl(&x));
         (x.rows, x.cols, v)
+    }
+
+    fn sample(
+        &self,
+        logits: CudaTensor,
+        valid_vocab: usize,
+        rows: &[sanmai_model::sample::RowSampling<'_>],
+    ) -> Vec<std::result::Result<sanmai_model::sample::Sampled, sanmai_model::sample::RowError>>
+    {
+        ok("sample", self.sample_impl(&logits, valid_vocab, rows))
+    }
+
+    fn device_sampling(&self) -> bool {
+        true
     }
 
     ext::ext_methods!();

@@ -20,6 +20,7 @@ mod qsa;
 mod quant;
 mod rope;
 mod router;
+mod sample;
 mod tensor;
 
 pub use attention::{AttnDims, ATTN_MAX_HEAD_DIM, ATTN_SPLIT};
@@ -29,6 +30,7 @@ pub use kv::{HeadLayout, RopeArgs, QK_MAX_HEAD_DIM};
 pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
 pub use ple::{PleDims, PleGateWeights};
 pub use router::ROUTER_MAX_K;
+pub(crate) use sample::SAMPLE_MAX_VOCAB;
 
 /// Threads per block for a row of `d` elements: one warp at least, 256 at most.
 pub(crate) fn row_threads(d: usize) -> u32 {

@@ -29,3 +29,4 @@ mod moe_gemm;
 mod norm;
 mod quant;
 mod router;
+mod sample;

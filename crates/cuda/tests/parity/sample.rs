@@ -1,0 +1,346 @@
+//! Token sampling on the device (`Gpu::sample_rows`, kernels/sample.cu) against the host
+//! implementation it mirrors (`sanmai_model::sample::sample_rows`) on bf16 logits at the real vocabulary
+//! widths, batch 1 and 8, every parameter kind, masks, penalties and biases, and runs of tied logits.
+//!
+//! Ids are equal except documented near-ties: a GPU id that differs must be what the host draws with
+//! the uniform moved by at most 1e-6 (the two sides sum the weights in different orders, so a uniform
+//! within rounding of a boundary between two tokens may fall on either side; top-p's cut likewise moves
+//! within rounding of its target, covered by moving `top_p` by 1e-6 relative). Log-probabilities within
+//! 1e-3 of the host's raw log-probability of the GPU's id.
+
+use half::bf16;
+use sanmai_model::sample::{log_sum_exp, sample_rows, RowSampling, SeenToken};
+
+use crate::bench::time;
+use crate::common::{gpu, Rng};
+
+/// Rows of bf16-rounded logits: normal with spread 2.5 plus a few strong tokens, or (`coarse`) values
+/// on a 0.25 grid so long runs of equal logits occur.
+fn logits(rng: &mut Rng, rows: usize, cols: usize, coarse: bool) -> Vec<f32> {
+    let mut v = rng.normals(rows * cols, 0.0, 2.5);
+    for r in 0..rows {
+        for _ in 0..4 {
+            let i = rng.below(cols as u32) as usize;
+            v[r * cols + i] += 8.0 + 4.0 * rng.unit();
+        }
+    }
+    if coarse {
+        v.iter_mut().for_each(|x| *x = (*x * 4.0).round() / 4.0);
+    }
+    v.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()
+}
+
+/// The sampling parameters of one case (uniforms, masks and counts are filled per row).
+#[derive(Clone, Copy)]
+struct Kind {
+    name: &'static str,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    min_p: f32,
+    penalties: bool,
+    mask: bool,
+    coarse: bool,
+}
+
+const fn kind(name: &'static str, temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> Kind {
+    Kind {
+        name,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        penalties: false,
+        mask: false,
+        coarse: false,
+    }
+}
+
+fn kinds() -> Vec<Kind> {
+    vec![
+        kind("greedy", 0.0, 0, 1.0, 0.0),
+        kind("temperature1", 1.0, 0, 1.0, 0.0),
+        kind("temperature0.7_topk20", 0.7, 20, 1.0, 0.0),
+        kind("topk2000", 1.0, 2000, 1.0, 0.0),
+        kind("topp0.9_t0.8", 0.8, 0, 0.9, 0.0),
+        kind("topp0.999_t1.5", 1.5, 0, 0.999, 0.0),
+        kind("minp0.05", 1.0, 0, 1.0, 0.05),
+        kind("topk50_topp0.8_minp0.02_t0.6", 0.6, 50, 0.8, 0.02),
+        Kind {
+            mask: true,
+            ..kind("mask_topp0.95", 1.0, 0, 0.95, 0.0)
+        },
+        Kind {
+            penalties: true,
+            ..kind("penalties_bias_topk40_t0.9", 0.9, 40, 1.0, 0.0)
+        },
+        Kind {
+            coarse: true,
+            ..kind("ties_topk1500_topp0.5", 1.0, 1500, 0.5, 0.0)
+        },
+        Kind {
+            coarse: true,
+            ..kind("ties_topp0.9_t2", 2.0, 0, 0.9, 0.0)
+        },
+        Kind {
+            penalties: true,
+            mask: true,
+            ..kind("greedy_mask_penalties", 0.0, 0, 1.0, 0.0)
+        },
+    ]
+}
+
+/// Per-row data a [`RowSampling`] borrows.
+struct RowData {
+    seen: Vec<SeenToken>,
+    bias: Vec<(u32, f32)>,
+    mask: Option<Vec<u32>>,
+    uniform: f64,
+}
+
+fn row_data(rng: &mut Rng, k: &Kind, vocab: usize, row: usize) -> RowData {
+    let seen = if k.penalties {
+        (0..3000)
+            .map(|i| {
+                let id = (i * 7919 + row * 31) as u32 % vocab as u32;
+                let output = if i % 3 == 0 { 1 + (i % 5) as u32 } else { 0 };
+                (id, SeenToken { id, output })
+            })
+            .collect::<std::collections::BTreeMap<u32, SeenToken>>()
+            .into_values()
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let bias = if k.penalties {
+        let a = rng.below(vocab as u32);
+        vec![
+            (a, 3.0),
+            (rng.below(vocab as u32), -2.0),
+            (a, 1.5),
+            (7, 0.25),
+        ]
+    } else {
+        Vec::new()
+    };
+    let mask = k.mask.then(|| {
+        let words = vocab.div_ceil(32);
+        if row.is_multiple_of(2) {
+            // A broad mask: about half the vocabulary.
+            (0..words).map(|_| rng.next_u64() as u32).collect()
+        } else {
+            // A narrow one, as a grammar gives: 200 tokens.
+            let mut m = vec![0u32; words];
+            for _ in 0..200 {
+                let i = rng.below(vocab as u32) as usize;
+                m[i / 32] |= 1 << (i % 32);
+            }
+            m
+        }
+    });
+    RowData {
+        seen,
+        bias,
+        mask,
+        uniform: rng.unit() as f64,
+    }
+}
+
+fn spec<'a>(k: &Kind, d: &'a RowData) -> RowSampling<'a> {
+    RowSampling {
+        temperature: k.temperature,
+        top_k: k.top_k,
+        top_p: k.top_p,
+        min_p: k.min_p,
+        repetition_penalty: if k.penalties { 1.3 } else { 1.0 },
+        frequency_penalty: if k.penalties { 0.5 } else { 0.0 },
+        presence_penalty: if k.penalties { 0.4 } else { 0.0 },
+        seen: &d.seen,
+        logit_bias: &d.bias,
+        allowed: d.mask.as_deref(),
+        uniform: d.uniform,
+    }
+}
+
+/// The host's id for one row with a changed uniform / top-p.
+fn host_id(row: &[f32], vocab: usize, s: &RowSampling<'_>) -> Option<u32> {
+    let mut v = row.to_vec();
+    sample_rows(&mut v, row.len(), vocab, std::slice::from_ref(s))[0]
+        .ok()
+        .map(|x| x.id)
+}
+
+/// The raw log-probability of `id` under the masked row.
+fn raw_logprob(row: &[f32], vocab: usize, mask: Option<&[u32]>, id: u32) -> f32 {
+    let mut v = row[..vocab].to_vec();
+    if let Some(m) = mask {
+        sanmai_model::sample::apply_allowed_mask(&mut v, m);
+    }
+    v[id as usize] - log_sum_exp(&v).unwrap()
+}
+
+#[test]
+fn sampling_matches_cpu() {
+    let Some(g) = gpu("sampling_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(77);
+    for vocab in [151_936usize, 248_320] {
+        // lm_head padding past the vocabulary, as the models have it.
+        let cols = vocab + 64;
+        for batch in [1usize, 8] {
+            for k in kinds() {
+                let values = logits(&mut rng, batch, cols, k.coarse);
+                let data: Vec<RowData> = (0..batch)
+                    .map(|r| row_data(&mut rng, &k, vocab, r))
+                    .collect();
+                let specs: Vec<RowSampling<'_>> = data.iter().map(|d| spec(&k, d)).collect();
+                let dev = g
+                    .upload(
+                        &values
+                            .iter()
+                            .map(|&x| bf16::from_f32(x))
+                            .collect::<Vec<_>>(),
+                    )
+                    .unwrap();
+                let got = g.sample_rows(&dev, cols, vocab, &specs).unwrap();
+                let mut host = values.clone();
+                let want = sample_rows(&mut host, cols, vocab, &specs);
+                let (mut near_ties, mut max_lp) = (0, 0f32);
+                for r in 0..batch {
+                    let row = &values[r * cols..(r + 1) * cols];
+                    let (gs, ws) = (got[r].unwrap(), want[r].unwrap());
+                    if gs.id != ws.id {
+                        let s = &specs[r];
+                        let moved = [
+                            RowSampling {
+                                uniform: (s.uniform - 1e-6).max(0.0),
+                                ..*s
+                            },
+                            RowSampling {
+                                uniform: (s.uniform + 1e-6).min(1.0 - 1e-12),
+                                ..*s
+                            },
+                            RowSampling {
+                                top_p: s.top_p * (1.0 - 1e-6),
+                                ..*s
+                            },
+                            RowSampling {
+                                top_p: (s.top_p * (1.0 + 1e-6)).min(1.0),
+                                ..*s
+                            },
+                        ];
+                        assert!(
+                            moved.iter().any(|m| host_id(row, vocab, m) == Some(gs.id)),
+                            "{} vocab {vocab} batch {batch} row {r}: gpu id {} vs cpu {} (u = {})",
+                            k.name,
+                            gs.id,
+                            ws.id,
+                            s.uniform
+                        );
+                        near_ties += 1;
+                    }
+                    let lp = raw_logprob(row, vocab, specs[r].allowed, gs.id);
+                    let d = (gs.logprob - lp).abs();
+                    assert!(
+                        d <= 1e-3,
+                        "{} vocab {vocab} batch {batch} row {r}: logprob {} vs {lp}",
+                        k.name,
+                        gs.logprob
+                    );
+                    max_lp = max_lp.max(d);
+                }
+                println!(
+                    "PARITY op=sample shape=v{vocab}_b{batch}_{} near_tie_swaps={near_ties} max_logprob_err={max_lp:.2e} tol=ids_equal_or_near_tie,logprob<=1e-3",
+                    k.name
+                );
+                assert!(near_ties * 4 <= batch.max(4), "too many near-tie swaps");
+            }
+        }
+    }
+}
+
+#[test]
+fn sampling_reports_degenerate_rows() {
+    let Some(g) = gpu("sampling_reports_degenerate_rows") else {
+        return;
+    };
+    let (cols, vocab) = (4096usize, 4000usize);
+    let mut values = vec![0.5f32; 3 * cols];
+    values[cols..cols + vocab].fill(f32::NEG_INFINITY);
+    values[2 * cols + 17] = f32::INFINITY;
+    let d = RowSampling::default();
+    let specs = [d, d, d];
+    let dev = g
+        .upload(
+            &values
+                .iter()
+                .map(|&x| bf16::from_f32(x))
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+    let got = g.sample_rows(&dev, cols, vocab, &specs).unwrap();
+    let want = sample_rows(&mut values.clone(), cols, vocab, &specs);
+    assert!(got[0].is_ok());
+    assert_eq!(got[1], want[1]);
+    assert_eq!(got[2], want[2]);
+    // Every token masked out.
+    let mask = vec![0u32; vocab.div_ceil(32)];
+    let masked = RowSampling {
+        allowed: Some(&mask),
+        ..d
+    };
+    let got = g.sample_rows(&dev, cols, vocab, &[masked]).unwrap();
+    assert_eq!(got[0], Err(sanmai_model::sample::RowError::NoCandidates));
+}
+
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_sample() {
+    let Some(g) = gpu("bench_sample") else {
+        return;
+    };
+    let mut rng = Rng::new(5);
+    for vocab in [151_936usize, 248_320] {
+        let cols = vocab;
+        for batch in [1usize, 8] {
+            let values = logits(&mut rng, batch, cols, false);
+            let dev = g
+                .upload(
+                    &values
+                        .iter()
+                        .map(|&x| bf16::from_f32(x))
+                        .collect::<Vec<_>>(),
+                )
+                .unwrap();
+            for k in kinds() {
+                let data: Vec<RowData> = (0..batch)
+                    .map(|r| row_data(&mut rng, &k, vocab, r))
+                    .collect();
+                let specs: Vec<RowSampling<'_>> = data.iter().map(|d| spec(&k, d)).collect();
+                // One call: pack and upload the parameters, the kernel, the 8-byte-a-row download.
+                let t = time(g, 3, 20, || {
+                    g.sample_rows(&dev, cols, vocab, &specs).unwrap();
+                });
+                let mut host = values.clone();
+                let t0 = std::time::Instant::now();
+                let reps = 5;
+                for _ in 0..reps {
+                    host.copy_from_slice(&values);
+                    sample_rows(&mut host, cols, vocab, &specs);
+                }
+                let host_t = t0.elapsed().as_secs_f64() / reps as f64;
+                let bytes = batch * vocab * 2;
+                println!(
+                    "BENCH sample vocab={vocab} batch={batch} kind={} time_us={:.1} us_per_row={:.1} \
+                     GB/s(one logits read)={:.0} host_us_per_row={:.1}",
+                    k.name,
+                    t * 1e6,
+                    t * 1e6 / batch as f64,
+                    bytes as f64 / t / 1e9,
+                    host_t * 1e6 / batch as f64
+                );
+            }
+        }
+    }
+}

@@ -275,7 +275,8 @@ __device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const flo
         gemv_q_body<BITS, M, OUT, false>(W, S, X, Y, n, k, group, rps, tpr_log2, red);
 }
 
-// Rows [row0, row0 + rows) of dequant(W) as bf16 into OUT [rows, k]: one thread per unit.
+// Rows [row0, row0 + rows) of dequant(W) as bf16 into OUT [rows, k]: one thread per unit. S null: the
+// integer codes q themselves (exact in bf16), for a GEMM that applies per-row scales afterwards.
 template <int BITS>
 __device__ __forceinline__ void dequant_q_impl(const u32* __restrict__ W, const float* __restrict__ S,
                                                bf16* __restrict__ OUT, int row0, int rows, int k, int group) {
@@ -292,7 +293,7 @@ __device__ __forceinline__ void dequant_q_impl(const u32* __restrict__ W, const 
     for (int c = 0; c < 4; ++c) {
         const int j0 = u * 32 + c * 8;
         if (j0 >= k) break;
-        const float s = __ldg(S + row * scols + j0 / group);
+        const float s = S ? __ldg(S + row * scols + j0 / group) : 1.0f;
         u32 o[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
@@ -355,6 +356,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m5(const u32* W
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+// The per-row scales of a GEMM over integer codes: Y[i, row0 + j] = bf16(YT[i, j] · S[row0 + j]) for
+// i < m, j < rows, YT [m, rows] f32 (the product with the codes), Y [m, n]. One thread per element.
+extern "C" __global__ void __launch_bounds__(256) scale_cols_bf16(const float* __restrict__ YT, const float* __restrict__ S,
+                                                                  bf16* __restrict__ Y, int m, int n, int row0, int rows) {
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)m * rows) return;
+    const int i = (int)(t / rows), j = (int)(t % rows);
+    Y[(size_t)i * n + row0 + j] = f2bf(YT[t] * __ldg(S + row0 + j));
+}
 // Dequantise rows [row0, row0 + rows) into a bf16 [rows, k] tile: 256 threads, one per unit of 32 values.
 extern "C" __global__ void __launch_bounds__(256) dequant_q4(const u32* W, const float* S, bf16* OUT, int row0, int rows, int k, int group) { dequant_q_impl<4>(W, S, OUT, row0, rows, k, group); }
 extern "C" __global__ void __launch_bounds__(256) dequant_q8(const u32* W, const float* S, bf16* OUT, int row0, int rows, int k, int group) { dequant_q_impl<8>(W, S, OUT, row0, rows, k, group); }

@@ -65,6 +65,10 @@ fn check_packed(
     Ok(if group_size == 0 { k } else { group_size })
 }
 
+/// The most f32 values the per-row-scale prefill GEMM keeps between cuBLAS and its scale kernel
+/// (64 MiB).
+pub const PER_ROW_SCRATCH: usize = 16 << 20;
+
 impl Gpu {
     /// `y[m, :] = dequant(W) · x[m, :]`: W packed `[n, k]` (`bits`, `group_size`, see the module doc),
     /// `x`: `[m, k]` bf16, `y`: `[m, n]` bf16, `1 ≤ m ≤ 8`.
@@ -183,10 +187,29 @@ impl Gpu {
             return Ok(());
         }
         let s = self.stream();
+        let (sp, _gs) = scales.device_ptr(s);
+        self.dequant_tile(w, sp, bits, group, out, k, row0, rows)
+    }
+
+    /// Launches `dequant_q{bits}` for rows `row0..row0 + rows` into `out`; `sp` 0: the integer codes
+    /// without their scales. Lengths are the caller's to check.
+    #[allow(clippy::too_many_arguments)]
+    fn dequant_tile(
+        &self,
+        w: &impl DevicePtr<u32>,
+        sp: u64,
+        bits: u32,
+        group: usize,
+        out: &mut impl DevicePtrMut<bf16>,
+        k: usize,
+        row0: usize,
+        rows: usize,
+    ) -> Result<()> {
+        const OP: &str = "dequant_packed";
+        let s = self.stream();
         let (op, _go) = out.device_ptr_mut(s);
         ensure(op % 16 == 0, OP, || "out must be 16-byte aligned".into())?;
         let (wp, _gw) = w.device_ptr(s);
-        let (sp, _gs) = scales.device_ptr(s);
         ensure(wp % 16 == 0, OP, || "W must be 16-byte aligned".into())?;
         let threads = rows * k.div_ceil(32);
         let grid = grid_u32(OP, threads.div_ceil(256))?;
@@ -244,6 +267,9 @@ impl Gpu {
             return Ok(());
         }
         let (mi, ni, ki) = (int(OP, "m", m)?, int(OP, "n", n)?, int(OP, "k", k)?);
+        if group_size == 0 || group_size >= k {
+            return self.gemm_packed_per_row(x, w, scales, bits, y, ws, m, n, k, tile);
+        }
         let mut row0 = 0;
         while row0 < n {
             let rows = tile.min(n - row0);
@@ -280,6 +306,86 @@ impl Gpu {
                     sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             }?;
+            row0 += rows;
+        }
+        Ok(())
+    }
+
+    /// [`Gpu::gemm_packed`] for per-row scales, exactly as the GEMV computes: the tile holds the integer
+    /// codes (exact in bf16), cuBLAS multiplies them into an f32 scratch, and each column is scaled in
+    /// f32 before its one bf16 rounding (no `bf16(q·s)` weights). The scratch holds at most
+    /// [`PER_ROW_SCRATCH`] values, which bounds the rows per cuBLAS call.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_packed_per_row(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        w: &impl DevicePtr<u32>,
+        scales: &impl DevicePtr<f32>,
+        bits: u32,
+        y: &mut impl DevicePtrMut<bf16>,
+        ws: &mut impl DevicePtrMut<bf16>,
+        m: usize,
+        n: usize,
+        k: usize,
+        tile: usize,
+    ) -> Result<()> {
+        const OP: &str = "gemm_packed";
+        let tile = tile.min((PER_ROW_SCRATCH / m).max(32)).min(n);
+        // SAFETY: cuBLAS writes every element of each [m, rows] block before the scale kernel reads it.
+        let mut yt = unsafe { self.stream().alloc::<f32>(m * tile) }?;
+        let (mi, ni, ki) = (int(OP, "m", m)?, int(OP, "n", n)?, int(OP, "k", k)?);
+        let mut row0 = 0;
+        while row0 < n {
+            let rows = tile.min(n - row0);
+            self.dequant_tile(w, 0, bits, k, &mut *ws, k, row0, rows)?;
+            let s = self.stream();
+            let (xp, _gx) = x.device_ptr(s);
+            let (wsp, _gws) = ws.device_ptr_mut(s);
+            let (ytp, _gyt) = yt.device_ptr_mut(s);
+            let ri = int(OP, "rows", rows)?;
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            // Column-major view: ytᵀ [rows, m] (ld rows) = tile [k, rows]ᵀ · xᵀ [k, m], i.e. yt is
+            // row-major [m, rows].
+            // SAFETY: the handle is bound to this stream; the tile holds rows·k codes, yt m·tile
+            // values; alpha and beta are host f32.
+            unsafe {
+                blas::gemm_ex(
+                    *self.blas().handle(),
+                    sys::cublasOperation_t::CUBLAS_OP_T,
+                    sys::cublasOperation_t::CUBLAS_OP_N,
+                    ri,
+                    mi,
+                    ki,
+                    (&alpha) as *const f32 as *const _,
+                    wsp as *const _,
+                    sys::cudaDataType::CUDA_R_16BF,
+                    ki,
+                    xp as *const _,
+                    sys::cudaDataType::CUDA_R_16BF,
+                    ki,
+                    (&beta) as *const f32 as *const _,
+                    ytp as *mut _,
+                    sys::cudaDataType::CUDA_R_32F,
+                    ri,
+                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }?;
+            let (sp, _gs) = scales.device_ptr(s);
+            let (yp, _gy) = y.device_ptr_mut(s);
+            let r0 = int(OP, "row0", row0)?;
+            let grid = grid_u32(OP, (m * rows).div_ceil(256))?;
+            let mut b = s.launch_builder(self.kernel("scale_cols_bf16")?);
+            b.arg(&ytp)
+                .arg(&sp)
+                .arg(&yp)
+                .arg(&mi)
+                .arg(&ni)
+                .arg(&r0)
+                .arg(&ri);
+            // SAFETY: argument types match the kernel; yt holds m·rows values, scales n (one per
+            // row, checked by the caller), y m·n with row0 + rows ≤ n.
+            unsafe { b.launch(cfg((grid, 1, 1), 256, 0)) }?;
             row0 += rows;
         }
         Ok(())

@@ -135,6 +135,20 @@ pub fn check_reduction(op: &str, shape: &str, got: &[f32], want: &[f32]) {
     );
 }
 
+/// A backend op made of several kernels, each rounding its output to bf16, against the CPU backend's
+/// f32 pipeline (e.g. the whole routed-expert op: gate|up, SwiGLU and the combine each round): the
+/// bounds of the end-to-end lockstep test, max-norm relative ≤ 5e-2, rms relative ≤ 2e-2.
+pub fn check_composite(op: &str, shape: &str, got: &[f32], want: &[f32]) {
+    let s = stats(got, want);
+    report(op, shape, &s, "max_rel<=5e-2,rms_rel<=2e-2");
+    assert!(
+        s.max_rel <= 5e-2 && s.rms_rel <= 2e-2,
+        "{op} {shape}: max_rel {:.3e}, rms_rel {:.3e}",
+        s.max_rel,
+        s.rms_rel
+    );
+}
+
 /// An f32 result: max-norm relative ≤ 1e-4.
 pub fn check_f32(op: &str, shape: &str, got: &[f32], want: &[f32]) {
     let s = stats(got, want);

@@ -15,7 +15,7 @@ use sanmai_model::backend::{MlpWeights, MoeWeights};
 use sanmai_model::Backend;
 use sanmai_weights::quant::{pack, quantize};
 
-use crate::common::{check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
+use crate::common::{check_composite, check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
 
 /// A pool of expert weights `[n, k]` of one scheme on the device, with the f32 values they stand for.
 pub struct Pool {
@@ -433,7 +433,7 @@ fn backend_moe_prefill_matches_cpu() {
             let (_, _, got) = b.to_host(b.moe_experts(&b.upload(t, h, x.clone()), &wg));
             let (_, _, want) = cpu.to_host(cpu.moe_experts(&cpu.upload(t, h, x), &wc));
             let shape = format!("{}_h{h}_i{i}_e{e}_k{k}_t{t}", scheme_name(scheme));
-            check_reduction("backend_moe", &shape, &got, &want);
+            check_composite("backend_moe", &shape, &got, &want);
         }
     }
 }

@@ -1,6 +1,8 @@
 //! The MoE router: softmax, top-k with ties to the lower expert id, optional renormalisation. Up to
-//! 1024 experts one warp routes a token with its probabilities in registers (`router_topk_w{8,16,32}`);
-//! beyond, one block per token (`router_topk_f32`).
+//! 1024 experts and k ≤ 16 (the decode shapes: 512 experts, top 10) one block per token sorts and merges
+//! the experts by warp shuffles (`router_topk_sort`); larger k up to 1024 experts, one warp routes a
+//! token with its probabilities in registers (`router_topk_w{8,16,32}`); beyond, one block per token
+//! with k arg-max rounds (`router_topk_f32`).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 
@@ -9,6 +11,9 @@ use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 /// The largest `k` the router kernel takes.
 pub const ROUTER_MAX_K: usize = 64;
+/// The largest `k` and `e` of the sort-and-merge kernel (`router_topk_sort`).
+const SORT_MAX_K: usize = 16;
+const SORT_MAX_E: usize = 1024;
 /// Tokens (warps) per block of the one-warp-per-token kernels.
 const WARPS_PER_BLOCK: usize = 4;
 
@@ -50,6 +55,16 @@ impl Gpu {
         let (lp, _gl) = logits.device_ptr(s);
         let (ip, _gi) = ids.device_ptr_mut(s);
         let (wp, _gw) = weights.device_ptr_mut(s);
+        if k <= SORT_MAX_K && e <= SORT_MAX_E {
+            // One thread an expert, a power-of-two number of warps (the merge tree halves them).
+            let threads = (e.div_ceil(32).next_power_of_two() * 32) as u32;
+            let mut b = s.launch_builder(self.kernel("router_topk_sort")?);
+            b.arg(&lp).arg(&ip).arg(&wp).arg(&ei).arg(&ki).arg(&rn);
+            // SAFETY: argument types match the kernel; lengths checked above; e ≤ threads ≤ 1024
+            // and k ≤ 16 as the kernel requires.
+            unsafe { b.launch(cfg((grid_u32(OP, t)?, 1, 1), threads, 0)) }?;
+            return Ok(());
+        }
         let warp_kernel = match e {
             0..=256 => Some("router_topk_w8"),
             257..=512 => Some("router_topk_w16"),

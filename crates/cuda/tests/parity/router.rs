@@ -18,8 +18,9 @@ fn router_topk_matches_cpu() {
     };
     let mut rng = Rng::new(20);
     // (tokens, experts, k, renormalise, logits rounded to bf16 so that exact ties occur). Up to 1024
-    // experts one warp routes a token (8, 16 or 32 values a lane), beyond one block per token.
-    // 512 experts top 10 at batch 1 and 8 is the decode shape of both target models.
+    // experts and k ≤ 16 one block sorts a token's experts (1 to 32 warps); larger k up to 1024
+    // experts one warp routes a token (8, 16 or 32 values a lane); beyond, one block per token with
+    // k arg-max rounds. 512 experts top 10 at batch 1 and 8 is the decode shape of both target models.
     for &(t, e, k, renorm, rounded) in &[
         (16, 512, 10, true, false),
         (16, 512, 10, true, true),
@@ -37,6 +38,12 @@ fn router_topk_matches_cpu() {
         (3, 2000, 10, true, false),
         (3, 3000, 6, false, true),
         (300, 512, 10, true, false),
+        (4, 300, 16, true, true),
+        (5, 33, 3, false, false),
+        (3, 32, 16, true, true),
+        (2, 1024, 16, false, true),
+        (4, 512, 20, true, true),
+        (3, 1024, 17, false, false),
     ] {
         let mut logits = rng.normals(t * e, 0.0, if rounded { 0.5 } else { 2.0 });
         if rounded {

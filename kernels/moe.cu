@@ -5,6 +5,8 @@
 //               rows of its tile's expert weight, whose address comes from a device table of expert
 //               pointers, so only the chosen experts' weights are read (each once per tile);
 //   moe_gemv_q* the same grouped GEMV over packed integer experts (words and scales address tables);
+//               INT4 with groups of a multiple of 128 on tensor cores (moe_gemv_q4_mma_*, optionally
+//               with SwiGLU fused into the down projection's input);
 //   moe_combine sums each token's expert outputs times its routing weights.
 // Pairs are numbered p = token·top_k + choice, as the router writes ids and weights.
 #include "common.cuh"
@@ -378,6 +380,167 @@ __device__ __forceinline__ void moe_gemv_tile(const unsigned long long* __restri
     }
 }
 
+// ---- INT4 grouped GEMV on tensor cores (groups of a multiple of 128 values, k % 128 == 0) ----
+// A warp multiplies 16 rows of its tile's expert (row block blockIdx.x) by the tile's ≤ 8 pairs with
+// mma.m16n8k16 (bf16 in, f32 accumulate): the INT4 codes decode exactly to bf16 integers -8..7 (code
+// pairs (c_i, c_(i+4)) of a word masked into 0x4300|c bf16 halves = 128 + c, minus 136 by one bf16x2
+// fma: about 1.4 instructions a value instead of a shift, mask, or and subtract each plus an FMA), the
+// pairs' x rows are the B operand (column n = pair slot n), the products are exact and summed in f32.
+// The k order inside an mma is free (a dot product), so lane (g, q) (g = lane / 4, q = lane % 4) loads
+// one 16-byte run of rows g and g + 8 per 128-value span, values 32q .. 32q + 31, and word j of it
+// feeds two mmas with x values 32q + 8j .. 32q + 8j + 7 of the same span, permuted to the code pairs by
+// byte permutes. Each span's f32 partial sums are scaled by the rows' group scales (one per span, as
+// group % 128 == 0) and added to the lane's accumulators. The block's MOE_MMA_WARPS warps split the
+// spans (warp w: spans w, w + MOE_MMA_WARPS, ...), each loading MOE_MMA_SPW spans of both rows (and
+// their scales) before use, and the x rows of the tile's pairs are staged in shared memory once per
+// block (the weight loads already in flight); the warps' sums are added in warp order in shared memory.
+// Grid (ceil(n / 16), max_tiles); block 32 · MOE_MMA_WARPS threads; dynamic shared memory
+// MOE_TILE · (k / 8 + 1) · 16 bytes (each pair's x row, padded by 16 bytes against bank conflicts).
+// Shape rules: k % 128 == 0, group % 128 == 0, words and x 16-byte aligned. Lanes of pair slots past
+// the tile's count feed zeros; rows ≥ n re-read row n - 1 and are not stored. SWIGLU (the down
+// projection of decode steps): X holds the pairs' gate|up rows [., 2k] and the staged x is
+// bf16(silu(gate) · up), computed as swiglu_bf16 computes it, so no separate activation launch.
+#define MOE_MMA_WARPS 4
+#define MOE_MMA_SPW 4
+
+// Codes 0..7 of word w (LSB first) as four bf16x2 values (c0, c4), (c1, c5), (c2, c6), (c3, c7), each
+// code c as the exact bf16 c - 8.
+__device__ __forceinline__ void moe_q4_bf16x2(u32 w, u32 out[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 h = ((w >> (4 * i)) & 0x000f000fu) | 0x43004300u;
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out[i]) : "r"(h), "r"(0x3f803f80u), "r"(0xc308c308u));
+    }
+}
+
+__device__ __forceinline__ void moe_mma_bf16(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <bool SWIGLU, typename OUT>
+__device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* __restrict__ w_ptrs,
+                                                     const unsigned long long* __restrict__ s_ptrs,
+                                                     const bf16* __restrict__ X, int x_div,
+                                                     const u32* __restrict__ perm, const u32* __restrict__ tiles,
+                                                     OUT* __restrict__ Y, int n, int k, int group) {
+    extern __shared__ uint4 sx[];
+    __shared__ float red[MOE_MMA_WARPS - 1][4][32];
+    const int cnt = (int)tiles[3 * blockIdx.y + 2];
+    if (cnt == 0) return;
+    const u32 ex = tiles[3 * blockIdx.y], start = tiles[3 * blockIdx.y + 1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const int rb = blockIdx.x * 16;
+    const size_t wpr = (size_t)(k >> 3);
+    const int scols = (k + group - 1) / group;
+    const int spans = k >> 7;
+    const u32* W = (const u32*)w_ptrs[ex];
+    const float* S = (const float*)s_ptrs[ex];
+    const int ra = min(rb + g, n - 1), rbb = min(rb + g + 8, n - 1);
+    const uint4* wa = (const uint4*)(W + (size_t)ra * wpr) + q;
+    const uint4* wb = (const uint4*)(W + (size_t)rbb * wpr) + q;
+    const float* sa_row = S + (size_t)ra * scols;
+    const float* sb_row = S + (size_t)rbb * scols;
+    const int xrow = (k >> 3) + 1; // uint4s per staged x row
+    const bool has_x = g < cnt;
+    const uint4* xs = sx + g * xrow + 4 * q;
+
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    uint4 la[MOE_MMA_SPW], lb[MOE_MMA_SPW];
+    float sa[MOE_MMA_SPW], sb[MOE_MMA_SPW];
+    // Every load of a step first: MOE_MMA_SPW spans of both rows and their scales.
+    auto load = [&](int s0) {
+#pragma unroll
+        for (int i = 0; i < MOE_MMA_SPW; ++i) {
+            const int sp = s0 + i * MOE_MMA_WARPS;
+            if (sp < spans) {
+                la[i] = __ldg(wa + 4 * sp);
+                lb[i] = __ldg(wb + 4 * sp);
+                sa[i] = __ldg(sa_row + (sp << 7) / group);
+                sb[i] = __ldg(sb_row + (sp << 7) / group);
+            } else {
+                la[i] = lb[i] = make_uint4(0u, 0u, 0u, 0u);
+                sa[i] = sb[i] = 0.0f;
+            }
+        }
+    };
+    load(warp);
+    {
+        // The tile's x rows into shared memory while the first weight loads are in flight.
+        const int per = k >> 3;
+        for (int idx = threadIdx.x; idx < cnt * per; idx += blockDim.x) {
+            const int m = idx / per, u = idx - m * per;
+            const u32 p = perm[start + m];
+            if constexpr (SWIGLU) {
+                // X is the pairs' gate|up rows [., 2k]: x = bf16(silu(gate) · up), as swiglu_bf16.
+                const uint4* gu = (const uint4*)(X + (size_t)(p / x_div) * 2 * k);
+                float gf[8], uf[8];
+                unpack8(__ldg(gu + u), gf);
+                unpack8(__ldg(gu + per + u), uf);
+                u32 o[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const u32 lo = __bfloat16_as_ushort(f2bf(silu_f(gf[2 * i]) * uf[2 * i]));
+                    const u32 hi = __bfloat16_as_ushort(f2bf(silu_f(gf[2 * i + 1]) * uf[2 * i + 1]));
+                    o[i] = lo | (hi << 16);
+                }
+                sx[m * xrow + u] = make_uint4(o[0], o[1], o[2], o[3]);
+            } else {
+                sx[m * xrow + u] = __ldg((const uint4*)(X + (size_t)(p / x_div) * k) + u);
+            }
+        }
+    }
+    __syncthreads();
+    for (int s0 = warp; s0 < spans; s0 += MOE_MMA_WARPS * MOE_MMA_SPW) {
+        if (s0 != warp) load(s0);
+#pragma unroll
+        for (int i = 0; i < MOE_MMA_SPW; ++i) {
+            const int sp = s0 + i * MOE_MMA_WARPS;
+            if (sp >= spans) break;
+            float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const u32 wA[4] = {la[i].x, la[i].y, la[i].z, la[i].w};
+            const u32 wB[4] = {lb[i].x, lb[i].y, lb[i].z, lb[i].w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const uint4 xv = has_x ? xs[16 * sp + j] : make_uint4(0u, 0u, 0u, 0u);
+                // x pairs matching the code pairs (c0, c4), (c1, c5), (c2, c6), (c3, c7).
+                const u32 b0 = __byte_perm(xv.x, xv.z, 0x5410), b1 = __byte_perm(xv.x, xv.z, 0x7632);
+                const u32 b2 = __byte_perm(xv.y, xv.w, 0x5410), b3 = __byte_perm(xv.y, xv.w, 0x7632);
+                u32 pa[4], pb[4];
+                moe_q4_bf16x2(wA[j], pa);
+                moe_q4_bf16x2(wB[j], pb);
+                moe_mma_bf16(t, pa[0], pb[0], pa[1], pb[1], b0, b1);
+                moe_mma_bf16(t, pa[2], pb[2], pa[3], pb[3], b2, b3);
+            }
+            acc[0] = fmaf(sa[i], t[0], acc[0]);
+            acc[1] = fmaf(sa[i], t[1], acc[1]);
+            acc[2] = fmaf(sb[i], t[2], acc[2]);
+            acc[3] = fmaf(sb[i], t[3], acc[3]);
+        }
+    }
+    if (warp > 0) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) red[warp - 1][c][lane] = acc[c];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int w = 1; w < MOE_MMA_WARPS; ++w)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[c] += red[w - 1][c][lane];
+    // acc[0], acc[1]: row rb + g, pair slots 2q, 2q + 1; acc[2], acc[3]: row rb + g + 8.
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+        const int m = 2 * q + (c & 1);
+        const int row = rb + g + (c >> 1) * 8;
+        if (m < cnt && row < n) moe_put<OUT>(Y, (size_t)perm[start + m] * n + row, acc[c]);
+    }
+}
+
 // Entry points. moe_gemv_{bf16 | f32}: bf16 experts (W_x = (const bf16*)w_ptrs[x]; s_ptrs and group
 // unused); moe_gemv_q{bits}_{bf16 | f32}: packed experts. Y: [n_pairs, n], bf16 (the experts' fused
 // gate|up rows) or f32 (the experts' down projections, combined by moe_combine). The plain forms take
@@ -403,6 +566,9 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_bf16_m1(MOE_ARG
 extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<8, 2, 1, 1, float>(MOE_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<6, 2, 2, 1, bf16>(MOE_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<6, 2, 2, 1, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_q4_mma_tile<false, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_q4_mma_tile<false, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_swiglu_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_q4_mma_tile<true, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
 #undef MOE_ARGS
 #undef MOE_PASS
 

@@ -222,9 +222,30 @@ impl CudaBackend {
                 h,
             )?,
         }
+        let mut y = self.scratch::<f32>(n * h)?;
+        if let ExpertFormat::Packed { bits, group_size } = dn_format {
+            if Gpu::moe_gemv_fuses_swiglu(bits, group_size, inter) {
+                // The down GEMV computes silu(g) · u while staging its input: no activation launch.
+                g.moe_gemv_packed_swiglu(
+                    &table.down,
+                    &table.down_scales,
+                    bits,
+                    group_size,
+                    &gu.buf,
+                    n,
+                    &perm,
+                    &tiles,
+                    n,
+                    &mut y,
+                    h,
+                    inter,
+                )?;
+                g.moe_combine(&y, &wts, &ids, e, &mut out.buf, t, k, h)?;
+                return Ok(out);
+            }
+        }
         let mut act = self.alloc(n, inter)?;
         g.swiglu(&gu.buf, &mut act.buf, n, inter)?;
-        let mut y = self.scratch::<f32>(n * h)?;
         match dn_format {
             ExpertFormat::Bf16 => g.moe_gemv(
                 &table.down,

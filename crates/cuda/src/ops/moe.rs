@@ -16,6 +16,10 @@ use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 pub const MOE_TILE: usize = 8;
 /// Threads per block of the grouped GEMV.
 const GEMV_THREADS: usize = 256;
+/// Warps per block and weight rows per block of the INT4 tensor-core grouped GEMV
+/// (`moe_gemv_q4_mma_*`: `MOE_MMA_WARPS` warps split a 16-row block's k).
+const MMA_WARPS: usize = 4;
+const MMA_ROWS: usize = 16;
 /// Threads per block of `moe_combine` (each sums 4 columns).
 const COMBINE_THREADS: usize = 128;
 
@@ -23,6 +27,12 @@ const COMBINE_THREADS: usize = 128;
 /// partial tile.
 pub fn moe_max_tiles(n_pairs: usize, e: usize) -> usize {
     n_pairs.min(n_pairs.div_ceil(MOE_TILE) + e).max(1)
+}
+
+/// Dynamic shared memory of the INT4 tensor-core grouped GEMV: `MOE_TILE` staged x rows of `k`
+/// bf16, each padded by 16 bytes.
+fn mma_smem(k: usize) -> usize {
+    MOE_TILE * (k / 8 + 1) * 16
 }
 
 /// Output element types of [`Gpu::moe_gemv`].
@@ -218,7 +228,9 @@ impl Gpu {
     /// (`n · scale_cols(group_size, k)` f32; `group_size` 0 = one scale per row), every expert of
     /// one scheme (`bits` 4, 6 gapless or 8). Needs the packed
     /// kernels' shape rules (`k % 32 == 0` for INT4/INT8, `k % 8 == 0` for INT6, `group_size % 8 ==
-    /// 0`), 16-byte aligned words and `x`; the caller builds the tables from live weights.
+    /// 0`), 16-byte aligned words and `x`; the caller builds the tables from live weights. INT4 with
+    /// `k % 128 == 0`, groups of a multiple of 128 values and `k ≤ 3064` runs on tensor cores
+    /// (`moe_gemv_q4_mma_*`: 16 rows a block, the tile's pairs as the mma's columns, f32 sums).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gemv_packed<O: MoeOut>(
         &self,
@@ -235,6 +247,73 @@ impl Gpu {
         y: &mut impl DevicePtrMut<O>,
         n: usize,
         k: usize,
+    ) -> Result<()> {
+        self.moe_gemv_packed_with(
+            w_ptrs, s_ptrs, bits, group_size, x, x_rows, x_div, perm, tiles, n_pairs, y, n, k,
+            false,
+        )
+    }
+
+    /// Whether [`Gpu::moe_gemv_packed_swiglu`] takes experts of `bits` / `group_size` (0: one scale
+    /// per row) with rows of `k` values: INT4 on tensor cores, `k % 128 == 0`, groups of a multiple
+    /// of 128, `k ≤ 3064`.
+    pub fn moe_gemv_fuses_swiglu(bits: u32, group_size: usize, k: usize) -> bool {
+        let group = if group_size == 0 { k } else { group_size };
+        bits == 4
+            && k > 0
+            && k.is_multiple_of(128)
+            && group.is_multiple_of(128)
+            && mma_smem(k) <= 48 * 1024
+    }
+
+    /// The down projection of the routed experts with the SwiGLU activation fused into its input:
+    /// as [`Gpu::moe_gemv_packed`] with `x_div = 1` and input row `p` = `bf16(silu(g) · u)` of
+    /// `gate_up[p] = [g | u]` (`gate_up`: `[x_rows, 2k]` bf16, computed as `swiglu` computes it, so
+    /// the result is the unfused pair's). Only where [`Gpu::moe_gemv_fuses_swiglu`] holds.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gemv_packed_swiglu(
+        &self,
+        w_ptrs: &impl DevicePtr<u64>,
+        s_ptrs: &impl DevicePtr<u64>,
+        bits: u32,
+        group_size: usize,
+        gate_up: &impl DevicePtr<bf16>,
+        x_rows: usize,
+        perm: &impl DevicePtr<u32>,
+        tiles: &impl DevicePtr<u32>,
+        n_pairs: usize,
+        y: &mut impl DevicePtrMut<f32>,
+        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        ensure(
+            Self::moe_gemv_fuses_swiglu(bits, group_size, k),
+            "moe_gemv_packed_swiglu",
+            || format!("INT{bits} group {group_size} k = {k}: no fused SwiGLU kernel"),
+        )?;
+        self.moe_gemv_packed_with(
+            w_ptrs, s_ptrs, bits, group_size, gate_up, x_rows, 1, perm, tiles, n_pairs, y, n, k,
+            true,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn moe_gemv_packed_with<O: MoeOut>(
+        &self,
+        w_ptrs: &impl DevicePtr<u64>,
+        s_ptrs: &impl DevicePtr<u64>,
+        bits: u32,
+        group_size: usize,
+        x: &impl DevicePtr<bf16>,
+        x_rows: usize,
+        x_div: usize,
+        perm: &impl DevicePtr<u32>,
+        tiles: &impl DevicePtr<u32>,
+        n_pairs: usize,
+        y: &mut impl DevicePtrMut<O>,
+        n: usize,
+        k: usize,
+        swiglu: bool,
     ) -> Result<()> {
         const OP: &str = "moe_gemv_packed";
         ensure(matches!(bits, 4 | 6 | 8), OP, || {
@@ -253,7 +332,7 @@ impl Gpu {
         let e = w_ptrs.len();
         check_len(OP, "s_ptrs", s_ptrs, e)?;
         let max_tiles = moe_max_tiles(n_pairs, e);
-        check_len(OP, "x", x, x_rows * k)?;
+        check_len(OP, "x", x, x_rows * if swiglu { 2 * k } else { k })?;
         check_len(OP, "perm", perm, n_pairs)?;
         check_len(OP, "tiles", tiles, 3 * max_tiles)?;
         check_len(OP, "y", y, n_pairs * n)?;
@@ -272,7 +351,24 @@ impl Gpu {
         let (tp, _gt) = tiles.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
         ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
-        let plan = moe_gemv_plan(bits, O::SUFFIX, n_pairs, e, k);
+        // INT4 with groups of whole 128-value spans: the tensor-core kernel (any batch: a tile's ≤ 8
+        // pairs are the mma's 8 columns), its x rows staged in shared memory.
+        let mma = Self::moe_gemv_fuses_swiglu(bits, group_size, k);
+        let mut plan = moe_gemv_plan(bits, O::SUFFIX, n_pairs, e, k);
+        let (threads, smem) = if mma {
+            plan = MoeGemvPlan {
+                kernel: if swiglu {
+                    format!("moe_gemv_q4_mma_swiglu_{}", O::SUFFIX)
+                } else {
+                    format!("moe_gemv_q4_mma_{}", O::SUFFIX)
+                },
+                lanes: 32,
+                rows_per_block: MMA_ROWS,
+            };
+            ((32 * MMA_WARPS) as u32, mma_smem(k) as u32)
+        } else {
+            (GEMV_THREADS as u32, 0)
+        };
         let (xd, ni, ki, gi, li) = (
             int(OP, "x_div", x_div)?,
             int(OP, "n", n)?,
@@ -300,8 +396,9 @@ impl Gpu {
         // SAFETY: argument types match the kernel; x, perm, tiles, y and table lengths and the shape
         // rules checked above; perm holds pair numbers below n_pairs (written by moe_sort), so x rows
         // p / x_div < x_rows and y rows p < n_pairs; word and scale addresses come from the caller's
-        // tables of live packed [n, k] weights of this scheme.
-        unsafe { b.launch(cfg(grid, GEMV_THREADS as u32, 0)) }?;
+        // tables of live packed [n, k] weights of this scheme; the tensor-core kernel's shared memory
+        // (MOE_TILE staged x rows) is checked above.
+        unsafe { b.launch(cfg(grid, threads, smem)) }?;
         Ok(())
     }
 

@@ -61,7 +61,9 @@ fn packed_grouped_gemv_matches_cpu() {
     };
     let mut rng = Rng::new(71);
     // (bits, group, hidden, inter, experts, top_k, tokens, pool): the pairs route to `pool` distinct
-    // experts (0: any of the `experts`). At most 4 pairs per expert on average take the decode
+    // experts (0: any of the `experts`). INT4 with groups of a multiple of 128 (and k % 128 == 0)
+    // runs the tensor-core kernel (any batch; its down projection also with SwiGLU fused), other
+    // schemes the CUDA-core ones. At most 4 pairs per expert on average take the decode
     // kernels (`_m1`, one pair per pass), beyond the plain ones (up to 8 pairs per pass).
     let cases = [
         (4, 128, 2048, 512, 16, 4, 1, 0),
@@ -94,6 +96,12 @@ fn packed_grouped_gemv_matches_cpu() {
         (4, 128, 2560, 768, 512, 10, 8, 40),
         // Prefill-sized: 64 tokens over 16 experts (40 pairs an expert: full tiles, plain kernels).
         (4, 128, 2048, 512, 16, 10, 64, 0),
+        // Tensor-core kernel edges: one scale per row (group 0, k = 256 and 384: 2 and 3 spans, so
+        // warps without spans), group 256 (one scale per two spans), one span (k = 128) with tiles
+        // of 1..8 pairs.
+        (4, 0, 256, 384, 8, 4, 6, 0),
+        (4, 256, 512, 256, 8, 2, 20, 0),
+        (4, 128, 256, 128, 4, 3, 9, 0),
     ];
     for (bits, group, h, i, e, k, t, pool) in cases {
         let s = scheme(bits, group);
@@ -216,6 +224,57 @@ fn packed_grouped_gemv_matches_cpu() {
             "{shape}: gate|up {gu_max} {gu_rms}"
         );
         assert!(dn_max <= 1e-4, "{shape}: down {dn_max}");
+
+        // Decode steps fuse SwiGLU into the down GEMV where the tensor-core kernel runs: the same
+        // activation bits as the swiglu launch, so the same result bit for bit.
+        if Gpu::moe_gemv_fuses_swiglu(bits, group, i) {
+            let mut act_g = g.zeros::<bf16>(n * i).unwrap();
+            g.swiglu(&y_gu, &mut act_g, n, i).unwrap();
+            let mut y_two = g.zeros::<f32>(n * h).unwrap();
+            g.moe_gemv_packed(
+                &dn_t.w_ptrs,
+                &dn_t.s_ptrs,
+                bits,
+                group,
+                &act_g,
+                n,
+                1,
+                &perm,
+                &tiles,
+                n,
+                &mut y_two,
+                h,
+                i,
+            )
+            .unwrap();
+            let mut y_fused = g.zeros::<f32>(n * h).unwrap();
+            g.moe_gemv_packed_swiglu(
+                &dn_t.w_ptrs,
+                &dn_t.s_ptrs,
+                bits,
+                group,
+                &y_gu,
+                n,
+                &perm,
+                &tiles,
+                n,
+                &mut y_fused,
+                h,
+                i,
+            )
+            .unwrap();
+            let (a, b) = (g.download(&y_two).unwrap(), g.download(&y_fused).unwrap());
+            let differ = a
+                .iter()
+                .zip(&b)
+                .filter(|(x, y)| x.to_bits() != y.to_bits())
+                .count();
+            println!("PACKED check=moe_gemv_packed_swiglu shape={shape} differing={differ}");
+            assert_eq!(
+                differ, 0,
+                "{shape}: fused SwiGLU down differs from swiglu + down"
+            );
+        }
     }
 }
 

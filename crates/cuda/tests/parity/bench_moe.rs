@@ -106,7 +106,7 @@ fn bench_moe_decode() {
     };
     let mut rng = Rng::new(64);
 
-    // Router: softmax + top 10 of 512 + renormalise, one warp per token.
+    // Router: softmax + top 10 of 512 + renormalise, one block per token (sort and merge).
     for t in [1usize, 8] {
         let logits = g.upload(&rng.normals(t * E, 0.0, 2.0)).unwrap();
         let mut ids = g.zeros::<u32>(t * TOP_K).unwrap();
@@ -164,7 +164,8 @@ fn bench_moe_decode() {
         );
     }
 
-    // Grouped GEMVs: gate|up (bf16 out, token rows) and down (f32 out, pair rows).
+    // Grouped GEMVs: gate|up (bf16 out, token rows) and down (f32 out, pair rows); INT4 g128 runs on
+    // tensor cores (moe_gemv_q4_mma_*), and its down projection also with SwiGLU fused.
     // (label, bits (16 = bf16), group, hidden, intermediate)
     let formats = [
         ("q4_g128", 4u32, 128usize, 2048usize, 512usize),
@@ -234,6 +235,26 @@ fn bench_moe_decode() {
                 "BENCH moe_gemv gate_up+down {shape} time_us={:.2}",
                 total * 1e6
             );
+            // The decode step's down projection with SwiGLU fused into its input (reads the gate|up
+            // rows; replaces the swiglu launch plus the down GEMV).
+            if bits != 16 && Gpu::moe_gemv_fuses_swiglu(bits, group, i) {
+                let mut call = 0usize;
+                let tv = time(g, ROUTINGS, 25 * ROUTINGS, || {
+                    let s = &st[call % ROUTINGS];
+                    call += 1;
+                    g.moe_gemv_packed_swiglu(
+                        &dn.w_ptrs, &dn.s_ptrs, bits, group, &y_gu, n, &s.perm, &s.tiles, n,
+                        &mut y_dn, h, i,
+                    )
+                    .unwrap()
+                });
+                let bytes = chosen * dn.bytes as f64 + (n * 2 * i * 2 + n * h * 4) as f64;
+                println!(
+                    "BENCH moe_gemv down_swiglu {shape} n={h} k={i} out=f32 experts={chosen:.1} bytes={bytes:.0} time_us={:.2} GB/s={:.0}",
+                    tv * 1e6,
+                    bytes / tv / 1e9
+                );
+            }
         }
     }
 }

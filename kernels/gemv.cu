@@ -98,6 +98,75 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16
     }
 }
 
+// Batched decode (m = 2..8) on the tensor cores: the FMA loop above issues an FMA and a widening per
+// weight and row of X, so at m = 8 it is bound by issue; here mma.sync m16n8k16 (bf16 in, f32
+// accumulation) multiplies each weight with every row of X at once. A block of 256 threads (8 warps)
+// owns 16 rows of W (the A tile; X^T, zero past row m, is B); warp w takes the 32-value k-blocks
+// w, w + 8, ..., and lane (g = lane / 4, t = lane % 4) streams 16 bytes of rows g and g + 8 per k-block,
+// values 32b + 8t .. 32b + 8t + 7, with x[g] at the same positions. The reduction runs over k, so the
+// positions inside an mma's 16 are free as long as the A and B pairs agree: step s of a k-block pairs
+// the lane's values 4s .. 4s + 3 of W and X. The 8 warps' fragments are summed in shared memory.
+// Requires k % 32 == 0, 16-byte aligned W and X.
+__device__ __forceinline__ void tc_mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <typename OUT>
+__device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
+                                             OUT* __restrict__ Y, int n, int k, int m) {
+    constexpr int U = 4;  // k-blocks in flight a warp
+    __shared__ float red[8][32][4];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const long long tile0 = (long long)blockIdx.x * 16;
+    // Rows past n read row n - 1 (never stored).
+    const long long ra = min(tile0 + g, (long long)n - 1), rb = min(tile0 + g + 8, (long long)n - 1);
+    const uint4* wa = (const uint4*)(W + ra * k) + t;
+    const uint4* wb = (const uint4*)(W + rb * k) + t;
+    const bool xon = g < m;
+    const uint4* xr = (const uint4*)(X + (size_t)(xon ? g : 0) * k) + t;
+    const int nblk = k >> 5;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+    for (int b0 = warp; b0 < nblk; b0 += 8 * U) {
+        uint4 pa[U], pb[U], px[U];
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int b = b0 + 8 * i;
+            const bool on = b < nblk;
+            pa[i] = on ? __ldcs(wa + 4 * b) : make_uint4(0, 0, 0, 0);
+            pb[i] = on ? __ldcs(wb + 4 * b) : make_uint4(0, 0, 0, 0);
+            px[i] = on && xon ? __ldg(xr + 4 * b) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const u32 a0[4] = {pa[i].x, pb[i].x, pa[i].y, pb[i].y};
+            const u32 a1[4] = {pa[i].z, pb[i].z, pa[i].w, pb[i].w};
+            tc_mma(c, a0, px[i].x, px[i].y);
+            tc_mma(c, a1, px[i].z, px[i].w);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][lane][i] = c[i];
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        // Output (row r of the tile, column j of X): c[(r / 8) · 2 + j % 2] of lane (r % 8) · 4 + j / 2.
+        const int r = threadIdx.x >> 3, j = threadIdx.x & 7;
+        const int ln = (r & 7) * 4 + (j >> 1), ci = (r >> 3) * 2 + (j & 1);
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) v += red[w][ln][ci];
+        const long long row = tile0 + r;
+        if (row < n && j < m) put<OUT>(Y, (size_t)j * n + row, v);
+    }
+}
+
+// Y: [m, n]; 256 threads, grid = ceil(n / 16), 2 ≤ m ≤ 8, k % 32 == 0.
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc(const bf16* W, const bf16* X, bf16* Y, int n, int k, int m) { gemv_tc_impl<bf16>(W, X, Y, n, k, m); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc_f32(const bf16* W, const bf16* X, float* Y, int n, int k, int m) { gemv_tc_impl<float>(W, X, Y, n, k, m); }
+
 // Y: [M, n] bf16. 256 threads; rps ∈ 1..GEMV_ROWS rows per slot, slots of 2^tpr_log2 ≤ 256 threads;
 // grid = ceil(n / (rps · 256 / 2^tpr_log2)).
 extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m1(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<1, bf16>(W, X, Y, n, k, rps, tpr_log2); }

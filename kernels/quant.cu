@@ -275,6 +275,159 @@ __device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const flo
         gemv_q_body<BITS, M, OUT, false>(W, S, X, Y, n, k, group, rps, tpr_log2, red);
 }
 
+// ---- Batched decode (M = 2..8) on the tensor cores: INT8 and INT4 ----
+// The FMA GEMV above spends ~2 instructions per weight and row of X (the multiply and the x widening) on
+// top of the decode, so at M = 8 it is bound by issue, not by HBM. Here every weight is decoded once to a
+// bf16 pair (integer codes: exact) and multiplied with all rows of X at once by mma.sync m16n8k16 (bf16
+// in, f32 accumulation): W's 16-row tile is A, X^T (k x 8, rows of X past m are zero) is B.
+//
+// A block of 256 threads (8 warps) owns 16 rows of W; warp w takes the k-blocks w, w + 8, ... of KB
+// values (INT8: 64, INT4: 128), so each lane streams one 16-byte piece of its two rows (g and g + 8,
+// g = lane / 4, t = lane % 4) per k-block: bytes [16t, 16t + 16) of the block's row segment, codes
+// KB·b + (KB/4)·t + .. . The reduction runs over k, so the mma's k order is free: each lane's A and B
+// pairs are its own codes and the matching x values in memory order (lane t of B, column g, reads
+// x[g, KB·b + (KB/4)·t ..]); only the pairing of A and B must agree, not the positions inside the 16.
+// Scales: per row (group ≥ k) once at the end; per group (group % KB == 0) on each k-block's partial
+// product, which lies inside one group. The 8 warps' fragments are summed in shared memory.
+// Requires k % KB == 0, 16-byte aligned W and X.
+
+// a · b + c on two bf16 lanes (exact here: every operand and result is a small integer).
+__device__ __forceinline__ u32 tc_fma2(u32 a, u32 b, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+#define TC_ONE2 0x3F803F80u  // bf16x2 (1, 1)
+
+// c += A (16x16 fragment a) · B (16x8 fragment b0 b1).
+__device__ __forceinline__ void tc_mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Codes 2h, 2h + 1 of an INT8 word as a bf16 pair of q = code - 128 (low half first). bf16 holds 128 + c
+// exactly only for c < 128, so the low 7 bits go to the mantissa of 128 and the top bit picks the
+// subtrahend: (128 + c_lo) - (c_top ? 128 : 256) = c - 128.
+__device__ __forceinline__ u32 tc_pair8(u32 w, int h) {
+    const u32 b = 2 * h;
+    const u32 x = __byte_perm(w, 0x43u, b | 0x40u | ((b + 1) << 8) | 0x4000u);  // [c0, 0x43, c1, 0x43]
+    return tc_fma2(x & 0x437F437Fu, TC_ONE2, (x & 0x00800080u) ^ 0xC380C380u);
+}
+// Codes 2i, 2i + 1 of an INT4 word (the nibbles of byte i) as a bf16 pair of q = code - 8: 128 + code,
+// minus 136.
+__device__ __forceinline__ u32 tc_pair4(u32 w, int i) {
+    const u32 x = __byte_perm(w, w >> 4, (u32)i | ((u32)(i + 4) << 8));
+    return tc_fma2((x & 0x000F000Fu) | 0x43004300u, TC_ONE2, 0xC308C308u);
+}
+
+template <int BITS, bool PER_ROW, typename OUT>
+__device__ __forceinline__ void gemv_tc_body(const u32* __restrict__ W, const float* __restrict__ S,
+                                             const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
+                                             int group, int m) {
+    constexpr int KB = BITS == 8 ? 64 : 128;  // values of a k-block: 16 bytes a lane and row
+    constexpr int XV = KB / 32;               // x pieces (16 bytes) a lane and k-block
+    constexpr int U = BITS == 8 ? 4 : 2;      // k-blocks in flight a warp
+    __shared__ float red[8][32][4];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const long long tile0 = (long long)blockIdx.x * 16;
+    // Rows past n read row n - 1 (never stored).
+    const long long ra = min(tile0 + g, (long long)n - 1), rb = min(tile0 + g + 8, (long long)n - 1);
+    const int wpr = k / (32 / BITS);  // u32 words a row
+    const uint4* wa = (const uint4*)(W + ra * wpr) + t;
+    const uint4* wb = (const uint4*)(W + rb * wpr) + t;
+    const bool xon = g < m;
+    const uint4* xr = (const uint4*)(X + (size_t)(xon ? g : 0) * k) + XV * t;
+    const int scols = (k + group - 1) / group;
+    const float* sa = S + ra * scols;
+    const float* sb = S + rb * scols;
+    const int nblk = k / KB;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+    for (int b0 = warp; b0 < nblk; b0 += 8 * U) {
+        uint4 pa[U], pb[U], px[U][XV];
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int b = b0 + 8 * i;
+            const bool on = b < nblk;
+            pa[i] = on ? __ldcs(wa + 4 * b) : make_uint4(0, 0, 0, 0);
+            pb[i] = on ? __ldcs(wb + 4 * b) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int v = 0; v < XV; ++v)
+                px[i][v] = on && xon ? __ldg(xr + 4 * XV * b + v) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int b = b0 + 8 * i;
+            const u32 a4[4] = {pa[i].x, pa[i].y, pa[i].z, pa[i].w};
+            const u32 b4[4] = {pb[i].x, pb[i].y, pb[i].z, pb[i].w};
+            u32 xw[4 * XV];
+#pragma unroll
+            for (int v = 0; v < XV; ++v) {
+                xw[4 * v] = px[i][v].x;
+                xw[4 * v + 1] = px[i][v].y;
+                xw[4 * v + 2] = px[i][v].z;
+                xw[4 * v + 3] = px[i][v].w;
+            }
+            float cp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            // Step s pairs A codes 4s .. 4s + 3 of the lane's 16-byte piece with x words 2s, 2s + 1.
+#pragma unroll
+            for (int s = 0; s < KB / 16; ++s) {
+                u32 a[4];
+                if (BITS == 8) {
+                    a[0] = tc_pair8(a4[s], 0);
+                    a[1] = tc_pair8(b4[s], 0);
+                    a[2] = tc_pair8(a4[s], 1);
+                    a[3] = tc_pair8(b4[s], 1);
+                } else {
+                    a[0] = tc_pair4(a4[s >> 1], 2 * (s & 1));
+                    a[1] = tc_pair4(b4[s >> 1], 2 * (s & 1));
+                    a[2] = tc_pair4(a4[s >> 1], 2 * (s & 1) + 1);
+                    a[3] = tc_pair4(b4[s >> 1], 2 * (s & 1) + 1);
+                }
+                if (PER_ROW)
+                    tc_mma(c, a, xw[2 * s], xw[2 * s + 1]);
+                else
+                    tc_mma(cp, a, xw[2 * s], xw[2 * s + 1]);
+            }
+            if (!PER_ROW && b < nblk) {
+                const float s0 = __ldg(sa + (b * KB) / group), s1 = __ldg(sb + (b * KB) / group);
+                c[0] = fmaf(cp[0], s0, c[0]);
+                c[1] = fmaf(cp[1], s0, c[1]);
+                c[2] = fmaf(cp[2], s1, c[2]);
+                c[3] = fmaf(cp[3], s1, c[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][lane][i] = c[i];
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        // Output (row r of the tile, column j of X): c[(r / 8) · 2 + j % 2] of lane (r % 8) · 4 + j / 2.
+        const int r = threadIdx.x >> 3, j = threadIdx.x & 7;
+        const int ln = (r & 7) * 4 + (j >> 1), ci = (r >> 3) * 2 + (j & 1);
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) v += red[w][ln][ci];
+        const long long row = tile0 + r;
+        if (row < n && j < m) {
+            if (PER_ROW) v *= __ldg(S + row);
+            qput<OUT>(Y, (size_t)j * n + row, v);
+        }
+    }
+}
+
+template <int BITS, typename OUT>
+__device__ __forceinline__ void gemv_tc_impl(const u32* __restrict__ W, const float* __restrict__ S,
+                                             const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
+                                             int group, int m) {
+    if (group >= k)
+        gemv_tc_body<BITS, true, OUT>(W, S, X, Y, n, k, group, m);
+    else
+        gemv_tc_body<BITS, false, OUT>(W, S, X, Y, n, k, group, m);
+}
+
 // Rows [row0, row0 + rows) of dequant(W) as bf16 into OUT [rows, k]: one thread per unit. S null: the
 // integer codes q themselves (exact in bf16), for a GEMM that applies per-row scales afterwards.
 template <int BITS>
@@ -305,7 +458,8 @@ __device__ __forceinline__ void dequant_q_impl(const u32* __restrict__ W, const 
     }
 }
 
-// Entry points. GEMV: 256 threads (M ≥ 5 held to two resident blocks' registers), rps ∈ 1..QROWS rows per
+// Entry points. GEMV: 256 threads (M ≥ 5 held to two resident blocks' registers, INT8 M = 1 to four so
+// that n = 8192's 512 blocks are resident at once), rps ∈ 1..QROWS rows per
 // slot, slots of 2^tpr_log2 ≤ 256 threads,
 // grid = ceil(n / (rps · 256 / 2^tpr_log2)). Y: [M, n].
 extern "C" __global__ void __launch_bounds__(256) gemv_q4_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
@@ -324,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m5(const u32* W
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256) gemv_q8_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256) gemv_q8_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256) gemv_q8_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
@@ -332,7 +486,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m5(const u32* W, co
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
@@ -356,6 +510,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m5(const u32* W
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
 extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+// Batched decode on the tensor cores: 256 threads, grid = ceil(n / 16), 2 ≤ m ≤ 8 rows of X, Y: [m, n].
+// INT8: k % 64 == 0; INT4: k % 128 == 0; group ≥ k (per row) or group % (64 | 128) == 0.
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int m) { gemv_tc_impl<8, bf16>(W, S, X, Y, n, k, group, m); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc_f32(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int m) { gemv_tc_impl<8, float>(W, S, X, Y, n, k, group, m); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int m) { gemv_tc_impl<4, bf16>(W, S, X, Y, n, k, group, m); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc_f32(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int m) { gemv_tc_impl<4, float>(W, S, X, Y, n, k, group, m); }
 // The per-row scales of a GEMM over integer codes: Y[i, row0 + j] = bf16(YT[i, j] · S[row0 + j]) for
 // i < m, j < rows, YT [m, rows] f32 (the product with the codes), Y [m, n]. One thread per element.
 extern "C" __global__ void __launch_bounds__(256) scale_cols_bf16(const float* __restrict__ YT, const float* __restrict__ S,

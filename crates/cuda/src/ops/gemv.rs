@@ -4,7 +4,9 @@
 //! The GEMV kernels (here and the packed ones in `quant.rs`) split a 256-thread block into row slots
 //! ([`gemv_plan`]): on a large `n` a warp owns a few rows and streams them, as many blocks as rows
 //! allow; on a small `n` the slots widen (up to the whole block on one row, reduced through shared
-//! memory) and own fewer rows, so that every shape fills the GPU's multiprocessors.
+//! memory) and own fewer rows, so that every shape fills the GPU's multiprocessors. Batches of 2..8 rows
+//! of `x` (at `n ≥ 256`, `k % 32 == 0`) run on the tensor cores instead: 16 rows of `W` a block, the
+//! 8 warps split over k, one mma per 16 values of 16 rows for every row of `x` at once.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
@@ -20,6 +22,20 @@ const GEMV_ROWS: usize = 4;
 
 /// Threads per GEMV block (bf16 and packed).
 pub(crate) const GEMV_THREADS: usize = 256;
+
+/// Rows of W one block of a tensor-core GEMV owns (`gemv_*_tc` in gemv.cu and quant.cu).
+pub(crate) const TC_ROWS: usize = 16;
+
+/// The fewest rows of W for which a batched GEMV takes the tensor-core kernel: below that its 16-row
+/// blocks are too few to fill the GPU and the FMA GEMV's narrower cuts win.
+pub(crate) const TC_MIN_N: usize = 256;
+
+/// Whether a bf16 GEMV of `m` rows of x runs on the tensor cores (`gemv_bf16_tc*`): 2 ≤ m ≤ 8 (one mma
+/// multiplies each weight with every row of x, where the FMA GEMV issues work per weight and row),
+/// `n ≥ TC_MIN_N` and `k % 32 == 0`. Depends on the shape alone.
+fn tensor_core_gemv(m: usize, n: usize, k: usize) -> bool {
+    (2..=GEMV_MAX_M).contains(&m) && n >= TC_MIN_N && k.is_multiple_of(32)
+}
 
 /// How a GEMV over `n` rows is cut (see [`gemv_plan`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -111,6 +127,27 @@ impl Gpu {
             return Ok(());
         }
         let (ni, ki) = (int(OP, "n", n)?, int(OP, "k", k)?);
+        if tensor_core_gemv(m, n, k) {
+            let grid = grid_u32(OP, n.div_ceil(TC_ROWS))?;
+            let mi = int(OP, "m", m)?;
+            let s = self.stream();
+            let (wp, _gw) = w.device_ptr(s);
+            let (xp, _gx) = x.device_ptr(s);
+            let (yp, _gy) = y.device_ptr_mut(s);
+            ensure(wp % 16 == 0 && xp % 16 == 0, OP, || {
+                "W and x must be 16-byte aligned".into()
+            })?;
+            let name = format!(
+                "gemv_bf16_tc{}",
+                base.strip_prefix("gemv_bf16").unwrap_or("")
+            );
+            let mut b = s.launch_builder(self.kernel(&name)?);
+            b.arg(&wp).arg(&xp).arg(&yp).arg(&ni).arg(&ki).arg(&mi);
+            // SAFETY: argument types match the kernel; lengths and alignment checked above; 2 ≤ m ≤ 8
+            // and k % 32 == 0 (tensor_core_gemv).
+            unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+            return Ok(());
+        }
         let plan = gemv_plan(n, k / 8, GEMV_ROWS, self.info().multiprocessors as usize);
         let grid = grid_u32(OP, plan.blocks)?;
         let (rps, tpr_log2) = (plan.rps as i32, plan.tpr_log2 as i32);
@@ -164,6 +201,15 @@ mod tests {
         assert_eq!(plan(2048, 16, 2), (1, 16, 128));
         // Fewer chunks than a warp: the slot never outgrows the row.
         assert_eq!(plan(64, 1, 4), (1, 1, 1));
+    }
+
+    #[test]
+    fn batches_take_the_tensor_cores_at_wide_n_only() {
+        assert!(!tensor_core_gemv(1, 4096, 2048));
+        assert!(tensor_core_gemv(2, 4096, 2048));
+        assert!(tensor_core_gemv(8, TC_MIN_N, 32));
+        assert!(!tensor_core_gemv(8, TC_MIN_N - 1, 2048));
+        assert!(!tensor_core_gemv(8, 4096, 40));
     }
 
     #[test]

@@ -5,7 +5,9 @@
 //! `words()` and `scales` as they are.
 //!
 //! - Decode: [`Gpu::gemv_packed`] / [`Gpu::gemv_packed_f32`], `y[m, :] = dequant(W) · x[m, :]` for
-//!   1 ≤ m ≤ 8, f32 accumulation, one rounding per output.
+//!   1 ≤ m ≤ 8, f32 accumulation, one rounding per output. INT8 and INT4 batches of 2..8 rows run on
+//!   the tensor cores (each weight decoded once for every row of x); one row, INT6, n < 256 and odd k or
+//!   groups on the FMA GEMV.
 //! - Prefill: [`Gpu::gemm_packed`] dequantises W tile by tile into a caller-owned bf16 workspace
 //!   ([`Gpu::dequant_packed`]) and multiplies each tile with cuBLAS; no dequantised copy outlives the call.
 //!
@@ -16,7 +18,7 @@ use cudarc::cublas::{result as blas, sys};
 use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
-use super::gemv::{gemv_plan, GEMV_THREADS};
+use super::gemv::{gemv_plan, GEMV_THREADS, TC_MIN_N, TC_ROWS};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -63,6 +65,23 @@ fn check_packed(
     check_len(op, "W", w, n * packed_words_per_row(bits, k))?;
     check_len(op, "scales", scales, n * packed_scale_cols(group_size, k))?;
     Ok(if group_size == 0 { k } else { group_size })
+}
+
+/// Whether a packed decode GEMV of `m` rows runs on the tensor cores (`gemv_q{4,8}_tc`): INT8 and INT4
+/// at 2 ≤ m ≤ 8 (one mma serves every row of x, so the decode is paid once per weight, not once per row)
+/// and `n ≥ TC_MIN_N`, with k a whole number of the kernel's k-blocks (64 values for INT8, 128 for
+/// INT4) and per-row scales or groups of whole k-blocks. `group` is the effective group (k for per-row
+/// scales). Depends on the shape alone.
+fn tensor_core_gemv(bits: u32, group: usize, m: usize, n: usize, k: usize) -> bool {
+    let kb = match bits {
+        8 => 64,
+        4 => 128,
+        _ => return false,
+    };
+    (2..=8).contains(&m)
+        && n >= TC_MIN_N
+        && k.is_multiple_of(kb)
+        && (group >= k || group.is_multiple_of(kb))
 }
 
 /// The most f32 values the per-row-scale prefill GEMM keeps between cuBLAS and its scale kernel
@@ -130,6 +149,31 @@ impl Gpu {
             return Ok(());
         }
         let (ni, ki, gi) = (int(OP, "n", n)?, int(OP, "k", k)?, int(OP, "group", group)?);
+        if tensor_core_gemv(bits, group, m, n, k) {
+            let grid = grid_u32(OP, n.div_ceil(TC_ROWS))?;
+            let mi = int(OP, "m", m)?;
+            let s = self.stream();
+            let (wp, _gw) = w.device_ptr(s);
+            let (sp, _gs) = scales.device_ptr(s);
+            let (xp, _gx) = x.device_ptr(s);
+            let (yp, _gy) = y.device_ptr_mut(s);
+            ensure(wp % 16 == 0 && xp % 16 == 0, OP, || {
+                "W and x must be 16-byte aligned".into()
+            })?;
+            let mut b = s.launch_builder(self.kernel(&format!("gemv_q{bits}_tc{suffix}"))?);
+            b.arg(&wp)
+                .arg(&sp)
+                .arg(&xp)
+                .arg(&yp)
+                .arg(&ni)
+                .arg(&ki)
+                .arg(&gi)
+                .arg(&mi);
+            // SAFETY: argument types match the kernel; lengths, alignment and the kernel's k and group
+            // rules (tensor_core_gemv) checked above; 2 ≤ m ≤ 8.
+            unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+            return Ok(());
+        }
         // Work items of a row: units of 32 values.
         let plan = gemv_plan(
             n,

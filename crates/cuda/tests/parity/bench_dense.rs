@@ -131,12 +131,19 @@ fn bench_dense_gemv() {
                 (2048, 512),
                 (2048, 2048),
                 (2048, 4096),
+                (4096, 2048),
                 (8192, 2048),
                 (12_288, 2048),
             ] {
                 bench_packed(g, bits, group, m, n, k, false);
             }
         }
+    }
+    // Batches between 1 and 8 (the tensor-core GEMV from m = 2) at in_proj_qkv / in_proj_z.
+    for m in [2usize, 4] {
+        bench_packed(g, 8, 0, m, 8192, 2048, false);
+        bench_packed(g, 4, 128, m, 4096, 2048, false);
+        bench_bf16(g, m, 4096, 2048, false);
     }
     // An INT8 lm_head, f32 logits.
     bench_packed(g, 8, 0, 1, 151_936, 2048, true);

@@ -111,6 +111,33 @@ fn gemv_matches_cpu_at_decode_shapes() {
     }
 }
 
+/// The tensor-core GEMV (2 ≤ m ≤ 8, n ≥ 256, k % 32 == 0): every batch size at the in_proj_z shape,
+/// in_proj_qkv and out_proj at batch 8 and 3, the n threshold on both sides (255: FMA, 256: tensor
+/// cores, 257: a partial 16-row tile), a k of one 32-value block per warp and less (k = 32: 7 idle
+/// warps) and a k off the 32 grid at n ≥ 256 (the FMA GEMV).
+#[test]
+fn gemv_tensor_core_matches_cpu() {
+    let Some(g) = gpu("gemv_tensor_core_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(15);
+    for m in 2..=8usize {
+        gemv_case(g, &mut rng, m, 4096, 2048);
+    }
+    for &(m, n, k) in &[
+        (8, 8192, 2048),
+        (3, 2048, 4096),
+        (8, 255, 2048),
+        (8, 256, 2048),
+        (2, 257, 2048),
+        (7, 1000, 256),
+        (8, 300, 32),
+        (8, 300, 40),
+    ] {
+        gemv_case(g, &mut rng, m, n, k);
+    }
+}
+
 #[test]
 fn gemv_rejects_bad_shapes() {
     let Some(g) = gpu("gemv_rejects_bad_shapes") else {

@@ -144,6 +144,47 @@ fn gemv_packed_matches_cpu() {
     gemv_case(g, &mut rng, &p, 1, true);
 }
 
+/// The tensor-core GEMV (INT8 and INT4, 2 ≤ m ≤ 8, n ≥ 256, k a whole number of 64 / 128-value
+/// blocks, per-row scales or groups of whole blocks): every batch size at in_proj_qkv (INT8 8192 x 2048)
+/// and at INT4 group 128; in_proj_z, out_proj and o_proj at batch 8 and 2; grouped INT8 (group 128:
+/// scales per k-block), per-row INT4, the n threshold (255 and 256), partial 16-row tiles, f32 outputs,
+/// and shapes that stay on the FMA GEMV at batch 8 (INT8 k = 96, INT4 group 32, INT6).
+#[test]
+fn gemv_packed_tensor_core_matches_cpu() {
+    let Some(g) = gpu("gemv_packed_tensor_core_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(44);
+    for (bits, group, n, k) in [(8u32, 0usize, 8192usize, 2048usize), (4, 128, 4096, 2048)] {
+        let p = make(&mut rng, bits, group, n, k);
+        for m in 2..=8 {
+            gemv_case(g, &mut rng, &p, m, m == 5);
+        }
+    }
+    for (m, bits, group, n, k) in [
+        (8, 8, 0, 4096, 2048),
+        (2, 8, 0, 2048, 4096),
+        (8, 8, 0, 2048, 4096),
+        (8, 8, 0, 2048, 512),
+        (3, 8, 128, 300, 4096),
+        (8, 8, 64, 1000, 512),
+        (5, 4, 0, 300, 256),
+        (8, 4, 256, 513, 1024),
+        (8, 8, 0, 255, 2048),
+        (8, 8, 0, 256, 2048),
+        (4, 4, 128, 257, 128),
+        (8, 8, 0, 300, 96),
+        (8, 4, 32, 300, 512),
+        (8, 6, 0, 4096, 2048),
+    ] {
+        let p = make(&mut rng, bits, group, n, k);
+        gemv_case(g, &mut rng, &p, m, true);
+    }
+    // An INT8 lm_head at batch 8 (f32 logits).
+    let p = make(&mut rng, 8, 0, 151_936, 2048);
+    gemv_case(g, &mut rng, &p, 8, true);
+}
+
 /// The decode shapes of a full-size model at batch 1 and 8 for each format (INT4 group 128, INT6 and
 /// INT8 per-row scales), bf16 and f32 outputs: n from one row to 12288, k = 512, 2048, 4096, so every
 /// cut of the GEMV (slots narrower than a warp, of a warp, of a whole block; one or two rows) runs.

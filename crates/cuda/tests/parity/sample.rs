@@ -5,15 +5,18 @@
 //! Ids are equal except documented near-ties: a GPU id that differs must be what the host draws with
 //! the uniform moved by at most [`U_SHIFT`] (the two sides sum the weights in different orders, so a
 //! uniform within rounding of a boundary between two tokens may fall on either side; top-p's cut
-//! likewise moves within rounding of its target, covered by moving `top_p` by 1e-6 relative). Log-probabilities within
+//! likewise moves within rounding of its target, covered by moving `top_p` by [`U_SHIFT`] relative).
+//! The device sums with shared-memory float atomics, so which side of such a boundary it lands on can
+//! change from run to run. Log-probabilities within
 //! 1e-3 of the host's raw log-probability of the GPU's id.
 
 use half::bf16;
 
-/// How far the uniform may move for a differing id. f32 sums of up to ~2.5·10⁵ kept weights taken in
-/// different orders differ by far more than one ulp: on an H200, a row of tied logits (0.25 grid,
-/// temperature 2, top-p 0.9, ~10⁵ kept tokens of ~10⁻⁵ each) drew an id 3 tokens from the host's,
-/// a CDF shift of ~3·10⁻⁵; 1e-4 covers that with margin and is still a few tokens wide.
+/// How far the uniform (absolute) and `top_p` (relative) may move for a differing id. f32 sums of up
+/// to ~2.5·10⁵ kept weights taken in different orders differ by far more than one ulp: on an H200, a
+/// row of tied logits (0.25 grid, temperature 2, top-p 0.9, ~10⁵ kept tokens of ~10⁻⁵ each) drew an
+/// id 3 tokens from the host's (a CDF shift of ~3·10⁻⁵), and a top-p 0.999 row kept a tail token the
+/// host cut; 1e-4 covers both with margin and is still a few tokens wide.
 const U_SHIFT: f64 = 1e-4;
 use sanmai_model::sample::{log_sum_exp, sample_rows, RowSampling, SeenToken};
 
@@ -228,11 +231,11 @@ fn sampling_matches_cpu() {
                                 ..*s
                             },
                             RowSampling {
-                                top_p: s.top_p * (1.0 - 1e-6),
+                                top_p: s.top_p * (1.0 - U_SHIFT as f32),
                                 ..*s
                             },
                             RowSampling {
-                                top_p: (s.top_p * (1.0 + 1e-6)).min(1.0),
+                                top_p: (s.top_p * (1.0 + U_SHIFT as f32)).min(1.0),
                                 ..*s
                             },
                         ];

@@ -352,7 +352,11 @@ fn moe_gemm_refuses_bad_shapes() {
         assert!(!Gpu::moe_gemm_supports(scheme, k));
     }
     assert!(!Gpu::moe_gemm_wanted(8, 80), "a decode step of 8 tokens");
-    assert!(Gpu::moe_gemm_wanted(64, 640));
+    assert!(
+        !Gpu::moe_gemm_wanted(64, 640),
+        "a short chunk keeps the GEMV"
+    );
+    assert!(Gpu::moe_gemm_wanted(512, 5120));
 }
 
 /// The backend's routed experts on a prefill-sized step (the grouped GEMM path) and a decode-sized
@@ -427,8 +431,8 @@ fn backend_moe_prefill_matches_cpu() {
             shared: None,
             shared_gate: None,
         };
-        for t in [4usize, 64] {
-            assert_eq!(Gpu::moe_gemm_wanted(t, t * k), t == 64);
+        for t in [4usize, 1024] {
+            assert_eq!(Gpu::moe_gemm_wanted(t, t * k), t == 1024);
             let x = to_bf16(&rng.normals(t * h, 0.0, 1.0)).1;
             let (_, _, got) = b.to_host(b.moe_experts(&b.upload(t, h, x.clone()), &wg));
             let (_, _, want) = cpu.to_host(cpu.moe_experts(&cpu.upload(t, h, x), &wc));

@@ -75,29 +75,51 @@ impl Gpu {
         let (xp, _gx) = x.device_ptr(s);
         let (wp, _gw) = w.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
+        // SAFETY: W holds n·k, x m·k and y m·n elements (checked above), on this stream.
+        unsafe { self.blas_w_xt(ni, mi, ki, wp, xp, yp, y_type, ni) }
+    }
+
+    /// `y = x · Wᵀ` through cuBLAS (bf16 inputs, f32 accumulation): W `[rows, k]` and x `[m, k]`
+    /// row-major bf16, y row-major `[m, ·]` of `y_type` with `ldy` elements between rows (its first
+    /// `rows` columns written). In cuBLAS's column-major view: yᵀ `[rows, m]` = W `[k, rows]`ᵀ · xᵀ
+    /// `[k, m]`.
+    ///
+    /// # Safety
+    /// The device pointers must hold those extents and be used on this `Gpu`'s stream.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn blas_w_xt(
+        &self,
+        rows: i32,
+        m: i32,
+        k: i32,
+        w: u64,
+        x: u64,
+        y: u64,
+        y_type: sys::cudaDataType,
+        ldy: i32,
+    ) -> Result<()> {
         let (alpha, beta) = (1.0f32, 0.0f32);
-        // Column-major view: yᵀ [n, m] = W [k, n]ᵀ · xᵀ [k, m].
-        // SAFETY: the handle is bound to this stream; pointers cover the checked lengths; alpha and beta
-        // are host f32 values as the default pointer mode and the 32F compute type expect.
+        // SAFETY: the handle is bound to this stream; the caller vouches for the extents; alpha and
+        // beta are host f32 values as the default pointer mode and the 32F compute type expect.
         unsafe {
             blas::gemm_ex(
                 *self.blas().handle(),
                 sys::cublasOperation_t::CUBLAS_OP_T,
                 sys::cublasOperation_t::CUBLAS_OP_N,
-                ni,
-                mi,
-                ki,
+                rows,
+                m,
+                k,
                 (&alpha) as *const f32 as *const _,
-                wp as *const _,
+                w as *const _,
                 sys::cudaDataType::CUDA_R_16BF,
-                ki,
-                xp as *const _,
+                k,
+                x as *const _,
                 sys::cudaDataType::CUDA_R_16BF,
-                ki,
+                k,
                 (&beta) as *const f32 as *const _,
-                yp as *mut _,
+                y as *mut _,
                 y_type,
-                ni,
+                ldy,
                 sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                 sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
             )

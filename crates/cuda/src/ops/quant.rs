@@ -14,7 +14,7 @@
 //! Shape rules (errors, never panics): bits ∈ {4, 6, 8}; `k % 32 == 0` for INT4/INT8 and `k % 8 == 0`
 //! for INT6; `group_size % 8 == 0` (or 0); W, x 16-byte aligned.
 
-use cudarc::cublas::{result as blas, sys};
+use cudarc::cublas::sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
 use half::bf16;
 
@@ -323,31 +323,19 @@ impl Gpu {
             let (wsp, _gws) = ws.device_ptr_mut(s);
             let (yp, _gy) = y.device_ptr_mut(s);
             let ri = int(OP, "rows", rows)?;
-            let (alpha, beta) = (1.0f32, 0.0f32);
-            // Column-major view: yᵀ[row0.., :] (ld n) = tile [k, rows]ᵀ · xᵀ [k, m].
-            // SAFETY: the handle is bound to this stream; the tile holds rows·k elements, y's columns
-            // row0..row0+rows of m rows with ld n lie inside the checked m·n; alpha and beta are host f32.
+            // Columns row0..row0 + rows of y (ld n) = x · tileᵀ.
+            // SAFETY: the tile holds rows·k elements, x m·k, y's columns row0..row0 + rows of m rows
+            // with ld n lie inside the checked m·n.
             unsafe {
-                blas::gemm_ex(
-                    *self.blas().handle(),
-                    sys::cublasOperation_t::CUBLAS_OP_T,
-                    sys::cublasOperation_t::CUBLAS_OP_N,
+                self.blas_w_xt(
                     ri,
                     mi,
                     ki,
-                    (&alpha) as *const f32 as *const _,
-                    wsp as *const _,
-                    sys::cudaDataType::CUDA_R_16BF,
-                    ki,
-                    xp as *const _,
-                    sys::cudaDataType::CUDA_R_16BF,
-                    ki,
-                    (&beta) as *const f32 as *const _,
-                    (yp + (row0 * 2) as u64) as *mut _,
+                    wsp,
+                    xp,
+                    yp + (row0 * 2) as u64,
                     sys::cudaDataType::CUDA_R_16BF,
                     ni,
-                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )
             }?;
             row0 += rows;
@@ -387,34 +375,9 @@ impl Gpu {
             let (wsp, _gws) = ws.device_ptr_mut(s);
             let (ytp, _gyt) = yt.device_ptr_mut(s);
             let ri = int(OP, "rows", rows)?;
-            let (alpha, beta) = (1.0f32, 0.0f32);
-            // Column-major view: ytᵀ [rows, m] (ld rows) = tile [k, rows]ᵀ · xᵀ [k, m], i.e. yt is
-            // row-major [m, rows].
-            // SAFETY: the handle is bound to this stream; the tile holds rows·k codes, yt m·tile
-            // values; alpha and beta are host f32.
-            unsafe {
-                blas::gemm_ex(
-                    *self.blas().handle(),
-                    sys::cublasOperation_t::CUBLAS_OP_T,
-                    sys::cublasOperation_t::CUBLAS_OP_N,
-                    ri,
-                    mi,
-                    ki,
-                    (&alpha) as *const f32 as *const _,
-                    wsp as *const _,
-                    sys::cudaDataType::CUDA_R_16BF,
-                    ki,
-                    xp as *const _,
-                    sys::cudaDataType::CUDA_R_16BF,
-                    ki,
-                    (&beta) as *const f32 as *const _,
-                    ytp as *mut _,
-                    sys::cudaDataType::CUDA_R_32F,
-                    ri,
-                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }?;
+            // yt [m, rows] = x · tileᵀ (the codes), f32.
+            // SAFETY: the tile holds rows·k codes, x m·k values, yt m·tile values.
+            unsafe { self.blas_w_xt(ri, mi, ki, wsp, xp, ytp, sys::cudaDataType::CUDA_R_32F, ri) }?;
             let (sp, _gs) = scales.device_ptr(s);
             let (yp, _gy) = y.device_ptr_mut(s);
             let r0 = int(OP, "row0", row0)?;

@@ -15,6 +15,14 @@ const REGION_HIDDEN: u32 = 0;
 /// [`DecodeStep::region`] of [`Model::forward_logits`]'s decode steps (outputs: hidden states, logits).
 const REGION_LOGITS: u32 = 1;
 
+/// What a pipeline stage starts from ([`Model::forward_stage`]).
+pub enum StageInput<'a, T> {
+    /// The step's token ids (the first stage).
+    Tokens(&'a [u32]),
+    /// The residual streams `[rows, S·H]` the previous stage returned.
+    Streams(T),
+}
+
 /// What a step returns: the final-normed hidden states of the requested rows (what the lm_head and the
 /// MTP head consume).
 pub struct StepOutput<T> {
@@ -115,18 +123,44 @@ impl<B: Backend> Model<B> {
         out_rows: &[usize],
         ple_rows: Option<&B::Tensor>,
     ) -> B::Tensor {
+        assert!(
+            self.is_first_stage() && self.is_last_stage(),
+            "the stage of layers {:?} runs through forward_stage",
+            self.stage
+        );
+        self.forward_stage(StageInput::Tokens(ids), seqs, out_rows, ple_rows)
+    }
+
+    /// One pipeline stage's part of a step ([`Model::load_stage`]): the first stage takes the step's
+    /// token ids ([`StageInput::Tokens`]), a later one the residual streams `[rows, S·H]` the previous
+    /// stage returned ([`StageInput::Streams`], moved onto this stage's backend by the caller). A stage
+    /// other than the last returns its residual streams (every row, for the next stage); the last
+    /// returns the final-normed hidden states of `out_rows`, as [`Model::forward`]. `ple_rows` as
+    /// [`Model::forward_with`] (needed by a stage holding PLE layers). Runs eagerly (no
+    /// [`Backend::decode_step`] recording).
+    pub fn forward_stage(
+        &self,
+        input: StageInput<'_, B::Tensor>,
+        seqs: &[SeqChunk<'_>],
+        out_rows: &[usize],
+        ple_rows: Option<&B::Tensor>,
+    ) -> B::Tensor {
         let b = &self.backend;
-        let x = b.embed(&self.embed, ids);
-        // Every stream starts as the token embedding.
-        let mut streams = match &self.cfg.hyper_connections {
-            Some(hc) if hc.num_streams > 1 => {
-                (2..hc.num_streams).fold(b.concat_cols(&x, &x), |acc, _| b.concat_cols(&acc, &x))
+        let mut streams = match input {
+            StageInput::Tokens(ids) => {
+                let x = b.embed(self.embedding(), ids);
+                // Every stream starts as the token embedding.
+                match &self.cfg.hyper_connections {
+                    Some(hc) if hc.num_streams > 1 => (2..hc.num_streams)
+                        .fold(b.concat_cols(&x, &x), |acc, _| b.concat_cols(&acc, &x)),
+                    _ => x,
+                }
             }
-            _ => x,
+            StageInput::Streams(x) => x,
         };
         // The last sublayer's output, not yet added to the residual: the next norm adds it.
         let mut pending = None;
-        for (i, layer) in self.layers.iter().enumerate() {
+        for (i, layer) in self.stage.clone().zip(&self.layers) {
             if let Some(w) = &layer.ple {
                 if let Some(y) = pending.take() {
                     b.add(&mut streams, &y);
@@ -143,12 +177,15 @@ impl<B: Backend> Model<B> {
         if let Some(y) = pending {
             b.add(&mut streams, &y);
         }
+        if !self.is_last_stage() {
+            return streams;
+        }
         let r = b.rows(&streams, out_rows);
         let x = match &self.hc_head {
             Some(pre) => b.hc_premix(&r, pre),
             None => r,
         };
-        b.rms_norm(&x, &self.norm, self.cfg.rms_norm_eps, 1.0)
+        b.rms_norm(&x, self.final_norm(), self.cfg.rms_norm_eps, 1.0)
     }
 
     /// The PLE rows of a step: for chunk `i` of `seqs`, the rows of positions `pos0 .. pos0 + len` of
@@ -185,8 +222,10 @@ impl<B: Backend> Model<B> {
 
     /// Logits `[rows, vocab]` of final-normed hidden states.
     pub fn logits(&self, hidden: &B::Tensor) -> B::Tensor {
-        self.backend
-            .linear(hidden, self.lm_head.as_ref().unwrap_or(&self.embed))
+        self.backend.linear(
+            hidden,
+            self.lm_head.as_ref().unwrap_or_else(|| self.embedding()),
+        )
     }
 
     /// The MTP draft head: for each row, the token that follows (`next_ids`) and the main model's
@@ -203,7 +242,7 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
         let e = b.rms_norm(
-            &b.embed(&self.embed, next_ids),
+            &b.embed(self.embedding(), next_ids),
             &mtp.pre_fc_norm_embedding,
             eps,
             1.0,

@@ -19,7 +19,7 @@ pub use backend::{
     AttnShape, AttnWeights, Backend, DecodeStep, GdnShape, GdnWeights, HcWeights, IndexerWeights,
     MlpWeights, MoeWeights, PleShape, PleWeights, QsaShape, Rope, SeqChunk,
 };
-pub use forward::StepOutput;
+pub use forward::{StageInput, StepOutput};
 pub use load::{Ffn, Layer, Mixer, Model, MtpWeights};
 pub use ple::PleSource;
 pub use roofline::StepBytes;

@@ -2,6 +2,7 @@
 //! converts it into the backend's storage and assembles the layers.
 
 use std::cell::RefCell;
+use std::ops::Range;
 
 use sanmai_config::{FfnType, LayerType, ModelConfig};
 use sanmai_weights::names::{text_name, ungroup_qwen3_next, GdnInProj, Scope};
@@ -50,10 +51,17 @@ pub struct MtpWeights<W> {
 pub struct Model<B: Backend> {
     pub cfg: ModelConfig,
     pub backend: B,
-    pub embed: B::Weight,
-    /// `None` when tied to the embedding.
+    /// The decoder layers this model holds: all of them, or one pipeline stage's contiguous range
+    /// ([`Model::load_stage`]). `layers[j]` is layer `stage.start + j`; cache layer indices are the
+    /// absolute ones.
+    pub stage: Range<usize>,
+    /// The token embedding: on the first stage, and on the last when it serves as the lm_head (tied)
+    /// or the MTP head embeds its next tokens ([`Model::embedding`]).
+    pub embed: Option<B::Weight>,
+    /// Not loaded when tied to the embedding, or on a stage other than the last.
     pub lm_head: Option<B::Weight>,
-    pub norm: B::Weight,
+    /// The final norm, on the last stage ([`Model::final_norm`]).
+    pub norm: Option<B::Weight>,
     pub layers: Vec<Layer<B::Weight>>,
     pub mtp: Option<MtpWeights<B::Weight>>,
     pub attn_shape: AttnShape,
@@ -480,9 +488,47 @@ impl<B: Backend> Loader<'_, B> {
 }
 
 impl<B: Backend> Model<B> {
-    /// Layer indices with attention K/V caches (the MTP layer is `num_layers`).
+    /// The token embedding (the first stage's, or the last's when it holds one).
+    ///
+    /// # Panics
+    /// On a stage that holds none (see [`Model::load_stage`]).
+    pub fn embedding(&self) -> &B::Weight {
+        self.embed.as_ref().unwrap_or_else(|| {
+            panic!(
+                "the stage of layers {:?} holds no embedding table",
+                self.stage
+            )
+        })
+    }
+
+    /// The final norm.
+    ///
+    /// # Panics
+    /// On a stage other than the last.
+    pub fn final_norm(&self) -> &B::Weight {
+        self.norm.as_ref().unwrap_or_else(|| {
+            panic!(
+                "the stage of layers {:?} is not the last: it holds no final norm",
+                self.stage
+            )
+        })
+    }
+
+    /// Whether this model holds the first layer (it embeds tokens).
+    pub fn is_first_stage(&self) -> bool {
+        self.stage.start == 0
+    }
+
+    /// Whether this model holds the last layer (final norm, lm_head, MTP head).
+    pub fn is_last_stage(&self) -> bool {
+        self.stage.end == self.cfg.num_layers
+    }
+
+    /// Layer indices with attention K/V caches in this model (the MTP layer is `num_layers`).
     pub fn attention_layers(&self) -> Vec<usize> {
-        let mut v: Vec<usize> = (0..self.cfg.num_layers)
+        let mut v: Vec<usize> = self
+            .stage
+            .clone()
             .filter(|&i| self.cfg.layer_types[i] == LayerType::FullAttention)
             .collect();
         if self.mtp.is_some() {
@@ -491,8 +537,10 @@ impl<B: Backend> Model<B> {
         v
     }
 
+    /// Layer indices with GDN state in this model.
     pub fn gdn_layers(&self) -> Vec<usize> {
-        (0..self.cfg.num_layers)
+        self.stage
+            .clone()
             .filter(|&i| self.cfg.layer_types[i] == LayerType::LinearAttention)
             .collect()
     }
@@ -519,8 +567,11 @@ impl<B: Backend> Model<B> {
 
     /// Layers with a PLE mix (and a PLE conv state per state slot).
     pub fn ple_layers(&self) -> Vec<usize> {
-        (0..self.cfg.num_layers)
-            .filter(|&i| self.layers[i].ple.is_some())
+        self.stage
+            .clone()
+            .zip(&self.layers)
+            .filter(|(_, l)| l.ple.is_some())
+            .map(|(i, _)| i)
             .collect()
     }
 
@@ -554,6 +605,33 @@ impl<B: Backend> Model<B> {
         backend: B,
         ple_source: Option<PleSource>,
     ) -> Result<Self> {
+        let all = 0..cfg.num_layers;
+        Self::load_stage(cfg, src, backend, ple_source, all)
+    }
+
+    /// Loads one pipeline stage: decoder layers `stage` (a non-empty range of `0..num_layers`), plus
+    /// the embedding on the first stage and the final norm, lm_head, MTP head and hyper-connection
+    /// head on the last (the embedding there too when the lm_head is tied or an MTP head embeds).
+    /// Stages hand their residual streams to the next with [`Model::forward_stage`]; the whole range
+    /// is the whole model.
+    pub fn load_stage(
+        cfg: ModelConfig,
+        src: &dyn TensorSource,
+        backend: B,
+        ple_source: Option<PleSource>,
+        stage: Range<usize>,
+    ) -> Result<Self> {
+        if stage.start >= stage.end || stage.end > cfg.num_layers {
+            return Err(WeightError::File {
+                path: "config.json".into(),
+                message: format!(
+                    "a stage of layers {}..{} of a {}-layer model: expected a non-empty range \
+                     inside 0..{}",
+                    stage.start, stage.end, cfg.num_layers, cfg.num_layers
+                ),
+            });
+        }
+        let (first, last) = (stage.start == 0, stage.end == cfg.num_layers);
         if cfg.ple.is_some() && ple_source.is_none() {
             return Err(WeightError::File {
                 path: "config.json".into(),
@@ -575,17 +653,26 @@ impl<B: Backend> Model<B> {
         };
         // A quantized embedding table goes to the backend packed too (its lookup decodes rows).
         let embed_name = text_name(&cfg, "embed_tokens.weight");
-        let embed = match src.packed(&embed_name, &[v, h], Init::std(1.0))? {
-            Some(p) => l.packed_w(&p),
-            None => l.get(&top, &embed_name, &[v, h], Init::std(1.0))?,
+        let embed = if first || (last && (cfg.tie_word_embeddings || cfg.mtp_layers > 0)) {
+            Some(match src.packed(&embed_name, &[v, h], Init::std(1.0))? {
+                Some(p) => l.packed_w(&p),
+                None => l.get(&top, &embed_name, &[v, h], Init::std(1.0))?,
+            })
+        } else {
+            None
         };
-        let lm_head = if cfg.tie_word_embeddings {
+        let lm_head = if cfg.tie_word_embeddings || !last {
             None
         } else {
             Some(l.proj(&top, "lm_head.weight", v, h)?)
         };
-        let norm = l.get(&top, &text_name(&cfg, "norm.weight"), &[h], NORM)?;
-        let layers = (0..cfg.num_layers)
+        let norm = if last {
+            Some(l.get(&top, &text_name(&cfg, "norm.weight"), &[h], NORM)?)
+        } else {
+            None
+        };
+        let layers = stage
+            .clone()
             .map(|i| {
                 l.layer(
                     &Scope::layer(src, &cfg, i),
@@ -596,7 +683,7 @@ impl<B: Backend> Model<B> {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        let mtp = if cfg.mtp_layers > 0 {
+        let mtp = if cfg.mtp_layers > 0 && last {
             let s = Scope::mtp(src, &cfg);
             let ffn = if cfg.moe.is_some() {
                 FfnType::Moe
@@ -670,18 +757,19 @@ impl<B: Backend> Model<B> {
             _ => None,
         };
         let hc_head = match &cfg.hyper_connections {
-            Some(hc) => Some(l.get(
+            Some(hc) if last => Some(l.get(
                 &top,
                 &text_name(&cfg, "hc_head.pre"),
                 &[hc.num_streams],
                 Init::ZEROS,
             )?),
-            None => None,
+            _ => None,
         };
         let packed = l.packed.take();
         Ok(Model {
             cfg,
             backend,
+            stage,
             embed,
             lm_head,
             norm,

@@ -36,10 +36,17 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let wb = |w: &B::Weight| b.weight_bytes(w) as u64;
         let mut out = StepBytes {
-            dense_weights: wb(&self.norm)
-                + self.lm_head.as_ref().map_or(wb(&self.embed), wb)
+            dense_weights: self.norm.as_ref().map_or(0, wb)
+                + match (&self.lm_head, self.is_last_stage()) {
+                    (Some(w), _) => wb(w),
+                    (None, true) => wb(self.embedding()),
+                    (None, false) => 0,
+                }
                 + self.hc_head.as_ref().map_or(0, wb),
-            embedding_rows: (wb(&self.embed) / self.cfg.vocab_size.max(1) as u64) * batch as u64,
+            embedding_rows: match (&self.embed, self.is_first_stage()) {
+                (Some(e), true) => (wb(e) / self.cfg.vocab_size.max(1) as u64) * batch as u64,
+                _ => 0,
+            },
             ..StepBytes::default()
         };
         let mut moe_calls = routed.iter();

@@ -222,13 +222,13 @@ impl<'a> Lockstep<'a> {
 
     /// The forward pass: final-normed hidden states of `out_rows`.
     pub fn forward(&mut self, ids: &[u32], seqs: &[SeqChunk<'_>], out_rows: &[usize]) -> Pair {
-        let mut x = both!(self, "embed", [], m => m.backend.embed(&m.embed, ids));
+        let mut x = both!(self, "embed", [], m => m.backend.embed(m.embedding(), ids));
         for i in 0..self.cpu.cfg.num_layers {
             x = self.layer(i, x, seqs);
         }
         let r = both!(self, "rows", [x], m => m.backend.rows(x, out_rows));
         let eps = self.cpu.cfg.rms_norm_eps;
-        both!(self, "final_norm", [r], m => m.backend.rms_norm(r, &m.norm, eps, 1.0))
+        both!(self, "final_norm", [r], m => m.backend.rms_norm(r, m.final_norm(), eps, 1.0))
     }
 
     pub fn logits(&mut self, h: &Pair) -> Pair {
@@ -238,7 +238,7 @@ impl<'a> Lockstep<'a> {
     /// The MTP head over `h_prev` (final-normed hidden states) and the next tokens.
     pub fn mtp(&mut self, next: &[u32], h: &Pair, seqs: &[SeqChunk<'_>]) -> Pair {
         let eps = self.cpu.cfg.rms_norm_eps;
-        let e = both!(self, "embed", [], m => m.backend.embed(&m.embed, next));
+        let e = both!(self, "embed", [], m => m.backend.embed(m.embedding(), next));
         let e = both!(self, "mtp_norm_e", [e], m => m.backend.rms_norm(
             e, &m.mtp.as_ref().unwrap().pre_fc_norm_embedding, eps, 1.0));
         let hn = both!(self, "mtp_norm_h", [h], m => m.backend.rms_norm(

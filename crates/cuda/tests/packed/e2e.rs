@@ -166,7 +166,7 @@ fn quant_fixture_gpu_matches_cpu() {
         "lm_head packed"
     );
     assert!(
-        matches!(g.embed, CudaWeight::Packed(_)),
+        matches!(g.embedding(), CudaWeight::Packed(_)),
         "embedding table packed"
     );
 

@@ -1,9 +1,11 @@
 //! The forward pass of Qwen3-Next / Qwen3.5-MoE hybrid models and of qwen4_exp, written once over the
 //! [`Backend`] trait: embedding, gated attention (dense, or QSA with its lightning indexer) and
 //! gated-delta-net mixers, dense and MoE feed-forward blocks, the PLE mix with its host-gathered table
-//! rows, hyper-connections' residual streams, the final norm and lm_head, and the MTP draft head.
-//! Backends (CPU reference, CUDA) supply the ops and own the per-sequence caches; this crate decides
-//! what is computed, in which order, with which weights.
+//! rows, hyper-connections' residual streams, the final norm and lm_head, and the MTP draft head; a
+//! model is the whole layer stack or one pipeline stage of it (`Model::load_stage`,
+//! `Model::forward_stage`). Backends (CPU reference, CUDA) supply the ops and own the per-sequence
+//! caches; this crate decides what is computed, in which order, with which weights, and how sampling
+//! draws a token from a row of logits (`sample`, which the backends' sampling op follows).
 
 pub mod backend;
 pub mod builtin;

@@ -4,44 +4,10 @@
 //
 // W: [vocab, words_per_row] u32, S: [vocab, ceil(k / group)] f32 (group = k for per-row scales).
 // k % 32 == 0 for INT4/INT8, k % 8 == 0 for INT6; group % 8 == 0; W and out 16-byte aligned.
-#include "common.cuh"
+#include "packed.cuh"
 
-// Unsigned code -> signed value as f32 (exact: (code | 2^23 pattern) is the float 2^23 + code).
-template <int BITS>
-__device__ __forceinline__ float emb_qval(u32 code) {
-    return __uint_as_float(code | 0x4B000000u) - (8388608.0f + (float)(1 << (BITS - 1)));
-}
-
-template <int BITS> struct EmbUnit;
-template <> struct EmbUnit<4> {
-    static constexpr int WORDS = 4;
-    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[4]) {
-        const uint4 v = __ldg((const uint4*)row + u);
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    }
-    __device__ __forceinline__ static u32 code(const u32 w[4], int j) { return (w[j >> 3] >> ((j & 7) * 4)) & 15u; }
-};
-template <> struct EmbUnit<8> {
-    static constexpr int WORDS = 8;
-    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[8]) {
-        const uint4 a = __ldg((const uint4*)row + 2 * u), b = __ldg((const uint4*)row + 2 * u + 1);
-        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
-    }
-    __device__ __forceinline__ static u32 code(const u32 w[8], int j) { return (w[j >> 2] >> ((j & 3) * 8)) & 255u; }
-};
-template <> struct EmbUnit<6> {
-    static constexpr int WORDS = 6;
-    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[6]) {
-        const uint2* p = (const uint2*)(row + 6 * u);
-        const uint2 a = __ldg(p), b = __ldg(p + 1), c = __ldg(p + 2);
-        w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y; w[4] = c.x; w[5] = c.y;
-    }
-    __device__ __forceinline__ static u32 code(const u32 w[6], int j) {
-        const int bit = 6 * j, wi = bit >> 5, sh = bit & 31;
-        const u32 v = sh <= 26 ? (w[wi] >> sh) : __funnelshift_r(w[wi], w[wi + 1], sh);
-        return v & 63u;
-    }
-};
+// Units read through the read-only cache.
+template <int BITS> using EmbUnit = PackedUnit<BITS, false>;
 
 // One block per token; thread i decodes units i, i + blockDim.x, ... (32 values each) of the token's row.
 template <int BITS>
@@ -68,8 +34,8 @@ __device__ __forceinline__ void embed_q_impl(const u32* __restrict__ W, const fl
                 const float sc = __ldg(srow + j0 / group);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const bf16 lo = f2bf(emb_qval<BITS>(U::code(w, c * 8 + 2 * e)) * sc);
-                    const bf16 hi = f2bf(emb_qval<BITS>(U::code(w, c * 8 + 2 * e + 1)) * sc);
+                    const bf16 lo = f2bf(qval<BITS>(U::code(w, c * 8 + 2 * e)) * sc);
+                    const bf16 hi = f2bf(qval<BITS>(U::code(w, c * 8 + 2 * e + 1)) * sc);
                     o[e] = (u32)__bfloat16_as_ushort(lo) | ((u32)__bfloat16_as_ushort(hi) << 16);
                 }
             }

@@ -9,7 +9,7 @@
 //               with SwiGLU fused into the down projection's input);
 //   moe_combine sums each token's expert outputs times its routing weights.
 // Pairs are numbered p = token·top_k + choice, as the router writes ids and weights.
-#include "common.cuh"
+#include "packed.cuh"
 
 #define MOE_TILE 8
 
@@ -150,11 +150,6 @@ template <> struct MoeFmt<16> {
     }
 };
 
-// Unsigned code -> signed value as f32 (exact: (code | 2^23 pattern) is the float 2^23 + code).
-template <int BITS>
-__device__ __forceinline__ float moe_qval(u32 code) {
-    return __uint_as_float(code | 0x4B000000u) - (8388608.0f + (float)(1 << (BITS - 1)));
-}
 
 template <> struct MoeFmt<4> {
     static constexpr int VALS = 32, CHUNKS = 4, WORDS = 4;
@@ -167,7 +162,7 @@ template <> struct MoeFmt<4> {
     // Chunk c is word c: 8 codes, LSB first.
     __device__ __forceinline__ static void decode(const u32 w[4], int c, float q[8]) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) q[e] = moe_qval<4>((w[c] >> (4 * e)) & 15u);
+        for (int e = 0; e < 8; ++e) q[e] = qval<4>((w[c] >> (4 * e)) & 15u);
     }
 };
 template <> struct MoeFmt<8> {
@@ -181,7 +176,7 @@ template <> struct MoeFmt<8> {
     // Chunk c is words 2c, 2c + 1: 4 codes each, LSB first.
     __device__ __forceinline__ static void decode(const u32 w[8], int c, float q[8]) {
 #pragma unroll
-        for (int e = 0; e < 8; ++e) q[e] = moe_qval<8>((w[2 * c + (e >> 2)] >> (8 * (e & 3))) & 255u);
+        for (int e = 0; e < 8; ++e) q[e] = qval<8>((w[2 * c + (e >> 2)] >> (8 * (e & 3))) & 255u);
     }
 };
 template <> struct MoeFmt<6> {
@@ -199,7 +194,7 @@ template <> struct MoeFmt<6> {
         for (int e = 0; e < 8; ++e) {
             const int bit = 6 * (c * 8 + e), wi = bit >> 5, sh = bit & 31;
             const u32 v = sh <= 26 ? (w[wi] >> sh) : __funnelshift_r(w[wi], w[wi + 1], sh);
-            q[e] = moe_qval<6>(v & 63u);
+            q[e] = qval<6>(v & 63u);
         }
     }
 };

@@ -10,48 +10,12 @@
 // A "unit" is 32 consecutive values of a row; each thread decodes whole units. Requirements (checked on
 // the host): k % 32 == 0 for INT4/INT8, k % 8 == 0 for INT6 (its last unit is partial when k % 32 != 0),
 // group % 8 == 0, 16-byte aligned W, X.
-#include "common.cuh"
+#include "packed.cuh"
 
 #define QROWS 2
 
-// Unsigned code -> signed value as f32: (code | 2^23 bit pattern) is the float 2^23 + code, exact.
-template <int BITS>
-__device__ __forceinline__ float qval(u32 code) {
-    return __uint_as_float(code | 0x4B000000u) - (8388608.0f + (float)(1 << (BITS - 1)));
-}
-
-// Words of one unit (4, 8 or 6) from a row, streamed (the weights are read once).
-template <int BITS> struct Unit;
-template <> struct Unit<4> {
-    static constexpr int WORDS = 4;
-    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[4]) {
-        const uint4 v = __ldcs((const uint4*)row + u);
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    }
-    __device__ __forceinline__ static u32 code(const u32 w[4], int j) { return (w[j >> 3] >> ((j & 7) * 4)) & 15u; }
-};
-template <> struct Unit<8> {
-    static constexpr int WORDS = 8;
-    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[8]) {
-        const uint4 a = __ldcs((const uint4*)row + 2 * u), b = __ldcs((const uint4*)row + 2 * u + 1);
-        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
-    }
-    __device__ __forceinline__ static u32 code(const u32 w[8], int j) { return (w[j >> 2] >> ((j & 3) * 8)) & 255u; }
-};
-template <> struct Unit<6> {
-    static constexpr int WORDS = 6;
-    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[6]) {
-        const uint2* p = (const uint2*)(row + 6 * u);
-        const uint2 a = __ldcs(p), b = __ldcs(p + 1), c = __ldcs(p + 2);
-        w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y; w[4] = c.x; w[5] = c.y;
-    }
-    // j is a compile-time constant after unrolling, so the word index and shift fold away.
-    __device__ __forceinline__ static u32 code(const u32 w[6], int j) {
-        const int bit = 6 * j, wi = bit >> 5, sh = bit & 31;
-        const u32 v = sh <= 26 ? (w[wi] >> sh) : __funnelshift_r(w[wi], w[wi + 1], sh);
-        return v & 63u;
-    }
-};
+// Words of one unit, streamed (the weights are read once).
+template <int BITS> using Unit = PackedUnit<BITS, true>;
 
 // Values 8c .. 8c + 7 of a unit as f32 (the GEMV's decode). INT8 and INT4 place each code in the low byte
 // of the float 2^23 (one byte permute, then the offset subtracted: 2 instructions a value); INT6 shifts.

@@ -23,7 +23,7 @@ macro_rules! source {
 }
 
 /// Headers the kernels include with `#include "name"`.
-pub const HEADERS: &[Source] = &[source!("common.cuh")];
+pub const HEADERS: &[Source] = &[source!("common.cuh"), source!("packed.cuh")];
 
 /// The kernel sources, one file per op family.
 pub const SOURCES: &[Source] = &[

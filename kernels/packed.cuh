@@ -1,0 +1,51 @@
+// The packed-integer weight layout (compressed-tensors pack-quantized INT4 / INT8, INT6 gapless), shared
+// by every kernel that reads it. A row is [words_per_row] u32; value j of a row is the unsigned code
+// q + 2^(b-1), LSB first: INT4 8 codes a word, INT8 4, INT6 a 6-bit stream over rows padded to 32
+// values. A "unit" is 32 consecutive values of a row: 4, 8 or 6 words.
+#pragma once
+#include "common.cuh"
+
+// Unsigned code -> signed value as f32: (code | 2^23 bit pattern) is the float 2^23 + code, exact.
+template <int BITS>
+__device__ __forceinline__ float qval(u32 code) {
+    return __uint_as_float(code | 0x4B000000u) - (8388608.0f + (float)(1 << (BITS - 1)));
+}
+
+// A 16-byte / 8-byte load: streamed (evict-first, weights read once) or through the read-only cache.
+template <bool STREAM>
+__device__ __forceinline__ uint4 pk_ld4(const uint4* p) { return STREAM ? __ldcs(p) : __ldg(p); }
+template <bool STREAM>
+__device__ __forceinline__ uint2 pk_ld2(const uint2* p) { return STREAM ? __ldcs(p) : __ldg(p); }
+
+// The words of unit u of a row (load), and code j (0..31) of a unit's words (code).
+template <int BITS, bool STREAM> struct PackedUnit;
+template <bool STREAM> struct PackedUnit<4, STREAM> {
+    static constexpr int WORDS = 4;
+    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[4]) {
+        const uint4 v = pk_ld4<STREAM>((const uint4*)row + u);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    }
+    __device__ __forceinline__ static u32 code(const u32 w[4], int j) { return (w[j >> 3] >> ((j & 7) * 4)) & 15u; }
+};
+template <bool STREAM> struct PackedUnit<8, STREAM> {
+    static constexpr int WORDS = 8;
+    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[8]) {
+        const uint4 a = pk_ld4<STREAM>((const uint4*)row + 2 * u), b = pk_ld4<STREAM>((const uint4*)row + 2 * u + 1);
+        w[0] = a.x; w[1] = a.y; w[2] = a.z; w[3] = a.w; w[4] = b.x; w[5] = b.y; w[6] = b.z; w[7] = b.w;
+    }
+    __device__ __forceinline__ static u32 code(const u32 w[8], int j) { return (w[j >> 2] >> ((j & 3) * 8)) & 255u; }
+};
+template <bool STREAM> struct PackedUnit<6, STREAM> {
+    static constexpr int WORDS = 6;
+    __device__ __forceinline__ static void load(const u32* row, int u, u32 w[6]) {
+        const uint2* p = (const uint2*)(row + 6 * u);
+        const uint2 a = pk_ld2<STREAM>(p), b = pk_ld2<STREAM>(p + 1), c = pk_ld2<STREAM>(p + 2);
+        w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y; w[4] = c.x; w[5] = c.y;
+    }
+    // j is a compile-time constant after unrolling, so the word index and shift fold away.
+    __device__ __forceinline__ static u32 code(const u32 w[6], int j) {
+        const int bit = 6 * j, wi = bit >> 5, sh = bit & 31;
+        const u32 v = sh <= 26 ? (w[wi] >> sh) : __funnelshift_r(w[wi], w[wi + 1], sh);
+        return v & 63u;
+    }
+};

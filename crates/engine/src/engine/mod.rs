@@ -348,6 +348,8 @@ impl<E: Executor> Engine<E> {
             .e2e_request_latency
             .observe(seq.arrived.elapsed().as_secs_f64());
         let usage = seq.usage();
+        // A client that reads /metrics after its response sees the request counted.
+        self.publish();
         seq.send(EngineEvent::Finished {
             reason,
             stop_reason: stop,

@@ -2,8 +2,9 @@
 //! implementation it mirrors (`sanmai_model::sample::sample_rows`) on bf16 logits at the real vocabulary
 //! widths, batch 1 and 8, every parameter kind, masks, penalties and biases, and runs of tied logits.
 //!
-//! Ids are equal except documented near-ties: a GPU id that differs must be what the host draws with
-//! the uniform moved by at most [`U_SHIFT`] (the two sides sum the weights in different orders, so a
+//! Ids are equal except documented near-ties: a GPU id that differs must lie between the ids the host
+//! draws with the uniform moved down and up by [`U_SHIFT`] (the draw is an inverse CDF in id order, so
+//! it is monotone in the uniform), or be what the host draws with `top_p` moved (the two sides sum the weights in different orders, so a
 //! uniform within rounding of a boundary between two tokens may fall on either side; top-p's cut
 //! likewise moves within rounding of its target, covered by moving `top_p` by [`U_SHIFT`] relative).
 //! The device sums with shared-memory float atomics, so which side of such a boundary it lands on can
@@ -221,15 +222,14 @@ fn sampling_matches_cpu() {
                     let (gs, ws) = (got[r].unwrap(), want[r].unwrap());
                     if gs.id != ws.id {
                         let s = &specs[r];
-                        let moved = [
-                            RowSampling {
-                                uniform: (s.uniform - U_SHIFT).max(0.0),
-                                ..*s
-                            },
-                            RowSampling {
-                                uniform: (s.uniform + U_SHIFT).min(1.0 - 1e-12),
-                                ..*s
-                            },
+                        let at_u = |u: f64| {
+                            host_id(row, vocab, &RowSampling { uniform: u, ..*s }).unwrap_or(ws.id)
+                        };
+                        let (lo, hi) = (
+                            at_u((s.uniform - U_SHIFT).max(0.0)),
+                            at_u((s.uniform + U_SHIFT).min(1.0 - 1e-12)),
+                        );
+                        let moved_p = [
                             RowSampling {
                                 top_p: s.top_p * (1.0 - U_SHIFT as f32),
                                 ..*s
@@ -240,8 +240,12 @@ fn sampling_matches_cpu() {
                             },
                         ];
                         assert!(
-                            moved.iter().any(|m| host_id(row, vocab, m) == Some(gs.id)),
-                            "{} vocab {vocab} batch {batch} row {r}: gpu id {} vs cpu {} (u = {})",
+                            (lo..=hi).contains(&gs.id)
+                                || moved_p
+                                    .iter()
+                                    .any(|m| host_id(row, vocab, m) == Some(gs.id)),
+                            "{} vocab {vocab} batch {batch} row {r}: gpu id {} vs cpu {} (u = {}; \
+                             host ids {lo}..={hi} within the uniform's window)",
                             k.name,
                             gs.id,
                             ws.id,

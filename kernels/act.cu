@@ -4,6 +4,7 @@
 // out[s, j] = silu(gate_up[s, j]) · gate_up[s, i + j]. gate_up: [t, 2i]; out: [t, i].
 extern "C" __global__ void swiglu_bf16(const bf16* __restrict__ gate_up, bf16* __restrict__ out,
                                        long long t, int i) {
+    pdl_prologue();
     const long long total = t * i;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
          idx += (long long)gridDim.x * blockDim.x) {

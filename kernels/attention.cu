@@ -315,6 +315,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_paged_partial(
     const u32* __restrict__ table, int table_stride, int max_blocks, const u32* __restrict__ lens, int pos0,
     float* __restrict__ part_o, float* __restrict__ part_ml, int hq, int hkv, int d, int bs, u32 num_blocks,
     int splits, int max_split, int hb, float scale) {
+    pdl_prologue();
     __shared__ __align__(16) float sc[ATT_MAX_SPLIT * ATT_HB];
     __shared__ __align__(16) float red[ATT_HB * ATT_THREADS * 8];
     __shared__ float ml[2 * ATT_HB];
@@ -336,6 +337,7 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_paged_partial(
 extern "C" __global__ void attn_paged_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                              const bf16* __restrict__ gate, bf16* __restrict__ out, int hq, int d,
                                              int splits) {
+    pdl_prologue();
     __shared__ float w[ATT_RED_CHUNK], wl[ATT_RED_CHUNK];
     __shared__ float scratch[32];
     const int h = blockIdx.x, r = blockIdx.y;

@@ -8,6 +8,18 @@ typedef unsigned int u32;
 
 #define NEG_INF __int_as_float(0xff800000u)
 
+// Programmatic dependent launch (sm_90 and later): every kernel opens with this statement. It waits
+// until the kernel ahead of it on the stream has finished and its writes are visible (the host launches
+// kernels with programmatic stream serialization, so this kernel's blocks may already be resident while
+// that one drains), then lets the next kernel's blocks be scheduled the same way. A no-op on older
+// architectures and for kernels launched the ordinary way.
+__device__ __forceinline__ void pdl_prologue() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf2f(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 f2bf(float x) { return __float2bfloat16_rn(x); }
 

@@ -3,35 +3,61 @@
 // out[s, ch] = silu(Σ_j w[ch, j] · xx[s + j, ch]) with xx = state ++ x, summed in order of j.
 #include "common.cuh"
 
-// Prefill of one sequence. x, out: [t, c]; state: [K−1, c] (read only here). One thread per (s, ch).
-// Run conv1d_state_bf16 afterwards on the same stream to roll the state.
-extern "C" __global__ void conv1d_prefill_bf16(const bf16* __restrict__ x, const bf16* __restrict__ w,
-                                               const bf16* __restrict__ state, bf16* __restrict__ out,
-                                               int t, int c, int K) {
-    const long long total = (long long)t * c;
-    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
-         idx += (long long)gridDim.x * blockDim.x) {
-        const int s = (int)(idx / c), ch = (int)(idx - (long long)s * c);
+// Prefill of every sequence of a step. x, out: [rows, c]; sequence b owns rows starts[b] … starts[b] +
+// lens[b] − 1 (clamped to rows) and slot slots[b] of state_pool [num_slots, K−1, c], read only here (a
+// slot id out of range gives zero outputs). Rows of no sequence are untouched. One thread per (row,
+// channel) of a sequence: grid (ceil(c / block), any, n_seq), rows strided by gridDim.y. Run
+// conv1d_roll_seqs_bf16 afterwards on the same stream to roll the states.
+extern "C" __global__ void conv1d_prefill_seqs_bf16(const bf16* __restrict__ x, const bf16* __restrict__ w,
+                                                    const bf16* __restrict__ state_pool,
+                                                    const u32* __restrict__ starts, const u32* __restrict__ lens,
+                                                    const u32* __restrict__ slots, bf16* __restrict__ out, int rows,
+                                                    int c, int K, u32 num_slots) {
+    pdl_prologue();
+    const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    const int b = blockIdx.z;
+    if (ch >= c) return;
+    const u32 s0 = starts[b];
+    const int t = s0 < (u32)rows ? (int)min(lens[b], (u32)rows - s0) : 0;
+    const bool ok = slots[b] < num_slots;
+    const bf16* state = state_pool + (ok ? (size_t)slots[b] * (K - 1) * c : 0);
+    const bf16* xs = x + (size_t)s0 * c;
+    bf16* os = out + (size_t)s0 * c;
+    for (int s = blockIdx.y; s < t; s += gridDim.y) {
+        if (!ok) {
+            os[(size_t)s * c + ch] = f2bf(0.0f);
+            continue;
+        }
         float acc = 0.0f;
         for (int j = 0; j < K; ++j) {
             const int r = s + j;
-            const bf16 v = r < K - 1 ? state[(size_t)r * c + ch] : x[(size_t)(r - (K - 1)) * c + ch];
+            const bf16 v = r < K - 1 ? state[(size_t)r * c + ch] : xs[(size_t)(r - (K - 1)) * c + ch];
             acc += bf2f(w[(size_t)ch * K + j]) * bf2f(v);
         }
-        out[idx] = f2bf(silu_f(acc));
+        os[(size_t)s * c + ch] = f2bf(silu_f(acc));
     }
 }
 
-// Rolls the state after a prefill of t tokens: state ← last K−1 rows of state ++ x. One thread per
-// channel, rows in ascending order (row r reads row t + r > r, not yet overwritten).
-extern "C" __global__ void conv1d_state_bf16(const bf16* __restrict__ x, bf16* __restrict__ state, int t,
-                                             int c, int K) {
+// Rolls the states after conv1d_prefill_seqs_bf16 (same arguments): slot slots[b] ← last K−1 rows of
+// its state ++ the sequence's rows of x. One thread per (channel, sequence), grid (ceil(c / block),
+// n_seq); rows in ascending order (row r reads row t + r > r, not yet overwritten). Sequences without
+// rows or with a slot id out of range are skipped.
+extern "C" __global__ void conv1d_roll_seqs_bf16(const bf16* __restrict__ x, bf16* __restrict__ state_pool,
+                                                 const u32* __restrict__ starts, const u32* __restrict__ lens,
+                                                 const u32* __restrict__ slots, int rows, int c, int K,
+                                                 u32 num_slots) {
+    pdl_prologue();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    const int b = blockIdx.y;
     if (ch >= c) return;
+    const u32 s0 = starts[b];
+    const int t = s0 < (u32)rows ? (int)min(lens[b], (u32)rows - s0) : 0;
+    if (t == 0 || slots[b] >= num_slots) return;
+    bf16* state = state_pool + (size_t)slots[b] * (K - 1) * c;
+    const bf16* xs = x + (size_t)s0 * c;
     for (int r = 0; r < K - 1; ++r) {
         const int src = t + r;
-        state[(size_t)r * c + ch] =
-            src < K - 1 ? state[(size_t)src * c + ch] : x[(size_t)(src - (K - 1)) * c + ch];
+        state[(size_t)r * c + ch] = src < K - 1 ? state[(size_t)src * c + ch] : xs[(size_t)(src - (K - 1)) * c + ch];
     }
 }
 
@@ -41,6 +67,7 @@ extern "C" __global__ void conv1d_state_bf16(const bf16* __restrict__ x, bf16* _
 extern "C" __global__ void conv1d_update_bf16(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                               bf16* __restrict__ state_pool, const u32* __restrict__ slots,
                                               bf16* __restrict__ out, int B, int c, int K, u32 num_slots) {
+    pdl_prologue();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     const int b = blockIdx.y;
     if (ch >= c || b >= B || K > 8) return;

@@ -4,6 +4,7 @@
 
 // acc[i] = acc[i] + y[i] for i < n.
 extern "C" __global__ void add_bf16(bf16* __restrict__ acc, const bf16* __restrict__ y, long long n) {
+    pdl_prologue();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         acc[i] = f2bf(bf2f(acc[i]) + bf2f(y[i]));
@@ -18,6 +19,7 @@ extern "C" __global__ void add_bf16(bf16* __restrict__ acc, const bf16* __restri
 extern "C" __global__ void add_rms_norm_bf16(bf16* __restrict__ acc, const bf16* __restrict__ y,
                                              const bf16* __restrict__ w, bf16* __restrict__ out, int d,
                                              float eps, float offset) {
+    pdl_prologue();
     __shared__ float scratch[32];
     const size_t row = blockIdx.x;
     bf16* ar = acc + row * d;
@@ -53,20 +55,10 @@ extern "C" __global__ void add_rms_norm_bf16(bf16* __restrict__ acc, const bf16*
         o[i] = f2bf((bf2f(ar[i]) * r) * (offset + bf2f(w[i])));
 }
 
-// acc[r, c] += sigmoid(gate[r]) · y[r, c]. acc, y: [rows, cols]; gate: [rows].
-extern "C" __global__ void add_sigmoid_gated_bf16(bf16* __restrict__ acc, const bf16* __restrict__ y,
-                                                  const bf16* __restrict__ gate, long long rows, int cols) {
-    const long long n = rows * cols;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        const float s = sigmoid_f(bf2f(gate[i / cols]));
-        acc[i] = f2bf(bf2f(acc[i]) + s * bf2f(y[i]));
-    }
-}
-
 // out[r, :] = x[idx[r], :] (zeros when idx[r] ≥ x_rows). Grid (rows); out: [rows, cols].
 extern "C" __global__ void gather_rows_bf16(const bf16* __restrict__ x, const u32* __restrict__ idx,
                                             bf16* __restrict__ out, int cols, u32 x_rows) {
+    pdl_prologue();
     const int r = blockIdx.x;
     const u32 s = idx[r];
     bf16* o = out + (size_t)r * cols;
@@ -76,6 +68,7 @@ extern "C" __global__ void gather_rows_bf16(const bf16* __restrict__ x, const u3
 // out[r, :] = [a[r, :] | b[r, :]]. Grid (rows); a: [rows, ca]; b: [rows, cb]; out: [rows, ca + cb].
 extern "C" __global__ void concat_cols_bf16(const bf16* __restrict__ a, const bf16* __restrict__ b,
                                             bf16* __restrict__ out, int ca, int cb) {
+    pdl_prologue();
     const int r = blockIdx.x;
     bf16* o = out + (size_t)r * (ca + cb);
     for (int i = threadIdx.x; i < ca + cb; i += blockDim.x)
@@ -84,6 +77,7 @@ extern "C" __global__ void concat_cols_bf16(const bf16* __restrict__ a, const bf
 
 // out[i] = silu(x[i]) for i < n.
 extern "C" __global__ void silu_bf16(const bf16* __restrict__ x, bf16* __restrict__ out, long long n) {
+    pdl_prologue();
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x)
         out[i] = f2bf(silu_f(bf2f(x[i])));
@@ -93,6 +87,7 @@ extern "C" __global__ void silu_bf16(const bf16* __restrict__ x, bf16* __restric
 // subtracted), summed in order c = 0..s−1. streams: [rows, s·h]; pre: [s] f32; out: [rows, h].
 extern "C" __global__ void hc_premix_bf16(const bf16* __restrict__ streams, const float* __restrict__ pre,
                                           bf16* __restrict__ out, long long rows, int s, int h) {
+    pdl_prologue();
     float m = NEG_INF;
     for (int c = 0; c < s; ++c) m = fmaxf(m, pre[c]);
     float z = 0.0f;
@@ -112,6 +107,7 @@ extern "C" __global__ void hc_premix_bf16(const bf16* __restrict__ streams, cons
 // streams, u: [rows, s·h]; y: [rows, h].
 extern "C" __global__ void hc_gated_residual_bf16(bf16* __restrict__ streams, const bf16* __restrict__ u,
                                                   const bf16* __restrict__ y, long long rows, int s, int h) {
+    pdl_prologue();
     const long long n = rows * s * h;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {

@@ -5,6 +5,7 @@
 // copies when `vec` (the host sets it when hidden % 8 == 0 and both buffers are 16-byte aligned).
 extern "C" __global__ void embed_bf16(const bf16* __restrict__ table, const u32* __restrict__ ids,
                                       bf16* __restrict__ out, u32 vocab, int hidden, int vec) {
+    pdl_prologue();
     const int s = blockIdx.x;
     const u32 id = ids[s];
     bf16* dst = out + (size_t)s * hidden;

@@ -45,6 +45,15 @@ __device__ __forceinline__ void embed_q_impl(const u32* __restrict__ W, const fl
 }
 
 // Grid (tokens); any multiple of 32 threads. out: [tokens, k] bf16.
-extern "C" __global__ void embed_q4(const u32* W, const float* S, const u32* ids, bf16* out, u32 vocab, int k, int group) { embed_q_impl<4>(W, S, ids, out, vocab, k, group); }
-extern "C" __global__ void embed_q8(const u32* W, const float* S, const u32* ids, bf16* out, u32 vocab, int k, int group) { embed_q_impl<8>(W, S, ids, out, vocab, k, group); }
-extern "C" __global__ void embed_q6(const u32* W, const float* S, const u32* ids, bf16* out, u32 vocab, int k, int group) { embed_q_impl<6>(W, S, ids, out, vocab, k, group); }
+extern "C" __global__ void embed_q4(const u32* W, const float* S, const u32* ids, bf16* out, u32 vocab, int k, int group) {
+    pdl_prologue();
+    embed_q_impl<4>(W, S, ids, out, vocab, k, group);
+}
+extern "C" __global__ void embed_q8(const u32* W, const float* S, const u32* ids, bf16* out, u32 vocab, int k, int group) {
+    pdl_prologue();
+    embed_q_impl<8>(W, S, ids, out, vocab, k, group);
+}
+extern "C" __global__ void embed_q6(const u32* W, const float* S, const u32* ids, bf16* out, u32 vocab, int k, int group) {
+    pdl_prologue();
+    embed_q_impl<6>(W, S, ids, out, vocab, k, group);
+}

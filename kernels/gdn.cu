@@ -12,28 +12,6 @@
 #define GDN_STEP_COLS 32
 #define GDN_STEP_RG 16
 
-// Loads one token's query and key head into shared memory, l2-normalised (eps 1e-6, as FLA) with the
-// query also scaled by q_scale (dk^-0.5). Ends with a barrier: qs and ks are ready for every thread.
-__device__ __forceinline__ void load_qk_normed(const bf16* qr, const bf16* kr, int dk, float q_scale, float* qs,
-                                               float* ks, float* scratch) {
-    float sq = 0.0f, sk = 0.0f;
-    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-        const float qv = bf2f(qr[i]), kv = bf2f(kr[i]);
-        qs[i] = qv;
-        ks[i] = kv;
-        sq += qv * qv;
-        sk += kv * kv;
-    }
-    sq = block_sum(sq, scratch);
-    sk = block_sum(sk, scratch);
-    const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
-    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-        qs[i] = (qs[i] * rq) * q_scale;
-        ks[i] = ks[i] * rk;
-    }
-    __syncthreads();
-}
-
 // One decode step of one (sequence, value head, 32 value columns): the block's slice of S [dk, 32]
 // stays in registers (thread: 4 columns of NR rows, row group rg = warp·4 + lane / 8 owning rows
 // rg + 16·n), read once and written once. One pass gives both column reductions, since with
@@ -229,6 +207,7 @@ extern "C" __global__ void __launch_bounds__(GDN_STEP_THREADS) gdn_recurrent_ste
     const bf16* __restrict__ a, const bf16* __restrict__ b_gate, long long ab_stride, const float* __restrict__ A_log,
     const float* __restrict__ dt_bias, float* __restrict__ state_pool, const u32* __restrict__ slots,
     bf16* __restrict__ out, int hk, int hv, int dk, int dv, float q_scale, u32 num_slots) {
+    pdl_prologue();
     if (dk > GDN_STEP_RG * 8 || blockDim.x != GDN_STEP_THREADS) return;
     gdn_step_impl<8>(q, k, v, qkv_stride, a, b_gate, ab_stride, A_log, dt_bias, state_pool, slots, out, hk, hv, dk,
                      dv, q_scale, num_slots);
@@ -238,92 +217,8 @@ extern "C" __global__ void __launch_bounds__(GDN_STEP_THREADS) gdn_recurrent_ste
     const bf16* __restrict__ a, const bf16* __restrict__ b_gate, long long ab_stride, const float* __restrict__ A_log,
     const float* __restrict__ dt_bias, float* __restrict__ state_pool, const u32* __restrict__ slots,
     bf16* __restrict__ out, int hk, int hv, int dk, int dv, float q_scale, u32 num_slots) {
+    pdl_prologue();
     if (dk > GDN_STEP_RG * 16 || blockDim.x != GDN_STEP_THREADS) return;
     gdn_step_impl<16>(q, k, v, qkv_stride, a, b_gate, ab_stride, A_log, dt_bias, state_pool, slots, out, hk, hv,
                       dk, dv, q_scale, num_slots);
-}
-
-#define GDN_PF_GROUPS 4
-#define GDN_PF_ROWS (GDN_MAX_DK / GDN_PF_GROUPS)
-
-// Prefill of one sequence's t tokens, token by token inside one launch (the recurrent form; the state
-// column this block owns stays in registers across the tokens). Grid (hv, ceil(dv / 32)); block
-// 32·GDN_PF_GROUPS threads. q, k, v: token i's rows start at q + i·qkv_stride (as the step kernel);
-// a, b_gate: [t, hv] at stride ab_stride; state: [hv, dk, dv], read at the start and written at the
-// end; out: [t, hv·dv].
-extern "C" __global__ void gdn_recurrent_prefill(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                                 const bf16* __restrict__ v, long long qkv_stride,
-                                                 const bf16* __restrict__ a, const bf16* __restrict__ b_gate,
-                                                 long long ab_stride, const float* __restrict__ A_log,
-                                                 const float* __restrict__ dt_bias, float* __restrict__ state,
-                                                 bf16* __restrict__ out, int t, int hk, int hv, int dk, int dv,
-                                                 float q_scale) {
-    __shared__ float qs[GDN_MAX_DK], ks[GDN_MAX_DK];
-    __shared__ float part[GDN_PF_GROUPS][32];
-    __shared__ float scratch[32];
-    __shared__ float delta_s[32];
-    const int h = blockIdx.x;
-    const int lane = threadIdx.x & 31, grp = threadIdx.x >> 5;
-    if (dk > GDN_MAX_DK || blockDim.x != 32 * GDN_PF_GROUPS) return;
-    const int kh = h / (hv / hk);
-    const int j = blockIdx.y * 32 + lane;
-    const bool active = j < dv;
-    float* S = state + (size_t)h * dk * dv;
-    float reg[GDN_PF_ROWS];
-#pragma unroll
-    for (int n = 0; n < GDN_PF_ROWS; ++n) {
-        const int i = grp + n * GDN_PF_GROUPS;
-        reg[n] = (active && i < dk) ? S[(size_t)i * dv + j] : 0.0f;
-    }
-    const float A = -expf(A_log[h]), bias = dt_bias[h];
-
-    for (int tok = 0; tok < t; ++tok) {
-        load_qk_normed(q + tok * qkv_stride + (size_t)kh * dk, k + tok * qkv_stride + (size_t)kh * dk, dk,
-                       q_scale, qs, ks, scratch);
-
-        const float g = A * softplus_f(bf2f(a[tok * ab_stride + h]) + bias);
-        const float decay = expf(g);
-        const float beta = sigmoid_f(bf2f(b_gate[tok * ab_stride + h]));
-
-        float mem = 0.0f;
-#pragma unroll
-        for (int n = 0; n < GDN_PF_ROWS; ++n) {
-            const int i = grp + n * GDN_PF_GROUPS;
-            if (i < dk) mem += (reg[n] * decay) * ks[i];
-        }
-        part[grp][lane] = mem;
-        __syncthreads();
-        if (grp == 0) {
-            float s = 0.0f;
-            for (int w = 0; w < GDN_PF_GROUPS; ++w) s += part[w][lane];
-            const float vj = active ? bf2f(v[tok * qkv_stride + (size_t)h * dv + j]) : 0.0f;
-            delta_s[lane] = (vj - s) * beta;
-        }
-        __syncthreads();
-        const float delta = delta_s[lane];
-
-        float o = 0.0f;
-#pragma unroll
-        for (int n = 0; n < GDN_PF_ROWS; ++n) {
-            const int i = grp + n * GDN_PF_GROUPS;
-            if (i < dk) {
-                const float s = reg[n] * decay + ks[i] * delta;
-                reg[n] = s;
-                o += s * qs[i];
-            }
-        }
-        part[grp][lane] = o;
-        __syncthreads();
-        if (grp == 0 && active) {
-            float s = 0.0f;
-            for (int w = 0; w < GDN_PF_GROUPS; ++w) s += part[w][lane];
-            out[((size_t)tok * hv + h) * dv + j] = f2bf(s);
-        }
-        __syncthreads();  // part, qs and ks are rewritten by the next token
-    }
-#pragma unroll
-    for (int n = 0; n < GDN_PF_ROWS; ++n) {
-        const int i = grp + n * GDN_PF_GROUPS;
-        if (active && i < dk) S[(size_t)i * dv + j] = reg[n];
-    }
 }

@@ -20,6 +20,56 @@ __device__ __forceinline__ void put<bf16>(bf16* y, size_t i, float v) { y[i] = f
 template <>
 __device__ __forceinline__ void put<float>(float* y, size_t i, float v) { y[i] = v; }
 
+// Sums a slot's partial dot products and stores rows row0 .. row0 + nrows of Y (R rows by M columns of
+// acc; only the first rps rows are live). Shuffles over the lanes of one slot (offsets below tpr), then,
+// for a slot wider than a warp, through shared memory `red` ([8][R][M]): one thread per (row, column) of
+// the slot's first warp sums the warps' values, so the cross-warp step costs 8 shared loads whatever M
+// is (not R·M·8 in one thread).
+template <int R, int M, typename OUT>
+__device__ __forceinline__ void gemv_slot_sum(float (&acc)[R][M], float (*red)[R][M], OUT* __restrict__ Y,
+                                              int n, long long row0, int nrows, int rps, int tpr_log2, int p) {
+    const int tpr = 1 << tpr_log2;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (r >= rps) continue;  // uniform over the block
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float v = acc[r][m];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+                if (o < tpr) v += __shfl_xor_sync(0xffffffffu, v, o);
+            acc[r][m] = v;
+        }
+    }
+    if (tpr <= 32) {
+        if (p == 0) {
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                if (r < nrows)
+#pragma unroll
+                    for (int m = 0; m < M; ++m) put<OUT>(Y, (size_t)m * n + row0 + r, acc[r][m]);
+        }
+        return;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0)
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            if (r < rps)
+#pragma unroll
+                for (int m = 0; m < M; ++m) red[warp][r][m] = acc[r][m];
+    __syncthreads();
+    // p < rps · M ≤ 32: a thread of the slot's first warp (its warp index is the slot's first).
+    if (p < rps * M) {
+        const int r = p / M, m = p - r * M, nw = tpr >> 5;
+        float v = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i < nw) v += red[warp + i][r][m];
+        if (r < nrows) put<OUT>(Y, (size_t)m * n + row0 + r, v);
+    }
+}
+
 template <int M, typename OUT>
 __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
                                           OUT* __restrict__ Y, int n, int k, int rps, int tpr_log2) {
@@ -51,6 +101,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16
             unpack8(__ldg(x4 + (size_t)m * kv + c), xf);
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r) {
+                if (r >= rps) continue;  // uniform: no work for rows a slot never owns (small n)
                 float wf[8];
                 unpack8(wv[r], wf);
 #pragma unroll
@@ -58,44 +109,7 @@ __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16
             }
         }
     }
-    // Sum over the slot: shuffles over the lanes of one slot (offsets below tpr), then across warps.
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; ++r)
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float v = acc[r][m];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1)
-                if (o < tpr) v += __shfl_xor_sync(0xffffffffu, v, o);
-            acc[r][m] = v;
-        }
-    if (tpr > 32) {
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        if (lane == 0)
-#pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r)
-#pragma unroll
-                for (int m = 0; m < M; ++m) red[warp][r][m] = acc[r][m];
-        __syncthreads();
-        if (p == 0) {
-            const int nw = tpr >> 5;
-#pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r)
-#pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    float v = acc[r][m];
-                    for (int i = 1; i < nw; ++i) v += red[warp + i][r][m];
-                    acc[r][m] = v;
-                }
-        }
-    }
-    if (p == 0) {
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; ++r)
-            if (r < nrows)
-#pragma unroll
-                for (int m = 0; m < M; ++m) put<OUT>(Y, (size_t)m * n + row0 + r, acc[r][m]);
-    }
+    gemv_slot_sum<GEMV_ROWS, M, OUT>(acc, red, Y, n, row0, nrows, rps, tpr_log2, p);
 }
 
 // Batched decode (m = 2..8) on the tensor cores: the FMA loop above issues an FMA and a widening per
@@ -164,25 +178,79 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ W, const b
 }
 
 // Y: [m, n]; 256 threads, grid = ceil(n / 16), 2 ≤ m ≤ 8, k % 32 == 0.
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc(const bf16* W, const bf16* X, bf16* Y, int n, int k, int m) { gemv_tc_impl<bf16>(W, X, Y, n, k, m); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc_f32(const bf16* W, const bf16* X, float* Y, int n, int k, int m) { gemv_tc_impl<float>(W, X, Y, n, k, m); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc(const bf16* W, const bf16* X, bf16* Y, int n, int k, int m) {
+    pdl_prologue();
+    gemv_tc_impl<bf16>(W, X, Y, n, k, m);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc_f32(const bf16* W, const bf16* X, float* Y, int n, int k, int m) {
+    pdl_prologue();
+    gemv_tc_impl<float>(W, X, Y, n, k, m);
+}
 
 // Y: [M, n] bf16. 256 threads; rps ∈ 1..GEMV_ROWS rows per slot, slots of 2^tpr_log2 ≤ 256 threads;
 // grid = ceil(n / (rps · 256 / 2^tpr_log2)).
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m1(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<1, bf16>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m2(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<2, bf16>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m3(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<3, bf16>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m4(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<4, bf16>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m5(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<5, bf16>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m6(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<6, bf16>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m7(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<7, bf16>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m8(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<8, bf16>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m1(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<1, bf16>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m2(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<2, bf16>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m3(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<3, bf16>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m4(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<4, bf16>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m5(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<5, bf16>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m6(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<6, bf16>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m7(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<7, bf16>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m8(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<8, bf16>(W, X, Y, n, k, rps, tpr_log2);
+}
 // Y: [M, n] f32 (logits, router scores); same launch as above.
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m1(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<1, float>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m2(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<2, float>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m3(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<3, float>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m4(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<4, float>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m5(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<5, float>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m6(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<6, float>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m7(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<7, float>(W, X, Y, n, k, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m8(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) { gemv_impl<8, float>(W, X, Y, n, k, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m1(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<1, float>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m2(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<2, float>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m3(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<3, float>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m4(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<4, float>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m5(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<5, float>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m6(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<6, float>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m7(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<7, float>(W, X, Y, n, k, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m8(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_impl<8, float>(W, X, Y, n, k, rps, tpr_log2);
+}

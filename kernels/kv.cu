@@ -19,6 +19,7 @@ extern "C" __global__ void qk_norm_rope_bf16(const bf16* __restrict__ x, long lo
                                              const bf16* __restrict__ w, float eps, int d,
                                              const u32* __restrict__ pos, const float* __restrict__ inv_freq,
                                              int half, float mscale) {
+    pdl_prologue();
     __shared__ float v[KV_MAX_D];
     __shared__ float scratch[32];
     const int h = blockIdx.x, r = blockIdx.y;
@@ -60,6 +61,7 @@ extern "C" __global__ void qk_norm_rope_bf16(const bf16* __restrict__ x, long lo
 extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ k, const bf16* __restrict__ v,
                                          bf16* __restrict__ k_pool, bf16* __restrict__ v_pool,
                                          const u32* __restrict__ dst, int row_elems, u32 pool_rows) {
+    pdl_prologue();
     const int r = blockIdx.x;
     const u32 d = dst[r];
     if (d >= pool_rows) return;

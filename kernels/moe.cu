@@ -7,7 +7,8 @@
 //   moe_gemv_q* the same grouped GEMV over packed integer experts (words and scales address tables);
 //               INT4 with groups of a multiple of 128 on tensor cores (moe_gemv_q4_mma_*, optionally
 //               with SwiGLU fused into the down projection's input);
-//   moe_combine sums each token's expert outputs times its routing weights.
+//   moe_combine sums each token's expert outputs times its routing weights, plus the shared expert's
+//               output times the sigmoid of its gate when given.
 // Pairs are numbered p = token·top_k + choice, as the router writes ids and weights.
 #include "packed.cuh"
 
@@ -23,6 +24,7 @@
 // cursors (the order within an expert is unspecified).
 extern "C" __global__ void moe_sort(const u32* __restrict__ ids, int n_pairs, int e, u32* __restrict__ perm,
                                     u32* __restrict__ tiles, int max_tiles) {
+    pdl_prologue();
     extern __shared__ u32 sh[];
     u32* off = sh;          // [e + 1]: counts, then pair offsets, then scatter cursors
     u32* toff = sh + e + 1; // [e + 1]: tile offsets
@@ -545,25 +547,82 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
 // The launcher mirrors these (RPG, D) to size the grid and pick `lanes`.
 #define MOE_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles
 #define MOE_PASS w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, lanes
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<16, 4, 2, 8, bf16>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<16, 4, 2, 8, float>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<4, 4, 1, 8, bf16>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<4, 4, 1, 8, float>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<8, 4, 1, 8, bf16>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<8, 4, 1, 8, float>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<6, 4, 1, 8, bf16>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<6, 4, 1, 8, float>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<16, 4, 2, 1, bf16>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<16, 4, 2, 1, float>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q4_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<4, 2, 2, 1, bf16>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q4_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<4, 2, 2, 1, float>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<8, 2, 1, 1, bf16>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<8, 2, 1, 1, float>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_tile<6, 2, 2, 1, bf16>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_tile<6, 2, 2, 1, float>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { moe_gemv_q4_mma_tile<false, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_q4_mma_tile<false, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_swiglu_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { moe_gemv_q4_mma_tile<true, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<16, 4, 2, 8, bf16>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<16, 4, 2, 8, float>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<4, 4, 1, 8, bf16>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<4, 4, 1, 8, float>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<8, 4, 1, 8, bf16>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<8, 4, 1, 8, float>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<6, 4, 1, 8, bf16>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<6, 4, 1, 8, float>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<16, 4, 2, 1, bf16>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<16, 4, 2, 1, float>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q4_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<4, 2, 2, 1, bf16>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q4_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<4, 2, 2, 1, float>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<8, 2, 1, 1, bf16>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<8, 2, 1, 1, float>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<6, 2, 2, 1, bf16>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_tile<6, 2, 2, 1, float>(MOE_PASS);
+}
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_q4_mma_tile<false, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group);
+}
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_q4_mma_tile<false, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group);
+}
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_swiglu_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
+    pdl_prologue();
+    moe_gemv_q4_mma_tile<true, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group);
+}
 #undef MOE_ARGS
 #undef MOE_PASS
 
@@ -572,11 +631,14 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma
 // aligned), the loads of all choices independent of the kept flags, so they are in flight together
 // rather than one dependent round trip per choice. y: [tokens·top_k, h] f32; weights: [tokens, top_k] f32;
 // out: [tokens, h] bf16. Pairs whose expert id was dropped by moe_sort (id ≥ e) count as zero (their
-// y rows, never written, are loaded but not added). Dynamic shared memory: 8·top_k bytes (the token's
-// weights and kept flags).
+// y rows, never written, are loaded but not added). shared_y [tokens, h] and shared_gate [tokens] (bf16,
+// both or neither): the shared expert's output, added times sigmoid(gate) before the one rounding.
+// Dynamic shared memory: 8·top_k bytes (the token's weights and kept flags).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights,
-                                       const u32* __restrict__ ids, int e, bf16* __restrict__ out, int top_k,
+                                       const u32* __restrict__ ids, int e, const bf16* __restrict__ shared_y,
+                                       const bf16* __restrict__ shared_gate, bf16* __restrict__ out, int top_k,
                                        int h) {
+    pdl_prologue();
     extern __shared__ float cw[];
     int* keep = (int*)(cw + top_k);
     const int t = blockIdx.x;
@@ -590,6 +652,9 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
     if (j >= h) return;
     const float* yt = y + (size_t)t * top_k * h;
     bf16* o = out + (size_t)t * h + j;
+    // The shared expert's row and weight (none: weight 0, its row never read).
+    const float sw = shared_y ? sigmoid_f(bf2f(shared_gate[t])) : 0.0f;
+    const bf16* sy = shared_y ? shared_y + (size_t)t * h + j : nullptr;
     if ((h & 3) == 0 && ((size_t)y & 15) == 0) {
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
@@ -602,6 +667,10 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
                 acc.z += w * v.z;
                 acc.w += w * v.w;
             }
+        }
+        if (sy) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) (&acc.x)[q] += sw * bf2f(sy[q]);
         }
         __nv_bfloat162 lo, hi;
         lo.x = f2bf(acc.x);
@@ -633,6 +702,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
         }
 #pragma unroll
         for (int q = 0; q < 4; ++q)
-            if (q < cols) o[q] = f2bf(acc[q]);
+            if (q < cols) o[q] = f2bf(sy ? acc[q] + sw * bf2f(sy[q]) : acc[q]);
     }
 }

@@ -29,6 +29,7 @@ __device__ __forceinline__ float slot_sum(float v, int tpr, float* red) {
 
 // y[r, :] = x[r, :] · rsqrt(mean(x[r, :]²) + eps) · (offset + w). x, y: [rows, d]; w: [d].
 extern "C" __global__ void __launch_bounds__(256) rms_norm_bf16(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int rows, int d, float eps, float offset, int tpr_log2) {
+    pdl_prologue();
     __shared__ float red[8];
     const int tpr = 1 << tpr_log2, p = threadIdx.x & (tpr - 1);
     const long long row = (long long)blockIdx.x * (blockDim.x >> tpr_log2) + (threadIdx.x >> tpr_log2);
@@ -76,6 +77,7 @@ extern "C" __global__ void __launch_bounds__(256) rms_norm_bf16(const bf16* __re
 
 // y = w · (x · rsqrt(mean(x²) + eps)) · silu(z), per row of d. x, z, y: [rows, d]; w: [d].
 extern "C" __global__ void __launch_bounds__(256) gated_rms_norm_bf16(const bf16* __restrict__ x, const bf16* __restrict__ z, const bf16* __restrict__ w, bf16* __restrict__ y, int rows, int d, float eps, int tpr_log2) {
+    pdl_prologue();
     __shared__ float red[8];
     const int tpr = 1 << tpr_log2, p = threadIdx.x & (tpr - 1);
     const long long row = (long long)blockIdx.x * (blockDim.x >> tpr_log2) + (threadIdx.x >> tpr_log2);
@@ -128,6 +130,7 @@ extern "C" __global__ void __launch_bounds__(256) gated_rms_norm_bf16(const bf16
 // Any d: one block per row (blockDim.x a multiple of 32, ≤ 1024), the row read twice (sum of squares,
 // then the scaled write, the second time from cache).
 extern "C" __global__ void rms_norm_bf16_any(const bf16* __restrict__ x, const bf16* __restrict__ w, bf16* __restrict__ y, int d, float eps, float offset) {
+    pdl_prologue();
     __shared__ float scratch[32];
     const size_t row = blockIdx.x;
     const bf16* xr = x + row * d;
@@ -146,6 +149,7 @@ extern "C" __global__ void rms_norm_bf16_any(const bf16* __restrict__ x, const b
 
 // As gated_rms_norm_bf16 for any d: one block per row, as rms_norm_bf16_any.
 extern "C" __global__ void gated_rms_norm_bf16_any(const bf16* __restrict__ x, const bf16* __restrict__ z, const bf16* __restrict__ w, bf16* __restrict__ y, int d, float eps) {
+    pdl_prologue();
     __shared__ float scratch[32];
     const size_t row = blockIdx.x;
     const bf16* xr = x + row * d;

@@ -15,6 +15,7 @@ extern "C" __global__ void ple_gate(const float* __restrict__ v_lin, const bf16*
                                     const bf16* __restrict__ kn, const bf16* __restrict__ R,
                                     const bf16* __restrict__ qn, const bf16* __restrict__ cn,
                                     float* __restrict__ u, float* __restrict__ z, int H, int S, int c) {
+    pdl_prologue();
     __shared__ float scratch[32];
     const int r = blockIdx.x;
     const size_t sh = (size_t)S * H;
@@ -61,6 +62,7 @@ extern "C" __global__ void ple_gate(const float* __restrict__ v_lin, const bf16*
 extern "C" __global__ void ple_conv(const float* __restrict__ z, const bf16* __restrict__ w,
                                     const float* __restrict__ state, const float* __restrict__ u,
                                     bf16* __restrict__ R, int t, int C, int K, int dil) {
+    pdl_prologue();
     const long long total = (long long)t * C;
     const int past = (K - 1) * dil;
     for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
@@ -81,10 +83,42 @@ extern "C" __global__ void ple_conv(const float* __restrict__ z, const bf16* __r
 // rows ascending (row i reads row t + i > i, not yet overwritten).
 extern "C" __global__ void ple_conv_state(const float* __restrict__ z, float* __restrict__ state, int t, int C,
                                           int past) {
+    pdl_prologue();
     const int ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= C) return;
     for (int i = 0; i < past; ++i) {
         const int src = t + i;
         state[(size_t)i * C + ch] = src < past ? state[(size_t)src * C + ch] : z[(size_t)(src - past) * C + ch];
+    }
+}
+
+// The decode form: one token of each of `rows` sequences, row r's conv state in state slot slots[r]
+// (read on the device) of state_pool ([n_slots, (K−1)·dil, C] f32; a slot at or beyond n_slots is
+// skipped). One thread per (r, ch), as ple_conv then ple_conv_state with t = 1: y = silu(Σ_j w[ch, j] ·
+// xx[j·dil, ch]) over xx = state ++ z[r], R[r, ch] += u[r, ch] + y, then state ← its rows 1.. ++ z[r].
+// The thread owns its channel of its slot's state, so the roll follows the reads in the same thread.
+extern "C" __global__ void ple_conv_decode(const float* __restrict__ z, const bf16* __restrict__ w,
+                                           float* __restrict__ state_pool, const u32* __restrict__ slots,
+                                           u32 n_slots, const float* __restrict__ u, bf16* __restrict__ R, int rows,
+                                           int C, int K, int dil) {
+    pdl_prologue();
+    const long long total = (long long)rows * C;
+    const int past = (K - 1) * dil;
+    for (long long idx = blockIdx.x * (long long)blockDim.x + threadIdx.x; idx < total;
+         idx += (long long)gridDim.x * blockDim.x) {
+        const int r = (int)(idx / C), ch = (int)(idx - (long long)r * C);
+        const u32 slot = slots[r];
+        if (slot >= n_slots) continue;
+        float* st = state_pool + (size_t)slot * past * C;
+        const float zi = z[idx];
+        float acc = 0.0f;
+        for (int j = 0; j < K; ++j) {
+            const int i = j * dil;
+            const float x = i < past ? st[(size_t)i * C + ch] : zi;
+            acc += bf2f(w[(size_t)ch * K + j]) * x;
+        }
+        const float y = silu_f(acc);
+        R[idx] = f2bf(bf2f(R[idx]) + (u[idx] + y));
+        for (int i = 0; i < past; ++i) st[(size_t)i * C + ch] = i + 1 < past ? st[(size_t)(i + 1) * C + ch] : zi;
     }
 }

@@ -60,6 +60,7 @@ extern "C" __global__ void qsa_index_key_write(const bf16* __restrict__ ik, cons
                                                const float* __restrict__ inv_freq, int half,
                                                const u32* __restrict__ dst, u32 pool_rows,
                                                unsigned char* __restrict__ idx_pool, int di, int rows) {
+    pdl_prologue();
     const int r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows || di > QSA_MAX_DI) return;
     const u32 d = dst[r];
@@ -99,6 +100,7 @@ extern "C" __global__ void qsa_query_prep(const bf16* __restrict__ iq, const bf1
                                           const u32* __restrict__ pos, const float* __restrict__ inv_freq,
                                           int half, float head_scale, float* __restrict__ qi,
                                           float* __restrict__ wts, int ni, int di, int rows) {
+    pdl_prologue();
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= rows * ni || di > QSA_MAX_DI) return;
     const int r = t / ni, h = t - r * ni;
@@ -110,23 +112,10 @@ extern "C" __global__ void qsa_query_prep(const bf16* __restrict__ iq, const bf1
     wts[(size_t)r * ni + h] = __fmul_rn(bf2f(iw[(size_t)r * ni + h]), head_scale);
 }
 
-// Grid (ceil(ctx_max / blockDim), n_rows); dynamic shared memory (ni·di + ni) floats. Row r (query
-// pos0 + r of one sequence) scores every position s ≤ pos0 + r: scores[r·ld + s] = Σ_h w_h ·
-// ReLU(q_h · k̂_s), k̂ = k8·s dequantised from the entry, summed in order as the CPU's index_scores.
-extern "C" __global__ void qsa_scores(const float* __restrict__ qi, const float* __restrict__ wts,
-                                      const unsigned char* __restrict__ idx_pool, const u32* __restrict__ table,
-                                      int pos0, int ni, int di, int bs, float* __restrict__ scores, long long ld) {
-    extern __shared__ float sm[];
-    float* qs = sm;
-    float* ws = sm + ni * di;
-    const int r = blockIdx.y;
-    for (int i = threadIdx.x; i < ni * di; i += blockDim.x) qs[i] = qi[(size_t)r * ni * di + i];
-    for (int i = threadIdx.x; i < ni; i += blockDim.x) ws[i] = wts[(size_t)r * ni + i];
-    __syncthreads();
-    const long long s = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long ctx = (long long)pos0 + r + 1;
-    if (s >= ctx || di > QSA_MAX_DI) return;
-    const unsigned char* e = idx_pool + ((size_t)table[s / bs] * bs + (size_t)(s % bs)) * (di + 2);
+// The index score of one position from its entry e (dI fp8 bytes and the bf16 scale): Σ_h w_h ·
+// ReLU(q_h · k̂), k̂ = k8·s dequantised, summed in order as the CPU's index_scores. qs [ni·di], ws [ni].
+__device__ __forceinline__ float index_score(const float* qs, const float* ws, const unsigned char* e, int ni,
+                                             int di) {
     const float sv = __uint_as_float(((u32)e[di] | ((u32)e[di + 1] << 8)) << 16);
     float k[QSA_MAX_DI];
     for (int i = 0; i < di; ++i) k[i] = __fmul_rn(fp8_e4m3_decode(e[i]), sv);
@@ -137,7 +126,60 @@ extern "C" __global__ void qsa_scores(const float* __restrict__ qi, const float*
         for (int i = 0; i < di; ++i) dot = __fadd_rn(dot, __fmul_rn(q[i], k[i]));
         acc = __fadd_rn(acc, __fmul_rn(ws[h], fmaxf(dot, 0.0f)));
     }
-    scores[(size_t)r * ld + s] = acc;
+    return acc;
+}
+
+// The entry of position s through a block table.
+__device__ __forceinline__ const unsigned char* index_entry(const unsigned char* idx_pool, const u32* table,
+                                                            long long s, int bs, int di) {
+    return idx_pool + ((size_t)table[s / bs] * bs + (size_t)(s % bs)) * (di + 2);
+}
+
+// Stages one query row's indexer heads and weights in shared memory (every thread of the block).
+__device__ __forceinline__ void stage_query(float* qs, float* ws, const float* qi, const float* wts, int r, int ni,
+                                            int di) {
+    for (int i = threadIdx.x; i < ni * di; i += blockDim.x) qs[i] = qi[(size_t)r * ni * di + i];
+    for (int i = threadIdx.x; i < ni; i += blockDim.x) ws[i] = wts[(size_t)r * ni + i];
+    __syncthreads();
+}
+
+// Grid (ceil(ctx_max / blockDim), n_rows); dynamic shared memory (ni·di + ni) floats. Row r (query
+// pos0 + r of one sequence) scores every position s ≤ pos0 + r: scores[r·ld + s] = index_score.
+extern "C" __global__ void qsa_scores(const float* __restrict__ qi, const float* __restrict__ wts,
+                                      const unsigned char* __restrict__ idx_pool, const u32* __restrict__ table,
+                                      int pos0, int ni, int di, int bs, float* __restrict__ scores, long long ld) {
+    pdl_prologue();
+    extern __shared__ float sm[];
+    const int r = blockIdx.y;
+    stage_query(sm, sm + ni * di, qi, wts, r, ni, di);
+    const long long s = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long ctx = (long long)pos0 + r + 1;
+    if (s >= ctx || di > QSA_MAX_DI) return;
+    scores[(size_t)r * ld + s] = index_score(sm, sm + ni * di, index_entry(idx_pool, table, s, bs, di), ni, di);
+}
+
+// The decode form: grid (ceil(ld / blockDim), rows); dynamic shared memory (ni·di + ni) floats. Row r
+// is the one query of sequence r: context ctx = min(lens[r], max_ctx), block table row r of tables
+// (table_stride ids a row), all read on the device. A row with ctx ≤ topk selects every position and
+// is not scored; otherwise scores[r·ld + s] = index_score for every s < ctx. Blocks past a row's
+// context exit at once, so one launch shape serves every context up to ld.
+extern "C" __global__ void qsa_scores_decode(const float* __restrict__ qi, const float* __restrict__ wts,
+                                             const unsigned char* __restrict__ idx_pool,
+                                             const u32* __restrict__ tables, long long table_stride,
+                                             const u32* __restrict__ lens, long long max_ctx, int topk, int ni,
+                                             int di, int bs, float* __restrict__ scores, long long ld) {
+    pdl_prologue();
+    extern __shared__ float sm[];
+    const int r = blockIdx.y;
+    const long long ctx = min((long long)lens[r], max_ctx);
+    const long long s0 = (long long)blockIdx.x * blockDim.x;
+    // Uniform over the block: no thread reaches the barrier below when one returns here.
+    if (ctx <= topk || s0 >= ctx || di > QSA_MAX_DI) return;
+    stage_query(sm, sm + ni * di, qi, wts, r, ni, di);
+    const long long s = s0 + threadIdx.x;
+    if (s >= ctx) return;
+    const u32* table = tables + (size_t)r * table_stride;
+    scores[(size_t)r * ld + s] = index_score(sm, sm + ni * di, index_entry(idx_pool, table, s, bs, di), ni, di);
 }
 
 // The rank key of position s: the score in total order (NaN as −inf) above the position, so that
@@ -149,24 +191,19 @@ __device__ __forceinline__ unsigned long long rank_key(float x, long long s) {
     return ((unsigned long long)b << 32) | (unsigned long long)s;
 }
 
-// Grid (n_rows); block 1024 threads. Row r (query pos0 + r, ctx = pos0 + r + 1 positions) selects
-// n = min(topk, ctx) positions: all of them when ctx ≤ topk, else the topk largest rank keys (radix
-// select of the topk-th key, eight passes of 8 bits, then an in-order compaction). Writes sel[r·topk ..]
-// in increasing position order and counts[r] = n.
-extern "C" __global__ void __launch_bounds__(1024) qsa_topk(const float* __restrict__ scores, long long ld,
-                                                            int pos0, int topk, u32* __restrict__ sel,
-                                                            u32* __restrict__ counts) {
+// One row's selection by a block of 1024 threads: n = min(topk, ctx) positions of sc[0 .. ctx), all
+// of them when ctx ≤ topk (sc not read), else the topk largest rank keys (radix select of the topk-th
+// key, eight passes of 8 bits, then an in-order compaction). Writes out[0 .. n) in increasing position
+// order and *count = n. Every thread of the block calls it with the same ctx.
+__device__ __forceinline__ void topk_row(const float* __restrict__ sc, long long ctx, int topk, u32* __restrict__ out,
+                                         u32* __restrict__ count) {
     __shared__ u32 hist[256];
     __shared__ u32 warp_n[32];
     __shared__ unsigned long long sh_prefix;
     __shared__ u32 sh_need;
-    const int r = blockIdx.x;
-    const long long ctx = (long long)pos0 + r + 1;
-    u32* out = sel + (size_t)r * topk;
-    const float* sc = scores + (size_t)r * ld;
     if (ctx <= topk) {
         for (long long s = threadIdx.x; s < ctx; s += blockDim.x) out[s] = (u32)s;
-        if (threadIdx.x == 0) counts[r] = (u32)ctx;
+        if (threadIdx.x == 0) *count = (u32)ctx;
         return;
     }
     unsigned long long prefix = 0, mask = 0;
@@ -216,19 +253,44 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_topk(const float* __restr
         base += total;
         __syncthreads();
     }
-    if (threadIdx.x == 0) counts[r] = (u32)topk;
+    if (threadIdx.x == 0) *count = (u32)topk;
 }
 
-// Grid (hq, splits, rows); block a multiple of 32 threads. Row r (query pos0 + r of one sequence, q
-// normed and roped) attends to its counts[r] selected positions sel[r·sel_stride ..], span sp of
-// QSA_SPLIT of them; K/V rows are gathered through the sequence's block table. Writes part_o [rows, hq,
+// Grid (n_rows); block 1024 threads. Row r (query pos0 + r, ctx = pos0 + r + 1 positions): topk_row
+// of scores[r·ld ..] to sel[r·topk ..] and counts[r].
+extern "C" __global__ void __launch_bounds__(1024) qsa_topk(const float* __restrict__ scores, long long ld,
+                                                            int pos0, int topk, u32* __restrict__ sel,
+                                                            u32* __restrict__ counts) {
+    pdl_prologue();
+    const int r = blockIdx.x;
+    topk_row(scores + (size_t)r * ld, (long long)pos0 + r + 1, topk, sel + (size_t)r * topk, counts + r);
+}
+
+// The decode form: grid (rows); block 1024 threads. Row r is the one query of sequence r, context
+// min(lens[r], max_ctx) read on the device: topk_row of scores[r·ld ..] (what qsa_scores_decode wrote)
+// to sel[r·topk ..] and counts[r].
+extern "C" __global__ void __launch_bounds__(1024) qsa_topk_decode(const float* __restrict__ scores, long long ld,
+                                                                   const u32* __restrict__ lens, long long max_ctx,
+                                                                   int topk, u32* __restrict__ sel,
+                                                                   u32* __restrict__ counts) {
+    pdl_prologue();
+    const int r = blockIdx.x;
+    const long long ctx = min((long long)lens[r], max_ctx);
+    topk_row(scores + (size_t)r * ld, ctx, topk, sel + (size_t)r * topk, counts + r);
+}
+
+// Grid (hq, splits, rows); block a multiple of 32 threads. Row r (q normed and roped) attends to its
+// counts[r] (at most sel_stride) selected positions sel[r·sel_stride ..], span sp of QSA_SPLIT of them;
+// K/V rows are gathered through block table table + r·table_stride (stride 0: the rows of one
+// sequence share its table; the decode form passes one table row per sequence). Writes part_o [rows, hq,
 // splits, d] (unnormalised Σ e·v) and part_ml [.., 2] (max, Σ e), as attn_paged_partial.
 extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf16* __restrict__ k_pool,
-                                            const bf16* __restrict__ v_pool, const u32* __restrict__ table,
-                                            const u32* __restrict__ sel, int sel_stride,
+                                            const bf16* __restrict__ v_pool, const u32* __restrict__ tables,
+                                            long long table_stride, const u32* __restrict__ sel, int sel_stride,
                                             const u32* __restrict__ counts, float* __restrict__ part_o,
                                             float* __restrict__ part_ml, int hq, int hkv, int d, int bs,
                                             int splits, float scale) {
+    pdl_prologue();
     __shared__ float qs[QSA_MAX_D];
     __shared__ float sc[QSA_SPLIT];
     __shared__ float scratch[32];
@@ -236,8 +298,9 @@ extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     if (d > QSA_MAX_D) return;
     const int kh = h / (hq / hkv);
-    const int n = (int)counts[r];
+    const int n = (int)min(counts[r], (u32)sel_stride);
     const u32* ps = sel + (size_t)r * sel_stride;
+    const u32* table = tables + (size_t)r * table_stride;
     const int i0 = sp * QSA_SPLIT;
     const int i1 = min(i0 + QSA_SPLIT, n);
     const size_t slot = ((size_t)r * hq + h) * splits + sp;
@@ -293,6 +356,7 @@ extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf
 extern "C" __global__ void qsa_attn_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                            const bf16* __restrict__ gate, bf16* __restrict__ out, int hq, int d,
                                            int splits) {
+    pdl_prologue();
     const int h = blockIdx.x, r = blockIdx.y;
     const size_t slot0 = ((size_t)r * hq + h) * splits;
     float M = NEG_INF;

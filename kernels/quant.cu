@@ -95,7 +95,8 @@ __device__ __forceinline__ void unit_dot(const u32 cw[QROWS][Unit<BITS>::WORDS],
         if (BITS == 6 && j0 >= k) continue;
         float q[QROWS][8];
 #pragma unroll
-        for (int r = 0; r < QROWS; ++r) decode8<BITS>(cw[r], c, q[r]);
+        for (int r = 0; r < QROWS; ++r)
+            decode8<BITS>(cw[r], c, q[r]);
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xf[8];
@@ -188,9 +189,11 @@ __device__ __noinline__ void gemv_q_body(const u32* __restrict__ W, const float*
             unit_dot<BITS, M, false>(w, sc, X, k, u, acc);
         }
     }
-    // Sum over the slot: shuffles over the lanes of one slot (offsets below tpr), then across warps.
+    // Sum over the slot: shuffles over the lanes of one slot (offsets below tpr), then across warps, one
+    // thread per (row, column) of the slot's first warp (8 shared loads each, not QROWS·M·8 in one thread).
 #pragma unroll
-    for (int r = 0; r < QROWS; ++r)
+    for (int r = 0; r < QROWS; ++r) {
+        if (r >= rps) continue;  // uniform over the block: rows a slot never owns
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float v = acc[r][m];
@@ -199,32 +202,33 @@ __device__ __noinline__ void gemv_q_body(const u32* __restrict__ W, const float*
                 if (o < tpr) v += __shfl_xor_sync(0xffffffffu, v, o);
             acc[r][m] = v;
         }
-    if (tpr > 32) {
-        const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-        if (lane == 0)
-#pragma unroll
-            for (int r = 0; r < QROWS; ++r)
-#pragma unroll
-                for (int m = 0; m < M; ++m) red[warp][r][m] = acc[r][m];
-        __syncthreads();
-        if (p == 0) {
-            const int nw = tpr >> 5;
-#pragma unroll
-            for (int r = 0; r < QROWS; ++r)
-#pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    float v = acc[r][m];
-                    for (int i = 1; i < nw; ++i) v += red[warp + i][r][m];
-                    acc[r][m] = v;
-                }
-        }
     }
-    if (p == 0) {
+    if (tpr <= 32) {
+        if (p == 0) {
+#pragma unroll
+            for (int r = 0; r < QROWS; ++r)
+                if (r < nrows)
+#pragma unroll
+                    for (int m = 0; m < M; ++m) qput<OUT>(Y, (size_t)m * n + row0 + r, acc[r][m]);
+        }
+        return;
+    }
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (lane == 0)
 #pragma unroll
         for (int r = 0; r < QROWS; ++r)
-            if (r < nrows)
+            if (r < rps)
 #pragma unroll
-                for (int m = 0; m < M; ++m) qput<OUT>(Y, (size_t)m * n + row0 + r, acc[r][m]);
+                for (int m = 0; m < M; ++m) red[warp][r][m] = acc[r][m];
+    __syncthreads();
+    // p < rps · M ≤ 16: a thread of the slot's first warp (its warp index is the slot's first).
+    if (p < rps * M) {
+        const int r = p / M, m = p - r * M, nw = tpr >> 5;
+        float v = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+            if (i < nw) v += red[warp + i][r][m];
+        if (r < nrows) qput<OUT>(Y, (size_t)m * n + row0 + r, v);
     }
 }
 
@@ -239,21 +243,23 @@ __device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const flo
         gemv_q_body<BITS, M, OUT, false>(W, S, X, Y, n, k, group, rps, tpr_log2, red);
 }
 
-// ---- Batched decode (M = 2..8) on the tensor cores: INT8 and INT4 ----
+// ---- Batched decode (M = 2..8) on the tensor cores: INT8, INT4 and INT6 ----
 // The FMA GEMV above spends ~2 instructions per weight and row of X (the multiply and the x widening) on
 // top of the decode, so at M = 8 it is bound by issue, not by HBM. Here every weight is decoded once to a
 // bf16 pair (integer codes: exact) and multiplied with all rows of X at once by mma.sync m16n8k16 (bf16
 // in, f32 accumulation): W's 16-row tile is A, X^T (k x 8, rows of X past m are zero) is B.
 //
 // A block of 256 threads (8 warps) owns 16 rows of W; warp w takes the k-blocks w, w + 8, ... of KB
-// values (INT8: 64, INT4: 128), so each lane streams one 16-byte piece of its two rows (g and g + 8,
-// g = lane / 4, t = lane % 4) per k-block: bytes [16t, 16t + 16) of the block's row segment, codes
-// KB·b + (KB/4)·t + .. . The reduction runs over k, so the mma's k order is free: each lane's A and B
-// pairs are its own codes and the matching x values in memory order (lane t of B, column g, reads
-// x[g, KB·b + (KB/4)·t ..]); only the pairing of A and B must agree, not the positions inside the 16.
-// Scales: per row (group ≥ k) once at the end; per group (group % KB == 0) on each k-block's partial
-// product, which lies inside one group. The 8 warps' fragments are summed in shared memory.
-// Requires k % KB == 0, 16-byte aligned W and X.
+// values (INT8: 64, INT4 and INT6: 128), so each lane streams one piece of KB/4 values of its two rows
+// (g and g + 8, g = lane / 4, t = lane % 4) per k-block: piece 4b + t of the row, codes
+// KB·b + (KB/4)·t + .. (INT8 and INT4: 16 bytes; INT6: one 24-byte unit). The reduction runs over k, so
+// the mma's k order is free: each lane's A and B pairs are its own codes and the matching x values in
+// memory order (lane t of B, column g, reads x[g, KB·b + (KB/4)·t ..]); only the pairing of A and B must
+// agree, not the positions inside the 16. Scales: per row (group ≥ k) once at the end; per group
+// (group % KB == 0) on each k-block's partial product, which lies inside one group. The 8 warps'
+// fragments are summed in shared memory. Requires 16-byte aligned W and X and k % KB == 0 for INT8 and
+// INT4; INT6 takes any k % 8 == 0 (pieces past the row's units are skipped and x past k reads as zero,
+// so the padding codes of a partial last unit multiply zeros).
 
 // a · b + c on two bf16 lanes (exact here: every operand and result is a small integer).
 __device__ __forceinline__ u32 tc_fma2(u32 a, u32 b, u32 c) {
@@ -285,47 +291,92 @@ __device__ __forceinline__ u32 tc_pair4(u32 w, int i) {
     const u32 x = __byte_perm(w, w >> 4, (u32)i | ((u32)(i + 4) << 8));
     return tc_fma2((x & 0x000F000Fu) | 0x43004300u, TC_ONE2, 0xC308C308u);
 }
+// Codes 2h, 2h + 1 (h = 0..15) of an INT6 unit (6 words, a 192-bit stream) as a bf16 pair of
+// q = code - 32: the 12 bits at 12h (across a word boundary when they start past bit 20), each 6-bit code
+// in the mantissa of 128, minus 160. h is a compile-time constant after unrolling, so the word index and
+// the shift fold away.
+__device__ __forceinline__ u32 tc_pair6(const u32 w[6], int h) {
+    const int bit = 12 * h, wi = bit >> 5, sh = bit & 31;
+    const u32 v = sh <= 20 ? (w[wi] >> sh) : __funnelshift_r(w[wi], w[wi + 1], sh);
+    const u32 x = (v & 0x3Fu) | ((v << 10) & 0x003F0000u) | 0x43004300u;
+    return tc_fma2(x, TC_ONE2, 0xC320C320u);
+}
+
+// The unit decode of the tensor-core GEMV: a lane's piece of one row per k-block (WORDS words, KB / 4
+// values) and its codes as bf16 pairs. KB: values of a k-block; U: k-blocks in flight a warp.
+template <int BITS> struct TcPiece;
+template <> struct TcPiece<8> {
+    static constexpr int KB = 64, U = 4, WORDS = 4;
+    __device__ __forceinline__ static void load(const u32* row, int p, u32 w[4]) {
+        const uint4 v = __ldcs((const uint4*)row + p);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    }
+    __device__ __forceinline__ static u32 pair(const u32 w[4], int h) { return tc_pair8(w[h >> 1], h & 1); }
+};
+template <> struct TcPiece<4> {
+    static constexpr int KB = 128, U = 2, WORDS = 4;
+    __device__ __forceinline__ static void load(const u32* row, int p, u32 w[4]) {
+        const uint4 v = __ldcs((const uint4*)row + p);
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    }
+    __device__ __forceinline__ static u32 pair(const u32 w[4], int h) { return tc_pair4(w[h >> 2], h & 3); }
+};
+template <> struct TcPiece<6> {
+    static constexpr int KB = 128, U = 2, WORDS = 6;
+    // A piece is one unit: three 8-byte loads (a unit is 24 bytes, 8-byte aligned).
+    __device__ __forceinline__ static void load(const u32* row, int p, u32 w[6]) { Unit<6>::load(row, p, w); }
+    __device__ __forceinline__ static u32 pair(const u32 w[6], int h) { return tc_pair6(w, h); }
+};
 
 template <int BITS, bool PER_ROW, typename OUT>
 __device__ __forceinline__ void gemv_tc_body(const u32* __restrict__ W, const float* __restrict__ S,
                                              const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
                                              int group, int m) {
-    constexpr int KB = BITS == 8 ? 64 : 128;  // values of a k-block: 16 bytes a lane and row
-    constexpr int XV = KB / 32;               // x pieces (16 bytes) a lane and k-block
-    constexpr int U = BITS == 8 ? 4 : 2;      // k-blocks in flight a warp
+    typedef TcPiece<BITS> P;
+    constexpr int KB = P::KB, U = P::U, WORDS = P::WORDS;
+    constexpr int PV = KB / 4;   // values of a piece
+    constexpr int XV = PV / 8;   // x chunks (16 bytes, 8 values) a piece
     __shared__ float red[8][32][4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const long long tile0 = (long long)blockIdx.x * 16;
     // Rows past n read row n - 1 (never stored).
     const long long ra = min(tile0 + g, (long long)n - 1), rb = min(tile0 + g + 8, (long long)n - 1);
-    const int wpr = k / (32 / BITS);  // u32 words a row
-    const uint4* wa = (const uint4*)(W + ra * wpr) + t;
-    const uint4* wb = (const uint4*)(W + rb * wpr) + t;
+    const int pieces = (k + PV - 1) / PV;  // pieces a row (INT8, INT4: k / PV; INT6: its units)
+    const int nblk = (pieces + 3) >> 2;
+    const size_t wpr = (size_t)pieces * WORDS;  // u32 words a row
+    const u32* wa = W + ra * wpr;
+    const u32* wb = W + rb * wpr;
     const bool xon = g < m;
-    const uint4* xr = (const uint4*)(X + (size_t)(xon ? g : 0) * k) + XV * t;
+    const uint4* xr = (const uint4*)(X + (size_t)(xon ? g : 0) * k);
     const int scols = (k + group - 1) / group;
     const float* sa = S + ra * scols;
     const float* sb = S + rb * scols;
-    const int nblk = k / KB;
     float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 1
     for (int b0 = warp; b0 < nblk; b0 += 8 * U) {
-        uint4 pa[U], pb[U], px[U][XV];
+        u32 pa[U][WORDS], pb[U][WORDS];
+        uint4 px[U][XV];
 #pragma unroll
         for (int i = 0; i < U; ++i) {
-            const int b = b0 + 8 * i;
-            const bool on = b < nblk;
-            pa[i] = on ? __ldcs(wa + 4 * b) : make_uint4(0, 0, 0, 0);
-            pb[i] = on ? __ldcs(wb + 4 * b) : make_uint4(0, 0, 0, 0);
+            const int p = 4 * (b0 + 8 * i) + t;
+            const bool on = p < pieces;
+            if (on) {
+                P::load(wa, p, pa[i]);
+                P::load(wb, p, pb[i]);
+            } else {
 #pragma unroll
-            for (int v = 0; v < XV; ++v)
-                px[i][v] = on && xon ? __ldg(xr + 4 * XV * b + v) : make_uint4(0, 0, 0, 0);
+                for (int e = 0; e < WORDS; ++e) pa[i][e] = pb[i][e] = 0u;
+            }
+#pragma unroll
+            for (int v = 0; v < XV; ++v) {
+                // Only INT6 has a partial last piece (k % 8 == 0); INT8 and INT4 need k % KB == 0.
+                const bool xin = BITS != 6 || PV * p + 8 * v < k;
+                px[i][v] = on && xon && xin ? __ldg(xr + XV * p + v) : make_uint4(0, 0, 0, 0);
+            }
         }
 #pragma unroll
         for (int i = 0; i < U; ++i) {
             const int b = b0 + 8 * i;
-            const u32 a4[4] = {pa[i].x, pa[i].y, pa[i].z, pa[i].w};
-            const u32 b4[4] = {pb[i].x, pb[i].y, pb[i].z, pb[i].w};
             u32 xw[4 * XV];
 #pragma unroll
             for (int v = 0; v < XV; ++v) {
@@ -335,21 +386,11 @@ __device__ __forceinline__ void gemv_tc_body(const u32* __restrict__ W, const fl
                 xw[4 * v + 3] = px[i][v].w;
             }
             float cp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            // Step s pairs A codes 4s .. 4s + 3 of the lane's 16-byte piece with x words 2s, 2s + 1.
+            // Step s pairs A codes 4s .. 4s + 3 of the lane's piece with x words 2s, 2s + 1.
 #pragma unroll
             for (int s = 0; s < KB / 16; ++s) {
-                u32 a[4];
-                if (BITS == 8) {
-                    a[0] = tc_pair8(a4[s], 0);
-                    a[1] = tc_pair8(b4[s], 0);
-                    a[2] = tc_pair8(a4[s], 1);
-                    a[3] = tc_pair8(b4[s], 1);
-                } else {
-                    a[0] = tc_pair4(a4[s >> 1], 2 * (s & 1));
-                    a[1] = tc_pair4(b4[s >> 1], 2 * (s & 1));
-                    a[2] = tc_pair4(a4[s >> 1], 2 * (s & 1) + 1);
-                    a[3] = tc_pair4(b4[s >> 1], 2 * (s & 1) + 1);
-                }
+                const u32 a[4] = {P::pair(pa[i], 2 * s), P::pair(pb[i], 2 * s), P::pair(pa[i], 2 * s + 1),
+                                  P::pair(pb[i], 2 * s + 1)};
                 if (PER_ROW)
                     tc_mma(c, a, xw[2 * s], xw[2 * s + 1]);
                 else
@@ -426,70 +467,245 @@ __device__ __forceinline__ void dequant_q_impl(const u32* __restrict__ W, const 
 // that n = 8192's 512 blocks are resident at once), rps ∈ 1..QROWS rows per
 // slot, slots of 2^tpr_log2 ≤ 256 threads,
 // grid = ceil(n / (rps · 256 / 2^tpr_log2)). Y: [M, n].
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<4, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<8, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) { gemv_q_impl<6, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<4, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<8, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
+    pdl_prologue();
+    gemv_q_impl<6, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+}
 // Batched decode on the tensor cores: 256 threads, grid = ceil(n / 16), 2 ≤ m ≤ 8 rows of X, Y: [m, n].
-// INT8: k % 64 == 0; INT4: k % 128 == 0; group ≥ k (per row) or group % (64 | 128) == 0.
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int m) { gemv_tc_impl<8, bf16>(W, S, X, Y, n, k, group, m); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc_f32(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int m) { gemv_tc_impl<8, float>(W, S, X, Y, n, k, group, m); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int m) { gemv_tc_impl<4, bf16>(W, S, X, Y, n, k, group, m); }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc_f32(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int m) { gemv_tc_impl<4, float>(W, S, X, Y, n, k, group, m); }
+// INT8: k % 64 == 0; INT4: k % 128 == 0; INT6: k % 8 == 0; group ≥ k (per row) or group % KB == 0 (INT8:
+// 64, INT4 and INT6: 128).
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int m) {
+    pdl_prologue();
+    gemv_tc_impl<8, bf16>(W, S, X, Y, n, k, group, m);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc_f32(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int m) {
+    pdl_prologue();
+    gemv_tc_impl<8, float>(W, S, X, Y, n, k, group, m);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int m) {
+    pdl_prologue();
+    gemv_tc_impl<4, bf16>(W, S, X, Y, n, k, group, m);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc_f32(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int m) {
+    pdl_prologue();
+    gemv_tc_impl<4, float>(W, S, X, Y, n, k, group, m);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_tc(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int m) {
+    pdl_prologue();
+    gemv_tc_impl<6, bf16>(W, S, X, Y, n, k, group, m);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_tc_f32(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int m) {
+    pdl_prologue();
+    gemv_tc_impl<6, float>(W, S, X, Y, n, k, group, m);
+}
 // The per-row scales of a GEMM over integer codes: Y[i, row0 + j] = bf16(YT[i, j] · S[row0 + j]) for
 // i < m, j < rows, YT [m, rows] f32 (the product with the codes), Y [m, n]. One thread per element.
 extern "C" __global__ void __launch_bounds__(256) scale_cols_bf16(const float* __restrict__ YT, const float* __restrict__ S,
                                                                   bf16* __restrict__ Y, int m, int n, int row0, int rows) {
+    pdl_prologue();
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= (long long)m * rows) return;
     const int i = (int)(t / rows), j = (int)(t % rows);
     Y[(size_t)i * n + row0 + j] = f2bf(YT[t] * __ldg(S + row0 + j));
 }
 // Dequantise rows [row0, row0 + rows) into a bf16 [rows, k] tile: 256 threads, one per unit of 32 values.
-extern "C" __global__ void __launch_bounds__(256) dequant_q4(const u32* W, const float* S, bf16* OUT, int row0, int rows, int k, int group) { dequant_q_impl<4>(W, S, OUT, row0, rows, k, group); }
-extern "C" __global__ void __launch_bounds__(256) dequant_q8(const u32* W, const float* S, bf16* OUT, int row0, int rows, int k, int group) { dequant_q_impl<8>(W, S, OUT, row0, rows, k, group); }
-extern "C" __global__ void __launch_bounds__(256) dequant_q6(const u32* W, const float* S, bf16* OUT, int row0, int rows, int k, int group) { dequant_q_impl<6>(W, S, OUT, row0, rows, k, group); }
+extern "C" __global__ void __launch_bounds__(256) dequant_q4(const u32* W, const float* S, bf16* OUT, int row0, int rows, int k, int group) {
+    pdl_prologue();
+    dequant_q_impl<4>(W, S, OUT, row0, rows, k, group);
+}
+extern "C" __global__ void __launch_bounds__(256) dequant_q8(const u32* W, const float* S, bf16* OUT, int row0, int rows, int k, int group) {
+    pdl_prologue();
+    dequant_q_impl<8>(W, S, OUT, row0, rows, k, group);
+}
+extern "C" __global__ void __launch_bounds__(256) dequant_q6(const u32* W, const float* S, bf16* OUT, int row0, int rows, int k, int group) {
+    pdl_prologue();
+    dequant_q_impl<6>(W, S, OUT, row0, rows, k, group);
+}

@@ -8,6 +8,7 @@
 extern "C" __global__ void rope_neox_bf16(bf16* __restrict__ x, const u32* __restrict__ pos,
                                           const float* __restrict__ inv_freq, int n_heads, int half,
                                           long long row_stride, long long head_stride, float mscale) {
+    pdl_prologue();
     const int s = blockIdx.x;
     const float p = (float)pos[s];
     bf16* row = x + (long long)s * row_stride;

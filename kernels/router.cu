@@ -19,6 +19,7 @@ __device__ __forceinline__ bool ranks_before(float pa, u32 ia, float pb, u32 ib)
 // 5·e bytes; block size a multiple of 32; k ≤ ROUTER_MAX_K.
 extern "C" __global__ void router_topk_f32(const float* __restrict__ logits, u32* __restrict__ ids,
                                            float* __restrict__ weights, int e, int k, int renorm) {
+    pdl_prologue();
     extern __shared__ float smem[];
     float* p = smem;
     unsigned char* used = (unsigned char*)(smem + e);
@@ -119,6 +120,7 @@ __device__ __forceinline__ unsigned long long router_cx(unsigned long long key, 
 // memory.
 extern "C" __global__ void router_topk_sort(const float* __restrict__ logits, u32* __restrict__ ids,
                                             float* __restrict__ weights, int e, int k, int renorm) {
+    pdl_prologue();
     __shared__ float red_m[32];
     __shared__ float red_s[32];
     __shared__ unsigned long long cand[2][32 * ROUTER_SORT_KEEP];
@@ -277,6 +279,15 @@ __device__ __forceinline__ void router_topk_warp(const float* __restrict__ logit
     }
 }
 
-extern "C" __global__ void router_topk_w8(const float* logits, u32* ids, float* weights, int t, int e, int k, int renorm) { router_topk_warp<8>(logits, ids, weights, t, e, k, renorm); }
-extern "C" __global__ void router_topk_w16(const float* logits, u32* ids, float* weights, int t, int e, int k, int renorm) { router_topk_warp<16>(logits, ids, weights, t, e, k, renorm); }
-extern "C" __global__ void router_topk_w32(const float* logits, u32* ids, float* weights, int t, int e, int k, int renorm) { router_topk_warp<32>(logits, ids, weights, t, e, k, renorm); }
+extern "C" __global__ void router_topk_w8(const float* logits, u32* ids, float* weights, int t, int e, int k, int renorm) {
+    pdl_prologue();
+    router_topk_warp<8>(logits, ids, weights, t, e, k, renorm);
+}
+extern "C" __global__ void router_topk_w16(const float* logits, u32* ids, float* weights, int t, int e, int k, int renorm) {
+    pdl_prologue();
+    router_topk_warp<16>(logits, ids, weights, t, e, k, renorm);
+}
+extern "C" __global__ void router_topk_w32(const float* logits, u32* ids, float* weights, int t, int e, int k, int renorm) {
+    pdl_prologue();
+    router_topk_warp<32>(logits, ids, weights, t, e, k, renorm);
+}

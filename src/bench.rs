@@ -122,8 +122,8 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
                 .collect();
             let rows: Vec<usize> = (0..batch).collect();
             let slices: Vec<&[u32]> = hist.iter().map(Vec::as_slice).collect();
-            let out = step::forward(m, &next, &seqs, &rows, &slices)?;
-            let (_, c, logits) = m.backend.to_host(m.logits(&out.hidden));
+            let logits = step::forward_logits(m, &next, &seqs, &rows, &slices)?;
+            let (_, c, logits) = m.backend.to_host(logits);
             for (i, n) in next.iter_mut().enumerate() {
                 *n = argmax(&logits[i * c..i * c + loaded.valid_vocab]);
             }
@@ -147,8 +147,10 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
             h.push(n);
         }
         let slices: Vec<&[u32]> = hist.iter().map(Vec::as_slice).collect();
-        let out = step::forward(m, &next, &seqs, &rows, &slices)?;
-        drop(m.backend.to_host(m.logits(&out.hidden)));
+        drop(
+            m.backend
+                .to_host(step::forward_logits(m, &next, &seqs, &rows, &slices)?),
+        );
         let routed = m.backend.take_routing();
         m.backend.record_routing(false);
         for (state, _) in seqs_cache {

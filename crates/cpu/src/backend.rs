@@ -416,19 +416,6 @@ impl Backend for CpuBackend {
         acc.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
     }
 
-    fn add_sigmoid_gated(&self, acc: &mut CpuTensor, y: &CpuTensor, gate: &CpuTensor) {
-        let c = acc.cols;
-        for ((a, yr), g) in acc
-            .data
-            .chunks_exact_mut(c)
-            .zip(y.data.chunks_exact(c))
-            .zip(&gate.data)
-        {
-            let s = ops::sigmoid(*g);
-            a.iter_mut().zip(yr).for_each(|(a, y)| *a += s * y);
-        }
-    }
-
     fn swiglu(&self, gate_up: &CpuTensor) -> CpuTensor {
         let i = gate_up.cols / 2;
         let mut out = CpuTensor::zeros(gate_up.rows, i);
@@ -592,7 +579,12 @@ impl Backend for CpuBackend {
         Self::stack(seqs, hv * dv, outs)
     }
 
-    fn moe_experts(&self, x: &CpuTensor, w: &MoeWeights<CpuWeight>) -> CpuTensor {
+    fn moe_experts(
+        &self,
+        x: &CpuTensor,
+        w: &MoeWeights<CpuWeight>,
+        shared: Option<(&CpuTensor, &CpuTensor)>,
+    ) -> CpuTensor {
         let (t, h) = (x.rows, x.cols);
         let e = w.experts.len();
         let logits = matmul(&x.data, t, &w.router);
@@ -640,6 +632,17 @@ impl Backend for CpuBackend {
                     .iter_mut()
                     .zip(yr)
                     .for_each(|(o, v)| *o += wt * v);
+            }
+        }
+        if let Some((y, gate)) = shared {
+            for ((o, yr), g) in out
+                .data
+                .chunks_exact_mut(h)
+                .zip(y.data.chunks_exact(h))
+                .zip(&gate.data)
+            {
+                let s = ops::sigmoid(*g);
+                o.iter_mut().zip(yr).for_each(|(o, y)| *o += s * y);
             }
         }
         out

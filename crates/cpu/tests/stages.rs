@@ -115,6 +115,8 @@ fn two_stages_equal_the_whole_model() {
 }
 
 #[test]
+// The empty and reversed ranges are the point: each must be refused.
+#[allow(clippy::reversed_empty_ranges)]
 fn a_stage_outside_the_layers_is_refused() {
     let dir = fixture("qwen3_next_tiny");
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();

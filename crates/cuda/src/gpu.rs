@@ -3,15 +3,18 @@
 
 use std::sync::Arc;
 
+use std::ffi::c_void;
+
 use cudarc::cublas::CudaBlas;
+use cudarc::driver::sys;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DeviceSlice,
-    LaunchConfig, ValidAsZeroBits,
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DeviceSlice, LaunchConfig,
+    ValidAsZeroBits,
 };
 
 use crate::device::{self, guarded, DeviceInfo};
 use crate::error::{CudaError, Result};
-use crate::registry::Kernels;
+use crate::registry::{Kernel, Kernels};
 
 /// One CUDA device ready to run the kernels: context, a stream, every kernel compiled and loaded.
 /// Every op and transfer is queued on [`Gpu::stream`]; buffers must not be used from another stream.
@@ -21,6 +24,18 @@ pub struct Gpu {
     stream: Arc<CudaStream>,
     kernels: Kernels,
     blas: CudaBlas,
+    /// Kernels that open with the PDL prologue are launched with programmatic stream serialization.
+    pdl: bool,
+}
+
+/// Set to `0` (or `off`) to launch every kernel the ordinary way, without programmatic dependent launch.
+pub const PDL_ENV: &str = "SANMAI_PDL";
+
+/// Whether programmatic dependent launch is used on a device of compute capability `cc`: from sm_90
+/// (Hopper), unless [`PDL_ENV`] turns it off.
+fn pdl_enabled(cc: (u32, u32)) -> bool {
+    let off = std::env::var(PDL_ENV).is_ok_and(|v| matches!(v.trim(), "0" | "off" | "false"));
+    cc.0 >= 9 && !off
 }
 
 impl Gpu {
@@ -41,12 +56,14 @@ impl Gpu {
         let kernels = Kernels::load(&ctx, &info.arch(), info.driver_version)?;
         // SAFETY: cuBLAS is loaded on demand; a missing library surfaces as an error through `guarded`.
         let blas = guarded("cuBLAS", || Ok(CudaBlas::new(stream.clone())?))?;
+        let pdl = pdl_enabled(info.compute_capability);
         Ok(Self {
             info,
             ctx,
             stream,
             kernels,
             blas,
+            pdl,
         })
     }
 
@@ -71,8 +88,19 @@ impl Gpu {
         &self.blas
     }
 
-    pub(crate) fn kernel(&self, name: &str) -> Result<&CudaFunction> {
+    pub(crate) fn kernel(&self, name: &str) -> Result<&Kernel> {
         self.kernels.get(name)
+    }
+
+    /// Starts a launch of `kernel` on [`Gpu::stream`]: add its arguments with [`Launch::arg`], then
+    /// [`Launch::launch`].
+    pub(crate) fn launch<'a>(&'a self, kernel: &'a Kernel) -> Launch<'a> {
+        Launch {
+            stream: &self.stream,
+            kernel,
+            pdl: self.pdl && kernel.pdl,
+            args: Vec::with_capacity(16),
+        }
     }
 
     /// Copies host data into a new device buffer.
@@ -121,6 +149,66 @@ impl Gpu {
 pub fn device_memory(ctx: &CudaContext) -> Result<(usize, usize)> {
     ctx.bind_to_thread()?;
     Ok(cudarc::driver::result::mem_get_info()?)
+}
+
+/// A kernel launch being assembled (see [`Gpu::launch`]). A kernel that opens with the PDL prologue
+/// is launched with programmatic stream serialization (on sm_90 and later): its blocks may be scheduled
+/// while the kernel ahead of it finishes, and its prologue waits for that kernel's results. Under
+/// stream capture this becomes a programmatic edge of the graph.
+pub(crate) struct Launch<'a> {
+    stream: &'a CudaStream,
+    kernel: &'a Kernel,
+    pdl: bool,
+    args: Vec<*mut c_void>,
+}
+
+impl<'a> Launch<'a> {
+    /// Appends a kernel argument: a device pointer (`u64`) or a scalar, borrowed until the launch.
+    pub fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
+        self.args.push(value as *const T as *mut c_void);
+        self
+    }
+
+    /// Queues the kernel on the stream.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order and type, and every buffer
+    /// must hold what the kernel reads and writes under `c`.
+    pub unsafe fn launch(&mut self, c: LaunchConfig) -> Result<()> {
+        // SAFETY: an all-zero attribute is a valid value of this plain C struct.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: c.grid_dim.0,
+            gridDimY: c.grid_dim.1,
+            gridDimZ: c.grid_dim.2,
+            blockDimX: c.block_dim.0,
+            blockDimY: c.block_dim.1,
+            blockDimZ: c.block_dim.2,
+            sharedMemBytes: c.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: if self.pdl {
+                &mut attr
+            } else {
+                std::ptr::null_mut()
+            },
+            numAttrs: u32::from(self.pdl),
+        };
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: `config` and the argument pointers live across the call; the caller vouches for the
+        // arguments (see above).
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.kernel.func.cu_function(),
+                self.args.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()?;
+        Ok(())
+    }
 }
 
 /// A launch configuration of `grid` blocks of `block` threads with `smem` bytes of dynamic shared memory.

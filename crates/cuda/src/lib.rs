@@ -20,10 +20,10 @@
 //!   `route_topk` (softmax + top-k + renormalise), `moe_sort` / `moe_gemv` / `moe_combine` (routed
 //!   experts grouped by expert on the device, through a table of expert weight addresses),
 //!   `conv1d_prefill` / `conv1d_update` (causal conv + SiLU with rolling state), `gdn_recurrent_step`
-//!   (GDN decode, f32 state in slots), `gdn_recurrent_prefill` (one sequence's chunk, token by token
-//!   inside one launch), `attention_paged_decode` / `attention_paged_prefill` (gated GQA attention
+//!   (GDN decode, f32 state in slots), `gdn_chunk_prefill` (every sequence of a prefill step in one
+//!   launch, chunked), `attention_paged_decode` / `attention_paged_prefill` (gated GQA attention
 //!   over the paged K/V cache, split-K with a reduce kernel that applies `sigmoid(gate)`), and the
-//!   elementwise `add_bf16`, `add_sigmoid_gated`, `gather_rows`, `concat_cols`, `hc_premix`,
+//!   elementwise `add_bf16`, `gather_rows`, `concat_cols`, `hc_premix`,
 //!   `hc_gated_residual`.
 //! - [`CudaBackend`]: `CudaBackend::new(ordinal)` (or `with_limits(ordinal, max_tokens, max_seqs)`)
 //!   opens device `ordinal` and is a `sanmai_model::Backend`: `Model::load(cfg, &src,
@@ -74,7 +74,8 @@ pub use cudarc;
 pub use device::{device_count, driver_version, gpu_present, probe, DeviceInfo, DeviceSelection};
 pub use error::{CudaError, Result};
 pub use gpu::{device_memory, Gpu};
+pub use ops::SampleBatch;
 pub use ops::{
-    moe_max_tiles, AttnDims, GdnDims, HeadLayout, MoeOut, RopeArgs, ATTN_MAX_HEAD_DIM, ATTN_SPLIT,
-    GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
+    moe_max_tiles, AttnDims, GdnDims, HeadLayout, MoeOut, PleDims, RopeArgs, ATTN_MAX_HEAD_DIM,
+    ATTN_SPLIT, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
 };

@@ -37,7 +37,9 @@ pub const SOURCES: &[Source] = &[
     source!("router.cu"),
     source!("conv.cu"),
     source!("gdn.cu"),
+    source!("gdn_chunk.cu"),
     source!("attention.cu"),
+    source!("attention_prefill.cu"),
     source!("kv.cu"),
     source!("moe.cu"),
     source!("moe_gemm.cu"),
@@ -47,20 +49,44 @@ pub const SOURCES: &[Source] = &[
     source!("sample.cu"),
 ];
 
+/// The statement a kernel opens with to take part in programmatic dependent launch (`common.cuh`).
+pub const PDL_PROLOGUE: &str = "pdl_prologue();";
+
+/// Whether the kernel `name` of `src` opens its body with [`PDL_PROLOGUE`]: only such kernels may be
+/// launched before the kernel ahead of them on the stream has finished (their first statement waits
+/// for it), so only they get the launch attribute.
+pub fn opens_with_pdl_prologue(src: &Source, name: &str) -> bool {
+    let Some(at) = src.text.lines().position(|l| {
+        l.trim_start().starts_with("extern \"C\" __global__")
+            && entry_point_of_line(l) == Some(name)
+    }) else {
+        return false;
+    };
+    let rest: String = src.text.lines().skip(at).collect::<Vec<_>>().join("\n");
+    let Some(open) = rest.find('{') else {
+        return false;
+    };
+    let body = rest[open + 1..].trim_start();
+    body.starts_with(PDL_PROLOGUE)
+}
+
+/// The entry point an `extern "C" __global__ ... name(` line declares.
+fn entry_point_of_line(l: &str) -> Option<&str> {
+    // The identifier before the first `(` that does not open `__launch_bounds__(..)`.
+    l.match_indices('(').find_map(|(i, _)| {
+        let name = l[..i]
+            .rsplit(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .next()?;
+        (!name.is_empty() && name != "__launch_bounds__").then_some(name)
+    })
+}
+
 /// The entry points a source declares: every `extern "C" __global__ ... name(` line.
 pub fn entry_points(src: &Source) -> Vec<String> {
     src.text
         .lines()
         .filter(|l| l.trim_start().starts_with("extern \"C\" __global__"))
-        .filter_map(|l| {
-            // The identifier before the first `(` that does not open `__launch_bounds__(..)`.
-            l.match_indices('(').find_map(|(i, _)| {
-                let name = l[..i]
-                    .rsplit(|c: char| !(c.is_alphanumeric() || c == '_'))
-                    .next()?;
-                (!name.is_empty() && name != "__launch_bounds__").then(|| name.to_string())
-            })
-        })
+        .filter_map(|l| entry_point_of_line(l).map(str::to_string))
         .collect()
 }
 
@@ -121,9 +147,22 @@ pub fn compile_all(arch: &str, driver: i32) -> Result<Vec<(&'static str, Vec<u8>
     })
 }
 
+/// A loaded kernel and whether it opens with the PDL prologue ([`opens_with_pdl_prologue`]).
+pub struct Kernel {
+    pub func: CudaFunction,
+    pub pdl: bool,
+}
+
+impl std::ops::Deref for Kernel {
+    type Target = CudaFunction;
+    fn deref(&self) -> &CudaFunction {
+        &self.func
+    }
+}
+
 /// Every kernel of every source, loaded into one context.
 pub struct Kernels {
-    functions: HashMap<String, CudaFunction>,
+    functions: HashMap<String, Kernel>,
     _modules: Vec<Arc<CudaModule>>,
 }
 
@@ -140,7 +179,8 @@ impl Kernels {
                 let func = module.load_function(&f).map_err(|e| {
                     CudaError::Nvrtc(format!("{name}: kernel {f} not in the module: {e}"))
                 })?;
-                functions.insert(f, func);
+                let pdl = opens_with_pdl_prologue(src, &f);
+                functions.insert(f, Kernel { func, pdl });
             }
             modules.push(module);
         }
@@ -151,7 +191,7 @@ impl Kernels {
     }
 
     /// The kernel called `name`.
-    pub fn get(&self, name: &str) -> Result<&CudaFunction> {
+    pub fn get(&self, name: &str) -> Result<&Kernel> {
         self.functions
             .get(name)
             .ok_or_else(|| CudaError::UnknownKernel(name.to_string()))
@@ -191,5 +231,35 @@ mod tests {
             text: "extern \"C\" __global__ void foo(int a) {}\n  extern \"C\" __global__ void __launch_bounds__(256) bar(float* x)\n// extern \"C\" __global__ void no(",
         };
         assert_eq!(entry_points(&src), vec!["foo", "bar"]);
+    }
+
+    #[test]
+    fn pdl_prologue_is_found_only_as_the_first_statement() {
+        let src = Source {
+            name: "x.cu",
+            text: "extern \"C\" __global__ void a(int n)\n{\n    pdl_prologue();\n}\nextern \"C\" __global__ void b(int n) {\n    int i = 0;\n    pdl_prologue();\n}\n",
+        };
+        assert!(opens_with_pdl_prologue(&src, "a"));
+        assert!(!opens_with_pdl_prologue(&src, "b"));
+        assert!(!opens_with_pdl_prologue(&src, "c"));
+    }
+
+    /// Every kernel takes part in programmatic dependent launch: one without the prologue would be
+    /// launched the ordinary way (correct, but it would stall the chain of early launches).
+    #[test]
+    fn every_kernel_opens_with_the_pdl_prologue() {
+        let missing: Vec<String> = SOURCES
+            .iter()
+            .flat_map(|src| {
+                entry_points(src)
+                    .into_iter()
+                    .filter(|k| !opens_with_pdl_prologue(src, k))
+                    .map(|k| format!("{}: {k}", src.name))
+            })
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "kernels without `{PDL_PROLOGUE}`: {missing:?}"
+        );
     }
 }

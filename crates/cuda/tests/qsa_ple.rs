@@ -2,7 +2,10 @@
 //!
 //! - kernels: the index-key write (LayerNorm, RoPE, bf16 scale, fp8 e4m3) byte for byte; the index
 //!   scores bit for bit and the top-k selected sets exactly (ties included: repeated keys and all-zero
-//!   scores); the attention over gathered selected rows within bf16 rounding;
+//!   scores); the attention over gathered selected rows within bf16 rounding; the decode forms of the
+//!   three (contexts, block tables read on the device, rows on both sides of topk, a score row longer
+//!   than every context) the same way, and the PLE conv's decode form (state slots read on the
+//!   device) within rounding, its state exactly;
 //! - the backend ops: `qsa_attention` (mixed prefill chunks and decodes of two sequences, dense and
 //!   selecting, selected sets recorded on both sides) and `ple_mix` (chunks, decodes, a `copy_state`
 //!   fork) on `CudaBackend` against `CpuBackend` with the same inputs;
@@ -14,7 +17,7 @@
 
 use half::bf16;
 use sanmai_cpu::{ops as cpu, CpuBackend};
-use sanmai_cuda::{AttnDims, CudaBackend};
+use sanmai_cuda::{AttnDims, CudaBackend, PleDims};
 use sanmai_model::backend::{
     AttnShape, AttnWeights, CacheSpec, GdnShape, IndexerWeights, PleShape, PleWeights, QsaShape,
     Rope,
@@ -403,6 +406,319 @@ fn gathered_attention_matches_cpu() {
     }
 }
 
+/// One case of the decode forms: a query per sequence (contexts `ctxs`), `topk`, the indexer's `ni`
+/// heads of `di`, score rows of `span` positions, attention heads `hq`/`hkv` of `d`.
+struct DecodeCase {
+    ctxs: Vec<usize>,
+    topk: usize,
+    ni: usize,
+    di: usize,
+    span: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+}
+
+/// The decode forms of the scan, the top-k and the gathered attention on one case against the CPU
+/// oracle; returns the score bits and sets that differ (the attention is checked within 1e-2).
+fn check_decode(b: &CudaBackend, rng: &mut Rng, c: &DecodeCase) -> usize {
+    let (bs, rot) = (16, c.di / 2);
+    let (n, di, ni, topk, span) = (c.ctxs.len(), c.di, c.ni, c.topk, c.span);
+    let row = di + 2;
+    let stride = span / bs;
+    // Each sequence's blocks out of one shuffled pool; table rows padded with zeros to the stride.
+    let nbs: Vec<usize> = c.ctxs.iter().map(|x| x.div_ceil(bs)).collect();
+    let total: usize = nbs.iter().sum();
+    let mut perm: Vec<u32> = (0..total as u32).collect();
+    for i in (1..total).rev() {
+        perm.swap(i, rng.below(i + 1));
+    }
+    let mut tables = vec![0u32; n * stride];
+    let mut pool = vec![0u8; total * bs * row];
+    let mut keys: Vec<Vec<f32>> = Vec::new();
+    let mut at_block = 0;
+    for (r, &ctx) in c.ctxs.iter().enumerate() {
+        let mine = &perm[at_block..at_block + nbs[r]];
+        at_block += nbs[r];
+        tables[r * stride..r * stride + mine.len()].copy_from_slice(mine);
+        let ik = rng.bf16s(ctx * di, 0.0, 1.0);
+        let pos: Vec<u32> = (0..ctx as u32).collect();
+        let (lin, cpu_e) = write_keys(b, &ik, &pos, di, rot, rng);
+        for p in 0..ctx {
+            let at = (mine[p / bs] as usize * bs + p % bs) * row;
+            pool[at..at + row].copy_from_slice(&lin[p * row..(p + 1) * row]);
+        }
+        let mut k = vec![0f32; ctx * di];
+        for (e, k) in cpu_e.chunks_exact(row).zip(k.chunks_exact_mut(di)) {
+            cpu::dequantize_index_key(e, k);
+        }
+        keys.push(k);
+    }
+    let g = b.gpu();
+    let lens: Vec<u32> = c.ctxs.iter().map(|&x| x as u32).collect();
+    let (pool_d, tables_d, lens_d) = (
+        g.upload(&pool).unwrap(),
+        g.upload(&tables).unwrap(),
+        g.upload(&lens).unwrap(),
+    );
+    let iq = rng.bf16s(n * ni * di, 0.0, 1.0);
+    let iw = rng.bf16s(n * ni, 0.0, 1.0);
+    let qpos: Vec<u32> = c.ctxs.iter().map(|&x| x as u32 - 1).collect();
+    let f = inv_freq(rot, 1e7);
+    let fd = g.upload(&f).unwrap();
+    let mut qi = g.zeros::<f32>(n * ni * di).unwrap();
+    let mut wts = g.zeros::<f32>(n * ni).unwrap();
+    let head_scale = (ni as f32).powf(-0.5) * (di as f32).powf(-0.5);
+    g.qsa_query_prep(
+        &to_dev(b, &iq),
+        &to_dev(b, &iw),
+        &g.upload(&qpos).unwrap(),
+        (ni, di, rot / 2, &fd),
+        head_scale,
+        &mut qi,
+        &mut wts,
+        n,
+    )
+    .unwrap();
+    let mut scores = g.zeros::<f32>(n * span).unwrap();
+    let mut sel = g.zeros::<u32>(n * topk).unwrap();
+    let mut counts = g.zeros::<u32>(n).unwrap();
+    g.qsa_scores_decode(
+        &qi,
+        &wts,
+        &pool_d,
+        (&tables_d, stride),
+        &lens_d,
+        (ni, di, bs, topk),
+        n,
+        &mut scores,
+        span,
+    )
+    .unwrap();
+    g.qsa_topk_decode(&scores, span, &lens_d, n, topk, &mut sel, &mut counts)
+        .unwrap();
+    // The gathered attention over the selections, K/V through the same tables.
+    let (hq, hkv, d) = (c.hq, c.hkv, c.d);
+    let kv_row = hkv * d;
+    let kp = rng.bf16s(total * bs * kv_row, 0.0, 1.0);
+    let vp = rng.bf16s(total * bs * kv_row, 0.0, 1.0);
+    let q = rng.bf16s(n * hq * d, 0.0, 1.0);
+    let gate = rng.bf16s(n * hq * d, 0.0, 1.0);
+    let mut out = g.zeros::<bf16>(n * hq * d).unwrap();
+    let dims = AttnDims {
+        hq,
+        hkv,
+        head_dim: d,
+        block_size: bs,
+    };
+    g.qsa_attention_gather_decode(
+        dims,
+        &to_dev(b, &q),
+        &to_dev(b, &gate),
+        &to_dev(b, &kp),
+        &to_dev(b, &vp),
+        &tables_d,
+        stride,
+        &sel,
+        topk,
+        &counts,
+        &mut out,
+        n,
+    )
+    .unwrap();
+    let (scores, sel, counts) = (
+        g.download(&scores).unwrap(),
+        g.download(&sel).unwrap(),
+        g.download(&counts).unwrap(),
+    );
+    let got_out: Vec<f32> = g
+        .download(&out)
+        .unwrap()
+        .iter()
+        .map(|x| x.to_f32())
+        .collect();
+    let mut want_out = vec![0f32; n * hq * d];
+    let (mut score_diff, mut set_diff) = (0, 0);
+    for (r, &ctx) in c.ctxs.iter().enumerate() {
+        let mut qh = iq[r * ni * di..(r + 1) * ni * di].to_vec();
+        cpu::rope_neox(&mut qh, ni, di, rot, &[(ctx - 1) as u32], &f, 1.0);
+        let w: Vec<f32> = iw[r * ni..(r + 1) * ni]
+            .iter()
+            .map(|x| x * head_scale)
+            .collect();
+        let mut want = vec![0f32; ctx];
+        cpu::index_scores(&qh, &w, &keys[r], di, &mut want);
+        if ctx > topk {
+            // Rows within topk are not scored: every position is selected.
+            score_diff += want
+                .iter()
+                .zip(&scores[r * span..r * span + ctx])
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+        }
+        let want_sel = cpu::topk_positions(&want, topk);
+        let got: Vec<usize> = sel[r * topk..r * topk + counts[r] as usize]
+            .iter()
+            .map(|&x| x as usize)
+            .collect();
+        if got != want_sel {
+            set_diff += 1;
+        }
+        let (mut kr, mut vr) = (Vec::new(), Vec::new());
+        for &p in &want_sel {
+            let at = (tables[r * stride + p / bs] as usize * bs + p % bs) * kv_row;
+            kr.extend_from_slice(&kp[at..at + kv_row]);
+            vr.extend_from_slice(&vp[at..at + kv_row]);
+        }
+        cpu::attend_rows(
+            &q[r * hq * d..(r + 1) * hq * d],
+            &gate[r * hq * d..(r + 1) * hq * d],
+            &kr,
+            &vr,
+            hq,
+            hkv,
+            d,
+            (d as f32).powf(-0.5),
+            &mut want_out[r * hq * d..(r + 1) * hq * d],
+        );
+    }
+    let rel = max_rel(&got_out, &want_out);
+    println!(
+        "PARITY op=qsa_decode shape=ctx{:?}_topk{topk}_nI{ni}_dI{di}_span{span}_hq{hq}_hkv{hkv}_d{d} score_bits_differing={score_diff} sets_differing={set_diff} attention_max_rel={rel:.2e} tol=exact,1e-2",
+        c.ctxs
+    );
+    assert!(rel <= 1e-2, "decode gathered attention off by {rel}");
+    score_diff + set_diff
+}
+
+#[test]
+fn decode_select_matches_cpu() {
+    let Some(b) = backend("decode_select_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(6);
+    let cases = [
+        // The tiny fixtures' indexer; contexts below, at and just past topk.
+        DecodeCase {
+            ctxs: vec![5, 32, 33, 300],
+            topk: 32,
+            ni: 4,
+            di: 16,
+            span: 4096,
+            hq: 4,
+            hkv: 2,
+            d: 32,
+        },
+        // The full-size indexer (topk 2048, 16 heads of 64), one long context.
+        DecodeCase {
+            ctxs: vec![2048, 2049, 70_000, 100, 5000],
+            topk: 2048,
+            ni: 16,
+            di: 64,
+            span: 131_072,
+            hq: 16,
+            hkv: 2,
+            d: 256,
+        },
+        // Odd sizes; a single sequence.
+        DecodeCase {
+            ctxs: vec![1001],
+            topk: 100,
+            ni: 3,
+            di: 24,
+            span: 1024,
+            hq: 6,
+            hkv: 3,
+            d: 40,
+        },
+    ];
+    let bad: usize = cases.iter().map(|c| check_decode(&b, &mut rng, c)).sum();
+    assert_eq!(
+        bad, 0,
+        "decode scores or selected sets differ from the CPU's"
+    );
+}
+
+#[test]
+fn ple_conv_decode_matches_cpu() {
+    let Some(b) = backend("ple_conv_decode_matches_cpu") else {
+        return;
+    };
+    let g = b.gpu();
+    let mut rng = Rng::new(7);
+    for (ns, h, kernel, dil) in [
+        (4usize, 64usize, 4usize, 3usize),
+        (2, 256, 3, 2),
+        (1, 40, 1, 1),
+    ] {
+        let dims = PleDims {
+            streams: ns,
+            hidden: h,
+            kernel,
+            dilation: dil,
+        };
+        let c = ns * h;
+        let past = dims.past();
+        let (rows, n_slots) = (5, 8);
+        // Distinct slots in a scattered order.
+        let slots: Vec<u32> = vec![6, 1, 4, 7, 2];
+        let state: Vec<f32> = (0..n_slots * past * c).map(|_| rng.normal()).collect();
+        let z: Vec<f32> = (0..rows * c).map(|_| rng.normal()).collect();
+        let u: Vec<f32> = (0..rows * c).map(|_| rng.normal()).collect();
+        let w = rng.bf16s(c * kernel, 0.0, 0.5);
+        let r = rng.bf16s(rows * c, 0.0, 1.0);
+        // Without past rows (kernel 1) the pool is a placeholder value.
+        let mut pool_d = g
+            .upload(if state.is_empty() {
+                &[0.0f32][..]
+            } else {
+                &state
+            })
+            .unwrap();
+        let mut r_d = to_dev(&b, &r);
+        g.ple_conv_decode(
+            dims,
+            &g.upload(&z).unwrap(),
+            &g.upload(&u).unwrap(),
+            &to_dev(&b, &w),
+            &mut pool_d,
+            &g.upload(&slots).unwrap(),
+            &mut r_d,
+            rows,
+        )
+        .unwrap();
+        let got_r: Vec<f32> = g
+            .download(&r_d)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        let got_state = g.download(&pool_d).unwrap();
+        let mut want_state = state.clone();
+        let mut want_r = vec![0f32; rows * c];
+        for (i, &slot) in slots.iter().enumerate() {
+            let st = &mut want_state[slot as usize * past * c..(slot as usize + 1) * past * c];
+            let mut y = vec![0f32; c];
+            cpu::dilated_conv_silu(&z[i * c..(i + 1) * c], &w, st, c, kernel, dil, &mut y);
+            for (ch, y) in y.iter().enumerate() {
+                let at = i * c + ch;
+                want_r[at] = bf16::from_f32(r[at] + (u[at] + y)).to_f32();
+            }
+        }
+        let rel = max_rel(&got_r, &want_r);
+        let state_diff = got_state[..want_state.len()]
+            .iter()
+            .zip(&want_state)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        println!(
+            "PARITY op=ple_conv_decode shape=S{ns}_H{h}_k{kernel}_d{dil}_rows{rows} max_rel={rel:.2e} state_values_differing={state_diff} tol=1e-2,exact"
+        );
+        assert!(rel <= 1e-2, "PLE conv decode off by {rel}");
+        assert_eq!(state_diff, 0, "PLE conv states differ");
+    }
+}
+
 /// Both backends with the same weights and caches.
 struct Pair {
     gpu: CudaBackend,
@@ -700,7 +1016,8 @@ fn ple_backend_matches_cpu() {
         // Slot ids per backend (their free lists may differ after the re-init).
         let slots_g = (p.gpu.alloc_state(), p.gpu.alloc_state());
         let slots_c = (p.cpu.alloc_state(), p.cpu.alloc_state());
-        let blocks: Vec<u32> = vec![];
+        // One block each: the chunks' positions (from 0, at most 16) fit it.
+        let (blocks_a, blocks_b) = (vec![0u32], vec![1u32]);
         let mut worst = 0f32;
         // (a_len, b_len) per step; after step 2, b is forked from a with copy_state.
         let steps: [(usize, usize); 6] = [(13, 5), (1, 2), (7, 0), (1, 1), (1, 9), (2, 1)];
@@ -717,14 +1034,14 @@ fn ple_backend_matches_cpu() {
                         len: la,
                         pos0: 0,
                         state: sa,
-                        blocks: &blocks,
+                        blocks: &blocks_a,
                     },
                     SeqChunk {
                         start: la,
                         len: lb,
                         pos0: 0,
                         state: sb,
-                        blocks: &blocks,
+                        blocks: &blocks_b,
                     },
                 ]
             };

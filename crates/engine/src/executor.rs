@@ -374,11 +374,12 @@ fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan, device: bool) -> Result<S
         let ple = m
             .ple_rows(&slices, &shifted)
             .map_err(|e| format!("PLE rows: {e}"))?;
-        let out = m.forward_with(&ids, &seqs, &rows, ple.as_ref());
         if rows.is_empty() {
+            m.forward_with(&ids, &seqs, &rows, ple.as_ref());
             return Ok(StepLogits::default());
         }
-        return Ok(finish_step(m, plan, m.logits(&out.hidden), device));
+        let (_, logits) = m.forward_logits_with(&ids, &seqs, &rows, ple.as_ref());
+        return Ok(finish_step(m, plan, logits, device));
     }
     if rows.is_empty() {
         m.forward(&ids, &seqs, &rows);

@@ -200,8 +200,6 @@ pub trait Backend: Send + Sync {
         self.add(acc, y);
         self.rms_norm(acc, w, eps, offset)
     }
-    /// `acc += sigmoid(gate) · y` with `gate` `[rows, 1]`.
-    fn add_sigmoid_gated(&self, acc: &mut Self::Tensor, y: &Self::Tensor, gate: &Self::Tensor);
     /// `silu(gate) · up` on a fused `[rows, 2I]` gate|up tensor.
     fn swiglu(&self, gate_up: &Self::Tensor) -> Self::Tensor;
 
@@ -239,8 +237,15 @@ pub trait Backend: Send + Sync {
         seqs: &[SeqChunk<'_>],
     ) -> Self::Tensor;
 
-    /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts.
-    fn moe_experts(&self, x: &Self::Tensor, w: &MoeWeights<Self::Weight>) -> Self::Tensor;
+    /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts; plus
+    /// `sigmoid(gate) · y` when `shared = (y, gate)` is given (the shared expert's output `[rows, H]`
+    /// and gate logit `[rows, 1]`; a backend may add it in its combine).
+    fn moe_experts(
+        &self,
+        x: &Self::Tensor,
+        w: &MoeWeights<Self::Weight>,
+        shared: Option<(&Self::Tensor, &Self::Tensor)>,
+    ) -> Self::Tensor;
 
     /// Runs one decode step its own way: `step` says what the step is (every chunk one token) and `run`
     /// computes its outputs with this backend's ops. Each call of `run` that executes writes the
@@ -253,6 +258,14 @@ pub trait Backend: Send + Sync {
         step: &DecodeStep<'_>,
         run: &dyn Fn() -> Vec<Self::Tensor>,
     ) -> Vec<Self::Tensor>;
+
+    /// Hands over the PLE rows `[rows, E]` of the [`Backend::decode_step`] that follows, before it
+    /// starts: the step's [`Backend::ple_mix`] calls get the same tensor. A backend that replays
+    /// recorded steps copies them where its recording reads them (a replay does not see the tensor
+    /// the closure holds). The default does nothing: the ops read the tensor they are given.
+    fn ple_step_rows(&self, rows: &Self::Tensor) {
+        let _ = rows;
+    }
 
     /// Moves a tensor to the host as `(rows, cols, values)`.
     fn to_host(&self, x: Self::Tensor) -> (usize, usize, Vec<f32>);

@@ -54,14 +54,17 @@ impl<B: Backend> Model<B> {
         out_rows: &[usize],
         ple_rows: Option<&B::Tensor>,
     ) -> StepOutput<B::Tensor> {
-        if ple_rows.is_none() && self.replayable(seqs) {
+        if self.replayable(seqs) {
             let step = DecodeStep {
                 region: REGION_HIDDEN,
                 ids,
                 seqs,
                 out_rows,
             };
-            let run = || vec![self.forward_pass(ids, seqs, out_rows, None)];
+            if let Some(rows) = ple_rows {
+                self.backend.ple_step_rows(rows);
+            }
+            let run = || vec![self.forward_pass(ids, seqs, out_rows, ple_rows)];
             let hidden = self.backend.decode_step(&step, &run).pop();
             return StepOutput {
                 hidden: hidden.expect("decode_step returned no tensor"),
@@ -77,15 +80,26 @@ impl<B: Backend> Model<B> {
     /// the logits, which a backend may replay from a recording.
     ///
     /// # Panics
-    /// As [`Model::forward`].
+    /// As [`Model::forward`]: a model with PLE layers goes through [`Model::forward_logits_with`].
     pub fn forward_logits(
         &self,
         ids: &[u32],
         seqs: &[SeqChunk<'_>],
         out_rows: &[usize],
     ) -> (StepOutput<B::Tensor>, B::Tensor) {
+        self.forward_logits_with(ids, seqs, out_rows, None)
+    }
+
+    /// [`Model::forward_logits`] with the step's PLE rows, as [`Model::forward_with`].
+    pub fn forward_logits_with(
+        &self,
+        ids: &[u32],
+        seqs: &[SeqChunk<'_>],
+        out_rows: &[usize],
+        ple_rows: Option<&B::Tensor>,
+    ) -> (StepOutput<B::Tensor>, B::Tensor) {
         let run = || {
-            let hidden = self.forward_pass(ids, seqs, out_rows, None);
+            let hidden = self.forward_pass(ids, seqs, out_rows, ple_rows);
             let logits = self.logits(&hidden);
             vec![hidden, logits]
         };
@@ -96,6 +110,9 @@ impl<B: Backend> Model<B> {
                 seqs,
                 out_rows,
             };
+            if let Some(rows) = ple_rows {
+                self.backend.ple_step_rows(rows);
+            }
             self.backend.decode_step(&step, &run)
         } else {
             run()
@@ -106,14 +123,11 @@ impl<B: Backend> Model<B> {
         (StepOutput { hidden }, logits)
     }
 
-    /// Whether a step may go through [`Backend::decode_step`]: every chunk one token, and no input
-    /// that lives outside the backend's step metadata (PLE rows, a tensor made per step; QSA's
-    /// selection, whose launches may depend on host-side lengths).
+    /// Whether a step may go through [`Backend::decode_step`]: every chunk one token. The PLE rows,
+    /// the one step input made outside the backend's step metadata, reach the backend through
+    /// [`Backend::ple_step_rows`] first.
     fn replayable(&self, seqs: &[SeqChunk<'_>]) -> bool {
-        self.ple.is_none()
-            && self.qsa.is_none()
-            && !seqs.is_empty()
-            && seqs.iter().all(|s| s.len == 1)
+        !seqs.is_empty() && seqs.iter().all(|s| s.len == 1)
     }
 
     fn forward_pass(
@@ -307,13 +321,11 @@ impl<B: Backend> Model<B> {
         match &layer.ffn {
             Ffn::Dense(m) => self.mlp(m, hn),
             Ffn::Moe(m) => {
-                let mut routed = b.moe_experts(hn, m);
-                if let (Some(shared), Some(gate)) = (&m.shared, &m.shared_gate) {
-                    let y = self.mlp(shared, hn);
-                    let g = b.linear(hn, gate);
-                    b.add_sigmoid_gated(&mut routed, &y, &g);
-                }
-                routed
+                let shared = match (&m.shared, &m.shared_gate) {
+                    (Some(shared), Some(gate)) => Some((self.mlp(shared, hn), b.linear(hn, gate))),
+                    _ => None,
+                };
+                b.moe_experts(hn, m, shared.as_ref().map(|(y, g)| (y, g)))
             }
         }
     }

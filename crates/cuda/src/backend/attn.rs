@@ -66,7 +66,8 @@ impl CudaBackend {
             head_dim: d,
             block_size: bs,
         };
-        let mut out = self.zeros(rows, nh * d)?;
+        // Every row is written below (each row belongs to one chunk), so it is not cleared.
+        let mut out = self.alloc(rows, nh * d)?;
         let tables = st.meta.view(m.tables, m.n_seq * m.stride);
         if all_decode(seqs) {
             // A decode step that may be recorded sizes the split grid by its span: splits beyond a

@@ -1,10 +1,10 @@
 //! The gated delta net core on the device: causal conv + SiLU and the delta rule over the layer's state
-//! slots (one batched launch each for a step of one-token chunks, one per chunk otherwise), then the
-//! gated RMSNorm with `z`.
+//! slots (for a step of one-token chunks the recurrent step kernels, otherwise the multi-sequence
+//! prefill kernels with the chunked delta rule; either way one launch per kernel for the whole step),
+//! then the gated RMSNorm with `z`.
 
 use sanmai_model::backend::{GdnShape, GdnWeights, SeqChunk};
 
-use super::cache::{conv_len, ssm_len};
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
@@ -57,8 +57,9 @@ impl CudaBackend {
             .layers
             .get_mut(&layer)
             .ok_or_else(|| bad(format!("no GDN state for layer {layer}: init_cache first")))?;
-        let mut mixed = self.zeros(rows, cd)?;
-        let mut core = self.zeros(rows, hv * dv)?;
+        // Every row of both is written below (each row belongs to one chunk), so neither is cleared.
+        let mut mixed = self.alloc(rows, cd)?;
+        let mut core = self.alloc(rows, hv * dv)?;
         let conv_w = w.conv.bf16();
         if all_decode(seqs) && kk >= 2 {
             let n = seqs.len();
@@ -86,30 +87,42 @@ impl CudaBackend {
                 n,
             )?;
         } else {
-            let (cl, sl) = (conv_len(sh), ssm_len(sh));
-            for s in seqs.iter().filter(|s| s.len > 0) {
-                let (r0, r1) = (s.start, s.start + s.len);
-                g.conv1d_prefill(
-                    &qkv.buf.slice(r0 * cd..r1 * cd),
-                    conv_w,
-                    &mut pool.conv.slice_mut(s.state * cl..(s.state + 1) * cl),
-                    &mut mixed.buf.slice_mut(r0 * cd..r1 * cd),
-                    s.len,
-                    cd,
-                    kk,
-                )?;
-                g.gdn_recurrent_prefill(
-                    dims,
-                    &mixed.buf.slice(r0 * cd..r1 * cd),
-                    &a.buf.slice(r0 * hv..r1 * hv),
-                    &b.buf.slice(r0 * hv..r1 * hv),
-                    a_log,
-                    dt_bias,
-                    &mut pool.ssm.slice_mut(s.state * sl..(s.state + 1) * sl),
-                    &mut core.buf.slice_mut(r0 * hv * dv..r1 * hv * dv),
-                    s.len,
-                )?;
-            }
+            // Every sequence of the step in two conv launches and one GDN launch, each reading the
+            // sequences' rows and slots from the step metadata.
+            let n = seqs.len();
+            let max_len = seqs.iter().map(|s| s.len).max().unwrap_or(0);
+            let starts = st.meta.view(m.starts, n);
+            let lens = st.meta.view(m.chunk_lens, n);
+            let slots = st.meta.view(m.slots, n);
+            g.conv1d_prefill(
+                &qkv.buf,
+                conv_w,
+                &mut pool.conv,
+                &starts,
+                &lens,
+                &slots,
+                &mut mixed.buf,
+                rows,
+                n,
+                max_len,
+                cd,
+                kk,
+            )?;
+            g.gdn_chunk_prefill(
+                dims,
+                &mixed.buf,
+                &a.buf,
+                &b.buf,
+                a_log,
+                dt_bias,
+                &mut pool.ssm,
+                &starts,
+                &lens,
+                &slots,
+                &mut core.buf,
+                rows,
+                n,
+            )?;
         }
         let mut out = self.alloc(rows, hv * dv)?;
         g.gated_rms_norm(

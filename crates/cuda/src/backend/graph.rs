@@ -18,9 +18,15 @@
 //! graph and hand back fresh copies of those buffers. A capture that fails (an op that is not
 //! capturable, a panic under capture) logs one warning and leaves that key eager.
 //!
+//! QSA layers record their batched decode form (indexer scan over the span, exact top-k, attention
+//! over the selected rows; each sequence's context and whether it selects at all read on the
+//! device), and PLE layers read the step's rows from the persistent buffer that
+//! [`Backend::ple_step_rows`](sanmai_model::Backend::ple_step_rows) fills before the step.
+//!
 //! Recordings hold device addresses: uploading a weight, re-initialising the caches, growing the
-//! state slot pools or the metadata buffer drops every recording (the next step warms up again).
-//! While routed experts are recorded (a host round trip per MoE call) steps run eagerly.
+//! state slot pools, the metadata buffer or the PLE rows buffer drops every recording (the next step
+//! warms up again). While routed experts or QSA selections are recorded (a host round trip per MoE
+//! or QSA call) steps run eagerly.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -198,13 +204,25 @@ impl CudaBackend {
         step: &DecodeStep<'_>,
         run: &dyn Fn() -> Vec<CudaTensor>,
     ) -> Vec<CudaTensor> {
+        let out = self.step_graphs(step, run);
+        self.end_ple_step();
+        out
+    }
+
+    fn step_graphs(
+        &self,
+        step: &DecodeStep<'_>,
+        run: &dyn Fn() -> Vec<CudaTensor>,
+    ) -> Vec<CudaTensor> {
+        let tracing = self.lock().kv.qsa_trace.is_some();
         let mut guard = self.graphs();
         let g = &mut *guard;
         let batch = step.seqs.len();
         let eligible = g.sizes.contains(&batch)
             && all_decode(step.seqs)
             && step.ids.len() == batch
-            && !self.routing_on.load(Ordering::Relaxed);
+            && !self.routing_on.load(Ordering::Relaxed)
+            && !tracing;
         if !eligible {
             g.stats.eager += 1;
             drop(guard);

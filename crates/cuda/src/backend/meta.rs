@@ -1,14 +1,16 @@
 //! Step metadata on the device: token ids, output rows, per-row positions and K/V destinations, and
-//! per-sequence state slots, context lengths and block tables, uploaded once per step into one
-//! persistent device buffer through a ring of pinned host staging buffers (one async copy each).
+//! per-sequence state slots, context lengths, chunk rows (first row, row count) and block tables,
+//! uploaded once per step into one persistent device buffer through a ring of pinned host staging
+//! buffers (one async copy each).
 //!
 //! Device buffer layout (u32 words): `[0, cap_tok)` ids uploaded by `embed` alone, `[cap_tok,
 //! 2·cap_tok)` row indices uploaded by `rows` alone, then the packed step region written by
 //! [`Meta::stage`]: `[ids][out_rows]` (when staged through `begin_step`) `[positions: rows][kv_dst:
-//! rows][slots: seqs][lens: seqs][tables: seqs·stride]`. Every op reads its metadata from views of this
-//! buffer; the host keeps a copy of what each region holds, so an op whose metadata is already there
-//! uploads nothing. A staging buffer is rewritten only after its previous copy has completed (its
-//! event), which, with a ring of [`RING`] buffers, never waits in a normal step.
+//! rows][slots: seqs][lens: seqs][starts: seqs][chunk_lens: seqs][tables: seqs·stride]`. Every op
+//! reads its metadata from views of this buffer; the host keeps a copy of what each region holds, so
+//! an op whose metadata is already there uploads nothing. A staging buffer is rewritten only after its
+//! previous copy has completed (its event), which, with a ring of [`RING`] buffers, never waits in a
+//! normal step.
 
 use cudarc::driver::{
     result, CudaContext, CudaEvent, CudaSlice, CudaView, DevicePtr, PinnedHostSlice,
@@ -54,6 +56,10 @@ pub(crate) struct SeqMeta {
     pub kv_dst: usize,
     pub slots: usize,
     pub lens: usize,
+    /// First row of each sequence's chunk in the step.
+    pub starts: usize,
+    /// Rows of each sequence's chunk.
+    pub chunk_lens: usize,
     pub tables: usize,
     /// Block ids per table row (the step's longest block list).
     pub stride: usize,
@@ -101,7 +107,7 @@ fn packed_words(
         .max(min_stride)
         .max(1);
     (
-        ids + rows_out + 2 * rows + 2 * seqs.len() + seqs.len() * stride,
+        ids + rows_out + 2 * rows + 4 * seqs.len() + seqs.len() * stride,
         stride,
     )
 }
@@ -111,7 +117,7 @@ impl Meta {
     /// `max_blocks` ids (larger steps grow it).
     pub fn new(gpu: &Gpu, max_tokens: usize, max_seqs: usize, max_blocks: usize) -> Result<Self> {
         let cap_tok = max_tokens.max(1);
-        let words = 2 * cap_tok + 4 * cap_tok + max_seqs * (2 + max_blocks.max(1));
+        let words = 2 * cap_tok + 4 * cap_tok + max_seqs * (4 + max_blocks.max(1));
         let ring = (0..RING)
             .map(|_| pinned(gpu.context(), words))
             .collect::<Result<Vec<_>>>()?;
@@ -221,6 +227,10 @@ impl Meta {
         );
         let lens = base + w.len();
         w.extend(seqs.iter().map(|s| (s.pos0 + s.len) as u32));
+        let starts = base + w.len();
+        w.extend(seqs.iter().map(|s| s.start as u32));
+        let chunk_lens = base + w.len();
+        w.extend(seqs.iter().map(|s| s.len as u32));
         let tables = base + w.len();
         for s in seqs {
             w.extend_from_slice(s.blocks);
@@ -233,6 +243,8 @@ impl Meta {
             kv_dst,
             slots,
             lens,
+            starts,
+            chunk_lens,
             tables,
             stride,
         })

@@ -102,6 +102,8 @@ pub struct CudaBackend {
     graphs: Mutex<graph::Graphs>,
     /// Bumped when a buffer a recorded graph may point at is replaced (weights, caches, state pools).
     epoch: AtomicU64,
+    /// The PLE rows of the coming decode step (`ple.rs`).
+    ple_in: Mutex<Option<ple::StagedRows>>,
 }
 
 /// Whether every chunk is one token and chunk `i` is row `i` (the batched decode launches).
@@ -152,6 +154,7 @@ impl CudaBackend {
             routing_on: AtomicBool::new(false),
             graphs: Mutex::new(graph::Graphs::from_env()),
             epoch: AtomicU64::new(0),
+            ple_in: Mutex::new(None),
         })
     }
 
@@ -482,15 +485,6 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn add_sigmoid_gated(&self, acc: &mut CudaTensor, y: &CudaTensor, gate: &CudaTensor) {
-        let (r, c) = (acc.rows, acc.cols);
-        ok(
-            "add_sigmoid_gated",
-            self.gpu
-                .add_sigmoid_gated(&mut acc.buf, &y.buf, &gate.buf, r, c),
-        );
-    }
-
     fn swiglu(&self, gate_up: &CudaTensor) -> CudaTensor {
         ok(
             "swiglu",
@@ -538,8 +532,13 @@ impl Backend for CudaBackend {
         )
     }
 
-    fn moe_experts(&self, x: &CudaTensor, w: &MoeWeights<CudaWeight>) -> CudaTensor {
-        ok("moe_experts", self.moe_impl(x, w))
+    fn moe_experts(
+        &self,
+        x: &CudaTensor,
+        w: &MoeWeights<CudaWeight>,
+        shared: Option<(&CudaTensor, &CudaTensor)>,
+    ) -> CudaTensor {
+        ok("moe_experts", self.moe_impl(x, w, shared))
     }
 
     fn weight_bytes(&self, w: &CudaWeight) -> usize {
@@ -561,6 +560,10 @@ impl Backend for CudaBackend {
         run: &dyn Fn() -> Vec<CudaTensor>,
     ) -> Vec<CudaTensor> {
         self.decode_step_impl(step, run)
+    }
+
+    fn ple_step_rows(&self, rows: &CudaTensor) {
+        ok("ple_step_rows", self.ple_step_rows_impl(rows));
     }
 
     fn take_routing(&self) -> Vec<usize> {

@@ -116,10 +116,13 @@ impl CudaBackend {
         Ok(&tables[&key])
     }
 
+    /// [`Backend::moe_experts`](sanmai_model::Backend::moe_experts): the shared expert's output and
+    /// gate, when given, are added in the combine.
     pub(crate) fn moe_impl(
         &self,
         x: &CudaTensor,
         w: &MoeWeights<CudaWeight>,
+        shared: Option<(&CudaTensor, &CudaTensor)>,
     ) -> Result<CudaTensor> {
         let g = &self.gpu;
         let (t, h, e, k) = (x.rows, x.cols, w.experts.len(), w.top_k);
@@ -127,6 +130,15 @@ impl CudaBackend {
         if e == 0 {
             return Err(bad("no experts".into()));
         }
+        if let Some((y, gate)) = shared {
+            if (y.rows, y.cols, gate.rows, gate.cols) != (t, h, t, 1) {
+                return Err(bad(format!(
+                    "shared expert output [{}, {}] and gate [{}, {}] for {t} rows of {h}",
+                    y.rows, y.cols, gate.rows, gate.cols
+                )));
+            }
+        }
+        let shared = shared.map(|(y, gate)| (&y.buf, &gate.buf));
         let inter = w.experts[0].inter;
         for ex in &w.experts {
             if ex.inter != inter
@@ -185,7 +197,7 @@ impl CudaBackend {
             g.moe_gemm(
                 dw, ds, dn_s, &act.buf, n, 1, &perm, &tiles, n, &mut y, h, inter,
             )?;
-            g.moe_combine(&y, &wts, &ids, e, &mut out.buf, t, k, h)?;
+            g.moe_combine(&y, &wts, &ids, e, shared, &mut out.buf, t, k, h)?;
             return Ok(out);
         }
         let mut tiles = self.scratch::<u32>(3 * moe_max_tiles(n, e))?;
@@ -240,7 +252,7 @@ impl CudaBackend {
                     h,
                     inter,
                 )?;
-                g.moe_combine(&y, &wts, &ids, e, &mut out.buf, t, k, h)?;
+                g.moe_combine(&y, &wts, &ids, e, shared, &mut out.buf, t, k, h)?;
                 return Ok(out);
             }
         }
@@ -275,7 +287,7 @@ impl CudaBackend {
                 inter,
             )?,
         }
-        g.moe_combine(&y, &wts, &ids, e, &mut out.buf, t, k, h)?;
+        g.moe_combine(&y, &wts, &ids, e, shared, &mut out.buf, t, k, h)?;
         Ok(out)
     }
 }

@@ -12,7 +12,7 @@
 
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use sanmai_model::backend::PackedTensor;
 
@@ -146,7 +146,7 @@ impl CudaBackend {
         ensure(wp % 16 == 0 && op % 16 == 0, OP, || {
             "table and out must be 16-byte aligned".into()
         })?;
-        let mut b = s.launch_builder(g.kernel(&format!("embed_q{}", w.bits))?);
+        let mut b = g.launch(g.kernel(&format!("embed_q{}", w.bits))?);
         b.arg(&wp)
             .arg(&sp)
             .arg(&ip)

@@ -1,17 +1,79 @@
 //! The PLE mix on the device (spec §3.7): the value and per-stream key projections as f32 linears,
-//! the per-stream gate and normed conv input (one kernel per stream), then per sequence the dilated
-//! causal conv over its state slot's PLE state and the residual update. Not recorded into CUDA graphs
-//! (the state slots are host-side launch arguments; see `CudaBackend::refuse_capture`).
+//! the per-stream gate and normed conv input (one kernel per stream), then the dilated causal conv
+//! over each sequence's PLE state and the residual update: one batched launch for a step of
+//! one-token chunks (state slots read from the step metadata), one per chunk otherwise.
+//!
+//! Recorded decode steps: the model hands the step's rows over first ([`Backend::ple_step_rows`]),
+//! copied here into a persistent buffer outside any recording; while a decode step that may be
+//! recorded runs, the projections read that buffer, so a replay reads the rows of its own step.
+//!
+//! [`Backend::ple_step_rows`]: sanmai_model::Backend::ple_step_rows
+
+use std::sync::atomic::Ordering;
+use std::sync::MutexGuard;
 
 use sanmai_model::backend::{PleShape, PleWeights, SeqChunk};
 
 use super::cache::ple_len;
 use super::tensor::{CudaTensor, CudaWeight};
-use super::CudaBackend;
+use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
 use crate::ops::{PleDims, PleGateWeights};
 
+/// The PLE rows of the coming decode step in a persistent device buffer: `rows.rows` is the step's
+/// row count, the buffer may hold more.
+pub(crate) struct StagedRows {
+    rows: CudaTensor,
+    /// Staged for the step now running (cleared when it ends): a recorded step must not read the
+    /// rows of an earlier one.
+    live: bool,
+}
+
 impl CudaBackend {
+    /// Copies the step's PLE rows into the persistent buffer (grown, dropping every recording, when
+    /// too small), on the stream before the step's launches.
+    pub(crate) fn ple_step_rows_impl(&self, rows: &CudaTensor) -> Result<()> {
+        let mut staged = self.staged_ple();
+        let n = rows.len();
+        let fits = staged
+            .as_ref()
+            .is_some_and(|s| s.rows.cols == rows.cols && s.rows.buf.len() >= n.max(1));
+        if !fits {
+            // Room for the recorded batch sizes at once: a larger batch later grows it once more.
+            let cap = rows.rows.next_power_of_two().max(8) * rows.cols;
+            let buf = self.gpu.zeros(cap.max(1))?;
+            *staged = Some(StagedRows {
+                rows: CudaTensor {
+                    rows: rows.rows,
+                    cols: rows.cols,
+                    buf,
+                },
+                live: false,
+            });
+            self.epoch.fetch_add(1, Ordering::Relaxed);
+        }
+        let s = staged.as_mut().expect("allocated above");
+        if n > 0 {
+            self.gpu
+                .stream()
+                .memcpy_dtod(&rows.buf.slice(..n), &mut s.rows.buf.slice_mut(..n))?;
+        }
+        s.rows.rows = rows.rows;
+        s.live = true;
+        Ok(())
+    }
+
+    /// Marks the staged rows as used up (the decode step they were staged for has run).
+    pub(crate) fn end_ple_step(&self) {
+        if let Some(s) = self.staged_ple().as_mut() {
+            s.live = false;
+        }
+    }
+
+    fn staged_ple(&self) -> MutexGuard<'_, Option<StagedRows>> {
+        self.ple_in.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(crate) fn ple_impl(
         &self,
         layer: usize,
@@ -21,8 +83,6 @@ impl CudaBackend {
         w: &PleWeights<CudaWeight>,
         seqs: &[SeqChunk<'_>],
     ) -> Result<()> {
-        self.refuse_capture("ple_mix")?;
-        let g = &self.gpu;
         let (ns, h, e) = (sh.streams, sh.hidden, sh.row_width);
         let sc = ns * h;
         let bad = |msg: String| CudaError::Shape { op: "ple_mix", msg };
@@ -45,27 +105,14 @@ impl CudaBackend {
         if sh.conv_kernel == 0 || sh.conv_dilation == 0 {
             return Err(bad("conv kernel and dilation must be positive".into()));
         }
-        let t = rows.rows;
         let dims = PleDims {
             streams: ns,
             hidden: h,
             kernel: sh.conv_kernel,
             dilation: sh.conv_dilation,
         };
-        let v = self.linear_f32(rows, &w.value)?;
-        let mut u = self.scratch::<f32>(t * sc)?;
-        let mut z = self.scratch::<f32>(t * sc)?;
-        for c in 0..ns {
-            let k = self.linear_f32(rows, &w.key[c])?;
-            let gw = PleGateWeights {
-                value_bias: w.value_bias.bf16(),
-                key_bias: w.key_bias[c].bf16(),
-                key_norm: w.key_norm[c].bf16(),
-                query_norm: w.query_norm[c].bf16(),
-                conv_norm: w.conv_norm[c].bf16(),
-            };
-            g.ple_gate(dims, c, &v, &k, &gw, &streams.buf, &mut u, &mut z, t)?;
-        }
+        let (u, z) = self.ple_gates(dims, streams, rows, w)?;
+        let t = rows.rows;
         let mut st = self.lock();
         let st = &mut *st;
         for s in seqs.iter().filter(|s| s.len > 0) {
@@ -82,6 +129,18 @@ impl CudaBackend {
             return Err(bad("the state slots hold no PLE state of this shape".into()));
         }
         let pl = ple_len(sh);
+        let g = &self.gpu;
+        let conv = w.conv.bf16();
+        if all_decode(seqs) {
+            let bs = st.kv.block_size;
+            let m = st.meta.seqs(g, seqs, t, bs)?;
+            let slots = st.meta.view(m.slots, m.n_seq);
+            let pool =
+                st.states.ple.get_mut(&layer).ok_or_else(|| {
+                    bad(format!("no PLE state for layer {layer}: init_cache first"))
+                })?;
+            return g.ple_conv_decode(dims, &z, &u, conv, pool, &slots, &mut streams.buf, t);
+        }
         let pool = st
             .states
             .ple
@@ -94,12 +153,63 @@ impl CudaBackend {
                 dims,
                 &z.slice(a..b),
                 &u.slice(a..b),
-                w.conv.bf16(),
+                conv,
                 &mut state,
                 &mut streams.buf.slice_mut(a..b),
                 s.len,
             )?;
         }
         Ok(())
+    }
+
+    /// The value and key projections of the rows and the per-stream gates: `(u, z)`, each `[rows,
+    /// S·H]` f32. In a decode step that may be recorded the rows are read from the staged buffer.
+    fn ple_gates(
+        &self,
+        dims: PleDims,
+        streams: &CudaTensor,
+        rows: &CudaTensor,
+        w: &PleWeights<CudaWeight>,
+    ) -> Result<(
+        cudarc::driver::CudaSlice<f32>,
+        cudarc::driver::CudaSlice<f32>,
+    )> {
+        let recording = self.lock().decode_span.is_some();
+        let staged = self.staged_ple();
+        let x = if recording {
+            match staged.as_ref() {
+                Some(s) if s.live && s.rows.rows == rows.rows && s.rows.cols == rows.cols => {
+                    &s.rows
+                }
+                _ => {
+                    return Err(CudaError::Shape {
+                        op: "ple_mix",
+                        msg: "a decode step's PLE rows were not staged: Backend::ple_step_rows \
+                              comes before Backend::decode_step"
+                            .into(),
+                    })
+                }
+            }
+        } else {
+            rows
+        };
+        let t = x.rows;
+        let sc = dims.streams * dims.hidden;
+        let v = self.linear_f32(x, &w.value)?;
+        let mut u = self.scratch::<f32>(t * sc)?;
+        let mut z = self.scratch::<f32>(t * sc)?;
+        for c in 0..dims.streams {
+            let k = self.linear_f32(x, &w.key[c])?;
+            let gw = PleGateWeights {
+                value_bias: w.value_bias.bf16(),
+                key_bias: w.key_bias[c].bf16(),
+                key_norm: w.key_norm[c].bf16(),
+                query_norm: w.query_norm[c].bf16(),
+                conv_norm: w.conv_norm[c].bf16(),
+            };
+            self.gpu
+                .ple_gate(dims, c, &v, &k, &gw, &streams.buf, &mut u, &mut z, t)?;
+        }
+        Ok((u, z))
     }
 }

@@ -1,10 +1,18 @@
 //! QSA attention on the device (spec §2): the attention inputs as for gated attention (q/k norms and
-//! RoPE, the K/V write), the index-key write into the layer's index pool, then per sequence either the
-//! dense paged kernels (every position selected: context ≤ topk) or the indexer scan, the exact top-k
-//! and the attention over the gathered selected rows only. Not recorded into CUDA graphs (see
-//! `CudaBackend::refuse_capture`): decode steps of QSA models run eagerly.
+//! RoPE, the K/V write), the index-key write into the layer's index pool, then the selection and the
+//! attention over the selected rows only.
+//!
+//! A step of one-token chunks runs the batched decode form, whose launch shapes depend only on the
+//! batch, the model shape and the span (see `graph`): the indexer scan over the span (blocks past a
+//! sequence's context exit at once; a sequence whose context is at most topk is not scored), the
+//! exact top-k (every position when the context is at most topk), and the attention over the
+//! gathered selected rows (splits covering topk), each sequence's context and block table read from
+//! the step metadata on the device. Such steps can be recorded into CUDA graphs. Other steps run per
+//! sequence: the dense paged prefill kernel while its context fits topk, else the scan, the top-k and
+//! the gathered attention over groups of its query rows.
 
-use cudarc::driver::sys;
+use cudarc::driver::{CudaSlice, CudaView};
+use half::bf16;
 use sanmai_model::backend::{AttnShape, AttnWeights, IndexerWeights, QsaShape, Rope, SeqChunk};
 
 use super::attn::vector;
@@ -22,24 +30,9 @@ const SCORE_BUDGET: usize = 32 << 20;
 const MAX_GROUP_ROWS: usize = 65535;
 
 impl CudaBackend {
-    /// Refuses to be recorded into a CUDA graph: QSA and the PLE mix choose their launches from the
-    /// step's host-side lengths (dense or selecting, score grid, splits) and state slots, which a
-    /// replay for a later step would not update. The error fails the capture, and the graph code
-    /// runs such decode steps eagerly.
-    pub(crate) fn refuse_capture(&self, op: &'static str) -> Result<()> {
-        let status = self.gpu.stream().capture_status()?;
-        if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-            Ok(())
-        } else {
-            Err(CudaError::Shape {
-                op,
-                msg: "not capturable into a CUDA graph (host-side lengths and slots)".into(),
-            })
-        }
-    }
-
     /// Starts (`true`) or stops recording QSA selections (each query row's selected positions; a
-    /// device synchronisation per QSA call while on: for tests and diagnostics).
+    /// device synchronisation per QSA call while on, so decode steps run eagerly, unrecorded: for
+    /// tests and diagnostics).
     pub fn trace_qsa(&self, on: bool) {
         self.lock().kv.qsa_trace = on.then(Vec::new);
     }
@@ -75,7 +68,6 @@ impl CudaBackend {
         iw_: &IndexerWeights<CudaWeight>,
         seqs: &[SeqChunk<'_>],
     ) -> Result<CudaTensor> {
-        self.refuse_capture("qsa_attention")?;
         let g = &self.gpu;
         let (nh, nkv, d) = (sh.num_heads, sh.num_kv_heads, sh.head_dim);
         let (ni, di, topk) = (qsa.n_heads, qsa.head_dim, qsa.topk.max(1));
@@ -148,135 +140,243 @@ impl CudaBackend {
         )?;
         let pool = &*pool;
         let idx = pool.idx.as_ref().expect("checked above");
-        let dims = AttnDims {
-            hq: nh,
-            hkv: nkv,
-            head_dim: d,
-            block_size: bs,
-        };
-        let mut out = self.zeros(rows, nh * d)?;
+        // 3. The indexer queries (roped) and head weights of every row.
+        let head_scale = (ni as f32).powf(-0.5) * (di as f32).powf(-0.5);
+        let mut qi = self.scratch::<f32>(rows * ni * di)?;
+        let mut wts = self.scratch::<f32>(rows * ni)?;
+        g.qsa_query_prep(
+            &iq.buf,
+            &iw.buf,
+            &positions,
+            (ni, di, half, index_freq),
+            head_scale,
+            &mut qi,
+            &mut wts,
+            rows,
+        )?;
         let tables = st.meta.view(m.tables, m.n_seq * m.stride);
-        let mut trace: Vec<QsaPick> = Vec::new();
+        let x = Select {
+            dims: AttnDims {
+                hq: nh,
+                hkv: nkv,
+                head_dim: d,
+                block_size: bs,
+            },
+            ni,
+            di,
+            topk,
+            q: &q.buf,
+            gate: &gate.buf,
+            qi: &qi,
+            wts: &wts,
+            k: &pool.k,
+            v: &pool.v,
+            idx,
+            tables: &tables,
+            stride: m.stride,
+        };
         let tracing = st.kv.qsa_trace.is_some();
-        let dense = |s: &SeqChunk<'_>| s.pos0 + s.len <= topk;
-        // 3a. Every position of the step selected: the dense kernels, as gated attention.
-        if all_decode(seqs) && seqs.iter().all(dense) {
-            let max_len = seqs.iter().map(|s| s.pos0 + 1).max().unwrap_or(1);
+        let mut out = self.zeros(rows, nh * d)?;
+        // 4. Select and attend: batched for a decode step, else per sequence.
+        let trace = if all_decode(seqs) {
+            let longest = seqs.iter().map(|s| s.pos0 + 1).max().unwrap_or(1);
+            let ld = st.decode_span.map_or(longest, |span| span.max(longest));
             let lens = st.meta.view(m.lens, m.n_seq);
-            g.attention_paged_decode(
-                dims,
-                &q.buf,
-                &gate.buf,
-                &pool.k,
-                &pool.v,
-                &tables,
-                m.stride,
-                &lens,
-                max_len,
-                &mut out.buf,
-                seqs.len(),
-            )?;
+            let (sel, counts) = self.qsa_decode(&x, &lens, ld, &mut out, seqs.len())?;
             if tracing {
-                for s in seqs {
-                    trace.push((layer, s.state, s.pos0, (0..=s.pos0).collect()));
-                }
+                self.decode_trace(layer, seqs, topk, &sel, &counts)?
+            } else {
+                Vec::new()
             }
         } else {
-            // 3b. Per sequence: dense while its context fits topk, else scan, select and gather.
-            let head_scale = (ni as f32).powf(-0.5) * (di as f32).powf(-0.5);
-            let mut qi = self.scratch::<f32>(rows * ni * di)?;
-            let mut wts = self.scratch::<f32>(rows * ni)?;
-            g.qsa_query_prep(
-                &iq.buf,
-                &iw.buf,
-                &positions,
-                (ni, di, half, index_freq),
-                head_scale,
-                &mut qi,
-                &mut wts,
-                rows,
-            )?;
-            let qr = nh * d;
-            for (i, s) in seqs.iter().enumerate().filter(|(_, s)| s.len > 0) {
-                let nb = (s.pos0 + s.len).div_ceil(bs.max(1));
-                let table = tables.slice(i * m.stride..i * m.stride + nb);
-                if dense(s) {
-                    let (a, b) = (s.start * qr, (s.start + s.len) * qr);
-                    g.attention_paged_prefill(
-                        dims,
-                        &q.buf.slice(a..b),
-                        &gate.buf.slice(a..b),
-                        &pool.k,
-                        &pool.v,
-                        &table,
-                        s.pos0,
-                        s.len,
-                        &mut out.buf.slice_mut(a..b),
-                    )?;
-                    if tracing {
-                        for p in s.pos0..s.pos0 + s.len {
-                            trace.push((layer, s.state, p, (0..=p).collect()));
-                        }
-                    }
-                    continue;
-                }
-                let ctx_all = s.pos0 + s.len;
-                let group = (SCORE_BUDGET / ctx_all).clamp(1, MAX_GROUP_ROWS);
-                let mut a = 0;
-                while a < s.len {
-                    let n = group.min(s.len - a);
-                    let (r0, p0) = (s.start + a, s.pos0 + a);
-                    let ld = p0 + n;
-                    let mut scores = self.scratch::<f32>(n * ld)?;
-                    let mut sel = self.scratch::<u32>(n * topk)?;
-                    let mut counts = self.scratch::<u32>(n)?;
-                    g.qsa_scores(
-                        &qi.slice(r0 * ni * di..(r0 + n) * ni * di),
-                        &wts.slice(r0 * ni..(r0 + n) * ni),
-                        idx,
-                        &table,
-                        ni,
-                        di,
-                        bs,
-                        p0,
-                        n,
-                        &mut scores,
-                        ld,
-                    )?;
-                    g.qsa_topk(&scores, ld, p0, n, topk, &mut sel, &mut counts)?;
-                    let (qa, qb) = (r0 * qr, (r0 + n) * qr);
-                    g.qsa_attention_gather(
-                        dims,
-                        &q.buf.slice(qa..qb),
-                        &gate.buf.slice(qa..qb),
-                        &pool.k,
-                        &pool.v,
-                        &table,
-                        &sel,
-                        topk,
-                        &counts,
-                        topk.min(ld),
-                        &mut out.buf.slice_mut(qa..qb),
-                        n,
-                    )?;
-                    if tracing {
-                        let sel = g.download(&sel)?;
-                        let counts = g.download(&counts)?;
-                        for (j, &c) in counts.iter().take(n).enumerate() {
-                            let picked = sel[j * topk..j * topk + c as usize]
-                                .iter()
-                                .map(|&x| x as usize)
-                                .collect();
-                            trace.push((layer, s.state, p0 + j, picked));
-                        }
-                    }
-                    a += n;
-                }
-            }
-        }
+            self.qsa_chunks(layer, &x, seqs, &mut out, tracing)?
+        };
         if let Some(t) = st.kv.qsa_trace.as_mut() {
             t.extend(trace);
         }
         Ok(out)
     }
+
+    /// The batched decode form over `n` sequences of one query each (row `r` = sequence `r`, context
+    /// `lens[r]`): the scan over `ld` positions a row (at least every context), the top-k, the
+    /// gathered attention into `out`. Returns the selections `(sel [n, topk], counts [n])`.
+    fn qsa_decode(
+        &self,
+        x: &Select<'_>,
+        lens: &CudaView<'_, u32>,
+        ld: usize,
+        out: &mut CudaTensor,
+        n: usize,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<u32>)> {
+        let g = &self.gpu;
+        let topk = x.topk;
+        let mut scores = self.scratch::<f32>(n * ld)?;
+        let mut sel = self.scratch::<u32>(n * topk)?;
+        let mut counts = self.scratch::<u32>(n)?;
+        g.qsa_scores_decode(
+            x.qi,
+            x.wts,
+            x.idx,
+            (x.tables, x.stride),
+            lens,
+            (x.ni, x.di, x.dims.block_size, topk),
+            n,
+            &mut scores,
+            ld,
+        )?;
+        g.qsa_topk_decode(&scores, ld, lens, n, topk, &mut sel, &mut counts)?;
+        g.qsa_attention_gather_decode(
+            x.dims,
+            x.q,
+            x.gate,
+            x.k,
+            x.v,
+            x.tables,
+            x.stride,
+            &sel,
+            topk,
+            &counts,
+            &mut out.buf,
+            n,
+        )?;
+        Ok((sel, counts))
+    }
+
+    /// The selections of a decode step on the host (a device synchronisation).
+    fn decode_trace(
+        &self,
+        layer: usize,
+        seqs: &[SeqChunk<'_>],
+        topk: usize,
+        sel: &CudaSlice<u32>,
+        counts: &CudaSlice<u32>,
+    ) -> Result<Vec<QsaPick>> {
+        let sel = self.gpu.download(sel)?;
+        let counts = self.gpu.download(counts)?;
+        Ok(seqs
+            .iter()
+            .enumerate()
+            .map(|(r, s)| {
+                let c = counts[r] as usize;
+                let picked = sel[r * topk..r * topk + c]
+                    .iter()
+                    .map(|&p| p as usize)
+                    .collect();
+                (layer, s.state, s.pos0, picked)
+            })
+            .collect())
+    }
+
+    /// Per sequence: the dense paged prefill kernel while its context fits topk, else the scan, the
+    /// top-k and the gathered attention over groups of its query rows. Returns the selections when
+    /// `tracing`.
+    fn qsa_chunks(
+        &self,
+        layer: usize,
+        x: &Select<'_>,
+        seqs: &[SeqChunk<'_>],
+        out: &mut CudaTensor,
+        tracing: bool,
+    ) -> Result<Vec<QsaPick>> {
+        let g = &self.gpu;
+        let (ni, di, topk, bs) = (x.ni, x.di, x.topk, x.dims.block_size);
+        let qr = x.dims.hq * x.dims.head_dim;
+        let mut trace = Vec::new();
+        for (i, s) in seqs.iter().enumerate().filter(|(_, s)| s.len > 0) {
+            let nb = (s.pos0 + s.len).div_ceil(bs.max(1));
+            let table = x.tables.slice(i * x.stride..i * x.stride + nb);
+            if s.pos0 + s.len <= topk {
+                let (a, b) = (s.start * qr, (s.start + s.len) * qr);
+                g.attention_paged_prefill(
+                    x.dims,
+                    &x.q.slice(a..b),
+                    &x.gate.slice(a..b),
+                    x.k,
+                    x.v,
+                    &table,
+                    s.pos0,
+                    s.len,
+                    &mut out.buf.slice_mut(a..b),
+                )?;
+                if tracing {
+                    for p in s.pos0..s.pos0 + s.len {
+                        trace.push((layer, s.state, p, (0..=p).collect()));
+                    }
+                }
+                continue;
+            }
+            let ctx_all = s.pos0 + s.len;
+            let group = (SCORE_BUDGET / ctx_all).clamp(1, MAX_GROUP_ROWS);
+            let mut a = 0;
+            while a < s.len {
+                let n = group.min(s.len - a);
+                let (r0, p0) = (s.start + a, s.pos0 + a);
+                let ld = p0 + n;
+                let mut scores = self.scratch::<f32>(n * ld)?;
+                let mut sel = self.scratch::<u32>(n * topk)?;
+                let mut counts = self.scratch::<u32>(n)?;
+                g.qsa_scores(
+                    &x.qi.slice(r0 * ni * di..(r0 + n) * ni * di),
+                    &x.wts.slice(r0 * ni..(r0 + n) * ni),
+                    x.idx,
+                    &table,
+                    ni,
+                    di,
+                    bs,
+                    p0,
+                    n,
+                    &mut scores,
+                    ld,
+                )?;
+                g.qsa_topk(&scores, ld, p0, n, topk, &mut sel, &mut counts)?;
+                let (qa, qb) = (r0 * qr, (r0 + n) * qr);
+                g.qsa_attention_gather(
+                    x.dims,
+                    &x.q.slice(qa..qb),
+                    &x.gate.slice(qa..qb),
+                    x.k,
+                    x.v,
+                    &table,
+                    &sel,
+                    topk,
+                    &counts,
+                    topk.min(ld),
+                    &mut out.buf.slice_mut(qa..qb),
+                    n,
+                )?;
+                if tracing {
+                    let sel = g.download(&sel)?;
+                    let counts = g.download(&counts)?;
+                    for (j, &c) in counts.iter().take(n).enumerate() {
+                        let picked = sel[j * topk..j * topk + c as usize]
+                            .iter()
+                            .map(|&x| x as usize)
+                            .collect();
+                        trace.push((layer, s.state, p0 + j, picked));
+                    }
+                }
+                a += n;
+            }
+        }
+        Ok(trace)
+    }
+}
+
+/// What the selection and the attention of one QSA call read: the attention shape, the indexer's
+/// heads and topk, q and gate `[rows, hq·d]`, the indexer queries and head weights (f32), the layer's
+/// K/V and index-key pools, and the step's block tables (`stride` ids a sequence).
+struct Select<'a> {
+    dims: AttnDims,
+    ni: usize,
+    di: usize,
+    topk: usize,
+    q: &'a CudaSlice<bf16>,
+    gate: &'a CudaSlice<bf16>,
+    qi: &'a CudaSlice<f32>,
+    wts: &'a CudaSlice<f32>,
+    k: &'a CudaSlice<bf16>,
+    v: &'a CudaSlice<bf16>,
+    idx: &'a CudaSlice<u8>,
+    tables: &'a CudaView<'a, u32>,
+    stride: usize,
 }

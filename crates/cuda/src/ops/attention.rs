@@ -1,9 +1,11 @@
 //! Gated attention over the paged K/V cache: decode (one query per sequence, a batch of sequences of
-//! different lengths) and prefill (one chunk of one sequence, causal), both as split-K: a partial
-//! kernel per (query row, span of context positions, group of up to 8 query heads sharing a KV head,
-//! so each K/V row is read once per group), then a reduce kernel that merges the spans and multiplies
-//! by `sigmoid(gate)` (the Qwen3-Next output gate, same `[rows, hq·head_dim]` layout as the output, so
-//! it is fused into the reduce).
+//! different lengths) and prefill (one chunk of one sequence, causal).
+//!
+//! Decode (and prefill at a head size the tensor-core kernel lacks) runs as split-K: a partial kernel
+//! per (query row, span of context positions, group of up to 8 query heads sharing a KV head, so each
+//! K/V row is read once per group), then a reduce kernel that merges the spans and multiplies by
+//! `sigmoid(gate)` (the Qwen3-Next output gate, same `[rows, hq·head_dim]` layout as the output, so it
+//! is fused into the reduce).
 //!
 //! The number of spans per row is fixed by the host from `max_len` (for a recorded decode step, its
 //! span): at most [`ATTN_SPLIT`] positions each, and for decode about 64 spans of the longest context
@@ -11,12 +13,19 @@
 //! spans on the device (spans of at least 32 positions), so the spans past a row's
 //! length exit at once.
 //!
+//! Prefill at head sizes 32, 64, 128 and 256 runs on the tensor cores (`attention_prefill.cu`,
+//! flash-attention 2's forward pass): a block owns 64 (query, head) rows of one KV head's group and
+//! walks the context in key tiles with an online softmax, gating and rounding its output itself. Only
+//! when those blocks would leave the multiprocessors idle (a short chunk after a long prefix) does it
+//! split the context too, into the same workspace the reduce kernel merges (`prefill_spans`).
+//!
 //! The cache layout is the CPU backend's: `k_pool`, `v_pool` are `[num_blocks, block_size,
 //! hkv·head_dim]` bf16; position `p` of a sequence lies in block `table[p / block_size]`, row
 //! `p % block_size`. The split workspace (`rows·hq·splits·(head_dim + 2)` f32) is allocated per call
 //! from the stream-ordered pool, uninitialised (the reduce reads only what the partial kernel wrote).
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::row_threads;
@@ -39,6 +48,14 @@ const HEADS_PER_BLOCK: usize = 8;
 const PARTIAL_THREADS: u32 = 128;
 /// The hardware limit of grid dimensions y and z.
 const GRID_YZ_MAX: usize = 65535;
+/// (query, head) rows of one tensor-core prefill block (`AP_BM` in `attention_prefill.cu`).
+const MMA_ROWS: usize = 64;
+/// Threads of a tensor-core prefill block (`AP_THREADS` in `attention_prefill.cu`).
+const MMA_THREADS: u32 = 128;
+/// Tensor-core prefill blocks one multiprocessor holds at once at head size 256 on sm_90 (64 KiB of
+/// shared memory and about 244 registers a thread each): the grid should offer this many per
+/// multiprocessor before the context is split.
+const MMA_BLOCKS_PER_SM: usize = 2;
 
 /// Head counts, head size and cache block size of an attention layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -145,6 +162,27 @@ impl Gpu {
                 )
             },
         )?;
+        if let Some((kernel, key_tile)) = prefill_mma_kernel(dims.head_dim) {
+            if self.prefill_mma_aligned(q, gate, k_pool, v_pool, out) {
+                let tiles = PrefillTiles {
+                    kernel,
+                    key_tile,
+                    pos0,
+                    t,
+                };
+                return self.attn_prefill_mma(
+                    OP,
+                    dims,
+                    q,
+                    gate,
+                    k_pool,
+                    v_pool,
+                    block_table,
+                    tiles,
+                    out,
+                );
+            }
+        }
         let rows = Rows::Prefill { pos0, max_blocks };
         self.attn_paged(
             OP,
@@ -250,7 +288,7 @@ impl Gpu {
         let (pop, _gpo) = part_o.device_ptr_mut(s);
         let (pmp, _gpm) = part_ml.device_ptr_mut(s);
         let (op_, _go) = out.device_ptr_mut(s);
-        let mut l = s.launch_builder(self.kernel("attn_paged_partial")?);
+        let mut l = self.launch(self.kernel("attn_paged_partial")?);
         l.arg(&qp)
             .arg(&kp)
             .arg(&vp)
@@ -276,7 +314,7 @@ impl Gpu {
         // stride 0); the kernel caps every length at max_blocks·block_size and masks block ids at or
         // beyond num_blocks; the workspace holds n·hq·splits slots.
         unsafe { l.launch(cfg(grid, PARTIAL_THREADS, 0)) }?;
-        let mut l = s.launch_builder(self.kernel("attn_paged_reduce")?);
+        let mut l = self.launch(self.kernel("attn_paged_reduce")?);
         l.arg(&pop)
             .arg(&pmp)
             .arg(&gp)
@@ -298,4 +336,229 @@ fn decode_max_split(max_len: usize) -> usize {
         .div_ceil(DECODE_SPLITS)
         .next_power_of_two()
         .clamp(ATTN_MIN_SPLIT, ATTN_SPLIT)
+}
+
+/// The tensor-core prefill kernel of head size `d` and its key tile (keys per step of a block), or
+/// `None` where there is none (the split-K kernels take that head size).
+fn prefill_mma_kernel(d: usize) -> Option<(&'static str, usize)> {
+    match d {
+        256 => Some(("attn_prefill_mma_d256", 32)),
+        128 => Some(("attn_prefill_mma_d128", 64)),
+        64 => Some(("attn_prefill_mma_d64", 64)),
+        32 => Some(("attn_prefill_mma_d32", 64)),
+        _ => None,
+    }
+}
+
+/// How a tensor-core prefill launch divides the context: `(splits, span)`, span `s` covering
+/// positions `s·span .. (s + 1)·span`. `blocks` is the grid without splits (KV heads × row tiles),
+/// `rows` the real (query, head) rows of one tile, `len` the positions the chunk's last query sees.
+///
+/// The context is split only while the grid offers fewer than [`MMA_BLOCKS_PER_SM`] blocks per
+/// multiprocessor, and only into spans of at least `16·rows` positions (256 to 1024): a split adds
+/// `8·head_dim` bytes of workspace traffic per row (written here, read by the reduce) to the
+/// `4·span·head_dim` bytes of K/V a tile's span loads and the `4·span·head_dim` flops per row it
+/// computes, so such spans keep the workspace below about a tenth of either. With Qwen3-Next's layer
+/// (16 query heads, 2 KV heads: 8 rows of a tile per query) on 132 multiprocessors: a chunk of 512
+/// queries is 128 blocks; from position 0 (512 positions) it stays whole, after a 4096-position
+/// prefix it takes 3 spans of 1536; a single query at position 32767 takes 128 spans of 256, as the
+/// split-K decode does; 2048 queries (512 blocks) never split.
+fn prefill_spans(
+    blocks: usize,
+    rows: usize,
+    len: usize,
+    sms: usize,
+    key_tile: usize,
+) -> (usize, usize) {
+    let want = (MMA_BLOCKS_PER_SM * sms).div_ceil(blocks.max(1));
+    let min_span = (16 * rows).clamp(256, 1024);
+    let splits = want.min(len / min_span).max(1);
+    if splits == 1 {
+        return (1, len.max(1));
+    }
+    let span = len.div_ceil(splits).next_multiple_of(key_tile);
+    (len.div_ceil(span), span)
+}
+
+/// The shape of one tensor-core prefill launch: its kernel and key tile, and the chunk's queries.
+struct PrefillTiles {
+    kernel: &'static str,
+    key_tile: usize,
+    pos0: usize,
+    t: usize,
+}
+
+impl Gpu {
+    /// Whether the tensor-core prefill kernel can take these buffers: it copies q and the pools in
+    /// 16-byte pieces and reads the gate and writes the output in bf16 pairs (a slice at an odd
+    /// offset takes the split-K kernels instead).
+    fn prefill_mma_aligned(
+        &self,
+        q: &impl DevicePtr<bf16>,
+        gate: &impl DevicePtr<bf16>,
+        k_pool: &impl DevicePtr<bf16>,
+        v_pool: &impl DevicePtr<bf16>,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> bool {
+        let s = self.stream();
+        let (qp, _gq) = q.device_ptr(s);
+        let (kp, _gk) = k_pool.device_ptr(s);
+        let (vp, _gv) = v_pool.device_ptr(s);
+        let (gp, _gg) = gate.device_ptr(s);
+        let (op_, _go) = out.device_ptr_mut(s);
+        (qp | kp | vp) % 16 == 0 && (gp | op_) % 4 == 0
+    }
+
+    /// Causal prefill of one chunk on the tensor cores (`attn_prefill_mma_d*`), plus the reduce when
+    /// [`prefill_spans`] splits the context. Same contract as [`Gpu::attention_paged_prefill`], whose
+    /// table check it relies on.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_prefill_mma(
+        &self,
+        op: &'static str,
+        dims: AttnDims,
+        q: &impl DevicePtr<bf16>,
+        gate: &impl DevicePtr<bf16>,
+        k_pool: &impl DevicePtr<bf16>,
+        v_pool: &impl DevicePtr<bf16>,
+        block_table: &impl DevicePtr<u32>,
+        tiles: PrefillTiles,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<()> {
+        let AttnDims {
+            hq,
+            hkv,
+            head_dim: d,
+            block_size: bs,
+        } = dims;
+        let PrefillTiles {
+            kernel,
+            key_tile,
+            pos0,
+            t,
+        } = tiles;
+        ensure(hkv > 0 && hq > 0 && hq % hkv == 0, op, || {
+            format!("hq = {hq} must be a positive multiple of hkv = {hkv}")
+        })?;
+        let pool_rows = bs * dims.kv_row();
+        ensure(
+            k_pool.len() == v_pool.len() && k_pool.len() % pool_rows == 0,
+            op,
+            || {
+                format!(
+                    "k_pool ({}) and v_pool ({}) must be equal multiples of block_size·hkv·head_dim = {pool_rows}",
+                    k_pool.len(),
+                    v_pool.len()
+                )
+            },
+        )?;
+        check_len(op, "q", q, t * dims.q_row())?;
+        check_len(op, "gate", gate, t * dims.q_row())?;
+        check_len(op, "out", out, t * dims.q_row())?;
+        if t == 0 {
+            return Ok(());
+        }
+        let group = hq / hkv;
+        let row_tiles = (t * group).div_ceil(MMA_ROWS);
+        let len = pos0 + t;
+        let sms = self.info().multiprocessors as usize;
+        let (splits, span) = prefill_spans(
+            hkv * row_tiles,
+            (t * group).min(MMA_ROWS),
+            len,
+            sms,
+            key_tile,
+        );
+        ensure(
+            hkv <= GRID_YZ_MAX && splits <= GRID_YZ_MAX && (splits == 1 || t <= GRID_YZ_MAX),
+            op,
+            || format!("{hkv} KV heads, {splits} splits or {t} rows exceed {GRID_YZ_MAX}"),
+        )?;
+        let num_blocks = u32::try_from(k_pool.len() / pool_rows).unwrap_or(u32::MAX);
+        let (mb_i, pos0_i, t_i) = (
+            int(op, "max_blocks", block_table.len())?,
+            int(op, "pos0 + t", len).map(|_| pos0 as i32)?,
+            int(op, "t·hq / hkv", t * group).map(|_| t as i32)?,
+        );
+        let (hq_i, hkv_i, bs_i) = (
+            int(op, "hq", hq)?,
+            int(op, "hkv", hkv)?,
+            int(op, "block_size", bs)?,
+        );
+        let (splits_i, span_i) = (splits as i32, int(op, "span", span)?);
+        let scale_log2 = ((d as f64).powf(-0.5) * std::f64::consts::LOG2_E) as f32;
+        let smem = (MMA_ROWS + 2 * key_tile) * d * 2;
+        let f = self.kernel(kernel)?;
+        // Above the default 48 KiB of dynamic shared memory a kernel must opt in (a host-side attribute
+        // of the function, no stream operation); head size 256 takes 64 KiB, below sm_86's 99 KiB.
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+        let s = self.stream();
+        // The split workspace, only with splits. SAFETY: plain device allocations; the kernel writes
+        // every part_ml slot and the part_o slots of every finite max, the only ones the reduce reads.
+        let mut part = if splits > 1 {
+            let slots = t * hq * splits;
+            Some(unsafe { (s.alloc::<f32>(slots * d)?, s.alloc::<f32>(slots * 2)?) })
+        } else {
+            None
+        };
+        let (qp, _gq) = q.device_ptr(s);
+        let (gp, _gg) = gate.device_ptr(s);
+        let (kp, _gk) = k_pool.device_ptr(s);
+        let (vp, _gv) = v_pool.device_ptr(s);
+        let (tp, _gt) = block_table.device_ptr(s);
+        let (op_, _go) = out.device_ptr_mut(s);
+        let (pop, pmp, _gpart) = match part.as_mut() {
+            Some((po, pm)) => {
+                let (a, ga) = po.device_ptr_mut(s);
+                let (b, gb) = pm.device_ptr_mut(s);
+                (a, b, Some((ga, gb)))
+            }
+            None => (0, 0, None),
+        };
+        let mut l = self.launch(f);
+        l.arg(&qp)
+            .arg(&kp)
+            .arg(&vp)
+            .arg(&tp)
+            .arg(&mb_i)
+            .arg(&pos0_i)
+            .arg(&t_i)
+            .arg(&gp)
+            .arg(&op_)
+            .arg(&pop)
+            .arg(&pmp)
+            .arg(&hq_i)
+            .arg(&hkv_i)
+            .arg(&bs_i)
+            .arg(&num_blocks)
+            .arg(&splits_i)
+            .arg(&span_i)
+            .arg(&scale_log2);
+        // row_tiles ≤ t·hq / hkv, checked to fit an i32 above.
+        let grid = (row_tiles as u32, hkv as u32, splits as u32);
+        // SAFETY: argument types match the kernel; q, gate, out hold t·hq·head_dim elements and the
+        // pools whole blocks (checked above), all aligned as the kernel needs (the caller checked);
+        // the kernel reads at most max_blocks table ids and masks ids at or beyond num_blocks; with
+        // splits the workspace holds t·hq·splits slots (without, the kernel never touches it); shared
+        // memory opted in above.
+        unsafe { l.launch(cfg(grid, MMA_THREADS, smem as u32)) }?;
+        if splits > 1 {
+            let d_i = d as i32;
+            let mut l = self.launch(self.kernel("attn_paged_reduce")?);
+            l.arg(&pop)
+                .arg(&pmp)
+                .arg(&gp)
+                .arg(&op_)
+                .arg(&hq_i)
+                .arg(&d_i)
+                .arg(&splits_i);
+            // SAFETY: argument types match the kernel; gate and out hold t·hq·head_dim elements; the
+            // block has at least head_dim threads.
+            unsafe { l.launch(cfg((hq as u32, t as u32, 1), row_threads(d), 0)) }?;
+        }
+        Ok(())
+    }
 }

@@ -1,7 +1,7 @@
-//! Depthwise causal conv1d + SiLU with its rolling state: prefill of one sequence and the batched
-//! one-token update.
+//! Depthwise causal conv1d + SiLU with its rolling state: the prefill of every sequence of a step and
+//! the batched one-token update.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use crate::error::{ensure, Result};
@@ -9,57 +9,102 @@ use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 /// The largest conv kernel the update kernel takes.
 const MAX_KERNEL: usize = 8;
+/// Rows of one channel a prefill thread convolves (about).
+const ROWS_PER_THREAD: usize = 16;
 
 impl Gpu {
-    /// Prefill: `out[s, ch] = silu(Σ_j w[ch, j] · xx[s + j, ch])` with `xx = state ++ x`, then
-    /// `state ← last kernel−1 rows of xx`. `x`, `out`: `[t, c]`; `w`: `[c, kernel]`; `state`:
-    /// `[kernel−1, c]`. Matches `sanmai_cpu::ops::causal_conv1d_silu`.
+    /// Prefill of every sequence of a step: sequence `i` owns rows `starts[i] .. starts[i] + lens[i]`
+    /// of `x` and `out` (`[rows, c]`; clamped to `rows`) and slot `slots[i]` of `state_pool`
+    /// `[num_slots, kernel−1, c]`; per sequence `out[s, ch] = silu(Σ_j w[ch, j] · xx[s + j, ch])` with
+    /// `xx = state ++ x`, then `state ← last kernel−1 rows of xx`. A slot id out of range gives zero
+    /// outputs and touches no state; rows of no sequence are untouched. `w`: `[c, kernel]`;
+    /// `max_len`: the longest `lens[i]` (sizes the grid). Two launches (the convolution, then the
+    /// state roll), whatever the number of sequences. Matches `sanmai_cpu::ops::causal_conv1d_silu`
+    /// per sequence.
     #[allow(clippy::too_many_arguments)]
     pub fn conv1d_prefill(
         &self,
         x: &impl DevicePtr<bf16>,
         w: &impl DevicePtr<bf16>,
-        state: &mut impl DevicePtrMut<bf16>,
+        state_pool: &mut impl DevicePtrMut<bf16>,
+        starts: &impl DevicePtr<u32>,
+        lens: &impl DevicePtr<u32>,
+        slots: &impl DevicePtr<u32>,
         out: &mut impl DevicePtrMut<bf16>,
-        t: usize,
+        rows: usize,
+        n_seq: usize,
+        max_len: usize,
         c: usize,
         kernel: usize,
     ) -> Result<()> {
         const OP: &str = "conv1d_prefill";
         ensure(kernel >= 1, OP, || "kernel size must be at least 1".into())?;
-        check_len(OP, "x", x, t * c)?;
+        ensure(n_seq <= 65535, OP, || {
+            format!("{n_seq} sequences exceed 65535")
+        })?;
+        check_len(OP, "x", x, rows * c)?;
         check_len(OP, "w", w, c * kernel)?;
-        check_len(OP, "state", state, (kernel - 1) * c)?;
-        check_len(OP, "out", out, t * c)?;
-        if t == 0 || c == 0 {
+        check_len(OP, "starts", starts, n_seq)?;
+        check_len(OP, "lens", lens, n_seq)?;
+        check_len(OP, "slots", slots, n_seq)?;
+        check_len(OP, "out", out, rows * c)?;
+        if rows == 0 || n_seq == 0 || max_len == 0 || c == 0 {
             return Ok(());
         }
-        let (ti, ci, ki) = (
-            int(OP, "t", t)?,
+        // Without state rows (kernel 1) no slot is read or written.
+        let num_slots = state_pool
+            .len()
+            .checked_div((kernel - 1) * c)
+            .map_or(u32::MAX, |n| u32::try_from(n).unwrap_or(u32::MAX));
+        let (ri, ci, ki) = (
+            int(OP, "rows", rows)?,
             int(OP, "c", c)?,
             int(OP, "kernel", kernel)?,
         );
-        let blocks = grid_u32(OP, (t * c).div_ceil(256).min(1 << 20))?;
+        // Blocks of 256 channels by groups of rows by sequences: a thread takes about ROWS_PER_THREAD
+        // rows of its channel (strided), which hides the latency of its first loads.
+        let grid = (
+            grid_u32(OP, c.div_ceil(256))?,
+            max_len.min(rows).div_ceil(ROWS_PER_THREAD).min(65535) as u32,
+            n_seq as u32,
+        );
         let s = self.stream();
         let (xp, _gx) = x.device_ptr(s);
         let (wp, _gw) = w.device_ptr(s);
-        let (sp, _gs) = state.device_ptr_mut(s);
+        let (sp, _gs) = state_pool.device_ptr_mut(s);
+        let (stp, _gst) = starts.device_ptr(s);
+        let (lnp, _gln) = lens.device_ptr(s);
+        let (slp, _gsl) = slots.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
-        let mut b = s.launch_builder(self.kernel("conv1d_prefill_bf16")?);
+        let mut b = self.launch(self.kernel("conv1d_prefill_seqs_bf16")?);
         b.arg(&xp)
             .arg(&wp)
             .arg(&sp)
+            .arg(&stp)
+            .arg(&lnp)
+            .arg(&slp)
             .arg(&op)
-            .arg(&ti)
+            .arg(&ri)
             .arg(&ci)
-            .arg(&ki);
-        // SAFETY: argument types match the kernel; lengths checked above.
-        unsafe { b.launch(cfg((blocks, 1, 1), 256, 0)) }?;
+            .arg(&ki)
+            .arg(&num_slots);
+        // SAFETY: argument types match the kernel; lengths checked above; the kernel clamps every
+        // sequence's rows to `rows` and skips slot ids at or beyond `num_slots`.
+        unsafe { b.launch(cfg(grid, 256, 0)) }?;
         if kernel > 1 {
-            let mut b = s.launch_builder(self.kernel("conv1d_state_bf16")?);
-            b.arg(&xp).arg(&sp).arg(&ti).arg(&ci).arg(&ki);
+            let mut b = self.launch(self.kernel("conv1d_roll_seqs_bf16")?);
+            b.arg(&xp)
+                .arg(&sp)
+                .arg(&stp)
+                .arg(&lnp)
+                .arg(&slp)
+                .arg(&ri)
+                .arg(&ci)
+                .arg(&ki)
+                .arg(&num_slots);
             // SAFETY: as above; queued after the convolution on the same stream.
-            unsafe { b.launch(cfg((grid_u32(OP, c.div_ceil(256))?, 1, 1), 256, 0)) }?;
+            let grid = (grid_u32(OP, c.div_ceil(256))?, n_seq as u32, 1);
+            unsafe { b.launch(cfg(grid, 256, 0)) }?;
         }
         Ok(())
     }
@@ -104,7 +149,7 @@ impl Gpu {
         let (sp, _gs) = state_pool.device_ptr_mut(s);
         let (lp, _gl) = slots.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
-        let mut b = s.launch_builder(self.kernel("conv1d_update_bf16")?);
+        let mut b = self.launch(self.kernel("conv1d_update_bf16")?);
         b.arg(&xp)
             .arg(&wp)
             .arg(&sp)

@@ -1,6 +1,6 @@
 //! SwiGLU on a fused gate|up buffer, and the embedding gather.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use crate::error::Result;
@@ -27,7 +27,7 @@ impl Gpu {
         let s = self.stream();
         let (gp, _gg) = gate_up.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
-        let mut b = s.launch_builder(self.kernel("swiglu_bf16")?);
+        let mut b = self.launch(self.kernel("swiglu_bf16")?);
         b.arg(&gp).arg(&op).arg(&tt).arg(&ii);
         // SAFETY: argument types match the kernel; lengths checked above.
         unsafe { b.launch(cfg((blocks, 1, 1), 256, 0)) }?;
@@ -67,7 +67,7 @@ impl Gpu {
         let (ip, _gi) = ids.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
         let vec = i32::from(hidden.is_multiple_of(8) && tp % 16 == 0 && op % 16 == 0);
-        let mut b = s.launch_builder(self.kernel("embed_bf16")?);
+        let mut b = self.launch(self.kernel("embed_bf16")?);
         b.arg(&tp).arg(&ip).arg(&op).arg(&v).arg(&h).arg(&vec);
         // SAFETY: argument types match the kernel; lengths checked above; the kernel reads table rows
         // only for ids below `vocab`.

@@ -1,7 +1,7 @@
-//! The gated delta rule on the GPU, state f32: the recurrent decode step (one token per sequence) and
-//! the prefill of one sequence's chunk (token by token inside one launch, the state in registers).
+//! The gated delta rule on the GPU, state f32: the recurrent decode step (one token per sequence); the
+//! chunked prefill is in `gdn_chunk.rs`.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use crate::error::{ensure, Result};
@@ -36,8 +36,6 @@ const STEP_THREADS: u32 = 128;
 const STEP_COLS: usize = 32;
 /// The largest key head size of `gdn_recurrent_step`; larger ones take `gdn_recurrent_step_dk256`.
 const STEP_SMALL_DK: usize = 128;
-/// Row groups (warps) per block of the prefill kernel (`GDN_PF_GROUPS` in `gdn.cu`).
-const PREFILL_GROUPS: u32 = 4;
 
 impl Gpu {
     /// One decode step of `batch` sequences (one block per sequence, value head and 32 value
@@ -107,7 +105,7 @@ impl Gpu {
         let (sp, _gs) = state_pool.device_ptr_mut(s);
         let (slp, _gsl) = slots.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
-        let mut l = s.launch_builder(self.kernel(kernel)?);
+        let mut l = self.launch(self.kernel(kernel)?);
         l.arg(&qp)
             .arg(&kp)
             .arg(&vp)
@@ -130,87 +128,6 @@ impl Gpu {
         // row); slot ids at or beyond `num_slots` are skipped by the kernel; the block size is the
         // GDN_STEP_THREADS it requires and dk is within the chosen kernel's limit.
         unsafe { l.launch(cfg(grid, STEP_THREADS, 0)) }?;
-        Ok(())
-    }
-
-    /// Prefill of `t` tokens of one sequence: `qkv` `[t, conv_dim]`, `a`, `b` `[t, hv]`, `a_log`,
-    /// `dt_bias` `[hv]` as [`Gpu::gdn_recurrent_step`]; `state`: the sequence's `[hv, dk, dv]` f32
-    /// state, updated in place; `out`: `[t, hv·dv]`. The recurrent form, token by token inside one
-    /// launch (one block per value head and 32 value columns); matches the CPU gates followed by
-    /// `sanmai_cpu::ops::gdn_chunked` (equal to `gdn_recurrent` up to f32 rounding).
-    #[allow(clippy::too_many_arguments)]
-    pub fn gdn_recurrent_prefill(
-        &self,
-        dims: GdnDims,
-        qkv: &impl DevicePtr<bf16>,
-        a: &impl DevicePtr<bf16>,
-        b: &impl DevicePtr<bf16>,
-        a_log: &impl DevicePtr<f32>,
-        dt_bias: &impl DevicePtr<f32>,
-        state: &mut impl DevicePtrMut<f32>,
-        out: &mut impl DevicePtrMut<bf16>,
-        t: usize,
-    ) -> Result<()> {
-        const OP: &str = "gdn_recurrent_prefill";
-        let GdnDims { hk, hv, dk, dv } = dims;
-        ensure(hk > 0 && hv > 0 && hv % hk == 0, OP, || {
-            format!("hv = {hv} must be a positive multiple of hk = {hk}")
-        })?;
-        ensure(dk > 0 && dk <= MAX_DK && dv > 0, OP, || {
-            format!("dk = {dk} must be in 1..={MAX_DK}, dv = {dv} positive")
-        })?;
-        let cd = dims.conv_dim();
-        check_len(OP, "qkv", qkv, t * cd)?;
-        check_len(OP, "a", a, t * hv)?;
-        check_len(OP, "b", b, t * hv)?;
-        check_len(OP, "a_log", a_log, hv)?;
-        check_len(OP, "dt_bias", dt_bias, hv)?;
-        check_len(OP, "state", state, dims.state_len())?;
-        check_len(OP, "out", out, t * hv * dv)?;
-        if t == 0 {
-            return Ok(());
-        }
-        let q_scale = (dk as f64).powf(-0.5) as f32;
-        let (ti, hki, hvi, dki, dvi) = (
-            int(OP, "t", t)?,
-            int(OP, "hk", hk)?,
-            int(OP, "hv", hv)?,
-            dk as i32,
-            int(OP, "dv", dv)?,
-        );
-        let (qkv_stride, ab_stride) = (cd as i64, hv as i64);
-        let grid = (hvi as u32, dv.div_ceil(32) as u32, 1);
-        let s = self.stream();
-        let (qp, _gq) = qkv.device_ptr(s);
-        let kp = qp + (hk * dk * 2) as u64;
-        let vp = qp + (2 * hk * dk * 2) as u64;
-        let (ap, _ga) = a.device_ptr(s);
-        let (bp, _gb) = b.device_ptr(s);
-        let (lp, _gl) = a_log.device_ptr(s);
-        let (dp, _gd) = dt_bias.device_ptr(s);
-        let (sp, _gs) = state.device_ptr_mut(s);
-        let (op, _go) = out.device_ptr_mut(s);
-        let mut l = s.launch_builder(self.kernel("gdn_recurrent_prefill")?);
-        l.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&qkv_stride)
-            .arg(&ap)
-            .arg(&bp)
-            .arg(&ab_stride)
-            .arg(&lp)
-            .arg(&dp)
-            .arg(&sp)
-            .arg(&op)
-            .arg(&ti)
-            .arg(&hki)
-            .arg(&hvi)
-            .arg(&dki)
-            .arg(&dvi)
-            .arg(&q_scale);
-        // SAFETY: argument types match the kernel; lengths checked above (k and v lie inside each qkv
-        // row); the kernel's block size is the 32·GDN_PF_GROUPS it requires.
-        unsafe { l.launch(cfg(grid, 32 * PREFILL_GROUPS, 0)) }?;
         Ok(())
     }
 }

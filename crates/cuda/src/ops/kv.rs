@@ -1,7 +1,7 @@
 //! Attention input preparation (per-head q/k RMSNorm + partial NeoX RoPE, the gate split out of the
 //! fused `[q | gate]` projection) and the write of new K/V rows into the paged pools.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::row_threads;
@@ -99,7 +99,7 @@ impl Gpu {
         };
         let (xrs, xhs, ors) = (row_stride as i64, head_stride as i64, (n_heads * d) as i64);
         let (di, half) = (d as i32, (rope.rot_dim / 2) as i32);
-        let mut b = s.launch_builder(self.kernel("qk_norm_rope_bf16")?);
+        let mut b = self.launch(self.kernel("qk_norm_rope_bf16")?);
         b.arg(&xp)
             .arg(&xrs)
             .arg(&xhs)
@@ -152,7 +152,7 @@ impl Gpu {
         let (kpp, _gkp) = k_pool.device_ptr_mut(s);
         let (vpp, _gvp) = v_pool.device_ptr_mut(s);
         let (dp, _gd) = dst.device_ptr(s);
-        let mut b = s.launch_builder(self.kernel("kv_write_bf16")?);
+        let mut b = self.launch(self.kernel("kv_write_bf16")?);
         b.arg(&kp)
             .arg(&vp)
             .arg(&kpp)

@@ -9,6 +9,7 @@ mod attention;
 mod conv;
 mod elementwise;
 mod gdn;
+mod gdn_chunk;
 mod gemm;
 mod gemv;
 mod kv;
@@ -30,6 +31,7 @@ pub use kv::{HeadLayout, RopeArgs, QK_MAX_HEAD_DIM};
 pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
 pub use ple::{PleDims, PleGateWeights};
 pub use router::ROUTER_MAX_K;
+pub use sample::SampleBatch;
 pub(crate) use sample::SAMPLE_MAX_VOCAB;
 
 /// Threads per block for a row of `d` elements: one warp at least, 256 at most.

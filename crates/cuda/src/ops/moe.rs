@@ -6,7 +6,7 @@
 //! [`Gpu::moe_gemv_packed`] is the same grouped GEMV over packed integer experts (INT4/INT8
 //! pack-quantized, INT6 gapless; see `ops::quant`), through tables of word and scale addresses.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::bf16;
 
 use crate::error::{ensure, Result};
@@ -135,7 +135,7 @@ impl Gpu {
         let (ip, _gi) = ids.device_ptr(s);
         let (pp, _gp) = perm.device_ptr_mut(s);
         let (tp, _gt) = tiles.device_ptr_mut(s);
-        let mut b = s.launch_builder(self.kernel("moe_sort")?);
+        let mut b = self.launch(self.kernel("moe_sort")?);
         b.arg(&ip).arg(&np).arg(&ei).arg(&pp).arg(&tp).arg(&mt);
         // SAFETY: argument types match the kernel; lengths and shared memory ((2·e + 2) u32) checked
         // above.
@@ -198,7 +198,7 @@ impl Gpu {
             1i32,
             plan.lanes as i32,
         );
-        let mut b = s.launch_builder(self.kernel(&plan.kernel)?);
+        let mut b = self.launch(self.kernel(&plan.kernel)?);
         // The scale table is unused for bf16 experts: the word table stands in.
         b.arg(&wp)
             .arg(&wp)
@@ -376,7 +376,7 @@ impl Gpu {
             int(OP, "group", group)?,
             plan.lanes as i32,
         );
-        let mut b = s.launch_builder(self.kernel(&plan.kernel)?);
+        let mut b = self.launch(self.kernel(&plan.kernel)?);
         b.arg(&wp)
             .arg(&sp)
             .arg(&xp)
@@ -402,8 +402,10 @@ impl Gpu {
         Ok(())
     }
 
-    /// `out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j]`, skipping pairs whose id is `≥ e`.
-    /// `y`: `[tokens·top_k, h]` f32; `weights`, `ids`: `[tokens, top_k]`; `out`: `[tokens, h]`.
+    /// `out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j]`, skipping pairs whose id is `≥ e`, plus
+    /// `sigmoid(gate[t]) · shared_y[t, j]` when `shared = (shared_y, gate)` is given (the shared
+    /// expert, added before the one rounding). `y`: `[tokens·top_k, h]` f32; `weights`, `ids`:
+    /// `[tokens, top_k]`; `shared_y`, `out`: `[tokens, h]`; `gate`: `[tokens]`.
     /// Grid `(tokens, ceil(h / 512))` of 128 threads, 4 columns a thread.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_combine(
@@ -412,6 +414,7 @@ impl Gpu {
         weights: &impl DevicePtr<f32>,
         ids: &impl DevicePtr<u32>,
         e: usize,
+        shared: Option<(&CudaSlice<bf16>, &CudaSlice<bf16>)>,
         out: &mut impl DevicePtrMut<bf16>,
         tokens: usize,
         top_k: usize,
@@ -422,6 +425,10 @@ impl Gpu {
         check_len(OP, "weights", weights, tokens * top_k)?;
         check_len(OP, "ids", ids, tokens * top_k)?;
         check_len(OP, "out", out, tokens * h)?;
+        if let Some((sy, sg)) = shared {
+            check_len(OP, "shared_y", sy, tokens * h)?;
+            check_len(OP, "shared_gate", sg, tokens)?;
+        }
         if tokens == 0 || h == 0 {
             return Ok(());
         }
@@ -429,17 +436,22 @@ impl Gpu {
         let (yp, _gy) = y.device_ptr(s);
         let (wp, _gw) = weights.device_ptr(s);
         let (ip, _gi) = ids.device_ptr(s);
+        let (sy, _gsy) = shared.map(|(b, _)| b.device_ptr(s)).unzip();
+        let (sg, _gsg) = shared.map(|(_, b)| b.device_ptr(s)).unzip();
+        let (syp, sgp) = (sy.unwrap_or(0), sg.unwrap_or(0));
         let (op, _go) = out.device_ptr_mut(s);
         let (ei, ki, hi) = (int(OP, "e", e)?, int(OP, "top_k", top_k)?, int(OP, "h", h)?);
         let smem = 8 * top_k;
         ensure(smem <= 48 * 1024, OP, || {
             format!("top_k = {top_k} exceeds shared memory")
         })?;
-        let mut b = s.launch_builder(self.kernel("moe_combine")?);
+        let mut b = self.launch(self.kernel("moe_combine")?);
         b.arg(&yp)
             .arg(&wp)
             .arg(&ip)
             .arg(&ei)
+            .arg(&syp)
+            .arg(&sgp)
             .arg(&op)
             .arg(&ki)
             .arg(&hi);

@@ -11,7 +11,7 @@
 //! keep the GEMV (see [`Gpu::moe_gemm_wanted`]).
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::moe::MoeOut;
@@ -104,7 +104,7 @@ impl Gpu {
         let (ip, _gi) = ids.device_ptr(s);
         let (pp, _gp) = perm.device_ptr_mut(s);
         let (tp, _gt) = tiles.device_ptr_mut(s);
-        let mut b = s.launch_builder(self.kernel("moe_gemm_plan")?);
+        let mut b = self.launch(self.kernel("moe_gemm_plan")?);
         b.arg(&ip).arg(&np).arg(&ei).arg(&pp).arg(&tp).arg(&mt);
         // SAFETY: argument types match the kernel; lengths and shared memory (2·e u32) checked above.
         unsafe { b.launch(cfg((1, 1, 1), 1024, (8 * e) as u32)) }?;
@@ -193,7 +193,7 @@ impl Gpu {
             int(OP, "group", group)?,
             int(OP, "spc", spc)?,
         );
-        let mut b = s.launch_builder(f);
+        let mut b = self.launch(f);
         b.arg(&wp)
             .arg(&sp)
             .arg(&xp)

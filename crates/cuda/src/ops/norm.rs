@@ -5,7 +5,7 @@
 //! d = 4096), several rows per block when d is small. Other widths take the `_any` kernels (one block
 //! per row).
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::row_threads;
@@ -69,7 +69,7 @@ impl Gpu {
         if vector_ok(d, &[xp, wp, yp]) {
             let (tpr_log2, block, blocks) = norm_plan(rows, d);
             let tl = tpr_log2 as i32;
-            let mut b = s.launch_builder(self.kernel("rms_norm_bf16")?);
+            let mut b = self.launch(self.kernel("rms_norm_bf16")?);
             b.arg(&xp)
                 .arg(&wp)
                 .arg(&yp)
@@ -82,7 +82,7 @@ impl Gpu {
             // 16-byte aligned, d % 8 == 0 and d ≤ NORM_MAX_D; rows past `rows` are not touched.
             unsafe { b.launch(cfg((grid_u32(OP, blocks)?, 1, 1), block, 0)) }?;
         } else {
-            let mut b = s.launch_builder(self.kernel("rms_norm_bf16_any")?);
+            let mut b = self.launch(self.kernel("rms_norm_bf16_any")?);
             b.arg(&xp).arg(&wp).arg(&yp).arg(&di).arg(&eps).arg(&offset);
             // SAFETY: argument types match the kernel; every buffer holds rows·d (w: d) elements.
             unsafe { b.launch(cfg((grid_u32(OP, rows)?, 1, 1), row_threads(d), 0)) }?;
@@ -121,7 +121,7 @@ impl Gpu {
         if vector_ok(d, &[xp, zp, wp, yp]) {
             let (tpr_log2, block, blocks) = norm_plan(rows, d);
             let tl = tpr_log2 as i32;
-            let mut b = s.launch_builder(self.kernel("gated_rms_norm_bf16")?);
+            let mut b = self.launch(self.kernel("gated_rms_norm_bf16")?);
             b.arg(&xp)
                 .arg(&zp)
                 .arg(&wp)
@@ -134,7 +134,7 @@ impl Gpu {
             // d % 8 == 0 and d ≤ NORM_MAX_D; rows past `rows` are not touched.
             unsafe { b.launch(cfg((grid_u32(OP, blocks)?, 1, 1), block, 0)) }?;
         } else {
-            let mut b = s.launch_builder(self.kernel("gated_rms_norm_bf16_any")?);
+            let mut b = self.launch(self.kernel("gated_rms_norm_bf16_any")?);
             b.arg(&xp).arg(&zp).arg(&wp).arg(&yp).arg(&di).arg(&eps);
             // SAFETY: argument types match the kernel; buffer lengths checked above.
             unsafe { b.launch(cfg((grid_u32(OP, rows)?, 1, 1), row_threads(d), 0)) }?;

@@ -1,7 +1,7 @@
 //! The PLE mix after its projections (`kernels/ple.cu`): the per-stream gate and its normed copy, and
 //! the dilated causal depthwise conv + SiLU with its per-sequence state and the residual update.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::row_threads;
@@ -86,7 +86,7 @@ impl Gpu {
         let (cn, _g8) = w.conv_norm.device_ptr(st);
         let (up, _g9) = u.device_ptr_mut(st);
         let (zp, _g10) = z.device_ptr_mut(st);
-        let mut l = st.launch_builder(self.kernel("ple_gate")?);
+        let mut l = self.launch(self.kernel("ple_gate")?);
         l.arg(&vp)
             .arg(&vb)
             .arg(&kp)
@@ -147,7 +147,7 @@ impl Gpu {
         let (sp, _g3) = state.device_ptr_mut(st);
         let (up, _g4) = u.device_ptr(st);
         let (rp, _g5) = streams.device_ptr_mut(st);
-        let mut l = st.launch_builder(self.kernel("ple_conv")?);
+        let mut l = self.launch(self.kernel("ple_conv")?);
         l.arg(&zp)
             .arg(&wp)
             .arg(&sp)
@@ -161,11 +161,79 @@ impl Gpu {
         // SAFETY: argument types match the kernel; lengths checked above.
         unsafe { l.launch(cfg((blocks, 1, 1), 256, 0)) }?;
         if past > 0 {
-            let mut l = st.launch_builder(self.kernel("ple_conv_state")?);
+            let mut l = self.launch(self.kernel("ple_conv_state")?);
             l.arg(&zp).arg(&sp).arg(&ti).arg(&ci).arg(&pi);
             // SAFETY: as above; queued after the convolution on the same stream.
             unsafe { l.launch(cfg((grid_u32(OP, c.div_ceil(256))?, 1, 1), 256, 0)) }?;
         }
+        Ok(())
+    }
+
+    /// The decode form of [`Gpu::ple_conv`] for `rows` sequences of one token each: row `r`'s conv
+    /// state is slot `slots[r]` (read on the device) of `state_pool` (`[n_slots, (K−1)·dil, C]` f32,
+    /// a slot beyond it skipped). `y = silu(Σ_j w[ch, j]·xx[j·dil, ch])` with `xx = state ++ z[r]`,
+    /// `streams[r, ch] += u[r, ch] + y`, then the state rolls by one row. `z`, `u`: `[rows, C]` f32;
+    /// `streams`: `[rows, C]` bf16. Equals `ple_conv` with `t = 1` on each row's slot, bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ple_conv_decode(
+        &self,
+        dims: PleDims,
+        z: &impl DevicePtr<f32>,
+        u: &impl DevicePtr<f32>,
+        w: &impl DevicePtr<bf16>,
+        state_pool: &mut impl DevicePtrMut<f32>,
+        slots: &impl DevicePtr<u32>,
+        streams: &mut impl DevicePtrMut<bf16>,
+        rows: usize,
+    ) -> Result<()> {
+        const OP: &str = "ple_conv_decode";
+        ensure(dims.kernel >= 1 && dims.dilation >= 1, OP, || {
+            "kernel and dilation must be positive".into()
+        })?;
+        let c = dims.streams * dims.hidden;
+        let per_slot = dims.past() * c;
+        check_len(OP, "z", z, rows * c)?;
+        check_len(OP, "u", u, rows * c)?;
+        check_len(OP, "w", w, c * dims.kernel)?;
+        check_len(OP, "slots", slots, rows)?;
+        check_len(OP, "streams", streams, rows * c)?;
+        if rows == 0 || c == 0 {
+            return Ok(());
+        }
+        // Without past rows no state is read or written: every slot is in range.
+        let n_slots = state_pool
+            .len()
+            .checked_div(per_slot)
+            .map_or(u32::MAX, |n| u32::try_from(n).unwrap_or(u32::MAX));
+        let (ri, ci, ki, di) = (
+            int(OP, "rows", rows)?,
+            int(OP, "C", c)?,
+            int(OP, "kernel", dims.kernel)?,
+            int(OP, "dilation", dims.dilation)?,
+        );
+        let st = self.stream();
+        let (zp, _g1) = z.device_ptr(st);
+        let (wp, _g2) = w.device_ptr(st);
+        let (sp, _g3) = state_pool.device_ptr_mut(st);
+        let (lp, _g4) = slots.device_ptr(st);
+        let (up, _g5) = u.device_ptr(st);
+        let (rp, _g6) = streams.device_ptr_mut(st);
+        let mut l = self.launch(self.kernel("ple_conv_decode")?);
+        l.arg(&zp)
+            .arg(&wp)
+            .arg(&sp)
+            .arg(&lp)
+            .arg(&n_slots)
+            .arg(&up)
+            .arg(&rp)
+            .arg(&ri)
+            .arg(&ci)
+            .arg(&ki)
+            .arg(&di);
+        let blocks = grid_u32(OP, (rows * c).div_ceil(256).min(1 << 20))?;
+        // SAFETY: argument types match the kernel; lengths checked above; slots at or beyond n_slots
+        // are skipped by the kernel.
+        unsafe { l.launch(cfg((blocks, 1, 1), 256, 0)) }?;
         Ok(())
     }
 }

@@ -7,7 +7,7 @@
 //! byte-, score- and selection-deciding arithmetic follows the CPU oracle's f32 operations in order,
 //! so the fp8 bytes, the scores and the selected sets equal `sanmai_cpu::ops`'s on equal inputs.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use crate::error::{ensure, Result};
@@ -71,7 +71,7 @@ impl Gpu {
         let (fp, _g5) = inv_freq.device_ptr(s);
         let (dp, _g6) = dst.device_ptr(s);
         let (op, _g7) = idx_pool.device_ptr_mut(s);
-        let mut l = s.launch_builder(self.kernel("qsa_index_key_write")?);
+        let mut l = self.launch(self.kernel("qsa_index_key_write")?);
         l.arg(&ip)
             .arg(&wp)
             .arg(&bp)
@@ -131,7 +131,7 @@ impl Gpu {
         let (fp, _g4) = inv_freq.device_ptr(s);
         let (op, _g5) = qi.device_ptr_mut(s);
         let (tp, _g6) = wts.device_ptr_mut(s);
-        let mut l = s.launch_builder(self.kernel("qsa_query_prep")?);
+        let mut l = self.launch(self.kernel("qsa_query_prep")?);
         l.arg(&qp)
             .arg(&wp)
             .arg(&pp)
@@ -205,7 +205,7 @@ impl Gpu {
         let (ip, _g3) = idx_pool.device_ptr(s);
         let (tp, _g4) = table.device_ptr(s);
         let (sp, _g5) = scores.device_ptr_mut(s);
-        let mut l = s.launch_builder(self.kernel("qsa_scores")?);
+        let mut l = self.launch(self.kernel("qsa_scores")?);
         l.arg(&qp)
             .arg(&wp)
             .arg(&ip)
@@ -255,9 +255,133 @@ impl Gpu {
         let (sp, _g1) = scores.device_ptr(s);
         let (op, _g2) = sel.device_ptr_mut(s);
         let (cp, _g3) = counts.device_ptr_mut(s);
-        let mut l = s.launch_builder(self.kernel("qsa_topk")?);
+        let mut l = self.launch(self.kernel("qsa_topk")?);
         l.arg(&sp).arg(&ldl).arg(&p0).arg(&k).arg(&op).arg(&cp);
         // SAFETY: argument types match the kernel; lengths checked above.
+        unsafe { l.launch(cfg((grid_u32(OP, n_rows)?, 1, 1), 1024, 0)) }?;
+        Ok(())
+    }
+
+    /// The decode form of [`Gpu::qsa_scores`]: row `r` is the one query of sequence `r`, its context
+    /// `min(lens[r], ld)` and its block table row `r` of `tables` (`[n_rows, table_stride]`) read on
+    /// the device. A row whose context is at most `topk` is not scored (it selects every position);
+    /// otherwise `scores[r·ld + s]` for every `s` of its context, as `qsa_scores`. The launch covers
+    /// `ld` positions a row whatever the contexts: `ld` (a recorded step's span) must be at least
+    /// every context, and `table_stride·block_size` must cover it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qsa_scores_decode(
+        &self,
+        qi: &impl DevicePtr<f32>,
+        wts: &impl DevicePtr<f32>,
+        idx_pool: &impl DevicePtr<u8>,
+        (tables, table_stride): (&impl DevicePtr<u32>, usize),
+        lens: &impl DevicePtr<u32>,
+        (n_heads, head_dim, block_size, topk): (usize, usize, usize, usize),
+        n_rows: usize,
+        scores: &mut impl DevicePtrMut<f32>,
+        ld: usize,
+    ) -> Result<()> {
+        const OP: &str = "qsa_scores_decode";
+        let (ni, di, bs) = (n_heads, head_dim, block_size);
+        ensure((1..=QSA_MAX_INDEX_DIM).contains(&di), OP, || {
+            format!("dI = {di} must be in 1..={QSA_MAX_INDEX_DIM}")
+        })?;
+        ensure(ni * di + ni <= SCORE_SMEM_FLOATS, OP, || {
+            format!("nI·dI = {} exceeds the shared-memory limit", ni * di)
+        })?;
+        ensure(bs > 0, OP, || "block size must be positive".into())?;
+        ensure(n_rows <= GRID_YZ_MAX, OP, || {
+            "too many rows in one call".into()
+        })?;
+        check_len(OP, "qi", qi, n_rows * ni * di)?;
+        check_len(OP, "wts", wts, n_rows * ni)?;
+        check_len(OP, "tables", tables, n_rows * table_stride)?;
+        check_len(OP, "lens", lens, n_rows)?;
+        check_len(OP, "scores", scores, n_rows * ld)?;
+        if n_rows == 0 || ld == 0 {
+            return Ok(());
+        }
+        let pool_rows = idx_pool.len() / (di + 2);
+        ensure(pool_rows >= bs, OP, || "index pool holds no block".into())?;
+        let (nii, dii, bsi, k) = (
+            int(OP, "nI", ni)?,
+            int(OP, "dI", di)?,
+            int(OP, "block_size", bs)?,
+            int(OP, "topk", topk)?,
+        );
+        // Positions past the table's reach are never read.
+        let max_ctx = ld.min(table_stride * bs) as i64;
+        let (ldl, ts) = (ld as i64, table_stride as i64);
+        let s = self.stream();
+        let (qp, _g1) = qi.device_ptr(s);
+        let (wp, _g2) = wts.device_ptr(s);
+        let (ip, _g3) = idx_pool.device_ptr(s);
+        let (tp, _g4) = tables.device_ptr(s);
+        let (lp, _g5) = lens.device_ptr(s);
+        let (sp, _g6) = scores.device_ptr_mut(s);
+        let mut l = self.launch(self.kernel("qsa_scores_decode")?);
+        l.arg(&qp)
+            .arg(&wp)
+            .arg(&ip)
+            .arg(&tp)
+            .arg(&ts)
+            .arg(&lp)
+            .arg(&max_ctx)
+            .arg(&k)
+            .arg(&nii)
+            .arg(&dii)
+            .arg(&bsi)
+            .arg(&sp)
+            .arg(&ldl);
+        let grid = (grid_u32(OP, ld.div_ceil(128))?, n_rows as u32, 1);
+        let smem = ((ni * di + ni) * 4) as u32;
+        // SAFETY: argument types match the kernel; lengths checked above; each row reads at most
+        // min(ld, table_stride·block_size) positions through its table row, whose block ids come from
+        // the step's validated chunks.
+        unsafe { l.launch(cfg(grid, 128, smem)) }?;
+        Ok(())
+    }
+
+    /// The decode form of [`Gpu::qsa_topk`]: row `r` is the one query of sequence `r`, its context
+    /// `min(lens[r], ld)` read on the device; every position when that is at most `topk`, else the
+    /// `topk` of largest `scores[r·ld + s]` (as `qsa_scores_decode` wrote them; ties to the larger
+    /// position), in increasing order, to `sel[r·topk ..]`; `counts[r]` = how many.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qsa_topk_decode(
+        &self,
+        scores: &impl DevicePtr<f32>,
+        ld: usize,
+        lens: &impl DevicePtr<u32>,
+        n_rows: usize,
+        topk: usize,
+        sel: &mut impl DevicePtrMut<u32>,
+        counts: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        const OP: &str = "qsa_topk_decode";
+        ensure(topk > 0, OP, || "topk must be positive".into())?;
+        check_len(OP, "scores", scores, n_rows * ld)?;
+        check_len(OP, "lens", lens, n_rows)?;
+        check_len(OP, "sel", sel, n_rows * topk)?;
+        check_len(OP, "counts", counts, n_rows)?;
+        if n_rows == 0 {
+            return Ok(());
+        }
+        let k = int(OP, "topk", topk)?;
+        let (ldl, max_ctx) = (ld as i64, ld as i64);
+        let s = self.stream();
+        let (sp, _g1) = scores.device_ptr(s);
+        let (lp, _g2) = lens.device_ptr(s);
+        let (op, _g3) = sel.device_ptr_mut(s);
+        let (cp, _g4) = counts.device_ptr_mut(s);
+        let mut l = self.launch(self.kernel("qsa_topk_decode")?);
+        l.arg(&sp)
+            .arg(&ldl)
+            .arg(&lp)
+            .arg(&max_ctx)
+            .arg(&k)
+            .arg(&op)
+            .arg(&cp);
+        // SAFETY: argument types match the kernel; lengths checked above; contexts are capped at ld.
         unsafe { l.launch(cfg((grid_u32(OP, n_rows)?, 1, 1), 1024, 0)) }?;
         Ok(())
     }
@@ -283,42 +407,129 @@ impl Gpu {
         out: &mut impl DevicePtrMut<bf16>,
         n_rows: usize,
     ) -> Result<()> {
-        const OP: &str = "qsa_attention_gather";
+        let tables = Tables {
+            ids: table,
+            stride: 0,
+        };
+        let sel = Selection {
+            sel,
+            stride: sel_stride,
+            counts,
+            max_count,
+        };
+        self.gather(
+            "qsa_attention_gather",
+            dims,
+            q,
+            gate,
+            (k_pool, v_pool),
+            &tables,
+            &sel,
+            out,
+            n_rows,
+        )
+    }
+
+    /// The decode form of [`Gpu::qsa_attention_gather`]: row `r` is the one query of sequence `r`,
+    /// whose K/V rows are gathered through row `r` of `tables` (`[n_rows, table_stride]` block ids);
+    /// its selection `sel[r·topk .. + counts[r]]` (from [`Gpu::qsa_topk_decode`]). The splits cover
+    /// `topk`, so the launch shape depends only on the batch and the model shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qsa_attention_gather_decode(
+        &self,
+        dims: crate::ops::AttnDims,
+        q: &impl DevicePtr<bf16>,
+        gate: &impl DevicePtr<bf16>,
+        k_pool: &impl DevicePtr<bf16>,
+        v_pool: &impl DevicePtr<bf16>,
+        tables: &impl DevicePtr<u32>,
+        table_stride: usize,
+        sel: &impl DevicePtr<u32>,
+        topk: usize,
+        counts: &impl DevicePtr<u32>,
+        out: &mut impl DevicePtrMut<bf16>,
+        n_rows: usize,
+    ) -> Result<()> {
+        const OP: &str = "qsa_attention_gather_decode";
+        check_len(OP, "tables", tables, n_rows * table_stride)?;
+        let tables = Tables {
+            ids: tables,
+            stride: table_stride,
+        };
+        let sel = Selection {
+            sel,
+            stride: topk,
+            counts,
+            max_count: topk,
+        };
+        self.gather(
+            OP,
+            dims,
+            q,
+            gate,
+            (k_pool, v_pool),
+            &tables,
+            &sel,
+            out,
+            n_rows,
+        )
+    }
+
+    /// The partial and reduce launches of the gathered attention.
+    #[allow(clippy::too_many_arguments)]
+    fn gather<T: DevicePtr<u32>, S: DevicePtr<u32>, C: DevicePtr<u32>>(
+        &self,
+        op: &'static str,
+        dims: crate::ops::AttnDims,
+        q: &impl DevicePtr<bf16>,
+        gate: &impl DevicePtr<bf16>,
+        (k_pool, v_pool): (&impl DevicePtr<bf16>, &impl DevicePtr<bf16>),
+        tables: &Tables<'_, T>,
+        selection: &Selection<'_, S, C>,
+        out: &mut impl DevicePtrMut<bf16>,
+        n_rows: usize,
+    ) -> Result<()> {
+        let Selection {
+            sel,
+            stride: sel_stride,
+            counts,
+            max_count,
+        } = *selection;
         let (hq, hkv, d, bs) = (dims.hq, dims.hkv, dims.head_dim, dims.block_size);
-        ensure(hkv > 0 && hq.is_multiple_of(hkv), OP, || {
+        ensure(hkv > 0 && hq.is_multiple_of(hkv), op, || {
             format!("{hq} query heads are not a multiple of {hkv} KV heads")
         })?;
-        ensure((1..=QSA_MAX_HEAD_DIM).contains(&d), OP, || {
+        ensure((1..=QSA_MAX_HEAD_DIM).contains(&d), op, || {
             format!("head_dim {d} must be in 1..={QSA_MAX_HEAD_DIM}")
         })?;
-        ensure(bs > 0, OP, || "block size must be positive".into())?;
-        ensure(max_count <= sel_stride, OP, || {
+        ensure(bs > 0, op, || "block size must be positive".into())?;
+        ensure(max_count <= sel_stride, op, || {
             "max_count exceeds sel_stride".into()
         })?;
-        check_len(OP, "q", q, n_rows * hq * d)?;
-        check_len(OP, "gate", gate, n_rows * hq * d)?;
-        check_len(OP, "out", out, n_rows * hq * d)?;
-        check_len(OP, "sel", sel, n_rows * sel_stride)?;
-        check_len(OP, "counts", counts, n_rows)?;
-        ensure(k_pool.len() == v_pool.len(), OP, || "pools differ".into())?;
+        check_len(op, "q", q, n_rows * hq * d)?;
+        check_len(op, "gate", gate, n_rows * hq * d)?;
+        check_len(op, "out", out, n_rows * hq * d)?;
+        check_len(op, "sel", sel, n_rows * sel_stride)?;
+        check_len(op, "counts", counts, n_rows)?;
+        ensure(k_pool.len() == v_pool.len(), op, || "pools differ".into())?;
         if n_rows == 0 {
             return Ok(());
         }
-        ensure(n_rows <= GRID_YZ_MAX, OP, || {
+        ensure(n_rows <= GRID_YZ_MAX, op, || {
             "too many rows in one call".into()
         })?;
         let splits = max_count.div_ceil(QSA_SPLIT).max(1);
-        ensure(splits <= GRID_YZ_MAX, OP, || "too many splits".into())?;
+        ensure(splits <= GRID_YZ_MAX, op, || "too many splits".into())?;
         let slots = n_rows * hq * splits;
         let mut part_o = self.stream().alloc_zeros::<f32>(slots * d)?;
         let mut part_ml = self.stream().alloc_zeros::<f32>(slots * 2)?;
         let (hqi, hkvi, di, bsi, spi, ss) = (
-            int(OP, "hq", hq)?,
-            int(OP, "hkv", hkv)?,
-            int(OP, "d", d)?,
-            int(OP, "bs", bs)?,
-            int(OP, "splits", splits)?,
-            int(OP, "sel_stride", sel_stride)?,
+            int(op, "hq", hq)?,
+            int(op, "hkv", hkv)?,
+            int(op, "d", d)?,
+            int(op, "bs", bs)?,
+            int(op, "splits", splits)?,
+            int(op, "sel_stride", sel_stride)?,
         );
         let scale = (d as f32).powf(-0.5);
         let s = self.stream();
@@ -326,17 +537,19 @@ impl Gpu {
         let (gp, _g2) = gate.device_ptr(s);
         let (kp, _g3) = k_pool.device_ptr(s);
         let (vp, _g4) = v_pool.device_ptr(s);
-        let (tp, _g5) = table.device_ptr(s);
+        let (tp, _g5) = tables.ids.device_ptr(s);
+        let ts = tables.stride as i64;
         let (lp, _g6) = sel.device_ptr(s);
         let (cp, _g7) = counts.device_ptr(s);
-        let (op, _g8) = out.device_ptr_mut(s);
+        let (outp, _g8) = out.device_ptr_mut(s);
         let (po, _g9) = part_o.device_ptr_mut(s);
         let (pm, _g10) = part_ml.device_ptr_mut(s);
-        let mut l = s.launch_builder(self.kernel("qsa_attn_partial")?);
+        let mut l = self.launch(self.kernel("qsa_attn_partial")?);
         l.arg(&qp)
             .arg(&kp)
             .arg(&vp)
             .arg(&tp)
+            .arg(&ts)
             .arg(&lp)
             .arg(&ss)
             .arg(&cp)
@@ -352,11 +565,11 @@ impl Gpu {
         // SAFETY: argument types match the kernel; lengths checked; the selected positions come from
         // qsa_topk (each below its row's context, which the table covers).
         unsafe { l.launch(cfg(grid, 128, 0)) }?;
-        let mut l = s.launch_builder(self.kernel("qsa_attn_reduce")?);
+        let mut l = self.launch(self.kernel("qsa_attn_reduce")?);
         l.arg(&po)
             .arg(&pm)
             .arg(&gp)
-            .arg(&op)
+            .arg(&outp)
             .arg(&hqi)
             .arg(&di)
             .arg(&spi);
@@ -365,3 +578,26 @@ impl Gpu {
         Ok(())
     }
 }
+
+/// Block tables of the gathered attention: row `r` reads `ids[r·stride ..]` (stride 0: one table).
+struct Tables<'a, T> {
+    ids: &'a T,
+    stride: usize,
+}
+
+/// The selected positions of the gathered attention: row `r` attends to `sel[r·stride .. + counts[r]]`;
+/// `max_count` ≥ every count sets the splits.
+struct Selection<'a, S, C> {
+    sel: &'a S,
+    stride: usize,
+    counts: &'a C,
+    max_count: usize,
+}
+
+impl<S, C> Clone for Selection<'_, S, C> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<S, C> Copy for Selection<'_, S, C> {}

@@ -5,9 +5,9 @@
 //! `words()` and `scales` as they are.
 //!
 //! - Decode: [`Gpu::gemv_packed`] / [`Gpu::gemv_packed_f32`], `y[m, :] = dequant(W) · x[m, :]` for
-//!   1 ≤ m ≤ 8, f32 accumulation, one rounding per output. INT8 and INT4 batches of 2..8 rows run on
-//!   the tensor cores (each weight decoded once for every row of x); one row, INT6, n < 256 and odd k or
-//!   groups on the FMA GEMV.
+//!   1 ≤ m ≤ 8, f32 accumulation, one rounding per output. Batches of 2..8 rows run on the tensor cores
+//!   at any n (each weight decoded once for every row of x); one row, and INT8/INT4 k or groups that
+//!   are not whole k-blocks (INT6: groups only), on the FMA GEMV.
 //! - Prefill: [`Gpu::gemm_packed`] dequantises W tile by tile into a caller-owned bf16 workspace
 //!   ([`Gpu::dequant_packed`]) and multiplies each tile with cuBLAS; no dequantised copy outlives the call.
 //!
@@ -15,10 +15,10 @@
 //! for INT6; `group_size % 8 == 0` (or 0); W, x 16-byte aligned.
 
 use cudarc::cublas::sys;
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::gemv::{gemv_plan, GEMV_THREADS, TC_MIN_N, TC_ROWS};
+use super::gemv::{gemv_plan, tensor_core_batch, GEMV_THREADS, TC_ROWS};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -67,21 +67,20 @@ fn check_packed(
     Ok(if group_size == 0 { k } else { group_size })
 }
 
-/// Whether a packed decode GEMV of `m` rows runs on the tensor cores (`gemv_q{4,8}_tc`): INT8 and INT4
-/// at 2 ≤ m ≤ 8 (one mma serves every row of x, so the decode is paid once per weight, not once per row)
-/// and `n ≥ TC_MIN_N`, with k a whole number of the kernel's k-blocks (64 values for INT8, 128 for
-/// INT4) and per-row scales or groups of whole k-blocks. `group` is the effective group (k for per-row
-/// scales). Depends on the shape alone.
-fn tensor_core_gemv(bits: u32, group: usize, m: usize, n: usize, k: usize) -> bool {
-    let kb = match bits {
-        8 => 64,
-        4 => 128,
+/// Whether a packed decode GEMV of `m` rows runs on the tensor cores (`gemv_q{4,6,8}_tc`): a batch of
+/// 2..8 rows at any n (`gemv::tensor_core_batch`: one mma serves every row of x, so the decode is paid
+/// once per weight, not once per row) with per-row scales or groups of whole k-blocks (64 values for
+/// INT8, 128 for INT4 and INT6). INT8 and INT4 also need k a whole number of k-blocks; INT6 takes any k
+/// its layout allows (the kernel skips the pieces past a row's units and zeroes x past k). `group` is
+/// the effective group (k for per-row scales). Depends on the shape alone.
+fn tensor_core_gemv(bits: u32, group: usize, m: usize, k: usize) -> bool {
+    let (kb, whole_blocks) = match bits {
+        8 => (64, k.is_multiple_of(64)),
+        4 => (128, k.is_multiple_of(128)),
+        6 => (128, true),
         _ => return false,
     };
-    (2..=8).contains(&m)
-        && n >= TC_MIN_N
-        && k.is_multiple_of(kb)
-        && (group >= k || group.is_multiple_of(kb))
+    tensor_core_batch(m) && whole_blocks && (group >= k || group.is_multiple_of(kb))
 }
 
 /// The most f32 values the per-row-scale prefill GEMM keeps between cuBLAS and its scale kernel
@@ -149,7 +148,7 @@ impl Gpu {
             return Ok(());
         }
         let (ni, ki, gi) = (int(OP, "n", n)?, int(OP, "k", k)?, int(OP, "group", group)?);
-        if tensor_core_gemv(bits, group, m, n, k) {
+        if tensor_core_gemv(bits, group, m, k) {
             let grid = grid_u32(OP, n.div_ceil(TC_ROWS))?;
             let mi = int(OP, "m", m)?;
             let s = self.stream();
@@ -160,7 +159,7 @@ impl Gpu {
             ensure(wp % 16 == 0 && xp % 16 == 0, OP, || {
                 "W and x must be 16-byte aligned".into()
             })?;
-            let mut b = s.launch_builder(self.kernel(&format!("gemv_q{bits}_tc{suffix}"))?);
+            let mut b = self.launch(self.kernel(&format!("gemv_q{bits}_tc{suffix}"))?);
             b.arg(&wp)
                 .arg(&sp)
                 .arg(&xp)
@@ -170,7 +169,7 @@ impl Gpu {
                 .arg(&gi)
                 .arg(&mi);
             // SAFETY: argument types match the kernel; lengths, alignment and the kernel's k and group
-            // rules (tensor_core_gemv) checked above; 2 ≤ m ≤ 8.
+            // rules (tensor_core_gemv) checked above; 2 ≤ m ≤ 8, n ≥ 1.
             unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
             return Ok(());
         }
@@ -191,7 +190,7 @@ impl Gpu {
         ensure(wp % 16 == 0 && xp % 16 == 0, OP, || {
             "W and x must be 16-byte aligned".into()
         })?;
-        let mut b = s.launch_builder(self.kernel(&format!("gemv_q{bits}{suffix}_m{m}"))?);
+        let mut b = self.launch(self.kernel(&format!("gemv_q{bits}{suffix}_m{m}"))?);
         b.arg(&wp)
             .arg(&sp)
             .arg(&xp)
@@ -263,7 +262,7 @@ impl Gpu {
             int(OP, "k", k)?,
             int(OP, "group", group)?,
         );
-        let mut b = s.launch_builder(self.kernel(&format!("dequant_q{bits}"))?);
+        let mut b = self.launch(self.kernel(&format!("dequant_q{bits}"))?);
         b.arg(&wp)
             .arg(&sp)
             .arg(&op)
@@ -382,7 +381,7 @@ impl Gpu {
             let (yp, _gy) = y.device_ptr_mut(s);
             let r0 = int(OP, "row0", row0)?;
             let grid = grid_u32(OP, (m * rows).div_ceil(256))?;
-            let mut b = s.launch_builder(self.kernel("scale_cols_bf16")?);
+            let mut b = self.launch(self.kernel("scale_cols_bf16")?);
             b.arg(&ytp)
                 .arg(&sp)
                 .arg(&yp)
@@ -396,5 +395,21 @@ impl Gpu {
             row0 += rows;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int6_batches_take_the_tensor_cores_on_any_k() {
+        assert!(tensor_core_gemv(6, 2048, 8, 2048));
+        assert!(tensor_core_gemv(6, 1000, 2, 1000));
+        assert!(tensor_core_gemv(6, 128, 5, 1000));
+        assert!(!tensor_core_gemv(6, 64, 8, 512));
+        assert!(!tensor_core_gemv(6, 2048, 1, 2048));
+        assert!(!tensor_core_gemv(8, 96, 8, 96));
+        assert!(!tensor_core_gemv(4, 32, 8, 512));
     }
 }

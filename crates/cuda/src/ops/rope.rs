@@ -1,6 +1,6 @@
 //! NeoX-style partial rotary embedding, in place.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use crate::error::{ensure, Result};
@@ -49,7 +49,7 @@ impl Gpu {
         let (pp, _gp) = positions.device_ptr(s);
         let (fp, _gf) = inv_freq.device_ptr(s);
         let (xp, _gx) = x.device_ptr_mut(s);
-        let mut b = s.launch_builder(self.kernel("rope_neox_bf16")?);
+        let mut b = self.launch(self.kernel("rope_neox_bf16")?);
         b.arg(&xp)
             .arg(&pp)
             .arg(&fp)

@@ -4,7 +4,7 @@
 //! token with its probabilities in registers (`router_topk_w{8,16,32}`); beyond, one block per token
 //! with k arg-max rounds (`router_topk_f32`).
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
@@ -58,7 +58,7 @@ impl Gpu {
         if k <= SORT_MAX_K && e <= SORT_MAX_E {
             // One thread an expert, a power-of-two number of warps (the merge tree halves them).
             let threads = (e.div_ceil(32).next_power_of_two() * 32) as u32;
-            let mut b = s.launch_builder(self.kernel("router_topk_sort")?);
+            let mut b = self.launch(self.kernel("router_topk_sort")?);
             b.arg(&lp).arg(&ip).arg(&wp).arg(&ei).arg(&ki).arg(&rn);
             // SAFETY: argument types match the kernel; lengths checked above; e ≤ threads ≤ 1024
             // and k ≤ 16 as the kernel requires.
@@ -73,7 +73,7 @@ impl Gpu {
         };
         if let Some(name) = warp_kernel {
             let ti = int(OP, "t", t)?;
-            let mut b = s.launch_builder(self.kernel(name)?);
+            let mut b = self.launch(self.kernel(name)?);
             b.arg(&lp)
                 .arg(&ip)
                 .arg(&wp)
@@ -94,7 +94,7 @@ impl Gpu {
             return Ok(());
         }
         let threads = (e.div_ceil(32) * 32).clamp(32, 256) as u32;
-        let mut b = s.launch_builder(self.kernel("router_topk_f32")?);
+        let mut b = self.launch(self.kernel("router_topk_f32")?);
         b.arg(&lp).arg(&ip).arg(&wp).arg(&ei).arg(&ki).arg(&rn);
         // SAFETY: argument types match the kernel; lengths and shared memory checked above.
         unsafe {

@@ -1,7 +1,8 @@
-//! Token sampling next to the logits (`kernels/sample.cu`): one block per row picks the row's token as
-//! `sanmai_model::sample::sample_row` does and writes only its id and log-probability.
+//! Token sampling next to the logits (`kernels/sample.cu`): a fixed sequence of kernels, most of them one
+//! block per chunk of a row, picks each row's token as `sanmai_model::sample::sample_row` does and writes
+//! only its id and log-probability.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 use sanmai_model::sample::{collect_edits, RowError, RowSampling, Sampled};
 
@@ -10,8 +11,15 @@ use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 /// The widest vocabulary the kernel samples (its bitmap of edited ids lives in shared memory).
 pub const SAMPLE_MAX_VOCAB: usize = 262_144;
-/// Threads per row (one block).
-const THREADS: u32 = 1024;
+/// Threads of the one-block-per-row top-k kernel.
+const TOP_K_THREADS: u32 = 1024;
+/// Ids per chunk and threads of a chunk's block (and of the per-row finishing kernel).
+const CHUNK: usize = 4096;
+const CHUNK_THREADS: u32 = 256;
+/// Words of the `work` buffer per row (`SAMPLE_ROW_WORDS` in the kernel source).
+const ROW_WORDS: usize = 12_880;
+/// Radix passes of the top-p cut.
+const RADIX_PASSES: i32 = 3;
 /// Words per row of the packed parameters.
 pub const SAMPLE_PARAM_WORDS: usize = 16;
 /// Words per packed edit.
@@ -92,9 +100,27 @@ impl SampleBatch {
     pub fn num_edits(&self) -> usize {
         self.edits.len() / SAMPLE_EDIT_WORDS
     }
+
+    /// Words of the kernels' `work` buffer: per-row partial results, then one value per edit.
+    pub fn work_words(&self) -> usize {
+        self.rows * ROW_WORDS + self.num_edits()
+    }
 }
 
-/// The kernel's `[rows, 2]` output as results.
+/// Device pointers and sizes every sampling kernel takes, in their order.
+struct SampleArgs {
+    logits: u64,
+    cols: i32,
+    vocab: i32,
+    rows: i32,
+    params: u64,
+    masks: u64,
+    edits: u64,
+    work: u64,
+    out: u64,
+}
+
+/// The kernels' `[rows, 2]` output as results.
 pub fn unpack_samples(out: &[u32]) -> Vec<std::result::Result<Sampled, RowError>> {
     out.chunks_exact(2)
         .map(|o| match o[0] {
@@ -110,9 +136,10 @@ pub fn unpack_samples(out: &[u32]) -> Vec<std::result::Result<Sampled, RowError>
 
 impl Gpu {
     /// Samples one token per row of `logits` `[rows, cols]` (bf16; the first `b.vocab` columns are
-    /// tokens) with the packed batch `b` uploaded as `params`, `masks` and `edits`; `vals` is scratch of
-    /// `b.num_edits()` values; `out` `[rows, 2]` receives each row's id and log-probability bits (see
-    /// [`unpack_samples`]).
+    /// tokens) with the packed batch `b` uploaded as `params`, `masks` and `edits`; `work` is scratch of
+    /// [`SampleBatch::work_words`] words; `out` `[rows, 2]` receives each row's id and log-probability
+    /// bits (see [`unpack_samples`]). Launches the same kernels whatever the parameters (rows a stage
+    /// does not concern return at once), with shapes that depend only on the rows and the vocabulary.
     #[allow(clippy::too_many_arguments)]
     pub fn sample_bf16(
         &self,
@@ -122,7 +149,7 @@ impl Gpu {
         params: &impl DevicePtr<u32>,
         masks: &impl DevicePtr<u32>,
         edits: &impl DevicePtr<u32>,
-        vals: &mut impl DevicePtrMut<f32>,
+        work: &mut impl DevicePtrMut<u32>,
         out: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
         const OP: &str = "sample";
@@ -133,35 +160,96 @@ impl Gpu {
         ensure(b.vocab <= SAMPLE_MAX_VOCAB, OP, || {
             format!("vocabulary {} exceeds {SAMPLE_MAX_VOCAB}", b.vocab)
         })?;
+        // Rows are the second grid dimension of the chunk kernels.
+        ensure(rows <= 65_535, OP, || {
+            format!("{rows} rows exceed a grid's y limit")
+        })?;
         check_len(OP, "logits", logits, rows * cols)?;
         check_len(OP, "params", params, rows * SAMPLE_PARAM_WORDS)?;
         check_len(OP, "masks", masks, b.masks.len())?;
         check_len(OP, "edits", edits, b.edits.len())?;
-        check_len(OP, "vals", vals, b.num_edits())?;
+        check_len(OP, "work", work, b.work_words())?;
         check_len(OP, "out", out, rows * 2)?;
         if rows == 0 {
             return Ok(());
         }
-        let (ci, vi) = (int(OP, "cols", cols)?, int(OP, "vocab", b.vocab)?);
+        let (ci, vi, ri) = (
+            int(OP, "cols", cols)?,
+            int(OP, "vocab", b.vocab)?,
+            int(OP, "rows", rows)?,
+        );
         let s = self.stream();
         let (lp, _gl) = logits.device_ptr(s);
         let (pp, _gp) = params.device_ptr(s);
         let (mp, _gm) = masks.device_ptr(s);
         let (ep, _ge) = edits.device_ptr(s);
-        let (vp, _gv) = vals.device_ptr_mut(s);
+        let (wp, _gw) = work.device_ptr_mut(s);
         let (op, _go) = out.device_ptr_mut(s);
-        let mut lb = s.launch_builder(self.kernel("sample_bf16")?);
-        lb.arg(&lp)
-            .arg(&ci)
-            .arg(&vi)
-            .arg(&pp)
-            .arg(&mp)
-            .arg(&ep)
-            .arg(&vp)
-            .arg(&op);
-        // SAFETY: argument types match the kernel; buffer lengths and the vocabulary limit checked above.
-        unsafe { lb.launch(cfg((grid_u32(OP, rows)?, 1, 1), THREADS, 0)) }?;
+        let args = SampleArgs {
+            logits: lp,
+            cols: ci,
+            vocab: vi,
+            rows: ri,
+            params: pp,
+            masks: mp,
+            edits: ep,
+            work: wp,
+            out: op,
+        };
+        let grid_rows = grid_u32(OP, rows)?;
+        let chunks = (grid_u32(OP, b.vocab.div_ceil(CHUNK))?, grid_rows, 1);
+        let per_row = (grid_rows, 1, 1);
+        // SAFETY (every launch): argument types match the kernels (`SAMPLE_ARGS`, plus the pass of
+        // `sample_radix`); buffer lengths, the work size and the vocabulary limit are checked above.
+        unsafe {
+            self.sample_launch("sample_stats", &args, None, cfg(chunks, CHUNK_THREADS, 0))?;
+            self.sample_launch("sample_top_k", &args, None, cfg(per_row, TOP_K_THREADS, 0))?;
+            for pass in 0..RADIX_PASSES {
+                self.sample_launch(
+                    "sample_radix",
+                    &args,
+                    Some(&pass),
+                    cfg(chunks, CHUNK_THREADS, 0),
+                )?;
+            }
+            self.sample_launch(
+                "sample_draw_mass",
+                &args,
+                None,
+                cfg(chunks, CHUNK_THREADS, 0),
+            )?;
+            self.sample_launch("sample_finish", &args, None, cfg(per_row, CHUNK_THREADS, 0))?;
+        }
         Ok(())
+    }
+
+    /// Launches one sampling stage with the common arguments (and the radix pass, for `sample_radix`).
+    ///
+    /// # Safety
+    /// `name` must take `SAMPLE_ARGS` (then the pass when one is given), and the buffers behind `a` must
+    /// be valid for the batch the grid covers.
+    unsafe fn sample_launch(
+        &self,
+        name: &str,
+        a: &SampleArgs,
+        pass: Option<&i32>,
+        c: cudarc::driver::LaunchConfig,
+    ) -> Result<()> {
+        let mut lb = self.launch(self.kernel(name)?);
+        lb.arg(&a.logits)
+            .arg(&a.cols)
+            .arg(&a.vocab)
+            .arg(&a.rows)
+            .arg(&a.params)
+            .arg(&a.masks)
+            .arg(&a.edits)
+            .arg(&a.work)
+            .arg(&a.out);
+        if let Some(p) = pass {
+            lb.arg(p);
+        }
+        // SAFETY: the caller vouches for the arguments (see above).
+        unsafe { lb.launch(c) }
     }
 
     /// Samples `specs.len()` rows of `logits` `[rows, cols]` over the first `vocab` columns: packs and
@@ -185,12 +273,12 @@ impl Gpu {
         let params = one(&b.params)?;
         let masks = one(&b.masks)?;
         let edits = one(&b.edits)?;
-        // SAFETY: the kernel writes every edited value before reading it.
-        let mut vals = unsafe { self.stream().alloc::<f32>(b.num_edits().max(1)) }?;
+        // SAFETY: the kernels write every word of `work` they read before reading it.
+        let mut work = unsafe { self.stream().alloc::<u32>(b.work_words().max(1)) }?;
         // SAFETY: the kernel writes both words of every row.
         let mut out = unsafe { self.stream().alloc::<u32>((2 * b.rows).max(1)) }?;
         self.sample_bf16(
-            logits, cols, &b, &params, &masks, &edits, &mut vals, &mut out,
+            logits, cols, &b, &params, &masks, &edits, &mut work, &mut out,
         )?;
         let host = self.download(&out)?;
         Ok(unpack_samples(&host[..2 * b.rows]))

@@ -1,7 +1,7 @@
 //! Elementwise and row-shuffling ops on bf16 activations: residual add, the sigmoid-gated add, row
 //! gather and column concatenation.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, PushKernelArg};
+use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::row_threads;
@@ -31,7 +31,7 @@ impl Gpu {
         let (ap, _ga) = acc.device_ptr_mut(s);
         let (yp, _gy) = y.device_ptr(s);
         let nn = n as i64;
-        let mut b = s.launch_builder(self.kernel("add_bf16")?);
+        let mut b = self.launch(self.kernel("add_bf16")?);
         b.arg(&ap).arg(&yp).arg(&nn);
         // SAFETY: argument types match the kernel; both buffers hold n elements.
         unsafe { b.launch(cfg((stride_blocks(OP, n)?, 1, 1), 256, 0)) }?;
@@ -67,7 +67,7 @@ impl Gpu {
         let (yp, _gy) = y.device_ptr(s);
         let (wp, _gw) = w.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
-        let mut b = s.launch_builder(self.kernel("add_rms_norm_bf16")?);
+        let mut b = self.launch(self.kernel("add_rms_norm_bf16")?);
         b.arg(&ap)
             .arg(&yp)
             .arg(&wp)
@@ -77,34 +77,6 @@ impl Gpu {
             .arg(&offset);
         // SAFETY: argument types match the kernel; acc, y and out hold rows·d elements, w d.
         unsafe { b.launch(cfg((grid, 1, 1), row_threads(d), 0)) }?;
-        Ok(())
-    }
-
-    /// `acc[r, c] += sigmoid(gate[r]) · y[r, c]`; `acc`, `y`: `[rows, cols]`, `gate`: `[rows]`.
-    pub fn add_sigmoid_gated(
-        &self,
-        acc: &mut impl DevicePtrMut<bf16>,
-        y: &impl DevicePtr<bf16>,
-        gate: &impl DevicePtr<bf16>,
-        rows: usize,
-        cols: usize,
-    ) -> Result<()> {
-        const OP: &str = "add_sigmoid_gated";
-        check_len(OP, "acc", acc, rows * cols)?;
-        check_len(OP, "y", y, rows * cols)?;
-        check_len(OP, "gate", gate, rows)?;
-        if rows * cols == 0 {
-            return Ok(());
-        }
-        let s = self.stream();
-        let (ap, _ga) = acc.device_ptr_mut(s);
-        let (yp, _gy) = y.device_ptr(s);
-        let (gp, _gg) = gate.device_ptr(s);
-        let (r, c) = (rows as i64, int(OP, "cols", cols)?);
-        let mut b = s.launch_builder(self.kernel("add_sigmoid_gated_bf16")?);
-        b.arg(&ap).arg(&yp).arg(&gp).arg(&r).arg(&c);
-        // SAFETY: argument types match the kernel; lengths checked above.
-        unsafe { b.launch(cfg((stride_blocks(OP, rows * cols)?, 1, 1), 256, 0)) }?;
         Ok(())
     }
 
@@ -134,7 +106,7 @@ impl Gpu {
             int(OP, "cols", cols)?,
             u32::try_from(x_rows).unwrap_or(u32::MAX),
         );
-        let mut b = s.launch_builder(self.kernel("gather_rows_bf16")?);
+        let mut b = self.launch(self.kernel("gather_rows_bf16")?);
         b.arg(&xp).arg(&ip).arg(&op).arg(&c).arg(&xr);
         // SAFETY: argument types match the kernel; the kernel reads x only below x_rows.
         unsafe { b.launch(cfg((grid_u32(OP, rows)?, 1, 1), row_threads(cols), 0)) }?;
@@ -165,7 +137,7 @@ impl Gpu {
         let (bp, _gb) = b.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
         let (cai, cbi) = (int(OP, "ca", ca)?, int(OP, "cb", cb)?);
-        let mut l = s.launch_builder(self.kernel("concat_cols_bf16")?);
+        let mut l = self.launch(self.kernel("concat_cols_bf16")?);
         l.arg(&ap).arg(&bp).arg(&op).arg(&cai).arg(&cbi);
         // SAFETY: argument types match the kernel; lengths checked above.
         unsafe { l.launch(cfg((grid_u32(OP, rows)?, 1, 1), row_threads(ca + cb), 0)) }?;
@@ -191,7 +163,7 @@ impl Gpu {
         let (xp, _gx) = x.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
         let nn = n as i64;
-        let mut b = s.launch_builder(self.kernel("silu_bf16")?);
+        let mut b = self.launch(self.kernel("silu_bf16")?);
         b.arg(&xp).arg(&op).arg(&nn);
         // SAFETY: argument types match the kernel; both buffers hold n elements.
         unsafe { b.launch(cfg((stride_blocks(OP, n)?, 1, 1), 256, 0)) }?;
@@ -222,7 +194,7 @@ impl Gpu {
         let (pp, _gp) = pre.device_ptr(st);
         let (op, _go) = out.device_ptr_mut(st);
         let (r, si, hi) = (rows as i64, int(OP, "s", s)?, int(OP, "h", h)?);
-        let mut b = st.launch_builder(self.kernel("hc_premix_bf16")?);
+        let mut b = self.launch(self.kernel("hc_premix_bf16")?);
         b.arg(&sp).arg(&pp).arg(&op).arg(&r).arg(&si).arg(&hi);
         // SAFETY: argument types match the kernel; lengths checked above.
         unsafe { b.launch(cfg((stride_blocks(OP, rows * h)?, 1, 1), 256, 0)) }?;
@@ -251,7 +223,7 @@ impl Gpu {
         let (up, _gu) = u.device_ptr(st);
         let (yp, _gy) = y.device_ptr(st);
         let (r, si, hi) = (rows as i64, int(OP, "s", s)?, int(OP, "h", h)?);
-        let mut b = st.launch_builder(self.kernel("hc_gated_residual_bf16")?);
+        let mut b = self.launch(self.kernel("hc_gated_residual_bf16")?);
         b.arg(&sp).arg(&up).arg(&yp).arg(&r).arg(&si).arg(&hi);
         // SAFETY: argument types match the kernel; lengths checked above.
         unsafe { b.launch(cfg((stride_blocks(OP, rows * s * h)?, 1, 1), 256, 0)) }?;

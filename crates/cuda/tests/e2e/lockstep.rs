@@ -201,19 +201,15 @@ impl<'a> Lockstep<'a> {
                 })
             }
             Ffn::Moe(w) => {
-                let routed = both!(self, "moe_experts", [hn], m =>
-                    m.backend.moe_experts(hn, moe(m, i)));
                 if w.shared.is_some() {
                     let y = self.mlp_shared(i, &hn);
                     let g = both!(self, "shared_gate", [hn], m =>
                         m.backend.linear(hn, moe(m, i).shared_gate.as_ref().unwrap()));
-                    let mut c = routed.0.clone();
-                    self.cpu.backend.add_sigmoid_gated(&mut c, &y.0, &g.0);
-                    let mut gg = self.upload(&routed.0);
-                    self.gpu.backend.add_sigmoid_gated(&mut gg, &y.1, &g.1);
-                    self.sync("add_sigmoid_gated", c, gg)
+                    both!(self, "moe_experts_shared", [hn, y, g], m =>
+                        m.backend.moe_experts(hn, moe(m, i), Some((y, g))))
                 } else {
-                    routed
+                    both!(self, "moe_experts", [hn], m =>
+                        m.backend.moe_experts(hn, moe(m, i), None))
                 }
             }
         };

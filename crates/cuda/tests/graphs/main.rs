@@ -10,6 +10,13 @@
 //! captured, at context lengths and block tables the capture never saw. Batch 3 is not a recorded
 //! size and must run eagerly. A long-context case crosses [`MIN_GRAPH_SPAN`] and checks the larger span.
 //!
+//! The qwen4_exp fixtures (QSA, PLE and both with hyper-connections; PLE tables included) run the same
+//! way through `Model::forward_logits_with` with each step's PLE rows: the first round's sequences
+//! cross from contexts within the indexer's topk (every position selected) to contexts past it during
+//! the replayed steps, the second round replays at other contexts. The eager control traces its QSA
+//! selections (a traced backend runs eagerly): every decode row selects `min(topk, context)` distinct
+//! positions of its context, all of them while the context fits topk.
+//!
 //! The ignored tests print decode step times eager against graph (`GRAPH_BENCH` lines) on the fixtures
 //! and on `configs/models/qwen3.5-35b-a3b.json` with dummy weights and fewer layers
 //! (`SANMAI_GRAPH_BENCH_LAYERS`, default 4). Without a GPU every test prints `skipped:` and passes.
@@ -19,7 +26,7 @@ use std::time::Instant;
 
 use sanmai_config::ModelConfig;
 use sanmai_cuda::{CudaBackend, GraphStats, MIN_GRAPH_SPAN};
-use sanmai_model::{Backend, Model, SeqChunk};
+use sanmai_model::{Backend, Model, PleSource, SeqChunk};
 use sanmai_weights::{Checkpoint, Dummy};
 
 const BLOCK: usize = 16;
@@ -30,6 +37,14 @@ const FIXTURES: [&str; 3] = [
     "qwen3_5_moe_text_tiny",
     "qwen3_5_moe_tiny",
 ];
+/// The qwen4_exp fixtures: QSA, PLE, and both with hyper-connections.
+const QWEN4_EXP: [&str; 3] = [
+    "qwen4_exp_qsa_tiny",
+    "qwen4_exp_ple_tiny",
+    "qwen4_exp_all_tiny",
+];
+/// Decode steps per qwen4_exp case: a warm-up, a capture and six replays.
+const QWEN4_STEPS: usize = 8;
 
 /// A directory of the repository: under the working directory (a prebuilt binary run from the
 /// repository root), else next to this crate.
@@ -61,20 +76,26 @@ fn backend(test: &str) -> Option<CudaBackend> {
     }
 }
 
+/// A fixture with its PLE table when its config has a `ple` block.
 fn load_fixture(name: &str, b: CudaBackend) -> Model<CudaBackend> {
     let dir = fixture(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
-    let m = Model::load(cfg, &ckpt, b).unwrap();
+    let ple = cfg
+        .ple
+        .as_ref()
+        .map(|p| PleSource::open(&dir, p, false).unwrap());
+    let m = Model::load_with_ple(cfg, &ckpt, b, ple).unwrap();
     m.init_cache(NUM_BLOCKS, BLOCK);
     m
 }
 
-/// A sequence's caches and length.
+/// A sequence's caches, length and tokens (the PLE rows hash them).
 struct Seq {
     state: usize,
     blocks: Vec<u32>,
     len: usize,
+    tokens: Vec<u32>,
 }
 
 impl Seq {
@@ -114,6 +135,7 @@ impl Alloc {
             state: self.states.pop().expect("enough state slots"),
             blocks: self.blocks.split_off(at),
             len: 0,
+            tokens: Vec::new(),
         }
     }
 }
@@ -124,8 +146,21 @@ fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
+/// The step's PLE rows (`None` without PLE): each sequence's tokens include the step's.
+fn ple_rows(
+    m: &Model<CudaBackend>,
+    seqs: &[Seq],
+    chunks: &[SeqChunk<'_>],
+) -> Option<sanmai_cuda::CudaTensor> {
+    let hist: Vec<&[u32]> = seqs.iter().map(|s| s.tokens.as_slice()).collect();
+    m.ple_rows(&hist, chunks).unwrap()
+}
+
 /// Prefills every sequence with its prompt in one step.
 fn prefill(m: &Model<CudaBackend>, seqs: &mut [Seq], prompts: &[Vec<u32>]) {
+    for (s, p) in seqs.iter_mut().zip(prompts) {
+        s.tokens.extend_from_slice(p);
+    }
     let mut ids = Vec::new();
     let mut chunks = Vec::new();
     let mut rows = Vec::new();
@@ -134,35 +169,39 @@ fn prefill(m: &Model<CudaBackend>, seqs: &mut [Seq], prompts: &[Vec<u32>]) {
         ids.extend_from_slice(p);
         rows.push(ids.len() - 1);
     }
-    let out = m.forward(&ids, &chunks, &rows);
+    let ple = ple_rows(m, seqs, &chunks);
+    let out = m.forward_with(&ids, &chunks, &rows, ple.as_ref());
     m.backend.to_host(out.hidden);
     for (s, p) in seqs.iter_mut().zip(prompts) {
         s.len += p.len();
     }
 }
 
-/// One decode step (one token per sequence): hidden states and logits on the host, through
-/// `forward_logits` (or `forward` alone: logits empty).
+/// One decode step (one token per sequence, with its PLE rows when the model has PLE): hidden
+/// states and logits on the host, through `forward_logits_with` (or `forward_with` alone: logits
+/// empty).
 fn decode(
     m: &Model<CudaBackend>,
     seqs: &mut [Seq],
     ids: &[u32],
     with_logits: bool,
 ) -> (Vec<f32>, Vec<f32>) {
+    for (s, &t) in seqs.iter_mut().zip(ids) {
+        s.tokens.push(t);
+    }
     let chunks: Vec<SeqChunk<'_>> = seqs
         .iter()
         .enumerate()
         .map(|(i, s)| s.chunk(i, 1))
         .collect();
     let rows: Vec<usize> = (0..seqs.len()).collect();
+    let ple = ple_rows(m, seqs, &chunks);
     let out = if with_logits {
-        let (h, l) = m.forward_logits(ids, &chunks, &rows);
+        let (h, l) = m.forward_logits_with(ids, &chunks, &rows, ple.as_ref());
         (m.backend.to_host(h.hidden).2, m.backend.to_host(l).2)
     } else {
-        (
-            m.backend.to_host(m.forward(ids, &chunks, &rows).hidden).2,
-            Vec::new(),
-        )
+        let h = m.forward_with(ids, &chunks, &rows, ple.as_ref()).hidden;
+        (m.backend.to_host(h).2, Vec::new())
     };
     for s in seqs.iter_mut() {
         s.len += 1;
@@ -347,6 +386,154 @@ fn graph_long_context_equals_eager() {
     );
     assert_eq!(d.failures, 0, "{:?}", ms[0].backend.graph_failure());
     check_equal("long context", dg, dc);
+    assert_eq!((d.warmups, d.captures, d.replays), (1, 1, 3));
+}
+
+/// Checks the eager control's QSA selections of `steps` decode steps of `batch` sequences: each row
+/// selects `min(topk, context)` distinct positions of its context, ascending, every position while
+/// the context fits topk. Returns the rows within topk and the rows past it.
+fn check_trace(m: &Model<CudaBackend>, batch: usize, steps: usize) -> (usize, usize) {
+    let t = m.backend.take_qsa_trace();
+    let Some(topk) = m.cfg.qsa.as_ref().map(|q| q.index_topk) else {
+        assert!(t.is_empty(), "selections traced without QSA");
+        return (0, 0);
+    };
+    assert!(
+        !t.is_empty() && t.len().is_multiple_of(batch * steps),
+        "{} traced rows for {steps} steps of {batch} sequences",
+        t.len()
+    );
+    let (mut dense, mut selecting) = (0, 0);
+    for (layer, slot, pos, set) in &t {
+        let ctx = pos + 1;
+        let what = format!("layer {layer} slot {slot} position {pos}");
+        assert_eq!(set.len(), ctx.min(topk), "{what}: set size");
+        assert!(set.windows(2).all(|w| w[0] < w[1]), "{what}: not ascending");
+        assert!(
+            set.last().is_some_and(|&p| p < ctx),
+            "{what}: beyond the context"
+        );
+        if ctx <= topk {
+            dense += 1;
+        } else {
+            selecting += 1;
+        }
+    }
+    (dense, selecting)
+}
+
+/// The prompt lengths of a qwen4_exp case: round 0 ends its prompts just within topk (the replayed
+/// steps cross it), round 1 starts past it with one short sequence (other contexts than captured).
+fn qwen4_prompt_len(topk: usize, round: usize, i: usize) -> usize {
+    match (round, i) {
+        (0, _) => topk - 4 - i % 4,
+        (_, 1) => 9,
+        _ => topk + 5 + 3 * i,
+    }
+}
+
+#[test]
+fn graph_qwen4_exp_equals_eager() {
+    for name in QWEN4_EXP {
+        let Some(ms) = trio(name, "graph_qwen4_exp_equals_eager") else {
+            return;
+        };
+        let vocab = ms[0].cfg.vocab_size;
+        let topk = ms[0].cfg.qsa.as_ref().map_or(32, |q| q.index_topk);
+        // The control records selections (and so runs eagerly, as it does anyway).
+        ms[2].backend.trace_qsa(true);
+        let mut allocs = [0, 1, 2].map(|i| Alloc::new(&ms[i], 32));
+        let (mut dense, mut selecting) = (0, 0);
+        for round in 0..2 {
+            for batch in [1, 2, 3, 4] {
+                let prompts: Vec<Vec<u32>> = (0..batch)
+                    .map(|i| prompt(qwen4_prompt_len(topk, round, i), 10 * round + i, vocab))
+                    .collect();
+                let mut seqs = [0, 1, 2].map(|k| {
+                    prompts
+                        .iter()
+                        .map(|p| allocs[k].seq(p.len() + QWEN4_STEPS + 4))
+                        .collect::<Vec<_>>()
+                });
+                for (m, s) in ms.iter().zip(seqs.iter_mut()) {
+                    prefill(m, s, &prompts);
+                }
+                ms[2].backend.take_qsa_trace();
+                let before = ms[0].backend.graph_stats();
+                let first: Vec<u32> = (0..batch as u32).map(|i| i + 1).collect();
+                let (dg, dc) = lockstep(&ms, &mut seqs, QWEN4_STEPS, true, &first);
+                let d = delta(ms[0].backend.graph_stats(), before);
+                let (nd, ns) = check_trace(&ms[2], batch, QWEN4_STEPS);
+                dense += nd;
+                selecting += ns;
+                println!(
+                    "GRAPH fixture={name} round={round} batch={batch} steps={QWEN4_STEPS} topk={topk} \
+                     max_abs_graph_vs_eager={dg:e} max_abs_eager_vs_eager={dc:e} warmups={} \
+                     captures={} replays={} eager={} failures={} traced_rows_within_topk={nd} \
+                     traced_rows_past_topk={ns}",
+                    d.warmups, d.captures, d.replays, d.eager, d.failures
+                );
+                let what = format!("{name} round {round} batch {batch}");
+                check_equal(&what, dg, dc);
+                assert_eq!(
+                    d.failures,
+                    0,
+                    "{what}: a capture failed: {:?}",
+                    ms[0].backend.graph_failure()
+                );
+                let steps = QWEN4_STEPS as u64;
+                let expect = match (batch, round) {
+                    (3, _) => (0, 0, 0, steps),
+                    (_, 0) => (1, 1, steps - 1, 0),
+                    _ => (0, 0, steps, 0),
+                };
+                assert_eq!(
+                    (d.warmups, d.captures, d.replays, d.eager),
+                    expect,
+                    "{what}: (warm-ups, captures, replays, eager steps)"
+                );
+            }
+        }
+        if ms[0].cfg.qsa.is_some() {
+            assert!(
+                dense > 0 && selecting > 0,
+                "{name}: the decode rows cover both sides of topk ({dense} within, {selecting} past)"
+            );
+        }
+    }
+}
+
+/// QSA past [`MIN_GRAPH_SPAN`]: a long selecting sequence next to a short dense one, recorded at the
+/// larger span (score rows of the span, blocks past each context idle), equals eager.
+#[test]
+fn graph_qsa_long_context_equals_eager() {
+    let name = "qwen4_exp_qsa_tiny";
+    let Some(ms) = trio(name, "graph_qsa_long_context_equals_eager") else {
+        return;
+    };
+    let vocab = ms[0].cfg.vocab_size;
+    let long = MIN_GRAPH_SPAN + 300;
+    let prompts = vec![prompt(long, 1, vocab), prompt(9, 2, vocab)];
+    let mut allocs = [0, 1, 2].map(|i| Alloc::new(&ms[i], 4));
+    let mut seqs = [0, 1, 2].map(|k| {
+        prompts
+            .iter()
+            .map(|p| allocs[k].seq(p.len() + 8))
+            .collect::<Vec<_>>()
+    });
+    for (m, s) in ms.iter().zip(seqs.iter_mut()) {
+        prefill(m, s, &prompts);
+    }
+    let before = ms[0].backend.graph_stats();
+    let (dg, dc) = lockstep(&ms, &mut seqs, 4, true, &[5, 6]);
+    let d = delta(ms[0].backend.graph_stats(), before);
+    println!(
+        "GRAPH fixture={name} long_context={long} batch=2 steps=4 max_abs_graph_vs_eager={dg:e} \
+         max_abs_eager_vs_eager={dc:e} captures={} replays={}",
+        d.captures, d.replays
+    );
+    assert_eq!(d.failures, 0, "{:?}", ms[0].backend.graph_failure());
+    check_equal("QSA long context", dg, dc);
     assert_eq!((d.warmups, d.captures, d.replays), (1, 1, 3));
 }
 

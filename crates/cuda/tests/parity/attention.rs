@@ -214,6 +214,33 @@ fn attention_paged_decode_span_matches_cpu() {
     }
 }
 
+/// One prefill launch of `t` queries after `pos0` cached positions, the sequence's blocks scattered
+/// over a pool with spare blocks the table does not name. Returns the GPU output and the CPU reference.
+fn prefill_case(
+    g: &sanmai_cuda::Gpu,
+    rng: &mut Rng,
+    dims: AttnDims,
+    pos0: usize,
+    t: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let len = pos0 + t;
+    let nb = len.div_ceil(dims.block_size);
+    let num_blocks = nb + 5;
+    let p = pool(rng, dims, num_blocks);
+    let table: Vec<u32> = shuffled(rng, num_blocks)[..nb].to_vec();
+    let (qb, qf) = to_bf16(&rng.normals(t * dims.q_row(), 0.0, 1.0));
+    let (gb, gf) = to_bf16(&rng.normals(t * dims.q_row(), 0.0, 2.0));
+    let want = reference(&p, &table, dims, &qf, &gf, t, len);
+
+    let (q, gate) = (g.upload(&qb).unwrap(), g.upload(&gb).unwrap());
+    let (k, v) = (g.upload(&p.kb).unwrap(), g.upload(&p.vb).unwrap());
+    let tab = g.upload(&table).unwrap();
+    let mut out = g.zeros::<bf16>(t * dims.q_row()).unwrap();
+    g.attention_paged_prefill(dims, &q, &gate, &k, &v, &tab, pos0, t, &mut out)
+        .unwrap();
+    (from_bf16(&g.download(&out).unwrap()), want)
+}
+
 #[test]
 fn attention_paged_prefill_matches_cpu() {
     let Some(g) = gpu("attention_paged_prefill_matches_cpu") else {
@@ -224,30 +251,91 @@ fn attention_paged_prefill_matches_cpu() {
         // A first chunk, then a later chunk whose queries straddle a split boundary, then a long one
         // (rows of several splits of up to 256 positions, several steps of rows per block).
         for (pos0, t) in [(0usize, 40usize), (300, 70), (600, 160)] {
-            let len = pos0 + t;
-            let bs = dims.block_size;
-            let nb = len.div_ceil(bs);
-            let num_blocks = nb + 5; // spare blocks the table does not name
-            let p = pool(&mut rng, dims, num_blocks);
-            let table: Vec<u32> = shuffled(&mut rng, num_blocks)[..nb].to_vec();
-            let (qb, qf) = to_bf16(&rng.normals(t * dims.q_row(), 0.0, 1.0));
-            let (gb, gf) = to_bf16(&rng.normals(t * dims.q_row(), 0.0, 2.0));
-            let want = reference(&p, &table, dims, &qf, &gf, t, len);
+            let (got, want) = prefill_case(g, &mut rng, dims, pos0, t);
+            let shape = format!("pos0{pos0}_t{t}_{}", dims_name(dims));
+            check_reduction("attn_paged_prefill", &shape, &got, &want);
+        }
+    }
+}
 
-            let (q, gate) = (g.upload(&qb).unwrap(), g.upload(&gb).unwrap());
-            let (k, v) = (g.upload(&p.kb).unwrap(), g.upload(&p.vb).unwrap());
-            let tab = g.upload(&table).unwrap();
-            let mut out = g.zeros::<bf16>(t * dims.q_row()).unwrap();
-            g.attention_paged_prefill(dims, &q, &gate, &k, &v, &tab, pos0, t, &mut out)
-                .unwrap();
-            let got = from_bf16(&g.download(&out).unwrap());
-            let AttnDims {
-                hq,
-                hkv,
-                head_dim: d,
-                ..
-            } = dims;
-            let shape = format!("pos0{pos0}_t{t}_hq{hq}_hkv{hkv}_d{d}_bs{bs}");
+/// Head sizes the tensor-core prefill kernel takes, with the GQA ratios of the models: Qwen3-Next
+/// (8 query heads per KV head) and qwen4-exp (12: row tiles straddle queries) at 256, ratio 2 at
+/// 256, 128 at ratios 8 and 2, ratio 3 at 64, the tiny fixtures' 32.
+const MMA_SHAPES: [AttnDims; 7] = [
+    AttnDims {
+        hq: 16,
+        hkv: 2,
+        head_dim: 256,
+        block_size: 16,
+    },
+    AttnDims {
+        hq: 24,
+        hkv: 2,
+        head_dim: 256,
+        block_size: 16,
+    },
+    AttnDims {
+        hq: 4,
+        hkv: 2,
+        head_dim: 256,
+        block_size: 16,
+    },
+    AttnDims {
+        hq: 16,
+        hkv: 2,
+        head_dim: 128,
+        block_size: 16,
+    },
+    AttnDims {
+        hq: 8,
+        hkv: 4,
+        head_dim: 128,
+        block_size: 32,
+    },
+    AttnDims {
+        hq: 6,
+        hkv: 2,
+        head_dim: 64,
+        block_size: 8,
+    },
+    AttnDims {
+        hq: 4,
+        hkv: 2,
+        head_dim: 32,
+        block_size: 16,
+    },
+];
+
+#[test]
+fn attention_paged_prefill_mma_matches_cpu() {
+    let Some(g) = gpu("attention_paged_prefill_mma_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(53);
+    for (si, dims) in MMA_SHAPES.into_iter().enumerate() {
+        // First chunks around the 16-row MMA and 64-row tile edges and past several key tiles; later
+        // chunks after a cached prefix: one off the tile grid, short ones after a long prefix (the
+        // context split over spans, merged by the reduce) and, for the two real GQA-8 shapes, a long
+        // chunk after 4096 positions.
+        let mut cases = vec![
+            (0usize, 1usize),
+            (0, 15),
+            (0, 16),
+            (0, 17),
+            (0, 64),
+            (0, 100),
+            (0, 512),
+            (0, 700),
+            (33, 70),
+            (1000, 17),
+            (3000, 5),
+        ];
+        if si == 0 || si == 3 {
+            cases.extend([(4096, 512), (5000, 1)]);
+        }
+        for (pos0, t) in cases {
+            let (got, want) = prefill_case(g, &mut rng, dims, pos0, t);
+            let shape = format!("pos0{pos0}_t{t}_{}", dims_name(dims));
             check_reduction("attn_paged_prefill", &shape, &got, &want);
         }
     }

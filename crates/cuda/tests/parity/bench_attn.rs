@@ -1,5 +1,5 @@
 //! Timing (ignored by default; `--ignored` runs it) of decode attention and the GDN recurrent step at the shapes of a
-//! full-size decode step. Prints `BENCH` lines.
+//! full-size decode step, and of prefill attention chunks. Prints `BENCH` lines.
 
 use half::bf16;
 use sanmai_cuda::{AttnDims, GdnDims};
@@ -86,7 +86,7 @@ fn bench_attention_prefill() {
     let dims = ATTN;
     let bs = dims.block_size;
     // One chunk of one sequence: (position of its first query, queries).
-    for (pos0, t) in [(0usize, 512usize), (0, 2048), (4096, 512)] {
+    for (pos0, t) in [(0usize, 512usize), (0, 2048), (4096, 512), (0, 8192)] {
         let len = pos0 + t;
         let nb = len.div_ceil(bs);
         let n = nb * bs * dims.kv_row();
@@ -104,13 +104,16 @@ fn bench_attention_prefill() {
         // K/V rows each query row attends (causal), read once per KV head group.
         let rows: usize = (0..t).map(|r| pos0 + r + 1).sum();
         let bytes = rows * dims.kv_row() * 2 * 2;
+        // Two products of 2·head_dim flops per (query, head, visible position).
+        let flops = 4 * rows * dims.hq * dims.head_dim;
         println!(
-            "BENCH attn_paged_prefill pos0={pos0} t={t} hq={} hkv={} d={} bs={bs} bytes={bytes} time_us={:.1} GB/s={:.0}",
+            "BENCH attn_paged_prefill pos0={pos0} t={t} hq={} hkv={} d={} bs={bs} bytes={bytes} time_us={:.1} GB/s={:.0} TFLOP/s={:.1}",
             dims.hq,
             dims.hkv,
             dims.head_dim,
             secs * 1e6,
-            bytes as f64 / secs / 1e9
+            bytes as f64 / secs / 1e9,
+            flops as f64 / secs / 1e12
         );
     }
 }

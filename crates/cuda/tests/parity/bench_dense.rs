@@ -139,15 +139,36 @@ fn bench_dense_gemv() {
             }
         }
     }
-    // Batches between 1 and 8 (the tensor-core GEMV from m = 2) at in_proj_qkv / in_proj_z.
+    // Batches between 1 and 8 (the tensor-core GEMV from m = 2) at in_proj_qkv / in_proj_z and the
+    // INT6 shared expert.
     for m in [2usize, 4] {
         bench_packed(g, 8, 0, m, 8192, 2048, false);
         bench_packed(g, 4, 128, m, 4096, 2048, false);
+        bench_packed(g, 6, 0, m, 2048, 2048, false);
         bench_bf16(g, m, 4096, 2048, false);
     }
     // An INT8 lm_head, f32 logits.
     bench_packed(g, 8, 0, 1, 151_936, 2048, true);
     bench_packed(g, 8, 0, 8, 151_936, 2048, true);
+}
+
+/// Small n at batch 1 (the FMA GEMV) and 8 (the tensor cores): the shared expert's gate (n = 1), the
+/// GDN b / a projections (32, 64 fused), partial and whole 16-row tiles up to 512 rows, bf16 and packed
+/// (INT8 and INT6 per row, INT4 group 128), k = 2048.
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_small_n_gemv() {
+    let Some(g) = gpu("bench_small_n_gemv") else {
+        return;
+    };
+    for m in [1usize, 8] {
+        for n in [1usize, 32, 64, 128, 255, 256, 512] {
+            bench_bf16(g, m, n, 2048, false);
+            for (bits, group) in [(8u32, 0usize), (6, 0), (4, 128)] {
+                bench_packed(g, bits, group, m, n, 2048, false);
+            }
+        }
+    }
 }
 
 #[test]

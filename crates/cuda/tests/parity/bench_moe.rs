@@ -153,7 +153,7 @@ fn bench_moe_decode() {
             .unwrap();
         let mut out = g.zeros::<bf16>(t * h).unwrap();
         let tc = time(g, 5, 200, || {
-            g.moe_combine(&y, &w, &ids, E, &mut out, t, TOP_K, h)
+            g.moe_combine(&y, &w, &ids, E, None, &mut out, t, TOP_K, h)
                 .unwrap()
         });
         let bytes = n * h * 4 + t * h * 2 + n * 8;

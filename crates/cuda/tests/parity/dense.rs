@@ -111,10 +111,34 @@ fn gemv_matches_cpu_at_decode_shapes() {
     }
 }
 
-/// The tensor-core GEMV (2 ≤ m ≤ 8, n ≥ 256, k % 32 == 0): every batch size at the in_proj_z shape,
-/// in_proj_qkv and out_proj at batch 8 and 3, the n threshold on both sides (255: FMA, 256: tensor
-/// cores, 257: a partial 16-row tile), a k of one 32-value block per warp and less (k = 32: 7 idle
-/// warps) and a k off the 32 grid at n ≥ 256 (the FMA GEMV).
+/// Small n at batches: the shared expert's gate (n = 1), the GDN b / a projections (n = 32 each, 64
+/// fused), partial 16-row tiles (100, 255) on the tensor cores, and on the FMA GEMV (k off the 32 grid)
+/// with k split over a whole block and its cross-warp sums spread over the slot's threads.
+#[test]
+fn gemv_small_n_batches_match_cpu() {
+    let Some(g) = gpu("gemv_small_n_batches_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(16);
+    for &(m, n, k) in &[
+        (8, 1, 2048),
+        (8, 32, 2048),
+        (8, 64, 2048),
+        (8, 100, 4096),
+        (8, 255, 512),
+        (2, 1, 2048),
+        (3, 32, 2048),
+        (5, 64, 1000),
+        (8, 1, 1000),
+        (8, 64, 2056),
+    ] {
+        gemv_case(g, &mut rng, m, n, k);
+    }
+}
+
+/// The tensor-core GEMV (2 ≤ m ≤ 8, k % 32 == 0, any n): every batch size at the in_proj_z shape,
+/// in_proj_qkv and out_proj at batch 8 and 3, partial 16-row tiles (255, 257), a k of one 32-value
+/// block per warp and less (k = 32: 7 idle warps) and a k off the 32 grid (the FMA GEMV).
 #[test]
 fn gemv_tensor_core_matches_cpu() {
     let Some(g) = gpu("gemv_tensor_core_matches_cpu") else {

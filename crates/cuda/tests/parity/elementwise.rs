@@ -1,4 +1,4 @@
-//! Residual add, sigmoid-gated add, row gather, column concat, SiLU and the hyper-connection ops
+//! Residual add, row gather, column concat, SiLU and the hyper-connection ops
 //! against their f32 definitions (the CPU backend's loops).
 
 use half::bf16;
@@ -16,7 +16,6 @@ fn elementwise_ops_match_cpu() {
     let n = rows * cols;
     let (ab, af) = to_bf16(&rng.normals(n, 0.0, 1.0));
     let (yb, yf) = to_bf16(&rng.normals(n, 0.0, 1.0));
-    let (gb, gf) = to_bf16(&rng.normals(rows, 0.0, 2.0));
     let shape = format!("{rows}x{cols}");
 
     let mut acc = g.upload(&ab).unwrap();
@@ -24,20 +23,6 @@ fn elementwise_ops_match_cpu() {
     g.add_bf16(&mut acc, &y, n).unwrap();
     let want: Vec<f32> = af.iter().zip(&yf).map(|(a, b)| a + b).collect();
     check_elementwise("add", &shape, &from_bf16(&g.download(&acc).unwrap()), &want);
-
-    let mut acc = g.upload(&ab).unwrap();
-    let gate = g.upload(&gb).unwrap();
-    g.add_sigmoid_gated(&mut acc, &y, &gate, rows, cols)
-        .unwrap();
-    let want: Vec<f32> = (0..n)
-        .map(|i| af[i] + ops::sigmoid(gf[i / cols]) * yf[i])
-        .collect();
-    check_elementwise(
-        "add_sigmoid_gated",
-        &shape,
-        &from_bf16(&g.download(&acc).unwrap()),
-        &want,
-    );
 
     let idx: Vec<u32> = vec![3, 0, 36, 3, 17];
     let x = g.upload(&ab).unwrap();

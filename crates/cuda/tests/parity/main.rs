@@ -15,6 +15,7 @@ mod attention;
 mod bench;
 mod bench_attn;
 mod bench_dense;
+mod bench_gdn;
 mod bench_moe;
 mod bench_moe_gemm;
 mod common;

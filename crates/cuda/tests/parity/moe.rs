@@ -81,16 +81,18 @@ fn moe_combine_matches_cpu() {
         return;
     };
     let mut rng = Rng::new(52);
-    // (tokens, top_k, hidden, dropped pairs): decode at batch 1 and 8 for both hidden sizes, an odd
-    // hidden size (the kernel's scalar path), dropped pairs whose y rows hold NaN.
-    for &(t, k, h, dropped) in &[
-        (1usize, 10usize, 2048usize, 0usize),
-        (8, 10, 2048, 0),
-        (1, 10, 2560, 0),
-        (8, 10, 2560, 0),
-        (3, 4, 6, 0),
-        (5, 3, 130, 4),
-        (4, 10, 2048, 6),
+    // (tokens, top_k, hidden, dropped pairs, shared expert): decode at batch 1 and 8 for both hidden
+    // sizes, an odd hidden size (the kernel's scalar path), dropped pairs whose y rows hold NaN, with
+    // and without the shared expert's gated output.
+    for &(t, k, h, dropped, with_shared) in &[
+        (1usize, 10usize, 2048usize, 0usize, false),
+        (1, 10, 2048, 0, true),
+        (8, 10, 2048, 0, true),
+        (1, 10, 2560, 0, false),
+        (8, 10, 2560, 0, true),
+        (3, 4, 6, 0, true),
+        (5, 3, 130, 4, true),
+        (4, 10, 2048, 6, false),
     ] {
         let e = 64u32;
         let n = t * k;
@@ -113,17 +115,26 @@ fn moe_combine_matches_cpu() {
                 }
             }
         }
+        let (sy, sy_f) = to_bf16(&rng.normals(t * h, 0.0, 1.0));
+        let (sg, sg_f) = to_bf16(&rng.normals(t, 0.0, 2.0));
+        if with_shared {
+            for (j, o) in want.iter_mut().enumerate() {
+                *o += ops::sigmoid(sg_f[j / h]) * sy_f[j];
+            }
+        }
         let (dy, dw, di) = (
             g.upload(&y).unwrap(),
             g.upload(&w).unwrap(),
             g.upload(&ids).unwrap(),
         );
+        let (dsy, dsg) = (g.upload(&sy).unwrap(), g.upload(&sg).unwrap());
+        let shared = with_shared.then_some((&dsy, &dsg));
         let mut out = g.zeros::<bf16>(t * h).unwrap();
-        g.moe_combine(&dy, &dw, &di, e as usize, &mut out, t, k, h)
+        g.moe_combine(&dy, &dw, &di, e as usize, shared, &mut out, t, k, h)
             .unwrap();
         check_reduction(
             "moe_combine",
-            &format!("t{t}_k{k}_h{h}_dropped{dropped}"),
+            &format!("t{t}_k{k}_h{h}_dropped{dropped}_shared{with_shared}"),
             &from_bf16(&g.download(&out).unwrap()),
             &want,
         );
@@ -231,7 +242,8 @@ fn moe_experts_match_cpu() {
         g.moe_gemv(&dn_tab, &act, n, 1, &perm, &tiles, n, &mut y, h, i)
             .unwrap();
         let mut out = g.zeros::<bf16>(t * h).unwrap();
-        g.moe_combine(&y, &wts, &ids, e, &mut out, t, k, h).unwrap();
+        g.moe_combine(&y, &wts, &ids, e, None, &mut out, t, k, h)
+            .unwrap();
         let got_ids = g.download(&ids).unwrap();
         let kind = if n <= 4 * e { "m1" } else { "plain" };
         let shape = format!("t{t}_h{h}_i{i}_e{e}_k{k}_{kind}");

@@ -434,8 +434,8 @@ fn backend_moe_prefill_matches_cpu() {
         for t in [4usize, 1024] {
             assert_eq!(Gpu::moe_gemm_wanted(t, t * k), t == 1024);
             let x = to_bf16(&rng.normals(t * h, 0.0, 1.0)).1;
-            let (_, _, got) = b.to_host(b.moe_experts(&b.upload(t, h, x.clone()), &wg));
-            let (_, _, want) = cpu.to_host(cpu.moe_experts(&cpu.upload(t, h, x), &wc));
+            let (_, _, got) = b.to_host(b.moe_experts(&b.upload(t, h, x.clone()), &wg, None));
+            let (_, _, want) = cpu.to_host(cpu.moe_experts(&cpu.upload(t, h, x), &wc, None));
             let shape = format!("{}_h{h}_i{i}_e{e}_k{k}_t{t}", scheme_name(scheme));
             check_composite("backend_moe", &shape, &got, &want);
         }

@@ -144,11 +144,12 @@ fn gemv_packed_matches_cpu() {
     gemv_case(g, &mut rng, &p, 1, true);
 }
 
-/// The tensor-core GEMV (INT8 and INT4, 2 ≤ m ≤ 8, n ≥ 256, k a whole number of 64 / 128-value
+/// The tensor-core GEMV (INT8 and INT4, 2 ≤ m ≤ 8, any n, k a whole number of 64 / 128-value
 /// blocks, per-row scales or groups of whole blocks): every batch size at in_proj_qkv (INT8 8192 x 2048)
 /// and at INT4 group 128; in_proj_z, out_proj and o_proj at batch 8 and 2; grouped INT8 (group 128:
-/// scales per k-block), per-row INT4, the n threshold (255 and 256), partial 16-row tiles, f32 outputs,
-/// and shapes that stay on the FMA GEMV at batch 8 (INT8 k = 96, INT4 group 32, INT6).
+/// scales per k-block), per-row INT4, partial 16-row tiles (255, 257, 513), f32 outputs,
+/// and shapes that stay on the FMA GEMV at batch 8 (INT8 k = 96, INT4 group 32). INT6: see
+/// `gemv_packed_int6_batches_match_cpu`.
 #[test]
 fn gemv_packed_tensor_core_matches_cpu() {
     let Some(g) = gpu("gemv_packed_tensor_core_matches_cpu") else {
@@ -183,6 +184,60 @@ fn gemv_packed_tensor_core_matches_cpu() {
     // An INT8 lm_head at batch 8 (f32 logits).
     let p = make(&mut rng, 8, 0, 151_936, 2048);
     gemv_case(g, &mut rng, &p, 8, true);
+}
+
+/// INT6 batches (m = 2, 3, 5, 8): the tensor-core GEMV with per-row scales from one row to 12288 (the
+/// shared expert's gate-up 512 x 2048 and down 2048 x 512, 2048 x 2048, 12288 x 2048, partial 16-row
+/// tiles), on k off the 128-value k-block and off the 32-value unit (partial last k-blocks and units:
+/// k = 1000, 2056, 40, 520), with groups of whole k-blocks (128, 256); and the FMA GEMV with groups
+/// that split a k-block (8, 64). f32 outputs at m = 8.
+#[test]
+fn gemv_packed_int6_batches_match_cpu() {
+    let Some(g) = gpu("gemv_packed_int6_batches_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(45);
+    for (group, n, k) in [
+        (0usize, 1usize, 2048usize),
+        (0, 64, 2048),
+        (0, 255, 2048),
+        (0, 512, 2048),
+        (0, 2048, 512),
+        (0, 2048, 2048),
+        (0, 12_288, 2048),
+        (0, 300, 1000),
+        (0, 257, 2056),
+        (0, 256, 40),
+        (0, 513, 520),
+        (0, 33, 1000),
+        (128, 2048, 2048),
+        (128, 300, 1000),
+        (256, 513, 2048),
+        (64, 300, 512),
+        (8, 256, 96),
+    ] {
+        let p = make(&mut rng, 6, group, n, k);
+        for m in [2usize, 3, 5, 8] {
+            gemv_case(g, &mut rng, &p, m, m == 8);
+        }
+    }
+}
+
+/// Small n at batch 8 for each format: one row, the GDN b / a projections (32, 64) and 100 rows on the
+/// tensor cores, and on the FMA GEMV (groups of 32 values split the INT4 and INT8 k-blocks, INT6 groups
+/// of 8) with k split over a whole block.
+#[test]
+fn gemv_packed_small_n_batches_match_cpu() {
+    let Some(g) = gpu("gemv_packed_small_n_batches_match_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(46);
+    for (bits, group) in [(8u32, 0usize), (6, 0), (4, 128), (8, 32), (4, 32), (6, 8)] {
+        for (n, k) in [(1usize, 2048usize), (32, 2048), (64, 2048), (100, 4096)] {
+            let p = make(&mut rng, bits, group, n, k);
+            gemv_case(g, &mut rng, &p, 8, true);
+        }
+    }
 }
 
 /// The decode shapes of a full-size model at batch 1 and 8 for each format (INT4 group 128, INT6 and

@@ -19,15 +19,21 @@ use half::bf16;
 /// id 3 tokens from the host's (a CDF shift of ~3·10⁻⁵), and a top-p 0.999 row kept a tail token the
 /// host cut; 1e-4 covers both with margin and is still a few tokens wide.
 const U_SHIFT: f64 = 1e-4;
+use sanmai_cuda::SampleBatch;
 use sanmai_model::sample::{log_sum_exp, sample_rows, RowSampling, SeenToken};
 
 use crate::bench::time;
 use crate::common::{gpu, Rng};
 
 /// Rows of bf16-rounded logits: normal with spread 2.5 plus a few strong tokens, or (`coarse`) values
-/// on a 0.25 grid so long runs of equal logits occur.
-fn logits(rng: &mut Rng, rows: usize, cols: usize, coarse: bool) -> Vec<f32> {
-    let mut v = rng.normals(rows * cols, 0.0, 2.5);
+/// on a 0.25 grid so long runs of equal logits occur, or (`flat`) one value everywhere but the strong
+/// tokens, so the top-p cut falls inside a run of ~10⁵ equal logits.
+fn logits(rng: &mut Rng, rows: usize, cols: usize, coarse: bool, flat: bool) -> Vec<f32> {
+    let mut v = if flat {
+        vec![1.0; rows * cols]
+    } else {
+        rng.normals(rows * cols, 0.0, 2.5)
+    };
     for r in 0..rows {
         for _ in 0..4 {
             let i = rng.below(cols as u32) as usize;
@@ -51,6 +57,7 @@ struct Kind {
     penalties: bool,
     mask: bool,
     coarse: bool,
+    flat: bool,
 }
 
 const fn kind(name: &'static str, temperature: f32, top_k: usize, top_p: f32, min_p: f32) -> Kind {
@@ -63,6 +70,7 @@ const fn kind(name: &'static str, temperature: f32, top_k: usize, top_p: f32, mi
         penalties: false,
         mask: false,
         coarse: false,
+        flat: false,
     }
 }
 
@@ -96,6 +104,33 @@ fn kinds() -> Vec<Kind> {
             penalties: true,
             mask: true,
             ..kind("greedy_mask_penalties", 0.0, 0, 1.0, 0.0)
+        },
+        // Top-p without top-k (the radix cut), as chat clients send it.
+        kind("topp0.5_t0.6", 0.6, 0, 0.5, 0.0),
+        kind("topp0.8_t1.5", 1.5, 0, 0.8, 0.0),
+        kind("topp0.95_t0.6", 0.6, 0, 0.95, 0.0),
+        kind("topp0.95_t1.5_minp0.05", 1.5, 0, 0.95, 0.05),
+        kind("topp0.999_t0.6_minp0.001", 0.6, 0, 0.999, 0.001),
+        kind("topp0.999_t1.5", 1.5, 0, 0.999, 0.0),
+        Kind {
+            mask: true,
+            ..kind("mask_topp0.8_t0.6_minp0.02", 0.6, 0, 0.8, 0.02)
+        },
+        Kind {
+            penalties: true,
+            ..kind("penalties_bias_topp0.9_t1.5", 1.5, 0, 0.9, 0.0)
+        },
+        Kind {
+            coarse: true,
+            ..kind("ties_topp0.5_t0.6", 0.6, 0, 0.5, 0.0)
+        },
+        Kind {
+            flat: true,
+            ..kind("flat_topp0.9_t1.5", 1.5, 0, 0.9, 0.0)
+        },
+        Kind {
+            flat: true,
+            ..kind("flat_topp0.95_t1_minp0.05", 1.0, 0, 0.95, 0.05)
         },
     ]
 }
@@ -200,7 +235,7 @@ fn sampling_matches_cpu() {
         let cols = vocab + 64;
         for batch in [1usize, 8] {
             for k in kinds() {
-                let values = logits(&mut rng, batch, cols, k.coarse);
+                let values = logits(&mut rng, batch, cols, k.coarse, k.flat);
                 let data: Vec<RowData> = (0..batch)
                     .map(|r| row_data(&mut rng, &k, vocab, r))
                     .collect();
@@ -317,7 +352,7 @@ fn bench_sample() {
     for vocab in [151_936usize, 248_320] {
         let cols = vocab;
         for batch in [1usize, 8] {
-            let values = logits(&mut rng, batch, cols, false);
+            let values = logits(&mut rng, batch, cols, false, false);
             let dev = g
                 .upload(
                     &values
@@ -326,14 +361,27 @@ fn bench_sample() {
                         .collect::<Vec<_>>(),
                 )
                 .unwrap();
-            for k in kinds() {
+            for k in kinds().into_iter().filter(|k| !k.coarse && !k.flat) {
                 let data: Vec<RowData> = (0..batch)
                     .map(|r| row_data(&mut rng, &k, vocab, r))
                     .collect();
                 let specs: Vec<RowSampling<'_>> = data.iter().map(|d| spec(&k, d)).collect();
-                // One call: pack and upload the parameters, the kernel, the 8-byte-a-row download.
+                // One call: pack and upload the parameters, the kernels, the 8-byte-a-row download.
                 let t = time(g, 3, 20, || {
                     g.sample_rows(&dev, cols, vocab, &specs).unwrap();
+                });
+                // The kernels alone, on buffers uploaded once (what a decode step's graph replays).
+                let b = SampleBatch::pack(&specs, vocab);
+                let one = |v: &[u32]| {
+                    g.upload(if v.is_empty() { &[0u32][..] } else { v })
+                        .unwrap()
+                };
+                let (params, masks, edits) = (one(&b.params), one(&b.masks), one(&b.edits));
+                let mut work = g.zeros::<u32>(b.work_words().max(1)).unwrap();
+                let mut out = g.zeros::<u32>(2 * batch).unwrap();
+                let tk = time(g, 3, 50, || {
+                    g.sample_bf16(&dev, cols, &b, &params, &masks, &edits, &mut work, &mut out)
+                        .unwrap();
                 });
                 let mut host = values.clone();
                 let t0 = std::time::Instant::now();
@@ -346,10 +394,11 @@ fn bench_sample() {
                 let bytes = batch * vocab * 2;
                 println!(
                     "BENCH sample vocab={vocab} batch={batch} kind={} time_us={:.1} us_per_row={:.1} \
-                     GB/s(one logits read)={:.0} host_us_per_row={:.1}",
+                     kernels_us={:.1} GB/s(one logits read)={:.0} host_us_per_row={:.1}",
                     k.name,
                     t * 1e6,
                     t * 1e6 / batch as f64,
+                    tk * 1e6,
                     bytes as f64 / t / 1e9,
                     host_t * 1e6 / batch as f64
                 );

@@ -4,7 +4,7 @@
 //!
 //! The GPU keeps activations in bf16 and the CPU in f32, so the indexer's inputs differ slightly and
 //! sets can differ where scores nearly tie; each differing row is printed (`E2E near-tie`) with how
-//! many of its positions differ. With equal inputs the sets are equal exactly (`qsa_ple.rs`). The
+//! many of its positions differ. With equal inputs the sets are equal exactly (`qsa_ple/`). The
 //! same comparison on a fixture without the qwen4_exp blocks (`qwen3_5_moe_text_tiny`) measures the
 //! base backend's bf16 distance, which bounds what the qwen4_exp fixtures can reach: the log-prob
 //! bound is the larger of [`E2E_MEAN_TARGET`] and twice that baseline.

@@ -1,0 +1,136 @@
+//! QSA and the PLE mix on the device against the CPU oracle:
+//!
+//! - kernels: the index-key write (LayerNorm, RoPE, bf16 scale, fp8 e4m3) byte for byte; the index
+//!   scores bit for bit and the top-k selected sets exactly (ties included: repeated keys and all-zero
+//!   scores); the attention over gathered selected rows within bf16 rounding; the decode forms of the
+//!   three (contexts, block tables read on the device, rows on both sides of topk, a score row longer
+//!   than every context) the same way, and the PLE conv's decode form (state slots read on the
+//!   device) within rounding, its state exactly;
+//! - the backend ops: `qsa_attention` (mixed prefill chunks and decodes of two sequences, dense and
+//!   selecting, selected sets recorded on both sides) and `ple_mix` (chunks, decodes, a `copy_state`
+//!   fork) on `CudaBackend` against `CpuBackend` with the same inputs;
+//!
+//! The end-to-end comparison on the tiny fixtures is `qsa_ple_e2e.rs`.
+//!
+//! Without a GPU every test prints `skipped: <test>: <reason>` and passes. Each check prints a
+//! `PARITY` or `E2E` line.
+
+use half::bf16;
+use sanmai_cpu::{ops as cpu, CpuBackend};
+use sanmai_cuda::{AttnDims, CudaBackend, PleDims};
+use sanmai_model::backend::{
+    AttnShape, AttnWeights, CacheSpec, GdnShape, IndexerWeights, PleShape, PleWeights, QsaShape,
+    Rope,
+};
+use sanmai_model::{Backend, SeqChunk};
+
+mod ple;
+mod qsa;
+
+/// xorshift64* with Box–Muller normals.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+    fn normal(&mut self) -> f32 {
+        let u = self.unit().max(1e-7);
+        let v = self.unit();
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+    }
+    /// `n` bf16-representable normals times `scale` plus `mean`.
+    fn bf16s(&mut self, n: usize, mean: f32, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| bf16::from_f32(mean + scale * self.normal()).to_f32())
+            .collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+fn backend(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            None
+        }
+    }
+}
+
+fn to_dev(b: &CudaBackend, x: &[f32]) -> sanmai_cuda::cudarc::driver::CudaSlice<bf16> {
+    let v: Vec<bf16> = x.iter().map(|&v| bf16::from_f32(v)).collect();
+    b.gpu().upload(&v).unwrap()
+}
+
+fn inv_freq(rot: usize, theta: f32) -> Vec<f32> {
+    (0..rot / 2)
+        .map(|j| theta.powf(-2.0 * j as f32 / rot as f32))
+        .collect()
+}
+
+/// `max|got − want| / max|want|`.
+fn max_rel(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let m = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1e-30);
+    got.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / m
+}
+
+/// Both backends with the same weights and caches.
+struct Pair {
+    gpu: CudaBackend,
+    cpu: CpuBackend,
+}
+
+impl Pair {
+    fn weight(
+        &self,
+        data: Vec<f32>,
+        shape: &[usize],
+    ) -> (sanmai_cuda::CudaWeight, sanmai_cpu::CpuWeight) {
+        (
+            self.gpu.weight(data.clone(), shape),
+            self.cpu.weight(data, shape),
+        )
+    }
+    fn init(&self, spec: &CacheSpec) {
+        self.gpu.init_cache(spec);
+        self.cpu.init_cache(spec);
+    }
+}
+
+fn spec(attn: bool, di: usize, ple: Option<PleShape>) -> CacheSpec {
+    CacheSpec {
+        num_blocks: 128,
+        block_size: 16,
+        attn_layers: if attn { vec![0] } else { vec![] },
+        num_kv_heads: 2,
+        head_dim: 32,
+        index_head_dim: di,
+        gdn_layers: vec![],
+        gdn: GdnShape {
+            num_k_heads: 1,
+            num_v_heads: 1,
+            k_head_dim: 8,
+            v_head_dim: 8,
+            conv_kernel: 4,
+        },
+        ple_layers: if ple.is_some() { vec![0] } else { vec![] },
+        ple,
+    }
+}

@@ -20,6 +20,81 @@ __device__ __forceinline__ void pdl_prologue() {
 #endif
 }
 
+// Bytes of an L2 prefetch request (one per thread of a block's first warp, as many rounds as needed).
+#define PDL_PREFETCH_PIECE 32768
+
+// pdl_prologue, first asking L2 for bytes [p, p + bytes) of data no kernel writes (the weight rows a GEMV
+// block reads): the fetch overlaps the kernel ahead instead of following it. Whole 16-byte units inside
+// the range only; nothing when bytes ≤ 0.
+__device__ __forceinline__ void pdl_prologue_prefetch(const void* p, long long bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned long long a0 = ((unsigned long long)p + 15) & ~15ull;
+    const unsigned long long a1 = bytes > 0 ? ((unsigned long long)p + bytes) & ~15ull : 0;
+    if (threadIdx.x < 32)
+        for (unsigned long long a = a0 + threadIdx.x * (unsigned long long)PDL_PREFETCH_PIECE; a < a1;
+             a += 32ull * PDL_PREFETCH_PIECE) {
+            const unsigned size = (unsigned)min((unsigned long long)PDL_PREFETCH_PIECE, a1 - a);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(size) : "memory");
+        }
+#endif
+    pdl_prologue();
+}
+
+// The segment table of a GEMV launch: up to GEMV_SEGS weights that read the same X, each with its own
+// output, in one grid. Segment i owns blocks [block0_i, block0_{i+1}) (whole blocks: a block serves one
+// weight); an unused segment has block0 = INT_MAX. w: the weight (bf16 or packed u32 words), s: its
+// scales (packed only), y: the output [m, n], rps and tpr_log2: the row-slot cut of its rows (unused by
+// the tensor-core GEMVs). Matches `GemvSeg` / `GemvSegs` in crates/cuda/src/ops/gemv.rs.
+#define GEMV_SEGS 4
+struct GemvSeg {
+    const void* w;
+    const float* s;
+    void* y;
+    int n;
+    int block0;
+    int rps;
+    int tpr_log2;
+};
+struct GemvSegs {
+    GemvSeg seg[GEMV_SEGS];
+};
+
+// The segment this block serves (the last whose first block is at or below blockIdx.x). Unrolled to
+// constant indices, so the table stays in the parameter space.
+__device__ __forceinline__ GemvSeg gemv_seg(const GemvSegs& t) {
+    GemvSeg s = t.seg[0];
+#pragma unroll
+    for (int j = 1; j < GEMV_SEGS; ++j)
+        if ((int)blockIdx.x >= t.seg[j].block0) s = t.seg[j];
+    return s;
+}
+// This block's index inside its segment.
+__device__ __forceinline__ int gemv_seg_block(const GemvSeg& s) { return (int)blockIdx.x - s.block0; }
+
+// Bytes [p, p + bytes) of the weight rows one GEMV block reads.
+struct RowSpan {
+    const void* p;
+    long long bytes;
+};
+
+// pdl_prologue_prefetch of a block's weight rows.
+__device__ __forceinline__ void pdl_prologue_prefetch(RowSpan r) { pdl_prologue_prefetch(r.p, r.bytes); }
+
+// The weight rows of row-slot GEMV block `block` of a segment (256 threads in slots of 2^tpr_log2
+// threads, rps rows a slot, row_bytes a row): none for a block past n.
+__device__ __forceinline__ RowSpan gemv_slot_span(const GemvSeg& s, long long row_bytes) {
+    const long long per = (long long)(256 >> s.tpr_log2) * s.rps;
+    const long long r0 = (long long)gemv_seg_block(s) * per;
+    const long long rows = r0 < s.n ? min(per, (long long)s.n - r0) : 0;
+    return RowSpan{(const char*)s.w + r0 * row_bytes, rows * row_bytes};
+}
+// The same for a tensor-core GEMV block of 16 rows.
+__device__ __forceinline__ RowSpan gemv_tile_span(const GemvSeg& s, long long row_bytes) {
+    const long long r0 = (long long)gemv_seg_block(s) * 16;
+    const long long rows = r0 < s.n ? min(16LL, (long long)s.n - r0) : 0;
+    return RowSpan{(const char*)s.w + r0 * row_bytes, rows * row_bytes};
+}
+
 __device__ __forceinline__ float bf2f(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 f2bf(float x) { return __float2bfloat16_rn(x); }
 

@@ -72,12 +72,12 @@ __device__ __forceinline__ void gemv_slot_sum(float (&acc)[R][M], float (*red)[R
 
 template <int M, typename OUT>
 __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
-                                          OUT* __restrict__ Y, int n, int k, int rps, int tpr_log2) {
+                                          OUT* __restrict__ Y, int n, int k, int rps, int tpr_log2, int block) {
     __shared__ float red[GEMV_THREADS / 32][GEMV_ROWS][M];
     const int tpr = 1 << tpr_log2;
     const int slot = threadIdx.x >> tpr_log2, p = threadIdx.x & (tpr - 1);
     const int slots = GEMV_THREADS >> tpr_log2;
-    const long long row0 = ((long long)blockIdx.x * slots + slot) * rps;
+    const long long row0 = ((long long)block * slots + slot) * rps;
     const int nrows = (int)max(0LL, min((long long)rps, (long long)n - row0));
     const int kv = k >> 3;
     const int kend = nrows > 0 ? kv : 0;
@@ -130,11 +130,11 @@ __device__ __forceinline__ void tc_mma(float c[4], const u32 a[4], u32 b0, u32 b
 
 template <typename OUT>
 __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
-                                             OUT* __restrict__ Y, int n, int k, int m) {
+                                             OUT* __restrict__ Y, int n, int k, int m, int block) {
     constexpr int U = 4;  // k-blocks in flight a warp
     __shared__ float red[8][32][4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const long long tile0 = (long long)blockIdx.x * 16;
+    const long long tile0 = (long long)block * 16;
     // Rows past n read row n - 1 (never stored).
     const long long ra = min(tile0 + g, (long long)n - 1), rb = min(tile0 + g + 8, (long long)n - 1);
     const uint4* wa = (const uint4*)(W + ra * k) + t;
@@ -177,80 +177,102 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ W, const b
     }
 }
 
-// Y: [m, n]; 256 threads, grid = ceil(n / 16), 2 ≤ m ≤ 8, k % 32 == 0.
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc(const bf16* W, const bf16* X, bf16* Y, int n, int k, int m) {
-    pdl_prologue();
-    gemv_tc_impl<bf16>(W, X, Y, n, k, m);
+// Entry points. Each runs the segment table t (common.cuh): a block finds its segment and runs the body
+// on that weight, output and n with its index inside the segment; a single GEMV is a one-segment table.
+// The first statement asks L2 for the block's weight rows before the PDL wait.
+//
+// Tensor cores: Y: [m, n] per segment; 256 threads, ceil(n / 16) blocks a segment, 2 ≤ m ≤ 8, k % 32 == 0.
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc(const GemvSegs t, const bf16* X, int k, int m) {
+    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_tc_impl<bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, m, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc_f32(const bf16* W, const bf16* X, float* Y, int n, int k, int m) {
-    pdl_prologue();
-    gemv_tc_impl<float>(W, X, Y, n, k, m);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc_f32(const GemvSegs t, const bf16* X, int k, int m) {
+    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_tc_impl<float>((const bf16*)s.w, X, (float*)s.y, s.n, k, m, gemv_seg_block(s));
 }
 
-// Y: [M, n] bf16. 256 threads; rps ∈ 1..GEMV_ROWS rows per slot, slots of 2^tpr_log2 ≤ 256 threads;
-// grid = ceil(n / (rps · 256 / 2^tpr_log2)).
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m1(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<1, bf16>(W, X, Y, n, k, rps, tpr_log2);
+// Row slots: Y: [M, n] per segment, bf16. 256 threads; per segment rps ∈ 1..GEMV_ROWS rows a slot, slots
+// of 2^tpr_log2 ≤ 256 threads, ceil(n / (rps · 256 / 2^tpr_log2)) blocks.
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m1(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<1, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m2(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<2, bf16>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m2(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<2, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m3(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<3, bf16>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m3(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<3, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m4(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<4, bf16>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m4(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<4, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m5(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<5, bf16>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m5(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<5, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m6(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<6, bf16>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m6(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<6, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m7(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<7, bf16>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m7(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<7, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m8(const bf16* W, const bf16* X, bf16* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<8, bf16>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m8(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<8, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-// Y: [M, n] f32 (logits, router scores); same launch as above.
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m1(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<1, float>(W, X, Y, n, k, rps, tpr_log2);
+// Y f32 (logits, router scores); same launch as above.
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m1(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<1, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m2(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<2, float>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m2(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<2, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m3(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<3, float>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m3(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<3, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m4(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<4, float>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m4(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<4, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m5(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<5, float>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m5(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<5, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m6(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<6, float>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m6(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<6, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m7(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<7, float>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m7(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<7, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m8(const bf16* W, const bf16* X, float* Y, int n, int k, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_impl<8, float>(W, X, Y, n, k, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m8(const GemvSegs t, const bf16* X, int k) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<8, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
 }

@@ -14,6 +14,10 @@
 
 #define QROWS 2
 
+// u32 words of a packed row of k values (rows hold whole 32-value units of BITS words each).
+template <int BITS>
+__device__ __forceinline__ long long q_row_words(int k) { return (long long)((k + 31) / 32) * BITS; }
+
 // Words of one unit, streamed (the weights are read once).
 template <int BITS> using Unit = PackedUnit<BITS, true>;
 
@@ -133,11 +137,11 @@ __device__ __forceinline__ void unit_dot(const u32 cw[QROWS][Unit<BITS>::WORDS],
 template <int BITS, int M, typename OUT, bool UNIT_SCALE>
 __device__ __noinline__ void gemv_q_body(const u32* __restrict__ W, const float* __restrict__ S,
                                          const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
-                                         int group, int rps, int tpr_log2, float (*red)[QROWS][M]) {
+                                         int group, int rps, int tpr_log2, int block, float (*red)[QROWS][M]) {
     typedef Unit<BITS> U;
     const int tpr = 1 << tpr_log2;
     const int slot = threadIdx.x >> tpr_log2, p = threadIdx.x & (tpr - 1);
-    const long long row0 = ((long long)blockIdx.x * (256 >> tpr_log2) + slot) * rps;
+    const long long row0 = ((long long)block * (256 >> tpr_log2) + slot) * rps;
     const int nrows = (int)max(0LL, min((long long)rps, (long long)n - row0));
     const int units = (k + 31) >> 5;
     const int uend = nrows > 0 ? units : 0;
@@ -235,12 +239,12 @@ __device__ __noinline__ void gemv_q_body(const u32* __restrict__ W, const float*
 template <int BITS, int M, typename OUT>
 __device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const float* __restrict__ S,
                                             const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
-                                            int group, int rps, int tpr_log2) {
+                                            int group, int rps, int tpr_log2, int block) {
     __shared__ float red[8][QROWS][M];
     if (group % 32 == 0)
-        gemv_q_body<BITS, M, OUT, true>(W, S, X, Y, n, k, group, rps, tpr_log2, red);
+        gemv_q_body<BITS, M, OUT, true>(W, S, X, Y, n, k, group, rps, tpr_log2, block, red);
     else
-        gemv_q_body<BITS, M, OUT, false>(W, S, X, Y, n, k, group, rps, tpr_log2, red);
+        gemv_q_body<BITS, M, OUT, false>(W, S, X, Y, n, k, group, rps, tpr_log2, block, red);
 }
 
 // ---- Batched decode (M = 2..8) on the tensor cores: INT8, INT4 and INT6 ----
@@ -331,14 +335,14 @@ template <> struct TcPiece<6> {
 template <int BITS, bool PER_ROW, typename OUT>
 __device__ __forceinline__ void gemv_tc_body(const u32* __restrict__ W, const float* __restrict__ S,
                                              const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
-                                             int group, int m) {
+                                             int group, int m, int block) {
     typedef TcPiece<BITS> P;
     constexpr int KB = P::KB, U = P::U, WORDS = P::WORDS;
     constexpr int PV = KB / 4;   // values of a piece
     constexpr int XV = PV / 8;   // x chunks (16 bytes, 8 values) a piece
     __shared__ float red[8][32][4];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const long long tile0 = (long long)blockIdx.x * 16;
+    const long long tile0 = (long long)block * 16;
     // Rows past n read row n - 1 (never stored).
     const long long ra = min(tile0 + g, (long long)n - 1), rb = min(tile0 + g + 8, (long long)n - 1);
     const int pieces = (k + PV - 1) / PV;  // pieces a row (INT8, INT4: k / PV; INT6: its units)
@@ -426,11 +430,11 @@ __device__ __forceinline__ void gemv_tc_body(const u32* __restrict__ W, const fl
 template <int BITS, typename OUT>
 __device__ __forceinline__ void gemv_tc_impl(const u32* __restrict__ W, const float* __restrict__ S,
                                              const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
-                                             int group, int m) {
+                                             int group, int m, int block) {
     if (group >= k)
-        gemv_tc_body<BITS, true, OUT>(W, S, X, Y, n, k, group, m);
+        gemv_tc_body<BITS, true, OUT>(W, S, X, Y, n, k, group, m, block);
     else
-        gemv_tc_body<BITS, false, OUT>(W, S, X, Y, n, k, group, m);
+        gemv_tc_body<BITS, false, OUT>(W, S, X, Y, n, k, group, m, block);
 }
 
 // Rows [row0, row0 + rows) of dequant(W) as bf16 into OUT [rows, k]: one thread per unit. S null: the
@@ -463,228 +467,285 @@ __device__ __forceinline__ void dequant_q_impl(const u32* __restrict__ W, const 
     }
 }
 
-// Entry points. GEMV: 256 threads (M ≥ 5 held to two resident blocks' registers, INT8 M = 1 to four so
-// that n = 8192's 512 blocks are resident at once), rps ∈ 1..QROWS rows per
-// slot, slots of 2^tpr_log2 ≤ 256 threads,
-// grid = ceil(n / (rps · 256 / 2^tpr_log2)). Y: [M, n].
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+// Entry points. Each runs the segment table t (common.cuh): a block finds its segment and runs the body
+// on that weight, its scales, output and n with its index inside the segment; a single GEMV is a
+// one-segment table. The first statement asks L2 for the block's weight rows before the PDL wait.
+//
+// Row slots: 256 threads (M ≥ 5 held to two resident blocks' registers, INT8 M = 1 to four so that
+// n = 8192's 512 blocks are resident at once); per segment rps ∈ 1..QROWS rows a slot, slots of
+// 2^tpr_log2 ≤ 256 threads, ceil(n / (rps · 256 / 2^tpr_log2)) blocks. Y: [M, n] per segment.
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m1(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 1, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m2(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 2, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m3(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 3, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m4(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 4, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m5(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 5, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m6(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 6, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m7(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 7, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m8(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 8, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m1(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 1, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m2(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 2, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m3(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 3, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m4(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 4, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m5(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 5, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m6(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 6, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m7(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 7, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<4, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m8(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<4, 8, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_m1(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 1, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m2(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 2, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m3(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 3, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m4(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 4, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m5(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 5, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m6(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 6, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m7(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 7, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m8(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 8, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_f32_m1(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 1, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m2(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 2, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m3(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 3, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m4(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 4, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m5(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 5, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m6(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 6, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m7(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 7, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<8, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m8(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<8, 8, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m1(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 1, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m1(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 1, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m2(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 2, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m2(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 2, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m3(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 3, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m3(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 3, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m4(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 4, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m4(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 4, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m5(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 5, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m5(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 5, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m6(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 6, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m6(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 6, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m7(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 7, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m7(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 7, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m8(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 8, bf16>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m8(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 8, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m1(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 1, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m1(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 1, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m2(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 2, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m2(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 2, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m3(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 3, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m3(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 3, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m4(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 4, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m4(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 4, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m5(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 5, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m5(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 5, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m6(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 6, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m6(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 6, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m7(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 7, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m7(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 7, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int rps, int tpr_log2) {
-    pdl_prologue();
-    gemv_q_impl<6, 8, float>(W, S, X, Y, n, k, group, rps, tpr_log2);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(const GemvSegs t, const bf16* X, int k, int group) {
+    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_q_impl<6, 8, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
 }
-// Batched decode on the tensor cores: 256 threads, grid = ceil(n / 16), 2 ≤ m ≤ 8 rows of X, Y: [m, n].
-// INT8: k % 64 == 0; INT4: k % 128 == 0; INT6: k % 8 == 0; group ≥ k (per row) or group % KB == 0 (INT8:
-// 64, INT4 and INT6: 128).
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int m) {
-    pdl_prologue();
-    gemv_tc_impl<8, bf16>(W, S, X, Y, n, k, group, m);
+// Batched decode on the tensor cores: 256 threads, ceil(n / 16) blocks a segment, 2 ≤ m ≤ 8 rows of X,
+// Y: [m, n] per segment. INT8: k % 64 == 0; INT4: k % 128 == 0; INT6: k % 8 == 0; group ≥ k (per row)
+// or group % KB == 0 (INT8: 64, INT4 and INT6: 128).
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc(const GemvSegs t, const bf16* X, int k, int group, int m) {
+    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_tc_impl<8, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, m, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc_f32(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int m) {
-    pdl_prologue();
-    gemv_tc_impl<8, float>(W, S, X, Y, n, k, group, m);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc_f32(const GemvSegs t, const bf16* X, int k, int group, int m) {
+    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<8>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_tc_impl<8, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, m, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int m) {
-    pdl_prologue();
-    gemv_tc_impl<4, bf16>(W, S, X, Y, n, k, group, m);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc(const GemvSegs t, const bf16* X, int k, int group, int m) {
+    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_tc_impl<4, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, m, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc_f32(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int m) {
-    pdl_prologue();
-    gemv_tc_impl<4, float>(W, S, X, Y, n, k, group, m);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc_f32(const GemvSegs t, const bf16* X, int k, int group, int m) {
+    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_tc_impl<4, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, m, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_tc(const u32* W, const float* S, const bf16* X, bf16* Y, int n, int k, int group, int m) {
-    pdl_prologue();
-    gemv_tc_impl<6, bf16>(W, S, X, Y, n, k, group, m);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_tc(const GemvSegs t, const bf16* X, int k, int group, int m) {
+    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_tc_impl<6, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, m, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_tc_f32(const u32* W, const float* S, const bf16* X, float* Y, int n, int k, int group, int m) {
-    pdl_prologue();
-    gemv_tc_impl<6, float>(W, S, X, Y, n, k, group, m);
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_tc_f32(const GemvSegs t, const bf16* X, int k, int group, int m) {
+    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<6>(k)));
+    const GemvSeg s = gemv_seg(t);
+    gemv_tc_impl<6, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, m, gemv_seg_block(s));
 }
 // The per-row scales of a GEMM over integer codes: Y[i, row0 + j] = bf16(YT[i, j] · S[row0 + j]) for
 // i < m, j < rows, YT [m, rows] f32 (the product with the codes), Y [m, n]. One thread per element.

@@ -23,7 +23,11 @@ macro_rules! source {
 }
 
 /// Headers the kernels include with `#include "name"`.
-pub const HEADERS: &[Source] = &[source!("common.cuh"), source!("packed.cuh")];
+pub const HEADERS: &[Source] = &[
+    source!("common.cuh"),
+    source!("packed.cuh"),
+    source!("sample.cuh"),
+];
 
 /// The kernel sources, one file per op family.
 pub const SOURCES: &[Source] = &[
@@ -46,15 +50,18 @@ pub const SOURCES: &[Source] = &[
     source!("elementwise.cu"),
     source!("qsa.cu"),
     source!("ple.cu"),
+    source!("hc.cu"),
     source!("sample.cu"),
+    source!("sample_draw.cu"),
 ];
 
-/// The statement a kernel opens with to take part in programmatic dependent launch (`common.cuh`).
-pub const PDL_PROLOGUE: &str = "pdl_prologue();";
+/// The statements a kernel may open with to take part in programmatic dependent launch
+/// (`common.cuh`): the plain prologue, or the one that first asks L2 for the block's weights.
+pub const PDL_PROLOGUES: [&str; 2] = ["pdl_prologue();", "pdl_prologue_prefetch("];
 
-/// Whether the kernel `name` of `src` opens its body with [`PDL_PROLOGUE`]: only such kernels may be
-/// launched before the kernel ahead of them on the stream has finished (their first statement waits
-/// for it), so only they get the launch attribute.
+/// Whether the kernel `name` of `src` opens its body with one of [`PDL_PROLOGUES`]: only such kernels
+/// may be launched before the kernel ahead of them on the stream has finished (their first statement
+/// waits for it), so only they get the launch attribute.
 pub fn opens_with_pdl_prologue(src: &Source, name: &str) -> bool {
     let Some(at) = src.text.lines().position(|l| {
         l.trim_start().starts_with("extern \"C\" __global__")
@@ -67,7 +74,7 @@ pub fn opens_with_pdl_prologue(src: &Source, name: &str) -> bool {
         return false;
     };
     let body = rest[open + 1..].trim_start();
-    body.starts_with(PDL_PROLOGUE)
+    PDL_PROLOGUES.iter().any(|p| body.starts_with(p))
 }
 
 /// The entry point an `extern "C" __global__ ... name(` line declares.
@@ -237,10 +244,11 @@ mod tests {
     fn pdl_prologue_is_found_only_as_the_first_statement() {
         let src = Source {
             name: "x.cu",
-            text: "extern \"C\" __global__ void a(int n)\n{\n    pdl_prologue();\n}\nextern \"C\" __global__ void b(int n) {\n    int i = 0;\n    pdl_prologue();\n}\n",
+            text: "extern \"C\" __global__ void a(int n)\n{\n    pdl_prologue();\n}\nextern \"C\" __global__ void b(int n) {\n    int i = 0;\n    pdl_prologue();\n}\nextern \"C\" __global__ void d(const int* w) {\n    pdl_prologue_prefetch(w, 64);\n}\n",
         };
         assert!(opens_with_pdl_prologue(&src, "a"));
         assert!(!opens_with_pdl_prologue(&src, "b"));
+        assert!(opens_with_pdl_prologue(&src, "d"));
         assert!(!opens_with_pdl_prologue(&src, "c"));
     }
 
@@ -259,7 +267,7 @@ mod tests {
             .collect();
         assert!(
             missing.is_empty(),
-            "kernels without `{PDL_PROLOGUE}`: {missing:?}"
+            "kernels without a PDL prologue: {missing:?}"
         );
     }
 }

@@ -130,6 +130,22 @@ pub struct DecodeStep<'a> {
 pub use crate::ext::{HcWeights, IndexerWeights, PleShape, PleWeights, QsaShape};
 pub use sanmai_weights::quant::{PackedTensor, PackedWords};
 
+/// [`Backend::hc_residual`] as six ops, each rounding its output to the backend's activation type:
+/// `linear` down (of `y`) and inject (of `x`), `add`, `silu`, `linear` up, `hc_gated_residual`. The
+/// trait's default, and what a fusing backend falls back to for shapes its kernels do not take.
+pub fn hc_residual_ops<B: Backend + ?Sized>(
+    b: &B,
+    streams: &mut B::Tensor,
+    x: &B::Tensor,
+    y: &B::Tensor,
+    w: &HcWeights<B::Weight>,
+) {
+    let mut pre = b.linear(y, &w.down);
+    b.add(&mut pre, &b.linear(x, &w.inject));
+    let u = b.linear(&b.silu(&pre), &w.up);
+    b.hc_gated_residual(streams, &u, y);
+}
+
 /// A weight the loader handed to the backend in packed form ([`Backend::packed_weight`]): its name
 /// (for fused weights, the name of the fused tensor the model uses), scheme, shape and packed size.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -181,6 +197,12 @@ pub trait Backend: Send + Sync {
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32, offset: f32) -> Self::Tensor;
     /// `x · wᵀ`.
     fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
+    /// `x · wᵀ` for each of `ws`, in order: the projections that read one input. A backend may run
+    /// several in one launch (decode GEMVs are short, so their launches dominate); each result equals
+    /// [`Backend::linear`]'s.
+    fn linear_many(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Vec<Self::Tensor> {
+        ws.iter().map(|w| self.linear(x, w)).collect()
+    }
     /// Selected rows of `x`.
     fn rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
     /// Concatenation along columns: `[a | b]`.
@@ -322,6 +344,20 @@ pub trait Backend: Send + Sync {
     /// Hyper-connections gated residual: `streams` `[rows, S·H]`, `u` `[rows, S·H]`, `y` `[rows, H]`;
     /// `R_c += sigmoid(u_c) ⊙ y` for every stream c (u_c = columns `c·H .. (c+1)·H` of `u`).
     fn hc_gated_residual(&self, streams: &mut Self::Tensor, u: &Self::Tensor, y: &Self::Tensor);
+
+    /// The hyper-connections' gated residual of one sublayer (spec §4), in place on `streams`
+    /// `[rows, S·H]`: with `y` `[rows, H]` the sublayer's output and `x` `[rows, H]` its pre-mixed
+    /// input, `s = silu(down·y + inject·x)`, `u = up·s`, `R_c += sigmoid(u_c) ⊙ y`. The default is
+    /// [`hc_residual_ops`] (the oracle); a backend may fuse the ops.
+    fn hc_residual(
+        &self,
+        streams: &mut Self::Tensor,
+        x: &Self::Tensor,
+        y: &Self::Tensor,
+        w: &HcWeights<Self::Weight>,
+    ) {
+        hc_residual_ops(self, streams, x, y, w);
+    }
 
     /// QSA attention of attention layer `layer` (spec §2). Inputs per row (token) of the step:
     /// `q_gate`, `k`, `v` as for [`Backend::attention`]; the indexer projections `iq = wq·x`

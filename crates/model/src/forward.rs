@@ -341,9 +341,7 @@ impl<B: Backend> Model<B> {
         let eps = self.cfg.rms_norm_eps;
         match &layer.mixer {
             Mixer::Attention(w) => {
-                let q = b.linear(hn, &w.q_proj);
-                let k = b.linear(hn, &w.k_proj);
-                let v = b.linear(hn, &w.v_proj);
+                let [q, k, v] = linear_n(b, hn, [&w.q_proj, &w.k_proj, &w.v_proj]);
                 let o = b.attention(index, &self.attn_shape, &self.rope, &q, &k, &v, w, seqs);
                 b.linear(&o, &w.o_proj)
             }
@@ -352,12 +350,18 @@ impl<B: Backend> Model<B> {
                     .qsa
                     .as_ref()
                     .expect("QSA weights come with a QSA shape");
-                let q = b.linear(hn, &w.q_proj);
-                let k = b.linear(hn, &w.k_proj);
-                let v = b.linear(hn, &w.v_proj);
-                let iq = b.linear(hn, &iw.wq);
-                let ik = b.linear(hn, &iw.wk);
-                let ig = b.linear(hn, &iw.weights_proj);
+                let [q, k, v, iq, ik, ig] = linear_n(
+                    b,
+                    hn,
+                    [
+                        &w.q_proj,
+                        &w.k_proj,
+                        &w.v_proj,
+                        &iw.wq,
+                        &iw.wk,
+                        &iw.weights_proj,
+                    ],
+                );
                 let o = b.qsa_attention(
                     index,
                     &self.attn_shape,
@@ -376,10 +380,11 @@ impl<B: Backend> Model<B> {
                 b.linear(&o, &w.o_proj)
             }
             Mixer::Gdn(w) => {
-                let qkv = b.linear(hn, &w.in_proj_qkv);
-                let z = b.linear(hn, &w.in_proj_z);
-                let bb = b.linear(hn, &w.in_proj_b);
-                let a = b.linear(hn, &w.in_proj_a);
+                let [qkv, z, bb, a] = linear_n(
+                    b,
+                    hn,
+                    [&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a],
+                );
                 let o = b.gdn(index, &self.gdn_shape, &qkv, &z, &bb, &a, w, eps, seqs);
                 b.linear(&o, &w.out_proj)
             }
@@ -387,7 +392,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// The hyper-connections' gated residual (x the sublayer's pre-mixed input):
-    /// `s = silu(down·y + inject·x)`, `u = up·s`, `R_c += sigmoid(u_c) ⊙ y`.
+    /// `s = silu(down·y + inject·x)`, `u = up·s`, `R_c += sigmoid(u_c) ⊙ y` ([`Backend::hc_residual`]).
     fn residual(
         &self,
         streams: &mut B::Tensor,
@@ -395,16 +400,24 @@ impl<B: Backend> Model<B> {
         y: &B::Tensor,
         w: &HcWeights<B::Weight>,
     ) {
-        let b = &self.backend;
         let x = x.expect("a hyper-connection sublayer has its pre-mixed input");
-        let mut pre = b.linear(y, &w.down);
-        b.add(&mut pre, &b.linear(x, &w.inject));
-        let u = b.linear(&b.silu(&pre), &w.up);
-        b.hc_gated_residual(streams, &u, y);
+        self.backend.hc_residual(streams, x, y, w);
     }
 
     fn mlp(&self, m: &MlpWeights<B::Weight>, x: &B::Tensor) -> B::Tensor {
         let b = &self.backend;
         b.linear(&b.swiglu(&b.linear(x, &m.gate_up)), &m.down)
     }
+}
+
+/// [`Backend::linear_many`] of `N` weights on one input, as an array of the `N` results.
+fn linear_n<B: Backend, const N: usize>(
+    b: &B,
+    x: &B::Tensor,
+    ws: [&B::Weight; N],
+) -> [B::Tensor; N] {
+    let ys = b.linear_many(x, &ws);
+    assert_eq!(ys.len(), N, "linear_many returns one result per weight");
+    let mut it = ys.into_iter();
+    std::array::from_fn(|_| it.next().expect("one result per weight"))
 }

@@ -1,12 +1,16 @@
 //! The qwen4_exp extension ops of the trait on the device: tensors from the host, SiLU and the
-//! hyper-connections' pre-mix and gated residual here; QSA attention (`qsa.rs`, over the fp8
-//! index-key pool next to the K/V) and the PLE mix (`ple.rs`, its conv state in the state slots).
+//! hyper-connections' pre-mix and gated residual (two fused kernels for decode, `ops::hc`) here; QSA
+//! attention (`qsa.rs`, over the fp8 index-key pool next to the K/V) and the PLE mix (`ple.rs`, its
+//! conv state in the state slots).
 
 use half::bf16;
 
-use super::tensor::{CudaTensor, CudaWeight};
+use sanmai_model::backend::HcWeights;
+
+use super::tensor::{CudaTensor, CudaWeight, PackedWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};
+use crate::ops::hc::{hc_fused_shape, HC_MAX_ROWS};
 
 impl CudaBackend {
     /// A `[rows, cols]` tensor from host values (rounded to bf16).
@@ -75,6 +79,77 @@ impl CudaBackend {
         self.gpu
             .hc_gated_residual(&mut streams.buf, &u.buf, &y.buf, rows, s, h)
     }
+
+    /// The gated residual ([`sanmai_model::Backend::hc_residual`]) in the two fused kernels of
+    /// `kernels/hc.cu` (no `u` tensor: only `s` `[rows, rank]` is allocated), when they take the step:
+    /// at most [`HC_MAX_ROWS`] rows (decode), `down` and `up` packed INT8 with one scale per row,
+    /// `inject` bf16, H and rank multiples of 32. Returns `false`, having done nothing, otherwise (the
+    /// caller then runs the op sequence, whose GEMMs serve prefill).
+    pub(crate) fn hc_residual_fused(
+        &self,
+        streams: &mut CudaTensor,
+        x: &CudaTensor,
+        y: &CudaTensor,
+        w: &HcWeights<CudaWeight>,
+    ) -> Result<bool> {
+        let (Some(down), Some(up), CudaWeight::Bf16(inject)) =
+            (w.down.packed(), w.up.packed(), &w.inject)
+        else {
+            return Ok(false);
+        };
+        let (rows, h, rank) = (y.rows, y.cols, down.out_features());
+        if !(1..=HC_MAX_ROWS).contains(&rows)
+            || !hc_fused_shape(h, rank)
+            || !int8_per_row(down)
+            || !int8_per_row(up)
+        {
+            return Ok(false);
+        }
+        let fits = down.in_features() == h
+            && inject.shape == [rank, h]
+            && up.in_features() == rank
+            && up.out_features() == streams.cols
+            && streams.cols.is_multiple_of(h)
+            && (x.rows, x.cols, streams.rows) == (rows, h, rows);
+        if !fits {
+            return Err(CudaError::Shape {
+                op: "hc_residual",
+                msg: format!(
+                    "streams [{}, {}], x [{}, {}], y [{rows}, {h}] against down {:?}, inject {:?}, up {:?}",
+                    streams.rows, streams.cols, x.rows, x.cols, down.shape, inject.shape, up.shape
+                ),
+            });
+        }
+        let mut s = self.alloc(rows, rank)?;
+        self.gpu.hc_down_inject_silu(
+            &down.words,
+            &down.scales,
+            &inject.data,
+            &x.buf,
+            &y.buf,
+            &mut s.buf,
+            rows,
+            h,
+            rank,
+        )?;
+        self.gpu.hc_up_gate_mix(
+            &up.words,
+            &up.scales,
+            &s.buf,
+            &y.buf,
+            &mut streams.buf,
+            rows,
+            streams.cols / h,
+            h,
+            rank,
+        )?;
+        Ok(true)
+    }
+}
+
+/// Whether a packed weight is INT8 with one scale per output row (the fused gated residual's format).
+fn int8_per_row(w: &PackedWeight) -> bool {
+    w.bits == 8 && (w.group_size == 0 || w.group_size == w.in_features())
 }
 
 /// The extension methods of the `Backend` impl (expanded inside it in `mod.rs`).
@@ -97,6 +172,18 @@ macro_rules! ext_methods {
                 "hc_gated_residual",
                 self.hc_gated_residual_impl(streams, u, y),
             )
+        }
+
+        fn hc_residual(
+            &self,
+            streams: &mut CudaTensor,
+            x: &CudaTensor,
+            y: &CudaTensor,
+            w: &sanmai_model::backend::HcWeights<CudaWeight>,
+        ) {
+            if !ok("hc_residual", self.hc_residual_fused(streams, x, y, w)) {
+                sanmai_model::backend::hc_residual_ops(self, streams, x, y, w);
+            }
         }
 
         fn qsa_attention(

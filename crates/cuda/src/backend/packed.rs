@@ -111,6 +111,33 @@ impl CudaBackend {
         )
     }
 
+    /// `ys[i] = x · dequant(ws[i])ᵀ` in one packed GEMV launch: weights of one format (bits and
+    /// group size), at most `GEMV_SEGS`, `x` of 1..=8 rows, `ys[i]` `[m, n_i]`.
+    pub(crate) fn linear_packed_many(
+        &self,
+        x: &CudaTensor,
+        ws: &[&PackedWeight],
+        ys: &mut [CudaTensor],
+    ) -> Result<()> {
+        let Some(first) = ws.first() else {
+            return Ok(());
+        };
+        let (bits, group_size) = (first.bits, first.group_size);
+        ensure(
+            ws.iter()
+                .all(|w| w.bits == bits && w.group_size == group_size),
+            "linear",
+            || "packed weights of different formats in one GEMV launch".into(),
+        )?;
+        let mut parts: Vec<_> = ws
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|(w, y)| (&w.words, &w.scales, &mut y.buf, y.cols))
+            .collect();
+        self.gpu
+            .gemv_packed_many(bits, group_size, &x.buf, &mut parts, x.rows, x.cols)
+    }
+
     /// `out[s, :] = bf16(dequant(w)[ids[s], :])` for `t` ids (device `u32`), zeros for an id outside
     /// the table: the embedding lookup on a packed table.
     pub(crate) fn embed_packed(

@@ -7,8 +7,14 @@
 //! memory) and own fewer rows, so that every shape fills the GPU's multiprocessors. Batches of 2..8 rows
 //! of `x` (at `k % 32 == 0`, any `n`) run on the tensor cores instead: 16 rows of `W` a block, the
 //! 8 warps split over k, one mma per 16 values of 16 rows for every row of `x` at once.
+//!
+//! One launch serves up to [`GEMV_SEGS`] weights that read the same `x` ([`Gpu::gemv_bf16_many`]; the
+//! packed [`Gpu::gemv_packed_many`]): the grid is the weights' grids one after another, and a block finds
+//! its weight in a segment table passed by value ([`GemvSegs`]). At decode most GEMVs are small and
+//! their time is launch latency, so the projections of one input share a launch. A single GEMV is a
+//! one-segment table.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
 use half::bf16;
 
 use crate::error::{ensure, Result};
@@ -25,6 +31,110 @@ pub(crate) const GEMV_THREADS: usize = 256;
 
 /// Rows of W one block of a tensor-core GEMV owns (`gemv_*_tc` in gemv.cu and quant.cu).
 pub(crate) const TC_ROWS: usize = 16;
+
+/// Most weights one GEMV launch takes (`GEMV_SEGS` in common.cuh).
+pub const GEMV_SEGS: usize = 4;
+
+/// One weight of a GEMV launch (`GemvSeg` in common.cuh): its rows `w` (bf16 or packed words), scales
+/// `s` (packed; 0 for bf16), output `y` (`[m, n]`), `n`, its first block, and its row-slot cut (0 for
+/// the tensor-core GEMVs).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct GemvSeg {
+    w: u64,
+    s: u64,
+    y: u64,
+    n: i32,
+    block0: i32,
+    rps: i32,
+    tpr_log2: i32,
+}
+
+/// The segment table of a GEMV launch (`GemvSegs` in common.cuh), a kernel parameter passed by value:
+/// segment i owns blocks `block0_i .. block0_{i+1}`; unused segments start at `i32::MAX`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GemvSegs {
+    seg: [GemvSeg; GEMV_SEGS],
+}
+
+// SAFETY: a plain `#[repr(C)]` struct of integers, laid out as the kernels' `GemvSegs` (three 8-byte
+// pointers and four ints a segment, 40 bytes, 8-byte aligned).
+unsafe impl DeviceRepr for GemvSegs {}
+
+/// A [`GemvSegs`] being filled, with the blocks its segments take so far.
+pub(crate) struct SegTable {
+    segs: GemvSegs,
+    len: usize,
+    blocks: usize,
+}
+
+impl SegTable {
+    pub(crate) fn new() -> Self {
+        let unused = GemvSeg {
+            w: 0,
+            s: 0,
+            y: 0,
+            n: 0,
+            block0: i32::MAX,
+            rps: 0,
+            tpr_log2: 0,
+        };
+        Self {
+            segs: GemvSegs {
+                seg: [unused; GEMV_SEGS],
+            },
+            len: 0,
+            blocks: 0,
+        }
+    }
+
+    /// Appends a weight of `n` rows cut into `blocks` blocks (`plan` the row-slot cut, `None` for a
+    /// tensor-core GEMV): weight `w`, scales `s`, output `y` device addresses.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn push(
+        &mut self,
+        op: &'static str,
+        w: u64,
+        s: u64,
+        y: u64,
+        n: usize,
+        blocks: usize,
+        plan: Option<GemvPlan>,
+    ) -> Result<()> {
+        ensure(self.len < GEMV_SEGS, op, || {
+            format!("more than {GEMV_SEGS} weights in one launch")
+        })?;
+        let (rps, tpr_log2) = plan.map_or((0, 0), |p| (p.rps, p.tpr_log2 as usize));
+        self.segs.seg[self.len] = GemvSeg {
+            w,
+            s,
+            y,
+            n: int(op, "n", n)?,
+            block0: int(op, "first block", self.blocks)?,
+            rps: int(op, "rps", rps)?,
+            tpr_log2: int(op, "tpr_log2", tpr_log2)?,
+        };
+        self.len += 1;
+        self.blocks += blocks;
+        Ok(())
+    }
+
+    /// The table, as the kernel parameter.
+    pub(crate) fn segs(&self) -> &GemvSegs {
+        &self.segs
+    }
+
+    /// The launch's grid: every segment's blocks (0 when no weight has rows).
+    pub(crate) fn grid(&self, op: &'static str) -> Result<u32> {
+        int(op, "grid", self.blocks)?;
+        grid_u32(op, self.blocks)
+    }
+}
+
+/// One weight of a many-weight GEMV ([`Gpu::gemv_bf16_many`]): `(W, y, n)`, `y[m, :] = W · x[m, :]`
+/// with `W` `[n, k]` and `y` `[m, n]`.
+pub type GemvPart<'a, W, Y> = (&'a W, &'a mut Y, usize);
 
 /// Whether a GEMV of `m` rows of x runs on the tensor cores (`gemv_bf16_tc*`, and with the packed
 /// formats' own k rules `gemv_q*_tc*`) whatever n is: 2 ≤ m ≤ 8. One mma multiplies each weight with
@@ -93,7 +203,7 @@ impl Gpu {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        self.gemv("gemv_bf16", w, x, y, m, n, k)
+        self.gemv("gemv_bf16", x, &mut [(w, y, n)], m, k)
     }
 
     /// As [`Gpu::gemv_bf16`] with an f32 output (logits, router scores).
@@ -106,18 +216,27 @@ impl Gpu {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        self.gemv("gemv_bf16_f32", w, x, y, m, n, k)
+        self.gemv("gemv_bf16_f32", x, &mut [(w, y, n)], m, k)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn gemv<O>(
+    /// [`Gpu::gemv_bf16`] for up to [`GEMV_SEGS`] weights that read the same `x` (`[m, k]`), in one
+    /// launch: each part's `y` gets `W · x` exactly as its own [`Gpu::gemv_bf16`] computes it.
+    pub fn gemv_bf16_many<W: DevicePtr<bf16>, Y: DevicePtrMut<bf16>>(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        parts: &mut [GemvPart<'_, W, Y>],
+        m: usize,
+        k: usize,
+    ) -> Result<()> {
+        self.gemv("gemv_bf16", x, parts, m, k)
+    }
+
+    fn gemv<O, W: DevicePtr<bf16>, Y: DevicePtrMut<O>>(
         &self,
         base: &str,
-        w: &impl DevicePtr<bf16>,
         x: &impl DevicePtr<bf16>,
-        y: &mut impl DevicePtrMut<O>,
+        parts: &mut [GemvPart<'_, W, Y>],
         m: usize,
-        n: usize,
         k: usize,
     ) -> Result<()> {
         const OP: &str = "gemv";
@@ -127,55 +246,57 @@ impl Gpu {
         ensure(k.is_multiple_of(8), OP, || {
             format!("k = {k} must be a multiple of 8")
         })?;
-        check_len(OP, "W", w, n * k)?;
+        ensure(parts.len() <= GEMV_SEGS, OP, || {
+            format!("{} weights, at most {GEMV_SEGS} a launch", parts.len())
+        })?;
         check_len(OP, "x", x, m * k)?;
-        check_len(OP, "y", y, m * n)?;
-        if n == 0 {
+        for (w, y, n) in parts.iter() {
+            check_len(OP, "W", *w, n * k)?;
+            check_len(OP, "y", &**y, m * n)?;
+        }
+        let (ki, mi) = (int(OP, "k", k)?, int(OP, "m", m)?);
+        let tc = tensor_core_gemv(m, k);
+        let sms = self.info().multiprocessors as usize;
+        let s = self.stream();
+        let (xp, _gx) = x.device_ptr(s);
+        ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
+        let mut table = SegTable::new();
+        let mut guards = Vec::with_capacity(2 * parts.len());
+        for (w, y, n) in parts.iter_mut().filter(|p| p.2 > 0) {
+            let (wp, gw) = w.device_ptr(s);
+            let (yp, gy) = y.device_ptr_mut(s);
+            guards.extend([gw, gy]);
+            ensure(wp % 16 == 0, OP, || "W must be 16-byte aligned".into())?;
+            if tc {
+                table.push(OP, wp, 0, yp, *n, n.div_ceil(TC_ROWS), None)?;
+            } else {
+                let plan = gemv_plan(*n, k / 8, GEMV_ROWS, sms);
+                table.push(OP, wp, 0, yp, *n, plan.blocks, Some(plan))?;
+            }
+        }
+        let grid = table.grid(OP)?;
+        if grid == 0 {
             return Ok(());
         }
-        let (ni, ki) = (int(OP, "n", n)?, int(OP, "k", k)?);
-        if tensor_core_gemv(m, k) {
-            let grid = grid_u32(OP, n.div_ceil(TC_ROWS))?;
-            let mi = int(OP, "m", m)?;
-            let s = self.stream();
-            let (wp, _gw) = w.device_ptr(s);
-            let (xp, _gx) = x.device_ptr(s);
-            let (yp, _gy) = y.device_ptr_mut(s);
-            ensure(wp % 16 == 0 && xp % 16 == 0, OP, || {
-                "W and x must be 16-byte aligned".into()
-            })?;
+        let segs = table.segs();
+        if tc {
             let name = format!(
                 "gemv_bf16_tc{}",
                 base.strip_prefix("gemv_bf16").unwrap_or("")
             );
             let mut b = self.launch(self.kernel(&name)?);
-            b.arg(&wp).arg(&xp).arg(&yp).arg(&ni).arg(&ki).arg(&mi);
-            // SAFETY: argument types match the kernel; lengths and alignment checked above; 2 ≤ m ≤ 8
-            // and k % 32 == 0 (tensor_core_gemv).
+            b.arg(segs).arg(&xp).arg(&ki).arg(&mi);
+            // SAFETY: argument types match the kernel; every segment's lengths and alignment checked
+            // above and its blocks cover its n; 2 ≤ m ≤ 8 and k % 32 == 0 (tensor_core_gemv).
             unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
-            return Ok(());
+        } else {
+            let mut b = self.launch(self.kernel(&format!("{base}_m{m}"))?);
+            b.arg(segs).arg(&xp).arg(&ki);
+            // SAFETY: argument types match the kernel; lengths, k % 8 and alignment checked above; each
+            // segment's plan has rps ≤ GEMV_ROWS, slots of at most the block and blocks covering its n.
+            unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
         }
-        let plan = gemv_plan(n, k / 8, GEMV_ROWS, self.info().multiprocessors as usize);
-        let grid = grid_u32(OP, plan.blocks)?;
-        let (rps, tpr_log2) = (plan.rps as i32, plan.tpr_log2 as i32);
-        let s = self.stream();
-        let (wp, _gw) = w.device_ptr(s);
-        let (xp, _gx) = x.device_ptr(s);
-        let (yp, _gy) = y.device_ptr_mut(s);
-        ensure(wp % 16 == 0 && xp % 16 == 0, OP, || {
-            "W and x must be 16-byte aligned".into()
-        })?;
-        let mut b = self.launch(self.kernel(&format!("{base}_m{m}"))?);
-        b.arg(&wp)
-            .arg(&xp)
-            .arg(&yp)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&rps)
-            .arg(&tpr_log2);
-        // SAFETY: argument types match the kernel; lengths, k % 8 and alignment checked above; the
-        // plan's rps ≤ GEMV_ROWS and slots of at most the block.
-        unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+        drop(guards);
         Ok(())
     }
 }

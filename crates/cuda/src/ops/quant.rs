@@ -7,7 +7,8 @@
 //! - Decode: [`Gpu::gemv_packed`] / [`Gpu::gemv_packed_f32`], `y[m, :] = dequant(W) · x[m, :]` for
 //!   1 ≤ m ≤ 8, f32 accumulation, one rounding per output. Batches of 2..8 rows run on the tensor cores
 //!   at any n (each weight decoded once for every row of x); one row, and INT8/INT4 k or groups that
-//!   are not whole k-blocks (INT6: groups only), on the FMA GEMV.
+//!   are not whole k-blocks (INT6: groups only), on the FMA GEMV. [`Gpu::gemv_packed_many`] runs up to
+//!   `GEMV_SEGS` weights of one format that read the same x in one launch (see `gemv.rs`).
 //! - Prefill: [`Gpu::gemm_packed`] dequantises W tile by tile into a caller-owned bf16 workspace
 //!   ([`Gpu::dequant_packed`]) and multiplies each tile with cuBLAS; no dequantised copy outlives the call.
 //!
@@ -18,7 +19,7 @@ use cudarc::cublas::sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::gemv::{gemv_plan, tensor_core_batch, GEMV_THREADS, TC_ROWS};
+use super::gemv::{gemv_plan, tensor_core_batch, SegTable, GEMV_SEGS, GEMV_THREADS, TC_ROWS};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -83,6 +84,10 @@ fn tensor_core_gemv(bits: u32, group: usize, m: usize, k: usize) -> bool {
     tensor_core_batch(m) && whole_blocks && (group >= k || group.is_multiple_of(kb))
 }
 
+/// One weight of a many-weight packed GEMV ([`Gpu::gemv_packed_many`]): `(W, scales, y, n)`,
+/// `y[m, :] = dequant(W) · x[m, :]` with `W` packed `[n, k]` and `y` `[m, n]`.
+pub type PackedPart<'a, W, S, Y> = (&'a W, &'a S, &'a mut Y, usize);
+
 /// The most f32 values the per-row-scale prefill GEMM keeps between cuBLAS and its scale kernel
 /// (64 MiB).
 pub const PER_ROW_SCRATCH: usize = 16 << 20;
@@ -103,7 +108,7 @@ impl Gpu {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        self.gemv_q("", w, scales, bits, group_size, x, y, m, n, k)
+        self.gemv_q("", bits, group_size, x, &mut [(w, scales, y, n)], m, k)
     }
 
     /// As [`Gpu::gemv_packed`] with an f32 output (an INT8 lm_head's logits).
@@ -120,89 +125,91 @@ impl Gpu {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        self.gemv_q("_f32", w, scales, bits, group_size, x, y, m, n, k)
+        self.gemv_q("_f32", bits, group_size, x, &mut [(w, scales, y, n)], m, k)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn gemv_q<O>(
+    /// [`Gpu::gemv_packed`] for up to `GEMV_SEGS` (4) weights of one format (`bits`, `group_size`)
+    /// that read the same `x` (`[m, k]`), in one launch: each part's `y` gets `dequant(W) · x` exactly as
+    /// its own [`Gpu::gemv_packed`] computes it.
+    pub fn gemv_packed_many<W: DevicePtr<u32>, S: DevicePtr<f32>, Y: DevicePtrMut<bf16>>(
         &self,
-        suffix: &str,
-        w: &impl DevicePtr<u32>,
-        scales: &impl DevicePtr<f32>,
         bits: u32,
         group_size: usize,
         x: &impl DevicePtr<bf16>,
-        y: &mut impl DevicePtrMut<O>,
+        parts: &mut [PackedPart<'_, W, S, Y>],
         m: usize,
-        n: usize,
+        k: usize,
+    ) -> Result<()> {
+        self.gemv_q("", bits, group_size, x, parts, m, k)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemv_q<O, W: DevicePtr<u32>, S: DevicePtr<f32>, Y: DevicePtrMut<O>>(
+        &self,
+        suffix: &str,
+        bits: u32,
+        group_size: usize,
+        x: &impl DevicePtr<bf16>,
+        parts: &mut [PackedPart<'_, W, S, Y>],
+        m: usize,
         k: usize,
     ) -> Result<()> {
         const OP: &str = "gemv_packed";
         ensure((1..=8).contains(&m), OP, || {
             format!("m = {m} rows, expected 1..=8")
         })?;
-        let group = check_packed(OP, w, scales, bits, group_size, n, k)?;
-        check_len(OP, "x", x, m * k)?;
-        check_len(OP, "y", y, m * n)?;
-        if n == 0 {
-            return Ok(());
-        }
-        let (ni, ki, gi) = (int(OP, "n", n)?, int(OP, "k", k)?, int(OP, "group", group)?);
-        if tensor_core_gemv(bits, group, m, k) {
-            let grid = grid_u32(OP, n.div_ceil(TC_ROWS))?;
-            let mi = int(OP, "m", m)?;
-            let s = self.stream();
-            let (wp, _gw) = w.device_ptr(s);
-            let (sp, _gs) = scales.device_ptr(s);
-            let (xp, _gx) = x.device_ptr(s);
-            let (yp, _gy) = y.device_ptr_mut(s);
-            ensure(wp % 16 == 0 && xp % 16 == 0, OP, || {
-                "W and x must be 16-byte aligned".into()
-            })?;
-            let mut b = self.launch(self.kernel(&format!("gemv_q{bits}_tc{suffix}"))?);
-            b.arg(&wp)
-                .arg(&sp)
-                .arg(&xp)
-                .arg(&yp)
-                .arg(&ni)
-                .arg(&ki)
-                .arg(&gi)
-                .arg(&mi);
-            // SAFETY: argument types match the kernel; lengths, alignment and the kernel's k and group
-            // rules (tensor_core_gemv) checked above; 2 ≤ m ≤ 8, n ≥ 1.
-            unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
-            return Ok(());
-        }
-        // Work items of a row: units of 32 values.
-        let plan = gemv_plan(
-            n,
-            k.div_ceil(32),
-            QROWS,
-            self.info().multiprocessors as usize,
-        );
-        let grid = grid_u32(OP, plan.blocks)?;
-        let (rps, tpr_log2) = (plan.rps as i32, plan.tpr_log2 as i32);
-        let s = self.stream();
-        let (wp, _gw) = w.device_ptr(s);
-        let (sp, _gs) = scales.device_ptr(s);
-        let (xp, _gx) = x.device_ptr(s);
-        let (yp, _gy) = y.device_ptr_mut(s);
-        ensure(wp % 16 == 0 && xp % 16 == 0, OP, || {
-            "W and x must be 16-byte aligned".into()
+        ensure(parts.len() <= GEMV_SEGS, OP, || {
+            format!("{} weights, at most {GEMV_SEGS} a launch", parts.len())
         })?;
-        let mut b = self.launch(self.kernel(&format!("gemv_q{bits}{suffix}_m{m}"))?);
-        b.arg(&wp)
-            .arg(&sp)
-            .arg(&xp)
-            .arg(&yp)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&gi)
-            .arg(&rps)
-            .arg(&tpr_log2);
-        // SAFETY: argument types match the kernel; lengths, k and group rules and alignment checked
-        // above; the plan's rps ≤ QROWS and slots of at most the block.
-        unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+        let group = if group_size == 0 { k } else { group_size };
+        for (w, sc, y, n) in parts.iter() {
+            check_packed(OP, *w, *sc, bits, group_size, *n, k)?;
+            check_len(OP, "y", &**y, m * n)?;
+        }
+        check_len(OP, "x", x, m * k)?;
+        let (ki, gi, mi) = (int(OP, "k", k)?, int(OP, "group", group)?, int(OP, "m", m)?);
+        let tc = tensor_core_gemv(bits, group, m, k);
+        let sms = self.info().multiprocessors as usize;
+        let s = self.stream();
+        let (xp, _gx) = x.device_ptr(s);
+        ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
+        let mut table = SegTable::new();
+        let mut guards = Vec::with_capacity(3 * parts.len());
+        for (w, sc, y, n) in parts.iter_mut().filter(|p| p.3 > 0) {
+            let (wp, gw) = w.device_ptr(s);
+            let (sp, gs) = sc.device_ptr(s);
+            let (yp, gy) = y.device_ptr_mut(s);
+            guards.extend([gw, gs, gy]);
+            ensure(wp % 16 == 0, OP, || "W must be 16-byte aligned".into())?;
+            if tc {
+                table.push(OP, wp, sp, yp, *n, n.div_ceil(TC_ROWS), None)?;
+            } else {
+                // Work items of a row: units of 32 values.
+                let plan = gemv_plan(*n, k.div_ceil(32), QROWS, sms);
+                table.push(OP, wp, sp, yp, *n, plan.blocks, Some(plan))?;
+            }
+        }
+        let grid = table.grid(OP)?;
+        if grid == 0 {
+            return Ok(());
+        }
+        let segs = table.segs();
+        if tc {
+            let mut b = self.launch(self.kernel(&format!("gemv_q{bits}_tc{suffix}"))?);
+            b.arg(segs).arg(&xp).arg(&ki).arg(&gi).arg(&mi);
+            // SAFETY: argument types match the kernel; every segment's lengths and alignment and the
+            // kernel's k and group rules (tensor_core_gemv) checked above; 2 ≤ m ≤ 8, each segment's
+            // blocks cover its n ≥ 1.
+            unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+        } else {
+            let mut b = self.launch(self.kernel(&format!("gemv_q{bits}{suffix}_m{m}"))?);
+            b.arg(segs).arg(&xp).arg(&ki).arg(&gi);
+            // SAFETY: argument types match the kernel; lengths, k and group rules and alignment checked
+            // above; each segment's plan has rps ≤ QROWS, slots of at most the block and blocks
+            // covering its n.
+            unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+        }
+        drop(guards);
         Ok(())
     }
 

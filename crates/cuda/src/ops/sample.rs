@@ -1,6 +1,8 @@
-//! Token sampling next to the logits (`kernels/sample.cu`): a fixed sequence of kernels, most of them one
-//! block per chunk of a row, picks each row's token as `sanmai_model::sample::sample_row` does and writes
-//! only its id and log-probability.
+//! Token sampling next to the logits (`kernels/sample.cu`, `sample_draw.cu`): a fixed sequence of
+//! kernels, all but the last one block per chunk of a row, picks each row's token as
+//! `sanmai_model::sample::sample_row` does and writes only its id and log-probability. Top-k, top-p and
+//! top-p within top-k all cut by chunk-parallel radix passes over the ranking key (counts for top-k,
+//! masses for top-p), so every row costs a few passes over its logits whatever its filters.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -9,17 +11,15 @@ use sanmai_model::sample::{collect_edits, RowError, RowSampling, Sampled};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
-/// The widest vocabulary the kernel samples (its bitmap of edited ids lives in shared memory).
+/// The widest vocabulary the kernels sample (a row's chunk statistics fit one warp, two per lane).
 pub const SAMPLE_MAX_VOCAB: usize = 262_144;
-/// Threads of the one-block-per-row top-k kernel.
-const TOP_K_THREADS: u32 = 1024;
 /// Ids per chunk and threads of a chunk's block (and of the per-row finishing kernel).
 const CHUNK: usize = 4096;
 const CHUNK_THREADS: u32 = 256;
 /// Words of the `work` buffer per row (`SAMPLE_ROW_WORDS` in the kernel source).
-const ROW_WORDS: usize = 12_880;
-/// Radix passes of the top-p cut.
-const RADIX_PASSES: i32 = 3;
+const ROW_WORDS: usize = 25_180;
+/// Radix passes: the first cut (top-k, else top-p), then top-p within top-k; three digits each.
+const RADIX_PASSES: i32 = 6;
 /// Words per row of the packed parameters.
 pub const SAMPLE_PARAM_WORDS: usize = 16;
 /// Words per packed edit.
@@ -203,7 +203,6 @@ impl Gpu {
         // `sample_radix`); buffer lengths, the work size and the vocabulary limit are checked above.
         unsafe {
             self.sample_launch("sample_stats", &args, None, cfg(chunks, CHUNK_THREADS, 0))?;
-            self.sample_launch("sample_top_k", &args, None, cfg(per_row, TOP_K_THREADS, 0))?;
             for pass in 0..RADIX_PASSES {
                 self.sample_launch(
                     "sample_radix",

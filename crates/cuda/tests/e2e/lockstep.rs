@@ -93,6 +93,22 @@ macro_rules! both {
     }};
 }
 
+/// Runs `linear_many` of the listed weights (each an expression of `$m`, the model) on `$x` on both
+/// models and compares each result under its name, as forward.rs groups its projections.
+macro_rules! both_many {
+    ($ls:expr, [$($name:expr),*], $x:ident, $m:ident => [$($w:expr),*]) => {{
+        let c = {
+            let $m = $ls.cpu;
+            $m.backend.linear_many(&$x.0, &[$(&$w),*])
+        };
+        let g = {
+            let $m = $ls.gpu;
+            $m.backend.linear_many(&$x.1, &[$(&$w),*])
+        };
+        $ls.sync_many([$($name),*], c, g)
+    }};
+}
+
 impl<'a> Lockstep<'a> {
     pub fn new(cpu: &'a Model<CpuBackend>, gpu: &'a Model<CudaBackend>) -> Self {
         Self {
@@ -145,6 +161,21 @@ impl<'a> Lockstep<'a> {
         (c, g)
     }
 
+    /// [`Lockstep::sync`] of each of the `N` results of one `linear_many`, under its name.
+    pub fn sync_many<const N: usize>(
+        &mut self,
+        ops: [&str; N],
+        c: Vec<CpuTensor>,
+        g: Vec<CudaTensor>,
+    ) -> [Pair; N] {
+        assert_eq!((c.len(), g.len()), (N, N), "{ops:?}: one result per weight");
+        let mut pairs = ops.into_iter().zip(c.into_iter().zip(g));
+        std::array::from_fn(|_| {
+            let (op, (c, g)) = pairs.next().expect("N results");
+            self.sync(op, c, g)
+        })
+    }
+
     /// `acc + y` on both (in place on copies of `acc`).
     fn add(&mut self, op: &str, acc: &Pair, y: &Pair) -> Pair {
         let mut c = acc.0.clone();
@@ -169,18 +200,15 @@ impl<'a> Lockstep<'a> {
             m.backend.rms_norm(x, &layer(m, i).input_norm, eps, 1.0));
         let is_attn = matches!(layer(self.cpu, i).mixer, Mixer::Attention(_));
         let mixed = if is_attn {
-            let q = both!(self, "q_proj", [hn], m => m.backend.linear(hn, &attn(m, i).q_proj));
-            let k = both!(self, "k_proj", [hn], m => m.backend.linear(hn, &attn(m, i).k_proj));
-            let v = both!(self, "v_proj", [hn], m => m.backend.linear(hn, &attn(m, i).v_proj));
+            let [q, k, v] = both_many!(self, ["q_proj", "k_proj", "v_proj"], hn, m =>
+                [attn(m, i).q_proj, attn(m, i).k_proj, attn(m, i).v_proj]);
             let o = both!(self, "attention", [q, k, v], m => m.backend.attention(
                 i, &m.attn_shape, &m.rope, q, k, v, attn(m, i), seqs));
             both!(self, "o_proj", [o], m => m.backend.linear(o, &attn(m, i).o_proj))
         } else {
-            let qkv = both!(self, "in_proj_qkv", [hn], m =>
-                m.backend.linear(hn, &gdn(m, i).in_proj_qkv));
-            let z = both!(self, "in_proj_z", [hn], m => m.backend.linear(hn, &gdn(m, i).in_proj_z));
-            let b = both!(self, "in_proj_b", [hn], m => m.backend.linear(hn, &gdn(m, i).in_proj_b));
-            let a = both!(self, "in_proj_a", [hn], m => m.backend.linear(hn, &gdn(m, i).in_proj_a));
+            let [qkv, z, b, a] = both_many!(
+                self, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], hn, m =>
+                [gdn(m, i).in_proj_qkv, gdn(m, i).in_proj_z, gdn(m, i).in_proj_b, gdn(m, i).in_proj_a]);
             let o = both!(self, "gdn", [qkv, z, b, a], m => m.backend.gdn(
                 i, &m.gdn_shape, qkv, z, b, a, gdn(m, i), eps, seqs));
             both!(self, "out_proj", [o], m => m.backend.linear(o, &gdn(m, i).out_proj))

@@ -152,6 +152,114 @@ fn bench_dense_gemv() {
     bench_packed(g, 8, 0, 8, 151_936, 2048, true);
 }
 
+/// The weights `ns` (`[n, k]` bf16 each) that read one x: one launch of all (`gemv_bf16_many`) against
+/// one launch each.
+fn bench_bf16_many(g: &Gpu, m: usize, ns: &[usize], k: usize) {
+    let wb: usize = ns.iter().map(|n| n * k * 2).sum();
+    let c = copies(wb);
+    let ws: Vec<Vec<CudaSlice<bf16>>> = (0..c)
+        .map(|i| {
+            ns.iter()
+                .map(|&n| g.upload(&pattern(n * k, 3 + i as u32)).unwrap())
+                .collect()
+        })
+        .collect();
+    let x = g.upload(&pattern(m * k, 5)).unwrap();
+    let mut ys: Vec<_> = ns
+        .iter()
+        .map(|&n| g.zeros::<bf16>(m * n).unwrap())
+        .collect();
+    let bytes = wb + ns.iter().map(|n| m * n * 2 + m * k * 2).sum::<usize>();
+    let shape = format!("m={m} ns={ns:?} k={k}");
+    let mut i = 0;
+    let t = time(g, c, 4 * c.max(25), || {
+        i += 1;
+        for ((w, y), &n) in ws[i % c].iter().zip(ys.iter_mut()).zip(ns) {
+            g.gemv_bf16(w, &x, y, m, n, k).unwrap();
+        }
+    });
+    line("gemv_bf16_each", &shape, bytes, t);
+    let t = time(g, c, 4 * c.max(25), || {
+        i += 1;
+        let mut parts: Vec<_> = ws[i % c]
+            .iter()
+            .zip(ys.iter_mut())
+            .zip(ns)
+            .map(|((w, y), &n)| (w, y, n))
+            .collect();
+        g.gemv_bf16_many(&x, &mut parts, m, k).unwrap();
+    });
+    line("gemv_bf16_many", &shape, bytes, t);
+}
+
+/// As [`bench_bf16_many`] for packed weights of one format (`gemv_packed_many`).
+fn bench_packed_many(g: &Gpu, bits: u32, group: usize, m: usize, ns: &[usize], k: usize) {
+    let wpr = if bits == 6 {
+        k.div_ceil(32) * 6
+    } else {
+        k.div_ceil(32 / bits as usize)
+    };
+    let scols = if group == 0 { 1 } else { k.div_ceil(group) };
+    let wb: usize = ns.iter().map(|n| n * (wpr + scols) * 4).sum();
+    let c = copies(wb);
+    let ws: Vec<Vec<CudaSlice<u32>>> = (0..c)
+        .map(|i| {
+            ns.iter()
+                .map(|&n| g.upload(&words(n * wpr, 7 + i as u32)).unwrap())
+                .collect()
+        })
+        .collect();
+    let ss: Vec<_> = ns
+        .iter()
+        .map(|&n| g.upload(&vec![0.01f32; n * scols]).unwrap())
+        .collect();
+    let x = g.upload(&pattern(m * k, 9)).unwrap();
+    let mut ys: Vec<_> = ns
+        .iter()
+        .map(|&n| g.zeros::<bf16>(m * n).unwrap())
+        .collect();
+    let bytes = wb + ns.iter().map(|n| m * n * 2 + m * k * 2).sum::<usize>();
+    let shape = format!("bits={bits} group={group} m={m} ns={ns:?} k={k}");
+    let mut i = 0;
+    let t = time(g, c, 4 * c.max(25), || {
+        i += 1;
+        for (((w, s), y), &n) in ws[i % c].iter().zip(&ss).zip(ys.iter_mut()).zip(ns) {
+            g.gemv_packed(w, s, bits, group, &x, y, m, n, k).unwrap();
+        }
+    });
+    line("gemv_packed_each", &shape, bytes, t);
+    let t = time(g, c, 4 * c.max(25), || {
+        i += 1;
+        let mut parts: Vec<_> = ws[i % c]
+            .iter()
+            .zip(&ss)
+            .zip(ys.iter_mut())
+            .zip(ns)
+            .map(|(((w, s), y), &n)| (w, s, y, n))
+            .collect();
+        g.gemv_packed_many(bits, group, &x, &mut parts, m, k)
+            .unwrap();
+    });
+    line("gemv_packed_many", &shape, bytes, t);
+}
+
+/// The projections of one input in one launch against one launch each, at batch 1 and 8: a GDN layer's
+/// INT8 in_proj_qkv | in_proj_z (8192 and 4096 rows) and bf16 in_proj_b | in_proj_a (32 rows each), an
+/// attention layer's q | k | v (bf16 and INT8), k = 2048.
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_many_gemv() {
+    let Some(g) = gpu("bench_many_gemv") else {
+        return;
+    };
+    for m in [1usize, 8] {
+        bench_packed_many(g, 8, 0, m, &[8192, 4096], 2048);
+        bench_bf16_many(g, m, &[32, 32], 2048);
+        bench_bf16_many(g, m, &[8192, 512, 512], 2048);
+        bench_packed_many(g, 8, 0, m, &[8192, 512, 512], 2048);
+    }
+}
+
 /// Small n at batch 1 (the FMA GEMV) and 8 (the tensor cores): the shared expert's gate (n = 1), the
 /// GDN b / a projections (32, 64 fused), partial and whole 16-row tiles up to 512 rows, bf16 and packed
 /// (INT8 and INT6 per row, INT4 group 128), k = 2048.

@@ -162,6 +162,61 @@ fn gemv_tensor_core_matches_cpu() {
     }
 }
 
+/// Several weights that read one x in one launch (`gemv_bf16_many`): each output against the CPU
+/// product with its own weight. 2, 3 and 4 segments of different n (n = 1, n off the 16-row tiles and
+/// the row-slot blocks), at m = 1 (row slots, a different cut per segment), 2, 5 and 8 (tensor cores),
+/// and a k off the 32 grid (row slots at m = 5).
+#[test]
+fn gemv_many_matches_cpu() {
+    let Some(g) = gpu("gemv_many_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(17);
+    let sets: [&[usize]; 4] = [
+        &[4096, 32],
+        &[1, 513, 64],
+        &[8192, 2048, 32, 32],
+        &[7, 1, 300, 1003],
+    ];
+    for m in [1usize, 2, 5, 8] {
+        for (i, ns) in sets.iter().enumerate() {
+            let k = if m == 5 && i == 1 { 1000 } else { 2048 };
+            gemv_many_case(g, &mut rng, m, ns, k);
+        }
+    }
+}
+
+fn gemv_many_case(g: &sanmai_cuda::Gpu, rng: &mut Rng, m: usize, ns: &[usize], k: usize) {
+    let (xb, xf) = to_bf16(&rng.normals(m * k, 0.0, 1.0));
+    let x = g.upload(&xb).unwrap();
+    let mut ws = Vec::new();
+    let mut wants = Vec::new();
+    for &n in ns {
+        let (wb, wf) = to_bf16(&rng.normals(n * k, 0.0, 0.05));
+        let mut want = vec![0f32; m * n];
+        ops::matmul_t(&xf, &wf, m, k, n, &mut want);
+        ws.push(g.upload(&wb).unwrap());
+        wants.push(want);
+    }
+    let mut ys: Vec<_> = ns
+        .iter()
+        .map(|&n| g.zeros::<bf16>(m * n).unwrap())
+        .collect();
+    let mut parts: Vec<_> = ws
+        .iter()
+        .zip(ys.iter_mut())
+        .zip(ns)
+        .map(|((w, y), &n)| (w, y, n))
+        .collect();
+    g.gemv_bf16_many(&x, &mut parts, m, k).unwrap();
+    drop(parts);
+    for (i, ((y, want), n)) in ys.iter().zip(&wants).zip(ns).enumerate() {
+        let got = from_bf16(&g.download(y).unwrap());
+        let shape = format!("m{m}_k{k}_segs{}_seg{i}_n{n}", ns.len());
+        check_reduction("gemv_bf16_many", &shape, &got, want);
+    }
+}
+
 #[test]
 fn gemv_rejects_bad_shapes() {
     let Some(g) = gpu("gemv_rejects_bad_shapes") else {

@@ -144,6 +144,65 @@ fn gemv_packed_matches_cpu() {
     gemv_case(g, &mut rng, &p, 1, true);
 }
 
+/// Several packed weights of one format that read one x in one launch (`gemv_packed_many`): each output
+/// against the CPU product with its own weight. INT4 (group 128), INT8 (per row, as in_proj_qkv /
+/// in_proj_z), INT6 (per row, k off the 32 grid), and INT8 groups of 32 (the row-slot GEMV at every m);
+/// 2, 3 and 4 segments of different n (n = 1, n off the 16-row tiles and the slot blocks) at m = 1, 2,
+/// 5 and 8.
+#[test]
+fn gemv_packed_many_matches_cpu() {
+    let Some(g) = gpu("gemv_packed_many_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(46);
+    let sets: [&[usize]; 3] = [&[2048, 32], &[1, 513, 64], &[4096, 1024, 32, 7]];
+    for (bits, group, k) in [
+        (4u32, 128usize, 2048usize),
+        (8, 0, 2048),
+        (6, 0, 1000),
+        (8, 32, 512),
+    ] {
+        for ns in sets {
+            let ps: Vec<Packed> = ns
+                .iter()
+                .map(|&n| make(&mut rng, bits, group, n, k))
+                .collect();
+            for m in [1usize, 2, 5, 8] {
+                gemv_packed_many_case(g, &mut rng, &ps, m);
+            }
+        }
+    }
+}
+
+fn gemv_packed_many_case(g: &Gpu, rng: &mut Rng, ps: &[Packed], m: usize) {
+    let (bits, group, k) = (ps[0].bits, ps[0].group, ps[0].k);
+    let (xb, xf) = to_bf16(&rng.normals(m * k, 0.0, 1.0));
+    let x = g.upload(&xb).unwrap();
+    let ws: Vec<_> = ps.iter().map(|p| g.upload(&p.words).unwrap()).collect();
+    let ss: Vec<_> = ps.iter().map(|p| g.upload(&p.scales).unwrap()).collect();
+    let mut ys: Vec<_> = ps
+        .iter()
+        .map(|p| g.zeros::<bf16>(m * p.n).unwrap())
+        .collect();
+    let mut parts: Vec<_> = ws
+        .iter()
+        .zip(&ss)
+        .zip(ys.iter_mut())
+        .zip(ps)
+        .map(|(((w, s), y), p)| (w, s, y, p.n))
+        .collect();
+    g.gemv_packed_many(bits, group, &x, &mut parts, m, k)
+        .unwrap();
+    drop(parts);
+    for (i, (y, p)) in ys.iter().zip(ps).enumerate() {
+        let mut want = vec![0f32; m * p.n];
+        ops::matmul_t(&xf, &p.dense, m, k, p.n, &mut want);
+        let got = from_bf16(&g.download(y).unwrap());
+        let shape = format!("{}_segs{}_seg{i}", name(p, m), ps.len());
+        check_reduction("gemv_packed_many", &shape, &got, &want);
+    }
+}
+
 /// The tensor-core GEMV (INT8 and INT4, 2 ≤ m ≤ 8, any n, k a whole number of 64 / 128-value
 /// blocks, per-row scales or groups of whole blocks): every batch size at in_proj_qkv (INT8 8192 x 2048)
 /// and at INT4 group 128; in_proj_z, out_proj and o_proj at batch 8 and 2; grouped INT8 (group 128:

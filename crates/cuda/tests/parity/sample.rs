@@ -1,6 +1,7 @@
 //! Token sampling on the device (`Gpu::sample_rows`, kernels/sample.cu) against the host
 //! implementation it mirrors (`sanmai_model::sample::sample_rows`) on bf16 logits at the real vocabulary
-//! widths, batch 1 and 8, every parameter kind, masks, penalties and biases, and runs of tied logits.
+//! widths, batch 1 and 8, every parameter kind (top-k from 1 to past the vocabulary, alone and with
+//! top-p and min-p), masks, penalties and biases, runs of tied logits, and batches mixing kinds by row.
 //!
 //! Ids are equal except documented near-ties: a GPU id that differs must lie between the ids the host
 //! draws with the uniform moved down and up by [`U_SHIFT`] (the draw is an inverse CDF in id order, so
@@ -132,7 +133,63 @@ fn kinds() -> Vec<Kind> {
             flat: true,
             ..kind("flat_topp0.95_t1_minp0.05", 1.0, 0, 0.95, 0.05)
         },
+        // Top-k by the radix count passes, alone and with top-p (then cut within the top-k set).
+        kind("topk1_t1", 1.0, 1, 1.0, 0.0),
+        kind("topk40_t1.2", 1.2, 40, 1.0, 0.0),
+        kind("qwen_topk20_topp0.8_t0.7", 0.7, 20, 0.8, 0.0),
+        kind("topk2000_topp0.9_t1.5", 1.5, 2000, 0.9, 0.0),
+        kind("topk20_topp0.8_minp0.05_t1.5", 1.5, 20, 0.8, 0.05),
+        kind("topk_ge_vocab_topp0.9", 1.0, 300_000, 0.9, 0.0),
+        Kind {
+            penalties: true,
+            ..kind("penalties_bias_topk20_topp0.8_t0.7", 0.7, 20, 0.8, 0.0)
+        },
+        // The narrow mask's rows keep 200 tokens: fewer than k = 500, so top-k keeps them all.
+        Kind {
+            mask: true,
+            ..kind("mask_topk20_t0.7", 0.7, 20, 1.0, 0.0)
+        },
+        Kind {
+            mask: true,
+            ..kind("mask_topk500_topp0.9_t1", 1.0, 500, 0.9, 0.0)
+        },
+        // k inside a run of tied logits: the cut takes the run's lowest ids.
+        Kind {
+            flat: true,
+            ..kind("flat_topk20_t1", 1.0, 20, 1.0, 0.0)
+        },
+        Kind {
+            flat: true,
+            ..kind("flat_topk5000_topp0.5_t1.5", 1.5, 5000, 0.5, 0.0)
+        },
+        Kind {
+            flat: true,
+            ..kind("flat_topk3000_topp0.99_minp0.01", 1.0, 3000, 0.99, 0.01)
+        },
+        Kind {
+            coarse: true,
+            ..kind("ties_topk20_topp0.8_t0.7", 0.7, 20, 0.8, 0.0)
+        },
     ]
+}
+
+/// The kinds a mixed batch cycles through, one per row: greedy, top-p, top-k with and without top-p,
+/// masks, penalties and tied runs in one launch.
+fn mixed_kinds() -> Vec<Kind> {
+    let pick = [
+        "qwen_topk20_topp0.8_t0.7",
+        "greedy",
+        "topp0.9_t0.8",
+        "topk1_t1",
+        "mask_topk500_topp0.9_t1",
+        "penalties_bias_topk40_t0.9",
+        "flat_topk20_t1",
+        "topk2000_topp0.9_t1.5",
+    ];
+    let all = kinds();
+    pick.iter()
+        .map(|n| *all.iter().find(|k| k.name == *n).expect("a listed kind"))
+        .collect()
 }
 
 /// Per-row data a [`RowSampling`] borrows.
@@ -224,6 +281,78 @@ fn raw_logprob(row: &[f32], vocab: usize, mask: Option<&[u32]>, id: u32) -> f32 
     v[id as usize] - log_sum_exp(&v).unwrap()
 }
 
+/// Samples `specs` on the device and the host from the same `values` `[specs.len(), cols]` and checks
+/// ids (equal or a near-tie) and log-probabilities; prints one `PARITY` line labelled `label`.
+fn check_batch(
+    g: &sanmai_cuda::Gpu,
+    values: &[f32],
+    cols: usize,
+    vocab: usize,
+    specs: &[RowSampling<'_>],
+    label: &str,
+) {
+    let batch = specs.len();
+    let dev = g
+        .upload(
+            &values
+                .iter()
+                .map(|&x| bf16::from_f32(x))
+                .collect::<Vec<_>>(),
+        )
+        .unwrap();
+    let got = g.sample_rows(&dev, cols, vocab, specs).unwrap();
+    let mut host = values.to_vec();
+    let want = sample_rows(&mut host, cols, vocab, specs);
+    let (mut near_ties, mut max_lp) = (0, 0f32);
+    for r in 0..batch {
+        let row = &values[r * cols..(r + 1) * cols];
+        let (gs, ws) = (got[r].unwrap(), want[r].unwrap());
+        if gs.id != ws.id {
+            let s = &specs[r];
+            let at_u =
+                |u: f64| host_id(row, vocab, &RowSampling { uniform: u, ..*s }).unwrap_or(ws.id);
+            let (lo, hi) = (
+                at_u((s.uniform - U_SHIFT).max(0.0)),
+                at_u((s.uniform + U_SHIFT).min(1.0 - 1e-12)),
+            );
+            let moved_p = [
+                RowSampling {
+                    top_p: s.top_p * (1.0 - U_SHIFT as f32),
+                    ..*s
+                },
+                RowSampling {
+                    top_p: (s.top_p * (1.0 + U_SHIFT as f32)).min(1.0),
+                    ..*s
+                },
+            ];
+            assert!(
+                (lo..=hi).contains(&gs.id)
+                    || moved_p
+                        .iter()
+                        .any(|m| host_id(row, vocab, m) == Some(gs.id)),
+                "{label} vocab {vocab} batch {batch} row {r}: gpu id {} vs cpu {} (u = {}; \
+                 host ids {lo}..={hi} within the uniform's window)",
+                gs.id,
+                ws.id,
+                s.uniform
+            );
+            near_ties += 1;
+        }
+        let lp = raw_logprob(row, vocab, specs[r].allowed, gs.id);
+        let d = (gs.logprob - lp).abs();
+        assert!(
+            d <= 1e-3,
+            "{label} vocab {vocab} batch {batch} row {r}: logprob {} vs {lp}",
+            gs.logprob
+        );
+        max_lp = max_lp.max(d);
+    }
+    println!(
+        "PARITY op=sample shape=v{vocab}_b{batch}_{label} near_tie_swaps={near_ties} max_logprob_err={max_lp:.2e} tol=ids_equal_or_near_tie,logprob<=1e-3"
+    );
+    assert!(near_ties * 4 <= batch.max(4), "too many near-tie swaps");
+}
+
 #[test]
 fn sampling_matches_cpu() {
     let Some(g) = gpu("sampling_matches_cpu") else {
@@ -240,69 +369,40 @@ fn sampling_matches_cpu() {
                     .map(|r| row_data(&mut rng, &k, vocab, r))
                     .collect();
                 let specs: Vec<RowSampling<'_>> = data.iter().map(|d| spec(&k, d)).collect();
-                let dev = g
-                    .upload(
-                        &values
-                            .iter()
-                            .map(|&x| bf16::from_f32(x))
-                            .collect::<Vec<_>>(),
-                    )
-                    .unwrap();
-                let got = g.sample_rows(&dev, cols, vocab, &specs).unwrap();
-                let mut host = values.clone();
-                let want = sample_rows(&mut host, cols, vocab, &specs);
-                let (mut near_ties, mut max_lp) = (0, 0f32);
-                for r in 0..batch {
-                    let row = &values[r * cols..(r + 1) * cols];
-                    let (gs, ws) = (got[r].unwrap(), want[r].unwrap());
-                    if gs.id != ws.id {
-                        let s = &specs[r];
-                        let at_u = |u: f64| {
-                            host_id(row, vocab, &RowSampling { uniform: u, ..*s }).unwrap_or(ws.id)
-                        };
-                        let (lo, hi) = (
-                            at_u((s.uniform - U_SHIFT).max(0.0)),
-                            at_u((s.uniform + U_SHIFT).min(1.0 - 1e-12)),
-                        );
-                        let moved_p = [
-                            RowSampling {
-                                top_p: s.top_p * (1.0 - U_SHIFT as f32),
-                                ..*s
-                            },
-                            RowSampling {
-                                top_p: (s.top_p * (1.0 + U_SHIFT as f32)).min(1.0),
-                                ..*s
-                            },
-                        ];
-                        assert!(
-                            (lo..=hi).contains(&gs.id)
-                                || moved_p
-                                    .iter()
-                                    .any(|m| host_id(row, vocab, m) == Some(gs.id)),
-                            "{} vocab {vocab} batch {batch} row {r}: gpu id {} vs cpu {} (u = {}; \
-                             host ids {lo}..={hi} within the uniform's window)",
-                            k.name,
-                            gs.id,
-                            ws.id,
-                            s.uniform
-                        );
-                        near_ties += 1;
-                    }
-                    let lp = raw_logprob(row, vocab, specs[r].allowed, gs.id);
-                    let d = (gs.logprob - lp).abs();
-                    assert!(
-                        d <= 1e-3,
-                        "{} vocab {vocab} batch {batch} row {r}: logprob {} vs {lp}",
-                        k.name,
-                        gs.logprob
-                    );
-                    max_lp = max_lp.max(d);
-                }
-                println!(
-                    "PARITY op=sample shape=v{vocab}_b{batch}_{} near_tie_swaps={near_ties} max_logprob_err={max_lp:.2e} tol=ids_equal_or_near_tie,logprob<=1e-3",
-                    k.name
-                );
-                assert!(near_ties * 4 <= batch.max(4), "too many near-tie swaps");
+                check_batch(g, &values, cols, vocab, &specs, k.name);
+            }
+        }
+    }
+}
+
+/// Rows of different kinds in one batch (each row its own logits style): the stages each row skips or
+/// takes must not disturb the others.
+#[test]
+fn sampling_mixed_batch_matches_cpu() {
+    let Some(g) = gpu("sampling_mixed_batch_matches_cpu") else {
+        return;
+    };
+    let mut rng = Rng::new(91);
+    let mixed = mixed_kinds();
+    for vocab in [151_936usize, 248_320] {
+        let cols = vocab + 64;
+        for batch in [1usize, 5, 8] {
+            for shift in 0..2 {
+                let ks: Vec<Kind> = (0..batch)
+                    .map(|r| mixed[(r + 3 * shift) % mixed.len()])
+                    .collect();
+                let values: Vec<f32> = ks
+                    .iter()
+                    .flat_map(|k| logits(&mut rng, 1, cols, k.coarse, k.flat))
+                    .collect();
+                let data: Vec<RowData> = ks
+                    .iter()
+                    .enumerate()
+                    .map(|(r, k)| row_data(&mut rng, k, vocab, r))
+                    .collect();
+                let specs: Vec<RowSampling<'_>> =
+                    ks.iter().zip(&data).map(|(k, d)| spec(k, d)).collect();
+                check_batch(g, &values, cols, vocab, &specs, &format!("mixed{shift}"));
             }
         }
     }

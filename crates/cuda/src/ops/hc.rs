@@ -1,0 +1,144 @@
+//! The hyper-connections' gated residual of a decode step as two fused kernels (`kernels/hc.cu`):
+//! `s = silu(down·y + inject·x)` ([`Gpu::hc_down_inject_silu`]) and `R_c += sigmoid(up_c·s) ⊙ y`
+//! ([`Gpu::hc_up_gate_mix`]), with `down` / `up` packed INT8 with one scale per row and `inject` bf16.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut};
+use half::bf16;
+
+use crate::error::{ensure, Result};
+use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
+
+/// Most rows (tokens) the fused kernels take: one entry point per row count 1..=8.
+pub(crate) const HC_MAX_ROWS: usize = 8;
+/// Threads of a `hc_down_inject_silu` block (`HC_DOWN_THREADS` in hc.cu).
+const DOWN_THREADS: u32 = 128;
+/// Threads of a `hc_up_gate_mix` block and outputs a block computes (`HC_UP_THREADS`,
+/// `HC_UP_THREADS / HC_UP_TPR` in hc.cu).
+const UP_THREADS: u32 = 256;
+const UP_ROWS: usize = 32;
+
+/// Whether the fused kernels take a hidden size `h` and a rank: both whole 32-value INT8 units.
+pub(crate) fn hc_fused_shape(h: usize, rank: usize) -> bool {
+    h > 0 && rank > 0 && h.is_multiple_of(32) && rank.is_multiple_of(32)
+}
+
+/// Checks the row count and shape the fused kernels take.
+fn check_shape(op: &'static str, rows: usize, h: usize, rank: usize) -> Result<()> {
+    ensure((1..=HC_MAX_ROWS).contains(&rows), op, || {
+        format!("rows = {rows}, expected 1..={HC_MAX_ROWS}")
+    })?;
+    ensure(hc_fused_shape(h, rank), op, || {
+        format!("h = {h} and rank = {rank} must be positive multiples of 32")
+    })
+}
+
+/// Checks a device address for the kernels' 16-byte vector loads.
+fn aligned(op: &'static str, what: &str, p: u64) -> Result<()> {
+    ensure(p.is_multiple_of(16), op, || {
+        format!("{what} must be 16-byte aligned")
+    })
+}
+
+impl Gpu {
+    /// `s[m, r] = bf16(silu(scale[r]·(q_down[r]·y[m]) + inject[r]·x[m]))` for `rows` ≤ 8 rows:
+    /// `down` packed INT8 `[rank, h]` (`rank · h/4` words) with `down_scales` `[rank]`, `inject`
+    /// `[rank, h]` bf16, `x`, `y` `[rows, h]`, `s` `[rows, rank]`. The sum is f32, rounded once.
+    #[allow(clippy::too_many_arguments)]
+    pub fn hc_down_inject_silu(
+        &self,
+        down: &impl DevicePtr<u32>,
+        down_scales: &impl DevicePtr<f32>,
+        inject: &impl DevicePtr<bf16>,
+        x: &impl DevicePtr<bf16>,
+        y: &impl DevicePtr<bf16>,
+        s: &mut impl DevicePtrMut<bf16>,
+        rows: usize,
+        h: usize,
+        rank: usize,
+    ) -> Result<()> {
+        const OP: &str = "hc_down_inject_silu";
+        check_shape(OP, rows, h, rank)?;
+        check_len(OP, "down", down, rank * h / 4)?;
+        check_len(OP, "down_scales", down_scales, rank)?;
+        check_len(OP, "inject", inject, rank * h)?;
+        check_len(OP, "x", x, rows * h)?;
+        check_len(OP, "y", y, rows * h)?;
+        check_len(OP, "s", s, rows * rank)?;
+        let st = self.stream();
+        let (dp, _gd) = down.device_ptr(st);
+        let (dsp, _gds) = down_scales.device_ptr(st);
+        let (ip, _gi) = inject.device_ptr(st);
+        let (xp, _gx) = x.device_ptr(st);
+        let (yp, _gy) = y.device_ptr(st);
+        let (sp, _gs) = s.device_ptr_mut(st);
+        for (what, p) in [("down", dp), ("inject", ip), ("x", xp), ("y", yp)] {
+            aligned(OP, what, p)?;
+        }
+        let (hi, ri) = (int(OP, "h", h)?, int(OP, "rank", rank)?);
+        let mut b = self.launch(self.kernel(&format!("hc_down_inject_silu_m{rows}"))?);
+        b.arg(&dp)
+            .arg(&dsp)
+            .arg(&ip)
+            .arg(&xp)
+            .arg(&yp)
+            .arg(&sp)
+            .arg(&hi)
+            .arg(&ri);
+        // SAFETY: argument types match the kernel; lengths, shape rules and alignment checked above;
+        // one block of DOWN_THREADS per output r, as the kernel assumes.
+        unsafe { b.launch(cfg((grid_u32(OP, rank)?, 1, 1), DOWN_THREADS, 0)) }?;
+        Ok(())
+    }
+
+    /// `streams[m, c·h + j] = bf16(streams[m, c·h + j] + sigmoid(u) · y[m, j])` with
+    /// `u = scale[c·h + j] · (q_up[c·h + j] · s[m])` kept in f32, for `rows` ≤ 8 rows and `nstreams`
+    /// streams: `up` packed INT8 `[nstreams·h, rank]` (`nstreams·h · rank/4` words) with `up_scales`
+    /// `[nstreams·h]`, `s` `[rows, rank]`, `y` `[rows, h]`, `streams` `[rows, nstreams·h]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn hc_up_gate_mix(
+        &self,
+        up: &impl DevicePtr<u32>,
+        up_scales: &impl DevicePtr<f32>,
+        s: &impl DevicePtr<bf16>,
+        y: &impl DevicePtr<bf16>,
+        streams: &mut impl DevicePtrMut<bf16>,
+        rows: usize,
+        nstreams: usize,
+        h: usize,
+        rank: usize,
+    ) -> Result<()> {
+        const OP: &str = "hc_up_gate_mix";
+        check_shape(OP, rows, h, rank)?;
+        ensure(nstreams > 0, OP, || "no streams".into())?;
+        let n = nstreams * h;
+        check_len(OP, "up", up, n * rank / 4)?;
+        check_len(OP, "up_scales", up_scales, n)?;
+        check_len(OP, "s", s, rows * rank)?;
+        check_len(OP, "y", y, rows * h)?;
+        check_len(OP, "streams", streams, rows * n)?;
+        let st = self.stream();
+        let (up_p, _gu) = up.device_ptr(st);
+        let (usp, _gus) = up_scales.device_ptr(st);
+        let (sp, _gs) = s.device_ptr(st);
+        let (yp, _gy) = y.device_ptr(st);
+        let (rp, _gr) = streams.device_ptr_mut(st);
+        for (what, p) in [("up", up_p), ("s", sp)] {
+            aligned(OP, what, p)?;
+        }
+        let (ni, hi, ri) = (int(OP, "n", n)?, int(OP, "h", h)?, int(OP, "rank", rank)?);
+        let blocks = grid_u32(OP, n.div_ceil(UP_ROWS))?;
+        let mut b = self.launch(self.kernel(&format!("hc_up_gate_mix_m{rows}"))?);
+        b.arg(&up_p)
+            .arg(&usp)
+            .arg(&sp)
+            .arg(&yp)
+            .arg(&rp)
+            .arg(&ni)
+            .arg(&hi)
+            .arg(&ri);
+        // SAFETY: argument types match the kernel; lengths, shape rules and alignment checked above;
+        // blocks of UP_THREADS, UP_ROWS outputs each, cover the n outputs as the kernel assumes.
+        unsafe { b.launch(cfg((blocks, 1, 1), UP_THREADS, 0)) }?;
+        Ok(())
+    }
+}

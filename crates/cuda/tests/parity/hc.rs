@@ -1,0 +1,129 @@
+//! The hyper-connections' gated residual (`Backend::hc_residual`, spec §4) on the CUDA backend against
+//! the CPU backend's op sequence (`hc_residual_ops`): decode-sized steps take the two fused kernels
+//! (`hc_down_inject_silu`, `hc_up_gate_mix`), a larger step the same op sequence on the device. The
+//! updated streams are compared. `bench_hc_residual` (ignored) times both paths at the real shape.
+
+use sanmai_config::QuantScheme;
+use sanmai_cpu::CpuBackend;
+use sanmai_cuda::{CudaBackend, CudaWeight};
+use sanmai_model::backend::{hc_residual_ops, HcWeights};
+use sanmai_model::Backend;
+use sanmai_weights::quant::quantize;
+
+use crate::bench::time;
+use crate::common::{check_reduction, to_bf16, Rng};
+
+/// One sublayer's random hyper-connection weights on a backend: `down` `[rank, h]` and `up`
+/// `[s·h, rank]` INT8 with one scale per row, `inject` `[rank, h]` bf16 (values given as f32).
+fn weights<B: Backend>(
+    b: &B,
+    down: &[f32],
+    inject: &[f32],
+    up: &[f32],
+    (s, h, rank): (usize, usize, usize),
+) -> HcWeights<B::Weight> {
+    let int8 = QuantScheme {
+        bits: 8,
+        group_size: 0,
+    };
+    HcWeights {
+        pre: b.weight(vec![0.0; s], &[s]),
+        down: b.packed_weight(&quantize("down", down, rank, h, int8).unwrap()),
+        inject: b.weight(inject.to_vec(), &[rank, h]),
+        up: b.packed_weight(&quantize("up", up, s * h, rank, int8).unwrap()),
+    }
+}
+
+/// The real shape (S 4, H 2560, rank 256) and a small odd one, at 1, 2, 5 and 8 rows (the fused
+/// kernels) and 12 rows (the op sequence).
+#[test]
+fn hc_residual_matches_cpu() {
+    let test = "hc_residual_matches_cpu";
+    let b = match CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            return;
+        }
+    };
+    let cpu = CpuBackend::default();
+    let mut rng = Rng::new(73);
+    for (s, h, rank) in [(4usize, 2560usize, 256usize), (2, 96, 32)] {
+        let down = rng.normals(rank * h, 0.0, (h as f32).powf(-0.5));
+        let inject = to_bf16(&rng.normals(rank * h, 0.0, (h as f32).powf(-0.5))).1;
+        let up = rng.normals(s * h * rank, 0.0, 2.0 * (rank as f32).powf(-0.5));
+        let wg = weights(&b, &down, &inject, &up, (s, h, rank));
+        let wc = weights(&cpu, &down, &inject, &up, (s, h, rank));
+        assert!(
+            matches!(
+                (&wg.down, &wg.inject, &wg.up),
+                (
+                    CudaWeight::Packed(_),
+                    CudaWeight::Bf16(_),
+                    CudaWeight::Packed(_)
+                )
+            ),
+            "weights not in the fused kernels' formats"
+        );
+        for rows in [1usize, 2, 5, 8, 12] {
+            let x = to_bf16(&rng.normals(rows * h, 0.0, 1.0)).1;
+            let y = to_bf16(&rng.normals(rows * h, 0.0, 1.0)).1;
+            let r0 = to_bf16(&rng.normals(rows * s * h, 0.0, 0.5)).1;
+            let mut rg = b.upload(rows, s * h, r0.clone());
+            b.hc_residual(
+                &mut rg,
+                &b.upload(rows, h, x.clone()),
+                &b.upload(rows, h, y.clone()),
+                &wg,
+            );
+            let mut rc = cpu.upload(rows, s * h, r0);
+            cpu.hc_residual(
+                &mut rc,
+                &cpu.upload(rows, h, x),
+                &cpu.upload(rows, h, y),
+                &wc,
+            );
+            let (_, _, got) = b.to_host(rg);
+            let (_, _, want) = cpu.to_host(rc);
+            let shape = format!("s{s}_h{h}_rank{rank}_rows{rows}");
+            check_reduction("hc_residual", &shape, &got, &want);
+        }
+    }
+}
+
+/// Timing of the gated residual at the real shape (S 4, H 2560, rank 256) for 1 and 8 rows: the two
+/// fused kernels against the six-op sequence, with the weight bytes one pass reads.
+#[test]
+#[ignore]
+fn bench_hc_residual() {
+    let test = "bench_hc_residual";
+    let b = match CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            return;
+        }
+    };
+    let (s, h, rank) = (4usize, 2560usize, 256usize);
+    let mut rng = Rng::new(79);
+    let down = rng.normals(rank * h, 0.0, (h as f32).powf(-0.5));
+    let inject = to_bf16(&rng.normals(rank * h, 0.0, (h as f32).powf(-0.5))).1;
+    let up = rng.normals(s * h * rank, 0.0, (rank as f32).powf(-0.5));
+    let w = weights(&b, &down, &inject, &up, (s, h, rank));
+    // INT8 down and up with one f32 scale a row, bf16 inject.
+    let bytes = rank * h + 4 * rank + 2 * rank * h + s * h * rank + 4 * s * h;
+    for rows in [1usize, 8] {
+        let x = b.upload(rows, h, rng.normals(rows * h, 0.0, 1.0));
+        let y = b.upload(rows, h, rng.normals(rows * h, 0.0, 1.0));
+        let mut r = b.upload(rows, s * h, rng.normals(rows * s * h, 0.0, 0.5));
+        let fused = time(b.gpu(), 20, 200, || b.hc_residual(&mut r, &x, &y, &w));
+        let ops = time(b.gpu(), 20, 200, || hc_residual_ops(&b, &mut r, &x, &y, &w));
+        println!(
+            "BENCH hc_residual s={s} h={h} rank={rank} rows={rows} bytes={bytes} fused_us={:.2} \
+             ops_us={:.2} fused_GB/s={:.0}",
+            fused * 1e6,
+            ops * 1e6,
+            bytes as f64 / fused / 1e9
+        );
+    }
+}

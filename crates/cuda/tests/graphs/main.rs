@@ -359,8 +359,20 @@ fn graph_replay_equals_eager() {
 /// attention splits than either context needs eagerly) equals eager.
 #[test]
 fn graph_long_context_equals_eager() {
-    let name = "qwen3_5_moe_text_tiny";
-    let Some(ms) = trio(name, "graph_long_context_equals_eager") else {
+    long_context_equals_eager("qwen3_5_moe_text_tiny", "graph_long_context_equals_eager");
+}
+
+/// QSA past [`MIN_GRAPH_SPAN`]: a long selecting sequence next to a short dense one, recorded at the
+/// larger span (score rows of the span, blocks past each context idle), equals eager.
+#[test]
+fn graph_qsa_long_context_equals_eager() {
+    long_context_equals_eager("qwen4_exp_qsa_tiny", "graph_qsa_long_context_equals_eager");
+}
+
+/// Fixture `name`: a prompt of [`MIN_GRAPH_SPAN`] + 300 tokens next to one of 9, four decode steps
+/// recorded at the larger span, against eager.
+fn long_context_equals_eager(name: &str, test: &str) {
+    let Some(ms) = trio(name, test) else {
         return;
     };
     let vocab = ms[0].cfg.vocab_size;
@@ -385,7 +397,7 @@ fn graph_long_context_equals_eager() {
         d.captures, d.replays
     );
     assert_eq!(d.failures, 0, "{:?}", ms[0].backend.graph_failure());
-    check_equal("long context", dg, dc);
+    check_equal(&format!("{name} long context"), dg, dc);
     assert_eq!((d.warmups, d.captures, d.replays), (1, 1, 3));
 }
 
@@ -501,40 +513,6 @@ fn graph_qwen4_exp_equals_eager() {
             );
         }
     }
-}
-
-/// QSA past [`MIN_GRAPH_SPAN`]: a long selecting sequence next to a short dense one, recorded at the
-/// larger span (score rows of the span, blocks past each context idle), equals eager.
-#[test]
-fn graph_qsa_long_context_equals_eager() {
-    let name = "qwen4_exp_qsa_tiny";
-    let Some(ms) = trio(name, "graph_qsa_long_context_equals_eager") else {
-        return;
-    };
-    let vocab = ms[0].cfg.vocab_size;
-    let long = MIN_GRAPH_SPAN + 300;
-    let prompts = vec![prompt(long, 1, vocab), prompt(9, 2, vocab)];
-    let mut allocs = [0, 1, 2].map(|i| Alloc::new(&ms[i], 4));
-    let mut seqs = [0, 1, 2].map(|k| {
-        prompts
-            .iter()
-            .map(|p| allocs[k].seq(p.len() + 8))
-            .collect::<Vec<_>>()
-    });
-    for (m, s) in ms.iter().zip(seqs.iter_mut()) {
-        prefill(m, s, &prompts);
-    }
-    let before = ms[0].backend.graph_stats();
-    let (dg, dc) = lockstep(&ms, &mut seqs, 4, true, &[5, 6]);
-    let d = delta(ms[0].backend.graph_stats(), before);
-    println!(
-        "GRAPH fixture={name} long_context={long} batch=2 steps=4 max_abs_graph_vs_eager={dg:e} \
-         max_abs_eager_vs_eager={dc:e} captures={} replays={}",
-        d.captures, d.replays
-    );
-    assert_eq!(d.failures, 0, "{:?}", ms[0].backend.graph_failure());
-    check_equal("QSA long context", dg, dc);
-    assert_eq!((d.warmups, d.captures, d.replays), (1, 1, 3));
 }
 
 /// Mean decode step time (forward_logits + logits to the host) over `steps` steps at `batch`.

@@ -294,24 +294,12 @@ fn gathered_attention_matches_cpu() {
         let mut want = vec![0f32; n_rows * hq * d];
         for r in 0..n_rows {
             let n = counts[r] as usize;
-            let (mut kr, mut vr) = (Vec::new(), Vec::new());
-            for &p in &sel[r * topk..r * topk + n] {
-                let p = p as usize;
-                let at = (perm[p / bs] as usize * bs + p % bs) * row;
-                kr.extend_from_slice(&kp[at..at + row]);
-                vr.extend_from_slice(&vp[at..at + row]);
-            }
-            cpu::attend_rows(
-                &q[r * hq * d..(r + 1) * hq * d],
-                &gate[r * hq * d..(r + 1) * hq * d],
-                &kr,
-                &vr,
-                hq,
-                hkv,
-                d,
-                (d as f32).powf(-0.5),
-                &mut want[r * hq * d..(r + 1) * hq * d],
-            );
+            let rows = sel[r * topk..r * topk + n]
+                .iter()
+                .map(|&p| (perm[p as usize / bs] as usize * bs + p as usize % bs) * row);
+            let at = r * hq * d..(r + 1) * hq * d;
+            let (qr, gr) = (&q[at.clone()], &gate[at.clone()]);
+            cpu_attend_rows_at(qr, gr, rows, (&kp, &vp, row), (hq, hkv, d), &mut want[at]);
         }
         let rel = max_rel(&got, &want);
         println!(
@@ -479,22 +467,18 @@ fn check_decode(b: &CudaBackend, rng: &mut Rng, c: &DecodeCase) -> usize {
         if got != want_sel {
             set_diff += 1;
         }
-        let (mut kr, mut vr) = (Vec::new(), Vec::new());
-        for &p in &want_sel {
-            let at = (tables[r * stride + p / bs] as usize * bs + p % bs) * kv_row;
-            kr.extend_from_slice(&kp[at..at + kv_row]);
-            vr.extend_from_slice(&vp[at..at + kv_row]);
-        }
-        cpu::attend_rows(
-            &q[r * hq * d..(r + 1) * hq * d],
-            &gate[r * hq * d..(r + 1) * hq * d],
-            &kr,
-            &vr,
-            hq,
-            hkv,
-            d,
-            (d as f32).powf(-0.5),
-            &mut want_out[r * hq * d..(r + 1) * hq * d],
+        let rows = want_sel
+            .iter()
+            .map(|&p| (tables[r * stride + p / bs] as usize * bs + p % bs) * kv_row);
+        let at = r * hq * d..(r + 1) * hq * d;
+        let (qr, gr) = (&q[at.clone()], &gate[at.clone()]);
+        cpu_attend_rows_at(
+            qr,
+            gr,
+            rows,
+            (&kp, &vp, kv_row),
+            (hq, hkv, d),
+            &mut want_out[at],
         );
     }
     let rel = max_rel(&got_out, &want_out);
@@ -739,4 +723,22 @@ fn qsa_backend_matches_cpu() {
     assert!(selecting > 100, "the schedule exercises selection");
     assert_eq!(differing, 0, "selected sets differ from the CPU's");
     assert!(worst <= 1e-2, "QSA attention off by {worst}");
+}
+
+/// The CPU's gated attention of one query row (`q`, `gate`: `[hq·d]`) over the K/V rows starting at the
+/// offsets `rows` of the pools (`kv`: K pool, V pool, values a row), into `out`.
+fn cpu_attend_rows_at(
+    q: &[f32],
+    gate: &[f32],
+    rows: impl Iterator<Item = usize>,
+    (kp, vp, row): (&[f32], &[f32], usize),
+    (hq, hkv, d): (usize, usize, usize),
+    out: &mut [f32],
+) {
+    let (mut kr, mut vr) = (Vec::new(), Vec::new());
+    for at in rows {
+        kr.extend_from_slice(&kp[at..at + row]);
+        vr.extend_from_slice(&vp[at..at + row]);
+    }
+    cpu::attend_rows(q, gate, &kr, &vr, hq, hkv, d, (d as f32).powf(-0.5), out);
 }

@@ -274,6 +274,19 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
     }
 }
 
+// The entry points' parameters and body: head dim D, key tiles of BN.
+#define AP_ARGS                                                                                             \
+    const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,   \
+    const u32* __restrict__ table, int max_blocks, int pos0, int t, const bf16* __restrict__ gate,      \
+    bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int hq, int hkv, int bs, \
+    u32 num_blocks, int splits, int span, float scale_log2
+#define AP_BODY(D, BN)                                                                                      \
+    extern __shared__ __align__(16) unsigned char ap_smem[];                                               \
+    __shared__ int kok[BN];                                                                                 \
+    if (blockDim.x != AP_THREADS) return;                                                                   \
+    attn_prefill_impl<D, BN>(q, k_pool, v_pool, table, max_blocks, pos0, t, gate, out, part_o, part_ml, hq,  \
+                             hkv, bs, num_blocks, splits, span, scale_log2, ap_smem, kok)
+
 // Causal prefill of t queries at positions pos0 .. pos0 + t − 1 of one sequence, head size D (the
 // suffix). q, gate, out: [t, hq·D] bf16 (q normed and roped); query r sees positions 0 .. pos0 + r of
 // the cache through table (max_blocks ids; an id ≥ num_blocks masks its positions). Span s of the
@@ -282,54 +295,19 @@ __device__ __forceinline__ void attn_prefill_impl(const bf16* __restrict__ q, co
 // [.., 2] (max, Σ e) for attn_paged_reduce; gate and out unused. scale_log2 = D^-½·log2(e). Needs
 // 16-byte aligned q and pools, 4-byte aligned gate and out; launch as attn_prefill_impl says. Key tiles:
 // BN = 32 keys at D = 256 (fewer score registers next to the 128 of the output), 64 below.
-extern "C" __global__ void __launch_bounds__(AP_THREADS) attn_prefill_mma_d256(
-    const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
-    const u32* __restrict__ table, int max_blocks, int pos0, int t, const bf16* __restrict__ gate,
-    bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int hq, int hkv, int bs,
-    u32 num_blocks, int splits, int span, float scale_log2) {
+extern "C" __global__ void __launch_bounds__(AP_THREADS) attn_prefill_mma_d256(AP_ARGS) {
     pdl_prologue();
-    extern __shared__ __align__(16) unsigned char ap_smem[];
-    __shared__ int kok[32];
-    if (blockDim.x != AP_THREADS) return;
-    attn_prefill_impl<256, 32>(q, k_pool, v_pool, table, max_blocks, pos0, t, gate, out, part_o, part_ml, hq, hkv,
-                               bs, num_blocks, splits, span, scale_log2, ap_smem, kok);
+    AP_BODY(256, 32);
 }
-
-extern "C" __global__ void __launch_bounds__(AP_THREADS) attn_prefill_mma_d128(
-    const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
-    const u32* __restrict__ table, int max_blocks, int pos0, int t, const bf16* __restrict__ gate,
-    bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int hq, int hkv, int bs,
-    u32 num_blocks, int splits, int span, float scale_log2) {
+extern "C" __global__ void __launch_bounds__(AP_THREADS) attn_prefill_mma_d128(AP_ARGS) {
     pdl_prologue();
-    extern __shared__ __align__(16) unsigned char ap_smem[];
-    __shared__ int kok[64];
-    if (blockDim.x != AP_THREADS) return;
-    attn_prefill_impl<128, 64>(q, k_pool, v_pool, table, max_blocks, pos0, t, gate, out, part_o, part_ml, hq, hkv,
-                               bs, num_blocks, splits, span, scale_log2, ap_smem, kok);
+    AP_BODY(128, 64);
 }
-
-extern "C" __global__ void __launch_bounds__(AP_THREADS) attn_prefill_mma_d64(
-    const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
-    const u32* __restrict__ table, int max_blocks, int pos0, int t, const bf16* __restrict__ gate,
-    bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int hq, int hkv, int bs,
-    u32 num_blocks, int splits, int span, float scale_log2) {
+extern "C" __global__ void __launch_bounds__(AP_THREADS) attn_prefill_mma_d64(AP_ARGS) {
     pdl_prologue();
-    extern __shared__ __align__(16) unsigned char ap_smem[];
-    __shared__ int kok[64];
-    if (blockDim.x != AP_THREADS) return;
-    attn_prefill_impl<64, 64>(q, k_pool, v_pool, table, max_blocks, pos0, t, gate, out, part_o, part_ml, hq, hkv,
-                              bs, num_blocks, splits, span, scale_log2, ap_smem, kok);
+    AP_BODY(64, 64);
 }
-
-extern "C" __global__ void __launch_bounds__(AP_THREADS) attn_prefill_mma_d32(
-    const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
-    const u32* __restrict__ table, int max_blocks, int pos0, int t, const bf16* __restrict__ gate,
-    bf16* __restrict__ out, float* __restrict__ part_o, float* __restrict__ part_ml, int hq, int hkv, int bs,
-    u32 num_blocks, int splits, int span, float scale_log2) {
+extern "C" __global__ void __launch_bounds__(AP_THREADS) attn_prefill_mma_d32(AP_ARGS) {
     pdl_prologue();
-    extern __shared__ __align__(16) unsigned char ap_smem[];
-    __shared__ int kok[64];
-    if (blockDim.x != AP_THREADS) return;
-    attn_prefill_impl<32, 64>(q, k_pool, v_pool, table, max_blocks, pos0, t, gate, out, part_o, part_ml, hq, hkv,
-                              bs, num_blocks, splits, span, scale_log2, ap_smem, kok);
+    AP_BODY(32, 64);
 }

@@ -13,63 +13,6 @@
 #define GEMV_ROWS 4
 #define GEMV_THREADS 256
 
-template <typename OUT>
-__device__ __forceinline__ void put(OUT* y, size_t i, float v);
-template <>
-__device__ __forceinline__ void put<bf16>(bf16* y, size_t i, float v) { y[i] = f2bf(v); }
-template <>
-__device__ __forceinline__ void put<float>(float* y, size_t i, float v) { y[i] = v; }
-
-// Sums a slot's partial dot products and stores rows row0 .. row0 + nrows of Y (R rows by M columns of
-// acc; only the first rps rows are live). Shuffles over the lanes of one slot (offsets below tpr), then,
-// for a slot wider than a warp, through shared memory `red` ([8][R][M]): one thread per (row, column) of
-// the slot's first warp sums the warps' values, so the cross-warp step costs 8 shared loads whatever M
-// is (not R·M·8 in one thread).
-template <int R, int M, typename OUT>
-__device__ __forceinline__ void gemv_slot_sum(float (&acc)[R][M], float (*red)[R][M], OUT* __restrict__ Y,
-                                              int n, long long row0, int nrows, int rps, int tpr_log2, int p) {
-    const int tpr = 1 << tpr_log2;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        if (r >= rps) continue;  // uniform over the block
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float v = acc[r][m];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1)
-                if (o < tpr) v += __shfl_xor_sync(0xffffffffu, v, o);
-            acc[r][m] = v;
-        }
-    }
-    if (tpr <= 32) {
-        if (p == 0) {
-#pragma unroll
-            for (int r = 0; r < R; ++r)
-                if (r < nrows)
-#pragma unroll
-                    for (int m = 0; m < M; ++m) put<OUT>(Y, (size_t)m * n + row0 + r, acc[r][m]);
-        }
-        return;
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0)
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-            if (r < rps)
-#pragma unroll
-                for (int m = 0; m < M; ++m) red[warp][r][m] = acc[r][m];
-    __syncthreads();
-    // p < rps · M ≤ 32: a thread of the slot's first warp (its warp index is the slot's first).
-    if (p < rps * M) {
-        const int r = p / M, m = p - r * M, nw = tpr >> 5;
-        float v = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            if (i < nw) v += red[warp + i][r][m];
-        if (r < nrows) put<OUT>(Y, (size_t)m * n + row0 + r, v);
-    }
-}
-
 template <int M, typename OUT>
 __device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
                                           OUT* __restrict__ Y, int n, int k, int rps, int tpr_log2, int block) {
@@ -173,7 +116,7 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ W, const b
 #pragma unroll
         for (int w = 0; w < 8; ++w) v += red[w][ln][ci];
         const long long row = tile0 + r;
-        if (row < n && j < m) put<OUT>(Y, (size_t)j * n + row, v);
+        if (row < n && j < m) store_out<OUT>(Y, (size_t)j * n + row, v);
     }
 }
 

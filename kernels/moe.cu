@@ -201,13 +201,6 @@ template <> struct MoeFmt<6> {
     }
 };
 
-template <typename OUT>
-__device__ __forceinline__ void moe_put(OUT* y, size_t i, float v);
-template <>
-__device__ __forceinline__ void moe_put<bf16>(bf16* y, size_t i, float v) { y[i] = f2bf(v); }
-template <>
-__device__ __forceinline__ void moe_put<float>(float* y, size_t i, float v) { y[i] = v; }
-
 // One pass over up to M pairs (pp[0 .. mc), mc ≤ M; slots past mc repeat pair 0 and are not stored) of
 // the lane group's RPG rows row0, row0 + rstep, ... (rows ≥ n re-read row n - 1, not stored).
 template <int BITS, int RPG, int D, int M, typename OUT>
@@ -339,7 +332,7 @@ __device__ __forceinline__ void moe_pass(const u32* __restrict__ W, const float*
 #pragma unroll
                 for (int r = 0; r < RPG; ++r) {
                     const int row = row0 + r * rstep;
-                    if (row < n) moe_put<OUT>(Y, (size_t)p[m] * n + row, acc[r][m]);
+                    if (row < n) store_out<OUT>(Y, (size_t)p[m] * n + row, acc[r][m]);
                 }
     }
 }
@@ -534,7 +527,7 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
     for (int c = 0; c < 4; ++c) {
         const int m = 2 * q + (c & 1);
         const int row = rb + g + (c >> 1) * 8;
-        if (m < cnt && row < n) moe_put<OUT>(Y, (size_t)perm[start + m] * n + row, acc[c]);
+        if (m < cnt && row < n) store_out<OUT>(Y, (size_t)perm[start + m] * n + row, acc[c]);
     }
 }
 

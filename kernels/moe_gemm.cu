@@ -202,13 +202,6 @@ template <> struct MgFmt<16> {
     static constexpr int PIECES = 8, SROW = 144, STAGES = 3;
 };
 
-template <typename OUT>
-__device__ __forceinline__ void mg_put(OUT* y, size_t i, float v);
-template <>
-__device__ __forceinline__ void mg_put<bf16>(bf16* y, size_t i, float v) { y[i] = f2bf(v); }
-template <>
-__device__ __forceinline__ void mg_put<float>(float* y, size_t i, float v) { y[i] = v; }
-
 // Grid (ceil(n / 128), max_tiles); 256 threads (8 warps of 16 weight rows); dynamic shared memory
 // STAGES·(128·SROW + 64·144 + (packed ? 512·spc : 0)) bytes. Tile t = (expert x, start, count): for each of
 // its pairs p = perm[start + m], Y[p, :] = W_x · X[p / x_div, :], W_x [n, k] at w_ptrs[x] (bf16 values,
@@ -348,8 +341,8 @@ __device__ __forceinline__ void moe_gemm_impl(const unsigned long long* __restri
                 const int m = 8 * j + 2 * t + e2;
                 if (m < (int)cnt) {
                     const size_t yrow = (size_t)s_pair[m] * n;
-                    if (r_a < n) mg_put<OUT>(Y, yrow + r_a, tot[j][e2]);
-                    if (r_b < n) mg_put<OUT>(Y, yrow + r_b, tot[j][2 + e2]);
+                    if (r_a < n) store_out<OUT>(Y, yrow + r_a, tot[j][e2]);
+                    if (r_b < n) store_out<OUT>(Y, yrow + r_b, tot[j][2 + e2]);
                 }
             }
         }

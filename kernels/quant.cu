@@ -43,13 +43,6 @@ __device__ __forceinline__ void decode8(const u32 w[Unit<BITS>::WORDS], int c, f
     }
 }
 
-template <typename OUT>
-__device__ __forceinline__ void qput(OUT* y, size_t i, float v);
-template <>
-__device__ __forceinline__ void qput<bf16>(bf16* y, size_t i, float v) { y[i] = f2bf(v); }
-template <>
-__device__ __forceinline__ void qput<float>(float* y, size_t i, float v) { y[i] = v; }
-
 // Loads unit u of each of a slot's first `nrows` rows: its words and the scale of each 8-value chunk (the
 // chunk index is clamped to k - 1 so the INT6 tail past k reads a valid scale; that chunk is skipped), or
 // with UNIT_SCALE (group % 32 == 0: a unit lies inside one group) the unit's one scale in sc[r][0].
@@ -193,47 +186,7 @@ __device__ __noinline__ void gemv_q_body(const u32* __restrict__ W, const float*
             unit_dot<BITS, M, false>(w, sc, X, k, u, acc);
         }
     }
-    // Sum over the slot: shuffles over the lanes of one slot (offsets below tpr), then across warps, one
-    // thread per (row, column) of the slot's first warp (8 shared loads each, not QROWS·M·8 in one thread).
-#pragma unroll
-    for (int r = 0; r < QROWS; ++r) {
-        if (r >= rps) continue;  // uniform over the block: rows a slot never owns
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float v = acc[r][m];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1)
-                if (o < tpr) v += __shfl_xor_sync(0xffffffffu, v, o);
-            acc[r][m] = v;
-        }
-    }
-    if (tpr <= 32) {
-        if (p == 0) {
-#pragma unroll
-            for (int r = 0; r < QROWS; ++r)
-                if (r < nrows)
-#pragma unroll
-                    for (int m = 0; m < M; ++m) qput<OUT>(Y, (size_t)m * n + row0 + r, acc[r][m]);
-        }
-        return;
-    }
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (lane == 0)
-#pragma unroll
-        for (int r = 0; r < QROWS; ++r)
-            if (r < rps)
-#pragma unroll
-                for (int m = 0; m < M; ++m) red[warp][r][m] = acc[r][m];
-    __syncthreads();
-    // p < rps · M ≤ 16: a thread of the slot's first warp (its warp index is the slot's first).
-    if (p < rps * M) {
-        const int r = p / M, m = p - r * M, nw = tpr >> 5;
-        float v = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-            if (i < nw) v += red[warp + i][r][m];
-        if (r < nrows) qput<OUT>(Y, (size_t)m * n + row0 + r, v);
-    }
+    gemv_slot_sum<QROWS, M, OUT>(acc, red, Y, n, row0, nrows, rps, tpr_log2, p);
 }
 
 template <int BITS, int M, typename OUT>
@@ -422,7 +375,7 @@ __device__ __forceinline__ void gemv_tc_body(const u32* __restrict__ W, const fl
         const long long row = tile0 + r;
         if (row < n && j < m) {
             if (PER_ROW) v *= __ldg(S + row);
-            qput<OUT>(Y, (size_t)j * n + row, v);
+            store_out<OUT>(Y, (size_t)j * n + row, v);
         }
     }
 }

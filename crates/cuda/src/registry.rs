@@ -63,13 +63,14 @@ pub const PDL_PROLOGUES: [&str; 2] = ["pdl_prologue();", "pdl_prologue_prefetch(
 /// may be launched before the kernel ahead of them on the stream has finished (their first statement
 /// waits for it), so only they get the launch attribute.
 pub fn opens_with_pdl_prologue(src: &Source, name: &str) -> bool {
-    let Some(at) = src.text.lines().position(|l| {
+    // The declaring line's byte offset (lines are slices of the text), then the body after its `{`.
+    let Some(line) = src.text.lines().find(|l| {
         l.trim_start().starts_with("extern \"C\" __global__")
             && entry_point_of_line(l) == Some(name)
     }) else {
         return false;
     };
-    let rest: String = src.text.lines().skip(at).collect::<Vec<_>>().join("\n");
+    let rest = &src.text[line.as_ptr() as usize - src.text.as_ptr() as usize..];
     let Some(open) = rest.find('{') else {
         return false;
     };

@@ -96,18 +96,31 @@ impl StepPlan {
     }
 }
 
-/// Logits of the requested rows, in chunk order, `width` wide each; or, when the executor sampled the
-/// step itself, no logits and one sampled token (or the reason it failed) per row in `sampled`.
+/// What a step returns for its requested logit rows (numbered in chunk order): per row, either the token
+/// the executor sampled itself (`sampled[i]` is `Some`) or its logits on the host (`width` wide, rows
+/// listed in `host`, ascending, stored in that order in `rows`). A step whose rows all carry their
+/// [`ChunkSampling`] returns no logits at all; one whose rows carry none returns them all.
 #[derive(Debug, Clone, Default)]
 pub struct StepLogits {
     pub width: usize,
     pub rows: Vec<f32>,
-    pub sampled: Option<Vec<Result<Sampled, String>>>,
+    /// The logit rows whose logits are in `rows`.
+    pub host: Vec<usize>,
+    /// One entry per logit row when the executor sampled any (empty otherwise): the token it drew
+    /// (or why it failed), `None` for a row returned as logits.
+    pub sampled: Vec<Option<Result<Sampled, String>>>,
 }
 
 impl StepLogits {
-    pub fn row(&self, i: usize) -> &[f32] {
-        &self.rows[i * self.width..(i + 1) * self.width]
+    /// The host logits of logit row `i`; `None` when the executor sampled that row itself.
+    pub fn row(&self, i: usize) -> Option<&[f32]> {
+        let j = self.host.binary_search(&i).ok()?;
+        Some(&self.rows[j * self.width..(j + 1) * self.width])
+    }
+
+    /// Steals the token the executor sampled for logit row `i`, if it did.
+    pub fn take_sampled(&mut self, i: usize) -> Option<Result<Sampled, String>> {
+        self.sampled.get_mut(i).and_then(Option::take)
     }
 }
 
@@ -289,9 +302,10 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     }
 }
 
-/// The rows' sampling when the whole step can be sampled by the backend: every row is the last of its
-/// chunk and carries its [`ChunkSampling`], all over one vocabulary.
-fn device_rows(plan: &StepPlan) -> Option<(usize, Vec<RowSampling<'_>>)> {
+/// Each logit row's sampling when the backend can draw it: the row is the last of its chunk and
+/// carries its [`ChunkSampling`] over the vocabulary of the step's first such row. `None` for a row
+/// whose logits go to the host; with that vocabulary.
+fn device_rows(plan: &StepPlan) -> (usize, Vec<Option<RowSampling<'_>>>) {
     let mut vocab = None;
     let mut rows = Vec::new();
     for c in &plan.chunks {
@@ -299,39 +313,66 @@ fn device_rows(plan: &StepPlan) -> Option<(usize, Vec<RowSampling<'_>>)> {
             (LogitRows::None, _) => {}
             (LogitRows::Last, Some(s)) if vocab.is_none_or(|v| v == s.valid_vocab) => {
                 vocab = Some(s.valid_vocab);
-                rows.push(s.row());
+                rows.push(Some(s.row()));
             }
-            _ => return None,
+            (LogitRows::Last, _) => rows.push(None),
+            (LogitRows::All, _) => rows.extend((0..c.tokens.len()).map(|_| None)),
         }
     }
-    vocab.map(|v| (v, rows))
+    (vocab.unwrap_or(0), rows)
 }
 
-/// The step's logits on the host, or its sampled tokens when `device` and [`device_rows`] allow.
+/// The step's result from its logits: with `device`, the rows [`device_rows`] allows are sampled by the
+/// backend and only the others' logits are copied to the host.
 fn finish_step<B: Backend>(
     m: &Model<B>,
     plan: &StepPlan,
     logits: B::Tensor,
     device: bool,
 ) -> StepLogits {
-    if let Some((vocab, rows)) = device.then(|| device_rows(plan)).flatten() {
-        let sampled = m.backend.sample(logits, vocab, &rows);
+    let (vocab, rows) = if device {
+        device_rows(plan)
+    } else {
+        (0, Vec::new())
+    };
+    let on_device: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_some()).collect();
+    let host: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_none()).collect();
+    if on_device.is_empty() {
+        let (n, width, data) = m.backend.to_host(logits);
         return StepLogits {
-            sampled: Some(
-                sampled
-                    .into_iter()
-                    .map(|r| r.map_err(|e| e.to_string()))
-                    .collect(),
-            ),
-            ..StepLogits::default()
+            width,
+            rows: data,
+            host: (0..n).collect(),
+            sampled: Vec::new(),
         };
     }
-    let (_, width, rows) = m.backend.to_host(logits);
-    StepLogits {
-        width,
-        rows,
-        sampled: None,
-    }
+    let (mut out, logits) = if host.is_empty() {
+        (StepLogits::default(), logits)
+    } else {
+        let (_, width, data) = m.backend.to_host(m.backend.rows(&logits, &host));
+        let picked = m.backend.rows(&logits, &on_device);
+        (
+            StepLogits {
+                width,
+                rows: data,
+                host,
+                sampled: Vec::new(),
+            },
+            picked,
+        )
+    };
+    let params: Vec<RowSampling<'_>> = rows.iter().flatten().copied().collect();
+    let mut drawn = m.backend.sample(logits, vocab, &params).into_iter();
+    out.sampled = rows
+        .iter()
+        .map(|r| {
+            r.as_ref().map(|_| match drawn.next() {
+                Some(s) => s.map_err(|e| e.to_string()),
+                None => Err("the backend drew no token for this row".to_string()),
+            })
+        })
+        .collect();
+    out
 }
 
 fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan, device: bool) -> Result<StepLogits, String> {

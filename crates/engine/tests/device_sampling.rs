@@ -1,6 +1,8 @@
 //! Sampling through the backend's op (`Backend::sample`, here the CPU backend's host implementation of
 //! it) gives the tokens host sampling gives: the engine reserves each draw's uniform when it plans the
-//! step, so seeded requests draw the same tokens whichever side samples them.
+//! step, so seeded requests draw the same tokens whichever side samples them. A step mixing rows the op
+//! can draw with rows it cannot (top-N logprobs) samples the former through the op and returns only the
+//! latter's logits.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -38,10 +40,12 @@ fn config() -> EngineConfig {
     }
 }
 
-/// The model executor, counting the steps it sampled itself.
+/// The model executor, counting the steps in which it sampled rows itself, and of those the steps that
+/// also returned logits.
 struct Probe {
     inner: ModelExecutor<CpuBackend>,
     sampled_steps: Arc<AtomicUsize>,
+    mixed_steps: Arc<AtomicUsize>,
 }
 
 impl Executor for Probe {
@@ -71,14 +75,19 @@ impl Executor for Probe {
     }
     fn wait(&mut self) -> (StepPlan, Result<StepLogits, String>) {
         let (plan, out) = self.inner.wait();
-        if matches!(&out, Ok(o) if o.sampled.is_some()) {
-            self.sampled_steps.fetch_add(1, Ordering::Relaxed);
+        if let Ok(o) = &out {
+            if o.sampled.iter().any(Option::is_some) {
+                self.sampled_steps.fetch_add(1, Ordering::Relaxed);
+                if !o.host.is_empty() {
+                    self.mixed_steps.fetch_add(1, Ordering::Relaxed);
+                }
+            }
         }
         (plan, out)
     }
 }
 
-fn executor(device: bool) -> (Probe, Arc<AtomicUsize>) {
+fn executor(device: bool) -> (Probe, [Arc<AtomicUsize>; 2]) {
     let mut inner = ModelExecutor::new(
         Model::load(
             builtin::config(),
@@ -88,13 +97,14 @@ fn executor(device: bool) -> (Probe, Arc<AtomicUsize>) {
         .unwrap(),
     );
     inner.set_device_sampling(device);
-    let n = Arc::new(AtomicUsize::new(0));
+    let counts = [Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0))];
     (
         Probe {
             inner,
-            sampled_steps: n.clone(),
+            sampled_steps: counts[0].clone(),
+            mixed_steps: counts[1].clone(),
         },
-        n,
+        counts,
     )
 }
 
@@ -164,6 +174,12 @@ fn cases() -> Vec<(SamplingParams, StopParams)> {
             repetition_penalty: 1.2,
             ..SamplingParams::greedy()
         },
+        // Top-N logprobs: sampled on the host, beside the rows the op draws.
+        SamplingParams {
+            temperature: 0.9,
+            logprobs: Some(3),
+            ..seeded(11)
+        },
     ];
     let mut out: Vec<_> = sampling.into_iter().map(|s| (s, free.clone())).collect();
     // End tokens are masked until min_tokens (they may end the request afterwards).
@@ -182,9 +198,10 @@ fn cases() -> Vec<(SamplingParams, StopParams)> {
 /// A request's token ids and their logprobs.
 type Generated = (Vec<u32>, Vec<f32>);
 
-/// What every case generated, run concurrently on one engine, and the steps the executor sampled.
-fn run(device: bool) -> (Vec<Generated>, usize) {
-    let (exec, sampled_steps) = executor(device);
+/// What every case generated, run concurrently on one engine, and the steps in which the executor
+/// sampled rows (of them, the steps that also returned logits).
+fn run(device: bool) -> (Vec<Generated>, usize, usize) {
+    let (exec, [sampled_steps, mixed_steps]) = executor(device);
     let h = start(exec, Some(tokenizer().clone()), config()).unwrap();
     let streams: Vec<_> = cases()
         .into_iter()
@@ -220,15 +237,23 @@ fn run(device: bool) -> (Vec<Generated>, usize) {
             (ids, lps)
         })
         .collect();
-    (outs, sampled_steps.load(Ordering::Relaxed))
+    (
+        outs,
+        sampled_steps.load(Ordering::Relaxed),
+        mixed_steps.load(Ordering::Relaxed),
+    )
 }
 
 #[test]
 fn the_backend_op_samples_the_tokens_host_sampling_does() {
-    let (host, host_steps) = run(false);
-    let (device, device_steps) = run(true);
+    let (host, host_steps, _) = run(false);
+    let (device, device_steps, mixed_steps) = run(true);
     assert_eq!(host_steps, 0);
     assert!(device_steps > 10, "{device_steps} steps sampled by the op");
+    assert!(
+        mixed_steps > 10,
+        "{mixed_steps} steps sampled rows by the op and returned the top-N row's logits"
+    );
     for (i, (h, d)) in host.iter().zip(&device).enumerate() {
         assert!(!h.0.is_empty(), "case {i} produced nothing");
         assert_eq!(h.0, d.0, "case {i}: token ids");

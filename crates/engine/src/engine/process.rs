@@ -62,8 +62,9 @@ impl<E: Executor> Engine<E> {
                 for r in 0..rows {
                     let target = c.pos0 + r + 1;
                     if target < seq.prompt_len() {
-                        let lp =
-                            RowLogprobs::new(out.row(first_row + r), self.cfg.valid_vocab).ok();
+                        let lp = out
+                            .row(first_row + r)
+                            .and_then(|row| RowLogprobs::new(row, self.cfg.valid_vocab).ok());
                         let id = seq.tokens[target];
                         seq.prompt_logprobs.push(lp.map(|lp| TokenLogprob {
                             id,
@@ -95,36 +96,33 @@ impl<E: Executor> Engine<E> {
             }
             to_sample[i] = Some(first_row + rows - 1);
         }
-        if let Some(sampled) = out.sampled.take() {
-            // The executor sampled every row already (with the uniforms reserved when it was planned).
-            let mut sampled: Vec<Option<_>> = sampled.into_iter().map(Some).collect();
-            for (i, r) in to_sample.iter().enumerate() {
-                let Some(r) = *r else { continue };
-                let s = sampled
-                    .get_mut(r)
-                    .and_then(Option::take)
-                    .unwrap_or_else(|| Err("the step returned no token for this sequence".into()))
-                    .map(|s| Sampled {
-                        id: s.id,
-                        logprob: s.logprob,
-                        top_logprobs: Vec::new(),
-                    });
-                self.running[i].sampler.discard_reserved();
-                if let Some(end) = self.accept_sampled(i, s) {
-                    done.push(end);
-                }
+        // The rows the executor sampled itself (with the uniforms reserved when the step was planned).
+        for (i, r) in to_sample.iter_mut().enumerate() {
+            let Some(s) = r.and_then(|r| out.take_sampled(r)) else {
+                continue;
+            };
+            *r = None;
+            let s = s.map(|s| Sampled {
+                id: s.id,
+                logprob: s.logprob,
+                top_logprobs: Vec::new(),
+            });
+            self.running[i].sampler.discard_reserved();
+            if let Some(end) = self.accept_sampled(i, s) {
+                done.push(end);
             }
-            self.finish_done(done);
-            return;
         }
         // Sample every sequence that completed its pending tokens, in parallel (a row is the full vocabulary).
         let (sampler, eos) = (&self.sampler, &self.cfg.eos_ids);
-        let width = out.width;
+        let (width, host) = (out.width, &out.host);
         let mut rows: Vec<Option<&mut [f32]>> =
             out.rows.chunks_mut(width.max(1)).map(Some).collect();
         let mut mine: Vec<Option<&mut [f32]>> = to_sample
             .iter()
-            .map(|r| r.and_then(|r| rows[r].take()))
+            .map(|r| {
+                let j = host.binary_search(&(*r)?).ok()?;
+                rows[j].take()
+            })
             .collect();
         let sampled: Vec<Option<Result<Sampled, String>>> = self
             .running

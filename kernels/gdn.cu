@@ -1,70 +1,37 @@
-// Gated delta rule, recurrent decode step (one token per sequence), state f32.
-// As transformers with use_qk_l2norm_in_kernel: q and k are l2-normalised (eps 1e-6) per head, q is
-// scaled by dk^-0.5; value head h reads key head h / (hv / hk). Gates from the projections:
+// The decode step of a gated-delta-net layer (one token per sequence) in one launch: causal conv1d +
+// SiLU of the token's projection row against the conv state ring, the gated delta rule with f32 state,
+// and the gated RMSNorm of the output, all in f32 inside the block.
+//
+// Conv (as conv.cu): w [c, K], w[ch, K−1] multiplies the current token; out = silu(Σ_j w[ch, j] ·
+// x_{p−K+1+j}[ch]) summed in order of j. The conv state of a slot is a ring [K, c] indexed by absolute
+// position: input x_q lives at entry q mod K, so the token at position p reads entries (p + 1 + j) mod K
+// (j < K − 1, positions p − K + 1 + j) and writes entry p mod K, which held x_{p−K} that nobody reads
+// this step. Any number of blocks may read a channel while one of them writes it.
+// Delta rule, as transformers with use_qk_l2norm_in_kernel: q and k are l2-normalised (eps 1e-6) per
+// head, q is scaled by dk^-0.5; value head h reads key head h / (hv / hk). Gates from the projections:
 // g = −exp(A_log[h]) · softplus(a + dt_bias[h]), β = sigmoid(b). Per head, with S [dk, dv]:
 // S ← S·exp(g); δ = β(v − Sᵀk); S ← S + k⊗δ; o = Sᵀq.
+// Norm: y = w · (o · rsqrt(mean(o²) + eps)) · silu(z) over the dv values of the head (plain weight),
+// rounded once to bf16.
 #include "common.cuh"
 
 #define GDN_MAX_DK 256
-// The decode step: threads per block, value columns per block (8 lanes × 4 columns per state row),
-// row groups per block (each owns rows rg, rg + 16, … of S).
-#define GDN_STEP_THREADS 128
-#define GDN_STEP_COLS 32
-#define GDN_STEP_RG 16
+// The head's conv outputs and o are kept in shared memory (the norm needs all of o).
+#define GDN_MAX_DV 512
+// Value columns of one pass over the state: 32 lanes × 4 columns.
+#define GDN_TILE 128
 
-// One decode step of one (sequence, value head, 32 value columns): the block's slice of S [dk, 32]
-// stays in registers (thread: 4 columns of NR rows, row group rg = warp·4 + lane / 8 owning rows
-// rg + 16·n), read once and written once. One pass gives both column reductions, since with
-// S' = S·decay + k⊗δ the output is o = S'ᵀq = decay·Sᵀq + δ·(k·q):
-// mem = Sᵀk, sq = Sᵀq (per thread, then across the 4 row groups of a warp by shuffles and across
-// the warps through shared memory), δ = β(v − decay·mem), o = decay·sq + δ·(k·q), S' stored.
-template <int NR>
-__device__ __forceinline__ void gdn_step_impl(const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                              const bf16* __restrict__ v, long long qkv_stride,
-                                              const bf16* __restrict__ a, const bf16* __restrict__ b_gate,
-                                              long long ab_stride, const float* __restrict__ A_log,
-                                              const float* __restrict__ dt_bias, float* __restrict__ state_pool,
-                                              const u32* __restrict__ slots, bf16* __restrict__ out, int hk, int hv,
-                                              int dk, int dv, float q_scale, u32 num_slots) {
-    __shared__ float qs[GDN_MAX_DK], ks[GDN_MAX_DK];
-    __shared__ __align__(16) float part[2][GDN_STEP_THREADS / 32][GDN_STEP_COLS];
-    __shared__ float sums[3][GDN_STEP_THREADS / 32];
-    const int h = blockIdx.x, b = blockIdx.z;
+// Loads this thread's part of the state tile starting at value column c0: 4 columns (c0 + 4·lane …)
+// of rows warp + WARPS·n, n < NR; zeros outside [dk, dv).
+template <int WARPS, int NR>
+__device__ __forceinline__ void gdn_load_tile(float4 (&st)[NR], const float* __restrict__ S, int c0, int dk,
+                                              int dv) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int rg = warp * 4 + (lane >> 3);
-    const int c0 = 4 * (lane & 7);                    // first of this thread's columns inside the tile
-    const int j0 = blockIdx.y * GDN_STEP_COLS + c0;  // … and in the head
-    const bool vec = (dv & 3) == 0;                   // rows of S are 16-byte aligned
-    const int kh = h / (hv / hk);
-
-    // Everything that does not depend on the slot is requested first.
-    const bf16* qr = q + b * qkv_stride + (size_t)kh * dk;
-    const bf16* kr = k + b * qkv_stride + (size_t)kh * dk;
-    float qv[GDN_MAX_DK / GDN_STEP_THREADS], kv[GDN_MAX_DK / GDN_STEP_THREADS];
-#pragma unroll
-    for (int u = 0; u < GDN_MAX_DK / GDN_STEP_THREADS; ++u) {
-        const int i = threadIdx.x + u * GDN_STEP_THREADS;
-        qv[u] = i < dk ? bf2f(qr[i]) : 0.0f;
-        kv[u] = i < dk ? bf2f(kr[i]) : 0.0f;
-    }
-    float vj[4];
-#pragma unroll
-    for (int c = 0; c < 4; ++c) vj[c] = j0 + c < dv ? bf2f(v[b * qkv_stride + (size_t)h * dv + j0 + c]) : 0.0f;
-    const float araw = bf2f(a[b * ab_stride + h]), braw = bf2f(b_gate[b * ab_stride + h]);
-    const float alog = A_log[h], bias = dt_bias[h];
-    const u32 slot = slots[b];
-    if (slot >= num_slots) {  // a bad slot id: zeros, no state touched
-        if (rg == 0)
-#pragma unroll
-            for (int c = 0; c < 4; ++c)
-                if (j0 + c < dv) out[((size_t)b * hv + h) * dv + j0 + c] = f2bf(0.0f);
-        return;
-    }
-    float* S = state_pool + ((size_t)slot * hv + h) * (size_t)dk * dv;
-    float4 st[NR];
+    const int j0 = c0 + 4 * lane;
+    const bool vec = (dv & 3) == 0;  // rows of S are 16-byte aligned
 #pragma unroll
     for (int n = 0; n < NR; ++n) {
-        const int i = rg + GDN_STEP_RG * n;
+        const int i = warp + WARPS * n;
         st[n] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (i < dk && j0 < dv) {
             const float* src = S + (size_t)i * dv + j0;
@@ -78,19 +45,97 @@ __device__ __forceinline__ void gdn_step_impl(const bf16* __restrict__ q, const 
             }
         }
     }
+}
 
-    // q, k into shared memory with Σq², Σk², Σq·k over the block.
-    float sq = 0.0f, sk = 0.0f, sqk = 0.0f;
+// Stores what gdn_load_tile loaded (same columns and rows, nothing outside [dk, dv)).
+template <int WARPS, int NR>
+__device__ __forceinline__ void gdn_store_tile(const float4 (&st)[NR], float* __restrict__ S, int c0, int dk,
+                                               int dv) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int j0 = c0 + 4 * lane;
+    const bool vec = (dv & 3) == 0;
 #pragma unroll
-    for (int u = 0; u < GDN_MAX_DK / GDN_STEP_THREADS; ++u) {
-        const int i = threadIdx.x + u * GDN_STEP_THREADS;
-        if (i < dk) {
-            qs[i] = qv[u];
-            ks[i] = kv[u];
+    for (int n = 0; n < NR; ++n) {
+        const int i = warp + WARPS * n;
+        if (i >= dk || j0 >= dv) break;
+        float* dst = S + (size_t)i * dv + j0;
+        if (vec) {
+            *reinterpret_cast<float4*>(dst) = st[n];
+        } else {
+            dst[0] = st[n].x;
+            if (j0 + 1 < dv) dst[1] = st[n].y;
+            if (j0 + 2 < dv) dst[2] = st[n].z;
+            if (j0 + 3 < dv) dst[3] = st[n].w;
         }
-        sq += qv[u] * qv[u];
-        sk += kv[u] * kv[u];
-        sqk += qv[u] * kv[u];
+    }
+}
+
+// Causal conv + SiLU of channel ch for the token at position pos: the K − 1 preceding inputs from the
+// ring (entry (pos + 1 + j) mod K holds position pos − K + 1 + j), then the token's own input x.
+__device__ __forceinline__ float gdn_conv_channel(const bf16* __restrict__ ring, const bf16* __restrict__ w,
+                                                  float x, u32 pos, int ch, int c, int K) {
+    float acc = 0.0f;
+    for (int j = 0; j < K - 1; ++j)
+        acc += bf2f(w[(size_t)ch * K + j]) * bf2f(ring[(size_t)((pos + 1u + (u32)j) % (u32)K) * c + ch]);
+    acc += bf2f(w[(size_t)ch * K + K - 1]) * x;
+    return silu_f(acc);
+}
+
+// One block per (value head h = blockIdx.x, sequence b = blockIdx.y), WARPS warps. Thread (warp, lane)
+// keeps state rows warp + WARPS·n (n < NR, so dk ≤ WARPS·NR) of the value columns c0 + 4·lane … + 3 of
+// the current tile in registers, read once and written once. One pass gives both column reductions,
+// since with S' = S·decay + k⊗δ the output is o = S'ᵀq = decay·Sᵀq + δ·(k·q): mem = Sᵀk, sq = Sᵀq per
+// thread, then across the warps through shared memory, δ = β(v − decay·mem), o = decay·sq + δ·(k·q).
+template <int WARPS, int NR>
+__device__ __forceinline__ void gdn_decode_impl(
+    const bf16* __restrict__ qkv, const bf16* __restrict__ z, const bf16* __restrict__ a,
+    const bf16* __restrict__ b_gate, const bf16* __restrict__ conv_w, const float* __restrict__ A_log,
+    const float* __restrict__ dt_bias, const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool,
+    float* __restrict__ state_pool, const u32* __restrict__ slots, const u32* __restrict__ positions,
+    bf16* __restrict__ out, int hk, int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots) {
+    __shared__ float xs[2 * GDN_MAX_DK + GDN_MAX_DV];  // conv outputs q | k | v of this head
+    __shared__ float os[GDN_MAX_DV];                    // o of this head, before the norm
+    __shared__ __align__(16) float part[2][WARPS][GDN_TILE];
+    __shared__ float sums[3][WARPS];
+    __shared__ float scratch[32];
+    const int h = blockIdx.x, b = blockIdx.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int ratio = hv / hk, kh = h / ratio;
+    const int c = 2 * hk * dk + hv * dv;
+    bf16* orow = out + ((size_t)b * hv + h) * dv;
+    const u32 slot = slots[b];
+    if (slot >= num_slots) {  // a bad slot id: zeros, no state touched
+        for (int j = threadIdx.x; j < dv; j += blockDim.x) orow[j] = f2bf(0.0f);
+        return;
+    }
+    const u32 pos = positions[b];
+    float* S = state_pool + ((size_t)slot * hv + h) * (size_t)dk * dv;
+    // The first state tile is requested before the conv, so its loads overlap the conv's.
+    float4 st[NR];
+    gdn_load_tile<WARPS, NR>(st, S, 0, dk, dv);
+
+    // Conv of this head's channels: local t < dk is q of key head kh, dk ≤ t < 2dk its k, then v of
+    // head h. The first value head of a key group stores the q/k inputs, every head its own v (with
+    // K = 1 no token reads the ring: nothing is stored).
+    bf16* ring = conv_pool + (size_t)slot * K * c;
+    const bf16* xrow = qkv + (size_t)b * c;
+    const bool store_qk = K > 1 && h % ratio == 0, store_v = K > 1;
+    const size_t wr = (size_t)(pos % (u32)K) * c;
+    for (int t = threadIdx.x; t < 2 * dk + dv; t += blockDim.x) {
+        const int ch = t < dk ? kh * dk + t : t < 2 * dk ? (hk + kh) * dk + (t - dk) : 2 * hk * dk + h * dv + (t - 2 * dk);
+        const bf16 x = xrow[ch];
+        xs[t] = gdn_conv_channel(ring, conv_w, bf2f(x), pos, ch, c, K);
+        if (t >= 2 * dk ? store_v : store_qk) ring[wr + ch] = x;
+    }
+    __syncthreads();
+
+    // Σq², Σk², Σq·k over the block.
+    float sq = 0.0f, sk = 0.0f, sqk = 0.0f;
+    for (int i = threadIdx.x; i < dk; i += blockDim.x) {
+        const float qv = xs[i], kv = xs[dk + i];
+        sq += qv * qv;
+        sk += kv * kv;
+        sqk += qv * kv;
     }
     sq = warp_sum(sq);
     sk = warp_sum(sk);
@@ -103,122 +148,126 @@ __device__ __forceinline__ void gdn_step_impl(const bf16* __restrict__ q, const 
     __syncthreads();
     sq = sk = sqk = 0.0f;
 #pragma unroll
-    for (int w = 0; w < GDN_STEP_THREADS / 32; ++w) {
+    for (int w = 0; w < WARPS; ++w) {
         sq += sums[0][w];
         sk += sums[1][w];
         sqk += sums[2][w];
     }
     const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
     const float kq = sqk * rk * rq * q_scale;  // k·q of the normalised, scaled vectors
-    const float g = -expf(alog) * softplus_f(araw + bias);
+    const size_t ab = (size_t)b * hv + h;
+    const float g = -expf(A_log[h]) * softplus_f(bf2f(a[ab]) + dt_bias[h]);
     const float decay = expf(g);
-    const float beta = sigmoid_f(braw);
+    const float beta = sigmoid_f(bf2f(b_gate[ab]));
 
-    // Partial Sᵀk and Sᵀq over this thread's rows.
-    float mem[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sqp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float kn[NR];
+    for (int c0 = 0;;) {
+        const int j0 = c0 + 4 * lane;
+        // Partial Sᵀk and Sᵀq over this thread's rows.
+        float mem[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sqp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int n = 0; n < NR; ++n) {
-        const int i = rg + GDN_STEP_RG * n;
-        if (i >= dk) break;
-        kn[n] = ks[i] * rk;
-        const float qn = (qs[i] * rq) * q_scale;
-        const float s[4] = {st[n].x, st[n].y, st[n].z, st[n].w};
+        for (int n = 0; n < NR; ++n) {
+            const int i = warp + WARPS * n;
+            if (i >= dk) break;
+            const float kn = xs[dk + i] * rk;
+            const float qn = (xs[i] * rq) * q_scale;
+            const float s[4] = {st[n].x, st[n].y, st[n].z, st[n].w};
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            mem[c] += s[c] * kn[n];
-            sqp[c] += s[c] * qn;
+            for (int e = 0; e < 4; ++e) {
+                mem[e] += s[e] * kn;
+                sqp[e] += s[e] * qn;
+            }
         }
-    }
+        *reinterpret_cast<float4*>(&part[0][warp][4 * lane]) = make_float4(mem[0], mem[1], mem[2], mem[3]);
+        *reinterpret_cast<float4*>(&part[1][warp][4 * lane]) = make_float4(sqp[0], sqp[1], sqp[2], sqp[3]);
+        __syncthreads();
+        float delta[4];
+        {
+            float4 m = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
+            for (int w = 0; w < WARPS; ++w) {
+                const float4 p = *reinterpret_cast<const float4*>(&part[0][w][4 * lane]);
+                m.x += p.x;
+                m.y += p.y;
+                m.z += p.z;
+                m.w += p.w;
+            }
+            const float mm[4] = {m.x, m.y, m.z, m.w};
 #pragma unroll
-        for (int o = 8; o < 32; o <<= 1) {
-            mem[c] += __shfl_xor_sync(0xffffffffu, mem[c], o);
-            sqp[c] += __shfl_xor_sync(0xffffffffu, sqp[c], o);
+            for (int e = 0; e < 4; ++e) {
+                const float v = j0 + e < dv ? xs[2 * dk + j0 + e] : 0.0f;
+                delta[e] = (v - decay * mm[e]) * beta;
+            }
         }
-    }
-    if (lane < 8) {
-        *reinterpret_cast<float4*>(&part[0][warp][c0]) = make_float4(mem[0], mem[1], mem[2], mem[3]);
-        *reinterpret_cast<float4*>(&part[1][warp][c0]) = make_float4(sqp[0], sqp[1], sqp[2], sqp[3]);
-    }
-    __syncthreads();
-    float delta[4];
-    {
-        float4 m = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (warp == 0) {
+            float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-        for (int w = 0; w < GDN_STEP_THREADS / 32; ++w) {
-            const float4 p = *reinterpret_cast<const float4*>(&part[0][w][c0]);
-            m.x += p.x;
-            m.y += p.y;
-            m.z += p.z;
-            m.w += p.w;
+            for (int w = 0; w < WARPS; ++w) {
+                const float4 p = *reinterpret_cast<const float4*>(&part[1][w][4 * lane]);
+                t.x += p.x;
+                t.y += p.y;
+                t.z += p.z;
+                t.w += p.w;
+            }
+            const float tt[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (j0 + e < dv) os[j0 + e] = decay * tt[e] + delta[e] * kq;
         }
-        const float mm[4] = {m.x, m.y, m.z, m.w};
+        // S ← S·decay + k⊗δ.
 #pragma unroll
-        for (int c = 0; c < 4; ++c) delta[c] = (vj[c] - decay * mm[c]) * beta;
-    }
-    if (rg == 0) {
-        float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int w = 0; w < GDN_STEP_THREADS / 32; ++w) {
-            const float4 p = *reinterpret_cast<const float4*>(&part[1][w][c0]);
-            t.x += p.x;
-            t.y += p.y;
-            t.z += p.z;
-            t.w += p.w;
+        for (int n = 0; n < NR; ++n) {
+            const int i = warp + WARPS * n;
+            if (i >= dk) break;
+            const float kn = xs[dk + i] * rk;
+            st[n].x = st[n].x * decay + kn * delta[0];
+            st[n].y = st[n].y * decay + kn * delta[1];
+            st[n].z = st[n].z * decay + kn * delta[2];
+            st[n].w = st[n].w * decay + kn * delta[3];
         }
-        const float tt[4] = {t.x, t.y, t.z, t.w};
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-            if (j0 + c < dv) out[((size_t)b * hv + h) * dv + j0 + c] = f2bf(decay * tt[c] + delta[c] * kq);
+        gdn_store_tile<WARPS, NR>(st, S, c0, dk, dv);
+        c0 += GDN_TILE;
+        if (c0 >= dv) break;
+        __syncthreads();  // every warp has read `part` before the next tile rewrites it
+        gdn_load_tile<WARPS, NR>(st, S, c0, dk, dv);
     }
+    __syncthreads();  // os complete
 
-    // S ← S·decay + k⊗δ.
-#pragma unroll
-    for (int n = 0; n < NR; ++n) {
-        const int i = rg + GDN_STEP_RG * n;
-        if (i >= dk || j0 >= dv) break;
-        float4 s = st[n];
-        s.x = s.x * decay + kn[n] * delta[0];
-        s.y = s.y * decay + kn[n] * delta[1];
-        s.z = s.z * decay + kn[n] * delta[2];
-        s.w = s.w * decay + kn[n] * delta[3];
-        float* dst = S + (size_t)i * dv + j0;
-        if (vec) {
-            *reinterpret_cast<float4*>(dst) = s;
-        } else {
-            dst[0] = s.x;
-            if (j0 + 1 < dv) dst[1] = s.y;
-            if (j0 + 2 < dv) dst[2] = s.z;
-            if (j0 + 3 < dv) dst[3] = s.w;
-        }
-    }
+    // The gated RMSNorm over the head's dv values.
+    float ss = 0.0f;
+    for (int j = threadIdx.x; j < dv; j += blockDim.x) ss += os[j] * os[j];
+    ss = block_sum(ss, scratch);
+    const float r = 1.0f / sqrtf(ss / (float)dv + eps);
+    const bf16* zr = z + ((size_t)b * hv + h) * dv;
+    for (int j = threadIdx.x; j < dv; j += blockDim.x)
+        orow[j] = f2bf((bf2f(norm_w[j]) * (os[j] * r)) * silu_f(bf2f(zr[j])));
 }
 
-// Grid (hv, ceil(dv / 32), B); block GDN_STEP_THREADS threads. Block (h, c, b) updates value columns
-// 32c .. 32c + 31 of head h of sequence b. q, k, v: token b's rows start at q + b·qkv_stride (same
-// stride for the three; q, k [hk·dk], v [hv·dv]); a, b_gate: [B, hv] at stride ab_stride; state_pool:
-// [num_slots, hv, dk, dv], sequence b in slot slots[b] (out of range: zeros, nothing touched); out:
-// [B, hv·dv]; q_scale = dk^-0.5 as the host rounds it. gdn_recurrent_step takes dk ≤ 128,
-// gdn_recurrent_step_dk256 dk ≤ 256 (more registers).
-extern "C" __global__ void __launch_bounds__(GDN_STEP_THREADS) gdn_recurrent_step(
-    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, long long qkv_stride,
-    const bf16* __restrict__ a, const bf16* __restrict__ b_gate, long long ab_stride, const float* __restrict__ A_log,
-    const float* __restrict__ dt_bias, float* __restrict__ state_pool, const u32* __restrict__ slots,
-    bf16* __restrict__ out, int hk, int hv, int dk, int dv, float q_scale, u32 num_slots) {
+// Grid (hv, B); block 32·WARPS threads (256 for gdn_decode_fused, 512 for gdn_decode_fused_dk256).
+// qkv: [B, c] the token's projection rows [q | k | v] (q, k [hk, dk], v [hv, dv], c = 2·hk·dk +
+// hv·dv); z: [B, hv·dv]; a, b_gate: [B, hv]; conv_w: [c, K]; A_log, dt_bias: [hv] f32; norm_w: [dv];
+// sequence b at position positions[b] in slot slots[b] of conv_pool [num_slots, K, c] (the ring) and
+// state_pool [num_slots, hv, dk, dv] (out of range: zero output, nothing touched); out: [B, hv·dv];
+// q_scale = dk^-0.5 as the host rounds it. dv ≤ GDN_MAX_DV, hk divides hv; gdn_decode_fused takes
+// dk ≤ 128, gdn_decode_fused_dk256 dk ≤ 256.
+extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused(
+    const bf16* __restrict__ qkv, const bf16* __restrict__ z, const bf16* __restrict__ a,
+    const bf16* __restrict__ b_gate, const bf16* __restrict__ conv_w, const float* __restrict__ A_log,
+    const float* __restrict__ dt_bias, const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool,
+    float* __restrict__ state_pool, const u32* __restrict__ slots, const u32* __restrict__ positions,
+    bf16* __restrict__ out, int hk, int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots) {
     pdl_prologue();
-    if (dk > GDN_STEP_RG * 8 || blockDim.x != GDN_STEP_THREADS) return;
-    gdn_step_impl<8>(q, k, v, qkv_stride, a, b_gate, ab_stride, A_log, dt_bias, state_pool, slots, out, hk, hv, dk,
-                     dv, q_scale, num_slots);
+    if (blockDim.x != 256 || dk > 128 || dv > GDN_MAX_DV || K < 1 || hk < 1 || hv % hk != 0) return;
+    gdn_decode_impl<8, 16>(qkv, z, a, b_gate, conv_w, A_log, dt_bias, norm_w, conv_pool, state_pool, slots,
+                           positions, out, hk, hv, dk, dv, K, q_scale, eps, num_slots);
 }
-extern "C" __global__ void __launch_bounds__(GDN_STEP_THREADS) gdn_recurrent_step_dk256(
-    const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, long long qkv_stride,
-    const bf16* __restrict__ a, const bf16* __restrict__ b_gate, long long ab_stride, const float* __restrict__ A_log,
-    const float* __restrict__ dt_bias, float* __restrict__ state_pool, const u32* __restrict__ slots,
-    bf16* __restrict__ out, int hk, int hv, int dk, int dv, float q_scale, u32 num_slots) {
+extern "C" __global__ void __launch_bounds__(512) gdn_decode_fused_dk256(
+    const bf16* __restrict__ qkv, const bf16* __restrict__ z, const bf16* __restrict__ a,
+    const bf16* __restrict__ b_gate, const bf16* __restrict__ conv_w, const float* __restrict__ A_log,
+    const float* __restrict__ dt_bias, const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool,
+    float* __restrict__ state_pool, const u32* __restrict__ slots, const u32* __restrict__ positions,
+    bf16* __restrict__ out, int hk, int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots) {
     pdl_prologue();
-    if (dk > GDN_STEP_RG * 16 || blockDim.x != GDN_STEP_THREADS) return;
-    gdn_step_impl<16>(q, k, v, qkv_stride, a, b_gate, ab_stride, A_log, dt_bias, state_pool, slots, out, hk, hv,
-                      dk, dv, q_scale, num_slots);
+    if (blockDim.x != 512 || dk > GDN_MAX_DK || dv > GDN_MAX_DV || K < 1 || hk < 1 || hv % hk != 0) return;
+    gdn_decode_impl<16, 16>(qkv, z, a, b_gate, conv_w, A_log, dt_bias, norm_w, conv_pool, state_pool, slots,
+                            positions, out, hk, hv, dk, dv, K, q_scale, eps, num_slots);
 }

@@ -11,108 +11,18 @@
 //               output times the sigmoid of its gate when given.
 // Pairs are numbered p = token·top_k + choice, as the router writes ids and weights.
 #include "packed.cuh"
+#include "moe_route.cuh"
 
-#define MOE_TILE 8
-
-// One block of blockDim threads (a multiple of 32, at most 1024). ids: [n_pairs] expert ids (< e;
-// others are dropped); perm: [n_pairs] pair numbers grouped by expert, experts in ascending order;
-// tiles: [max_tiles, 3] (expert, start in perm, count), expert after expert, the unused tail
-// (0, 0, 0). Dynamic shared memory: (2·e + 2) u32 (each expert's pair offset and tile offset, plus the
-// totals). Steps: count (shared atomics), one block-wide exclusive scan of the counts and of the tile
-// counts ceil(count / MOE_TILE) (each thread a run of consecutive experts), each tile slot finds its
-// expert by binary search over the tile offsets, and the pairs are scattered through per-expert
-// cursors (the order within an expert is unspecified).
+// One block of blockDim threads (a multiple of 32, at most 1024): moe_sort_block (moe_route.cuh) with
+// atomic scatter cursors. ids: [n_pairs] expert ids (< e; others are dropped); perm: [n_pairs] pair
+// numbers grouped by expert, experts in ascending order (the order within an expert unspecified); tiles:
+// [max_tiles, 3] (expert, start in perm, count), expert after expert, the unused tail (0, 0, 0). Dynamic
+// shared memory: (2·e + 2) u32.
 extern "C" __global__ void moe_sort(const u32* __restrict__ ids, int n_pairs, int e, u32* __restrict__ perm,
                                     u32* __restrict__ tiles, int max_tiles) {
     pdl_prologue();
     extern __shared__ u32 sh[];
-    u32* off = sh;          // [e + 1]: counts, then pair offsets, then scatter cursors
-    u32* toff = sh + e + 1; // [e + 1]: tile offsets
-    __shared__ u32 wsum[2][32];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
-    for (int i = tid; i <= e; i += blockDim.x) off[i] = 0;
-    __syncthreads();
-    for (int p = tid; p < n_pairs; p += blockDim.x) {
-        const u32 x = ids[p];
-        if (x < (u32)e) atomicAdd(&off[x], 1u);
-    }
-    __syncthreads();
-    // Thread tid owns experts [lo, hi): local sums, then an exclusive scan over the threads.
-    const int per = (e + blockDim.x - 1) / blockDim.x;
-    const int lo = min(e, tid * per), hi = min(e, lo + per);
-    u32 c_sum = 0, t_sum = 0;
-    for (int x = lo; x < hi; ++x) {
-        const u32 c = off[x];
-        c_sum += c;
-        t_sum += (c + MOE_TILE - 1) / MOE_TILE;
-    }
-    u32 c_inc = c_sum, t_inc = t_sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const u32 a = __shfl_up_sync(0xffffffffu, c_inc, o), b = __shfl_up_sync(0xffffffffu, t_inc, o);
-        if (lane >= o) {
-            c_inc += a;
-            t_inc += b;
-        }
-    }
-    if (lane == 31) {
-        wsum[0][warp] = c_inc;
-        wsum[1][warp] = t_inc;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        u32 a = lane < nwarps ? wsum[0][lane] : 0u, b = lane < nwarps ? wsum[1][lane] : 0u;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const u32 a2 = __shfl_up_sync(0xffffffffu, a, o), b2 = __shfl_up_sync(0xffffffffu, b, o);
-            if (lane >= o) {
-                a += a2;
-                b += b2;
-            }
-        }
-        wsum[0][lane] = a; // inclusive over warps
-        wsum[1][lane] = b;
-    }
-    __syncthreads();
-    u32 c_off = c_inc - c_sum + (warp > 0 ? wsum[0][warp - 1] : 0u);
-    u32 t_off = t_inc - t_sum + (warp > 0 ? wsum[1][warp - 1] : 0u);
-    for (int x = lo; x < hi; ++x) {
-        const u32 c = off[x];
-        off[x] = c_off;
-        toff[x] = t_off;
-        c_off += c;
-        t_off += (c + MOE_TILE - 1) / MOE_TILE;
-    }
-    if (tid == 0) {
-        off[e] = wsum[0][nwarps - 1];
-        toff[e] = wsum[1][nwarps - 1];
-    }
-    __syncthreads();
-    const int nt = (int)min(toff[e], (u32)max_tiles);
-    for (int t = tid; t < max_tiles; t += blockDim.x) {
-        u32 x = 0, st = 0, c = 0;
-        if (t < nt) {
-            // The expert x with toff[x] ≤ t < toff[x + 1] (the last x with toff[x] ≤ t; toff[0] = 0).
-            int a = 0, b = e;
-            while (a < b) {
-                const int mid = (a + b + 1) >> 1;
-                if (toff[mid] <= (u32)t) a = mid;
-                else b = mid - 1;
-            }
-            x = (u32)a;
-            const u32 s = ((u32)t - toff[a]) * MOE_TILE;
-            st = off[a] + s;
-            c = min((u32)MOE_TILE, off[a + 1] - off[a] - s);
-        }
-        tiles[3 * t] = x;
-        tiles[3 * t + 1] = st;
-        tiles[3 * t + 2] = c;
-    }
-    __syncthreads();
-    for (int p = tid; p < n_pairs; p += blockDim.x) {
-        const u32 x = ids[p];
-        if (x < (u32)e) perm[atomicAdd(&off[x], 1u)] = (u32)p;
-    }
+    moe_sort_block(ids, n_pairs, e, perm, tiles, max_tiles, sh, false);
 }
 
 // ---- The grouped GEMV (bf16 experts, and packed integer experts: INT4 / INT8 pack-quantized, INT6

@@ -3,7 +3,7 @@
 // expert a thread, a sort-and-merge top-16 by warp shuffles (router_topk_sort). Larger k up to 32·V
 // experts (V = 8, 16, 32): one warp per token with the token's probabilities in registers
 // (router_topk_w{V}); more experts: one block per token with k arg-max rounds (router_topk_f32).
-#include "common.cuh"
+#include "moe_route.cuh"
 
 #define ROUTER_MAX_K 64
 #define NONE 0xffffffffu
@@ -90,97 +90,19 @@ extern "C" __global__ void router_topk_f32(const float* __restrict__ logits, u32
     }
 }
 
-// Sort key of a candidate: larger keys rank first. Probabilities are ≥ 0, so their bits order as the
-// values do; the low word ~id puts the lower id first among equal probabilities. Key 0 (probability
-// +0 and id NONE) is the empty slot and ranks after every expert.
-__device__ __forceinline__ unsigned long long router_key(float p, u32 id) {
-    return ((unsigned long long)__float_as_uint(p) << 32) | (unsigned long long)(~id);
-}
-
-// One compare-exchange step of a bitonic network across lanes lane and lane ^ stride: the lane that
-// keeps the larger key is the lower one when `desc`, else the upper one.
-__device__ __forceinline__ unsigned long long router_cx(unsigned long long key, int stride, bool desc) {
-    const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, stride);
-    const bool lower = (threadIdx.x & stride) == 0;
-    const bool keep_max = lower == desc;
-    const unsigned long long hi = key > other ? key : other, lo = key > other ? other : key;
-    return keep_max ? hi : lo;
-}
-
-#define ROUTER_SORT_KEEP 16
-
-// One block per token, thread i holding expert i (e ≤ blockDim.x). Softmax with two block reductions
-// (the sum in warp order); each warp sorts its 32 keys (router_key: probability, then lower id) by a
-// bitonic network of shuffles and keeps its best 16; then a merge tree: at each level warp w merges lists
-// 2w and 2w + 1 (one descending, one read reversed: a bitonic sequence of 32, 5 shuffle steps) and keeps
-// the best 16, the lists ping-ponging between two shared buffers, until one list holds the token's
-// top 16 in rank order. The kept probabilities are summed in rank order (as router_topk_f32 sums them)
-// for the renormalisation. logits: [t, e]; ids, weights: [t, k], each row by descending weight.
-// Grid (t); block 32·W threads with W a power of two, 32·W ≥ e, W ≤ 32; k ≤ 16; no dynamic shared
-// memory.
+// One block per token: router_topk_rows (moe_route.cuh) on the block's row, one 32-expert list a warp:
+// softmax with the sum taken per warp and over the warps in order; each warp sorts its 32 keys
+// (router_key: probability, then lower id) by a bitonic network of shuffles and keeps its best 16; then
+// a merge tree halves the lists until one holds the token's top 16 in rank order. The kept
+// probabilities are summed in rank order (as router_topk_f32 sums them) for the renormalisation.
+// logits: [t, e]; ids, weights: [t, k], each row by descending weight. Grid (t); block 32·W threads with
+// W a power of two, 32·W ≥ e, W ≤ 32; k ≤ 16; no dynamic shared memory.
 extern "C" __global__ void router_topk_sort(const float* __restrict__ logits, u32* __restrict__ ids,
                                             float* __restrict__ weights, int e, int k, int renorm) {
     pdl_prologue();
-    __shared__ float red_m[32];
-    __shared__ float red_s[32];
-    __shared__ unsigned long long cand[2][32 * ROUTER_SORT_KEEP];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    const int i = threadIdx.x;
-    const bool valid = i < e;
-    const float x = valid ? __ldg(logits + (size_t)blockIdx.x * e + i) : NEG_INF;
-
-    float m = warp_max(x);
-    if (lane == 0) red_m[warp] = m;
-    __syncthreads();
-    m = red_m[0];
-    for (int w = 1; w < nwarps; ++w) m = fmaxf(m, red_m[w]);
-    const float ex = valid ? expf(x - m) : 0.0f;
-    float s = warp_sum(ex);
-    if (lane == 0) red_s[warp] = s;
-    __syncthreads();
-    s = red_s[0];
-    for (int w = 1; w < nwarps; ++w) s += red_s[w];
-    const float p = ex / s;
-
-    unsigned long long key = valid ? router_key(p, (u32)i) : 0ull;
-    // Bitonic sort of the warp's 32 keys, descending along the lanes.
-#pragma unroll
-    for (int size = 2; size <= 32; size <<= 1) {
-        const bool desc = (lane & size) == 0;
-#pragma unroll
-        for (int stride = size >> 1; stride > 0; stride >>= 1) key = router_cx(key, stride, desc);
-    }
-    int lists = nwarps, buf = 0;
-    if (lists > 1) {
-        if (lane < ROUTER_SORT_KEEP) cand[0][warp * ROUTER_SORT_KEEP + lane] = key;
-        __syncthreads();
-    }
-    while (lists > 1) {
-        const int half = lists >> 1;
-        if (warp < half) {
-            // Lanes 0..15: list 2w descending; lanes 16..31: list 2w + 1 reversed (ascending).
-            const int src = lane < ROUTER_SORT_KEEP ? (2 * warp) * ROUTER_SORT_KEEP + lane
-                                                    : (2 * warp + 1) * ROUTER_SORT_KEEP + (31 - lane);
-            key = cand[buf][src];
-#pragma unroll
-            for (int stride = 16; stride > 0; stride >>= 1) key = router_cx(key, stride, true);
-            if (half > 1 && lane < ROUTER_SORT_KEEP) cand[buf ^ 1][warp * ROUTER_SORT_KEEP + lane] = key;
-        }
-        lists = half;
-        buf ^= 1;
-        if (lists > 1) __syncthreads();
-    }
-    if (warp != 0) return;
-    // Lane r holds rank r.
-    const float kp = __uint_as_float((u32)(key >> 32));
-    const u32 kid = ~(u32)key;  // NONE for the empty key
-    float total = 0.0f;
-    for (int r = 0; r < k; ++r) total += __shfl_sync(0xffffffffu, kp, r);
-    if (lane < k) {
-        const size_t o = (size_t)blockIdx.x * k + lane;
-        ids[o] = kid;
-        weights[o] = renorm ? kp / total : kp;
-    }
+    __shared__ RouterSortSmem sm;
+    const size_t row = blockIdx.x;
+    router_topk_rows(logits + row * e, 1, e, k, renorm, ids + row * k, weights + row * k, nullptr, sm);
 }
 
 // One warp per token: lane l holds probabilities l, l + 32, ..., l + 32·(V - 1) (e ≤ 32·V) in

@@ -19,9 +19,9 @@
 //!   `gemv_bf16_f32` (decode, 1–8 rows), `gemm_bf16` / `gemm_bf16_f32` (cuBLAS, prefill),
 //!   `route_topk` (softmax + top-k + renormalise), `moe_sort` / `moe_gemv` / `moe_combine` (routed
 //!   experts grouped by expert on the device, through a table of expert weight addresses),
-//!   `conv1d_prefill` / `conv1d_update` (causal conv + SiLU with rolling state), `gdn_recurrent_step`
-//!   (GDN decode, f32 state in slots), `gdn_chunk_prefill` (every sequence of a prefill step in one
-//!   launch, chunked), `attention_paged_decode` / `attention_paged_prefill` (gated GQA attention
+//!   `conv1d_prefill` (causal conv + SiLU of prefill chunks with the conv state ring), `gdn_decode`
+//!   (a GDN layer's decode step in one launch: conv update, delta rule with f32 state in slots, gated
+//!   RMSNorm), `gdn_chunk_prefill` (every sequence of a prefill step in one launch, chunked), `attention_paged_decode` / `attention_paged_prefill` (gated GQA attention
 //!   over the paged K/V cache, split-K with a reduce kernel that applies `sigmoid(gate)`), and the
 //!   elementwise `add_bf16`, `gather_rows`, `concat_cols`, `hc_premix`,
 //!   `hc_gated_residual`.
@@ -76,6 +76,6 @@ pub use error::{CudaError, Result};
 pub use gpu::{device_memory, Gpu};
 pub use ops::SampleBatch;
 pub use ops::{
-    moe_max_tiles, AttnDims, GdnDims, HeadLayout, MoeOut, PleDims, RopeArgs, ATTN_MAX_HEAD_DIM,
-    ATTN_SPLIT, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
+    moe_max_tiles, AttnDims, GdnDecodeWeights, GdnDims, HeadLayout, MoeOut, PleDims, RopeArgs,
+    ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
 };

@@ -27,6 +27,7 @@ pub const HEADERS: &[Source] = &[
     source!("common.cuh"),
     source!("packed.cuh"),
     source!("sample.cuh"),
+    source!("moe_route.cuh"),
 ];
 
 /// The kernel sources, one file per op family.
@@ -39,6 +40,7 @@ pub const SOURCES: &[Source] = &[
     source!("quant.cu"),
     source!("embed_packed.cu"),
     source!("router.cu"),
+    source!("moe_route.cu"),
     source!("conv.cu"),
     source!("gdn.cu"),
     source!("gdn_chunk.cu"),

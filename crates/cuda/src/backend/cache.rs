@@ -1,11 +1,12 @@
 //! The caches: a K/V block pool pair per attention layer (`[num_blocks, block_size, kv_heads·head_dim]`
-//! bf16, the CPU backend's layout) and the GDN state slots, one conv pool (`[slots, kernel−1,
-//! conv_dim]` bf16: it holds projection outputs, exact in bf16) and one recurrent pool (`[slots, hv,
-//! dk, dv]` f32) per GDN layer. Slot pools grow on demand (doubling, contents copied on the device);
-//! a fresh slot is zeroed. QSA layers also keep an index-key pool (`[num_blocks, block_size, dI + 2]`
-//! bytes: dI fp8 e4m3 bytes and the bf16 scale per position) in the same blocks as their K/V, so
-//! `copy_block` carries it; PLE layers keep their conv state (`[slots, (kernel−1)·dilation, S·H]` f32,
-//! normed conv inputs) in the state slots, so `copy_state` carries it.
+//! bf16, the CPU backend's layout) and the GDN state slots, one conv pool (`[slots, kernel,
+//! conv_dim]` bf16: a ring of projection outputs, exact in bf16, input `x_q` at entry `q mod kernel`)
+//! and one recurrent pool (`[slots, hv, dk, dv]` f32) per GDN layer. Slot pools grow on demand
+//! (doubling, contents copied on the device); a fresh slot is zeroed. QSA layers also keep an
+//! index-key pool (`[num_blocks, block_size, dI + 2]` bytes: dI fp8 e4m3 bytes and the bf16 scale per
+//! position) in the same blocks as their K/V, so `copy_block` carries it; PLE layers keep their conv
+//! state (`[slots, (kernel−1)·dilation, S·H]` f32, normed conv inputs) in the state slots, so
+//! `copy_state` carries it.
 
 use std::collections::HashMap;
 
@@ -68,9 +69,10 @@ pub(crate) struct StateSlots {
     free: Vec<usize>,
 }
 
-/// Conv state values of one slot of one layer.
+/// Conv state values of one slot of one layer: a ring of `kernel` inputs (one more than the conv
+/// reads, so a decode token writes its input where no reader of that step looks).
 pub(crate) fn conv_len(g: &GdnShape) -> usize {
-    (g.conv_kernel - 1) * (2 * g.num_k_heads * g.k_head_dim + g.num_v_heads * g.v_head_dim)
+    g.conv_kernel * (2 * g.num_k_heads * g.k_head_dim + g.num_v_heads * g.v_head_dim)
 }
 
 /// PLE conv state values of one slot of one layer.

@@ -1,14 +1,14 @@
-//! The gated delta net core on the device: causal conv + SiLU and the delta rule over the layer's state
-//! slots (for a step of one-token chunks the recurrent step kernels, otherwise the multi-sequence
-//! prefill kernels with the chunked delta rule; either way one launch per kernel for the whole step),
-//! then the gated RMSNorm with `z`.
+//! The gated delta net core on the device. A step of one-token chunks is one launch of the fused
+//! decode kernel (conv update against the conv state ring, delta rule, gated RMSNorm); any other step
+//! runs the multi-sequence prefill kernels (causal conv + SiLU over the ring, the chunked delta rule)
+//! and then the gated RMSNorm with `z`, one launch per kernel for the whole step.
 
 use sanmai_model::backend::{GdnShape, GdnWeights, SeqChunk};
 
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
-use crate::ops::GdnDims;
+use crate::ops::{GdnDecodeWeights, GdnDims};
 
 impl CudaBackend {
     #[allow(clippy::too_many_arguments)]
@@ -57,74 +57,75 @@ impl CudaBackend {
             .layers
             .get_mut(&layer)
             .ok_or_else(|| bad(format!("no GDN state for layer {layer}: init_cache first")))?;
-        // Every row of both is written below (each row belongs to one chunk), so neither is cleared.
+        let conv_w = w.conv.bf16();
+        let n = seqs.len();
+        let slots = st.meta.view(m.slots, n);
+        let mut out = self.alloc(rows, hv * dv)?;
+        if all_decode(seqs) && rows == n {
+            let positions = st.meta.view(m.positions, n);
+            let dw = GdnDecodeWeights {
+                conv: conv_w,
+                a_log,
+                dt_bias,
+                norm: w.norm.bf16(),
+            };
+            g.gdn_decode(
+                dims,
+                kk,
+                &qkv.buf,
+                &z.buf,
+                &a.buf,
+                &b.buf,
+                &dw,
+                eps,
+                &mut pool.conv,
+                &mut pool.ssm,
+                &slots,
+                &positions,
+                &mut out.buf,
+                n,
+            )?;
+            return Ok(out);
+        }
+        // Every sequence of the step in two conv launches and one GDN launch, each reading the
+        // sequences' rows, positions and slots from the step metadata. Every row of `mixed` and
+        // `core` is written (each row belongs to one chunk), so neither is cleared.
         let mut mixed = self.alloc(rows, cd)?;
         let mut core = self.alloc(rows, hv * dv)?;
-        let conv_w = w.conv.bf16();
-        if all_decode(seqs) && kk >= 2 {
-            let n = seqs.len();
-            let slots = st.meta.view(m.slots, n);
-            g.conv1d_update(
-                &qkv.buf,
-                conv_w,
-                &mut pool.conv,
-                &slots,
-                &mut mixed.buf,
-                n,
-                cd,
-                kk,
-            )?;
-            g.gdn_recurrent_step(
-                dims,
-                &mixed.buf,
-                &a.buf,
-                &b.buf,
-                a_log,
-                dt_bias,
-                &mut pool.ssm,
-                &slots,
-                &mut core.buf,
-                n,
-            )?;
-        } else {
-            // Every sequence of the step in two conv launches and one GDN launch, each reading the
-            // sequences' rows and slots from the step metadata.
-            let n = seqs.len();
-            let max_len = seqs.iter().map(|s| s.len).max().unwrap_or(0);
-            let starts = st.meta.view(m.starts, n);
-            let lens = st.meta.view(m.chunk_lens, n);
-            let slots = st.meta.view(m.slots, n);
-            g.conv1d_prefill(
-                &qkv.buf,
-                conv_w,
-                &mut pool.conv,
-                &starts,
-                &lens,
-                &slots,
-                &mut mixed.buf,
-                rows,
-                n,
-                max_len,
-                cd,
-                kk,
-            )?;
-            g.gdn_chunk_prefill(
-                dims,
-                &mixed.buf,
-                &a.buf,
-                &b.buf,
-                a_log,
-                dt_bias,
-                &mut pool.ssm,
-                &starts,
-                &lens,
-                &slots,
-                &mut core.buf,
-                rows,
-                n,
-            )?;
-        }
-        let mut out = self.alloc(rows, hv * dv)?;
+        let max_len = seqs.iter().map(|s| s.len).max().unwrap_or(0);
+        let positions = st.meta.view(m.positions, rows);
+        let starts = st.meta.view(m.starts, n);
+        let lens = st.meta.view(m.chunk_lens, n);
+        g.conv1d_prefill(
+            &qkv.buf,
+            conv_w,
+            &mut pool.conv,
+            &positions,
+            &starts,
+            &lens,
+            &slots,
+            &mut mixed.buf,
+            rows,
+            n,
+            max_len,
+            cd,
+            kk,
+        )?;
+        g.gdn_chunk_prefill(
+            dims,
+            &mixed.buf,
+            &a.buf,
+            &b.buf,
+            a_log,
+            dt_bias,
+            &mut pool.ssm,
+            &starts,
+            &lens,
+            &slots,
+            &mut core.buf,
+            rows,
+            n,
+        )?;
         g.gated_rms_norm(
             &core.buf,
             &z.buf,

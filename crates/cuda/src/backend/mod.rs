@@ -104,6 +104,9 @@ pub struct CudaBackend {
     epoch: AtomicU64,
     /// The PLE rows of the coming decode step (`ple.rs`).
     ple_in: Mutex<Option<ple::StagedRows>>,
+    /// The ticket counter of the one-launch decode routing (`Gpu::moe_route_decode`, `moe.rs`): 0
+    /// between launches, which the stream orders one after another.
+    route_ticket: Mutex<CudaSlice<u32>>,
 }
 
 /// Whether every chunk is one token and chunk `i` is row `i` (the batched decode launches).
@@ -136,6 +139,7 @@ impl CudaBackend {
     /// A backend on an opened [`Gpu`].
     pub fn from_gpu(gpu: Gpu, max_tokens: usize, max_seqs: usize) -> Result<Self> {
         let meta = meta::Meta::new(&gpu, max_tokens, max_seqs, 64)?;
+        let route_ticket = Mutex::new(gpu.zeros::<u32>(1)?);
         Ok(Self {
             gpu,
             state: Mutex::new(State {
@@ -155,6 +159,7 @@ impl CudaBackend {
             graphs: Mutex::new(graph::Graphs::from_env()),
             epoch: AtomicU64::new(0),
             ple_in: Mutex::new(None),
+            route_ticket,
         })
     }
 

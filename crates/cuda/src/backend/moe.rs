@@ -1,7 +1,9 @@
 //! Routed experts on the device: router logits (f32), softmax top-k, the pairs grouped by expert, a
 //! grouped GEMV for the experts' gate|up rows and one for their down rows (reading only the chosen
 //! experts, through a device table of expert weight addresses built once per layer), SwiGLU between
-//! them, and the weighted combine. No host round trip: the same launches serve decode and prefill.
+//! them, and the weighted combine. No host round trip: the same launches serve decode and prefill,
+//! except that a decode-sized step with a bf16 router does its routing (logits, top-k, grouping) in one
+//! launch ([`Gpu::moe_route_decode`]) where larger steps take several.
 //! Packed integer experts (each projection's experts all of one scheme) go through the packed grouped
 //! GEMV, with a second table of scale addresses; a layer whose experts mix formats is refused.
 
@@ -91,7 +93,82 @@ pub(crate) fn expert_format<'a>(
     }
 }
 
+/// A step's routing grouped by expert for the grouped GEMV: `ids` and `wts` `[t, k]` as the router
+/// writes them, `perm` and `tiles` as [`Gpu::moe_sort`] lays them out.
+struct Grouped {
+    ids: CudaSlice<u32>,
+    wts: CudaSlice<f32>,
+    perm: CudaSlice<u32>,
+    tiles: CudaSlice<u32>,
+}
+
 impl CudaBackend {
+    /// The routing of the `t` rows of `x`: router logits (f32), then each row's top `k` ids and
+    /// weights (`[t, k]`), in two launches.
+    fn route(
+        &self,
+        x: &CudaTensor,
+        w: &MoeWeights<CudaWeight>,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<f32>)> {
+        let (t, e, k) = (x.rows, w.experts.len(), w.top_k);
+        let logits = self.linear_f32(x, &w.router)?;
+        let mut ids = self.gpu.stream().alloc_zeros::<u32>(t * k)?;
+        let mut wts = self.scratch::<f32>(t * k)?;
+        self.gpu
+            .route_topk(&logits, &mut ids, &mut wts, t, e, k, w.renormalize)?;
+        Ok((ids, wts))
+    }
+
+    /// The routing of the `t` rows of `x` grouped by expert. A decode-sized step with a bf16 router
+    /// ([`Gpu::moe_route_decode_fits`]) takes one launch (router GEMV, top-k and grouping; its ids,
+    /// every one written, need no zeroing); other steps take [`CudaBackend::route`] and
+    /// [`Gpu::moe_sort`]. Both give the same ids, weights and tiles for the same logits; the logits
+    /// themselves differ between the two only in summation order.
+    fn route_grouped(&self, x: &CudaTensor, w: &MoeWeights<CudaWeight>) -> Result<Grouped> {
+        let g = &self.gpu;
+        let (t, h, e, k) = (x.rows, x.cols, w.experts.len(), w.top_k);
+        let n = t * k;
+        let mut perm = self.scratch::<u32>(n)?;
+        let mut tiles = self.scratch::<u32>(3 * moe_max_tiles(n, e))?;
+        if let CudaWeight::Bf16(router) = &w.router {
+            if Gpu::moe_route_decode_fits(t, h, e, k) && router.shape == [e, h] {
+                let mut logits = self.scratch::<f32>(t * e)?;
+                let mut ids = self.scratch::<u32>(n)?;
+                let mut wts = self.scratch::<f32>(n)?;
+                let mut ticket = self.route_ticket.lock().unwrap_or_else(|p| p.into_inner());
+                g.moe_route_decode(
+                    &router.data,
+                    &x.buf,
+                    t,
+                    h,
+                    e,
+                    k,
+                    w.renormalize,
+                    &mut logits,
+                    &mut ids,
+                    &mut wts,
+                    &mut perm,
+                    &mut tiles,
+                    &mut *ticket,
+                )?;
+                return Ok(Grouped {
+                    ids,
+                    wts,
+                    perm,
+                    tiles,
+                });
+            }
+        }
+        let (ids, wts) = self.route(x, w)?;
+        g.moe_sort(&ids, n, e, &mut perm, &mut tiles)?;
+        Ok(Grouped {
+            ids,
+            wts,
+            perm,
+            tiles,
+        })
+    }
+
     /// The expert tables of `w`, built on first use (keyed by the first expert's address).
     fn expert_table<'a>(
         &self,
@@ -156,19 +233,16 @@ impl CudaBackend {
         if t == 0 {
             return Ok(out);
         }
-        let logits = self.linear_f32(x, &w.router)?;
         let n = t * k;
-        let mut ids = g.stream().alloc_zeros::<u32>(n)?;
-        let mut wts = self.scratch::<f32>(n)?;
-        g.route_topk(&logits, &mut ids, &mut wts, t, e, k, w.renormalize)?;
-        self.log_routing(&ids, n, e)?;
         // Prefill-sized steps take the tensor-core grouped GEMM (tiles of up to 64 pairs), decode steps
         // the grouped GEMV; the choice depends on the step's shape only.
         let gemm = Gpu::moe_gemm_wanted(t, n)
             && Gpu::moe_gemm_supports(gu_format.scheme(), h)
             && Gpu::moe_gemm_supports(dn_format.scheme(), inter);
-        let mut perm = self.scratch::<u32>(n)?;
         if gemm {
+            let (ids, wts) = self.route(x, w)?;
+            self.log_routing(&ids, n, e)?;
+            let mut perm = self.scratch::<u32>(n)?;
             let mut tiles = self.scratch::<u32>(3 * Gpu::moe_gemm_max_tiles(n, e))?;
             g.moe_gemm_plan(&ids, n, e, &mut perm, &mut tiles)?;
             let mut st = self.lock();
@@ -200,8 +274,13 @@ impl CudaBackend {
             g.moe_combine(&y, &wts, &ids, e, shared, &mut out.buf, t, k, h)?;
             return Ok(out);
         }
-        let mut tiles = self.scratch::<u32>(3 * moe_max_tiles(n, e))?;
-        g.moe_sort(&ids, n, e, &mut perm, &mut tiles)?;
+        let Grouped {
+            ids,
+            wts,
+            perm,
+            tiles,
+        } = self.route_grouped(x, w)?;
+        self.log_routing(&ids, n, e)?;
         let mut st = self.lock();
         let table = self.expert_table(&mut st.experts, w)?;
         let mut gu = self.alloc(n, 2 * inter)?;

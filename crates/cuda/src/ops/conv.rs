@@ -1,5 +1,6 @@
-//! Depthwise causal conv1d + SiLU with its rolling state: the prefill of every sequence of a step and
-//! the batched one-token update.
+//! Depthwise causal conv1d + SiLU over the prefill chunks of a step, with the conv state ring of each
+//! sequence (`[kernel, c]` per slot, input `x_q` at entry `q mod kernel`; the decode step reads and
+//! writes the same ring inside `gdn_decode`).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -7,26 +8,28 @@ use half::bf16;
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
-/// The largest conv kernel the update kernel takes.
-const MAX_KERNEL: usize = 8;
 /// Rows of one channel a prefill thread convolves (about).
 const ROWS_PER_THREAD: usize = 16;
 
 impl Gpu {
     /// Prefill of every sequence of a step: sequence `i` owns rows `starts[i] .. starts[i] + lens[i]`
-    /// of `x` and `out` (`[rows, c]`; clamped to `rows`) and slot `slots[i]` of `state_pool`
-    /// `[num_slots, kernel−1, c]`; per sequence `out[s, ch] = silu(Σ_j w[ch, j] · xx[s + j, ch])` with
-    /// `xx = state ++ x`, then `state ← last kernel−1 rows of xx`. A slot id out of range gives zero
-    /// outputs and touches no state; rows of no sequence are untouched. `w`: `[c, kernel]`;
+    /// of `x` and `out` (`[rows, c]`; clamped to `rows`), row `r` at position `positions[r]` (the
+    /// chunk's positions are consecutive), and slot `slots[i]` of `state_pool` `[num_slots, kernel,
+    /// c]`, a ring holding input `x_q` at entry `q mod kernel`. Per row at position `p`: `out[p, ch] =
+    /// silu(Σ_j w[ch, j] · x_{p−kernel+1+j}[ch])`, inputs before the chunk read from the ring; then
+    /// the chunk's last `min(len, kernel − 1)` inputs are stored in the ring. A slot id out of range
+    /// gives zero outputs and touches no state; rows of no sequence are untouched. `w`: `[c, kernel]`;
     /// `max_len`: the longest `lens[i]` (sizes the grid). Two launches (the convolution, then the
-    /// state roll), whatever the number of sequences. Matches `sanmai_cpu::ops::causal_conv1d_silu`
-    /// per sequence.
+    /// ring stores), whatever the number of sequences. Matches `sanmai_cpu::ops::causal_conv1d_silu`
+    /// per sequence, whose `[kernel − 1, c]` state is the ring's entries of the `kernel − 1`
+    /// positions before the chunk.
     #[allow(clippy::too_many_arguments)]
     pub fn conv1d_prefill(
         &self,
         x: &impl DevicePtr<bf16>,
         w: &impl DevicePtr<bf16>,
         state_pool: &mut impl DevicePtrMut<bf16>,
+        positions: &impl DevicePtr<u32>,
         starts: &impl DevicePtr<u32>,
         lens: &impl DevicePtr<u32>,
         slots: &impl DevicePtr<u32>,
@@ -44,6 +47,7 @@ impl Gpu {
         })?;
         check_len(OP, "x", x, rows * c)?;
         check_len(OP, "w", w, c * kernel)?;
+        check_len(OP, "positions", positions, rows)?;
         check_len(OP, "starts", starts, n_seq)?;
         check_len(OP, "lens", lens, n_seq)?;
         check_len(OP, "slots", slots, n_seq)?;
@@ -51,11 +55,7 @@ impl Gpu {
         if rows == 0 || n_seq == 0 || max_len == 0 || c == 0 {
             return Ok(());
         }
-        // Without state rows (kernel 1) no slot is read or written.
-        let num_slots = state_pool
-            .len()
-            .checked_div((kernel - 1) * c)
-            .map_or(u32::MAX, |n| u32::try_from(n).unwrap_or(u32::MAX));
+        let num_slots = u32::try_from(state_pool.len() / (kernel * c)).unwrap_or(u32::MAX);
         let (ri, ci, ki) = (
             int(OP, "rows", rows)?,
             int(OP, "c", c)?,
@@ -72,6 +72,7 @@ impl Gpu {
         let (xp, _gx) = x.device_ptr(s);
         let (wp, _gw) = w.device_ptr(s);
         let (sp, _gs) = state_pool.device_ptr_mut(s);
+        let (pp, _gp) = positions.device_ptr(s);
         let (stp, _gst) = starts.device_ptr(s);
         let (lnp, _gln) = lens.device_ptr(s);
         let (slp, _gsl) = slots.device_ptr(s);
@@ -80,6 +81,7 @@ impl Gpu {
         b.arg(&xp)
             .arg(&wp)
             .arg(&sp)
+            .arg(&pp)
             .arg(&stp)
             .arg(&lnp)
             .arg(&slp)
@@ -89,12 +91,15 @@ impl Gpu {
             .arg(&ki)
             .arg(&num_slots);
         // SAFETY: argument types match the kernel; lengths checked above; the kernel clamps every
-        // sequence's rows to `rows` and skips slot ids at or beyond `num_slots`.
+        // sequence's rows to `rows` (so the position it reads lies inside `positions`) and skips slot
+        // ids at or beyond `num_slots`.
         unsafe { b.launch(cfg(grid, 256, 0)) }?;
+        // With kernel 1 no later token reads an input of the chunk.
         if kernel > 1 {
-            let mut b = self.launch(self.kernel("conv1d_roll_seqs_bf16")?);
+            let mut b = self.launch(self.kernel("conv1d_ring_store_seqs_bf16")?);
             b.arg(&xp)
                 .arg(&sp)
+                .arg(&pp)
                 .arg(&stp)
                 .arg(&lnp)
                 .arg(&slp)
@@ -106,62 +111,6 @@ impl Gpu {
             let grid = (grid_u32(OP, c.div_ceil(256))?, n_seq as u32, 1);
             unsafe { b.launch(cfg(grid, 256, 0)) }?;
         }
-        Ok(())
-    }
-
-    /// One-token update of `batch` sequences: token `b` (row `b` of `x` `[batch, c]`) convolves with
-    /// and rolls slot `slots[b]` of `state_pool` `[num_slots, kernel−1, c]`; `out`: `[batch, c]`.
-    /// A slot id out of range gives a zero output row and touches no state. `kernel ≤ 8`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn conv1d_update(
-        &self,
-        x: &impl DevicePtr<bf16>,
-        w: &impl DevicePtr<bf16>,
-        state_pool: &mut impl DevicePtrMut<bf16>,
-        slots: &impl DevicePtr<u32>,
-        out: &mut impl DevicePtrMut<bf16>,
-        batch: usize,
-        c: usize,
-        kernel: usize,
-    ) -> Result<()> {
-        const OP: &str = "conv1d_update";
-        ensure((2..=MAX_KERNEL).contains(&kernel), OP, || {
-            format!("kernel size {kernel} must be in 2..={MAX_KERNEL}")
-        })?;
-        check_len(OP, "x", x, batch * c)?;
-        check_len(OP, "w", w, c * kernel)?;
-        check_len(OP, "slots", slots, batch)?;
-        check_len(OP, "out", out, batch * c)?;
-        if batch == 0 || c == 0 {
-            return Ok(());
-        }
-        let num_slots = u32::try_from(state_pool.len() / ((kernel - 1) * c)).unwrap_or(u32::MAX);
-        let (bi, ci, ki) = (int(OP, "batch", batch)?, int(OP, "c", c)?, kernel as i32);
-        let grid = (
-            grid_u32(OP, c.div_ceil(128))?,
-            u32::try_from(batch.min(65535)).unwrap_or(65535),
-            1,
-        );
-        ensure(batch <= 65535, OP, || "batch exceeds 65535".into())?;
-        let s = self.stream();
-        let (xp, _gx) = x.device_ptr(s);
-        let (wp, _gw) = w.device_ptr(s);
-        let (sp, _gs) = state_pool.device_ptr_mut(s);
-        let (lp, _gl) = slots.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
-        let mut b = self.launch(self.kernel("conv1d_update_bf16")?);
-        b.arg(&xp)
-            .arg(&wp)
-            .arg(&sp)
-            .arg(&lp)
-            .arg(&op)
-            .arg(&bi)
-            .arg(&ci)
-            .arg(&ki)
-            .arg(&num_slots);
-        // SAFETY: argument types match the kernel; lengths checked above; the kernel skips slot ids
-        // at or beyond `num_slots`.
-        unsafe { b.launch(cfg(grid, 128, 0)) }?;
         Ok(())
     }
 }

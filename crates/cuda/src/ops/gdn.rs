@@ -1,5 +1,5 @@
-//! The gated delta rule on the GPU, state f32: the recurrent decode step (one token per sequence); the
-//! chunked prefill is in `gdn_chunk.rs`.
+//! The gated delta rule on the GPU, state f32: the fused decode step of a GDN layer (conv update,
+//! delta rule and gated RMSNorm in one launch); the chunked prefill is in `gdn_chunk.rs`.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
@@ -28,106 +28,144 @@ impl GdnDims {
     }
 }
 
-/// The largest key head size the kernels take.
+/// The largest key head size the decode kernels take (`GDN_MAX_DK` in `gdn.cu`).
 const MAX_DK: usize = 256;
-/// Threads of a decode-step block (`GDN_STEP_THREADS` in `gdn.cu`).
-const STEP_THREADS: u32 = 128;
-/// Value columns of a decode-step block (`GDN_STEP_COLS` in `gdn.cu`).
-const STEP_COLS: usize = 32;
-/// The largest key head size of `gdn_recurrent_step`; larger ones take `gdn_recurrent_step_dk256`.
-const STEP_SMALL_DK: usize = 128;
+/// The largest value head size (`GDN_MAX_DV` in `gdn.cu`: a head's output sits in shared memory).
+const MAX_DV: usize = 512;
+/// The largest key head size of `gdn_decode_fused`; larger ones take `gdn_decode_fused_dk256`.
+const SMALL_DK: usize = 128;
+/// Threads of a `gdn_decode_fused` block (8 warps × 16 state rows each).
+const THREADS: u32 = 256;
+/// Threads of a `gdn_decode_fused_dk256` block (16 warps × 16 state rows each).
+const THREADS_DK256: u32 = 512;
+
+/// The weights of one GDN layer that the decode step reads besides its projections.
+pub struct GdnDecodeWeights<'a, B: DevicePtr<bf16>, F: DevicePtr<f32>> {
+    /// `conv1d.weight` `[conv_dim, kernel]`.
+    pub conv: &'a B,
+    /// `A_log` `[hv]`.
+    pub a_log: &'a F,
+    /// `dt_bias` `[hv]`.
+    pub dt_bias: &'a F,
+    /// The gated RMSNorm's weight `[dv]`.
+    pub norm: &'a B,
+}
 
 impl Gpu {
-    /// One decode step of `batch` sequences (one block per sequence, value head and 32 value
-    /// columns; the block's slice of the state is read once into registers and written once). `qkv`: `[batch, conv_dim]`, the conv+SiLU output
-    /// `[q | k | v]` (q, k `[hk, dk]`, v `[hv, dv]`); `a`, `b`: `[batch, hv]` raw projections;
-    /// `a_log`, `dt_bias`: `[hv]`; sequence `i` updates slot `slots[i]` of `state_pool`
-    /// `[num_slots, hv, dk, dv]` (out of range: zero output, no state touched); `out`: `[batch, hv·dv]`.
-    /// Matches the CPU's gates (`g = −exp(A_log)·softplus(a + dt_bias)`, `β = sigmoid(b)`) followed by
-    /// `sanmai_cpu::ops::gdn_recurrent` with `t = 1`.
+    /// One decode step of a GDN layer for `batch` sequences, in one launch (one block per sequence
+    /// and value head; the head's state slice is read once into registers and written once):
+    /// causal conv + SiLU of the projection row `qkv` (`[batch, conv_dim]`, `[q | k | v]` with q, k
+    /// `[hk, dk]`, v `[hv, dv]`) against the conv ring of the sequence's slot, the gated delta rule
+    /// with the gates from `a`, `b` (`[batch, hv]` raw projections), then the gated RMSNorm with `z`
+    /// (`[batch, hv·dv]`) and `eps`, into `out` (`[batch, hv·dv]`). Sequence `i` is at position
+    /// `positions[i]` in slot `slots[i]` of `conv_pool` (`[num_slots, kernel, conv_dim]`, input `x_q`
+    /// at entry `q mod kernel`; this token's input is stored at entry `positions[i] mod kernel`) and
+    /// `ssm_pool` (`[num_slots, hv, dk, dv]`); a slot id out of range gives a zero output row and
+    /// touches no state. Matches the CPU's `causal_conv1d_silu` (one token), gates
+    /// (`g = −exp(A_log)·softplus(a + dt_bias)`, `β = sigmoid(b)`), `gdn_recurrent` with `t = 1` and
+    /// `gated_rms_norm`, without rounding between them. `dk ≤ 256`, `dv ≤ 512`.
     #[allow(clippy::too_many_arguments)]
-    pub fn gdn_recurrent_step(
+    pub fn gdn_decode(
         &self,
         dims: GdnDims,
+        kernel: usize,
         qkv: &impl DevicePtr<bf16>,
+        z: &impl DevicePtr<bf16>,
         a: &impl DevicePtr<bf16>,
         b: &impl DevicePtr<bf16>,
-        a_log: &impl DevicePtr<f32>,
-        dt_bias: &impl DevicePtr<f32>,
-        state_pool: &mut impl DevicePtrMut<f32>,
+        w: &GdnDecodeWeights<'_, impl DevicePtr<bf16>, impl DevicePtr<f32>>,
+        eps: f32,
+        conv_pool: &mut impl DevicePtrMut<bf16>,
+        ssm_pool: &mut impl DevicePtrMut<f32>,
         slots: &impl DevicePtr<u32>,
+        positions: &impl DevicePtr<u32>,
         out: &mut impl DevicePtrMut<bf16>,
         batch: usize,
     ) -> Result<()> {
-        const OP: &str = "gdn_recurrent_step";
+        const OP: &str = "gdn_decode";
         let GdnDims { hk, hv, dk, dv } = dims;
         ensure(hk > 0 && hv > 0 && hv % hk == 0, OP, || {
             format!("hv = {hv} must be a positive multiple of hk = {hk}")
         })?;
-        ensure(dk > 0 && dk <= MAX_DK && dv > 0, OP, || {
-            format!("dk = {dk} must be in 1..={MAX_DK}, dv = {dv} positive")
+        ensure(dk > 0 && dk <= MAX_DK && dv > 0 && dv <= MAX_DV, OP, || {
+            format!("dk = {dk} must be in 1..={MAX_DK}, dv = {dv} in 1..={MAX_DV}")
+        })?;
+        ensure(kernel >= 1, OP, || {
+            "conv kernel size must be at least 1".into()
         })?;
         ensure(batch <= 65535, OP, || "batch exceeds 65535".into())?;
         let cd = dims.conv_dim();
         check_len(OP, "qkv", qkv, batch * cd)?;
+        check_len(OP, "z", z, batch * hv * dv)?;
         check_len(OP, "a", a, batch * hv)?;
         check_len(OP, "b", b, batch * hv)?;
-        check_len(OP, "a_log", a_log, hv)?;
-        check_len(OP, "dt_bias", dt_bias, hv)?;
+        check_len(OP, "conv weight", w.conv, cd * kernel)?;
+        check_len(OP, "a_log", w.a_log, hv)?;
+        check_len(OP, "dt_bias", w.dt_bias, hv)?;
+        check_len(OP, "norm weight", w.norm, dv)?;
         check_len(OP, "slots", slots, batch)?;
+        check_len(OP, "positions", positions, batch)?;
         check_len(OP, "out", out, batch * hv * dv)?;
         if batch == 0 {
             return Ok(());
         }
-        let num_slots = u32::try_from(state_pool.len() / dims.state_len()).unwrap_or(u32::MAX);
+        // A slot must lie inside both pools.
+        let num_slots = (conv_pool.len() / (kernel * cd)).min(ssm_pool.len() / dims.state_len());
+        let num_slots = u32::try_from(num_slots).unwrap_or(u32::MAX);
         let q_scale = (dk as f64).powf(-0.5) as f32;
-        let (hki, hvi, dki, dvi) = (
+        let (hki, hvi, dki, dvi, ki) = (
             int(OP, "hk", hk)?,
             int(OP, "hv", hv)?,
             dk as i32,
-            int(OP, "dv", dv)?,
+            dv as i32,
+            int(OP, "kernel", kernel)?,
         );
-        let (qkv_stride, ab_stride) = (cd as i64, hv as i64);
-        let grid = (hvi as u32, dv.div_ceil(STEP_COLS) as u32, batch as u32);
-        let kernel = if dk <= STEP_SMALL_DK {
-            "gdn_recurrent_step"
+        let (name, threads) = if dk <= SMALL_DK {
+            ("gdn_decode_fused", THREADS)
         } else {
-            "gdn_recurrent_step_dk256"
+            ("gdn_decode_fused_dk256", THREADS_DK256)
         };
+        let grid = (hvi as u32, batch as u32, 1);
         let s = self.stream();
         let (qp, _gq) = qkv.device_ptr(s);
-        let kp = qp + (hk * dk * 2) as u64;
-        let vp = qp + (2 * hk * dk * 2) as u64;
+        let (zp, _gz) = z.device_ptr(s);
         let (ap, _ga) = a.device_ptr(s);
         let (bp, _gb) = b.device_ptr(s);
-        let (lp, _gl) = a_log.device_ptr(s);
-        let (dp, _gd) = dt_bias.device_ptr(s);
-        let (sp, _gs) = state_pool.device_ptr_mut(s);
+        let (cwp, _gcw) = w.conv.device_ptr(s);
+        let (lp, _gl) = w.a_log.device_ptr(s);
+        let (dp, _gd) = w.dt_bias.device_ptr(s);
+        let (nwp, _gnw) = w.norm.device_ptr(s);
+        let (cp, _gc) = conv_pool.device_ptr_mut(s);
+        let (sp, _gs) = ssm_pool.device_ptr_mut(s);
         let (slp, _gsl) = slots.device_ptr(s);
+        let (pp, _gp) = positions.device_ptr(s);
         let (op, _go) = out.device_ptr_mut(s);
-        let mut l = self.launch(self.kernel(kernel)?);
+        let mut l = self.launch(self.kernel(name)?);
         l.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&qkv_stride)
+            .arg(&zp)
             .arg(&ap)
             .arg(&bp)
-            .arg(&ab_stride)
+            .arg(&cwp)
             .arg(&lp)
             .arg(&dp)
+            .arg(&nwp)
+            .arg(&cp)
             .arg(&sp)
             .arg(&slp)
+            .arg(&pp)
             .arg(&op)
             .arg(&hki)
             .arg(&hvi)
             .arg(&dki)
             .arg(&dvi)
+            .arg(&ki)
             .arg(&q_scale)
+            .arg(&eps)
             .arg(&num_slots);
-        // SAFETY: argument types match the kernel; lengths checked above (k and v lie inside each qkv
-        // row); slot ids at or beyond `num_slots` are skipped by the kernel; the block size is the
-        // GDN_STEP_THREADS it requires and dk is within the chosen kernel's limit.
-        unsafe { l.launch(cfg(grid, STEP_THREADS, 0)) }?;
+        // SAFETY: argument types match the kernel; lengths checked above; slot ids at or beyond
+        // `num_slots` (which both pools hold) are skipped by the kernel; the block size is the one the
+        // chosen kernel requires and dk, dv are within its limits.
+        unsafe { l.launch(cfg(grid, threads, 0)) }?;
         Ok(())
     }
 }

@@ -26,7 +26,7 @@ mod sample;
 mod tensor;
 
 pub use attention::{AttnDims, ATTN_MAX_HEAD_DIM, ATTN_SPLIT};
-pub use gdn::GdnDims;
+pub use gdn::{GdnDecodeWeights, GdnDims};
 pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;
 pub use kv::{HeadLayout, RopeArgs, QK_MAX_HEAD_DIM};

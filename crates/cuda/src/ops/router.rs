@@ -3,9 +3,15 @@
 //! the experts by warp shuffles (`router_topk_sort`); larger k up to 1024 experts, one warp routes a
 //! token with its probabilities in registers (`router_topk_w{8,16,32}`); beyond, one block per token
 //! with k arg-max rounds (`router_topk_f32`).
+//!
+//! [`Gpu::moe_route_decode`] is a decode step's whole routing in one launch (`moe_route.cu`): the
+//! router GEMV, the sort-and-merge top-k of every token and the grouping of the pairs by expert that
+//! [`Gpu::moe_sort`] does, the last two in the block that finishes its logits last.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
+use half::bf16;
 
+use super::moe::moe_max_tiles;
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -16,6 +22,21 @@ const SORT_MAX_K: usize = 16;
 const SORT_MAX_E: usize = 1024;
 /// Tokens (warps) per block of the one-warp-per-token kernels.
 const WARPS_PER_BLOCK: usize = 4;
+/// The most tokens [`Gpu::moe_route_decode`] takes (its entry points `moe_route_decode_m1..m8`).
+const DECODE_MAX_TOKENS: usize = 8;
+/// Threads per block of `moe_route_decode_m*` (`ROUTE_THREADS` in moe_route.cu).
+const DECODE_THREADS: usize = 512;
+/// The widest row slot of `moe_route_decode_m*` (`gemv_slot_sum` sums at most 8 warps).
+const DECODE_MAX_SLOT: usize = 256;
+
+/// log2 of the threads per router row of [`Gpu::moe_route_decode`] for rows of `h` values: the widest
+/// slot (most blocks, fewest loads a thread: 256 threads and 256 blocks for the 80B's router of 512
+/// rows of 2048) that still has a 16-byte chunk of the row per thread, one warp at least. Depends on
+/// the shape alone.
+fn decode_slot_log2(h: usize) -> u32 {
+    let chunks = (h / 8).clamp(32, DECODE_MAX_SLOT);
+    usize::BITS - 1 - chunks.leading_zeros()
+}
 
 impl Gpu {
     /// Routes each of `t` tokens to its `k` most probable of `e` experts: `p = softmax(logits)` in
@@ -102,6 +123,111 @@ impl Gpu {
                 (grid_u32(OP, t)?, 1, 1),
                 threads,
                 smem.div_ceil(4) as u32 * 4,
+            ))
+        }?;
+        Ok(())
+    }
+
+    /// Whether [`Gpu::moe_route_decode`] takes a step of `t` tokens of width `h` routed to `k` of `e`
+    /// experts: `1 ≤ t ≤ 8`, `1 ≤ k ≤ 16`, `k ≤ e ≤ 1024` (the sort-and-merge top-k's limits) and
+    /// `h % 8 == 0`.
+    pub fn moe_route_decode_fits(t: usize, h: usize, e: usize, k: usize) -> bool {
+        (1..=DECODE_MAX_TOKENS).contains(&t)
+            && (1..=SORT_MAX_K).contains(&k)
+            && k <= e
+            && e <= SORT_MAX_E
+            && h > 0
+            && h.is_multiple_of(8)
+    }
+
+    /// A decode step's routing in one launch: `logits = x · routerᵀ` (f32, `[t, e]`, a scratch the
+    /// launch also leaves for inspection), then exactly what [`Gpu::route_topk`] writes to `ids` and
+    /// `weights` from those logits (`[t, k]`), then exactly the grouping [`Gpu::moe_sort`] describes in
+    /// `perm` (`[t·k]`) and `tiles` (`[moe_max_tiles(t·k, e), 3]`), each expert's pairs in ascending
+    /// order. `router`: `[e, h]` bf16, `x`: `[t, h]` bf16, both 16-byte aligned. `ticket`: one `u32`
+    /// that is 0 before the launch and is left 0 (allocate it zeroed once and pass the same buffer to
+    /// every launch of the stream). Needs [`Gpu::moe_route_decode_fits`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_route_decode(
+        &self,
+        router: &impl DevicePtr<bf16>,
+        x: &impl DevicePtr<bf16>,
+        t: usize,
+        h: usize,
+        e: usize,
+        k: usize,
+        renorm: bool,
+        logits: &mut impl DevicePtrMut<f32>,
+        ids: &mut impl DevicePtrMut<u32>,
+        weights: &mut impl DevicePtrMut<f32>,
+        perm: &mut impl DevicePtrMut<u32>,
+        tiles: &mut impl DevicePtrMut<u32>,
+        ticket: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        const OP: &str = "moe_route_decode";
+        ensure(Self::moe_route_decode_fits(t, h, e, k), OP, || {
+            format!(
+                "t = {t}, h = {h}, e = {e}, k = {k}: needs 1 ≤ t ≤ {DECODE_MAX_TOKENS}, \
+                 1 ≤ k ≤ {SORT_MAX_K}, k ≤ e ≤ {SORT_MAX_E}, h % 8 == 0"
+            )
+        })?;
+        let n = t * k;
+        let max_tiles = moe_max_tiles(n, e);
+        check_len(OP, "router", router, e * h)?;
+        check_len(OP, "x", x, t * h)?;
+        check_len(OP, "logits", logits, t * e)?;
+        check_len(OP, "ids", ids, n)?;
+        check_len(OP, "weights", weights, n)?;
+        check_len(OP, "perm", perm, n)?;
+        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
+        check_len(OP, "ticket", ticket, 1)?;
+        let slot_log2 = decode_slot_log2(h);
+        let blocks = e.div_ceil(DECODE_THREADS >> slot_log2);
+        let (ei, hi, ki, rn, mt, sl) = (
+            int(OP, "e", e)?,
+            int(OP, "h", h)?,
+            k as i32,
+            i32::from(renorm),
+            int(OP, "max_tiles", max_tiles)?,
+            slot_log2 as i32,
+        );
+        let s = self.stream();
+        let (wp, _gw) = router.device_ptr(s);
+        let (xp, _gx) = x.device_ptr(s);
+        ensure(wp % 16 == 0 && xp % 16 == 0, OP, || {
+            "router and x must be 16-byte aligned".into()
+        })?;
+        let (lp, _gl) = logits.device_ptr_mut(s);
+        let (ip, _gi) = ids.device_ptr_mut(s);
+        let (op, _go) = weights.device_ptr_mut(s);
+        let (pp, _gp) = perm.device_ptr_mut(s);
+        let (tp, _gt) = tiles.device_ptr_mut(s);
+        let (cp, _gc) = ticket.device_ptr_mut(s);
+        let mut b = self.launch(self.kernel(&format!("moe_route_decode_m{t}"))?);
+        b.arg(&wp)
+            .arg(&xp)
+            .arg(&lp)
+            .arg(&ip)
+            .arg(&op)
+            .arg(&pp)
+            .arg(&tp)
+            .arg(&cp)
+            .arg(&ei)
+            .arg(&hi)
+            .arg(&ki)
+            .arg(&rn)
+            .arg(&mt)
+            .arg(&sl);
+        let smem = 4 * (2 * e + 2);
+        // SAFETY: argument types match the kernel; every length and the alignment checked above; the
+        // grid's blocks of 512 threads in slots of 32..=256 threads cover the e rows; e ≤ 1024 and
+        // k ≤ 16 as the top-k needs, t·k ≤ 128 pairs as its shared copy of the ids holds; the dynamic
+        // shared memory is moe_sort_block's (2·e + 2) u32.
+        unsafe {
+            b.launch(cfg(
+                (grid_u32(OP, blocks)?, 1, 1),
+                DECODE_THREADS as u32,
+                smem as u32,
             ))
         }?;
         Ok(())

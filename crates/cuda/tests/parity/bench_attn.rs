@@ -1,8 +1,8 @@
-//! Timing (ignored by default; `--ignored` runs it) of decode attention and the GDN recurrent step at the shapes of a
-//! full-size decode step, and of prefill attention chunks. Prints `BENCH` lines.
+//! Timing (ignored by default; `--ignored` runs it) of decode attention at the shapes of a full-size
+//! decode step, and of prefill attention chunks. Prints `BENCH` lines.
 
 use half::bf16;
-use sanmai_cuda::{AttnDims, GdnDims};
+use sanmai_cuda::AttnDims;
 
 use crate::bench::{pattern, time};
 use crate::common::gpu;
@@ -13,14 +13,6 @@ const ATTN: AttnDims = AttnDims {
     hkv: 2,
     head_dim: 256,
     block_size: 16,
-};
-
-/// Qwen3-Next's gated-delta-net layer.
-const GDN: GdnDims = GdnDims {
-    hk: 16,
-    hv: 32,
-    dk: 128,
-    dv: 128,
 };
 
 #[test]
@@ -114,43 +106,6 @@ fn bench_attention_prefill() {
             secs * 1e6,
             bytes as f64 / secs / 1e9,
             flops as f64 / secs / 1e12
-        );
-    }
-}
-
-#[test]
-#[ignore = "timing; run with --ignored on a GPU host"]
-fn bench_gdn_step() {
-    let Some(g) = gpu("bench_gdn_step") else {
-        return;
-    };
-    let dims = GDN;
-    for batch in [1usize, 8] {
-        let cd = dims.conv_dim();
-        let qkv = g.upload(&pattern(batch * cd, 9)).unwrap();
-        let a = g.upload(&pattern(batch * dims.hv, 10)).unwrap();
-        let b = g.upload(&pattern(batch * dims.hv, 11)).unwrap();
-        let a_log = g.upload(&vec![-1.0f32; dims.hv]).unwrap();
-        let dt_bias = g.upload(&vec![0.5f32; dims.hv]).unwrap();
-        let mut pool = g.zeros::<f32>(batch * dims.state_len()).unwrap();
-        let slots = g.upload(&(0..batch as u32).collect::<Vec<_>>()).unwrap();
-        let mut out = g.zeros::<bf16>(batch * dims.hv * dims.dv).unwrap();
-        let t = time(g, 3, 50, || {
-            g.gdn_recurrent_step(
-                dims, &qkv, &a, &b, &a_log, &dt_bias, &mut pool, &slots, &mut out, batch,
-            )
-            .unwrap()
-        });
-        // The state read and written once.
-        let bytes = 2 * batch * dims.state_len() * 4;
-        println!(
-            "BENCH gdn_recurrent_step b={batch} hk={} hv={} dk={} dv={} bytes={bytes} time_us={:.1} GB/s={:.0}",
-            dims.hk,
-            dims.hv,
-            dims.dk,
-            dims.dv,
-            t * 1e6,
-            bytes as f64 / t / 1e9
         );
     }
 }

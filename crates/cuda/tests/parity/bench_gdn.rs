@@ -1,9 +1,10 @@
-//! Timing (ignored by default; `--ignored` runs it) of the GDN prefill of one layer at Qwen3-Next-80B's
-//! shape: the multi-sequence causal conv and the chunked delta rule over 1 × 512 and 8 × 512 prompt
-//! tokens. Prints `BENCH` lines.
+//! Timing (ignored by default; `--ignored` runs it) of one GDN layer at Qwen3-Next-80B's shape: the
+//! prefill (the multi-sequence causal conv and the chunked delta rule over 1 × 512 and 8 × 512 prompt
+//! tokens) and the fused decode step (conv update, delta rule and gated RMSNorm in one launch) at
+//! batch 1 and 8. Prints `BENCH` lines.
 
 use half::bf16;
-use sanmai_cuda::GdnDims;
+use sanmai_cuda::{GdnDecodeWeights, GdnDims};
 
 use crate::bench::{pattern, time};
 use crate::common::gpu;
@@ -36,9 +37,12 @@ fn bench_gdn_prefill() {
         let starts = g
             .upload(&(0..n as u32).map(|i| i * t as u32).collect::<Vec<_>>())
             .unwrap();
+        let positions = g
+            .upload(&(0..rows as u32).map(|r| r % t as u32).collect::<Vec<_>>())
+            .unwrap();
         let lens = g.upload(&vec![t as u32; n]).unwrap();
         let slots = g.upload(&(0..n as u32).collect::<Vec<_>>()).unwrap();
-        let mut conv_pool = g.zeros::<bf16>(n * (kk - 1) * cd).unwrap();
+        let mut conv_pool = g.zeros::<bf16>(n * kk * cd).unwrap();
         let mut ssm_pool = g.zeros::<f32>(n * dims.state_len()).unwrap();
         let mut mixed = g.zeros::<bf16>(rows * cd).unwrap();
         let mut out = g.zeros::<bf16>(rows * dims.hv * dims.dv).unwrap();
@@ -47,6 +51,7 @@ fn bench_gdn_prefill() {
                 &x,
                 &w,
                 &mut conv_pool,
+                &positions,
                 &starts,
                 &lens,
                 &slots,
@@ -88,6 +93,66 @@ fn bench_gdn_prefill() {
             gdn_s * 1e6,
             layer * 1e6,
             rows as f64 / layer
+        );
+    }
+}
+
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_gdn_decode() {
+    let Some(g) = gpu("bench_gdn_decode") else {
+        return;
+    };
+    let dims = GDN;
+    let (cd, kk, hv, dv) = (dims.conv_dim(), CONV_KERNEL, dims.hv, dims.dv);
+    for batch in [1usize, 8] {
+        let qkv = g.upload(&pattern(batch * cd, 9)).unwrap();
+        let z = g.upload(&pattern(batch * hv * dv, 16)).unwrap();
+        let a = g.upload(&pattern(batch * hv, 10)).unwrap();
+        let b = g.upload(&pattern(batch * hv, 11)).unwrap();
+        let conv = g.upload(&pattern(cd * kk, 13)).unwrap();
+        let a_log = g.upload(&vec![-1.0f32; hv]).unwrap();
+        let dt_bias = g.upload(&vec![0.5f32; hv]).unwrap();
+        let norm = g.upload(&vec![bf16::ONE; dv]).unwrap();
+        let w = GdnDecodeWeights {
+            conv: &conv,
+            a_log: &a_log,
+            dt_bias: &dt_bias,
+            norm: &norm,
+        };
+        let mut conv_pool = g.zeros::<bf16>(batch * kk * cd).unwrap();
+        let mut ssm_pool = g.zeros::<f32>(batch * dims.state_len()).unwrap();
+        let slots = g.upload(&(0..batch as u32).collect::<Vec<_>>()).unwrap();
+        let positions = g.upload(&vec![1000u32; batch]).unwrap();
+        let mut out = g.zeros::<bf16>(batch * hv * dv).unwrap();
+        let secs = time(g, 3, 50, || {
+            g.gdn_decode(
+                dims,
+                kk,
+                &qkv,
+                &z,
+                &a,
+                &b,
+                &w,
+                1e-6,
+                &mut conv_pool,
+                &mut ssm_pool,
+                &slots,
+                &positions,
+                &mut out,
+                batch,
+            )
+            .unwrap()
+        });
+        // The recurrent state read and written once; the conv ring's K − 1 entries read and one
+        // written, the projection rows, z and the output.
+        let bytes = 2 * batch * dims.state_len() * 4 + batch * (kk * cd + cd + 2 * hv * dv) * 2;
+        println!(
+            "BENCH gdn_decode b={batch} hk={} hv={hv} dk={} dv={dv} k={kk} bytes={bytes} time_us={:.1} GB/s={:.0}",
+            dims.hk,
+            dims.dk,
+            secs * 1e6,
+            bytes as f64 / secs / 1e9
         );
     }
 }

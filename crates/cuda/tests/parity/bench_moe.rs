@@ -1,6 +1,7 @@
 //! Timing (ignored by default; `--ignored` runs it) of the MoE decode path: router top-k, sort, grouped
-//! expert GEMVs, combine at the shapes of a full-size decode step (512 experts, top 10; Qwen3-Next-80B:
-//! hidden 2048, intermediate 512; qwen4-exp-125b: hidden 2560, intermediate 768), batch 1 and 8.
+//! expert GEMVs, combine, and the one-launch routing against the launches it replaces, at the shapes
+//! of a full-size decode step (512 experts, top 10; Qwen3-Next-80B: hidden 2048, intermediate 512;
+//! qwen4-exp-125b: hidden 2560, intermediate 768), batch 1 and 8.
 //! Prints `BENCH` lines: microseconds per call and GB/s of the bytes the kernel must move (for the
 //! grouped GEMV: the chosen experts' weights, words and scales, plus its inputs and outputs).
 //!
@@ -256,5 +257,74 @@ fn bench_moe_decode() {
                 );
             }
         }
+    }
+}
+
+/// Router copies the routing benches cycle through (2 MB each at the 80B's shape: 96 MB, more than
+/// L2, as the 48 layers' routers are in a real step).
+const ROUTERS: usize = 48;
+
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_moe_route_decode() {
+    let Some(g) = gpu("bench_moe_route_decode") else {
+        return;
+    };
+    let mut rng = Rng::new(65);
+    // A decode step's routing at Qwen3-Next-80B-A3B's shape (hidden 2048, 512 experts, top 10) and
+    // qwen4-exp-125b-a6b's (hidden 2560): the two-launch path (router GEMV, the ids' memset, top-k,
+    // sort: four graph nodes) against the fused launch.
+    for (h, t) in [(2048usize, 1usize), (2048, 8), (2560, 1), (2560, 8)] {
+        let n = t * TOP_K;
+        let max_tiles = sanmai_cuda::moe_max_tiles(n, E);
+        let routers: Vec<CudaSlice<bf16>> = (0..ROUTERS)
+            .map(|i| g.upload(&pattern(E * h, 7 + i as u32)).unwrap())
+            .collect();
+        let x = g.upload(&pattern(t * h, 5)).unwrap();
+        let mut logits = g.zeros::<f32>(t * E).unwrap();
+        let mut ids = g.zeros::<u32>(n).unwrap();
+        let mut w = g.zeros::<f32>(n).unwrap();
+        let mut perm = g.zeros::<u32>(n).unwrap();
+        let mut tiles = g.zeros::<u32>(3 * max_tiles).unwrap();
+        let mut ticket = g.zeros::<u32>(1).unwrap();
+        let mut call = 0usize;
+        let t_old = time(g, ROUTERS, 10 * ROUTERS, || {
+            let r = &routers[call % ROUTERS];
+            call += 1;
+            g.gemv_bf16_f32(r, &x, &mut logits, t, E, h).unwrap();
+            g.stream().memset_zeros(&mut ids).unwrap();
+            g.route_topk(&logits, &mut ids, &mut w, t, E, TOP_K, true)
+                .unwrap();
+            g.moe_sort(&ids, n, E, &mut perm, &mut tiles).unwrap();
+        });
+        let mut call = 0usize;
+        let t_fused = time(g, ROUTERS, 10 * ROUTERS, || {
+            let r = &routers[call % ROUTERS];
+            call += 1;
+            g.moe_route_decode(
+                r,
+                &x,
+                t,
+                h,
+                E,
+                TOP_K,
+                true,
+                &mut logits,
+                &mut ids,
+                &mut w,
+                &mut perm,
+                &mut tiles,
+                &mut ticket,
+            )
+            .unwrap();
+        });
+        let bytes = E * h * 2 + t * h * 2;
+        println!(
+            "BENCH moe_route t={t} h={h} e={E} k={TOP_K} bytes={bytes} two_launch_us={:.2} fused_us={:.2} fused_GB/s={:.0} speedup={:.2}",
+            t_old * 1e6,
+            t_fused * 1e6,
+            bytes as f64 / t_fused / 1e9,
+            t_old / t_fused
+        );
     }
 }

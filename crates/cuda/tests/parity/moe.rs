@@ -4,8 +4,52 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
+use sanmai_cuda::Gpu;
 
 use crate::common::{check_reduction, from_bf16, gpu, to_bf16, Rng};
+
+/// Checks the grouping contract of `moe_sort` (and of `moe_route_decode`'s grouping) for expert ids
+/// `ids` over `e` experts: `tiles` holds `(expert, start, count ≤ MOE_TILE)` expert after expert in
+/// ascending order, each tile starting where the one before ended in `perm`, as many tiles as the
+/// experts' counts need and `(0, 0, 0)` after them; every pair of a tile is of its expert; every kept
+/// pair (id < e) is in exactly one tile. The order inside an expert's run is free.
+pub fn check_grouping(ids: &[u32], e: usize, perm: &[u32], tiles: &[u32]) {
+    let mut counts = vec![0usize; e];
+    for &x in ids {
+        if (x as usize) < e {
+            counts[x as usize] += 1;
+        }
+    }
+    let kept: usize = counts.iter().sum();
+    let want_tiles: usize = counts
+        .iter()
+        .map(|c| c.div_ceil(sanmai_cuda::MOE_TILE))
+        .sum();
+    let mut seen = vec![false; ids.len()];
+    let mut covered = 0;
+    let mut next = 0usize; // where the next tile must start in perm
+    let mut last_expert = None;
+    for (ti, t) in tiles.chunks_exact(3).enumerate() {
+        let (x, start, cnt) = (t[0], t[1] as usize, t[2] as usize);
+        assert!(cnt <= sanmai_cuda::MOE_TILE);
+        if ti >= want_tiles {
+            assert_eq!(t, [0, 0, 0], "tile slot {ti} past the {want_tiles} tiles");
+            continue;
+        }
+        assert!(cnt > 0, "tile {ti} of {want_tiles} empty");
+        assert_eq!(start, next, "tiles follow each other in perm");
+        assert!(last_expert <= Some(x), "tile {ti}: experts ascend");
+        last_expert = Some(x);
+        next += cnt;
+        for &p in &perm[start..start + cnt] {
+            assert_eq!(ids[p as usize], x, "pair {p} in a tile of expert {x}");
+            assert!(!seen[p as usize], "pair {p} twice");
+            seen[p as usize] = true;
+            covered += 1;
+        }
+    }
+    assert_eq!(covered, kept, "every kept pair in exactly one tile");
+}
 
 #[test]
 fn moe_sort_groups_pairs() {
@@ -37,40 +81,12 @@ fn moe_sort_groups_pairs() {
         let mut perm = g.zeros::<u32>(n).unwrap();
         let mut tiles = g.zeros::<u32>(3 * max_tiles).unwrap();
         g.moe_sort(&di, n, e, &mut perm, &mut tiles).unwrap();
-        let perm = g.download(&perm).unwrap();
-        let tiles = g.download(&tiles).unwrap();
-        let mut counts = vec![0usize; e];
-        for &x in &ids {
-            if (x as usize) < e {
-                counts[x as usize] += 1;
-            }
-        }
-        let kept: usize = counts.iter().sum();
-        let want_tiles: usize = counts
-            .iter()
-            .map(|c| c.div_ceil(sanmai_cuda::MOE_TILE))
-            .sum();
-        let mut seen = vec![false; n];
-        let mut covered = 0;
-        let mut next = 0usize; // where the next tile must start in perm
-        for (ti, t) in tiles.chunks_exact(3).enumerate() {
-            let (x, start, cnt) = (t[0], t[1] as usize, t[2] as usize);
-            assert!(cnt <= sanmai_cuda::MOE_TILE);
-            if ti >= want_tiles {
-                assert_eq!(t, [0, 0, 0], "tile slot {ti} past the {want_tiles} tiles");
-                continue;
-            }
-            assert!(cnt > 0, "tile {ti} of {want_tiles} empty");
-            assert_eq!(start, next, "tiles follow each other in perm");
-            next += cnt;
-            for &p in &perm[start..start + cnt] {
-                assert_eq!(ids[p as usize], x, "pair {p} in a tile of expert {x}");
-                assert!(!seen[p as usize], "pair {p} twice");
-                seen[p as usize] = true;
-                covered += 1;
-            }
-        }
-        assert_eq!(covered, kept, "every kept pair in exactly one tile");
+        check_grouping(
+            &ids,
+            e,
+            &g.download(&perm).unwrap(),
+            &g.download(&tiles).unwrap(),
+        );
         println!("PARITY op=moe_sort shape=pairs{n}_e{e}_dropped{dropped} exact=true");
     }
 }
@@ -218,21 +234,38 @@ fn moe_experts_match_cpu() {
         let gu_tab = g.upload(&gu_ptrs).unwrap();
         let dn_tab = g.upload(&dn_ptrs).unwrap();
         let mut lg = g.zeros::<f32>(t * e).unwrap();
-        if t <= 8 {
-            g.gemv_bf16_f32(&r, &x, &mut lg, t, e, h).unwrap();
-        } else {
-            g.gemm_bf16_f32(&x, &r, &mut lg, t, e, h).unwrap();
-        }
         let n = t * k;
         let mut ids = g.zeros::<u32>(n).unwrap();
         let mut wts = g.zeros::<f32>(n).unwrap();
-        g.route_topk(&lg, &mut ids, &mut wts, t, e, k, true)
-            .unwrap();
         let mut perm = g.zeros::<u32>(n).unwrap();
         let mut tiles = g
             .zeros::<u32>(3 * sanmai_cuda::moe_max_tiles(n, e))
             .unwrap();
-        g.moe_sort(&ids, n, e, &mut perm, &mut tiles).unwrap();
+        if Gpu::moe_route_decode_fits(t, h, e, k) {
+            // Decode-sized steps: router GEMV, top-k and grouping in one launch.
+            let mut ticket = g.zeros::<u32>(1).unwrap();
+            g.moe_route_decode(
+                &r,
+                &x,
+                t,
+                h,
+                e,
+                k,
+                true,
+                &mut lg,
+                &mut ids,
+                &mut wts,
+                &mut perm,
+                &mut tiles,
+                &mut ticket,
+            )
+            .unwrap();
+        } else {
+            g.gemm_bf16_f32(&x, &r, &mut lg, t, e, h).unwrap();
+            g.route_topk(&lg, &mut ids, &mut wts, t, e, k, true)
+                .unwrap();
+            g.moe_sort(&ids, n, e, &mut perm, &mut tiles).unwrap();
+        }
         let mut gu = g.zeros::<bf16>(n * 2 * i).unwrap();
         g.moe_gemv(&gu_tab, &x, t, k, &perm, &tiles, n, &mut gu, 2 * i, h)
             .unwrap();

@@ -122,7 +122,9 @@ __device__ __forceinline__ void gdn_decode_impl(
     const bool store_qk = K > 1 && h % ratio == 0, store_v = K > 1;
     const size_t wr = (size_t)(pos % (u32)K) * c;
     for (int t = threadIdx.x; t < 2 * dk + dv; t += blockDim.x) {
-        const int ch = t < dk ? kh * dk + t : t < 2 * dk ? (hk + kh) * dk + (t - dk) : 2 * hk * dk + h * dv + (t - 2 * dk);
+        const int ch = t < dk       ? kh * dk + t
+                       : t < 2 * dk ? (hk + kh) * dk + (t - dk)
+                                    : 2 * hk * dk + h * dv + (t - 2 * dk);
         const bf16 x = xrow[ch];
         xs[t] = gdn_conv_channel(ring, conv_w, bf2f(x), pos, ch, c, K);
         if (t >= 2 * dk ? store_v : store_qk) ring[wr + ch] = x;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How far the reference itself lands from its float64 fixtures when it computes in bfloat16.
 
-Usage:  python3 bf16_distance.py FIXTURES_DIR [--device cpu|cuda] [--dtypes bfloat16,float32]
+Usage:  python3 bf16_distance.py FIXTURES_DIR [--device cpu|cuda] [--dtypes bfloat16,float32] [--json OUT]
 
 For every fixture directory under FIXTURES_DIR that this script knows (the transformers checkpoints of
 make_fixtures.py and the qwen4_exp checkpoints of qwen4_exp_ref.py), loads the saved bf16 weights into
@@ -13,7 +13,9 @@ end-to-end test's lines:
   DIST model=NAME dtype=bfloat16 prompt=P tokens=N mean_err=… max_err=…
 
 That is the distance a bf16 implementation of the same model starts from, which the GPU backend's
-whole-pass bounds are read against (the tiny random checkpoints amplify rounding).
+whole-pass bounds are read against (the tiny random checkpoints amplify rounding). With --json, also
+writes {fixture: [{"prompt", "tokens", "mean_err", "max_err"}, ...]} of the bf16 runs (the committed
+tests/fixtures/bf16_distance.json, which the GPU end-to-end tests read).
 """
 
 import argparse
@@ -72,18 +74,22 @@ def q4_logits(d, dtype, device):
 
 @torch.no_grad()
 def distance(name, d, dtype, device):
+    """One line per prompt; returns [{"prompt", "tokens", "mean_err", "max_err"}]."""
     ref = json.load(open(os.path.join(d, "reference.json")))
     logits = hf_logits(name, d, dtype, device) if name in HF else q4_logits(d, dtype, device)
+    out = []
     for pi, p in enumerate(ref["prompts"]):
         ids = torch.tensor(p["ids"])
         lp = torch.log_softmax(logits(ids).to(torch.float64), dim=-1).cpu()
         errs = [abs(float(lp[t - 1, ids[t]]) - p["prompt_logprobs"][t]) for t in range(1, len(ids))]
+        mean, worst = sum(errs) / len(errs), max(errs)
         dt = str(dtype).removeprefix("torch.")
         print(
-            f"DIST model={name} dtype={dt} prompt={pi} tokens={len(ids)} "
-            f"mean_err={sum(errs) / len(errs):.3f} max_err={max(errs):.3f}",
+            f"DIST model={name} dtype={dt} prompt={pi} tokens={len(ids)} mean_err={mean:.3f} max_err={worst:.3f}",
             flush=True,
         )
+        out.append({"prompt": pi, "tokens": len(ids), "mean_err": round(mean, 4), "max_err": round(worst, 4)})
+    return out
 
 
 def main():
@@ -91,7 +97,9 @@ def main():
     ap.add_argument("fixtures")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--json", help="write the bf16 runs' distances here")
     args = ap.parse_args()
+    found = {}
     dtypes = [getattr(torch, t) for t in args.dtypes.split(",")]
     for name in sorted(os.listdir(args.fixtures)):
         d = os.path.join(args.fixtures, name)
@@ -103,9 +111,16 @@ def main():
             continue
         for dtype in dtypes:
             try:
-                distance(name, d, dtype, args.device)
+                rows = distance(name, d, dtype, args.device)
             except Exception as e:  # one fixture failing should not hide the others
                 print(f"DIST model={name} dtype={dtype} error={type(e).__name__}: {e}", flush=True)
+                continue
+            if dtype == torch.bfloat16:
+                found[name] = rows
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(found, f, indent=1, sort_keys=True)
+            f.write("\n")
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ def fp8_index_keys(k):
     s = (kf.abs().amax(-1) / FP8_MAX).to(torch.bfloat16).float()
     s = torch.where(s == 0, torch.ones_like(s), s)
     k8 = (kf / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return k8.to(torch.float64) * s.to(torch.float64)[:, None]
+    return (k8.to(torch.float64) * s.to(torch.float64)[:, None]).to(k.dtype)
 
 
 class Indexer(nn.Module):

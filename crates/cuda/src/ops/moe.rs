@@ -12,7 +12,7 @@ use half::bf16;
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
-/// Pairs per tile of the grouped GEMV (`MOE_TILE` in `moe.cu`).
+/// Pairs per tile of the grouped GEMV (`MOE_TILE` in `moe_route.cuh`).
 pub const MOE_TILE: usize = 8;
 /// Threads per block of the grouped GEMV.
 const GEMV_THREADS: usize = 256;

@@ -233,3 +233,36 @@ impl Gpu {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_slots_take_the_widest_cut_the_row_fills() {
+        // 2048 and 2560 values (256 and 320 chunks): 256-thread slots, 2 rows a block, so the 80B's
+        // router of 512 rows is 256 blocks.
+        assert_eq!(decode_slot_log2(2048), 8);
+        assert_eq!(decode_slot_log2(2560), 8);
+        assert_eq!(
+            512usize.div_ceil(DECODE_THREADS >> decode_slot_log2(2048)),
+            256
+        );
+        // 1000 values (125 chunks): 64 threads; short rows keep a warp.
+        assert_eq!(decode_slot_log2(1000), 6);
+        assert_eq!(decode_slot_log2(64), 5);
+        assert_eq!(decode_slot_log2(8), 5);
+    }
+
+    #[test]
+    fn decode_routing_takes_decode_shapes_only() {
+        assert!(Gpu::moe_route_decode_fits(1, 2048, 512, 10));
+        assert!(Gpu::moe_route_decode_fits(8, 2560, 1024, 16));
+        assert!(!Gpu::moe_route_decode_fits(9, 2048, 512, 10));
+        assert!(!Gpu::moe_route_decode_fits(0, 2048, 512, 10));
+        assert!(!Gpu::moe_route_decode_fits(1, 2048, 512, 17));
+        assert!(!Gpu::moe_route_decode_fits(1, 2048, 2048, 10));
+        assert!(!Gpu::moe_route_decode_fits(1, 2044, 512, 10));
+        assert!(!Gpu::moe_route_decode_fits(1, 64, 8, 9));
+    }
+}

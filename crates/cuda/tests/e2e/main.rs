@@ -8,14 +8,14 @@
 //!   (`tests/fixtures/*/reference.json`), the MTP head's draft log-probs, and the CPU backend on the
 //!   same mixed schedule.
 //!
-//! Why the whole-pass bounds are loose: these random tiny models amplify rounding. transformers' own
-//! bfloat16 run of prompt 1 differs from its float64 reference by up to 3.4 in the logits with 89 % argmax
-//! agreement (`debug.bfloat16_run_prompt1` in reference.json), while the f32 CPU backend is within 1e-3.
-//! The GPU keeps activations in bf16, so its log-probs sit at transformers-bf16 distance from the
-//! reference, far above 0.05. The whole-pass checks therefore bound the mean absolute log-prob error by
-//! [`MEAN_TOL`] and the largest by [`MAX_TOL`] (a wrong op gives errors of several units on most
-//! positions), and compare greedy tokens while transformers' top-2 gap is at least [`GAP`] (below it the
-//! comparison stops and prints `near-tie`).
+//! The whole-pass bound: these random tiny models amplify rounding, so no bf16 implementation lands
+//! within 0.05 of the float64 reference on them. transformers' own bfloat16 run of the same checkpoints
+//! (`tests/reference/bf16_distance.py`, recorded in `tests/fixtures/bf16_distance.json`) is off by a
+//! mean 0.07–0.16 and a largest 0.09–3.2 per prompt, while the f32 CPU backend is within 1e-3. The GPU
+//! keeps activations in bf16, so each prompt's mean absolute log-prob error must be within [`MARGIN`]
+//! (the 0.05) of that bf16 run's, and its largest within [`MAX_TOL`] (a wrong op gives errors of
+//! several units on most positions). Greedy tokens are compared while transformers' top-2 gap is at
+//! least [`GAP`] (below it the comparison stops and prints `near-tie`).
 //!
 //! Without a GPU every test prints `skipped: <test>: <reason>` and passes. Each check prints one
 //! `E2E` line that `scripts/gpu_check.sh` collects into its report.
@@ -31,7 +31,8 @@ use serde_json::Value;
 
 mod lockstep;
 
-const MEAN_TOL: f64 = 0.2;
+/// A prompt's mean log-prob error may exceed transformers' own bf16 run's by this much.
+const MARGIN: f64 = 0.05;
 const MAX_TOL: f64 = 2.5;
 const GAP: f64 = 1.0;
 /// The MTP check compares draft log-probs at or above this reference value.
@@ -87,6 +88,24 @@ fn load<B: Backend>(name: &str, b: B) -> Model<B> {
 fn reference(name: &str) -> Value {
     serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap())
         .unwrap()
+}
+
+/// transformers' bf16 run's mean log-prob error on each prompt of `name` (`bf16_distance.json` beside
+/// the fixtures; `qwen3_5_moe_tiny` holds the same weights and references as `qwen3_5_moe_text_tiny`).
+fn bf16_mean_errors(name: &str) -> Vec<f64> {
+    let path = fixture(name).with_file_name("bf16_distance.json");
+    let all: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let key = if name == "qwen3_5_moe_tiny" {
+        "qwen3_5_moe_text_tiny"
+    } else {
+        name
+    };
+    all[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{}: no entry for {key}", path.display()))
+        .iter()
+        .map(|p| p["mean_err"].as_f64().unwrap())
+        .collect()
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -179,6 +198,7 @@ fn check_prompts(name: &str, chunk_len: usize, staged: bool) {
     };
     let m = load(name, b);
     let reference = reference(name);
+    let bf16 = bf16_mean_errors(name);
     for (pi, p) in reference["prompts"].as_array().unwrap().iter().enumerate() {
         let prompt = ids(&p["ids"]);
         let seq = Seq::new(&m, pi);
@@ -200,13 +220,15 @@ fn check_prompts(name: &str, chunk_len: usize, staged: bool) {
             .map(|t| (rows[t - 1][prompt[t] as usize] - expected[t]).abs())
             .collect();
         let (mean, worst) = mean_max(&errs);
+        let tol_mean = bf16[pi] + MARGIN;
         println!(
-            "E2E check=prompt_logprobs model={name} prompt={pi} tokens={} chunk={chunk_len} staged={staged} mean_err={mean:.3} max_err={worst:.3} tol_mean={MEAN_TOL} tol_max={MAX_TOL}",
-            prompt.len()
+            "E2E check=prompt_logprobs model={name} prompt={pi} tokens={} chunk={chunk_len} staged={staged} mean_err={mean:.3} max_err={worst:.3} transformers_bf16_mean_err={:.3} tol_mean={tol_mean:.3} tol_max={MAX_TOL}",
+            prompt.len(),
+            bf16[pi]
         );
         assert!(
-            mean <= MEAN_TOL && worst <= MAX_TOL,
-            "{test} prompt {pi}: log-prob error mean {mean}, max {worst}"
+            mean <= tol_mean && worst <= MAX_TOL,
+            "{test} prompt {pi}: log-prob error mean {mean} (bound {tol_mean}), max {worst}"
         );
 
         // Greedy continuation through the batched decode path.
@@ -419,9 +441,11 @@ fn mixed_step_matches_cpu() {
             mem.gdn_states,
             mem.workspace
         );
+        // Every vocabulary entry of every row, on prompt 2's tokens: bounded as that prompt.
+        let tol_mean = bf16_mean_errors(name)[2] + MARGIN;
         assert!(
-            mean <= MEAN_TOL && worst <= MAX_TOL,
-            "{name}: mixed schedule log-prob error mean {mean}, max {worst}"
+            mean <= tol_mean && worst <= MAX_TOL,
+            "{name}: mixed schedule log-prob error mean {mean} (bound {tol_mean}), max {worst}"
         );
     }
 }

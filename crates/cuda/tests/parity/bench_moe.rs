@@ -270,7 +270,6 @@ fn bench_moe_route_decode() {
     let Some(g) = gpu("bench_moe_route_decode") else {
         return;
     };
-    let mut rng = Rng::new(65);
     // A decode step's routing at Qwen3-Next-80B-A3B's shape (hidden 2048, 512 experts, top 10) and
     // qwen4-exp-125b-a6b's (hidden 2560): the two-launch path (router GEMV, the ids' memset, top-k,
     // sort: four graph nodes) against the fused launch.

@@ -312,8 +312,10 @@ impl Layer {
     }
 }
 
-/// A layer's weights on the device.
+/// A layer's shape, conv kernel size and weights on the device.
 struct DevLayer {
+    dims: GdnDims,
+    kk: usize,
     conv: CudaSlice<bf16>,
     a_log: CudaSlice<f32>,
     dt_bias: CudaSlice<f32>,
@@ -323,6 +325,8 @@ struct DevLayer {
 impl DevLayer {
     fn new(g: &sanmai_cuda::Gpu, l: &Layer) -> Self {
         DevLayer {
+            dims: l.dims,
+            kk: l.kk,
             conv: g.upload(&l.conv.0).unwrap(),
             a_log: g.upload(&l.a_log).unwrap(),
             dt_bias: g.upload(&l.dt_bias).unwrap(),
@@ -453,8 +457,7 @@ impl DevPools {
 /// slot `slots[i]`. Returns the output `[rows, hv·dv]`.
 fn gpu_decode(
     g: &sanmai_cuda::Gpu,
-    l: &Layer,
-    w: &DevLayer,
+    l: &DevLayer,
     x: &Proj,
     pools: &mut DevPools,
     slots: &[u32],
@@ -473,7 +476,7 @@ fn gpu_decode(
         &z,
         &a,
         &b,
-        &w.weights(),
+        &l.weights(),
         EPS,
         &mut pools.conv,
         &mut pools.ssm,
@@ -491,8 +494,7 @@ fn gpu_decode(
 /// `slots[i]`. Returns the output `[rows, hv·dv]`.
 fn gpu_prefill(
     g: &sanmai_cuda::Gpu,
-    l: &Layer,
-    w: &DevLayer,
+    l: &DevLayer,
     x: &Proj,
     pools: &mut DevPools,
     lens: &[usize],
@@ -523,7 +525,7 @@ fn gpu_prefill(
     let max_len = lens.iter().copied().max().unwrap_or(0);
     g.conv1d_prefill(
         &qkv,
-        &w.conv,
+        &l.conv,
         &mut pools.conv,
         &pd,
         &st,
@@ -542,8 +544,8 @@ fn gpu_prefill(
         &mixed,
         &a,
         &b,
-        &w.a_log,
-        &w.dt_bias,
+        &l.a_log,
+        &l.dt_bias,
         &mut pools.ssm,
         &st,
         &ln,
@@ -553,7 +555,7 @@ fn gpu_prefill(
         n,
     )
     .unwrap();
-    g.gated_rms_norm(&core, &z, &w.norm, &mut out, rows * hv, dv, EPS)
+    g.gated_rms_norm(&core, &z, &l.norm, &mut out, rows * hv, dv, EPS)
         .unwrap();
     from_bf16(&g.download(&out).unwrap())
 }
@@ -601,7 +603,7 @@ fn decode_case(
         conv: g.upload(&ringb).unwrap(),
         ssm: g.upload(&ssm0).unwrap(),
     };
-    let got = gpu_decode(g, l, &w, &x, &mut pools, slots, positions);
+    let got = gpu_decode(g, &w, &x, &mut pools, slots, positions);
     let shape = format!("b{b}_{}", l.shape());
     check_reduction("gdn_decode_out", &shape, &got, &want);
     for (i, &s) in slots.iter().enumerate() {
@@ -714,7 +716,7 @@ fn prefill_then_decode_case(
         want.extend(cpu_layer(l, &x.rows(r0, t), st, t));
         r0 += t;
     }
-    let got = gpu_prefill(g, l, &w, &x, &mut pools, lens, slots, &vec![0; n]);
+    let got = gpu_prefill(g, &w, &x, &mut pools, lens, slots, &vec![0; n]);
     check_reduction("gdn_prefill_out", &shape, &got, &want);
 
     let mut pos: Vec<u32> = lens.iter().map(|&t| t as u32).collect();
@@ -724,7 +726,7 @@ fn prefill_then_decode_case(
         for (i, st) in cpu.iter_mut().enumerate() {
             want.extend(cpu_layer(l, &x.rows(i, 1), st, 0));
         }
-        let got = gpu_decode(g, l, &w, &x, &mut pools, slots, &pos);
+        let got = gpu_decode(g, &w, &x, &mut pools, slots, &pos);
         check_reduction(
             "gdn_decode_after_prefill",
             &format!("{shape}_step{step}"),
@@ -805,7 +807,6 @@ fn chunks_then_decode_case(
     for &len in chunks {
         got.extend(gpu_prefill(
             g,
-            l,
             &w,
             &x.rows(p, len),
             &mut pools,
@@ -818,7 +819,6 @@ fn chunks_then_decode_case(
     for _ in 0..decodes {
         got.extend(gpu_decode(
             g,
-            l,
             &w,
             &x.rows(p, 1),
             &mut pools,

@@ -6,8 +6,9 @@
 //! own, so cache writes, slot handling, copy_block and copy_state are covered.
 //!
 //! Bounds: stateless ops [`MAX_REL`] / [`RMS_REL`]; the stateful cores (attention, GDN) [`STATE_MAX_REL`]
-//! / [`STATE_RMS_REL`], because they round inside (q/k after RoPE, the cache, the conv output and the
-//! delta-rule output are bf16 on the GPU, f32 on the CPU) and the gated RMSNorm after the delta rule
+//! / [`STATE_RMS_REL`], because they round inside (q/k after RoPE and the cache are bf16 on the GPU, and
+//! so are the conv and delta-rule outputs of prefill, which decode keeps in f32 inside its one fused
+//! kernel; all f32 on the CPU) and the gated RMSNorm after the delta rule
 //! rescales rows whose output nearly cancels, so their relative error is that of the cancelled sum.
 
 use std::collections::BTreeMap;

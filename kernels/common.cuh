@@ -108,6 +108,19 @@ __device__ __forceinline__ void unpack8(const uint4 v, float out[8]) {
     }
 }
 
+// Inclusive scans of two counts across a warp: lane i ends with the sums over lanes 0 … i.
+__device__ __forceinline__ void warp_inclusive_scan2(u32& a, u32& b) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 x = __shfl_up_sync(0xffffffffu, a, o), y = __shfl_up_sync(0xffffffffu, b, o);
+        if (lane >= o) {
+            a += x;
+            b += y;
+        }
+    }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

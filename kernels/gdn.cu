@@ -70,6 +70,22 @@ __device__ __forceinline__ void gdn_store_tile(const float4 (&st)[NR], float* __
     }
 }
 
+// The sum over the block's warps of one partial column reduction: part[w][4·lane … 4·lane + 3], in
+// warp order.
+template <int WARPS>
+__device__ __forceinline__ float4 gdn_sum_parts(const float (&part)[WARPS][GDN_TILE], int lane) {
+    float4 m = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+        const float4 p = *reinterpret_cast<const float4*>(&part[w][4 * lane]);
+        m.x += p.x;
+        m.y += p.y;
+        m.z += p.z;
+        m.w += p.w;
+    }
+    return m;
+}
+
 // Causal conv + SiLU of channel ch for the token at position pos: the K − 1 preceding inputs from the
 // ring (entry (pos + 1 + j) mod K holds position pos − K + 1 + j), then the token's own input x.
 __device__ __forceinline__ float gdn_conv_channel(const bf16* __restrict__ ring, const bf16* __restrict__ w,
@@ -184,15 +200,7 @@ __device__ __forceinline__ void gdn_decode_impl(
         __syncthreads();
         float delta[4];
         {
-            float4 m = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) {
-                const float4 p = *reinterpret_cast<const float4*>(&part[0][w][4 * lane]);
-                m.x += p.x;
-                m.y += p.y;
-                m.z += p.z;
-                m.w += p.w;
-            }
+            const float4 m = gdn_sum_parts<WARPS>(part[0], lane);
             const float mm[4] = {m.x, m.y, m.z, m.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
@@ -201,15 +209,7 @@ __device__ __forceinline__ void gdn_decode_impl(
             }
         }
         if (warp == 0) {
-            float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-            for (int w = 0; w < WARPS; ++w) {
-                const float4 p = *reinterpret_cast<const float4*>(&part[1][w][4 * lane]);
-                t.x += p.x;
-                t.y += p.y;
-                t.z += p.z;
-                t.w += p.w;
-            }
+            const float4 t = gdn_sum_parts<WARPS>(part[1], lane);
             const float tt[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e)

@@ -44,14 +44,7 @@ extern "C" __global__ void moe_gemm_plan(const u32* __restrict__ ids, int n_pair
         nt += (cnt[x] + MG_TILE - 1) / MG_TILE;
     }
     u32 ip = np, it = nt;  // inclusive scans within the warp
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const u32 a = __shfl_up_sync(0xffffffffu, ip, o), b = __shfl_up_sync(0xffffffffu, it, o);
-        if (lane >= o) {
-            ip += a;
-            it += b;
-        }
-    }
+    warp_inclusive_scan2(ip, it);
     if (lane == 31) {
         warp_pairs[warp] = ip;
         warp_tiles[warp] = it;
@@ -59,14 +52,7 @@ extern "C" __global__ void moe_gemm_plan(const u32* __restrict__ ids, int n_pair
     __syncthreads();
     if (warp == 0) {
         u32 a = lane < nwarps ? warp_pairs[lane] : 0, b = lane < nwarps ? warp_tiles[lane] : 0;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const u32 ua = __shfl_up_sync(0xffffffffu, a, o), ub = __shfl_up_sync(0xffffffffu, b, o);
-            if (lane >= o) {
-                a += ua;
-                b += ub;
-            }
-        }
+        warp_inclusive_scan2(a, b);
         if (lane < nwarps) {
             warp_pairs[lane] = a;  // inclusive over warps
             warp_tiles[lane] = b;

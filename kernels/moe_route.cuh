@@ -192,14 +192,7 @@ __device__ __forceinline__ void moe_sort_block(const u32* ids, int n_pairs, int 
         t_sum += (c + MOE_TILE - 1) / MOE_TILE;
     }
     u32 c_inc = c_sum, t_inc = t_sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const u32 a = __shfl_up_sync(0xffffffffu, c_inc, o), b = __shfl_up_sync(0xffffffffu, t_inc, o);
-        if (lane >= o) {
-            c_inc += a;
-            t_inc += b;
-        }
-    }
+    warp_inclusive_scan2(c_inc, t_inc);
     if (lane == 31) {
         wsum[0][warp] = c_inc;
         wsum[1][warp] = t_inc;
@@ -207,14 +200,7 @@ __device__ __forceinline__ void moe_sort_block(const u32* ids, int n_pairs, int 
     __syncthreads();
     if (warp == 0) {
         u32 a = lane < nwarps ? wsum[0][lane] : 0u, b = lane < nwarps ? wsum[1][lane] : 0u;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const u32 a2 = __shfl_up_sync(0xffffffffu, a, o), b2 = __shfl_up_sync(0xffffffffu, b, o);
-            if (lane >= o) {
-                a += a2;
-                b += b2;
-            }
-        }
+        warp_inclusive_scan2(a, b);
         wsum[0][lane] = a; // inclusive over warps
         wsum[1][lane] = b;
     }

@@ -135,7 +135,7 @@ impl CudaBackend {
         let mut perm = self.scratch::<u32>(n)?;
         let mut tiles = self.scratch::<u32>(3 * moe_max_tiles(n, e))?;
         if let CudaWeight::Bf16(router) = &w.router {
-            if t == 1 && Gpu::moe_route_decode_fits(t, h, e, k) && router.shape == [e, h] {
+            if Gpu::moe_route_decode_fits(t, h, e, k) && router.shape == [e, h] {
                 let mut logits = self.scratch::<f32>(t * e)?;
                 let mut ids = self.scratch::<u32>(n)?;
                 let mut wts = self.scratch::<f32>(n)?;

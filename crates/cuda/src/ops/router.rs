@@ -22,11 +22,9 @@ const SORT_MAX_K: usize = 16;
 const SORT_MAX_E: usize = 1024;
 /// Tokens (warps) per block of the one-warp-per-token kernels.
 const WARPS_PER_BLOCK: usize = 4;
-/// The most tokens [`Gpu::moe_route_decode`] takes (its entry points `moe_route_decode_m1..m8`).
-const DECODE_MAX_TOKENS: usize = 8;
-/// Threads per block of `moe_route_decode_m*` (`ROUTE_THREADS` in moe_route.cu).
+/// Threads per block of `moe_route_decode_m1` (`ROUTE_THREADS` in moe_route.cu).
 const DECODE_THREADS: usize = 512;
-/// The widest row slot of `moe_route_decode_m*` (`gemv_slot_sum` sums at most 8 warps).
+/// The widest row slot of `moe_route_decode_m1` (`gemv_slot_sum` sums at most 8 warps).
 const DECODE_MAX_SLOT: usize = 256;
 
 /// log2 of the threads per router row of [`Gpu::moe_route_decode`] for rows of `h` values: the widest
@@ -129,10 +127,10 @@ impl Gpu {
     }
 
     /// Whether [`Gpu::moe_route_decode`] takes a step of `t` tokens of width `h` routed to `k` of `e`
-    /// experts: `1 ≤ t ≤ 8`, `1 ≤ k ≤ 16`, `k ≤ e ≤ 1024` (the sort-and-merge top-k's limits) and
+    /// experts: one token (`t == 1`: where one launch beats the separate ones, see moe_route.cu), `1 ≤ k ≤ 16`, `k ≤ e ≤ 1024` (the sort-and-merge top-k's limits) and
     /// `h % 8 == 0`.
     pub fn moe_route_decode_fits(t: usize, h: usize, e: usize, k: usize) -> bool {
-        (1..=DECODE_MAX_TOKENS).contains(&t)
+        t == 1
             && (1..=SORT_MAX_K).contains(&k)
             && k <= e
             && e <= SORT_MAX_E
@@ -167,7 +165,7 @@ impl Gpu {
         const OP: &str = "moe_route_decode";
         ensure(Self::moe_route_decode_fits(t, h, e, k), OP, || {
             format!(
-                "t = {t}, h = {h}, e = {e}, k = {k}: needs 1 ≤ t ≤ {DECODE_MAX_TOKENS}, \
+                "t = {t}, h = {h}, e = {e}, k = {k}: needs t = 1, \
                  1 ≤ k ≤ {SORT_MAX_K}, k ≤ e ≤ {SORT_MAX_E}, h % 8 == 0"
             )
         })?;
@@ -203,7 +201,7 @@ impl Gpu {
         let (pp, _gp) = perm.device_ptr_mut(s);
         let (tp, _gt) = tiles.device_ptr_mut(s);
         let (cp, _gc) = ticket.device_ptr_mut(s);
-        let mut b = self.launch(self.kernel(&format!("moe_route_decode_m{t}"))?);
+        let mut b = self.launch(self.kernel("moe_route_decode_m1")?);
         b.arg(&wp)
             .arg(&xp)
             .arg(&lp)
@@ -257,8 +255,8 @@ mod tests {
     #[test]
     fn decode_routing_takes_decode_shapes_only() {
         assert!(Gpu::moe_route_decode_fits(1, 2048, 512, 10));
-        assert!(Gpu::moe_route_decode_fits(8, 2560, 1024, 16));
-        assert!(!Gpu::moe_route_decode_fits(9, 2048, 512, 10));
+        assert!(Gpu::moe_route_decode_fits(1, 2560, 1024, 16));
+        assert!(!Gpu::moe_route_decode_fits(2, 2048, 512, 10));
         assert!(!Gpu::moe_route_decode_fits(0, 2048, 512, 10));
         assert!(!Gpu::moe_route_decode_fits(1, 2048, 512, 17));
         assert!(!Gpu::moe_route_decode_fits(1, 2048, 2048, 10));

@@ -331,8 +331,8 @@ fn route_decode_case(
 }
 
 /// The fused decode routing (`moe_route_decode`: router GEMV, softmax top-k and grouping by expert in
-/// one launch) at the models' shapes and odd ones, batch 1, 3 and 8, three consecutive launches per
-/// shape through one ticket (which must come back to 0 each time).
+/// one launch, one token) at the models' shapes and odd ones, three consecutive launches per shape
+/// through one ticket (which must come back to 0 each time).
 ///
 /// Routing flips: the fused launch's logits differ from the CPU's and from the two-launch GEMV's only
 /// in summation order, so where two experts' logits are that close their order may differ. A differing
@@ -363,13 +363,12 @@ fn moe_route_decode_matches_cpu_and_two_launch_path() {
         ("e1000", 136, 1000, 16, false),
         ("e32_k16", 40, 32, 16, true),
     ] {
-        for t in [1usize, 3, 8] {
-            let s = RouteShape { t, h, e, k, renorm };
-            for inputs in [Inputs::Random, Inputs::DuplicateRows, Inputs::ZeroToken] {
-                let shape = format!("{label}_t{t}_h{h}_e{e}_k{k}_renorm{renorm}_{inputs:?}");
-                route_decode_case(g, &mut rng, &mut ticket, s, inputs, &shape);
-                assert_eq!(g.download(&ticket).unwrap(), [0], "{shape}: ticket");
-            }
+        let t = 1;
+        let s = RouteShape { t, h, e, k, renorm };
+        for inputs in [Inputs::Random, Inputs::DuplicateRows, Inputs::ZeroToken] {
+            let shape = format!("{label}_t{t}_h{h}_e{e}_k{k}_renorm{renorm}_{inputs:?}");
+            route_decode_case(g, &mut rng, &mut ticket, s, inputs, &shape);
+            assert_eq!(g.download(&ticket).unwrap(), [0], "{shape}: ticket");
         }
     }
 }
@@ -390,8 +389,8 @@ fn moe_route_decode_rejects_bad_shapes() {
     let mut perm = g.zeros::<u32>(9 * 17).unwrap();
     let mut tiles = g.zeros::<u32>(3 * 9 * 17).unwrap();
     let mut ticket = g.zeros::<u32>(1).unwrap();
-    // (t, h, k): 9 tokens, k = 9 > e, k = 0, h not a multiple of 8.
-    for (t, hh, k) in [(9, h, 2), (1, h, 9), (1, h, 0), (1, 60, 2)] {
+    // (t, h, k): 2 tokens, k = 9 > e, k = 0, h not a multiple of 8.
+    for (t, hh, k) in [(2, h, 2), (1, h, 9), (1, h, 0), (1, 60, 2)] {
         assert!(g
             .moe_route_decode(
                 &r,

@@ -24,6 +24,7 @@ mod conv;
 mod dense;
 mod elementwise;
 mod gdn;
+mod gdn_decode;
 mod hc;
 mod kv;
 mod moe;

@@ -1,272 +1,307 @@
-//! One step of the forward pass over a batch of sequence chunks, and the MTP draft head.
+//! One step of the model, [`Model::step`]: a batch of sequence chunks in, the rows asked for out.
 //!
-//! The residual is a `[rows, S·H]` tensor of S streams (S = 1 without hyper-connections, where it is
-//! the plain `[rows, H]` residual). Per decoder layer: the PLE mix on the streams (PLE layers only),
+//! A step starts from the chunks' tokens (the first pipeline stage embeds them), from the residual
+//! streams the previous stage returned, or, for the MTP draft head, from the main model's final-normed
+//! hidden states ([`StepStart`]). The residual is a `[rows, S·H]` tensor of S streams (S = 1 without
+//! hyper-connections, where it is the plain `[rows, H]` residual). Per decoder layer: the PLE mix on
+//! the streams (PLE layers only; its table rows are gathered from the chunks' token ids by `ple.rs`),
 //! then for the mixer and the FFN sublayer: `x` = the streams (S = 1) or their pre-mix, `y = F(N(x))`,
-//! then `R += y` (S = 1) or the gated residual of spec §4.
+//! then `R += y` (S = 1) or the gated residual of spec §4. The last stage ends with the final norm
+//! and, for the rows asked for, the lm_head.
 
 use sanmai_ple::PleError;
+use thiserror::Error;
 
-use crate::backend::{Backend, DecodeStep, HcWeights, MlpWeights, SeqChunk};
+use crate::backend::{
+    AttnCall, Backend, BackendError, DecodeStep, GdnCall, HcWeights, MlpWeights, MoeCall,
+    OpResult, QsaCall, SeqChunk, SharedExpert,
+};
 use crate::load::{Ffn, Layer, Mixer, Model};
 
-/// [`DecodeStep::region`] of [`Model::forward`]'s decode steps (outputs: the hidden states).
+/// [`DecodeStep::region`] of decode steps that return hidden states only.
 const REGION_HIDDEN: u32 = 0;
-/// [`DecodeStep::region`] of [`Model::forward_logits`]'s decode steps (outputs: hidden states, logits).
+/// [`DecodeStep::region`] of decode steps that return hidden states and logits.
 const REGION_LOGITS: u32 = 1;
 
-/// What a pipeline stage starts from ([`Model::forward_stage`]).
-pub enum StageInput<'a, T> {
-    /// The step's token ids (the first stage).
-    Tokens(&'a [u32]),
-    /// The residual streams `[rows, S·H]` the previous stage returned.
-    Streams(T),
+/// Which rows of a chunk a step returns (logits on the last stage, and hidden states when asked).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutRows {
+    None,
+    /// The chunk's last token (to sample the next one).
+    Last,
+    /// Every token of the chunk (prompt log-probabilities, an MTP draft over a prompt).
+    All,
 }
 
-/// What a step returns: the final-normed hidden states of the requested rows (what the lm_head and the
-/// MTP head consume).
+/// One sequence's share of a step.
+#[derive(Debug, Clone, Copy)]
+pub struct StepChunk<'a> {
+    /// The tokens at positions `pos0 ..`; for [`StepStart::Draft`], the token that follows each row's
+    /// position (what the draft head embeds).
+    pub tokens: &'a [u32],
+    /// The tokens just before `pos0` (up to the PLE n-gram's longest order minus one; fewer near the
+    /// start): what the step reads of the past besides the caches.
+    pub history: &'a [u32],
+    /// Position of `tokens[0]`; the caches hold exactly `pos0` tokens before the step.
+    pub pos0: usize,
+    /// GDN (and PLE conv) state slot, holding the state after `pos0` tokens.
+    pub state: usize,
+    /// K/V block table covering at least `pos0 + tokens.len()` positions.
+    pub blocks: &'a [u32],
+    /// The rows returned.
+    pub out: OutRows,
+}
+
+/// What a step starts from.
+pub enum StepStart<T> {
+    /// The chunks' token embeddings (the first stage).
+    Tokens,
+    /// The residual streams `[rows, S·H]` the previous stage returned, on this stage's backend.
+    Streams(T),
+    /// The MTP draft head (last stage): the main model's final-normed hidden state `[rows, H]` at each
+    /// row's position. Its attention uses cache layer `num_layers`; its residual is plain.
+    Draft(T),
+}
+
+/// One step's input.
+pub struct StepInput<'a, T> {
+    /// The chunks, in row order: chunk `i`'s tokens are the rows after chunk `i − 1`'s.
+    pub chunks: &'a [StepChunk<'a>],
+    pub start: StepStart<T>,
+    /// Also return the final-normed hidden states of the rows asked for (what an MTP draft reads).
+    pub hidden: bool,
+}
+
+/// What a step returns. On the last stage: the logits `[rows, vocab]` of the rows the chunks asked
+/// for (`None` when none did), and their hidden states when [`StepInput::hidden`] asked. On another
+/// stage: the residual streams of every row, for the next stage.
 pub struct StepOutput<T> {
-    pub hidden: T,
+    pub logits: Option<T>,
+    pub hidden: Option<T>,
+    pub streams: Option<T>,
+}
+
+/// Why a step failed.
+#[derive(Debug, Error)]
+pub enum StepError {
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("PLE rows: {0}")]
+    Ple(#[from] PleError),
+    #[error("{0}")]
+    Input(String),
+}
+
+/// The step's chunks as the backend sees them, with the rows they return.
+pub(crate) struct Layout<'a> {
+    pub ids: Vec<u32>,
+    pub seqs: Vec<SeqChunk<'a>>,
+    pub out_rows: Vec<usize>,
+}
+
+impl<'a> Layout<'a> {
+    fn of(chunks: &'a [StepChunk<'a>]) -> Self {
+        let mut ids = Vec::with_capacity(chunks.iter().map(|c| c.tokens.len()).sum());
+        let mut seqs = Vec::with_capacity(chunks.len());
+        let mut out_rows = Vec::new();
+        for c in chunks {
+            let start = ids.len();
+            ids.extend_from_slice(c.tokens);
+            seqs.push(SeqChunk {
+                start,
+                len: c.tokens.len(),
+                pos0: c.pos0,
+                state: c.state,
+                blocks: c.blocks,
+            });
+            match c.out {
+                OutRows::None => {}
+                OutRows::Last if c.tokens.is_empty() => {}
+                OutRows::Last => out_rows.push(start + c.tokens.len() - 1),
+                OutRows::All => out_rows.extend(start..start + c.tokens.len()),
+            }
+        }
+        Layout {
+            ids,
+            seqs,
+            out_rows,
+        }
+    }
 }
 
 impl<B: Backend> Model<B> {
-    /// Runs `ids` (the tokens of every chunk, in `seqs` order) through the model, appending to the slots'
-    /// caches, and returns the final-normed hidden states of `out_rows`.
-    ///
-    /// # Panics
-    /// If the model has PLE layers: those need the rows of [`Model::ple_rows`] through
-    /// [`Model::forward_with`].
-    pub fn forward(
-        &self,
-        ids: &[u32],
-        seqs: &[SeqChunk<'_>],
-        out_rows: &[usize],
-    ) -> StepOutput<B::Tensor> {
-        self.forward_with(ids, seqs, out_rows, None)
-    }
-
-    /// [`Model::forward`] with the step's PLE rows (`[rows, E]`, from [`Model::ple_rows`]), which a model
-    /// with PLE layers requires.
-    pub fn forward_with(
-        &self,
-        ids: &[u32],
-        seqs: &[SeqChunk<'_>],
-        out_rows: &[usize],
-        ple_rows: Option<&B::Tensor>,
-    ) -> StepOutput<B::Tensor> {
-        if self.replayable(seqs) {
-            let step = DecodeStep {
-                region: REGION_HIDDEN,
-                ids,
-                seqs,
-                out_rows,
-            };
-            if let Some(rows) = ple_rows {
-                self.backend.ple_step_rows(rows);
+    /// Runs one step: appends the chunks' tokens to their caches and returns what [`StepOutput`]
+    /// says. A decode step of the whole model (every chunk one token, from tokens) runs as one
+    /// [`Backend::decode_step`] from the embedding to the logits, which a backend may replay from a
+    /// recording.
+    pub fn step(&self, input: StepInput<'_, B::Tensor>) -> Result<StepOutput<B::Tensor>, StepError> {
+        let layout = Layout::of(input.chunks);
+        let last = self.is_last_stage();
+        let logits = last && !layout.out_rows.is_empty();
+        match input.start {
+            StepStart::Tokens if !self.is_first_stage() => Err(StepError::Input(format!(
+                "the stage of layers {:?} starts from the previous stage's streams, not tokens",
+                self.stage
+            ))),
+            StepStart::Streams(_) if self.is_first_stage() => Err(StepError::Input(
+                "the first stage starts from tokens, not streams".into(),
+            )),
+            StepStart::Draft(h) => {
+                let h = self
+                    .mtp_pass(&layout, &h)?
+                    .filter(|_| last)
+                    .ok_or_else(|| StepError::Input("this model holds no MTP head".into()))?;
+                let h = self.backend.rows(&h, &layout.out_rows)?;
+                Ok(self.outputs(h, logits, input.hidden)?)
             }
-            let run = || vec![self.forward_pass(ids, seqs, out_rows, ple_rows)];
-            let hidden = self.backend.decode_step(&step, &run).pop();
-            return StepOutput {
-                hidden: hidden.expect("decode_step returned no tensor"),
-            };
-        }
-        StepOutput {
-            hidden: self.forward_pass(ids, seqs, out_rows, ple_rows),
-        }
-    }
-
-    /// [`Model::forward`] followed by [`Model::logits`] of its hidden states: `(hidden, logits)`. A
-    /// decode step (every chunk one token) runs as one [`Backend::decode_step`] from the embedding to
-    /// the logits, which a backend may replay from a recording.
-    ///
-    /// # Panics
-    /// As [`Model::forward`]: a model with PLE layers goes through [`Model::forward_logits_with`].
-    pub fn forward_logits(
-        &self,
-        ids: &[u32],
-        seqs: &[SeqChunk<'_>],
-        out_rows: &[usize],
-    ) -> (StepOutput<B::Tensor>, B::Tensor) {
-        self.forward_logits_with(ids, seqs, out_rows, None)
-    }
-
-    /// [`Model::forward_logits`] with the step's PLE rows, as [`Model::forward_with`].
-    pub fn forward_logits_with(
-        &self,
-        ids: &[u32],
-        seqs: &[SeqChunk<'_>],
-        out_rows: &[usize],
-        ple_rows: Option<&B::Tensor>,
-    ) -> (StepOutput<B::Tensor>, B::Tensor) {
-        let run = || {
-            let hidden = self.forward_pass(ids, seqs, out_rows, ple_rows);
-            let logits = self.logits(&hidden);
-            vec![hidden, logits]
-        };
-        let mut out = if self.replayable(seqs) {
-            let step = DecodeStep {
-                region: REGION_LOGITS,
-                ids,
-                seqs,
-                out_rows,
-            };
-            if let Some(rows) = ple_rows {
-                self.backend.ple_step_rows(rows);
+            StepStart::Tokens if last && layout.seqs.iter().all(|s| s.len == 1) => {
+                let ple = self.ple_rows(input.chunks, &layout)?;
+                if let Some(rows) = &ple {
+                    self.backend.ple_step_rows(rows)?;
+                }
+                let step = DecodeStep {
+                    region: if logits { REGION_LOGITS } else { REGION_HIDDEN },
+                    ids: &layout.ids,
+                    seqs: &layout.seqs,
+                    out_rows: &layout.out_rows,
+                };
+                let run = || {
+                    let streams = self.layers_pass(&layout, None, ple.as_ref())?;
+                    let out = self.head(&layout, streams, logits, true)?;
+                    Ok(out.hidden.into_iter().chain(out.logits).collect())
+                };
+                let mut out = self.backend.decode_step(&step, &run)?.into_iter();
+                let hidden = out.next();
+                let logits = if logits { out.next() } else { None };
+                Ok(StepOutput {
+                    logits,
+                    hidden: hidden.filter(|_| input.hidden),
+                    streams: None,
+                })
             }
-            self.backend.decode_step(&step, &run)
-        } else {
-            run()
-        };
-        let (Some(logits), Some(hidden), None) = (out.pop(), out.pop(), out.pop()) else {
-            panic!("decode_step returned other than (hidden, logits)");
-        };
-        (StepOutput { hidden }, logits)
+            start => {
+                let ple = self.ple_rows(input.chunks, &layout)?;
+                let streams = match start {
+                    StepStart::Streams(x) => Some(x),
+                    _ => None,
+                };
+                let streams = self.layers_pass(&layout, streams, ple.as_ref())?;
+                if !last {
+                    return Ok(StepOutput {
+                        logits: None,
+                        hidden: None,
+                        streams: Some(streams),
+                    });
+                }
+                Ok(self.head(&layout, streams, logits, input.hidden)?)
+            }
+        }
     }
 
-    /// Whether a step may go through [`Backend::decode_step`]: every chunk one token. The PLE rows,
-    /// the one step input made outside the backend's step metadata, reach the backend through
-    /// [`Backend::ple_step_rows`] first.
-    fn replayable(&self, seqs: &[SeqChunk<'_>]) -> bool {
-        !seqs.is_empty() && seqs.iter().all(|s| s.len == 1)
-    }
-
-    fn forward_pass(
+    /// The last stage's head on the residual streams of every row: the rows asked for, the
+    /// hyper-connections' head collapse, the final norm, and the lm_head when `logits`.
+    fn head(
         &self,
-        ids: &[u32],
-        seqs: &[SeqChunk<'_>],
-        out_rows: &[usize],
-        ple_rows: Option<&B::Tensor>,
-    ) -> B::Tensor {
-        assert!(
-            self.is_first_stage() && self.is_last_stage(),
-            "the stage of layers {:?} runs through forward_stage",
-            self.stage
-        );
-        self.forward_stage(StageInput::Tokens(ids), seqs, out_rows, ple_rows)
-    }
-
-    /// One pipeline stage's part of a step ([`Model::load_stage`]): the first stage takes the step's
-    /// token ids ([`StageInput::Tokens`]), a later one the residual streams `[rows, S·H]` the previous
-    /// stage returned ([`StageInput::Streams`], moved onto this stage's backend by the caller). A stage
-    /// other than the last returns its residual streams (every row, for the next stage); the last
-    /// returns the final-normed hidden states of `out_rows`, as [`Model::forward`]. `ple_rows` as
-    /// [`Model::forward_with`] (needed by a stage holding PLE layers). Runs eagerly (no
-    /// [`Backend::decode_step`] recording).
-    pub fn forward_stage(
-        &self,
-        input: StageInput<'_, B::Tensor>,
-        seqs: &[SeqChunk<'_>],
-        out_rows: &[usize],
-        ple_rows: Option<&B::Tensor>,
-    ) -> B::Tensor {
+        layout: &Layout<'_>,
+        streams: B::Tensor,
+        logits: bool,
+        hidden: bool,
+    ) -> OpResult<StepOutput<B::Tensor>> {
         let b = &self.backend;
-        let mut streams = match input {
-            StageInput::Tokens(ids) => {
-                let x = b.embed(self.embedding(), ids);
+        let r = b.rows(&streams, &layout.out_rows)?;
+        let x = match &self.hc_head {
+            Some(pre) => b.hc_premix(&r, pre)?,
+            None => r,
+        };
+        let h = b.rms_norm(&x, self.final_norm(), self.cfg.rms_norm_eps, 1.0)?;
+        self.outputs(h, logits, hidden)
+    }
+
+    /// A last stage's outputs from the final-normed hidden states `h` of the rows asked for.
+    fn outputs(&self, h: B::Tensor, logits: bool, hidden: bool) -> OpResult<StepOutput<B::Tensor>> {
+        let logits = if logits { Some(self.logits(&h)?) } else { None };
+        Ok(StepOutput {
+            logits,
+            hidden: hidden.then_some(h),
+            streams: None,
+        })
+    }
+
+    /// The stage's decoder layers over the step's rows, from `streams` (a later stage) or the token
+    /// embeddings (the first stage); returns the residual streams `[rows, S·H]` of every row.
+    fn layers_pass(
+        &self,
+        layout: &Layout<'_>,
+        streams: Option<B::Tensor>,
+        ple_rows: Option<&B::Tensor>,
+    ) -> OpResult<B::Tensor> {
+        let b = &self.backend;
+        let seqs = &layout.seqs[..];
+        let mut streams = match streams {
+            Some(x) => x,
+            None => {
+                let x = b.embed(self.embedding(), &layout.ids)?;
                 // Every stream starts as the token embedding.
                 match &self.cfg.hyper_connections {
-                    Some(hc) if hc.num_streams > 1 => (2..hc.num_streams)
-                        .fold(b.concat_cols(&x, &x), |acc, _| b.concat_cols(&acc, &x)),
+                    Some(hc) if hc.num_streams > 1 => {
+                        let mut acc = b.concat_cols(&x, &x)?;
+                        for _ in 2..hc.num_streams {
+                            acc = b.concat_cols(&acc, &x)?;
+                        }
+                        acc
+                    }
                     _ => x,
                 }
             }
-            StageInput::Streams(x) => x,
         };
         // The last sublayer's output, not yet added to the residual: the next norm adds it.
         let mut pending = None;
         for (i, layer) in self.stage.clone().zip(&self.layers) {
             if let Some(w) = &layer.ple {
                 if let Some(y) = pending.take() {
-                    b.add(&mut streams, &y);
+                    b.add(&mut streams, &y)?;
                 }
-                let (shape, _) = self
-                    .ple
-                    .as_ref()
-                    .expect("PLE weights come with a PLE shape");
-                let rows = ple_rows.expect("a model with PLE layers needs forward_with(ple_rows)");
-                b.ple_mix(i, shape, &mut streams, rows, w, seqs);
+                self.ple_mix(i, w, &mut streams, ple_rows, seqs)?;
             }
-            pending = self.layer_forward(i, layer, &mut streams, pending, seqs);
+            pending = self.layer_forward(i, layer, &mut streams, pending, seqs)?;
         }
         if let Some(y) = pending {
-            b.add(&mut streams, &y);
+            b.add(&mut streams, &y)?;
         }
-        if !self.is_last_stage() {
-            return streams;
-        }
-        let r = b.rows(&streams, out_rows);
-        let x = match &self.hc_head {
-            Some(pre) => b.hc_premix(&r, pre),
-            None => r,
-        };
-        b.rms_norm(&x, self.final_norm(), self.cfg.rms_norm_eps, 1.0)
-    }
-
-    /// The PLE rows of a step: for chunk `i` of `seqs`, the rows of positions `pos0 .. pos0 + len` of
-    /// `tokens[i]` (the sequence's tokens from position 0, at least `pos0 + len` of them), placed at the
-    /// chunk's activation rows. `None` when the model has no PLE.
-    pub fn ple_rows(
-        &self,
-        tokens: &[&[u32]],
-        seqs: &[SeqChunk<'_>],
-    ) -> Result<Option<B::Tensor>, PleError> {
-        let Some((shape, source)) = &self.ple else {
-            return Ok(None);
-        };
-        if tokens.len() != seqs.len() {
-            return Err(PleError::Input(format!(
-                "{} token histories for {} chunks",
-                tokens.len(),
-                seqs.len()
-            )));
-        }
-        let e = shape.row_width;
-        let rows = seqs.iter().map(|s| s.start + s.len).max().unwrap_or(0);
-        let mut data = vec![0f32; rows * e];
-        for (s, toks) in seqs.iter().zip(tokens) {
-            source.gather(
-                toks,
-                s.pos0..s.pos0 + s.len,
-                e,
-                &mut data[s.start * e..(s.start + s.len) * e],
-            )?;
-        }
-        Ok(Some(self.backend.upload(rows, e, data)))
+        Ok(streams)
     }
 
     /// Logits `[rows, vocab]` of final-normed hidden states.
-    pub fn logits(&self, hidden: &B::Tensor) -> B::Tensor {
+    pub fn logits(&self, hidden: &B::Tensor) -> OpResult<B::Tensor> {
         self.backend.linear(
             hidden,
             self.lm_head.as_ref().unwrap_or_else(|| self.embedding()),
         )
     }
 
-    /// The MTP draft head: for each row, the token that follows (`next_ids`) and the main model's
-    /// final-normed hidden state at the row's position (`h_prev`). Its attention uses cache layer index
-    /// `num_layers` (QSA when the model has `qsa`); its residual is plain (no hyper-connections, no PLE).
-    /// Returns the hidden states after `mtp.norm`; [`Model::logits`] turns them into draft logits.
-    pub fn mtp_forward(
-        &self,
-        next_ids: &[u32],
-        h_prev: &B::Tensor,
-        seqs: &[SeqChunk<'_>],
-    ) -> Option<B::Tensor> {
-        let mtp = self.mtp.as_ref()?;
+    /// The MTP draft head over every row: `fc(cat[norm_e(embed(next)), norm_h(h_prev)])`, its decoder
+    /// layer (cache layer `num_layers`), then `mtp.norm`: the draft's final-normed hidden states.
+    /// `None` without an MTP head.
+    fn mtp_pass(&self, layout: &Layout<'_>, h_prev: &B::Tensor) -> OpResult<Option<B::Tensor>> {
+        let Some(mtp) = self.mtp.as_ref() else {
+            return Ok(None);
+        };
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
+        let seqs = &layout.seqs[..];
         let e = b.rms_norm(
-            &b.embed(self.embedding(), next_ids),
+            &b.embed(self.embedding(), &layout.ids)?,
             &mtp.pre_fc_norm_embedding,
             eps,
             1.0,
-        );
-        let h = b.rms_norm(h_prev, &mtp.pre_fc_norm_hidden, eps, 1.0);
-        let mut x = b.linear(&b.concat_cols(&e, &h), &mtp.fc);
-        match self.layer_forward(self.cfg.num_layers, &mtp.layer, &mut x, None, seqs) {
-            Some(y) => Some(b.add_rms_norm(&mut x, &y, &mtp.norm, eps, 1.0)),
-            None => Some(b.rms_norm(&x, &mtp.norm, eps, 1.0)),
-        }
+        )?;
+        let h = b.rms_norm(h_prev, &mtp.pre_fc_norm_hidden, eps, 1.0)?;
+        let mut x = b.linear(&b.concat_cols(&e, &h)?, &mtp.fc)?;
+        let h = match self.layer_forward(self.cfg.num_layers, &mtp.layer, &mut x, None, seqs)? {
+            Some(y) => b.add_rms_norm(&mut x, &y, &mtp.norm, eps, 1.0)?,
+            None => b.rms_norm(&x, &mtp.norm, eps, 1.0)?,
+        };
+        Ok(Some(h))
     }
 
     /// One decoder layer on the residual `streams`. `pending` is the previous sublayer's output not
@@ -280,52 +315,59 @@ impl<B: Backend> Model<B> {
         streams: &mut B::Tensor,
         pending: Option<B::Tensor>,
         seqs: &[SeqChunk<'_>],
-    ) -> Option<B::Tensor> {
+    ) -> OpResult<Option<B::Tensor>> {
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
         let hc = layer.hc.as_ref();
         let (hn, x) = match (hc, pending) {
             (None, Some(y)) => (
-                b.add_rms_norm(streams, &y, &layer.input_norm, eps, 1.0),
+                b.add_rms_norm(streams, &y, &layer.input_norm, eps, 1.0)?,
                 None,
             ),
             (_, pending) => {
                 if let Some(y) = pending {
-                    b.add(streams, &y);
+                    b.add(streams, &y)?;
                 }
-                let x = hc.map(|(a, _)| b.hc_premix(streams, &a.pre));
-                let hn = b.rms_norm(x.as_ref().unwrap_or(streams), &layer.input_norm, eps, 1.0);
+                let x = match hc {
+                    Some((a, _)) => Some(b.hc_premix(streams, &a.pre)?),
+                    None => None,
+                };
+                let hn = b.rms_norm(x.as_ref().unwrap_or(streams), &layer.input_norm, eps, 1.0)?;
                 (hn, x)
             }
         };
-        let mixed = self.mixer(index, layer, &hn, seqs);
+        let mixed = self.mixer(index, layer, &hn, seqs)?;
 
         let hn = match hc {
-            None => b.add_rms_norm(streams, &mixed, &layer.post_attention_norm, eps, 1.0),
+            None => b.add_rms_norm(streams, &mixed, &layer.post_attention_norm, eps, 1.0)?,
             Some((a, f)) => {
-                self.residual(streams, x.as_ref(), &mixed, a);
-                let x = b.hc_premix(streams, &f.pre);
-                let hn = b.rms_norm(&x, &layer.post_attention_norm, eps, 1.0);
-                let out = self.ffn(layer, &hn);
-                self.residual(streams, Some(&x), &out, f);
-                return None;
+                self.residual(streams, x.as_ref(), &mixed, a)?;
+                let x = b.hc_premix(streams, &f.pre)?;
+                let hn = b.rms_norm(&x, &layer.post_attention_norm, eps, 1.0)?;
+                let out = self.ffn(layer, &hn)?;
+                self.residual(streams, Some(&x), &out, f)?;
+                return Ok(None);
             }
         };
-        Some(self.ffn(layer, &hn))
+        Ok(Some(self.ffn(layer, &hn)?))
     }
 
     /// The FFN sublayer's output for normed input `hn`: the dense MLP, or the routed experts plus the
     /// sigmoid-gated shared expert.
-    fn ffn(&self, layer: &Layer<B::Weight>, hn: &B::Tensor) -> B::Tensor {
+    fn ffn(&self, layer: &Layer<B::Weight>, hn: &B::Tensor) -> OpResult<B::Tensor> {
         let b = &self.backend;
         match &layer.ffn {
             Ffn::Dense(m) => self.mlp(m, hn),
             Ffn::Moe(m) => {
                 let shared = match (&m.shared, &m.shared_gate) {
-                    (Some(shared), Some(gate)) => Some((self.mlp(shared, hn), b.linear(hn, gate))),
+                    (Some(shared), Some(gate)) => Some((self.mlp(shared, hn)?, b.linear(hn, gate)?)),
                     _ => None,
                 };
-                b.moe_experts(hn, m, shared.as_ref().map(|(y, g)| (y, g)))
+                b.moe_experts(&MoeCall {
+                    x: hn,
+                    w: m,
+                    shared: shared.as_ref().map(|(y, gate)| SharedExpert { y, gate }),
+                })
             }
         }
     }
@@ -336,20 +378,28 @@ impl<B: Backend> Model<B> {
         layer: &Layer<B::Weight>,
         hn: &B::Tensor,
         seqs: &[SeqChunk<'_>],
-    ) -> B::Tensor {
+    ) -> OpResult<B::Tensor> {
         let b = &self.backend;
-        let eps = self.cfg.rms_norm_eps;
+        let attn = |w, q_gate, k, v| AttnCall {
+            layer: index,
+            shape: &self.attn_shape,
+            rope: &self.rope,
+            q_gate,
+            k,
+            v,
+            w,
+            seqs,
+        };
         match &layer.mixer {
             Mixer::Attention(w) => {
-                let [q, k, v] = linear_n(b, hn, [&w.q_proj, &w.k_proj, &w.v_proj]);
-                let o = b.attention(index, &self.attn_shape, &self.rope, &q, &k, &v, w, seqs);
+                let [q, k, v] = linear_n(b, hn, [&w.q_proj, &w.k_proj, &w.v_proj])?;
+                let o = b.attention(&attn(w, &q, &k, &v))?;
                 b.linear(&o, &w.o_proj)
             }
             Mixer::Qsa(w, iw) => {
-                let qsa = self
-                    .qsa
-                    .as_ref()
-                    .expect("QSA weights come with a QSA shape");
+                let qsa = self.qsa.as_ref().ok_or_else(|| {
+                    BackendError::invalid("qsa_attention", "QSA weights without a QSA shape")
+                })?;
                 let [q, k, v, iq, ik, ig] = linear_n(
                     b,
                     hn,
@@ -361,22 +411,15 @@ impl<B: Backend> Model<B> {
                         &iw.wk,
                         &iw.weights_proj,
                     ],
-                );
-                let o = b.qsa_attention(
-                    index,
-                    &self.attn_shape,
-                    &self.rope,
+                )?;
+                let o = b.qsa_attention(&QsaCall {
+                    attn: attn(w, &q, &k, &v),
                     qsa,
-                    &q,
-                    &k,
-                    &v,
-                    w,
-                    &iq,
-                    &ik,
-                    &ig,
-                    iw,
-                    seqs,
-                );
+                    iq: &iq,
+                    ik: &ik,
+                    iw: &ig,
+                    indexer: iw,
+                })?;
                 b.linear(&o, &w.o_proj)
             }
             Mixer::Gdn(w) => {
@@ -384,8 +427,18 @@ impl<B: Backend> Model<B> {
                     b,
                     hn,
                     [&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a],
-                );
-                let o = b.gdn(index, &self.gdn_shape, &qkv, &z, &bb, &a, w, eps, seqs);
+                )?;
+                let o = b.gdn(&GdnCall {
+                    layer: index,
+                    shape: &self.gdn_shape,
+                    qkv: &qkv,
+                    z: &z,
+                    b: &bb,
+                    a: &a,
+                    w,
+                    eps: self.cfg.rms_norm_eps,
+                    seqs,
+                })?;
                 b.linear(&o, &w.out_proj)
             }
         }
@@ -399,14 +452,16 @@ impl<B: Backend> Model<B> {
         x: Option<&B::Tensor>,
         y: &B::Tensor,
         w: &HcWeights<B::Weight>,
-    ) {
-        let x = x.expect("a hyper-connection sublayer has its pre-mixed input");
-        self.backend.hc_residual(streams, x, y, w);
+    ) -> OpResult<()> {
+        let x = x.ok_or_else(|| {
+            BackendError::invalid("hc_residual", "a hyper-connection sublayer without its input")
+        })?;
+        self.backend.hc_residual(streams, x, y, w)
     }
 
-    fn mlp(&self, m: &MlpWeights<B::Weight>, x: &B::Tensor) -> B::Tensor {
+    fn mlp(&self, m: &MlpWeights<B::Weight>, x: &B::Tensor) -> OpResult<B::Tensor> {
         let b = &self.backend;
-        b.linear(&b.swiglu(&b.linear(x, &m.gate_up)), &m.down)
+        b.linear(&b.swiglu(&b.linear(x, &m.gate_up)?)?, &m.down)
     }
 }
 
@@ -415,9 +470,13 @@ fn linear_n<B: Backend, const N: usize>(
     b: &B,
     x: &B::Tensor,
     ws: [&B::Weight; N],
-) -> [B::Tensor; N] {
-    let ys = b.linear_many(x, &ws);
-    assert_eq!(ys.len(), N, "linear_many returns one result per weight");
-    let mut it = ys.into_iter();
-    std::array::from_fn(|_| it.next().expect("one result per weight"))
+) -> OpResult<[B::Tensor; N]> {
+    let ys = b.linear_many(x, &ws)?;
+    let got = ys.len();
+    <[B::Tensor; N]>::try_from(ys).map_err(|_| {
+        BackendError::invalid(
+            "linear_many",
+            format!("{got} results for {N} weights"),
+        )
+    })
 }

@@ -1,27 +1,27 @@
 //! The forward pass of Qwen3-Next / Qwen3.5-MoE hybrid models and of qwen4_exp, written once over the
 //! [`Backend`] trait: embedding, gated attention (dense, or QSA with its lightning indexer) and
 //! gated-delta-net mixers, dense and MoE feed-forward blocks, the PLE mix with its host-gathered table
-//! rows, hyper-connections' residual streams, the final norm and lm_head, and the MTP draft head; a
-//! model is the whole layer stack or one pipeline stage of it (`Model::load_stage`,
-//! `Model::forward_stage`). Backends (CPU reference, CUDA) supply the ops and own the per-sequence
-//! caches; this crate decides what is computed, in which order, with which weights, and how sampling
-//! draws a token from a row of logits (`sample`, which the backends' sampling op follows).
+//! rows, hyper-connections' residual streams, the final norm and lm_head, and the MTP draft head. One
+//! entry point, [`Model::step`], runs a batch of sequence chunks through the whole layer stack or one
+//! pipeline stage of it (`Model::load_stage`). Backends (CPU reference, CUDA) supply the ops and own
+//! the per-sequence caches; this crate decides what is computed, in which order, with which weights,
+//! and how sampling draws a token from a row of logits (`sample`, which the backends' sampling op
+//! follows).
 
 pub mod backend;
 pub mod builtin;
-mod ext;
 mod forward;
 mod load;
-mod load_ext;
 mod ple;
 mod roofline;
 pub mod sample;
 
 pub use backend::{
-    AttnShape, AttnWeights, Backend, DecodeStep, GdnShape, GdnWeights, HcWeights, IndexerWeights,
-    MlpWeights, MoeWeights, PleShape, PleWeights, QsaShape, Rope, SeqChunk,
+    AttnCall, AttnShape, AttnWeights, Backend, BackendError, DecodeStep, GdnCall, GdnShape,
+    GdnWeights, HcWeights, IndexerWeights, MlpWeights, MoeCall, MoeWeights, OpResult, PleCall,
+    PleShape, PleWeights, Probe, QsaCall, QsaShape, Rope, SampleCall, SeqChunk, SharedExpert,
 };
-pub use forward::{StageInput, StepOutput};
+pub use forward::{OutRows, StepChunk, StepError, StepInput, StepOutput, StepStart};
 pub use load::{Ffn, Layer, Mixer, Model, MtpWeights};
 pub use ple::PleSource;
 pub use roofline::StepBytes;

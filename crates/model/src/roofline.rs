@@ -1,6 +1,6 @@
 //! What one decode step must read from memory, counted from the loaded tensors: the roofline of
 //! `sanmai bench`. Weights are counted at the bytes the backend stores them in; routed experts only
-//! for the experts a step actually routed to (the counts come from [`Backend::take_routing`]); the
+//! for the experts a step actually routed to (the counts come from [`Probe::take_routing`](crate::backend::Probe::take_routing)); the
 //! embedding table only for the rows looked up; plus the per-sequence state the step reads (GDN
 //! recurrent and conv state, attention K/V up to the context length).
 

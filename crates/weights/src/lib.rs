@@ -38,6 +38,8 @@ pub enum WeightError {
     DType { name: String, found: String },
     #[error("quantized tensor `{name}`: {message}")]
     Quant { name: String, message: String },
+    #[error("uploading a weight to the backend: {message}")]
+    Upload { message: String },
 }
 
 pub type Result<T> = std::result::Result<T, WeightError>;

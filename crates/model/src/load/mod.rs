@@ -11,9 +11,11 @@ use sanmai_weights::{Init, Result, TensorSource, WeightError};
 
 use crate::backend::{
     AttnShape, AttnWeights, Backend, CacheSpec, GdnShape, GdnWeights, HcWeights, IndexerWeights,
-    MlpWeights, MoeWeights, PackedInfo, PleShape, PleWeights, QsaShape, Rope,
+    MlpWeights, MoeWeights, OpResult, PackedInfo, PleShape, PleWeights, QsaShape, Rope,
 };
 use crate::ple::PleSource;
+
+mod blocks;
 
 pub enum Mixer<W> {
     Attention(AttnWeights<W>),
@@ -133,12 +135,16 @@ fn packed_concat(
 }
 
 impl<B: Backend> Loader<'_, B> {
-    pub(crate) fn w(&self, data: Vec<f32>, shape: &[usize]) -> B::Weight {
-        self.backend.weight(data, shape)
+    pub(crate) fn w(&self, data: Vec<f32>, shape: &[usize]) -> Result<B::Weight> {
+        self.backend
+            .weight(data, shape)
+            .map_err(|e| WeightError::Upload {
+                message: e.to_string(),
+            })
     }
 
     /// Hands a packed matrix to the backend and records it.
-    fn packed_w(&self, p: &PackedTensor<'_>) -> B::Weight {
+    fn packed_w(&self, p: &PackedTensor<'_>) -> Result<B::Weight> {
         self.packed.borrow_mut().push(PackedInfo {
             name: p.name.clone(),
             bits: p.bits,
@@ -147,7 +153,11 @@ impl<B: Backend> Loader<'_, B> {
             in_features: p.in_features,
             bytes: p.nbytes(),
         });
-        self.backend.packed_weight(p)
+        self.backend
+            .packed_weight(p)
+            .map_err(|e| WeightError::Upload {
+                message: format!("`{}`: {e}", p.name),
+            })
     }
 
     /// The packed form of the Linear weight `rel` `[out, inp]`, when the source holds it packed.
@@ -169,14 +179,14 @@ impl<B: Backend> Loader<'_, B> {
         shape: &[usize],
         init: Init,
     ) -> Result<B::Weight> {
-        Ok(self.w(s.get(rel, shape, init)?, shape))
+        self.w(s.get(rel, shape, init)?, shape)
     }
 
     /// A Linear weight `[out, inp]`: packed when the source holds it packed, else as f32.
     pub(crate) fn proj(&self, s: &Scope, rel: &str, out: usize, inp: usize) -> Result<B::Weight> {
         let init = Init::std((inp as f32).powf(-0.5));
         match self.packed(s, rel, out, inp, init)? {
-            Some(p) => Ok(self.packed_w(&p)),
+            Some(p) => self.packed_w(&p),
             None => self.get(s, rel, &[out, inp], init),
         }
     }
@@ -197,7 +207,7 @@ impl<B: Backend> Loader<'_, B> {
         let pb = self.packed(s, b, n_b, inp, init)?;
         if let (Some(x), Some(y)) = (&pa, &pb) {
             if let Some(p) = packed_concat(&s.name(fused), x, y) {
-                return Ok(self.packed_w(&p));
+                return self.packed_w(&p);
             }
         }
         let mut data = match pa {
@@ -208,7 +218,7 @@ impl<B: Backend> Loader<'_, B> {
             Some(p) => p.dequantize(),
             None => s.get(b, &[n_b, inp], init)?,
         });
-        Ok(self.w(data, &[n_a + n_b, inp]))
+        self.w(data, &[n_a + n_b, inp])
     }
 
     fn mlp(&self, s: &Scope, prefix: &str, inter: usize) -> Result<MlpWeights<B::Weight>> {
@@ -242,19 +252,19 @@ impl<B: Backend> Loader<'_, B> {
                 Init::std((inter as f32).powf(-0.5)),
             )?;
             if let (Some(gu), Some(dn)) = (gu, dn) {
-                return Ok((0..e)
+                return (0..e)
                     .map(|x| {
                         let rows =
                             |n: usize| (x * n..(x + 1) * n).map(|r| (0, r)).collect::<Vec<_>>();
                         let g = packed_rows(&format!("{fused}.{x}"), &[&gu], &rows(2 * inter));
                         let d = packed_rows(&format!("{}.{x}", dn.name), &[&dn], &rows(h));
-                        MlpWeights {
-                            gate_up: self.packed_w(&g),
-                            down: self.packed_w(&d),
+                        Ok(MlpWeights {
+                            gate_up: self.packed_w(&g)?,
+                            down: self.packed_w(&d)?,
                             inter,
-                        }
+                        })
                     })
-                    .collect());
+                    .collect();
             }
         } else {
             let before = self.packed.borrow().len();
@@ -264,14 +274,16 @@ impl<B: Backend> Loader<'_, B> {
             self.check_expert_schemes(s, e, before)?;
             return Ok(experts);
         }
-        Ok(s.experts(e, inter)?
+        s.experts(e, inter)?
             .into_iter()
-            .map(|x| MlpWeights {
-                gate_up: self.w(x.gate_up, &[2 * inter, h]),
-                down: self.w(x.down, &[h, inter]),
-                inter,
+            .map(|x| {
+                Ok(MlpWeights {
+                    gate_up: self.w(x.gate_up, &[2 * inter, h])?,
+                    down: self.w(x.down, &[h, inter])?,
+                    inter,
+                })
             })
-            .collect())
+            .collect()
     }
 
     /// Refuses per-expert weights of one layer that mix quantization schemes (or packed and
@@ -327,12 +339,12 @@ impl<B: Backend> Loader<'_, B> {
                     &s.name("linear_attn.in_proj_b"),
                     &[&ba],
                     &rows(&order.b),
-                )),
+                ))?,
                 self.packed_w(&packed_rows(
                     &s.name("linear_attn.in_proj_a"),
                     &[&ba],
                     &rows(&order.a),
-                )),
+                ))?,
             ),
             None => {
                 let ba = s.get("linear_attn.in_proj_ba.weight", &[n_ba, h], init)?;
@@ -342,12 +354,12 @@ impl<B: Backend> Loader<'_, B> {
                         .collect::<Vec<_>>()
                 };
                 (
-                    self.w(pick(&order.b), &[g.num_v_heads, h]),
-                    self.w(pick(&order.a), &[g.num_v_heads, h]),
+                    self.w(pick(&order.b), &[g.num_v_heads, h])?,
+                    self.w(pick(&order.a), &[g.num_v_heads, h])?,
                 )
             }
         };
-        Ok(Some((self.packed_w(&qkv), self.packed_w(&z), b, a)))
+        Ok(Some((self.packed_w(&qkv)?, self.packed_w(&z)?, b, a)))
     }
 
     fn attention(&self, s: &Scope) -> Result<AttnWeights<B::Weight>> {
@@ -378,10 +390,10 @@ impl<B: Backend> Loader<'_, B> {
                     None => {
                         let p = s.gdn_in_proj()?;
                         (
-                            self.w(p.qkv, &[g.conv_dim(), h]),
-                            self.w(p.z, &[g.value_dim(), h]),
-                            self.w(p.b, &[g.num_v_heads, h]),
-                            self.w(p.a, &[g.num_v_heads, h]),
+                            self.w(p.qkv, &[g.conv_dim(), h])?,
+                            self.w(p.z, &[g.value_dim(), h])?,
+                            self.w(p.b, &[g.num_v_heads, h])?,
+                            self.w(p.a, &[g.num_v_heads, h])?,
                         )
                     }
                 }
@@ -410,7 +422,7 @@ impl<B: Backend> Loader<'_, B> {
                     Init::std((g.conv_kernel as f32).powf(-0.5)),
                 )?,
                 &[g.conv_dim(), g.conv_kernel],
-            ),
+            )?,
             a_log: self.get(s, "linear_attn.A_log", &[g.num_v_heads], a_log)?,
             dt_bias: self.get(s, "linear_attn.dt_bias", &[g.num_v_heads], Init::ONES)?,
             norm: self.get(s, "linear_attn.norm.weight", &[g.v_head_dim], Init::ONES)?,
@@ -576,7 +588,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// Allocates the backend's caches for `num_blocks` blocks of `block_size` positions.
-    pub fn init_cache(&self, num_blocks: usize, block_size: usize) {
+    pub fn init_cache(&self, num_blocks: usize, block_size: usize) -> OpResult<()> {
         self.backend.init_cache(&CacheSpec {
             num_blocks,
             block_size,
@@ -588,7 +600,7 @@ impl<B: Backend> Model<B> {
             gdn: self.gdn_shape,
             ple_layers: self.ple_layers(),
             ple: self.ple.as_ref().map(|(sh, _)| *sh),
-        });
+        })
     }
 
     /// Loads every tensor of `cfg` from `src` onto `backend`. A config with a `ple` block needs
@@ -612,7 +624,7 @@ impl<B: Backend> Model<B> {
     /// Loads one pipeline stage: decoder layers `stage` (a non-empty range of `0..num_layers`), plus
     /// the embedding on the first stage and the final norm, lm_head, MTP head and hyper-connection
     /// head on the last (the embedding there too when the lm_head is tied or an MTP head embeds).
-    /// Stages hand their residual streams to the next with [`Model::forward_stage`]; the whole range
+    /// Stages hand their residual streams to the next through [`Model::step`]; the whole range
     /// is the whole model.
     pub fn load_stage(
         cfg: ModelConfig,
@@ -655,7 +667,7 @@ impl<B: Backend> Model<B> {
         let embed_name = text_name(&cfg, "embed_tokens.weight");
         let embed = if first || (last && (cfg.tie_word_embeddings || cfg.mtp_layers > 0)) {
             Some(match src.packed(&embed_name, &[v, h], Init::std(1.0))? {
-                Some(p) => l.packed_w(&p),
+                Some(p) => l.packed_w(&p)?,
                 None => l.get(&top, &embed_name, &[v, h], Init::std(1.0))?,
             })
         } else {

@@ -3,7 +3,11 @@
 //! the tokens of a step, sequence after sequence; per-sequence state (attention K/V in a block pool, GDN
 //! conv and recurrent state in state slots) lives inside the backend.
 //!
-//! qwen4_exp adds (see `ext.rs` for the shapes and weights): QSA's fp8 index-key cache next to the
+//! Every op returns an [`OpResult`]: a device failure or a call outside the op's contract is a
+//! [`BackendError`], never a panic. Ops with many inputs take one call struct ([`AttnCall`],
+//! [`QsaCall`], [`GdnCall`], [`MoeCall`], [`PleCall`], [`SampleCall`]).
+//!
+//! qwen4_exp adds (shapes and weights in `qsa.rs`, `ple.rs`, `hc.rs`): QSA's fp8 index-key cache next to the
 //! K/V of every attention layer (one entry of `dI` fp8 e4m3 values and a bf16 scale per position, in
 //! the same blocks, so prefix caching and `copy_block` cover it), the PLE short conv's state in the
 //! state slots next to the GDN state (so `copy_state` checkpoints cover it), and hyper-connections'
@@ -115,7 +119,7 @@ pub struct MoeWeights<W> {
     pub shared_gate: Option<W>,
 }
 
-/// A decode step handed to [`Backend::decode_step`]: the ids `forward` gets, its chunks (one token
+/// A decode step handed to [`Backend::decode_step`]: the ids the step embeds, its chunks (one token
 /// each, chunk `i` at row `i`) and the rows it returns. `region` names the computation (the closure):
 /// steps of one region and shape run the same ops on the same weights, so a backend may replay one
 /// recording for all of them.
@@ -127,23 +131,68 @@ pub struct DecodeStep<'a> {
     pub out_rows: &'a [usize],
 }
 
-pub use crate::ext::{HcWeights, IndexerWeights, PleShape, PleWeights, QsaShape};
+mod error;
+mod hc;
+mod ple;
+mod probe;
+mod qsa;
+
+pub use error::{BackendError, OpResult};
+pub use hc::{hc_residual_ops, HcWeights};
+pub use ple::{PleCall, PleShape, PleWeights};
+pub use probe::Probe;
+pub use qsa::{IndexerWeights, QsaCall, QsaShape};
 pub use sanmai_weights::quant::{PackedTensor, PackedWords};
 
-/// [`Backend::hc_residual`] as six ops, each rounding its output to the backend's activation type:
-/// `linear` down (of `y`) and inject (of `x`), `add`, `silu`, `linear` up, `hc_gated_residual`. The
-/// trait's default, and what a fusing backend falls back to for shapes its kernels do not take.
-pub fn hc_residual_ops<B: Backend + ?Sized>(
-    b: &B,
-    streams: &mut B::Tensor,
-    x: &B::Tensor,
-    y: &B::Tensor,
-    w: &HcWeights<B::Weight>,
-) {
-    let mut pre = b.linear(y, &w.down);
-    b.add(&mut pre, &b.linear(x, &w.inject));
-    let u = b.linear(&b.silu(&pre), &w.up);
-    b.hc_gated_residual(streams, &u, y);
+use crate::sample::{RowError, RowSampling, Sampled};
+
+/// One gated attention layer call (layer index `layer`; the MTP layer is `num_layers`): the q|gate,
+/// k and v projections of the step's rows, the layer's weights and the step's chunks.
+pub struct AttnCall<'a, T, W> {
+    pub layer: usize,
+    pub shape: &'a AttnShape,
+    pub rope: &'a Rope,
+    pub q_gate: &'a T,
+    pub k: &'a T,
+    pub v: &'a T,
+    pub w: &'a AttnWeights<W>,
+    pub seqs: &'a [SeqChunk<'a>],
+}
+
+/// One GDN layer call over GDN layer `layer`'s state in each chunk's state slot: the `qkv`, `z`, `b`
+/// and `a` projections of the step's rows.
+pub struct GdnCall<'a, T, W> {
+    pub layer: usize,
+    pub shape: &'a GdnShape,
+    pub qkv: &'a T,
+    pub z: &'a T,
+    pub b: &'a T,
+    pub a: &'a T,
+    pub w: &'a GdnWeights<W>,
+    /// The gated RMSNorm's epsilon.
+    pub eps: f32,
+    pub seqs: &'a [SeqChunk<'a>],
+}
+
+/// The shared expert's part of a MoE call: its output `[rows, H]` and gate logit `[rows, 1]`.
+pub struct SharedExpert<'a, T> {
+    pub y: &'a T,
+    pub gate: &'a T,
+}
+
+/// One MoE call: the normed input `x` `[rows, H]`, the layer's experts and router, and the shared
+/// expert's output when the layer has one.
+pub struct MoeCall<'a, T, W> {
+    pub x: &'a T,
+    pub w: &'a MoeWeights<W>,
+    pub shared: Option<SharedExpert<'a, T>>,
+}
+
+/// What [`Backend::sample`] draws: one row of sampling per logits row, over the first `valid_vocab`
+/// columns (the real tokens).
+pub struct SampleCall<'a> {
+    pub valid_vocab: usize,
+    pub rows: &'a [RowSampling<'a>],
 }
 
 /// A weight the loader handed to the backend in packed form ([`Backend::packed_weight`]): its name
@@ -170,45 +219,52 @@ pub trait Backend: Send + Sync {
     const CACHE_ELEM_BYTES: usize;
 
     /// Uploads a weight given as f32 values with its shape.
-    fn weight(&self, data: Vec<f32>, shape: &[usize]) -> Self::Weight;
+    fn weight(&self, data: Vec<f32>, shape: &[usize]) -> OpResult<Self::Weight>;
 
     /// Uploads a quantized Linear weight `[p.out_features, p.in_features]` given in its packed form
     /// (compressed-tensors INT4/INT8 or INT6 gapless, see [`PackedTensor`]). A backend that consumes
     /// packed integers keeps them; the default dequantises (exactly `p.dequantize()`) into
     /// [`Backend::weight`].
-    fn packed_weight(&self, p: &PackedTensor<'_>) -> Self::Weight {
+    fn packed_weight(&self, p: &PackedTensor<'_>) -> OpResult<Self::Weight> {
         self.weight(p.dequantize(), &[p.out_features, p.in_features])
     }
 
     /// Allocates the K/V block pools (replacing any earlier ones).
-    fn init_cache(&self, spec: &CacheSpec);
+    fn init_cache(&self, spec: &CacheSpec) -> OpResult<()>;
     /// A new GDN state slot, zeroed (the state of an empty sequence).
-    fn alloc_state(&self) -> usize;
+    fn alloc_state(&self) -> OpResult<usize>;
+    /// Returns a slot to the pool (a slot not allocated is ignored).
     fn free_state(&self, slot: usize);
     /// Copies every GDN layer's state of slot `src` into slot `dst` (checkpoint save and restore).
-    fn copy_state(&self, src: usize, dst: usize);
+    fn copy_state(&self, src: usize, dst: usize) -> OpResult<()>;
     /// Copies K/V block `src` into block `dst` in every attention layer (copy-on-write of a shared partial
     /// block).
-    fn copy_block(&self, src: u32, dst: u32);
+    fn copy_block(&self, src: u32, dst: u32) -> OpResult<()>;
 
     /// Rows of `table` `[vocab, hidden]` for the given ids.
-    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> Self::Tensor;
+    fn embed(&self, table: &Self::Weight, ids: &[u32]) -> OpResult<Self::Tensor>;
     /// Row-wise RMSNorm: `offset` 1.0 = zero-centred weight `(1 + w)`, 0.0 = plain weight.
-    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Weight, eps: f32, offset: f32) -> Self::Tensor;
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<Self::Tensor>;
     /// `x · wᵀ`.
-    fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> OpResult<Self::Tensor>;
     /// `x · wᵀ` for each of `ws`, in order: the projections that read one input. A backend may run
     /// several in one launch (decode GEMVs are short, so their launches dominate); each result equals
     /// [`Backend::linear`]'s.
-    fn linear_many(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Vec<Self::Tensor> {
+    fn linear_many(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> OpResult<Vec<Self::Tensor>> {
         ws.iter().map(|w| self.linear(x, w)).collect()
     }
     /// Selected rows of `x`.
-    fn rows(&self, x: &Self::Tensor, rows: &[usize]) -> Self::Tensor;
+    fn rows(&self, x: &Self::Tensor, rows: &[usize]) -> OpResult<Self::Tensor>;
     /// Concatenation along columns: `[a | b]`.
-    fn concat_cols(&self, a: &Self::Tensor, b: &Self::Tensor) -> Self::Tensor;
+    fn concat_cols(&self, a: &Self::Tensor, b: &Self::Tensor) -> OpResult<Self::Tensor>;
     /// `acc += y`.
-    fn add(&self, acc: &mut Self::Tensor, y: &Self::Tensor);
+    fn add(&self, acc: &mut Self::Tensor, y: &Self::Tensor) -> OpResult<()>;
     /// `acc += y`, then [`Backend::rms_norm`] of the new `acc` (the residual add and the next
     /// sublayer's norm; a backend may fuse them into one pass).
     fn add_rms_norm(
@@ -218,93 +274,75 @@ pub trait Backend: Send + Sync {
         w: &Self::Weight,
         eps: f32,
         offset: f32,
-    ) -> Self::Tensor {
-        self.add(acc, y);
+    ) -> OpResult<Self::Tensor> {
+        self.add(acc, y)?;
         self.rms_norm(acc, w, eps, offset)
     }
     /// `silu(gate) · up` on a fused `[rows, 2I]` gate|up tensor.
-    fn swiglu(&self, gate_up: &Self::Tensor) -> Self::Tensor;
+    fn swiglu(&self, gate_up: &Self::Tensor) -> OpResult<Self::Tensor>;
+    /// `silu(x)` elementwise.
+    fn silu(&self, x: &Self::Tensor) -> OpResult<Self::Tensor>;
 
     /// Gated attention core: splits `q_gate` per head into query and gate, applies q/k norms and RoPE,
-    /// writes k/v into the sequence's blocks for layer index `layer`, attends causally over positions
-    /// `0..pos0 + len` and
-    /// returns `attn · sigmoid(gate)` as `[rows, num_heads·head_dim]`.
-    #[allow(clippy::too_many_arguments)]
-    fn attention(
-        &self,
-        layer: usize,
-        shape: &AttnShape,
-        rope: &Rope,
-        q_gate: &Self::Tensor,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
-        w: &AttnWeights<Self::Weight>,
-        seqs: &[SeqChunk<'_>],
-    ) -> Self::Tensor;
+    /// writes k/v into the sequence's blocks for layer index `c.layer`, attends causally over positions
+    /// `0..pos0 + len` and returns `attn · sigmoid(gate)` as `[rows, num_heads·head_dim]`.
+    fn attention(&self, c: &AttnCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;
 
-    /// Gated delta net core over GDN layer `layer`'s state in each sequence's state slot: causal conv + SiLU on `qkv`, decay and beta from
-    /// `a`/`b`, the delta rule (chunked for prefill, recurrent for decode), then the gated RMSNorm with `z`.
-    /// Returns `[rows, Hv·dv]` (before `out_proj`).
-    #[allow(clippy::too_many_arguments)]
-    fn gdn(
-        &self,
-        layer: usize,
-        shape: &GdnShape,
-        qkv: &Self::Tensor,
-        z: &Self::Tensor,
-        b: &Self::Tensor,
-        a: &Self::Tensor,
-        w: &GdnWeights<Self::Weight>,
-        eps: f32,
-        seqs: &[SeqChunk<'_>],
-    ) -> Self::Tensor;
+    /// Gated delta net core over GDN layer `c.layer`'s state in each sequence's state slot: causal
+    /// conv + SiLU on `qkv`, decay and beta from `a`/`b`, the delta rule (chunked for prefill,
+    /// recurrent for decode), then the gated RMSNorm with `z`. Returns `[rows, Hv·dv]` (before
+    /// `out_proj`).
+    fn gdn(&self, c: &GdnCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;
 
     /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts; plus
-    /// `sigmoid(gate) · y` when `shared = (y, gate)` is given (the shared expert's output `[rows, H]`
-    /// and gate logit `[rows, 1]`; a backend may add it in its combine).
-    fn moe_experts(
-        &self,
-        x: &Self::Tensor,
-        w: &MoeWeights<Self::Weight>,
-        shared: Option<(&Self::Tensor, &Self::Tensor)>,
-    ) -> Self::Tensor;
+    /// `sigmoid(gate) · y` when the shared expert is given (a backend may add it in its combine).
+    fn moe_experts(&self, c: &MoeCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;
 
     /// Runs one decode step its own way: `step` says what the step is (every chunk one token) and `run`
     /// computes its outputs with this backend's ops. Each call of `run` that executes writes the
     /// step's K/V and advances its GDN state, so the step must execute exactly once; a backend may call
     /// `run` under a recording that does not execute (a CUDA stream capture) and replay the recording,
     /// for this step and later steps of the same region and shape. The outputs are what an executed
-    /// `run` returns. The CPU backend calls `run` once.
+    /// `run` returns; an error of `run` is the step's error. The CPU backend calls `run` once.
     fn decode_step(
         &self,
         step: &DecodeStep<'_>,
-        run: &dyn Fn() -> Vec<Self::Tensor>,
-    ) -> Vec<Self::Tensor>;
+        run: &dyn Fn() -> OpResult<Vec<Self::Tensor>>,
+    ) -> OpResult<Vec<Self::Tensor>>;
 
     /// Hands over the PLE rows `[rows, E]` of the [`Backend::decode_step`] that follows, before it
     /// starts: the step's [`Backend::ple_mix`] calls get the same tensor. A backend that replays
     /// recorded steps copies them where its recording reads them (a replay does not see the tensor
     /// the closure holds). The default does nothing: the ops read the tensor they are given.
-    fn ple_step_rows(&self, rows: &Self::Tensor) {
+    fn ple_step_rows(&self, rows: &Self::Tensor) -> OpResult<()> {
         let _ = rows;
+        Ok(())
     }
 
     /// Moves a tensor to the host as `(rows, cols, values)`.
-    fn to_host(&self, x: Self::Tensor) -> (usize, usize, Vec<f32>);
+    fn to_host(&self, x: Self::Tensor) -> OpResult<(usize, usize, Vec<f32>)>;
 
-    /// Samples one token from each row of `logits` `[rows.len(), cols]` (the first `valid_vocab`
-    /// columns are real tokens) as [`crate::sample::sample_row`] defines it, row `i` with `rows[i]`;
-    /// returns each chosen id with its raw log-probability. The default moves the logits to the host
-    /// and runs that function; a backend that samples where the logits are sends back only the ids
-    /// and log-probabilities (the same tokens up to float near-ties in cumulative sums).
+    /// An activation tensor `[rows, cols]` from host values (row-major); used for the PLE rows
+    /// gathered on the host (bf16 values given as f32, so a bf16 device copy is exact).
+    fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> OpResult<Self::Tensor>;
+
+    /// Samples one token from each row of `logits` `[c.rows.len(), cols]` as
+    /// [`crate::sample::sample_row`] defines it, row `i` with `c.rows[i]`; returns each chosen id
+    /// with its raw log-probability, or why that row could not be drawn. The default moves the logits
+    /// to the host and runs that function; a backend that samples where the logits are sends back only
+    /// the ids and log-probabilities (the same tokens up to float near-ties in cumulative sums).
     fn sample(
         &self,
         logits: Self::Tensor,
-        valid_vocab: usize,
-        rows: &[crate::sample::RowSampling<'_>],
-    ) -> Vec<Result<crate::sample::Sampled, crate::sample::RowError>> {
-        let (_, cols, mut values) = self.to_host(logits);
-        crate::sample::sample_rows(&mut values, cols, valid_vocab, rows)
+        c: &SampleCall<'_>,
+    ) -> OpResult<Vec<Result<Sampled, RowError>>> {
+        let (_, cols, mut values) = self.to_host(logits)?;
+        Ok(crate::sample::sample_rows(
+            &mut values,
+            cols,
+            c.valid_vocab,
+            c.rows,
+        ))
     }
 
     /// Whether [`Backend::sample`] runs next to the logits (saving their copy to the host), so that an
@@ -316,34 +354,19 @@ pub trait Backend: Send + Sync {
     /// Bytes a weight occupies in this backend's storage: what one pass over it reads.
     fn weight_bytes(&self, w: &Self::Weight) -> usize;
 
-    /// The device's memory bandwidth in bytes/s (bytes read plus bytes written), measured now with a
-    /// large copy: the ceiling a memory-bound decode step runs against.
-    fn copy_bandwidth(&self) -> f64;
-
-    /// Starts (`true`) or stops recording routed experts: while on, every [`Backend::moe_experts`]
-    /// call records how many distinct experts its rows were routed to (which may cost a device
-    /// synchronisation per call: for measurements, not for serving).
-    fn record_routing(&self, on: bool);
-
-    /// The distinct-expert counts recorded so far, one per `moe_experts` call in call order; clears
-    /// them.
-    fn take_routing(&self) -> Vec<usize>;
-
-    /// An activation tensor `[rows, cols]` from host values (row-major); used for the PLE rows
-    /// gathered on the host (bf16 values given as f32, so a bf16 device copy is exact).
-    fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> Self::Tensor;
-
-    /// `silu(x)` elementwise.
-    fn silu(&self, x: &Self::Tensor) -> Self::Tensor;
-
     /// Hyper-connections pre-mix (and head collapse): `streams` is `[rows, S·H]` with S = `pre.len()`;
     /// returns `[rows, H]` with `x = Σ_c softmax(pre)_c · R_c` (softmax over the S values of `pre` in
     /// f32, max subtracted; the sum taken in order c = 0..S−1).
-    fn hc_premix(&self, streams: &Self::Tensor, pre: &Self::Weight) -> Self::Tensor;
+    fn hc_premix(&self, streams: &Self::Tensor, pre: &Self::Weight) -> OpResult<Self::Tensor>;
 
     /// Hyper-connections gated residual: `streams` `[rows, S·H]`, `u` `[rows, S·H]`, `y` `[rows, H]`;
     /// `R_c += sigmoid(u_c) ⊙ y` for every stream c (u_c = columns `c·H .. (c+1)·H` of `u`).
-    fn hc_gated_residual(&self, streams: &mut Self::Tensor, u: &Self::Tensor, y: &Self::Tensor);
+    fn hc_gated_residual(
+        &self,
+        streams: &mut Self::Tensor,
+        u: &Self::Tensor,
+        y: &Self::Tensor,
+    ) -> OpResult<()>;
 
     /// The hyper-connections' gated residual of one sublayer (spec §4), in place on `streams`
     /// `[rows, S·H]`: with `y` `[rows, H]` the sublayer's output and `x` `[rows, H]` its pre-mixed
@@ -355,45 +378,28 @@ pub trait Backend: Send + Sync {
         x: &Self::Tensor,
         y: &Self::Tensor,
         w: &HcWeights<Self::Weight>,
-    ) {
-        hc_residual_ops(self, streams, x, y, w);
+    ) -> OpResult<()> {
+        hc_residual_ops(self, streams, x, y, w)
     }
 
-    /// QSA attention of attention layer `layer` (spec §2). Inputs per row (token) of the step:
-    /// `q_gate`, `k`, `v` as for [`Backend::attention`]; the indexer projections `iq = wq·x`
-    /// `[rows, nI·dI]`, `ik = wk·x` `[rows, dI]` (before its LayerNorm) and `iw = weights_proj·x`
-    /// `[rows, nI]`, with `x` the normed layer input.
+    /// QSA attention of attention layer `c.attn.layer` (spec §2). Inputs per row (token) of the step:
+    /// `c.attn` as for [`Backend::attention`] and the indexer projections of [`QsaCall`].
     ///
-    /// Exactly: `kI = LayerNorm(ik; iw_.k_norm, iw_.k_norm_bias, eps 1e-6)` (mean and biased variance
-    /// over dI); NeoX RoPE on the first `qsa.rope.rot_dim` dims of every `iq` head and of `kI` at the
-    /// token's position with `qsa.rope.inv_freq`; the index key entry `s = bf16(max|kI| / 448)` (1 when
-    /// that is 0), `k8 = fp8_e4m3(kI / s)` (f32 division by the bf16-rounded s, round to nearest even,
-    /// saturating at ±448) is written with the token's K/V into the sequence's blocks. Then for each
-    /// query row at position t: `w_h = iw_h · nI^-0.5 · dI^-0.5`, score
-    /// `I[t,s] = Σ_h w_h · ReLU(qI_h · k̂_s)` with `k̂ = k8·s` for every s ≤ t; the selected set S_t is
-    /// the `min(qsa.topk, t+1)` positions of largest score, ties going to the larger position; the output
-    /// is the gated attention of [`Backend::attention`] with keys/values restricted to S_t (softmax over
-    /// S_t only), `[rows, num_heads·head_dim]`. Only the selected K/V rows are read.
-    #[allow(clippy::too_many_arguments)]
-    fn qsa_attention(
-        &self,
-        layer: usize,
-        shape: &AttnShape,
-        rope: &Rope,
-        qsa: &QsaShape,
-        q_gate: &Self::Tensor,
-        k: &Self::Tensor,
-        v: &Self::Tensor,
-        w: &AttnWeights<Self::Weight>,
-        iq: &Self::Tensor,
-        ik: &Self::Tensor,
-        iw: &Self::Tensor,
-        iw_: &IndexerWeights<Self::Weight>,
-        seqs: &[SeqChunk<'_>],
-    ) -> Self::Tensor;
+    /// Exactly: `kI = LayerNorm(ik; indexer.k_norm, indexer.k_norm_bias, eps 1e-6)` (mean and biased
+    /// variance over dI); NeoX RoPE on the first `qsa.rope.rot_dim` dims of every `iq` head and of
+    /// `kI` at the token's position with `qsa.rope.inv_freq`; the index key entry
+    /// `s = bf16(max|kI| / 448)` (1 when that is 0), `k8 = fp8_e4m3(kI / s)` (f32 division by the
+    /// bf16-rounded s, round to nearest even, saturating at ±448) is written with the token's K/V into
+    /// the sequence's blocks. Then for each query row at position t: `w_h = iw_h · nI^-0.5 · dI^-0.5`,
+    /// score `I[t,s] = Σ_h w_h · ReLU(qI_h · k̂_s)` with `k̂ = k8·s` for every s ≤ t; the selected set
+    /// S_t is the `min(qsa.topk, t+1)` positions of largest score, ties going to the larger position;
+    /// the output is the gated attention of [`Backend::attention`] with keys/values restricted to S_t
+    /// (softmax over S_t only), `[rows, num_heads·head_dim]`. Only the selected K/V rows are read.
+    fn qsa_attention(&self, c: &QsaCall<'_, Self::Tensor, Self::Weight>)
+        -> OpResult<Self::Tensor>;
 
-    /// The PLE mix of layer `layer` (spec §3.7), in place on the residual streams `[rows, S·H]`
-    /// (S = `shape.streams`; S = 1 is the plain residual). `rows` `[rows, E]` are the tokens' table
+    /// The PLE mix of layer `c.layer` (spec §3.7), in place on the residual streams `[rows, S·H]`
+    /// (S = `shape.streams`; S = 1 is the plain residual). `c.rows` `[rows, E]` are the tokens' table
     /// rows. Exactly, per token: `v = value·e + value_bias`; for each stream c:
     /// `key_c = rmsnorm(key[c]·e + key_bias[c]; key_norm[c])`, `q_c = rmsnorm(R_c; query_norm[c])`,
     /// `σ = ⟨key_c, q_c⟩ / sqrt(H)`, `σ = sign(σ)·sqrt(max(|σ|, 1e-6))`, `u_c = sigmoid(σ)·v`,
@@ -404,11 +410,7 @@ pub trait Backend: Send + Sync {
     /// sequence) and are updated; then `R_c += u_c + y_c`.
     fn ple_mix(
         &self,
-        layer: usize,
-        shape: &PleShape,
         streams: &mut Self::Tensor,
-        rows: &Self::Tensor,
-        w: &PleWeights<Self::Weight>,
-        seqs: &[SeqChunk<'_>],
-    );
+        c: &PleCall<'_, Self::Tensor, Self::Weight>,
+    ) -> OpResult<()>;
 }

@@ -7,7 +7,7 @@ use sanmai_weights::names::Scope;
 use sanmai_weights::{Init, Result};
 
 use crate::backend::{Backend, HcWeights, IndexerWeights, PleWeights};
-use crate::load::Loader;
+use super::Loader;
 
 impl<B: Backend> Loader<'_, B> {
     pub(crate) fn indexer(&self, s: &Scope, q: &QsaConfig) -> Result<IndexerWeights<B::Weight>> {
@@ -53,7 +53,7 @@ impl<B: Backend> Loader<'_, B> {
             key_norm: per_stream("key_norm", &[h], Init::ONES)?,
             query_norm: per_stream("query_norm", &[h], Init::ONES)?,
             conv_norm: per_stream("conv_norm", &[h], Init::ONES)?,
-            conv: self.w(conv, &[streams * h, kernel]),
+            conv: self.w(conv, &[streams * h, kernel])?,
         })
     }
 

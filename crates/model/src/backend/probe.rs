@@ -1,0 +1,21 @@
+//! Measurements `sanmai bench` takes through a backend, kept off the [`Backend`] trait the forward
+//! pass uses: the device's copy bandwidth (the roofline's ceiling) and the routed-expert record (the
+//! roofline's expert bytes).
+
+use super::{Backend, OpResult};
+
+/// What a benchmark reads from a backend besides its ops.
+pub trait Probe: Backend {
+    /// The device's memory bandwidth in bytes/s (bytes read plus bytes written), measured now with a
+    /// large copy: the ceiling a memory-bound decode step runs against.
+    fn copy_bandwidth(&self) -> OpResult<f64>;
+
+    /// Starts (`true`) or stops recording routed experts: while on, every
+    /// [`Backend::moe_experts`] call records how many distinct experts its rows were routed to (which
+    /// may cost a device synchronisation per call: for measurements, not for serving).
+    fn record_routing(&self, on: bool);
+
+    /// The distinct-expert counts recorded so far, one per `moe_experts` call in call order; clears
+    /// them.
+    fn take_routing(&self) -> Vec<usize>;
+}

@@ -4,10 +4,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use sanmai_model::{Backend, SeqChunk};
+use sanmai_model::{Backend, Model, OutRows, Probe, StepChunk, StepInput, StepStart};
 
 use crate::load::{Loaded, ModelArgs, OnModel};
-use crate::step;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -43,19 +42,53 @@ struct Bench(BenchArgs);
 impl OnModel for Bench {
     type Output = ();
 
-    fn run<B: Backend + 'static>(self, loaded: Loaded<B>) -> Result<()> {
+    fn run<B: Probe + 'static>(self, loaded: Loaded<B>) -> Result<()> {
         bench(self.0, loaded)
     }
 }
 
-fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
+/// One step of `chunks` from their tokens (each asking for its last row's logits): the logits on the
+/// host, `[chunks, cols]`, and `cols`.
+fn step_logits<B: Backend>(m: &Model<B>, chunks: &[StepChunk<'_>]) -> Result<(usize, Vec<f32>)> {
+    let out = m.step(StepInput {
+        chunks,
+        start: StepStart::Tokens,
+        hidden: false,
+    })?;
+    let logits = out
+        .logits
+        .ok_or_else(|| anyhow::anyhow!("the step returned no logits"))?;
+    let (_, cols, values) = m.backend.to_host(logits)?;
+    Ok((cols, values))
+}
+
+/// A chunk of `tokens` at `pos0` of the sequence `seq` (its tokens from position 0) that asks for its
+/// last row.
+fn chunk<'a>(
+    seq: &'a [u32],
+    pos0: usize,
+    len: usize,
+    state: usize,
+    blocks: &'a [u32],
+) -> StepChunk<'a> {
+    StepChunk {
+        tokens: &seq[pos0..pos0 + len],
+        history: &seq[..pos0],
+        pos0,
+        state,
+        blocks,
+        out: OutRows::Last,
+    }
+}
+
+fn bench<B: Probe>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
     let m = &loaded.model;
     if args.prompt_len == 0 || args.gen_len == 0 || args.batch.contains(&0) {
         bail!("--prompt-len, --gen-len and --batch must be positive");
     }
     let vocab = loaded.valid_vocab as u64;
     println!("model: {} on {}", loaded.name, loaded.device);
-    let bandwidth = m.backend.copy_bandwidth();
+    let bandwidth = m.backend.copy_bandwidth()?;
     warm_up(&args, &loaded)?;
     for &batch in &args.batch {
         // Deterministic pseudo-random prompts, distinct per sequence.
@@ -69,15 +102,15 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
         // Each sequence gets a contiguous run of blocks for its whole length (and the untimed step
         // that records the routing).
         let per_seq = (args.prompt_len + args.gen_len + 1).div_ceil(BLOCK) as u32;
-        m.init_cache(per_seq as usize * batch, BLOCK);
+        m.init_cache(per_seq as usize * batch, BLOCK)?;
         let seqs_cache: Vec<(usize, Vec<u32>)> = (0..batch as u32)
             .map(|i| {
-                (
-                    m.backend.alloc_state(),
+                Ok((
+                    m.backend.alloc_state()?,
                     (i * per_seq..(i + 1) * per_seq).collect(),
-                )
+                ))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let started = Instant::now();
         let mut ttft = Vec::new();
         let mut next = Vec::new();
@@ -85,17 +118,9 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
             let t0 = Instant::now();
             let mut pos = 0;
             let mut last = Vec::new();
-            for chunk in p.chunks(PREFILL_CHUNK) {
-                let seq = SeqChunk {
-                    start: 0,
-                    len: chunk.len(),
-                    pos0: pos,
-                    state: *state,
-                    blocks,
-                };
-                let out = step::forward(m, chunk, &[seq], &[chunk.len() - 1], &[p])?;
-                last = m.backend.to_host(m.logits(&out.hidden)).2;
-                pos += chunk.len();
+            for part in p.chunks(PREFILL_CHUNK) {
+                last = step_logits(m, &[chunk(p, pos, part.len(), *state, blocks)])?.1;
+                pos += part.len();
             }
             next.push(argmax(&last[..loaded.valid_vocab]));
             ttft.push(t0.elapsed().as_secs_f64());
@@ -109,21 +134,13 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
             for (h, &n) in hist.iter_mut().zip(&next) {
                 h.push(n);
             }
-            let seqs: Vec<SeqChunk> = seqs_cache
+            let pos0 = args.prompt_len + step;
+            let chunks: Vec<StepChunk> = seqs_cache
                 .iter()
-                .enumerate()
-                .map(|(i, (state, blocks))| SeqChunk {
-                    start: i,
-                    len: 1,
-                    pos0: args.prompt_len + step,
-                    state: *state,
-                    blocks,
-                })
+                .zip(&hist)
+                .map(|((state, blocks), h)| chunk(h, pos0, 1, *state, blocks))
                 .collect();
-            let rows: Vec<usize> = (0..batch).collect();
-            let slices: Vec<&[u32]> = hist.iter().map(Vec::as_slice).collect();
-            let logits = step::forward_logits(m, &next, &seqs, &rows, &slices)?;
-            let (_, c, logits) = m.backend.to_host(logits);
+            let (c, logits) = step_logits(m, &chunks)?;
             for (i, n) in next.iter_mut().enumerate() {
                 *n = argmax(&logits[i * c..i * c + loaded.valid_vocab]);
             }
@@ -131,26 +148,16 @@ fn bench<B: Backend>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
         }
         // One more step, untimed, recording how many distinct experts each MoE layer routed to.
         m.backend.record_routing(true);
-        let seqs: Vec<SeqChunk> = seqs_cache
-            .iter()
-            .enumerate()
-            .map(|(i, (state, blocks))| SeqChunk {
-                start: i,
-                len: 1,
-                pos0: args.prompt_len + args.gen_len,
-                state: *state,
-                blocks,
-            })
-            .collect();
-        let rows: Vec<usize> = (0..batch).collect();
         for (h, &n) in hist.iter_mut().zip(&next) {
             h.push(n);
         }
-        let slices: Vec<&[u32]> = hist.iter().map(Vec::as_slice).collect();
-        drop(
-            m.backend
-                .to_host(step::forward_logits(m, &next, &seqs, &rows, &slices)?),
-        );
+        let pos0 = args.prompt_len + args.gen_len;
+        let chunks: Vec<StepChunk> = seqs_cache
+            .iter()
+            .zip(&hist)
+            .map(|((state, blocks), h)| chunk(h, pos0, 1, *state, blocks))
+            .collect();
+        step_logits(m, &chunks)?;
         let routed = m.backend.take_routing();
         m.backend.record_routing(false);
         for (state, _) in seqs_cache {
@@ -208,28 +215,14 @@ fn warm_up<B: Backend>(args: &BenchArgs, loaded: &Loaded<B>) -> Result<()> {
         .map(|i| ((i * 7919 + 13) % vocab) as u32)
         .collect();
     let per_seq = (prompt.len()).div_ceil(BLOCK);
-    m.init_cache(per_seq, BLOCK);
-    let state = m.backend.alloc_state();
+    m.init_cache(per_seq, BLOCK)?;
+    let state = m.backend.alloc_state()?;
     let blocks: Vec<u32> = (0..per_seq as u32).collect();
     let mut pos = 0;
-    for chunk in [&prompt[..args.prompt_len], &prompt[args.prompt_len..]] {
-        for part in chunk.chunks(PREFILL_CHUNK) {
-            let seq = SeqChunk {
-                start: 0,
-                len: part.len(),
-                pos0: pos,
-                state,
-                blocks: &blocks,
-            };
-            let out = step::forward(
-                m,
-                part,
-                &[seq],
-                &[part.len() - 1],
-                &[&prompt[..pos + part.len()]],
-            )?;
-            drop(m.backend.to_host(m.logits(&out.hidden)));
-            pos += part.len();
+    for part in [&prompt[..args.prompt_len], &prompt[args.prompt_len..]] {
+        for piece in part.chunks(PREFILL_CHUNK) {
+            step_logits(m, &[chunk(&prompt, pos, piece.len(), state, &blocks)])?;
+            pos += piece.len();
         }
     }
     m.backend.free_state(state);

@@ -70,7 +70,7 @@ struct Generate(GenerateArgs);
 impl OnModel for Generate {
     type Output = ();
 
-    fn run<B: Backend + 'static>(self, loaded: Loaded<B>) -> Result<()> {
+    fn run<B: sanmai_model::Probe + 'static>(self, loaded: Loaded<B>) -> Result<()> {
         generate(self.0, loaded)
     }
 }

@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_model::{builtin, Backend, Model, PleSource};
+use sanmai_model::{builtin, Backend, Model, PleSource, Probe};
 use sanmai_ple::PrefetchOptions;
 use sanmai_tokenizer::Tokenizer;
 use sanmai_weights::{Checkpoint, Dummy, TensorSource};
@@ -65,7 +65,7 @@ pub enum Device {
 /// generic over the backend, as a trait because closures cannot be).
 pub trait OnModel {
     type Output;
-    fn run<B: Backend + 'static>(self, loaded: Loaded<B>) -> Result<Self::Output>;
+    fn run<B: Probe + 'static>(self, loaded: Loaded<B>) -> Result<Self::Output>;
 }
 
 /// A model ready to run, with its tokenizer when one is available.

@@ -9,7 +9,6 @@ mod load;
 mod memory_plan;
 mod ple;
 mod serve;
-mod step;
 
 use clap::{Parser, Subcommand};
 

@@ -5,7 +5,7 @@
 //! of the full context length would not fit.
 
 use anyhow::{bail, Result};
-use sanmai_model::{Backend, Model, SeqChunk};
+use sanmai_model::{Backend, Model, OutRows, StepChunk, StepInput, StepStart};
 
 /// What the device tells the plan.
 pub struct GpuMemory {
@@ -47,23 +47,29 @@ pub fn plan<B: Backend>(model: &Model<B>, gpu: &GpuMemory, p: &PlanInput) -> Res
     // request asking for prompt log-probabilities).
     let t = p.max_num_batched_tokens;
     let blocks: Vec<u32> = (0..t.div_ceil(p.block_size) as u32).collect();
-    model.init_cache(blocks.len(), p.block_size);
-    let slot = model.backend.alloc_state();
+    model.init_cache(blocks.len(), p.block_size)?;
+    let slot = model.backend.alloc_state()?;
     let ids: Vec<u32> = (0..t)
         .map(|i| ((i * 7919 + 13) % p.valid_vocab.max(1)) as u32)
         .collect();
-    let seq = SeqChunk {
-        start: 0,
-        len: t,
+    let chunk = StepChunk {
+        tokens: &ids,
+        history: &[],
         pos0: 0,
         state: slot,
         blocks: &blocks,
+        out: OutRows::All,
     };
-    let rows: Vec<usize> = (0..t).collect();
-    let out = crate::step::forward(model, &ids, &[seq], &rows, &[&ids])?;
-    drop(model.backend.to_host(model.logits(&out.hidden)));
+    let out = model.step(StepInput {
+        chunks: &[chunk],
+        start: StepStart::Tokens,
+        hidden: false,
+    })?;
+    if let Some(logits) = out.logits {
+        model.backend.to_host(logits)?;
+    }
     model.backend.free_state(slot);
-    model.init_cache(0, p.block_size);
+    model.init_cache(0, p.block_size)?;
     let used = gpu.total.saturating_sub((gpu.free)()?);
     let budget = (gpu.total as f64 * p.utilization) as usize;
     let workspace = used.saturating_sub(gpu.weights);

@@ -285,7 +285,7 @@ struct StartEngine<'a> {
 impl OnModel for StartEngine<'_> {
     type Output = ();
 
-    fn run<B: Backend + 'static>(self, loaded: Loaded<B>) -> Result<()> {
+    fn run<B: sanmai_model::Probe + 'static>(self, loaded: Loaded<B>) -> Result<()> {
         let tokenizer = loaded.tokenizer.clone();
         let engine = self
             .s

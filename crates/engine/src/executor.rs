@@ -6,21 +6,16 @@
 //! [`ModelExecutor`] runs a [`Model`] on one backend, one step at a time.
 
 use std::collections::VecDeque;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use sanmai_model::sample::{RowSampling, Sampled, SeenToken};
-use sanmai_model::{Backend, Model, PleSource, SeqChunk};
+use sanmai_model::{
+    Backend, Model, OpResult, PleSource, SampleCall, StepChunk, StepError, StepInput, StepStart,
+};
 use sanmai_ple::{PrefetchOptions, Prefetcher};
 
-/// Which logits a chunk needs back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogitRows {
-    None,
-    /// The chunk's last token (to sample the next one).
-    Last,
-    /// Every token of the chunk (prompt log-probabilities).
-    All,
-}
+/// Which logits a chunk needs back: none, its last token's (to sample the next one) or every
+/// token's (prompt log-probabilities).
+pub use sanmai_model::OutRows as LogitRows;
 
 /// One sequence's tokens in a step.
 #[derive(Debug, Clone, PartialEq)]
@@ -173,16 +168,6 @@ pub trait Executor: Send {
     fn wait(&mut self) -> (StepPlan, Result<StepLogits, String>);
 }
 
-/// The message of a caught panic.
-pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<String>()
-        .map(String::as_str)
-        .or_else(|| panic.downcast_ref::<&str>().copied())
-        .unwrap_or("the model step panicked")
-        .to_string()
-}
-
 /// An executor over a model on one backend: a step runs to completion when it is submitted. A model
 /// with a PLE table gets a page prefetch thread for admitted prompts, paced by the prefill.
 pub struct ModelExecutor<B: Backend> {
@@ -239,8 +224,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
 
     fn prefetch(&mut self, request: u64, prompt: &[u32], from: usize) {
         if let Some(p) = &self.prefetcher {
-            let t: Vec<i64> = prompt.iter().map(|&x| x.into()).collect();
-            p.submit_from(request, &t, from);
+            p.submit_from(request, prompt, from);
         }
     }
 
@@ -258,7 +242,9 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     }
 
     fn init_cache(&mut self, num_blocks: usize, block_size: usize) {
-        self.model.init_cache(num_blocks, block_size);
+        if let Err(e) = self.model.init_cache(num_blocks, block_size) {
+            panic!("allocating the K/V cache: {e}")
+        }
     }
 
     fn samples_on_device(&self) -> bool {
@@ -266,7 +252,10 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     }
 
     fn alloc_state(&mut self) -> usize {
-        self.model.backend.alloc_state()
+        self.model
+            .backend
+            .alloc_state()
+            .unwrap_or_else(|e| panic!("{e}"))
     }
 
     fn free_state(&mut self, slot: usize) {
@@ -274,19 +263,20 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     }
 
     fn copy_state(&mut self, src: usize, dst: usize) {
-        self.model.backend.copy_state(src, dst);
+        if let Err(e) = self.model.backend.copy_state(src, dst) {
+            panic!("{e}")
+        }
     }
 
     fn copy_block(&mut self, src: u32, dst: u32) {
-        self.model.backend.copy_block(src, dst);
+        if let Err(e) = self.model.backend.copy_block(src, dst) {
+            panic!("{e}")
+        }
     }
 
     fn submit(&mut self, plan: StepPlan) {
-        // A panic in the model fails this step's requests, not the engine.
-        let device = self.device_sampling;
-        let out = catch_unwind(AssertUnwindSafe(|| run_step(&self.model, &plan, device)))
-            .map_err(|p| panic_message(&*p))
-            .and_then(|r| r);
+        // A failed step fails its requests, not the engine.
+        let out = run_step(&self.model, &plan, self.device_sampling).map_err(|e| e.to_string());
         if let Some(p) = &self.prefetcher {
             for c in &plan.chunks {
                 p.progress(c.request, c.pos0 + c.tokens.len());
@@ -329,7 +319,7 @@ fn finish_step<B: Backend>(
     plan: &StepPlan,
     logits: B::Tensor,
     device: bool,
-) -> StepLogits {
+) -> OpResult<StepLogits> {
     let (vocab, rows) = if device {
         device_rows(plan)
     } else {
@@ -338,19 +328,19 @@ fn finish_step<B: Backend>(
     let on_device: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_some()).collect();
     let host: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_none()).collect();
     if on_device.is_empty() {
-        let (n, width, data) = m.backend.to_host(logits);
-        return StepLogits {
+        let (n, width, data) = m.backend.to_host(logits)?;
+        return Ok(StepLogits {
             width,
             rows: data,
             host: (0..n).collect(),
             sampled: Vec::new(),
-        };
+        });
     }
     let (mut out, logits) = if host.is_empty() {
         (StepLogits::default(), logits)
     } else {
-        let (_, width, data) = m.backend.to_host(m.backend.rows(&logits, &host));
-        let picked = m.backend.rows(&logits, &on_device);
+        let (_, width, data) = m.backend.to_host(m.backend.rows(&logits, &host)?)?;
+        let picked = m.backend.rows(&logits, &on_device)?;
         (
             StepLogits {
                 width,
@@ -362,7 +352,11 @@ fn finish_step<B: Backend>(
         )
     };
     let params: Vec<RowSampling<'_>> = rows.iter().flatten().copied().collect();
-    let mut drawn = m.backend.sample(logits, vocab, &params).into_iter();
+    let call = SampleCall {
+        valid_vocab: vocab,
+        rows: &params,
+    };
+    let mut drawn = m.backend.sample(logits, &call)?.into_iter();
     out.sampled = rows
         .iter()
         .map(|r| {
@@ -372,61 +366,33 @@ fn finish_step<B: Backend>(
             })
         })
         .collect();
-    out
+    Ok(out)
 }
 
-fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan, device: bool) -> Result<StepLogits, String> {
-    let mut ids = Vec::with_capacity(plan.num_tokens());
-    let mut seqs = Vec::with_capacity(plan.chunks.len());
-    let mut rows = Vec::new();
-    for c in &plan.chunks {
-        let start = ids.len();
-        ids.extend_from_slice(&c.tokens);
-        seqs.push(SeqChunk {
-            start,
-            len: c.tokens.len(),
+fn run_step<B: Backend>(
+    m: &Model<B>,
+    plan: &StepPlan,
+    device: bool,
+) -> Result<StepLogits, StepError> {
+    let chunks: Vec<StepChunk<'_>> = plan
+        .chunks
+        .iter()
+        .map(|c| StepChunk {
+            tokens: &c.tokens,
+            history: &c.history,
             pos0: c.pos0,
             state: c.state,
             blocks: &c.blocks,
-        });
-        match c.logits {
-            LogitRows::None => {}
-            LogitRows::Last => rows.push(start + c.tokens.len() - 1),
-            LogitRows::All => rows.extend(start..start + c.tokens.len()),
-        }
+            out: c.logits,
+        })
+        .collect();
+    let out = m.step(StepInput {
+        chunks: &chunks,
+        start: StepStart::Tokens,
+        hidden: false,
+    })?;
+    match out.logits {
+        Some(logits) => Ok(finish_step(m, plan, logits, device)?),
+        None => Ok(StepLogits::default()),
     }
-    if m.ple.is_some() {
-        // The PLE rows of each chunk hash its tokens with the history before it: the gather sees the
-        // history followed by the chunk, at positions shifted by what the history leaves out.
-        let toks: Vec<Vec<u32>> = plan
-            .chunks
-            .iter()
-            .map(|c| [c.history.as_slice(), &c.tokens].concat())
-            .collect();
-        let shifted: Vec<SeqChunk> = seqs
-            .iter()
-            .zip(&plan.chunks)
-            .map(|(s, c)| SeqChunk {
-                pos0: c.history.len(),
-                ..*s
-            })
-            .collect();
-        let slices: Vec<&[u32]> = toks.iter().map(Vec::as_slice).collect();
-        let ple = m
-            .ple_rows(&slices, &shifted)
-            .map_err(|e| format!("PLE rows: {e}"))?;
-        if rows.is_empty() {
-            m.forward_with(&ids, &seqs, &rows, ple.as_ref());
-            return Ok(StepLogits::default());
-        }
-        let (_, logits) = m.forward_logits_with(&ids, &seqs, &rows, ple.as_ref());
-        return Ok(finish_step(m, plan, logits, device));
-    }
-    if rows.is_empty() {
-        m.forward(&ids, &seqs, &rows);
-        return Ok(StepLogits::default());
-    }
-    // Forward, final norm and lm_head in one region (one graph replay for decode steps on a GPU).
-    let (_, logits) = m.forward_logits(&ids, &seqs, &rows);
-    Ok(finish_step(m, plan, logits, device))
 }

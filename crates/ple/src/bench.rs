@@ -124,7 +124,7 @@ fn reads_at_depth_1(path: &Path, blocks: u64, seed: u64, budget: Duration) -> Op
 /// prefetcher (when there is one) as the engine does.
 fn gather_all(
     table: &PleTable,
-    tokens: &[i64],
+    tokens: &[u32],
     out: &mut [bf16],
     prefetch: Option<&Prefetcher>,
 ) -> Result<(), PleError> {
@@ -146,9 +146,9 @@ pub fn run_bench(dir: &Path, n: usize, eos_token_id: i64) -> Result<BenchReport,
     let salt = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(1, |d| d.as_nanos() as u64);
-    let tokens: Vec<i64> = splitmix64_outputs(salt, n)
+    let tokens: Vec<u32> = splitmix64_outputs(salt, n)
         .into_iter()
-        .map(|x| (x % 248_000) as i64 + 1)
+        .map(|x| (x % 248_000) as u32 + 1)
         .collect();
     let probe = PleTable::open_sidecar(dir, eos_token_id)?;
     let path = probe.path().to_path_buf();

@@ -54,7 +54,7 @@ impl PrefetchOptions {
 }
 
 enum Cmd {
-    Submit(u64, Arc<[i64]>, usize),
+    Submit(u64, Arc<[u32]>, usize),
     Progress(u64, usize),
     Cancel(u64),
     Pause,
@@ -65,7 +65,7 @@ enum Cmd {
 
 struct Job {
     request: u64,
-    tokens: Arc<[i64]>,
+    tokens: Arc<[u32]>,
     next: usize,
     /// The prefill position the engine last reported.
     done: usize,
@@ -126,13 +126,13 @@ impl Prefetcher {
     }
 
     /// Queues `tokens` (the request's whole prompt, from position 0) for prefetch.
-    pub fn submit(&self, request: u64, tokens: &[i64]) {
+    pub fn submit(&self, request: u64, tokens: &[u32]) {
         self.submit_from(request, tokens, 0);
     }
 
     /// Queues the positions from `from` on of `tokens` (the request's whole prompt, from position 0):
     /// the positions before it are already computed (a cached prefix) and will not be gathered.
-    pub fn submit_from(&self, request: u64, tokens: &[i64], from: usize) {
+    pub fn submit_from(&self, request: u64, tokens: &[u32], from: usize) {
         self.send(Cmd::Submit(request, tokens.into(), from));
     }
 

@@ -51,10 +51,9 @@ impl PleStore {
     }
 
     /// Queues a request's prompt (token ids from position 0) for page prefetch.
-    pub fn submit<T: Copy + Into<i64>>(&self, request: u64, tokens: &[T]) {
+    pub fn submit(&self, request: u64, tokens: &[u32]) {
         if self.prefetch_on {
-            let t: Vec<i64> = tokens.iter().map(|&x| x.into()).collect();
-            self.prefetcher.submit(request, &t);
+            self.prefetcher.submit(request, tokens);
         }
     }
 

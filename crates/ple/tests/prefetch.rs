@@ -27,9 +27,9 @@ fn open_table(dir: &std::path::Path) -> Arc<PleTable> {
     Arc::new(PleTable::open(dir, &cfg).unwrap())
 }
 
-fn prompt(n: usize, salt: u64) -> Vec<i64> {
+fn prompt(n: usize, salt: u64) -> Vec<u32> {
     (0..n as u64)
-        .map(|i| ((i.wrapping_mul(0x9E37_79B9) ^ salt) % 248_000 + 1) as i64)
+        .map(|i| ((i.wrapping_mul(0x9E37_79B9) ^ salt) % 248_000 + 1) as u32)
         .collect()
 }
 
@@ -98,7 +98,7 @@ fn the_plan_covers_exactly_the_pages_the_gather_touches() {
     }
 }
 
-fn window_pages(t: &PleTable, tokens: &[i64]) -> u64 {
+fn window_pages(t: &PleTable, tokens: &[u32]) -> u64 {
     let idx = t.hasher().indices(tokens);
     idx.chunks(WINDOW_TOKENS * 16)
         .map(|w| touched_pages(t, w).len() as u64)

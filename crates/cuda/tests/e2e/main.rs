@@ -13,10 +13,10 @@
 //! (`tests/reference/bf16_distance.py`, recorded in `tests/fixtures/bf16_distance.json`) is off by a
 //! mean 0.07–0.16 and a largest 0.09–3.2 per prompt, while the f32 CPU backend is within 1e-3. The GPU
 //! keeps activations in bf16, so each prompt's mean absolute log-prob error must be within [`MARGIN`]
-//! (the 0.05) of that bf16 run's, and its largest within [`MAX_TOL`] (a wrong op gives errors of
-//! several units on most positions). The greedy continuation is teacher-forced (each decode step feeds
-//! transformers' greedy token): the argmax must equal transformers' token wherever its top-2 gap is at
-//! least [`GAP`] (below it a difference is counted as a near-tie).
+//! (the 0.05 accuracy target) of that bf16 run's, and its largest within [`MAX_TOL`] (a wrong op gives
+//! errors of several units on most positions). The greedy continuation is teacher-forced (each decode
+//! step feeds transformers' greedy token): the argmax must equal transformers' token wherever its top-2
+//! gap is at least [`GAP`] (below it a difference is counted as a near-tie).
 //!
 //! Without a GPU every test prints `skipped: <test>: <reason>` and passes. Each check prints one
 //! `E2E` line that `scripts/gpu_check.sh` collects into its report.

@@ -1,8 +1,9 @@
 //! Page plans and the prefetch thread: the plan covers exactly the pages a gather touches,
 //! cancellation drops pending windows, and the EPERM fallback requests the same pages.
 
+use sanmai_config::PleConfig;
 use sanmai_ple::{
-    create_table, page_ranges, AdviseMode, CreateOptions, Fill, PageAdvisor, PleConfig, PleTable,
+    create_table, page_ranges, AdviseMode, CreateOptions, Fill, PageAdvisor, PleTable,
     PrefetchOptions, Prefetcher, WINDOW_TOKENS,
 };
 use serde_json::json;

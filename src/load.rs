@@ -13,6 +13,9 @@ use sanmai_ple::PrefetchOptions;
 use sanmai_tokenizer::Tokenizer;
 use sanmai_weights::{Checkpoint, Dummy, TensorSource};
 
+/// New tokens of a request to the built-in model that gives no `max_tokens`.
+const BUILTIN_DEFAULT_MAX_TOKENS: usize = 512;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LoadFormat {
     /// Read the weights from the checkpoint's safetensors files.
@@ -204,7 +207,7 @@ impl ModelArgs {
             "model loaded"
         );
         let default_max_tokens = match &self.model {
-            None if self.config.is_none() => Some(crate::engine_args::BUILTIN_DEFAULT_MAX_TOKENS),
+            None if self.config.is_none() => Some(BUILTIN_DEFAULT_MAX_TOKENS),
             Some(dir) => generation_max_new_tokens(dir),
             None => None,
         };

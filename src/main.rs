@@ -10,6 +10,7 @@ mod memory_plan;
 mod ple;
 mod serve;
 mod step;
+mod switches;
 
 use clap::{Parser, Subcommand};
 

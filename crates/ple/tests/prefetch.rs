@@ -286,7 +286,7 @@ fn the_store_gathers_prefill_and_decode_rows_like_the_table() {
         "conv_kernel": 4, "conv_dilation": 3, "eos_token_id": 0
     }))
     .unwrap();
-    let store = sanmai_ple::PleStore::open(tmp.path(), &cfg, PrefetchOptions::from_env()).unwrap();
+    let store = sanmai_ple::PleStore::open(tmp.path(), &cfg, PrefetchOptions::default()).unwrap();
     let tokens: Vec<u32> = prompt(1500, 4).iter().map(|&x| x as u32).collect();
     store.submit(1, &tokens);
     let dim = store.table().token_dim();

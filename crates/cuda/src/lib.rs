@@ -30,9 +30,9 @@
 //!   environment variable, its caller (the `sanmai` binary, the tests' own helper) decides.
 //! - [`CudaBackend`]: `CudaBackend::new(ordinal, &options)` (or `with_limits(ordinal, max_tokens,
 //!   max_seqs, &options)`) opens device `ordinal` and is a `sanmai_model::Backend`: `Model::load(cfg,
-//!   &src, CudaBackend::new(n, &options)?)` runs a model on `cuda:n`. Tensors and weights are device bf16, K/V pools
-//!   bf16 (`CACHE_ELEM_BYTES = 2`), GDN state slots conv bf16 + recurrent f32
-//!   ([`CudaBackend::state_bytes_per_slot`]); [`CudaBackend::memory`] reports bytes of weights, K/V
+//!   &src, CudaBackend::new(n, &options)?)` runs a model on `cuda:n`. Tensors and weights are
+//!   device bf16, K/V pools bf16 (`CACHE_ELEM_BYTES = 2`), GDN state slots conv bf16 + recurrent
+//!   f32 ([`CudaBackend::state_bytes_per_slot`]); [`CudaBackend::memory`] reports bytes of weights, K/V
 //!   pools, GDN state slots and persistent workspace for the memory plan. Step metadata (ids, output
 //!   rows, positions, K/V destinations, state slots, lengths, block tables) reaches the device once
 //!   per step through pinned staging ([`CudaBackend::begin_step`], or lazily per op); no op waits for

@@ -45,9 +45,6 @@ pub struct EngineArgs {
 /// Default of `--gpu-memory-utilization`.
 pub const GPU_MEMORY_UTILIZATION: f64 = 0.9;
 
-/// Built-in default for the number of new tokens when a request gives no `max_tokens`.
-pub const BUILTIN_DEFAULT_MAX_TOKENS: usize = 512;
-
 impl EngineArgs {
     /// Starts the engine on `loaded` (the model moves into the engine thread).
     pub fn start<B: Backend + 'static>(

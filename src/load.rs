@@ -13,6 +13,11 @@ use sanmai_ple::PrefetchOptions;
 use sanmai_tokenizer::Tokenizer;
 use sanmai_weights::{Checkpoint, Dummy, TensorSource};
 
+use crate::switches::SwitchArgs;
+
+/// New tokens of a request to the built-in model that gives no `max_tokens`.
+const BUILTIN_DEFAULT_MAX_TOKENS: usize = 512;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum LoadFormat {
     /// Read the weights from the checkpoint's safetensors files.
@@ -44,9 +49,8 @@ pub struct ModelArgs {
     /// block. With --load-format dummy and no table, every PLE row is zero.
     #[arg(long)]
     pub ple_table: Option<PathBuf>,
-    /// Do not prefetch an admitted prompt's PLE table pages (the same as SANMAI_PLE_PREFETCH=0).
-    #[arg(long)]
-    pub no_ple_prefetch: bool,
+    #[command(flatten)]
+    pub switches: SwitchArgs,
     /// Where the model runs: cpu, cuda or cuda:N [default: cuda:0 when this build has CUDA and a GPU is
     /// found, else cpu].
     #[arg(long)]
@@ -120,17 +124,30 @@ impl ModelArgs {
     pub fn load_then<W: OnModel>(&self, work: W) -> Result<W::Output> {
         match self.device()? {
             Device::Cpu => {
+                let cuda_flags = self.switches.cuda_flags();
+                if !cuda_flags.is_empty() {
+                    tracing::warn!(flags = ?cuda_flags, "CUDA switches have no effect on the CPU");
+                }
                 let threads = rayon::current_num_threads();
                 work.run(self.load_on(CpuBackend::new(), format!("cpu ({threads} threads)"))?)
             }
             #[cfg(feature = "cuda")]
             Device::Cuda(n) => {
-                let backend = sanmai_cuda::CudaBackend::new(n)
+                let options = self.switches.cuda_options();
+                let backend = sanmai_cuda::CudaBackend::new(n, &options)
                     .with_context(|| format!("opening CUDA device {n}"))?;
                 backend.gpu().keep_pool_memory()?;
                 let info = backend.gpu().info().clone();
                 let ctx = backend.gpu().context().clone();
-                let mut loaded = self.load_on(backend, format!("cuda:{n} ({})", info.name))?;
+                let mut device = format!("cuda:{n} ({}", info.name);
+                if !options.cuda_graphs {
+                    device.push_str(", CUDA graphs off");
+                }
+                if !options.gpu.pdl {
+                    device.push_str(", PDL off");
+                }
+                device.push(')');
+                let mut loaded = self.load_on(backend, device)?;
                 loaded.gpu = Some(crate::memory_plan::GpuMemory {
                     total: info.total_memory,
                     weights: loaded.model.backend.memory().weights,
@@ -204,14 +221,12 @@ impl ModelArgs {
             "model loaded"
         );
         let default_max_tokens = match &self.model {
-            None if self.config.is_none() => Some(crate::engine_args::BUILTIN_DEFAULT_MAX_TOKENS),
+            None if self.config.is_none() => Some(BUILTIN_DEFAULT_MAX_TOKENS),
             Some(dir) => generation_max_new_tokens(dir),
             None => None,
         };
-        let mut ple_prefetch = PrefetchOptions::from_env();
-        ple_prefetch.enabled &= !self.no_ple_prefetch;
         Ok(Loaded {
-            ple_prefetch,
+            ple_prefetch: self.switches.ple_prefetch(),
             gpu: None,
             name,
             device,

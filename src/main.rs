@@ -9,6 +9,7 @@ mod load;
 mod memory_plan;
 mod ple;
 mod serve;
+mod switches;
 
 use clap::{Parser, Subcommand};
 

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
-use sanmai_ple::{check_table, create_table, run_bench, CreateOptions, Fill, PleConfig, PleHasher};
+use sanmai_config::PleConfig;
+use sanmai_ple::{check_table, create_table, run_bench, CreateOptions, Fill, PleHasher};
 use serde_json::json;
 
 #[derive(Args, Debug)]

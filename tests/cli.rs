@@ -251,3 +251,34 @@ fn bad_input_is_a_clear_error() {
     ]));
     assert!(err.contains("--device tpu"), "{err}");
 }
+
+#[test]
+fn switch_flags_parse_and_cuda_ones_warn_on_the_cpu() {
+    let out = sanmai(&[
+        "generate",
+        "--device",
+        "cpu",
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "2",
+        "--json",
+        "--cuda-graphs",
+        "--no-cuda-graphs",
+        "--no-pdl",
+        "--no-ple-prefetch",
+        "--ple-prefetch",
+    ]);
+    assert_eq!(json_of(&out)["ids"].as_array().unwrap().len(), 2);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("no effect on the CPU")
+            && err.contains("--no-cuda-graphs")
+            && err.contains("--no-pdl"),
+        "{err}"
+    );
+    assert!(
+        !err.contains("\"--cuda-graphs\""),
+        "the later flag overrides: {err}"
+    );
+}

@@ -4,9 +4,8 @@
 use serde_json::Value;
 
 use crate::fields::Fields;
+use crate::ple::PleConfig;
 use crate::{LayerType, Result};
-
-pub use sanmai_ple::PleConfig;
 
 /// QSA: sparse full attention with a lightning indexer (config block `qsa`, spec §2).
 #[derive(Debug, Clone, PartialEq, Eq)]

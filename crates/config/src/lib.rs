@@ -2,11 +2,13 @@
 //!
 //! Owns the knowledge of which architectures exist (`qwen3_next`, `qwen3_5_moe` and its text-only form,
 //! `qwen4_exp`), their defaults, which layer is attention or GDN, dense or MoE, and the RoPE parameters
-//! (plain, linear or YaRN). Unknown fields are ignored; a missing required field or a value the engine
-//! cannot serve is an error naming the field.
+//! (plain, linear or YaRN), and the qwen4_exp extension blocks `qsa`, `ple` (the PLE table's shape,
+//! which the table tools also read on its own) and `hyper_connections`. Unknown fields are ignored; a
+//! missing required field or a value the engine cannot serve is an error naming the field.
 
 mod blocks;
 mod fields;
+mod ple;
 mod quant;
 mod rope;
 
@@ -14,8 +16,9 @@ use std::path::Path;
 
 use serde_json::Value;
 
-pub use blocks::{HyperConnectionsConfig, PleConfig, QsaConfig};
+pub use blocks::{HyperConnectionsConfig, QsaConfig};
 use fields::Fields;
+pub use ple::{PleConfig, PleConfigError};
 pub use quant::{QuantConfig, QuantScheme};
 pub use rope::{RopeConfig, RopeScaling};
 

@@ -313,3 +313,59 @@ fn qwen4_exp_full_size_quantization_follows_the_spec_mix() {
         assert_eq!(scheme(m), None, "{m} stays bf16");
     }
 }
+
+#[test]
+fn ple_config_errors_name_the_field() {
+    let base = serde_json::json!({
+        "orders": [2, 3], "heads": 2, "row_dim": 4, "seed": 0, "layer_ids": [1],
+        "table_sizes": [[7, 5], [3, 2]], "conv_kernel": 4, "conv_dilation": 3, "eos_token_id": 1
+    });
+    let err_field = |patch: &dyn Fn(&mut serde_json::Value)| {
+        let mut v = base.clone();
+        patch(&mut v);
+        match PleConfig::from_block(&v) {
+            Err(PleConfigError { field, .. }) => field,
+            other => panic!("expected a config error, got {other:?}"),
+        }
+    };
+    assert_eq!(
+        err_field(&|v| {
+            v.as_object_mut().unwrap().remove("heads");
+        }),
+        "heads"
+    );
+    assert_eq!(
+        err_field(&|v| v["row_dim"] = serde_json::json!(0)),
+        "row_dim"
+    );
+    assert_eq!(
+        err_field(&|v| v["table_sizes"] = serde_json::json!([[7, 5]])),
+        "table_sizes"
+    );
+    assert_eq!(
+        err_field(&|v| v["table_sizes"][1] = serde_json::json!([3])),
+        "table_sizes[1]"
+    );
+    assert_eq!(
+        err_field(&|v| v["table_sizes"][1][0] = serde_json::json!(0)),
+        "table_sizes[1][0]"
+    );
+    assert_eq!(
+        err_field(&|v| v["orders"][1] = serde_json::json!("x")),
+        "orders[1]"
+    );
+    assert_eq!(
+        err_field(&|v| v["eos_token_id"] = serde_json::json!(1.5)),
+        "eos_token_id"
+    );
+    assert_eq!(err_field(&|v| v["seed"] = serde_json::json!(-1)), "seed");
+    let whole = serde_json::json!({"text_config": {"ple": base.clone()}});
+    assert_eq!(
+        PleConfig::from_model_config(&whole).unwrap().num_tables(),
+        4
+    );
+    assert!(matches!(
+        PleConfig::from_model_config(&serde_json::json!({"hidden_size": 4})),
+        Err(PleConfigError { field, .. }) if field == "ple"
+    ));
+}

@@ -2,22 +2,12 @@
 //! everything that decides its contents (all sources and headers, compile options, architecture, driver
 //! and NVRTC versions, this crate's version).
 //!
-//! Directory: `$SANMAI_CACHE_DIR`, else `$XDG_CACHE_HOME/sanmai`, else `~/.cache/sanmai`, with a
-//! `kernels/` folder inside. A cache that cannot be read or written is skipped, never an error.
+//! Directory: a `kernels/` folder inside the root the caller names
+//! ([`CompileOptions::cache_dir`](crate::registry::CompileOptions::cache_dir); the `sanmai` binary:
+//! `$SANMAI_CACHE_DIR`, else `$XDG_CACHE_HOME/sanmai`, else `~/.cache/sanmai`). A cache that cannot
+//! be read or written is skipped, never an error.
 
-use std::path::{Path, PathBuf};
-
-/// The cache root, if one can be named.
-pub fn cache_dir() -> Option<PathBuf> {
-    let nonempty = |v: &str| {
-        std::env::var_os(v)
-            .filter(|s| !s.is_empty())
-            .map(PathBuf::from)
-    };
-    nonempty("SANMAI_CACHE_DIR")
-        .or_else(|| nonempty("XDG_CACHE_HOME").map(|p| p.join("sanmai")))
-        .or_else(|| nonempty("HOME").map(|p| p.join(".cache").join("sanmai")))
-}
+use std::path::Path;
 
 /// A 128-bit FNV-1a style hash (two independent 64-bit lanes), stable across runs and platforms.
 #[derive(Clone)]

@@ -1,9 +1,8 @@
 //! [`Gpu`]: one device's context, its stream, the loaded kernels and a cuBLAS handle, plus the host
 //! transfers every op and test needs.
 
-use std::sync::Arc;
-
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys;
@@ -14,7 +13,7 @@ use cudarc::driver::{
 
 use crate::device::{self, guarded, DeviceInfo};
 use crate::error::{CudaError, Result};
-use crate::registry::{Kernel, Kernels};
+use crate::registry::{CompileOptions, Kernel, Kernels};
 
 /// One CUDA device ready to run the kernels: context, a stream, every kernel compiled and loaded.
 /// Every op and transfer is queued on [`Gpu::stream`]; buffers must not be used from another stream.
@@ -28,20 +27,31 @@ pub struct Gpu {
     pdl: bool,
 }
 
-/// Set to `0` (or `off`) to launch every kernel the ordinary way, without programmatic dependent launch.
-pub const PDL_ENV: &str = "SANMAI_PDL";
+/// How a [`Gpu`] opens. This crate reads no environment variable: its caller decides (the `sanmai`
+/// binary from its flags, each defaulting to an environment variable).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuOptions {
+    /// Programmatic dependent launch on devices that have it (sm_90 and later); off: every kernel
+    /// is launched the ordinary way.
+    pub pdl: bool,
+    /// Where the kernels' CUDA headers and cache are.
+    pub compile: CompileOptions,
+}
 
-/// Whether programmatic dependent launch is used on a device of compute capability `cc`: from sm_90
-/// (Hopper), unless [`PDL_ENV`] turns it off.
-fn pdl_enabled(cc: (u32, u32)) -> bool {
-    let off = std::env::var(PDL_ENV).is_ok_and(|v| matches!(v.trim(), "0" | "off" | "false"));
-    cc.0 >= 9 && !off
+impl Default for GpuOptions {
+    /// PDL on, no kernel cache, the standard header folders only.
+    fn default() -> Self {
+        GpuOptions {
+            pdl: true,
+            compile: CompileOptions::default(),
+        }
+    }
 }
 
 impl Gpu {
     /// Opens device `ordinal`, compiles (or loads from the cache) every kernel for its architecture and
     /// creates a cuBLAS handle. Errors (never panics) when there is no such device or a kernel fails.
-    pub fn new(ordinal: usize) -> Result<Self> {
+    pub fn new(ordinal: usize, options: &GpuOptions) -> Result<Self> {
         let devices = device::probe()?;
         let info = devices
             .into_iter()
@@ -53,10 +63,10 @@ impl Gpu {
         // SAFETY: no buffer exists yet; all later buffers are used on `stream` only.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
-        let kernels = Kernels::load(&ctx, &info.arch(), info.driver_version)?;
+        let kernels = Kernels::load(&ctx, &info.arch(), info.driver_version, &options.compile)?;
         // SAFETY: cuBLAS is loaded on demand; a missing library surfaces as an error through `guarded`.
         let blas = guarded("cuBLAS", || Ok(CudaBlas::new(stream.clone())?))?;
-        let pdl = pdl_enabled(info.compute_capability);
+        let pdl = options.pdl && info.compute_capability.0 >= 9;
         Ok(Self {
             info,
             ctx,

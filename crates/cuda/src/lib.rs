@@ -9,9 +9,9 @@
 //! What exists:
 //! - [`DeviceSelection`] (`cpu`, `cuda`, `cuda:N`), [`probe`], [`gpu_present`], [`device_count`].
 //! - The registry ([`registry`]): `kernels/*.cu` embedded with `include_str!`, compiled to CUBIN for the
-//!   device's architecture (`sm_86`, `sm_90`, …) once per process, cached on disk under
-//!   [`cache::cache_dir`] keyed by source hash + architecture + driver and NVRTC versions; a compile
-//!   error names the `.cu` file and line ([`CudaError::Compile`]).
+//!   device's architecture (`sm_86`, `sm_90`, …) once per process, cached on disk under the folder
+//!   [`registry::CompileOptions`] names, keyed by source hash + architecture + driver and NVRTC
+//!   versions; a compile error names the `.cu` file and line ([`CudaError::Compile`]).
 //! - [`Gpu`]: context, stream, loaded kernels and a cuBLAS handle, with these ops (bf16 activations,
 //!   f32 arithmetic, one rounding per output): `rms_norm` (zero-centred and plain), `gated_rms_norm`,
 //!   `rope_neox` (partial, strided heads), `qk_norm_rope` (per-head q/k norm + partial RoPE + gate
@@ -25,19 +25,22 @@
 //!   over the paged K/V cache, split-K with a reduce kernel that applies `sigmoid(gate)`), and the
 //!   elementwise `add_bf16`, `gather_rows`, `concat_cols`, `hc_premix`,
 //!   `hc_gated_residual`.
-//! - [`CudaBackend`]: `CudaBackend::new(ordinal)` (or `with_limits(ordinal, max_tokens, max_seqs)`)
-//!   opens device `ordinal` and is a `sanmai_model::Backend`: `Model::load(cfg, &src,
-//!   CudaBackend::new(n)?)` runs a model on `cuda:n`. Tensors and weights are device bf16, K/V pools
-//!   bf16 (`CACHE_ELEM_BYTES = 2`), GDN state slots conv bf16 + recurrent f32
-//!   ([`CudaBackend::state_bytes_per_slot`]); [`CudaBackend::memory`] reports bytes of weights, K/V
+//! - Options, not environment: [`CudaOptions`] (CUDA graphs on or off, and the [`GpuOptions`]: PDL on
+//!   or off, the kernel cache and CUDA header folders) says how a backend opens; this crate reads no
+//!   environment variable, its caller (the `sanmai` binary, the tests' own helper) decides.
+//! - [`CudaBackend`]: `CudaBackend::new(ordinal, &options)` (or `with_limits(ordinal, max_tokens,
+//!   max_seqs, &options)`) opens device `ordinal` and is a `sanmai_model::Backend`: `Model::load(cfg,
+//!   &src, CudaBackend::new(n, &options)?)` runs a model on `cuda:n`. Tensors and weights are
+//!   device bf16, K/V pools bf16 (`CACHE_ELEM_BYTES = 2`), GDN state slots conv bf16 + recurrent
+//!   f32 ([`CudaBackend::state_bytes_per_slot`]); [`CudaBackend::memory`] reports bytes of weights, K/V
 //!   pools, GDN state slots and persistent workspace for the memory plan. Step metadata (ids, output
 //!   rows, positions, K/V destinations, state slots, lengths, block tables) reaches the device once
 //!   per step through pinned staging ([`CudaBackend::begin_step`], or lazily per op); no op waits for
 //!   the device except `to_host`.
 //! - CUDA graphs for decode steps (`Backend::decode_step`, which `Model::forward` and
 //!   `Model::forward_logits` use for steps of one-token chunks): batch sizes
-//!   [`DEFAULT_GRAPH_BATCH_SIZES`] by default ([`CudaBackend::set_graph_batch_sizes`]; empty, or the
-//!   environment variable [`GRAPHS_ENV`] = `0`, keeps every step eager). Per region, batch size and
+//!   [`DEFAULT_GRAPH_BATCH_SIZES`] by default ([`CudaBackend::set_graph_batch_sizes`]; empty, or
+//!   [`CudaOptions::cuda_graphs`] off, keeps every step eager). Per region, batch size and
 //!   attention span (the next power of two of the longest context, at least [`MIN_GRAPH_SPAN`]; decode
 //!   attention sizes its split grid by it and splits past a sequence's length exit early): one eager
 //!   warm-up step, a stream capture at the next, replays after, outputs copied out of persistent
@@ -67,13 +70,13 @@ pub mod registry;
 
 pub use backend::{packed_device_bytes, packed_fits, PackedWeight, PACKED_WORKSPACE_BYTES};
 pub use backend::{
-    CudaBackend, CudaTensor, CudaWeight, DenseBf16, GraphStats, MemoryReport,
-    DEFAULT_GRAPH_BATCH_SIZES, DEFAULT_MAX_SEQS, DEFAULT_MAX_TOKENS, GRAPHS_ENV, MIN_GRAPH_SPAN,
+    CudaBackend, CudaOptions, CudaTensor, CudaWeight, DenseBf16, GraphStats, MemoryReport,
+    DEFAULT_GRAPH_BATCH_SIZES, DEFAULT_MAX_SEQS, DEFAULT_MAX_TOKENS, MIN_GRAPH_SPAN,
 };
 pub use cudarc;
 pub use device::{device_count, driver_version, gpu_present, probe, DeviceInfo, DeviceSelection};
 pub use error::{CudaError, Result};
-pub use gpu::{device_memory, Gpu};
+pub use gpu::{device_memory, Gpu, GpuOptions};
 pub use ops::SampleBatch;
 pub use ops::{
     moe_max_tiles, AttnDims, GdnDecodeWeights, GdnDims, HeadLayout, MoeOut, PleDims, RopeArgs,

@@ -1,8 +1,9 @@
 //! NVRTC: compiles one kernel source to a CUBIN for a given architecture, with in-memory headers.
 //!
 //! `libnvrtc` is loaded at run time. The CUDA headers the kernels include (`cuda_bf16.h`) are looked for
-//! in `$SANMAI_CUDA_INCLUDE` (a `:`-separated list), `$CUDA_HOME/include`, `$CUDA_PATH/include`,
-//! `/usr/local/cuda/include` and `/opt/cuda/include`, in that order.
+//! in the folders the caller names (the `sanmai` binary: `$SANMAI_CUDA_INCLUDE`, a `:`-separated list,
+//! then `$CUDA_HOME/include` and `$CUDA_PATH/include`), then in `/usr/local/cuda/include` and
+//! `/opt/cuda/include`, in that order.
 
 use std::ffi::{c_char, CStr, CString};
 use std::path::PathBuf;
@@ -29,16 +30,10 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     .map_err(|e| CudaError::Nvrtc(e.to_string()))
 }
 
-/// The first include directory holding `cuda_bf16.h`.
-pub fn cuda_include_dir() -> Result<PathBuf> {
+/// The first include directory holding `cuda_bf16.h`: one of `dirs`, in order, else a standard one.
+pub fn cuda_include_dir(dirs: &[PathBuf]) -> Result<PathBuf> {
     let mut tried = Vec::new();
-    let env_dirs = std::env::var("SANMAI_CUDA_INCLUDE").unwrap_or_default();
-    let mut candidates: Vec<PathBuf> = std::env::split_paths(&env_dirs).collect();
-    for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Some(root) = std::env::var_os(var) {
-            candidates.push(PathBuf::from(root).join("include"));
-        }
-    }
+    let mut candidates = dirs.to_vec();
     candidates.push("/usr/local/cuda/include".into());
     candidates.push("/opt/cuda/include".into());
     for dir in candidates {

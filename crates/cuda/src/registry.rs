@@ -22,6 +22,18 @@ macro_rules! source {
     };
 }
 
+/// Where the kernel compiler finds the CUDA headers and keeps compiled kernels. This crate reads no
+/// environment variable for them: its caller names the folders.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CompileOptions {
+    /// The kernel cache root (a `kernels/` folder inside, see [`crate::cache`]); `None` compiles every
+    /// kernel at every start.
+    pub cache_dir: Option<PathBuf>,
+    /// Folders searched for the CUDA headers before the standard ones
+    /// ([`nvrtc::cuda_include_dir`]).
+    pub include_dirs: Vec<PathBuf>,
+}
+
 /// Headers the kernels include with `#include "name"`.
 pub const HEADERS: &[Source] = &[
     source!("common.cuh"),
@@ -116,12 +128,17 @@ fn cache_key(src: &Source, arch: &str, driver: i32, nvrtc: (i32, i32)) -> String
     h.hex()
 }
 
-/// Compiles (or takes from the cache) every source for `arch`; returns `(file name, cubin)` pairs.
-/// `driver` is the driver version (0 when compiling without a device). Sources compile in parallel.
-pub fn compile_all(arch: &str, driver: i32) -> Result<Vec<(&'static str, Vec<u8>)>> {
+/// Compiles (or takes from the cache under `options.cache_dir`) every source for `arch`, with the CUDA
+/// headers found from `options.include_dirs`; returns `(file name, cubin)` pairs. `driver` is the
+/// driver version (0 when compiling without a device). Sources compile in parallel.
+pub fn compile_all(
+    arch: &str,
+    driver: i32,
+    options: &CompileOptions,
+) -> Result<Vec<(&'static str, Vec<u8>)>> {
     let nvrtc_v = nvrtc::nvrtc_version()?;
-    let include = vec![nvrtc::cuda_include_dir()?];
-    let dir = cache::cache_dir().map(|d| d.join("kernels"));
+    let include = vec![nvrtc::cuda_include_dir(&options.include_dirs)?];
+    let dir = options.cache_dir.as_ref().map(|d| d.join("kernels"));
     let one = |src: &Source| -> Result<(&'static str, Vec<u8>)> {
         let stem = src.name.trim_end_matches(".cu");
         let path: Option<PathBuf> = dir.as_ref().map(|d| {
@@ -178,8 +195,13 @@ pub struct Kernels {
 
 impl Kernels {
     /// Compiles (or takes from the cache) and loads every source for `arch` into `ctx`.
-    pub fn load(ctx: &Arc<CudaContext>, arch: &str, driver: i32) -> Result<Self> {
-        let cubins = compile_all(arch, driver)?;
+    pub fn load(
+        ctx: &Arc<CudaContext>,
+        arch: &str,
+        driver: i32,
+        options: &CompileOptions,
+    ) -> Result<Self> {
+        let cubins = compile_all(arch, driver, options)?;
         let mut functions = HashMap::new();
         let mut modules = Vec::new();
         for (src, (name, cubin)) in SOURCES.iter().zip(cubins) {

@@ -14,6 +14,9 @@
 //!
 //! Without a GPU the test prints `skipped: <test>: <reason>` and passes.
 
+#[path = "support/options.rs"]
+mod options;
+
 use std::path::{Path, PathBuf};
 
 use sanmai_config::ModelConfig;
@@ -24,7 +27,7 @@ use sanmai_weights::Checkpoint;
 use serde_json::Value;
 
 fn backend(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
+    match CudaBackend::new(0, &options::cuda_options()) {
         Ok(b) => Some(b),
         Err(e) => {
             eprintln!("skipped: {test}: {e}");

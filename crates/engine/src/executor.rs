@@ -178,9 +178,9 @@ pub struct ModelExecutor<B: Backend> {
 }
 
 impl<B: Backend> ModelExecutor<B> {
-    /// An executor with PLE page prefetch as `SANMAI_PLE_PREFETCH` says (on unless `0`).
+    /// An executor with the default PLE page prefetch (on).
     pub fn new(model: Model<B>) -> Self {
-        Self::with_prefetch(model, PrefetchOptions::from_env())
+        Self::with_prefetch(model, PrefetchOptions::default())
     }
 
     /// An executor whose PLE prefetch thread (for a model with a PLE table) runs as `opts` say.

@@ -11,6 +11,7 @@ mod engine;
 pub mod executor;
 mod handle;
 mod kv_cache;
+mod masks;
 pub mod sampler;
 mod sequence;
 mod stop;

@@ -7,8 +7,8 @@ use sanmai_tokenizer::{IncrementalDecoder, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{EngineEvent, EngineRequest, FinishReason, StopReason, TokenLogprob, Usage};
-use crate::engine::{Accepted, Constrained};
 use crate::kv_cache::SeqCache;
+use crate::masks::{Accepted, Constrained};
 use crate::sampler::SamplerState;
 use crate::stop::StopStrings;
 

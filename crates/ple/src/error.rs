@@ -1,13 +1,14 @@
 //! Errors of the PLE crate.
 
+use sanmai_config::PleConfigError;
 use std::path::PathBuf;
 
 /// Everything that can go wrong reading a config, hashing, or opening, writing and reading a table.
 #[derive(Debug, thiserror::Error)]
 pub enum PleError {
-    /// The model config's `ple` block is missing or malformed; `field` names the offending entry.
-    #[error("ple config: field `{field}`: {msg}")]
-    Config { field: String, msg: String },
+    /// The `ple` block (or a sidecar read as one) is missing or malformed; it names the field.
+    #[error(transparent)]
+    Config(#[from] PleConfigError),
     /// A table on disk disagrees with the config or with its own sidecar; `what` names the mismatch.
     #[error("ple table {dir}: {what}")]
     Table { dir: PathBuf, what: String },
@@ -23,13 +24,6 @@ pub enum PleError {
 }
 
 impl PleError {
-    pub(crate) fn config(field: impl Into<String>, msg: impl Into<String>) -> Self {
-        PleError::Config {
-            field: field.into(),
-            msg: msg.into(),
-        }
-    }
-
     pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         PleError::Io {
             path: path.into(),

@@ -2,8 +2,8 @@
 //! the order-n XOR mix of wrapping i64 products, and `mix mod P` with the divisor's sign. Every path
 //! (gather, prefetch, the model, `sanmai ple hash`) goes through [`PleHasher::fill_indices`].
 
-use crate::config::PleConfig;
 use crate::error::PleError;
+use sanmai_config::PleConfig;
 use std::ops::Range;
 
 /// The first `n` outputs of the standard SplitMix64 generator started at state `seed`.

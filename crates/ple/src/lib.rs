@@ -1,11 +1,11 @@
-//! The PLE hashed n-gram memory table (spec §3): the one row-index hash every path calls, the model
-//! config's `ple` block, the table file with its JSON sidecar (create, check), the mmap reader that
-//! gathers 16 rows per token into a caller's buffer, page plans, and the prefetch thread that asks
-//! the kernel (`process_madvise`, or `madvise` per range) for a prompt's pages ahead of its gathers.
+//! The PLE hashed n-gram memory table (spec §3) of the shape a model config's `ple` block gives
+//! (`sanmai_config::PleConfig`): the one row-index hash every path calls, the table file with its
+//! JSON sidecar (create, check), the mmap reader that gathers 16 rows per token into a caller's
+//! buffer, page plans, and the prefetch thread that asks the kernel (`process_madvise`, or
+//! `madvise` per range) for a prompt's pages ahead of its gathers.
 
 mod advise;
 mod bench;
-mod config;
 mod error;
 mod hash;
 mod metrics;
@@ -17,7 +17,6 @@ mod table;
 
 pub use advise::{AdviseMode, PageAdvisor, MAX_IOV};
 pub use bench::{evict, random_read_4k_rate, resident_fraction, run_bench, BenchReport};
-pub use config::PleConfig;
 pub use error::PleError;
 pub use hash::{splitmix64_outputs, PleHasher};
 pub use metrics::{PleMetrics, PleMetricsSnapshot};

@@ -4,8 +4,8 @@
 //! most [`PrefetchOptions::max_ahead_windows`] windows ahead of the position the prefill reports
 //! ([`Prefetcher::progress`]), so a long prompt's pages do not push its own earlier pages (or the
 //! K/V pool) out of memory before they are read. A cancelled (finished or preempted) request's
-//! pending windows are dropped. `SANMAI_PLE_PREFETCH=0` turns the thread off: `submit` and `cancel`
-//! then do nothing.
+//! pending windows are dropped. [`PrefetchOptions::enabled`] off turns the thread off: `submit` and
+//! `cancel` then do nothing.
 
 use crate::advise::{AdviseMode, PageAdvisor};
 use crate::metrics::PleMetrics;
@@ -25,6 +25,7 @@ pub const DEFAULT_MAX_AHEAD_WINDOWS: usize = 16;
 /// How the prefetch thread runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefetchOptions {
+    /// Whether the thread runs at all.
     pub enabled: bool,
     /// Test switch: take the EPERM fallback path as if `process_madvise` were refused.
     pub force_eperm: bool,
@@ -38,17 +39,6 @@ impl Default for PrefetchOptions {
             enabled: true,
             force_eperm: false,
             max_ahead_windows: DEFAULT_MAX_AHEAD_WINDOWS,
-        }
-    }
-}
-
-impl PrefetchOptions {
-    /// The defaults, disabled by `SANMAI_PLE_PREFETCH=0`.
-    pub fn from_env() -> Self {
-        let off = std::env::var("SANMAI_PLE_PREFETCH").is_ok_and(|v| v.trim() == "0");
-        PrefetchOptions {
-            enabled: !off,
-            ..Self::default()
         }
     }
 }

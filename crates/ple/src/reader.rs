@@ -1,7 +1,6 @@
 //! The table reader: the file mmapped read-only with readahead off (`MADV_RANDOM`), and the gather
 //! of `num_tables` rows per token into a caller's buffer, the rows found by [`PleHasher`].
 
-use crate::config::PleConfig;
 use crate::error::PleError;
 use crate::hash::PleHasher;
 use crate::metrics::PleMetrics;
@@ -9,6 +8,7 @@ use crate::plan::{page_ranges, system_page_size};
 use crate::table::{check_sidecar, check_table, Sidecar};
 use half::bf16;
 use memmap2::{Advice, Mmap};
+use sanmai_config::PleConfig;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -39,7 +39,7 @@ impl PleTable {
     /// tools such as the benchmark. `eos_token_id` is the document separator the hash uses.
     pub fn open_sidecar(dir: &Path, eos_token_id: i64) -> Result<Self, PleError> {
         let sidecar = check_sidecar(dir)?;
-        let cfg = PleConfig::from_sidecar(&sidecar, eos_token_id)?;
+        let cfg = sidecar.config(eos_token_id)?;
         Self::map(dir, sidecar, &cfg)
     }
 

@@ -3,11 +3,11 @@
 //! and `gather_decode` for a newly sampled token (its pages requested in one call first).
 
 use crate::advise::PageAdvisor;
-use crate::config::PleConfig;
 use crate::error::PleError;
 use crate::prefetch::{PrefetchOptions, Prefetcher};
 use crate::reader::PleTable;
 use half::bf16;
+use sanmai_config::PleConfig;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -2,9 +2,9 @@
 //! order, each `P·row_dim` bf16 little-endian, no header; `ple.json` names the file and records the
 //! shape with a checksum of its own fields. Writing streams fixed-size chunks, never the whole table.
 
-use crate::config::PleConfig;
 use crate::error::PleError;
 use crate::hash::splitmix64_outputs;
+use sanmai_config::PleConfig;
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -97,6 +97,16 @@ impl Sidecar {
             h = h.wrapping_mul(0x0000_0100_0000_01b3);
         }
         format!("fnv1a64:{h:016x}")
+    }
+
+    /// The config the sidecar implies (its sizes as written, `rows_scale` folded in), for tools
+    /// that open a table without the model config; `eos_token_id` is not in the sidecar.
+    pub fn config(&self, eos_token_id: i64) -> Result<PleConfig, PleError> {
+        Ok(PleConfig::from_block(&serde_json::json!({
+            "orders": self.orders, "heads": self.heads, "row_dim": self.row_dim, "seed": self.seed,
+            "layer_ids": [], "table_sizes": self.sizes, "conv_kernel": 1, "conv_dilation": 1,
+            "eos_token_id": eos_token_id,
+        }))?)
     }
 
     /// Total rows over all sub-tables.

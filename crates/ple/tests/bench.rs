@@ -1,7 +1,8 @@
 //! The benchmark's parts on a small table: eviction, residency, the O_DIRECT rate and the report.
 
+use sanmai_config::PleConfig;
 use sanmai_ple::{
-    create_table, evict, resident_fraction, run_bench, CreateOptions, Fill, PleConfig, PleTable,
+    create_table, evict, resident_fraction, run_bench, CreateOptions, Fill, PleTable,
 };
 use serde_json::json;
 

@@ -1,7 +1,8 @@
 //! The hash against vectors computed independently (arbitrary-precision integers reduced mod 2^64,
 //! Python's `%` which takes the divisor's sign), plus document-boundary properties.
 
-use sanmai_ple::{splitmix64_outputs, PleConfig, PleError, PleHasher};
+use sanmai_config::PleConfig;
+use sanmai_ple::{splitmix64_outputs, PleError, PleHasher};
 use serde_json::json;
 
 fn cfg(seed: u64, sizes: serde_json::Value, eos: i64) -> PleConfig {
@@ -105,56 +106,6 @@ fn bad_ranges_are_errors() {
         Err(PleError::Input(_))
     ));
     assert!(h.fill_indices(&[1, 2], 0..2, &mut out).is_err());
-}
-
-#[test]
-fn config_errors_name_the_field() {
-    let base = json!({
-        "orders": [2, 3], "heads": 2, "row_dim": 4, "seed": 0, "layer_ids": [1],
-        "table_sizes": [[7, 5], [3, 2]], "conv_kernel": 4, "conv_dilation": 3, "eos_token_id": 1
-    });
-    let err_field = |patch: &dyn Fn(&mut serde_json::Value)| {
-        let mut v = base.clone();
-        patch(&mut v);
-        match PleConfig::from_block(&v) {
-            Err(PleError::Config { field, .. }) => field,
-            other => panic!("expected a config error, got {other:?}"),
-        }
-    };
-    assert_eq!(
-        err_field(&|v| {
-            v.as_object_mut().unwrap().remove("heads");
-        }),
-        "heads"
-    );
-    assert_eq!(err_field(&|v| v["row_dim"] = json!(0)), "row_dim");
-    assert_eq!(
-        err_field(&|v| v["table_sizes"] = json!([[7, 5]])),
-        "table_sizes"
-    );
-    assert_eq!(
-        err_field(&|v| v["table_sizes"][1] = json!([3])),
-        "table_sizes[1]"
-    );
-    assert_eq!(
-        err_field(&|v| v["table_sizes"][1][0] = json!(0)),
-        "table_sizes[1][0]"
-    );
-    assert_eq!(err_field(&|v| v["orders"][1] = json!("x")), "orders[1]");
-    assert_eq!(
-        err_field(&|v| v["eos_token_id"] = json!(1.5)),
-        "eos_token_id"
-    );
-    assert_eq!(err_field(&|v| v["seed"] = json!(-1)), "seed");
-    let whole = json!({"text_config": {"ple": base.clone()}});
-    assert_eq!(
-        PleConfig::from_model_config(&whole).unwrap().num_tables(),
-        4
-    );
-    assert!(matches!(
-        PleConfig::from_model_config(&json!({"hidden_size": 4})),
-        Err(PleError::Config { field, .. }) if field == "ple"
-    ));
 }
 
 #[test]

@@ -1,8 +1,9 @@
 //! Page plans and the prefetch thread: the plan covers exactly the pages a gather touches,
 //! cancellation drops pending windows, and the EPERM fallback requests the same pages.
 
+use sanmai_config::PleConfig;
 use sanmai_ple::{
-    create_table, page_ranges, AdviseMode, CreateOptions, Fill, PageAdvisor, PleConfig, PleTable,
+    create_table, page_ranges, AdviseMode, CreateOptions, Fill, PageAdvisor, PleTable,
     PrefetchOptions, Prefetcher, WINDOW_TOKENS,
 };
 use serde_json::json;
@@ -285,7 +286,7 @@ fn the_store_gathers_prefill_and_decode_rows_like_the_table() {
         "conv_kernel": 4, "conv_dilation": 3, "eos_token_id": 0
     }))
     .unwrap();
-    let store = sanmai_ple::PleStore::open(tmp.path(), &cfg, PrefetchOptions::from_env()).unwrap();
+    let store = sanmai_ple::PleStore::open(tmp.path(), &cfg, PrefetchOptions::default()).unwrap();
     let tokens: Vec<u32> = prompt(1500, 4).iter().map(|&x| x as u32).collect();
     store.submit(1, &tokens);
     let dim = store.table().token_dim();

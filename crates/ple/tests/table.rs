@@ -2,9 +2,10 @@
 //! and the mmap gather returns exactly the bytes at the hashed offsets.
 
 use half::bf16;
+use sanmai_config::PleConfig;
 use sanmai_ple::{
-    check_table, create_table, scaled_sizes, CreateOptions, Fill, PleConfig, PleError, PleHasher,
-    PleTable, Sidecar, SIDECAR_FILE, TABLE_FILE,
+    check_table, create_table, scaled_sizes, CreateOptions, Fill, PleError, PleHasher, PleTable,
+    Sidecar, SIDECAR_FILE, TABLE_FILE,
 };
 use serde_json::json;
 use std::io::{Read, Seek, SeekFrom};

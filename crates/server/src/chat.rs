@@ -10,184 +10,18 @@ use futures_util::StreamExt;
 use sanmai_engine::api::{EngineEvent, EngineRequest, FinishReason, TokenLogprob, Usage};
 use sanmai_engine::RequestStream;
 use sanmai_tokenizer::parsers::prompt_opens_think;
-use sanmai_tokenizer::{Tokenizer, TokenizerError};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::logprobs::TokenText;
 use crate::output::{tool_parser, ChatOutput, Delta, Message, ToolFormat};
 use crate::params;
+use crate::render::{render_and_encode, ChatPrompt, Encoded};
 use crate::request::{fields, ChatFields, CommonFields, JsonBody};
 use crate::response::{collect, finish_reason, stop_reason_json, usage_json};
-use crate::routes::blocking;
-use crate::state::{new_id, unix_now, AppState, Ready};
+use crate::state::{new_id, unix_now, AppState};
 use crate::stream::{merge, sse_response, submit_all, SseSender};
 use crate::structured::{self, StructuredFields, ToolChoice};
-
-/// What the chat template renders.
-pub struct ChatPrompt {
-    pub messages: Value,
-    pub tools: Option<Vec<Value>>,
-    pub add_generation_prompt: bool,
-    /// The request's `chat_template_kwargs` (the server's defaults are merged under them).
-    pub kwargs: Map<String, Value>,
-}
-
-/// The tokenizer, or a 400 for a model served without one.
-pub fn tokenizer(ready: &Ready) -> Result<&Tokenizer, ApiError> {
-    ready.tokenizer.as_ref().ok_or_else(|| {
-        ApiError::bad_request(
-            "this model is served without a tokenizer: only /v1/completions with token-id prompts works",
-        )
-    })
-}
-
-/// A rendered and encoded conversation.
-pub struct Encoded {
-    pub text: String,
-    pub ids: Vec<u32>,
-    /// Tokens of the conversation history alone (without the generation prompt), when they are a proper
-    /// prefix of `ids`: the point the next turn shares.
-    pub history_len: Option<usize>,
-}
-
-/// Renders a conversation and encodes it (without adding special tokens: the template writes them).
-pub async fn render_and_encode(
-    state: &AppState,
-    ready: &Ready,
-    prompt: ChatPrompt,
-) -> Result<Encoded, ApiError> {
-    let tok = tokenizer(ready)?.clone();
-    let template = ready.template.clone().ok_or_else(|| {
-        ApiError::bad_request(
-            "this model's tokenizer has no chat template: start the server with --chat-template FILE",
-        )
-    })?;
-    let messages = check_messages(&prompt.messages)?;
-    let mut kwargs = state.config.default_chat_template_kwargs.clone();
-    kwargs.extend(prompt.kwargs);
-    let mut req = tok.chat_request(messages);
-    req.tools = prompt.tools.filter(|t| !t.is_empty()).map(Value::Array);
-    req.add_generation_prompt = prompt.add_generation_prompt;
-    req.kwargs = kwargs;
-    blocking(move || {
-        let mut req = req;
-        let text = template.render(&req).map_err(|e| match e {
-            TokenizerError::TemplateRaised(m) => ApiError::invalid(
-                "messages",
-                format!("the chat template refused the conversation: {m}"),
-            ),
-            other => ApiError::invalid("messages", other.to_string()),
-        })?;
-        let ids = tok
-            .encode(&text, false)
-            .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
-        let history_len = if req.add_generation_prompt {
-            req.add_generation_prompt = false;
-            template
-                .render(&req)
-                .ok()
-                .and_then(|h| tok.encode(&h, false).ok())
-                .filter(|h| !h.is_empty() && h.len() < ids.len() && ids.starts_with(h))
-                .map(|h| h.len())
-        } else {
-            None
-        };
-        Ok(Encoded {
-            text,
-            ids,
-            history_len,
-        })
-    })
-    .await
-}
-
-/// Checks `messages` and returns them ready for the template (`reasoning` is accepted as an alias of
-/// `reasoning_content`). Image, audio and video parts are refused: there is no vision support yet.
-pub fn check_messages(messages: &Value) -> Result<Value, ApiError> {
-    let Value::Array(list) = messages else {
-        return Err(ApiError::invalid("messages", "`messages` must be an array"));
-    };
-    if list.is_empty() {
-        return Err(ApiError::invalid(
-            "messages",
-            "`messages` must not be empty",
-        ));
-    }
-    let mut out = Vec::with_capacity(list.len());
-    for (i, m) in list.iter().enumerate() {
-        let at = |s: &str| format!("messages[{i}]{s}");
-        let Value::Object(map) = m else {
-            return Err(ApiError::invalid(
-                at(""),
-                format!("{} must be an object", at("")),
-            ));
-        };
-        match map.get("role").and_then(Value::as_str) {
-            Some("system" | "developer" | "user" | "assistant" | "tool" | "function") => {}
-            Some(r) => {
-                return Err(ApiError::invalid(
-                    at(".role"),
-                    format!("unknown role {r:?} in {}", at("")),
-                ))
-            }
-            None => {
-                return Err(ApiError::invalid(
-                    at(".role"),
-                    format!("{} has no role", at("")),
-                ))
-            }
-        }
-        match map.get("content") {
-            None | Some(Value::Null) | Some(Value::String(_)) => {}
-            Some(Value::Array(parts)) => {
-                for (j, part) in parts.iter().enumerate() {
-                    check_part(part, &at(&format!(".content[{j}]")))?;
-                }
-            }
-            Some(_) => {
-                return Err(ApiError::invalid(
-                    at(".content"),
-                    format!(
-                        "{} must be a string or a list of content parts",
-                        at(".content")
-                    ),
-                ))
-            }
-        }
-        let mut map = map.clone();
-        if !map.contains_key("reasoning_content") {
-            if let Some(r) = map.get("reasoning").cloned() {
-                map.insert("reasoning_content".into(), r);
-            }
-        }
-        out.push(Value::Object(map));
-    }
-    Ok(Value::Array(out))
-}
-
-fn check_part(part: &Value, at: &str) -> Result<(), ApiError> {
-    let kind = match part {
-        Value::String(_) => return Ok(()),
-        Value::Object(p) => p.get("type").and_then(Value::as_str).unwrap_or("text"),
-        _ => return Err(ApiError::invalid(at, format!("{at} must be an object"))),
-    };
-    match kind {
-        "text" | "input_text" | "output_text" => match part.get("text") {
-            Some(Value::String(_)) => Ok(()),
-            _ => Err(ApiError::invalid(at, format!("{at} has no string `text`"))),
-        },
-        "image_url" | "input_image" | "image" | "image_pil" | "image_embeds" => Err(ApiError::invalid(
-            at,
-            format!("{at} is an image, but image input is not supported yet: this server has no vision support"),
-        )),
-        "input_audio" | "audio_url" | "video_url" | "video" | "file" | "input_file" => Err(ApiError::invalid(
-            at,
-            format!("{at} is a {kind} part; only text content is supported (no vision or audio support yet)"),
-        )),
-        other => Err(ApiError::invalid(at, format!("{at} has an unknown content type {other:?}"))),
-    }
-}
 
 /// Checks `tools` (a list of `{"type": "function", "function": {"name": ...}}`).
 fn check_tools(tools: &[Value]) -> Result<(), ApiError> {
@@ -536,40 +370,6 @@ async fn send_deltas(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn messages_are_checked() {
-        let ok = json!([{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-            {"role": "assistant", "content": null, "reasoning": "r", "tool_calls": []}, {"role": "tool", "content": "x", "tool_call_id": "1"}]);
-        let out = check_messages(&ok).unwrap();
-        assert_eq!(out[2]["reasoning_content"], "r");
-        for (bad, param) in [
-            (json!("hi"), "messages"),
-            (json!([]), "messages"),
-            (json!([{"content": "x"}]), "messages[0].role"),
-            (
-                json!([{"role": "wizard", "content": "x"}]),
-                "messages[0].role",
-            ),
-            (
-                json!([{"role": "user", "content": 5}]),
-                "messages[0].content",
-            ),
-            (
-                json!([{"role": "user", "content": [{"type": "text"}]}]),
-                "messages[0].content[0]",
-            ),
-            (
-                json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]),
-                "messages[0].content[1]",
-            ),
-        ] {
-            let e = check_messages(&bad).unwrap_err();
-            assert_eq!(e.param.as_deref(), Some(param), "{bad}");
-        }
-        let e = check_messages(&json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])).unwrap_err();
-        assert!(e.message.contains("vision"), "{}", e.message);
-    }
 
     #[test]
     fn tools_are_checked() {

@@ -12,16 +12,15 @@ use sanmai_engine::api::{EngineEvent, EngineRequest, FinishReason, TokenLogprob,
 use sanmai_engine::RequestStream;
 use serde_json::{json, Value};
 
-use crate::chat::tokenizer;
 use crate::error::ApiError;
 use crate::logprobs::{LegacyLogprobs, TokenText};
 use crate::params;
 use crate::request::{fields, parse_prompt, CommonFields, CompletionFields, JsonBody, PromptInput};
 use crate::response::{collect, finish_reason, stop_reason_json, usage_json};
-use crate::routes::blocking;
 use crate::state::{new_id, unix_now, AppState};
 use crate::stream::{merge, sse_response, submit_all, SseSender};
 use crate::structured::{self, StructuredFields};
+use crate::task::blocking;
 
 /// One prompt, tokenized, with the text `echo` repeats.
 struct Prompt {
@@ -129,7 +128,7 @@ pub async fn completions(
 
     let needs_tokenizer = echo || inputs.iter().any(|p| matches!(p, PromptInput::Text(_)));
     let tok = if needs_tokenizer {
-        Some(tokenizer(ready)?.clone())
+        Some(ready.require_tokenizer()?.clone())
     } else {
         ready.tokenizer.clone()
     };

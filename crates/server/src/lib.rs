@@ -18,12 +18,14 @@ mod logprobs;
 pub mod metrics;
 mod output;
 mod params;
+mod render;
 mod request;
 mod response;
 mod routes;
 mod state;
 mod stream;
 mod structured;
+mod task;
 
 use axum::serve::ListenerExt;
 use std::future::Future;

@@ -17,8 +17,10 @@ use crate::chat;
 use crate::completions;
 use crate::error::ApiError;
 use crate::metrics;
+use crate::render::{render_and_encode, ChatPrompt};
 use crate::request::{fields, DetokenizeFields, JsonBody, TokenizeFields};
 use crate::state::{unix_now, AppState};
+use crate::task::blocking;
 
 /// The API's router over `state`.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -163,7 +165,7 @@ async fn tokenize(
     let ready = state.ready()?;
     let f: TokenizeFields = fields(&body)?;
     state.check_model(f.model.as_deref())?;
-    let tok = chat::tokenizer(ready)?.clone();
+    let tok = ready.require_tokenizer()?.clone();
     let tokens = match (&f.prompt, &f.messages) {
         (Some(_), Some(_)) => {
             return Err(ApiError::bad_request(
@@ -180,13 +182,13 @@ async fn tokenize(
             .await?
         }
         (None, Some(messages)) => {
-            let req = chat::ChatPrompt {
+            let req = ChatPrompt {
                 messages: messages.clone(),
                 tools: f.tools.clone(),
                 add_generation_prompt: f.add_generation_prompt.unwrap_or(true),
                 kwargs: f.chat_template_kwargs.clone().unwrap_or_default(),
             };
-            chat::render_and_encode(&state, ready, req).await?.ids
+            render_and_encode(&state, ready, req).await?.ids
         }
         (None, None) => return Err(ApiError::invalid("prompt", "give `prompt` or `messages`")),
     };
@@ -209,7 +211,7 @@ async fn detokenize(
     let ready = state.ready()?;
     let f: DetokenizeFields = fields(&body)?;
     state.check_model(f.model.as_deref())?;
-    let tok = chat::tokenizer(ready)?.clone();
+    let tok = ready.require_tokenizer()?.clone();
     let tokens = f
         .tokens
         .ok_or_else(|| ApiError::invalid("tokens", "`tokens` is required"))?;
@@ -226,15 +228,6 @@ async fn detokenize(
     })
     .await?;
     Ok(Json(json!({"prompt": text})))
-}
-
-/// Runs CPU-heavy work (templates, tokenizing long prompts) off the async workers.
-pub async fn blocking<T: Send + 'static>(
-    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|_| ApiError::internal("internal error while preparing the request"))?
 }
 
 #[cfg(test)]

@@ -58,6 +58,17 @@ pub struct Ready {
     pub compilers: crate::structured::Compilers,
 }
 
+impl Ready {
+    /// The tokenizer, or a 400 for a model served without one.
+    pub fn require_tokenizer(&self) -> Result<&Tokenizer, ApiError> {
+        self.tokenizer.as_ref().ok_or_else(|| {
+            ApiError::bad_request(
+                "this model is served without a tokenizer: only /v1/completions with token-id prompts works",
+            )
+        })
+    }
+}
+
 /// Shared by every handler.
 pub struct AppState {
     pub config: ServerConfig,

@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::output::ToolFormat;
-use crate::routes::blocking;
+use crate::task::blocking;
 
 /// The structured-output fields of a request body (chat and completions).
 #[derive(Debug, Clone, Default, Deserialize)]

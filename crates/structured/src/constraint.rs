@@ -8,16 +8,8 @@ use llguidance::api::TopLevelGrammar;
 use serde_json::{json, Value};
 
 use crate::error::{Result, StructuredError};
-use crate::toolcall::tool_call_lark;
-
-/// The tool-call syntax of a model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ToolSyntax {
-    /// Qwen3.5 / Qwen3-Coder: `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>`.
-    Xml,
-    /// Hermes / Qwen2.5: `<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>`.
-    Json,
-}
+use crate::grammar::{compact_schema, lark_str};
+use crate::toolcall::{tool_call_lark, ToolSyntax};
 
 /// One request's output constraint.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,31 +37,6 @@ pub enum Constraint {
         syntax: ToolSyntax,
         name: Option<String>,
     },
-}
-
-/// Adds the compact-JSON options to a schema that does not set its own; `lenient` ignores what
-/// llguidance does not implement (see [`Constraint::JsonSchemaBestEffort`]).
-pub(crate) fn compact_schema(schema: &Value, lenient: bool) -> Value {
-    let mut s = match schema {
-        Value::Bool(true) => json!({}),
-        Value::Bool(false) => json!({"not": {}}),
-        other => other.clone(),
-    };
-    if let Value::Object(map) = &mut s {
-        if !map.contains_key("x-guidance") {
-            map.insert(
-                "x-guidance".into(),
-                json!({"whitespace_flexible": false, "item_separator": ",", "key_separator": ":",
-                    "lenient": lenient}),
-            );
-        }
-    }
-    s
-}
-
-/// A Lark string literal (Lark literals are JSON strings).
-pub(crate) fn lark_str(s: &str) -> String {
-    Value::String(s.to_string()).to_string()
 }
 
 impl Constraint {

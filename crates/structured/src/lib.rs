@@ -11,12 +11,13 @@
 mod constraint;
 mod env;
 mod error;
+mod grammar;
 mod matcher;
 mod toolcall;
 
-pub use constraint::{Constraint, ToolSyntax};
+pub use constraint::Constraint;
 pub use env::{build_tok_env, token_bytes, SanmaiTokEnv};
 pub use error::{Result, StructuredError};
 pub use llguidance;
 pub use matcher::{mask_words, CompiledGrammar, GrammarCompiler, GrammarMatcher};
-pub use toolcall::tool_call_lark;
+pub use toolcall::{tool_call_lark, ToolSyntax};

@@ -18,8 +18,17 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::constraint::{compact_schema, lark_str, ToolSyntax};
 use crate::error::{Result, StructuredError};
+use crate::grammar::{compact_schema, lark_str};
+
+/// The tool-call syntax of a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolSyntax {
+    /// Qwen3.5 / Qwen3-Coder: `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>`.
+    Xml,
+    /// Hermes / Qwen2.5: `<tool_call>\n{"name": NAME, "arguments": {...}}\n</tool_call>`.
+    Json,
+}
 
 const PARAM_CLOSE: &str = "\n</parameter>";
 

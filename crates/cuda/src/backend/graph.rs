@@ -42,8 +42,6 @@ use crate::error::Result;
 pub const DEFAULT_GRAPH_BATCH_SIZES: [usize; 4] = [1, 2, 4, 8];
 /// The smallest attention span of a recording (context positions).
 pub const MIN_GRAPH_SPAN: usize = 4096;
-/// Set to `0` (or `off`) to start backends without graphs (every step eager).
-pub const GRAPHS_ENV: &str = "SANMAI_CUDA_GRAPHS";
 
 /// What a recording is keyed by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -98,17 +96,10 @@ pub(crate) struct Graphs {
 }
 
 impl Graphs {
-    /// The default set, or none when [`GRAPHS_ENV`] says `0` / `off`.
-    pub fn from_env() -> Self {
-        let off = std::env::var(GRAPHS_ENV)
-            .map(|v| matches!(v.trim(), "0" | "off" | "false"))
-            .unwrap_or(false);
+    /// Recordings of decode steps of these batch sizes (empty: every step eager).
+    pub fn new(sizes: &[usize]) -> Self {
         Self {
-            sizes: if off {
-                Vec::new()
-            } else {
-                DEFAULT_GRAPH_BATCH_SIZES.to_vec()
-            },
+            sizes: sizes.to_vec(),
             entries: HashMap::new(),
             epoch: (0, 0),
             stats: GraphStats::default(),

@@ -38,9 +38,9 @@ use sanmai_model::backend::{
 };
 
 use crate::error::{CudaError, Result};
-use crate::gpu::Gpu;
+use crate::gpu::{Gpu, GpuOptions};
 use crate::ops::{GEMV_MAX_M, GEMV_SEGS};
-pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, GRAPHS_ENV, MIN_GRAPH_SPAN};
+pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, MIN_GRAPH_SPAN};
 pub use packed::{packed_device_bytes, packed_fits, PACKED_WORKSPACE_BYTES};
 pub use tensor::{CudaTensor, CudaWeight, DenseBf16, PackedWeight};
 
@@ -92,6 +92,25 @@ impl State {
     }
 }
 
+/// How a [`CudaBackend`] opens (the `sanmai` binary fills it from its flags).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaOptions {
+    pub gpu: GpuOptions,
+    /// Record decode steps of batch sizes [`DEFAULT_GRAPH_BATCH_SIZES`] as CUDA graphs; off: every
+    /// step eager.
+    pub cuda_graphs: bool,
+}
+
+impl Default for CudaOptions {
+    /// Graphs and PDL on, no kernel cache, the standard CUDA header folders.
+    fn default() -> Self {
+        CudaOptions {
+            gpu: GpuOptions::default(),
+            cuda_graphs: true,
+        }
+    }
+}
+
 /// The CUDA backend: one device, one stream.
 pub struct CudaBackend {
     pub(crate) gpu: Gpu,
@@ -125,18 +144,28 @@ fn ok<T>(op: &str, r: Result<T>) -> T {
 
 impl CudaBackend {
     /// Opens CUDA device `ordinal` (compiling or loading every kernel) with the default step limits.
-    /// `sanmai --device cuda:N` builds its backend with `CudaBackend::new(N)`.
-    pub fn new(ordinal: usize) -> Result<Self> {
-        Self::with_limits(ordinal, DEFAULT_MAX_TOKENS, DEFAULT_MAX_SEQS)
+    /// `sanmai --device cuda:N` builds its backend with `CudaBackend::new(N, &options)`.
+    pub fn new(ordinal: usize, options: &CudaOptions) -> Result<Self> {
+        Self::with_limits(ordinal, DEFAULT_MAX_TOKENS, DEFAULT_MAX_SEQS, options)
     }
 
     /// As [`CudaBackend::new`], with the step metadata buffers sized for `max_tokens` rows and
     /// `max_seqs` sequences.
-    pub fn with_limits(ordinal: usize, max_tokens: usize, max_seqs: usize) -> Result<Self> {
-        Self::from_gpu(Gpu::new(ordinal)?, max_tokens, max_seqs)
+    pub fn with_limits(
+        ordinal: usize,
+        max_tokens: usize,
+        max_seqs: usize,
+        options: &CudaOptions,
+    ) -> Result<Self> {
+        let backend = Self::from_gpu(Gpu::new(ordinal, &options.gpu)?, max_tokens, max_seqs)?;
+        if !options.cuda_graphs {
+            backend.set_graph_batch_sizes(&[]);
+        }
+        Ok(backend)
     }
 
-    /// A backend on an opened [`Gpu`].
+    /// A backend on an opened [`Gpu`], recording decode steps of [`DEFAULT_GRAPH_BATCH_SIZES`]
+    /// ([`CudaBackend::set_graph_batch_sizes`] changes them).
     pub fn from_gpu(gpu: Gpu, max_tokens: usize, max_seqs: usize) -> Result<Self> {
         let meta = meta::Meta::new(&gpu, max_tokens, max_seqs, 64)?;
         let route_ticket = Mutex::new(gpu.zeros::<u32>(1)?);
@@ -156,7 +185,7 @@ impl CudaBackend {
             weight_bytes: AtomicUsize::new(0),
             routing: roofline::RoutingLog::default(),
             routing_on: AtomicBool::new(false),
-            graphs: Mutex::new(graph::Graphs::from_env()),
+            graphs: Mutex::new(graph::Graphs::new(&DEFAULT_GRAPH_BATCH_SIZES)),
             epoch: AtomicU64::new(0),
             ple_in: Mutex::new(None),
             route_ticket,

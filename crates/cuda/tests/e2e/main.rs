@@ -21,6 +21,9 @@
 //! Without a GPU every test prints `skipped: <test>: <reason>` and passes. Each check prints one
 //! `E2E` line that `scripts/gpu_check.sh` collects into its report.
 
+#[path = "../support/options.rs"]
+mod options;
+
 use std::path::{Path, PathBuf};
 
 use sanmai_config::ModelConfig;
@@ -68,7 +71,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn backend(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
+    match CudaBackend::new(0, &options::cuda_options()) {
         Ok(b) => Some(b),
         Err(e) => {
             eprintln!("skipped: {test}: {e}");

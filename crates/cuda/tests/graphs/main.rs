@@ -21,6 +21,9 @@
 //! and on `configs/models/qwen3.5-35b-a3b.json` with dummy weights and fewer layers
 //! (`SANMAI_GRAPH_BENCH_LAYERS`, default 4). Without a GPU every test prints `skipped:` and passes.
 
+#[path = "../support/options.rs"]
+mod options;
+
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -67,7 +70,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn backend(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
+    match CudaBackend::new(0, &options::cuda_options()) {
         Ok(b) => Some(b),
         Err(e) => {
             eprintln!("skipped: {test}: {e}");

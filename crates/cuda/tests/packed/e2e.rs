@@ -131,7 +131,7 @@ fn quant_fixture_loads_packed() {
 #[test]
 fn quant_fixture_gpu_matches_cpu() {
     let test = "quant_fixture_gpu_matches_cpu";
-    let gpu = match CudaBackend::new(0) {
+    let gpu = match CudaBackend::new(0, &crate::options::cuda_options()) {
         Ok(b) => b,
         Err(e) => {
             eprintln!("skipped: {test}: {e}");
@@ -191,7 +191,10 @@ fn quant_fixture_gpu_matches_cpu() {
     let errs = distance(&lg, &lc);
     drop((g, c));
     let base_dir = fixture_dir(BASE_FIXTURE);
-    let bg = load_dir(CudaBackend::new(0).unwrap(), &base_dir);
+    let bg = load_dir(
+        CudaBackend::new(0, &crate::options::cuda_options()).unwrap(),
+        &base_dir,
+    );
     let bc = load_dir(CpuBackend::default(), &base_dir);
     let base = distance(
         &prompt_logprobs(&bg, &prompt),

@@ -11,7 +11,7 @@ use sanmai_weights::quant::{quantize, PackedTensor};
 use crate::{bf16_round, rel_errors, Rng};
 
 fn gpu(test: &str) -> Option<Gpu> {
-    match Gpu::new(0) {
+    match Gpu::new(0, &crate::options::gpu_options()) {
         Ok(g) => Some(g),
         Err(e) => {
             eprintln!("skipped: {test}: {e}");
@@ -313,7 +313,7 @@ fn packed_grouped_gemv_refuses_bad_shapes() {
 #[test]
 fn backend_linear_on_packed_weights_matches_cpu() {
     let test = "backend_linear_on_packed_weights_matches_cpu";
-    let b = match CudaBackend::new(0) {
+    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
         Ok(b) => b,
         Err(e) => {
             eprintln!("skipped: {test}: {e}");
@@ -354,7 +354,7 @@ fn backend_linear_on_packed_weights_matches_cpu() {
 #[test]
 fn backend_embedding_on_packed_table_matches_cpu() {
     let test = "backend_embedding_on_packed_table_matches_cpu";
-    let b = match CudaBackend::new(0) {
+    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
         Ok(b) => b,
         Err(e) => {
             eprintln!("skipped: {test}: {e}");

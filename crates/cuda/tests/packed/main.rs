@@ -15,6 +15,9 @@
 //! Without a GPU the device tests print `skipped: <test>: <reason>` and pass. Each check prints one
 //! `PACKED` line.
 
+#[path = "../support/options.rs"]
+mod options;
+
 mod e2e;
 mod grouped;
 mod plan;

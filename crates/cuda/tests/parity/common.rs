@@ -9,7 +9,8 @@ use sanmai_cuda::Gpu;
 /// The test GPU, created once; `None` (after printing why) when there is no usable device.
 pub fn gpu(test: &str) -> Option<&'static Gpu> {
     static GPU: OnceLock<Result<Gpu, String>> = OnceLock::new();
-    match GPU.get_or_init(|| Gpu::new(0).map_err(|e| e.to_string())) {
+    match GPU.get_or_init(|| Gpu::new(0, &crate::options::gpu_options()).map_err(|e| e.to_string()))
+    {
         Ok(g) => Some(g),
         Err(e) => {
             eprintln!("skipped: {test}: {e}");

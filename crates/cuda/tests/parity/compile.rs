@@ -6,7 +6,9 @@ use sanmai_cuda::{nvrtc, registry};
 
 #[test]
 fn every_kernel_compiles_for_sm86_and_sm90() {
-    let include = match nvrtc::nvrtc_version().and_then(|_| nvrtc::cuda_include_dir()) {
+    let include = match nvrtc::nvrtc_version()
+        .and_then(|_| nvrtc::cuda_include_dir(&crate::options::compile_options().include_dirs))
+    {
         Ok(dir) => dir,
         Err(e) => {
             assert!(
@@ -40,7 +42,9 @@ fn every_kernel_compiles_for_sm86_and_sm90() {
 
 #[test]
 fn a_compile_error_names_file_and_line() {
-    let include = match nvrtc::nvrtc_version().and_then(|_| nvrtc::cuda_include_dir()) {
+    let include = match nvrtc::nvrtc_version()
+        .and_then(|_| nvrtc::cuda_include_dir(&crate::options::compile_options().include_dirs))
+    {
         Ok(dir) => dir,
         Err(e) => {
             eprintln!("skipped: a_compile_error_names_file_and_line: {e}");

@@ -39,7 +39,7 @@ fn weights<B: Backend>(
 #[test]
 fn hc_residual_matches_cpu() {
     let test = "hc_residual_matches_cpu";
-    let b = match CudaBackend::new(0) {
+    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
         Ok(b) => b,
         Err(e) => {
             eprintln!("skipped: {test}: {e}");
@@ -97,7 +97,7 @@ fn hc_residual_matches_cpu() {
 #[ignore]
 fn bench_hc_residual() {
     let test = "bench_hc_residual";
-    let b = match CudaBackend::new(0) {
+    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
         Ok(b) => b,
         Err(e) => {
             eprintln!("skipped: {test}: {e}");

@@ -14,6 +14,9 @@
 //!   two experts' logits lie within twice the token's largest logit difference between the two
 //!   computations (`router.rs`), and exactly equal ids, weights and tiles from the same logits.
 
+#[path = "../support/options.rs"]
+mod options;
+
 mod attention;
 mod bench;
 mod bench_attn;

@@ -364,7 +364,7 @@ fn moe_gemm_refuses_bad_shapes() {
 #[test]
 fn backend_moe_prefill_matches_cpu() {
     let test = "backend_moe_prefill_matches_cpu";
-    let b = match CudaBackend::new(0) {
+    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
         Ok(b) => b,
         Err(e) => {
             eprintln!("skipped: {test}: {e}");

@@ -15,6 +15,9 @@
 //! Without a GPU every test prints `skipped: <test>: <reason>` and passes. Each check prints a
 //! `PARITY` or `E2E` line.
 
+#[path = "../support/options.rs"]
+mod options;
+
 use half::bf16;
 use sanmai_cpu::{ops as cpu, CpuBackend};
 use sanmai_cuda::{AttnDims, CudaBackend, PleDims};
@@ -60,7 +63,7 @@ impl Rng {
 }
 
 fn backend(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0) {
+    match CudaBackend::new(0, &options::cuda_options()) {
         Ok(b) => Some(b),
         Err(e) => {
             eprintln!("skipped: {test}: {e}");

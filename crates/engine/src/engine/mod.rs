@@ -4,13 +4,10 @@
 //! and streams events back ([`process`]). New requests join between steps. With an executor that keeps
 //! several steps in flight, a sequence is scheduled again only after its previous step has returned.
 //! Sequences with a grammar (structured output) get their allowed-token masks from worker threads
-//! ([`masks`]) while the model runs; one whose mask is late keeps its logits and samples a step later.
+//! ([`crate::masks`]) while the model runs; one whose mask is late keeps its logits and samples a step later.
 
-mod masks;
 mod process;
 mod schedule;
-
-pub(crate) use masks::{Accepted, Constrained};
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,9 +21,9 @@ use crate::api::{EngineEvent, FinishReason, MetricsSnapshot, StopReason};
 use crate::executor::{CacheGeometry, Executor};
 use crate::handle::{Command, EngineHandle, EngineInfo, Limits};
 use crate::kv_cache::CacheManager;
+use crate::masks::{Constrained, MaskWorkers};
 use crate::sampler::Sampler;
 use crate::sequence::Sequence;
-use masks::MaskWorkers;
 
 /// How the engine schedules.
 #[derive(Debug, Clone)]

@@ -28,6 +28,7 @@
 //!
 //! See [`reasoning`] for the `<think>` rules and [`ToolParser`] for the streaming guarantees.
 
+mod events;
 mod ids;
 mod json;
 pub mod reasoning;
@@ -37,9 +38,10 @@ mod text;
 mod tool;
 mod xml;
 
+pub use events::{ParsedOutput, ToolCall, ToolEvent};
 pub use ids::ToolCallIds;
 pub use reasoning::{prompt_opens_think, ReasoningDelta, ReasoningParser};
-pub use tool::{JsonToolParser, ParsedOutput, ToolCall, ToolEvent, ToolParser, XmlToolParser};
+pub use tool::{JsonToolParser, ToolParser, XmlToolParser};
 
 use serde_json::Value;
 

@@ -4,10 +4,10 @@
 
 use serde_json::Value;
 
+use super::events::ToolEvent;
 use super::ids::ToolCallIds;
 use super::schema::ToolSet;
 use super::text::{is_ws, partial_tag_start, run_start, TOOL_OPEN};
-use super::tool::ToolEvent;
 
 /// A grammar's verdict on the text of one call so far.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,84 +1,13 @@
-//! The tool-call parser interface: events, the whole-response result, and the [`ToolParser`]
-//! trait with its two implementations (Qwen3 XML and Qwen3/Hermes JSON).
+//! The tool-call parser interface: the [`ToolParser`] trait with its two implementations (Qwen3
+//! XML and Qwen3/Hermes JSON), which emit [`ToolEvent`]s.
 
 use serde_json::Value;
 
+use super::events::ToolEvent;
 use super::ids::ToolCallIds;
 use super::json::JsonCall;
 use super::stream::Engine;
 use super::xml::XmlCall;
-
-/// One step of a streamed response, in output order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ToolEvent {
-    /// Text outside tool calls (including malformed tool-call text).
-    Content(String),
-    /// A tool call begins. `index` counts calls from 0 within the response.
-    Start {
-        index: usize,
-        id: String,
-        name: String,
-    },
-    /// A piece of the call's arguments; the pieces of one index concatenate to a JSON object.
-    Arguments { index: usize, fragment: String },
-    /// The call is complete.
-    End { index: usize },
-}
-
-/// One complete tool call.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ToolCall {
-    /// `call_…` id.
-    pub id: String,
-    /// Function name.
-    pub name: String,
-    /// Arguments as a compact JSON object string.
-    pub arguments: String,
-}
-
-/// A whole response split into content and tool calls.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ParsedOutput {
-    /// Text outside tool calls; `None` when there is none.
-    pub content: Option<String>,
-    /// The tool calls in order.
-    pub tool_calls: Vec<ToolCall>,
-}
-
-impl ParsedOutput {
-    /// Assembles the events of a whole response (as returned by `feed`s and `finish`).
-    pub fn from_events(events: impl IntoIterator<Item = ToolEvent>) -> Self {
-        let mut content = String::new();
-        let mut tool_calls: Vec<ToolCall> = Vec::new();
-        for event in events {
-            match event {
-                ToolEvent::Content(text) => content.push_str(&text),
-                ToolEvent::Start { index, id, name } => {
-                    // Indices are dense and in order; place defensively all the same.
-                    while tool_calls.len() <= index {
-                        tool_calls.push(ToolCall {
-                            id: String::new(),
-                            name: String::new(),
-                            arguments: String::new(),
-                        });
-                    }
-                    tool_calls[index].id = id;
-                    tool_calls[index].name = name;
-                }
-                ToolEvent::Arguments { index, fragment } => {
-                    if let Some(call) = tool_calls.get_mut(index) {
-                        call.arguments.push_str(&fragment);
-                    }
-                }
-                ToolEvent::End { .. } => {}
-            }
-        }
-        ParsedOutput {
-            content: (!content.is_empty()).then_some(content),
-            tool_calls,
-        }
-    }
-}
 
 /// A streaming tool-call parser for one response.
 ///
@@ -88,7 +17,7 @@ impl ParsedOutput {
 ///   `feed` (or `finish`) that reads its closing `</tool_call>`, and only when the whole call
 ///   parsed: the function name is well formed and (when tools were given) one of the tools, and
 ///   the body is complete and valid. Nothing emitted is ever taken back, so the streamed result
-///   equals [`ParsedOutput::from_events`] of the same text fed in one piece, for every split.
+///   equals [`super::ParsedOutput::from_events`] of the same text fed in one piece, for every split.
 /// - **Malformed calls are content.** Text from `<tool_call>` that cannot be a valid call is
 ///   emitted verbatim as `Content` as soon as that is certain (an unknown name once its `>` is
 ///   read, stray text between tags once read), or at `finish()` (an unterminated call).

@@ -1,8 +1,27 @@
-//! The model config's `ple` block (spec §3), parsed with errors that name the offending field.
+//! The qwen4_exp `ple` block (spec §3): the hashed n-gram memory's shape, parsed with errors that
+//! name the offending field.
 
-use crate::error::PleError;
 use serde_json::Value;
 use std::path::Path;
+
+use crate::ConfigError;
+
+/// A malformed `ple` block; `field` names the offending entry (`heads`, `table_sizes[1][0]`, ...).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("ple config: field `{field}`: {msg}")]
+pub struct PleConfigError {
+    pub field: String,
+    pub msg: String,
+}
+
+impl PleConfigError {
+    fn new(field: impl Into<String>, msg: impl Into<String>) -> Self {
+        PleConfigError {
+            field: field.into(),
+            msg: msg.into(),
+        }
+    }
+}
 
 /// The `ple` block of a model config.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,57 +42,68 @@ pub struct PleConfig {
     pub eos_token_id: i64,
 }
 
-fn field<'a>(block: &'a Value, name: &str) -> Result<&'a Value, PleError> {
+fn field<'a>(block: &'a Value, name: &str) -> Result<&'a Value, PleConfigError> {
     block
         .get(name)
-        .ok_or_else(|| PleError::config(name, "missing"))
+        .ok_or_else(|| PleConfigError::new(name, "missing"))
 }
 
-fn uint(v: &Value, name: &str) -> Result<u64, PleError> {
-    v.as_u64()
-        .ok_or_else(|| PleError::config(name, format!("expected a non-negative integer, got {v}")))
+fn uint(v: &Value, name: &str) -> Result<u64, PleConfigError> {
+    v.as_u64().ok_or_else(|| {
+        PleConfigError::new(name, format!("expected a non-negative integer, got {v}"))
+    })
 }
 
-fn uint_list(v: &Value, name: &str) -> Result<Vec<u64>, PleError> {
+fn uint_list(v: &Value, name: &str) -> Result<Vec<u64>, PleConfigError> {
     let arr = v
         .as_array()
-        .ok_or_else(|| PleError::config(name, format!("expected a list, got {v}")))?;
+        .ok_or_else(|| PleConfigError::new(name, format!("expected a list, got {v}")))?;
     arr.iter()
         .enumerate()
         .map(|(i, x)| uint(x, &format!("{name}[{i}]")))
         .collect()
 }
 
-fn positive(x: u64, name: &str) -> Result<usize, PleError> {
+fn positive(x: u64, name: &str) -> Result<usize, PleConfigError> {
     if x == 0 {
-        return Err(PleError::config(name, "must be positive"));
+        return Err(PleConfigError::new(name, "must be positive"));
     }
-    usize::try_from(x).map_err(|_| PleError::config(name, "too large"))
+    usize::try_from(x).map_err(|_| PleConfigError::new(name, "too large"))
 }
 
 impl PleConfig {
     /// Reads a model config file and parses its `ple` block (top level or under `text_config`).
-    pub fn from_model_config_file(path: &Path) -> Result<Self, PleError> {
-        let text = std::fs::read_to_string(path).map_err(|e| PleError::io(path, e))?;
-        let v: Value = serde_json::from_str(&text)
-            .map_err(|e| PleError::config("<file>", format!("{}: {e}", path.display())))?;
-        Self::from_model_config(&v)
+    pub fn from_model_config_file(path: &Path) -> Result<Self, ConfigError> {
+        let name = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+            path: name.clone(),
+            source,
+        })?;
+        let v: Value = serde_json::from_str(&text).map_err(|source| ConfigError::Json {
+            path: name.clone(),
+            source,
+        })?;
+        Self::from_model_config(&v).map_err(|e| ConfigError::Invalid {
+            file: name,
+            field: e.field,
+            message: e.msg,
+        })
     }
 
     /// Finds the `ple` block of a parsed model config (top level or under `text_config`).
-    pub fn from_model_config(config: &Value) -> Result<Self, PleError> {
+    pub fn from_model_config(config: &Value) -> Result<Self, PleConfigError> {
         let block = config
             .get("ple")
             .or_else(|| config.get("text_config").and_then(|t| t.get("ple")))
             .filter(|b| !b.is_null())
-            .ok_or_else(|| PleError::config("ple", "the model config has no `ple` block"))?;
+            .ok_or_else(|| PleConfigError::new("ple", "the model config has no `ple` block"))?;
         Self::from_block(block)
     }
 
     /// Parses the `ple` block itself.
-    pub fn from_block(block: &Value) -> Result<Self, PleError> {
+    pub fn from_block(block: &Value) -> Result<Self, PleConfigError> {
         if !block.is_object() {
-            return Err(PleError::config("ple", "expected an object"));
+            return Err(PleConfigError::new("ple", "expected an object"));
         }
         let orders = uint_list(field(block, "orders")?, "orders")?
             .into_iter()
@@ -82,13 +112,13 @@ impl PleConfig {
                 let name = format!("orders[{i}]");
                 let n = positive(n, &name)?;
                 if n > 64 {
-                    return Err(PleError::config(name, "order above 64"));
+                    return Err(PleConfigError::new(name, "order above 64"));
                 }
                 Ok(n)
             })
             .collect::<Result<Vec<_>, _>>()?;
         if orders.is_empty() {
-            return Err(PleError::config("orders", "must not be empty"));
+            return Err(PleConfigError::new("orders", "must not be empty"));
         }
         let heads = positive(uint(field(block, "heads")?, "heads")?, "heads")?;
         let row_dim = positive(uint(field(block, "row_dim")?, "row_dim")?, "row_dim")?;
@@ -99,13 +129,13 @@ impl PleConfig {
             .collect();
         let sizes_v = field(block, "table_sizes")?;
         let rows = sizes_v.as_array().ok_or_else(|| {
-            PleError::config(
+            PleConfigError::new(
                 "table_sizes",
                 format!("expected a list of lists, got {sizes_v}"),
             )
         })?;
         if rows.len() != orders.len() {
-            return Err(PleError::config(
+            return Err(PleConfigError::new(
                 "table_sizes",
                 format!("has {} rows, orders has {}", rows.len(), orders.len()),
             ));
@@ -115,14 +145,14 @@ impl PleConfig {
             let name = format!("table_sizes[{o}]");
             let sizes = uint_list(row, &name)?;
             if sizes.len() != heads {
-                return Err(PleError::config(
+                return Err(PleConfigError::new(
                     name,
                     format!("has {} sizes, heads = {heads}", sizes.len()),
                 ));
             }
             for (h, &p) in sizes.iter().enumerate() {
                 if p == 0 || p > i64::MAX as u64 {
-                    return Err(PleError::config(
+                    return Err(PleConfigError::new(
                         format!("table_sizes[{o}][{h}]"),
                         format!("{p} is not a valid row count"),
                     ));
@@ -140,7 +170,7 @@ impl PleConfig {
         )?;
         let eos = field(block, "eos_token_id")?;
         let eos_token_id = eos.as_i64().ok_or_else(|| {
-            PleError::config("eos_token_id", format!("expected an integer, got {eos}"))
+            PleConfigError::new("eos_token_id", format!("expected an integer, got {eos}"))
         })?;
         Ok(PleConfig {
             orders,
@@ -153,16 +183,6 @@ impl PleConfig {
             conv_dilation,
             eos_token_id,
         })
-    }
-
-    /// The config a table's sidecar implies (its sizes as written, `rows_scale` folded in), for
-    /// tools that open a table without the model config; `eos_token_id` is not in the sidecar.
-    pub fn from_sidecar(s: &crate::table::Sidecar, eos_token_id: i64) -> Result<Self, PleError> {
-        Self::from_block(&serde_json::json!({
-            "orders": s.orders, "heads": s.heads, "row_dim": s.row_dim, "seed": s.seed,
-            "layer_ids": [], "table_sizes": s.sizes, "conv_kernel": 1, "conv_dilation": 1,
-            "eos_token_id": eos_token_id,
-        }))
     }
 
     /// Number of sub-tables (= rows gathered per token): `len(orders) · heads`.

@@ -1,0 +1,60 @@
+//! How the CUDA tests open their device. The crate reads no environment variable; the tests read the
+//! ones the `sanmai` binary reads, so that `scripts/gpu_check.sh` and CI steer them the same way:
+//! `SANMAI_PDL` and `SANMAI_CUDA_GRAPHS` (`0`, `off` or `false` turn them off), the kernel cache
+//! `SANMAI_CACHE_DIR` (else `$XDG_CACHE_HOME/sanmai`, else `~/.cache/sanmai`) and the CUDA header
+//! folders `SANMAI_CUDA_INCLUDE` (`:`-separated), `$CUDA_HOME/include` and `$CUDA_PATH/include`.
+
+use std::path::PathBuf;
+
+use sanmai_cuda::registry::CompileOptions;
+use sanmai_cuda::{CudaOptions, GpuOptions};
+
+fn switched_off(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "0" | "off" | "false"
+        )
+    })
+}
+
+fn nonempty(var: &str) -> Option<PathBuf> {
+    std::env::var_os(var)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
+/// The kernel cache and CUDA header folders the environment names.
+pub fn compile_options() -> CompileOptions {
+    let mut include_dirs: Vec<PathBuf> =
+        std::env::split_paths(&std::env::var_os("SANMAI_CUDA_INCLUDE").unwrap_or_default())
+            .filter(|d| !d.as_os_str().is_empty())
+            .collect();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(root) = nonempty(var) {
+            include_dirs.push(root.join("include"));
+        }
+    }
+    CompileOptions {
+        cache_dir: nonempty("SANMAI_CACHE_DIR")
+            .or_else(|| nonempty("XDG_CACHE_HOME").map(|p| p.join("sanmai")))
+            .or_else(|| nonempty("HOME").map(|p| p.join(".cache").join("sanmai"))),
+        include_dirs,
+    }
+}
+
+/// The options of a test's [`sanmai_cuda::Gpu`].
+pub fn gpu_options() -> GpuOptions {
+    GpuOptions {
+        pdl: !switched_off("SANMAI_PDL"),
+        compile: compile_options(),
+    }
+}
+
+/// The options of a test's [`sanmai_cuda::CudaBackend`].
+pub fn cuda_options() -> CudaOptions {
+    CudaOptions {
+        gpu: gpu_options(),
+        cuda_graphs: !switched_off("SANMAI_CUDA_GRAPHS"),
+    }
+}

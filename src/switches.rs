@@ -1,0 +1,188 @@
+//! The run-time switches and the CUDA kernel compiler's folders. The libraries read no environment
+//! variable: this module reads each one, once, and hands the result down as options. A switch is a
+//! pair of flags whose default is its environment variable, so A/B runs of one build need no
+//! rebuild: the flag wins, `0`, `off` or `false` in the variable turn the switch off, and without
+//! either it is on.
+
+use clap::Args;
+use sanmai_ple::PrefetchOptions;
+
+/// PLE page prefetch (a model with a PLE table).
+const PLE_PREFETCH_ENV: &str = "SANMAI_PLE_PREFETCH";
+/// CUDA graphs for decode steps.
+#[cfg(feature = "cuda")]
+const CUDA_GRAPHS_ENV: &str = "SANMAI_CUDA_GRAPHS";
+/// Programmatic dependent launch (sm_90 and later).
+#[cfg(feature = "cuda")]
+const PDL_ENV: &str = "SANMAI_PDL";
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct SwitchArgs {
+    /// Prefetch an admitted prompt's PLE table pages ahead of its prefill (the default; overrides
+    /// SANMAI_PLE_PREFETCH=0).
+    #[arg(long, overrides_with = "no_ple_prefetch")]
+    pub ple_prefetch: bool,
+    /// Do not prefetch PLE table pages [default: prefetch, unless SANMAI_PLE_PREFETCH=0].
+    #[arg(long, overrides_with = "ple_prefetch")]
+    pub no_ple_prefetch: bool,
+    /// Record CUDA decode steps of batch 1, 2, 4 and 8 as CUDA graphs (the default; overrides
+    /// SANMAI_CUDA_GRAPHS=0).
+    #[arg(long, overrides_with = "no_cuda_graphs")]
+    pub cuda_graphs: bool,
+    /// Run every CUDA decode step eagerly [default: graphs, unless SANMAI_CUDA_GRAPHS=0].
+    #[arg(long, overrides_with = "cuda_graphs")]
+    pub no_cuda_graphs: bool,
+    /// Programmatic dependent launch of the CUDA kernels on sm_90 and later (the default; overrides
+    /// SANMAI_PDL=0).
+    #[arg(long, overrides_with = "no_pdl")]
+    pub pdl: bool,
+    /// Launch every CUDA kernel the ordinary way [default: PDL, unless SANMAI_PDL=0].
+    #[arg(long, overrides_with = "pdl")]
+    pub no_pdl: bool,
+}
+
+/// What an environment variable says about a switch: `Some(false)` for `0`, `off` or `false`,
+/// `Some(true)` for `1`, `on` or `true` (any case), `None` when unset or anything else.
+fn env_switch(var: &str) -> Option<bool> {
+    parse_switch(&std::env::var(var).ok()?)
+}
+
+fn parse_switch(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "0" | "off" | "false" => Some(false),
+        "1" | "on" | "true" => Some(true),
+        _ => None,
+    }
+}
+
+/// A switch: the flag given last wins, else the variable, else on.
+fn switch(on: bool, off: bool, var: &str) -> bool {
+    resolve(on, off, || env_switch(var))
+}
+
+fn resolve(on: bool, off: bool, env: impl FnOnce() -> Option<bool>) -> bool {
+    match (on, off) {
+        (true, _) => true,
+        (_, true) => false,
+        _ => env().unwrap_or(true),
+    }
+}
+
+impl SwitchArgs {
+    /// How the PLE table's pages are prefetched.
+    pub fn ple_prefetch(&self) -> PrefetchOptions {
+        PrefetchOptions {
+            enabled: switch(self.ple_prefetch, self.no_ple_prefetch, PLE_PREFETCH_ENV),
+            ..PrefetchOptions::default()
+        }
+    }
+
+    /// The CUDA flags given on the command line, for a warning when the model runs on the CPU.
+    pub fn cuda_flags(&self) -> Vec<&'static str> {
+        [
+            (self.cuda_graphs, "--cuda-graphs"),
+            (self.no_cuda_graphs, "--no-cuda-graphs"),
+            (self.pdl, "--pdl"),
+            (self.no_pdl, "--no-pdl"),
+        ]
+        .into_iter()
+        .filter_map(|(given, name)| given.then_some(name))
+        .collect()
+    }
+
+    /// How the CUDA backend opens: the switches, the kernel cache and the CUDA header folders.
+    #[cfg(feature = "cuda")]
+    pub fn cuda_options(&self) -> sanmai_cuda::CudaOptions {
+        sanmai_cuda::CudaOptions {
+            gpu: sanmai_cuda::GpuOptions {
+                pdl: switch(self.pdl, self.no_pdl, PDL_ENV),
+                compile: cuda::compile_options(),
+            },
+            cuda_graphs: switch(self.cuda_graphs, self.no_cuda_graphs, CUDA_GRAPHS_ENV),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::path::PathBuf;
+
+    use sanmai_cuda::registry::CompileOptions;
+
+    fn nonempty(var: &str) -> Option<PathBuf> {
+        std::env::var_os(var)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    }
+
+    /// The kernel cache, `$SANMAI_CACHE_DIR` (else `$XDG_CACHE_HOME/sanmai`, else
+    /// `~/.cache/sanmai`), and the CUDA header folders, `$SANMAI_CUDA_INCLUDE` (`:`-separated), then
+    /// `$CUDA_HOME/include` and `$CUDA_PATH/include` (the standard install folders come after them).
+    pub fn compile_options() -> CompileOptions {
+        let mut include_dirs: Vec<PathBuf> =
+            std::env::split_paths(&std::env::var_os("SANMAI_CUDA_INCLUDE").unwrap_or_default())
+                .filter(|d| !d.as_os_str().is_empty())
+                .collect();
+        for var in ["CUDA_HOME", "CUDA_PATH"] {
+            if let Some(root) = nonempty(var) {
+                include_dirs.push(root.join("include"));
+            }
+        }
+        CompileOptions {
+            cache_dir: nonempty("SANMAI_CACHE_DIR")
+                .or_else(|| nonempty("XDG_CACHE_HOME").map(|p| p.join("sanmai")))
+                .or_else(|| nonempty("HOME").map(|p| p.join(".cache").join("sanmai"))),
+            include_dirs,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_flag_wins_then_the_variable_then_on() {
+        assert!(resolve(false, false, || None));
+        assert!(!resolve(false, false, || Some(false)));
+        assert!(resolve(false, false, || Some(true)));
+        assert!(resolve(true, false, || Some(false)));
+        assert!(!resolve(false, true, || Some(true)));
+    }
+
+    /// The only test of this binary that touches `SANMAI_PLE_PREFETCH`.
+    #[test]
+    fn the_ple_prefetch_variable_is_the_flags_default() {
+        let none = SwitchArgs::default();
+        let on = SwitchArgs {
+            ple_prefetch: true,
+            ..SwitchArgs::default()
+        };
+        let off = SwitchArgs {
+            no_ple_prefetch: true,
+            ..SwitchArgs::default()
+        };
+        std::env::remove_var(PLE_PREFETCH_ENV);
+        assert!(none.ple_prefetch().enabled);
+        assert!(!off.ple_prefetch().enabled);
+        std::env::set_var(PLE_PREFETCH_ENV, "0");
+        assert!(!none.ple_prefetch().enabled);
+        assert!(on.ple_prefetch().enabled);
+        std::env::set_var(PLE_PREFETCH_ENV, "1");
+        assert!(none.ple_prefetch().enabled);
+        assert!(!off.ple_prefetch().enabled);
+        std::env::remove_var(PLE_PREFETCH_ENV);
+    }
+
+    #[test]
+    fn variable_values() {
+        for off in ["0", "off", "OFF", " false "] {
+            assert_eq!(parse_switch(off), Some(false), "{off:?}");
+        }
+        for on in ["1", "on", "True"] {
+            assert_eq!(parse_switch(on), Some(true), "{on:?}");
+        }
+        assert_eq!(parse_switch(""), None);
+        assert_eq!(parse_switch("maybe"), None);
+    }
+}

@@ -6,7 +6,7 @@
 //! block has its own file: `cache.rs` (block pools and state slots), `attention.rs` (the gated
 //! attention and the prologue QSA shares), `qsa.rs`, `gdn.rs`, `moe.rs`, `ple.rs`, `hc.rs`, and
 //! `probe.rs` (what `sanmai bench` measures). A call outside an op's contract (shapes that do not
-//! fit, a state slot not allocated, caches not initialised) is an [`BackendError::Invalid`], checked
+//! fit, a state slot not allocated, caches not initialised) is a [`BackendError::Invalid`], checked
 //! before anything is written.
 
 mod attention;

@@ -2,7 +2,9 @@
 //! floating-point operation (a multiply-add counts as two), so "Gelem/s" reads as GFLOP/s.
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use sanmai_cpu::ops::{attention_causal, gdn_chunked, gdn_recurrent, matmul_t};
+use sanmai_cpu::ops::{
+    attention_causal, gdn_chunked, gdn_recurrent, matmul_t, Causal, GdnInputs, GdnSizes, Heads,
+};
 use std::time::Duration;
 
 /// Deterministic pseudo-random values in [-1, 1) (SplitMix64).
@@ -45,10 +47,7 @@ fn matmul(c: &mut Criterion) {
 }
 
 struct Gdn {
-    t: usize,
-    hv: usize,
-    dk: usize,
-    dv: usize,
+    sizes: GdnSizes,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -59,10 +58,7 @@ struct Gdn {
 impl Gdn {
     fn new(t: usize, hk: usize, hv: usize, dk: usize, dv: usize) -> Self {
         Self {
-            t,
-            hv,
-            dk,
-            dv,
+            sizes: GdnSizes { t, hk, hv, dk, dv },
             q: data(t * hk * dk, 3),
             k: data(t * hk * dk, 4),
             v: data(t * hv * dv, 5),
@@ -71,9 +67,20 @@ impl Gdn {
         }
     }
 
+    fn inputs(&self) -> GdnInputs<'_> {
+        GdnInputs {
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            g: &self.g,
+            beta: &self.beta,
+        }
+    }
+
     /// Multiply-add count of the recurrent rule (4 passes over the state per token and head), doubled.
     fn flops(&self) -> u64 {
-        (2 * 4 * self.t * self.hv * self.dk * self.dv) as u64
+        let d = self.sizes;
+        (2 * 4 * d.t * d.hv * d.dk * d.dv) as u64
     }
 }
 
@@ -93,14 +100,7 @@ fn gdn(c: &mut Criterion) {
         gr.throughput(Throughput::Elements(s.flops()));
         gr.bench_function(
             BenchmarkId::new("chunked64", format!("t{t}_hv{hv}_dk{dk}_dv{dv}")),
-            |b| {
-                b.iter(|| {
-                    gdn_chunked(
-                        &s.q, &s.k, &s.v, &s.g, &s.beta, &mut state, &mut out, t, hk, hv, dk, dv,
-                        64,
-                    )
-                })
-            },
+            |b| b.iter(|| gdn_chunked(&s.inputs(), s.sizes, 64, &mut state, &mut out)),
         );
     }
     for (t, hk, hv, dk, dv) in [(1, 16, 32, 128, 128), (64, 16, 32, 128, 128)] {
@@ -110,13 +110,7 @@ fn gdn(c: &mut Criterion) {
         gr.throughput(Throughput::Elements(s.flops()));
         gr.bench_function(
             BenchmarkId::new("recurrent", format!("t{t}_hv{hv}_dk{dk}_dv{dv}")),
-            |b| {
-                b.iter(|| {
-                    gdn_recurrent(
-                        &s.q, &s.k, &s.v, &s.g, &s.beta, &mut state, &mut out, t, hk, hv, dk, dv,
-                    )
-                })
-            },
+            |b| b.iter(|| gdn_recurrent(&s.inputs(), s.sizes, &mut state, &mut out)),
         );
     }
     gr.finish();
@@ -140,10 +134,16 @@ fn attention(c: &mut Criterion) {
         // Visible keys summed over rows, times heads, times 2·d for QKᵀ and again for PV.
         let visible: usize = (0..t).map(|i| len - t + i + 1).sum();
         g.throughput(Throughput::Elements((4 * visible * hq * d) as u64));
-        let scale = (d as f32).powf(-0.5);
+        let heads = Heads {
+            hq,
+            hkv,
+            d,
+            scale: (d as f32).powf(-0.5),
+        };
+        let c = Causal { t, len, heads };
         g.bench_function(
             BenchmarkId::from_parameter(format!("t{t}_len{len}_hq{hq}_hkv{hkv}_d{d}")),
-            |b| b.iter(|| attention_causal(&q, &kc, &vc, t, len, hq, hkv, d, scale, &mut out)),
+            |b| b.iter(|| attention_causal(&q, &kc, &vc, &c, &mut out)),
         );
     }
     g.finish();

@@ -3,7 +3,7 @@
 mod ops_util;
 
 use ops_util::{rel_err, Rng};
-use sanmai_cpu::ops::attention_causal;
+use sanmai_cpu::ops::{attention_causal, Causal, Heads};
 
 struct Case {
     t: usize,
@@ -35,20 +35,23 @@ impl Case {
         (self.d as f32).powf(-0.5)
     }
 
+    fn heads(&self) -> Heads {
+        Heads {
+            hq: self.hq,
+            hkv: self.hkv,
+            d: self.d,
+            scale: self.scale(),
+        }
+    }
+
     fn run(&self) -> Vec<f32> {
         let mut out = vec![f32::NAN; self.t * self.hq * self.d];
-        attention_causal(
-            &self.q,
-            &self.k,
-            &self.v,
-            self.t,
-            self.len,
-            self.hq,
-            self.hkv,
-            self.d,
-            self.scale(),
-            &mut out,
-        );
+        let c = Causal {
+            t: self.t,
+            len: self.len,
+            heads: self.heads(),
+        };
+        attention_causal(&self.q, &self.k, &self.v, &c, &mut out);
         out
     }
 
@@ -125,31 +128,26 @@ fn rows_do_not_depend_on_how_queries_are_split() {
         let a = 21;
         let w = hkv * d;
         let mut first = vec![0f32; a * hq * d];
+        let heads = c.heads();
+        let prefix = Causal {
+            t: a,
+            len: a,
+            heads,
+        };
         attention_causal(
             &c.q[..a * hq * d],
             &c.k[..a * w],
             &c.v[..a * w],
-            a,
-            a,
-            hq,
-            hkv,
-            d,
-            c.scale(),
+            &prefix,
             &mut first,
         );
         let mut second = vec![0f32; (len - a) * hq * d];
-        attention_causal(
-            &c.q[a * hq * d..],
-            &c.k,
-            &c.v,
-            len - a,
+        let rest = Causal {
+            t: len - a,
             len,
-            hq,
-            hkv,
-            d,
-            c.scale(),
-            &mut second,
-        );
+            heads,
+        };
+        attention_causal(&c.q[a * hq * d..], &c.k, &c.v, &rest, &mut second);
         first.extend(second);
         assert_eq!(all, first, "hq={hq} hkv={hkv}");
     }

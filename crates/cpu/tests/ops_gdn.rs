@@ -5,7 +5,7 @@
 mod ops_util;
 
 use ops_util::{rel_err, rel_err32, Rng};
-use sanmai_cpu::ops::{gdn_chunked, gdn_recurrent};
+use sanmai_cpu::ops::{gdn_chunked, gdn_recurrent, GdnInputs, GdnSizes};
 
 struct Case {
     t: usize,
@@ -53,15 +53,24 @@ impl Case {
     /// Runs tokens `a..b` from `state` with the recurrent form (`chunk = None`) or the chunked one.
     fn run(&self, a: usize, b: usize, state: &mut [f32], chunk: Option<usize>) -> Vec<f32> {
         let (hk, hv, dk, dv, n) = (self.hk, self.hv, self.dk, self.dv, b - a);
-        let q = &self.q[a * hk * dk..b * hk * dk];
-        let k = &self.k[a * hk * dk..b * hk * dk];
-        let v = &self.v[a * hv * dv..b * hv * dv];
-        let g = &self.g[a * hv..b * hv];
-        let beta = &self.beta[a * hv..b * hv];
+        let x = GdnInputs {
+            q: &self.q[a * hk * dk..b * hk * dk],
+            k: &self.k[a * hk * dk..b * hk * dk],
+            v: &self.v[a * hv * dv..b * hv * dv],
+            g: &self.g[a * hv..b * hv],
+            beta: &self.beta[a * hv..b * hv],
+        };
+        let d = GdnSizes {
+            t: n,
+            hk,
+            hv,
+            dk,
+            dv,
+        };
         let mut out = vec![f32::NAN; n * hv * dv];
         match chunk {
-            None => gdn_recurrent(q, k, v, g, beta, state, &mut out, n, hk, hv, dk, dv),
-            Some(c) => gdn_chunked(q, k, v, g, beta, state, &mut out, n, hk, hv, dk, dv, c),
+            None => gdn_recurrent(&x, d, state, &mut out),
+            Some(c) => gdn_chunked(&x, d, c, state, &mut out),
         }
         out
     }

@@ -3,7 +3,7 @@
 mod ops_util;
 
 use ops_util::{max_elem_rel, Rng};
-use sanmai_cpu::ops::{mrope_axis, rope_mrope_interleaved, rope_neox};
+use sanmai_cpu::ops::{mrope_axis, rope_mrope_interleaved, rope_neox, MropePositions};
 
 fn inv_freq(rot_dim: usize, theta: f64) -> Vec<f32> {
     (0..rot_dim / 2)
@@ -83,7 +83,11 @@ fn mrope_with_equal_positions_is_rope() {
     let mut a = x.clone();
     let mut b = x.clone();
     rope_neox(&mut a, nh, hd, rot, &pos, &inv, 1.0);
-    rope_mrope_interleaved(&mut b, nh, hd, rot, &pos3, &[11, 11, 10], &inv, 1.0);
+    let p = MropePositions {
+        positions: &pos3,
+        sections: &[11, 11, 10],
+    };
+    rope_mrope_interleaved(&mut b, nh, hd, rot, p, &inv, 1.0);
     assert_eq!(a, b);
 }
 
@@ -124,8 +128,10 @@ fn mrope_hand_checked_case() {
         1,
         8,
         8,
-        &[[3, 5, 7]],
-        &[2, 1, 1],
+        MropePositions {
+            positions: &[[3, 5, 7]],
+            sections: &[2, 1, 1],
+        },
         &[1.0, 0.5, 0.25, 0.125],
         1.0,
     );

@@ -3,12 +3,14 @@
 
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_model::{Backend, Model};
+use sanmai_model::{Backend, Model, OutRows};
 use sanmai_weights::Checkpoint;
 use serde_json::Value;
 
 mod fixture_util;
+mod step_util;
 use fixture_util::*;
+use step_util::{draft_logits, logits, new_seq, Seq, BLOCKS_PER_SEQ};
 
 const TOL: f64 = 1e-3;
 const BLOCK: usize = 16;
@@ -18,7 +20,7 @@ fn load(name: &str) -> (Model<CpuBackend>, Value) {
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
     let model = Model::load(cfg, &ckpt, CpuBackend::new()).unwrap();
-    model.init_cache(BLOCKS_PER_SEQ * 8, BLOCK);
+    model.init_cache(BLOCKS_PER_SEQ * 8, BLOCK).unwrap();
     (model, reference(&dir))
 }
 
@@ -33,13 +35,8 @@ fn prompt_logprobs(
     let mut pos = 0;
     while pos < prompt.len() {
         let len = chunk_len.min(prompt.len() - pos);
-        let out = m.forward(
-            &prompt[pos..pos + len],
-            &[chunk(seq, len, pos)],
-            &(0..len).collect::<Vec<_>>(),
-        );
-        let (r, c, data) = m.backend.to_host(m.logits(&out.hidden));
-        rows.extend((0..r).map(|i| log_softmax(&data[i * c..(i + 1) * c])));
+        let data = logits(m, &[seq.chunk(prompt, pos, len, OutRows::All)]);
+        rows.extend(data.chunks_exact(m.cfg.vocab_size).map(log_softmax));
         pos += len;
     }
     rows
@@ -69,15 +66,16 @@ fn check_prompts(name: &str, chunk_len: usize) {
         // Greedy continuation through the recurrent decode path.
         let greedy = ids(&p["greedy_ids"]);
         let gaps = floats(&p["greedy_top2_gap"]);
+        let mut tokens = prompt.clone();
         let mut next = argmax(rows.last().unwrap());
         for (pos, (i, &want)) in (prompt.len()..).zip(greedy.iter().enumerate()) {
             if gaps[i].unwrap() < 1e-3 {
                 break; // transformers' own choice is a near-tie from here on
             }
             assert_eq!(next, want, "{name} prompt {pi}: greedy token {i} differs");
-            let out = m.forward(&[next], &[chunk(&seq, 1, pos)], &[0]);
-            let (_, _, logits) = m.backend.to_host(m.logits(&out.hidden));
-            next = argmax(&log_softmax(&logits));
+            tokens.push(next);
+            let row = logits(&m, &[seq.chunk(&tokens, pos, 1, OutRows::Last)]);
+            next = argmax(&log_softmax(&row));
         }
         m.backend.free_state(seq.state);
     }
@@ -88,17 +86,8 @@ fn check_mtp(name: &str) {
     let prompts = reference["prompts"].as_array().unwrap();
     for (ci, case) in reference["mtp"].as_array().unwrap().iter().enumerate() {
         let prompt = ids(&prompts[case["prompt_index"].as_u64().unwrap() as usize]["ids"]);
-        let n = prompt.len();
         let seq = new_seq(&m, ci);
-        let main = m.forward(
-            &prompt,
-            &[chunk(&seq, n, 0)],
-            &(0..n - 1).collect::<Vec<_>>(),
-        );
-        let hidden = m
-            .mtp_forward(&prompt[1..], &main.hidden, &[chunk(&seq, n - 1, 0)])
-            .expect("fixture has an MTP head");
-        let (_, c, data) = m.backend.to_host(m.logits(&hidden));
+        let (_, c, data) = draft_logits(&m, &seq, &prompt);
         for (i, pos) in case["positions"].as_array().unwrap().iter().enumerate() {
             let t = pos.as_u64().unwrap() as usize;
             let want = floats(&case["draft_logprobs"][i]);

@@ -11,11 +11,13 @@
 
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_model::{Backend, Model, SeqChunk};
+use sanmai_model::{Backend, Model, OutRows};
 use sanmai_weights::{Checkpoint, HostTensor, Init, TensorData, TensorSource};
 
 mod fixture_util;
+mod step_util;
 use fixture_util::{argmax, fixture, ids, log_softmax, reference};
+use step_util::{logits, Seq};
 
 const BLOCK: usize = 16;
 const BLOCKS: usize = 64;
@@ -30,7 +32,7 @@ fn load_from(name: &str, src: &dyn TensorSource) -> Model<CpuBackend> {
     let dir = fixture(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let model = Model::load(cfg, src, CpuBackend::new()).unwrap();
-    model.init_cache(BLOCKS, BLOCK);
+    model.init_cache(BLOCKS, BLOCK).unwrap();
     model
 }
 
@@ -98,21 +100,11 @@ impl TensorSource for Dequantised {
 
 /// Every position's log-probabilities for `prompt`, one prefill.
 fn logprobs(m: &Model<CpuBackend>, prompt: &[u32]) -> Vec<Vec<f64>> {
-    let state = m.backend.alloc_state();
-    let blocks: Vec<u32> = (0..BLOCKS as u32).collect();
-    let n = prompt.len();
-    let chunk = SeqChunk {
-        start: 0,
-        len: n,
-        pos0: 0,
-        state,
-        blocks: &blocks,
-    };
-    let out = m.forward(prompt, &[chunk], &(0..n).collect::<Vec<_>>());
-    let (r, c, data) = m.backend.to_host(m.logits(&out.hidden));
-    m.backend.free_state(state);
-    (0..r)
-        .map(|i| log_softmax(&data[i * c..(i + 1) * c]))
+    let seq = Seq::new(m, (0..BLOCKS as u32).collect());
+    let data = logits(m, &[seq.chunk(prompt, 0, prompt.len(), OutRows::All)]);
+    m.backend.free_state(seq.state);
+    data.chunks_exact(m.cfg.vocab_size)
+        .map(log_softmax)
         .collect()
 }
 

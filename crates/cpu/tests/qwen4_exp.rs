@@ -7,12 +7,14 @@ use std::path::Path;
 
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_model::{Backend, Model, PleSource};
+use sanmai_model::{Backend, Model, OutRows, PleSource};
 use sanmai_weights::Checkpoint;
 use serde_json::Value;
 
 mod fixture_util;
+mod step_util;
 use fixture_util::*;
+use step_util::{draft_logits, logits, new_seq, Seq, BLOCKS_PER_SEQ};
 
 const TOL: f64 = 1e-3;
 const BLOCK: usize = 16;
@@ -24,7 +26,7 @@ fn load_cfg(dir: &Path, cfg: ModelConfig) -> Model<CpuBackend> {
         .as_ref()
         .map(|p| PleSource::open(dir, p, false).unwrap());
     let model = Model::load_with_ple(cfg, &ckpt, CpuBackend::new(), ple).unwrap();
-    model.init_cache(BLOCKS_PER_SEQ * 8, BLOCK);
+    model.init_cache(BLOCKS_PER_SEQ * 8, BLOCK).unwrap();
     model
 }
 
@@ -42,17 +44,9 @@ fn step(
     pos0: usize,
     len: usize,
 ) -> Vec<Vec<f64>> {
-    let c = [chunk(seq, len, pos0)];
-    let rows = m.ple_rows(&[tokens], &c).unwrap();
-    let out = m.forward_with(
-        &tokens[pos0..pos0 + len],
-        &c,
-        &(0..len).collect::<Vec<_>>(),
-        rows.as_ref(),
-    );
-    let (r, cols, data) = m.backend.to_host(m.logits(&out.hidden));
-    (0..r)
-        .map(|i| log_softmax(&data[i * cols..(i + 1) * cols]))
+    logits(m, &[seq.chunk(tokens, pos0, len, OutRows::All)])
+        .chunks_exact(m.cfg.vocab_size)
+        .map(log_softmax)
         .collect()
 }
 
@@ -119,15 +113,8 @@ fn check_mtp(name: &str) {
     assert!(!cases.is_empty(), "{name} has MTP references");
     for (ci, case) in cases.iter().enumerate() {
         let prompt = ids(&prompts[case["prompt_index"].as_u64().unwrap() as usize]["ids"]);
-        let n = prompt.len();
         let seq = new_seq(&m, ci);
-        let c = [chunk(&seq, n, 0)];
-        let rows = m.ple_rows(&[&prompt], &c).unwrap();
-        let main = m.forward_with(&prompt, &c, &(0..n - 1).collect::<Vec<_>>(), rows.as_ref());
-        let hidden = m
-            .mtp_forward(&prompt[1..], &main.hidden, &[chunk(&seq, n - 1, 0)])
-            .expect("fixture has an MTP head");
-        let (_, cols, data) = m.backend.to_host(m.logits(&hidden));
+        let (_, cols, data) = draft_logits(&m, &seq, &prompt);
         for (i, pos) in case["positions"].as_array().unwrap().iter().enumerate() {
             let t = pos.as_u64().unwrap() as usize;
             let want = floats(&case["draft_logprobs"][i]);
@@ -232,14 +219,13 @@ fn ple_rows_equal_a_direct_read_of_the_table() {
         prompt.contains(&(p.eos_token_id as u32)),
         "the prompt crosses a document boundary"
     );
-    let seq = new_seq(&m, 0);
+    // The rows a step gathers: its chunk's positions of the history followed by the chunk.
+    let (shape, source) = m.ple.as_ref().unwrap();
+    let e = shape.row_width;
+    assert_eq!(e, sizes.len() * p.row_dim);
     let n = prompt.len();
-    let rows = m
-        .ple_rows(&[&prompt], &[chunk(&seq, n, 0)])
-        .unwrap()
-        .unwrap();
-    let (r, e, got) = m.backend.to_host(rows);
-    assert_eq!((r, e), (n, sizes.len() * p.row_dim));
+    let mut got = vec![0f32; n * e];
+    source.gather(&prompt, 0..n, e, &mut got).unwrap();
     for (t, idx) in prompt_ref["ple_indices"]
         .as_array()
         .unwrap()
@@ -263,11 +249,8 @@ fn ple_rows_equal_a_direct_read_of_the_table() {
         }
     }
     // A step's rows are those of its positions only: a later chunk reads the same rows.
-    let tail = m
-        .ple_rows(&[&prompt], &[chunk(&seq, n - 40, 40)])
-        .unwrap()
-        .unwrap();
-    let (_, _, tail) = m.backend.to_host(tail);
+    let mut tail = vec![0f32; (n - 40) * e];
+    source.gather(&prompt, 40..n, e, &mut tail).unwrap();
     assert_eq!(tail, got[40 * e..]);
 }
 
@@ -284,14 +267,11 @@ fn ple_conv_state_survives_checkpoint_restore() {
 
         let split = new_seq(&m, 1);
         step(&m, &split, &prompt, 0, 45);
-        let saved = m.backend.alloc_state();
-        m.backend.copy_state(split.state, saved);
+        let saved = m.backend.alloc_state().unwrap();
+        m.backend.copy_state(split.state, saved).unwrap();
         let first = step(&m, &split, &prompt, 45, n - 45);
-        let restored = Seq {
-            state: m.backend.alloc_state(),
-            blocks: split.blocks.clone(),
-        };
-        m.backend.copy_state(saved, restored.state);
+        let restored = Seq::new(&m, split.blocks.clone());
+        m.backend.copy_state(saved, restored.state).unwrap();
         let second = step(&m, &restored, &prompt, 45, n - 45);
         for (t, (a, b)) in first.iter().zip(&second).enumerate() {
             assert_eq!(a, b, "{name}: restored continuation differs at {}", 45 + t);

@@ -7,9 +7,12 @@ use std::path::{Path, PathBuf};
 
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_model::{Backend, Model, PleSource, SeqChunk};
+use sanmai_model::{Backend, Model, OutRows, PleSource};
 use sanmai_ple::{create_table, CreateOptions, Fill, PleTable};
 use sanmai_weights::Dummy;
+
+mod step_util;
+use step_util::{logits, Seq};
 
 fn tiny() -> ModelConfig {
     let path =
@@ -36,24 +39,14 @@ impl Drop for TempDir {
 
 /// Prefill of `prompt` then 4 greedy decode steps; returns the tokens and the last logits.
 fn run(m: &Model<CpuBackend>, prompt: &[u32]) -> (Vec<u32>, Vec<f32>) {
-    m.init_cache(16, 16);
-    let state = m.backend.alloc_state();
-    let blocks: Vec<u32> = (0..16).collect();
+    m.init_cache(16, 16).unwrap();
+    let seq = Seq::new(m, (0..16).collect());
     let mut tokens = prompt.to_vec();
     let mut pos0 = 0;
     let mut len = prompt.len();
     let mut last = Vec::new();
     for _ in 0..5 {
-        let c = [SeqChunk {
-            start: 0,
-            len,
-            pos0,
-            state,
-            blocks: &blocks,
-        }];
-        let rows = m.ple_rows(&[&tokens], &c).unwrap();
-        let out = m.forward_with(&tokens[pos0..pos0 + len], &c, &[len - 1], rows.as_ref());
-        let (_, _, logits) = m.backend.to_host(m.logits(&out.hidden));
+        let logits = logits(m, &[seq.chunk(&tokens, pos0, len, OutRows::Last)]);
         assert!(logits.iter().all(|x| x.is_finite()));
         let next = (0..logits.len())
             .max_by(|&a, &b| logits[a].total_cmp(&logits[b]))
@@ -63,7 +56,7 @@ fn run(m: &Model<CpuBackend>, prompt: &[u32]) -> (Vec<u32>, Vec<f32>) {
         tokens.push(next);
         last = logits;
     }
-    m.backend.free_state(state);
+    m.backend.free_state(seq.state);
     (tokens, last)
 }
 

@@ -4,7 +4,7 @@
 
 use sanmai_cpu::{ops, CpuBackend, CpuTensor};
 use sanmai_model::backend::CacheSpec;
-use sanmai_model::{Backend, GdnShape, PleShape, PleWeights, SeqChunk};
+use sanmai_model::{Backend, GdnShape, PleCall, PleShape, PleWeights, SeqChunk};
 
 /// A small deterministic generator (SplitMix64) for test data.
 struct Rng(u64);
@@ -228,7 +228,8 @@ fn ple_backend(sh: &PleShape) -> CpuBackend {
         },
         ple_layers: vec![2],
         ple: Some(*sh),
-    });
+    })
+    .unwrap();
     b
 }
 
@@ -236,7 +237,7 @@ fn ple_weights(b: &CpuBackend, sh: &PleShape, rng: &mut Rng) -> PleWeights<sanma
     let (h, e, s) = (sh.hidden, sh.row_width, sh.streams);
     let mut w = |n: usize, shape: &[usize], scale: f32, mean: f32| {
         let v = rng.vec(n, scale).into_iter().map(|x| x + mean).collect();
-        b.weight(v, shape)
+        b.weight(v, shape).unwrap()
     };
     PleWeights {
         value: w(h * e, &[h, e], 0.3, 0.0),
@@ -258,6 +259,25 @@ fn seq(state: usize, start: usize, len: usize, pos0: usize) -> SeqChunk<'static>
         state,
         blocks: &[],
     }
+}
+
+/// Layer 2's PLE mix of `streams` with the table rows `e`.
+fn mix(
+    b: &CpuBackend,
+    sh: &PleShape,
+    w: &PleWeights<sanmai_cpu::CpuWeight>,
+    streams: &mut CpuTensor,
+    e: &CpuTensor,
+    seqs: &[SeqChunk<'_>],
+) {
+    let call = PleCall {
+        layer: 2,
+        shape: sh,
+        rows: e,
+        w,
+        seqs,
+    };
+    b.ple_mix(streams, &call).unwrap();
 }
 
 fn rows(t: &CpuTensor, a: usize, b: usize) -> CpuTensor {
@@ -295,66 +315,66 @@ fn ple_mix_across_chunks_and_restored_checkpoints_equals_one_pass() {
         data: rng.vec(t * sh.channels(), 1.0),
     };
 
-    let one = b.alloc_state();
+    let one = b.alloc_state().unwrap();
     let mut whole = r0.clone();
-    b.ple_mix(2, &sh, &mut whole, &e, &w, &[seq(one, 0, t, 0)]);
+    mix(&b, &sh, &w, &mut whole, &e, &[seq(one, 0, t, 0)]);
     assert_ne!(whole, r0);
 
     let split = 11;
-    let two = b.alloc_state();
+    let two = b.alloc_state().unwrap();
     let mut first = rows(&r0, 0, split);
-    b.ple_mix(
-        2,
+    mix(
+        &b,
         &sh,
+        &w,
         &mut first,
         &rows(&e, 0, split),
-        &w,
         &[seq(two, 0, split, 0)],
     );
-    let checkpoint = b.alloc_state();
-    b.copy_state(two, checkpoint);
+    let checkpoint = b.alloc_state().unwrap();
+    b.copy_state(two, checkpoint).unwrap();
     let mut second = rows(&r0, split, t);
     let e2 = rows(&e, split, t);
-    b.ple_mix(
-        2,
+    mix(
+        &b,
         &sh,
+        &w,
         &mut second,
         &e2,
-        &w,
         &[seq(two, 0, t - split, split)],
     );
     assert_eq!(first.data, whole.data[..split * sh.channels()]);
     assert_eq!(second.data, whole.data[split * sh.channels()..]);
 
-    let restored = b.alloc_state();
-    b.copy_state(checkpoint, restored);
+    let restored = b.alloc_state().unwrap();
+    b.copy_state(checkpoint, restored).unwrap();
     let mut again = rows(&r0, split, t);
-    b.ple_mix(
-        2,
+    mix(
+        &b,
         &sh,
+        &w,
         &mut again,
         &e2,
-        &w,
         &[seq(restored, 0, t - split, split)],
     );
     assert_eq!(again, second);
 
     // Batched with another sequence's decode row: same rows.
-    let other = b.alloc_state();
+    let other = b.alloc_state().unwrap();
     let mut batch_r = rows(&r0, split, t);
     batch_r.rows += 1;
     batch_r.data.extend(rng.vec(sh.channels(), 1.0));
     let mut batch_e = e2.clone();
     batch_e.rows += 1;
     batch_e.data.extend(rng.vec(sh.row_width, 1.0));
-    let fresh = b.alloc_state();
-    b.copy_state(checkpoint, fresh);
-    b.ple_mix(
-        2,
+    let fresh = b.alloc_state().unwrap();
+    b.copy_state(checkpoint, fresh).unwrap();
+    mix(
+        &b,
         &sh,
+        &w,
         &mut batch_r,
         &batch_e,
-        &w,
         &[seq(fresh, 0, t - split, split), seq(other, t - split, 1, 0)],
     );
     assert_eq!(rows(&batch_r, 0, t - split), second);
@@ -400,8 +420,8 @@ fn hyper_connection_ops_follow_the_formulas() {
         cols: s * h,
         data: rng.vec(t * s * h, 1.0),
     };
-    let pre = b.weight(vec![0.5, -1.0, 2.0], &[3]);
-    let x = b.hc_premix(&streams, &pre);
+    let pre = b.weight(vec![0.5, -1.0, 2.0], &[3]).unwrap();
+    let x = b.hc_premix(&streams, &pre).unwrap();
     let z: f64 = [0.5f64, -1.0, 2.0].iter().map(|p| p.exp()).sum();
     let p: Vec<f64> = [0.5f64, -1.0, 2.0].iter().map(|v| v.exp() / z).collect();
     for r in 0..t {
@@ -423,7 +443,7 @@ fn hyper_connection_ops_follow_the_formulas() {
         data: rng.vec(t * h, 1.0),
     };
     let mut out = streams.clone();
-    b.hc_gated_residual(&mut out, &u, &y);
+    b.hc_gated_residual(&mut out, &u, &y).unwrap();
     for r in 0..t {
         for c in 0..s {
             for i in 0..h {
@@ -433,7 +453,7 @@ fn hyper_connection_ops_follow_the_formulas() {
             }
         }
     }
-    let act = b.silu(&y);
+    let act = b.silu(&y).unwrap();
     assert!(act
         .data
         .iter()

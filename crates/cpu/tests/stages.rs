@@ -1,19 +1,21 @@
-//! Pipeline stages ([`Model::load_stage`], [`Model::forward_stage`]): a fixture loaded as two stages, each
-//! on its own backend with its own caches, the first handing its residual streams to the second through
-//! the host, gives the whole model's logits bit for bit over a prefill chunk and decode steps (GDN
-//! state, K/V, QSA index keys, PLE rows and conv state, hyper-connection streams all cross the cut);
-//! and a stage outside the model's layers is refused with the numbers.
+//! Pipeline stages ([`Model::load_stage`], [`Model::step`] from [`StepStart::Streams`]): a fixture
+//! loaded as two stages, each on its own backend with its own caches, the first handing its residual
+//! streams to the second through the host, gives the whole model's logits bit for bit over a prefill
+//! chunk and decode steps (GDN state, K/V, QSA index keys, PLE rows and conv state, hyper-connection
+//! streams all cross the cut); and a stage outside the model's layers is refused with the numbers.
 
 use std::ops::Range;
 use std::path::Path;
 
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_model::{Backend, Model, PleSource, StageInput};
+use sanmai_model::{Backend, Model, OutRows, PleSource, StepInput, StepStart};
 use sanmai_weights::Checkpoint;
 
 mod fixture_util;
+mod step_util;
 use fixture_util::*;
+use step_util::{host, logits, new_seq, BLOCKS_PER_SEQ};
 
 const BLOCK: usize = 16;
 
@@ -31,7 +33,7 @@ fn load(dir: &Path, stage: Range<usize>) -> Model<CpuBackend> {
         stage,
     )
     .unwrap();
-    m.init_cache(BLOCKS_PER_SEQ, BLOCK);
+    m.init_cache(BLOCKS_PER_SEQ, BLOCK).unwrap();
     m
 }
 
@@ -42,10 +44,7 @@ fn run_whole(m: &Model<CpuBackend>, toks: &[u32], prefill: usize) -> Vec<Vec<f32
     let mut pos = 0;
     while pos < toks.len() {
         let len = if pos == 0 { prefill } else { 1 };
-        let c = [chunk(&seq, len, pos)];
-        let ple = m.ple_rows(&[&toks[..pos + len]], &c).unwrap();
-        let h = m.forward_with(&toks[pos..pos + len], &c, &[len - 1], ple.as_ref());
-        out.push(m.backend.to_host(m.logits(&h.hidden)).2);
+        out.push(logits(m, &[seq.chunk(toks, pos, len, OutRows::Last)]));
         pos += len;
     }
     out
@@ -67,24 +66,23 @@ fn run_staged(
     let mut pos = 0;
     while pos < toks.len() {
         let len = if pos == 0 { prefill } else { 1 };
-        let (ca, cb) = ([chunk(&sa, len, pos)], [chunk(&sb, len, pos)]);
-        let hist = [&toks[..pos + len]];
-        let ple_a = a.ple_rows(&hist, &ca).unwrap();
-        let streams = a.forward_stage(
-            StageInput::Tokens(&toks[pos..pos + len]),
-            &ca,
-            &[len - 1],
-            ple_a.as_ref(),
-        );
-        let (r, c, v) = a.backend.to_host(streams);
-        let ple_b = b.ple_rows(&hist, &cb).unwrap();
-        let h = b.forward_stage(
-            StageInput::Streams(b.backend.upload(r, c, v)),
-            &cb,
-            &[len - 1],
-            ple_b.as_ref(),
-        );
-        out.push(b.backend.to_host(b.logits(&h)).2);
+        let first = a
+            .step(StepInput {
+                chunks: &[sa.chunk(toks, pos, len, OutRows::Last)],
+                start: StepStart::Tokens,
+                hidden: false,
+            })
+            .unwrap();
+        assert!(first.logits.is_none() && first.hidden.is_none());
+        let (r, c, v) = host(a, first.streams.unwrap());
+        let last = b
+            .step(StepInput {
+                chunks: &[sb.chunk(toks, pos, len, OutRows::Last)],
+                start: StepStart::Streams(b.backend.upload(r, c, v).unwrap()),
+                hidden: false,
+            })
+            .unwrap();
+        out.push(host(b, last.logits.unwrap()).2);
         pos += len;
     }
     out

@@ -13,8 +13,8 @@ use sanmai_ple::PleError;
 use thiserror::Error;
 
 use crate::backend::{
-    AttnCall, Backend, BackendError, DecodeStep, GdnCall, HcWeights, MlpWeights, MoeCall,
-    OpResult, QsaCall, SeqChunk, SharedExpert,
+    AttnCall, Backend, BackendError, DecodeStep, GdnCall, HcWeights, MlpWeights, MoeCall, OpResult,
+    QsaCall, SeqChunk, SharedExpert,
 };
 use crate::load::{Ffn, Layer, Mixer, Model};
 
@@ -134,7 +134,10 @@ impl<B: Backend> Model<B> {
     /// says. A decode step of the whole model (every chunk one token, from tokens) runs as one
     /// [`Backend::decode_step`] from the embedding to the logits, which a backend may replay from a
     /// recording.
-    pub fn step(&self, input: StepInput<'_, B::Tensor>) -> Result<StepOutput<B::Tensor>, StepError> {
+    pub fn step(
+        &self,
+        input: StepInput<'_, B::Tensor>,
+    ) -> Result<StepOutput<B::Tensor>, StepError> {
         let layout = Layout::of(input.chunks);
         let last = self.is_last_stage();
         let logits = last && !layout.out_rows.is_empty();
@@ -360,7 +363,9 @@ impl<B: Backend> Model<B> {
             Ffn::Dense(m) => self.mlp(m, hn),
             Ffn::Moe(m) => {
                 let shared = match (&m.shared, &m.shared_gate) {
-                    (Some(shared), Some(gate)) => Some((self.mlp(shared, hn)?, b.linear(hn, gate)?)),
+                    (Some(shared), Some(gate)) => {
+                        Some((self.mlp(shared, hn)?, b.linear(hn, gate)?))
+                    }
                     _ => None,
                 };
                 b.moe_experts(&MoeCall {
@@ -454,7 +459,10 @@ impl<B: Backend> Model<B> {
         w: &HcWeights<B::Weight>,
     ) -> OpResult<()> {
         let x = x.ok_or_else(|| {
-            BackendError::invalid("hc_residual", "a hyper-connection sublayer without its input")
+            BackendError::invalid(
+                "hc_residual",
+                "a hyper-connection sublayer without its input",
+            )
         })?;
         self.backend.hc_residual(streams, x, y, w)
     }
@@ -473,10 +481,6 @@ fn linear_n<B: Backend, const N: usize>(
 ) -> OpResult<[B::Tensor; N]> {
     let ys = b.linear_many(x, &ws)?;
     let got = ys.len();
-    <[B::Tensor; N]>::try_from(ys).map_err(|_| {
-        BackendError::invalid(
-            "linear_many",
-            format!("{got} results for {N} weights"),
-        )
-    })
+    <[B::Tensor; N]>::try_from(ys)
+        .map_err(|_| BackendError::invalid("linear_many", format!("{got} results for {N} weights")))
 }

@@ -395,8 +395,7 @@ pub trait Backend: Send + Sync {
     /// S_t is the `min(qsa.topk, t+1)` positions of largest score, ties going to the larger position;
     /// the output is the gated attention of [`Backend::attention`] with keys/values restricted to S_t
     /// (softmax over S_t only), `[rows, num_heads·head_dim]`. Only the selected K/V rows are read.
-    fn qsa_attention(&self, c: &QsaCall<'_, Self::Tensor, Self::Weight>)
-        -> OpResult<Self::Tensor>;
+    fn qsa_attention(&self, c: &QsaCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;
 
     /// The PLE mix of layer `c.layer` (spec §3.7), in place on the residual streams `[rows, S·H]`
     /// (S = `shape.streams`; S = 1 is the plain residual). `c.rows` `[rows, E]` are the tokens' table

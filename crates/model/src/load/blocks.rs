@@ -6,8 +6,8 @@ use sanmai_config::QsaConfig;
 use sanmai_weights::names::Scope;
 use sanmai_weights::{Init, Result};
 
-use crate::backend::{Backend, HcWeights, IndexerWeights, PleWeights};
 use super::Loader;
+use crate::backend::{Backend, HcWeights, IndexerWeights, PleWeights};
 
 impl<B: Backend> Loader<'_, B> {
     pub(crate) fn indexer(&self, s: &Scope, q: &QsaConfig) -> Result<IndexerWeights<B::Weight>> {

@@ -1,12 +1,13 @@
 //! What the engine accepts and what it answers: the contract between the HTTP layer and the engine loop.
 //!
-//! A request is already tokenized and validated when it gets here. The engine streams [`EngineEvent`]s
+//! A request is already tokenized and validated when it gets here (it can only hold its sampling
+//! parameters as [`ValidatedParams`]). The engine streams [`EngineEvent`]s
 //! back on the request's channel: zero or more `Tokens`, then exactly one `Finished`. Dropping the
 //! [`RequestStream`] aborts the request (a client that disconnects frees its resources within one step).
 
 use sanmai_structured::GrammarMatcher;
 
-use crate::sampler::SamplingParams;
+use crate::sampler::ValidatedParams;
 
 /// A grammar the output must follow (structured output), submitted with
 /// [`EngineHandle::submit_constrained`](crate::EngineHandle::submit_constrained).
@@ -56,7 +57,9 @@ pub struct EngineRequest {
     /// Unique id (for logs, abort and metrics).
     pub id: String,
     pub prompt: Vec<u32>,
-    pub sampling: SamplingParams,
+    /// Made by [`SamplingParams::validated`](crate::sampler::SamplingParams::validated); the engine
+    /// does not check them again.
+    pub sampling: ValidatedParams,
     pub stop: StopParams,
     /// Report the log-probability of every prompt token (first is `None`), with `sampling.logprobs`
     /// alternatives each.

@@ -212,7 +212,7 @@ fn run(device: bool) -> (Vec<Generated>, usize, usize) {
                 prompt: tokenizer()
                     .encode(&format!("Sampling case {i}: the quick brown fox"), false)
                     .unwrap(),
-                sampling,
+                sampling: sampling.validated(h.info().valid_vocab).unwrap(),
                 stop,
                 prompt_logprobs: false,
                 cache_salt: Vec::new(),

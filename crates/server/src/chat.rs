@@ -279,7 +279,7 @@ pub async fn chat_completions(
         _ => None,
     };
     let n = params::choices(&common)?;
-    let sampling = params::sampling(&common, top_logprobs, info.valid_vocab)?;
+    let sampling = params::sampling(&common, top_logprobs, "top_logprobs", info.valid_vocab)?;
     let mut stop = params::stop(&common, info.valid_vocab)?;
     let (field, requested) = match chat.max_completion_tokens {
         Some(_) => (

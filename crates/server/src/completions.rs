@@ -116,13 +116,7 @@ pub async fn completions(
             ))
         }
     };
-    let mut sampling = params::sampling(&common, None, info.valid_vocab)?;
-    if let Some(k) = logprobs {
-        sampling.logprobs = Some(k);
-        sampling
-            .validate(info.valid_vocab)
-            .map_err(|e| ApiError::invalid("logprobs", e.to_string()))?;
-    }
+    let sampling = params::sampling(&common, logprobs, "logprobs", info.valid_vocab)?;
     let stop = params::stop(&common, info.valid_vocab)?;
     let requested = params::positive("max_tokens", common.max_tokens)?;
     let echo = f.echo.unwrap_or(false);

@@ -1,8 +1,9 @@
-//! Request fields → engine parameters: [`SamplingParams`] (validated by the engine's own rules), the
-//! [`StopParams`], `n` and the `max_tokens` budget against the context length.
+//! Request fields → engine parameters: [`SamplingParams`] (validated once, here, by their own rules,
+//! into the [`ValidatedParams`] a request carries), the [`StopParams`], `n` and the `max_tokens`
+//! budget against the context length.
 
 use sanmai_engine::api::StopParams;
-use sanmai_engine::sampler::{SamplingParams, MAX_LOGPROBS};
+use sanmai_engine::sampler::{ParamError, SamplingParams, ValidatedParams};
 use sanmai_engine::EngineInfo;
 
 use crate::error::{prompt_too_long, ApiError};
@@ -11,12 +12,14 @@ use crate::request::CommonFields;
 /// The most choices one request may ask for.
 pub const MAX_N: usize = 128;
 
-/// The sampling parameters of a request; `logprobs` is the number of alternatives per token, if asked.
+/// The sampling parameters of a request, validated; `logprobs` is the number of alternatives per token,
+/// if asked, from the request field `logprobs_field` (which a count out of range names).
 pub fn sampling(
     f: &CommonFields,
     logprobs: Option<usize>,
+    logprobs_field: &str,
     vocab_size: usize,
-) -> Result<SamplingParams, ApiError> {
+) -> Result<ValidatedParams, ApiError> {
     let d = SamplingParams::default();
     let mut bias = Vec::new();
     if let Some(map) = &f.logit_bias {
@@ -37,16 +40,6 @@ pub fn sampling(
             bias.push((id, v.clamp(-100.0, 100.0) as f32));
         }
     }
-    if let Some(n) = logprobs {
-        if n > MAX_LOGPROBS {
-            return Err(ApiError::invalid(
-                "top_logprobs",
-                format!(
-                    "at most {MAX_LOGPROBS} log-probability alternatives may be asked for, got {n}"
-                ),
-            ));
-        }
-    }
     let params = SamplingParams {
         temperature: f.temperature.unwrap_or(d.temperature),
         top_p: f.top_p.unwrap_or(d.top_p),
@@ -59,8 +52,10 @@ pub fn sampling(
         logit_bias: bias,
         logprobs,
     };
-    params.validate(vocab_size)?;
-    Ok(params)
+    params.validated(vocab_size).map_err(|e| match e {
+        ParamError::Logprobs(_) => ApiError::invalid(logprobs_field, e.to_string()),
+        e => e.into(),
+    })
 }
 
 /// `n`: how many choices (1 when absent).
@@ -76,10 +71,8 @@ pub fn choices(f: &CommonFields) -> Result<usize, ApiError> {
 }
 
 /// The sampling parameters of choice `i` of `n`: a given seed is offset so the choices differ.
-pub fn for_choice(params: &SamplingParams, i: usize) -> SamplingParams {
-    let mut p = params.clone();
-    p.seed = p.seed.map(|s| s.wrapping_add(i as u64));
-    p
+pub fn for_choice(params: &ValidatedParams, i: usize) -> ValidatedParams {
+    params.with_seed(params.seed.map(|s| s.wrapping_add(i as u64)))
 }
 
 /// A positive token count from an optional request field.
@@ -189,7 +182,7 @@ mod tests {
             "logit_bias": {"12": 5, "13": -500}
         }))
         .unwrap();
-        let p = sampling(&f, Some(3), 1000).unwrap();
+        let p = sampling(&f, Some(3), "top_logprobs", 1000).unwrap();
         assert_eq!(p.temperature, 0.5);
         assert_eq!(p.top_k, 40);
         assert_eq!(p.seed, Some(7));
@@ -206,11 +199,14 @@ mod tests {
             (json!({"presence_penalty": 3}), "presence_penalty"),
         ] {
             let f: CommonFields = fields(&body).unwrap();
-            let e = sampling(&f, None, 1000).unwrap_err();
+            let e = sampling(&f, None, "top_logprobs", 1000).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{body}");
         }
-        let e = sampling(&CommonFields::default(), Some(21), 1000).unwrap_err();
+        let e = sampling(&CommonFields::default(), Some(21), "top_logprobs", 1000).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+        assert!(e.message.contains("20"), "{}", e.message);
+        let e = sampling(&CommonFields::default(), Some(21), "logprobs", 1000).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("logprobs"));
     }
 
     #[test]

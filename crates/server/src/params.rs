@@ -1,12 +1,12 @@
 //! Request fields → engine parameters: [`SamplingParams`] (validated once, here, by their own rules,
-//! into the [`ValidatedParams`] a request carries), the [`StopParams`], `n` and the `max_tokens`
-//! budget against the context length.
+//! into the [`ValidatedParams`] a request carries), the [`StopParams`] and `n`. Lengths (the prompt and
+//! `max_tokens` against the context) are the engine's admission to check (see
+//! [`crate::error::SubmitFields`]).
 
 use sanmai_engine::api::StopParams;
 use sanmai_engine::sampler::{ParamError, SamplingParams, ValidatedParams};
-use sanmai_engine::EngineInfo;
 
-use crate::error::{prompt_too_long, ApiError};
+use crate::error::ApiError;
 use crate::request::CommonFields;
 
 /// The most choices one request may ask for.
@@ -87,7 +87,8 @@ pub fn positive(field: &str, v: Option<i64>) -> Result<Option<usize>, ApiError> 
     }
 }
 
-/// The stop conditions of a request, without `max_tokens` (see [`max_tokens`]).
+/// The stop conditions of a request, without `max_tokens` (the caller sets the one requested, which the
+/// engine checks against the context when it admits the request).
 pub fn stop(f: &CommonFields, vocab_size: usize) -> Result<StopParams, ApiError> {
     let stop = f.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     if stop.iter().any(|s| s.is_empty()) {
@@ -119,60 +120,11 @@ pub fn stop(f: &CommonFields, vocab_size: usize) -> Result<StopParams, ApiError>
     })
 }
 
-/// The `max_tokens` of one prompt: the requested count (which must fit in the context with the
-/// prompt), else the model's default capped by the room left, else `None` (up to the context).
-pub fn max_tokens(
-    requested: Option<usize>,
-    field: &str,
-    prompt_param: &str,
-    prompt_len: usize,
-    min_tokens: usize,
-    info: &EngineInfo,
-) -> Result<Option<usize>, ApiError> {
-    let ctx = info.max_model_len;
-    if prompt_len >= ctx {
-        return Err(prompt_too_long(prompt_param, prompt_len, ctx));
-    }
-    let room = ctx - prompt_len;
-    let max = match requested {
-        Some(m) if m > room => {
-            return Err(ApiError::invalid(
-                field,
-                format!(
-                    "this model's context length is {ctx} tokens, but {} tokens were requested \
-                     ({prompt_len} in the prompt, {m} in {field})",
-                    prompt_len + m
-                ),
-            ))
-        }
-        Some(m) => Some(m),
-        None => info.default_max_tokens.map(|d| d.min(room)),
-    };
-    if let Some(m) = max {
-        if min_tokens > m {
-            return Err(ApiError::invalid(
-                "min_tokens",
-                format!("min_tokens ({min_tokens}) must not exceed {field} ({m})"),
-            ));
-        }
-    }
-    Ok(max)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::request::fields;
     use serde_json::json;
-
-    fn info() -> EngineInfo {
-        EngineInfo {
-            model_name: "m".into(),
-            max_model_len: 100,
-            valid_vocab: 1000,
-            default_max_tokens: Some(16),
-        }
-    }
 
     #[test]
     fn sampling_fields_map_and_validate() {
@@ -227,39 +179,9 @@ mod tests {
     }
 
     #[test]
-    fn max_tokens_against_the_context() {
-        let i = info();
-        assert_eq!(
-            max_tokens(None, "max_tokens", "prompt", 10, 0, &i).unwrap(),
-            Some(16)
-        );
-        assert_eq!(
-            max_tokens(None, "max_tokens", "prompt", 90, 0, &i).unwrap(),
-            Some(10)
-        );
-        assert_eq!(
-            max_tokens(Some(90), "max_tokens", "prompt", 10, 0, &i).unwrap(),
-            Some(90)
-        );
-        let e = max_tokens(Some(91), "max_tokens", "prompt", 10, 0, &i).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("max_tokens"));
-        assert!(
-            e.message.contains("100") && e.message.contains("101"),
-            "{}",
-            e.message
-        );
-        let e = max_tokens(None, "max_tokens", "prompt", 100, 0, &i).unwrap_err();
-        assert!(e.message.contains("100 tokens"), "{}", e.message);
-        let e = max_tokens(Some(4), "max_tokens", "prompt", 10, 5, &i).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("min_tokens"));
-        let open = EngineInfo {
-            default_max_tokens: None,
-            ..info()
-        };
-        assert_eq!(
-            max_tokens(None, "max_tokens", "prompt", 10, 0, &open).unwrap(),
-            None
-        );
+    fn token_counts_are_positive() {
+        assert_eq!(positive("max_tokens", None).unwrap(), None);
+        assert_eq!(positive("max_tokens", Some(3)).unwrap(), Some(3));
         assert!(positive("max_tokens", Some(0)).is_err());
     }
 }

@@ -118,7 +118,7 @@ fn generate<B: Backend + 'static>(args: GenerateArgs, loaded: Loaded<B>) -> Resu
         // Always ask: the chosen token's log-probability is reported; alternatives only with --logprobs.
         logprobs: Some(args.logprobs.unwrap_or(0)),
     };
-    params.validate(loaded.valid_vocab)?;
+    let params = params.validated(loaded.valid_vocab)?;
     let tokenizer = loaded.tokenizer.clone();
     let engine = args
         .engine

@@ -15,7 +15,6 @@ use serde_json::{Map, Value};
 
 use crate::engine_args::EngineArgs;
 use crate::load::{Loaded, ModelArgs, OnModel};
-use sanmai_model::Backend;
 
 /// How long in-flight responses may take to end after a shutdown signal.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);

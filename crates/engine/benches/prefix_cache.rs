@@ -49,7 +49,9 @@ fn turn(h: &EngineHandle, prompt: Vec<u32>, id: usize) -> (f64, Vec<u32>, usize)
         .submit(EngineRequest {
             id: format!("turn{id}"),
             prompt,
-            sampling: SamplingParams::greedy(),
+            sampling: SamplingParams::greedy()
+                .validated(h.info().valid_vocab)
+                .unwrap(),
             stop: StopParams {
                 max_tokens: Some(48),
                 ignore_eos: true,

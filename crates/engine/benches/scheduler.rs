@@ -54,7 +54,9 @@ fn main() {
                     }
                 } else {
                     SamplingParams::greedy()
-                };
+                }
+                .validated(h.info().valid_vocab)
+                .unwrap();
                 h.submit(EngineRequest {
                     id: format!("r{i}"),
                     prompt: tok

@@ -1,12 +1,14 @@
 //! What the engine accepts and what it answers: the contract between the HTTP layer and the engine loop.
 //!
-//! A request is already tokenized and validated when it gets here. The engine streams [`EngineEvent`]s
+//! A request is already tokenized when it gets here, its sampling parameters validated (it can only hold
+//! them as [`ValidatedParams`]); [`EngineHandle::submit`](crate::EngineHandle::submit) admits it against
+//! the context length, the one place lengths are checked. The engine streams [`EngineEvent`]s
 //! back on the request's channel: zero or more `Tokens`, then exactly one `Finished`. Dropping the
 //! [`RequestStream`] aborts the request (a client that disconnects frees its resources within one step).
 
 use sanmai_structured::GrammarMatcher;
 
-use crate::sampler::SamplingParams;
+use crate::sampler::ValidatedParams;
 
 /// A grammar the output must follow (structured output), submitted with
 /// [`EngineHandle::submit_constrained`](crate::EngineHandle::submit_constrained).
@@ -38,9 +40,11 @@ pub enum FinishReason {
 /// When to stop generating.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct StopParams {
-    /// New tokens at most; `None` = up to the context length.
+    /// New tokens at most, which must fit in the context with the prompt; `None` = the model's
+    /// default (capped by the room the prompt leaves), else up to the context length.
     pub max_tokens: Option<usize>,
-    /// EOS and stop conditions are ignored until this many tokens are generated.
+    /// EOS and stop conditions are ignored until this many tokens are generated (at most the
+    /// `max_tokens` in force, when there is one).
     pub min_tokens: usize,
     /// Stop strings: never emitted, text is held back while one could still match.
     pub stop: Vec<String>,
@@ -50,13 +54,15 @@ pub struct StopParams {
     pub ignore_eos: bool,
 }
 
-/// A tokenized, validated request.
+/// A tokenized request with validated sampling parameters.
 #[derive(Debug, Clone)]
 pub struct EngineRequest {
     /// Unique id (for logs, abort and metrics).
     pub id: String,
     pub prompt: Vec<u32>,
-    pub sampling: SamplingParams,
+    /// Made by [`SamplingParams::validated`](crate::sampler::SamplingParams::validated); the engine
+    /// does not check them again.
+    pub sampling: ValidatedParams,
     pub stop: StopParams,
     /// Report the log-probability of every prompt token (first is `None`), with `sampling.logprobs`
     /// alternatives each.
@@ -119,8 +125,28 @@ pub enum StopReason {
 /// Why a request was refused before it started.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SubmitError {
-    #[error("the prompt has {prompt} tokens but the context length is {max_model_len}")]
+    #[error(
+        "the prompt has {prompt} tokens but the model's context length is {max_model_len} tokens \
+         (the prompt must leave room for at least one generated token)"
+    )]
     PromptTooLong { prompt: usize, max_model_len: usize },
+    /// `max_tokens` does not fit in the context with the prompt.
+    #[error(
+        "this model's context length is {max_model_len} tokens, but {} tokens were requested \
+         ({prompt} in the prompt, {max_tokens} to generate)",
+        prompt + max_tokens
+    )]
+    TooManyTokens {
+        prompt: usize,
+        max_tokens: usize,
+        max_model_len: usize,
+    },
+    /// `min_tokens` exceeds the `max_tokens` in force (the requested or the default one).
+    #[error("min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})")]
+    MinTokens {
+        min_tokens: usize,
+        max_tokens: usize,
+    },
     #[error("the prompt is empty")]
     EmptyPrompt,
     #[error("the server is overloaded: {0} requests are waiting")]

@@ -7,7 +7,7 @@
 
 use std::collections::VecDeque;
 
-use sanmai_model::sample::{RowSampling, Sampled, SeenToken};
+use sanmai_model::sample::{RowSampling, Sampled, SeenToken, ValidatedParams};
 use sanmai_model::{
     Backend, Model, OpResult, PleSource, SampleCall, StepChunk, StepError, StepInput, StepStart,
 };
@@ -38,22 +38,16 @@ pub struct PlannedChunk {
     pub sampling: Option<ChunkSampling>,
 }
 
-/// One row's sampling, owned: what [`RowSampling`] borrows.
+/// One row's sampling, owned: the request's parameters (shared, not copied) and what the row adds to
+/// them; [`ChunkSampling::row`] lends it as the [`RowSampling`] the sampling op takes. The engine
+/// attaches one to exactly the rows the executor is to sample, and the executor samples exactly those.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChunkSampling {
-    /// Ids below this are real tokens.
+    /// Ids below this are real tokens (the same for every row of a step).
     pub valid_vocab: usize,
-    pub temperature: f32,
-    /// 0: off.
-    pub top_k: usize,
-    pub top_p: f32,
-    pub min_p: f32,
-    pub repetition_penalty: f32,
-    pub frequency_penalty: f32,
-    pub presence_penalty: f32,
+    pub params: ValidatedParams,
     /// Distinct tokens of prompt and output with their output counts (empty without penalties).
     pub seen: Vec<SeenToken>,
-    pub logit_bias: Vec<(u32, f32)>,
     /// Allowed tokens (grammar mask, and end tokens cleared before `min_tokens`), `valid_vocab` bits.
     pub allowed: Option<Vec<u32>>,
     /// The draw's uniform from the request's stream.
@@ -64,15 +58,8 @@ impl ChunkSampling {
     /// The borrowed form the sampling op takes.
     pub fn row(&self) -> RowSampling<'_> {
         RowSampling {
-            temperature: self.temperature,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repetition_penalty: self.repetition_penalty,
-            frequency_penalty: self.frequency_penalty,
-            presence_penalty: self.presence_penalty,
+            params: &self.params,
             seen: &self.seen,
-            logit_bias: &self.logit_bias,
             allowed: self.allowed.as_deref(),
             uniform: self.uniform,
         }
@@ -292,28 +279,31 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     }
 }
 
-/// Each logit row's sampling when the backend can draw it: the row is the last of its chunk and
-/// carries its [`ChunkSampling`] over the vocabulary of the step's first such row. `None` for a row
-/// whose logits go to the host; with that vocabulary.
+/// Each logit row's sampling (in chunk order): the [`ChunkSampling`] of a [`LogitRows::Last`] chunk
+/// that carries one, `None` for a row whose logits go to the host; with the rows' vocabulary.
 fn device_rows(plan: &StepPlan) -> (usize, Vec<Option<RowSampling<'_>>>) {
     let mut vocab = None;
     let mut rows = Vec::new();
     for c in &plan.chunks {
         match (c.logits, &c.sampling) {
             (LogitRows::None, _) => {}
-            (LogitRows::Last, Some(s)) if vocab.is_none_or(|v| v == s.valid_vocab) => {
-                vocab = Some(s.valid_vocab);
+            (LogitRows::Last, Some(s)) => {
+                let v = *vocab.get_or_insert(s.valid_vocab);
+                assert_eq!(
+                    v, s.valid_vocab,
+                    "the sampled rows of a step share one vocabulary"
+                );
                 rows.push(Some(s.row()));
             }
-            (LogitRows::Last, _) => rows.push(None),
+            (LogitRows::Last, None) => rows.push(None),
             (LogitRows::All, _) => rows.extend((0..c.tokens.len()).map(|_| None)),
         }
     }
     (vocab.unwrap_or(0), rows)
 }
 
-/// The step's result from its logits: with `device`, the rows [`device_rows`] allows are sampled by the
-/// backend and only the others' logits are copied to the host.
+/// The step's result from its logits: with `device` (the backend samples), the rows that carry their
+/// [`ChunkSampling`] are sampled by the backend and only the others' logits are copied to the host.
 fn finish_step<B: Backend>(
     m: &Model<B>,
     plan: &StepPlan,

@@ -1,12 +1,15 @@
-//! [`EngineHandle`]: the thread-safe front door of the engine loop, and [`RequestStream`], one request's
-//! event channel (dropping it aborts the request).
+//! [`EngineHandle`]: the thread-safe front door of the engine loop, where requests are admitted (their
+//! lengths checked against the context, once: [`EngineInfo::token_budget`]), and [`RequestStream`], one
+//! request's event channel (dropping it aborts the request).
 
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::api::{EngineEvent, EngineRequest, MetricsSnapshot, OutputConstraint, SubmitError};
+use crate::api::{
+    EngineEvent, EngineRequest, MetricsSnapshot, OutputConstraint, StopParams, SubmitError,
+};
 
 /// Static facts about the served model.
 #[derive(Debug, Clone)]
@@ -20,9 +23,46 @@ pub struct EngineInfo {
     pub default_max_tokens: Option<usize>,
 }
 
+impl EngineInfo {
+    /// The tokens a request with a prompt of `prompt` tokens and stop conditions `stop` may generate:
+    /// its `max_tokens`, else the default capped by the room the prompt leaves, else that room. The
+    /// prompt must leave room for one token, a requested `max_tokens` must fit in the room, and
+    /// `min_tokens` must not exceed the `max_tokens` in force.
+    pub fn token_budget(&self, prompt: usize, stop: &StopParams) -> Result<usize, SubmitError> {
+        let max_model_len = self.max_model_len;
+        if prompt >= max_model_len {
+            return Err(SubmitError::PromptTooLong {
+                prompt,
+                max_model_len,
+            });
+        }
+        let room = max_model_len - prompt;
+        let max = match stop.max_tokens {
+            Some(m) if m > room => {
+                return Err(SubmitError::TooManyTokens {
+                    prompt,
+                    max_tokens: m,
+                    max_model_len,
+                })
+            }
+            Some(m) => Some(m),
+            None => self.default_max_tokens.map(|d| d.min(room)),
+        };
+        if let Some(m) = max.filter(|&m| stop.min_tokens > m) {
+            return Err(SubmitError::MinTokens {
+                min_tokens: stop.min_tokens,
+                max_tokens: m,
+            });
+        }
+        Ok(max.unwrap_or(room))
+    }
+}
+
 pub(crate) enum Command {
+    /// An admitted request with the tokens it may generate.
     Submit(
         Box<EngineRequest>,
+        usize,
         tokio::sync::mpsc::UnboundedSender<EngineEvent>,
         Option<Box<OutputConstraint>>,
     ),
@@ -45,7 +85,8 @@ pub(crate) struct Limits {
 }
 
 impl EngineHandle {
-    /// Queues a request. Its events arrive on the returned stream.
+    /// Admits and queues a request (see [`EngineInfo::token_budget`] for its lengths). Its events arrive
+    /// on the returned stream.
     pub fn submit(&self, req: EngineRequest) -> Result<RequestStream, SubmitError> {
         self.submit_constrained(req, None)
     }
@@ -59,12 +100,7 @@ impl EngineHandle {
         if req.prompt.is_empty() {
             return Err(SubmitError::EmptyPrompt);
         }
-        if req.prompt.len() >= self.info.max_model_len {
-            return Err(SubmitError::PromptTooLong {
-                prompt: req.prompt.len(),
-                max_model_len: self.info.max_model_len,
-            });
-        }
+        let max_tokens = self.info.token_budget(req.prompt.len(), &req.stop)?;
         if let Some(&bad) = req
             .prompt
             .iter()
@@ -90,6 +126,7 @@ impl EngineHandle {
         self.tx
             .send(Command::Submit(
                 Box::new(req),
+                max_tokens,
                 etx,
                 constraint.map(Box::new),
             ))
@@ -159,5 +196,74 @@ impl Drop for RequestStream {
         if !self.finished {
             let _ = self.tx.send(Command::Abort(self.id.clone()));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(default_max_tokens: Option<usize>) -> EngineInfo {
+        EngineInfo {
+            model_name: "m".into(),
+            max_model_len: 100,
+            valid_vocab: 1000,
+            default_max_tokens,
+        }
+    }
+
+    fn stop(max_tokens: Option<usize>, min_tokens: usize) -> StopParams {
+        StopParams {
+            max_tokens,
+            min_tokens,
+            ..StopParams::default()
+        }
+    }
+
+    #[test]
+    fn the_token_budget_fits_the_context() {
+        let i = info(Some(16));
+        assert_eq!(i.token_budget(10, &stop(None, 0)), Ok(16));
+        assert_eq!(i.token_budget(90, &stop(None, 0)), Ok(10));
+        assert_eq!(i.token_budget(10, &stop(Some(90), 0)), Ok(90));
+        assert_eq!(info(None).token_budget(10, &stop(None, 0)), Ok(90));
+        let e = i.token_budget(10, &stop(Some(91), 0)).unwrap_err();
+        assert_eq!(
+            e,
+            SubmitError::TooManyTokens {
+                prompt: 10,
+                max_tokens: 91,
+                max_model_len: 100
+            }
+        );
+        let msg = e.to_string();
+        assert!(
+            msg.contains("context length") && msg.contains("100") && msg.contains("101"),
+            "{msg}"
+        );
+        for prompt in [100, 150] {
+            let e = i.token_budget(prompt, &stop(None, 0)).unwrap_err();
+            assert_eq!(
+                e,
+                SubmitError::PromptTooLong {
+                    prompt,
+                    max_model_len: 100
+                }
+            );
+            assert!(
+                e.to_string().contains("context length is 100 tokens"),
+                "{e}"
+            );
+        }
+        assert_eq!(
+            i.token_budget(10, &stop(Some(4), 5)),
+            Err(SubmitError::MinTokens {
+                min_tokens: 5,
+                max_tokens: 4
+            })
+        );
+        // The default in force bounds min_tokens too; without one nothing does but the context.
+        assert!(i.token_budget(10, &stop(None, 17)).is_err());
+        assert_eq!(info(None).token_budget(10, &stop(None, 95)), Ok(90));
     }
 }

@@ -2,8 +2,10 @@
 //! for many concurrent requests.
 //!
 //! [`api`] is the contract with the HTTP layer (requests in, events out), [`EngineHandle`] the front door
-//! of the engine thread started by [`start`], [`executor`] the seam to the model, and [`sampler`] turns one
-//! row of logits per sequence into a token id plus the log-probabilities an OpenAI response reports.
+//! of the engine thread started by [`start`] (where a request is admitted: its lengths checked against the
+//! context), [`executor`] the seam to the model, and [`sampler`] turns one row of logits per sequence into
+//! a token id plus the log-probabilities an OpenAI response reports (with the parameter type the model
+//! crate defines, re-exported there).
 
 pub mod api;
 mod block_pool;

@@ -14,7 +14,7 @@ use sanmai_engine::sampler::{
     row_sampling, sample_row, Rng, SamplerState, SamplingParams, Scratch,
 };
 use sanmai_engine::{start, CacheGeometry, EngineConfig, Executor, ModelExecutor};
-use sanmai_model::{builtin, Backend, Model};
+use sanmai_model::{builtin, Backend, Model, SampleCall};
 use sanmai_tokenizer::Tokenizer;
 use sanmai_weights::Dummy;
 
@@ -212,7 +212,7 @@ fn run(device: bool) -> (Vec<Generated>, usize, usize) {
                 prompt: tokenizer()
                     .encode(&format!("Sampling case {i}: the quick brown fox"), false)
                     .unwrap(),
-                sampling,
+                sampling: sampling.validated(h.info().valid_vocab).unwrap(),
                 stop,
                 prompt_logprobs: false,
                 cache_salt: Vec::new(),
@@ -313,7 +313,13 @@ fn the_op_matches_sample_row_with_a_mask_and_every_filter() {
                 row_sampling(&params[i], op_states[i].counts(), allowed, uniforms[i])
             })
             .collect();
-        let got = backend.sample(backend.upload(6, width, flat), valid, &specs);
+        let call = SampleCall {
+            valid_vocab: valid,
+            rows: &specs,
+        };
+        let got = backend
+            .sample(backend.upload(6, width, flat).unwrap(), &call)
+            .unwrap();
         for i in 0..6 {
             let mut row = rows[i].clone();
             let allowed = (i % 2 == 1).then_some(mask.as_slice());
@@ -326,7 +332,7 @@ fn the_op_matches_sample_row_with_a_mask_and_every_filter() {
                 &mut Scratch::new(),
             )
             .unwrap();
-            let g = got[i].unwrap();
+            let g = got[i].clone().unwrap();
             assert_eq!(
                 (g.id, g.logprob),
                 (want.id, want.logprob),

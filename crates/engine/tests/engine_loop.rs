@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use sanmai_cpu::CpuBackend;
 use sanmai_engine::api::{EngineEvent, EngineRequest, FinishReason, StopParams, StopReason};
-use sanmai_engine::sampler::SamplingParams;
+use sanmai_engine::sampler::{SamplingParams, ValidatedParams};
 use sanmai_engine::{start, EngineConfig, EngineHandle, ModelExecutor};
 use sanmai_model::{builtin, Model};
 use sanmai_tokenizer::Tokenizer;
@@ -61,11 +61,17 @@ fn engine_uncached(max_num_seqs: usize, max_num_batched_tokens: usize) -> Engine
     })
 }
 
+fn greedy() -> ValidatedParams {
+    SamplingParams::greedy()
+        .validated(tokenizer().backend().get_vocab_size(true))
+        .unwrap()
+}
+
 fn request(id: &str, prompt: &str, max_tokens: usize) -> EngineRequest {
     EngineRequest {
         id: id.into(),
         prompt: tokenizer().encode(prompt, false).unwrap(),
-        sampling: SamplingParams::greedy(),
+        sampling: greedy(),
         stop: StopParams {
             max_tokens: Some(max_tokens),
             ignore_eos: true,
@@ -222,7 +228,12 @@ fn dropping_the_stream_aborts_and_frees() {
 }
 
 fn with_logprobs(mut req: EngineRequest) -> EngineRequest {
-    req.sampling.logprobs = Some(5);
+    req.sampling = SamplingParams {
+        logprobs: Some(5),
+        ..(*req.sampling).clone()
+    }
+    .validated(tokenizer().backend().get_vocab_size(true))
+    .unwrap();
     req
 }
 

@@ -76,7 +76,9 @@ fn a_ple_model_generates_the_reference_and_reports_its_table_reads() {
                     sampling: SamplingParams {
                         temperature: 0.0,
                         ..SamplingParams::default()
-                    },
+                    }
+                    .validated(engine.info().valid_vocab)
+                    .unwrap(),
                     stop: StopParams {
                         max_tokens: Some(greedy.len()),
                         ignore_eos: true,

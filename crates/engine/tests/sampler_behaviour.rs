@@ -558,12 +558,9 @@ fn validation_names_the_field() {
     for (params, field) in cases {
         let err = params.validate(100).unwrap_err();
         assert_eq!(err.field(), field, "{params:?}");
-        // The sampler refuses the same parameters instead of misbehaving.
-        let mut state = SamplerState::new(&SamplingParams::default(), &[]);
-        match sample(&[0.0; 100], 100, &params, &mut state) {
-            Err(SampleError::Params(e)) => assert_eq!(e.field(), field),
-            other => panic!("{params:?} gave {other:?}"),
-        }
+        // No request can carry them: the engine takes only what `validated` gives, and it refuses them.
+        let refused = params.clone().validated(100).unwrap_err();
+        assert_eq!(refused.field(), field, "{params:?}");
     }
     assert_eq!(
         SamplingParams {
@@ -597,6 +594,7 @@ fn validation_names_the_field() {
         },
     ] {
         assert_eq!(params.validate(100), Ok(()), "{params:?}");
+        assert_eq!(*params.clone().validated(100).unwrap(), params);
     }
 }
 

@@ -64,7 +64,9 @@ fn request(id: String, seed: u64, max_tokens: usize) -> EngineRequest {
             frequency_penalty: 1.0,
             presence_penalty: 1.0,
             ..SamplingParams::default()
-        },
+        }
+        .validated(tokenizer().vocab_size())
+        .unwrap(),
         stop: StopParams {
             max_tokens: Some(max_tokens),
             ..Default::default()
@@ -287,7 +289,14 @@ fn the_constraint_starts_after_think_end() {
         10,
         50,
         "think",
-        |r| r.sampling.logit_bias = vec![(think_end[0], 100.0)],
+        |r| {
+            r.sampling = SamplingParams {
+                logit_bias: vec![(think_end[0], 100.0)],
+                ..(*r.sampling).clone()
+            }
+            .validated(tokenizer().vocab_size())
+            .unwrap()
+        },
         &think_end,
     );
     for o in outs {
@@ -307,7 +316,9 @@ fn constrained_sequences_leave_their_batch_alone() {
     // Greedy free sequences give the same tokens alone and next to constrained ones.
     let free = |tag: &str| {
         let mut r = request(format!("free-{tag}"), 1, 24);
-        r.sampling = SamplingParams::greedy();
+        r.sampling = SamplingParams::greedy()
+            .validated(tokenizer().vocab_size())
+            .unwrap();
         r.stop.ignore_eos = true;
         r
     };

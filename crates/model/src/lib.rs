@@ -5,8 +5,9 @@
 //! entry point, [`Model::step`], runs a batch of sequence chunks through the whole layer stack or one
 //! pipeline stage of it (`Model::load_stage`). Backends (CPU reference, CUDA) supply the ops and own
 //! the per-sequence caches; this crate decides what is computed, in which order, with which weights,
-//! and how sampling draws a token from a row of logits (`sample`, which the backends' sampling op
-//! follows).
+//! and how sampling draws a token from a row of logits with a request's parameters (`sample`: the
+//! math the backends' sampling op follows, and `SamplingParams`, the one parameter type from the
+//! request to that op).
 
 pub mod backend;
 pub mod builtin;

@@ -12,7 +12,7 @@ use sanmai_engine::RequestStream;
 use sanmai_tokenizer::parsers::prompt_opens_think;
 use serde_json::{json, Value};
 
-use crate::error::ApiError;
+use crate::error::{ApiError, SubmitFields};
 use crate::logprobs::TokenText;
 use crate::output::{tool_parser, ChatOutput, Delta, Message, ToolFormat};
 use crate::params;
@@ -113,18 +113,13 @@ pub async fn chat_completions(
         _ => None,
     };
     let n = params::choices(&common)?;
-    let sampling = params::sampling(&common, top_logprobs, info.valid_vocab)?;
+    let sampling = params::sampling(&common, top_logprobs, "top_logprobs", info.valid_vocab)?;
     let mut stop = params::stop(&common, info.valid_vocab)?;
     let (field, requested) = match chat.max_completion_tokens {
-        Some(_) => (
-            "max_completion_tokens",
-            params::positive("max_completion_tokens", chat.max_completion_tokens)?,
-        ),
-        None => (
-            "max_tokens",
-            params::positive("max_tokens", common.max_tokens)?,
-        ),
+        Some(_) => ("max_completion_tokens", chat.max_completion_tokens),
+        None => ("max_tokens", common.max_tokens),
     };
+    stop.max_tokens = params::positive(field, requested)?;
     let messages = chat
         .messages
         .clone()
@@ -141,14 +136,6 @@ pub async fn chat_completions(
         ids,
         history_len,
     } = render_and_encode(&state, ready, prompt).await?;
-    stop.max_tokens = params::max_tokens(
-        requested,
-        field,
-        "messages",
-        ids.len(),
-        stop.min_tokens,
-        &info,
-    )?;
 
     let opens_think = prompt_opens_think(&rendered);
     let grammar = match constraint {
@@ -182,7 +169,11 @@ pub async fn chat_completions(
             checkpoint_at: history_len.into_iter().collect(),
         })
         .collect();
-    let streams = submit_all(&ready.engine, requests, grammar.as_ref())?;
+    let fields = SubmitFields {
+        prompt: "messages",
+        max_tokens: field,
+    };
+    let streams = submit_all(&ready.engine, requests, grammar.as_ref(), fields)?;
     if common.stream.unwrap_or(false) {
         Ok(sse_response(move |sse| stream_chat(sse, ctx, streams)))
     } else {

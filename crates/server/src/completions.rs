@@ -12,7 +12,7 @@ use sanmai_engine::api::{EngineEvent, EngineRequest, FinishReason, TokenLogprob,
 use sanmai_engine::RequestStream;
 use serde_json::{json, Value};
 
-use crate::error::ApiError;
+use crate::error::{ApiError, SubmitFields};
 use crate::logprobs::{LegacyLogprobs, TokenText};
 use crate::params;
 use crate::request::{fields, parse_prompt, CommonFields, CompletionFields, JsonBody, PromptInput};
@@ -115,15 +115,9 @@ pub async fn completions(
             ))
         }
     };
-    let mut sampling = params::sampling(&common, None, info.valid_vocab)?;
-    if let Some(k) = logprobs {
-        sampling.logprobs = Some(k);
-        sampling
-            .validate(info.valid_vocab)
-            .map_err(|e| ApiError::invalid("logprobs", e.to_string()))?;
-    }
-    let stop = params::stop(&common, info.valid_vocab)?;
-    let requested = params::positive("max_tokens", common.max_tokens)?;
+    let sampling = params::sampling(&common, logprobs, "logprobs", info.valid_vocab)?;
+    let mut stop = params::stop(&common, info.valid_vocab)?;
+    stop.max_tokens = params::positive("max_tokens", common.max_tokens)?;
     let echo = f.echo.unwrap_or(false);
 
     let needs_tokenizer = echo || inputs.iter().any(|p| matches!(p, PromptInput::Text(_)));
@@ -163,15 +157,6 @@ pub async fn completions(
         if prompt.ids.is_empty() {
             return Err(ApiError::invalid("prompt", "the prompt is empty"));
         }
-        let mut stop = stop.clone();
-        stop.max_tokens = params::max_tokens(
-            requested,
-            "max_tokens",
-            "prompt",
-            prompt.ids.len(),
-            stop.min_tokens,
-            &info,
-        )?;
         for i in 0..n {
             requests.push(EngineRequest {
                 id: format!("{id}-{p}-{i}"),
@@ -205,7 +190,11 @@ pub async fn completions(
         }
         None => None,
     };
-    let streams = submit_all(&ready.engine, requests, grammar.as_ref())?;
+    let fields = SubmitFields {
+        prompt: "prompt",
+        max_tokens: "max_tokens",
+    };
+    let streams = submit_all(&ready.engine, requests, grammar.as_ref(), fields)?;
     if common.stream.unwrap_or(false) {
         Ok(sse_response(move |sse| {
             stream_completions(sse, ctx, streams)

@@ -110,28 +110,51 @@ impl From<ParamError> for ApiError {
     }
 }
 
-impl From<SubmitError> for ApiError {
-    fn from(e: SubmitError) -> ApiError {
+/// The request fields a refused submission names: the prompt's (`messages` or `prompt`) and the token
+/// limit's (`max_tokens` or `max_completion_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SubmitFields {
+    pub prompt: &'static str,
+    pub max_tokens: &'static str,
+}
+
+impl ApiError {
+    /// The answer to a submission the engine refused: lengths against the context name the field at
+    /// fault (and read as `context_length_exceeded`), an engine that cannot take more is a 503.
+    pub fn submit(e: SubmitError, fields: SubmitFields) -> ApiError {
         match e {
-            SubmitError::PromptTooLong { .. } => ApiError::invalid("messages", e.to_string()),
-            SubmitError::EmptyPrompt => ApiError::bad_request(e.to_string()),
+            SubmitError::PromptTooLong { .. } | SubmitError::EmptyPrompt => {
+                ApiError::invalid(fields.prompt, e.to_string())
+            }
+            SubmitError::TooManyTokens {
+                prompt,
+                max_tokens,
+                max_model_len,
+            } => ApiError::invalid(
+                fields.max_tokens,
+                format!(
+                    "this model's context length is {max_model_len} tokens, but {} tokens were \
+                     requested ({prompt} in the prompt, {max_tokens} in {})",
+                    prompt + max_tokens,
+                    fields.max_tokens
+                ),
+            ),
+            SubmitError::MinTokens {
+                min_tokens,
+                max_tokens,
+            } => ApiError::invalid(
+                "min_tokens",
+                format!(
+                    "min_tokens ({min_tokens}) must not exceed {} ({max_tokens})",
+                    fields.max_tokens
+                ),
+            ),
             SubmitError::Overloaded(_) | SubmitError::ShuttingDown => {
                 ApiError::unavailable(e.to_string())
             }
             SubmitError::Invalid(m) => ApiError::bad_request(m),
         }
     }
-}
-
-/// The error that a prompt longer than the context gets, naming both lengths.
-pub fn prompt_too_long(param: &str, prompt: usize, max_model_len: usize) -> ApiError {
-    ApiError::invalid(
-        param,
-        format!(
-            "the prompt has {prompt} tokens but the model's context length is {max_model_len} \
-             tokens (the prompt must leave room for at least one generated token)"
-        ),
-    )
 }
 
 #[cfg(test)]
@@ -148,9 +171,16 @@ mod tests {
         assert!(body["error"]["code"].is_null());
         let e = ApiError::not_found("no such model").with_param("model");
         assert_eq!(e.body()["error"]["code"], "model_not_found");
-        let e = prompt_too_long("prompt", 70000, 65536);
+        let e = ApiError::submit(
+            SubmitError::PromptTooLong {
+                prompt: 70000,
+                max_model_len: 65536,
+            },
+            COMPLETION,
+        );
         assert!(e.message.contains("70000") && e.message.contains("65536"));
         assert_eq!(e.body()["error"]["code"], "context_length_exceeded");
+        assert_eq!(e.body()["error"]["param"], "prompt");
     }
 
     #[test]
@@ -160,15 +190,52 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("top_p"));
     }
 
+    const COMPLETION: SubmitFields = SubmitFields {
+        prompt: "prompt",
+        max_tokens: "max_tokens",
+    };
+    const CHAT: SubmitFields = SubmitFields {
+        prompt: "messages",
+        max_tokens: "max_completion_tokens",
+    };
+
     #[test]
-    fn submit_errors_map_to_statuses() {
-        let e: ApiError = SubmitError::Overloaded(9).into();
+    fn submit_errors_map_to_statuses_and_fields() {
+        let e = ApiError::submit(SubmitError::Overloaded(9), CHAT);
         assert_eq!(e.status, StatusCode::SERVICE_UNAVAILABLE);
-        let e: ApiError = SubmitError::PromptTooLong {
-            prompt: 10,
-            max_model_len: 5,
-        }
-        .into();
+        let e = ApiError::submit(
+            SubmitError::PromptTooLong {
+                prompt: 10,
+                max_model_len: 5,
+            },
+            CHAT,
+        );
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        // prompt + max_tokens past the context names the limit's field, both lengths and their sum.
+        let e = ApiError::submit(
+            SubmitError::TooManyTokens {
+                prompt: 10,
+                max_tokens: 91,
+                max_model_len: 100,
+            },
+            CHAT,
+        );
+        assert_eq!(e.param.as_deref(), Some("max_completion_tokens"));
+        assert!(
+            e.message.contains("100") && e.message.contains("101"),
+            "{}",
+            e.message
+        );
+        assert_eq!(e.body()["error"]["code"], "context_length_exceeded");
+        let e = ApiError::submit(
+            SubmitError::MinTokens {
+                min_tokens: 5,
+                max_tokens: 4,
+            },
+            COMPLETION,
+        );
+        assert_eq!(e.param.as_deref(), Some("min_tokens"));
+        assert!(e.message.contains("max_tokens (4)"), "{}", e.message);
     }
 }

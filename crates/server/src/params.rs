@@ -1,22 +1,25 @@
-//! Request fields → engine parameters: [`SamplingParams`] (validated by the engine's own rules), the
-//! [`StopParams`], `n` and the `max_tokens` budget against the context length.
+//! Request fields → engine parameters: [`SamplingParams`] (validated once, here, by their own rules,
+//! into the [`ValidatedParams`] a request carries), the [`StopParams`] and `n`. Lengths (the prompt and
+//! `max_tokens` against the context) are the engine's admission to check (see
+//! [`crate::error::SubmitFields`]).
 
 use sanmai_engine::api::StopParams;
-use sanmai_engine::sampler::{SamplingParams, MAX_LOGPROBS};
-use sanmai_engine::EngineInfo;
+use sanmai_engine::sampler::{ParamError, SamplingParams, ValidatedParams};
 
-use crate::error::{prompt_too_long, ApiError};
+use crate::error::ApiError;
 use crate::request::CommonFields;
 
 /// The most choices one request may ask for.
 pub const MAX_N: usize = 128;
 
-/// The sampling parameters of a request; `logprobs` is the number of alternatives per token, if asked.
+/// The sampling parameters of a request, validated; `logprobs` is the number of alternatives per token,
+/// if asked, from the request field `logprobs_field` (which a count out of range names).
 pub fn sampling(
     f: &CommonFields,
     logprobs: Option<usize>,
+    logprobs_field: &str,
     vocab_size: usize,
-) -> Result<SamplingParams, ApiError> {
+) -> Result<ValidatedParams, ApiError> {
     let d = SamplingParams::default();
     let mut bias = Vec::new();
     if let Some(map) = &f.logit_bias {
@@ -37,16 +40,6 @@ pub fn sampling(
             bias.push((id, v.clamp(-100.0, 100.0) as f32));
         }
     }
-    if let Some(n) = logprobs {
-        if n > MAX_LOGPROBS {
-            return Err(ApiError::invalid(
-                "top_logprobs",
-                format!(
-                    "at most {MAX_LOGPROBS} log-probability alternatives may be asked for, got {n}"
-                ),
-            ));
-        }
-    }
     let params = SamplingParams {
         temperature: f.temperature.unwrap_or(d.temperature),
         top_p: f.top_p.unwrap_or(d.top_p),
@@ -59,8 +52,10 @@ pub fn sampling(
         logit_bias: bias,
         logprobs,
     };
-    params.validate(vocab_size)?;
-    Ok(params)
+    params.validated(vocab_size).map_err(|e| match e {
+        ParamError::Logprobs(_) => ApiError::invalid(logprobs_field, e.to_string()),
+        e => e.into(),
+    })
 }
 
 /// `n`: how many choices (1 when absent).
@@ -76,10 +71,8 @@ pub fn choices(f: &CommonFields) -> Result<usize, ApiError> {
 }
 
 /// The sampling parameters of choice `i` of `n`: a given seed is offset so the choices differ.
-pub fn for_choice(params: &SamplingParams, i: usize) -> SamplingParams {
-    let mut p = params.clone();
-    p.seed = p.seed.map(|s| s.wrapping_add(i as u64));
-    p
+pub fn for_choice(params: &ValidatedParams, i: usize) -> ValidatedParams {
+    params.with_seed(params.seed.map(|s| s.wrapping_add(i as u64)))
 }
 
 /// A positive token count from an optional request field.
@@ -94,7 +87,8 @@ pub fn positive(field: &str, v: Option<i64>) -> Result<Option<usize>, ApiError> 
     }
 }
 
-/// The stop conditions of a request, without `max_tokens` (see [`max_tokens`]).
+/// The stop conditions of a request, without `max_tokens` (the caller sets the one requested, which the
+/// engine checks against the context when it admits the request).
 pub fn stop(f: &CommonFields, vocab_size: usize) -> Result<StopParams, ApiError> {
     let stop = f.stop.clone().map(|s| s.into_vec()).unwrap_or_default();
     if stop.iter().any(|s| s.is_empty()) {
@@ -126,60 +120,11 @@ pub fn stop(f: &CommonFields, vocab_size: usize) -> Result<StopParams, ApiError>
     })
 }
 
-/// The `max_tokens` of one prompt: the requested count (which must fit in the context with the
-/// prompt), else the model's default capped by the room left, else `None` (up to the context).
-pub fn max_tokens(
-    requested: Option<usize>,
-    field: &str,
-    prompt_param: &str,
-    prompt_len: usize,
-    min_tokens: usize,
-    info: &EngineInfo,
-) -> Result<Option<usize>, ApiError> {
-    let ctx = info.max_model_len;
-    if prompt_len >= ctx {
-        return Err(prompt_too_long(prompt_param, prompt_len, ctx));
-    }
-    let room = ctx - prompt_len;
-    let max = match requested {
-        Some(m) if m > room => {
-            return Err(ApiError::invalid(
-                field,
-                format!(
-                    "this model's context length is {ctx} tokens, but {} tokens were requested \
-                     ({prompt_len} in the prompt, {m} in {field})",
-                    prompt_len + m
-                ),
-            ))
-        }
-        Some(m) => Some(m),
-        None => info.default_max_tokens.map(|d| d.min(room)),
-    };
-    if let Some(m) = max {
-        if min_tokens > m {
-            return Err(ApiError::invalid(
-                "min_tokens",
-                format!("min_tokens ({min_tokens}) must not exceed {field} ({m})"),
-            ));
-        }
-    }
-    Ok(max)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::request::fields;
     use serde_json::json;
-
-    fn info() -> EngineInfo {
-        EngineInfo {
-            model_name: "m".into(),
-            max_model_len: 100,
-            valid_vocab: 1000,
-            default_max_tokens: Some(16),
-        }
-    }
 
     #[test]
     fn sampling_fields_map_and_validate() {
@@ -189,7 +134,7 @@ mod tests {
             "logit_bias": {"12": 5, "13": -500}
         }))
         .unwrap();
-        let p = sampling(&f, Some(3), 1000).unwrap();
+        let p = sampling(&f, Some(3), "top_logprobs", 1000).unwrap();
         assert_eq!(p.temperature, 0.5);
         assert_eq!(p.top_k, 40);
         assert_eq!(p.seed, Some(7));
@@ -206,11 +151,14 @@ mod tests {
             (json!({"presence_penalty": 3}), "presence_penalty"),
         ] {
             let f: CommonFields = fields(&body).unwrap();
-            let e = sampling(&f, None, 1000).unwrap_err();
+            let e = sampling(&f, None, "top_logprobs", 1000).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(field), "{body}");
         }
-        let e = sampling(&CommonFields::default(), Some(21), 1000).unwrap_err();
+        let e = sampling(&CommonFields::default(), Some(21), "top_logprobs", 1000).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("top_logprobs"));
+        assert!(e.message.contains("20"), "{}", e.message);
+        let e = sampling(&CommonFields::default(), Some(21), "logprobs", 1000).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("logprobs"));
     }
 
     #[test]
@@ -231,39 +179,9 @@ mod tests {
     }
 
     #[test]
-    fn max_tokens_against_the_context() {
-        let i = info();
-        assert_eq!(
-            max_tokens(None, "max_tokens", "prompt", 10, 0, &i).unwrap(),
-            Some(16)
-        );
-        assert_eq!(
-            max_tokens(None, "max_tokens", "prompt", 90, 0, &i).unwrap(),
-            Some(10)
-        );
-        assert_eq!(
-            max_tokens(Some(90), "max_tokens", "prompt", 10, 0, &i).unwrap(),
-            Some(90)
-        );
-        let e = max_tokens(Some(91), "max_tokens", "prompt", 10, 0, &i).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("max_tokens"));
-        assert!(
-            e.message.contains("100") && e.message.contains("101"),
-            "{}",
-            e.message
-        );
-        let e = max_tokens(None, "max_tokens", "prompt", 100, 0, &i).unwrap_err();
-        assert!(e.message.contains("100 tokens"), "{}", e.message);
-        let e = max_tokens(Some(4), "max_tokens", "prompt", 10, 5, &i).unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("min_tokens"));
-        let open = EngineInfo {
-            default_max_tokens: None,
-            ..info()
-        };
-        assert_eq!(
-            max_tokens(None, "max_tokens", "prompt", 10, 0, &open).unwrap(),
-            None
-        );
+    fn token_counts_are_positive() {
+        assert_eq!(positive("max_tokens", None).unwrap(), None);
+        assert_eq!(positive("max_tokens", Some(3)).unwrap(), Some(3));
         assert!(positive("max_tokens", Some(0)).is_err());
     }
 }

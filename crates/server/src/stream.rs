@@ -15,20 +15,25 @@ use sanmai_engine::{EngineHandle, RequestStream};
 use serde_json::Value;
 use tokio::sync::mpsc;
 
-use crate::error::ApiError;
+use crate::error::{ApiError, SubmitFields};
 use crate::structured::Prepared;
 
-/// Submits every request, each with its own matcher of `grammar` if one is given; if one is refused,
-/// the ones already queued are aborted.
+/// Submits every request, each with its own matcher of `grammar` if one is given; if one is refused
+/// (the engine's admission: a refusal names the request field of `fields` at fault), the ones already
+/// queued are aborted.
 pub fn submit_all(
     engine: &EngineHandle,
     requests: Vec<EngineRequest>,
     grammar: Option<&Prepared>,
+    fields: SubmitFields,
 ) -> Result<Vec<RequestStream>, ApiError> {
     let mut streams = Vec::with_capacity(requests.len());
     for req in requests {
         // On error `streams` is dropped here, which aborts what was queued.
-        streams.push(engine.submit_constrained(req, grammar.map(Prepared::for_choice))?);
+        let stream = engine
+            .submit_constrained(req, grammar.map(Prepared::for_choice))
+            .map_err(|e| ApiError::submit(e, fields))?;
+        streams.push(stream);
     }
     Ok(streams)
 }

@@ -160,7 +160,9 @@ fn engine_step(
                     temperature: 1.0,
                     seed: Some(i as u64),
                     ..SamplingParams::default()
-                },
+                }
+                .validated(h.info().valid_vocab)
+                .unwrap(),
                 stop: StopParams {
                     max_tokens: Some(tokens),
                     ignore_eos: true,

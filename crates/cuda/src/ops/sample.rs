@@ -45,7 +45,8 @@ pub struct SampleBatch {
 }
 
 impl SampleBatch {
-    /// Packs `rows` for a vocabulary of `vocab` tokens.
+    /// Packs `rows` for a vocabulary of `vocab` tokens: the one place the kernels' layout is built from
+    /// the request's [`SamplingParams`](sanmai_model::sample::SamplingParams) each row borrows.
     pub fn pack(rows: &[RowSampling<'_>], vocab: usize) -> Self {
         let words = vocab.div_ceil(32);
         let mut b = SampleBatch {
@@ -56,7 +57,8 @@ impl SampleBatch {
         };
         let mut edits = Vec::new();
         for p in rows {
-            let greedy = p.is_greedy();
+            let params = p.params;
+            let greedy = params.is_greedy();
             let mask_at = b.masks.len() as u32;
             if let Some(m) = p.allowed {
                 let n = m.len().min(words);
@@ -76,13 +78,18 @@ impl SampleBatch {
             let u = p.uniform.to_bits();
             b.params.extend_from_slice(&[
                 u32::from(greedy) | (u32::from(p.allowed.is_some()) << 1),
-                if greedy { 1.0f32 } else { p.scale() }.to_bits(),
-                p.top_k_limit(vocab).unwrap_or(0) as u32,
-                p.top_p.to_bits(),
-                p.min_p.to_bits(),
-                p.repetition_penalty.to_bits(),
-                p.frequency_penalty.to_bits(),
-                p.presence_penalty.to_bits(),
+                if greedy {
+                    1.0f32
+                } else {
+                    1.0 / params.temperature
+                }
+                .to_bits(),
+                params.top_k_within(vocab).unwrap_or(0) as u32,
+                params.top_p.to_bits(),
+                params.min_p.to_bits(),
+                params.repetition_penalty.to_bits(),
+                params.frequency_penalty.to_bits(),
+                params.presence_penalty.to_bits(),
                 u as u32,
                 (u >> 32) as u32,
                 mask_at,

@@ -21,7 +21,7 @@ use half::bf16;
 /// host cut; 1e-4 covers both with margin and is still a few tokens wide.
 const U_SHIFT: f64 = 1e-4;
 use sanmai_cuda::SampleBatch;
-use sanmai_model::sample::{log_sum_exp, sample_rows, RowSampling, SeenToken};
+use sanmai_model::sample::{log_sum_exp, sample_rows, RowSampling, SamplingParams, SeenToken};
 
 use crate::bench::time;
 use crate::common::{gpu, Rng};
@@ -194,8 +194,8 @@ fn mixed_kinds() -> Vec<Kind> {
 
 /// Per-row data a [`RowSampling`] borrows.
 struct RowData {
+    params: SamplingParams,
     seen: Vec<SeenToken>,
-    bias: Vec<(u32, f32)>,
     mask: Option<Vec<u32>>,
     uniform: f64,
 }
@@ -240,25 +240,29 @@ fn row_data(rng: &mut Rng, k: &Kind, vocab: usize, row: usize) -> RowData {
             m
         }
     });
-    RowData {
-        seen,
-        bias,
-        mask,
-        uniform: rng.unit() as f64,
-    }
-}
-
-fn spec<'a>(k: &Kind, d: &'a RowData) -> RowSampling<'a> {
-    RowSampling {
+    let params = SamplingParams {
         temperature: k.temperature,
-        top_k: k.top_k,
+        top_k: k.top_k as i32,
         top_p: k.top_p,
         min_p: k.min_p,
         repetition_penalty: if k.penalties { 1.3 } else { 1.0 },
         frequency_penalty: if k.penalties { 0.5 } else { 0.0 },
         presence_penalty: if k.penalties { 0.4 } else { 0.0 },
+        logit_bias: bias,
+        ..SamplingParams::default()
+    };
+    RowData {
+        params,
+        seen,
+        mask,
+        uniform: rng.unit() as f64,
+    }
+}
+
+fn spec(d: &RowData) -> RowSampling<'_> {
+    RowSampling {
+        params: &d.params,
         seen: &d.seen,
-        logit_bias: &d.bias,
         allowed: d.mask.as_deref(),
         uniform: d.uniform,
     }
@@ -315,21 +319,20 @@ fn check_batch(
                 at_u((s.uniform - U_SHIFT).max(0.0)),
                 at_u((s.uniform + U_SHIFT).min(1.0 - 1e-12)),
             );
+            let top_p = s.params.top_p;
             let moved_p = [
-                RowSampling {
-                    top_p: s.top_p * (1.0 - U_SHIFT as f32),
-                    ..*s
-                },
-                RowSampling {
-                    top_p: (s.top_p * (1.0 + U_SHIFT as f32)).min(1.0),
-                    ..*s
-                },
-            ];
+                top_p * (1.0 - U_SHIFT as f32),
+                (top_p * (1.0 + U_SHIFT as f32)).min(1.0),
+            ]
+            .map(|top_p| SamplingParams {
+                top_p,
+                ..s.params.clone()
+            });
             assert!(
                 (lo..=hi).contains(&gs.id)
-                    || moved_p
-                        .iter()
-                        .any(|m| host_id(row, vocab, m) == Some(gs.id)),
+                    || moved_p.iter().any(|params| {
+                        host_id(row, vocab, &RowSampling { params, ..*s }) == Some(gs.id)
+                    }),
                 "{label} vocab {vocab} batch {batch} row {r}: gpu id {} vs cpu {} (u = {}; \
                  host ids {lo}..={hi} within the uniform's window)",
                 gs.id,
@@ -368,7 +371,7 @@ fn sampling_matches_cpu() {
                 let data: Vec<RowData> = (0..batch)
                     .map(|r| row_data(&mut rng, &k, vocab, r))
                     .collect();
-                let specs: Vec<RowSampling<'_>> = data.iter().map(|d| spec(&k, d)).collect();
+                let specs: Vec<RowSampling<'_>> = data.iter().map(spec).collect();
                 check_batch(g, &values, cols, vocab, &specs, k.name);
             }
         }
@@ -400,8 +403,7 @@ fn sampling_mixed_batch_matches_cpu() {
                     .enumerate()
                     .map(|(r, k)| row_data(&mut rng, k, vocab, r))
                     .collect();
-                let specs: Vec<RowSampling<'_>> =
-                    ks.iter().zip(&data).map(|(k, d)| spec(k, d)).collect();
+                let specs: Vec<RowSampling<'_>> = data.iter().map(spec).collect();
                 check_batch(g, &values, cols, vocab, &specs, &format!("mixed{shift}"));
             }
         }
@@ -417,7 +419,8 @@ fn sampling_reports_degenerate_rows() {
     let mut values = vec![0.5f32; 3 * cols];
     values[cols..cols + vocab].fill(f32::NEG_INFINITY);
     values[2 * cols + 17] = f32::INFINITY;
-    let d = RowSampling::default();
+    let params = SamplingParams::default();
+    let d = RowSampling::new(&params);
     let specs = [d, d, d];
     let dev = g
         .upload(
@@ -465,7 +468,7 @@ fn bench_sample() {
                 let data: Vec<RowData> = (0..batch)
                     .map(|r| row_data(&mut rng, &k, vocab, r))
                     .collect();
-                let specs: Vec<RowSampling<'_>> = data.iter().map(|d| spec(&k, d)).collect();
+                let specs: Vec<RowSampling<'_>> = data.iter().map(spec).collect();
                 // One call: pack and upload the parameters, the kernels, the 8-byte-a-row download.
                 let t = time(g, 3, 20, || {
                     g.sample_rows(&dev, cols, vocab, &specs).unwrap();

@@ -219,13 +219,7 @@ impl<E: Executor> Engine<E> {
     /// Applies a command; false means stop the loop.
     fn handle(&mut self, cmd: Command) -> bool {
         match cmd {
-            Command::Submit(req, tx, constraint) => {
-                let room = self.cfg.max_model_len - req.prompt.len();
-                let max_tokens = req
-                    .stop
-                    .max_tokens
-                    .or(self.cfg.default_max_tokens)
-                    .map_or(room, |m| m.min(room));
+            Command::Submit(req, max_tokens, tx, constraint) => {
                 let mut seq = Sequence::new(*req, tx, self.tokenizer.as_ref(), max_tokens);
                 if let Some(c) = constraint {
                     // The first mask is computed while the prompt is prefilled.

@@ -96,7 +96,9 @@ impl<E: Executor> Engine<E> {
             }
             to_sample[i] = Some(first_row + rows - 1);
         }
-        // The rows the executor sampled itself (with the uniforms reserved when the step was planned).
+        // The rows the executor sampled itself: those the plan gave a `ChunkSampling` (where a row is
+        // sampled was decided then, see `schedule::device_sampling`, with its uniform reserved). Every
+        // other row came back as logits and is sampled here.
         for (i, r) in to_sample.iter_mut().enumerate() {
             let Some(s) = r.and_then(|r| out.take_sampled(r)) else {
                 continue;

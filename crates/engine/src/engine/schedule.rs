@@ -63,13 +63,13 @@ impl<E: Executor> Engine<E> {
                 continue;
             };
             let mut c = self.chunk(&self.running[i], len);
-            if c.logits == LogitRows::Last && self.executor.samples_on_device() {
-                c.sampling = device_sampling(
-                    &mut self.running[i],
-                    self.cfg.valid_vocab,
-                    &self.cfg.eos_ids,
-                );
-            }
+            c.sampling = device_sampling(
+                &mut self.running[i],
+                c.logits,
+                self.executor.samples_on_device(),
+                self.cfg.valid_vocab,
+                &self.cfg.eos_ids,
+            );
             budget -= c.tokens.len();
             plan.chunks.push(c);
             planned.push(id);
@@ -106,9 +106,13 @@ impl<E: Executor> Engine<E> {
                 self.cache.record_admission(seq.tokens.len(), cached);
             }
             let mut c = self.chunk(&seq, len);
-            if c.logits == LogitRows::Last && self.executor.samples_on_device() {
-                c.sampling = device_sampling(&mut seq, self.cfg.valid_vocab, &self.cfg.eos_ids);
-            }
+            c.sampling = device_sampling(
+                &mut seq,
+                c.logits,
+                self.executor.samples_on_device(),
+                self.cfg.valid_vocab,
+                &self.cfg.eos_ids,
+            );
             budget -= c.tokens.len();
             plan.chunks.push(c);
             self.running.push(seq);
@@ -172,17 +176,22 @@ impl<E: Executor> Engine<E> {
     }
 }
 
-/// How `seq`'s next token can be drawn by the executor, or `None` when it must be sampled on the host:
-/// top-N logprobs asked for, parameters the host sampler will reject, or a grammar whose mask is not
-/// in hand yet (or failed). Reserves the draw's uniform from the sequence's stream, so the token is the
-/// same whichever side samples it.
+/// Where `seq`'s next token is drawn, the one decision per row and step between the executor's
+/// sampling op and the host sampler: the executor draws it (`Some`, what it needs to) when it samples
+/// on its device (`on_device`), the chunk ends on the row to sample (`logits` is
+/// [`LogitRows::Last`]: a prompt-logprob chunk returns every row's logits, a mid-prefill chunk none),
+/// no top-N log-probabilities are asked for (the op returns only the token and its log-probability),
+/// and a grammar's mask is in hand (a late or failed one is the host's to wait for or report). Else
+/// `None`: the step returns the row's logits and the host samples them. Reserves the draw's uniform
+/// from the sequence's stream, so the token is the same whichever side samples it.
 pub(super) fn device_sampling(
     seq: &mut Sequence,
+    logits: LogitRows,
+    on_device: bool,
     valid_vocab: usize,
     eos: &[u32],
 ) -> Option<ChunkSampling> {
-    let p = &seq.req.sampling;
-    if p.logprobs.unwrap_or(0) > 0 || p.validate(valid_vocab).is_err() {
+    if !on_device || logits != LogitRows::Last || seq.req.sampling.logprobs.unwrap_or(0) > 0 {
         return None;
     }
     let words = valid_vocab.div_ceil(32);
@@ -211,27 +220,20 @@ pub(super) fn device_sampling(
             }
         }
     }
-    let p = &seq.req.sampling;
+    let params = seq.req.sampling.clone();
     Some(ChunkSampling {
         valid_vocab,
-        temperature: p.temperature,
-        top_k: p.top_k_limit().unwrap_or(0),
-        top_p: p.top_p,
-        min_p: p.min_p,
-        repetition_penalty: p.repetition_penalty,
-        frequency_penalty: p.frequency_penalty,
-        presence_penalty: p.presence_penalty,
-        seen: if p.uses_penalties() {
+        seen: if params.uses_penalties() {
             seq.sampler.counts().seen().to_vec()
         } else {
             Vec::new()
         },
-        logit_bias: p.logit_bias.clone(),
         allowed,
-        uniform: if p.is_greedy() {
+        uniform: if params.is_greedy() {
             0.0
         } else {
             seq.sampler.reserve_uniform()
         },
+        params,
     })
 }

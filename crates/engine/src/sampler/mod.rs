@@ -2,13 +2,14 @@
 //!
 //! The math (mask, raw logprobs, penalties and bias, temperature, top-k → top-p → min-p, the draw) lives
 //! in [`sanmai_model::sample`], shared with the backends' sampling op so that host and device pick the
-//! same tokens; this module holds what a request owns around it: parameters and their validation, the
-//! random stream ([`Rng`], one uniform per draw), the token counts penalties read ([`TokenCounts`]),
-//! the batch entry point ([`Sampler`]) and prompt log-probabilities ([`RowLogprobs`]).
+//! same tokens, and so does the parameter type ([`SamplingParams`], re-exported here; a request carries
+//! it as [`ValidatedParams`], checked once when it is built, so the sampler never checks it again).
+//! This module holds what a request owns around it: the random stream ([`Rng`], one uniform per draw),
+//! the token counts penalties read ([`TokenCounts`]), the batch entry point ([`Sampler`]) and prompt
+//! log-probabilities ([`RowLogprobs`]).
 
 mod batch;
 pub mod logprobs;
-mod params;
 pub mod penalties;
 mod rng;
 
@@ -18,16 +19,15 @@ use sanmai_model::sample::{RowError, RowSampling};
 
 pub use batch::{SampleRequest, Sampler};
 pub use logprobs::{token_logprob, RowLogprobs};
-pub use params::{ParamError, SamplingParams, GREEDY_TEMPERATURE, MAX_LOGPROBS};
 pub use penalties::TokenCounts;
 pub use rng::{Rng, SplitMix64};
-pub use sanmai_model::sample::Scratch;
+pub use sanmai_model::sample::{
+    ParamError, SamplingParams, Scratch, ValidatedParams, GREEDY_TEMPERATURE, MAX_LOGPROBS,
+};
 
 /// Why a row could not be sampled.
 #[derive(Debug, Clone, PartialEq, Error)]
 pub enum SampleError {
-    #[error(transparent)]
-    Params(#[from] ParamError),
     #[error("valid vocabulary of {valid_vocab} ids does not fit a logits row of {row_len}")]
     Vocab { valid_vocab: usize, row_len: usize },
     #[error("token id {token} is outside the vocabulary of {valid_vocab} tokens")]
@@ -157,15 +157,8 @@ pub fn row_sampling<'a>(
     uniform: f64,
 ) -> RowSampling<'a> {
     RowSampling {
-        temperature: params.temperature,
-        top_k: params.top_k_limit().unwrap_or(0),
-        top_p: params.top_p,
-        min_p: params.min_p,
-        repetition_penalty: params.repetition_penalty,
-        frequency_penalty: params.frequency_penalty,
-        presence_penalty: params.presence_penalty,
+        params,
         seen: counts.seen(),
-        logit_bias: &params.logit_bias,
         allowed,
         uniform,
     }
@@ -173,9 +166,10 @@ pub fn row_sampling<'a>(
 
 /// Samples one token from one row of logits (`logits.len()` is the lm_head width, of which the first
 /// `valid_vocab` are real tokens). `allowed` is an optional allowed-token bitmask (see
-/// [`penalties::apply_allowed_mask`]). The row is clobbered; `state`'s counts are not updated (call
-/// [`SamplerState::accept`] once the token is accepted). A drawing request takes one uniform from its
-/// stream (or the one [`SamplerState::reserve_uniform`] set aside); greedy takes none.
+/// [`penalties::apply_allowed_mask`]). `params` are a request's, validated when it was built (see
+/// [`ValidatedParams`]); they are not checked here. The row is clobbered; `state`'s counts are not
+/// updated (call [`SamplerState::accept`] once the token is accepted). A drawing request takes one
+/// uniform from its stream (or the one [`SamplerState::reserve_uniform`] set aside); greedy takes none.
 pub fn sample_row(
     logits: &mut [f32],
     valid_vocab: usize,
@@ -184,7 +178,6 @@ pub fn sample_row(
     allowed: Option<&[u32]>,
     scratch: &mut Scratch,
 ) -> Result<Sampled, SampleError> {
-    params.validate(valid_vocab)?;
     check_vocab(logits.len(), valid_vocab)?;
     let uniform = if params.is_greedy() {
         0.0

@@ -11,11 +11,9 @@
 
 use std::collections::HashMap;
 
-use sanmai_model::sample::{Edit, RowSampling, SeenToken};
+use sanmai_model::sample::{Edit, SamplingParams, SeenToken};
 
 pub use sanmai_model::sample::apply_allowed_mask;
-
-use super::params::SamplingParams;
 
 /// Which tokens a sequence has seen: membership of the prompt, and occurrence counts in the output.
 #[derive(Debug, Clone, Default)]
@@ -90,17 +88,6 @@ impl TokenCounts {
     }
 }
 
-/// The sampling math's view of `params`' penalties over `counts` (the rest at its defaults).
-fn penalty_spec<'a>(params: &'a SamplingParams, counts: &'a TokenCounts) -> RowSampling<'a> {
-    RowSampling {
-        repetition_penalty: params.repetition_penalty,
-        frequency_penalty: params.frequency_penalty,
-        presence_penalty: params.presence_penalty,
-        seen: counts.seen(),
-        ..RowSampling::default()
-    }
-}
-
 fn edit(logits: &mut [f32], id: u32, value: f32, edits: &mut Vec<(u32, f32)>) {
     let slot = &mut logits[id as usize];
     edits.push((id, *slot));
@@ -119,7 +106,6 @@ pub fn apply_penalties(
     if !params.uses_penalties() {
         return false;
     }
-    let spec = penalty_spec(params, counts);
     let before = edits.len();
     for t in counts.seen() {
         let Some(&z) = logits.get(t.id as usize) else {
@@ -131,7 +117,7 @@ pub fn apply_penalties(
             output: t.output,
             bias: None,
         };
-        let v = e.apply(z, &spec);
+        let v = e.apply(z, params);
         if v.to_bits() != z.to_bits() {
             edit(logits, t.id, v, edits);
         }
@@ -146,7 +132,7 @@ pub fn apply_logit_bias(
     edits: &mut Vec<(u32, f32)>,
 ) -> bool {
     let before = edits.len();
-    let spec = RowSampling::default();
+    let unpenalised = SamplingParams::default();
     for &(id, b) in bias {
         if let Some(&z) = logits.get(id as usize) {
             let e = Edit {
@@ -155,7 +141,7 @@ pub fn apply_logit_bias(
                 output: 0,
                 bias: Some(b),
             };
-            edit(logits, id, e.apply(z, &spec), edits);
+            edit(logits, id, e.apply(z, &unpenalised), edits);
         }
     }
     edits.len() > before

@@ -1,6 +1,7 @@
 //! Token sampling math, one row of logits per sequence: the one host implementation, used by the
 //! engine's sampler and by [`crate::Backend::sample`]'s default (a device kernel mirrors it stage for
-//! stage, see `kernels/sample.cu`).
+//! stage, see `kernels/sample.cu`), and the one parameter type every layer reads ([`SamplingParams`],
+//! checked once into [`ValidatedParams`]; a row's [`RowSampling`] borrows it).
 //!
 //! One row runs these stages in order:
 //!
@@ -24,12 +25,14 @@
 mod filter;
 mod logprobs;
 mod math;
+mod params;
 
 use std::fmt;
 
 use filter::{Candidate, Scaled, Truncation};
 
 pub use logprobs::top_n;
+pub use params::{ParamError, SamplingParams, ValidatedParams, MAX_LOGPROBS};
 
 /// Temperatures below this are greedy (the same cut-off vLLM uses).
 pub const GREEDY_TEMPERATURE: f32 = 1e-5;
@@ -43,72 +46,29 @@ pub struct SeenToken {
     pub output: u32,
 }
 
-/// Everything one row's draw depends on besides its logits.
+/// Everything one row's draw depends on besides its logits: the request's parameters (borrowed, never
+/// copied), what the sequence has seen, the mask and the draw's uniform.
 #[derive(Debug, Clone, Copy)]
 pub struct RowSampling<'a> {
-    /// Below [`GREEDY_TEMPERATURE`]: the argmax.
-    pub temperature: f32,
-    /// Keep the `top_k` most likely tokens; 0 is off.
-    pub top_k: usize,
-    /// Nucleus mass in `(0, 1]`; 1 is off.
-    pub top_p: f32,
-    /// Relative probability floor in `[0, 1]`; 0 is off.
-    pub min_p: f32,
-    /// Divides positive (multiplies other) logits of every token of `seen`; 1 is off.
-    pub repetition_penalty: f32,
-    /// Subtracted per output occurrence.
-    pub frequency_penalty: f32,
-    /// Subtracted once for tokens of the output.
-    pub presence_penalty: f32,
+    /// Temperature, filters, penalties and biases (the `logprobs` and `seed` fields are not read here).
+    pub params: &'a SamplingParams,
     /// Distinct tokens of prompt and output (read only when a penalty is active).
     pub seen: &'a [SeenToken],
-    /// Additive biases `(token, bias)`, applied after the penalties (several for one id add up).
-    pub logit_bias: &'a [(u32, f32)],
     /// Allowed-token bitmask, token `i` at bit `i % 32` of word `i / 32`; missing words disallow.
     pub allowed: Option<&'a [u32]>,
     /// The draw's uniform in `[0, 1)`, from the request's own random stream (unused when greedy).
     pub uniform: f64,
 }
 
-impl Default for RowSampling<'_> {
-    fn default() -> Self {
+impl<'a> RowSampling<'a> {
+    /// A row drawn with `params`, nothing seen, no mask, uniform 0.
+    pub fn new(params: &'a SamplingParams) -> Self {
         Self {
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
+            params,
             seen: &[],
-            logit_bias: &[],
             allowed: None,
             uniform: 0.0,
         }
-    }
-}
-
-impl RowSampling<'_> {
-    /// Whether the row takes the argmax instead of drawing.
-    pub fn is_greedy(&self) -> bool {
-        self.temperature < GREEDY_TEMPERATURE
-    }
-
-    /// Whether any of the repetition / frequency / presence penalties is active.
-    pub fn uses_penalties(&self) -> bool {
-        self.repetition_penalty != 1.0
-            || self.frequency_penalty != 0.0
-            || self.presence_penalty != 0.0
-    }
-
-    /// `1 / temperature`, the factor the weights' exponent is scaled by.
-    pub fn scale(&self) -> f32 {
-        1.0 / self.temperature
-    }
-
-    /// The top-k limit that filters anything in a vocabulary of `valid_vocab` tokens.
-    pub fn top_k_limit(&self, valid_vocab: usize) -> Option<usize> {
-        (self.top_k > 0 && self.top_k < valid_vocab).then_some(self.top_k)
     }
 }
 
@@ -172,7 +132,7 @@ impl Edit {
     /// `freq · output + pres` (tokens of the output), plus the bias. Every operation is one f32
     /// rounding in this order (the device kernel performs the same ones).
     #[inline]
-    pub fn apply(&self, z: f32, p: &RowSampling<'_>) -> f32 {
+    pub fn apply(&self, z: f32, p: &SamplingParams) -> f32 {
         let mut v = z;
         if self.penalized {
             let rep = p.repetition_penalty;
@@ -195,7 +155,7 @@ impl Edit {
 /// applies them in any order, distinct ids being independent).
 pub fn collect_edits(p: &RowSampling<'_>, valid_vocab: usize, sorted: bool, out: &mut Vec<Edit>) {
     out.clear();
-    if p.uses_penalties() {
+    if p.params.uses_penalties() {
         out.extend(
             p.seen
                 .iter()
@@ -210,7 +170,8 @@ pub fn collect_edits(p: &RowSampling<'_>, valid_vocab: usize, sorted: bool, out:
     }
     let seen = out.len();
     out.extend(
-        p.logit_bias
+        p.params
+            .logit_bias
             .iter()
             .filter(|b| (b.0 as usize) < valid_vocab)
             .map(|&(id, b)| Edit {
@@ -315,13 +276,14 @@ pub fn sample_row(
     if raw_max == f32::NEG_INFINITY {
         return Err(RowError::NoCandidates);
     }
-    let greedy = p.is_greedy();
+    let params = p.params;
+    let greedy = params.is_greedy();
     let t = Truncation {
-        top_k: p.top_k_limit(valid_vocab),
-        top_p: p.top_p,
-        min_p: p.min_p,
+        top_k: params.top_k_within(valid_vocab),
+        top_p: params.top_p,
+        min_p: params.min_p,
     };
-    let scale = p.scale();
+    let scale = 1.0 / params.temperature;
     let want_levels = !greedy && t.uses_levels();
     // At temperature 1 the raw weights are the sampling weights (unless edits change them below).
     let raw_levels = (want_levels && scale == 1.0).then_some(&mut scratch.levels);
@@ -341,7 +303,7 @@ pub fn sample_row(
     scratch.originals.clear();
     for e in &scratch.edits {
         let z = &mut row[e.id as usize];
-        let v = e.apply(*z, p);
+        let v = e.apply(*z, params);
         if v.to_bits() != z.to_bits() {
             scratch.originals.push((e.id, *z));
             *z = v;
@@ -470,13 +432,15 @@ mod tests {
             SeenToken { id: 9, output: 2 },
             SeenToken { id: 3, output: 0 },
         ];
-        let bias = [(9u32, 1.0f32), (4, -1.0), (9, 0.5), (100, 3.0)];
-        let p = RowSampling {
+        let params = SamplingParams {
             repetition_penalty: 2.0,
             frequency_penalty: 0.5,
+            logit_bias: vec![(9, 1.0), (4, -1.0), (9, 0.5), (100, 3.0)],
+            ..SamplingParams::default()
+        };
+        let p = RowSampling {
             seen: &seen,
-            logit_bias: &bias,
-            ..RowSampling::default()
+            ..RowSampling::new(&params)
         };
         let mut edits = Vec::new();
         collect_edits(&p, 50, true, &mut edits);
@@ -485,18 +449,19 @@ mod tests {
         assert_eq!(edits[2].bias, Some(1.5));
         assert!(edits[2].penalized && edits[2].output == 2);
         // 4 / 2 - 0.5 · 2 + 1.5.
-        assert_eq!(edits[2].apply(4.0, &p), 2.5);
-        assert_eq!(edits[0].apply(-1.0, &p), -2.0);
+        assert_eq!(edits[2].apply(4.0, &params), 2.5);
+        assert_eq!(edits[0].apply(-1.0, &params), -2.0);
     }
 
     #[test]
     fn a_mask_makes_the_reported_distribution_the_constrained_one() {
         let mut logits = vec![0.0f32; 64];
         let mask = [0b11u32, 0];
+        let params = SamplingParams::default();
         let p = RowSampling {
             allowed: Some(&mask),
             uniform: 0.7,
-            ..RowSampling::default()
+            ..RowSampling::new(&params)
         };
         let (s, top) = sample_row(&mut logits, &p, 3, &mut Scratch::new()).unwrap();
         assert_eq!(s.id, 1);
@@ -512,6 +477,10 @@ mod tests {
         // lower id of the tie), of mass 1.75: in id order 0 [0, .5), 1 [.5, .75), 3 [.75, 1.75).
         let ln2 = std::f32::consts::LN_2;
         let row = [-ln2, -2.0 * ln2, -2.0 * ln2, 0.0];
+        let params = SamplingParams {
+            top_k: 3,
+            ..SamplingParams::default()
+        };
         for (u, want) in [
             (0.0, 0),
             (0.28, 0),
@@ -521,9 +490,8 @@ mod tests {
             (0.99, 3),
         ] {
             let p = RowSampling {
-                top_k: 3,
                 uniform: u,
-                ..RowSampling::default()
+                ..RowSampling::new(&params)
             };
             let mut r = row;
             let (s, _) = sample_row(&mut r, &p, 0, &mut Scratch::new()).unwrap();

@@ -1,14 +1,20 @@
-//! Per-request sampling parameters and their validation.
+//! Per-request sampling parameters, their validation, and [`ValidatedParams`], the only form a request
+//! carries into the engine.
 //!
-//! The field meanings follow the OpenAI / vLLM request fields of the same names. `validate` reports the
-//! first out-of-range field as a typed error so the server can answer with a 400 naming the parameter.
+//! The field meanings follow the OpenAI / vLLM request fields of the same names. [`SamplingParams::validate`]
+//! reports the first out-of-range field as a typed error so the server can answer with a 400 naming the
+//! parameter; [`SamplingParams::validated`] is the one way to a [`ValidatedParams`], so nothing past
+//! admission checks them again.
+
+use std::ops::Deref;
+use std::sync::Arc;
 
 use thiserror::Error;
 
+use super::GREEDY_TEMPERATURE;
+
 /// The most top-N alternatives a request may ask for (OpenAI's `top_logprobs` limit).
 pub const MAX_LOGPROBS: usize = 20;
-
-pub use sanmai_model::sample::GREEDY_TEMPERATURE;
 
 /// How to pick the next token of one sequence.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,7 +35,8 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Divides positive (multiplies negative) logits of tokens seen in prompt or output; `1` is off.
     pub repetition_penalty: f32,
-    /// Additive biases `(token id, bias)` applied to the logits.
+    /// Additive biases `(token id, bias)` applied to the logits after the penalties (several for one id
+    /// add up).
     pub logit_bias: Vec<(u32, f32)>,
     /// Number of most likely alternatives to report with each sampled token (`None`: none).
     pub logprobs: Option<usize>,
@@ -69,6 +76,12 @@ impl SamplingParams {
     /// The top-k limit, `None` when top-k is off.
     pub fn top_k_limit(&self) -> Option<usize> {
         (self.top_k > 0).then_some(self.top_k as usize)
+    }
+
+    /// The top-k limit that filters anything in a vocabulary of `valid_vocab` tokens (`None` when off
+    /// or not below the vocabulary).
+    pub fn top_k_within(&self, valid_vocab: usize) -> Option<usize> {
+        self.top_k_limit().filter(|&k| k < valid_vocab)
     }
 
     /// Whether any of the repetition / frequency / presence penalties is active.
@@ -118,6 +131,35 @@ impl SamplingParams {
         }
         Ok(())
     }
+
+    /// These parameters, checked by [`SamplingParams::validate`] against a vocabulary of `vocab_size`
+    /// tokens: the form a request carries.
+    pub fn validated(self, vocab_size: usize) -> Result<ValidatedParams, ParamError> {
+        self.validate(vocab_size)?;
+        Ok(ValidatedParams(Arc::new(self)))
+    }
+}
+
+/// [`SamplingParams`] that passed [`SamplingParams::validate`] (made only by
+/// [`SamplingParams::validated`]); read through `Deref`, cloned by sharing.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidatedParams(Arc<SamplingParams>);
+
+impl ValidatedParams {
+    /// The same parameters with another `seed` (no seed is out of range).
+    pub fn with_seed(&self, seed: Option<u64>) -> Self {
+        let mut p = (*self.0).clone();
+        p.seed = seed;
+        Self(Arc::new(p))
+    }
+}
+
+impl Deref for ValidatedParams {
+    type Target = SamplingParams;
+
+    fn deref(&self) -> &SamplingParams {
+        &self.0
+    }
 }
 
 /// An out-of-range sampling parameter; [`ParamError::field`] names the request field.
@@ -137,7 +179,7 @@ pub enum ParamError {
     FrequencyPenalty(f32),
     #[error("repetition_penalty must be a finite number > 0, got {0}")]
     RepetitionPenalty(f32),
-    #[error("logprobs must be at most {MAX_LOGPROBS}, got {0}")]
+    #[error("at most {MAX_LOGPROBS} log-probability alternatives may be asked for, got {0}")]
     Logprobs(usize),
     #[error("logit_bias token id {token} is outside the vocabulary of {vocab_size} tokens")]
     LogitBiasToken { token: u32, vocab_size: usize },

@@ -1,5 +1,5 @@
-//! Streaming a tool-call parser over pieces of a response, and the check that every split of a
-//! text gives the events of the whole.
+//! Streaming a tool-call parser over pieces of a response, the check that every split of a text
+//! gives the events of the whole, and the check that a malformed call is content.
 
 use sanmai_tokenizer::parsers::{ParsedOutput, ToolCallIds, ToolEvent, ToolFormat};
 use serde_json::Value;
@@ -64,4 +64,19 @@ pub fn check_every_split(
     let pieces: Vec<&str> = chars.iter().map(String::as_str).collect();
     let events = stream_with(format, tools, seed, &pieces, each_feed);
     assert_eq!(coalesce(events), whole, "char by char: {text:?}");
+}
+
+/// `text` (a malformed call) parses to no call and itself as content, and [`check_every_split`]
+/// holds for it.
+pub fn check_is_content(
+    format: ToolFormat,
+    tools: &[Value],
+    seed: u64,
+    text: &str,
+    each_feed: impl FnMut(&[ToolEvent]),
+) {
+    let out = format.parse_complete_with_ids(text, tools, ToolCallIds::seeded(seed));
+    assert!(out.tool_calls.is_empty(), "{text:?} gave {out:?}");
+    assert_eq!(out.content.as_deref(), Some(text));
+    check_every_split(format, tools, seed, text, each_feed);
 }

@@ -97,6 +97,11 @@ __device__ __forceinline__ RowSpan gemv_tile_span(const GemvSeg& s, long long ro
 
 __device__ __forceinline__ float bf2f(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ bf16 f2bf(float x) { return __float2bfloat16_rn(x); }
+// Two f32 as bf16 (each rounded once) in one word, lo in the low half.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    const bf16 l = f2bf(lo), h = f2bf(hi);
+    return (u32)__bfloat16_as_ushort(l) | ((u32)__bfloat16_as_ushort(h) << 16);
+}
 
 // Eight bf16 values packed in a 16-byte vector, widened to f32.
 __device__ __forceinline__ void unpack8(const uint4 v, float out[8]) {
@@ -121,41 +126,42 @@ __device__ __forceinline__ void warp_inclusive_scan2(u32& a, u32& b) {
     }
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
+// Warp and block reductions of any value the shuffles carry (float, double, u32) under a combine Op
+// (SumOp, MaxOp). block_reduce: blockDim.x a multiple of 32, at most 1024; every thread gets the result;
+// `scratch` is 32 values of shared memory, `idle` the value of the lanes past the block's warps; the call
+// ends with a barrier, so the scratch can be reused.
+struct SumOp {
+    template <typename T>
+    __device__ __forceinline__ static T apply(T a, T b) { return a + b; }
+};
+struct MaxOp {
+    __device__ __forceinline__ static float apply(float a, float b) { return fmaxf(a, b); }
+};
+
+template <typename Op, typename T>
+__device__ __forceinline__ T warp_reduce(T v) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1) v = Op::apply(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
-
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
-// `scratch` is 32 floats of shared memory; the call ends with a barrier, so it can be reused.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+template <typename Op, typename T>
+__device__ __forceinline__ T block_reduce(T v, T* scratch, T idle) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = warp_reduce<Op>(v);
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    float t = lane < nwarps ? scratch[lane] : 0.0f;
-    t = warp_sum(t);
+    T t = lane < nwarps ? scratch[lane] : idle;
+    t = warp_reduce<Op>(t);
     __syncthreads();
     return t;
 }
 
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    float t = lane < nwarps ? scratch[lane] : NEG_INF;
-    t = warp_max(t);
-    __syncthreads();
-    return t;
-}
+__device__ __forceinline__ float warp_sum(float v) { return warp_reduce<SumOp>(v); }
+__device__ __forceinline__ float warp_max(float v) { return warp_reduce<MaxOp>(v); }
+// Sum and max over the block (see block_reduce); `scratch` is 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce<SumOp>(v, scratch, 0.0f); }
+__device__ __forceinline__ float block_max(float v, float* scratch) { return block_reduce<MaxOp>(v, scratch, NEG_INF); }
 
 // x · sigmoid(x) as torch computes it: x / (1 + exp(-x)).
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }

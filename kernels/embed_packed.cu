@@ -30,15 +30,7 @@ __device__ __forceinline__ void embed_q_impl(const u32* __restrict__ W, const fl
             const int j0 = u * 32 + c * 8;
             if (j0 >= k) break;
             u32 o[4] = {0u, 0u, 0u, 0u};
-            if (id < vocab) {
-                const float sc = __ldg(srow + j0 / group);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const bf16 lo = f2bf(qval<BITS>(U::code(w, c * 8 + 2 * e)) * sc);
-                    const bf16 hi = f2bf(qval<BITS>(U::code(w, c * 8 + 2 * e + 1)) * sc);
-                    o[e] = (u32)__bfloat16_as_ushort(lo) | ((u32)__bfloat16_as_ushort(hi) << 16);
-                }
-            }
+            if (id < vocab) dequant8_bf16<BITS, U>(w, c, __ldg(srow + j0 / group), o);
             *(uint4*)(dst + j0) = make_uint4(o[0], o[1], o[2], o[3]);
         }
     }

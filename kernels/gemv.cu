@@ -123,99 +123,39 @@ __device__ __forceinline__ void gemv_tc_impl(const bf16* __restrict__ W, const b
 // Entry points. Each runs the segment table t (common.cuh): a block finds its segment and runs the body
 // on that weight, output and n with its index inside the segment; a single GEMV is a one-segment table.
 // The first statement asks L2 for the block's weight rows before the PDL wait.
-//
+
+// The row-slot (gemv_impl) and tensor-core (gemv_tc_impl) GEMVs on this block's segment of t.
+template <int M, typename OUT>
+__device__ __forceinline__ void gemv_segs(const GemvSegs& t, const bf16* X, int k) {
+    const GemvSeg s = gemv_seg(t);
+    gemv_impl<M, OUT>((const bf16*)s.w, X, (OUT*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
+}
+template <typename OUT>
+__device__ __forceinline__ void gemv_tc_segs(const GemvSegs& t, const bf16* X, int k, int m) {
+    const GemvSeg s = gemv_seg(t);
+    gemv_tc_impl<OUT>((const bf16*)s.w, X, (OUT*)s.y, s.n, k, m, gemv_seg_block(s));
+}
+
 // Tensor cores: Y: [m, n] per segment; 256 threads, ceil(n / 16) blocks a segment, 2 ≤ m ≤ 8, k % 32 == 0.
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc(const GemvSegs t, const bf16* X, int k, int m) {
-    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_tc_impl<bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, m, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc_f32(const GemvSegs t, const bf16* X, int k, int m) {
-    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_tc_impl<float>((const bf16*)s.w, X, (float*)s.y, s.n, k, m, gemv_seg_block(s));
-}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc(const GemvSegs t, const bf16* X, int k, int m) { pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 2LL * k)); gemv_tc_segs<bf16>(t, X, k, m); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_bf16_tc_f32(const GemvSegs t, const bf16* X, int k, int m) { pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 2LL * k)); gemv_tc_segs<float>(t, X, k, m); }
 
 // Row slots: Y: [M, n] per segment, bf16. 256 threads; per segment rps ∈ 1..GEMV_ROWS rows a slot, slots
 // of 2^tpr_log2 ≤ 256 threads, ceil(n / (rps · 256 / 2^tpr_log2)) blocks.
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m1(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<1, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m2(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<2, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m3(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<3, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m4(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<4, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m5(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<5, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m6(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<6, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m7(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<7, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m8(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<8, bf16>((const bf16*)s.w, X, (bf16*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m1(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<1, bf16>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m2(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<2, bf16>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m3(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<3, bf16>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m4(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<4, bf16>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m5(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<5, bf16>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m6(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<6, bf16>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m7(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<7, bf16>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_m8(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<8, bf16>(t, X, k); }
 // Y f32 (logits, router scores); same launch as above.
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m1(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<1, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m2(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<2, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m3(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<3, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m4(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<4, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m5(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<5, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m6(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<6, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m7(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<7, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m8(const GemvSegs t, const bf16* X, int k) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k));
-    const GemvSeg s = gemv_seg(t);
-    gemv_impl<8, float>((const bf16*)s.w, X, (float*)s.y, s.n, k, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m1(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<1, float>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m2(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<2, float>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m3(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<3, float>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m4(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<4, float>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m5(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<5, float>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m6(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<6, float>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m7(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<7, float>(t, X, k); }
+extern "C" __global__ void __launch_bounds__(256) gemv_bf16_f32_m8(const GemvSegs t, const bf16* X, int k) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 2LL * k)); gemv_segs<8, float>(t, X, k); }

@@ -143,38 +143,14 @@ __device__ __forceinline__ void hc_up_gate_mix_impl(const u32* __restrict__ up, 
 #define HC_DOWN_PREFETCH inject + (size_t)blockIdx.x * h, 2LL * h
 #define HC_DOWN_CALL down, down_scales, inject, x, y, s, h, rank
 
-extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m1(HC_DOWN_ARGS) {
-    pdl_prologue_prefetch(HC_DOWN_PREFETCH);
-    hc_down_inject_silu_impl<1>(HC_DOWN_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m2(HC_DOWN_ARGS) {
-    pdl_prologue_prefetch(HC_DOWN_PREFETCH);
-    hc_down_inject_silu_impl<2>(HC_DOWN_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m3(HC_DOWN_ARGS) {
-    pdl_prologue_prefetch(HC_DOWN_PREFETCH);
-    hc_down_inject_silu_impl<3>(HC_DOWN_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m4(HC_DOWN_ARGS) {
-    pdl_prologue_prefetch(HC_DOWN_PREFETCH);
-    hc_down_inject_silu_impl<4>(HC_DOWN_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m5(HC_DOWN_ARGS) {
-    pdl_prologue_prefetch(HC_DOWN_PREFETCH);
-    hc_down_inject_silu_impl<5>(HC_DOWN_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m6(HC_DOWN_ARGS) {
-    pdl_prologue_prefetch(HC_DOWN_PREFETCH);
-    hc_down_inject_silu_impl<6>(HC_DOWN_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m7(HC_DOWN_ARGS) {
-    pdl_prologue_prefetch(HC_DOWN_PREFETCH);
-    hc_down_inject_silu_impl<7>(HC_DOWN_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m8(HC_DOWN_ARGS) {
-    pdl_prologue_prefetch(HC_DOWN_PREFETCH);
-    hc_down_inject_silu_impl<8>(HC_DOWN_CALL);
-}
+extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m1(HC_DOWN_ARGS) { pdl_prologue_prefetch(HC_DOWN_PREFETCH); hc_down_inject_silu_impl<1>(HC_DOWN_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m2(HC_DOWN_ARGS) { pdl_prologue_prefetch(HC_DOWN_PREFETCH); hc_down_inject_silu_impl<2>(HC_DOWN_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m3(HC_DOWN_ARGS) { pdl_prologue_prefetch(HC_DOWN_PREFETCH); hc_down_inject_silu_impl<3>(HC_DOWN_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m4(HC_DOWN_ARGS) { pdl_prologue_prefetch(HC_DOWN_PREFETCH); hc_down_inject_silu_impl<4>(HC_DOWN_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m5(HC_DOWN_ARGS) { pdl_prologue_prefetch(HC_DOWN_PREFETCH); hc_down_inject_silu_impl<5>(HC_DOWN_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m6(HC_DOWN_ARGS) { pdl_prologue_prefetch(HC_DOWN_PREFETCH); hc_down_inject_silu_impl<6>(HC_DOWN_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m7(HC_DOWN_ARGS) { pdl_prologue_prefetch(HC_DOWN_PREFETCH); hc_down_inject_silu_impl<7>(HC_DOWN_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m8(HC_DOWN_ARGS) { pdl_prologue_prefetch(HC_DOWN_PREFETCH); hc_down_inject_silu_impl<8>(HC_DOWN_CALL); }
 
 #define HC_UP_ARGS \
     const u32 *up, const float *up_scales, const bf16 *s, const bf16 *y, bf16 *streams, int n, int h, int rank
@@ -184,35 +160,11 @@ extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_sil
         (long long)min(HC_UP_ROWS, n - (int)blockIdx.x * HC_UP_ROWS) * rank
 #define HC_UP_CALL up, up_scales, s, y, streams, n, h, rank
 
-extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m1(HC_UP_ARGS) {
-    pdl_prologue_prefetch(HC_UP_PREFETCH);
-    hc_up_gate_mix_impl<1>(HC_UP_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m2(HC_UP_ARGS) {
-    pdl_prologue_prefetch(HC_UP_PREFETCH);
-    hc_up_gate_mix_impl<2>(HC_UP_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m3(HC_UP_ARGS) {
-    pdl_prologue_prefetch(HC_UP_PREFETCH);
-    hc_up_gate_mix_impl<3>(HC_UP_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m4(HC_UP_ARGS) {
-    pdl_prologue_prefetch(HC_UP_PREFETCH);
-    hc_up_gate_mix_impl<4>(HC_UP_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m5(HC_UP_ARGS) {
-    pdl_prologue_prefetch(HC_UP_PREFETCH);
-    hc_up_gate_mix_impl<5>(HC_UP_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m6(HC_UP_ARGS) {
-    pdl_prologue_prefetch(HC_UP_PREFETCH);
-    hc_up_gate_mix_impl<6>(HC_UP_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m7(HC_UP_ARGS) {
-    pdl_prologue_prefetch(HC_UP_PREFETCH);
-    hc_up_gate_mix_impl<7>(HC_UP_CALL);
-}
-extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m8(HC_UP_ARGS) {
-    pdl_prologue_prefetch(HC_UP_PREFETCH);
-    hc_up_gate_mix_impl<8>(HC_UP_CALL);
-}
+extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m1(HC_UP_ARGS) { pdl_prologue_prefetch(HC_UP_PREFETCH); hc_up_gate_mix_impl<1>(HC_UP_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m2(HC_UP_ARGS) { pdl_prologue_prefetch(HC_UP_PREFETCH); hc_up_gate_mix_impl<2>(HC_UP_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m3(HC_UP_ARGS) { pdl_prologue_prefetch(HC_UP_PREFETCH); hc_up_gate_mix_impl<3>(HC_UP_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m4(HC_UP_ARGS) { pdl_prologue_prefetch(HC_UP_PREFETCH); hc_up_gate_mix_impl<4>(HC_UP_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m5(HC_UP_ARGS) { pdl_prologue_prefetch(HC_UP_PREFETCH); hc_up_gate_mix_impl<5>(HC_UP_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m6(HC_UP_ARGS) { pdl_prologue_prefetch(HC_UP_PREFETCH); hc_up_gate_mix_impl<6>(HC_UP_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m7(HC_UP_ARGS) { pdl_prologue_prefetch(HC_UP_PREFETCH); hc_up_gate_mix_impl<7>(HC_UP_CALL); }
+extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m8(HC_UP_ARGS) { pdl_prologue_prefetch(HC_UP_PREFETCH); hc_up_gate_mix_impl<8>(HC_UP_CALL); }

@@ -383,11 +383,8 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
                 unpack8(__ldg(gu + per + u), uf);
                 u32 o[4];
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const u32 lo = __bfloat16_as_ushort(f2bf(silu_f(gf[2 * i]) * uf[2 * i]));
-                    const u32 hi = __bfloat16_as_ushort(f2bf(silu_f(gf[2 * i + 1]) * uf[2 * i + 1]));
-                    o[i] = lo | (hi << 16);
-                }
+                for (int i = 0; i < 4; ++i)
+                    o[i] = pack_bf16x2(silu_f(gf[2 * i]) * uf[2 * i], silu_f(gf[2 * i + 1]) * uf[2 * i + 1]);
                 sx[m * xrow + u] = make_uint4(o[0], o[1], o[2], o[3]);
             } else {
                 sx[m * xrow + u] = __ldg((const uint4*)(X + (size_t)(p / x_div) * k) + u);
@@ -450,82 +447,25 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
 // The launcher mirrors these (RPG, D) to size the grid and pick `lanes`.
 #define MOE_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles
 #define MOE_PASS w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, lanes
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<16, 4, 2, 8, bf16>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<16, 4, 2, 8, float>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<4, 4, 1, 8, bf16>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<4, 4, 1, 8, float>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<8, 4, 1, 8, bf16>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<8, 4, 1, 8, float>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<6, 4, 1, 8, bf16>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<6, 4, 1, 8, float>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<16, 4, 2, 1, bf16>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<16, 4, 2, 1, float>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q4_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<4, 2, 2, 1, bf16>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q4_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<4, 2, 2, 1, float>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<8, 2, 1, 1, bf16>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<8, 2, 1, 1, float>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<6, 2, 2, 1, bf16>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_tile<6, 2, 2, 1, float>(MOE_PASS);
-}
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_q4_mma_tile<false, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group);
-}
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_q4_mma_tile<false, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group);
-}
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_swiglu_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) {
-    pdl_prologue();
-    moe_gemv_q4_mma_tile<true, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group);
-}
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<16, 4, 2, 8, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<16, 4, 2, 8, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<4, 4, 1, 8, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<4, 4, 1, 8, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<8, 4, 1, 8, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q8_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<8, 4, 1, 8, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<6, 4, 1, 8, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_q6_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<6, 4, 1, 8, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<16, 4, 2, 1, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<16, 4, 2, 1, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q4_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<4, 2, 2, 1, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q4_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<4, 2, 2, 1, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<8, 2, 1, 1, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<8, 2, 1, 1, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<6, 2, 2, 1, bf16>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<6, 2, 2, 1, float>(MOE_PASS); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_swiglu_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<true, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
 #undef MOE_ARGS
 #undef MOE_PASS
 

@@ -337,35 +337,15 @@ __device__ __forceinline__ void moe_gemm_impl(const unsigned long long* __restri
 
 // Entry points moe_gemm_{q4 | q6 | q8 | bf16}_{bf16 | f32}: Y [n_pairs, n] bf16 (the experts' fused gate|up
 // rows) or f32 (their down projections, combined by moe_combine). s_ptrs is not read for bf16 experts.
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q4_bf16(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k, int group, int spc) {
-    pdl_prologue();
-    moe_gemm_impl<4, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, spc);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q4_f32(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k, int group, int spc) {
-    pdl_prologue();
-    moe_gemm_impl<4, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, spc);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q6_bf16(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k, int group, int spc) {
-    pdl_prologue();
-    moe_gemm_impl<6, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, spc);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q6_f32(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k, int group, int spc) {
-    pdl_prologue();
-    moe_gemm_impl<6, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, spc);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q8_bf16(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k, int group, int spc) {
-    pdl_prologue();
-    moe_gemm_impl<8, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, spc);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q8_f32(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k, int group, int spc) {
-    pdl_prologue();
-    moe_gemm_impl<8, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, spc);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_bf16_bf16(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, bf16* Y, int n, int k, int group, int spc) {
-    pdl_prologue();
-    moe_gemm_impl<16, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, spc);
-}
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_bf16_f32(const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles, float* Y, int n, int k, int group, int spc) {
-    pdl_prologue();
-    moe_gemm_impl<16, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, spc);
-}
+#define MOE_GEMM_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles
+#define MOE_GEMM_PASS w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, spc
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q4_bf16(MOE_GEMM_ARGS, bf16* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<4, bf16>(MOE_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q4_f32(MOE_GEMM_ARGS, float* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<4, float>(MOE_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q6_bf16(MOE_GEMM_ARGS, bf16* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<6, bf16>(MOE_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q6_f32(MOE_GEMM_ARGS, float* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<6, float>(MOE_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q8_bf16(MOE_GEMM_ARGS, bf16* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<8, bf16>(MOE_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q8_f32(MOE_GEMM_ARGS, float* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<8, float>(MOE_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_bf16_bf16(MOE_GEMM_ARGS, bf16* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<16, bf16>(MOE_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_bf16_f32(MOE_GEMM_ARGS, float* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<16, float>(MOE_GEMM_PASS); }
+#undef MOE_GEMM_ARGS
+#undef MOE_GEMM_PASS

@@ -49,3 +49,12 @@ template <bool STREAM> struct PackedUnit<6, STREAM> {
         return v & 63u;
     }
 };
+
+// Values 8c .. 8c + 7 of a unit's words w (as U, the PackedUnit<BITS, ..> that loaded them, reads them),
+// times s, as 8 bf16 (each rounded once) in the words o (a 16-byte vector's).
+template <int BITS, typename U>
+__device__ __forceinline__ void dequant8_bf16(const u32* w, int c, float s, u32 o[4]) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+        o[e] = pack_bf16x2(qval<BITS>(U::code(w, c * 8 + 2 * e)) * s, qval<BITS>(U::code(w, c * 8 + 2 * e + 1)) * s);
+}

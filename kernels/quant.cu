@@ -410,12 +410,7 @@ __device__ __forceinline__ void dequant_q_impl(const u32* __restrict__ W, const 
         if (j0 >= k) break;
         const float s = S ? __ldg(S + row * scols + j0 / group) : 1.0f;
         u32 o[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const bf16 lo = f2bf(qval<BITS>(U::code(w, c * 8 + 2 * e)) * s);
-            const bf16 hi = f2bf(qval<BITS>(U::code(w, c * 8 + 2 * e + 1)) * s);
-            o[e] = (u32)__bfloat16_as_ushort(lo) | ((u32)__bfloat16_as_ushort(hi) << 16);
-        }
+        dequant8_bf16<BITS, U>(w, c, s, o);
         *(uint4*)(OUT + (size_t)rr * k + j0) = make_uint4(o[0], o[1], o[2], o[3]);
     }
 }
@@ -423,283 +418,94 @@ __device__ __forceinline__ void dequant_q_impl(const u32* __restrict__ W, const 
 // Entry points. Each runs the segment table t (common.cuh): a block finds its segment and runs the body
 // on that weight, its scales, output and n with its index inside the segment; a single GEMV is a
 // one-segment table. The first statement asks L2 for the block's weight rows before the PDL wait.
-//
-// Row slots: 256 threads (M ≥ 5 held to two resident blocks' registers, INT8 M = 1 to four so that
-// n = 8192's 512 blocks are resident at once); per segment rps ∈ 1..QROWS rows a slot, slots of
-// 2^tpr_log2 ≤ 256 threads, ceil(n / (rps · 256 / 2^tpr_log2)) blocks. Y: [M, n] per segment.
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m1(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 1, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
+#define GEMV_Q_ARGS const GemvSegs t, const bf16* X, int k, int group
+
+// The weight rows of this block's segment that a row-slot (q_slot_span) or tensor-core (q_tile_span)
+// block reads, for pdl_prologue_prefetch.
+template <int BITS>
+__device__ __forceinline__ RowSpan q_slot_span(const GemvSegs& t, int k) {
+    return gemv_slot_span(gemv_seg(t), 4 * q_row_words<BITS>(k));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m2(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 2, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
+template <int BITS>
+__device__ __forceinline__ RowSpan q_tile_span(const GemvSegs& t, int k) {
+    return gemv_tile_span(gemv_seg(t), 4 * q_row_words<BITS>(k));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m3(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+
+// The row-slot (gemv_q_impl) and tensor-core (gemv_tc_impl) GEMVs on this block's segment of t.
+template <int BITS, int M, typename OUT>
+__device__ __forceinline__ void gemv_q_segs(const GemvSegs& t, const bf16* X, int k, int group) {
     const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 3, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
+    gemv_q_impl<BITS, M, OUT>((const u32*)s.w, s.s, X, (OUT*)s.y, s.n, k, group, s.rps, s.tpr_log2,
+                              gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_m4(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
+template <int BITS, typename OUT>
+__device__ __forceinline__ void gemv_tc_segs(const GemvSegs& t, const bf16* X, int k, int group, int m) {
     const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 4, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
+    gemv_tc_impl<BITS, OUT>((const u32*)s.w, s.s, X, (OUT*)s.y, s.n, k, group, m, gemv_seg_block(s));
 }
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m5(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 5, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m6(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 6, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m7(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 7, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m8(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 8, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m1(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 1, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m2(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 2, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m3(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 3, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m4(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 4, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m5(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 5, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m6(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 6, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m7(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 7, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m8(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<4, 8, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_m1(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 1, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m2(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 2, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m3(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 3, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_m4(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 4, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m5(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 5, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m6(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 6, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m7(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 7, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m8(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 8, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_f32_m1(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 1, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m2(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 2, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m3(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 3, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m4(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 4, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m5(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 5, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m6(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 6, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m7(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 7, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m8(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<8, 8, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m1(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 1, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m2(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 2, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m3(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 3, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_m4(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 4, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m5(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 5, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m6(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 6, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m7(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 7, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m8(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 8, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m1(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 1, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m2(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 2, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m3(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 3, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m4(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 4, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m5(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 5, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m6(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 6, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m7(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 7, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(const GemvSegs t, const bf16* X, int k, int group) {
-    pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<6, 8, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, s.rps, s.tpr_log2, gemv_seg_block(s));
-}
+
+// Row slots: 256 threads; per segment rps ∈ 1..QROWS rows a slot, slots of 2^tpr_log2 ≤ 256 threads,
+// ceil(n / (rps · 256 / 2^tpr_log2)) blocks. Y: [M, n] per segment.
+// M ≤ 4: the registers of one resident block.
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 1, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m2(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 2, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m3(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 3, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m4(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 4, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 1, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m2(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 2, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m3(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 3, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_f32_m4(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 4, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m2(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 2, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m3(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 3, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_m4(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 4, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m2(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 2, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m3(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 3, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q8_f32_m4(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 4, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 1, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m2(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 2, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m3(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 3, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m4(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 4, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 1, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m2(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 2, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m3(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 3, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_f32_m4(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 4, float>(t, X, k, group); }
+// M ≥ 5: held to the registers of two resident blocks.
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m5(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 5, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m6(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 6, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m7(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 7, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_m8(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 8, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m5(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 5, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m6(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 6, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m7(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 7, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_f32_m8(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 8, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m5(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 5, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m6(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 6, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m7(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 7, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_m8(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 8, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m5(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 5, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m6(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 6, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m7(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 7, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_f32_m8(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 8, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m5(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 5, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m6(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 6, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m7(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 7, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_m8(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 8, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m5(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 5, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m6(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 6, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m7(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 7, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 8, float>(t, X, k, group); }
+// INT8 M = 1: held to four resident blocks, so that n = 8192's 512 blocks are resident at once.
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 1, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 1, float>(t, X, k, group); }
 // Batched decode on the tensor cores: 256 threads, ceil(n / 16) blocks a segment, 2 ≤ m ≤ 8 rows of X,
 // Y: [m, n] per segment. INT8: k % 64 == 0; INT4: k % 128 == 0; INT6: k % 8 == 0; group ≥ k (per row)
 // or group % KB == 0 (INT8: 64, INT4 and INT6: 128).
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc(const GemvSegs t, const bf16* X, int k, int group, int m) {
-    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_tc_impl<8, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, m, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc_f32(const GemvSegs t, const bf16* X, int k, int group, int m) {
-    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<8>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_tc_impl<8, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, m, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc(const GemvSegs t, const bf16* X, int k, int group, int m) {
-    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_tc_impl<4, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, m, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc_f32(const GemvSegs t, const bf16* X, int k, int group, int m) {
-    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<4>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_tc_impl<4, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, m, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_tc(const GemvSegs t, const bf16* X, int k, int group, int m) {
-    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_tc_impl<6, bf16>((const u32*)s.w, s.s, X, (bf16*)s.y, s.n, k, group, m, gemv_seg_block(s));
-}
-extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_tc_f32(const GemvSegs t, const bf16* X, int k, int group, int m) {
-    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), 4 * q_row_words<6>(k)));
-    const GemvSeg s = gemv_seg(t);
-    gemv_tc_impl<6, float>((const u32*)s.w, s.s, X, (float*)s.y, s.n, k, group, m, gemv_seg_block(s));
-}
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc(GEMV_Q_ARGS, int m) { pdl_prologue_prefetch(q_tile_span<8>(t, k)); gemv_tc_segs<8, bf16>(t, X, k, group, m); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q8_tc_f32(GEMV_Q_ARGS, int m) { pdl_prologue_prefetch(q_tile_span<8>(t, k)); gemv_tc_segs<8, float>(t, X, k, group, m); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc(GEMV_Q_ARGS, int m) { pdl_prologue_prefetch(q_tile_span<4>(t, k)); gemv_tc_segs<4, bf16>(t, X, k, group, m); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q4_tc_f32(GEMV_Q_ARGS, int m) { pdl_prologue_prefetch(q_tile_span<4>(t, k)); gemv_tc_segs<4, float>(t, X, k, group, m); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_tc(GEMV_Q_ARGS, int m) { pdl_prologue_prefetch(q_tile_span<6>(t, k)); gemv_tc_segs<6, bf16>(t, X, k, group, m); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_tc_f32(GEMV_Q_ARGS, int m) { pdl_prologue_prefetch(q_tile_span<6>(t, k)); gemv_tc_segs<6, float>(t, X, k, group, m); }
 // The per-row scales of a GEMM over integer codes: Y[i, row0 + j] = bf16(YT[i, j] · S[row0 + j]) for
 // i < m, j < rows, YT [m, rows] f32 (the product with the codes), Y [m, n]. One thread per element.
 extern "C" __global__ void __launch_bounds__(256) scale_cols_bf16(const float* __restrict__ YT, const float* __restrict__ S,

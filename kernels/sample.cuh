@@ -231,56 +231,28 @@ __device__ __forceinline__ void load16(const SampleRow& R, int base, float raw[1
     load8<true>(R, base + 8, raw + 8, ze + 8, e1);
 }
 
-__device__ __forceinline__ double warp_sum_d(double v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+__device__ __forceinline__ double warp_sum_d(double v) { return warp_reduce<SumOp>(v); }
 
-__device__ __forceinline__ u32 warp_sum_u(u32 v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
+// Block sums in f64 and u32 (block_reduce); every thread gets them. `s` is 32 values of shared memory.
+__device__ __forceinline__ double block_sum_d(double v, double* s) { return block_reduce<SumOp>(v, s, 0.0); }
+__device__ __forceinline__ u32 block_sum_u(u32 v, u32* s) { return block_reduce<SumOp>(v, s, 0u); }
 
-// Block sum in f64; every thread gets it. `s` is 32 doubles of shared memory.
-__device__ __forceinline__ double block_sum_d(double v, double* s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_sum_d(v);
-    if (lane == 0) s[warp] = v;
-    __syncthreads();
-    double t = lane < nwarps ? s[lane] : 0.0;
-    t = warp_sum_d(t);
-    __syncthreads();
-    return t;
-}
-
-__device__ __forceinline__ u32 block_sum_u(u32 v, u32* s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    v = warp_sum_u(v);
-    if (lane == 0) s[warp] = v;
-    __syncthreads();
-    u32 t = lane < nwarps ? s[lane] : 0u;
-    t = warp_sum_u(t);
-    __syncthreads();
-    return t;
-}
-
-// Block inclusive prefix sum in f64 over thread order.
-__device__ __forceinline__ double block_scan_d(double v, double* s) {
+// Block inclusive prefix sum over thread order (T: double or u32); `s` is 32 values of shared memory.
+template <typename T>
+__device__ __forceinline__ T block_scan(T v, T* s) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
-        const double y = __shfl_up_sync(0xffffffffu, v, o);
+        const T y = __shfl_up_sync(0xffffffffu, v, o);
         if (lane >= o) v += y;
     }
     if (lane == 31) s[warp] = v;
     __syncthreads();
     if (warp == 0) {
-        double t = lane < nwarps ? s[lane] : 0.0;
+        T t = lane < nwarps ? s[lane] : (T)0;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
-            const double y = __shfl_up_sync(0xffffffffu, t, o);
+            const T y = __shfl_up_sync(0xffffffffu, t, o);
             if (lane >= o) t += y;
         }
         s[lane] = t;
@@ -290,31 +262,8 @@ __device__ __forceinline__ double block_scan_d(double v, double* s) {
     __syncthreads();
     return v;
 }
-
-// Block inclusive prefix sum of u32 over thread order.
-__device__ __forceinline__ u32 block_scan_u(u32 v, u32* s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const u32 y = __shfl_up_sync(0xffffffffu, v, o);
-        if (lane >= o) v += y;
-    }
-    if (lane == 31) s[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        u32 t = lane < nwarps ? s[lane] : 0u;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const u32 y = __shfl_up_sync(0xffffffffu, t, o);
-            if (lane >= o) t += y;
-        }
-        s[lane] = t;
-    }
-    __syncthreads();
-    if (warp > 0) v += s[warp - 1];
-    __syncthreads();
-    return v;
-}
+__device__ __forceinline__ double block_scan_d(double v, double* s) { return block_scan(v, s); }
+__device__ __forceinline__ u32 block_scan_u(u32 v, u32* s) { return block_scan(v, s); }
 
 // The best (largest value, then lowest id) over the warp; every lane gets it.
 __device__ __forceinline__ void warp_argmax(float& v, u32& i) {

@@ -35,25 +35,31 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-#[test]
-fn generate_json_matches_the_transformers_reference() {
-    let dir = fixture("qwen3_next_tiny");
+/// Prompt `i` of a fixture's `reference.json`, and its token ids as `--prompt-ids` takes them.
+fn reference_prompt(dir: &Path, i: usize) -> (Value, String) {
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
             .unwrap();
-    let p = &reference["prompts"][1];
-    let ids: Vec<String> = p["ids"]
+    let prompt = reference["prompts"][i].clone();
+    let ids: Vec<String> = prompt["ids"]
         .as_array()
         .unwrap()
         .iter()
         .map(|x| x.to_string())
         .collect();
+    (prompt, ids.join(","))
+}
+
+#[test]
+fn generate_json_matches_the_transformers_reference() {
+    let dir = fixture("qwen3_next_tiny");
+    let (p, ids) = reference_prompt(&dir, 1);
     let out = sanmai(&[
         "generate",
         "--model",
         dir.to_str().unwrap(),
         "--prompt-ids",
-        &ids.join(","),
+        &ids,
         "--max-tokens",
         "8",
         "--echo",
@@ -151,16 +157,7 @@ fn builtin_model_generates_text_with_the_real_vocabulary() {
 #[test]
 fn qwen4_exp_with_every_block_generates_the_reference_tokens() {
     let dir = fixture("qwen4_exp_all_tiny");
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
-            .unwrap();
-    let case = &reference["prompts"][1];
-    let ids: Vec<String> = case["ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_string())
-        .collect();
+    let (case, ids) = reference_prompt(&dir, 1);
     let greedy = case["greedy_ids"].as_array().unwrap();
     let d = dir.to_str().unwrap();
     let max = greedy.len().to_string();
@@ -171,7 +168,7 @@ fn qwen4_exp_with_every_block_generates_the_reference_tokens() {
         "--ple-table",
         d,
         "--prompt-ids",
-        &ids.join(","),
+        &ids,
         "--max-tokens",
         &max,
         "--ignore-eos",

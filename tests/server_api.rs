@@ -121,126 +121,62 @@ fn bad_requests_get_400s_naming_the_field() {
         Some("messages"),
         "required",
     );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"temperature": -1})),
-        Some("temperature"),
-        "temperature",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"temperature": "warm"})),
-        Some("temperature"),
-        "temperature",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"top_p": 1.5})),
-        Some("top_p"),
-        "top_p",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"top_k": -2})),
-        Some("top_k"),
-        "top_k",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"min_p": 2})),
-        Some("min_p"),
-        "min_p",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"presence_penalty": 5})),
-        Some("presence_penalty"),
-        "presence_penalty",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"frequency_penalty": -5})),
-        Some("frequency_penalty"),
-        "frequency_penalty",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"repetition_penalty": 0})),
-        Some("repetition_penalty"),
-        "repetition_penalty",
-    );
-    expect_400(&s, c, chat("hi", json!({"n": 0})), Some("n"), "n must be");
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"max_tokens": 0})),
-        Some("max_tokens"),
-        "at least 1",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"logit_bias": {"abc": 3}})),
-        Some("logit_bias"),
-        "token ids",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"logit_bias": {"999999999": 3}})),
-        Some("logit_bias"),
-        "vocabulary",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"logprobs": true, "top_logprobs": 21})),
-        Some("top_logprobs"),
-        "20",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"stop": [""]})),
-        Some("stop"),
-        "empty",
-    );
-    expect_400(&s, c, chat("hi", json!({"stop": 5})), Some("stop"), "stop");
-    expect_400(
-        &s,
-        c,
-        chat(
-            "hi",
+    // Fields of a chat request for "hi", the param the 400 names, and what its message says.
+    let chat_cases = [
+        (json!({"temperature": -1}), "temperature", "temperature"),
+        (json!({"temperature": "warm"}), "temperature", "temperature"),
+        (json!({"top_p": 1.5}), "top_p", "top_p"),
+        (json!({"top_k": -2}), "top_k", "top_k"),
+        (json!({"min_p": 2}), "min_p", "min_p"),
+        (
+            json!({"presence_penalty": 5}),
+            "presence_penalty",
+            "presence_penalty",
+        ),
+        (
+            json!({"frequency_penalty": -5}),
+            "frequency_penalty",
+            "frequency_penalty",
+        ),
+        (
+            json!({"repetition_penalty": 0}),
+            "repetition_penalty",
+            "repetition_penalty",
+        ),
+        (json!({"n": 0}), "n", "n must be"),
+        (json!({"max_tokens": 0}), "max_tokens", "at least 1"),
+        (json!({"logit_bias": {"abc": 3}}), "logit_bias", "token ids"),
+        (
+            json!({"logit_bias": {"999999999": 3}}),
+            "logit_bias",
+            "vocabulary",
+        ),
+        (
+            json!({"logprobs": true, "top_logprobs": 21}),
+            "top_logprobs",
+            "20",
+        ),
+        (json!({"stop": [""]}), "stop", "empty"),
+        (json!({"stop": 5}), "stop", "stop"),
+        (
             json!({"tool_choice": {"type": "function", "function": {"name": "g"}}, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tool_choice",
+            "not in `tools`",
         ),
-        Some("tool_choice"),
-        "not in `tools`",
-    );
-    expect_400(
-        &s,
-        c,
-        chat("hi", json!({"tool_choice": "required"})),
-        Some("tool_choice"),
-        "`tools` is empty",
-    );
-    expect_400(
-        &s,
-        c,
-        chat(
-            "hi",
+        (
+            json!({"tool_choice": "required"}),
+            "tool_choice",
+            "`tools` is empty",
+        ),
+        (
             json!({"tools": [{"type": "function", "function": {}}]}),
+            "tools[0]",
+            "function",
         ),
-        Some("tools[0]"),
-        "function",
-    );
+    ];
+    for (fields, param, needle) in chat_cases {
+        expect_400(&s, c, chat("hi", fields), Some(param), needle);
+    }
     expect_400(
         &s,
         c,
@@ -287,41 +223,18 @@ fn bad_requests_get_400s_naming_the_field() {
         "256",
     );
 
-    expect_400(
-        &s,
-        p,
-        completion(json!([]), json!({})),
-        Some("prompt"),
-        "empty",
-    );
-    expect_400(
-        &s,
-        p,
-        completion(json!([1, "a"]), json!({})),
-        Some("prompt"),
-        "",
-    );
-    expect_400(
-        &s,
-        p,
-        completion(json!([[1], [-1]]), json!({})),
-        Some("prompt"),
-        "",
-    );
-    expect_400(
-        &s,
-        p,
-        completion(json!("hi"), json!({"logprobs": 50})),
-        Some("logprobs"),
-        "20",
-    );
-    expect_400(
-        &s,
-        p,
-        completion(json!("hi"), json!({"suffix": "x"})),
-        Some("suffix"),
-        "suffix",
-    );
+    // The prompt and further fields of a completion request, the param the 400 names, and what its
+    // message says.
+    let completion_cases = [
+        (json!([]), json!({}), "prompt", "empty"),
+        (json!([1, "a"]), json!({}), "prompt", ""),
+        (json!([[1], [-1]]), json!({}), "prompt", ""),
+        (json!("hi"), json!({"logprobs": 50}), "logprobs", "20"),
+        (json!("hi"), json!({"suffix": "x"}), "suffix", "suffix"),
+    ];
+    for (prompt, fields, param, needle) in completion_cases {
+        expect_400(&s, p, completion(prompt, fields), Some(param), needle);
+    }
     let (status, v) = s.post(
         p,
         &completion(json!([999_999_999]), json!({"max_tokens": 1})),

@@ -217,38 +217,18 @@ mod tests {
         m.time_to_first_token.observe(0.3);
         let text = render(&m, "demo\"x");
         let l = "{model_name=\"demo\\\"x\"}";
-        assert_eq!(
-            sample(&text, &format!("sanmai:num_requests_running{l}")),
-            2.0
-        );
-        assert_eq!(
-            sample(&text, &format!("sanmai:num_requests_waiting{l}")),
-            1.0
-        );
-        assert_eq!(
-            sample(&text, &format!("sanmai:kv_cache_usage_perc{l}")),
-            0.25
-        );
-        assert_eq!(
-            sample(&text, &format!("sanmai:prompt_tokens_total{l}")),
-            100.0
-        );
-        assert_eq!(
-            sample(&text, &format!("sanmai:generation_tokens_total{l}")),
-            40.0
-        );
-        assert_eq!(
-            sample(&text, &format!("sanmai:prefix_cache_queries_total{l}")),
-            64.0
-        );
-        assert_eq!(
-            sample(&text, &format!("sanmai:prefix_cache_hits_total{l}")),
-            32.0
-        );
-        assert_eq!(
-            sample(&text, &format!("sanmai:num_preemptions_total{l}")),
-            3.0
-        );
+        for (name, v) in [
+            ("num_requests_running", 2.0),
+            ("num_requests_waiting", 1.0),
+            ("kv_cache_usage_perc", 0.25),
+            ("prompt_tokens_total", 100.0),
+            ("generation_tokens_total", 40.0),
+            ("prefix_cache_queries_total", 64.0),
+            ("prefix_cache_hits_total", 32.0),
+            ("num_preemptions_total", 3.0),
+        ] {
+            assert_eq!(sample(&text, &format!("sanmai:{name}{l}")), v, "{name}");
+        }
         let b = "sanmai:time_to_first_token_seconds_bucket{model_name=\"demo\\\"x\"";
         assert_eq!(sample(&text, &format!("{b},le=\"0.001\"}}")), 0.0);
         assert_eq!(sample(&text, &format!("{b},le=\"0.005\"}}")), 1.0);

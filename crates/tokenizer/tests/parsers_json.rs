@@ -1,5 +1,8 @@
 //! The Qwen3 / Hermes JSON tool-call parser on hand-written model outputs.
 
+mod common;
+
+use common::tool_stream;
 use sanmai_tokenizer::parsers::{ParsedOutput, ToolCallIds, ToolEvent, ToolFormat};
 use serde_json::{json, Value};
 
@@ -15,41 +18,14 @@ fn parse(text: &str) -> ParsedOutput {
     ToolFormat::Qwen3Json.parse_complete_with_ids(text, &tools(), ToolCallIds::seeded(3))
 }
 
-fn stream(pieces: &[&str]) -> Vec<ToolEvent> {
-    let mut parser = ToolFormat::Qwen3Json.parser(&tools(), ToolCallIds::seeded(3));
-    let mut events = Vec::new();
-    for piece in pieces {
-        events.extend(parser.feed(piece));
-    }
-    events.extend(parser.finish());
-    events
-}
-
-fn coalesce(events: Vec<ToolEvent>) -> Vec<ToolEvent> {
-    let mut out: Vec<ToolEvent> = Vec::new();
-    for event in events {
-        match (out.last_mut(), event) {
-            (Some(ToolEvent::Content(last)), ToolEvent::Content(text)) => last.push_str(&text),
-            (_, event) => out.push(event),
-        }
-    }
-    out
-}
-
 /// Every two-piece split and the one-char-at-a-time feed give the whole text's events.
 fn check_every_split(text: &str) {
-    let whole = coalesce(stream(&[text]));
-    assert_eq!(ParsedOutput::from_events(whole.clone()), parse(text));
-    for (at, _) in text.char_indices().skip(1) {
-        assert_eq!(
-            coalesce(stream(&[&text[..at], &text[at..]])),
-            whole,
-            "split at {at}"
-        );
-    }
-    let chars: Vec<String> = text.chars().map(String::from).collect();
-    let pieces: Vec<&str> = chars.iter().map(String::as_str).collect();
-    assert_eq!(coalesce(stream(&pieces)), whole, "char by char");
+    tool_stream::check_every_split(ToolFormat::Qwen3Json, &tools(), 3, text, |_| {});
+}
+
+/// `text` is content, whole and at every split.
+fn check_is_content(text: &str) {
+    tool_stream::check_is_content(ToolFormat::Qwen3Json, &tools(), 3, text, |_| {});
 }
 
 const CALLS: &str = "Let me look that up.\n<tool_call>\n{\"name\": \"search\", \"arguments\": \
@@ -106,10 +82,7 @@ fn malformed_calls_are_content() {
         "<tool_call>\n{\"name\": \"now\", \"arguments\": {}}\n",
     ];
     for text in cases {
-        let out = parse(text);
-        assert!(out.tool_calls.is_empty(), "{text:?} gave {out:?}");
-        assert_eq!(out.content.as_deref(), Some(text));
-        check_every_split(text);
+        check_is_content(text);
     }
 }
 

@@ -1,6 +1,9 @@
 //! The Qwen3 XML tool-call parser on hand-written model outputs: typed parameters, several
 //! calls, content around them, malformed calls as content, and streaming at every split point.
 
+mod common;
+
+use common::tool_stream;
 use sanmai_tokenizer::parsers::{
     tool_parser, ParsedOutput, ToolCallIds, ToolEvent, ToolFormat, ToolParser,
 };
@@ -34,54 +37,24 @@ fn parse(text: &str) -> ParsedOutput {
     ToolFormat::Qwen3Xml.parse_complete_with_ids(text, &tools(), ToolCallIds::seeded(9))
 }
 
-/// Feeds `pieces` to a fresh parser and returns all events.
-fn stream(pieces: &[&str]) -> Vec<ToolEvent> {
-    let mut parser = ToolFormat::Qwen3Xml.parser(&tools(), ToolCallIds::seeded(9));
-    let mut events = Vec::new();
-    for piece in pieces {
-        events.extend(parser.feed(piece));
-    }
-    events.extend(parser.finish());
-    events
-}
-
-/// Merges adjacent content events, so runs split differently compare equal.
-fn coalesce(events: Vec<ToolEvent>) -> Vec<ToolEvent> {
-    let mut out: Vec<ToolEvent> = Vec::new();
-    for event in events {
-        match (out.last_mut(), event) {
-            (Some(ToolEvent::Content(last)), ToolEvent::Content(text)) => last.push_str(&text),
-            (_, event) => out.push(event),
-        }
-    }
-    out
+/// Start, Arguments and End of a call are never split across feeds: one feed's events.
+fn calls_whole(events: &[ToolEvent]) {
+    let starts = events
+        .iter()
+        .filter(|e| matches!(e, ToolEvent::Start { .. }));
+    let ends = events.iter().filter(|e| matches!(e, ToolEvent::End { .. }));
+    assert_eq!(starts.count(), ends.count());
 }
 
 /// Streaming `text` split at every char boundary (in two pieces) and one char at a time gives
 /// the events of the whole text, and each call's events arrive together and complete.
 fn check_every_split(text: &str) {
-    let whole = coalesce(stream(&[text]));
-    assert_eq!(ParsedOutput::from_events(whole.clone()), parse(text));
-    for (at, _) in text.char_indices().skip(1) {
-        let events = stream(&[&text[..at], &text[at..]]);
-        assert_eq!(coalesce(events), whole, "split at byte {at} of {text:?}");
-    }
-    let chars: Vec<String> = text.chars().map(String::from).collect();
-    let pieces: Vec<&str> = chars.iter().map(String::as_str).collect();
-    let mut parser = ToolFormat::Qwen3Xml.parser(&tools(), ToolCallIds::seeded(9));
-    let mut all = Vec::new();
-    for piece in pieces {
-        let events = parser.feed(piece);
-        // Start, Arguments and End of a call are never split across feeds.
-        let starts = events
-            .iter()
-            .filter(|e| matches!(e, ToolEvent::Start { .. }));
-        let ends = events.iter().filter(|e| matches!(e, ToolEvent::End { .. }));
-        assert_eq!(starts.count(), ends.count());
-        all.extend(events);
-    }
-    all.extend(parser.finish());
-    assert_eq!(coalesce(all), whole, "char by char: {text:?}");
+    tool_stream::check_every_split(ToolFormat::Qwen3Xml, &tools(), 9, text, calls_whole);
+}
+
+/// `text` is content, whole and at every split.
+fn check_is_content(text: &str) {
+    tool_stream::check_is_content(ToolFormat::Qwen3Xml, &tools(), 9, text, calls_whole);
 }
 
 #[test]
@@ -176,10 +149,7 @@ fn malformed_calls_are_content() {
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</function>\n</tool_call>",
     ];
     for text in cases {
-        let out = parse(text);
-        assert!(out.tool_calls.is_empty(), "{text:?} gave {out:?}");
-        assert_eq!(out.content.as_deref(), Some(text));
-        check_every_split(text);
+        check_is_content(text);
     }
 }
 

@@ -36,62 +36,56 @@ pub trait ToolParser: Send {
     fn finish(&mut self) -> Vec<ToolEvent>;
 }
 
-/// Parser for the Qwen3.5 / Qwen3-Coder XML format:
-/// `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n…</function>\n</tool_call>`.
-///
-/// Parameter values are typed by the tool's JSON schema (see [`super::ToolFormat::Qwen3Xml`]).
-/// A `</parameter>` ends a value only when whitespace and then `<parameter=` or `</function>`
-/// follow it, so values may contain that text, newlines and `<` freely.
-#[derive(Debug)]
-pub struct XmlToolParser {
-    engine: Engine<XmlCall>,
-}
-
-impl XmlToolParser {
-    /// A parser for one response; `tools` is the request's OpenAI `tools` array (empty: any
-    /// well-formed function name is accepted and values are typed without a schema).
-    pub fn new(tools: &[Value], ids: ToolCallIds) -> Self {
-        XmlToolParser {
-            engine: Engine::new(tools, ids),
+/// A [`ToolParser`] that runs the streaming [`Engine`] over one format's grammar: the struct, its
+/// `new` and the trait's methods, the same for every format.
+macro_rules! engine_tool_parser {
+    ($(#[$doc:meta])* $name:ident, $grammar:ty) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name {
+            engine: Engine<$grammar>,
         }
-    }
-}
 
-impl ToolParser for XmlToolParser {
-    fn feed(&mut self, delta: &str) -> Vec<ToolEvent> {
-        self.engine.feed(delta)
-    }
-
-    fn finish(&mut self) -> Vec<ToolEvent> {
-        self.engine.finish()
-    }
-}
-
-/// Parser for the Qwen3 / Hermes JSON format:
-/// `<tool_call>\n{"name": "…", "arguments": {…}}\n</tool_call>`.
-///
-/// The object must be valid JSON with a string `name`; `arguments` (or `parameters`) may be an
-/// object, a string holding a JSON object, or absent/null (`{}`). Anything else is content.
-#[derive(Debug)]
-pub struct JsonToolParser {
-    engine: Engine<JsonCall>,
-}
-
-impl JsonToolParser {
-    /// A parser for one response; `tools` as for [`XmlToolParser::new`].
-    pub fn new(tools: &[Value], ids: ToolCallIds) -> Self {
-        JsonToolParser {
-            engine: Engine::new(tools, ids),
+        impl $name {
+            /// A parser for one response; `tools` is the request's OpenAI `tools` array (empty: any
+            /// well-formed function name is accepted).
+            pub fn new(tools: &[Value], ids: ToolCallIds) -> Self {
+                $name {
+                    engine: Engine::new(tools, ids),
+                }
+            }
         }
-    }
+
+        impl ToolParser for $name {
+            fn feed(&mut self, delta: &str) -> Vec<ToolEvent> {
+                self.engine.feed(delta)
+            }
+
+            fn finish(&mut self) -> Vec<ToolEvent> {
+                self.engine.finish()
+            }
+        }
+    };
 }
 
-impl ToolParser for JsonToolParser {
-    fn feed(&mut self, delta: &str) -> Vec<ToolEvent> {
-        self.engine.feed(delta)
-    }
+engine_tool_parser!(
+    /// Parser for the Qwen3.5 / Qwen3-Coder XML format:
+    /// `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n…</function>\n</tool_call>`.
+    ///
+    /// Parameter values are typed by the tool's JSON schema (see [`super::ToolFormat::Qwen3Xml`];
+    /// with no `tools`, without a schema). A `</parameter>` ends a value only when whitespace and
+    /// then `<parameter=` or `</function>` follow it, so values may contain that text, newlines and
+    /// `<` freely.
+    XmlToolParser,
+    XmlCall
+);
 
-    fn finish(&mut self) -> Vec<ToolEvent> {
-        self.engine.finish()
-    }
-}
+engine_tool_parser!(
+    /// Parser for the Qwen3 / Hermes JSON format:
+    /// `<tool_call>\n{"name": "…", "arguments": {…}}\n</tool_call>`.
+    ///
+    /// The object must be valid JSON with a string `name`; `arguments` (or `parameters`) may be an
+    /// object, a string holding a JSON object, or absent/null (`{}`). Anything else is content.
+    JsonToolParser,
+    JsonCall
+);

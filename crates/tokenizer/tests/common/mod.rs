@@ -1,7 +1,10 @@
 //! Shared test helpers: a small Llama-style (SentencePiece BPE with byte fallback)
-//! `tokenizer.json`, temporary model directories, and a deterministic random generator.
+//! `tokenizer.json`, temporary model directories, a deterministic random generator, and
+//! streaming tool-call parsers at every split ([`tool_stream`]).
 
 #![allow(dead_code)]
+
+pub mod tool_stream;
 
 use std::path::{Path, PathBuf};
 

@@ -121,12 +121,12 @@ pub struct CacheGeometry {
 pub trait Executor: Send {
     fn geometry(&self) -> CacheGeometry;
     /// Allocates the K/V block pool.
-    fn init_cache(&mut self, num_blocks: usize, block_size: usize);
-    /// A zeroed GDN state slot.
-    fn alloc_state(&mut self) -> usize;
+    fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), String>;
+    /// A zeroed GDN state slot, or why none could be had (the device is out of memory).
+    fn alloc_state(&mut self) -> Result<usize, String>;
     fn free_state(&mut self, slot: usize);
-    fn copy_state(&mut self, src: usize, dst: usize);
-    fn copy_block(&mut self, src: u32, dst: u32);
+    fn copy_state(&mut self, src: usize, dst: usize) -> Result<(), String>;
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String>;
     /// A request whose prompt positions from `from` on will be computed was admitted: an executor that
     /// reads per-token data from disk (the PLE table) may start requesting it now.
     fn prefetch(&mut self, request: u64, prompt: &[u32], from: usize) {
@@ -228,37 +228,36 @@ impl<B: Backend> Executor for ModelExecutor<B> {
         }
     }
 
-    fn init_cache(&mut self, num_blocks: usize, block_size: usize) {
-        if let Err(e) = self.model.init_cache(num_blocks, block_size) {
-            panic!("allocating the K/V cache: {e}")
-        }
+    fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), String> {
+        self.model
+            .init_cache(num_blocks, block_size)
+            .map_err(|e| e.to_string())
     }
 
     fn samples_on_device(&self) -> bool {
         self.device_sampling
     }
 
-    fn alloc_state(&mut self) -> usize {
-        self.model
-            .backend
-            .alloc_state()
-            .unwrap_or_else(|e| panic!("{e}"))
+    fn alloc_state(&mut self) -> Result<usize, String> {
+        self.model.backend.alloc_state().map_err(|e| e.to_string())
     }
 
     fn free_state(&mut self, slot: usize) {
         self.model.backend.free_state(slot);
     }
 
-    fn copy_state(&mut self, src: usize, dst: usize) {
-        if let Err(e) = self.model.backend.copy_state(src, dst) {
-            panic!("{e}")
-        }
+    fn copy_state(&mut self, src: usize, dst: usize) -> Result<(), String> {
+        self.model
+            .backend
+            .copy_state(src, dst)
+            .map_err(|e| e.to_string())
     }
 
-    fn copy_block(&mut self, src: u32, dst: u32) {
-        if let Err(e) = self.model.backend.copy_block(src, dst) {
-            panic!("{e}")
-        }
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String> {
+        self.model
+            .backend
+            .copy_block(src, dst)
+            .map_err(|e| e.to_string())
     }
 
     fn submit(&mut self, plan: StepPlan) {

@@ -205,21 +205,22 @@ impl CacheManager {
     /// tokens, so one token is always computed), takes its blocks and restores its state. Returns the cache
     /// and the number of tokens already computed.
     /// With `lookup` false (e.g. the request wants every prompt token's log-probability) nothing is reused.
+    /// Fails, holding nothing, when the executor has no state slot to give.
     pub fn admit(
         &mut self,
         exec: &mut dyn Executor,
         tokens: &[u32],
         salt: &[u64],
         lookup: bool,
-    ) -> (SeqCache, usize) {
+    ) -> Result<(SeqCache, usize), String> {
         let root = root_hash(salt);
         let mut seq = SeqCache {
             root,
-            state: exec.alloc_state(),
+            state: exec.alloc_state()?,
             ..Default::default()
         };
         if !self.prefix_caching || !lookup {
-            return (seq, 0);
+            return Ok((seq, 0));
         }
         let bs = self.block_size;
         let max_p = tokens.len().saturating_sub(1);
@@ -256,7 +257,7 @@ impl CacheManager {
         }
         let (p, key) = best;
         if p == 0 {
-            return (seq, 0);
+            return Ok((seq, 0));
         }
         let full = p / bs;
         for &b in &chain_blocks[..full] {
@@ -273,13 +274,24 @@ impl CacheManager {
             self.order.remove(&c.tick);
             c.tick = tick;
             self.order.insert(tick, key);
-            exec.copy_state(c.state, seq.state);
-            if let Some(pb) = c.partial {
+            let (state, partial) = (c.state, c.partial);
+            if exec.copy_state(state, seq.state).is_err() {
+                // The checkpoint cannot be restored: compute the prompt from the start.
+                self.free(exec, std::mem::take(&mut seq));
+                return self.admit_uncached(exec, root);
+            }
+            if let Some(pb) = partial {
                 // Copy-on-write: the partial block is shared with the checkpoint.
                 self.pool.touch(pb);
-                let copy = self.allocate(exec);
+                let copy = match self.allocate(exec) {
+                    Some(nb) if exec.copy_block(pb, nb).is_ok() => Some(nb),
+                    Some(nb) => {
+                        self.pool.release(&[nb]);
+                        None
+                    }
+                    None => None,
+                };
                 if let Some(nb) = copy {
-                    exec.copy_block(pb, nb);
                     seq.blocks.push(nb);
                 }
                 self.pool.release(&[pb]);
@@ -290,7 +302,7 @@ impl CacheManager {
                 }
             }
         }
-        (seq, p)
+        Ok((seq, p))
     }
 
     /// Counts an admission that went through: `queried` prompt tokens looked up, `hit` of them reused.
@@ -301,13 +313,17 @@ impl CacheManager {
         }
     }
 
-    fn admit_uncached(&mut self, exec: &mut dyn Executor, root: BlockHash) -> (SeqCache, usize) {
+    fn admit_uncached(
+        &mut self,
+        exec: &mut dyn Executor,
+        root: BlockHash,
+    ) -> Result<(SeqCache, usize), String> {
         let seq = SeqCache {
             root,
-            state: exec.alloc_state(),
+            state: exec.alloc_state()?,
             ..Default::default()
         };
-        (seq, 0)
+        Ok((seq, 0))
     }
 
     /// Registers the sequence's newly completed blocks and takes the checkpoints due after a step that moved
@@ -380,8 +396,20 @@ impl CacheManager {
                 }
             }
         }
-        let state = exec.alloc_state();
-        exec.copy_state(seq.state, state);
+        // A checkpoint is an optimisation: without a state slot for it (the device is out of
+        // memory), the step goes on without one.
+        let state = match exec.alloc_state() {
+            Ok(state) => state,
+            Err(_) => {
+                self.pool.release(&reserved);
+                return;
+            }
+        };
+        if exec.copy_state(seq.state, state).is_err() {
+            exec.free_state(state);
+            self.pool.release(&reserved);
+            return;
+        }
         let partial = (!aligned).then(|| {
             let b = seq.blocks[k];
             self.pool.touch(b);

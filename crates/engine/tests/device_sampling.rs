@@ -52,19 +52,19 @@ impl Executor for Probe {
     fn geometry(&self) -> CacheGeometry {
         self.inner.geometry()
     }
-    fn init_cache(&mut self, num_blocks: usize, block_size: usize) {
+    fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), String> {
         self.inner.init_cache(num_blocks, block_size)
     }
-    fn alloc_state(&mut self) -> usize {
+    fn alloc_state(&mut self) -> Result<usize, String> {
         self.inner.alloc_state()
     }
     fn free_state(&mut self, slot: usize) {
         self.inner.free_state(slot)
     }
-    fn copy_state(&mut self, src: usize, dst: usize) {
+    fn copy_state(&mut self, src: usize, dst: usize) -> Result<(), String> {
         self.inner.copy_state(src, dst)
     }
-    fn copy_block(&mut self, src: u32, dst: u32) {
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String> {
         self.inner.copy_block(src, dst)
     }
     fn samples_on_device(&self) -> bool {

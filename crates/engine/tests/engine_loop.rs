@@ -380,19 +380,19 @@ impl sanmai_engine::Executor for TwoInFlight {
     fn geometry(&self) -> sanmai_engine::CacheGeometry {
         self.inner.geometry()
     }
-    fn init_cache(&mut self, num_blocks: usize, block_size: usize) {
+    fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), String> {
         self.inner.init_cache(num_blocks, block_size)
     }
-    fn alloc_state(&mut self) -> usize {
+    fn alloc_state(&mut self) -> Result<usize, String> {
         self.inner.alloc_state()
     }
     fn free_state(&mut self, slot: usize) {
         self.inner.free_state(slot)
     }
-    fn copy_state(&mut self, src: usize, dst: usize) {
+    fn copy_state(&mut self, src: usize, dst: usize) -> Result<(), String> {
         self.inner.copy_state(src, dst)
     }
-    fn copy_block(&mut self, src: u32, dst: u32) {
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String> {
         self.inner.copy_block(src, dst)
     }
     fn max_in_flight(&self) -> usize {
@@ -494,4 +494,96 @@ fn history_end_checkpoint_serves_the_next_turn() {
     let (ids_plain, lps_plain, _) = run_logprobs(&engine_uncached(2, 64), turn2);
     assert_eq!(ids, ids_plain);
     assert_close(&lps, &lps_plain);
+}
+
+/// An executor with room for `slots` GDN state slots at once (a device running out of memory): one
+/// more allocation fails.
+struct FewSlots {
+    inner: ModelExecutor<CpuBackend>,
+    slots: usize,
+    live: usize,
+}
+
+impl sanmai_engine::Executor for FewSlots {
+    fn geometry(&self) -> sanmai_engine::CacheGeometry {
+        self.inner.geometry()
+    }
+    fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), String> {
+        self.inner.init_cache(num_blocks, block_size)
+    }
+    fn alloc_state(&mut self) -> Result<usize, String> {
+        if self.live == self.slots {
+            return Err("alloc_state: out of device memory".into());
+        }
+        self.live += 1;
+        self.inner.alloc_state()
+    }
+    fn free_state(&mut self, slot: usize) {
+        self.live -= 1;
+        self.inner.free_state(slot)
+    }
+    fn copy_state(&mut self, src: usize, dst: usize) -> Result<(), String> {
+        self.inner.copy_state(src, dst)
+    }
+    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String> {
+        self.inner.copy_block(src, dst)
+    }
+    fn submit(&mut self, plan: sanmai_engine::executor::StepPlan) {
+        self.inner.submit(plan)
+    }
+    fn wait(
+        &mut self,
+    ) -> (
+        sanmai_engine::executor::StepPlan,
+        Result<sanmai_engine::executor::StepLogits, String>,
+    ) {
+        self.inner.wait()
+    }
+}
+
+#[test]
+fn a_request_without_a_state_slot_waits_for_one_or_fails_alone() {
+    let prompts = ["first prompt here", "a second prompt", "third"];
+    let solo = engine(1, 2048);
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| collect(&solo, request(&i.to_string(), p, 8)).ids)
+        .collect();
+    // One slot: the requests take turns (checkpoints find no slot and are skipped).
+    let one = FewSlots {
+        inner: executor(),
+        slots: 1,
+        live: 0,
+    };
+    let h = start(one, Some(tokenizer().clone()), config(3, 2048)).unwrap();
+    let hs: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let h = h.clone();
+            let req = request(&format!("s{i}"), p, 8);
+            std::thread::spawn(move || collect(&h, req))
+        })
+        .collect();
+    for (i, t) in hs.into_iter().enumerate() {
+        let out = t.join().unwrap();
+        assert_eq!(out.reason, FinishReason::Length, "prompt {i}");
+        assert_eq!(out.ids, alone[i], "prompt {i}");
+    }
+    // No slot at all: the request fails with the executor's reason and the engine goes on.
+    let none = FewSlots {
+        inner: executor(),
+        slots: 0,
+        live: 0,
+    };
+    let h = start(none, Some(tokenizer().clone()), config(3, 2048)).unwrap();
+    for i in 0..2 {
+        let out = collect(&h, request(&format!("n{i}"), prompts[0], 8));
+        assert_eq!(
+            out.reason,
+            FinishReason::Error("alloc_state: out of device memory".into())
+        );
+        assert!(out.ids.is_empty());
+    }
 }

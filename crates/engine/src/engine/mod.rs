@@ -115,7 +115,9 @@ pub fn start<E: Executor + 'static>(
         per_request,
         plan.num_blocks / per_request
     );
-    executor.init_cache(plan.num_blocks, plan.block_size);
+    executor
+        .init_cache(plan.num_blocks, plan.block_size)
+        .map_err(|e| format!("allocating the K/V cache: {e}"))?;
     let cache = CacheManager::new(
         plan.num_blocks,
         plan.block_size,

@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 
 use super::Engine;
+use crate::api::FinishReason;
 use crate::executor::{ChunkSampling, Executor, LogitRows, PlannedChunk, StepPlan};
 use crate::sequence::Sequence;
 
@@ -79,9 +80,23 @@ impl<E: Executor> Engine<E> {
                 break;
             };
             let lookup = !(seq.req.prompt_logprobs && seq.num_output() == 0);
-            let (mut cache, cached) =
+            let admitted =
                 self.cache
                     .admit(&mut self.executor, &seq.tokens, &seq.req.cache_salt, lookup);
+            let (mut cache, cached) = match admitted {
+                Ok(a) => a,
+                // No state slot: wait for a running sequence to free one, or fail the request
+                // when nothing runs that could.
+                Err(e) if self.running.is_empty() => {
+                    self.limits.waiting.fetch_sub(1, Ordering::Relaxed);
+                    self.finish(seq, FinishReason::Error(e), None);
+                    continue;
+                }
+                Err(_) => {
+                    self.waiting.push_front(seq);
+                    break;
+                }
+            };
             seq.num_computed = cached;
             if seq.num_output() == 0 {
                 seq.cached_tokens = cached;

@@ -1,78 +1,56 @@
 //! The gated attention core on the device: q/gate split with per-head q/k RMSNorm and partial NeoX
 //! RoPE (one kernel each for q and k), the K/V write into the layer's pools, then the paged decode
-//! kernel for a batch of one-token chunks or the paged prefill kernel per chunk.
+//! kernel for a batch of one-token chunks or the paged prefill kernel per chunk. The first part
+//! ([`CudaBackend::attn_prologue`]) is QSA attention's first part too (`qsa.rs`).
 
-use cudarc::driver::{CudaSlice, CudaView};
-use half::bf16;
-use sanmai_model::backend::{AttnShape, AttnWeights, Rope, SeqChunk};
+use cudarc::driver::CudaSlice;
+use sanmai_model::backend::{AttnCall, AttnShape};
 
-use super::cache::KvPool;
+use super::meta::SeqMeta;
 use super::tensor::{CudaTensor, CudaWeight};
-use super::{all_decode, CudaBackend};
+use super::{all_decode, CudaBackend, State};
 use crate::error::{CudaError, Result};
 use crate::ops::{AttnDims, HeadLayout, RopeArgs};
 
+/// What the attention prologue leaves for the attention proper: q (normed and roped) and the gate,
+/// each `[rows, num_heads·head_dim]`, and where the step's chunks lie in the metadata buffer.
+pub(crate) struct Prepared {
+    pub q: CudaTensor,
+    pub gate: CudaTensor,
+    pub meta: SeqMeta,
+}
+
+/// The paged kernels' dimensions of an attention shape over blocks of `block_size` positions.
+pub(crate) fn attn_dims(sh: &AttnShape, block_size: usize) -> AttnDims {
+    AttnDims {
+        hq: sh.num_heads,
+        hkv: sh.num_kv_heads,
+        head_dim: sh.head_dim,
+        block_size,
+    }
+}
+
 impl CudaBackend {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_impl(
         &self,
-        layer: usize,
-        sh: &AttnShape,
-        rope: &Rope,
-        q_gate: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        w: &AttnWeights<CudaWeight>,
-        seqs: &[SeqChunk<'_>],
+        c: &AttnCall<'_, CudaTensor, CudaWeight>,
     ) -> Result<CudaTensor> {
         let g = &self.gpu;
-        let (nh, nkv, d) = (sh.num_heads, sh.num_kv_heads, sh.head_dim);
-        let rows = q_gate.rows;
-        let bad = |msg: String| CudaError::Shape {
-            op: "attention",
-            msg,
-        };
-        if q_gate.cols != 2 * nh * d || k.cols != nkv * d || v.cols != nkv * d {
-            return Err(bad(format!(
-                "q_gate {} / k {} / v {} columns do not match {nh} heads, {nkv} kv heads of {d}",
-                q_gate.cols, k.cols, v.cols
-            )));
-        }
-        if k.rows != rows || v.rows != rows {
-            return Err(bad("q, k and v differ in rows".into()));
-        }
+        let (nh, d) = (c.shape.num_heads, c.shape.head_dim);
+        let rows = c.q_gate.rows;
         let mut st = self.lock();
         let st = &mut *st;
+        let Prepared { q, gate, meta: m } = self.attn_prologue(st, c, "attention")?;
         let bs = st.kv.block_size;
-        let m = st.meta.seqs(g, seqs, rows, bs)?;
-        let ri = st.rope_table(g, &rope.inv_freq)?;
-        let inv_freq = &st.rope[ri].1;
-        let positions = st.meta.view(m.positions, rows);
-        let ra = RopeArgs {
-            inv_freq,
-            rot_dim: rope.rot_dim,
-            mscale: rope.mscale,
-        };
-        let pool = st
-            .kv
-            .layers
-            .get_mut(&layer)
-            .ok_or_else(|| bad(format!("no K/V pool for layer {layer}: init_cache first")))?;
-        let kv_dst = st.meta.view(m.kv_dst, rows);
-        let (q, gate) = self.qkv_prepare(sh, &ra, &positions, &kv_dst, q_gate, k, v, w, pool)?;
-        let dims = AttnDims {
-            hq: nh,
-            hkv: nkv,
-            head_dim: d,
-            block_size: bs,
-        };
+        let pool = st.kv.pool(c.layer)?;
+        let dims = attn_dims(c.shape, bs);
         // Every row is written below (each row belongs to one chunk), so it is not cleared.
         let mut out = self.alloc(rows, nh * d)?;
         let tables = st.meta.view(m.tables, m.n_seq * m.stride);
-        if all_decode(seqs) {
+        if all_decode(c.seqs) {
             // A decode step that may be recorded sizes the split grid by its span: splits beyond a
             // sequence's length (read on the device) exit at once.
-            let longest = seqs.iter().map(|s| s.pos0 + 1).max().unwrap_or(1);
+            let longest = c.seqs.iter().map(|s| s.pos0 + 1).max().unwrap_or(1);
             let max_len = st.decode_span.map_or(longest, |span| span.max(longest));
             let lens = st.meta.view(m.lens, m.n_seq);
             g.attention_paged_decode(
@@ -86,11 +64,11 @@ impl CudaBackend {
                 &lens,
                 max_len,
                 &mut out.buf,
-                seqs.len(),
+                c.seqs.len(),
             )?;
         } else {
             let qr = nh * d;
-            for (i, s) in seqs.iter().enumerate().filter(|(_, s)| s.len > 0) {
+            for (i, s) in c.seqs.iter().enumerate().filter(|(_, s)| s.len > 0) {
                 let nb = (s.pos0 + s.len).div_ceil(bs.max(1));
                 let table = tables.slice(i * m.stride..i * m.stride + nb);
                 let (a, b) = (s.start * qr, (s.start + s.len) * qr);
@@ -110,25 +88,42 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// The start of dense and QSA attention alike: q (per-head RMSNorm and partial RoPE) and the gate
-    /// split out of `q_gate`, k normed and roped the same way and written with v into `pool` at the
-    /// step's K/V destinations. Returns `(q, gate)`, each `[rows, num_heads·head_dim]`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn qkv_prepare(
+    /// The start of dense and QSA attention alike (`op` names which, for its errors): the inputs
+    /// checked against the shape, the step's chunks staged, q (per-head RMSNorm and partial RoPE)
+    /// and the gate split out of `q_gate`, k normed and roped the same way and written with v into
+    /// layer `c.layer`'s pool at the step's K/V destinations.
+    pub(crate) fn attn_prologue(
         &self,
-        sh: &AttnShape,
-        ra: &RopeArgs<'_, CudaSlice<f32>>,
-        positions: &CudaView<'_, u32>,
-        kv_dst: &CudaView<'_, u32>,
-        q_gate: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        w: &AttnWeights<CudaWeight>,
-        pool: &mut KvPool,
-    ) -> Result<(CudaTensor, CudaTensor)> {
+        st: &mut State,
+        c: &AttnCall<'_, CudaTensor, CudaWeight>,
+        op: &'static str,
+    ) -> Result<Prepared> {
         let g = &self.gpu;
+        let sh = c.shape;
         let (nh, nkv, d) = (sh.num_heads, sh.num_kv_heads, sh.head_dim);
+        let (q_gate, k, v) = (c.q_gate, c.k, c.v);
         let rows = q_gate.rows;
+        let bad = |msg: String| CudaError::Shape { op, msg };
+        if q_gate.cols != 2 * nh * d || k.cols != nkv * d || v.cols != nkv * d {
+            return Err(bad(format!(
+                "q_gate {} / k {} / v {} columns do not match {nh} heads, {nkv} kv heads of {d}",
+                q_gate.cols, k.cols, v.cols
+            )));
+        }
+        if k.rows != rows || v.rows != rows {
+            return Err(bad("q, k and v differ in rows".into()));
+        }
+        let bs = st.kv.block_size;
+        let m = st.meta.seqs(g, c.seqs, rows, bs)?;
+        let ri = st.rope_table(g, &c.rope.inv_freq)?;
+        let ra = RopeArgs {
+            inv_freq: &st.rope[ri].1,
+            rot_dim: c.rope.rot_dim,
+            mscale: c.rope.mscale,
+        };
+        let positions = st.meta.view(m.positions, rows);
+        let kv_dst = st.meta.view(m.kv_dst, rows);
+        let pool = st.kv.pool_mut(c.layer)?;
         let mut q = self.alloc(rows, nh * d)?;
         let mut gate = self.alloc(rows, nh * d)?;
         let mut kn = self.alloc(rows, nkv * d)?;
@@ -142,10 +137,10 @@ impl CudaBackend {
                 row_stride: 2 * nh * d,
                 head_stride: 2 * d,
             },
-            vector(&w.q_norm)?,
+            c.w.q_norm.bf16()?,
             sh.eps,
-            positions,
-            ra,
+            &positions,
+            &ra,
             &mut q.buf,
             Some(&mut gv),
         )?;
@@ -158,10 +153,10 @@ impl CudaBackend {
                 row_stride: nkv * d,
                 head_stride: d,
             },
-            vector(&w.k_norm)?,
+            c.w.k_norm.bf16()?,
             sh.eps,
-            positions,
-            ra,
+            &positions,
+            &ra,
             &mut kn.buf,
             None,
         )?;
@@ -170,15 +165,10 @@ impl CudaBackend {
             &v.buf,
             &mut pool.k,
             &mut pool.v,
-            kv_dst,
+            &kv_dst,
             rows,
             nkv * d,
         )?;
-        Ok((q, gate))
+        Ok(Prepared { q, gate, meta: m })
     }
-}
-
-/// The bf16 values of a vector weight.
-pub(crate) fn vector(w: &CudaWeight) -> Result<&CudaSlice<bf16>> {
-    Ok(w.bf16())
 }

@@ -619,8 +619,8 @@ fn qsa_backend_matches_cpu() {
     };
     let blocks_a: Vec<u32> = (0..40).collect();
     let blocks_b: Vec<u32> = (40..80).rev().collect();
-    let (sa_g, sb_g) = (p.gpu.alloc_state(), p.gpu.alloc_state());
-    let (sa_c, sb_c) = (p.cpu.alloc_state(), p.cpu.alloc_state());
+    let (sa_g, sb_g) = (p.gpu.alloc_state().unwrap(), p.gpu.alloc_state().unwrap());
+    let (sa_c, sb_c) = (p.cpu.alloc_state().unwrap(), p.cpu.alloc_state().unwrap());
     assert_eq!((sa_g, sb_g), (sa_c, sb_c), "slot ids agree");
     // Steps: (a_len, b_len) with positions advancing; a prefills 30 (dense) then 100 (selecting),
     // b decodes and prefills around the topk boundary, then both decode.
@@ -666,40 +666,54 @@ fn qsa_backend_matches_cpu() {
             data(di, &mut rng),
             data(ni, &mut rng),
         );
-        let up_g = |c: usize, x: &[f32]| p.gpu.upload(rows, c, x.to_vec());
-        let up_c = |c: usize, x: &[f32]| p.cpu.upload(rows, c, x.to_vec());
-        let out_g = p.gpu.qsa_attention(
-            0,
-            &shape,
-            &rope,
-            &qsa,
-            &up_g(2 * nh * d, &qg),
-            &up_g(nkv * d, &kk),
-            &up_g(nkv * d, &vv),
-            &aw_g,
-            &up_g(ni * di, &iq),
-            &up_g(di, &ik),
-            &up_g(ni, &iw),
-            &iw_g,
-            &seqs,
+        let g = qsa_call(
+            &p.gpu,
+            rows,
+            [&qg, &kk, &vv, &iq, &ik, &iw],
+            |[q_gate, k, v, iq, ik, iw]| {
+                p.gpu.qsa_attention(&QsaCall {
+                    attn: AttnCall {
+                        layer: 0,
+                        shape: &shape,
+                        rope: &rope,
+                        q_gate,
+                        k,
+                        v,
+                        w: &aw_g,
+                        seqs: &seqs,
+                    },
+                    qsa: &qsa,
+                    iq,
+                    ik,
+                    iw,
+                    indexer: &iw_g,
+                })
+            },
         );
-        let out_c = p.cpu.qsa_attention(
-            0,
-            &shape,
-            &rope,
-            &qsa,
-            &up_c(2 * nh * d, &qg),
-            &up_c(nkv * d, &kk),
-            &up_c(nkv * d, &vv),
-            &aw_c,
-            &up_c(ni * di, &iq),
-            &up_c(di, &ik),
-            &up_c(ni, &iw),
-            &iw_c,
-            &seqs,
+        let c = qsa_call(
+            &p.cpu,
+            rows,
+            [&qg, &kk, &vv, &iq, &ik, &iw],
+            |[q_gate, k, v, iq, ik, iw]| {
+                p.cpu.qsa_attention(&QsaCall {
+                    attn: AttnCall {
+                        layer: 0,
+                        shape: &shape,
+                        rope: &rope,
+                        q_gate,
+                        k,
+                        v,
+                        w: &aw_c,
+                        seqs: &seqs,
+                    },
+                    qsa: &qsa,
+                    iq,
+                    ik,
+                    iw,
+                    indexer: &iw_c,
+                })
+            },
         );
-        let (_, _, g) = p.gpu.to_host(out_g);
-        let (_, _, c) = p.cpu.to_host(out_c);
         let rel = max_rel(&g, &c);
         worst = worst.max(rel);
         pa += la;
@@ -723,6 +737,19 @@ fn qsa_backend_matches_cpu() {
     assert!(selecting > 100, "the schedule exercises selection");
     assert_eq!(differing, 0, "selected sets differ from the CPU's");
     assert!(worst <= 1e-2, "QSA attention off by {worst}");
+}
+
+/// One QSA call on backend `b`: the inputs (q|gate, k, v, iq, ik, iw, each `[rows, ·]`, their widths
+/// from their lengths) uploaded, `call` run on them, the output on the host.
+fn qsa_call<B: Backend>(
+    b: &B,
+    rows: usize,
+    inputs: [&[f32]; 6],
+    call: impl FnOnce([&B::Tensor; 6]) -> OpResult<B::Tensor>,
+) -> Vec<f32> {
+    let ts = inputs.map(|x| b.upload(rows, x.len() / rows, x.to_vec()).unwrap());
+    let out = call(ts.each_ref()).unwrap();
+    b.to_host(out).unwrap().2
 }
 
 /// The CPU's gated attention of one query row (`q`, `gate`: `[hq·d]`) over the K/V rows starting at the

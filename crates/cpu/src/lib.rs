@@ -3,7 +3,6 @@
 //! checkpoints on machines without a GPU.
 
 mod backend;
-mod backend_ext;
 pub mod ops;
 
 pub use backend::{CpuBackend, CpuTensor, CpuWeight, QsaSelection};

@@ -11,7 +11,7 @@
 
 use rayon::prelude::*;
 
-use super::gemm::{gemm_nn, gemm_nt};
+use super::gemm::{gemm_nn, gemm_nt, Mat, MatMut};
 use super::{SharedOut, PAR_MIN_WORK};
 
 /// Query rows per task when a task takes a block of rows of one head.
@@ -21,26 +21,65 @@ const Q_BLOCK: usize = 16;
 /// (every key row then serves that many query rows at once).
 const GROUP_MIN: usize = 4;
 
-/// Attention of `m` query rows (`qs`, stride `ldq`) against the first `ctx` rows of one KV head (`kc`,
-/// `vc`, stride `ldkv`); row `r` sees its first `visible(r)` keys. Returns the `[m, d]` outputs, which
-/// live in `scratch`.
-#[allow(clippy::too_many_arguments)]
-fn attend<'s>(
-    qs: &[f32],
+/// The heads of a grouped-query attention: `hq` query heads over `hkv` KV heads of width `d` (query
+/// head `h` reads KV head `h / (hq / hkv)`), scores scaled by `scale` (usually `d^-0.5`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Heads {
+    pub hq: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub scale: f32,
+}
+
+/// The sizes of an [`attention_causal`] call: `t` new queries, which are the last `t` of the `len`
+/// cached positions, over `heads`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Causal {
+    pub t: usize,
+    pub len: usize,
+    pub heads: Heads,
+}
+
+/// One task's operands: `m` query rows (`q`, stride `ldq`) against the first `ctx` rows of one KV
+/// head (`k`, `v`, stride `ldkv`).
+struct Task<'a> {
+    q: &'a [f32],
     ldq: usize,
     m: usize,
-    kc: &[f32],
-    vc: &[f32],
+    k: &'a [f32],
+    v: &'a [f32],
     ldkv: usize,
     ctx: usize,
+}
+
+/// Attention of a task's query rows, row `r` seeing its first `visible(r)` keys, over heads of width
+/// `d` with scores scaled by `scale`. Returns the `[m, d]` outputs, which live in `scratch`.
+fn attend<'s>(
+    task: &Task<'_>,
     d: usize,
     scale: f32,
     visible: impl Fn(usize) -> usize,
     scratch: &'s mut Vec<f32>,
 ) -> &'s [f32] {
+    let Task {
+        q,
+        ldq,
+        m,
+        k,
+        v,
+        ldkv,
+        ctx,
+    } = *task;
     scratch.resize(m * ctx + m * d, 0.0);
     let (scores, o) = scratch.split_at_mut(m * ctx);
-    gemm_nt(qs, ldq, kc, ldkv, m, d, ctx, scores, ctx);
+    gemm_nt(
+        Mat::new(q, ldq),
+        Mat::new(k, ldkv),
+        MatMut::new(scores, ctx),
+        m,
+        d,
+        ctx,
+    );
     for (r, row) in scores.chunks_exact_mut(ctx).enumerate() {
         let (seen, masked) = row.split_at_mut(visible(r));
         let mut max = f32::NEG_INFINITY;
@@ -58,29 +97,29 @@ fn attend<'s>(
         }
         masked.fill(0.0);
     }
-    gemm_nn(scores, ctx, vc, ldkv, m, ctx, d, o, d);
+    gemm_nn(
+        Mat::new(scores, ctx),
+        Mat::new(v, ldkv),
+        MatMut::new(o, d),
+        m,
+        ctx,
+        d,
+    );
     o
 }
 
-/// Causal GQA attention of `t` new queries against a cache of `len` positions.
+/// Causal GQA attention of `c.t` new queries against a cache of `c.len` positions.
 ///
 /// `q`: `[t, hq, d]` (already normed and roped); `k_cache`, `v_cache`: `[len, hkv, d]` holding positions
 /// `0..len`, the queries being positions `len − t .. len − 1`, so query row `i` attends to cache rows
-/// `0 ..= len − t + i`; query head `h` reads KV head `h / (hq / hkv)`. `scale` is usually `d^-0.5`.
-/// `out`: `[t, hq, d]`. Parallel over (query block, head) tasks when large.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_causal(
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    t: usize,
-    len: usize,
-    hq: usize,
-    hkv: usize,
-    d: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
+/// `0 ..= len − t + i`; query head `h` reads KV head `h / (hq / hkv)`; scores are scaled by
+/// `c.heads.scale`. `out`: `[t, hq, d]`. Parallel over (query block, head) tasks when large.
+pub fn attention_causal(q: &[f32], k_cache: &[f32], v_cache: &[f32], c: &Causal, out: &mut [f32]) {
+    let Causal {
+        t,
+        len,
+        heads: Heads { hq, hkv, d, scale },
+    } = *c;
     assert!(
         t <= len,
         "attention_causal: more queries than cached positions"
@@ -127,7 +166,16 @@ pub fn attention_causal(
             let ctx = past + i + 1;
             let (kc, vc) = (&k_cache[g * d..], &v_cache[g * d..]);
             let qs = &q[(i * hq + h0) * d..];
-            let o = attend(qs, d, n_rep, kc, vc, ldkv, ctx, d, scale, |_| ctx, scratch);
+            let task = Task {
+                q: qs,
+                ldq: d,
+                m: n_rep,
+                k: kc,
+                v: vc,
+                ldkv,
+                ctx,
+            };
+            let o = attend(&task, d, scale, |_| ctx, scratch);
             // SAFETY: rows out[i, h0..h0 + n_rep, :] belong to this task alone.
             let dst = unsafe { shared.slice((i * hq + h0) * d, n_rep * d) };
             dst.copy_from_slice(o);
@@ -139,19 +187,16 @@ pub fn attention_causal(
             let (kc, vc) = (&k_cache[g * d..], &v_cache[g * d..]);
             let qs = &q[(i0 * hq + h) * d..];
             let vis = |r: usize| past + i0 + r + 1;
-            let o = attend(
-                qs,
-                hq * d,
-                i1 - i0,
-                kc,
-                vc,
+            let task = Task {
+                q: qs,
+                ldq: hq * d,
+                m: i1 - i0,
+                k: kc,
+                v: vc,
                 ldkv,
-                past + i1,
-                d,
-                scale,
-                vis,
-                scratch,
-            );
+                ctx: past + i1,
+            };
+            let o = attend(&task, d, scale, vis, scratch);
             for (r, row) in o.chunks_exact(d).enumerate() {
                 // SAFETY: row out[i0 + r, h, :] belongs to this task alone.
                 let dst = unsafe { shared.slice(((i0 + r) * hq + h) * d, d) };

@@ -10,9 +10,10 @@ use rayon::prelude::*;
 
 use super::{multiversion, norm::l2_row, SharedOut, PAR_MIN_WORK};
 
-/// The sizes of one GDN call.
-#[derive(Clone, Copy)]
-pub(crate) struct Dims {
+/// The sizes of one sequence's GDN call: `t` tokens, `hk` key heads of width `dk`, `hv` value heads
+/// of width `dv`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GdnSizes {
     pub t: usize,
     pub hk: usize,
     pub hv: usize,
@@ -20,30 +21,30 @@ pub(crate) struct Dims {
     pub dv: usize,
 }
 
-impl Dims {
+/// One sequence's GDN inputs after conv + SiLU and the split: `q`, `k` `[t, hk, dk]`, `v`
+/// `[t, hv, dv]`, `g` `[t, hv]` log decays (≤ 0) and `beta` `[t, hv]`.
+#[derive(Debug, Clone, Copy)]
+pub struct GdnInputs<'a> {
+    pub q: &'a [f32],
+    pub k: &'a [f32],
+    pub v: &'a [f32],
+    pub g: &'a [f32],
+    pub beta: &'a [f32],
+}
+
+impl GdnSizes {
     /// Checks every slice against the sizes (panics with the op's name on a mismatch).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn check(
-        &self,
-        name: &str,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        g: &[f32],
-        beta: &[f32],
-        state: &[f32],
-        out: &[f32],
-    ) {
-        let Dims { t, hk, hv, dk, dv } = *self;
+    pub(crate) fn check(&self, name: &str, x: &GdnInputs<'_>, state: &[f32], out: &[f32]) {
+        let GdnSizes { t, hk, hv, dk, dv } = *self;
         assert!(
             hk > 0 && hv.is_multiple_of(hk),
             "{name}: hv must be a positive multiple of hk"
         );
-        assert_eq!(q.len(), t * hk * dk, "{name}: q must be [t, hk, dk]");
-        assert_eq!(k.len(), t * hk * dk, "{name}: k must be [t, hk, dk]");
-        assert_eq!(v.len(), t * hv * dv, "{name}: v must be [t, hv, dv]");
-        assert_eq!(g.len(), t * hv, "{name}: g must be [t, hv]");
-        assert_eq!(beta.len(), t * hv, "{name}: beta must be [t, hv]");
+        assert_eq!(x.q.len(), t * hk * dk, "{name}: q must be [t, hk, dk]");
+        assert_eq!(x.k.len(), t * hk * dk, "{name}: k must be [t, hk, dk]");
+        assert_eq!(x.v.len(), t * hv * dv, "{name}: v must be [t, hv, dv]");
+        assert_eq!(x.g.len(), t * hv, "{name}: g must be [t, hv]");
+        assert_eq!(x.beta.len(), t * hv, "{name}: beta must be [t, hv]");
         assert_eq!(
             state.len(),
             hv * dk * dv,
@@ -65,11 +66,9 @@ pub(crate) fn q_scale(dk: usize) -> f32 {
 
 /// Writes the l2-normalised, scaled query and the l2-normalised key of token `s`, key head `kh`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn load_qk(
-    q: &[f32],
-    k: &[f32],
-    d: Dims,
+    x: &GdnInputs<'_>,
+    d: GdnSizes,
     s: usize,
     kh: usize,
     scale: f32,
@@ -77,12 +76,12 @@ pub(crate) fn load_qk(
     ko: &mut [f32],
 ) {
     let off = (s * d.hk + kh) * d.dk;
-    qo.copy_from_slice(&q[off..off + d.dk]);
+    qo.copy_from_slice(&x.q[off..off + d.dk]);
     l2_row(qo, 1e-6);
-    for x in qo.iter_mut() {
-        *x *= scale;
+    for v in qo.iter_mut() {
+        *v *= scale;
     }
-    ko.copy_from_slice(&k[off..off + d.dk]);
+    ko.copy_from_slice(&x.k[off..off + d.dk]);
     l2_row(ko, 1e-6);
 }
 
@@ -91,7 +90,7 @@ pub(crate) fn load_qk(
 pub(crate) fn for_each_head(
     state: &mut [f32],
     out: &mut [f32],
-    d: Dims,
+    d: GdnSizes,
     work: usize,
     head: impl Fn(usize, &mut [f32], SharedOut) + Sync + Send,
 ) {
@@ -120,23 +119,13 @@ pub(crate) fn for_each_head(
 /// Only the task of head `h` may call this for `h`, and it may hold one such row at a time.
 #[inline(always)]
 #[allow(clippy::mut_from_ref)]
-pub(crate) unsafe fn out_row(out: &SharedOut, d: Dims, s: usize, h: usize) -> &mut [f32] {
+pub(crate) unsafe fn out_row(out: &SharedOut, d: GdnSizes, s: usize, h: usize) -> &mut [f32] {
     // SAFETY: rows of distinct (s, h) are disjoint; the caller's contract keeps them exclusive.
     unsafe { out.slice((s * d.hv + h) * d.dv, d.dv) }
 }
 
 multiversion! {
-    fn recurrent_head(
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        g: &[f32],
-        beta: &[f32],
-        st: &mut [f32],
-        out: SharedOut,
-        d: Dims,
-        h: usize,
-    ) {
+    fn recurrent_head(inp: &GdnInputs<'_>, st: &mut [f32], out: SharedOut, d: GdnSizes, h: usize) {
         let (dk, dv) = (d.dk, d.dv);
         let kh = d.key_head(h);
         let scale = q_scale(dk);
@@ -144,10 +133,10 @@ multiversion! {
         let mut kv = vec![0f32; dk];
         let mut mem = vec![0f32; dv];
         for s in 0..d.t {
-            load_qk(q, k, d, s, kh, scale, &mut qv, &mut kv);
-            let decay = g[s * d.hv + h].exp();
-            let b = beta[s * d.hv + h];
-            let vs = &v[(s * d.hv + h) * dv..(s * d.hv + h + 1) * dv];
+            load_qk(inp, d, s, kh, scale, &mut qv, &mut kv);
+            let decay = inp.g[s * d.hv + h].exp();
+            let b = inp.beta[s * d.hv + h];
+            let vs = &inp.v[(s * d.hv + h) * dv..(s * d.hv + h + 1) * dv];
             // S ← S·exp(g); mem = Sᵀk
             mem.fill(0.0);
             for (row, ka) in st.chunks_exact_mut(dv).zip(&kv) {
@@ -176,31 +165,16 @@ multiversion! {
 
 /// Gated delta rule, token by token, for one sequence.
 ///
-/// `q`, `k`: `[t, hk, dk]` and `v`: `[t, hv, dv]` after conv+SiLU and the split (this op l2-normalises q
-/// and k and scales q by `dk^-0.5`); `g`: `[t, hv]` log decays (≤ 0); `beta`: `[t, hv]`; `state`:
-/// `[hv, dk, dv]`, read and updated in place; `out`: `[t, hv, dv]`. Parallel over value heads when large.
-#[allow(clippy::too_many_arguments)]
-pub fn gdn_recurrent(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: &[f32],
-    state: &mut [f32],
-    out: &mut [f32],
-    t: usize,
-    hk: usize,
-    hv: usize,
-    dk: usize,
-    dv: usize,
-) {
-    let d = Dims { t, hk, hv, dk, dv };
-    d.check("gdn_recurrent", q, k, v, g, beta, state, out);
-    if t == 0 {
+/// `x`: the inputs after conv+SiLU and the split (this op l2-normalises q and k and scales q by
+/// `dk^-0.5`), of sizes `d`; `state`: `[hv, dk, dv]`, read and updated in place; `out`:
+/// `[t, hv, dv]`. Parallel over value heads when large.
+pub fn gdn_recurrent(x: &GdnInputs<'_>, d: GdnSizes, state: &mut [f32], out: &mut [f32]) {
+    d.check("gdn_recurrent", x, state, out);
+    if d.t == 0 {
         return;
     }
-    let work = 4 * t * hv * dk * dv;
+    let work = 4 * d.t * d.hv * d.dk * d.dv;
     for_each_head(state, out, d, work, |h, st, o| {
-        recurrent_head(q, k, v, g, beta, st, o, d, h)
+        recurrent_head(x, st, o, d, h)
     });
 }

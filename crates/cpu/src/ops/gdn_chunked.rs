@@ -11,8 +11,8 @@
 //!
 //! The products the reference computes as matrix multiplications are the GEMM kernels of `gemm.rs`.
 
-use super::gdn::{for_each_head, load_qk, out_row, q_scale, Dims};
-use super::gemm::{gemm_nn, gemm_nt};
+use super::gdn::{for_each_head, load_qk, out_row, q_scale, GdnInputs, GdnSizes};
+use super::gemm::{gemm_nn, gemm_nt, Mat, MatMut};
 use super::SharedOut;
 
 /// Per-head scratch for one chunk of up to `c` tokens.
@@ -62,7 +62,14 @@ fn forward_substitute(a: &[f32], c: usize, len: usize, x: &mut [f32], n: usize, 
     let tmp = &mut tmp[..n];
     for i in 1..len {
         let (done, rest) = x.split_at_mut(i * n);
-        gemm_nn(&a[i * c..], c, done, n, 1, i, n, tmp, n);
+        gemm_nn(
+            Mat::new(&a[i * c..], c),
+            Mat::new(done, n),
+            MatMut::new(tmp, n),
+            1,
+            i,
+            n,
+        );
         for (x, s) in rest[..n].iter_mut().zip(tmp.iter()) {
             *x -= s;
         }
@@ -70,19 +77,15 @@ fn forward_substitute(a: &[f32], c: usize, len: usize, x: &mut [f32], n: usize, 
 }
 
 /// One value head over the whole sequence, chunk by chunk.
-#[allow(clippy::too_many_arguments)]
 fn chunked_head(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: &[f32],
+    x: &GdnInputs<'_>,
     st: &mut [f32],
     out: SharedOut,
-    d: Dims,
+    d: GdnSizes,
     h: usize,
     chunk: usize,
 ) {
+    let GdnInputs { v, g, beta, .. } = *x;
     let (dk, dv, c) = (d.dk, d.dv, chunk);
     let kh = d.key_head(h);
     let scale = q_scale(dk);
@@ -98,7 +101,7 @@ fn chunked_head(
                 &mut sc.qn[i * dk..(i + 1) * dk],
                 &mut sc.kn[i * dk..(i + 1) * dk],
             );
-            load_qk(q, k, d, s, kh, scale, qi, ki);
+            load_qk(x, d, s, kh, scale, qi, ki);
             let b = beta[s * d.hv + h];
             for (o, x) in sc.kb[i * dk..(i + 1) * dk].iter_mut().zip(ki.iter()) {
                 *o = x * b;
@@ -116,8 +119,22 @@ fn chunked_head(
         }
         // Phase 2: the UT system A (strictly lower) and the intra-chunk attention P (lower), both
         // weighted by the pairwise decay; the upper parts are set to exactly 0.
-        gemm_nt(&sc.kb, dk, &sc.kn, dk, len, dk, len, &mut sc.a, c);
-        gemm_nt(&sc.qn, dk, &sc.kn, dk, len, dk, len, &mut sc.p, c);
+        gemm_nt(
+            Mat::new(&sc.kb, dk),
+            Mat::new(&sc.kn, dk),
+            MatMut::new(&mut sc.a, c),
+            len,
+            dk,
+            len,
+        );
+        gemm_nt(
+            Mat::new(&sc.qn, dk),
+            Mat::new(&sc.kn, dk),
+            MatMut::new(&mut sc.p, c),
+            len,
+            dk,
+            len,
+        );
         for i in 0..len {
             for j in 0..len {
                 let (a, p) = (&mut sc.a[i * c + j], &mut sc.p[i * c + j]);
@@ -146,7 +163,14 @@ fn chunked_head(
         }
         forward_substitute(&sc.a, c, len, &mut sc.w[..len * dk], dk, &mut sc.tmp);
         // Phase 4: v' = U − W·S.
-        gemm_nn(&sc.w, dk, st, dv, len, dk, dv, &mut sc.tmp, dv);
+        gemm_nn(
+            Mat::new(&sc.w, dk),
+            Mat::new(st, dv),
+            MatMut::new(&mut sc.tmp, dv),
+            len,
+            dk,
+            dv,
+        );
         for ((o, u), m) in sc.vnew[..len * dv].iter_mut().zip(&sc.u).zip(&sc.tmp) {
             *o = u - m;
         }
@@ -161,8 +185,22 @@ fn chunked_head(
                 *o = x * e;
             }
         }
-        gemm_nn(&sc.qd, dk, st, dv, len, dk, dv, &mut sc.o, dv);
-        gemm_nn(&sc.p, c, &sc.vnew, dv, len, len, dv, &mut sc.tmp, dv);
+        gemm_nn(
+            Mat::new(&sc.qd, dk),
+            Mat::new(st, dv),
+            MatMut::new(&mut sc.o, dv),
+            len,
+            dk,
+            dv,
+        );
+        gemm_nn(
+            Mat::new(&sc.p, c),
+            Mat::new(&sc.vnew, dv),
+            MatMut::new(&mut sc.tmp, dv),
+            len,
+            len,
+            dv,
+        );
         for (i, (o, x)) in
             sc.o.chunks_exact_mut(dv)
                 .zip(sc.tmp.chunks_exact(dv))
@@ -184,7 +222,14 @@ fn chunked_head(
                 sc.kdt[a * c + j] = sc.kn[j * dk + a] * e;
             }
         }
-        gemm_nn(&sc.kdt, c, &sc.vnew, dv, dk, len, dv, &mut sc.upd, dv);
+        gemm_nn(
+            Mat::new(&sc.kdt, c),
+            Mat::new(&sc.vnew, dv),
+            MatMut::new(&mut sc.upd, dv),
+            dk,
+            len,
+            dv,
+        );
         let cd = last.exp();
         for (x, u) in st.iter_mut().zip(&sc.upd) {
             *x = *x * cd + u;
@@ -197,31 +242,22 @@ fn chunked_head(
 ///
 /// Same arguments and result as [`super::gdn_recurrent`] (equal to it up to f32 rounding, ~1e-6
 /// relative); `chunk` must be at least 1. Parallel over value heads when large.
-#[allow(clippy::too_many_arguments)]
 pub fn gdn_chunked(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    g: &[f32],
-    beta: &[f32],
+    x: &GdnInputs<'_>,
+    d: GdnSizes,
+    chunk: usize,
     state: &mut [f32],
     out: &mut [f32],
-    t: usize,
-    hk: usize,
-    hv: usize,
-    dk: usize,
-    dv: usize,
-    chunk: usize,
 ) {
     assert!(chunk >= 1, "gdn_chunked: chunk must be at least 1");
-    let d = Dims { t, hk, hv, dk, dv };
-    d.check("gdn_chunked", q, k, v, g, beta, state, out);
+    d.check("gdn_chunked", x, state, out);
+    let GdnSizes { t, hv, dk, dv, .. } = d;
     if t == 0 {
         return;
     }
     let c = chunk.min(t);
     let work = t * hv * (c * (2 * dk + dk + dv) + 3 * dk * dv);
     for_each_head(state, out, d, work, |h, st, o| {
-        chunked_head(q, k, v, g, beta, st, o, d, h, c)
+        chunked_head(x, st, o, d, h, c)
     });
 }

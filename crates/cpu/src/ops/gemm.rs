@@ -32,20 +32,9 @@ fn has_avx2_fma() -> bool {
 // NT: y[i, j] = Σ_p x[i·ldx + p] · w[j·ldw + p]
 // ---------------------------------------------------------------------------------------------------
 
-/// NT product of `mr ≤ 4` rows of `x` (stride `ldx`) with `ncols` rows of `w` (stride `ldw`), rows of
-/// length `k ≥ 1`; row `i` of the result goes to `y[i][..ncols]`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn nt_panel(
-    x: &[f32],
-    ldx: usize,
-    mr: usize,
-    w: &[f32],
-    ldw: usize,
-    ncols: usize,
-    k: usize,
-    y: &mut [&mut [f32]; MR_MAX],
-) {
-    let g = Geom { ldx, ldw, k, ncols };
+/// NT product of `mr ≤ 4` rows of `x` (stride `g.ldx`) with `g.ncols` rows of `w` (stride `g.ldw`),
+/// rows of length `g.k ≥ 1`; row `i` of the result goes to `y[i][..g.ncols]`.
+pub(crate) fn nt_panel(x: &[f32], w: &[f32], mr: usize, g: Geom, y: &mut [&mut [f32]; MR_MAX]) {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA.
@@ -64,30 +53,20 @@ pub(crate) fn nt_panel(
 /// so the block stays in L2 while every row group of the left operand passes over it.
 const SWEEP_FLOATS: usize = 32 * 1024;
 
-/// `y[i·ldy + j] = Σ_p x[i·ldx + p] · w[j·ldw + p]` for `i < m`, `j < n` (serial). Rows of `w` are taken
-/// in blocks of about `SWEEP_FLOATS` so each block is reused by all row groups of `x`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_nt(
-    x: &[f32],
-    ldx: usize,
-    w: &[f32],
-    ldw: usize,
-    m: usize,
-    k: usize,
-    n: usize,
-    y: &mut [f32],
-    ldy: usize,
-) {
+/// `y[i·y.ld + j] = Σ_p x[i·x.ld + p] · w[j·w.ld + p]` for `i < m`, `j < n` (serial). Rows of `w`
+/// are taken in blocks of about `SWEEP_FLOATS` so each block is reused by all row groups of `x`.
+pub(crate) fn gemm_nt(x: Mat<'_>, w: Mat<'_>, y: MatMut<'_>, m: usize, k: usize, n: usize) {
     if m == 0 || n == 0 {
         return;
     }
+    let ldy = y.ld;
     assert!(ldy >= n, "gemm_nt: output stride shorter than a row");
     let nb = (SWEEP_FLOATS / k.max(1)).max(24) / 24 * 24;
     let mut j0 = 0;
     while j0 < n {
         let cols = nb.min(n - j0);
         let mut i = 0;
-        for rows in y.chunks_mut(MR_MAX * ldy) {
+        for rows in y.data.chunks_mut(MR_MAX * ldy) {
             if i >= m {
                 break;
             }
@@ -99,16 +78,13 @@ pub(crate) fn gemm_nt(
             if k == 0 {
                 out.iter_mut().for_each(|o| o.fill(0.0));
             } else {
-                nt_panel(
-                    &x[i * ldx..],
-                    ldx,
-                    mr,
-                    &w[j0 * ldw..],
-                    ldw,
-                    cols,
+                let g = Geom {
+                    ldx: x.ld,
+                    ldw: w.ld,
                     k,
-                    &mut out,
-                );
+                    ncols: cols,
+                };
+                nt_panel(&x.data[i * x.ld..], &w.data[j0 * w.ld..], mr, g, &mut out);
             }
             i += mr;
         }
@@ -116,12 +92,39 @@ pub(crate) fn gemm_nt(
     }
 }
 
+/// A row-major operand read with row stride `ld` (possibly a sub-matrix of a larger buffer).
 #[derive(Clone, Copy)]
-struct Geom {
-    ldx: usize,
-    ldw: usize,
-    k: usize,
-    ncols: usize,
+pub(crate) struct Mat<'a> {
+    pub(crate) data: &'a [f32],
+    pub(crate) ld: usize,
+}
+
+impl<'a> Mat<'a> {
+    pub(crate) fn new(data: &'a [f32], ld: usize) -> Self {
+        Self { data, ld }
+    }
+}
+
+/// A row-major output written with row stride `ld`.
+pub(crate) struct MatMut<'a> {
+    pub(crate) data: &'a mut [f32],
+    pub(crate) ld: usize,
+}
+
+impl<'a> MatMut<'a> {
+    pub(crate) fn new(data: &'a mut [f32], ld: usize) -> Self {
+        Self { data, ld }
+    }
+}
+
+/// The geometry of an NT panel: the row strides of `x` and `w`, the reduction length `k` and the
+/// rows of `w` swept (`ncols`).
+#[derive(Clone, Copy)]
+pub(crate) struct Geom {
+    pub(crate) ldx: usize,
+    pub(crate) ldw: usize,
+    pub(crate) k: usize,
+    pub(crate) ncols: usize,
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -268,71 +271,67 @@ unsafe fn nt_lanes_avx2<const MR: usize, const NR: usize>(
 /// Columns per NN tile (three 8-wide vectors).
 const NN_COLS: usize = 24;
 
-/// `c[i·ldc + j] = Σ_p a[i·lda + p] · b[p·ldb + j]` for `i < m`, `j < n`, one fused multiply-add per
-/// `p` in order (serial).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn gemm_nn(
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
-    m: usize,
-    k: usize,
-    n: usize,
-    c: &mut [f32],
-    ldc: usize,
-) {
+/// `c[i·c.ld + j] = Σ_p a[i·a.ld + p] · b[p·b.ld + j]` for `i < m`, `j < n`, one fused multiply-add
+/// per `p` in order (serial).
+pub(crate) fn gemm_nn(a: Mat<'_>, b: Mat<'_>, c: MatMut<'_>, m: usize, k: usize, n: usize) {
     if m == 0 || n == 0 {
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: the CPU supports AVX2 and FMA.
-        unsafe { gemm_nn_avx2(a, lda, b, ldb, m, k, n, c, ldc) };
+        unsafe { gemm_nn_avx2(a, b, c, m, k, n) };
         return;
     }
-    gemm_nn_generic::<false>(a, lda, b, ldb, m, k, n, c, ldc);
+    gemm_nn_generic::<false>(a, b, c, m, k, n);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn gemm_nn_avx2(
-    a: &[f32],
+unsafe fn gemm_nn_avx2(a: Mat<'_>, b: Mat<'_>, c: MatMut<'_>, m: usize, k: usize, n: usize) {
+    gemm_nn_generic::<true>(a, b, c, m, k, n);
+}
+
+/// The geometry of an NN row group: the row strides of `a`, `b` and `c`, the reduction length `k`
+/// of this sweep, the columns `n`, and whether the sums continue from the values in `c` (`acc`) or
+/// start from zero.
+#[derive(Clone, Copy)]
+struct NnGeom {
     lda: usize,
-    b: &[f32],
     ldb: usize,
-    m: usize,
+    ldc: usize,
     k: usize,
     n: usize,
-    c: &mut [f32],
-    ldc: usize,
-) {
-    gemm_nn_generic::<true>(a, lda, b, ldb, m, k, n, c, ldc);
+    acc: bool,
 }
 
 /// Sweeps `b` in blocks of rows (about `SWEEP_FLOATS` floats each); every row group of `a` passes over a
 /// block before the next, continuing its accumulators from `c`, so the order of each output's fused
 /// multiply-adds stays `p = 0, 1, …, k−1`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn gemm_nn_generic<const AVX: bool>(
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
+    a: Mat<'_>,
+    b: Mat<'_>,
+    c: MatMut<'_>,
     m: usize,
     k: usize,
     n: usize,
-    c: &mut [f32],
-    ldc: usize,
 ) {
+    let (lda, ldb, ldc) = (a.ld, b.ld, c.ld);
+    let (a, b, c) = (a.data, b.data, c.data);
     assert!(ldc >= n, "gemm_nn: output stride shorter than a row");
     let kb = (SWEEP_FLOATS / n.max(1)).max(8);
     let mut p0 = 0;
     loop {
         let kk = kb.min(k - p0);
-        let acc = p0 > 0;
+        let g = NnGeom {
+            lda,
+            ldb,
+            ldc,
+            k: kk,
+            n,
+            acc: p0 > 0,
+        };
         let mut i = 0;
         while i < m {
             let mr = (m - i).min(MR_MAX);
@@ -340,10 +339,10 @@ fn gemm_nn_generic<const AVX: bool>(
             let bp = &b[p0 * ldb..];
             let ci = &mut c[i * ldc..];
             match mr {
-                4 => nn_rows::<4, AVX>(ai, lda, bp, ldb, kk, n, ci, ldc, acc),
-                3 => nn_rows::<3, AVX>(ai, lda, bp, ldb, kk, n, ci, ldc, acc),
-                2 => nn_rows::<2, AVX>(ai, lda, bp, ldb, kk, n, ci, ldc, acc),
-                _ => nn_rows::<1, AVX>(ai, lda, bp, ldb, kk, n, ci, ldc, acc),
+                4 => nn_rows::<4, AVX>(ai, bp, ci, g),
+                3 => nn_rows::<3, AVX>(ai, bp, ci, g),
+                2 => nn_rows::<2, AVX>(ai, bp, ci, g),
+                _ => nn_rows::<1, AVX>(ai, bp, ci, g),
             }
             i += mr;
         }
@@ -354,29 +353,26 @@ fn gemm_nn_generic<const AVX: bool>(
     }
 }
 
-/// `MR` rows of `c`: column blocks of 24, then 8, then single columns. With `acc`, the sums continue
-/// from the values in `c`; otherwise they start from zero.
+/// `MR` rows of `c`: column blocks of 24, then 8, then single columns. With `g.acc`, the sums
+/// continue from the values in `c`; otherwise they start from zero.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn nn_rows<const MR: usize, const AVX: bool>(
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
-    k: usize,
-    n: usize,
-    c: &mut [f32],
-    ldc: usize,
-    acc: bool,
-) {
+fn nn_rows<const MR: usize, const AVX: bool>(a: &[f32], b: &[f32], c: &mut [f32], g: NnGeom) {
+    let NnGeom {
+        lda,
+        ldb,
+        ldc,
+        k,
+        n,
+        acc,
+    } = g;
     let a = &a[..(MR - 1) * lda + k];
     let mut j = 0;
     while j + NN_COLS <= n {
-        nn_tile::<MR, 3, AVX>(a, lda, &b[j..], ldb, k, &mut c[j..], ldc, acc);
+        nn_tile::<MR, 3, AVX>(a, &b[j..], &mut c[j..], g);
         j += NN_COLS;
     }
     while j + 8 <= n {
-        nn_tile::<MR, 1, AVX>(a, lda, &b[j..], ldb, k, &mut c[j..], ldc, acc);
+        nn_tile::<MR, 1, AVX>(a, &b[j..], &mut c[j..], g);
         j += 8;
     }
     while j < n {
@@ -391,19 +387,23 @@ fn nn_rows<const MR: usize, const AVX: bool>(
     }
 }
 
-/// An `MR × 8·NV` tile of `c` (columns from the start of `b` and `c`), continuing from `c` with `acc`.
+/// An `MR × 8·NV` tile of `c` (columns from the start of `b` and `c`), continuing from `c` with
+/// `g.acc`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn nn_tile<const MR: usize, const NV: usize, const AVX: bool>(
     a: &[f32],
-    lda: usize,
     b: &[f32],
-    ldb: usize,
-    k: usize,
     c: &mut [f32],
-    ldc: usize,
-    acc: bool,
+    g: NnGeom,
 ) {
+    let NnGeom {
+        lda,
+        ldb,
+        ldc,
+        k,
+        acc,
+        ..
+    } = g;
     if k == 0 {
         if !acc {
             for i in 0..MR {
@@ -418,7 +418,7 @@ fn nn_tile<const MR: usize, const NV: usize, const AVX: bool>(
     if AVX {
         // SAFETY: AVX = true only under `gemm_nn_avx2` (AVX2 and FMA present); the slices hold every
         // element the tile touches.
-        unsafe { nn_tile_avx2::<MR, NV>(a, lda, b, ldb, k, c, ldc, acc) };
+        unsafe { nn_tile_avx2::<MR, NV>(a, b, c, g) };
         return;
     }
     let mut sums = [[[0f32; 8]; NV]; MR];
@@ -449,21 +449,25 @@ fn nn_tile<const MR: usize, const NV: usize, const AVX: bool>(
 
 /// # Safety
 /// The CPU must support AVX2 and FMA; `a` must hold `(MR−1)·lda + k` floats, `b` `(k−1)·ldb + 8·NV`
-/// and `c` `(MR−1)·ldc + 8·NV`, with `k ≥ 1`.
+/// and `c` `(MR−1)·ldc + 8·NV`, with `k ≥ 1` (the sizes of `g`).
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+#[allow(clippy::needless_range_loop)]
 unsafe fn nn_tile_avx2<const MR: usize, const NV: usize>(
     a: &[f32],
-    lda: usize,
     b: &[f32],
-    ldb: usize,
-    k: usize,
     c: &mut [f32],
-    ldc: usize,
-    acc_in: bool,
+    g: NnGeom,
 ) {
+    let NnGeom {
+        lda,
+        ldb,
+        ldc,
+        k,
+        acc: acc_in,
+        ..
+    } = g;
     use std::arch::x86_64::*;
     assert!(k >= 1);
     assert!(a.len() >= (MR - 1) * lda + k);
@@ -543,7 +547,14 @@ mod tests {
             let w = data((n - 1) * ldw + k, 2);
             let ldy = n + 3;
             let mut y = vec![f32::NAN; m * ldy];
-            gemm_nt(&x, ldx, &w, ldw, m, k, n, &mut y, ldy);
+            gemm_nt(
+                Mat::new(&x, ldx),
+                Mat::new(&w, ldw),
+                MatMut::new(&mut y, ldy),
+                m,
+                k,
+                n,
+            );
             for i in 0..m {
                 for j in 0..n {
                     let want = nt_ref(&x[i * ldx..i * ldx + k], &w[j * ldw..j * ldw + k], k);
@@ -574,7 +585,14 @@ mod tests {
             let b = data((k - 1) * ldb + n, 4);
             let ldc = n + 2;
             let mut c = vec![f32::NAN; m * ldc];
-            gemm_nn(&a, lda, &b, ldb, m, k, n, &mut c, ldc);
+            gemm_nn(
+                Mat::new(&a, lda),
+                Mat::new(&b, ldb),
+                MatMut::new(&mut c, ldc),
+                m,
+                k,
+                n,
+            );
             for i in 0..m {
                 for j in 0..n {
                     let mut s = 0f32;
@@ -636,11 +654,27 @@ mod tests {
             #[cfg(target_arch = "x86_64")]
             if simd {
                 // SAFETY: only reached when the CPU has AVX2 and FMA (checked by the caller).
-                unsafe { gemm_nn_avx2(&x, k, &b, n, m, k, n, &mut c, n) };
+                unsafe {
+                    gemm_nn_avx2(
+                        Mat::new(&x, k),
+                        Mat::new(&b, n),
+                        MatMut::new(&mut c, n),
+                        m,
+                        k,
+                        n,
+                    )
+                };
                 return c;
             }
             let _ = simd;
-            gemm_nn_generic::<false>(&x, k, &b, n, m, k, n, &mut c, n);
+            gemm_nn_generic::<false>(
+                Mat::new(&x, k),
+                Mat::new(&b, n),
+                MatMut::new(&mut c, n),
+                m,
+                k,
+                n,
+            );
             c
         };
         if !has_avx2_fma() {

@@ -13,7 +13,9 @@
 
 use rayon::prelude::*;
 
-use super::gemm::{nt_panel, MR_MAX};
+use std::ops::Range;
+
+use super::gemm::{nt_panel, Geom, MR_MAX};
 use super::{SharedOut, PAR_MIN_WORK};
 
 /// Rows of `x` per task.
@@ -50,7 +52,7 @@ pub fn matmul_t(x: &[f32], w: &[f32], t: usize, k: usize, n: usize, y: &mut [f32
         let (t1, n1) = ((t0 + T_BLOCK).min(t), (n0 + nb).min(n));
         // SAFETY: task (ti, ni) writes only y[t0..t1, n0..n1]; distinct tasks own disjoint tiles, and `y`
         // stays mutably borrowed by this function until every task has finished.
-        unsafe { block(x, w, k, n, t0, t1, n0, n1, out) };
+        unsafe { block(x, w, k, n, t0..t1, n0..n1, out) };
     };
     let tasks = tasks_t * tasks_n;
     if tasks == 1 || t * n * k < PAR_MIN_WORK {
@@ -60,33 +62,35 @@ pub fn matmul_t(x: &[f32], w: &[f32], t: usize, k: usize, n: usize, y: &mut [f32
     }
 }
 
-/// Computes `y[t0..t1, n0..n1]`.
+/// Computes `y[rows, cols]` (`y` is `[t, n]`).
 ///
 /// # Safety
 /// No other thread may access that tile of `out` meanwhile.
-#[allow(clippy::too_many_arguments)]
 unsafe fn block(
     x: &[f32],
     w: &[f32],
     k: usize,
     n: usize,
-    t0: usize,
-    t1: usize,
-    n0: usize,
-    n1: usize,
+    rows: Range<usize>,
+    cols: Range<usize>,
     out: SharedOut,
 ) {
-    let wb = &w[n0 * k..n1 * k];
-    let cols = n1 - n0;
-    let mut r = t0;
-    while r < t1 {
-        let mr = (t1 - r).min(MR_MAX);
-        let mut rows: [&mut [f32]; MR_MAX] = Default::default();
-        for (i, row) in rows.iter_mut().take(mr).enumerate() {
-            // SAFETY: row r + i, columns n0..n1 lie inside this block's tile, which the caller owns.
-            *row = unsafe { out.slice((r + i) * n + n0, cols) };
+    let wb = &w[cols.start * k..cols.end * k];
+    let g = Geom {
+        ldx: k,
+        ldw: k,
+        k,
+        ncols: cols.len(),
+    };
+    let mut r = rows.start;
+    while r < rows.end {
+        let mr = (rows.end - r).min(MR_MAX);
+        let mut dst: [&mut [f32]; MR_MAX] = Default::default();
+        for (i, row) in dst.iter_mut().take(mr).enumerate() {
+            // SAFETY: row r + i, columns `cols` lie inside this block's tile, which the caller owns.
+            *row = unsafe { out.slice((r + i) * n + cols.start, cols.len()) };
         }
-        nt_panel(&x[r * k..(r + mr) * k], k, mr, wb, k, cols, k, &mut rows);
+        nt_panel(&x[r * k..(r + mr) * k], wb, mr, g, &mut dst);
         r += mr;
     }
 }

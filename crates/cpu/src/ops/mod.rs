@@ -29,20 +29,20 @@ mod qsa;
 mod rope;
 
 pub use act::{sigmoid, silu, softplus, swiglu};
-pub use attention::attention_causal;
+pub use attention::{attention_causal, Causal, Heads};
 pub use conv::causal_conv1d_silu;
 pub use fp8::{
     bf16_bits, bf16_value, dequantize_index_key, fp8_e4m3_decode, fp8_e4m3_encode,
     quantize_index_key, FP8_E4M3_MAX,
 };
-pub use gdn::gdn_recurrent;
+pub use gdn::{gdn_recurrent, GdnInputs, GdnSizes};
 pub use gdn_chunked::gdn_chunked;
 pub use linear::matmul_t;
 pub use moe::route_topk;
 pub use norm::{gated_rms_norm, l2_norm, rms_norm};
 pub use ple::{dilated_conv_silu, hc_weights, ple_gate, signed_sqrt, PLE_EPS};
 pub use qsa::{attend_rows, index_scores, layer_norm, topk_positions};
-pub use rope::{mrope_axis, rope_mrope_interleaved, rope_neox};
+pub use rope::{mrope_axis, rope_mrope_interleaved, rope_neox, MropePositions};
 
 /// Work (in multiply-adds) below which an op stays on the calling thread: a rayon fork costs a few
 /// microseconds, about what 100k multiply-adds take on one core.
@@ -56,15 +56,12 @@ pub(crate) const PAR_MIN_WORK: usize = 1 << 17;
 macro_rules! multiversion {
     ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident : $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
         $(#[$meta])*
-        #[allow(clippy::too_many_arguments)]
         $vis fn $name($($arg: $ty),*) $(-> $ret)? {
             #[inline(always)]
-            #[allow(clippy::too_many_arguments)]
             fn imp($($arg: $ty),*) $(-> $ret)? $body
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx2,fma")]
-                #[allow(clippy::too_many_arguments)]
                 unsafe fn fast($($arg: $ty),*) $(-> $ret)? {
                     imp($($arg),*)
                 }

@@ -2,6 +2,8 @@
 //! LayerNorm, the index scores, the exact top-k with ties to the larger position, and the gated
 //! attention of one query row over gathered K/V rows.
 
+use super::Heads;
+
 /// LayerNorm per row in place (`[rows, d]`): `(x − mean) / sqrt(var + eps) · w + b`, biased variance,
 /// in f32 summed in order.
 pub fn layer_norm(x: &mut [f32], w: &[f32], b: &[f32], d: usize, eps: f32) {
@@ -67,21 +69,12 @@ pub fn topk_positions(scores: &[f32], k: usize) -> Vec<usize> {
 }
 
 /// Gated attention of one query row over gathered rows: `q` `[hq, d]` (normed, roped), `gate`
-/// `[hq, d]`, `k`/`v` `[n, hkv·d]` (the selected positions in increasing order); query head `h` reads
-/// KV head `h / (hq / hkv)`. `out[h] = sigmoid(gate_h) ⊙ Σ_j softmax_j(q_h·k_j·scale) v_j`, the softmax
-/// in f32 with max subtraction.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_rows(
-    q: &[f32],
-    gate: &[f32],
-    k: &[f32],
-    v: &[f32],
-    hq: usize,
-    hkv: usize,
-    d: usize,
-    scale: f32,
-    out: &mut [f32],
-) {
+/// `[hq, d]`, `k`/`v` `[n, hkv·d]` (the selected positions in increasing order), with `heads`'
+/// sizes and scale; query head `h` reads KV head `h / (hq / hkv)`.
+/// `out[h] = sigmoid(gate_h) ⊙ Σ_j softmax_j(q_h·k_j·scale) v_j`, the softmax in f32 with max
+/// subtraction.
+pub fn attend_rows(q: &[f32], gate: &[f32], k: &[f32], v: &[f32], heads: &Heads, out: &mut [f32]) {
+    let Heads { hq, hkv, d, scale } = *heads;
     let row = hkv * d;
     let n = k.len() / row;
     assert_eq!(v.len(), n * row, "attend_rows: k and v must be [n, hkv*d]");

@@ -137,18 +137,23 @@ pub fn rope_neox(
     });
 }
 
+/// The token positions of interleaved MRoPE: `positions[s]` is token `s`'s
+/// `[temporal, height, width]`; `sections` is the config's `mrope_section`.
+#[derive(Debug, Clone, Copy)]
+pub struct MropePositions<'a> {
+    pub positions: &'a [[u32; 3]],
+    pub sections: &'a [usize; 3],
+}
+
 /// Interleaved MRoPE in place: like [`rope_neox`], but frequency `j` of token `s` uses
-/// `positions3[s][mrope_axis(j, sections)]`. With equal positions on the three axes it is `rope_neox`.
-///
-/// `positions3`: `[t]` of `[temporal, height, width]`; `sections`: `mrope_section` of the config.
-#[allow(clippy::too_many_arguments)]
+/// `p.positions[s][mrope_axis(j, p.sections)]`. With equal positions on the three axes it is
+/// `rope_neox`.
 pub fn rope_mrope_interleaved(
     x: &mut [f32],
     n_heads: usize,
     head_dim: usize,
     rot_dim: usize,
-    positions3: &[[u32; 3]],
-    sections: &[usize; 3],
+    p: MropePositions<'_>,
     inv_freq: &[f32],
     mscale: f32,
 ) {
@@ -158,11 +163,13 @@ pub fn rope_mrope_interleaved(
         n_heads,
         head_dim,
         rot_dim,
-        positions3.len(),
+        p.positions.len(),
         inv_freq,
     );
-    let axis: Vec<usize> = (0..rot_dim / 2).map(|j| mrope_axis(j, sections)).collect();
+    let axis: Vec<usize> = (0..rot_dim / 2)
+        .map(|j| mrope_axis(j, p.sections))
+        .collect();
     apply(x, n_heads, head_dim, rot_dim, inv_freq, mscale, |s, j| {
-        positions3[s][axis[j]]
+        p.positions[s][axis[j]]
     });
 }

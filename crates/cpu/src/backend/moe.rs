@@ -1,0 +1,124 @@
+//! Routed experts ([`Backend::moe_experts`](sanmai_model::Backend::moe_experts)): the softmax
+//! router's top-k, each expert's SwiGLU over the tokens routed to it, the weighted combine, and the
+//! sigmoid-gated shared expert.
+
+use rayon::prelude::*;
+use sanmai_model::backend::{MoeCall, OpResult};
+
+use super::{ensure, matmul, CpuBackend, CpuTensor, CpuWeight};
+use crate::ops;
+
+/// `Err` unless the input, the router and the shared expert's output fit each other.
+fn check(op: &'static str, c: &MoeCall<'_, CpuTensor, CpuWeight>) -> OpResult<()> {
+    let (x, w) = (c.x, c.w);
+    let e = w.experts.len();
+    ensure(
+        w.router.cols() == x.cols && w.router.rows() == e,
+        op,
+        || {
+            format!(
+                "a router {:?} for {e} experts and inputs {} wide",
+                w.router.shape, x.cols
+            )
+        },
+    )?;
+    ensure(w.top_k <= e, op, || {
+        format!("top-{} of {e} experts", w.top_k)
+    })?;
+    let h = x.cols;
+    if let Some(i) = w.experts.iter().position(|ex| {
+        (
+            ex.gate_up.rows(),
+            ex.gate_up.cols(),
+            ex.down.rows(),
+            ex.down.cols(),
+        ) != (2 * ex.inter, h, h, ex.inter)
+    }) {
+        return Err(sanmai_model::BackendError::invalid(
+            op,
+            format!("expert {i}'s weights do not fit inputs {h} wide"),
+        ));
+    }
+    if let Some(sh) = &c.shared {
+        ensure(
+            (sh.y.rows, sh.y.cols) == (x.rows, x.cols)
+                && (sh.gate.rows, sh.gate.cols) == (x.rows, 1),
+            op,
+            || {
+                format!(
+                    "a shared expert of [{}, {}] with gate [{}, {}] for inputs [{}, {}]",
+                    sh.y.rows, sh.y.cols, sh.gate.rows, sh.gate.cols, x.rows, x.cols
+                )
+            },
+        )?;
+    }
+    Ok(())
+}
+
+impl CpuBackend {
+    pub(super) fn moe_impl(&self, c: &MoeCall<'_, CpuTensor, CpuWeight>) -> OpResult<CpuTensor> {
+        check("moe_experts", c)?;
+        let (x, w) = (c.x, c.w);
+        let (t, h) = (x.rows, x.cols);
+        let e = w.experts.len();
+        let logits = matmul(&x.data, t, &w.router);
+        let mut ids = vec![0u32; t * w.top_k];
+        let mut weights = vec![0f32; t * w.top_k];
+        ops::route_topk(
+            &logits.data,
+            t,
+            e,
+            w.top_k,
+            w.renormalize,
+            &mut ids,
+            &mut weights,
+        );
+        if let Some(log) = self.routing.lock().unwrap().as_mut() {
+            let mut seen = vec![false; e];
+            ids.iter().for_each(|&i| seen[i as usize] = true);
+            log.push(seen.iter().filter(|&&x| x).count());
+        }
+        // Tokens (and their routing weight) per expert.
+        let mut routed: Vec<Vec<(usize, f32)>> = vec![Vec::new(); e];
+        for (i, (&id, &wt)) in ids.iter().zip(&weights).enumerate() {
+            routed[id as usize].push((i / w.top_k, wt));
+        }
+        let partial: Vec<(usize, CpuTensor)> = routed
+            .par_iter()
+            .enumerate()
+            .filter(|(_, toks)| !toks.is_empty())
+            .map(|(ei, toks)| {
+                let ex = &w.experts[ei];
+                let mut xs = Vec::with_capacity(toks.len() * h);
+                for &(tok, _) in toks {
+                    xs.extend_from_slice(x.row_range(tok, 1));
+                }
+                let gu = matmul(&xs, toks.len(), &ex.gate_up);
+                let mut act = CpuTensor::zeros(toks.len(), ex.inter);
+                ops::swiglu(&gu.data, toks.len(), ex.inter, &mut act.data);
+                (ei, matmul(&act.data, toks.len(), &ex.down))
+            })
+            .collect();
+        let mut out = CpuTensor::zeros(t, h);
+        for (ei, y) in partial {
+            for (&(tok, wt), yr) in routed[ei].iter().zip(y.data.chunks_exact(h)) {
+                out.data[tok * h..(tok + 1) * h]
+                    .iter_mut()
+                    .zip(yr)
+                    .for_each(|(o, v)| *o += wt * v);
+            }
+        }
+        if let Some(sh) = &c.shared {
+            for ((o, yr), g) in out
+                .data
+                .chunks_exact_mut(h)
+                .zip(sh.y.data.chunks_exact(h))
+                .zip(&sh.gate.data)
+            {
+                let s = ops::sigmoid(*g);
+                o.iter_mut().zip(yr).for_each(|(o, y)| *o += s * y);
+            }
+        }
+        Ok(out)
+    }
+}

@@ -57,7 +57,17 @@ fn reference(
     let d = dims.head_dim;
     let mut out = vec![0f32; t * dims.q_row()];
     let scale = (d as f32).powf(-0.5);
-    ops::attention_causal(q, &kc, &vc, t, len, dims.hq, dims.hkv, d, scale, &mut out);
+    let c = ops::Causal {
+        t,
+        len,
+        heads: ops::Heads {
+            hq: dims.hq,
+            hkv: dims.hkv,
+            d,
+            scale,
+        },
+    };
+    ops::attention_causal(q, &kc, &vc, &c, &mut out);
     out.iter_mut()
         .zip(gate)
         .for_each(|(o, g)| *o *= ops::sigmoid(*g));

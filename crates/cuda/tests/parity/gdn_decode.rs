@@ -155,14 +155,18 @@ fn cpu_layer(l: &Layer, x: &Proj, st: &mut CpuState, rounded: usize) -> Vec<f32>
     let (q, k, v, gate, beta) = cpu_inputs(l.dims, &mixed, &x.a.1, &x.b.1, &l.a_log, &l.dt_bias);
     let mut core = vec![0f32; t * hv * dv];
     let state = &mut st.ssm;
+    let inputs = ops::GdnInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        g: &gate,
+        beta: &beta,
+    };
+    let sizes = ops::GdnSizes { t, hk, hv, dk, dv };
     if t == 1 {
-        ops::gdn_recurrent(
-            &q, &k, &v, &gate, &beta, state, &mut core, t, hk, hv, dk, dv,
-        );
+        ops::gdn_recurrent(&inputs, sizes, state, &mut core);
     } else {
-        ops::gdn_chunked(
-            &q, &k, &v, &gate, &beta, state, &mut core, t, hk, hv, dk, dv, 64,
-        );
+        ops::gdn_chunked(&inputs, sizes, 64, state, &mut core);
     }
     let r = rounded * hv * dv;
     round(&mut core[..r]);

@@ -767,5 +767,11 @@ fn cpu_attend_rows_at(
         kr.extend_from_slice(&kp[at..at + row]);
         vr.extend_from_slice(&vp[at..at + row]);
     }
-    cpu::attend_rows(q, gate, &kr, &vr, hq, hkv, d, (d as f32).powf(-0.5), out);
+    let heads = cpu::Heads {
+        hq,
+        hkv,
+        d,
+        scale: (d as f32).powf(-0.5),
+    };
+    cpu::attend_rows(q, gate, &kr, &vr, &heads, out);
 }

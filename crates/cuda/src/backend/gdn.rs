@@ -8,7 +8,7 @@ use sanmai_model::backend::GdnCall;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
-use crate::ops::{GdnDecodeWeights, GdnDims};
+use crate::ops::{GdnDecodeWeights, GdnDims, NormRows};
 
 impl CudaBackend {
     pub(crate) fn gdn_impl(&self, c: &GdnCall<'_, CudaTensor, CudaWeight>) -> Result<CudaTensor> {
@@ -125,15 +125,12 @@ impl CudaBackend {
             rows,
             n,
         )?;
-        g.gated_rms_norm(
-            &core.buf,
-            &z.buf,
-            w.norm.bf16()?,
-            &mut out.buf,
-            rows * hv,
-            dv,
+        let shape = NormRows {
+            rows: rows * hv,
+            d: dv,
             eps,
-        )?;
+        };
+        g.gated_rms_norm(&core.buf, &z.buf, w.norm.bf16()?, &mut out.buf, shape)?;
         Ok(out)
     }
 }

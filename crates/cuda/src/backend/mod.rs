@@ -45,7 +45,7 @@ use sanmai_model::sample::{RowError, Sampled};
 
 use crate::error::{At, CudaError, Result};
 use crate::gpu::Gpu;
-use crate::ops::{GEMV_MAX_M, GEMV_SEGS};
+use crate::ops::{NormRows, GEMV_MAX_M, GEMV_SEGS};
 pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, GRAPHS_ENV, MIN_GRAPH_SPAN};
 pub use packed::{packed_device_bytes, packed_fits, PACKED_WORKSPACE_BYTES};
 pub use tensor::{CudaTensor, CudaWeight, DenseBf16, PackedWeight};
@@ -113,6 +113,15 @@ pub struct CudaBackend {
     /// The ticket counter of the one-launch decode routing (`Gpu::moe_route_decode`, `moe.rs`): 0
     /// between launches, which the stream orders one after another.
     route_ticket: Mutex<CudaSlice<u32>>,
+}
+
+/// The rows of `x` as a norm kernel takes them.
+fn norm_rows(x: &CudaTensor, eps: f32) -> NormRows {
+    NormRows {
+        rows: x.rows,
+        d: x.cols,
+        eps,
+    }
 }
 
 /// Whether every chunk is one token and chunk `i` is row `i` (the batched decode launches).
@@ -424,7 +433,7 @@ impl CudaBackend {
     ) -> Result<CudaTensor> {
         let mut y = self.alloc(x.rows, x.cols)?;
         self.gpu
-            .rms_norm(&x.buf, w.bf16()?, &mut y.buf, x.rows, x.cols, eps, offset)?;
+            .rms_norm(&x.buf, w.bf16()?, &mut y.buf, norm_rows(x, eps), offset)?;
         Ok(y)
     }
 
@@ -468,16 +477,9 @@ impl CudaBackend {
         }
         let (r, c) = (acc.rows, acc.cols);
         let mut out = self.alloc(r, c)?;
-        self.gpu.add_rms_norm(
-            &mut acc.buf,
-            &y.buf,
-            w.bf16()?,
-            &mut out.buf,
-            r,
-            c,
-            eps,
-            offset,
-        )?;
+        let shape = norm_rows(acc, eps);
+        self.gpu
+            .add_rms_norm(&mut acc.buf, &y.buf, w.bf16()?, &mut out.buf, shape, offset)?;
         Ok(out)
     }
 

@@ -31,6 +31,7 @@ pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;
 pub use kv::{HeadLayout, RopeArgs, QK_MAX_HEAD_DIM};
 pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
+pub use norm::NormRows;
 pub use ple::{PleDims, PleGateWeights};
 pub use router::ROUTER_MAX_K;
 pub use sample::SampleBatch;

@@ -7,7 +7,7 @@
 use half::bf16;
 use sanmai_cpu::ops;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::{GdnDecodeWeights, GdnDims};
+use sanmai_cuda::{GdnDecodeWeights, GdnDims, NormRows};
 
 use crate::common::{check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
 use crate::conv::{state_from_ring, state_into_ring};
@@ -292,7 +292,12 @@ fn gpu_prefill(
         n,
     )
     .unwrap();
-    g.gated_rms_norm(&core, &z, &l.norm, &mut out, rows * hv, dv, EPS)
+    let shape = NormRows {
+        rows: rows * hv,
+        d: dv,
+        eps: EPS,
+    };
+    g.gated_rms_norm(&core, &z, &l.norm, &mut out, shape)
         .unwrap();
     from_bf16(&g.download(&out).unwrap())
 }

@@ -1,6 +1,7 @@
 //! RMSNorm (both kinds), the gated RMSNorm and NeoX partial RoPE against the CPU ops.
 
 use sanmai_cpu::ops;
+use sanmai_cuda::NormRows;
 
 use crate::common::{check_elementwise, from_bf16, gpu, to_bf16, Rng};
 
@@ -35,7 +36,8 @@ fn rms_norm_matches_cpu() {
             ops::rms_norm(&mut want, &wf, d, eps, offset);
             let (x, w) = (g.upload(&xb).unwrap(), g.upload(&wb).unwrap());
             let mut y = g.zeros(rows * d).unwrap();
-            g.rms_norm(&x, &w, &mut y, rows, d, eps, offset).unwrap();
+            g.rms_norm(&x, &w, &mut y, NormRows { rows, d, eps }, offset)
+                .unwrap();
             let got = from_bf16(&g.download(&y).unwrap());
             let kind = if offset == 1.0 {
                 "zero_centred"
@@ -79,7 +81,8 @@ fn gated_rms_norm_matches_cpu() {
             g.upload(&wb).unwrap(),
         );
         let mut y = g.zeros(rows * d).unwrap();
-        g.gated_rms_norm(&x, &z, &w, &mut y, rows, d, 1e-6).unwrap();
+        let shape = NormRows { rows, d, eps: 1e-6 };
+        g.gated_rms_norm(&x, &z, &w, &mut y, shape).unwrap();
         let got = from_bf16(&g.download(&y).unwrap());
         check_elementwise("gated_rms_norm", &format!("{rows}x{d}"), &got, &want);
     }

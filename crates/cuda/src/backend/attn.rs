@@ -3,14 +3,13 @@
 //! kernel for a batch of one-token chunks or the paged prefill kernel per chunk. The first part
 //! ([`CudaBackend::attn_prologue`]) is QSA attention's first part too (`qsa.rs`).
 
-use cudarc::driver::CudaSlice;
 use sanmai_model::backend::{AttnCall, AttnShape};
 
 use super::meta::SeqMeta;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend, State};
 use crate::error::{CudaError, Result};
-use crate::ops::{AttnDims, HeadLayout, RopeArgs};
+use crate::ops::{AttnDims, HeadLayout, HeadNorm, KvPools, RopeArgs};
 
 /// What the attention prologue leaves for the attention proper: q (normed and roped) and the gate,
 /// each `[rows, num_heads·head_dim]`, and where the step's chunks lie in the metadata buffer.
@@ -116,12 +115,13 @@ impl CudaBackend {
         let bs = st.kv.block_size;
         let m = st.meta.seqs(g, c.seqs, rows, bs)?;
         let ri = st.rope_table(g, &c.rope.inv_freq)?;
+        let positions = st.meta.view(m.positions, rows);
         let ra = RopeArgs {
+            positions: &positions,
             inv_freq: &st.rope[ri].1,
             rot_dim: c.rope.rot_dim,
             mscale: c.rope.mscale,
         };
-        let positions = st.meta.view(m.positions, rows);
         let kv_dst = st.meta.view(m.kv_dst, rows);
         let pool = st.kv.pool_mut(c.layer)?;
         let mut q = self.alloc(rows, nh * d)?;
@@ -137,14 +137,15 @@ impl CudaBackend {
                 row_stride: 2 * nh * d,
                 head_stride: 2 * d,
             },
-            c.w.q_norm.bf16()?,
-            sh.eps,
-            &positions,
+            &HeadNorm {
+                w: c.w.q_norm.bf16()?,
+                eps: sh.eps,
+            },
             &ra,
             &mut q.buf,
             Some(&mut gv),
         )?;
-        g.qk_norm_rope::<CudaSlice<f32>>(
+        g.qk_norm_rope(
             &k.buf,
             HeadLayout {
                 rows,
@@ -153,22 +154,19 @@ impl CudaBackend {
                 row_stride: nkv * d,
                 head_stride: d,
             },
-            c.w.k_norm.bf16()?,
-            sh.eps,
-            &positions,
+            &HeadNorm {
+                w: c.w.k_norm.bf16()?,
+                eps: sh.eps,
+            },
             &ra,
             &mut kn.buf,
             None,
         )?;
-        g.kv_write(
-            &kn.buf,
-            &v.buf,
-            &mut pool.k,
-            &mut pool.v,
-            &kv_dst,
-            rows,
-            nkv * d,
-        )?;
+        let pools = KvPools {
+            k: &mut pool.k,
+            v: &mut pool.v,
+        };
+        g.kv_write(&kn.buf, &v.buf, pools, &kv_dst, rows, nkv * d)?;
         Ok(Prepared { q, gate, meta: m })
     }
 }

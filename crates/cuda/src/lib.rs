@@ -82,7 +82,7 @@ pub use error::{CudaError, Result};
 pub use gpu::{device_memory, Gpu};
 pub use ops::SampleBatch;
 pub use ops::{
-    moe_max_tiles, AttnDims, GdnDecodeWeights, GdnDims, HeadLayout, HeadNorm, KvPools, MoeOut,
-    NormRows, PleDims, RopeArgs, ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, MOE_TILE,
-    QK_MAX_HEAD_DIM, ROUTER_MAX_K,
+    moe_max_tiles, AttnDims, ChunkRows, DecodeLens, GdnDecodeWeights, GdnDims, HeadLayout,
+    HeadNorm, KvPools, MoeOut, NormRows, PagedCache, PleDims, Queries, RopeArgs, Selection,
+    ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
 };

@@ -9,7 +9,9 @@ use super::meta::SeqMeta;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend, State};
 use crate::error::{CudaError, Result};
-use crate::ops::{AttnDims, HeadLayout, HeadNorm, KvPools, RopeArgs};
+use crate::ops::{
+    AttnDims, ChunkRows, DecodeLens, HeadLayout, HeadNorm, KvPools, PagedCache, Queries, RopeArgs,
+};
 
 /// What the attention prologue leaves for the attention proper: q (normed and roped) and the gate,
 /// each `[rows, num_heads·head_dim]`, and where the step's chunks lie in the metadata buffer.
@@ -52,34 +54,51 @@ impl CudaBackend {
             let longest = c.seqs.iter().map(|s| s.pos0 + 1).max().unwrap_or(1);
             let max_len = st.decode_span.map_or(longest, |span| span.max(longest));
             let lens = st.meta.view(m.lens, m.n_seq);
-            g.attention_paged_decode(
-                dims,
-                &q.buf,
-                &gate.buf,
-                &pool.k,
-                &pool.v,
-                &tables,
-                m.stride,
-                &lens,
+            let cache = PagedCache {
+                pools: KvPools {
+                    k: &pool.k,
+                    v: &pool.v,
+                },
+                tables: &tables,
+                stride: m.stride,
+            };
+            let seqs = DecodeLens {
+                lens: &lens,
                 max_len,
-                &mut out.buf,
-                c.seqs.len(),
-            )?;
+                batch: c.seqs.len(),
+            };
+            let queries = Queries {
+                q: &q.buf,
+                gate: &gate.buf,
+            };
+            g.attention_paged_decode(dims, &queries, &cache, &seqs, &mut out.buf)?;
         } else {
             let qr = nh * d;
             for (i, s) in c.seqs.iter().enumerate().filter(|(_, s)| s.len > 0) {
                 let nb = (s.pos0 + s.len).div_ceil(bs.max(1));
                 let table = tables.slice(i * m.stride..i * m.stride + nb);
                 let (a, b) = (s.start * qr, (s.start + s.len) * qr);
+                let cache = PagedCache {
+                    pools: KvPools {
+                        k: &pool.k,
+                        v: &pool.v,
+                    },
+                    tables: &table,
+                    stride: 0,
+                };
+                let queries = Queries {
+                    q: &q.buf.slice(a..b),
+                    gate: &gate.buf.slice(a..b),
+                };
+                let chunk = ChunkRows {
+                    pos0: s.pos0,
+                    t: s.len,
+                };
                 g.attention_paged_prefill(
                     dims,
-                    &q.buf.slice(a..b),
-                    &gate.buf.slice(a..b),
-                    &pool.k,
-                    &pool.v,
-                    &table,
-                    s.pos0,
-                    s.len,
+                    &queries,
+                    &cache,
+                    chunk,
                     &mut out.buf.slice_mut(a..b),
                 )?;
             }

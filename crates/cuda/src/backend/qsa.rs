@@ -11,7 +11,7 @@
 //! sequence: the dense paged prefill kernel while its context fits topk, else the scan, the top-k and
 //! the gathered attention over groups of its query rows.
 
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 use half::bf16;
 use sanmai_model::backend::{QsaCall, SeqChunk};
 
@@ -20,7 +20,7 @@ use super::cache::QsaPick;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
-use crate::ops::AttnDims;
+use crate::ops::{AttnDims, ChunkRows, KvPools, PagedCache, Queries, Selection};
 
 /// Epsilon of the indexer's key LayerNorm.
 const INDEX_NORM_EPS: f32 = 1e-6;
@@ -193,19 +193,23 @@ impl CudaBackend {
             ld,
         )?;
         g.qsa_topk_decode(&scores, ld, lens, n, topk, &mut sel, &mut counts)?;
+        let selection = Selection {
+            sel: &sel,
+            stride: topk,
+            counts: &counts,
+            max_count: topk,
+            rows: n,
+        };
+        let queries = Queries {
+            q: x.q,
+            gate: x.gate,
+        };
         g.qsa_attention_gather_decode(
             x.dims,
-            x.q,
-            x.gate,
-            x.k,
-            x.v,
-            x.tables,
-            x.stride,
-            &sel,
-            topk,
-            &counts,
+            &queries,
+            &x.cache(x.tables, x.stride),
+            &selection,
             &mut out.buf,
-            n,
         )?;
         Ok((sel, counts))
     }
@@ -255,15 +259,19 @@ impl CudaBackend {
             let table = x.tables.slice(i * x.stride..i * x.stride + nb);
             if s.pos0 + s.len <= topk {
                 let (a, b) = (s.start * qr, (s.start + s.len) * qr);
+                let queries = Queries {
+                    q: &x.q.slice(a..b),
+                    gate: &x.gate.slice(a..b),
+                };
+                let chunk = ChunkRows {
+                    pos0: s.pos0,
+                    t: s.len,
+                };
                 g.attention_paged_prefill(
                     x.dims,
-                    &x.q.slice(a..b),
-                    &x.gate.slice(a..b),
-                    x.k,
-                    x.v,
-                    &table,
-                    s.pos0,
-                    s.len,
+                    &queries,
+                    &x.cache(&table, 0),
+                    chunk,
                     &mut out.buf.slice_mut(a..b),
                 )?;
                 if tracing {
@@ -298,19 +306,23 @@ impl CudaBackend {
                 )?;
                 g.qsa_topk(&scores, ld, p0, n, topk, &mut sel, &mut counts)?;
                 let (qa, qb) = (r0 * qr, (r0 + n) * qr);
+                let queries = Queries {
+                    q: &x.q.slice(qa..qb),
+                    gate: &x.gate.slice(qa..qb),
+                };
+                let selection = Selection {
+                    sel: &sel,
+                    stride: topk,
+                    counts: &counts,
+                    max_count: topk.min(ld),
+                    rows: n,
+                };
                 g.qsa_attention_gather(
                     x.dims,
-                    &x.q.slice(qa..qb),
-                    &x.gate.slice(qa..qb),
-                    x.k,
-                    x.v,
-                    &table,
-                    &sel,
-                    topk,
-                    &counts,
-                    topk.min(ld),
+                    &queries,
+                    &x.cache(&table, 0),
+                    &selection,
                     &mut out.buf.slice_mut(qa..qb),
-                    n,
                 )?;
                 if tracing {
                     let sel = g.download(&sel)?;
@@ -347,4 +359,25 @@ struct Select<'a> {
     idx: &'a CudaSlice<u8>,
     tables: &'a CudaView<'a, u32>,
     stride: usize,
+}
+
+impl<'a> Select<'a> {
+    /// The layer's K/V pools read through `tables` (`stride` ids a row; 0: one table).
+    fn cache<'t, T: DevicePtr<u32>>(
+        &self,
+        tables: &'t T,
+        stride: usize,
+    ) -> PagedCache<'t, CudaSlice<bf16>, T>
+    where
+        'a: 't,
+    {
+        PagedCache {
+            pools: KvPools {
+                k: self.k,
+                v: self.v,
+            },
+            tables,
+            stride,
+        }
+    }
 }

@@ -25,7 +25,9 @@ mod router;
 mod sample;
 mod tensor;
 
-pub use attention::{AttnDims, ATTN_MAX_HEAD_DIM, ATTN_SPLIT};
+pub use attention::{
+    AttnDims, ChunkRows, DecodeLens, PagedCache, Queries, ATTN_MAX_HEAD_DIM, ATTN_SPLIT,
+};
 pub use gdn::{GdnDecodeWeights, GdnDims};
 pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;
@@ -33,6 +35,7 @@ pub use kv::{HeadLayout, HeadNorm, RopeArgs, QK_MAX_HEAD_DIM};
 pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
 pub use norm::NormRows;
 pub use ple::{PleDims, PleGateWeights};
+pub use qsa::Selection;
 pub use router::ROUTER_MAX_K;
 pub use sample::SampleBatch;
 pub(crate) use sample::SAMPLE_MAX_VOCAB;

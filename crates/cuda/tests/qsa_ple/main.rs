@@ -17,7 +17,7 @@
 
 use half::bf16;
 use sanmai_cpu::{ops as cpu, CpuBackend};
-use sanmai_cuda::{AttnDims, CudaBackend, PleDims};
+use sanmai_cuda::{AttnDims, CudaBackend, KvPools, PagedCache, PleDims, Queries, Selection};
 use sanmai_model::backend::{
     AttnCall, AttnShape, AttnWeights, CacheSpec, GdnShape, IndexerWeights, PleCall, PleShape,
     PleWeights, QsaCall, QsaShape, Rope,

@@ -265,26 +265,31 @@ fn gathered_attention_matches_cpu() {
             counts[r] = n as u32;
         }
         let mut out = g.zeros::<bf16>(n_rows * hq * d).unwrap();
-        g.qsa_attention_gather(
-            AttnDims {
-                hq,
-                hkv,
-                head_dim: d,
-                block_size: bs,
-            },
-            &to_dev(&b, &q),
-            &to_dev(&b, &gate),
-            &to_dev(&b, &kp),
-            &to_dev(&b, &vp),
-            &g.upload(&perm).unwrap(),
-            &g.upload(&sel).unwrap(),
-            topk,
-            &g.upload(&counts).unwrap(),
-            topk,
-            &mut out,
-            n_rows,
-        )
-        .unwrap();
+        let dims = AttnDims {
+            hq,
+            hkv,
+            head_dim: d,
+            block_size: bs,
+        };
+        let (qd, gd) = (to_dev(&b, &q), to_dev(&b, &gate));
+        let (kd, vd) = (to_dev(&b, &kp), to_dev(&b, &vp));
+        let table = g.upload(&perm).unwrap();
+        let (sel_d, counts_d) = (g.upload(&sel).unwrap(), g.upload(&counts).unwrap());
+        let cache = PagedCache {
+            pools: KvPools { k: &kd, v: &vd },
+            tables: &table,
+            stride: 0,
+        };
+        let selection = Selection {
+            sel: &sel_d,
+            stride: topk,
+            counts: &counts_d,
+            max_count: topk,
+            rows: n_rows,
+        };
+        let queries = Queries { q: &qd, gate: &gd };
+        g.qsa_attention_gather(dims, &queries, &cache, &selection, &mut out)
+            .unwrap();
         let got: Vec<f32> = g
             .download(&out)
             .unwrap()
@@ -414,21 +419,23 @@ fn check_decode(b: &CudaBackend, rng: &mut Rng, c: &DecodeCase) -> usize {
         head_dim: d,
         block_size: bs,
     };
-    g.qsa_attention_gather_decode(
-        dims,
-        &to_dev(b, &q),
-        &to_dev(b, &gate),
-        &to_dev(b, &kp),
-        &to_dev(b, &vp),
-        &tables_d,
+    let (qd, gd) = (to_dev(b, &q), to_dev(b, &gate));
+    let (kd, vd) = (to_dev(b, &kp), to_dev(b, &vp));
+    let cache = PagedCache {
+        pools: KvPools { k: &kd, v: &vd },
+        tables: &tables_d,
         stride,
-        &sel,
-        topk,
-        &counts,
-        &mut out,
-        n,
-    )
-    .unwrap();
+    };
+    let selection = Selection {
+        sel: &sel,
+        stride: topk,
+        counts: &counts,
+        max_count: topk,
+        rows: n,
+    };
+    let queries = Queries { q: &qd, gate: &gd };
+    g.qsa_attention_gather_decode(dims, &queries, &cache, &selection, &mut out)
+        .unwrap();
     let (scores, sel, counts) = (
         g.download(&scores).unwrap(),
         g.download(&sel).unwrap(),

@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use sanmai_model::{BackendError, OpResult};
+
 /// Everything that can go wrong between the host and the device.
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
@@ -40,6 +42,34 @@ pub enum CudaError {
 
 /// Shorthand for results of this crate.
 pub type Result<T> = std::result::Result<T, CudaError>;
+
+impl CudaError {
+    /// This error as the [`BackendError`] of the backend op `op`: a shape or contract error of the
+    /// call is [`BackendError::Invalid`], everything the driver, cuBLAS or NVRTC reported (out of
+    /// memory, a launch or copy failure) is [`BackendError::Device`]. The message names the inner op
+    /// when it differs from `op`.
+    pub fn at(self, op: &'static str) -> BackendError {
+        match self {
+            CudaError::Shape { op: inner, msg } if inner == op => BackendError::invalid(op, msg),
+            CudaError::Shape { op: inner, msg } => {
+                BackendError::invalid(op, format!("{inner}: {msg}"))
+            }
+            CudaError::BadDevice(_) => BackendError::invalid(op, self.to_string()),
+            e => BackendError::device(op, e),
+        }
+    }
+}
+
+/// [`CudaError::at`] on a result: `r.at("linear")`.
+pub(crate) trait At<T> {
+    fn at(self, op: &'static str) -> OpResult<T>;
+}
+
+impl<T> At<T> for Result<T> {
+    fn at(self, op: &'static str) -> OpResult<T> {
+        self.map_err(|e| e.at(op))
+    }
+}
 
 /// A shape error for `op` unless `ok`.
 pub(crate) fn ensure(ok: bool, op: &'static str, msg: impl FnOnce() -> String) -> Result<()> {

@@ -37,15 +37,19 @@
 //!   rows, positions, K/V destinations, state slots, lengths, block tables) reaches the device once
 //!   per step through pinned staging ([`CudaBackend::begin_step`], or lazily per op); no op waits for
 //!   the device except `to_host`.
-//! - CUDA graphs for decode steps (`Backend::decode_step`, which `Model::forward` and
-//!   `Model::forward_logits` use for steps of one-token chunks): batch sizes
-//!   [`DEFAULT_GRAPH_BATCH_SIZES`] by default ([`CudaBackend::set_graph_batch_sizes`]; empty, or
-//!   [`CudaOptions::cuda_graphs`] off, keeps every step eager). Per region, batch size and
+//! - CUDA graphs for decode steps (`Backend::decode_step`, which `Model::step` uses for steps of
+//!   one-token chunks): batch sizes [`DEFAULT_GRAPH_BATCH_SIZES`] by default
+//!   ([`CudaBackend::set_graph_batch_sizes`]; empty, or [`CudaOptions::cuda_graphs`] off, keeps every
+//!   step eager). Per region, batch size and
 //!   attention span (the next power of two of the longest context, at least [`MIN_GRAPH_SPAN`]; decode
 //!   attention sizes its split grid by it and splits past a sequence's length exit early): one eager
 //!   warm-up step, a stream capture at the next, replays after, outputs copied out of persistent
 //!   per-graph buffers. A failed capture logs a warning and leaves that key eager;
 //!   [`CudaBackend::graph_stats`] counts what ran how.
+//! - Errors: every op returns `sanmai_model::OpResult`; a [`CudaError`] becomes the op's
+//!   `BackendError` ([`CudaError::at`]: shape and contract errors `Invalid`, driver, cuBLAS and NVRTC
+//!   failures `Device`). The backend also implements `sanmai_model::Probe` (copy bandwidth, routed
+//!   expert record) for `sanmai bench`.
 //! - Packed weights (compressed-tensors INT4 / INT8 pack-quantized, INT6 gapless): `packed_weight`
 //!   keeps a quantized Linear as its words and scales ([`CudaWeight::Packed`], no dequantised copy;
 //!   shapes the packed kernels do not take, see [`packed_fits`], become bf16); `linear` runs the packed
@@ -53,11 +57,13 @@
 //!   [`PACKED_WORKSPACE_BYTES`] workspace; routed experts run the packed grouped GEMV over tables of
 //!   word and scale addresses; a packed embedding table stays packed (its lookup decodes the rows).
 //!
-//! What is next: QSA attention and the PLE mix on the device (they panic with that reason today), the
-//! faithful chunked (WY/UT) GDN prefill, a tiled prefill attention that shares K/V loads across query
-//! rows, a grouped GEMM for large prefill MoE (the tiled grouped GEMV reads each expert once per 8
-//! routed tokens), MRoPE, fused residual+norm, on-device sampling and f32 logits, CUDA graphs for QSA
-//! and PLE models (their decode steps run eagerly) and the `sanmai bench` roofline.
+//! - QSA attention (fp8 index keys next to the K/V, exact top-k, attention over the selected rows),
+//!   the PLE mix (its conv state in the state slots) and hyper-connections (fused gated residual for
+//!   decode) on the device.
+//!
+//! What is next: the faithful chunked (WY/UT) GDN prefill, a tiled prefill attention that shares K/V
+//! loads across query rows, a grouped GEMM for large prefill MoE (the tiled grouped GEMV reads each
+//! expert once per 8 routed tokens), MRoPE and f32 logits.
 
 mod backend;
 pub mod cache;
@@ -79,6 +85,7 @@ pub use error::{CudaError, Result};
 pub use gpu::{device_memory, Gpu, GpuOptions};
 pub use ops::SampleBatch;
 pub use ops::{
-    moe_max_tiles, AttnDims, GdnDecodeWeights, GdnDims, HeadLayout, MoeOut, PleDims, RopeArgs,
+    moe_max_tiles, AttnDims, ChunkRows, DecodeLens, GdnDecodeWeights, GdnDims, HeadLayout,
+    HeadNorm, KvPools, MoeOut, NormRows, PagedCache, PleDims, Queries, RopeArgs, Selection,
     ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
 };

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
 use sanmai_cuda::CudaBackend;
-use sanmai_model::{Backend, Model, PleSource, SeqChunk};
+use sanmai_model::{Backend, Model, OutRows, PleSource, StepChunk, StepInput, StepStart};
 use sanmai_weights::Checkpoint;
 use serde_json::Value;
 
@@ -83,7 +83,7 @@ fn load<B: Backend>(name: &str, b: B) -> Model<B> {
         .as_ref()
         .map(|p| PleSource::open(&dir, p, false).unwrap());
     let m = Model::load_with_ple(cfg, &ckpt, b, ple).unwrap();
-    m.init_cache(BLOCKS_PER_SEQ * 8, BLOCK);
+    m.init_cache(BLOCKS_PER_SEQ * 8, BLOCK).unwrap();
     m
 }
 
@@ -100,28 +100,29 @@ fn log_softmax(row: &[f32]) -> Vec<f64> {
 
 /// Log-probs of every prompt token after the first, prefilled in chunks of `chunk`.
 fn prompt_logprobs<B: Backend>(m: &Model<B>, i: usize, prompt: &[u32], chunk: usize) -> Vec<f64> {
-    let state = m.backend.alloc_state();
+    let state = m.backend.alloc_state().unwrap();
     let first = (i * BLOCKS_PER_SEQ) as u32;
     let blocks: Vec<u32> = (first..first + BLOCKS_PER_SEQ as u32).collect();
     let mut out = Vec::new();
     let mut pos = 0;
     while pos < prompt.len() {
         let len = chunk.min(prompt.len() - pos);
-        let c = [SeqChunk {
-            start: 0,
-            len,
+        let c = [StepChunk {
+            tokens: &prompt[pos..pos + len],
+            history: &prompt[..pos],
             pos0: pos,
             state,
             blocks: &blocks,
+            out: OutRows::All,
         }];
-        let rows = m.ple_rows(&[prompt], &c).unwrap();
-        let o = m.forward_with(
-            &prompt[pos..pos + len],
-            &c,
-            &(0..len).collect::<Vec<_>>(),
-            rows.as_ref(),
-        );
-        let (r, cols, data) = m.backend.to_host(m.logits(&o.hidden));
+        let o = m
+            .step(StepInput {
+                chunks: &c,
+                start: StepStart::Tokens,
+                hidden: false,
+            })
+            .unwrap();
+        let (r, cols, data) = m.backend.to_host(o.logits.unwrap()).unwrap();
         for j in 0..r {
             let t = pos + j + 1;
             if t < prompt.len() {

@@ -1,37 +1,127 @@
 //! The gated attention core on the device: q/gate split with per-head q/k RMSNorm and partial NeoX
 //! RoPE (one kernel each for q and k), the K/V write into the layer's pools, then the paged decode
-//! kernel for a batch of one-token chunks or the paged prefill kernel per chunk.
+//! kernel for a batch of one-token chunks or the paged prefill kernel per chunk. The first part
+//! ([`CudaBackend::attn_prologue`]) is QSA attention's first part too (`qsa.rs`).
 
-use cudarc::driver::{CudaSlice, CudaView};
-use half::bf16;
-use sanmai_model::backend::{AttnShape, AttnWeights, Rope, SeqChunk};
+use sanmai_model::backend::{AttnCall, AttnShape};
 
-use super::cache::KvPool;
+use super::meta::SeqMeta;
 use super::tensor::{CudaTensor, CudaWeight};
-use super::{all_decode, CudaBackend};
+use super::{all_decode, CudaBackend, State};
 use crate::error::{CudaError, Result};
-use crate::ops::{AttnDims, HeadLayout, RopeArgs};
+use crate::ops::{
+    AttnDims, ChunkRows, DecodeLens, HeadLayout, HeadNorm, KvPools, PagedCache, Queries, RopeArgs,
+};
+
+/// What the attention prologue leaves for the attention proper: q (normed and roped) and the gate,
+/// each `[rows, num_heads·head_dim]`, and where the step's chunks lie in the metadata buffer.
+pub(crate) struct Prepared {
+    pub q: CudaTensor,
+    pub gate: CudaTensor,
+    pub meta: SeqMeta,
+}
+
+/// The paged kernels' dimensions of an attention shape over blocks of `block_size` positions.
+pub(crate) fn attn_dims(sh: &AttnShape, block_size: usize) -> AttnDims {
+    AttnDims {
+        hq: sh.num_heads,
+        hkv: sh.num_kv_heads,
+        head_dim: sh.head_dim,
+        block_size,
+    }
+}
 
 impl CudaBackend {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn attention_impl(
         &self,
-        layer: usize,
-        sh: &AttnShape,
-        rope: &Rope,
-        q_gate: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        w: &AttnWeights<CudaWeight>,
-        seqs: &[SeqChunk<'_>],
+        c: &AttnCall<'_, CudaTensor, CudaWeight>,
     ) -> Result<CudaTensor> {
         let g = &self.gpu;
+        let (nh, d) = (c.shape.num_heads, c.shape.head_dim);
+        let rows = c.q_gate.rows;
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Prepared { q, gate, meta: m } = self.attn_prologue(st, c, "attention")?;
+        let bs = st.kv.block_size;
+        let pool = st.kv.pool(c.layer)?;
+        let dims = attn_dims(c.shape, bs);
+        // Every row is written below (each row belongs to one chunk), so it is not cleared.
+        let mut out = self.alloc(rows, nh * d)?;
+        let tables = st.meta.view(m.tables, m.n_seq * m.stride);
+        if all_decode(c.seqs) {
+            // A decode step that may be recorded sizes the split grid by its span: splits beyond a
+            // sequence's length (read on the device) exit at once.
+            let longest = c.seqs.iter().map(|s| s.pos0 + 1).max().unwrap_or(1);
+            let max_len = st.decode_span.map_or(longest, |span| span.max(longest));
+            let lens = st.meta.view(m.lens, m.n_seq);
+            let cache = PagedCache {
+                pools: KvPools {
+                    k: &pool.k,
+                    v: &pool.v,
+                },
+                tables: &tables,
+                stride: m.stride,
+            };
+            let seqs = DecodeLens {
+                lens: &lens,
+                max_len,
+                batch: c.seqs.len(),
+            };
+            let queries = Queries {
+                q: &q.buf,
+                gate: &gate.buf,
+            };
+            g.attention_paged_decode(dims, &queries, &cache, &seqs, &mut out.buf)?;
+        } else {
+            let qr = nh * d;
+            for (i, s) in c.seqs.iter().enumerate().filter(|(_, s)| s.len > 0) {
+                let nb = (s.pos0 + s.len).div_ceil(bs.max(1));
+                let table = tables.slice(i * m.stride..i * m.stride + nb);
+                let (a, b) = (s.start * qr, (s.start + s.len) * qr);
+                let cache = PagedCache {
+                    pools: KvPools {
+                        k: &pool.k,
+                        v: &pool.v,
+                    },
+                    tables: &table,
+                    stride: 0,
+                };
+                let queries = Queries {
+                    q: &q.buf.slice(a..b),
+                    gate: &gate.buf.slice(a..b),
+                };
+                let chunk = ChunkRows {
+                    pos0: s.pos0,
+                    t: s.len,
+                };
+                g.attention_paged_prefill(
+                    dims,
+                    &queries,
+                    &cache,
+                    chunk,
+                    &mut out.buf.slice_mut(a..b),
+                )?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The start of dense and QSA attention alike (`op` names which, for its errors): the inputs
+    /// checked against the shape, the step's chunks staged, q (per-head RMSNorm and partial RoPE)
+    /// and the gate split out of `q_gate`, k normed and roped the same way and written with v into
+    /// layer `c.layer`'s pool at the step's K/V destinations.
+    pub(crate) fn attn_prologue(
+        &self,
+        st: &mut State,
+        c: &AttnCall<'_, CudaTensor, CudaWeight>,
+        op: &'static str,
+    ) -> Result<Prepared> {
+        let g = &self.gpu;
+        let sh = c.shape;
         let (nh, nkv, d) = (sh.num_heads, sh.num_kv_heads, sh.head_dim);
+        let (q_gate, k, v) = (c.q_gate, c.k, c.v);
         let rows = q_gate.rows;
-        let bad = |msg: String| CudaError::Shape {
-            op: "attention",
-            msg,
-        };
+        let bad = |msg: String| CudaError::Shape { op, msg };
         if q_gate.cols != 2 * nh * d || k.cols != nkv * d || v.cols != nkv * d {
             return Err(bad(format!(
                 "q_gate {} / k {} / v {} columns do not match {nh} heads, {nkv} kv heads of {d}",
@@ -41,94 +131,18 @@ impl CudaBackend {
         if k.rows != rows || v.rows != rows {
             return Err(bad("q, k and v differ in rows".into()));
         }
-        let mut st = self.lock();
-        let st = &mut *st;
         let bs = st.kv.block_size;
-        let m = st.meta.seqs(g, seqs, rows, bs)?;
-        let ri = st.rope_table(g, &rope.inv_freq)?;
-        let inv_freq = &st.rope[ri].1;
+        let m = st.meta.seqs(g, c.seqs, rows, bs)?;
+        let ri = st.rope_table(g, &c.rope.inv_freq)?;
         let positions = st.meta.view(m.positions, rows);
         let ra = RopeArgs {
-            inv_freq,
-            rot_dim: rope.rot_dim,
-            mscale: rope.mscale,
+            positions: &positions,
+            inv_freq: &st.rope[ri].1,
+            rot_dim: c.rope.rot_dim,
+            mscale: c.rope.mscale,
         };
-        let pool = st
-            .kv
-            .layers
-            .get_mut(&layer)
-            .ok_or_else(|| bad(format!("no K/V pool for layer {layer}: init_cache first")))?;
         let kv_dst = st.meta.view(m.kv_dst, rows);
-        let (q, gate) = self.qkv_prepare(sh, &ra, &positions, &kv_dst, q_gate, k, v, w, pool)?;
-        let dims = AttnDims {
-            hq: nh,
-            hkv: nkv,
-            head_dim: d,
-            block_size: bs,
-        };
-        // Every row is written below (each row belongs to one chunk), so it is not cleared.
-        let mut out = self.alloc(rows, nh * d)?;
-        let tables = st.meta.view(m.tables, m.n_seq * m.stride);
-        if all_decode(seqs) {
-            // A decode step that may be recorded sizes the split grid by its span: splits beyond a
-            // sequence's length (read on the device) exit at once.
-            let longest = seqs.iter().map(|s| s.pos0 + 1).max().unwrap_or(1);
-            let max_len = st.decode_span.map_or(longest, |span| span.max(longest));
-            let lens = st.meta.view(m.lens, m.n_seq);
-            g.attention_paged_decode(
-                dims,
-                &q.buf,
-                &gate.buf,
-                &pool.k,
-                &pool.v,
-                &tables,
-                m.stride,
-                &lens,
-                max_len,
-                &mut out.buf,
-                seqs.len(),
-            )?;
-        } else {
-            let qr = nh * d;
-            for (i, s) in seqs.iter().enumerate().filter(|(_, s)| s.len > 0) {
-                let nb = (s.pos0 + s.len).div_ceil(bs.max(1));
-                let table = tables.slice(i * m.stride..i * m.stride + nb);
-                let (a, b) = (s.start * qr, (s.start + s.len) * qr);
-                g.attention_paged_prefill(
-                    dims,
-                    &q.buf.slice(a..b),
-                    &gate.buf.slice(a..b),
-                    &pool.k,
-                    &pool.v,
-                    &table,
-                    s.pos0,
-                    s.len,
-                    &mut out.buf.slice_mut(a..b),
-                )?;
-            }
-        }
-        Ok(out)
-    }
-
-    /// The start of dense and QSA attention alike: q (per-head RMSNorm and partial RoPE) and the gate
-    /// split out of `q_gate`, k normed and roped the same way and written with v into `pool` at the
-    /// step's K/V destinations. Returns `(q, gate)`, each `[rows, num_heads·head_dim]`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn qkv_prepare(
-        &self,
-        sh: &AttnShape,
-        ra: &RopeArgs<'_, CudaSlice<f32>>,
-        positions: &CudaView<'_, u32>,
-        kv_dst: &CudaView<'_, u32>,
-        q_gate: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        w: &AttnWeights<CudaWeight>,
-        pool: &mut KvPool,
-    ) -> Result<(CudaTensor, CudaTensor)> {
-        let g = &self.gpu;
-        let (nh, nkv, d) = (sh.num_heads, sh.num_kv_heads, sh.head_dim);
-        let rows = q_gate.rows;
+        let pool = st.kv.pool_mut(c.layer)?;
         let mut q = self.alloc(rows, nh * d)?;
         let mut gate = self.alloc(rows, nh * d)?;
         let mut kn = self.alloc(rows, nkv * d)?;
@@ -142,14 +156,15 @@ impl CudaBackend {
                 row_stride: 2 * nh * d,
                 head_stride: 2 * d,
             },
-            vector(&w.q_norm)?,
-            sh.eps,
-            positions,
-            ra,
+            &HeadNorm {
+                w: c.w.q_norm.bf16()?,
+                eps: sh.eps,
+            },
+            &ra,
             &mut q.buf,
             Some(&mut gv),
         )?;
-        g.qk_norm_rope::<CudaSlice<f32>>(
+        g.qk_norm_rope(
             &k.buf,
             HeadLayout {
                 rows,
@@ -158,27 +173,19 @@ impl CudaBackend {
                 row_stride: nkv * d,
                 head_stride: d,
             },
-            vector(&w.k_norm)?,
-            sh.eps,
-            positions,
-            ra,
+            &HeadNorm {
+                w: c.w.k_norm.bf16()?,
+                eps: sh.eps,
+            },
+            &ra,
             &mut kn.buf,
             None,
         )?;
-        g.kv_write(
-            &kn.buf,
-            &v.buf,
-            &mut pool.k,
-            &mut pool.v,
-            kv_dst,
-            rows,
-            nkv * d,
-        )?;
-        Ok((q, gate))
+        let pools = KvPools {
+            k: &mut pool.k,
+            v: &mut pool.v,
+        };
+        g.kv_write(&kn.buf, &v.buf, pools, &kv_dst, rows, nkv * d)?;
+        Ok(Prepared { q, gate, meta: m })
     }
-}
-
-/// The bf16 values of a vector weight.
-pub(crate) fn vector(w: &CudaWeight) -> Result<&CudaSlice<bf16>> {
-    Ok(w.bf16())
 }

@@ -42,11 +42,28 @@ pub(crate) struct KvPools {
 pub type QsaPick = (usize, usize, usize, Vec<usize>);
 
 impl KvPools {
+    /// The pools of attention layer `layer`.
+    pub fn pool(&self, layer: usize) -> Result<&KvPool> {
+        self.layers.get(&layer).ok_or_else(|| no_pool(layer))
+    }
+
+    /// The pools of attention layer `layer`, to write.
+    pub fn pool_mut(&mut self, layer: usize) -> Result<&mut KvPool> {
+        self.layers.get_mut(&layer).ok_or_else(|| no_pool(layer))
+    }
+
     pub fn bytes(&self) -> usize {
         self.layers
             .values()
             .map(|p| 2 * (p.k.len() + p.v.len()) + p.idx.as_ref().map_or(0, |i| i.len()))
             .sum()
+    }
+}
+
+fn no_pool(layer: usize) -> CudaError {
+    CudaError::Shape {
+        op: "kv_cache",
+        msg: format!("no K/V pool for layer {layer}: init_cache first"),
     }
 }
 

@@ -3,28 +3,27 @@
 //! runs the multi-sequence prefill kernels (causal conv + SiLU over the ring, the chunked delta rule)
 //! and then the gated RMSNorm with `z`, one launch per kernel for the whole step.
 
-use sanmai_model::backend::{GdnShape, GdnWeights, SeqChunk};
+use sanmai_model::backend::GdnCall;
 
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
-use crate::ops::{GdnDecodeWeights, GdnDims};
+use crate::ops::{GdnDecodeWeights, GdnDims, NormRows};
 
 impl CudaBackend {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gdn_impl(
-        &self,
-        layer: usize,
-        sh: &GdnShape,
-        qkv: &CudaTensor,
-        z: &CudaTensor,
-        b: &CudaTensor,
-        a: &CudaTensor,
-        w: &GdnWeights<CudaWeight>,
-        eps: f32,
-        seqs: &[SeqChunk<'_>],
-    ) -> Result<CudaTensor> {
+    pub(crate) fn gdn_impl(&self, c: &GdnCall<'_, CudaTensor, CudaWeight>) -> Result<CudaTensor> {
         let g = &self.gpu;
+        let GdnCall {
+            layer,
+            shape: sh,
+            qkv,
+            z,
+            b,
+            a,
+            w,
+            eps,
+            seqs,
+        } = *c;
         let dims = GdnDims {
             hk: sh.num_k_heads,
             hv: sh.num_v_heads,
@@ -57,7 +56,7 @@ impl CudaBackend {
             .layers
             .get_mut(&layer)
             .ok_or_else(|| bad(format!("no GDN state for layer {layer}: init_cache first")))?;
-        let conv_w = w.conv.bf16();
+        let conv_w = w.conv.bf16()?;
         let n = seqs.len();
         let slots = st.meta.view(m.slots, n);
         let mut out = self.alloc(rows, hv * dv)?;
@@ -67,7 +66,7 @@ impl CudaBackend {
                 conv: conv_w,
                 a_log,
                 dt_bias,
-                norm: w.norm.bf16(),
+                norm: w.norm.bf16()?,
             };
             g.gdn_decode(
                 dims,
@@ -126,15 +125,12 @@ impl CudaBackend {
             rows,
             n,
         )?;
-        g.gated_rms_norm(
-            &core.buf,
-            &z.buf,
-            w.norm.bf16(),
-            &mut out.buf,
-            rows * hv,
-            dv,
+        let shape = NormRows {
+            rows: rows * hv,
+            d: dv,
             eps,
-        )?;
+        };
+        g.gated_rms_norm(&core.buf, &z.buf, w.norm.bf16()?, &mut out.buf, shape)?;
         Ok(out)
     }
 }

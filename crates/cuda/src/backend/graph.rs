@@ -15,8 +15,11 @@
 //! second is captured (thread-local stream capture; intermediate tensors from the stream-ordered
 //! allocator become graph memory nodes, allocated and freed inside the graph), its outputs copied at
 //! the end of the graph into persistent per-graph buffers, then launched; later steps launch the
-//! graph and hand back fresh copies of those buffers. A capture that fails (an op that is not
-//! capturable, a panic under capture) logs one warning and leaves that key eager.
+//! graph and hand back fresh copies of those buffers. When a capture fails (an op that is not
+//! capturable, or an error of the step under capture: the capture is ended and dropped), the step
+//! runs eagerly: if that succeeds, the capture was at fault, which logs one warning and leaves the
+//! key eager; if it fails, its error is the step's error and the key stays warm. An error of an
+//! eager or warm-up step is the step's error.
 //!
 //! QSA layers record their batched decode form (indexer scan over the span, exact top-k, attention
 //! over the selected rows; each sequence's context and whether it selects at all read on the
@@ -29,14 +32,13 @@
 //! or QSA call) steps run eagerly.
 
 use std::collections::HashMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::{sys, CudaGraph};
-use sanmai_model::DecodeStep;
+use sanmai_model::{DecodeStep, OpResult};
 
-use super::{all_decode, ok, CudaBackend, CudaTensor};
-use crate::error::Result;
+use super::{all_decode, CudaBackend, CudaTensor};
+use crate::error::{At, Result};
 
 /// The batch sizes recorded by default.
 pub const DEFAULT_GRAPH_BATCH_SIZES: [usize; 4] = [1, 2, 4, 8];
@@ -108,7 +110,7 @@ impl Graphs {
     }
 }
 
-/// Resets the attention span of the backend's state when dropped (also on a panic).
+/// Resets the attention span of the backend's state when dropped (also when the step fails).
 struct SpanGuard<'a>(&'a CudaBackend);
 
 impl<'a> SpanGuard<'a> {
@@ -193,8 +195,8 @@ impl CudaBackend {
     pub(crate) fn decode_step_impl(
         &self,
         step: &DecodeStep<'_>,
-        run: &dyn Fn() -> Vec<CudaTensor>,
-    ) -> Vec<CudaTensor> {
+        run: &dyn Fn() -> OpResult<Vec<CudaTensor>>,
+    ) -> OpResult<Vec<CudaTensor>> {
         let out = self.step_graphs(step, run);
         self.end_ple_step();
         out
@@ -203,8 +205,8 @@ impl CudaBackend {
     fn step_graphs(
         &self,
         step: &DecodeStep<'_>,
-        run: &dyn Fn() -> Vec<CudaTensor>,
-    ) -> Vec<CudaTensor> {
+        run: &dyn Fn() -> OpResult<Vec<CudaTensor>>,
+    ) -> OpResult<Vec<CudaTensor>> {
         let tracing = self.lock().kv.qsa_trace.is_some();
         let mut guard = self.graphs();
         let g = &mut *guard;
@@ -217,10 +219,11 @@ impl CudaBackend {
         if !eligible {
             g.stats.eager += 1;
             drop(guard);
-            self.begin_step(step.ids, step.seqs, step.out_rows);
+            self.begin_step(step.ids, step.seqs, step.out_rows)
+                .at("decode_step")?;
             return run();
         }
-        let (span, epoch) = ok("decode_step", self.stage_padded(step));
+        let (span, epoch) = self.stage_padded(step).at("decode_step")?;
         if g.epoch != epoch {
             g.entries.clear();
             g.epoch = epoch;
@@ -234,7 +237,7 @@ impl CudaBackend {
         match g.entries.get(&key) {
             Some(Entry::Ready(rec)) => {
                 g.stats.replays += 1;
-                ok("decode_step", self.replay(rec))
+                self.replay(rec).at("decode_step")
             }
             Some(Entry::Warm(sh)) => {
                 let sh = sh.clone();
@@ -242,11 +245,16 @@ impl CudaBackend {
                     Ok(rec) => {
                         g.stats.captures += 1;
                         g.stats.replays += 1;
-                        let out = ok("decode_step", self.replay(&rec));
+                        let out = self.replay(&rec).at("decode_step");
                         g.entries.insert(key, Entry::Ready(rec));
                         out
                     }
                     Err(why) => {
+                        let out = {
+                            let _span = SpanGuard::set(self, span);
+                            run()?
+                        };
+                        // The step runs eagerly: the capture, not the step, failed.
                         tracing::warn!(
                             "CUDA graph capture of decode steps of batch {batch} failed ({why}); \
                              they run eagerly"
@@ -254,8 +262,7 @@ impl CudaBackend {
                         g.stats.failures += 1;
                         g.failure = Some(why);
                         g.entries.insert(key, Entry::Failed);
-                        let _span = SpanGuard::set(self, span);
-                        run()
+                        Ok(out)
                     }
                 }
             }
@@ -268,10 +275,10 @@ impl CudaBackend {
                 g.stats.warmups += 1;
                 let out = {
                     let _span = SpanGuard::set(self, span);
-                    run()
+                    run()?
                 };
                 g.entries.insert(key, Entry::Warm(shapes(&out)));
-                out
+                Ok(out)
             }
         }
     }
@@ -295,12 +302,14 @@ impl CudaBackend {
     }
 
     /// Captures `run` (whose outputs have shapes `sh`) into a graph that ends by copying the outputs
-    /// into persistent buffers. Nothing executes.
+    /// into persistent buffers. Nothing executes: when `run` fails under the capture (an op that is
+    /// not capturable, or any error of its own), the capture is ended and dropped and the error says
+    /// why (the caller then runs the step eagerly).
     fn capture(
         &self,
         sh: &[(usize, usize)],
         span: usize,
-        run: &dyn Fn() -> Vec<CudaTensor>,
+        run: &dyn Fn() -> OpResult<Vec<CudaTensor>>,
     ) -> std::result::Result<Recorded, String> {
         let mut outs = sh
             .iter()
@@ -310,9 +319,9 @@ impl CudaBackend {
         let s = self.gpu.stream();
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| e.to_string())?;
-        let body = catch_unwind(AssertUnwindSafe(|| {
+        let body = (|| {
             let _span = SpanGuard::set(self, span);
-            let ts = run();
+            let ts = run().map_err(|e| e.to_string())?;
             if shapes(&ts) != sh {
                 return Err(format!(
                     "outputs {:?} differ from the warm-up's {sh:?}",
@@ -325,14 +334,7 @@ impl CudaBackend {
             // The outputs are freed inside the graph: the graph owns no allocation across launches.
             drop(ts);
             Ok(())
-        }))
-        .unwrap_or_else(|p| {
-            Err(p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "a panic under capture".into()))
-        });
+        })();
         let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
         // Errors recorded by buffers freed under a failed capture.
         let _ = self.gpu.context().check_err();

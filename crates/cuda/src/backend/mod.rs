@@ -8,15 +8,20 @@
 //! every kernel reads it from persistent device buffers, and nothing in a forward pass waits for the
 //! device except [`Backend::to_host`]. Intermediate tensors come from the stream-ordered allocator.
 //!
-//! The trait's ops return values, not `Result`s: a device failure (out of memory, a launch error) or
-//! a call that breaks the trait's contract (a state slot not allocated, a K/V pool not initialised)
-//! panics with the op's name and the error, as the CPU backend panics on the same contract breaches.
+//! Every op returns an [`OpResult`]: the ops are written over this crate's [`Result`] (`*_impl`) and
+//! the trait methods name the op ([`CudaError::at`]): a call that breaks the trait's contract (shapes
+//! that do not fit, a state slot not allocated, a K/V pool not initialised) is
+//! `BackendError::Invalid`, a device failure (out of memory, a launch or copy error) is
+//! `BackendError::Device`. Nothing on a step's path panics.
+//!
+//! The backend also implements [`Probe`] (`roofline.rs`): the copy bandwidth and the routed-expert
+//! record `sanmai bench` reads.
 
 mod attn;
 mod cache;
-mod ext;
 mod gdn;
 mod graph;
+mod hc;
 mod meta;
 mod moe;
 mod packed;
@@ -33,13 +38,14 @@ use std::sync::{Mutex, MutexGuard};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
-    AttnShape, AttnWeights, Backend, CacheSpec, DecodeStep, GdnShape, GdnWeights, MoeWeights, Rope,
-    SeqChunk,
+    hc_residual_ops, AttnCall, Backend, CacheSpec, DecodeStep, GdnCall, GdnShape, HcWeights,
+    MoeCall, OpResult, PackedTensor, PleCall, Probe, QsaCall, SampleCall, SeqChunk,
 };
+use sanmai_model::sample::{RowError, Sampled};
 
-use crate::error::{CudaError, Result};
+use crate::error::{At, CudaError, Result};
 use crate::gpu::{Gpu, GpuOptions};
-use crate::ops::{GEMV_MAX_M, GEMV_SEGS};
+use crate::ops::{NormRows, GEMV_MAX_M, GEMV_SEGS};
 pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, MIN_GRAPH_SPAN};
 pub use packed::{packed_device_bytes, packed_fits, PACKED_WORKSPACE_BYTES};
 pub use tensor::{CudaTensor, CudaWeight, DenseBf16, PackedWeight};
@@ -128,6 +134,15 @@ pub struct CudaBackend {
     route_ticket: Mutex<CudaSlice<u32>>,
 }
 
+/// The rows of `x` as a norm kernel takes them.
+fn norm_rows(x: &CudaTensor, eps: f32) -> NormRows {
+    NormRows {
+        rows: x.rows,
+        d: x.cols,
+        eps,
+    }
+}
+
 /// Whether every chunk is one token and chunk `i` is row `i` (the batched decode launches).
 pub(crate) fn all_decode(seqs: &[SeqChunk<'_>]) -> bool {
     !seqs.is_empty()
@@ -135,11 +150,6 @@ pub(crate) fn all_decode(seqs: &[SeqChunk<'_>]) -> bool {
             .iter()
             .enumerate()
             .all(|(i, s)| s.len == 1 && s.start == i)
-}
-
-/// Unwraps an op's result: the trait's ops cannot return errors.
-fn ok<T>(op: &str, r: Result<T>) -> T {
-    r.unwrap_or_else(|e| panic!("CUDA backend {op}: {e}"))
 }
 
 impl CudaBackend {
@@ -219,13 +229,10 @@ impl CudaBackend {
 
     /// Uploads a step's metadata (the ids `forward` gets, its chunks and output rows) in one copy; the
     /// ops of the step then find it on the device. Optional: ops upload what is missing themselves.
-    pub fn begin_step(&self, ids: &[u32], seqs: &[SeqChunk<'_>], out_rows: &[usize]) {
+    pub fn begin_step(&self, ids: &[u32], seqs: &[SeqChunk<'_>], out_rows: &[usize]) -> Result<()> {
         let mut st = self.lock();
         let bs = st.kv.block_size;
-        ok(
-            "begin_step",
-            st.meta.stage(&self.gpu, ids, seqs, out_rows, bs, 0),
-        );
+        st.meta.stage(&self.gpu, ids, seqs, out_rows, bs, 0)
     }
 
     /// The step limits the metadata buffers were sized for.
@@ -446,6 +453,101 @@ impl CudaBackend {
         Ok(out)
     }
 
+    fn rms_norm_impl(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> Result<CudaTensor> {
+        let mut y = self.alloc(x.rows, x.cols)?;
+        self.gpu
+            .rms_norm(&x.buf, w.bf16()?, &mut y.buf, norm_rows(x, eps), offset)?;
+        Ok(y)
+    }
+
+    fn concat_cols_impl(&self, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
+        if a.rows != b.rows {
+            return Err(CudaError::Shape {
+                op: "concat_cols",
+                msg: format!("{} rows against {}", a.rows, b.rows),
+            });
+        }
+        let mut y = self.alloc(a.rows, a.cols + b.cols)?;
+        self.gpu
+            .concat_cols(&a.buf, &b.buf, &mut y.buf, a.rows, a.cols, b.cols)?;
+        Ok(y)
+    }
+
+    fn add_impl(&self, acc: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        let n = acc.len();
+        if y.len() != n {
+            return Err(CudaError::Shape {
+                op: "add",
+                msg: format!("{n} values plus {}", y.len()),
+            });
+        }
+        self.gpu.add_bf16(&mut acc.buf, &y.buf, n)
+    }
+
+    fn add_rms_norm_impl(
+        &self,
+        acc: &mut CudaTensor,
+        y: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> Result<CudaTensor> {
+        if y.rows != acc.rows || y.cols != acc.cols {
+            return Err(CudaError::Shape {
+                op: "add_rms_norm",
+                msg: format!("[{}, {}] plus [{}, {}]", acc.rows, acc.cols, y.rows, y.cols),
+            });
+        }
+        let (r, c) = (acc.rows, acc.cols);
+        let mut out = self.alloc(r, c)?;
+        let shape = norm_rows(acc, eps);
+        self.gpu
+            .add_rms_norm(&mut acc.buf, &y.buf, w.bf16()?, &mut out.buf, shape, offset)?;
+        Ok(out)
+    }
+
+    fn swiglu_impl(&self, gate_up: &CudaTensor) -> Result<CudaTensor> {
+        if !gate_up.cols.is_multiple_of(2) {
+            return Err(CudaError::Shape {
+                op: "swiglu",
+                msg: format!("{} columns are not gate|up halves", gate_up.cols),
+            });
+        }
+        let i = gate_up.cols / 2;
+        let mut y = self.alloc(gate_up.rows, i)?;
+        self.gpu.swiglu(&gate_up.buf, &mut y.buf, gate_up.rows, i)?;
+        Ok(y)
+    }
+
+    fn silu_impl(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        let mut y = self.alloc(x.rows, x.cols)?;
+        self.gpu.silu(&x.buf, &mut y.buf, x.len())?;
+        Ok(y)
+    }
+
+    /// A `[rows, cols]` tensor from host values (rounded to bf16).
+    pub fn tensor_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaTensor> {
+        if data.len() != rows * cols {
+            return Err(CudaError::Shape {
+                op: "from_host",
+                msg: format!("{} values for [{rows}, {cols}]", data.len()),
+            });
+        }
+        let b: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x)).collect();
+        let buf = if b.is_empty() {
+            self.gpu.zeros(1)?
+        } else {
+            self.gpu.upload(&b)?
+        };
+        Ok(CudaTensor { rows, cols, buf })
+    }
+
     fn to_host_impl(&self, x: &CudaTensor) -> Result<Vec<f32>> {
         let n = x.len();
         let v = self.gpu.download(&x.buf)?;
@@ -497,103 +599,84 @@ impl Backend for CudaBackend {
     /// recurrent state is f32 (see [`CudaBackend::state_bytes_per_slot`]).
     const CACHE_ELEM_BYTES: usize = 2;
 
-    fn weight(&self, data: Vec<f32>, shape: &[usize]) -> CudaWeight {
-        ok("weight", self.weight_impl(data, shape))
+    fn weight(&self, data: Vec<f32>, shape: &[usize]) -> OpResult<CudaWeight> {
+        self.weight_impl(data, shape).at("weight")
     }
 
-    fn packed_weight(&self, p: &sanmai_model::backend::PackedTensor<'_>) -> CudaWeight {
-        ok("packed_weight", self.packed_weight_impl(p))
+    fn packed_weight(&self, p: &PackedTensor<'_>) -> OpResult<CudaWeight> {
+        self.packed_weight_impl(p).at("packed_weight")
     }
 
-    fn init_cache(&self, spec: &CacheSpec) {
+    fn init_cache(&self, spec: &CacheSpec) -> OpResult<()> {
         let mut st = self.lock();
         let st = &mut *st;
-        ok("init_cache", st.kv.init(&self.gpu, spec));
-        ok("init_cache", st.states.init(&self.gpu, spec));
+        // Whatever happened, the pools may have been replaced: recordings pointing at them go.
         self.epoch.fetch_add(1, Ordering::Relaxed);
+        st.kv.init(&self.gpu, spec).at("init_cache")?;
+        st.states.init(&self.gpu, spec).at("init_cache")
     }
 
-    fn alloc_state(&self) -> usize {
+    fn alloc_state(&self) -> OpResult<usize> {
         let mut st = self.lock();
         let before = st.states.bytes();
-        let slot = ok("alloc_state", st.states.alloc(&self.gpu));
+        let slot = st.states.alloc(&self.gpu);
         if st.states.bytes() != before {
             // The pools grew (moved).
             self.epoch.fetch_add(1, Ordering::Relaxed);
         }
-        slot
+        slot.at("alloc_state")
     }
 
     fn free_state(&self, slot: usize) {
         self.lock().states.free(slot);
     }
 
-    fn copy_state(&self, src: usize, dst: usize) {
-        ok("copy_state", self.lock().states.copy(&self.gpu, src, dst));
+    fn copy_state(&self, src: usize, dst: usize) -> OpResult<()> {
+        self.lock()
+            .states
+            .copy(&self.gpu, src, dst)
+            .at("copy_state")
     }
 
-    fn copy_block(&self, src: u32, dst: u32) {
-        ok("copy_block", self.lock().kv.copy_block(&self.gpu, src, dst));
+    fn copy_block(&self, src: u32, dst: u32) -> OpResult<()> {
+        self.lock()
+            .kv
+            .copy_block(&self.gpu, src, dst)
+            .at("copy_block")
     }
 
-    fn embed(&self, table: &CudaWeight, ids: &[u32]) -> CudaTensor {
-        ok("embed", self.embed_impl(table, ids))
+    fn embed(&self, table: &CudaWeight, ids: &[u32]) -> OpResult<CudaTensor> {
+        self.embed_impl(table, ids).at("embed")
     }
 
-    fn rms_norm(&self, x: &CudaTensor, w: &CudaWeight, eps: f32, offset: f32) -> CudaTensor {
-        ok(
-            "rms_norm",
-            (|| {
-                let mut y = self.alloc(x.rows, x.cols)?;
-                self.gpu
-                    .rms_norm(&x.buf, w.bf16(), &mut y.buf, x.rows, x.cols, eps, offset)?;
-                Ok(y)
-            })(),
-        )
+    fn rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<CudaTensor> {
+        self.rms_norm_impl(x, w, eps, offset).at("rms_norm")
     }
 
-    fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> CudaTensor {
-        ok("linear", self.linear_impl(x, w))
+    fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> OpResult<CudaTensor> {
+        self.linear_impl(x, w).at("linear")
     }
 
-    fn linear_many(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> Vec<CudaTensor> {
-        ok("linear", self.linear_many_impl(x, ws))
+    fn linear_many(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> OpResult<Vec<CudaTensor>> {
+        self.linear_many_impl(x, ws).at("linear_many")
     }
 
-    fn rows(&self, x: &CudaTensor, rows: &[usize]) -> CudaTensor {
-        ok("rows", self.rows_impl(x, rows))
+    fn rows(&self, x: &CudaTensor, rows: &[usize]) -> OpResult<CudaTensor> {
+        self.rows_impl(x, rows).at("rows")
     }
 
-    fn concat_cols(&self, a: &CudaTensor, b: &CudaTensor) -> CudaTensor {
-        ok(
-            "concat_cols",
-            (|| {
-                if a.rows != b.rows {
-                    return Err(CudaError::Shape {
-                        op: "concat_cols",
-                        msg: format!("{} rows against {}", a.rows, b.rows),
-                    });
-                }
-                let mut y = self.alloc(a.rows, a.cols + b.cols)?;
-                self.gpu
-                    .concat_cols(&a.buf, &b.buf, &mut y.buf, a.rows, a.cols, b.cols)?;
-                Ok(y)
-            })(),
-        )
+    fn concat_cols(&self, a: &CudaTensor, b: &CudaTensor) -> OpResult<CudaTensor> {
+        self.concat_cols_impl(a, b).at("concat_cols")
     }
 
-    fn add(&self, acc: &mut CudaTensor, y: &CudaTensor) {
-        let n = acc.len();
-        if y.len() != n {
-            ok::<()>(
-                "add",
-                Err(CudaError::Shape {
-                    op: "add",
-                    msg: format!("{n} values plus {}", y.len()),
-                }),
-            );
-        }
-        ok("add", self.gpu.add_bf16(&mut acc.buf, &y.buf, n));
+    fn add(&self, acc: &mut CudaTensor, y: &CudaTensor) -> OpResult<()> {
+        self.add_impl(acc, y).at("add")
     }
 
     fn add_rms_norm(
@@ -603,95 +686,112 @@ impl Backend for CudaBackend {
         w: &CudaWeight,
         eps: f32,
         offset: f32,
-    ) -> CudaTensor {
-        ok(
-            "add_rms_norm",
-            (|| {
-                if y.rows != acc.rows || y.cols != acc.cols {
-                    return Err(CudaError::Shape {
-                        op: "add_rms_norm",
-                        msg: format!("[{}, {}] plus [{}, {}]", acc.rows, acc.cols, y.rows, y.cols),
-                    });
-                }
-                let (r, c) = (acc.rows, acc.cols);
-                let mut out = self.alloc(r, c)?;
-                self.gpu.add_rms_norm(
-                    &mut acc.buf,
-                    &y.buf,
-                    w.bf16(),
-                    &mut out.buf,
-                    r,
-                    c,
-                    eps,
-                    offset,
-                )?;
-                Ok(out)
-            })(),
-        )
+    ) -> OpResult<CudaTensor> {
+        self.add_rms_norm_impl(acc, y, w, eps, offset)
+            .at("add_rms_norm")
     }
 
-    fn swiglu(&self, gate_up: &CudaTensor) -> CudaTensor {
-        ok(
-            "swiglu",
-            (|| {
-                let i = gate_up.cols / 2;
-                let mut y = self.alloc(gate_up.rows, i)?;
-                self.gpu.swiglu(&gate_up.buf, &mut y.buf, gate_up.rows, i)?;
-                Ok(y)
-            })(),
-        )
+    fn swiglu(&self, gate_up: &CudaTensor) -> OpResult<CudaTensor> {
+        self.swiglu_impl(gate_up).at("swiglu")
     }
 
-    fn attention(
+    fn silu(&self, x: &CudaTensor) -> OpResult<CudaTensor> {
+        self.silu_impl(x).at("silu")
+    }
+
+    fn attention(&self, c: &AttnCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        self.attention_impl(c).at("attention")
+    }
+
+    fn gdn(&self, c: &GdnCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        self.gdn_impl(c).at("gdn")
+    }
+
+    fn moe_experts(&self, c: &MoeCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        self.moe_impl(c).at("moe_experts")
+    }
+
+    fn decode_step(
         &self,
-        layer: usize,
-        shape: &AttnShape,
-        rope: &Rope,
-        q_gate: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        w: &AttnWeights<CudaWeight>,
-        seqs: &[SeqChunk<'_>],
-    ) -> CudaTensor {
-        ok(
-            "attention",
-            self.attention_impl(layer, shape, rope, q_gate, k, v, w, seqs),
-        )
+        step: &DecodeStep<'_>,
+        run: &dyn Fn() -> OpResult<Vec<CudaTensor>>,
+    ) -> OpResult<Vec<CudaTensor>> {
+        self.decode_step_impl(step, run)
     }
 
-    fn gdn(
-        &self,
-        layer: usize,
-        shape: &GdnShape,
-        qkv: &CudaTensor,
-        z: &CudaTensor,
-        b: &CudaTensor,
-        a: &CudaTensor,
-        w: &GdnWeights<CudaWeight>,
-        eps: f32,
-        seqs: &[SeqChunk<'_>],
-    ) -> CudaTensor {
-        ok(
-            "gdn",
-            self.gdn_impl(layer, shape, qkv, z, b, a, w, eps, seqs),
-        )
+    fn ple_step_rows(&self, rows: &CudaTensor) -> OpResult<()> {
+        self.ple_step_rows_impl(rows).at("ple_step_rows")
     }
 
-    fn moe_experts(
+    fn to_host(&self, x: CudaTensor) -> OpResult<(usize, usize, Vec<f32>)> {
+        let v = self.to_host_impl(&x).at("to_host")?;
+        Ok((x.rows, x.cols, v))
+    }
+
+    fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> OpResult<CudaTensor> {
+        self.tensor_from_host(rows, cols, &data).at("upload")
+    }
+
+    fn sample(
         &self,
-        x: &CudaTensor,
-        w: &MoeWeights<CudaWeight>,
-        shared: Option<(&CudaTensor, &CudaTensor)>,
-    ) -> CudaTensor {
-        ok("moe_experts", self.moe_impl(x, w, shared))
+        logits: CudaTensor,
+        c: &SampleCall<'_>,
+    ) -> OpResult<Vec<std::result::Result<Sampled, RowError>>> {
+        self.sample_impl(&logits, c.valid_vocab, c.rows)
+            .at("sample")
+    }
+
+    fn device_sampling(&self) -> bool {
+        true
     }
 
     fn weight_bytes(&self, w: &CudaWeight) -> usize {
         w.bytes()
     }
 
-    fn copy_bandwidth(&self) -> f64 {
-        ok("copy_bandwidth", self.copy_bandwidth_impl())
+    fn hc_premix(&self, streams: &CudaTensor, pre: &CudaWeight) -> OpResult<CudaTensor> {
+        self.hc_premix_impl(streams, pre).at("hc_premix")
+    }
+
+    fn hc_gated_residual(
+        &self,
+        streams: &mut CudaTensor,
+        u: &CudaTensor,
+        y: &CudaTensor,
+    ) -> OpResult<()> {
+        self.hc_gated_residual_impl(streams, u, y)
+            .at("hc_gated_residual")
+    }
+
+    fn hc_residual(
+        &self,
+        streams: &mut CudaTensor,
+        x: &CudaTensor,
+        y: &CudaTensor,
+        w: &HcWeights<CudaWeight>,
+    ) -> OpResult<()> {
+        if self.hc_residual_fused(streams, x, y, w).at("hc_residual")? {
+            return Ok(());
+        }
+        hc_residual_ops(self, streams, x, y, w)
+    }
+
+    fn qsa_attention(&self, c: &QsaCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        self.qsa_impl(c).at("qsa_attention")
+    }
+
+    fn ple_mix(
+        &self,
+        streams: &mut CudaTensor,
+        c: &PleCall<'_, CudaTensor, CudaWeight>,
+    ) -> OpResult<()> {
+        self.ple_impl(streams, c).at("ple_mix")
+    }
+}
+
+impl Probe for CudaBackend {
+    fn copy_bandwidth(&self) -> OpResult<f64> {
+        self.copy_bandwidth_impl().at("copy_bandwidth")
     }
 
     fn record_routing(&self, on: bool) {
@@ -699,40 +799,7 @@ impl Backend for CudaBackend {
         self.routing_on.store(on, Ordering::Relaxed);
     }
 
-    fn decode_step(
-        &self,
-        step: &DecodeStep<'_>,
-        run: &dyn Fn() -> Vec<CudaTensor>,
-    ) -> Vec<CudaTensor> {
-        self.decode_step_impl(step, run)
-    }
-
-    fn ple_step_rows(&self, rows: &CudaTensor) {
-        ok("ple_step_rows", self.ple_step_rows_impl(rows));
-    }
-
     fn take_routing(&self) -> Vec<usize> {
         self.routing.take()
     }
-
-    fn to_host(&self, x: CudaTensor) -> (usize, usize, Vec<f32>) {
-        let v = ok("to_host", self.to_host_impl(&x));
-        (x.rows, x.cols, v)
-    }
-
-    fn sample(
-        &self,
-        logits: CudaTensor,
-        valid_vocab: usize,
-        rows: &[sanmai_model::sample::RowSampling<'_>],
-    ) -> Vec<std::result::Result<sanmai_model::sample::Sampled, sanmai_model::sample::RowError>>
-    {
-        ok("sample", self.sample_impl(&logits, valid_vocab, rows))
-    }
-
-    fn device_sampling(&self) -> bool {
-        true
-    }
-
-    ext::ext_methods!();
 }

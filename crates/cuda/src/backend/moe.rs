@@ -8,7 +8,7 @@
 //! GEMV, with a second table of scale addresses; a layer whose experts mix formats is refused.
 
 use cudarc::driver::CudaSlice;
-use sanmai_model::backend::MoeWeights;
+use sanmai_model::backend::{MoeCall, MoeWeights, SharedExpert};
 
 use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
@@ -199,19 +199,15 @@ impl CudaBackend {
 
     /// [`Backend::moe_experts`](sanmai_model::Backend::moe_experts): the shared expert's output and
     /// gate, when given, are added in the combine.
-    pub(crate) fn moe_impl(
-        &self,
-        x: &CudaTensor,
-        w: &MoeWeights<CudaWeight>,
-        shared: Option<(&CudaTensor, &CudaTensor)>,
-    ) -> Result<CudaTensor> {
+    pub(crate) fn moe_impl(&self, c: &MoeCall<'_, CudaTensor, CudaWeight>) -> Result<CudaTensor> {
         let g = &self.gpu;
+        let (x, w) = (c.x, c.w);
         let (t, h, e, k) = (x.rows, x.cols, w.experts.len(), w.top_k);
         let bad = |msg: String| CudaError::Shape { op: "moe", msg };
         if e == 0 {
             return Err(bad("no experts".into()));
         }
-        if let Some((y, gate)) = shared {
+        if let Some(SharedExpert { y, gate }) = &c.shared {
             if (y.rows, y.cols, gate.rows, gate.cols) != (t, h, t, 1) {
                 return Err(bad(format!(
                     "shared expert output [{}, {}] and gate [{}, {}] for {t} rows of {h}",
@@ -219,7 +215,7 @@ impl CudaBackend {
                 )));
             }
         }
-        let shared = shared.map(|(y, gate)| (&y.buf, &gate.buf));
+        let shared = c.shared.as_ref().map(|s| (&s.y.buf, &s.gate.buf));
         let inter = w.experts[0].inter;
         for ex in &w.experts {
             if ex.inter != inter

@@ -12,7 +12,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 
-use sanmai_model::backend::{PleShape, PleWeights, SeqChunk};
+use sanmai_model::backend::{PleCall, PleWeights};
 
 use super::cache::ple_len;
 use super::tensor::{CudaTensor, CudaWeight};
@@ -35,24 +35,24 @@ impl CudaBackend {
     pub(crate) fn ple_step_rows_impl(&self, rows: &CudaTensor) -> Result<()> {
         let mut staged = self.staged_ple();
         let n = rows.len();
-        let fits = staged
-            .as_ref()
-            .is_some_and(|s| s.rows.cols == rows.cols && s.rows.buf.len() >= n.max(1));
-        if !fits {
-            // Room for the recorded batch sizes at once: a larger batch later grows it once more.
-            let cap = rows.rows.next_power_of_two().max(8) * rows.cols;
-            let buf = self.gpu.zeros(cap.max(1))?;
-            *staged = Some(StagedRows {
-                rows: CudaTensor {
-                    rows: rows.rows,
-                    cols: rows.cols,
-                    buf,
-                },
-                live: false,
-            });
-            self.epoch.fetch_add(1, Ordering::Relaxed);
-        }
-        let s = staged.as_mut().expect("allocated above");
+        let s = match staged.take() {
+            Some(s) if s.rows.cols == rows.cols && s.rows.buf.len() >= n.max(1) => staged.insert(s),
+            _ => {
+                // The old buffer goes: so do the recordings that read it.
+                self.epoch.fetch_add(1, Ordering::Relaxed);
+                // Room for the recorded batch sizes at once: a larger batch later grows it once more.
+                let cap = rows.rows.next_power_of_two().max(8) * rows.cols;
+                let buf = self.gpu.zeros(cap.max(1))?;
+                staged.insert(StagedRows {
+                    rows: CudaTensor {
+                        rows: rows.rows,
+                        cols: rows.cols,
+                        buf,
+                    },
+                    live: false,
+                })
+            }
+        };
         if n > 0 {
             self.gpu
                 .stream()
@@ -76,13 +76,16 @@ impl CudaBackend {
 
     pub(crate) fn ple_impl(
         &self,
-        layer: usize,
-        sh: &PleShape,
         streams: &mut CudaTensor,
-        rows: &CudaTensor,
-        w: &PleWeights<CudaWeight>,
-        seqs: &[SeqChunk<'_>],
+        c: &PleCall<'_, CudaTensor, CudaWeight>,
     ) -> Result<()> {
+        let PleCall {
+            layer,
+            shape: sh,
+            rows,
+            w,
+            seqs,
+        } = *c;
         let (ns, h, e) = (sh.streams, sh.hidden, sh.row_width);
         let sc = ns * h;
         let bad = |msg: String| CudaError::Shape { op: "ple_mix", msg };
@@ -130,7 +133,7 @@ impl CudaBackend {
         }
         let pl = ple_len(sh);
         let g = &self.gpu;
-        let conv = w.conv.bf16();
+        let conv = w.conv.bf16()?;
         if all_decode(seqs) {
             let bs = st.kv.block_size;
             let m = st.meta.seqs(g, seqs, t, bs)?;
@@ -201,11 +204,11 @@ impl CudaBackend {
         for c in 0..dims.streams {
             let k = self.linear_f32(x, &w.key[c])?;
             let gw = PleGateWeights {
-                value_bias: w.value_bias.bf16(),
-                key_bias: w.key_bias[c].bf16(),
-                key_norm: w.key_norm[c].bf16(),
-                query_norm: w.query_norm[c].bf16(),
-                conv_norm: w.conv_norm[c].bf16(),
+                value_bias: w.value_bias.bf16()?,
+                key_bias: w.key_bias[c].bf16()?,
+                key_norm: w.key_norm[c].bf16()?,
+                query_norm: w.query_norm[c].bf16()?,
+                conv_norm: w.conv_norm[c].bf16()?,
             };
             self.gpu
                 .ple_gate(dims, c, &v, &k, &gw, &streams.buf, &mut u, &mut z, t)?;

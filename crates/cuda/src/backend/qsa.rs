@@ -11,16 +11,16 @@
 //! sequence: the dense paged prefill kernel while its context fits topk, else the scan, the top-k and
 //! the gathered attention over groups of its query rows.
 
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 use half::bf16;
-use sanmai_model::backend::{AttnShape, AttnWeights, IndexerWeights, QsaShape, Rope, SeqChunk};
+use sanmai_model::backend::{QsaCall, SeqChunk};
 
-use super::attn::vector;
+use super::attn::{attn_dims, Prepared};
 use super::cache::QsaPick;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
-use crate::ops::{AttnDims, RopeArgs};
+use crate::ops::{AttnDims, ChunkRows, KvPools, PagedCache, Queries, Selection};
 
 /// Epsilon of the indexer's key LayerNorm.
 const INDEX_NORM_EPS: f32 = 1e-6;
@@ -51,86 +51,57 @@ impl CudaBackend {
         v
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn qsa_impl(
-        &self,
-        layer: usize,
-        sh: &AttnShape,
-        rope: &Rope,
-        qsa: &QsaShape,
-        q_gate: &CudaTensor,
-        k: &CudaTensor,
-        v: &CudaTensor,
-        w: &AttnWeights<CudaWeight>,
-        iq: &CudaTensor,
-        ik: &CudaTensor,
-        iw: &CudaTensor,
-        iw_: &IndexerWeights<CudaWeight>,
-        seqs: &[SeqChunk<'_>],
-    ) -> Result<CudaTensor> {
+    pub(crate) fn qsa_impl(&self, c: &QsaCall<'_, CudaTensor, CudaWeight>) -> Result<CudaTensor> {
         let g = &self.gpu;
-        let (nh, nkv, d) = (sh.num_heads, sh.num_kv_heads, sh.head_dim);
+        let (attn, qsa) = (&c.attn, c.qsa);
+        let (nh, d, layer, seqs) = (
+            attn.shape.num_heads,
+            attn.shape.head_dim,
+            attn.layer,
+            attn.seqs,
+        );
+        let (iq, ik, iw) = (c.iq, c.ik, c.iw);
         let (ni, di, topk) = (qsa.n_heads, qsa.head_dim, qsa.topk.max(1));
-        let rows = q_gate.rows;
+        let rows = attn.q_gate.rows;
         let bad = |msg: String| CudaError::Shape {
             op: "qsa_attention",
             msg,
         };
-        if q_gate.cols != 2 * nh * d || k.cols != nkv * d || v.cols != nkv * d {
-            return Err(bad(format!(
-                "q_gate {} / k {} / v {} columns do not match {nh} heads, {nkv} kv heads of {d}",
-                q_gate.cols, k.cols, v.cols
-            )));
-        }
         if iq.cols != ni * di || ik.cols != di || iw.cols != ni {
             return Err(bad(format!(
                 "iq {} / ik {} / iw {} columns do not match {ni} indexer heads of {di}",
                 iq.cols, ik.cols, iw.cols
             )));
         }
-        if [k.rows, v.rows, iq.rows, ik.rows, iw.rows]
-            .iter()
-            .any(|&r| r != rows)
-        {
+        if [iq.rows, ik.rows, iw.rows].iter().any(|&r| r != rows) {
             return Err(bad("the inputs differ in rows".into()));
         }
         let mut st = self.lock();
         let st = &mut *st;
-        let bs = st.kv.block_size;
         if st.kv.idx_row != di + 2 {
             return Err(bad(format!(
                 "the cache has no index keys of width dI = {di}: init_cache with index_head_dim"
             )));
         }
-        let m = st.meta.seqs(g, seqs, rows, bs)?;
-        let ri = st.rope_table(g, &rope.inv_freq)?;
-        let qi_rope = st.rope_table(g, &qsa.rope.inv_freq)?;
-        let inv_freq = &st.rope[ri].1;
-        let index_freq = &st.rope[qi_rope].1;
-        let positions = st.meta.view(m.positions, rows);
         // 1. q (normed, roped), gate and the normed, roped k, as the dense attention; 2. K, V and the
         // index-key entries into the sequences' blocks.
-        let ra = RopeArgs {
-            inv_freq,
-            rot_dim: rope.rot_dim,
-            mscale: rope.mscale,
-        };
-        let pool = st
-            .kv
-            .layers
-            .get_mut(&layer)
-            .ok_or_else(|| bad(format!("no K/V pool for layer {layer}: init_cache first")))?;
+        let Prepared { q, gate, meta: m } = self.attn_prologue(st, attn, "qsa_attention")?;
+        let bs = st.kv.block_size;
+        let tracing = st.kv.qsa_trace.is_some();
+        let qi_rope = st.rope_table(g, &qsa.rope.inv_freq)?;
+        let index_freq = &st.rope[qi_rope].1;
+        let positions = st.meta.view(m.positions, rows);
         let kv_dst = st.meta.view(m.kv_dst, rows);
-        let (q, gate) = self.qkv_prepare(sh, &ra, &positions, &kv_dst, q_gate, k, v, w, pool)?;
         let half = qsa.rope.rot_dim / 2;
+        let pool = st.kv.pool_mut(layer)?;
         let idx = pool
             .idx
             .as_mut()
             .ok_or_else(|| bad(format!("layer {layer} has no index-key pool")))?;
         g.qsa_index_key_write(
             &ik.buf,
-            vector(&iw_.k_norm)?,
-            vector(&iw_.k_norm_bias)?,
+            c.indexer.k_norm.bf16()?,
+            c.indexer.k_norm_bias.bf16()?,
             INDEX_NORM_EPS,
             &positions,
             (di, half, index_freq),
@@ -139,7 +110,10 @@ impl CudaBackend {
             rows,
         )?;
         let pool = &*pool;
-        let idx = pool.idx.as_ref().expect("checked above");
+        let idx = pool
+            .idx
+            .as_ref()
+            .ok_or_else(|| bad(format!("layer {layer} has no index-key pool")))?;
         // 3. The indexer queries (roped) and head weights of every row.
         let head_scale = (ni as f32).powf(-0.5) * (di as f32).powf(-0.5);
         let mut qi = self.scratch::<f32>(rows * ni * di)?;
@@ -156,12 +130,7 @@ impl CudaBackend {
         )?;
         let tables = st.meta.view(m.tables, m.n_seq * m.stride);
         let x = Select {
-            dims: AttnDims {
-                hq: nh,
-                hkv: nkv,
-                head_dim: d,
-                block_size: bs,
-            },
+            dims: attn_dims(attn.shape, bs),
             ni,
             di,
             topk,
@@ -175,7 +144,6 @@ impl CudaBackend {
             tables: &tables,
             stride: m.stride,
         };
-        let tracing = st.kv.qsa_trace.is_some();
         let mut out = self.zeros(rows, nh * d)?;
         // 4. Select and attend: batched for a decode step, else per sequence.
         let trace = if all_decode(seqs) {
@@ -225,19 +193,23 @@ impl CudaBackend {
             ld,
         )?;
         g.qsa_topk_decode(&scores, ld, lens, n, topk, &mut sel, &mut counts)?;
+        let selection = Selection {
+            sel: &sel,
+            stride: topk,
+            counts: &counts,
+            max_count: topk,
+            rows: n,
+        };
+        let queries = Queries {
+            q: x.q,
+            gate: x.gate,
+        };
         g.qsa_attention_gather_decode(
             x.dims,
-            x.q,
-            x.gate,
-            x.k,
-            x.v,
-            x.tables,
-            x.stride,
-            &sel,
-            topk,
-            &counts,
+            &queries,
+            &x.cache(x.tables, x.stride),
+            &selection,
             &mut out.buf,
-            n,
         )?;
         Ok((sel, counts))
     }
@@ -287,15 +259,19 @@ impl CudaBackend {
             let table = x.tables.slice(i * x.stride..i * x.stride + nb);
             if s.pos0 + s.len <= topk {
                 let (a, b) = (s.start * qr, (s.start + s.len) * qr);
+                let queries = Queries {
+                    q: &x.q.slice(a..b),
+                    gate: &x.gate.slice(a..b),
+                };
+                let chunk = ChunkRows {
+                    pos0: s.pos0,
+                    t: s.len,
+                };
                 g.attention_paged_prefill(
                     x.dims,
-                    &x.q.slice(a..b),
-                    &x.gate.slice(a..b),
-                    x.k,
-                    x.v,
-                    &table,
-                    s.pos0,
-                    s.len,
+                    &queries,
+                    &x.cache(&table, 0),
+                    chunk,
                     &mut out.buf.slice_mut(a..b),
                 )?;
                 if tracing {
@@ -330,19 +306,23 @@ impl CudaBackend {
                 )?;
                 g.qsa_topk(&scores, ld, p0, n, topk, &mut sel, &mut counts)?;
                 let (qa, qb) = (r0 * qr, (r0 + n) * qr);
+                let queries = Queries {
+                    q: &x.q.slice(qa..qb),
+                    gate: &x.gate.slice(qa..qb),
+                };
+                let selection = Selection {
+                    sel: &sel,
+                    stride: topk,
+                    counts: &counts,
+                    max_count: topk.min(ld),
+                    rows: n,
+                };
                 g.qsa_attention_gather(
                     x.dims,
-                    &x.q.slice(qa..qb),
-                    &x.gate.slice(qa..qb),
-                    x.k,
-                    x.v,
-                    &table,
-                    &sel,
-                    topk,
-                    &counts,
-                    topk.min(ld),
+                    &queries,
+                    &x.cache(&table, 0),
+                    &selection,
                     &mut out.buf.slice_mut(qa..qb),
-                    n,
                 )?;
                 if tracing {
                     let sel = g.download(&sel)?;
@@ -379,4 +359,25 @@ struct Select<'a> {
     idx: &'a CudaSlice<u8>,
     tables: &'a CudaView<'a, u32>,
     stride: usize,
+}
+
+impl<'a> Select<'a> {
+    /// The layer's K/V pools read through `tables` (`stride` ids a row; 0: one table).
+    fn cache<'t, T: DevicePtr<u32>>(
+        &self,
+        tables: &'t T,
+        stride: usize,
+    ) -> PagedCache<'t, CudaSlice<bf16>, T>
+    where
+        'a: 't,
+    {
+        PagedCache {
+            pools: KvPools {
+                k: self.k,
+                v: self.v,
+            },
+            tables,
+            stride,
+        }
+    }
 }

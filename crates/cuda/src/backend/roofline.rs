@@ -1,5 +1,6 @@
-//! Measurements behind the roofline of `sanmai bench`: the device's copy bandwidth, measured in the
-//! process, and the log of distinct routed experts per MoE call.
+//! Measurements behind the roofline of `sanmai bench` (the backend's [`sanmai_model::Probe`]): the
+//! device's copy bandwidth, measured in the process, and the log of distinct routed experts per MoE
+//! call.
 
 use std::sync::Mutex;
 use std::time::Instant;
@@ -15,13 +16,13 @@ pub(crate) struct RoutingLog(Mutex<Option<Vec<usize>>>);
 
 impl RoutingLog {
     pub fn set(&self, on: bool) {
-        *self.0.lock().unwrap() = on.then(Vec::new);
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = on.then(Vec::new);
     }
 
     pub fn take(&self) -> Vec<usize> {
         self.0
             .lock()
-            .unwrap()
+            .unwrap_or_else(|p| p.into_inner())
             .as_mut()
             .map(std::mem::take)
             .unwrap_or_default()
@@ -35,7 +36,7 @@ impl CudaBackend {
     /// Records how many distinct experts the `n` routed ids in `ids` name, when recording is on
     /// (waits for the device to download them).
     pub(crate) fn log_routing(&self, ids: &CudaSlice<u32>, n: usize, experts: usize) -> Result<()> {
-        let mut log = self.routing.0.lock().unwrap();
+        let mut log = self.routing.0.lock().unwrap_or_else(|p| p.into_inner());
         let Some(log) = log.as_mut() else {
             return Ok(());
         };

@@ -4,6 +4,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 
+use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 
 /// Activations `[rows, cols]`, row-major bf16 on the device (from the stream-ordered allocator).
@@ -90,14 +91,17 @@ impl CudaWeight {
 
     /// The dense bf16 values. Only matrices are loaded packed, never the vectors and tables the ops
     /// that call this read (norms, convs, the embedding), so a packed weight here breaks the
-    /// loader's contract and panics with the weight's shape.
-    pub(crate) fn bf16(&self) -> &CudaSlice<bf16> {
+    /// loader's contract: a shape error naming the weight's shape.
+    pub(crate) fn bf16(&self) -> Result<&CudaSlice<bf16>> {
         match self {
-            CudaWeight::Bf16(w) => &w.data,
-            CudaWeight::Packed(w) => panic!(
-                "CUDA backend: a packed INT{} {:?} weight where dense bf16 values are needed",
-                w.bits, w.shape
-            ),
+            CudaWeight::Bf16(w) => Ok(&w.data),
+            CudaWeight::Packed(w) => Err(CudaError::Shape {
+                op: "weight",
+                msg: format!(
+                    "a packed INT{} {:?} weight where dense bf16 values are needed",
+                    w.bits, w.shape
+                ),
+            }),
         }
     }
 

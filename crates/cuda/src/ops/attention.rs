@@ -28,7 +28,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::row_threads;
+use super::{row_threads, KvPools};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, int, Gpu};
 
@@ -78,79 +78,109 @@ impl AttnDims {
     }
 }
 
+/// The queries of an attention call and their output gate, each `[rows, hq·head_dim]` (q normed and
+/// roped; the output is `attention · sigmoid(gate)`).
+pub struct Queries<'a, Q: DevicePtr<bf16>> {
+    pub q: &'a Q,
+    pub gate: &'a Q,
+}
+
+/// A layer's paged K/V cache as an attention kernel reads it: the pools and block tables, query row
+/// `r` reading the table at `tables[r·stride ..]` (stride 0: one table every row reads, a chunk of
+/// one sequence). Position `p` of a sequence lies in block `table[p / block_size]`, row
+/// `p % block_size`; a block id beyond the pool masks its positions.
+pub struct PagedCache<'a, K: DevicePtr<bf16>, T: DevicePtr<u32>> {
+    pub pools: KvPools<&'a K>,
+    pub tables: &'a T,
+    pub stride: usize,
+}
+
+/// The sequences of a decode call: `batch` rows, row `r` the one query of sequence `r`, whose
+/// context is `lens[r]` positions (device, the new token included); `max_len` ≥ every length sets
+/// the number of splits (positions beyond it are not attended).
+pub struct DecodeLens<'a, L: DevicePtr<u32>> {
+    pub lens: &'a L,
+    pub max_len: usize,
+    pub batch: usize,
+}
+
+/// The queries of a prefill chunk of one sequence: `t` queries at positions `pos0 .. pos0 + t`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkRows {
+    pub pos0: usize,
+    pub t: usize,
+}
+
 /// Where the rows' lengths and block tables come from.
 enum Rows {
-    /// Row `r` is sequence `r`: length `lens[r]` (device), table row `r` of `max_blocks` ids.
-    Decode { lens: u64, max_blocks: usize },
-    /// Row `r` is query `pos0 + r` of one sequence whose table holds `max_blocks` ids.
-    Prefill { pos0: usize, max_blocks: usize },
+    /// Row `r` is sequence `r` of `batch`: length `lens[r]` (device, at most `max_len`), table row
+    /// `r` of `max_blocks` ids.
+    Decode {
+        lens: u64,
+        max_blocks: usize,
+        max_len: usize,
+        batch: usize,
+    },
+    /// Row `r` is query `pos0 + r` of the chunk of one sequence whose table holds `max_blocks` ids.
+    Prefill { chunk: ChunkRows, max_blocks: usize },
+}
+
+impl Rows {
+    /// The query rows and the longest context.
+    fn extent(&self) -> (usize, usize) {
+        match *self {
+            Rows::Decode { max_len, batch, .. } => (batch, max_len),
+            Rows::Prefill { chunk, .. } => (chunk.t, chunk.pos0 + chunk.t),
+        }
+    }
 }
 
 impl Gpu {
-    /// Decode attention of `batch` sequences, one query each. `q`, `gate`, `out`: `[batch,
-    /// hq·head_dim]` (q normed and roped; `out = attention · sigmoid(gate)`); `block_table`: `[batch,
-    /// max_blocks]` block ids; `seq_lens`: `[batch]` context lengths including the new token (capped at
-    /// `max_blocks·block_size`; a block id beyond the pool masks its positions); `max_len` ≥ every
-    /// `seq_lens[i]` sets the number of splits (positions beyond it are not attended).
-    /// Matches `sanmai_cpu::ops::attention_causal` with `t = 1` times `sigmoid(gate)`.
-    #[allow(clippy::too_many_arguments)]
+    /// Decode attention of `seqs.batch` sequences, one query each. `q`, `gate`, `out`: `[batch,
+    /// hq·head_dim]`; `cache.tables`: `[batch, stride]` block ids; the lengths are capped at
+    /// `stride·block_size`. Matches `sanmai_cpu::ops::attention_causal` with `t = 1` times
+    /// `sigmoid(gate)`.
     pub fn attention_paged_decode(
         &self,
         dims: AttnDims,
-        q: &impl DevicePtr<bf16>,
-        gate: &impl DevicePtr<bf16>,
-        k_pool: &impl DevicePtr<bf16>,
-        v_pool: &impl DevicePtr<bf16>,
-        block_table: &impl DevicePtr<u32>,
-        max_blocks: usize,
-        seq_lens: &impl DevicePtr<u32>,
-        max_len: usize,
+        queries: &Queries<'_, impl DevicePtr<bf16>>,
+        cache: &PagedCache<'_, impl DevicePtr<bf16>, impl DevicePtr<u32>>,
+        seqs: &DecodeLens<'_, impl DevicePtr<u32>>,
         out: &mut impl DevicePtrMut<bf16>,
-        batch: usize,
     ) -> Result<()> {
         const OP: &str = "attention_paged_decode";
-        check_len(OP, "block_table", block_table, batch * max_blocks)?;
-        check_len(OP, "seq_lens", seq_lens, batch)?;
-        let (lp, _gl) = seq_lens.device_ptr(self.stream());
+        let (batch, max_blocks) = (seqs.batch, cache.stride);
+        check_len(OP, "block_table", cache.tables, batch * max_blocks)?;
+        check_len(OP, "seq_lens", seqs.lens, batch)?;
+        let (lp, _gl) = seqs.lens.device_ptr(self.stream());
         let rows = Rows::Decode {
             lens: lp,
             max_blocks,
-        };
-        self.attn_paged(
-            OP,
-            dims,
-            q,
-            gate,
-            k_pool,
-            v_pool,
-            block_table,
-            rows,
-            max_len,
-            out,
+            max_len: seqs.max_len,
             batch,
-        )
+        };
+        self.attn_paged(OP, dims, queries, cache, rows, out)
     }
 
     /// Causal prefill attention of one chunk of one sequence: `t` queries at positions `pos0 ..
     /// pos0 + t` (their K/V already written to the cache) against positions `0 ..= pos0 + i`.
-    /// `q`, `gate`, `out`: `[t, hq·head_dim]`; `block_table`: the sequence's block ids, at least
-    /// `⌈(pos0 + t) / block_size⌉`. Matches `sanmai_cpu::ops::attention_causal` over the gathered
-    /// cache of `pos0 + t` positions, times `sigmoid(gate)`.
-    #[allow(clippy::too_many_arguments)]
+    /// `q`, `gate`, `out`: `[t, hq·head_dim]`; `cache.tables`: the sequence's block ids (stride 0), at
+    /// least `⌈(pos0 + t) / block_size⌉`. Matches `sanmai_cpu::ops::attention_causal` over the
+    /// gathered cache of `pos0 + t` positions, times `sigmoid(gate)`.
     pub fn attention_paged_prefill(
         &self,
         dims: AttnDims,
-        q: &impl DevicePtr<bf16>,
-        gate: &impl DevicePtr<bf16>,
-        k_pool: &impl DevicePtr<bf16>,
-        v_pool: &impl DevicePtr<bf16>,
-        block_table: &impl DevicePtr<u32>,
-        pos0: usize,
-        t: usize,
+        queries: &Queries<'_, impl DevicePtr<bf16>>,
+        cache: &PagedCache<'_, impl DevicePtr<bf16>, impl DevicePtr<u32>>,
+        chunk: ChunkRows,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> Result<()> {
         const OP: &str = "attention_paged_prefill";
-        let max_blocks = block_table.len();
+        let ChunkRows { pos0, t } = chunk;
+        ensure(cache.stride == 0, OP, || {
+            "a chunk of one sequence reads one block table (stride 0)".into()
+        })?;
+        let max_blocks = cache.tables.len();
         ensure(
             dims.block_size > 0 && max_blocks * dims.block_size >= pos0 + t,
             OP,
@@ -163,57 +193,37 @@ impl Gpu {
             },
         )?;
         if let Some((kernel, key_tile)) = prefill_mma_kernel(dims.head_dim) {
-            if self.prefill_mma_aligned(q, gate, k_pool, v_pool, out) {
+            if self.prefill_mma_aligned(queries, &cache.pools, out) {
                 let tiles = PrefillTiles {
                     kernel,
                     key_tile,
                     pos0,
                     t,
                 };
-                return self.attn_prefill_mma(
-                    OP,
-                    dims,
-                    q,
-                    gate,
-                    k_pool,
-                    v_pool,
-                    block_table,
-                    tiles,
-                    out,
-                );
+                return self.attn_prefill_mma(OP, dims, queries, cache, tiles, out);
             }
         }
-        let rows = Rows::Prefill { pos0, max_blocks };
-        self.attn_paged(
-            OP,
-            dims,
-            q,
-            gate,
-            k_pool,
-            v_pool,
-            block_table,
-            rows,
-            pos0 + t,
-            out,
-            t,
-        )
+        let rows = Rows::Prefill { chunk, max_blocks };
+        self.attn_paged(OP, dims, queries, cache, rows, out)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// The split-K partial and reduce launches over the rows `rows` describes.
     fn attn_paged(
         &self,
         op: &'static str,
         dims: AttnDims,
-        q: &impl DevicePtr<bf16>,
-        gate: &impl DevicePtr<bf16>,
-        k_pool: &impl DevicePtr<bf16>,
-        v_pool: &impl DevicePtr<bf16>,
-        block_table: &impl DevicePtr<u32>,
+        queries: &Queries<'_, impl DevicePtr<bf16>>,
+        cache: &PagedCache<'_, impl DevicePtr<bf16>, impl DevicePtr<u32>>,
         rows: Rows,
-        max_len: usize,
         out: &mut impl DevicePtrMut<bf16>,
-        n: usize,
     ) -> Result<()> {
+        let Queries { q, gate } = *queries;
+        let KvPools {
+            k: k_pool,
+            v: v_pool,
+        } = cache.pools;
+        let block_table = cache.tables;
+        let (n, max_len) = rows.extent();
         let AttnDims {
             hq,
             hkv,
@@ -255,8 +265,10 @@ impl Gpu {
         }
         let num_blocks = u32::try_from(k_pool.len() / pool_rows).unwrap_or(u32::MAX);
         let (lens, pos0, max_blocks, table_stride) = match rows {
-            Rows::Decode { lens, max_blocks } => (lens, 0, max_blocks, max_blocks),
-            Rows::Prefill { pos0, max_blocks } => (0u64, pos0, max_blocks, 0),
+            Rows::Decode {
+                lens, max_blocks, ..
+            } => (lens, 0, max_blocks, max_blocks),
+            Rows::Prefill { chunk, max_blocks } => (0u64, chunk.pos0, max_blocks, 0),
         };
         let (hqi, hkvi, di, bsi) = (
             int(op, "hq", hq)?,
@@ -394,17 +406,15 @@ impl Gpu {
     /// offset takes the split-K kernels instead).
     fn prefill_mma_aligned(
         &self,
-        q: &impl DevicePtr<bf16>,
-        gate: &impl DevicePtr<bf16>,
-        k_pool: &impl DevicePtr<bf16>,
-        v_pool: &impl DevicePtr<bf16>,
+        queries: &Queries<'_, impl DevicePtr<bf16>>,
+        pools: &KvPools<&impl DevicePtr<bf16>>,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> bool {
         let s = self.stream();
-        let (qp, _gq) = q.device_ptr(s);
-        let (kp, _gk) = k_pool.device_ptr(s);
-        let (vp, _gv) = v_pool.device_ptr(s);
-        let (gp, _gg) = gate.device_ptr(s);
+        let (qp, _gq) = queries.q.device_ptr(s);
+        let (kp, _gk) = pools.k.device_ptr(s);
+        let (vp, _gv) = pools.v.device_ptr(s);
+        let (gp, _gg) = queries.gate.device_ptr(s);
         let (op_, _go) = out.device_ptr_mut(s);
         (qp | kp | vp) % 16 == 0 && (gp | op_) % 4 == 0
     }
@@ -412,19 +422,21 @@ impl Gpu {
     /// Causal prefill of one chunk on the tensor cores (`attn_prefill_mma_d*`), plus the reduce when
     /// [`prefill_spans`] splits the context. Same contract as [`Gpu::attention_paged_prefill`], whose
     /// table check it relies on.
-    #[allow(clippy::too_many_arguments)]
     fn attn_prefill_mma(
         &self,
         op: &'static str,
         dims: AttnDims,
-        q: &impl DevicePtr<bf16>,
-        gate: &impl DevicePtr<bf16>,
-        k_pool: &impl DevicePtr<bf16>,
-        v_pool: &impl DevicePtr<bf16>,
-        block_table: &impl DevicePtr<u32>,
+        queries: &Queries<'_, impl DevicePtr<bf16>>,
+        cache: &PagedCache<'_, impl DevicePtr<bf16>, impl DevicePtr<u32>>,
         tiles: PrefillTiles,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> Result<()> {
+        let Queries { q, gate } = *queries;
+        let KvPools {
+            k: k_pool,
+            v: v_pool,
+        } = cache.pools;
+        let block_table = cache.tables;
         let AttnDims {
             hq,
             hkv,

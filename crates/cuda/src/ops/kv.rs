@@ -4,14 +4,14 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::row_threads;
+use super::{row_threads, KvPools};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 /// The largest head size [`Gpu::qk_norm_rope`] takes (`KV_MAX_D` in `kv.cu`).
 pub const QK_MAX_HEAD_DIM: usize = 256;
 
-/// Where the heads of a [`Gpu::qk_norm_rope`] input lie.
+/// Where the heads of a [`Gpu::qk_norm_rope`] or [`Gpu::rope_neox`] input lie.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeadLayout {
     pub rows: usize,
@@ -23,12 +23,20 @@ pub struct HeadLayout {
     pub head_stride: usize,
 }
 
-/// The rotary embedding of [`Gpu::qk_norm_rope`]: `rot_dim / 2` inverse frequencies (device) and the
-/// cos/sin scale.
-pub struct RopeArgs<'a, F: DevicePtr<f32>> {
+/// The rotary embedding of [`Gpu::qk_norm_rope`] and [`Gpu::rope_neox`]: each row's position
+/// (`positions` `[rows]`, device), `rot_dim / 2` inverse frequencies (device) and the cos/sin scale.
+pub struct RopeArgs<'a, F: DevicePtr<f32>, P: DevicePtr<u32>> {
+    pub positions: &'a P,
     pub inv_freq: &'a F,
     pub rot_dim: usize,
     pub mscale: f32,
+}
+
+/// The per-head RMSNorm of [`Gpu::qk_norm_rope`]: the zero-centred weight `w` `[head_dim]` (the
+/// norm scales by `1 + w`) and the epsilon.
+pub struct HeadNorm<'a, W: DevicePtr<bf16>> {
+    pub w: &'a W,
+    pub eps: f32,
 }
 
 impl Gpu {
@@ -37,19 +45,18 @@ impl Gpu {
     /// (`[rows, n_heads·head_dim]`), the `head_dim` values after each input head (the gate half of a
     /// fused `[q | gate]` head) are copied there. Matches `sanmai_cpu::ops::rms_norm` (offset 1)
     /// followed by `sanmai_cpu::ops::rope_neox`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn qk_norm_rope<F: DevicePtr<f32>>(
+    pub fn qk_norm_rope(
         &self,
         x: &impl DevicePtr<bf16>,
         layout: HeadLayout,
-        w: &impl DevicePtr<bf16>,
-        eps: f32,
-        positions: &impl DevicePtr<u32>,
-        rope: &RopeArgs<'_, F>,
+        norm: &HeadNorm<'_, impl DevicePtr<bf16>>,
+        rope: &RopeArgs<'_, impl DevicePtr<f32>, impl DevicePtr<u32>>,
         out: &mut impl DevicePtrMut<bf16>,
         gate_out: Option<&mut cudarc::driver::CudaViewMut<'_, bf16>>,
     ) -> Result<()> {
         const OP: &str = "qk_norm_rope";
+        let HeadNorm { w, eps } = *norm;
+        let positions = rope.positions;
         let HeadLayout {
             rows,
             n_heads,
@@ -120,20 +127,22 @@ impl Gpu {
         Ok(())
     }
 
-    /// Copies row `r` of `k` and `v` (`[rows, row_elems]`) into pool row `dst[r]` of `k_pool` and
-    /// `v_pool` (`[pool_rows, row_elems]`); a `dst` at or beyond the pool is skipped.
-    #[allow(clippy::too_many_arguments)]
+    /// Copies row `r` of `k` and `v` (`[rows, row_elems]`) into pool row `dst[r]` of the K and V
+    /// pools (`[pool_rows, row_elems]`); a `dst` at or beyond the pool is skipped.
     pub fn kv_write(
         &self,
         k: &impl DevicePtr<bf16>,
         v: &impl DevicePtr<bf16>,
-        k_pool: &mut impl DevicePtrMut<bf16>,
-        v_pool: &mut impl DevicePtrMut<bf16>,
+        pools: KvPools<&mut impl DevicePtrMut<bf16>>,
         dst: &impl DevicePtr<u32>,
         rows: usize,
         row_elems: usize,
     ) -> Result<()> {
         const OP: &str = "kv_write";
+        let KvPools {
+            k: k_pool,
+            v: v_pool,
+        } = pools;
         ensure(row_elems > 0, OP, || "row_elems must be positive".into())?;
         ensure(k_pool.len() == v_pool.len(), OP, || {
             "k_pool and v_pool differ in length".into()

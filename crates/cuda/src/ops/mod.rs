@@ -25,16 +25,29 @@ mod router;
 mod sample;
 mod tensor;
 
-pub use attention::{AttnDims, ATTN_MAX_HEAD_DIM, ATTN_SPLIT};
+pub use attention::{
+    AttnDims, ChunkRows, DecodeLens, PagedCache, Queries, ATTN_MAX_HEAD_DIM, ATTN_SPLIT,
+};
 pub use gdn::{GdnDecodeWeights, GdnDims};
 pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;
-pub use kv::{HeadLayout, RopeArgs, QK_MAX_HEAD_DIM};
+pub use kv::{HeadLayout, HeadNorm, RopeArgs, QK_MAX_HEAD_DIM};
 pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
+pub use norm::NormRows;
 pub use ple::{PleDims, PleGateWeights};
+pub use qsa::Selection;
 pub use router::ROUTER_MAX_K;
 pub use sample::SampleBatch;
 pub(crate) use sample::SAMPLE_MAX_VOCAB;
+
+/// A layer's K and V pools, `[num_blocks, block_size, hkv·head_dim]` bf16 each (the CPU backend's
+/// layout): `KvPools<&CudaSlice<bf16>>` where a kernel reads them, `KvPools<&mut CudaSlice<bf16>>`
+/// where it writes them.
+#[derive(Debug, Clone, Copy)]
+pub struct KvPools<T> {
+    pub k: T,
+    pub v: T,
+}
 
 /// Threads per block for a row of `d` elements: one warp at least, 256 at most.
 pub(crate) fn row_threads(d: usize) -> u32 {

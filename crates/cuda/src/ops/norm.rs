@@ -39,21 +39,27 @@ fn vector_ok(d: usize, ptrs: &[u64]) -> bool {
     d.is_multiple_of(8) && d <= NORM_MAX_D && ptrs.iter().all(|p| p % 16 == 0)
 }
 
+/// The rows a norm kernel normalises: `rows` rows of `d` values, with `eps` under the root.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NormRows {
+    pub rows: usize,
+    pub d: usize,
+    pub eps: f32,
+}
+
 impl Gpu {
     /// `y = x · rsqrt(mean(x²) + eps) · (offset + w)` per row: `offset` 1.0 is the zero-centred
     /// RMSNorm, 0.0 the plain one. `x`, `y`: `[rows, d]`; `w`: `[d]`.
-    #[allow(clippy::too_many_arguments)]
     pub fn rms_norm(
         &self,
         x: &impl DevicePtr<bf16>,
         w: &impl DevicePtr<bf16>,
         y: &mut impl DevicePtrMut<bf16>,
-        rows: usize,
-        d: usize,
-        eps: f32,
+        shape: NormRows,
         offset: f32,
     ) -> Result<()> {
         const OP: &str = "rms_norm";
+        let NormRows { rows, d, eps } = shape;
         ensure(d > 0, OP, || "d must be positive".into())?;
         check_len(OP, "x", x, rows * d)?;
         check_len(OP, "w", w, d)?;
@@ -92,18 +98,16 @@ impl Gpu {
 
     /// The GDN output norm: `y = w · (x · rsqrt(mean(x²) + eps)) · silu(z)` per row (plain weight).
     /// `x`, `z`, `y`: `[rows, d]`; `w`: `[d]`.
-    #[allow(clippy::too_many_arguments)]
     pub fn gated_rms_norm(
         &self,
         x: &impl DevicePtr<bf16>,
         z: &impl DevicePtr<bf16>,
         w: &impl DevicePtr<bf16>,
         y: &mut impl DevicePtrMut<bf16>,
-        rows: usize,
-        d: usize,
-        eps: f32,
+        shape: NormRows,
     ) -> Result<()> {
         const OP: &str = "gated_rms_norm";
+        let NormRows { rows, d, eps } = shape;
         ensure(d > 0, OP, || "d must be positive".into())?;
         check_len(OP, "x", x, rows * d)?;
         check_len(OP, "z", z, rows * d)?;

@@ -10,6 +10,7 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use super::{AttnDims, KvPools, PagedCache, Queries};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -386,115 +387,66 @@ impl Gpu {
         Ok(())
     }
 
-    /// Gated attention of `n_rows` queries of one sequence over their selected positions: row `r`
-    /// attends to `sel[r·sel_stride .. + counts[r]]` (positions, gathered through `table` from the
-    /// `[num_blocks, block_size, hkv·d]` pools); `q`, `gate`, `out` `[n_rows, hq·d]`; `max_count` ≥
-    /// every `counts[r]` sets the splits. `out = softmax(q·k·d^-0.5) v · sigmoid(gate)`. Matches
+    /// Gated attention of the `sel.rows` queries of one sequence over their selected positions: row
+    /// `r` attends to `sel.sel[r·stride .. + counts[r]]` (positions, gathered through the one table
+    /// of `cache`, stride 0); `q`, `gate`, `out` `[rows, hq·d]`; `max_count` ≥ every `counts[r]` sets
+    /// the splits. `out = softmax(q·k·d^-0.5) v · sigmoid(gate)`. Matches
     /// `sanmai_cpu::ops::attend_rows`.
-    #[allow(clippy::too_many_arguments)]
     pub fn qsa_attention_gather(
         &self,
-        dims: crate::ops::AttnDims,
-        q: &impl DevicePtr<bf16>,
-        gate: &impl DevicePtr<bf16>,
-        k_pool: &impl DevicePtr<bf16>,
-        v_pool: &impl DevicePtr<bf16>,
-        table: &impl DevicePtr<u32>,
-        sel: &impl DevicePtr<u32>,
-        sel_stride: usize,
-        counts: &impl DevicePtr<u32>,
-        max_count: usize,
+        dims: AttnDims,
+        queries: &Queries<'_, impl DevicePtr<bf16>>,
+        cache: &PagedCache<'_, impl DevicePtr<bf16>, impl DevicePtr<u32>>,
+        sel: &Selection<'_, impl DevicePtr<u32>, impl DevicePtr<u32>>,
         out: &mut impl DevicePtrMut<bf16>,
-        n_rows: usize,
     ) -> Result<()> {
-        let tables = Tables {
-            ids: table,
-            stride: 0,
-        };
-        let sel = Selection {
-            sel,
-            stride: sel_stride,
-            counts,
-            max_count,
-        };
-        self.gather(
-            "qsa_attention_gather",
-            dims,
-            q,
-            gate,
-            (k_pool, v_pool),
-            &tables,
-            &sel,
-            out,
-            n_rows,
-        )
+        const OP: &str = "qsa_attention_gather";
+        ensure(cache.stride == 0, OP, || {
+            "the queries of one sequence read one block table (stride 0)".into()
+        })?;
+        self.gather(OP, dims, queries, cache, sel, out)
     }
 
     /// The decode form of [`Gpu::qsa_attention_gather`]: row `r` is the one query of sequence `r`,
-    /// whose K/V rows are gathered through row `r` of `tables` (`[n_rows, table_stride]` block ids);
-    /// its selection `sel[r·topk .. + counts[r]]` (from [`Gpu::qsa_topk_decode`]). The splits cover
-    /// `topk`, so the launch shape depends only on the batch and the model shape.
-    #[allow(clippy::too_many_arguments)]
+    /// whose K/V rows are gathered through row `r` of `cache.tables` (`[rows, stride]` block ids); its
+    /// selection `sel[r·topk .. + counts[r]]` (from [`Gpu::qsa_topk_decode`]: stride and `max_count`
+    /// both `topk`, so the splits cover topk and the launch shape depends only on the batch and the
+    /// model shape).
     pub fn qsa_attention_gather_decode(
         &self,
-        dims: crate::ops::AttnDims,
-        q: &impl DevicePtr<bf16>,
-        gate: &impl DevicePtr<bf16>,
-        k_pool: &impl DevicePtr<bf16>,
-        v_pool: &impl DevicePtr<bf16>,
-        tables: &impl DevicePtr<u32>,
-        table_stride: usize,
-        sel: &impl DevicePtr<u32>,
-        topk: usize,
-        counts: &impl DevicePtr<u32>,
+        dims: AttnDims,
+        queries: &Queries<'_, impl DevicePtr<bf16>>,
+        cache: &PagedCache<'_, impl DevicePtr<bf16>, impl DevicePtr<u32>>,
+        sel: &Selection<'_, impl DevicePtr<u32>, impl DevicePtr<u32>>,
         out: &mut impl DevicePtrMut<bf16>,
-        n_rows: usize,
     ) -> Result<()> {
         const OP: &str = "qsa_attention_gather_decode";
-        check_len(OP, "tables", tables, n_rows * table_stride)?;
-        let tables = Tables {
-            ids: tables,
-            stride: table_stride,
-        };
-        let sel = Selection {
-            sel,
-            stride: topk,
-            counts,
-            max_count: topk,
-        };
-        self.gather(
-            OP,
-            dims,
-            q,
-            gate,
-            (k_pool, v_pool),
-            &tables,
-            &sel,
-            out,
-            n_rows,
-        )
+        check_len(OP, "tables", cache.tables, sel.rows * cache.stride)?;
+        self.gather(OP, dims, queries, cache, sel, out)
     }
 
     /// The partial and reduce launches of the gathered attention.
-    #[allow(clippy::too_many_arguments)]
-    fn gather<T: DevicePtr<u32>, S: DevicePtr<u32>, C: DevicePtr<u32>>(
+    fn gather(
         &self,
         op: &'static str,
-        dims: crate::ops::AttnDims,
-        q: &impl DevicePtr<bf16>,
-        gate: &impl DevicePtr<bf16>,
-        (k_pool, v_pool): (&impl DevicePtr<bf16>, &impl DevicePtr<bf16>),
-        tables: &Tables<'_, T>,
-        selection: &Selection<'_, S, C>,
+        dims: AttnDims,
+        queries: &Queries<'_, impl DevicePtr<bf16>>,
+        cache: &PagedCache<'_, impl DevicePtr<bf16>, impl DevicePtr<u32>>,
+        selection: &Selection<'_, impl DevicePtr<u32>, impl DevicePtr<u32>>,
         out: &mut impl DevicePtrMut<bf16>,
-        n_rows: usize,
     ) -> Result<()> {
         let Selection {
             sel,
             stride: sel_stride,
             counts,
             max_count,
+            rows: n_rows,
         } = *selection;
+        let Queries { q, gate } = *queries;
+        let KvPools {
+            k: k_pool,
+            v: v_pool,
+        } = cache.pools;
         let (hq, hkv, d, bs) = (dims.hq, dims.hkv, dims.head_dim, dims.block_size);
         ensure(hkv > 0 && hq.is_multiple_of(hkv), op, || {
             format!("{hq} query heads are not a multiple of {hkv} KV heads")
@@ -537,8 +489,8 @@ impl Gpu {
         let (gp, _g2) = gate.device_ptr(s);
         let (kp, _g3) = k_pool.device_ptr(s);
         let (vp, _g4) = v_pool.device_ptr(s);
-        let (tp, _g5) = tables.ids.device_ptr(s);
-        let ts = tables.stride as i64;
+        let (tp, _g5) = cache.tables.device_ptr(s);
+        let ts = cache.stride as i64;
         let (lp, _g6) = sel.device_ptr(s);
         let (cp, _g7) = counts.device_ptr(s);
         let (outp, _g8) = out.device_ptr_mut(s);
@@ -579,25 +531,12 @@ impl Gpu {
     }
 }
 
-/// Block tables of the gathered attention: row `r` reads `ids[r·stride ..]` (stride 0: one table).
-struct Tables<'a, T> {
-    ids: &'a T,
-    stride: usize,
+/// The selected positions of the gathered attention over `rows` query rows: row `r` attends to
+/// `sel[r·stride .. + counts[r]]`; `max_count` (≤ `stride`) ≥ every count sets the splits.
+pub struct Selection<'a, S: DevicePtr<u32>, C: DevicePtr<u32>> {
+    pub sel: &'a S,
+    pub stride: usize,
+    pub counts: &'a C,
+    pub max_count: usize,
+    pub rows: usize,
 }
-
-/// The selected positions of the gathered attention: row `r` attends to `sel[r·stride .. + counts[r]]`;
-/// `max_count` ≥ every count sets the splits.
-struct Selection<'a, S, C> {
-    sel: &'a S,
-    stride: usize,
-    counts: &'a C,
-    max_count: usize,
-}
-
-impl<S, C> Clone for Selection<'_, S, C> {
-    fn clone(&self) -> Self {
-        *self
-    }
-}
-
-impl<S, C> Copy for Selection<'_, S, C> {}

@@ -3,30 +3,36 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use super::{HeadLayout, RopeArgs};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 impl Gpu {
-    /// Rotates the first `rot_dim` dims of every head of `t` token rows in place. Head `h` of token `s`
-    /// starts at element `s·row_stride + h·head_stride` of `x` (plain `[t, n_heads·head_dim]` is
-    /// `row_stride = n_heads·head_dim`, `head_stride = head_dim`; q inside a fused `[q | gate]` row uses
-    /// `head_stride = 2·head_dim`). `positions`: `[t]`; `inv_freq`: `[rot_dim/2]`; `mscale` scales cos
-    /// and sin. Matches `sanmai_cpu::ops::rope_neox`.
-    #[allow(clippy::too_many_arguments)]
+    /// Rotates the first `rot_dim` dims of every head of the `layout.rows` token rows in place. Head
+    /// `h` of token `s` starts at element `s·row_stride + h·head_stride` of `x` (plain `[t,
+    /// n_heads·head_dim]` is `row_stride = n_heads·head_dim`, `head_stride = head_dim`; q inside a
+    /// fused `[q | gate]` row uses `head_stride = 2·head_dim`). `positions`: `[t]`; `inv_freq`:
+    /// `[rot_dim/2]`; `mscale` scales cos and sin. Matches `sanmai_cpu::ops::rope_neox`.
     pub fn rope_neox(
         &self,
         x: &mut impl DevicePtrMut<bf16>,
-        positions: &impl DevicePtr<u32>,
-        inv_freq: &impl DevicePtr<f32>,
-        t: usize,
-        n_heads: usize,
-        head_dim: usize,
-        rot_dim: usize,
-        row_stride: usize,
-        head_stride: usize,
-        mscale: f32,
+        layout: HeadLayout,
+        rope: &RopeArgs<'_, impl DevicePtr<f32>, impl DevicePtr<u32>>,
     ) -> Result<()> {
         const OP: &str = "rope_neox";
+        let HeadLayout {
+            rows: t,
+            n_heads,
+            head_dim,
+            row_stride,
+            head_stride,
+        } = layout;
+        let RopeArgs {
+            positions,
+            inv_freq,
+            rot_dim,
+            mscale,
+        } = *rope;
         ensure(rot_dim.is_multiple_of(2) && rot_dim <= head_dim, OP, || {
             format!("rot_dim {rot_dim} must be even and at most head_dim {head_dim}")
         })?;

@@ -4,7 +4,7 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::row_threads;
+use super::{row_threads, NormRows};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -40,19 +40,17 @@ impl Gpu {
 
     /// `acc += y`, then `out = rms_norm(acc)` row-wise (`[rows, d]`, `w`: `[d]`, `offset` as
     /// [`Gpu::rms_norm`]): one launch, the same values as [`Gpu::add_bf16`] then [`Gpu::rms_norm`].
-    #[allow(clippy::too_many_arguments)]
     pub fn add_rms_norm(
         &self,
         acc: &mut impl DevicePtrMut<bf16>,
         y: &impl DevicePtr<bf16>,
         w: &impl DevicePtr<bf16>,
         out: &mut impl DevicePtrMut<bf16>,
-        rows: usize,
-        d: usize,
-        eps: f32,
+        shape: NormRows,
         offset: f32,
     ) -> Result<()> {
         const OP: &str = "add_rms_norm";
+        let NormRows { rows, d, eps } = shape;
         ensure(d > 0, OP, || "d must be positive".into())?;
         check_len(OP, "acc", acc, rows * d)?;
         check_len(OP, "y", y, rows * d)?;
@@ -114,7 +112,6 @@ impl Gpu {
     }
 
     /// `out[r, :] = [a[r, :] | b[r, :]]`; `a`: `[rows, ca]`, `b`: `[rows, cb]`.
-    #[allow(clippy::too_many_arguments)]
     pub fn concat_cols(
         &self,
         a: &impl DevicePtr<bf16>,

@@ -16,7 +16,8 @@ use std::collections::BTreeMap;
 use sanmai_cpu::{CpuBackend, CpuTensor};
 use sanmai_cuda::{CudaBackend, CudaTensor};
 use sanmai_model::{
-    AttnWeights, Backend, Ffn, GdnWeights, Layer, Mixer, Model, MoeWeights, SeqChunk,
+    AttnCall, AttnWeights, Backend, Ffn, GdnCall, GdnWeights, Layer, Mixer, Model, MoeCall,
+    MoeWeights, OpResult, SeqChunk, SharedExpert,
 };
 
 /// Per-op bounds: `max|gpu − cpu| / max|cpu|` and `‖gpu − cpu‖ / ‖cpu‖`.
@@ -76,8 +77,8 @@ fn moe<B: Backend>(m: &Model<B>, i: usize) -> &MoeWeights<B::Weight> {
     }
 }
 
-/// Runs `$body` on both models (`$m` bound to each, the listed pairs to that backend's tensor) and
-/// compares the results under `$name`.
+/// Runs `$body` (an op's result) on both models (`$m` bound to each, the listed pairs to that
+/// backend's tensor) and compares the results under `$name`.
 macro_rules! both {
     ($ls:expr, $name:expr, [$($v:ident),*], $m:ident => $body:expr) => {{
         let c = {
@@ -90,7 +91,7 @@ macro_rules! both {
             $(let $v = &$v.1;)*
             $body
         };
-        $ls.sync($name, c, g)
+        $ls.sync($name, ok($name, "cpu", c), ok($name, "cuda", g))
     }};
 }
 
@@ -106,8 +107,17 @@ macro_rules! both_many {
             let $m = $ls.gpu;
             $m.backend.linear_many(&$x.1, &[$(&$w),*])
         };
-        $ls.sync_many([$($name),*], c, g)
+        $ls.sync_many(
+            [$($name),*],
+            ok("linear_many", "cpu", c),
+            ok("linear_many", "cuda", g),
+        )
     }};
+}
+
+/// An op's result, or a panic naming the op and the backend.
+fn ok<T>(op: &str, backend: &str, r: OpResult<T>) -> T {
+    r.unwrap_or_else(|e| panic!("{op} on the {backend} backend: {e}"))
 }
 
 impl<'a> Lockstep<'a> {
@@ -129,7 +139,7 @@ impl<'a> Lockstep<'a> {
 
     /// Compares the GPU result with the CPU's and returns the CPU result on both backends.
     pub fn sync(&mut self, op: &str, mut c: CpuTensor, g: CudaTensor) -> Pair {
-        let (r, cols, gv) = self.gpu.backend.to_host(g);
+        let (r, cols, gv) = ok("to_host", "cuda", self.gpu.backend.to_host(g));
         assert_eq!((r, cols), (c.rows, c.cols), "{op}: shapes differ");
         let scale = c.data.iter().fold(0f32, |m, v| m.max(v.abs()));
         let (mut max_abs, mut se, mut sw) = (0f32, 0f64, 0f64);
@@ -180,9 +190,9 @@ impl<'a> Lockstep<'a> {
     /// `acc + y` on both (in place on copies of `acc`).
     fn add(&mut self, op: &str, acc: &Pair, y: &Pair) -> Pair {
         let mut c = acc.0.clone();
-        self.cpu.backend.add(&mut c, &y.0);
+        ok(op, "cpu", self.cpu.backend.add(&mut c, &y.0));
         let mut g = self.upload(&acc.0);
-        self.gpu.backend.add(&mut g, &y.1);
+        ok(op, "cuda", self.gpu.backend.add(&mut g, &y.1));
         self.sync(op, c, g)
     }
 
@@ -203,15 +213,32 @@ impl<'a> Lockstep<'a> {
         let mixed = if is_attn {
             let [q, k, v] = both_many!(self, ["q_proj", "k_proj", "v_proj"], hn, m =>
                 [attn(m, i).q_proj, attn(m, i).k_proj, attn(m, i).v_proj]);
-            let o = both!(self, "attention", [q, k, v], m => m.backend.attention(
-                i, &m.attn_shape, &m.rope, q, k, v, attn(m, i), seqs));
+            let o = both!(self, "attention", [q, k, v], m => m.backend.attention(&AttnCall {
+                layer: i,
+                shape: &m.attn_shape,
+                rope: &m.rope,
+                q_gate: q,
+                k,
+                v,
+                w: attn(m, i),
+                seqs,
+            }));
             both!(self, "o_proj", [o], m => m.backend.linear(o, &attn(m, i).o_proj))
         } else {
             let [qkv, z, b, a] = both_many!(
                 self, ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"], hn, m =>
                 [gdn(m, i).in_proj_qkv, gdn(m, i).in_proj_z, gdn(m, i).in_proj_b, gdn(m, i).in_proj_a]);
-            let o = both!(self, "gdn", [qkv, z, b, a], m => m.backend.gdn(
-                i, &m.gdn_shape, qkv, z, b, a, gdn(m, i), eps, seqs));
+            let o = both!(self, "gdn", [qkv, z, b, a], m => m.backend.gdn(&GdnCall {
+                layer: i,
+                shape: &m.gdn_shape,
+                qkv,
+                z,
+                b,
+                a,
+                w: gdn(m, i),
+                eps,
+                seqs,
+            }));
             both!(self, "out_proj", [o], m => m.backend.linear(o, &gdn(m, i).out_proj))
         };
         let x = self.add("residual_add", &x, &mixed);
@@ -235,10 +262,14 @@ impl<'a> Lockstep<'a> {
                     let g = both!(self, "shared_gate", [hn], m =>
                         m.backend.linear(hn, moe(m, i).shared_gate.as_ref().unwrap()));
                     both!(self, "moe_experts_shared", [hn, y, g], m =>
-                        m.backend.moe_experts(hn, moe(m, i), Some((y, g))))
+                    m.backend.moe_experts(&MoeCall {
+                        x: hn,
+                        w: moe(m, i),
+                        shared: Some(SharedExpert { y, gate: g }),
+                    }))
                 } else {
                     both!(self, "moe_experts", [hn], m =>
-                        m.backend.moe_experts(hn, moe(m, i), None))
+                        m.backend.moe_experts(&MoeCall { x: hn, w: moe(m, i), shared: None }))
                 }
             }
         };

@@ -29,7 +29,7 @@ use std::path::{Path, PathBuf};
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
 use sanmai_cuda::CudaBackend;
-use sanmai_model::{Backend, Model, SeqChunk};
+use sanmai_model::{Backend, Model, OutRows, SeqChunk, StepChunk, StepInput, StepStart};
 use sanmai_weights::Checkpoint;
 use serde_json::Value;
 
@@ -85,7 +85,7 @@ fn load<B: Backend>(name: &str, b: B) -> Model<B> {
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
     let m = Model::load(cfg, &ckpt, b).unwrap();
-    m.init_cache(BLOCKS_PER_SEQ * 8, BLOCK);
+    m.init_cache(BLOCKS_PER_SEQ * 8, BLOCK).unwrap();
     m
 }
 
@@ -165,7 +165,7 @@ impl Seq {
     fn new<B: Backend>(m: &Model<B>, i: usize) -> Self {
         let first = (i * BLOCKS_PER_SEQ) as u32;
         Seq {
-            state: m.backend.alloc_state(),
+            state: m.backend.alloc_state().unwrap(),
             blocks: (first..first + BLOCKS_PER_SEQ as u32).collect(),
         }
     }
@@ -181,18 +181,54 @@ impl Seq {
     }
 }
 
-/// Log-probability rows of `out_rows` after one step.
+/// One step from `start` over `seqs` (chunk `i` takes the tokens of `ids` at its rows and returns
+/// the rows `out[i]` names; the fixtures have no PLE, so no history): the log-probability rows, and
+/// their final-normed hidden states when `hidden`.
+fn step_from<B: Backend>(
+    m: &Model<B>,
+    start: StepStart<B::Tensor>,
+    ids: &[u32],
+    seqs: &[SeqChunk<'_>],
+    out: &[OutRows],
+    hidden: bool,
+) -> (Vec<Vec<f64>>, Option<B::Tensor>) {
+    let chunks: Vec<StepChunk<'_>> = seqs
+        .iter()
+        .zip(out)
+        .map(|(s, &out)| StepChunk {
+            tokens: &ids[s.start..s.start + s.len],
+            history: &[],
+            pos0: s.pos0,
+            state: s.state,
+            blocks: s.blocks,
+            out,
+        })
+        .collect();
+    let o = m
+        .step(StepInput {
+            chunks: &chunks,
+            start,
+            hidden,
+        })
+        .unwrap();
+    let (r, c, data) = m
+        .backend
+        .to_host(o.logits.expect("rows asked for"))
+        .unwrap();
+    let rows = (0..r)
+        .map(|i| log_softmax(&data[i * c..(i + 1) * c]))
+        .collect();
+    (rows, o.hidden)
+}
+
+/// Log-probability rows of the rows `out` names after one step from the tokens.
 fn step<B: Backend>(
     m: &Model<B>,
     ids: &[u32],
     seqs: &[SeqChunk<'_>],
-    out_rows: &[usize],
+    out: &[OutRows],
 ) -> Vec<Vec<f64>> {
-    let out = m.forward(ids, seqs, out_rows);
-    let (r, c, data) = m.backend.to_host(m.logits(&out.hidden));
-    (0..r)
-        .map(|i| log_softmax(&data[i * c..(i + 1) * c]))
-        .collect()
+    step_from(m, StepStart::Tokens, ids, seqs, out, false).0
 }
 
 fn check_prompts(name: &str, chunk_len: usize, staged: bool) {
@@ -214,9 +250,10 @@ fn check_prompts(name: &str, chunk_len: usize, staged: bool) {
             let out_rows: Vec<usize> = (0..len).collect();
             if staged {
                 m.backend
-                    .begin_step(&prompt[pos..pos + len], &chunk, &out_rows);
+                    .begin_step(&prompt[pos..pos + len], &chunk, &out_rows)
+                    .unwrap();
             }
-            rows.extend(step(&m, &prompt[pos..pos + len], &chunk, &out_rows));
+            rows.extend(step(&m, &prompt[pos..pos + len], &chunk, &[OutRows::All]));
             pos += len;
         }
         let expected = floats(&p["prompt_logprobs"]);
@@ -256,9 +293,9 @@ fn check_prompts(name: &str, chunk_len: usize, staged: bool) {
             }
             let chunk = [seq.chunk(0, 1, prompt.len() + i)];
             if staged {
-                m.backend.begin_step(&[want], &chunk, &[0]);
+                m.backend.begin_step(&[want], &chunk, &[0]).unwrap();
             }
-            row = step(&m, &[want], &chunk, &[0]).remove(0);
+            row = step(&m, &[want], &chunk, &[OutRows::Last]).remove(0);
         }
         let (lp_mean, lp_max) = mean_max(&lp_errs);
         println!(
@@ -308,19 +345,32 @@ fn check_mtp(name: &str) {
         let prompt = ids(&prompts[case["prompt_index"].as_u64().unwrap() as usize]["ids"]);
         let n = prompt.len();
         let seq = Seq::new(&m, ci);
+        // The main pass's hidden states of every position but the last feed the draft.
+        let (_, main) = step_from(
+            &m,
+            StepStart::Tokens,
+            &prompt,
+            &[seq.chunk(0, n, 0)],
+            &[OutRows::All],
+            true,
+        );
         let all: Vec<usize> = (0..n - 1).collect();
-        let main = m.forward(&prompt, &[seq.chunk(0, n, 0)], &all);
-        let hidden = m
-            .mtp_forward(&prompt[1..], &main.hidden, &[seq.chunk(0, n - 1, 0)])
-            .expect("fixture has an MTP head");
-        let (_, c, data) = m.backend.to_host(m.logits(&hidden));
+        let h_prev = m.backend.rows(&main.unwrap(), &all).unwrap();
+        let (draft, _) = step_from(
+            &m,
+            StepStart::Draft(h_prev),
+            &prompt[1..],
+            &[seq.chunk(0, n - 1, 0)],
+            &[OutRows::All],
+            false,
+        );
         // The plausible drafts (reference log-prob ≥ MTP_FLOOR) are compared; the tail, where bf16
         // logits of magnitude 20–30 carry steps of 0.125, is printed only.
         let (mut errs, mut all, mut top1, mut gated) = (Vec::new(), Vec::new(), 0, 0);
         for (i, pos) in case["positions"].as_array().unwrap().iter().enumerate() {
             let t = pos.as_u64().unwrap() as usize;
             let want = floats(&case["draft_logprobs"][i]);
-            let got = log_softmax(&data[t * c..(t + 1) * c]);
+            let got = &draft[t];
             for (g, w) in got.iter().zip(&want) {
                 all.push((g - w).abs());
                 if *w >= MTP_FLOOR {
@@ -333,7 +383,7 @@ fn check_mtp(name: &str) {
             if sorted[0] - sorted[1] >= GAP {
                 gated += 1;
                 assert_eq!(
-                    argmax(&got),
+                    argmax(got),
                     wa,
                     "{name} MTP case {ci} position {t}: draft argmax"
                 );
@@ -366,27 +416,29 @@ fn qwen3_5_moe_mtp_matches_reference() {
 
 /// Runs the same schedule on a backend: two prefills, a fork of A into C (copy_state + copy_block of
 /// the partial block), a mixed step (A decodes, B prefills a chunk from pos0 = 7, C prefills 3 tokens
-/// from pos0 = 20), a batched decode of all three, and the MTP head over the mixed step's rows.
+/// from pos0 = 20), a batched decode of all three, the MTP head over the mixed step's rows, and a
+/// decode with the sequences in another row order returning two rows that are not adjacent.
 /// Returns every log-prob row it read.
 fn schedule<B: Backend>(m: &Model<B>, toks: &[u32], cuda: Option<&CudaBackend>) -> Vec<Vec<f64>> {
+    use OutRows::{All, Last, None as Skip};
     let a = Seq::new(m, 0);
     let bq = Seq::new(m, 1);
     let mut c = Seq::new(m, 2);
     let mut rows = Vec::new();
     let stage = |ids: &[u32], seqs: &[SeqChunk<'_>], out: &[usize]| {
         if let Some(cb) = cuda {
-            cb.begin_step(ids, seqs, out);
+            cb.begin_step(ids, seqs, out).unwrap();
         }
     };
     // 1. Prefill A (20 tokens) and B (7 tokens) in one step.
     let ids1: Vec<u32> = toks[..20].iter().chain(&toks[100..107]).copied().collect();
     let s1 = [a.chunk(0, 20, 0), bq.chunk(20, 7, 0)];
     stage(&ids1, &s1, &[19, 26]);
-    rows.extend(step(m, &ids1, &s1, &[19, 26]));
+    rows.extend(step(m, &ids1, &s1, &[Last, Last]));
     // 2. Fork A into C: state copy, share block 0, copy the partial block 1.
-    m.backend.copy_state(a.state, c.state);
+    m.backend.copy_state(a.state, c.state).unwrap();
     c.blocks[0] = a.blocks[0];
-    m.backend.copy_block(a.blocks[1], c.blocks[1]);
+    m.backend.copy_block(a.blocks[1], c.blocks[1]).unwrap();
     // 3. Mixed: A decodes at 20, B prefills 9 tokens from 7, C prefills 3 tokens from 20.
     let ids3: Vec<u32> = [toks[20]]
         .iter()
@@ -397,25 +449,24 @@ fn schedule<B: Backend>(m: &Model<B>, toks: &[u32], cuda: Option<&CudaBackend>) 
     let s3 = [a.chunk(0, 1, 20), bq.chunk(1, 9, 7), c.chunk(10, 3, 20)];
     let out3: Vec<usize> = (0..13).collect();
     stage(&ids3, &s3, &out3);
-    let h = m.forward(&ids3, &s3, &out3);
-    let (r, cc, data) = m.backend.to_host(m.logits(&h.hidden));
-    rows.extend((0..r).map(|i| log_softmax(&data[i * cc..(i + 1) * cc])));
+    let (mixed, h) = step_from(m, StepStart::Tokens, &ids3, &s3, &[All, All, All], true);
+    rows.extend(mixed);
     // The MTP head over the mixed step (its own cache layer): next tokens are the step's ids shifted.
     if m.mtp.is_some() {
         let next: Vec<u32> = ids3.iter().map(|&t| (t + 1) % 1000).collect();
-        let d = m.mtp_forward(&next, &h.hidden, &s3).unwrap();
-        let (r, cc, data) = m.backend.to_host(m.logits(&d));
-        rows.extend((0..r).map(|i| log_softmax(&data[i * cc..(i + 1) * cc])));
+        let h = h.expect("hidden states asked for");
+        let (draft, _) = step_from(m, StepStart::Draft(h), &next, &s3, &[All, All, All], false);
+        rows.extend(draft);
     }
     // 4. Batched decode of all three.
     let ids4 = [toks[21], toks[116], toks[203]];
     let s4 = [a.chunk(0, 1, 21), bq.chunk(1, 1, 16), c.chunk(2, 1, 23)];
     stage(&ids4, &s4, &[0, 1, 2]);
-    rows.extend(step(m, &ids4, &s4, &[0, 1, 2]));
-    // 5. Decode again with rows gathered out of order.
-    let ids5 = [toks[22], toks[117], toks[204]];
-    let s5 = [a.chunk(0, 1, 22), bq.chunk(1, 1, 17), c.chunk(2, 1, 24)];
-    rows.extend(step(m, &ids5, &s5, &[2, 0]));
+    rows.extend(step(m, &ids4, &s4, &[Last, Last, Last]));
+    // 5. Decode again with the sequences in another row order, gathering rows 0 and 2 (C, then A).
+    let ids5 = [toks[204], toks[117], toks[22]];
+    let s5 = [c.chunk(0, 1, 24), bq.chunk(1, 1, 17), a.chunk(2, 1, 22)];
+    rows.extend(step(m, &ids5, &s5, &[Last, Skip, Last]));
     for s in [a, bq, c] {
         m.backend.free_state(s.state);
     }
@@ -473,7 +524,7 @@ fn lockstep_schedule(ls: &mut lockstep::Lockstep<'_>, toks: &[u32]) {
     let (cpu, gpu) = (ls.cpu, ls.gpu);
     let seq = |i: usize| {
         let s = Seq::new(cpu, i);
-        let g = gpu.backend.alloc_state();
+        let g = gpu.backend.alloc_state().unwrap();
         assert_eq!(s.state, g, "both backends number their state slots alike");
         s
     };
@@ -485,11 +536,11 @@ fn lockstep_schedule(ls: &mut lockstep::Lockstep<'_>, toks: &[u32]) {
     let h = ls.forward(&ids1, &s1, &[19, 26]);
     ls.logits(&h);
     // 2. Fork A into C on both backends.
-    cpu.backend.copy_state(a.state, c.state);
-    gpu.backend.copy_state(a.state, c.state);
+    cpu.backend.copy_state(a.state, c.state).unwrap();
+    gpu.backend.copy_state(a.state, c.state).unwrap();
     c.blocks[0] = a.blocks[0];
-    cpu.backend.copy_block(a.blocks[1], c.blocks[1]);
-    gpu.backend.copy_block(a.blocks[1], c.blocks[1]);
+    cpu.backend.copy_block(a.blocks[1], c.blocks[1]).unwrap();
+    gpu.backend.copy_block(a.blocks[1], c.blocks[1]).unwrap();
     // 3. Mixed: A decodes at 20, B prefills 9 tokens from 7, C prefills 3 tokens from 20.
     let ids3: Vec<u32> = [toks[20]]
         .iter()
@@ -499,7 +550,7 @@ fn lockstep_schedule(ls: &mut lockstep::Lockstep<'_>, toks: &[u32]) {
         .collect();
     let s3 = [a.chunk(0, 1, 20), bq.chunk(1, 9, 7), c.chunk(10, 3, 20)];
     let out3: Vec<usize> = (0..13).collect();
-    gpu.backend.begin_step(&ids3, &s3, &out3);
+    gpu.backend.begin_step(&ids3, &s3, &out3).unwrap();
     ls.tag = "mixed";
     let h = ls.forward(&ids3, &s3, &out3);
     ls.logits(&h);

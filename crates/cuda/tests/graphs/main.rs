@@ -1,7 +1,7 @@
 //! CUDA graphs for decode steps: a backend that records and replays decode steps
 //! ([`CudaBackend::set_graph_batch_sizes`]) against one that runs every step eagerly, on the committed
-//! tiny fixtures, through `Model::forward_logits` (embedding to logits in one recording) and
-//! `Model::forward` (to the hidden states).
+//! tiny fixtures, through `Model::step`: decode steps that return every sequence's row (embedding
+//! to logits in one recording) and decode steps that return no rows (a recording of their own).
 //!
 //! Both run the same kernels on the same inputs, so their outputs must agree bit for bit. A second
 //! eager backend is the control: if eager runs are not bitwise reproducible the graph run may differ
@@ -11,7 +11,7 @@
 //! size and must run eagerly. A long-context case crosses [`MIN_GRAPH_SPAN`] and checks the larger span.
 //!
 //! The qwen4_exp fixtures (QSA, PLE and both with hyper-connections; PLE tables included) run the same
-//! way through `Model::forward_logits_with` with each step's PLE rows: the first round's sequences
+//! way, each step's PLE rows hashed from the sequences' tokens: the first round's sequences
 //! cross from contexts within the indexer's topk (every position selected) to contexts past it during
 //! the replayed steps, the second round replays at other contexts. The eager control traces its QSA
 //! selections (a traced backend runs eagerly): every decode row selects `min(topk, context)` distinct
@@ -28,8 +28,10 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use sanmai_config::ModelConfig;
-use sanmai_cuda::{CudaBackend, GraphStats, MIN_GRAPH_SPAN};
-use sanmai_model::{Backend, Model, PleSource, SeqChunk};
+use sanmai_cuda::{CudaBackend, CudaTensor, GraphStats, MIN_GRAPH_SPAN};
+use sanmai_model::{
+    Backend, Model, OutRows, PleSource, StepChunk, StepInput, StepOutput, StepStart,
+};
 use sanmai_weights::{Checkpoint, Dummy};
 
 const BLOCK: usize = 16;
@@ -89,7 +91,7 @@ fn load_fixture(name: &str, b: CudaBackend) -> Model<CudaBackend> {
         .as_ref()
         .map(|p| PleSource::open(&dir, p, false).unwrap());
     let m = Model::load_with_ple(cfg, &ckpt, b, ple).unwrap();
-    m.init_cache(NUM_BLOCKS, BLOCK);
+    m.init_cache(NUM_BLOCKS, BLOCK).unwrap();
     m
 }
 
@@ -99,18 +101,6 @@ struct Seq {
     blocks: Vec<u32>,
     len: usize,
     tokens: Vec<u32>,
-}
-
-impl Seq {
-    fn chunk(&self, start: usize, len: usize) -> SeqChunk<'_> {
-        SeqChunk {
-            start,
-            len,
-            pos0: self.len,
-            state: self.state,
-            blocks: &self.blocks,
-        }
-    }
 }
 
 /// Hands out block ids in a scattered order (so block tables are not ranges) and state slots from
@@ -127,7 +117,9 @@ impl Alloc {
         blocks.reverse();
         Alloc {
             blocks,
-            states: (0..states).map(|_| m.backend.alloc_state()).collect(),
+            states: (0..states)
+                .map(|_| m.backend.alloc_state().unwrap())
+                .collect(),
         }
     }
 
@@ -149,67 +141,65 @@ fn prompt(len: usize, salt: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-/// The step's PLE rows (`None` without PLE): each sequence's tokens include the step's.
-fn ple_rows(
+/// Runs one step of `seqs`, chunk `i` taking `tokens[i]` and returning `out[i]` (each sequence's
+/// tokens so far are the PLE hash's history); advances the sequences.
+fn run_step(
     m: &Model<CudaBackend>,
-    seqs: &[Seq],
-    chunks: &[SeqChunk<'_>],
-) -> Option<sanmai_cuda::CudaTensor> {
-    let hist: Vec<&[u32]> = seqs.iter().map(|s| s.tokens.as_slice()).collect();
-    m.ple_rows(&hist, chunks).unwrap()
+    seqs: &mut [Seq],
+    tokens: &[&[u32]],
+    out: OutRows,
+) -> StepOutput<CudaTensor> {
+    let chunks: Vec<StepChunk<'_>> = seqs
+        .iter()
+        .zip(tokens)
+        .map(|(s, t)| StepChunk {
+            tokens: t,
+            history: &s.tokens,
+            pos0: s.len,
+            state: s.state,
+            blocks: &s.blocks,
+            out,
+        })
+        .collect();
+    let o = m
+        .step(StepInput {
+            chunks: &chunks,
+            start: StepStart::Tokens,
+            hidden: true,
+        })
+        .unwrap();
+    for (s, t) in seqs.iter_mut().zip(tokens) {
+        s.tokens.extend_from_slice(t);
+        s.len += t.len();
+    }
+    o
 }
 
 /// Prefills every sequence with its prompt in one step.
 fn prefill(m: &Model<CudaBackend>, seqs: &mut [Seq], prompts: &[Vec<u32>]) {
-    for (s, p) in seqs.iter_mut().zip(prompts) {
-        s.tokens.extend_from_slice(p);
-    }
-    let mut ids = Vec::new();
-    let mut chunks = Vec::new();
-    let mut rows = Vec::new();
-    for (s, p) in seqs.iter().zip(prompts) {
-        chunks.push(s.chunk(ids.len(), p.len()));
-        ids.extend_from_slice(p);
-        rows.push(ids.len() - 1);
-    }
-    let ple = ple_rows(m, seqs, &chunks);
-    let out = m.forward_with(&ids, &chunks, &rows, ple.as_ref());
-    m.backend.to_host(out.hidden);
-    for (s, p) in seqs.iter_mut().zip(prompts) {
-        s.len += p.len();
-    }
+    let tokens: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let out = run_step(m, seqs, &tokens, OutRows::Last);
+    m.backend.to_host(out.hidden.unwrap()).unwrap();
 }
 
 /// One decode step (one token per sequence, with its PLE rows when the model has PLE): hidden
-/// states and logits on the host, through `forward_logits_with` (or `forward_with` alone: logits
-/// empty).
+/// states and logits of every sequence on the host (`with_logits`: one recording from the
+/// embedding to the logits), or a step that returns no rows (its own recording; both empty).
 fn decode(
     m: &Model<CudaBackend>,
     seqs: &mut [Seq],
     ids: &[u32],
     with_logits: bool,
 ) -> (Vec<f32>, Vec<f32>) {
-    for (s, &t) in seqs.iter_mut().zip(ids) {
-        s.tokens.push(t);
-    }
-    let chunks: Vec<SeqChunk<'_>> = seqs
-        .iter()
-        .enumerate()
-        .map(|(i, s)| s.chunk(i, 1))
-        .collect();
-    let rows: Vec<usize> = (0..seqs.len()).collect();
-    let ple = ple_rows(m, seqs, &chunks);
+    let tokens: Vec<&[u32]> = ids.iter().map(std::slice::from_ref).collect();
     let out = if with_logits {
-        let (h, l) = m.forward_logits_with(ids, &chunks, &rows, ple.as_ref());
-        (m.backend.to_host(h.hidden).2, m.backend.to_host(l).2)
+        OutRows::Last
     } else {
-        let h = m.forward_with(ids, &chunks, &rows, ple.as_ref()).hidden;
-        (m.backend.to_host(h).2, Vec::new())
+        OutRows::None
     };
-    for s in seqs.iter_mut() {
-        s.len += 1;
-    }
-    out
+    let o = run_step(m, seqs, &tokens, out);
+    let host = |t: Option<CudaTensor>| t.map_or_else(Vec::new, |t| m.backend.to_host(t).unwrap().2);
+    (host(o.hidden), host(o.logits))
 }
 
 fn argmax_rows(logits: &[f32], rows: usize) -> Vec<u32> {
@@ -304,7 +294,7 @@ fn graph_replay_equals_eager() {
                 let mut seqs = [0, 1, 2].map(|k| {
                     prompts
                         .iter()
-                        .map(|p| allocs[k].seq(p.len() + STEPS + 4))
+                        .map(|p| allocs[k].seq(p.len() + STEPS + 5))
                         .collect::<Vec<_>>()
                 });
                 for (m, s) in ms.iter().zip(seqs.iter_mut()) {
@@ -340,17 +330,20 @@ fn graph_replay_equals_eager() {
                     "{what}: (warm-ups, captures, replays, eager steps)"
                 );
                 if batch == 4 && round == 1 {
-                    // Model::forward's region (hidden states only): warm-up, capture, replays.
+                    // The region of decode steps that return no rows: warm-up, capture, replays;
+                    // then a step with logits reads the caches those steps wrote.
                     let before = ms[0].backend.graph_stats();
                     let (dg, dc) = lockstep(&ms, &mut seqs, 4, false, &first);
                     let d = delta(ms[0].backend.graph_stats(), before);
+                    let (dg1, dc1) = lockstep(&ms, &mut seqs, 1, true, &first);
+                    let (dg, dc) = (dg.max(dg1), dc.max(dc1));
                     println!(
-                        "GRAPH fixture={name} forward_hidden batch=4 steps=4 \
+                        "GRAPH fixture={name} no_rows batch=4 steps=4+1 \
                          max_abs_graph_vs_eager={dg:e} max_abs_eager_vs_eager={dc:e} \
                          captures={} replays={}",
                         d.captures, d.replays
                     );
-                    check_equal(&format!("{name} forward"), dg, dc);
+                    check_equal(&format!("{name} no-row steps"), dg, dc);
                     assert_eq!((d.warmups, d.captures, d.replays), (1, 1, 3));
                 }
             }
@@ -518,7 +511,8 @@ fn graph_qwen4_exp_equals_eager() {
     }
 }
 
-/// Mean decode step time (forward_logits + logits to the host) over `steps` steps at `batch`.
+/// Mean decode step time (a step to the logits, hidden states and logits to the host) over `steps`
+/// steps at `batch`.
 fn time_steps(m: &Model<CudaBackend>, alloc: &mut Alloc, batch: usize, steps: usize) -> f64 {
     let vocab = m.cfg.vocab_size;
     let prompts: Vec<Vec<u32>> = (0..batch).map(|i| prompt(32, i, vocab)).collect();
@@ -590,7 +584,7 @@ fn graph_decode_timing_dummy() {
     let cfg = ModelConfig::from_value(&v, "qwen3.5-35b-a3b.json").unwrap();
     let t = Instant::now();
     let m = Model::load(cfg, &Dummy::new(7), b).unwrap();
-    m.init_cache(NUM_BLOCKS, BLOCK);
+    m.init_cache(NUM_BLOCKS, BLOCK).unwrap();
     println!(
         "GRAPH_BENCH model=qwen3.5-35b-a3b layers={layers} dummy bf16 weights={:.2} GiB loaded in {:.1} s",
         m.backend.memory().weights as f64 / (1u64 << 30) as f64,

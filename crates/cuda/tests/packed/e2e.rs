@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
 use sanmai_cuda::{CudaBackend, CudaWeight};
-use sanmai_model::{Backend, Ffn, Model, SeqChunk};
+use sanmai_model::{Backend, Ffn, Model, OutRows, StepChunk, StepInput, StepStart};
 use sanmai_weights::Checkpoint;
 
 const FIXTURE: &str = "qwen3_5_moe_text_tiny_quant";
@@ -51,7 +51,7 @@ fn load_dir<B: Backend>(b: B, dir: &Path) -> Model<B> {
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(dir).unwrap();
     let m = Model::load(cfg, &ckpt, b).unwrap();
-    m.init_cache(BLOCKS, BLOCK);
+    m.init_cache(BLOCKS, BLOCK).unwrap();
     m
 }
 
@@ -69,22 +69,28 @@ fn log_softmax(row: &[f32]) -> Vec<f64> {
 /// Log-prob rows of every position of `prompt`: one prefill chunk of `PREFILL` tokens, then one
 /// decode step per token.
 fn prompt_logprobs<B: Backend>(m: &Model<B>, prompt: &[u32]) -> Vec<Vec<f64>> {
-    let state = m.backend.alloc_state();
+    let state = m.backend.alloc_state().unwrap();
     let blocks: Vec<u32> = (0..BLOCKS as u32).collect();
     let mut rows = Vec::new();
     let mut pos = 0;
     while pos < prompt.len() {
         let len = if pos == 0 { PREFILL } else { 1 };
-        let chunk = [SeqChunk {
-            start: 0,
-            len,
+        let chunk = [StepChunk {
+            tokens: &prompt[pos..pos + len],
+            history: &prompt[..pos],
             pos0: pos,
             state,
             blocks: &blocks,
+            out: OutRows::All,
         }];
-        let out_rows: Vec<usize> = (0..len).collect();
-        let out = m.forward(&prompt[pos..pos + len], &chunk, &out_rows);
-        let (r, c, data) = m.backend.to_host(m.logits(&out.hidden));
+        let out = m
+            .step(StepInput {
+                chunks: &chunk,
+                start: StepStart::Tokens,
+                hidden: false,
+            })
+            .unwrap();
+        let (r, c, data) = m.backend.to_host(out.logits.unwrap()).unwrap();
         rows.extend((0..r).map(|i| log_softmax(&data[i * c..(i + 1) * c])));
         pos += len;
     }

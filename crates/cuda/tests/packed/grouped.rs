@@ -324,8 +324,8 @@ fn backend_linear_on_packed_weights_matches_cpu() {
     let mut rng = Rng::new(72);
     for (bits, group, n, k) in [(4, 128, 300, 512), (8, 0, 1000, 256), (6, 0, 96, 136)] {
         let p = packed(&mut rng, scheme(bits, group), n, k);
-        let wg = b.packed_weight(&p);
-        let wc = cpu.packed_weight(&p);
+        let wg = b.packed_weight(&p).unwrap();
+        let wc = cpu.packed_weight(&p).unwrap();
         assert!(matches!(wg, sanmai_cuda::CudaWeight::Packed(_)));
         assert_eq!(
             b.weight_bytes(&wg),
@@ -334,8 +334,10 @@ fn backend_linear_on_packed_weights_matches_cpu() {
         );
         for m in [1usize, 5, 8, 9, 40] {
             let x = bf16_round(&rng.normals(m * k, 1.0));
-            let (_, _, got) = b.to_host(b.linear(&b.upload(m, k, x.clone()), &wg));
-            let (_, _, want) = cpu.to_host(cpu.linear(&cpu.upload(m, k, x), &wc));
+            let xg = b.upload(m, k, x.clone()).unwrap();
+            let (_, _, got) = b.to_host(b.linear(&xg, &wg).unwrap()).unwrap();
+            let xc = cpu.upload(m, k, x).unwrap();
+            let (_, _, want) = cpu.to_host(cpu.linear(&xc, &wc).unwrap()).unwrap();
             let (max_rel, rms_rel) = rel_errors(&got, &want);
             println!(
                 "PACKED check=linear shape=int{bits}_g{group}_n{n}_k{k}_m{m} max_rel={max_rel:.3e} rms_rel={rms_rel:.3e} tol=1e-2/4e-3"
@@ -365,12 +367,12 @@ fn backend_embedding_on_packed_table_matches_cpu() {
     let mut rng = Rng::new(73);
     for (bits, group, v, h) in [(8, 0, 1000, 256), (4, 128, 300, 512), (6, 0, 50, 136)] {
         let p = packed(&mut rng, scheme(bits, group), v, h);
-        let wg = b.packed_weight(&p);
-        let wc = cpu.packed_weight(&p);
+        let wg = b.packed_weight(&p).unwrap();
+        let wc = cpu.packed_weight(&p).unwrap();
         assert!(matches!(wg, sanmai_cuda::CudaWeight::Packed(_)));
         let ids: Vec<u32> = (0..37).map(|_| rng.below(v as u32)).collect();
-        let (_, _, got) = b.to_host(b.embed(&wg, &ids));
-        let (_, _, want) = cpu.to_host(cpu.embed(&wc, &ids));
+        let (_, _, got) = b.to_host(b.embed(&wg, &ids).unwrap()).unwrap();
+        let (_, _, want) = cpu.to_host(cpu.embed(&wc, &ids).unwrap()).unwrap();
         // The GPU rounds each dequantised value to bf16 once.
         let worst = got
             .iter()

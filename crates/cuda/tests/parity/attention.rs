@@ -3,7 +3,7 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::AttnDims;
+use sanmai_cuda::{AttnDims, ChunkRows, DecodeLens, KvPools, PagedCache, Queries};
 
 use crate::common::{check_reduction, from_bf16, gpu, to_bf16, Rng};
 
@@ -57,7 +57,17 @@ fn reference(
     let d = dims.head_dim;
     let mut out = vec![0f32; t * dims.q_row()];
     let scale = (d as f32).powf(-0.5);
-    ops::attention_causal(q, &kc, &vc, t, len, dims.hq, dims.hkv, d, scale, &mut out);
+    let c = ops::Causal {
+        t,
+        len,
+        heads: ops::Heads {
+            hq: dims.hq,
+            hkv: dims.hkv,
+            d,
+            scale,
+        },
+    };
+    ops::attention_causal(q, &kc, &vc, &c, &mut out);
     out.iter_mut()
         .zip(gate)
         .for_each(|(o, g)| *o *= ops::sigmoid(*g));
@@ -145,10 +155,19 @@ fn decode_case(
     let (k, v) = (g.upload(&p.kb).unwrap(), g.upload(&p.vb).unwrap());
     let (tab, sl) = (g.upload(&table).unwrap(), g.upload(lens).unwrap());
     let mut out = g.zeros::<bf16>(b * dims.q_row()).unwrap();
-    g.attention_paged_decode(
-        dims, &q, &gate, &k, &v, &tab, max_blocks, &sl, span, &mut out, b,
-    )
-    .unwrap();
+    let queries = Queries { q: &q, gate: &gate };
+    let cache = PagedCache {
+        pools: KvPools { k: &k, v: &v },
+        tables: &tab,
+        stride: max_blocks,
+    };
+    let seqs = DecodeLens {
+        lens: &sl,
+        max_len: span,
+        batch: b,
+    };
+    g.attention_paged_decode(dims, &queries, &cache, &seqs, &mut out)
+        .unwrap();
     (from_bf16(&g.download(&out).unwrap()), want)
 }
 
@@ -236,7 +255,13 @@ fn prefill_case(
     let (k, v) = (g.upload(&p.kb).unwrap(), g.upload(&p.vb).unwrap());
     let tab = g.upload(&table).unwrap();
     let mut out = g.zeros::<bf16>(t * dims.q_row()).unwrap();
-    g.attention_paged_prefill(dims, &q, &gate, &k, &v, &tab, pos0, t, &mut out)
+    let queries = Queries { q: &q, gate: &gate };
+    let cache = PagedCache {
+        pools: KvPools { k: &k, v: &v },
+        tables: &tab,
+        stride: 0,
+    };
+    g.attention_paged_prefill(dims, &queries, &cache, ChunkRows { pos0, t }, &mut out)
         .unwrap();
     (from_bf16(&g.download(&out).unwrap()), want)
 }

@@ -2,7 +2,7 @@
 //! decode step, and of prefill attention chunks. Prints `BENCH` lines.
 
 use half::bf16;
-use sanmai_cuda::AttnDims;
+use sanmai_cuda::{AttnDims, ChunkRows, DecodeLens, KvPools, PagedCache, Queries};
 
 use crate::bench::{pattern, time};
 use crate::common::gpu;
@@ -50,11 +50,20 @@ fn bench_attention_decode() {
         let q = g.upload(&pattern(batch * dims.q_row(), 3)).unwrap();
         let gate = g.upload(&pattern(batch * dims.q_row(), 4)).unwrap();
         let mut out = g.zeros::<bf16>(batch * dims.q_row()).unwrap();
+        let queries = Queries { q: &q, gate: &gate };
+        let cache = PagedCache {
+            pools: KvPools { k: &k, v: &v },
+            tables: &tab,
+            stride: max_blocks,
+        };
+        let seqs = DecodeLens {
+            lens: &lens,
+            max_len: span,
+            batch,
+        };
         let t = time(g, 3, 50, || {
-            g.attention_paged_decode(
-                dims, &q, &gate, &k, &v, &tab, max_blocks, &lens, span, &mut out, batch,
-            )
-            .unwrap()
+            g.attention_paged_decode(dims, &queries, &cache, &seqs, &mut out)
+                .unwrap()
         });
         // The K and V rows of every sequence, read once for all query heads of their group.
         let bytes = batch * ctx * dims.kv_row() * 2 * 2;
@@ -89,8 +98,14 @@ fn bench_attention_prefill() {
         let q = g.upload(&pattern(t * dims.q_row(), 7)).unwrap();
         let gate = g.upload(&pattern(t * dims.q_row(), 8)).unwrap();
         let mut out = g.zeros::<bf16>(t * dims.q_row()).unwrap();
+        let queries = Queries { q: &q, gate: &gate };
+        let cache = PagedCache {
+            pools: KvPools { k: &k, v: &v },
+            tables: &tab,
+            stride: 0,
+        };
         let secs = time(g, 2, 10, || {
-            g.attention_paged_prefill(dims, &q, &gate, &k, &v, &tab, pos0, t, &mut out)
+            g.attention_paged_prefill(dims, &queries, &cache, ChunkRows { pos0, t }, &mut out)
                 .unwrap()
         });
         // K/V rows each query row attends (causal), read once per KV head group.

@@ -7,7 +7,7 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::Gpu;
+use sanmai_cuda::{Gpu, NormRows};
 
 use crate::bench::{pattern, time};
 use crate::common::gpu;
@@ -297,7 +297,8 @@ fn bench_norms() {
         let w = g.upload(&pattern(d, 2)).unwrap();
         let mut y = g.zeros::<bf16>(rows * d).unwrap();
         let t = time(g, 10, 200, || {
-            g.rms_norm(&x, &w, &mut y, rows, d, 1e-6, 1.0).unwrap()
+            let shape = NormRows { rows, d, eps: 1e-6 };
+            g.rms_norm(&x, &w, &mut y, shape, 1.0).unwrap()
         });
         line(
             "rms_norm",
@@ -312,7 +313,8 @@ fn bench_norms() {
         let w = g.upload(&pattern(d, 5)).unwrap();
         let mut y = g.zeros::<bf16>(rows * d).unwrap();
         let t = time(g, 10, 200, || {
-            g.gated_rms_norm(&x, &z, &w, &mut y, rows, d, 1e-6).unwrap()
+            let shape = NormRows { rows, d, eps: 1e-6 };
+            g.gated_rms_norm(&x, &z, &w, &mut y, shape).unwrap()
         });
         line(
             "gated_rms_norm",

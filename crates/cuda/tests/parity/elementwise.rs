@@ -3,6 +3,7 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
+use sanmai_cuda::NormRows;
 
 use crate::common::{check_elementwise, from_bf16, gpu, to_bf16, Rng};
 
@@ -129,8 +130,15 @@ fn add_rms_norm_matches_cpu() {
         let y = g.upload(&yb).unwrap();
         let w = g.upload(&wb).unwrap();
         let mut out = g.zeros::<bf16>(n).unwrap();
-        g.add_rms_norm(&mut acc, &y, &w, &mut out, rows, d, eps, offset)
-            .unwrap();
+        g.add_rms_norm(
+            &mut acc,
+            &y,
+            &w,
+            &mut out,
+            NormRows { rows, d, eps },
+            offset,
+        )
+        .unwrap();
         let sums: Vec<f32> = af
             .iter()
             .zip(&yf)

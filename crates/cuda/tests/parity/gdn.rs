@@ -1,5 +1,5 @@
 //! The multi-sequence chunked GDN prefill against the CPU backend's choice per sequence: the CPU gates
-//! + `sanmai_cpu::ops::gdn_chunked` (chunk 64), or `gdn_recurrent` for one-token chunks. The fused
+//! and `sanmai_cpu::ops::gdn_chunked` (chunk 64), or `gdn_recurrent` for one-token chunks. The fused
 //! decode step is in `gdn_decode.rs`.
 //!
 //! The prefill's final state is an f32 result from sums taken in another order than the CPU's (chunks
@@ -90,10 +90,18 @@ fn prefill_case(
         );
         let state = &mut want_pool[slot * sl..(slot + 1) * sl];
         let out = &mut want[s0 * hv * dv..(s0 + t) * hv * dv];
+        let x = ops::GdnInputs {
+            q: &q,
+            k: &k,
+            v: &v,
+            g: &gate,
+            beta: &beta,
+        };
+        let sizes = ops::GdnSizes { t, hk, hv, dk, dv };
         if t == 1 {
-            ops::gdn_recurrent(&q, &k, &v, &gate, &beta, state, out, t, hk, hv, dk, dv);
+            ops::gdn_recurrent(&x, sizes, state, out);
         } else {
-            ops::gdn_chunked(&q, &k, &v, &gate, &beta, state, out, t, hk, hv, dk, dv, 64);
+            ops::gdn_chunked(&x, sizes, 64, state, out);
         }
     }
 

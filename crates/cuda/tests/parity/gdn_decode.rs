@@ -7,7 +7,7 @@
 use half::bf16;
 use sanmai_cpu::ops;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::{GdnDecodeWeights, GdnDims};
+use sanmai_cuda::{GdnDecodeWeights, GdnDims, NormRows};
 
 use crate::common::{check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
 use crate::conv::{state_from_ring, state_into_ring};
@@ -155,14 +155,18 @@ fn cpu_layer(l: &Layer, x: &Proj, st: &mut CpuState, rounded: usize) -> Vec<f32>
     let (q, k, v, gate, beta) = cpu_inputs(l.dims, &mixed, &x.a.1, &x.b.1, &l.a_log, &l.dt_bias);
     let mut core = vec![0f32; t * hv * dv];
     let state = &mut st.ssm;
+    let inputs = ops::GdnInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        g: &gate,
+        beta: &beta,
+    };
+    let sizes = ops::GdnSizes { t, hk, hv, dk, dv };
     if t == 1 {
-        ops::gdn_recurrent(
-            &q, &k, &v, &gate, &beta, state, &mut core, t, hk, hv, dk, dv,
-        );
+        ops::gdn_recurrent(&inputs, sizes, state, &mut core);
     } else {
-        ops::gdn_chunked(
-            &q, &k, &v, &gate, &beta, state, &mut core, t, hk, hv, dk, dv, 64,
-        );
+        ops::gdn_chunked(&inputs, sizes, 64, state, &mut core);
     }
     let r = rounded * hv * dv;
     round(&mut core[..r]);
@@ -288,7 +292,12 @@ fn gpu_prefill(
         n,
     )
     .unwrap();
-    g.gated_rms_norm(&core, &z, &l.norm, &mut out, rows * hv, dv, EPS)
+    let shape = NormRows {
+        rows: rows * hv,
+        d: dv,
+        eps: EPS,
+    };
+    g.gated_rms_norm(&core, &z, &l.norm, &mut out, shape)
         .unwrap();
     from_bf16(&g.download(&out).unwrap())
 }

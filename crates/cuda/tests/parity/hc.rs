@@ -27,11 +27,31 @@ fn weights<B: Backend>(
         group_size: 0,
     };
     HcWeights {
-        pre: b.weight(vec![0.0; s], &[s]),
-        down: b.packed_weight(&quantize("down", down, rank, h, int8).unwrap()),
-        inject: b.weight(inject.to_vec(), &[rank, h]),
-        up: b.packed_weight(&quantize("up", up, s * h, rank, int8).unwrap()),
+        pre: b.weight(vec![0.0; s], &[s]).unwrap(),
+        down: b
+            .packed_weight(&quantize("down", down, rank, h, int8).unwrap())
+            .unwrap(),
+        inject: b.weight(inject.to_vec(), &[rank, h]).unwrap(),
+        up: b
+            .packed_weight(&quantize("up", up, s * h, rank, int8).unwrap())
+            .unwrap(),
     }
+}
+
+/// The gated residual on backend `b`: the streams `r0` `[rows, S·H]`, `x` and `y` `[rows, H]`
+/// uploaded, the updated streams on the host.
+fn residual<B: Backend>(
+    b: &B,
+    (rows, s): (usize, usize),
+    (r0, x, y): (&[f32], &[f32], &[f32]),
+    w: &HcWeights<B::Weight>,
+) -> Vec<f32> {
+    let h = x.len() / rows;
+    let mut r = b.upload(rows, s * h, r0.to_vec()).unwrap();
+    let x = b.upload(rows, h, x.to_vec()).unwrap();
+    let y = b.upload(rows, h, y.to_vec()).unwrap();
+    b.hc_residual(&mut r, &x, &y, w).unwrap();
+    b.to_host(r).unwrap().2
 }
 
 /// The real shape (S 4, H 2560, rank 256) and a small odd one, at 1, 2, 5 and 8 rows (the fused
@@ -69,22 +89,8 @@ fn hc_residual_matches_cpu() {
             let x = to_bf16(&rng.normals(rows * h, 0.0, 1.0)).1;
             let y = to_bf16(&rng.normals(rows * h, 0.0, 1.0)).1;
             let r0 = to_bf16(&rng.normals(rows * s * h, 0.0, 0.5)).1;
-            let mut rg = b.upload(rows, s * h, r0.clone());
-            b.hc_residual(
-                &mut rg,
-                &b.upload(rows, h, x.clone()),
-                &b.upload(rows, h, y.clone()),
-                &wg,
-            );
-            let mut rc = cpu.upload(rows, s * h, r0);
-            cpu.hc_residual(
-                &mut rc,
-                &cpu.upload(rows, h, x),
-                &cpu.upload(rows, h, y),
-                &wc,
-            );
-            let (_, _, got) = b.to_host(rg);
-            let (_, _, want) = cpu.to_host(rc);
+            let got = residual(&b, (rows, s), (&r0, &x, &y), &wg);
+            let want = residual(&cpu, (rows, s), (&r0, &x, &y), &wc);
             let shape = format!("s{s}_h{h}_rank{rank}_rows{rows}");
             check_reduction("hc_residual", &shape, &got, &want);
         }
@@ -113,11 +119,17 @@ fn bench_hc_residual() {
     // INT8 down and up with one f32 scale a row, bf16 inject.
     let bytes = rank * h + 4 * rank + 2 * rank * h + s * h * rank + 4 * s * h;
     for rows in [1usize, 8] {
-        let x = b.upload(rows, h, rng.normals(rows * h, 0.0, 1.0));
-        let y = b.upload(rows, h, rng.normals(rows * h, 0.0, 1.0));
-        let mut r = b.upload(rows, s * h, rng.normals(rows * s * h, 0.0, 0.5));
-        let fused = time(b.gpu(), 20, 200, || b.hc_residual(&mut r, &x, &y, &w));
-        let ops = time(b.gpu(), 20, 200, || hc_residual_ops(&b, &mut r, &x, &y, &w));
+        let x = b.upload(rows, h, rng.normals(rows * h, 0.0, 1.0)).unwrap();
+        let y = b.upload(rows, h, rng.normals(rows * h, 0.0, 1.0)).unwrap();
+        let mut r = b
+            .upload(rows, s * h, rng.normals(rows * s * h, 0.0, 0.5))
+            .unwrap();
+        let fused = time(b.gpu(), 20, 200, || {
+            b.hc_residual(&mut r, &x, &y, &w).unwrap()
+        });
+        let ops = time(b.gpu(), 20, 200, || {
+            hc_residual_ops(&b, &mut r, &x, &y, &w).unwrap()
+        });
         println!(
             "BENCH hc_residual s={s} h={h} rank={rank} rows={rows} bytes={bytes} fused_us={:.2} \
              ops_us={:.2} fused_GB/s={:.0}",

@@ -3,7 +3,7 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::{HeadLayout, RopeArgs};
+use sanmai_cuda::{HeadLayout, HeadNorm, KvPools, RopeArgs};
 
 use crate::common::{check_elementwise, from_bf16, gpu, to_bf16, Rng};
 
@@ -64,6 +64,7 @@ fn qk_norm_rope_matches_cpu() {
             head_stride: hs,
         };
         let rope = RopeArgs {
+            positions: &p,
             inv_freq: &f,
             rot_dim: rot,
             mscale,
@@ -72,9 +73,7 @@ fn qk_norm_rope_matches_cpu() {
         g.qk_norm_rope(
             &x,
             layout,
-            &w,
-            eps,
-            &p,
+            &HeadNorm { w: &w, eps },
             &rope,
             &mut out,
             fused.then_some(&mut gv),
@@ -115,8 +114,11 @@ fn kv_write_places_rows() {
     let mut kp = g.upload(&pk0).unwrap();
     let mut vp = g.upload(&pk0).unwrap();
     let d = g.upload(&dst).unwrap();
-    g.kv_write(&k, &v, &mut kp, &mut vp, &d, rows, row_elems)
-        .unwrap();
+    let pools = KvPools {
+        k: &mut kp,
+        v: &mut vp,
+    };
+    g.kv_write(&k, &v, pools, &d, rows, row_elems).unwrap();
     let (mut wk, mut wv) = (pk0.clone(), pk0.clone());
     for (r, &t) in dst.iter().enumerate() {
         if (t as usize) < pool_rows {

@@ -11,7 +11,7 @@ use sanmai_config::QuantScheme;
 use sanmai_cpu::{ops, CpuBackend};
 use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
 use sanmai_cuda::{CudaBackend, Gpu};
-use sanmai_model::backend::{MlpWeights, MoeWeights};
+use sanmai_model::backend::{MlpWeights, MoeCall, MoeWeights};
 use sanmai_model::Backend;
 use sanmai_weights::quant::{pack, quantize};
 
@@ -359,6 +359,19 @@ fn moe_gemm_refuses_bad_shapes() {
     assert!(Gpu::moe_gemm_wanted(512, 5120));
 }
 
+/// The routed experts of `w` on backend `b` over `x` `[t, H]` (no shared expert), on the host.
+fn routed<B: Backend>(b: &B, (t, x): (usize, &[f32]), w: &MoeWeights<B::Weight>) -> Vec<f32> {
+    let x = b.upload(t, x.len() / t, x.to_vec()).unwrap();
+    let y = b
+        .moe_experts(&MoeCall {
+            x: &x,
+            w,
+            shared: None,
+        })
+        .unwrap();
+    b.to_host(y).unwrap().2
+}
+
 /// The backend's routed experts on a prefill-sized step (the grouped GEMM path) and a decode-sized
 /// one (the GEMV path) against the CPU backend, bf16 and INT4 experts.
 #[test]
@@ -385,10 +398,10 @@ fn backend_moe_prefill_matches_cpu() {
                 None => {
                     let (gu, dn) = (to_bf16(&gu).1, to_bf16(&dn).1);
                     (
-                        b.weight(gu.clone(), &[2 * i, h]),
-                        cpu.weight(gu, &[2 * i, h]),
-                        b.weight(dn.clone(), &[h, i]),
-                        cpu.weight(dn, &[h, i]),
+                        b.weight(gu.clone(), &[2 * i, h]).unwrap(),
+                        cpu.weight(gu, &[2 * i, h]).unwrap(),
+                        b.weight(dn.clone(), &[h, i]).unwrap(),
+                        cpu.weight(dn, &[h, i]).unwrap(),
                     )
                 }
                 Some((bits, group_size)) => {
@@ -396,10 +409,10 @@ fn backend_moe_prefill_matches_cpu() {
                     let pg = quantize("gu", &gu, 2 * i, h, s).unwrap();
                     let pd = quantize("dn", &dn, h, i, s).unwrap();
                     (
-                        b.packed_weight(&pg),
-                        cpu.packed_weight(&pg),
-                        b.packed_weight(&pd),
-                        cpu.packed_weight(&pd),
+                        b.packed_weight(&pg).unwrap(),
+                        cpu.packed_weight(&pg).unwrap(),
+                        b.packed_weight(&pd).unwrap(),
+                        cpu.packed_weight(&pd).unwrap(),
                     )
                 }
             };
@@ -416,7 +429,7 @@ fn backend_moe_prefill_matches_cpu() {
         }
         let router_b = to_bf16(&router).1;
         let wg = MoeWeights {
-            router: b.weight(router_b.clone(), &[e, h]),
+            router: b.weight(router_b.clone(), &[e, h]).unwrap(),
             experts: experts_g,
             top_k: k,
             renormalize: true,
@@ -424,7 +437,7 @@ fn backend_moe_prefill_matches_cpu() {
             shared_gate: None,
         };
         let wc = MoeWeights {
-            router: cpu.weight(router_b, &[e, h]),
+            router: cpu.weight(router_b, &[e, h]).unwrap(),
             experts: experts_c,
             top_k: k,
             renormalize: true,
@@ -434,8 +447,8 @@ fn backend_moe_prefill_matches_cpu() {
         for t in [4usize, 1024] {
             assert_eq!(Gpu::moe_gemm_wanted(t, t * k), t == 1024);
             let x = to_bf16(&rng.normals(t * h, 0.0, 1.0)).1;
-            let (_, _, got) = b.to_host(b.moe_experts(&b.upload(t, h, x.clone()), &wg, None));
-            let (_, _, want) = cpu.to_host(cpu.moe_experts(&cpu.upload(t, h, x), &wc, None));
+            let got = routed(&b, (t, &x), &wg);
+            let want = routed(&cpu, (t, &x), &wc);
             let shape = format!("{}_h{h}_i{i}_e{e}_k{k}_t{t}", scheme_name(scheme));
             check_composite("backend_moe", &shape, &got, &want);
         }

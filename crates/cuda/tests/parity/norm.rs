@@ -1,6 +1,7 @@
 //! RMSNorm (both kinds), the gated RMSNorm and NeoX partial RoPE against the CPU ops.
 
 use sanmai_cpu::ops;
+use sanmai_cuda::{HeadLayout, NormRows, RopeArgs};
 
 use crate::common::{check_elementwise, from_bf16, gpu, to_bf16, Rng};
 
@@ -35,7 +36,8 @@ fn rms_norm_matches_cpu() {
             ops::rms_norm(&mut want, &wf, d, eps, offset);
             let (x, w) = (g.upload(&xb).unwrap(), g.upload(&wb).unwrap());
             let mut y = g.zeros(rows * d).unwrap();
-            g.rms_norm(&x, &w, &mut y, rows, d, eps, offset).unwrap();
+            g.rms_norm(&x, &w, &mut y, NormRows { rows, d, eps }, offset)
+                .unwrap();
             let got = from_bf16(&g.download(&y).unwrap());
             let kind = if offset == 1.0 {
                 "zero_centred"
@@ -79,7 +81,8 @@ fn gated_rms_norm_matches_cpu() {
             g.upload(&wb).unwrap(),
         );
         let mut y = g.zeros(rows * d).unwrap();
-        g.gated_rms_norm(&x, &z, &w, &mut y, rows, d, 1e-6).unwrap();
+        let shape = NormRows { rows, d, eps: 1e-6 };
+        g.gated_rms_norm(&x, &z, &w, &mut y, shape).unwrap();
         let got = from_bf16(&g.download(&y).unwrap());
         check_elementwise("gated_rms_norm", &format!("{rows}x{d}"), &got, &want);
     }
@@ -111,8 +114,20 @@ fn rope_neox_matches_cpu() {
         ops::rope_neox(&mut want, nh, hd, rot, &pos, &freqs, mscale);
         let mut x = g.upload(&xb).unwrap();
         let (p, f) = (g.upload(&pos).unwrap(), g.upload(&freqs).unwrap());
-        g.rope_neox(&mut x, &p, &f, t, nh, hd, rot, width, hd, mscale)
-            .unwrap();
+        let layout = HeadLayout {
+            rows: t,
+            n_heads: nh,
+            head_dim: hd,
+            row_stride: width,
+            head_stride: hd,
+        };
+        let rope = RopeArgs {
+            positions: &p,
+            inv_freq: &f,
+            rot_dim: rot,
+            mscale,
+        };
+        g.rope_neox(&mut x, layout, &rope).unwrap();
         let got = from_bf16(&g.download(&x).unwrap());
         check_elementwise(
             "rope_neox",
@@ -141,8 +156,21 @@ fn rope_neox_strided_rotates_only_the_query_half() {
     ops::rope_neox(&mut q, nh, hd, rot, &pos, &freqs, 1.0);
     let mut x = g.upload(&xb).unwrap();
     let (p, f) = (g.upload(&pos).unwrap(), g.upload(&freqs).unwrap());
-    g.rope_neox(&mut x, &p, &f, t, nh, hd, rot, nh * 2 * hd, 2 * hd, 1.0)
-        .unwrap();
+    // q heads inside fused [q | gate] rows.
+    let layout = HeadLayout {
+        rows: t,
+        n_heads: nh,
+        head_dim: hd,
+        row_stride: nh * 2 * hd,
+        head_stride: 2 * hd,
+    };
+    let rope = RopeArgs {
+        positions: &p,
+        inv_freq: &f,
+        rot_dim: rot,
+        mscale: 1.0,
+    };
+    g.rope_neox(&mut x, layout, &rope).unwrap();
     let got = from_bf16(&g.download(&x).unwrap());
     let got_q: Vec<f32> = got
         .chunks_exact(2 * hd)
@@ -161,11 +189,7 @@ fn rope_neox_strided_rotates_only_the_query_half() {
     // not an out-of-bounds write; exactly the extent is enough.
     let extent = (t - 1) * nh * 2 * hd + (nh - 1) * 2 * hd + hd;
     let mut exact = g.zeros::<half::bf16>(extent).unwrap();
-    assert!(g
-        .rope_neox(&mut exact, &p, &f, t, nh, hd, rot, nh * 2 * hd, 2 * hd, 1.0)
-        .is_ok());
+    assert!(g.rope_neox(&mut exact, layout, &rope).is_ok());
     let mut short = g.zeros::<half::bf16>(extent - 1).unwrap();
-    assert!(g
-        .rope_neox(&mut short, &p, &f, t, nh, hd, rot, nh * 2 * hd, 2 * hd, 1.0)
-        .is_err());
+    assert!(g.rope_neox(&mut short, layout, &rope).is_err());
 }

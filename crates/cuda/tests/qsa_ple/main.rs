@@ -20,12 +20,12 @@ mod options;
 
 use half::bf16;
 use sanmai_cpu::{ops as cpu, CpuBackend};
-use sanmai_cuda::{AttnDims, CudaBackend, PleDims};
+use sanmai_cuda::{AttnDims, CudaBackend, KvPools, PagedCache, PleDims, Queries, Selection};
 use sanmai_model::backend::{
-    AttnShape, AttnWeights, CacheSpec, GdnShape, IndexerWeights, PleShape, PleWeights, QsaShape,
-    Rope,
+    AttnCall, AttnShape, AttnWeights, CacheSpec, GdnShape, IndexerWeights, PleCall, PleShape,
+    PleWeights, QsaCall, QsaShape, Rope,
 };
-use sanmai_model::{Backend, SeqChunk};
+use sanmai_model::{Backend, OpResult, SeqChunk};
 
 mod ple;
 mod qsa;
@@ -107,13 +107,13 @@ impl Pair {
         shape: &[usize],
     ) -> (sanmai_cuda::CudaWeight, sanmai_cpu::CpuWeight) {
         (
-            self.gpu.weight(data.clone(), shape),
-            self.cpu.weight(data, shape),
+            self.gpu.weight(data.clone(), shape).unwrap(),
+            self.cpu.weight(data, shape).unwrap(),
         )
     }
     fn init(&self, spec: &CacheSpec) {
-        self.gpu.init_cache(spec);
-        self.cpu.init_cache(spec);
+        self.gpu.init_cache(spec).unwrap();
+        self.cpu.init_cache(spec).unwrap();
     }
 }
 

@@ -146,8 +146,8 @@ fn ple_backend_matches_cpu() {
             conv: cw_c,
         };
         // Slot ids per backend (their free lists may differ after the re-init).
-        let slots_g = (p.gpu.alloc_state(), p.gpu.alloc_state());
-        let slots_c = (p.cpu.alloc_state(), p.cpu.alloc_state());
+        let slots_g = (p.gpu.alloc_state().unwrap(), p.gpu.alloc_state().unwrap());
+        let slots_c = (p.cpu.alloc_state().unwrap(), p.cpu.alloc_state().unwrap());
         // One block each: the chunks' positions (from 0, at most 16) fit it.
         let (blocks_a, blocks_b) = (vec![0u32], vec![1u32]);
         let mut worst = 0f32;
@@ -155,8 +155,8 @@ fn ple_backend_matches_cpu() {
         let steps: [(usize, usize); 6] = [(13, 5), (1, 2), (7, 0), (1, 1), (1, 9), (2, 1)];
         for (i, (la, lb)) in steps.into_iter().enumerate() {
             if i == 3 {
-                p.gpu.copy_state(slots_g.0, slots_g.1);
-                p.cpu.copy_state(slots_c.0, slots_c.1);
+                p.gpu.copy_state(slots_g.0, slots_g.1).unwrap();
+                p.cpu.copy_state(slots_c.0, slots_c.1).unwrap();
             }
             let rows = la + lb;
             let seqs = |(sa, sb): (usize, usize)| {
@@ -179,26 +179,8 @@ fn ple_backend_matches_cpu() {
             };
             let r = rng.bf16s(rows * ns * h, 0.0, 1.0);
             let x = rng.bf16s(rows * e, 0.0, 1.0);
-            let mut st_g = p.gpu.upload(rows, ns * h, r.clone());
-            let mut st_c = p.cpu.upload(rows, ns * h, r);
-            p.gpu.ple_mix(
-                0,
-                &sh,
-                &mut st_g,
-                &p.gpu.upload(rows, e, x.clone()),
-                &w_g,
-                &seqs(slots_g),
-            );
-            p.cpu.ple_mix(
-                0,
-                &sh,
-                &mut st_c,
-                &p.cpu.upload(rows, e, x),
-                &w_c,
-                &seqs(slots_c),
-            );
-            let (_, _, g) = p.gpu.to_host(st_g);
-            let (_, _, c) = p.cpu.to_host(st_c);
+            let g = ple_mix(&p.gpu, &sh, (rows, &r, &x), &w_g, &seqs(slots_g));
+            let c = ple_mix(&p.cpu, &sh, (rows, &r, &x), &w_c, &seqs(slots_c));
             worst = worst.max(max_rel(&g, &c));
         }
         println!(
@@ -210,4 +192,29 @@ fn ple_backend_matches_cpu() {
         p.cpu.free_state(slots_c.0);
         p.cpu.free_state(slots_c.1);
     }
+}
+
+/// Layer 0's PLE mix on backend `b`: the streams `r` `[rows, S·H]` and table rows `x` `[rows, E]`
+/// uploaded, the mixed streams on the host.
+fn ple_mix<B: Backend>(
+    b: &B,
+    shape: &PleShape,
+    (rows, r, x): (usize, &[f32], &[f32]),
+    w: &PleWeights<B::Weight>,
+    seqs: &[SeqChunk<'_>],
+) -> Vec<f32> {
+    let mut streams = b.upload(rows, shape.channels(), r.to_vec()).unwrap();
+    let table_rows = b.upload(rows, shape.row_width, x.to_vec()).unwrap();
+    b.ple_mix(
+        &mut streams,
+        &PleCall {
+            layer: 0,
+            shape,
+            rows: &table_rows,
+            w,
+            seqs,
+        },
+    )
+    .unwrap();
+    b.to_host(streams).unwrap().2
 }

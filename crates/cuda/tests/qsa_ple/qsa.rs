@@ -265,26 +265,31 @@ fn gathered_attention_matches_cpu() {
             counts[r] = n as u32;
         }
         let mut out = g.zeros::<bf16>(n_rows * hq * d).unwrap();
-        g.qsa_attention_gather(
-            AttnDims {
-                hq,
-                hkv,
-                head_dim: d,
-                block_size: bs,
-            },
-            &to_dev(&b, &q),
-            &to_dev(&b, &gate),
-            &to_dev(&b, &kp),
-            &to_dev(&b, &vp),
-            &g.upload(&perm).unwrap(),
-            &g.upload(&sel).unwrap(),
-            topk,
-            &g.upload(&counts).unwrap(),
-            topk,
-            &mut out,
-            n_rows,
-        )
-        .unwrap();
+        let dims = AttnDims {
+            hq,
+            hkv,
+            head_dim: d,
+            block_size: bs,
+        };
+        let (qd, gd) = (to_dev(&b, &q), to_dev(&b, &gate));
+        let (kd, vd) = (to_dev(&b, &kp), to_dev(&b, &vp));
+        let table = g.upload(&perm).unwrap();
+        let (sel_d, counts_d) = (g.upload(&sel).unwrap(), g.upload(&counts).unwrap());
+        let cache = PagedCache {
+            pools: KvPools { k: &kd, v: &vd },
+            tables: &table,
+            stride: 0,
+        };
+        let selection = Selection {
+            sel: &sel_d,
+            stride: topk,
+            counts: &counts_d,
+            max_count: topk,
+            rows: n_rows,
+        };
+        let queries = Queries { q: &qd, gate: &gd };
+        g.qsa_attention_gather(dims, &queries, &cache, &selection, &mut out)
+            .unwrap();
         let got: Vec<f32> = g
             .download(&out)
             .unwrap()
@@ -414,21 +419,23 @@ fn check_decode(b: &CudaBackend, rng: &mut Rng, c: &DecodeCase) -> usize {
         head_dim: d,
         block_size: bs,
     };
-    g.qsa_attention_gather_decode(
-        dims,
-        &to_dev(b, &q),
-        &to_dev(b, &gate),
-        &to_dev(b, &kp),
-        &to_dev(b, &vp),
-        &tables_d,
+    let (qd, gd) = (to_dev(b, &q), to_dev(b, &gate));
+    let (kd, vd) = (to_dev(b, &kp), to_dev(b, &vp));
+    let cache = PagedCache {
+        pools: KvPools { k: &kd, v: &vd },
+        tables: &tables_d,
         stride,
-        &sel,
-        topk,
-        &counts,
-        &mut out,
-        n,
-    )
-    .unwrap();
+    };
+    let selection = Selection {
+        sel: &sel,
+        stride: topk,
+        counts: &counts,
+        max_count: topk,
+        rows: n,
+    };
+    let queries = Queries { q: &qd, gate: &gd };
+    g.qsa_attention_gather_decode(dims, &queries, &cache, &selection, &mut out)
+        .unwrap();
     let (scores, sel, counts) = (
         g.download(&scores).unwrap(),
         g.download(&sel).unwrap(),
@@ -619,8 +626,8 @@ fn qsa_backend_matches_cpu() {
     };
     let blocks_a: Vec<u32> = (0..40).collect();
     let blocks_b: Vec<u32> = (40..80).rev().collect();
-    let (sa_g, sb_g) = (p.gpu.alloc_state(), p.gpu.alloc_state());
-    let (sa_c, sb_c) = (p.cpu.alloc_state(), p.cpu.alloc_state());
+    let (sa_g, sb_g) = (p.gpu.alloc_state().unwrap(), p.gpu.alloc_state().unwrap());
+    let (sa_c, sb_c) = (p.cpu.alloc_state().unwrap(), p.cpu.alloc_state().unwrap());
     assert_eq!((sa_g, sb_g), (sa_c, sb_c), "slot ids agree");
     // Steps: (a_len, b_len) with positions advancing; a prefills 30 (dense) then 100 (selecting),
     // b decodes and prefills around the topk boundary, then both decode.
@@ -666,40 +673,54 @@ fn qsa_backend_matches_cpu() {
             data(di, &mut rng),
             data(ni, &mut rng),
         );
-        let up_g = |c: usize, x: &[f32]| p.gpu.upload(rows, c, x.to_vec());
-        let up_c = |c: usize, x: &[f32]| p.cpu.upload(rows, c, x.to_vec());
-        let out_g = p.gpu.qsa_attention(
-            0,
-            &shape,
-            &rope,
-            &qsa,
-            &up_g(2 * nh * d, &qg),
-            &up_g(nkv * d, &kk),
-            &up_g(nkv * d, &vv),
-            &aw_g,
-            &up_g(ni * di, &iq),
-            &up_g(di, &ik),
-            &up_g(ni, &iw),
-            &iw_g,
-            &seqs,
+        let g = qsa_call(
+            &p.gpu,
+            rows,
+            [&qg, &kk, &vv, &iq, &ik, &iw],
+            |[q_gate, k, v, iq, ik, iw]| {
+                p.gpu.qsa_attention(&QsaCall {
+                    attn: AttnCall {
+                        layer: 0,
+                        shape: &shape,
+                        rope: &rope,
+                        q_gate,
+                        k,
+                        v,
+                        w: &aw_g,
+                        seqs: &seqs,
+                    },
+                    qsa: &qsa,
+                    iq,
+                    ik,
+                    iw,
+                    indexer: &iw_g,
+                })
+            },
         );
-        let out_c = p.cpu.qsa_attention(
-            0,
-            &shape,
-            &rope,
-            &qsa,
-            &up_c(2 * nh * d, &qg),
-            &up_c(nkv * d, &kk),
-            &up_c(nkv * d, &vv),
-            &aw_c,
-            &up_c(ni * di, &iq),
-            &up_c(di, &ik),
-            &up_c(ni, &iw),
-            &iw_c,
-            &seqs,
+        let c = qsa_call(
+            &p.cpu,
+            rows,
+            [&qg, &kk, &vv, &iq, &ik, &iw],
+            |[q_gate, k, v, iq, ik, iw]| {
+                p.cpu.qsa_attention(&QsaCall {
+                    attn: AttnCall {
+                        layer: 0,
+                        shape: &shape,
+                        rope: &rope,
+                        q_gate,
+                        k,
+                        v,
+                        w: &aw_c,
+                        seqs: &seqs,
+                    },
+                    qsa: &qsa,
+                    iq,
+                    ik,
+                    iw,
+                    indexer: &iw_c,
+                })
+            },
         );
-        let (_, _, g) = p.gpu.to_host(out_g);
-        let (_, _, c) = p.cpu.to_host(out_c);
         let rel = max_rel(&g, &c);
         worst = worst.max(rel);
         pa += la;
@@ -725,6 +746,19 @@ fn qsa_backend_matches_cpu() {
     assert!(worst <= 1e-2, "QSA attention off by {worst}");
 }
 
+/// One QSA call on backend `b`: the inputs (q|gate, k, v, iq, ik, iw, each `[rows, ·]`, their widths
+/// from their lengths) uploaded, `call` run on them, the output on the host.
+fn qsa_call<B: Backend>(
+    b: &B,
+    rows: usize,
+    inputs: [&[f32]; 6],
+    call: impl FnOnce([&B::Tensor; 6]) -> OpResult<B::Tensor>,
+) -> Vec<f32> {
+    let ts = inputs.map(|x| b.upload(rows, x.len() / rows, x.to_vec()).unwrap());
+    let out = call(ts.each_ref()).unwrap();
+    b.to_host(out).unwrap().2
+}
+
 /// The CPU's gated attention of one query row (`q`, `gate`: `[hq·d]`) over the K/V rows starting at the
 /// offsets `rows` of the pools (`kv`: K pool, V pool, values a row), into `out`.
 fn cpu_attend_rows_at(
@@ -740,5 +774,11 @@ fn cpu_attend_rows_at(
         kr.extend_from_slice(&kp[at..at + row]);
         vr.extend_from_slice(&vp[at..at + row]);
     }
-    cpu::attend_rows(q, gate, &kr, &vr, hq, hkv, d, (d as f32).powf(-0.5), out);
+    let heads = cpu::Heads {
+        hq,
+        hkv,
+        d,
+        scale: (d as f32).powf(-0.5),
+    };
+    cpu::attend_rows(q, gate, &kr, &vr, &heads, out);
 }

@@ -1,9 +1,7 @@
-//! The qwen4_exp extension ops of the trait on the device: tensors from the host, SiLU and the
-//! hyper-connections' pre-mix and gated residual (two fused kernels for decode, `ops::hc`) here; QSA
-//! attention (`qsa.rs`, over the fp8 index-key pool next to the K/V) and the PLE mix (`ple.rs`, its
-//! conv state in the state slots).
-
-use half::bf16;
+//! Hyper-connections on the device (spec §4): the pre-mix (and head collapse) and the gated residual
+//! over the `[rows, S·H]` residual streams, and the whole gated residual of a decode-sized sublayer in
+//! two fused kernels (`ops::hc`); other steps run the trait's op sequence
+//! ([`hc_residual_ops`](sanmai_model::backend::hc_residual_ops)).
 
 use sanmai_model::backend::HcWeights;
 
@@ -13,29 +11,6 @@ use crate::error::{CudaError, Result};
 use crate::ops::hc::{hc_fused_shape, HC_MAX_ROWS};
 
 impl CudaBackend {
-    /// A `[rows, cols]` tensor from host values (rounded to bf16).
-    pub fn tensor_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaTensor> {
-        if data.len() != rows * cols {
-            return Err(CudaError::Shape {
-                op: "from_host",
-                msg: format!("{} values for [{rows}, {cols}]", data.len()),
-            });
-        }
-        let b: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x)).collect();
-        let buf = if b.is_empty() {
-            self.gpu.zeros(1)?
-        } else {
-            self.gpu.upload(&b)?
-        };
-        Ok(CudaTensor { rows, cols, buf })
-    }
-
-    pub(crate) fn silu_impl(&self, x: &CudaTensor) -> Result<CudaTensor> {
-        let mut y = self.alloc(x.rows, x.cols)?;
-        self.gpu.silu(&x.buf, &mut y.buf, x.len())?;
-        Ok(y)
-    }
-
     pub(crate) fn hc_premix_impl(
         &self,
         streams: &CudaTensor,
@@ -151,79 +126,3 @@ impl CudaBackend {
 fn int8_per_row(w: &PackedWeight) -> bool {
     w.bits == 8 && (w.group_size == 0 || w.group_size == w.in_features())
 }
-
-/// The extension methods of the `Backend` impl (expanded inside it in `mod.rs`).
-macro_rules! ext_methods {
-    () => {
-        fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> CudaTensor {
-            ok("upload", self.tensor_from_host(rows, cols, &data))
-        }
-
-        fn silu(&self, x: &CudaTensor) -> CudaTensor {
-            ok("silu", self.silu_impl(x))
-        }
-
-        fn hc_premix(&self, streams: &CudaTensor, pre: &CudaWeight) -> CudaTensor {
-            ok("hc_premix", self.hc_premix_impl(streams, pre))
-        }
-
-        fn hc_gated_residual(&self, streams: &mut CudaTensor, u: &CudaTensor, y: &CudaTensor) {
-            ok(
-                "hc_gated_residual",
-                self.hc_gated_residual_impl(streams, u, y),
-            )
-        }
-
-        fn hc_residual(
-            &self,
-            streams: &mut CudaTensor,
-            x: &CudaTensor,
-            y: &CudaTensor,
-            w: &sanmai_model::backend::HcWeights<CudaWeight>,
-        ) {
-            if !ok("hc_residual", self.hc_residual_fused(streams, x, y, w)) {
-                sanmai_model::backend::hc_residual_ops(self, streams, x, y, w);
-            }
-        }
-
-        fn qsa_attention(
-            &self,
-            layer: usize,
-            shape: &AttnShape,
-            rope: &Rope,
-            qsa: &sanmai_model::backend::QsaShape,
-            q_gate: &CudaTensor,
-            k: &CudaTensor,
-            v: &CudaTensor,
-            w: &AttnWeights<CudaWeight>,
-            iq: &CudaTensor,
-            ik: &CudaTensor,
-            iw: &CudaTensor,
-            iw_: &sanmai_model::backend::IndexerWeights<CudaWeight>,
-            seqs: &[SeqChunk<'_>],
-        ) -> CudaTensor {
-            ok(
-                "qsa_attention",
-                self.qsa_impl(
-                    layer, shape, rope, qsa, q_gate, k, v, w, iq, ik, iw, iw_, seqs,
-                ),
-            )
-        }
-
-        fn ple_mix(
-            &self,
-            layer: usize,
-            shape: &sanmai_model::backend::PleShape,
-            streams: &mut CudaTensor,
-            rows: &CudaTensor,
-            w: &sanmai_model::backend::PleWeights<CudaWeight>,
-            seqs: &[SeqChunk<'_>],
-        ) {
-            ok(
-                "ple_mix",
-                self.ple_impl(layer, shape, streams, rows, w, seqs),
-            )
-        }
-    };
-}
-pub(crate) use ext_methods;

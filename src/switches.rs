@@ -105,35 +105,12 @@ impl SwitchArgs {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use std::path::PathBuf;
-
     use sanmai_cuda::registry::CompileOptions;
 
-    fn nonempty(var: &str) -> Option<PathBuf> {
-        std::env::var_os(var)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    }
-
-    /// The kernel cache, `$SANMAI_CACHE_DIR` (else `$XDG_CACHE_HOME/sanmai`, else
-    /// `~/.cache/sanmai`), and the CUDA header folders, `$SANMAI_CUDA_INCLUDE` (`:`-separated), then
-    /// `$CUDA_HOME/include` and `$CUDA_PATH/include` (the standard install folders come after them).
+    /// The kernel cache and the CUDA header folders the environment names
+    /// ([`CompileOptions::from_vars`]).
     pub fn compile_options() -> CompileOptions {
-        let mut include_dirs: Vec<PathBuf> =
-            std::env::split_paths(&std::env::var_os("SANMAI_CUDA_INCLUDE").unwrap_or_default())
-                .filter(|d| !d.as_os_str().is_empty())
-                .collect();
-        for var in ["CUDA_HOME", "CUDA_PATH"] {
-            if let Some(root) = nonempty(var) {
-                include_dirs.push(root.join("include"));
-            }
-        }
-        CompileOptions {
-            cache_dir: nonempty("SANMAI_CACHE_DIR")
-                .or_else(|| nonempty("XDG_CACHE_HOME").map(|p| p.join("sanmai")))
-                .or_else(|| nonempty("HOME").map(|p| p.join(".cache").join("sanmai"))),
-            include_dirs,
-        }
+        CompileOptions::from_vars(|v| std::env::var_os(v))
     }
 }
 

@@ -10,7 +10,7 @@ use serde_json::Value;
 mod fixture_util;
 mod step_util;
 use fixture_util::*;
-use step_util::{draft_logits, logits, new_seq, Seq, BLOCKS_PER_SEQ};
+use step_util::{logits, new_seq, Seq, BLOCKS_PER_SEQ};
 
 const TOL: f64 = 1e-3;
 const BLOCK: usize = 16;
@@ -83,28 +83,7 @@ fn check_prompts(name: &str, chunk_len: usize) {
 
 fn check_mtp(name: &str) {
     let (m, reference) = load(name);
-    let prompts = reference["prompts"].as_array().unwrap();
-    for (ci, case) in reference["mtp"].as_array().unwrap().iter().enumerate() {
-        let prompt = ids(&prompts[case["prompt_index"].as_u64().unwrap() as usize]["ids"]);
-        let seq = new_seq(&m, ci);
-        let (_, c, data) = draft_logits(&m, &seq, &prompt);
-        for (i, pos) in case["positions"].as_array().unwrap().iter().enumerate() {
-            let t = pos.as_u64().unwrap() as usize;
-            let want = floats(&case["draft_logprobs"][i]);
-            let got = log_softmax(&data[t * c..(t + 1) * c]);
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(g, w)| (g - w.unwrap()).abs())
-                .fold(0.0, f64::max);
-            eprintln!("{name} MTP position {t}: max draft logprob error {worst:.1e}");
-            assert!(
-                worst < TOL,
-                "{name} MTP position {t}: draft logprob off by {worst}"
-            );
-        }
-        m.backend.free_state(seq.state);
-    }
+    check_mtp_drafts(name, &m, &reference, TOL);
 }
 
 #[test]

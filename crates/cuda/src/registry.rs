@@ -34,6 +34,31 @@ pub struct CompileOptions {
     pub include_dirs: Vec<PathBuf>,
 }
 
+impl CompileOptions {
+    /// The folders the caller's variables name, each looked up through `var` (a caller passes its
+    /// environment; this crate reads none): the kernel cache `SANMAI_CACHE_DIR` (else
+    /// `XDG_CACHE_HOME/sanmai`, else `HOME/.cache/sanmai`) and the CUDA header folders
+    /// `SANMAI_CUDA_INCLUDE` (`:`-separated), then `CUDA_HOME/include` and `CUDA_PATH/include`.
+    pub fn from_vars(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Self {
+        let nonempty = |name: &str| var(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+        let mut include_dirs: Vec<PathBuf> =
+            std::env::split_paths(&var("SANMAI_CUDA_INCLUDE").unwrap_or_default())
+                .filter(|d| !d.as_os_str().is_empty())
+                .collect();
+        for name in ["CUDA_HOME", "CUDA_PATH"] {
+            if let Some(root) = nonempty(name) {
+                include_dirs.push(root.join("include"));
+            }
+        }
+        CompileOptions {
+            cache_dir: nonempty("SANMAI_CACHE_DIR")
+                .or_else(|| nonempty("XDG_CACHE_HOME").map(|p| p.join("sanmai")))
+                .or_else(|| nonempty("HOME").map(|p| p.join(".cache").join("sanmai"))),
+            include_dirs,
+        }
+    }
+}
+
 /// Headers the kernels include with `#include "name"`.
 pub const HEADERS: &[Source] = &[
     source!("common.cuh"),

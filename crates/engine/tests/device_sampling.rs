@@ -4,6 +4,9 @@
 //! can draw with rows it cannot (top-N logprobs) samples the former through the op and returns only the
 //! latter's logits.
 
+#[macro_use]
+mod wrap;
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -13,7 +16,7 @@ use sanmai_engine::executor::{StepLogits, StepPlan};
 use sanmai_engine::sampler::{
     row_sampling, sample_row, Rng, SamplerState, SamplingParams, Scratch,
 };
-use sanmai_engine::{start, CacheGeometry, EngineConfig, Executor, ModelExecutor};
+use sanmai_engine::{start, EngineConfig, Executor, ModelExecutor};
 use sanmai_model::{builtin, Backend, Model, SampleCall};
 use sanmai_tokenizer::Tokenizer;
 use sanmai_weights::Dummy;
@@ -49,26 +52,12 @@ struct Probe {
 }
 
 impl Executor for Probe {
-    fn geometry(&self) -> CacheGeometry {
-        self.inner.geometry()
-    }
-    fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), String> {
-        self.inner.init_cache(num_blocks, block_size)
-    }
+    hand_on_cache_ops!();
     fn alloc_state(&mut self) -> Result<usize, String> {
         self.inner.alloc_state()
     }
     fn free_state(&mut self, slot: usize) {
         self.inner.free_state(slot)
-    }
-    fn copy_state(&mut self, src: usize, dst: usize) -> Result<(), String> {
-        self.inner.copy_state(src, dst)
-    }
-    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String> {
-        self.inner.copy_block(src, dst)
-    }
-    fn samples_on_device(&self) -> bool {
-        self.inner.samples_on_device()
     }
     fn submit(&mut self, plan: StepPlan) {
         self.inner.submit(plan)

@@ -1,6 +1,9 @@
 //! The engine loop on the built-in model: continuous batching with chunked prefill gives what one sequence
 //! alone gives, stop conditions, prompt log-probabilities, and aborts that free the sequence.
 
+#[macro_use]
+mod wrap;
+
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -377,23 +380,12 @@ struct TwoInFlight {
 }
 
 impl sanmai_engine::Executor for TwoInFlight {
-    fn geometry(&self) -> sanmai_engine::CacheGeometry {
-        self.inner.geometry()
-    }
-    fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), String> {
-        self.inner.init_cache(num_blocks, block_size)
-    }
+    hand_on_cache_ops!();
     fn alloc_state(&mut self) -> Result<usize, String> {
         self.inner.alloc_state()
     }
     fn free_state(&mut self, slot: usize) {
         self.inner.free_state(slot)
-    }
-    fn copy_state(&mut self, src: usize, dst: usize) -> Result<(), String> {
-        self.inner.copy_state(src, dst)
-    }
-    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String> {
-        self.inner.copy_block(src, dst)
     }
     fn max_in_flight(&self) -> usize {
         2
@@ -505,12 +497,7 @@ struct FewSlots {
 }
 
 impl sanmai_engine::Executor for FewSlots {
-    fn geometry(&self) -> sanmai_engine::CacheGeometry {
-        self.inner.geometry()
-    }
-    fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), String> {
-        self.inner.init_cache(num_blocks, block_size)
-    }
+    hand_on_cache_ops!();
     fn alloc_state(&mut self) -> Result<usize, String> {
         if self.live == self.slots {
             return Err("alloc_state: out of device memory".into());
@@ -521,12 +508,6 @@ impl sanmai_engine::Executor for FewSlots {
     fn free_state(&mut self, slot: usize) {
         self.live -= 1;
         self.inner.free_state(slot)
-    }
-    fn copy_state(&mut self, src: usize, dst: usize) -> Result<(), String> {
-        self.inner.copy_state(src, dst)
-    }
-    fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String> {
-        self.inner.copy_block(src, dst)
     }
     fn submit(&mut self, plan: sanmai_engine::executor::StepPlan) {
         self.inner.submit(plan)

@@ -54,3 +54,38 @@ pub fn argmax(row: &[f64]) -> u32 {
     }
     best as u32
 }
+
+/// Every MTP case of a fixture's `reference`: the draft head's log-probabilities at each listed
+/// position are within `tol` of transformers'. Returns how many cases there were.
+pub fn check_mtp_drafts(
+    name: &str,
+    m: &sanmai_model::Model<sanmai_cpu::CpuBackend>,
+    reference: &Value,
+    tol: f64,
+) -> usize {
+    use sanmai_model::Backend;
+    let prompts = reference["prompts"].as_array().unwrap();
+    let cases = reference["mtp"].as_array().unwrap();
+    for (ci, case) in cases.iter().enumerate() {
+        let prompt = ids(&prompts[case["prompt_index"].as_u64().unwrap() as usize]["ids"]);
+        let seq = crate::step_util::new_seq(m, ci);
+        let (_, cols, data) = crate::step_util::draft_logits(m, &seq, &prompt);
+        for (i, pos) in case["positions"].as_array().unwrap().iter().enumerate() {
+            let t = pos.as_u64().unwrap() as usize;
+            let want = floats(&case["draft_logprobs"][i]);
+            let got = log_softmax(&data[t * cols..(t + 1) * cols]);
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (g - w.unwrap()).abs())
+                .fold(0.0, f64::max);
+            eprintln!("{name} MTP position {t}: max draft logprob error {worst:.1e}");
+            assert!(
+                worst < tol,
+                "{name} MTP position {t}: draft logprob off by {worst}"
+            );
+        }
+        m.backend.free_state(seq.state);
+    }
+    cases.len()
+}

@@ -4,8 +4,6 @@
 //! `SANMAI_CACHE_DIR` (else `$XDG_CACHE_HOME/sanmai`, else `~/.cache/sanmai`) and the CUDA header
 //! folders `SANMAI_CUDA_INCLUDE` (`:`-separated), `$CUDA_HOME/include` and `$CUDA_PATH/include`.
 
-use std::path::PathBuf;
-
 use sanmai_cuda::registry::CompileOptions;
 use sanmai_cuda::{CudaOptions, GpuOptions};
 
@@ -18,29 +16,9 @@ fn switched_off(var: &str) -> bool {
     })
 }
 
-fn nonempty(var: &str) -> Option<PathBuf> {
-    std::env::var_os(var)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-}
-
 /// The kernel cache and CUDA header folders the environment names.
 pub fn compile_options() -> CompileOptions {
-    let mut include_dirs: Vec<PathBuf> =
-        std::env::split_paths(&std::env::var_os("SANMAI_CUDA_INCLUDE").unwrap_or_default())
-            .filter(|d| !d.as_os_str().is_empty())
-            .collect();
-    for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Some(root) = nonempty(var) {
-            include_dirs.push(root.join("include"));
-        }
-    }
-    CompileOptions {
-        cache_dir: nonempty("SANMAI_CACHE_DIR")
-            .or_else(|| nonempty("XDG_CACHE_HOME").map(|p| p.join("sanmai")))
-            .or_else(|| nonempty("HOME").map(|p| p.join(".cache").join("sanmai"))),
-        include_dirs,
-    }
+    CompileOptions::from_vars(|v| std::env::var_os(v))
 }
 
 /// The options of a test's [`sanmai_cuda::Gpu`].

@@ -321,7 +321,7 @@ fn the_op_matches_sample_row_with_a_mask_and_every_filter() {
                 &mut Scratch::new(),
             )
             .unwrap();
-            let g = got[i].clone().unwrap();
+            let g = got[i].unwrap();
             assert_eq!(
                 (g.id, g.logprob),
                 (want.id, want.logprob),

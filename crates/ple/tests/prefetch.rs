@@ -287,7 +287,7 @@ fn the_store_gathers_prefill_and_decode_rows_like_the_table() {
     }))
     .unwrap();
     let store = sanmai_ple::PleStore::open(tmp.path(), &cfg, PrefetchOptions::default()).unwrap();
-    let tokens: Vec<u32> = prompt(1500, 4).iter().map(|&x| x as u32).collect();
+    let tokens: Vec<u32> = prompt(1500, 4);
     store.submit(1, &tokens);
     let dim = store.table().token_dim();
     let mut out = vec![half::bf16::ZERO; 1500 * dim];

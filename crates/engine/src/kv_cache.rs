@@ -15,6 +15,19 @@ use std::hash::{Hash, Hasher};
 use crate::block_pool::{BlockHash, BlockPool};
 use crate::executor::Executor;
 
+/// How far one step moved a sequence ([`CacheManager::after_step`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Progress<'a> {
+    /// The sequence's tokens from position 0.
+    pub tokens: &'a [u32],
+    /// Computed tokens before and after the step.
+    pub before: usize,
+    pub after: usize,
+    pub prompt_len: usize,
+    /// Positions the request asked to checkpoint at (besides the interval's and the prompt's end).
+    pub checkpoint_at: &'a [usize],
+}
+
 /// A sequence's share of the caches.
 #[derive(Debug, Default)]
 pub struct SeqCache {
@@ -327,18 +340,15 @@ impl CacheManager {
     }
 
     /// Registers the sequence's newly completed blocks and takes the checkpoints due after a step that moved
-    /// it from `before` to `after` computed tokens.
-    #[allow(clippy::too_many_arguments)]
-    pub fn after_step(
-        &mut self,
-        exec: &mut dyn Executor,
-        seq: &mut SeqCache,
-        tokens: &[u32],
-        before: usize,
-        after: usize,
-        prompt_len: usize,
-        extra: &[usize],
-    ) {
+    /// it from `p.before` to `p.after` computed tokens.
+    pub fn after_step(&mut self, exec: &mut dyn Executor, seq: &mut SeqCache, p: &Progress<'_>) {
+        let Progress {
+            tokens,
+            before,
+            after,
+            prompt_len,
+            checkpoint_at: extra,
+        } = *p;
         if !self.prefix_caching {
             return;
         }

@@ -5,6 +5,7 @@ use rayon::prelude::*;
 use super::Engine;
 use crate::api::{EngineEvent, FinishReason, StopReason, TokenLogprob};
 use crate::executor::{Executor, LogitRows, StepLogits, StepPlan};
+use crate::kv_cache::Progress;
 use crate::sampler::{RowLogprobs, SampleRequest, Sampled};
 use crate::sequence::Appended;
 
@@ -77,14 +78,17 @@ impl<E: Executor> Engine<E> {
             let before = seq.num_computed;
             seq.num_computed += c.tokens.len();
             let prompt_len = seq.prompt_len();
+            let progress = Progress {
+                tokens: &seq.tokens,
+                before,
+                after: seq.num_computed,
+                prompt_len,
+                checkpoint_at: &seq.req.checkpoint_at,
+            };
             self.cache.after_step(
                 &mut self.executor,
                 seq.cache.as_mut().expect("running sequences hold caches"),
-                &seq.tokens,
-                before,
-                seq.num_computed,
-                prompt_len,
-                &seq.req.checkpoint_at,
+                &progress,
             );
             if seq.num_computed < seq.tokens.len() {
                 continue; // mid-prefill

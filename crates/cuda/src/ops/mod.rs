@@ -35,7 +35,7 @@ pub use kv::{HeadLayout, HeadNorm, RopeArgs, QK_MAX_HEAD_DIM};
 pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
 pub use norm::NormRows;
 pub use ple::{PleDims, PleGateWeights};
-pub use qsa::Selection;
+pub use qsa::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows, Selection};
 pub use router::ROUTER_MAX_K;
 pub use sample::SampleBatch;
 pub(crate) use sample::SAMPLE_MAX_VOCAB;

@@ -28,7 +28,9 @@ mod tensor;
 pub use attention::{
     AttnDims, ChunkRows, DecodeLens, PagedCache, Queries, ATTN_MAX_HEAD_DIM, ATTN_SPLIT,
 };
-pub use gdn::{GdnDecodeWeights, GdnDims};
+pub use conv::ConvWeight;
+pub use gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnPools, GdnProj, SeqRows};
+pub use gdn_chunk::GdnGates;
 pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;
 pub use kv::{HeadLayout, HeadNorm, RopeArgs, QK_MAX_HEAD_DIM};

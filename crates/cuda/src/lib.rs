@@ -88,3 +88,4 @@ pub use ops::{
 };
 pub use ops::{ConvWeight, DecodeSlots, GdnGates, GdnPools, GdnProj, SeqRows};
 pub use ops::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows};
+pub use ops::{PleGateWeights, PleGated, PleLin};

@@ -36,7 +36,7 @@ pub(crate) use gemv::GEMV_SEGS;
 pub use kv::{HeadLayout, HeadNorm, RopeArgs, QK_MAX_HEAD_DIM};
 pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
 pub use norm::NormRows;
-pub use ple::{PleDims, PleGateWeights};
+pub use ple::{PleDims, PleGateWeights, PleGated, PleLin};
 pub use qsa::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows, Selection};
 pub use router::ROUTER_MAX_K;
 pub use sample::SampleBatch;

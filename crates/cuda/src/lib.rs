@@ -88,4 +88,5 @@ pub use ops::{
 };
 pub use ops::{ConvWeight, DecodeSlots, GdnGates, GdnPools, GdnProj, SeqRows};
 pub use ops::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows};
+pub use ops::{PackedMat, PackedScheme};
 pub use ops::{PleGateWeights, PleGated, PleLin};

@@ -38,6 +38,7 @@ pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
 pub use norm::NormRows;
 pub use ple::{PleDims, PleGateWeights, PleGated, PleLin};
 pub use qsa::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows, Selection};
+pub use quant::{PackedMat, PackedScheme};
 pub use router::ROUTER_MAX_K;
 pub use sample::SampleBatch;
 pub(crate) use sample::SAMPLE_MAX_VOCAB;

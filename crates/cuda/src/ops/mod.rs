@@ -34,12 +34,12 @@ pub use gdn_chunk::GdnGates;
 pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;
 pub use kv::{HeadLayout, HeadNorm, RopeArgs, QK_MAX_HEAD_DIM};
-pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
+pub use moe::{moe_max_tiles, Experts, MoeOut, PairGroups, PairRows, Routed, MOE_TILE};
 pub use norm::NormRows;
 pub use ple::{PleDims, PleGateWeights, PleGated, PleLin};
 pub use qsa::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows, Selection};
 pub use quant::{PackedMat, PackedScheme};
-pub use router::ROUTER_MAX_K;
+pub use router::{DecodeRouting, RouteDims, ROUTER_MAX_K};
 pub use sample::SampleBatch;
 pub(crate) use sample::SAMPLE_MAX_VOCAB;
 

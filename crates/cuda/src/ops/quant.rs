@@ -19,7 +19,10 @@ use cudarc::cublas::sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::gemv::{gemv_plan, tensor_core_batch, SegTable, GEMV_SEGS, GEMV_THREADS, TC_ROWS};
+use super::gemm::WxT;
+use super::gemv::{
+    gemv_plan, tensor_core_batch, SegAddrs, SegTable, GEMV_SEGS, GEMV_THREADS, TC_ROWS,
+};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -219,11 +222,21 @@ impl Gpu {
             guards.extend([gw, gs, gy]);
             ensure(wp % 16 == 0, OP, || "W must be 16-byte aligned".into())?;
             if tc {
-                table.push(OP, wp, sp, yp, *n, n.div_ceil(TC_ROWS), None)?;
+                let addrs = SegAddrs {
+                    w: wp,
+                    s: sp,
+                    y: yp,
+                };
+                table.push(OP, addrs, *n, n.div_ceil(TC_ROWS), None)?;
             } else {
                 // Work items of a row: units of 32 values.
                 let plan = gemv_plan(*n, k.div_ceil(32), QROWS, sms);
-                table.push(OP, wp, sp, yp, *n, plan.blocks, Some(plan))?;
+                let addrs = SegAddrs {
+                    w: wp,
+                    s: sp,
+                    y: yp,
+                };
+                table.push(OP, addrs, *n, plan.blocks, Some(plan))?;
             }
         }
         let grid = table.grid(OP)?;
@@ -369,16 +382,16 @@ impl Gpu {
             // SAFETY: the tile holds rows·k elements, x m·k, y's columns row0..row0 + rows of m rows
             // with ld n lie inside the checked m·n.
             unsafe {
-                self.blas_w_xt(
-                    ri,
-                    mi,
-                    ki,
-                    wsp,
-                    xp,
-                    yp + (row0 * 2) as u64,
-                    sys::cudaDataType::CUDA_R_16BF,
-                    ni,
-                )
+                self.blas_w_xt(WxT {
+                    rows: ri,
+                    m: mi,
+                    k: ki,
+                    w: wsp,
+                    x: xp,
+                    y: yp + (row0 * 2) as u64,
+                    y_type: sys::cudaDataType::CUDA_R_16BF,
+                    ldy: ni,
+                })
             }?;
             row0 += rows;
         }
@@ -423,7 +436,18 @@ impl Gpu {
             let ri = int(OP, "rows", rows)?;
             // yt [m, rows] = x · tileᵀ (the codes), f32.
             // SAFETY: the tile holds rows·k codes, x m·k values, yt m·tile values.
-            unsafe { self.blas_w_xt(ri, mi, ki, wsp, xp, ytp, sys::cudaDataType::CUDA_R_32F, ri) }?;
+            unsafe {
+                self.blas_w_xt(WxT {
+                    rows: ri,
+                    m: mi,
+                    k: ki,
+                    w: wsp,
+                    x: xp,
+                    y: ytp,
+                    y_type: sys::cudaDataType::CUDA_R_32F,
+                    ldy: ri,
+                })
+            }?;
             let (sp, _gs) = scales.device_ptr(s);
             let (yp, _gy) = y.device_ptr_mut(s);
             let r0 = int(OP, "row0", row0)?;

@@ -20,12 +20,13 @@ pub struct ConvWeight<'a, W: DevicePtr<bf16>> {
 }
 
 impl Gpu {
-    /// Prefill of every sequence of a step: sequence `i` of `seqs` owns rows `starts[i] .. starts[i]
-    /// + lens[i]` of `x` and `out` (`[rows, c]`; clamped to `rows`), row `r` at position
-    /// `positions[r]` (the chunk's positions are consecutive), and slot `slots[i]` of `state_pool`
-    /// `[num_slots, kernel, c]`, a ring holding input `x_q` at entry `q mod kernel`. Per row at
-    /// position `p`: `out[p, ch] = silu(Σ_j w[ch, j] · x_{p−kernel+1+j}[ch])`, inputs before the chunk
-    /// read from the ring; then the chunk's last `min(len, kernel − 1)` inputs are stored in the ring.
+    /// Prefill of every sequence of a step: sequence `i` of `seqs` owns rows
+    /// `starts[i] .. starts[i] + lens[i]` of `x` and `out` (`[rows, c]`; clamped to `rows`), row `r`
+    /// at position `positions[r]` (the chunk's positions are consecutive), and slot `slots[i]` of
+    /// `state_pool` `[num_slots, kernel, c]`, a ring holding input `x_q` at entry `q mod kernel`. Per
+    /// row at position `p`: `out[p, ch] = silu(Σ_j w[ch, j] · x_{p−kernel+1+j}[ch])`, inputs before
+    /// the chunk read from the ring; then the chunk's last `min(len, kernel − 1)` inputs are stored in
+    /// the ring.
     /// A slot id out of range gives zero outputs and touches no state; rows of no sequence are
     /// untouched. Two launches (the convolution, then the ring stores), whatever the number of
     /// sequences. Matches `sanmai_cpu::ops::causal_conv1d_silu` per sequence, whose `[kernel − 1, c]`

@@ -3,6 +3,10 @@
 //! Every op takes device buffers (`CudaSlice`, `CudaView`, `CudaViewMut` or anything implementing
 //! cudarc's `DevicePtr`/`DevicePtrMut`) with their shape, checks the buffer lengths and shape limits
 //! (an error, never a panic or an out-of-bounds access), and queues the kernel on the `Gpu`'s stream.
+//! Operands that belong together come as one struct: a shape ([`NormRows`], [`AttnDims`],
+//! [`GdnDims`], …), a layer's caches ([`KvPools`], [`PagedCache`], [`GdnPools`]), a step's
+//! sequences ([`DecodeLens`], [`SeqRows`], [`DecodeSlots`]), a packed weight ([`PackedMat`]) or the
+//! routed experts ([`Experts`], [`PairRows`], [`PairGroups`]).
 //! Activations are bf16 with f32 arithmetic inside the kernels and one rounding per output.
 
 mod attention;

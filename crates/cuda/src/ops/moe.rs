@@ -201,16 +201,8 @@ impl Gpu {
             "packed experts take moe_gemv_packed".into()
         })?;
         let (w_ptrs, n, k) = (experts.weights, experts.n, experts.k);
-        let PairRows {
-            x,
-            rows: x_rows,
-            div: x_div,
-        } = *input;
-        let PairGroups {
-            perm,
-            tiles,
-            n_pairs,
-        } = *groups;
+        let (x, x_rows, x_div) = (input.x, input.rows, input.div);
+        let (perm, tiles, n_pairs) = (groups.perm, groups.tiles, groups.n_pairs);
         ensure(k.is_multiple_of(8) && k > 0, OP, || {
             format!("k = {k} must be a positive multiple of 8")
         })?;
@@ -338,16 +330,8 @@ impl Gpu {
             msg: "bf16 experts take moe_gemv".into(),
         })?;
         let (w_ptrs, s_ptrs, n, k) = (experts.weights, experts.scales, experts.n, experts.k);
-        let PairRows {
-            x,
-            rows: x_rows,
-            div: x_div,
-        } = *input;
-        let PairGroups {
-            perm,
-            tiles,
-            n_pairs,
-        } = *groups;
+        let (x, x_rows, x_div) = (input.x, input.rows, input.div);
+        let (perm, tiles, n_pairs) = (groups.perm, groups.tiles, groups.n_pairs);
         ensure(matches!(bits, 4 | 6 | 8), OP, || {
             format!("{bits}-bit weights: expected 4, 6 or 8")
         })?;

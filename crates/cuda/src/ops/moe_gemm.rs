@@ -127,16 +127,8 @@ impl Gpu {
         const OP: &str = "moe_gemm";
         let scheme = experts.scheme.map(|s| (s.bits, s.group_size));
         let (w_ptrs, s_ptrs, n, k) = (experts.weights, experts.scales, experts.n, experts.k);
-        let PairRows {
-            x,
-            rows: x_rows,
-            div: x_div,
-        } = *input;
-        let PairGroups {
-            perm,
-            tiles,
-            n_pairs,
-        } = *groups;
+        let (x, x_rows, x_div) = (input.x, input.rows, input.div);
+        let (perm, tiles, n_pairs) = (groups.perm, groups.tiles, groups.n_pairs);
         ensure(Self::moe_gemm_supports(scheme, k), OP, || {
             format!(
                 "weights {scheme:?} with k = {k}: need k % 64 == 0, bits 4, 6 or 8 and a group of \

@@ -8,7 +8,10 @@ use sanmai_model::backend::GdnCall;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
-use crate::ops::{GdnDecodeWeights, GdnDims, NormRows};
+use crate::ops::{
+    ConvWeight, DecodeSlots, GdnDecodeWeights, GdnDims, GdnGates, GdnPools, GdnProj, NormRows,
+    SeqRows,
+};
 
 impl CudaBackend {
     pub(crate) fn gdn_impl(&self, c: &GdnCall<'_, CudaTensor, CudaWeight>) -> Result<CudaTensor> {
@@ -64,26 +67,28 @@ impl CudaBackend {
             let positions = st.meta.view(m.positions, n);
             let dw = GdnDecodeWeights {
                 conv: conv_w,
+                kernel: kk,
                 a_log,
                 dt_bias,
                 norm: w.norm.bf16()?,
-            };
-            g.gdn_decode(
-                dims,
-                kk,
-                &qkv.buf,
-                &z.buf,
-                &a.buf,
-                &b.buf,
-                &dw,
                 eps,
-                &mut pool.conv,
-                &mut pool.ssm,
-                &slots,
-                &positions,
-                &mut out.buf,
-                n,
-            )?;
+            };
+            let proj = GdnProj {
+                qkv: &qkv.buf,
+                z: &z.buf,
+                a: &a.buf,
+                b: &b.buf,
+            };
+            let pools = GdnPools {
+                conv: &mut pool.conv,
+                ssm: &mut pool.ssm,
+            };
+            let seqs = DecodeSlots {
+                slots: &slots,
+                positions: &positions,
+                batch: n,
+            };
+            g.gdn_decode(dims, &proj, &dw, pools, &seqs, &mut out.buf)?;
             return Ok(out);
         }
         // Every sequence of the step in two conv launches and one GDN launch, each reading the
@@ -95,35 +100,40 @@ impl CudaBackend {
         let positions = st.meta.view(m.positions, rows);
         let starts = st.meta.view(m.starts, n);
         let lens = st.meta.view(m.chunk_lens, n);
+        let step = SeqRows {
+            starts: &starts,
+            lens: &lens,
+            slots: &slots,
+            rows,
+            n_seq: n,
+            max_len,
+        };
+        let conv = ConvWeight {
+            w: conv_w,
+            channels: cd,
+            kernel: kk,
+        };
         g.conv1d_prefill(
             &qkv.buf,
-            conv_w,
+            &conv,
             &mut pool.conv,
             &positions,
-            &starts,
-            &lens,
-            &slots,
+            &step,
             &mut mixed.buf,
-            rows,
-            n,
-            max_len,
-            cd,
-            kk,
         )?;
+        let gates = GdnGates {
+            a: &a.buf,
+            b: &b.buf,
+            a_log,
+            dt_bias,
+        };
         g.gdn_chunk_prefill(
             dims,
             &mixed.buf,
-            &a.buf,
-            &b.buf,
-            a_log,
-            dt_bias,
+            &gates,
             &mut pool.ssm,
-            &starts,
-            &lens,
-            &slots,
+            &step,
             &mut core.buf,
-            rows,
-            n,
         )?;
         let shape = NormRows {
             rows: rows * hv,

@@ -97,27 +97,15 @@ impl CudaBackend {
         }
         let mut s = self.alloc(rows, rank)?;
         self.gpu.hc_down_inject_silu(
-            &down.words,
-            &down.scales,
+            &down.mat(),
             &inject.data,
             &x.buf,
             &y.buf,
             &mut s.buf,
             rows,
-            h,
-            rank,
         )?;
-        self.gpu.hc_up_gate_mix(
-            &up.words,
-            &up.scales,
-            &s.buf,
-            &y.buf,
-            &mut streams.buf,
-            rows,
-            streams.cols / h,
-            h,
-            rank,
-        )?;
+        self.gpu
+            .hc_up_gate_mix(&up.mat(), &s.buf, &y.buf, &mut streams.buf, rows, h)?;
         Ok(true)
     }
 }

@@ -14,7 +14,9 @@ use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
-use crate::ops::moe_max_tiles;
+use crate::ops::{
+    moe_max_tiles, DecodeRouting, Experts, PackedScheme, PairGroups, PairRows, RouteDims, Routed,
+};
 
 /// The device tables of one MoE layer's expert weight addresses (bf16 values or packed words) and,
 /// for packed experts, their scale addresses.
@@ -28,6 +30,33 @@ pub(crate) struct ExpertTable {
 }
 
 impl ExpertTable {
+    /// The gate|up (`[2I, H]`) and down (`[H, I]`) projections of every expert as the grouped
+    /// kernels take them, of formats `gu` and `dn`.
+    fn experts(
+        &self,
+        gu: ExpertFormat,
+        dn: ExpertFormat,
+        h: usize,
+        inter: usize,
+    ) -> (Experts<'_, CudaSlice<u64>>, Experts<'_, CudaSlice<u64>>) {
+        (
+            Experts {
+                weights: &self.gate_up,
+                scales: &self.gate_up_scales,
+                scheme: gu.scheme(),
+                n: 2 * inter,
+                k: h,
+            },
+            Experts {
+                weights: &self.down,
+                scales: &self.down_scales,
+                scheme: dn.scheme(),
+                n: h,
+                k: inter,
+            },
+        )
+    }
+
     pub fn bytes(&self) -> usize {
         8 * (self.gate_up.len()
             + self.down.len()
@@ -53,12 +82,27 @@ pub(crate) enum ExpertFormat {
 }
 
 impl ExpertFormat {
-    /// The scheme as [`Gpu::moe_gemm`] takes it: `None` for bf16, else `(bits, group_size)`.
-    fn scheme(self) -> Option<(u32, usize)> {
+    /// The scheme as the grouped kernels take it: `None` for bf16.
+    fn scheme(self) -> Option<PackedScheme> {
         match self {
             Self::Bf16 => None,
-            Self::Packed { bits, group_size } => Some((bits, group_size)),
+            Self::Packed { bits, group_size } => Some(PackedScheme { bits, group_size }),
         }
+    }
+
+    /// The scheme as [`Gpu::moe_gemm_supports`] takes it: `None` for bf16, else `(bits, group_size)`.
+    fn gemm_scheme(self) -> Option<(u32, usize)> {
+        self.scheme().map(|s| (s.bits, s.group_size))
+    }
+}
+
+/// The routing dims of `t` rows through the router of `w`.
+fn route_dims(t: usize, w: &MoeWeights<CudaWeight>) -> RouteDims {
+    RouteDims {
+        tokens: t,
+        experts: w.experts.len(),
+        top_k: w.top_k,
+        renormalize: w.renormalize,
     }
 }
 
@@ -69,6 +113,21 @@ fn format_of(w: &CudaWeight) -> ExpertFormat {
             bits: p.bits,
             group_size: p.group_size,
         },
+    }
+}
+
+/// The router's choice of the `t` tokens (`ids`, `wts` `[t, k]` over `e` experts) for the combine.
+fn routing_of<'a>(
+    ids: &'a CudaSlice<u32>,
+    wts: &'a CudaSlice<f32>,
+    (t, e, k): (usize, usize, usize),
+) -> Routed<'a, CudaSlice<u32>, CudaSlice<f32>> {
+    Routed {
+        ids,
+        weights: wts,
+        experts: e,
+        top_k: k,
+        tokens: t,
     }
 }
 
@@ -110,12 +169,12 @@ impl CudaBackend {
         x: &CudaTensor,
         w: &MoeWeights<CudaWeight>,
     ) -> Result<(CudaSlice<u32>, CudaSlice<f32>)> {
-        let (t, e, k) = (x.rows, w.experts.len(), w.top_k);
+        let (t, k) = (x.rows, w.top_k);
         let logits = self.linear_f32(x, &w.router)?;
         let mut ids = self.gpu.stream().alloc_zeros::<u32>(t * k)?;
         let mut wts = self.scratch::<f32>(t * k)?;
         self.gpu
-            .route_topk(&logits, &mut ids, &mut wts, t, e, k, w.renormalize)?;
+            .route_topk(&logits, route_dims(t, w), &mut ids, &mut wts)?;
         Ok((ids, wts))
     }
 
@@ -140,21 +199,14 @@ impl CudaBackend {
                 let mut ids = self.scratch::<u32>(n)?;
                 let mut wts = self.scratch::<f32>(n)?;
                 let mut ticket = self.route_ticket.lock().unwrap_or_else(|p| p.into_inner());
-                g.moe_route_decode(
-                    &router.data,
-                    &x.buf,
-                    t,
-                    h,
-                    e,
-                    k,
-                    w.renormalize,
-                    &mut logits,
-                    &mut ids,
-                    &mut wts,
-                    &mut perm,
-                    &mut tiles,
-                    &mut *ticket,
-                )?;
+                let out = DecodeRouting {
+                    logits: &mut logits,
+                    ids: &mut ids,
+                    weights: &mut wts,
+                    perm: &mut perm,
+                    tiles: &mut tiles,
+                };
+                g.moe_route_decode(&router.data, &x.buf, h, route_dims(t, w), out, &mut *ticket)?;
                 return Ok(Grouped {
                     ids,
                     wts,
@@ -237,41 +289,41 @@ impl CudaBackend {
         // Prefill-sized steps take the tensor-core grouped GEMM (tiles of up to 64 pairs), decode steps
         // the grouped GEMV; the choice depends on the step's shape only.
         let gemm = Gpu::moe_gemm_wanted(t, n)
-            && Gpu::moe_gemm_supports(gu_format.scheme(), h)
-            && Gpu::moe_gemm_supports(dn_format.scheme(), inter);
+            && Gpu::moe_gemm_supports(gu_format.gemm_scheme(), h)
+            && Gpu::moe_gemm_supports(dn_format.gemm_scheme(), inter);
+        // The gate|up projection reads token rows, the down projection pair rows.
+        let token_rows = PairRows {
+            x: &x.buf,
+            rows: t,
+            div: k,
+        };
         if gemm {
             let (ids, wts) = self.route(x, w)?;
             self.log_routing(&ids, n, e)?;
             let mut perm = self.scratch::<u32>(n)?;
             let mut tiles = self.scratch::<u32>(3 * Gpu::moe_gemm_max_tiles(n, e))?;
             g.moe_gemm_plan(&ids, n, e, &mut perm, &mut tiles)?;
+            let groups = PairGroups {
+                perm: &perm,
+                tiles: &tiles,
+                n_pairs: n,
+            };
             let mut st = self.lock();
             let table = self.expert_table(&mut st.experts, w)?;
+            let (gate_up, down) = table.experts(gu_format, dn_format, h, inter);
             let mut gu = self.alloc(n, 2 * inter)?;
-            let (gu_s, dn_s) = (gu_format.scheme(), dn_format.scheme());
-            let (gw, gs) = (&table.gate_up, &table.gate_up_scales);
-            g.moe_gemm(
-                gw,
-                gs,
-                gu_s,
-                &x.buf,
-                t,
-                k,
-                &perm,
-                &tiles,
-                n,
-                &mut gu.buf,
-                2 * inter,
-                h,
-            )?;
+            g.moe_gemm(&gate_up, &token_rows, &groups, &mut gu.buf)?;
             let mut act = self.alloc(n, inter)?;
             g.swiglu(&gu.buf, &mut act.buf, n, inter)?;
             let mut y = self.scratch::<f32>(n * h)?;
-            let (dw, ds) = (&table.down, &table.down_scales);
-            g.moe_gemm(
-                dw, ds, dn_s, &act.buf, n, 1, &perm, &tiles, n, &mut y, h, inter,
-            )?;
-            g.moe_combine(&y, &wts, &ids, e, shared, &mut out.buf, t, k, h)?;
+            let pair_rows = PairRows {
+                x: &act.buf,
+                rows: n,
+                div: 1,
+            };
+            g.moe_gemm(&down, &pair_rows, &groups, &mut y)?;
+            let routed = routing_of(&ids, &wts, (t, e, k));
+            g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
             return Ok(out);
         }
         let Grouped {
@@ -281,92 +333,48 @@ impl CudaBackend {
             tiles,
         } = self.route_grouped(x, w)?;
         self.log_routing(&ids, n, e)?;
+        let groups = PairGroups {
+            perm: &perm,
+            tiles: &tiles,
+            n_pairs: n,
+        };
+        let routed = routing_of(&ids, &wts, (t, e, k));
         let mut st = self.lock();
         let table = self.expert_table(&mut st.experts, w)?;
+        let (gate_up, down) = table.experts(gu_format, dn_format, h, inter);
         let mut gu = self.alloc(n, 2 * inter)?;
         match gu_format {
-            ExpertFormat::Bf16 => g.moe_gemv(
-                &table.gate_up,
-                &x.buf,
-                t,
-                k,
-                &perm,
-                &tiles,
-                n,
-                &mut gu.buf,
-                2 * inter,
-                h,
-            )?,
-            ExpertFormat::Packed { bits, group_size } => g.moe_gemv_packed(
-                &table.gate_up,
-                &table.gate_up_scales,
-                bits,
-                group_size,
-                &x.buf,
-                t,
-                k,
-                &perm,
-                &tiles,
-                n,
-                &mut gu.buf,
-                2 * inter,
-                h,
-            )?,
+            ExpertFormat::Bf16 => g.moe_gemv(&gate_up, &token_rows, &groups, &mut gu.buf)?,
+            ExpertFormat::Packed { .. } => {
+                g.moe_gemv_packed(&gate_up, &token_rows, &groups, &mut gu.buf)?
+            }
         }
         let mut y = self.scratch::<f32>(n * h)?;
         if let ExpertFormat::Packed { bits, group_size } = dn_format {
             if Gpu::moe_gemv_fuses_swiglu(bits, group_size, inter) {
                 // The down GEMV computes silu(g) · u while staging its input: no activation launch.
-                g.moe_gemv_packed_swiglu(
-                    &table.down,
-                    &table.down_scales,
-                    bits,
-                    group_size,
-                    &gu.buf,
-                    n,
-                    &perm,
-                    &tiles,
-                    n,
-                    &mut y,
-                    h,
-                    inter,
-                )?;
-                g.moe_combine(&y, &wts, &ids, e, shared, &mut out.buf, t, k, h)?;
+                let gate_up_rows = PairRows {
+                    x: &gu.buf,
+                    rows: n,
+                    div: 1,
+                };
+                g.moe_gemv_packed_swiglu(&down, &gate_up_rows, &groups, &mut y)?;
+                g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
                 return Ok(out);
             }
         }
         let mut act = self.alloc(n, inter)?;
         g.swiglu(&gu.buf, &mut act.buf, n, inter)?;
+        let pair_rows = PairRows {
+            x: &act.buf,
+            rows: n,
+            div: 1,
+        };
         match dn_format {
-            ExpertFormat::Bf16 => g.moe_gemv(
-                &table.down,
-                &act.buf,
-                n,
-                1,
-                &perm,
-                &tiles,
-                n,
-                &mut y,
-                h,
-                inter,
-            )?,
-            ExpertFormat::Packed { bits, group_size } => g.moe_gemv_packed(
-                &table.down,
-                &table.down_scales,
-                bits,
-                group_size,
-                &act.buf,
-                n,
-                1,
-                &perm,
-                &tiles,
-                n,
-                &mut y,
-                h,
-                inter,
-            )?,
+            ExpertFormat::Bf16 => g.moe_gemv(&down, &pair_rows, &groups, &mut y)?,
+            ExpertFormat::Packed { .. } => g.moe_gemv_packed(&down, &pair_rows, &groups, &mut y)?,
         }
-        g.moe_combine(&y, &wts, &ids, e, shared, &mut out.buf, t, k, h)?;
+        g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
         Ok(out)
     }
 }

@@ -77,38 +77,17 @@ impl CudaBackend {
         w: &PackedWeight,
         y: &mut CudaSlice<bf16>,
     ) -> Result<()> {
-        let (m, n, k) = (x.rows, w.out_features(), w.in_features());
+        let m = x.rows;
         let g = &self.gpu;
         if (1..=GEMV_ROWS).contains(&m) {
-            return g.gemv_packed(
-                &w.words,
-                &w.scales,
-                w.bits,
-                w.group_size,
-                &x.buf,
-                y,
-                m,
-                n,
-                k,
-            );
+            return g.gemv_packed(&w.mat(), &x.buf, y, m);
         }
         let mut st = self.lock();
         let ws = st.packed_ws.as_mut().ok_or_else(|| CudaError::Shape {
             op: "linear",
             msg: "packed weight without the packed workspace".into(),
         })?;
-        g.gemm_packed(
-            &x.buf,
-            &w.words,
-            &w.scales,
-            w.bits,
-            w.group_size,
-            y,
-            ws,
-            m,
-            n,
-            k,
-        )
+        g.gemm_packed(&x.buf, &w.mat(), y, ws, m)
     }
 
     /// `ys[i] = x · dequant(ws[i])ᵀ` in one packed GEMV launch: weights of one format (bits and
@@ -122,20 +101,17 @@ impl CudaBackend {
         let Some(first) = ws.first() else {
             return Ok(());
         };
-        let (bits, group_size) = (first.bits, first.group_size);
-        ensure(
-            ws.iter()
-                .all(|w| w.bits == bits && w.group_size == group_size),
-            "linear",
-            || "packed weights of different formats in one GEMV launch".into(),
-        )?;
+        let scheme = first.scheme();
+        ensure(ws.iter().all(|w| w.scheme() == scheme), "linear", || {
+            "packed weights of different formats in one GEMV launch".into()
+        })?;
         let mut parts: Vec<_> = ws
             .iter()
             .zip(ys.iter_mut())
             .map(|(w, y)| (&w.words, &w.scales, &mut y.buf, y.cols))
             .collect();
         self.gpu
-            .gemv_packed_many(bits, group_size, &x.buf, &mut parts, x.rows, x.cols)
+            .gemv_packed_many(scheme, &x.buf, &mut parts, x.rows, x.cols)
     }
 
     /// `out[s, :] = bf16(dequant(w)[ids[s], :])` for `t` ids (device `u32`), zeros for an id outside
@@ -197,22 +173,13 @@ impl CudaBackend {
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
         let (m, n, k) = (x.rows, w.out_features(), w.in_features());
+        let mat = w.mat();
         let mut r0 = 0;
         while r0 < m {
             let rows = GEMV_ROWS.min(m - r0);
             let xs = x.buf.slice(r0 * k..(r0 + rows) * k);
             let mut ys = y.slice_mut(r0 * n..(r0 + rows) * n);
-            self.gpu.gemv_packed_f32(
-                &w.words,
-                &w.scales,
-                w.bits,
-                w.group_size,
-                &xs,
-                &mut ys,
-                rows,
-                n,
-                k,
-            )?;
+            self.gpu.gemv_packed_f32(&mat, &xs, &mut ys, rows)?;
             r0 += rows;
         }
         Ok(())

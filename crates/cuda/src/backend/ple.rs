@@ -18,7 +18,7 @@ use super::cache::ple_len;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
-use crate::ops::{PleDims, PleGateWeights};
+use crate::ops::{PleDims, PleGateWeights, PleGated, PleLin};
 
 /// The PLE rows of the coming decode step in a persistent device buffer: `rows.rows` is the step's
 /// row count, the buffer may hold more.
@@ -142,7 +142,12 @@ impl CudaBackend {
                 st.states.ple.get_mut(&layer).ok_or_else(|| {
                     bad(format!("no PLE state for layer {layer}: init_cache first"))
                 })?;
-            return g.ple_conv_decode(dims, &z, &u, conv, pool, &slots, &mut streams.buf, t);
+            let gated = PleGated {
+                u: &u,
+                z: &z,
+                rows: t,
+            };
+            return g.ple_conv_decode(dims, &gated, conv, pool, &slots, &mut streams.buf);
         }
         let pool = st
             .states
@@ -152,14 +157,17 @@ impl CudaBackend {
         for s in seqs.iter().filter(|s| s.len > 0) {
             let (a, b) = (s.start * sc, (s.start + s.len) * sc);
             let mut state = pool.slice_mut(s.state * pl..(s.state + 1) * pl);
+            let gated = PleGated {
+                u: &u.slice(a..b),
+                z: &z.slice(a..b),
+                rows: s.len,
+            };
             g.ple_conv(
                 dims,
-                &z.slice(a..b),
-                &u.slice(a..b),
+                &gated,
                 conv,
                 &mut state,
                 &mut streams.buf.slice_mut(a..b),
-                s.len,
             )?;
         }
         Ok(())
@@ -203,6 +211,12 @@ impl CudaBackend {
         let mut z = self.scratch::<f32>(t * sc)?;
         for c in 0..dims.streams {
             let k = self.linear_f32(x, &w.key[c])?;
+            let lin = PleLin { value: &v, key: &k };
+            let out = PleGated {
+                u: &mut u,
+                z: &mut z,
+                rows: t,
+            };
             let gw = PleGateWeights {
                 value_bias: w.value_bias.bf16()?,
                 key_bias: w.key_bias[c].bf16()?,
@@ -210,8 +224,7 @@ impl CudaBackend {
                 query_norm: w.query_norm[c].bf16()?,
                 conv_norm: w.conv_norm[c].bf16()?,
             };
-            self.gpu
-                .ple_gate(dims, c, &v, &k, &gw, &streams.buf, &mut u, &mut z, t)?;
+            self.gpu.ple_gate(dims, c, &lin, &gw, &streams.buf, out)?;
         }
         Ok((u, z))
     }

@@ -20,7 +20,10 @@ use super::cache::QsaPick;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
-use crate::ops::{AttnDims, ChunkRows, KvPools, PagedCache, Queries, Selection};
+use crate::ops::{
+    AttnDims, ChunkRows, IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, KvPools,
+    PagedCache, Queries, RopeArgs, ScoreRows, Selection,
+};
 
 /// Epsilon of the indexer's key LayerNorm.
 const INDEX_NORM_EPS: f32 = 1e-6;
@@ -92,23 +95,24 @@ impl CudaBackend {
         let index_freq = &st.rope[qi_rope].1;
         let positions = st.meta.view(m.positions, rows);
         let kv_dst = st.meta.view(m.kv_dst, rows);
-        let half = qsa.rope.rot_dim / 2;
+        let index_rope = RopeArgs {
+            positions: &positions,
+            inv_freq: index_freq,
+            rot_dim: qsa.rope.rot_dim,
+            mscale: 1.0,
+        };
         let pool = st.kv.pool_mut(layer)?;
         let idx = pool
             .idx
             .as_mut()
             .ok_or_else(|| bad(format!("layer {layer} has no index-key pool")))?;
-        g.qsa_index_key_write(
-            &ik.buf,
-            c.indexer.k_norm.bf16()?,
-            c.indexer.k_norm_bias.bf16()?,
-            INDEX_NORM_EPS,
-            &positions,
-            (di, half, index_freq),
-            &kv_dst,
-            idx,
-            rows,
-        )?;
+        let norm = KeyNorm {
+            w: c.indexer.k_norm.bf16()?,
+            b: c.indexer.k_norm_bias.bf16()?,
+            eps: INDEX_NORM_EPS,
+            dim: di,
+        };
+        g.qsa_index_key_write(&ik.buf, &norm, &index_rope, &kv_dst, idx, rows)?;
         let pool = &*pool;
         let idx = pool
             .idx
@@ -118,16 +122,16 @@ impl CudaBackend {
         let head_scale = (ni as f32).powf(-0.5) * (di as f32).powf(-0.5);
         let mut qi = self.scratch::<f32>(rows * ni * di)?;
         let mut wts = self.scratch::<f32>(rows * ni)?;
-        g.qsa_query_prep(
-            &iq.buf,
-            &iw.buf,
-            &positions,
-            (ni, di, half, index_freq),
-            head_scale,
-            &mut qi,
-            &mut wts,
+        let proj = IndexProj {
+            iq: &iq.buf,
+            iw: &iw.buf,
             rows,
-        )?;
+        };
+        let heads = IndexHeads {
+            n_heads: ni,
+            head_dim: di,
+        };
+        g.qsa_query_prep(&proj, &index_rope, heads, head_scale, &mut qi, &mut wts)?;
         let tables = st.meta.view(m.tables, m.n_seq * m.stride);
         let x = Select {
             dims: attn_dims(attn.shape, bs),
@@ -181,18 +185,26 @@ impl CudaBackend {
         let mut scores = self.scratch::<f32>(n * ld)?;
         let mut sel = self.scratch::<u32>(n * topk)?;
         let mut counts = self.scratch::<u32>(n)?;
+        let queries = IndexQueries {
+            qi: x.qi,
+            wts: x.wts,
+            heads: x.heads(),
+            rows: n,
+        };
         g.qsa_scores_decode(
-            x.qi,
-            x.wts,
-            x.idx,
-            (x.tables, x.stride),
+            &queries,
+            &x.index_cache(x.tables, x.stride),
             lens,
-            (x.ni, x.di, x.dims.block_size, topk),
-            n,
+            topk,
             &mut scores,
             ld,
         )?;
-        g.qsa_topk_decode(&scores, ld, lens, n, topk, &mut sel, &mut counts)?;
+        let rows = ScoreRows {
+            scores: &scores,
+            ld,
+            rows: n,
+        };
+        g.qsa_topk_decode(&rows, lens, topk, &mut sel, &mut counts)?;
         let selection = Selection {
             sel: &sel,
             stride: topk,
@@ -291,20 +303,19 @@ impl CudaBackend {
                 let mut scores = self.scratch::<f32>(n * ld)?;
                 let mut sel = self.scratch::<u32>(n * topk)?;
                 let mut counts = self.scratch::<u32>(n)?;
-                g.qsa_scores(
-                    &x.qi.slice(r0 * ni * di..(r0 + n) * ni * di),
-                    &x.wts.slice(r0 * ni..(r0 + n) * ni),
-                    x.idx,
-                    &table,
-                    ni,
-                    di,
-                    bs,
-                    p0,
-                    n,
-                    &mut scores,
+                let queries = IndexQueries {
+                    qi: &x.qi.slice(r0 * ni * di..(r0 + n) * ni * di),
+                    wts: &x.wts.slice(r0 * ni..(r0 + n) * ni),
+                    heads: x.heads(),
+                    rows: n,
+                };
+                g.qsa_scores(&queries, &x.index_cache(&table, 0), p0, &mut scores, ld)?;
+                let rows = ScoreRows {
+                    scores: &scores,
                     ld,
-                )?;
-                g.qsa_topk(&scores, ld, p0, n, topk, &mut sel, &mut counts)?;
+                    rows: n,
+                };
+                g.qsa_topk(&rows, p0, topk, &mut sel, &mut counts)?;
                 let (qa, qb) = (r0 * qr, (r0 + n) * qr);
                 let queries = Queries {
                     q: &x.q.slice(qa..qb),
@@ -362,6 +373,30 @@ struct Select<'a> {
 }
 
 impl<'a> Select<'a> {
+    fn heads(&self) -> IndexHeads {
+        IndexHeads {
+            n_heads: self.ni,
+            head_dim: self.di,
+        }
+    }
+
+    /// The layer's index-key pool read through `tables` (`stride` ids a row; 0: one table).
+    fn index_cache<'t, T: DevicePtr<u32>>(
+        &self,
+        tables: &'t T,
+        stride: usize,
+    ) -> IndexCache<'t, CudaSlice<u8>, T>
+    where
+        'a: 't,
+    {
+        IndexCache {
+            pool: self.idx,
+            tables,
+            stride,
+            block_size: self.dims.block_size,
+        }
+    }
+
     /// The layer's K/V pools read through `tables` (`stride` ids a row; 0: one table).
     fn cache<'t, T: DevicePtr<u32>>(
         &self,

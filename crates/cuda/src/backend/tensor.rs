@@ -6,6 +6,7 @@ use half::bf16;
 
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
+use crate::ops::{PackedMat, PackedScheme};
 
 /// Activations `[rows, cols]`, row-major bf16 on the device (from the stream-ordered allocator).
 pub struct CudaTensor {
@@ -54,6 +55,25 @@ impl PackedWeight {
 
     pub fn in_features(&self) -> usize {
         self.shape[1]
+    }
+
+    /// The scheme as the packed kernels take it.
+    pub(crate) fn scheme(&self) -> PackedScheme {
+        PackedScheme {
+            bits: self.bits,
+            group_size: self.group_size,
+        }
+    }
+
+    /// The weight as the packed kernels read it.
+    pub(crate) fn mat(&self) -> PackedMat<'_, CudaSlice<u32>, CudaSlice<f32>> {
+        PackedMat {
+            words: &self.words,
+            scales: &self.scales,
+            scheme: self.scheme(),
+            n: self.out_features(),
+            k: self.in_features(),
+        }
     }
 }
 

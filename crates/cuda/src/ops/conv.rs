@@ -5,42 +5,55 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use super::SeqRows;
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 /// Rows of one channel a prefill thread convolves (about).
 const ROWS_PER_THREAD: usize = 16;
 
+/// A depthwise causal conv's weight `w` `[channels, kernel]`.
+pub struct ConvWeight<'a, W: DevicePtr<bf16>> {
+    pub w: &'a W,
+    pub channels: usize,
+    pub kernel: usize,
+}
+
 impl Gpu {
-    /// Prefill of every sequence of a step: sequence `i` owns rows `starts[i] .. starts[i] + lens[i]`
-    /// of `x` and `out` (`[rows, c]`; clamped to `rows`), row `r` at position `positions[r]` (the
-    /// chunk's positions are consecutive), and slot `slots[i]` of `state_pool` `[num_slots, kernel,
-    /// c]`, a ring holding input `x_q` at entry `q mod kernel`. Per row at position `p`: `out[p, ch] =
-    /// silu(Σ_j w[ch, j] · x_{p−kernel+1+j}[ch])`, inputs before the chunk read from the ring; then
-    /// the chunk's last `min(len, kernel − 1)` inputs are stored in the ring. A slot id out of range
-    /// gives zero outputs and touches no state; rows of no sequence are untouched. `w`: `[c, kernel]`;
-    /// `max_len`: the longest `lens[i]` (sizes the grid). Two launches (the convolution, then the
-    /// ring stores), whatever the number of sequences. Matches `sanmai_cpu::ops::causal_conv1d_silu`
-    /// per sequence, whose `[kernel − 1, c]` state is the ring's entries of the `kernel − 1`
-    /// positions before the chunk.
-    #[allow(clippy::too_many_arguments)]
+    /// Prefill of every sequence of a step: sequence `i` of `seqs` owns rows
+    /// `starts[i] .. starts[i] + lens[i]` of `x` and `out` (`[rows, c]`; clamped to `rows`), row `r`
+    /// at position `positions[r]` (the chunk's positions are consecutive), and slot `slots[i]` of
+    /// `state_pool` `[num_slots, kernel, c]`, a ring holding input `x_q` at entry `q mod kernel`. Per
+    /// row at position `p`: `out[p, ch] = silu(Σ_j w[ch, j] · x_{p−kernel+1+j}[ch])`, inputs before
+    /// the chunk read from the ring; then the chunk's last `min(len, kernel − 1)` inputs are stored in
+    /// the ring.
+    /// A slot id out of range gives zero outputs and touches no state; rows of no sequence are
+    /// untouched. Two launches (the convolution, then the ring stores), whatever the number of
+    /// sequences. Matches `sanmai_cpu::ops::causal_conv1d_silu` per sequence, whose `[kernel − 1, c]`
+    /// state is the ring's entries of the `kernel − 1` positions before the chunk.
     pub fn conv1d_prefill(
         &self,
         x: &impl DevicePtr<bf16>,
-        w: &impl DevicePtr<bf16>,
+        conv: &ConvWeight<'_, impl DevicePtr<bf16>>,
         state_pool: &mut impl DevicePtrMut<bf16>,
         positions: &impl DevicePtr<u32>,
-        starts: &impl DevicePtr<u32>,
-        lens: &impl DevicePtr<u32>,
-        slots: &impl DevicePtr<u32>,
+        seqs: &SeqRows<'_, impl DevicePtr<u32>>,
         out: &mut impl DevicePtrMut<bf16>,
-        rows: usize,
-        n_seq: usize,
-        max_len: usize,
-        c: usize,
-        kernel: usize,
     ) -> Result<()> {
         const OP: &str = "conv1d_prefill";
+        let ConvWeight {
+            w,
+            channels: c,
+            kernel,
+        } = *conv;
+        let SeqRows {
+            starts,
+            lens,
+            slots,
+            rows,
+            n_seq,
+            max_len,
+        } = *seqs;
         ensure(kernel >= 1, OP, || "kernel size must be at least 1".into())?;
         ensure(n_seq <= 65535, OP, || {
             format!("{n_seq} sequences exceed 65535")

@@ -39,50 +39,90 @@ const THREADS: u32 = 256;
 /// Threads of a `gdn_decode_fused_dk256` block (16 warps × 16 state rows each).
 const THREADS_DK256: u32 = 512;
 
-/// The weights of one GDN layer that the decode step reads besides its projections.
+/// The weights of one GDN layer that the decode step reads besides its projections, with the conv's
+/// width and the norm's epsilon.
 pub struct GdnDecodeWeights<'a, B: DevicePtr<bf16>, F: DevicePtr<f32>> {
     /// `conv1d.weight` `[conv_dim, kernel]`.
     pub conv: &'a B,
+    pub kernel: usize,
     /// `A_log` `[hv]`.
     pub a_log: &'a F,
     /// `dt_bias` `[hv]`.
     pub dt_bias: &'a F,
     /// The gated RMSNorm's weight `[dv]`.
     pub norm: &'a B,
+    pub eps: f32,
+}
+
+/// A GDN layer's projections of a decode step's rows: `qkv` `[batch, conv_dim]` (`[q | k | v]`
+/// with q, k `[hk, dk]`, v `[hv, dv]`), `z` `[batch, hv·dv]`, and the raw gate projections `a`,
+/// `b` `[batch, hv]`.
+pub struct GdnProj<'a, B: DevicePtr<bf16>> {
+    pub qkv: &'a B,
+    pub z: &'a B,
+    pub a: &'a B,
+    pub b: &'a B,
+}
+
+/// A GDN layer's state pools: the conv rings `[num_slots, kernel, conv_dim]` bf16 (input `x_q` at
+/// entry `q mod kernel`) and the recurrent states `[num_slots, hv, dk, dv]` f32.
+pub struct GdnPools<'a, C: DevicePtrMut<bf16>, S: DevicePtrMut<f32>> {
+    pub conv: &'a mut C,
+    pub ssm: &'a mut S,
+}
+
+/// The sequences of a decode step: `batch` rows, row `i` sequence `i` at position `positions[i]`
+/// with its state in slot `slots[i]` (device).
+pub struct DecodeSlots<'a, U: DevicePtr<u32>> {
+    pub slots: &'a U,
+    pub positions: &'a U,
+    pub batch: usize,
+}
+
+/// A step's sequences as the multi-sequence prefill kernels read them (device): sequence `i` owns
+/// rows `starts[i] .. starts[i] + lens[i]` of the step's `rows` (clamped to `rows`) and state slot
+/// `slots[i]` (out of range: zero outputs, no state touched); `max_len` is the longest `lens[i]`
+/// (it sizes the conv's grid).
+pub struct SeqRows<'a, U: DevicePtr<u32>> {
+    pub starts: &'a U,
+    pub lens: &'a U,
+    pub slots: &'a U,
+    pub rows: usize,
+    pub n_seq: usize,
+    pub max_len: usize,
 }
 
 impl Gpu {
-    /// One decode step of a GDN layer for `batch` sequences, in one launch (one block per sequence
-    /// and value head; the head's state slice is read once into registers and written once):
-    /// causal conv + SiLU of the projection row `qkv` (`[batch, conv_dim]`, `[q | k | v]` with q, k
-    /// `[hk, dk]`, v `[hv, dv]`) against the conv ring of the sequence's slot, the gated delta rule
-    /// with the gates from `a`, `b` (`[batch, hv]` raw projections), then the gated RMSNorm with `z`
-    /// (`[batch, hv·dv]`) and `eps`, into `out` (`[batch, hv·dv]`). Sequence `i` is at position
-    /// `positions[i]` in slot `slots[i]` of `conv_pool` (`[num_slots, kernel, conv_dim]`, input `x_q`
-    /// at entry `q mod kernel`; this token's input is stored at entry `positions[i] mod kernel`) and
-    /// `ssm_pool` (`[num_slots, hv, dk, dv]`); a slot id out of range gives a zero output row and
-    /// touches no state. Matches the CPU's `causal_conv1d_silu` (one token), gates
+    /// One decode step of a GDN layer for `seqs.batch` sequences, in one launch (one block per
+    /// sequence and value head; the head's state slice is read once into registers and written
+    /// once): causal conv + SiLU of the projection row `qkv` against the conv ring of the sequence's
+    /// slot, the gated delta rule with the gates from `a`, `b`, then the gated RMSNorm with `z` and
+    /// `eps`, into `out` (`[batch, hv·dv]`). Sequence `i` is at position `positions[i]` in slot
+    /// `slots[i]` of the pools (this token's input is stored at ring entry `positions[i] mod
+    /// kernel`); a slot id out of range gives a zero output row and touches no state. Matches the CPU's `causal_conv1d_silu` (one token), gates
     /// (`g = −exp(A_log)·softplus(a + dt_bias)`, `β = sigmoid(b)`), `gdn_recurrent` with `t = 1` and
     /// `gated_rms_norm`, without rounding between them. `dk ≤ 256`, `dv ≤ 512`.
-    #[allow(clippy::too_many_arguments)]
     pub fn gdn_decode(
         &self,
         dims: GdnDims,
-        kernel: usize,
-        qkv: &impl DevicePtr<bf16>,
-        z: &impl DevicePtr<bf16>,
-        a: &impl DevicePtr<bf16>,
-        b: &impl DevicePtr<bf16>,
+        proj: &GdnProj<'_, impl DevicePtr<bf16>>,
         w: &GdnDecodeWeights<'_, impl DevicePtr<bf16>, impl DevicePtr<f32>>,
-        eps: f32,
-        conv_pool: &mut impl DevicePtrMut<bf16>,
-        ssm_pool: &mut impl DevicePtrMut<f32>,
-        slots: &impl DevicePtr<u32>,
-        positions: &impl DevicePtr<u32>,
+        pools: GdnPools<'_, impl DevicePtrMut<bf16>, impl DevicePtrMut<f32>>,
+        seqs: &DecodeSlots<'_, impl DevicePtr<u32>>,
         out: &mut impl DevicePtrMut<bf16>,
-        batch: usize,
     ) -> Result<()> {
         const OP: &str = "gdn_decode";
+        let GdnProj { qkv, z, a, b } = *proj;
+        let GdnPools {
+            conv: conv_pool,
+            ssm: ssm_pool,
+        } = pools;
+        let DecodeSlots {
+            slots,
+            positions,
+            batch,
+        } = *seqs;
+        let (kernel, eps) = (w.kernel, w.eps);
         let GdnDims { hk, hv, dk, dv } = dims;
         ensure(hk > 0 && hv > 0 && hv % hk == 0, OP, || {
             format!("hv = {hv} must be a positive multiple of hk = {hk}")

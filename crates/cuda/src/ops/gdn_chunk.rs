@@ -5,7 +5,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::GdnDims;
+use super::{GdnDims, SeqRows};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, int, Gpu};
 
@@ -36,36 +36,49 @@ fn shared_bytes(dk: usize, chunk: usize) -> usize {
     4 * (2 * chunk * (dk4 + 4) + dk4 * COLS + 2 * chunk * chunk + chunk * COLS + 3 * chunk)
 }
 
+/// The inputs of the GDN gates (`g = −exp(A_log)·softplus(a + dt_bias)`, `β = sigmoid(b)`): the raw
+/// projections `a`, `b` `[rows, hv]` and the weights `a_log`, `dt_bias` `[hv]`.
+pub struct GdnGates<'a, B: DevicePtr<bf16>, F: DevicePtr<f32>> {
+    pub a: &'a B,
+    pub b: &'a B,
+    pub a_log: &'a F,
+    pub dt_bias: &'a F,
+}
+
 impl Gpu {
     /// The gated delta rule over every sequence of a prefill step (chunks of any length, one-token
     /// decode rows included), one launch: one block per (sequence, value head, 32 value columns), each
     /// walking its sequence in chunks of 32 tokens (16 for `dk` above 128).
     ///
     /// `qkv`: `[rows, conv_dim]`, the conv+SiLU output `[q | k | v]` (q, k `[hk, dk]`, v `[hv, dv]`);
-    /// `a`, `b`: `[rows, hv]` raw projections; `a_log`, `dt_bias`: `[hv]`; sequence `i` owns rows
-    /// `starts[i] .. starts[i] + lens[i]` (clamped to `rows`) and slot `slots[i]` of `state_pool`
-    /// `[num_slots, hv, dk, dv]`, read at the start and written at the end (out of range: zero
-    /// outputs, no state touched); `out`: `[rows, hv·dv]`, rows of no sequence untouched. Matches the
-    /// CPU's gates followed by `sanmai_cpu::ops::gdn_chunked` per sequence (equal to `gdn_recurrent`
-    /// up to f32 rounding).
-    #[allow(clippy::too_many_arguments)]
+    /// the gates' inputs; `seqs` the step's sequences (each sequence's slot of `state_pool`
+    /// `[num_slots, hv, dk, dv]` is read at the start and written at the end; `max_len` is not read);
+    /// `out`: `[rows, hv·dv]`, rows of no sequence untouched. Matches the CPU's gates followed by
+    /// `sanmai_cpu::ops::gdn_chunked` per sequence (equal to `gdn_recurrent` up to f32 rounding).
     pub fn gdn_chunk_prefill(
         &self,
         dims: GdnDims,
         qkv: &impl DevicePtr<bf16>,
-        a: &impl DevicePtr<bf16>,
-        b: &impl DevicePtr<bf16>,
-        a_log: &impl DevicePtr<f32>,
-        dt_bias: &impl DevicePtr<f32>,
+        gates: &GdnGates<'_, impl DevicePtr<bf16>, impl DevicePtr<f32>>,
         state_pool: &mut impl DevicePtrMut<f32>,
-        starts: &impl DevicePtr<u32>,
-        lens: &impl DevicePtr<u32>,
-        slots: &impl DevicePtr<u32>,
+        seqs: &SeqRows<'_, impl DevicePtr<u32>>,
         out: &mut impl DevicePtrMut<bf16>,
-        rows: usize,
-        n_seq: usize,
     ) -> Result<()> {
         const OP: &str = "gdn_chunk_prefill";
+        let GdnGates {
+            a,
+            b,
+            a_log,
+            dt_bias,
+        } = *gates;
+        let SeqRows {
+            starts,
+            lens,
+            slots,
+            rows,
+            n_seq,
+            ..
+        } = *seqs;
         let GdnDims { hk, hv, dk, dv } = dims;
         ensure(hk > 0 && hv > 0 && hv % hk == 0, OP, || {
             format!("hv = {hv} must be a positive multiple of hk = {hk}")

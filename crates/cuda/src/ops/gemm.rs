@@ -7,6 +7,28 @@ use half::bf16;
 use crate::error::Result;
 use crate::gpu::{check_len, int, Gpu};
 
+/// The shape of `y[m, n] = x[m, k] · W[n, k]ᵀ`.
+#[derive(Debug, Clone, Copy)]
+struct GemmDims {
+    m: usize,
+    n: usize,
+    k: usize,
+}
+
+/// One cuBLAS product `y = x · Wᵀ` ([`Gpu::blas_w_xt`]): W `[rows, k]` and x `[m, k]` row-major bf16
+/// at device addresses `w` and `x`, y row-major `[m, ·]` of `y_type` at `y` with `ldy` elements
+/// between rows (its first `rows` columns written).
+pub(crate) struct WxT {
+    pub rows: i32,
+    pub m: i32,
+    pub k: i32,
+    pub w: u64,
+    pub x: u64,
+    pub y: u64,
+    pub y_type: sys::cudaDataType,
+    pub ldy: i32,
+}
+
 impl Gpu {
     /// `y[m, n] = x[m, k] · W[n, k]ᵀ` (PyTorch `Linear` layout), bf16 in and out, f32 accumulation.
     pub fn gemm_bf16(
@@ -18,16 +40,8 @@ impl Gpu {
         n: usize,
         k: usize,
     ) -> Result<()> {
-        self.gemm_ex(
-            "gemm_bf16",
-            x,
-            w,
-            y,
-            sys::cudaDataType::CUDA_R_16BF,
-            m,
-            n,
-            k,
-        )
+        let dims = GemmDims { m, n, k };
+        self.gemm_ex("gemm_bf16", x, w, y, sys::cudaDataType::CUDA_R_16BF, dims)
     }
 
     /// As [`Gpu::gemm_bf16`] with an f32 output (router logits).
@@ -40,19 +54,17 @@ impl Gpu {
         n: usize,
         k: usize,
     ) -> Result<()> {
+        let dims = GemmDims { m, n, k };
         self.gemm_ex(
             "gemm_bf16_f32",
             x,
             w,
             y,
             sys::cudaDataType::CUDA_R_32F,
-            m,
-            n,
-            k,
+            dims,
         )
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn gemm_ex<O>(
         &self,
         op: &'static str,
@@ -60,10 +72,9 @@ impl Gpu {
         w: &impl DevicePtr<bf16>,
         y: &mut impl DevicePtrMut<O>,
         y_type: sys::cudaDataType,
-        m: usize,
-        n: usize,
-        k: usize,
+        dims: GemmDims,
     ) -> Result<()> {
+        let GemmDims { m, n, k } = dims;
         check_len(op, "x", x, m * k)?;
         check_len(op, "W", w, n * k)?;
         check_len(op, "y", y, m * n)?;
@@ -75,29 +86,36 @@ impl Gpu {
         let (xp, _gx) = x.device_ptr(s);
         let (wp, _gw) = w.device_ptr(s);
         let (yp, _gy) = y.device_ptr_mut(s);
+        let p = WxT {
+            rows: ni,
+            m: mi,
+            k: ki,
+            w: wp,
+            x: xp,
+            y: yp,
+            y_type,
+            ldy: ni,
+        };
         // SAFETY: W holds n·k, x m·k and y m·n elements (checked above), on this stream.
-        unsafe { self.blas_w_xt(ni, mi, ki, wp, xp, yp, y_type, ni) }
+        unsafe { self.blas_w_xt(p) }
     }
 
-    /// `y = x · Wᵀ` through cuBLAS (bf16 inputs, f32 accumulation): W `[rows, k]` and x `[m, k]`
-    /// row-major bf16, y row-major `[m, ·]` of `y_type` with `ldy` elements between rows (its first
-    /// `rows` columns written). In cuBLAS's column-major view: yᵀ `[rows, m]` = W `[k, rows]`ᵀ · xᵀ
-    /// `[k, m]`.
+    /// `y = x · Wᵀ` through cuBLAS (bf16 inputs, f32 accumulation), as `p` describes it. In
+    /// cuBLAS's column-major view: yᵀ `[rows, m]` = W `[k, rows]`ᵀ · xᵀ `[k, m]`.
     ///
     /// # Safety
     /// The device pointers must hold those extents and be used on this `Gpu`'s stream.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn blas_w_xt(
-        &self,
-        rows: i32,
-        m: i32,
-        k: i32,
-        w: u64,
-        x: u64,
-        y: u64,
-        y_type: sys::cudaDataType,
-        ldy: i32,
-    ) -> Result<()> {
+    pub(crate) unsafe fn blas_w_xt(&self, p: WxT) -> Result<()> {
+        let WxT {
+            rows,
+            m,
+            k,
+            w,
+            x,
+            y,
+            y_type,
+            ldy,
+        } = p;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the handle is bound to this stream; the caller vouches for the extents; alpha and
         // beta are host f32 values as the default pointer mode and the 32F compute type expect.

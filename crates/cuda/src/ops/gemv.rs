@@ -62,6 +62,14 @@ pub(crate) struct GemvSegs {
 // pointers and four ints a segment, 40 bytes, 8-byte aligned).
 unsafe impl DeviceRepr for GemvSegs {}
 
+/// The device addresses of one segment: weight `w`, its scales `s` (0 for bf16) and output `y`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SegAddrs {
+    pub w: u64,
+    pub s: u64,
+    pub y: u64,
+}
+
 /// A [`GemvSegs`] being filled, with the blocks its segments take so far.
 pub(crate) struct SegTable {
     segs: GemvSegs,
@@ -89,19 +97,17 @@ impl SegTable {
         }
     }
 
-    /// Appends a weight of `n` rows cut into `blocks` blocks (`plan` the row-slot cut, `None` for a
-    /// tensor-core GEMV): weight `w`, scales `s`, output `y` device addresses.
-    #[allow(clippy::too_many_arguments)]
+    /// Appends a weight of `n` rows at `addrs` cut into `blocks` blocks (`plan` the row-slot cut,
+    /// `None` for a tensor-core GEMV).
     pub(crate) fn push(
         &mut self,
         op: &'static str,
-        w: u64,
-        s: u64,
-        y: u64,
+        addrs: SegAddrs,
         n: usize,
         blocks: usize,
         plan: Option<GemvPlan>,
     ) -> Result<()> {
+        let SegAddrs { w, s, y } = addrs;
         ensure(self.len < GEMV_SEGS, op, || {
             format!("more than {GEMV_SEGS} weights in one launch")
         })?;
@@ -268,10 +274,12 @@ impl Gpu {
             guards.extend([gw, gy]);
             ensure(wp % 16 == 0, OP, || "W must be 16-byte aligned".into())?;
             if tc {
-                table.push(OP, wp, 0, yp, *n, n.div_ceil(TC_ROWS), None)?;
+                let addrs = SegAddrs { w: wp, s: 0, y: yp };
+                table.push(OP, addrs, *n, n.div_ceil(TC_ROWS), None)?;
             } else {
                 let plan = gemv_plan(*n, k / 8, GEMV_ROWS, sms);
-                table.push(OP, wp, 0, yp, *n, plan.blocks, Some(plan))?;
+                let addrs = SegAddrs { w: wp, s: 0, y: yp };
+                table.push(OP, addrs, *n, plan.blocks, Some(plan))?;
             }
         }
         let grid = table.grid(OP)?;

@@ -5,6 +5,7 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use super::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -32,6 +33,20 @@ fn check_shape(op: &'static str, rows: usize, h: usize, rank: usize) -> Result<(
     })
 }
 
+/// The words of `w` when it is INT8 with one scale per row (the fused kernels' format), else why not.
+fn int8_words<'a, W: DevicePtr<u32>>(
+    op: &'static str,
+    w: &PackedMat<'a, W, impl DevicePtr<f32>>,
+) -> Result<&'a W> {
+    let PackedScheme { bits, group_size } = w.scheme;
+    ensure(
+        bits == 8 && (group_size == 0 || group_size == w.k),
+        op,
+        || format!("INT{bits} weights with groups of {group_size}: expected INT8, one scale a row"),
+    )?;
+    Ok(w.words)
+}
+
 /// Checks a device address for the kernels' 16-byte vector loads.
 fn aligned(op: &'static str, what: &str, p: u64) -> Result<()> {
     ensure(p.is_multiple_of(16), op, || {
@@ -41,22 +56,20 @@ fn aligned(op: &'static str, what: &str, p: u64) -> Result<()> {
 
 impl Gpu {
     /// `s[m, r] = bf16(silu(scale[r]·(q_down[r]·y[m]) + inject[r]·x[m]))` for `rows` ≤ 8 rows:
-    /// `down` packed INT8 `[rank, h]` (`rank · h/4` words) with `down_scales` `[rank]`, `inject`
+    /// `down` packed INT8 `[rank, h]` (`rank · h/4` words) with one scale a row, `inject`
     /// `[rank, h]` bf16, `x`, `y` `[rows, h]`, `s` `[rows, rank]`. The sum is f32, rounded once.
-    #[allow(clippy::too_many_arguments)]
     pub fn hc_down_inject_silu(
         &self,
-        down: &impl DevicePtr<u32>,
-        down_scales: &impl DevicePtr<f32>,
+        down: &PackedMat<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
         inject: &impl DevicePtr<bf16>,
         x: &impl DevicePtr<bf16>,
         y: &impl DevicePtr<bf16>,
         s: &mut impl DevicePtrMut<bf16>,
         rows: usize,
-        h: usize,
-        rank: usize,
     ) -> Result<()> {
         const OP: &str = "hc_down_inject_silu";
+        let (rank, h) = (down.n, down.k);
+        let (down_scales, down) = (down.scales, int8_words(OP, down)?);
         check_shape(OP, rows, h, rank)?;
         check_len(OP, "down", down, rank * h / 4)?;
         check_len(OP, "down_scales", down_scales, rank)?;
@@ -92,24 +105,26 @@ impl Gpu {
 
     /// `streams[m, c·h + j] = bf16(streams[m, c·h + j] + sigmoid(u) · y[m, j])` with
     /// `u = scale[c·h + j] · (q_up[c·h + j] · s[m])` kept in f32, for `rows` ≤ 8 rows and `nstreams`
-    /// streams: `up` packed INT8 `[nstreams·h, rank]` (`nstreams·h · rank/4` words) with `up_scales`
-    /// `[nstreams·h]`, `s` `[rows, rank]`, `y` `[rows, h]`, `streams` `[rows, nstreams·h]`.
-    #[allow(clippy::too_many_arguments)]
+    /// streams of `h`: `up` packed INT8 `[nstreams·h, rank]` (`nstreams·h · rank/4` words) with one
+    /// scale a row, `s` `[rows, rank]`, `y` `[rows, h]`, `streams` `[rows, nstreams·h]`.
     pub fn hc_up_gate_mix(
         &self,
-        up: &impl DevicePtr<u32>,
-        up_scales: &impl DevicePtr<f32>,
+        up: &PackedMat<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
         s: &impl DevicePtr<bf16>,
         y: &impl DevicePtr<bf16>,
         streams: &mut impl DevicePtrMut<bf16>,
         rows: usize,
-        nstreams: usize,
         h: usize,
-        rank: usize,
     ) -> Result<()> {
         const OP: &str = "hc_up_gate_mix";
+        let rank = up.k;
+        let (up_scales, up_rows) = (up.scales, up.n);
+        let up = int8_words(OP, up)?;
         check_shape(OP, rows, h, rank)?;
-        ensure(nstreams > 0, OP, || "no streams".into())?;
+        ensure(up_rows > 0 && up_rows.is_multiple_of(h), OP, || {
+            format!("{up_rows} rows of up are not streams of {h}")
+        })?;
+        let nstreams = up_rows / h;
         let n = nstreams * h;
         check_len(OP, "up", up, n * rank / 4)?;
         check_len(OP, "up_scales", up_scales, n)?;

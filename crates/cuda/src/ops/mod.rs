@@ -3,6 +3,10 @@
 //! Every op takes device buffers (`CudaSlice`, `CudaView`, `CudaViewMut` or anything implementing
 //! cudarc's `DevicePtr`/`DevicePtrMut`) with their shape, checks the buffer lengths and shape limits
 //! (an error, never a panic or an out-of-bounds access), and queues the kernel on the `Gpu`'s stream.
+//! Operands that belong together come as one struct: a shape ([`NormRows`], [`AttnDims`],
+//! [`GdnDims`], …), a layer's caches ([`KvPools`], [`PagedCache`], [`GdnPools`]), a step's
+//! sequences ([`DecodeLens`], [`SeqRows`], [`DecodeSlots`]), a packed weight ([`PackedMat`]) or the
+//! routed experts ([`Experts`], [`PairRows`], [`PairGroups`]).
 //! Activations are bf16 with f32 arithmetic inside the kernels and one rounding per output.
 
 mod attention;
@@ -28,15 +32,18 @@ mod tensor;
 pub use attention::{
     AttnDims, ChunkRows, DecodeLens, PagedCache, Queries, ATTN_MAX_HEAD_DIM, ATTN_SPLIT,
 };
-pub use gdn::{GdnDecodeWeights, GdnDims};
+pub use conv::ConvWeight;
+pub use gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnPools, GdnProj, SeqRows};
+pub use gdn_chunk::GdnGates;
 pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;
 pub use kv::{HeadLayout, HeadNorm, RopeArgs, QK_MAX_HEAD_DIM};
-pub use moe::{moe_max_tiles, MoeOut, MOE_TILE};
+pub use moe::{moe_max_tiles, Experts, MoeOut, PairGroups, PairRows, Routed, MOE_TILE};
 pub use norm::NormRows;
-pub use ple::{PleDims, PleGateWeights};
-pub use qsa::Selection;
-pub use router::ROUTER_MAX_K;
+pub use ple::{PleDims, PleGateWeights, PleGated, PleLin};
+pub use qsa::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows, Selection};
+pub use quant::{PackedMat, PackedScheme};
+pub use router::{DecodeRouting, RouteDims, ROUTER_MAX_K};
 pub use sample::SampleBatch;
 pub(crate) use sample::SAMPLE_MAX_VOCAB;
 

@@ -9,7 +9,8 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 use half::bf16;
 
-use crate::error::{ensure, Result};
+use super::PackedScheme;
+use crate::error::{ensure, CudaError, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 /// Pairs per tile of the grouped GEMV (`MOE_TILE` in `moe_route.cuh`).
@@ -103,6 +104,45 @@ pub(crate) fn moe_gemv_plan(
     }
 }
 
+/// The routed (token, expert) pairs grouped by expert as [`Gpu::moe_sort`] (or
+/// [`Gpu::moe_gemm_plan`]) lays them out: `perm` `[n_pairs]` pair numbers expert after expert, and
+/// `tiles` their `(expert, start in perm, count)` triples.
+pub struct PairGroups<'a, U: DevicePtr<u32>> {
+    pub perm: &'a U,
+    pub tiles: &'a U,
+    pub n_pairs: usize,
+}
+
+/// The rows the pairs read: `x` `[rows, ·]` bf16, pair `p` reading row `p / div` (`div` = top_k
+/// reads token rows, the gate|up projection; 1 reads pair rows, the down projection).
+pub struct PairRows<'a, X: DevicePtr<bf16>> {
+    pub x: &'a X,
+    pub rows: usize,
+    pub div: usize,
+}
+
+/// One projection of every expert, an `[n, k]` matrix each, through device tables of addresses (one
+/// entry per expert): `weights` holds the bf16 values' addresses (`scheme` `None`) or the packed
+/// words' (`scheme` `Some`), `scales` the packed scales' (not read for bf16 experts, which may pass
+/// any table of as many entries).
+pub struct Experts<'a, P: DevicePtr<u64>> {
+    pub weights: &'a P,
+    pub scales: &'a P,
+    pub scheme: Option<PackedScheme>,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// The router's choice for a combine: `ids` and `weights` `[tokens, top_k]`, ids at or beyond
+/// `experts` skipped.
+pub struct Routed<'a, U: DevicePtr<u32>, F: DevicePtr<f32>> {
+    pub ids: &'a U,
+    pub weights: &'a F,
+    pub experts: usize,
+    pub top_k: usize,
+    pub tokens: usize,
+}
+
 impl Gpu {
     /// Groups `n_pairs` expert ids (`ids`, each `< e`; others are dropped) by expert: `perm`
     /// `[n_pairs]` lists pair numbers expert after expert, `tiles` `[max_tiles, 3]` holds
@@ -143,28 +183,26 @@ impl Gpu {
         Ok(())
     }
 
-    /// For every tile `(x, start, count)` of `tiles` and each pair `p = perm[start + m]` of it:
-    /// `y[p, :] = W_x · x[p / x_div, :]`, `W_x` the `[n, k]` bf16 matrix at address `w_ptrs[x]`.
-    /// `x_div = top_k` reads token rows (the gate|up projection), `1` reads pair rows (the down
-    /// projection). Needs `k % 8 == 0` and 16-byte aligned weights and `x`; every address in `w_ptrs`
-    /// must hold `n·k` elements (the caller builds the table from live weights). The kernel and grid
-    /// come from the shapes alone (see `moe_gemv_plan`): every tile slot is launched, empty ones
-    /// return at once, so the launch is the same for any routing.
-    #[allow(clippy::too_many_arguments)]
+    /// For every tile `(x, start, count)` of `groups.tiles` and each pair `p = perm[start + m]` of
+    /// it: `y[p, :] = W_x · x[p / div, :]`, `W_x` the `[n, k]` bf16 matrix at address `weights[x]`
+    /// (bf16 experts: `scheme` `None`). Needs `k % 8 == 0` and 16-byte aligned weights and `x`;
+    /// every address in the table must hold `n·k` elements (the caller builds the table from live
+    /// weights). The kernel and grid come from the shapes alone (see `moe_gemv_plan`): every tile
+    /// slot is launched, empty ones return at once, so the launch is the same for any routing.
     pub fn moe_gemv<O: MoeOut>(
         &self,
-        w_ptrs: &impl DevicePtr<u64>,
-        x: &impl DevicePtr<bf16>,
-        x_rows: usize,
-        x_div: usize,
-        perm: &impl DevicePtr<u32>,
-        tiles: &impl DevicePtr<u32>,
-        n_pairs: usize,
+        experts: &Experts<'_, impl DevicePtr<u64>>,
+        input: &PairRows<'_, impl DevicePtr<bf16>>,
+        groups: &PairGroups<'_, impl DevicePtr<u32>>,
         y: &mut impl DevicePtrMut<O>,
-        n: usize,
-        k: usize,
     ) -> Result<()> {
         const OP: &str = "moe_gemv";
+        ensure(experts.scheme.is_none(), OP, || {
+            "packed experts take moe_gemv_packed".into()
+        })?;
+        let (w_ptrs, n, k) = (experts.weights, experts.n, experts.k);
+        let (x, x_rows, x_div) = (input.x, input.rows, input.div);
+        let (perm, tiles, n_pairs) = (groups.perm, groups.tiles, groups.n_pairs);
         ensure(k.is_multiple_of(8) && k > 0, OP, || {
             format!("k = {k} must be a positive multiple of 8")
         })?;
@@ -224,34 +262,21 @@ impl Gpu {
     }
 
     /// As [`Gpu::moe_gemv`] with packed experts: `W_x` is the packed `[n, k]` matrix whose words are
-    /// at `w_ptrs[x]` (`n · words_per_row(bits, k)` u32) and scales at `s_ptrs[x]`
+    /// at `weights[x]` (`n · words_per_row(bits, k)` u32) and scales at `scales[x]`
     /// (`n · scale_cols(group_size, k)` f32; `group_size` 0 = one scale per row), every expert of
     /// one scheme (`bits` 4, 6 gapless or 8). Needs the packed
     /// kernels' shape rules (`k % 32 == 0` for INT4/INT8, `k % 8 == 0` for INT6, `group_size % 8 ==
     /// 0`), 16-byte aligned words and `x`; the caller builds the tables from live weights. INT4 with
     /// `k % 128 == 0`, groups of a multiple of 128 values and `k ≤ 3064` runs on tensor cores
     /// (`moe_gemv_q4_mma_*`: 16 rows a block, the tile's pairs as the mma's columns, f32 sums).
-    #[allow(clippy::too_many_arguments)]
     pub fn moe_gemv_packed<O: MoeOut>(
         &self,
-        w_ptrs: &impl DevicePtr<u64>,
-        s_ptrs: &impl DevicePtr<u64>,
-        bits: u32,
-        group_size: usize,
-        x: &impl DevicePtr<bf16>,
-        x_rows: usize,
-        x_div: usize,
-        perm: &impl DevicePtr<u32>,
-        tiles: &impl DevicePtr<u32>,
-        n_pairs: usize,
+        experts: &Experts<'_, impl DevicePtr<u64>>,
+        input: &PairRows<'_, impl DevicePtr<bf16>>,
+        groups: &PairGroups<'_, impl DevicePtr<u32>>,
         y: &mut impl DevicePtrMut<O>,
-        n: usize,
-        k: usize,
     ) -> Result<()> {
-        self.moe_gemv_packed_with(
-            w_ptrs, s_ptrs, bits, group_size, x, x_rows, x_div, perm, tiles, n_pairs, y, n, k,
-            false,
-        )
+        self.moe_gemv_packed_with(experts, input, groups, y, false)
     }
 
     /// Whether [`Gpu::moe_gemv_packed_swiglu`] takes experts of `bits` / `group_size` (0: one scale
@@ -267,55 +292,46 @@ impl Gpu {
     }
 
     /// The down projection of the routed experts with the SwiGLU activation fused into its input:
-    /// as [`Gpu::moe_gemv_packed`] with `x_div = 1` and input row `p` = `bf16(silu(g) · u)` of
-    /// `gate_up[p] = [g | u]` (`gate_up`: `[x_rows, 2k]` bf16, computed as `swiglu` computes it, so
-    /// the result is the unfused pair's). Only where [`Gpu::moe_gemv_fuses_swiglu`] holds.
-    #[allow(clippy::too_many_arguments)]
+    /// as [`Gpu::moe_gemv_packed`] over pair rows (`div` 1) with input row `p` = `bf16(silu(g) · u)`
+    /// of `gate_up[p] = [g | u]` (`gate_up.x`: `[rows, 2k]` bf16, computed as `swiglu` computes it,
+    /// so the result is the unfused pair's). Only where [`Gpu::moe_gemv_fuses_swiglu`] holds.
     pub fn moe_gemv_packed_swiglu(
         &self,
-        w_ptrs: &impl DevicePtr<u64>,
-        s_ptrs: &impl DevicePtr<u64>,
-        bits: u32,
-        group_size: usize,
-        gate_up: &impl DevicePtr<bf16>,
-        x_rows: usize,
-        perm: &impl DevicePtr<u32>,
-        tiles: &impl DevicePtr<u32>,
-        n_pairs: usize,
+        experts: &Experts<'_, impl DevicePtr<u64>>,
+        gate_up: &PairRows<'_, impl DevicePtr<bf16>>,
+        groups: &PairGroups<'_, impl DevicePtr<u32>>,
         y: &mut impl DevicePtrMut<f32>,
-        n: usize,
-        k: usize,
     ) -> Result<()> {
-        ensure(
-            Self::moe_gemv_fuses_swiglu(bits, group_size, k),
-            "moe_gemv_packed_swiglu",
-            || format!("INT{bits} group {group_size} k = {k}: no fused SwiGLU kernel"),
-        )?;
-        self.moe_gemv_packed_with(
-            w_ptrs, s_ptrs, bits, group_size, gate_up, x_rows, 1, perm, tiles, n_pairs, y, n, k,
-            true,
-        )
+        const OP: &str = "moe_gemv_packed_swiglu";
+        let k = experts.k;
+        let fused = experts
+            .scheme
+            .is_some_and(|s| Self::moe_gemv_fuses_swiglu(s.bits, s.group_size, k));
+        ensure(fused, OP, || {
+            format!("{:?} k = {k}: no fused SwiGLU kernel", experts.scheme)
+        })?;
+        ensure(gate_up.div == 1, OP, || {
+            "the down projection reads pair rows (div 1)".into()
+        })?;
+        self.moe_gemv_packed_with(experts, gate_up, groups, y, true)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn moe_gemv_packed_with<O: MoeOut>(
         &self,
-        w_ptrs: &impl DevicePtr<u64>,
-        s_ptrs: &impl DevicePtr<u64>,
-        bits: u32,
-        group_size: usize,
-        x: &impl DevicePtr<bf16>,
-        x_rows: usize,
-        x_div: usize,
-        perm: &impl DevicePtr<u32>,
-        tiles: &impl DevicePtr<u32>,
-        n_pairs: usize,
+        experts: &Experts<'_, impl DevicePtr<u64>>,
+        input: &PairRows<'_, impl DevicePtr<bf16>>,
+        groups: &PairGroups<'_, impl DevicePtr<u32>>,
         y: &mut impl DevicePtrMut<O>,
-        n: usize,
-        k: usize,
         swiglu: bool,
     ) -> Result<()> {
         const OP: &str = "moe_gemv_packed";
+        let PackedScheme { bits, group_size } = experts.scheme.ok_or_else(|| CudaError::Shape {
+            op: OP,
+            msg: "bf16 experts take moe_gemv".into(),
+        })?;
+        let (w_ptrs, s_ptrs, n, k) = (experts.weights, experts.scales, experts.n, experts.k);
+        let (x, x_rows, x_div) = (input.x, input.rows, input.div);
+        let (perm, tiles, n_pairs) = (groups.perm, groups.tiles, groups.n_pairs);
         ensure(matches!(bits, 4 | 6 | 8), OP, || {
             format!("{bits}-bit weights: expected 4, 6 or 8")
         })?;
@@ -402,25 +418,27 @@ impl Gpu {
         Ok(())
     }
 
-    /// `out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j]`, skipping pairs whose id is `≥ e`, plus
-    /// `sigmoid(gate[t]) · shared_y[t, j]` when `shared = (shared_y, gate)` is given (the shared
-    /// expert, added before the one rounding). `y`: `[tokens·top_k, h]` f32; `weights`, `ids`:
-    /// `[tokens, top_k]`; `shared_y`, `out`: `[tokens, h]`; `gate`: `[tokens]`.
-    /// Grid `(tokens, ceil(h / 512))` of 128 threads, 4 columns a thread.
-    #[allow(clippy::too_many_arguments)]
+    /// `out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j]`, skipping pairs whose id is `≥ experts`,
+    /// plus `sigmoid(gate[t]) · shared_y[t, j]` when `shared = (shared_y, gate)` is given (the shared
+    /// expert, added before the one rounding). `y`: `[tokens·top_k, h]` f32; `shared_y`, `out`:
+    /// `[tokens, h]`; `gate`: `[tokens]`. Grid `(tokens, ceil(h / 512))` of 128 threads, 4 columns a
+    /// thread.
     pub fn moe_combine(
         &self,
+        routed: &Routed<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
         y: &impl DevicePtr<f32>,
-        weights: &impl DevicePtr<f32>,
-        ids: &impl DevicePtr<u32>,
-        e: usize,
         shared: Option<(&CudaSlice<bf16>, &CudaSlice<bf16>)>,
         out: &mut impl DevicePtrMut<bf16>,
-        tokens: usize,
-        top_k: usize,
         h: usize,
     ) -> Result<()> {
         const OP: &str = "moe_combine";
+        let Routed {
+            ids,
+            weights,
+            experts: e,
+            top_k,
+            tokens,
+        } = *routed;
         check_len(OP, "y", y, tokens * top_k * h)?;
         check_len(OP, "weights", weights, tokens * top_k)?;
         check_len(OP, "ids", ids, tokens * top_k)?;

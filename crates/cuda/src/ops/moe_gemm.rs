@@ -14,7 +14,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::moe::MoeOut;
+use super::moe::{Experts, MoeOut, PairGroups, PairRows};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -111,30 +111,24 @@ impl Gpu {
         Ok(())
     }
 
-    /// For every tile `(x, start, count)` of `tiles` (from [`Gpu::moe_gemm_plan`]) and each pair
-    /// `p = perm[start + m]` of it: `y[p, :] = W_x · x[p / x_div, :]`, `W_x` the `[n, k]` weight of
-    /// expert `x`: bf16 values at `w_ptrs[x]` (`scheme` `None`; `s_ptrs` is not read) or packed words
-    /// at `w_ptrs[x]` with f32 scales at `s_ptrs[x]` (`scheme` `Some((bits, group_size))`, the layout
-    /// of [`Gpu::moe_gemv_packed`]). `x_div = top_k` reads token rows (gate|up), `1` pair rows (down).
-    /// Needs [`Gpu::moe_gemm_supports`]`(scheme, k)`, 16-byte aligned weights and `x`; the caller builds
-    /// the tables from live weights of that scheme and shape.
-    #[allow(clippy::too_many_arguments)]
+    /// For every tile `(x, start, count)` of `groups.tiles` (from [`Gpu::moe_gemm_plan`]) and each
+    /// pair `p = perm[start + m]` of it: `y[p, :] = W_x · x[p / div, :]`, `W_x` the `[n, k]` weight of
+    /// expert `x`: bf16 values at `weights[x]` (`scheme` `None`; `scales` is not read) or packed words
+    /// at `weights[x]` with f32 scales at `scales[x]` (the layout of [`Gpu::moe_gemv_packed`]). Needs
+    /// [`Gpu::moe_gemm_supports`]`(scheme, k)`, 16-byte aligned weights and `x`; the caller builds the
+    /// tables from live weights of that scheme and shape.
     pub fn moe_gemm<O: MoeOut>(
         &self,
-        w_ptrs: &impl DevicePtr<u64>,
-        s_ptrs: &impl DevicePtr<u64>,
-        scheme: Option<(u32, usize)>,
-        x: &impl DevicePtr<bf16>,
-        x_rows: usize,
-        x_div: usize,
-        perm: &impl DevicePtr<u32>,
-        tiles: &impl DevicePtr<u32>,
-        n_pairs: usize,
+        experts: &Experts<'_, impl DevicePtr<u64>>,
+        input: &PairRows<'_, impl DevicePtr<bf16>>,
+        groups: &PairGroups<'_, impl DevicePtr<u32>>,
         y: &mut impl DevicePtrMut<O>,
-        n: usize,
-        k: usize,
     ) -> Result<()> {
         const OP: &str = "moe_gemm";
+        let scheme = experts.scheme.map(|s| (s.bits, s.group_size));
+        let (w_ptrs, s_ptrs, n, k) = (experts.weights, experts.scales, experts.n, experts.k);
+        let (x, x_rows, x_div) = (input.x, input.rows, input.div);
+        let (perm, tiles, n_pairs) = (groups.perm, groups.tiles, groups.n_pairs);
         ensure(Self::moe_gemm_supports(scheme, k), OP, || {
             format!(
                 "weights {scheme:?} with k = {k}: need k % 64 == 0, bits 4, 6 or 8 and a group of \

@@ -33,26 +33,43 @@ pub struct PleGateWeights<'a, W: DevicePtr<bf16>> {
     pub conv_norm: &'a W,
 }
 
+/// The PLE mix's gated values `u` and normed conv inputs `z` of `rows` tokens, `[rows, S·H]` f32
+/// each: `PleGated<&CudaSlice<f32>>` where the conv reads them, `PleGated<&mut CudaSlice<f32>>` where
+/// [`Gpu::ple_gate`] writes them.
+pub struct PleGated<T> {
+    pub u: T,
+    pub z: T,
+    pub rows: usize,
+}
+
+/// One stream's value and key projections of the tokens, `[rows, H]` f32 each.
+pub struct PleLin<'a, F: DevicePtr<f32>> {
+    pub value: &'a F,
+    pub key: &'a F,
+}
+
 impl Gpu {
     /// Stream `c` of `rows` tokens: `v = v_lin + value_bias`, `key = rmsnorm(k_lin + key_bias;
     /// key_norm)`, `q = rmsnorm(R_c; query_norm)`, `σ = signed_sqrt(⟨key, q⟩/sqrt(H))`, `u_c =
-    /// sigmoid(σ)·v`, `z_c = rmsnorm(u_c; conv_norm)` (plain-weight rmsnorms, eps 1e-6). `v_lin`,
-    /// `k_lin`: `[rows, H]` f32; `streams`: `[rows, S·H]` bf16; `u`, `z`: `[rows, S·H]` f32, stream
-    /// `c`'s columns written. Matches `sanmai_cpu::ops::ple_gate` then `rms_norm`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn ple_gate<W: DevicePtr<bf16>>(
+    /// sigmoid(σ)·v`, `z_c = rmsnorm(u_c; conv_norm)` (plain-weight rmsnorms, eps 1e-6), with
+    /// `v_lin`, `k_lin` the stream's projections `lin`; `streams`: `[rows, S·H]` bf16; `out.u`,
+    /// `out.z`: `[rows, S·H]` f32 (`rows = out.rows`), stream `c`'s columns written. Matches
+    /// `sanmai_cpu::ops::ple_gate` then `rms_norm`.
+    pub fn ple_gate(
         &self,
         dims: PleDims,
         c: usize,
-        v_lin: &impl DevicePtr<f32>,
-        k_lin: &impl DevicePtr<f32>,
-        w: &PleGateWeights<'_, W>,
+        lin: &PleLin<'_, impl DevicePtr<f32>>,
+        w: &PleGateWeights<'_, impl DevicePtr<bf16>>,
         streams: &impl DevicePtr<bf16>,
-        u: &mut impl DevicePtrMut<f32>,
-        z: &mut impl DevicePtrMut<f32>,
-        rows: usize,
+        out: PleGated<&mut impl DevicePtrMut<f32>>,
     ) -> Result<()> {
         const OP: &str = "ple_gate";
+        let PleLin {
+            value: v_lin,
+            key: k_lin,
+        } = *lin;
+        let PleGated { u, z, rows } = out;
         let (s, h) = (dims.streams, dims.hidden);
         ensure(c < s && h > 0, OP, || {
             format!("stream {c} of {s}, hidden {h}")
@@ -105,22 +122,21 @@ impl Gpu {
         Ok(())
     }
 
-    /// One chunk of `t` rows of one sequence: `y = silu(Σ_j w[ch, j]·xx[s + j·dil, ch])` with `xx =
-    /// state ++ z`, `streams[s, ch] += u[s, ch] + y`, then `state ←` the last `(K−1)·dil` rows of `xx`.
-    /// `z`, `u`: `[t, C]` f32; `streams`: `[t, C]` bf16; `w`: `[C, K]`; `state`: `[(K−1)·dil, C]` f32.
-    /// Matches `sanmai_cpu::ops::dilated_conv_silu` and the residual update of the PLE mix.
-    #[allow(clippy::too_many_arguments)]
+    /// One chunk of `t = gated.rows` rows of one sequence: `y = silu(Σ_j w[ch, j]·xx[s + j·dil,
+    /// ch])` with `xx = state ++ z`, `streams[s, ch] += u[s, ch] + y`, then `state ←` the last
+    /// `(K−1)·dil` rows of `xx`. `z`, `u`: `[t, C]` f32; `streams`: `[t, C]` bf16; `w`: `[C, K]`;
+    /// `state`: `[(K−1)·dil, C]` f32. Matches `sanmai_cpu::ops::dilated_conv_silu` and the residual
+    /// update of the PLE mix.
     pub fn ple_conv(
         &self,
         dims: PleDims,
-        z: &impl DevicePtr<f32>,
-        u: &impl DevicePtr<f32>,
+        gated: &PleGated<&impl DevicePtr<f32>>,
         w: &impl DevicePtr<bf16>,
         state: &mut impl DevicePtrMut<f32>,
         streams: &mut impl DevicePtrMut<bf16>,
-        t: usize,
     ) -> Result<()> {
         const OP: &str = "ple_conv";
+        let PleGated { u, z, rows: t } = *gated;
         ensure(dims.kernel >= 1 && dims.dilation >= 1, OP, || {
             "kernel and dilation must be positive".into()
         })?;
@@ -169,24 +185,23 @@ impl Gpu {
         Ok(())
     }
 
-    /// The decode form of [`Gpu::ple_conv`] for `rows` sequences of one token each: row `r`'s conv
-    /// state is slot `slots[r]` (read on the device) of `state_pool` (`[n_slots, (K−1)·dil, C]` f32,
-    /// a slot beyond it skipped). `y = silu(Σ_j w[ch, j]·xx[j·dil, ch])` with `xx = state ++ z[r]`,
-    /// `streams[r, ch] += u[r, ch] + y`, then the state rolls by one row. `z`, `u`: `[rows, C]` f32;
-    /// `streams`: `[rows, C]` bf16. Equals `ple_conv` with `t = 1` on each row's slot, bit for bit.
-    #[allow(clippy::too_many_arguments)]
+    /// The decode form of [`Gpu::ple_conv`] for `gated.rows` sequences of one token each: row `r`'s
+    /// conv state is slot `slots[r]` (read on the device) of `state_pool` (`[n_slots, (K−1)·dil, C]`
+    /// f32, a slot beyond it skipped). `y = silu(Σ_j w[ch, j]·xx[j·dil, ch])` with `xx = state ++
+    /// z[r]`, `streams[r, ch] += u[r, ch] + y`, then the state rolls by one row. `z`, `u`: `[rows, C]`
+    /// f32; `streams`: `[rows, C]` bf16. Equals `ple_conv` with `t = 1` on each row's slot, bit for
+    /// bit.
     pub fn ple_conv_decode(
         &self,
         dims: PleDims,
-        z: &impl DevicePtr<f32>,
-        u: &impl DevicePtr<f32>,
+        gated: &PleGated<&impl DevicePtr<f32>>,
         w: &impl DevicePtr<bf16>,
         state_pool: &mut impl DevicePtrMut<f32>,
         slots: &impl DevicePtr<u32>,
         streams: &mut impl DevicePtrMut<bf16>,
-        rows: usize,
     ) -> Result<()> {
         const OP: &str = "ple_conv_decode";
+        let PleGated { u, z, rows } = *gated;
         ensure(dims.kernel >= 1 && dims.dilation >= 1, OP, || {
             "kernel and dilation must be positive".into()
         })?;

@@ -10,7 +10,7 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::{AttnDims, KvPools, PagedCache, Queries};
+use super::{AttnDims, KvPools, PagedCache, Queries, RopeArgs};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -24,27 +24,84 @@ const QSA_MAX_HEAD_DIM: usize = 256;
 const SCORE_SMEM_FLOATS: usize = 12 * 1024;
 const GRID_YZ_MAX: usize = 65535;
 
+/// The indexer's query heads: `n_heads` (nI) of `head_dim` (dI).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexHeads {
+    pub n_heads: usize,
+    pub head_dim: usize,
+}
+
+/// The LayerNorm of the index keys: over `dim` (dI) values, weight `w` and bias `b` `[dim]`, `eps`.
+pub struct KeyNorm<'a, W: DevicePtr<bf16>> {
+    pub w: &'a W,
+    pub b: &'a W,
+    pub eps: f32,
+    pub dim: usize,
+}
+
+/// The indexer projections of `rows` tokens: `iq` `[rows, nI·dI]` and `iw` `[rows, nI]` (bf16).
+pub struct IndexProj<'a, B: DevicePtr<bf16>> {
+    pub iq: &'a B,
+    pub iw: &'a B,
+    pub rows: usize,
+}
+
+/// The indexer queries of `rows` query rows as the score kernels read them: `qi` `[rows, nI·dI]`
+/// f32 (roped) and `wts` `[rows, nI]` f32 (the scaled head weights).
+pub struct IndexQueries<'a, Q: DevicePtr<f32>> {
+    pub qi: &'a Q,
+    pub wts: &'a Q,
+    pub heads: IndexHeads,
+    pub rows: usize,
+}
+
+/// The index-key pool (`[num_blocks, block_size, dI + 2]` bytes) as the score kernels read it,
+/// through block tables: query row `r` reads `tables[r·stride ..]` (stride 0: one table every row
+/// reads, the queries of one sequence).
+pub struct IndexCache<'a, P: DevicePtr<u8>, T: DevicePtr<u32>> {
+    pub pool: &'a P,
+    pub tables: &'a T,
+    pub stride: usize,
+    pub block_size: usize,
+}
+
+/// Index score rows, `[rows, ld]` f32: row `r` at `scores[r·ld ..]`.
+pub struct ScoreRows<'a, S: DevicePtr<f32>> {
+    pub scores: &'a S,
+    pub ld: usize,
+    pub rows: usize,
+}
+
+/// The indexer's rotation: half its rotated dims, unscaled (the QSA spec's `mscale` is 1).
+fn index_half(
+    op: &'static str,
+    rope: &RopeArgs<'_, impl DevicePtr<f32>, impl DevicePtr<u32>>,
+) -> Result<usize> {
+    ensure(rope.mscale == 1.0, op, || {
+        format!("the indexer's RoPE is unscaled, not mscale {}", rope.mscale)
+    })?;
+    Ok(rope.rot_dim / 2)
+}
+
 impl Gpu {
     /// Index-key entries of `rows` tokens: `kI = LayerNorm(ik; w, b, eps)` of `ik` `[rows, dI]`, NeoX
-    /// RoPE at `positions[r]`, then `s = bf16(max|kI| / 448)` (1 when 0) and `k8 = fp8_e4m3(kI / s)`,
-    /// written as `dI` bytes + the bf16 scale (little-endian) to pool row `dst[r]` of `idx_pool`
-    /// (`[pool_rows, dI + 2]` bytes; a `dst` beyond the pool is skipped). Matches
+    /// RoPE at the rows' positions, then `s = bf16(max|kI| / 448)` (1 when 0) and `k8 =
+    /// fp8_e4m3(kI / s)`, written as `dI` bytes + the bf16 scale (little-endian) to pool row `dst[r]`
+    /// of `idx_pool` (`[pool_rows, dI + 2]` bytes; a `dst` beyond the pool is skipped). Matches
     /// `sanmai_cpu::ops::{layer_norm, rope_neox, quantize_index_key}` byte for byte.
-    #[allow(clippy::too_many_arguments)]
-    pub fn qsa_index_key_write<F: DevicePtr<f32>>(
+    pub fn qsa_index_key_write(
         &self,
         ik: &impl DevicePtr<bf16>,
-        w: &impl DevicePtr<bf16>,
-        b: &impl DevicePtr<bf16>,
-        eps: f32,
-        positions: &impl DevicePtr<u32>,
-        (head_dim, half, inv_freq): (usize, usize, &F),
+        norm: &KeyNorm<'_, impl DevicePtr<bf16>>,
+        rope: &RopeArgs<'_, impl DevicePtr<f32>, impl DevicePtr<u32>>,
         dst: &impl DevicePtr<u32>,
         idx_pool: &mut impl DevicePtrMut<u8>,
         rows: usize,
     ) -> Result<()> {
         const OP: &str = "qsa_index_key_write";
-        let di = head_dim;
+        let KeyNorm { w, b, eps, dim: di } = *norm;
+        let (positions, inv_freq) = (rope.positions, rope.inv_freq);
+        let half = index_half(OP, rope)?;
         ensure((1..=QSA_MAX_INDEX_DIM).contains(&di), OP, || {
             format!("dI = {di} must be in 1..={QSA_MAX_INDEX_DIM}")
         })?;
@@ -90,22 +147,22 @@ impl Gpu {
         Ok(())
     }
 
-    /// The indexer queries and head weights of `rows` tokens: `qi` `[rows, nI·dI]` f32 = `iq` roped at
-    /// `positions[r]`; `wts` `[rows, nI]` f32 = `iw · head_scale`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn qsa_query_prep<F: DevicePtr<f32>>(
+    /// The indexer queries and head weights of the `proj.rows` tokens: `qi` `[rows, nI·dI]` f32 =
+    /// `iq` roped at the rows' positions; `wts` `[rows, nI]` f32 = `iw · head_scale`.
+    pub fn qsa_query_prep(
         &self,
-        iq: &impl DevicePtr<bf16>,
-        iw: &impl DevicePtr<bf16>,
-        positions: &impl DevicePtr<u32>,
-        (n_heads, head_dim, half, inv_freq): (usize, usize, usize, &F),
+        proj: &IndexProj<'_, impl DevicePtr<bf16>>,
+        rope: &RopeArgs<'_, impl DevicePtr<f32>, impl DevicePtr<u32>>,
+        heads: IndexHeads,
         head_scale: f32,
         qi: &mut impl DevicePtrMut<f32>,
         wts: &mut impl DevicePtrMut<f32>,
-        rows: usize,
     ) -> Result<()> {
         const OP: &str = "qsa_query_prep";
-        let (ni, di) = (n_heads, head_dim);
+        let IndexProj { iq, iw, rows } = *proj;
+        let (positions, inv_freq) = (rope.positions, rope.inv_freq);
+        let half = index_half(OP, rope)?;
+        let (ni, di) = (heads.n_heads, heads.head_dim);
         ensure((1..=QSA_MAX_INDEX_DIM).contains(&di), OP, || {
             format!("dI = {di} must be in 1..={QSA_MAX_INDEX_DIM}")
         })?;
@@ -149,27 +206,30 @@ impl Gpu {
         Ok(())
     }
 
-    /// Index scores of `n_rows` queries of one sequence (row `r` is position `pos0 + r`):
+    /// Index scores of the `queries.rows` queries of one sequence (row `r` is position `pos0 + r`):
     /// `scores[r·ld + s] = Σ_h wts[r,h] · ReLU(qi[r,h] · k̂_s)` for every `s ≤ pos0 + r`, the keys
-    /// dequantised from `idx_pool` through the sequence's block `table`. Entries beyond a row's context
-    /// are not written. Matches `sanmai_cpu::ops::index_scores` bit for bit.
-    #[allow(clippy::too_many_arguments)]
+    /// dequantised from the pool through the sequence's one block table (stride 0). Entries beyond a
+    /// row's context are not written. Matches `sanmai_cpu::ops::index_scores` bit for bit.
     pub fn qsa_scores(
         &self,
-        qi: &impl DevicePtr<f32>,
-        wts: &impl DevicePtr<f32>,
-        idx_pool: &impl DevicePtr<u8>,
-        table: &impl DevicePtr<u32>,
-        n_heads: usize,
-        head_dim: usize,
-        block_size: usize,
+        queries: &IndexQueries<'_, impl DevicePtr<f32>>,
+        keys: &IndexCache<'_, impl DevicePtr<u8>, impl DevicePtr<u32>>,
         pos0: usize,
-        n_rows: usize,
         scores: &mut impl DevicePtrMut<f32>,
         ld: usize,
     ) -> Result<()> {
         const OP: &str = "qsa_scores";
-        let (ni, di, bs) = (n_heads, head_dim, block_size);
+        let IndexQueries {
+            qi,
+            wts,
+            heads,
+            rows: n_rows,
+        } = *queries;
+        let (idx_pool, table) = (keys.pool, keys.tables);
+        let (ni, di, bs) = (heads.n_heads, heads.head_dim, keys.block_size);
+        ensure(keys.stride == 0, OP, || {
+            "the queries of one sequence read one block table (stride 0)".into()
+        })?;
         ensure((1..=QSA_MAX_INDEX_DIM).contains(&di), OP, || {
             format!("dI = {di} must be in 1..={QSA_MAX_INDEX_DIM}")
         })?;
@@ -225,22 +285,24 @@ impl Gpu {
         Ok(())
     }
 
-    /// The selected set of `n_rows` queries of one sequence (row `r` is position `pos0 + r`, context
+    /// The selected set of the `rows.rows` queries of one sequence (row `r` is position `pos0 + r`, context
     /// `pos0 + r + 1`): all positions when the context is at most `topk`, else the `topk` of largest
     /// `scores[r·ld + s]` (NaN below every number, ties to the larger position), in increasing order,
     /// to `sel[r·topk ..]`; `counts[r]` = how many. Matches `sanmai_cpu::ops::topk_positions`.
-    #[allow(clippy::too_many_arguments)]
     pub fn qsa_topk(
         &self,
-        scores: &impl DevicePtr<f32>,
-        ld: usize,
+        rows: &ScoreRows<'_, impl DevicePtr<f32>>,
         pos0: usize,
-        n_rows: usize,
         topk: usize,
         sel: &mut impl DevicePtrMut<u32>,
         counts: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
         const OP: &str = "qsa_topk";
+        let ScoreRows {
+            scores,
+            ld,
+            rows: n_rows,
+        } = *rows;
         ensure(topk > 0, OP, || "topk must be positive".into())?;
         ensure(ld >= pos0 + n_rows, OP, || "ld below the context".into())?;
         check_len(OP, "scores", scores, n_rows * ld)?;
@@ -264,26 +326,29 @@ impl Gpu {
     }
 
     /// The decode form of [`Gpu::qsa_scores`]: row `r` is the one query of sequence `r`, its context
-    /// `min(lens[r], ld)` and its block table row `r` of `tables` (`[n_rows, table_stride]`) read on
+    /// `min(lens[r], ld)` and its block table row `r` of `keys.tables` (`[rows, stride]`) read on
     /// the device. A row whose context is at most `topk` is not scored (it selects every position);
     /// otherwise `scores[r·ld + s]` for every `s` of its context, as `qsa_scores`. The launch covers
     /// `ld` positions a row whatever the contexts: `ld` (a recorded step's span) must be at least
-    /// every context, and `table_stride·block_size` must cover it.
-    #[allow(clippy::too_many_arguments)]
+    /// every context, and `stride·block_size` must cover it.
     pub fn qsa_scores_decode(
         &self,
-        qi: &impl DevicePtr<f32>,
-        wts: &impl DevicePtr<f32>,
-        idx_pool: &impl DevicePtr<u8>,
-        (tables, table_stride): (&impl DevicePtr<u32>, usize),
+        queries: &IndexQueries<'_, impl DevicePtr<f32>>,
+        keys: &IndexCache<'_, impl DevicePtr<u8>, impl DevicePtr<u32>>,
         lens: &impl DevicePtr<u32>,
-        (n_heads, head_dim, block_size, topk): (usize, usize, usize, usize),
-        n_rows: usize,
+        topk: usize,
         scores: &mut impl DevicePtrMut<f32>,
         ld: usize,
     ) -> Result<()> {
         const OP: &str = "qsa_scores_decode";
-        let (ni, di, bs) = (n_heads, head_dim, block_size);
+        let IndexQueries {
+            qi,
+            wts,
+            heads,
+            rows: n_rows,
+        } = *queries;
+        let (idx_pool, tables, table_stride) = (keys.pool, keys.tables, keys.stride);
+        let (ni, di, bs) = (heads.n_heads, heads.head_dim, keys.block_size);
         ensure((1..=QSA_MAX_INDEX_DIM).contains(&di), OP, || {
             format!("dI = {di} must be in 1..={QSA_MAX_INDEX_DIM}")
         })?;
@@ -347,18 +412,20 @@ impl Gpu {
     /// `min(lens[r], ld)` read on the device; every position when that is at most `topk`, else the
     /// `topk` of largest `scores[r·ld + s]` (as `qsa_scores_decode` wrote them; ties to the larger
     /// position), in increasing order, to `sel[r·topk ..]`; `counts[r]` = how many.
-    #[allow(clippy::too_many_arguments)]
     pub fn qsa_topk_decode(
         &self,
-        scores: &impl DevicePtr<f32>,
-        ld: usize,
+        rows: &ScoreRows<'_, impl DevicePtr<f32>>,
         lens: &impl DevicePtr<u32>,
-        n_rows: usize,
         topk: usize,
         sel: &mut impl DevicePtrMut<u32>,
         counts: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
         const OP: &str = "qsa_topk_decode";
+        let ScoreRows {
+            scores,
+            ld,
+            rows: n_rows,
+        } = *rows;
         ensure(topk > 0, OP, || "topk must be positive".into())?;
         check_len(OP, "scores", scores, n_rows * ld)?;
         check_len(OP, "lens", lens, n_rows)?;

@@ -19,7 +19,10 @@ use cudarc::cublas::sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::gemv::{gemv_plan, tensor_core_batch, SegTable, GEMV_SEGS, GEMV_THREADS, TC_ROWS};
+use super::gemm::WxT;
+use super::gemv::{
+    gemv_plan, tensor_core_batch, SegAddrs, SegTable, GEMV_SEGS, GEMV_THREADS, TC_ROWS,
+};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -43,16 +46,54 @@ pub fn packed_scale_cols(group_size: usize, k: usize) -> usize {
     }
 }
 
-/// Checks the packed shape and buffer lengths; returns the effective group (k for per-row scales).
+/// A packed weight's scheme: `bits` (4, 6 or 8) and one f32 scale per `group_size` inputs (0: one
+/// per row).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PackedScheme {
+    pub bits: u32,
+    pub group_size: usize,
+}
+
+impl PackedScheme {
+    /// The inputs one scale covers: `group_size`, or `k` for per-row scales.
+    pub fn group(&self, k: usize) -> usize {
+        if self.group_size == 0 {
+            k
+        } else {
+            self.group_size
+        }
+    }
+}
+
+/// A packed weight `[n, k]` as the kernels read it: its `words` and `scales` as
+/// `sanmai_weights::quant::PackedTensor` holds them (upload its `words()` and `scales`).
+pub struct PackedMat<'a, W: DevicePtr<u32>, S: DevicePtr<f32>> {
+    pub words: &'a W,
+    pub scales: &'a S,
+    pub scheme: PackedScheme,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// Checks a packed weight's shape and buffer lengths; returns the effective group (k for per-row
+/// scales).
+fn check_mat(
+    op: &'static str,
+    w: &PackedMat<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
+) -> Result<usize> {
+    check_packed(op, (w.words, w.scales), w.scheme, w.n, w.k)
+}
+
+/// Checks the packed shape and the lengths of `(words, scales)` of a `[n, k]` weight; returns the
+/// effective group (k for per-row scales).
 fn check_packed(
     op: &'static str,
-    w: &impl DevicePtr<u32>,
-    scales: &impl DevicePtr<f32>,
-    bits: u32,
-    group_size: usize,
+    (w, scales): (&impl DevicePtr<u32>, &impl DevicePtr<f32>),
+    scheme: PackedScheme,
     n: usize,
     k: usize,
 ) -> Result<usize> {
+    let PackedScheme { bits, group_size } = scheme;
     ensure(matches!(bits, 4 | 6 | 8), op, || {
         format!("{bits}-bit weights: expected 4, 6 or 8")
     })?;
@@ -84,6 +125,17 @@ fn tensor_core_gemv(bits: u32, group: usize, m: usize, k: usize) -> bool {
     tensor_core_batch(m) && whole_blocks && (group >= k || group.is_multiple_of(kb))
 }
 
+/// Rows `row0 .. row0 + rows` of a packed weight of `k` inputs, `bits` and effective `group`, as
+/// one dequantisation launch covers them.
+#[derive(Debug, Clone, Copy)]
+struct Tile {
+    bits: u32,
+    group: usize,
+    k: usize,
+    row0: usize,
+    rows: usize,
+}
+
 /// One weight of a many-weight packed GEMV ([`Gpu::gemv_packed_many`]): `(W, scales, y, n)`,
 /// `y[m, :] = dequant(W) · x[m, :]` with `W` packed `[n, k]` and `y` `[m, n]`.
 pub type PackedPart<'a, W, S, Y> = (&'a W, &'a S, &'a mut Y, usize);
@@ -93,68 +145,56 @@ pub type PackedPart<'a, W, S, Y> = (&'a W, &'a S, &'a mut Y, usize);
 pub const PER_ROW_SCRATCH: usize = 16 << 20;
 
 impl Gpu {
-    /// `y[m, :] = dequant(W) · x[m, :]`: W packed `[n, k]` (`bits`, `group_size`, see the module doc),
-    /// `x`: `[m, k]` bf16, `y`: `[m, n]` bf16, `1 ≤ m ≤ 8`.
-    #[allow(clippy::too_many_arguments)]
+    /// `y[m, :] = dequant(W) · x[m, :]`: W packed `[n, k]` (see the module doc), `x`: `[m, k]` bf16,
+    /// `y`: `[m, n]` bf16, `1 ≤ m ≤ 8`.
     pub fn gemv_packed(
         &self,
-        w: &impl DevicePtr<u32>,
-        scales: &impl DevicePtr<f32>,
-        bits: u32,
-        group_size: usize,
+        w: &PackedMat<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
         x: &impl DevicePtr<bf16>,
         y: &mut impl DevicePtrMut<bf16>,
         m: usize,
-        n: usize,
-        k: usize,
     ) -> Result<()> {
-        self.gemv_q("", bits, group_size, x, &mut [(w, scales, y, n)], m, k)
+        let part = (w.words, w.scales, y, w.n);
+        self.gemv_q("", w.scheme, x, &mut [part], m, w.k)
     }
 
     /// As [`Gpu::gemv_packed`] with an f32 output (an INT8 lm_head's logits).
-    #[allow(clippy::too_many_arguments)]
     pub fn gemv_packed_f32(
         &self,
-        w: &impl DevicePtr<u32>,
-        scales: &impl DevicePtr<f32>,
-        bits: u32,
-        group_size: usize,
+        w: &PackedMat<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
         x: &impl DevicePtr<bf16>,
         y: &mut impl DevicePtrMut<f32>,
         m: usize,
-        n: usize,
-        k: usize,
     ) -> Result<()> {
-        self.gemv_q("_f32", bits, group_size, x, &mut [(w, scales, y, n)], m, k)
+        let part = (w.words, w.scales, y, w.n);
+        self.gemv_q("_f32", w.scheme, x, &mut [part], m, w.k)
     }
 
-    /// [`Gpu::gemv_packed`] for up to `GEMV_SEGS` (4) weights of one format (`bits`, `group_size`)
-    /// that read the same `x` (`[m, k]`), in one launch: each part's `y` gets `dequant(W) · x` exactly as
-    /// its own [`Gpu::gemv_packed`] computes it.
+    /// [`Gpu::gemv_packed`] for up to `GEMV_SEGS` (4) weights of one scheme that read the same `x`
+    /// (`[m, k]`), in one launch: each part's `y` gets `dequant(W) · x` exactly as its own
+    /// [`Gpu::gemv_packed`] computes it.
     pub fn gemv_packed_many<W: DevicePtr<u32>, S: DevicePtr<f32>, Y: DevicePtrMut<bf16>>(
         &self,
-        bits: u32,
-        group_size: usize,
+        scheme: PackedScheme,
         x: &impl DevicePtr<bf16>,
         parts: &mut [PackedPart<'_, W, S, Y>],
         m: usize,
         k: usize,
     ) -> Result<()> {
-        self.gemv_q("", bits, group_size, x, parts, m, k)
+        self.gemv_q("", scheme, x, parts, m, k)
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn gemv_q<O, W: DevicePtr<u32>, S: DevicePtr<f32>, Y: DevicePtrMut<O>>(
         &self,
         suffix: &str,
-        bits: u32,
-        group_size: usize,
+        scheme: PackedScheme,
         x: &impl DevicePtr<bf16>,
         parts: &mut [PackedPart<'_, W, S, Y>],
         m: usize,
         k: usize,
     ) -> Result<()> {
         const OP: &str = "gemv_packed";
+        let PackedScheme { bits, group_size } = scheme;
         ensure((1..=8).contains(&m), OP, || {
             format!("m = {m} rows, expected 1..=8")
         })?;
@@ -163,7 +203,7 @@ impl Gpu {
         })?;
         let group = if group_size == 0 { k } else { group_size };
         for (w, sc, y, n) in parts.iter() {
-            check_packed(OP, *w, *sc, bits, group_size, *n, k)?;
+            check_packed(OP, (*w, *sc), scheme, *n, k)?;
             check_len(OP, "y", &**y, m * n)?;
         }
         check_len(OP, "x", x, m * k)?;
@@ -182,11 +222,21 @@ impl Gpu {
             guards.extend([gw, gs, gy]);
             ensure(wp % 16 == 0, OP, || "W must be 16-byte aligned".into())?;
             if tc {
-                table.push(OP, wp, sp, yp, *n, n.div_ceil(TC_ROWS), None)?;
+                let addrs = SegAddrs {
+                    w: wp,
+                    s: sp,
+                    y: yp,
+                };
+                table.push(OP, addrs, *n, n.div_ceil(TC_ROWS), None)?;
             } else {
                 // Work items of a row: units of 32 values.
                 let plan = gemv_plan(*n, k.div_ceil(32), QROWS, sms);
-                table.push(OP, wp, sp, yp, *n, plan.blocks, Some(plan))?;
+                let addrs = SegAddrs {
+                    w: wp,
+                    s: sp,
+                    y: yp,
+                };
+                table.push(OP, addrs, *n, plan.blocks, Some(plan))?;
             }
         }
         let grid = table.grid(OP)?;
@@ -214,21 +264,16 @@ impl Gpu {
     }
 
     /// Rows `[row0, row0 + rows)` of `dequant(W)` as bf16 into `out` (`[rows, k]`, row-major).
-    #[allow(clippy::too_many_arguments)]
     pub fn dequant_packed(
         &self,
-        w: &impl DevicePtr<u32>,
-        scales: &impl DevicePtr<f32>,
-        bits: u32,
-        group_size: usize,
+        w: &PackedMat<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
         out: &mut impl DevicePtrMut<bf16>,
-        n: usize,
-        k: usize,
         row0: usize,
         rows: usize,
     ) -> Result<()> {
         const OP: &str = "dequant_packed";
-        let group = check_packed(OP, w, scales, bits, group_size, n, k)?;
+        let group = check_mat(OP, w)?;
+        let (n, k) = (w.n, w.k);
         ensure(row0 + rows <= n, OP, || {
             format!("rows {row0}..{} past n = {n}", row0 + rows)
         })?;
@@ -237,25 +282,34 @@ impl Gpu {
             return Ok(());
         }
         let s = self.stream();
-        let (sp, _gs) = scales.device_ptr(s);
-        self.dequant_tile(w, sp, bits, group, out, k, row0, rows)
+        let (sp, _gs) = w.scales.device_ptr(s);
+        let tile = Tile {
+            bits: w.scheme.bits,
+            group,
+            k,
+            row0,
+            rows,
+        };
+        self.dequant_tile(w.words, sp, tile, out)
     }
 
-    /// Launches `dequant_q{bits}` for rows `row0..row0 + rows` into `out`; `sp` 0: the integer codes
-    /// without their scales. Lengths are the caller's to check.
-    #[allow(clippy::too_many_arguments)]
+    /// Launches `dequant_q{bits}` for the tile's rows into `out`; `sp` 0: the integer codes without
+    /// their scales. Lengths are the caller's to check.
     fn dequant_tile(
         &self,
         w: &impl DevicePtr<u32>,
         sp: u64,
-        bits: u32,
-        group: usize,
+        tile: Tile,
         out: &mut impl DevicePtrMut<bf16>,
-        k: usize,
-        row0: usize,
-        rows: usize,
     ) -> Result<()> {
         const OP: &str = "dequant_packed";
+        let Tile {
+            bits,
+            group,
+            k,
+            row0,
+            rows,
+        } = tile;
         let s = self.stream();
         let (op, _go) = out.device_ptr_mut(s);
         ensure(op % 16 == 0, OP, || "out must be 16-byte aligned".into())?;
@@ -291,22 +345,17 @@ impl Gpu {
     /// accumulation. W is dequantised [`Gpu::packed_tile_rows`] rows at a time into `ws` (bf16, caller
     /// owned, at least `k` elements; 8–32 MiB makes the cuBLAS tiles large enough) and each tile
     /// multiplied by cuBLAS into its columns of y.
-    #[allow(clippy::too_many_arguments)]
     pub fn gemm_packed(
         &self,
         x: &impl DevicePtr<bf16>,
-        w: &impl DevicePtr<u32>,
-        scales: &impl DevicePtr<f32>,
-        bits: u32,
-        group_size: usize,
+        w: &PackedMat<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
         y: &mut impl DevicePtrMut<bf16>,
         ws: &mut impl DevicePtrMut<bf16>,
         m: usize,
-        n: usize,
-        k: usize,
     ) -> Result<()> {
         const OP: &str = "gemm_packed";
-        check_packed(OP, w, scales, bits, group_size, n, k)?;
+        check_mat(OP, w)?;
+        let (n, k, group_size) = (w.n, w.k, w.scheme.group_size);
         check_len(OP, "x", x, m * k)?;
         check_len(OP, "y", y, m * n)?;
         let tile = Self::packed_tile_rows(ws.len(), n, k);
@@ -318,12 +367,12 @@ impl Gpu {
         }
         let (mi, ni, ki) = (int(OP, "m", m)?, int(OP, "n", n)?, int(OP, "k", k)?);
         if group_size == 0 || group_size >= k {
-            return self.gemm_packed_per_row(x, w, scales, bits, y, ws, m, n, k, tile);
+            return self.gemm_packed_per_row(x, w, y, ws, m, tile);
         }
         let mut row0 = 0;
         while row0 < n {
             let rows = tile.min(n - row0);
-            self.dequant_packed(w, scales, bits, group_size, &mut *ws, n, k, row0, rows)?;
+            self.dequant_packed(w, &mut *ws, row0, rows)?;
             let s = self.stream();
             let (xp, _gx) = x.device_ptr(s);
             let (wsp, _gws) = ws.device_ptr_mut(s);
@@ -333,16 +382,16 @@ impl Gpu {
             // SAFETY: the tile holds rows·k elements, x m·k, y's columns row0..row0 + rows of m rows
             // with ld n lie inside the checked m·n.
             unsafe {
-                self.blas_w_xt(
-                    ri,
-                    mi,
-                    ki,
-                    wsp,
-                    xp,
-                    yp + (row0 * 2) as u64,
-                    sys::cudaDataType::CUDA_R_16BF,
-                    ni,
-                )
+                self.blas_w_xt(WxT {
+                    rows: ri,
+                    m: mi,
+                    k: ki,
+                    w: wsp,
+                    x: xp,
+                    y: yp + (row0 * 2) as u64,
+                    y_type: sys::cudaDataType::CUDA_R_16BF,
+                    ldy: ni,
+                })
             }?;
             row0 += rows;
         }
@@ -353,21 +402,18 @@ impl Gpu {
     /// codes (exact in bf16), cuBLAS multiplies them into an f32 scratch, and each column is scaled in
     /// f32 before its one bf16 rounding (no `bf16(q·s)` weights). The scratch holds at most
     /// [`PER_ROW_SCRATCH`] values, which bounds the rows per cuBLAS call.
-    #[allow(clippy::too_many_arguments)]
     fn gemm_packed_per_row(
         &self,
         x: &impl DevicePtr<bf16>,
-        w: &impl DevicePtr<u32>,
-        scales: &impl DevicePtr<f32>,
-        bits: u32,
+        w: &PackedMat<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
         y: &mut impl DevicePtrMut<bf16>,
         ws: &mut impl DevicePtrMut<bf16>,
         m: usize,
-        n: usize,
-        k: usize,
         tile: usize,
     ) -> Result<()> {
         const OP: &str = "gemm_packed";
+        let (n, k, bits) = (w.n, w.k, w.scheme.bits);
+        let scales = w.scales;
         let tile = tile.min((PER_ROW_SCRATCH / m).max(32)).min(n);
         // SAFETY: cuBLAS writes every element of each [m, rows] block before the scale kernel reads it.
         let mut yt = unsafe { self.stream().alloc::<f32>(m * tile) }?;
@@ -375,7 +421,14 @@ impl Gpu {
         let mut row0 = 0;
         while row0 < n {
             let rows = tile.min(n - row0);
-            self.dequant_tile(w, 0, bits, k, &mut *ws, k, row0, rows)?;
+            let codes = Tile {
+                bits,
+                group: k,
+                k,
+                row0,
+                rows,
+            };
+            self.dequant_tile(w.words, 0, codes, &mut *ws)?;
             let s = self.stream();
             let (xp, _gx) = x.device_ptr(s);
             let (wsp, _gws) = ws.device_ptr_mut(s);
@@ -383,7 +436,18 @@ impl Gpu {
             let ri = int(OP, "rows", rows)?;
             // yt [m, rows] = x · tileᵀ (the codes), f32.
             // SAFETY: the tile holds rows·k codes, x m·k values, yt m·tile values.
-            unsafe { self.blas_w_xt(ri, mi, ki, wsp, xp, ytp, sys::cudaDataType::CUDA_R_32F, ri) }?;
+            unsafe {
+                self.blas_w_xt(WxT {
+                    rows: ri,
+                    m: mi,
+                    k: ki,
+                    w: wsp,
+                    x: xp,
+                    y: ytp,
+                    y_type: sys::cudaDataType::CUDA_R_32F,
+                    ldy: ri,
+                })
+            }?;
             let (sp, _gs) = scales.device_ptr(s);
             let (yp, _gy) = y.device_ptr_mut(s);
             let r0 = int(OP, "row0", row0)?;

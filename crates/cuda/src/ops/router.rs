@@ -36,23 +36,47 @@ fn decode_slot_log2(h: usize) -> u32 {
     usize::BITS - 1 - chunks.leading_zeros()
 }
 
+/// A routing: each of `tokens` rows to its `top_k` most probable of `experts`, the kept
+/// probabilities divided by their sum when `renormalize`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RouteDims {
+    pub tokens: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub renormalize: bool,
+}
+
+/// What [`Gpu::moe_route_decode`] writes: the router `logits` `[t, e]` f32, each token's `ids` and
+/// `weights` `[t, k]`, and the pairs grouped by expert (`perm` `[t·k]`, `tiles`, as
+/// [`Gpu::moe_sort`] lays them out).
+pub struct DecodeRouting<'a, F: DevicePtrMut<f32>, U: DevicePtrMut<u32>> {
+    pub logits: &'a mut F,
+    pub ids: &'a mut U,
+    pub weights: &'a mut F,
+    pub perm: &'a mut U,
+    pub tiles: &'a mut U,
+}
+
 impl Gpu {
-    /// Routes each of `t` tokens to its `k` most probable of `e` experts: `p = softmax(logits)` in
-    /// f32, the `k` largest kept (ties: lower id), divided by their sum when `renorm`. `logits`:
-    /// `[t, e]`; `ids`, `weights`: `[t, k]`, each row by descending weight. Matches
-    /// `sanmai_cpu::ops::route_topk` up to near-ties (probabilities within rounding of each other).
-    #[allow(clippy::too_many_arguments)]
+    /// Routes each of `t` tokens to its `k` most probable of `e` experts (`dims`): `p =
+    /// softmax(logits)` in f32, the `k` largest kept (ties: lower id), divided by their sum when
+    /// `renormalize`. `logits`: `[t, e]`; `ids`, `weights`: `[t, k]`, each row by descending weight.
+    /// Matches `sanmai_cpu::ops::route_topk` up to near-ties (probabilities within rounding of each
+    /// other).
     pub fn route_topk(
         &self,
         logits: &impl DevicePtr<f32>,
+        dims: RouteDims,
         ids: &mut impl DevicePtrMut<u32>,
         weights: &mut impl DevicePtrMut<f32>,
-        t: usize,
-        e: usize,
-        k: usize,
-        renorm: bool,
     ) -> Result<()> {
         const OP: &str = "route_topk";
+        let RouteDims {
+            tokens: t,
+            experts: e,
+            top_k: k,
+            renormalize: renorm,
+        } = dims;
         ensure(k >= 1 && k <= e && k <= ROUTER_MAX_K, OP, || {
             format!(
                 "k = {k} must be in 1..={} and at most e = {e}",
@@ -145,24 +169,29 @@ impl Gpu {
     /// order. `router`: `[e, h]` bf16, `x`: `[t, h]` bf16, both 16-byte aligned. `ticket`: one `u32`
     /// that is 0 before the launch and is left 0 (allocate it zeroed once and pass the same buffer to
     /// every launch of the stream). Needs [`Gpu::moe_route_decode_fits`].
-    #[allow(clippy::too_many_arguments)]
     pub fn moe_route_decode(
         &self,
         router: &impl DevicePtr<bf16>,
         x: &impl DevicePtr<bf16>,
-        t: usize,
         h: usize,
-        e: usize,
-        k: usize,
-        renorm: bool,
-        logits: &mut impl DevicePtrMut<f32>,
-        ids: &mut impl DevicePtrMut<u32>,
-        weights: &mut impl DevicePtrMut<f32>,
-        perm: &mut impl DevicePtrMut<u32>,
-        tiles: &mut impl DevicePtrMut<u32>,
+        dims: RouteDims,
+        out: DecodeRouting<'_, impl DevicePtrMut<f32>, impl DevicePtrMut<u32>>,
         ticket: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
         const OP: &str = "moe_route_decode";
+        let RouteDims {
+            tokens: t,
+            experts: e,
+            top_k: k,
+            renormalize: renorm,
+        } = dims;
+        let DecodeRouting {
+            logits,
+            ids,
+            weights,
+            perm,
+            tiles,
+        } = out;
         ensure(Self::moe_route_decode_fits(t, h, e, k), OP, || {
             format!(
                 "t = {t}, h = {h}, e = {e}, k = {k}: needs t = 1, \

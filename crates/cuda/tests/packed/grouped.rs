@@ -4,7 +4,9 @@ use cudarc::driver::DevicePtr;
 use half::bf16;
 use sanmai_config::QuantScheme;
 use sanmai_cpu::{ops, CpuBackend};
-use sanmai_cuda::{cudarc, CudaBackend, Gpu, PACKED_WORKSPACE_BYTES};
+use sanmai_cuda::{
+    cudarc, CudaBackend, Experts, Gpu, PackedScheme, PairGroups, PairRows, PACKED_WORKSPACE_BYTES,
+};
 use sanmai_model::Backend;
 use sanmai_weights::quant::{quantize, PackedTensor};
 
@@ -173,36 +175,52 @@ fn packed_grouped_gemv_matches_cpu() {
         g.moe_sort(&di, n, e, &mut perm, &mut tiles).unwrap();
         let mut y_gu = g.zeros::<bf16>(n * 2 * i).unwrap();
         g.moe_gemv_packed(
-            &gu_t.w_ptrs,
-            &gu_t.s_ptrs,
-            bits,
-            group,
-            &dx,
-            t,
-            k,
-            &perm,
-            &tiles,
-            n,
+            &Experts {
+                weights: &gu_t.w_ptrs,
+                scales: &gu_t.s_ptrs,
+                scheme: Some(PackedScheme {
+                    bits,
+                    group_size: group,
+                }),
+                n: 2 * i,
+                k: h,
+            },
+            &PairRows {
+                x: &dx,
+                rows: t,
+                div: k,
+            },
+            &PairGroups {
+                perm: &perm,
+                tiles: &tiles,
+                n_pairs: n,
+            },
             &mut y_gu,
-            2 * i,
-            h,
         )
         .unwrap();
         let mut y_dn = g.zeros::<f32>(n * h).unwrap();
         g.moe_gemv_packed(
-            &dn_t.w_ptrs,
-            &dn_t.s_ptrs,
-            bits,
-            group,
-            &da,
-            n,
-            1,
-            &perm,
-            &tiles,
-            n,
+            &Experts {
+                weights: &dn_t.w_ptrs,
+                scales: &dn_t.s_ptrs,
+                scheme: Some(PackedScheme {
+                    bits,
+                    group_size: group,
+                }),
+                n: h,
+                k: i,
+            },
+            &PairRows {
+                x: &da,
+                rows: n,
+                div: 1,
+            },
+            &PairGroups {
+                perm: &perm,
+                tiles: &tiles,
+                n_pairs: n,
+            },
             &mut y_dn,
-            h,
-            i,
         )
         .unwrap();
         let got_gu: Vec<f32> = g
@@ -232,35 +250,52 @@ fn packed_grouped_gemv_matches_cpu() {
             g.swiglu(&y_gu, &mut act_g, n, i).unwrap();
             let mut y_two = g.zeros::<f32>(n * h).unwrap();
             g.moe_gemv_packed(
-                &dn_t.w_ptrs,
-                &dn_t.s_ptrs,
-                bits,
-                group,
-                &act_g,
-                n,
-                1,
-                &perm,
-                &tiles,
-                n,
+                &Experts {
+                    weights: &dn_t.w_ptrs,
+                    scales: &dn_t.s_ptrs,
+                    scheme: Some(PackedScheme {
+                        bits,
+                        group_size: group,
+                    }),
+                    n: h,
+                    k: i,
+                },
+                &PairRows {
+                    x: &act_g,
+                    rows: n,
+                    div: 1,
+                },
+                &PairGroups {
+                    perm: &perm,
+                    tiles: &tiles,
+                    n_pairs: n,
+                },
                 &mut y_two,
-                h,
-                i,
             )
             .unwrap();
             let mut y_fused = g.zeros::<f32>(n * h).unwrap();
             g.moe_gemv_packed_swiglu(
-                &dn_t.w_ptrs,
-                &dn_t.s_ptrs,
-                bits,
-                group,
-                &y_gu,
-                n,
-                &perm,
-                &tiles,
-                n,
+                &Experts {
+                    weights: &dn_t.w_ptrs,
+                    scales: &dn_t.s_ptrs,
+                    scheme: Some(PackedScheme {
+                        bits,
+                        group_size: group,
+                    }),
+                    n: h,
+                    k: i,
+                },
+                &PairRows {
+                    x: &y_gu,
+                    rows: n,
+                    div: 1,
+                },
+                &PairGroups {
+                    perm: &perm,
+                    tiles: &tiles,
+                    n_pairs: n,
+                },
                 &mut y_fused,
-                h,
-                i,
             )
             .unwrap();
             let (a, b) = (g.download(&y_two).unwrap(), g.download(&y_fused).unwrap());
@@ -298,12 +333,54 @@ fn packed_grouped_gemv_refuses_bad_shapes() {
     ] {
         let s = g.zeros::<u64>(s_len).unwrap();
         let r = g.moe_gemv_packed(
-            &z64, &s, bits, group, &x, 4, 1, &perm, &tiles, 4, &mut y, 8, k,
+            &Experts {
+                weights: &z64,
+                scales: &s,
+                scheme: Some(PackedScheme {
+                    bits,
+                    group_size: group,
+                }),
+                n: 8,
+                k,
+            },
+            &PairRows {
+                x: &x,
+                rows: 4,
+                div: 1,
+            },
+            &PairGroups {
+                perm: &perm,
+                tiles: &tiles,
+                n_pairs: 4,
+            },
+            &mut y,
         );
         assert!(r.is_err(), "bits {bits} group {group} k {k} accepted");
     }
     let s1 = g.zeros::<u64>(1).unwrap();
-    let r = g.moe_gemv_packed(&z64, &s1, 8, 0, &x, 4, 1, &perm, &tiles, 4, &mut y, 8, 32);
+    let r = g.moe_gemv_packed(
+        &Experts {
+            weights: &z64,
+            scales: &s1,
+            scheme: Some(PackedScheme {
+                bits: 8,
+                group_size: 0,
+            }),
+            n: 8,
+            k: 32,
+        },
+        &PairRows {
+            x: &x,
+            rows: 4,
+            div: 1,
+        },
+        &PairGroups {
+            perm: &perm,
+            tiles: &tiles,
+            n_pairs: 4,
+        },
+        &mut y,
+    );
     assert!(
         r.is_err(),
         "a scale table shorter than the word table accepted"

@@ -7,10 +7,10 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::{Gpu, NormRows};
+use sanmai_cuda::{Gpu, NormRows, PackedScheme};
 
 use crate::bench::{pattern, time};
-use crate::common::gpu;
+use crate::common::{gpu, packed_mat};
 
 /// Bytes of weights cycled through so that every call streams from HBM.
 const COLD_BYTES: usize = 320 << 20;
@@ -80,16 +80,26 @@ fn bench_packed(g: &Gpu, bits: u32, group: usize, m: usize, n: usize, k: usize, 
         let mut y = g.zeros::<f32>(m * n).unwrap();
         let t = time(g, c, 4 * c.max(25), || {
             i += 1;
-            g.gemv_packed_f32(&ws[i % c], &s, bits, group, &x, &mut y, m, n, k)
-                .unwrap()
+            g.gemv_packed_f32(
+                &packed_mat(&ws[i % c], &s, (bits, group), (n, k)),
+                &x,
+                &mut y,
+                m,
+            )
+            .unwrap()
         });
         line("gemv_packed_f32", &shape, wb + m * k * 2 + m * n * 4, t);
     } else {
         let mut y = g.zeros::<bf16>(m * n).unwrap();
         let t = time(g, c, 4 * c.max(25), || {
             i += 1;
-            g.gemv_packed(&ws[i % c], &s, bits, group, &x, &mut y, m, n, k)
-                .unwrap()
+            g.gemv_packed(
+                &packed_mat(&ws[i % c], &s, (bits, group), (n, k)),
+                &x,
+                &mut y,
+                m,
+            )
+            .unwrap()
         });
         line("gemv_packed", &shape, wb + m * k * 2 + m * n * 2, t);
     }
@@ -224,7 +234,8 @@ fn bench_packed_many(g: &Gpu, bits: u32, group: usize, m: usize, ns: &[usize], k
     let t = time(g, c, 4 * c.max(25), || {
         i += 1;
         for (((w, s), y), &n) in ws[i % c].iter().zip(&ss).zip(ys.iter_mut()).zip(ns) {
-            g.gemv_packed(w, s, bits, group, &x, y, m, n, k).unwrap();
+            g.gemv_packed(&packed_mat(w, s, (bits, group), (n, k)), &x, y, m)
+                .unwrap();
         }
     });
     line("gemv_packed_each", &shape, bytes, t);
@@ -237,8 +248,17 @@ fn bench_packed_many(g: &Gpu, bits: u32, group: usize, m: usize, ns: &[usize], k
             .zip(ns)
             .map(|(((w, s), y), &n)| (w, s, y, n))
             .collect();
-        g.gemv_packed_many(bits, group, &x, &mut parts, m, k)
-            .unwrap();
+        g.gemv_packed_many(
+            PackedScheme {
+                bits,
+                group_size: group,
+            },
+            &x,
+            &mut parts,
+            m,
+            k,
+        )
+        .unwrap();
     });
     line("gemv_packed_many", &shape, bytes, t);
 }

@@ -4,7 +4,9 @@
 //! batch 1 and 8. Prints `BENCH` lines.
 
 use half::bf16;
-use sanmai_cuda::{GdnDecodeWeights, GdnDims};
+use sanmai_cuda::{
+    ConvWeight, DecodeSlots, GdnDecodeWeights, GdnDims, GdnGates, GdnPools, GdnProj, SeqRows,
+};
 
 use crate::bench::{pattern, time};
 use crate::common::gpu;
@@ -46,41 +48,32 @@ fn bench_gdn_prefill() {
         let mut ssm_pool = g.zeros::<f32>(n * dims.state_len()).unwrap();
         let mut mixed = g.zeros::<bf16>(rows * cd).unwrap();
         let mut out = g.zeros::<bf16>(rows * dims.hv * dims.dv).unwrap();
+        let seqs = SeqRows {
+            starts: &starts,
+            lens: &lens,
+            slots: &slots,
+            rows,
+            n_seq: n,
+            max_len: t,
+        };
+        let conv = ConvWeight {
+            w: &w,
+            channels: cd,
+            kernel: kk,
+        };
+        let gates = GdnGates {
+            a: &a,
+            b: &b,
+            a_log: &a_log,
+            dt_bias: &dt_bias,
+        };
         let conv_s = time(g, 2, 20, || {
-            g.conv1d_prefill(
-                &x,
-                &w,
-                &mut conv_pool,
-                &positions,
-                &starts,
-                &lens,
-                &slots,
-                &mut mixed,
-                rows,
-                n,
-                t,
-                cd,
-                kk,
-            )
-            .unwrap()
+            g.conv1d_prefill(&x, &conv, &mut conv_pool, &positions, &seqs, &mut mixed)
+                .unwrap()
         });
         let gdn_s = time(g, 2, 20, || {
-            g.gdn_chunk_prefill(
-                dims,
-                &mixed,
-                &a,
-                &b,
-                &a_log,
-                &dt_bias,
-                &mut ssm_pool,
-                &starts,
-                &lens,
-                &slots,
-                &mut out,
-                rows,
-                n,
-            )
-            .unwrap()
+            g.gdn_chunk_prefill(dims, &mixed, &gates, &mut ssm_pool, &seqs, &mut out)
+                .unwrap()
         });
         let layer = conv_s + gdn_s;
         println!(
@@ -116,9 +109,17 @@ fn bench_gdn_decode() {
         let norm = g.upload(&vec![bf16::ONE; dv]).unwrap();
         let w = GdnDecodeWeights {
             conv: &conv,
+            kernel: kk,
             a_log: &a_log,
             dt_bias: &dt_bias,
             norm: &norm,
+            eps: 1e-6,
+        };
+        let proj = GdnProj {
+            qkv: &qkv,
+            z: &z,
+            a: &a,
+            b: &b,
         };
         let mut conv_pool = g.zeros::<bf16>(batch * kk * cd).unwrap();
         let mut ssm_pool = g.zeros::<f32>(batch * dims.state_len()).unwrap();
@@ -126,23 +127,17 @@ fn bench_gdn_decode() {
         let positions = g.upload(&vec![1000u32; batch]).unwrap();
         let mut out = g.zeros::<bf16>(batch * hv * dv).unwrap();
         let secs = time(g, 3, 50, || {
-            g.gdn_decode(
-                dims,
-                kk,
-                &qkv,
-                &z,
-                &a,
-                &b,
-                &w,
-                1e-6,
-                &mut conv_pool,
-                &mut ssm_pool,
-                &slots,
-                &positions,
-                &mut out,
+            let pools = GdnPools {
+                conv: &mut conv_pool,
+                ssm: &mut ssm_pool,
+            };
+            let seqs = DecodeSlots {
+                slots: &slots,
+                positions: &positions,
                 batch,
-            )
-            .unwrap()
+            };
+            g.gdn_decode(dims, &proj, &w, pools, &seqs, &mut out)
+                .unwrap()
         });
         // The recurrent state read and written once; the conv ring's K − 1 entries read and one
         // written, the projection rows, z and the output.

@@ -11,7 +11,9 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
-use sanmai_cuda::Gpu;
+use sanmai_cuda::{
+    DecodeRouting, Experts, Gpu, PackedScheme, PairGroups, PairRows, RouteDims, Routed,
+};
 
 use crate::bench::{pattern, time};
 use crate::common::{gpu, Rng};
@@ -24,7 +26,7 @@ const ROUTINGS: usize = 8;
 
 /// One projection's `E` experts (`n` rows of `k`) in one allocation of words and one of scales, and
 /// their address tables. `bits` 16 is bf16 (finite values in (-2, 2), no scales), else packed.
-struct Experts {
+struct ExpertSet {
     _words: CudaSlice<u32>,
     _scales: CudaSlice<f32>,
     w_ptrs: CudaSlice<u64>,
@@ -33,7 +35,7 @@ struct Experts {
     bytes: usize,
 }
 
-fn experts(g: &Gpu, bits: u32, group: usize, n: usize, k: usize, salt: u32) -> Experts {
+fn experts(g: &Gpu, bits: u32, group: usize, n: usize, k: usize, salt: u32) -> ExpertSet {
     let wpr = match bits {
         16 => k / 2,
         6 => k.div_ceil(32) * 6,
@@ -58,7 +60,7 @@ fn experts(g: &Gpu, bits: u32, group: usize, n: usize, k: usize, salt: u32) -> E
     let (w0, s0) = (dw.device_ptr(s).0, ds.device_ptr(s).0);
     let wp: Vec<u64> = (0..E).map(|x| w0 + (x * n * wpr * 4) as u64).collect();
     let sp: Vec<u64> = (0..E).map(|x| s0 + (x * n * sc * 4) as u64).collect();
-    Experts {
+    ExpertSet {
         w_ptrs: g.upload(&wp).unwrap(),
         s_ptrs: g.upload(&sp).unwrap(),
         _words: dw,
@@ -113,8 +115,18 @@ fn bench_moe_decode() {
         let mut ids = g.zeros::<u32>(t * TOP_K).unwrap();
         let mut w = g.zeros::<f32>(t * TOP_K).unwrap();
         let tr = time(g, 5, 200, || {
-            g.route_topk(&logits, &mut ids, &mut w, t, E, TOP_K, true)
-                .unwrap()
+            g.route_topk(
+                &logits,
+                RouteDims {
+                    tokens: t,
+                    experts: E,
+                    top_k: TOP_K,
+                    renormalize: true,
+                },
+                &mut ids,
+                &mut w,
+            )
+            .unwrap()
         });
         let bytes = t * E * 4 + t * TOP_K * 8;
         println!(
@@ -154,8 +166,20 @@ fn bench_moe_decode() {
             .unwrap();
         let mut out = g.zeros::<bf16>(t * h).unwrap();
         let tc = time(g, 5, 200, || {
-            g.moe_combine(&y, &w, &ids, E, None, &mut out, t, TOP_K, h)
-                .unwrap()
+            g.moe_combine(
+                &Routed {
+                    ids: &ids,
+                    weights: &w,
+                    experts: E,
+                    top_k: TOP_K,
+                    tokens: t,
+                },
+                &y,
+                None,
+                &mut out,
+                h,
+            )
+            .unwrap()
         });
         let bytes = n * h * 4 + t * h * 2 + n * 8;
         println!(
@@ -201,24 +225,96 @@ fn bench_moe_decode() {
                     match (bits, what) {
                         (16, "gate_up") => g
                             .moe_gemv(
-                                &gu.w_ptrs, &x, t, TOP_K, &s.perm, &s.tiles, n, &mut y_gu, nn, kk,
+                                &Experts {
+                                    weights: &gu.w_ptrs,
+                                    scales: &gu.w_ptrs,
+                                    scheme: None,
+                                    n: nn,
+                                    k: kk,
+                                },
+                                &PairRows {
+                                    x: &x,
+                                    rows: t,
+                                    div: TOP_K,
+                                },
+                                &PairGroups {
+                                    perm: &s.perm,
+                                    tiles: &s.tiles,
+                                    n_pairs: n,
+                                },
+                                &mut y_gu,
                             )
                             .unwrap(),
                         (16, _) => g
                             .moe_gemv(
-                                &dn.w_ptrs, &act, n, 1, &s.perm, &s.tiles, n, &mut y_dn, nn, kk,
+                                &Experts {
+                                    weights: &dn.w_ptrs,
+                                    scales: &dn.w_ptrs,
+                                    scheme: None,
+                                    n: nn,
+                                    k: kk,
+                                },
+                                &PairRows {
+                                    x: &act,
+                                    rows: n,
+                                    div: 1,
+                                },
+                                &PairGroups {
+                                    perm: &s.perm,
+                                    tiles: &s.tiles,
+                                    n_pairs: n,
+                                },
+                                &mut y_dn,
                             )
                             .unwrap(),
                         (_, "gate_up") => g
                             .moe_gemv_packed(
-                                &gu.w_ptrs, &gu.s_ptrs, bits, group, &x, t, TOP_K, &s.perm,
-                                &s.tiles, n, &mut y_gu, nn, kk,
+                                &Experts {
+                                    weights: &gu.w_ptrs,
+                                    scales: &gu.s_ptrs,
+                                    scheme: Some(PackedScheme {
+                                        bits,
+                                        group_size: group,
+                                    }),
+                                    n: nn,
+                                    k: kk,
+                                },
+                                &PairRows {
+                                    x: &x,
+                                    rows: t,
+                                    div: TOP_K,
+                                },
+                                &PairGroups {
+                                    perm: &s.perm,
+                                    tiles: &s.tiles,
+                                    n_pairs: n,
+                                },
+                                &mut y_gu,
                             )
                             .unwrap(),
                         _ => g
                             .moe_gemv_packed(
-                                &dn.w_ptrs, &dn.s_ptrs, bits, group, &act, n, 1, &s.perm, &s.tiles,
-                                n, &mut y_dn, nn, kk,
+                                &Experts {
+                                    weights: &dn.w_ptrs,
+                                    scales: &dn.s_ptrs,
+                                    scheme: Some(PackedScheme {
+                                        bits,
+                                        group_size: group,
+                                    }),
+                                    n: nn,
+                                    k: kk,
+                                },
+                                &PairRows {
+                                    x: &act,
+                                    rows: n,
+                                    div: 1,
+                                },
+                                &PairGroups {
+                                    perm: &s.perm,
+                                    tiles: &s.tiles,
+                                    n_pairs: n,
+                                },
+                                &mut y_dn,
                             )
                             .unwrap(),
                     }
@@ -244,8 +340,27 @@ fn bench_moe_decode() {
                     let s = &st[call % ROUTINGS];
                     call += 1;
                     g.moe_gemv_packed_swiglu(
-                        &dn.w_ptrs, &dn.s_ptrs, bits, group, &y_gu, n, &s.perm, &s.tiles, n,
-                        &mut y_dn, h, i,
+                        &Experts {
+                            weights: &dn.w_ptrs,
+                            scales: &dn.s_ptrs,
+                            scheme: Some(PackedScheme {
+                                bits,
+                                group_size: group,
+                            }),
+                            n: h,
+                            k: i,
+                        },
+                        &PairRows {
+                            x: &y_gu,
+                            rows: n,
+                            div: 1,
+                        },
+                        &PairGroups {
+                            perm: &s.perm,
+                            tiles: &s.tiles,
+                            n_pairs: n,
+                        },
+                        &mut y_dn,
                     )
                     .unwrap()
                 });
@@ -292,8 +407,18 @@ fn bench_moe_route_decode() {
             call += 1;
             g.gemv_bf16_f32(r, &x, &mut logits, t, E, h).unwrap();
             g.stream().memset_zeros(&mut ids).unwrap();
-            g.route_topk(&logits, &mut ids, &mut w, t, E, TOP_K, true)
-                .unwrap();
+            g.route_topk(
+                &logits,
+                RouteDims {
+                    tokens: t,
+                    experts: E,
+                    top_k: TOP_K,
+                    renormalize: true,
+                },
+                &mut ids,
+                &mut w,
+            )
+            .unwrap();
             g.moe_sort(&ids, n, E, &mut perm, &mut tiles).unwrap();
         });
         let mut call = 0usize;
@@ -303,16 +428,20 @@ fn bench_moe_route_decode() {
             g.moe_route_decode(
                 r,
                 &x,
-                t,
                 h,
-                E,
-                TOP_K,
-                true,
-                &mut logits,
-                &mut ids,
-                &mut w,
-                &mut perm,
-                &mut tiles,
+                RouteDims {
+                    tokens: t,
+                    experts: E,
+                    top_k: TOP_K,
+                    renormalize: true,
+                },
+                DecodeRouting {
+                    logits: &mut logits,
+                    ids: &mut ids,
+                    weights: &mut w,
+                    perm: &mut perm,
+                    tiles: &mut tiles,
+                },
                 &mut ticket,
             )
             .unwrap();

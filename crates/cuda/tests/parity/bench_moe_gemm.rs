@@ -7,14 +7,14 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
-use sanmai_cuda::Gpu;
+use sanmai_cuda::{Experts, Gpu, PackedScheme, PairGroups, PairRows};
 
 use crate::bench::{pattern, time};
 use crate::common::{gpu, Rng};
 use crate::moe_gemm::{route, Routing};
 
 /// One projection's 512 packed experts in one allocation each for words and scales, and their tables.
-struct Experts {
+struct ExpertSet {
     _words: CudaSlice<u32>,
     _scales: CudaSlice<f32>,
     w_ptrs: CudaSlice<u64>,
@@ -23,7 +23,7 @@ struct Experts {
     bytes: usize,
 }
 
-fn experts(g: &Gpu, e: usize, n: usize, k: usize, group: usize, salt: u32) -> Experts {
+fn experts(g: &Gpu, e: usize, n: usize, k: usize, group: usize, salt: u32) -> ExpertSet {
     let (wpr, sc) = (k / 8, k.div_ceil(group));
     let words: Vec<u32> = (0..e * n * wpr)
         .map(|i| (i as u32 ^ salt).wrapping_mul(2_654_435_761))
@@ -37,7 +37,7 @@ fn experts(g: &Gpu, e: usize, n: usize, k: usize, group: usize, salt: u32) -> Ex
     let (w0, s0) = (dw.device_ptr(s).0, ds.device_ptr(s).0);
     let wp: Vec<u64> = (0..e).map(|x| w0 + (x * n * wpr * 4) as u64).collect();
     let sp: Vec<u64> = (0..e).map(|x| s0 + (x * n * sc * 4) as u64).collect();
-    Experts {
+    ExpertSet {
         w_ptrs: g.upload(&wp).unwrap(),
         s_ptrs: g.upload(&sp).unwrap(),
         _words: dw,
@@ -94,14 +94,48 @@ fn bench_moe_gemm_prefill() {
                 let tg = time(g, 3, 20, || {
                     if what == "gate_up" {
                         g.moe_gemm(
-                            &gu.w_ptrs, &gu.s_ptrs, scheme, &x, t, top_k, &perm, &tiles, n,
-                            &mut y_gu, nn, kk,
+                            &Experts {
+                                weights: &gu.w_ptrs,
+                                scales: &gu.s_ptrs,
+                                scheme: scheme
+                                    .map(|(bits, group_size)| PackedScheme { bits, group_size }),
+                                n: nn,
+                                k: kk,
+                            },
+                            &PairRows {
+                                x: &x,
+                                rows: t,
+                                div: top_k,
+                            },
+                            &PairGroups {
+                                perm: &perm,
+                                tiles: &tiles,
+                                n_pairs: n,
+                            },
+                            &mut y_gu,
                         )
                         .unwrap()
                     } else {
                         g.moe_gemm(
-                            &dn.w_ptrs, &dn.s_ptrs, scheme, &act, n, 1, &perm, &tiles, n,
-                            &mut y_dn, nn, kk,
+                            &Experts {
+                                weights: &dn.w_ptrs,
+                                scales: &dn.s_ptrs,
+                                scheme: scheme
+                                    .map(|(bits, group_size)| PackedScheme { bits, group_size }),
+                                n: nn,
+                                k: kk,
+                            },
+                            &PairRows {
+                                x: &act,
+                                rows: n,
+                                div: 1,
+                            },
+                            &PairGroups {
+                                perm: &perm,
+                                tiles: &tiles,
+                                n_pairs: n,
+                            },
+                            &mut y_dn,
                         )
                         .unwrap()
                     }
@@ -122,14 +156,52 @@ fn bench_moe_gemm_prefill() {
                 let tv = time(g, 1, 3, || {
                     if what == "gate_up" {
                         g.moe_gemv_packed(
-                            &gu.w_ptrs, &gu.s_ptrs, 4, group, &x, t, top_k, &sperm, &stiles, n,
-                            &mut y_gu, nn, kk,
+                            &Experts {
+                                weights: &gu.w_ptrs,
+                                scales: &gu.s_ptrs,
+                                scheme: Some(PackedScheme {
+                                    bits: 4,
+                                    group_size: group,
+                                }),
+                                n: nn,
+                                k: kk,
+                            },
+                            &PairRows {
+                                x: &x,
+                                rows: t,
+                                div: top_k,
+                            },
+                            &PairGroups {
+                                perm: &sperm,
+                                tiles: &stiles,
+                                n_pairs: n,
+                            },
+                            &mut y_gu,
                         )
                         .unwrap()
                     } else {
                         g.moe_gemv_packed(
-                            &dn.w_ptrs, &dn.s_ptrs, 4, group, &act, n, 1, &sperm, &stiles, n,
-                            &mut y_dn, nn, kk,
+                            &Experts {
+                                weights: &dn.w_ptrs,
+                                scales: &dn.s_ptrs,
+                                scheme: Some(PackedScheme {
+                                    bits: 4,
+                                    group_size: group,
+                                }),
+                                n: nn,
+                                k: kk,
+                            },
+                            &PairRows {
+                                x: &act,
+                                rows: n,
+                                div: 1,
+                            },
+                            &PairGroups {
+                                perm: &sperm,
+                                tiles: &stiles,
+                                n_pairs: n,
+                            },
+                            &mut y_dn,
                         )
                         .unwrap()
                     }

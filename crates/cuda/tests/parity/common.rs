@@ -4,7 +4,8 @@
 use std::sync::OnceLock;
 
 use half::bf16;
-use sanmai_cuda::Gpu;
+use sanmai_cuda::cudarc::driver::CudaSlice;
+use sanmai_cuda::{Gpu, PackedMat, PackedScheme};
 
 /// The test GPU, created once; `None` (after printing why) when there is no usable device.
 pub fn gpu(test: &str) -> Option<&'static Gpu> {
@@ -155,4 +156,21 @@ pub fn check_f32(op: &str, shape: &str, got: &[f32], want: &[f32]) {
     let s = stats(got, want);
     report(op, shape, &s, "max_rel<=1e-4");
     assert!(s.max_rel <= 1e-4, "{op} {shape}: max_rel {:.3e}", s.max_rel);
+}
+
+/// A packed `[n, k]` weight on the device (`words`, `scales`; scheme `bits` / `group_size`) as the
+/// packed ops take it.
+pub fn packed_mat<'a>(
+    words: &'a CudaSlice<u32>,
+    scales: &'a CudaSlice<f32>,
+    (bits, group_size): (u32, usize),
+    (n, k): (usize, usize),
+) -> PackedMat<'a, CudaSlice<u32>, CudaSlice<f32>> {
+    PackedMat {
+        words,
+        scales,
+        scheme: PackedScheme { bits, group_size },
+        n,
+        k,
+    }
 }

@@ -4,6 +4,7 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
+use sanmai_cuda::{ConvWeight, SeqRows};
 
 use crate::common::{check_elementwise, from_bf16, gpu, to_bf16, Rng};
 
@@ -91,22 +92,21 @@ fn conv1d_prefill_matches_cpu() {
         let mut pool = g.upload(&pb).unwrap();
         let mut out = g.zeros::<bf16>(rows * c).unwrap();
         let max_len = lens.iter().copied().max().unwrap();
-        g.conv1d_prefill(
-            &x,
-            &w,
-            &mut pool,
-            &pos,
-            &st,
-            &ln,
-            &sd,
-            &mut out,
+        let seqs = SeqRows {
+            starts: &st,
+            lens: &ln,
+            slots: &sd,
             rows,
-            lens.len(),
+            n_seq: lens.len(),
             max_len,
-            c,
-            kk,
-        )
-        .unwrap();
+        };
+        let conv = ConvWeight {
+            w: &w,
+            channels: c,
+            kernel: kk,
+        };
+        g.conv1d_prefill(&x, &conv, &mut pool, &pos, &seqs, &mut out)
+            .unwrap();
         let got = from_bf16(&g.download(&out).unwrap());
         // Rows of no sequence and of the bad slot stay zero: `want` holds zeros there.
         check_elementwise(
@@ -155,10 +155,21 @@ fn conv1d_prefill_short_chunks_match_one_pass() {
             let pos = g.upload(&positions).unwrap();
             let ln = g.upload(&[len as u32]).unwrap();
             let mut out = g.zeros::<bf16>(len * c).unwrap();
-            g.conv1d_prefill(
-                &x, &w, &mut pool, &pos, &st, &ln, &sd, &mut out, len, 1, len, c, kk,
-            )
-            .unwrap();
+            let seqs = SeqRows {
+                starts: &st,
+                lens: &ln,
+                slots: &sd,
+                rows: len,
+                n_seq: 1,
+                max_len: len,
+            };
+            let conv = ConvWeight {
+                w: &w,
+                channels: c,
+                kernel: kk,
+            };
+            g.conv1d_prefill(&x, &conv, &mut pool, &pos, &seqs, &mut out)
+                .unwrap();
             got.extend(from_bf16(&g.download(&out).unwrap()));
             p0 += len;
         }

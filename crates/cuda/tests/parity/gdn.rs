@@ -12,7 +12,7 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::GdnDims;
+use sanmai_cuda::{GdnDims, GdnGates, SeqRows};
 
 use crate::common::{check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
 
@@ -116,22 +116,22 @@ fn prefill_case(
     );
     let mut pool = g.upload(&pool0).unwrap();
     let mut out = g.zeros::<bf16>(rows * hv * dv).unwrap();
-    g.gdn_chunk_prefill(
-        dims,
-        &qkv,
-        &a,
-        &bg,
-        &al,
-        &dt,
-        &mut pool,
-        &st,
-        &ln,
-        &sd,
-        &mut out,
+    let gates = GdnGates {
+        a: &a,
+        b: &bg,
+        a_log: &al,
+        dt_bias: &dt,
+    };
+    let seqs = SeqRows {
+        starts: &st,
+        lens: &ln,
+        slots: &sd,
         rows,
-        lens.len(),
-    )
-    .unwrap();
+        n_seq: lens.len(),
+        max_len: lens.iter().copied().max().unwrap_or(0),
+    };
+    g.gdn_chunk_prefill(dims, &qkv, &gates, &mut pool, &seqs, &mut out)
+        .unwrap();
     let got = from_bf16(&g.download(&out).unwrap());
     let lens_s: Vec<String> = lens.iter().map(|l| l.to_string()).collect();
     let shape = format!("t{}_hk{hk}_hv{hv}_dk{dk}_dv{dv}", lens_s.join("+"));

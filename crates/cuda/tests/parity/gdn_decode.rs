@@ -7,7 +7,10 @@
 use half::bf16;
 use sanmai_cpu::ops;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::{GdnDecodeWeights, GdnDims, NormRows};
+use sanmai_cuda::{
+    ConvWeight, DecodeSlots, GdnDecodeWeights, GdnDims, GdnGates, GdnPools, GdnProj, NormRows,
+    SeqRows,
+};
 
 use crate::common::{check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
 use crate::conv::{state_from_ring, state_into_ring};
@@ -70,9 +73,11 @@ impl DevLayer {
     fn weights(&self) -> GdnDecodeWeights<'_, CudaSlice<bf16>, CudaSlice<f32>> {
         GdnDecodeWeights {
             conv: &self.conv,
+            kernel: self.kk,
             a_log: &self.a_log,
             dt_bias: &self.dt_bias,
             norm: &self.norm,
+            eps: EPS,
         }
     }
 }
@@ -206,23 +211,23 @@ fn gpu_decode(
     let (a, b) = (g.upload(&x.a.0).unwrap(), g.upload(&x.b.0).unwrap());
     let (sd, pd) = (g.upload(slots).unwrap(), g.upload(positions).unwrap());
     let mut out = g.zeros::<bf16>(n * hv * dv).unwrap();
-    g.gdn_decode(
-        l.dims,
-        l.kk,
-        &qkv,
-        &z,
-        &a,
-        &b,
-        &l.weights(),
-        EPS,
-        &mut pools.conv,
-        &mut pools.ssm,
-        &sd,
-        &pd,
-        &mut out,
-        n,
-    )
-    .unwrap();
+    let proj = GdnProj {
+        qkv: &qkv,
+        z: &z,
+        a: &a,
+        b: &b,
+    };
+    let state = GdnPools {
+        conv: &mut pools.conv,
+        ssm: &mut pools.ssm,
+    };
+    let seqs = DecodeSlots {
+        slots: &sd,
+        positions: &pd,
+        batch: n,
+    };
+    g.gdn_decode(l.dims, &proj, &l.weights(), state, &seqs, &mut out)
+        .unwrap();
     from_bf16(&g.download(&out).unwrap())
 }
 
@@ -260,38 +265,29 @@ fn gpu_prefill(
     let mut out = g.zeros::<bf16>(rows * hv * dv).unwrap();
     let n = lens.len();
     let max_len = lens.iter().copied().max().unwrap_or(0);
-    g.conv1d_prefill(
-        &qkv,
-        &l.conv,
-        &mut pools.conv,
-        &pd,
-        &st,
-        &ln,
-        &sd,
-        &mut mixed,
+    let step = SeqRows {
+        starts: &st,
+        lens: &ln,
+        slots: &sd,
         rows,
-        n,
+        n_seq: n,
         max_len,
-        cd,
-        l.kk,
-    )
-    .unwrap();
-    g.gdn_chunk_prefill(
-        l.dims,
-        &mixed,
-        &a,
-        &b,
-        &l.a_log,
-        &l.dt_bias,
-        &mut pools.ssm,
-        &st,
-        &ln,
-        &sd,
-        &mut core,
-        rows,
-        n,
-    )
-    .unwrap();
+    };
+    let conv = ConvWeight {
+        w: &l.conv,
+        channels: cd,
+        kernel: l.kk,
+    };
+    g.conv1d_prefill(&qkv, &conv, &mut pools.conv, &pd, &step, &mut mixed)
+        .unwrap();
+    let gates = GdnGates {
+        a: &a,
+        b: &b,
+        a_log: &l.a_log,
+        dt_bias: &l.dt_bias,
+    };
+    g.gdn_chunk_prefill(l.dims, &mixed, &gates, &mut pools.ssm, &step, &mut core)
+        .unwrap();
     let shape = NormRows {
         rows: rows * hv,
         d: dv,

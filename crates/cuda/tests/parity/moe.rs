@@ -4,7 +4,7 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::Gpu;
+use sanmai_cuda::{DecodeRouting, Experts, Gpu, PairGroups, PairRows, RouteDims, Routed};
 
 use crate::common::{check_reduction, from_bf16, gpu, to_bf16, Rng};
 
@@ -146,8 +146,20 @@ fn moe_combine_matches_cpu() {
         let (dsy, dsg) = (g.upload(&sy).unwrap(), g.upload(&sg).unwrap());
         let shared = with_shared.then_some((&dsy, &dsg));
         let mut out = g.zeros::<bf16>(t * h).unwrap();
-        g.moe_combine(&dy, &dw, &di, e as usize, shared, &mut out, t, k, h)
-            .unwrap();
+        g.moe_combine(
+            &Routed {
+                ids: &di,
+                weights: &dw,
+                experts: e as usize,
+                top_k: k,
+                tokens: t,
+            },
+            &dy,
+            shared,
+            &mut out,
+            h,
+        )
+        .unwrap();
         check_reduction(
             "moe_combine",
             &format!("t{t}_k{k}_h{h}_dropped{dropped}_shared{with_shared}"),
@@ -247,36 +259,100 @@ fn moe_experts_match_cpu() {
             g.moe_route_decode(
                 &r,
                 &x,
-                t,
                 h,
-                e,
-                k,
-                true,
-                &mut lg,
-                &mut ids,
-                &mut wts,
-                &mut perm,
-                &mut tiles,
+                RouteDims {
+                    tokens: t,
+                    experts: e,
+                    top_k: k,
+                    renormalize: true,
+                },
+                DecodeRouting {
+                    logits: &mut lg,
+                    ids: &mut ids,
+                    weights: &mut wts,
+                    perm: &mut perm,
+                    tiles: &mut tiles,
+                },
                 &mut ticket,
             )
             .unwrap();
         } else {
             g.gemm_bf16_f32(&x, &r, &mut lg, t, e, h).unwrap();
-            g.route_topk(&lg, &mut ids, &mut wts, t, e, k, true)
-                .unwrap();
+            g.route_topk(
+                &lg,
+                RouteDims {
+                    tokens: t,
+                    experts: e,
+                    top_k: k,
+                    renormalize: true,
+                },
+                &mut ids,
+                &mut wts,
+            )
+            .unwrap();
             g.moe_sort(&ids, n, e, &mut perm, &mut tiles).unwrap();
         }
         let mut gu = g.zeros::<bf16>(n * 2 * i).unwrap();
-        g.moe_gemv(&gu_tab, &x, t, k, &perm, &tiles, n, &mut gu, 2 * i, h)
-            .unwrap();
+        g.moe_gemv(
+            &Experts {
+                weights: &gu_tab,
+                scales: &gu_tab,
+                scheme: None,
+                n: 2 * i,
+                k: h,
+            },
+            &PairRows {
+                x: &x,
+                rows: t,
+                div: k,
+            },
+            &PairGroups {
+                perm: &perm,
+                tiles: &tiles,
+                n_pairs: n,
+            },
+            &mut gu,
+        )
+        .unwrap();
         let mut act = g.zeros::<bf16>(n * i).unwrap();
         g.swiglu(&gu, &mut act, n, i).unwrap();
         let mut y = g.zeros::<f32>(n * h).unwrap();
-        g.moe_gemv(&dn_tab, &act, n, 1, &perm, &tiles, n, &mut y, h, i)
-            .unwrap();
+        g.moe_gemv(
+            &Experts {
+                weights: &dn_tab,
+                scales: &dn_tab,
+                scheme: None,
+                n: h,
+                k: i,
+            },
+            &PairRows {
+                x: &act,
+                rows: n,
+                div: 1,
+            },
+            &PairGroups {
+                perm: &perm,
+                tiles: &tiles,
+                n_pairs: n,
+            },
+            &mut y,
+        )
+        .unwrap();
         let mut out = g.zeros::<bf16>(t * h).unwrap();
-        g.moe_combine(&y, &wts, &ids, e, None, &mut out, t, k, h)
-            .unwrap();
+        g.moe_combine(
+            &Routed {
+                ids: &ids,
+                weights: &wts,
+                experts: e,
+                top_k: k,
+                tokens: t,
+            },
+            &y,
+            None,
+            &mut out,
+            h,
+        )
+        .unwrap();
         let got_ids = g.download(&ids).unwrap();
         let kind = if n <= 4 * e { "m1" } else { "plain" };
         let shape = format!("t{t}_h{h}_i{i}_e{e}_k{k}_{kind}");

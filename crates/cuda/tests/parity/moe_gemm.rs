@@ -10,7 +10,7 @@ use half::bf16;
 use sanmai_config::QuantScheme;
 use sanmai_cpu::{ops, CpuBackend};
 use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
-use sanmai_cuda::{CudaBackend, Gpu};
+use sanmai_cuda::{CudaBackend, Experts, Gpu, PackedScheme, PairGroups, PairRows};
 use sanmai_model::backend::{MlpWeights, MoeCall, MoeWeights};
 use sanmai_model::Backend;
 use sanmai_weights::quant::{pack, quantize};
@@ -290,23 +290,46 @@ fn moe_gemm_matches_cpu() {
         g.moe_gemm_plan(&di, n, e, &mut perm, &mut tiles).unwrap();
         let mut y_gu = g.zeros::<bf16>(n * 2 * i).unwrap();
         g.moe_gemm(
-            &gu_w,
-            &gu_s,
-            scheme,
-            &dx,
-            t,
-            k,
-            &perm,
-            &tiles,
-            n,
+            &Experts {
+                weights: &gu_w,
+                scales: &gu_s,
+                scheme: scheme.map(|(bits, group_size)| PackedScheme { bits, group_size }),
+                n: 2 * i,
+                k: h,
+            },
+            &PairRows {
+                x: &dx,
+                rows: t,
+                div: k,
+            },
+            &PairGroups {
+                perm: &perm,
+                tiles: &tiles,
+                n_pairs: n,
+            },
             &mut y_gu,
-            2 * i,
-            h,
         )
         .unwrap();
         let mut y_dn = g.zeros::<f32>(n * h).unwrap();
         g.moe_gemm(
-            &dn_w, &dn_s, scheme, &da, n, 1, &perm, &tiles, n, &mut y_dn, h, i,
+            &Experts {
+                weights: &dn_w,
+                scales: &dn_s,
+                scheme: scheme.map(|(bits, group_size)| PackedScheme { bits, group_size }),
+                n: h,
+                k: i,
+            },
+            &PairRows {
+                x: &da,
+                rows: n,
+                div: 1,
+            },
+            &PairGroups {
+                perm: &perm,
+                tiles: &tiles,
+                n_pairs: n,
+            },
+            &mut y_dn,
         )
         .unwrap();
         let got_gu = from_bf16(&g.download(&y_gu).unwrap());
@@ -347,7 +370,26 @@ fn moe_gemm_refuses_bad_shapes() {
         (Some((5, 0)), 64),
         (Some((4, 48)), 64),
     ] {
-        let r = g.moe_gemm(&z64, &z64, scheme, &x, 4, 1, &perm, &tiles, 4, &mut y, 8, k);
+        let r = g.moe_gemm(
+            &Experts {
+                weights: &z64,
+                scales: &z64,
+                scheme: scheme.map(|(bits, group_size)| PackedScheme { bits, group_size }),
+                n: 8,
+                k,
+            },
+            &PairRows {
+                x: &x,
+                rows: 4,
+                div: 1,
+            },
+            &PairGroups {
+                perm: &perm,
+                tiles: &tiles,
+                n_pairs: 4,
+            },
+            &mut y,
+        );
         assert!(r.is_err(), "{scheme:?} k {k} accepted");
         assert!(!Gpu::moe_gemm_supports(scheme, k));
     }

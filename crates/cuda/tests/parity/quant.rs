@@ -7,9 +7,9 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::Gpu;
+use sanmai_cuda::{Gpu, PackedScheme};
 
-use crate::common::{check_reduction, from_bf16, gpu, stats, to_bf16, Rng};
+use crate::common::{check_reduction, from_bf16, gpu, packed_mat, stats, to_bf16, Rng};
 
 /// A packed matrix on the host: words, f32 scales and the f32 weights they stand for.
 struct Packed {
@@ -84,14 +84,24 @@ fn gemv_case(g: &Gpu, rng: &mut Rng, p: &Packed, m: usize, f32_out: bool) {
         g.upload(&xb).unwrap(),
     );
     let mut y = g.zeros::<bf16>(m * p.n).unwrap();
-    g.gemv_packed(&w, &s, p.bits, p.group, &x, &mut y, m, p.n, p.k)
-        .unwrap();
+    g.gemv_packed(
+        &packed_mat(&w, &s, (p.bits, p.group), (p.n, p.k)),
+        &x,
+        &mut y,
+        m,
+    )
+    .unwrap();
     let got = from_bf16(&g.download(&y).unwrap());
     check_reduction("gemv_packed", &name(p, m), &got, &want);
     if f32_out {
         let mut y = g.zeros::<f32>(m * p.n).unwrap();
-        g.gemv_packed_f32(&w, &s, p.bits, p.group, &x, &mut y, m, p.n, p.k)
-            .unwrap();
+        g.gemv_packed_f32(
+            &packed_mat(&w, &s, (p.bits, p.group), (p.n, p.k)),
+            &x,
+            &mut y,
+            m,
+        )
+        .unwrap();
         let got = g.download(&y).unwrap();
         check_reduction("gemv_packed_f32", &name(p, m), &got, &want);
     }
@@ -191,8 +201,17 @@ fn gemv_packed_many_case(g: &Gpu, rng: &mut Rng, ps: &[Packed], m: usize) {
         .zip(ps)
         .map(|(((w, s), y), p)| (w, s, y, p.n))
         .collect();
-    g.gemv_packed_many(bits, group, &x, &mut parts, m, k)
-        .unwrap();
+    g.gemv_packed_many(
+        PackedScheme {
+            bits,
+            group_size: group,
+        },
+        &x,
+        &mut parts,
+        m,
+        k,
+    )
+    .unwrap();
     drop(parts);
     for (i, (y, p)) in ys.iter().zip(ps).enumerate() {
         let mut want = vec![0f32; m * p.n];
@@ -341,8 +360,13 @@ fn dequant_and_gemm_packed_match_cpu() {
         // The dequantised tile is each weight rounded once to bf16.
         let (r0, rows) = (n / 3, n - n / 3);
         let mut tile = g.zeros::<bf16>(rows * k).unwrap();
-        g.dequant_packed(&w, &s, bits, group, &mut tile, n, k, r0, rows)
-            .unwrap();
+        g.dequant_packed(
+            &packed_mat(&w, &s, (bits, group), (n, k)),
+            &mut tile,
+            r0,
+            rows,
+        )
+        .unwrap();
         let got = from_bf16(&g.download(&tile).unwrap());
         let want = to_bf16(&p.dense[r0 * k..n * k]).1;
         assert_eq!(got, want, "dequant_packed {}", name(&p, 0));
@@ -357,8 +381,14 @@ fn dequant_and_gemm_packed_match_cpu() {
         let x = g.upload(&xb).unwrap();
         let mut y = g.zeros::<bf16>(m * n).unwrap();
         let mut ws = g.zeros::<bf16>(tile_rows * k).unwrap();
-        g.gemm_packed(&x, &w, &s, bits, group, &mut y, &mut ws, m, n, k)
-            .unwrap();
+        g.gemm_packed(
+            &x,
+            &packed_mat(&w, &s, (bits, group), (n, k)),
+            &mut y,
+            &mut ws,
+            m,
+        )
+        .unwrap();
         let got = from_bf16(&g.download(&y).unwrap());
         check_reduction(
             "gemm_packed",
@@ -381,8 +411,14 @@ fn dequant_and_gemm_packed_match_cpu() {
     );
     let mut y = g.zeros::<bf16>(4 * 64).unwrap();
     let mut ws = g.zeros::<bf16>(32 * 256).unwrap();
-    g.gemm_packed(&x, &w, &s, 4, 128, &mut y, &mut ws, 4, 64, 256)
-        .unwrap();
+    g.gemm_packed(
+        &x,
+        &packed_mat(&w, &s, (4, 128), (64, 256)),
+        &mut y,
+        &mut ws,
+        4,
+    )
+    .unwrap();
     let got = from_bf16(&g.download(&y).unwrap());
     let s = stats(&got, &want);
     println!(
@@ -402,44 +438,55 @@ fn packed_ops_reject_bad_shapes() {
     let x = g.zeros::<bf16>(9 * 256).unwrap();
     let mut y = g.zeros::<bf16>(9 * 64).unwrap();
     assert!(
-        g.gemv_packed(&w, &s, 4, 0, &x, &mut y, 9, 64, 256).is_err(),
+        g.gemv_packed(&packed_mat(&w, &s, (4, 0), (64, 256)), &x, &mut y, 9)
+            .is_err(),
         "m > 8"
     );
     assert!(
-        g.gemv_packed(&w, &s, 4, 0, &x, &mut y, 1, 64, 40).is_err(),
+        g.gemv_packed(&packed_mat(&w, &s, (4, 0), (64, 40)), &x, &mut y, 1)
+            .is_err(),
         "INT4 k % 32"
     );
     assert!(
-        g.gemv_packed(&w, &s, 6, 0, &x, &mut y, 1, 64, 36).is_err(),
+        g.gemv_packed(&packed_mat(&w, &s, (6, 0), (64, 36)), &x, &mut y, 1)
+            .is_err(),
         "INT6 k % 8"
     );
     assert!(
-        g.gemv_packed(&w, &s, 5, 0, &x, &mut y, 1, 64, 256).is_err(),
+        g.gemv_packed(&packed_mat(&w, &s, (5, 0), (64, 256)), &x, &mut y, 1)
+            .is_err(),
         "5 bits"
     );
     assert!(
-        g.gemv_packed(&w, &s, 4, 12, &x, &mut y, 1, 64, 256)
+        g.gemv_packed(&packed_mat(&w, &s, (4, 12), (64, 256)), &x, &mut y, 1)
             .is_err(),
         "group % 8"
     );
     assert!(
-        g.gemv_packed(&w, &s, 8, 0, &x, &mut y, 1, 65, 256).is_err(),
+        g.gemv_packed(&packed_mat(&w, &s, (8, 0), (65, 256)), &x, &mut y, 1)
+            .is_err(),
         "W too short"
     );
     assert!(
-        g.gemv_packed(&w, &s, 4, 16, &x, &mut y, 1, 64, 256)
+        g.gemv_packed(&packed_mat(&w, &s, (4, 16), (64, 256)), &x, &mut y, 1)
             .is_err(),
         "scales too short"
     );
     let mut ws = g.zeros::<bf16>(100).unwrap();
     assert!(
-        g.gemm_packed(&x, &w, &s, 4, 0, &mut y, &mut ws, 2, 64, 256)
-            .is_err(),
+        g.gemm_packed(
+            &x,
+            &packed_mat(&w, &s, (4, 0), (64, 256)),
+            &mut y,
+            &mut ws,
+            2
+        )
+        .is_err(),
         "workspace below one row"
     );
     let mut tile = g.zeros::<bf16>(256).unwrap();
     assert!(
-        g.dequant_packed(&w, &s, 4, 0, &mut tile, 64, 256, 64, 1)
+        g.dequant_packed(&packed_mat(&w, &s, (4, 0), (64, 256)), &mut tile, 64, 1)
             .is_err(),
         "rows past n"
     );
@@ -488,12 +535,22 @@ fn bench_packed_gemv_gemm() {
             let x = g.upload(&to_bf16(&rng.normals(m * k, 0.0, 1.0)).0).unwrap();
             let mut y = g.zeros::<bf16>(m * n).unwrap();
             let t_cold = time(g, copies, 4 * copies, |i| {
-                g.gemv_packed(&ws[i % copies], &s, bits, group, &x, &mut y, m, n, k)
-                    .unwrap()
+                g.gemv_packed(
+                    &packed_mat(&ws[i % copies], &s, (bits, group), (n, k)),
+                    &x,
+                    &mut y,
+                    m,
+                )
+                .unwrap()
             });
             let t_hot = time(g, 10, 200, |_| {
-                g.gemv_packed(&ws[0], &s, bits, group, &x, &mut y, m, n, k)
-                    .unwrap()
+                g.gemv_packed(
+                    &packed_mat(&ws[0], &s, (bits, group), (n, k)),
+                    &x,
+                    &mut y,
+                    m,
+                )
+                .unwrap()
             });
             println!(
                 "BENCH gemv_packed bits={bits} group={group} m={m} n={n} k={k} packed_bytes={wb} \
@@ -539,8 +596,14 @@ fn bench_packed_gemv_gemm() {
         let p = make(&mut rng, bits, group, n, k);
         let (w, s) = (g.upload(&p.words).unwrap(), g.upload(&p.scales).unwrap());
         let t = time(g, 3, 20, |_| {
-            g.gemm_packed(&x, &w, &s, bits, group, &mut y, &mut ws, m, n, k)
-                .unwrap()
+            g.gemm_packed(
+                &x,
+                &packed_mat(&w, &s, (bits, group), (n, k)),
+                &mut y,
+                &mut ws,
+                m,
+            )
+            .unwrap()
         });
         println!(
             "BENCH gemm_packed bits={bits} group={group} m={m} n={n} k={k} ws_rows={} time_us={:.1} TFLOP/s={:.0}",

@@ -3,6 +3,7 @@
 //! the two-launch path.
 
 use sanmai_cpu::ops;
+use sanmai_cuda::{DecodeRouting, RouteDims};
 
 use crate::common::{check_f32, gpu, to_bf16, Rng};
 use crate::moe::check_grouping;
@@ -61,8 +62,18 @@ fn router_topk_matches_cpu() {
         let lg = g.upload(&logits).unwrap();
         let mut ids = g.zeros::<u32>(t * k).unwrap();
         let mut w = g.zeros::<f32>(t * k).unwrap();
-        g.route_topk(&lg, &mut ids, &mut w, t, e, k, renorm)
-            .unwrap();
+        g.route_topk(
+            &lg,
+            RouteDims {
+                tokens: t,
+                experts: e,
+                top_k: k,
+                renormalize: renorm,
+            },
+            &mut ids,
+            &mut w,
+        )
+        .unwrap();
         let got_ids = g.download(&ids).unwrap();
         let got_w = g.download(&w).unwrap();
         let mut near_ties = 0;
@@ -99,9 +110,45 @@ fn router_rejects_bad_k() {
     let lg = g.zeros::<f32>(4 * 8).unwrap();
     let mut ids = g.zeros::<u32>(4 * 100).unwrap();
     let mut w = g.zeros::<f32>(4 * 100).unwrap();
-    assert!(g.route_topk(&lg, &mut ids, &mut w, 4, 8, 9, true).is_err());
-    assert!(g.route_topk(&lg, &mut ids, &mut w, 4, 8, 0, true).is_err());
-    assert!(g.route_topk(&lg, &mut ids, &mut w, 5, 8, 2, true).is_err());
+    assert!(g
+        .route_topk(
+            &lg,
+            RouteDims {
+                tokens: 4,
+                experts: 8,
+                top_k: 9,
+                renormalize: true
+            },
+            &mut ids,
+            &mut w
+        )
+        .is_err());
+    assert!(g
+        .route_topk(
+            &lg,
+            RouteDims {
+                tokens: 4,
+                experts: 8,
+                top_k: 0,
+                renormalize: true
+            },
+            &mut ids,
+            &mut w
+        )
+        .is_err());
+    assert!(g
+        .route_topk(
+            &lg,
+            RouteDims {
+                tokens: 5,
+                experts: 8,
+                top_k: 2,
+                renormalize: true
+            },
+            &mut ids,
+            &mut w
+        )
+        .is_err());
 }
 
 /// The inputs of one launch of the fused decode routing.
@@ -240,16 +287,20 @@ fn route_decode_case(
     g.moe_route_decode(
         &r,
         &x,
-        t,
         h,
-        e,
-        k,
-        renorm,
-        &mut logits,
-        &mut ids,
-        &mut w,
-        &mut perm,
-        &mut tiles,
+        RouteDims {
+            tokens: t,
+            experts: e,
+            top_k: k,
+            renormalize: renorm,
+        },
+        DecodeRouting {
+            logits: &mut logits,
+            ids: &mut ids,
+            weights: &mut w,
+            perm: &mut perm,
+            tiles: &mut tiles,
+        },
         ticket,
     )
     .unwrap();
@@ -266,8 +317,18 @@ fn route_decode_case(
     // same ids, the same weights bit for bit and the same tiles; the fused perm keeps each expert's
     // pairs in ascending order.
     let (mut ids2, mut w2) = (g.zeros::<u32>(n).unwrap(), g.zeros::<f32>(n).unwrap());
-    g.route_topk(&logits, &mut ids2, &mut w2, t, e, k, renorm)
-        .unwrap();
+    g.route_topk(
+        &logits,
+        RouteDims {
+            tokens: t,
+            experts: e,
+            top_k: k,
+            renormalize: renorm,
+        },
+        &mut ids2,
+        &mut w2,
+    )
+    .unwrap();
     assert_eq!(got_ids, g.download(&ids2).unwrap(), "{shape}: top-k ids");
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(
@@ -297,8 +358,18 @@ fn route_decode_case(
     let mut old_logits = g.zeros::<f32>(t * e).unwrap();
     g.gemv_bf16_f32(&r, &x, &mut old_logits, t, e, h).unwrap();
     let (mut old_ids, mut old_w) = (g.zeros::<u32>(n).unwrap(), g.zeros::<f32>(n).unwrap());
-    g.route_topk(&old_logits, &mut old_ids, &mut old_w, t, e, k, renorm)
-        .unwrap();
+    g.route_topk(
+        &old_logits,
+        RouteDims {
+            tokens: t,
+            experts: e,
+            top_k: k,
+            renormalize: renorm,
+        },
+        &mut old_ids,
+        &mut old_w,
+    )
+    .unwrap();
     let (mut old_perm, mut old_tiles) = (
         g.zeros::<u32>(n).unwrap(),
         g.zeros::<u32>(3 * max_tiles).unwrap(),
@@ -395,17 +466,21 @@ fn moe_route_decode_rejects_bad_shapes() {
             .moe_route_decode(
                 &r,
                 &x,
-                t,
                 hh,
-                e,
-                k,
-                true,
-                &mut lg,
-                &mut ids,
-                &mut w,
-                &mut perm,
-                &mut tiles,
-                &mut ticket,
+                RouteDims {
+                    tokens: t,
+                    experts: e,
+                    top_k: k,
+                    renormalize: true
+                },
+                DecodeRouting {
+                    logits: &mut lg,
+                    ids: &mut ids,
+                    weights: &mut w,
+                    perm: &mut perm,
+                    tiles: &mut tiles
+                },
+                &mut ticket
             )
             .is_err());
     }

@@ -20,7 +20,11 @@ mod options;
 
 use half::bf16;
 use sanmai_cpu::{ops as cpu, CpuBackend};
-use sanmai_cuda::{AttnDims, CudaBackend, KvPools, PagedCache, PleDims, Queries, Selection};
+use sanmai_cuda::cudarc::driver::CudaSlice;
+use sanmai_cuda::{
+    AttnDims, CudaBackend, IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, KvPools,
+    PagedCache, PleDims, PleGated, Queries, RopeArgs, ScoreRows, Selection,
+};
 use sanmai_model::backend::{
     AttnCall, AttnShape, AttnWeights, CacheSpec, GdnShape, IndexerWeights, PleCall, PleShape,
     PleWeights, QsaCall, QsaShape, Rope,

@@ -39,15 +39,20 @@ fn ple_conv_decode_matches_cpu() {
             })
             .unwrap();
         let mut r_d = to_dev(&b, &r);
+        let (zd, ud) = (g.upload(&z).unwrap(), g.upload(&u).unwrap());
+        let gated = PleGated {
+            u: &ud,
+            z: &zd,
+            rows,
+        };
+        let slots_d = g.upload(&slots).unwrap();
         g.ple_conv_decode(
             dims,
-            &g.upload(&z).unwrap(),
-            &g.upload(&u).unwrap(),
+            &gated,
             &to_dev(&b, &w),
             &mut pool_d,
-            &g.upload(&slots).unwrap(),
+            &slots_d,
             &mut r_d,
-            rows,
         )
         .unwrap();
         let got_r: Vec<f32> = g

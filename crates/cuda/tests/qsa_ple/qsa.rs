@@ -47,18 +47,21 @@ fn write_keys(
     let dst: Vec<u32> = (0..rows as u32).collect();
     let dd = g.upload(&dst).unwrap();
     let mut pool = g.zeros::<u8>(rows * (di + 2)).unwrap();
-    g.qsa_index_key_write(
-        &to_dev(b, ik),
-        &to_dev(b, &w),
-        &to_dev(b, &bias),
-        1e-6,
-        &pd,
-        (di, rot / 2, &fd),
-        &dd,
-        &mut pool,
-        rows,
-    )
-    .unwrap();
+    let (wd, bd) = (to_dev(b, &w), to_dev(b, &bias));
+    let norm = KeyNorm {
+        w: &wd,
+        b: &bd,
+        eps: 1e-6,
+        dim: di,
+    };
+    let rope = RopeArgs {
+        positions: &pd,
+        inv_freq: &fd,
+        rot_dim: rot,
+        mscale: 1.0,
+    };
+    g.qsa_index_key_write(&to_dev(b, ik), &norm, &rope, &dd, &mut pool, rows)
+        .unwrap();
     let got = g.download(&pool).unwrap();
     (got, cpu_entries(ik, &w, &bias, pos, di, rot, &f))
 }
@@ -138,36 +141,35 @@ fn check_select(
     let mut qi = g.zeros::<f32>(n_rows * ni * di).unwrap();
     let mut wts = g.zeros::<f32>(n_rows * ni).unwrap();
     let head_scale = (ni as f32).powf(-0.5) * (di as f32).powf(-0.5);
-    g.qsa_query_prep(
-        &to_dev(b, &iq),
-        &to_dev(b, &iw),
-        &g.upload(&qpos).unwrap(),
-        (ni, di, rot / 2, &fd),
-        head_scale,
-        &mut qi,
-        &mut wts,
-        n_rows,
-    )
-    .unwrap();
+    let heads = IndexHeads {
+        n_heads: ni,
+        head_dim: di,
+    };
+    query_prep(b, (&iq, &iw), (&qpos, &fd, rot), heads, (&mut qi, &mut wts));
     let ld = ctx;
     let mut scores = g.zeros::<f32>(n_rows * ld).unwrap();
-    g.qsa_scores(
-        &qi,
-        &wts,
-        &pool_d,
-        &table,
-        ni,
-        di,
-        bs,
-        pos0,
-        n_rows,
-        &mut scores,
-        ld,
-    )
-    .unwrap();
+    let queries = IndexQueries {
+        qi: &qi,
+        wts: &wts,
+        heads,
+        rows: n_rows,
+    };
+    let keys = IndexCache {
+        pool: &pool_d,
+        tables: &table,
+        stride: 0,
+        block_size: bs,
+    };
+    g.qsa_scores(&queries, &keys, pos0, &mut scores, ld)
+        .unwrap();
     let mut sel = g.zeros::<u32>(n_rows * topk).unwrap();
     let mut counts = g.zeros::<u32>(n_rows).unwrap();
-    g.qsa_topk(&scores, ld, pos0, n_rows, topk, &mut sel, &mut counts)
+    let rows = ScoreRows {
+        scores: &scores,
+        ld,
+        rows: n_rows,
+    };
+    g.qsa_topk(&rows, pos0, topk, &mut sel, &mut counts)
         .unwrap();
     let (scores, sel, counts) = (
         g.download(&scores).unwrap(),
@@ -377,33 +379,34 @@ fn check_decode(b: &CudaBackend, rng: &mut Rng, c: &DecodeCase) -> usize {
     let mut qi = g.zeros::<f32>(n * ni * di).unwrap();
     let mut wts = g.zeros::<f32>(n * ni).unwrap();
     let head_scale = (ni as f32).powf(-0.5) * (di as f32).powf(-0.5);
-    g.qsa_query_prep(
-        &to_dev(b, &iq),
-        &to_dev(b, &iw),
-        &g.upload(&qpos).unwrap(),
-        (ni, di, rot / 2, &fd),
-        head_scale,
-        &mut qi,
-        &mut wts,
-        n,
-    )
-    .unwrap();
+    let heads = IndexHeads {
+        n_heads: ni,
+        head_dim: di,
+    };
+    query_prep(b, (&iq, &iw), (&qpos, &fd, rot), heads, (&mut qi, &mut wts));
     let mut scores = g.zeros::<f32>(n * span).unwrap();
     let mut sel = g.zeros::<u32>(n * topk).unwrap();
     let mut counts = g.zeros::<u32>(n).unwrap();
-    g.qsa_scores_decode(
-        &qi,
-        &wts,
-        &pool_d,
-        (&tables_d, stride),
-        &lens_d,
-        (ni, di, bs, topk),
-        n,
-        &mut scores,
-        span,
-    )
-    .unwrap();
-    g.qsa_topk_decode(&scores, span, &lens_d, n, topk, &mut sel, &mut counts)
+    let queries = IndexQueries {
+        qi: &qi,
+        wts: &wts,
+        heads,
+        rows: n,
+    };
+    let cache = IndexCache {
+        pool: &pool_d,
+        tables: &tables_d,
+        stride,
+        block_size: bs,
+    };
+    g.qsa_scores_decode(&queries, &cache, &lens_d, topk, &mut scores, span)
+        .unwrap();
+    let rows = ScoreRows {
+        scores: &scores,
+        ld: span,
+        rows: n,
+    };
+    g.qsa_topk_decode(&rows, &lens_d, topk, &mut sel, &mut counts)
         .unwrap();
     // The gathered attention over the selections, K/V through the same tables.
     let (hq, hkv, d) = (c.hq, c.hkv, c.d);
@@ -744,6 +747,36 @@ fn qsa_backend_matches_cpu() {
     assert!(selecting > 100, "the schedule exercises selection");
     assert_eq!(differing, 0, "selected sets differ from the CPU's");
     assert!(worst <= 1e-2, "QSA attention off by {worst}");
+}
+
+/// The indexer queries and head weights of the rows of `iq` / `iw` (bf16 values) at positions
+/// `qpos` (rotated dims `rot`, frequencies `fd` on the device), head weights scaled by
+/// `nI^-0.5 · dI^-0.5`, into `qi` and `wts`.
+fn query_prep(
+    b: &CudaBackend,
+    (iq, iw): (&[f32], &[f32]),
+    (qpos, fd, rot): (&[u32], &CudaSlice<f32>, usize),
+    heads: IndexHeads,
+    (qi, wts): (&mut CudaSlice<f32>, &mut CudaSlice<f32>),
+) {
+    let g = b.gpu();
+    let (ni, di) = (heads.n_heads, heads.head_dim);
+    let head_scale = (ni as f32).powf(-0.5) * (di as f32).powf(-0.5);
+    let (iq, iw) = (to_dev(b, iq), to_dev(b, iw));
+    let proj = IndexProj {
+        iq: &iq,
+        iw: &iw,
+        rows: qpos.len(),
+    };
+    let pos = g.upload(qpos).unwrap();
+    let rope = RopeArgs {
+        positions: &pos,
+        inv_freq: fd,
+        rot_dim: rot,
+        mscale: 1.0,
+    };
+    g.qsa_query_prep(&proj, &rope, heads, head_scale, qi, wts)
+        .unwrap();
 }
 
 /// One QSA call on backend `b`: the inputs (q|gate, k, v, iq, ik, iw, each `[rows, ·]`, their widths

@@ -116,6 +116,17 @@ impl Gpu {
         }
     }
 
+    /// The device address of a buffer, for the alignment a kernel variant needs (a kernel's argument
+    /// goes through [`Launch::ptr`]).
+    pub(crate) fn addr<T>(&self, buf: &impl DevicePtr<T>) -> sys::CUdeviceptr {
+        buf.device_ptr(&self.stream).0
+    }
+
+    /// [`Gpu::addr`] of a buffer the op writes.
+    pub(crate) fn addr_mut<T>(&self, buf: &mut impl DevicePtrMut<T>) -> sys::CUdeviceptr {
+        buf.device_ptr_mut(&self.stream).0
+    }
+
     /// Copies host data into a new device buffer.
     pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
         Ok(self.stream.clone_htod(data)?)

@@ -292,25 +292,17 @@ impl Gpu {
         // part_o slots of every split whose max is finite, the only ones the reduce reads.
         let mut part_o = unsafe { s.alloc::<f32>(n * hq * splits * d) }?;
         let mut part_ml = unsafe { s.alloc::<f32>(n * hq * splits * 2) }?;
-        let (qp, _gq) = q.device_ptr(s);
-        let (gp, _gg) = gate.device_ptr(s);
-        let (kp, _gk) = k_pool.device_ptr(s);
-        let (vp, _gv) = v_pool.device_ptr(s);
-        let (tp, _gt) = block_table.device_ptr(s);
-        let (pop, _gpo) = part_o.device_ptr_mut(s);
-        let (pmp, _gpm) = part_ml.device_ptr_mut(s);
-        let (op_, _go) = out.device_ptr_mut(s);
         let mut l = self.launch(self.kernel("attn_paged_partial")?);
-        l.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&tp)
+        l.ptr(q)
+            .ptr(k_pool)
+            .ptr(v_pool)
+            .ptr(block_table)
             .arg(&stride_i)
             .arg(&mb_i)
             .arg(&lens)
             .arg(&pos0_i)
-            .arg(&pop)
-            .arg(&pmp)
+            .ptr_mut(&mut part_o)
+            .ptr_mut(&mut part_ml)
             .arg(&hqi)
             .arg(&hkvi)
             .arg(&di)
@@ -326,11 +318,12 @@ impl Gpu {
         // stride 0); the kernel caps every length at max_blocks·block_size and masks block ids at or
         // beyond num_blocks; the workspace holds n·hq·splits slots.
         unsafe { l.launch(cfg(grid, PARTIAL_THREADS, 0)) }?;
+        drop(l);
         let mut l = self.launch(self.kernel("attn_paged_reduce")?);
-        l.arg(&pop)
-            .arg(&pmp)
-            .arg(&gp)
-            .arg(&op_)
+        l.ptr(&part_o)
+            .ptr(&part_ml)
+            .ptr(gate)
+            .ptr_mut(out)
             .arg(&hqi)
             .arg(&di)
             .arg(&splits_i);
@@ -410,13 +403,8 @@ impl Gpu {
         pools: &KvPools<&impl DevicePtr<bf16>>,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> bool {
-        let s = self.stream();
-        let (qp, _gq) = queries.q.device_ptr(s);
-        let (kp, _gk) = pools.k.device_ptr(s);
-        let (vp, _gv) = pools.v.device_ptr(s);
-        let (gp, _gg) = queries.gate.device_ptr(s);
-        let (op_, _go) = out.device_ptr_mut(s);
-        (qp | kp | vp) % 16 == 0 && (gp | op_) % 4 == 0
+        let (q, k, v) = (self.addr(queries.q), self.addr(pools.k), self.addr(pools.v));
+        (q | k | v) % 16 == 0 && (self.addr(queries.gate) | self.addr_mut(out)) % 4 == 0
     }
 
     /// Causal prefill of one chunk on the tensor cores (`attn_prefill_mma_d*`), plus the reduce when
@@ -516,12 +504,6 @@ impl Gpu {
         } else {
             None
         };
-        let (qp, _gq) = q.device_ptr(s);
-        let (gp, _gg) = gate.device_ptr(s);
-        let (kp, _gk) = k_pool.device_ptr(s);
-        let (vp, _gv) = v_pool.device_ptr(s);
-        let (tp, _gt) = block_table.device_ptr(s);
-        let (op_, _go) = out.device_ptr_mut(s);
         let (pop, pmp, _gpart) = match part.as_mut() {
             Some((po, pm)) => {
                 let (a, ga) = po.device_ptr_mut(s);
@@ -531,15 +513,15 @@ impl Gpu {
             None => (0, 0, None),
         };
         let mut l = self.launch(f);
-        l.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&tp)
+        l.ptr(q)
+            .ptr(k_pool)
+            .ptr(v_pool)
+            .ptr(block_table)
             .arg(&mb_i)
             .arg(&pos0_i)
             .arg(&t_i)
-            .arg(&gp)
-            .arg(&op_)
+            .ptr(gate)
+            .ptr_mut(out)
             .arg(&pop)
             .arg(&pmp)
             .arg(&hq_i)
@@ -557,13 +539,14 @@ impl Gpu {
         // splits the workspace holds t·hq·splits slots (without, the kernel never touches it); shared
         // memory opted in above.
         unsafe { l.launch(cfg(grid, MMA_THREADS, smem as u32)) }?;
+        drop(l);
         if splits > 1 {
             let d_i = d as i32;
             let mut l = self.launch(self.kernel("attn_paged_reduce")?);
             l.arg(&pop)
                 .arg(&pmp)
-                .arg(&gp)
-                .arg(&op_)
+                .ptr(gate)
+                .ptr_mut(out)
                 .arg(&hq_i)
                 .arg(&d_i)
                 .arg(&splits_i);

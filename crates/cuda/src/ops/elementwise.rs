@@ -59,12 +59,11 @@ impl Gpu {
         .div_ceil(32)
         .clamp(1, 8) as u32
             * 32;
-        let s = self.stream();
-        let (tp, _gt) = table.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
-        let vec = i32::from(hidden.is_multiple_of(8) && tp % 16 == 0 && op % 16 == 0);
+        let vec = i32::from(
+            hidden.is_multiple_of(8) && self.addr(table) % 16 == 0 && self.addr_mut(out) % 16 == 0,
+        );
         let mut b = self.launch(self.kernel("embed_bf16")?);
-        b.arg(&tp).ptr(ids).arg(&op).arg(&v).arg(&h).arg(&vec);
+        b.ptr(table).ptr(ids).ptr_mut(out).arg(&v).arg(&h).arg(&vec);
         // SAFETY: argument types match the kernel; lengths checked above; the kernel reads table rows
         // only for ids below `vocab`.
         unsafe { b.launch(cfg((grid_u32(OP, t)?, 1, 1), threads, 0)) }?;

@@ -404,7 +404,8 @@ impl Gpu {
         out: &mut impl DevicePtrMut<bf16>,
     ) -> bool {
         let (q, k, v) = (self.addr(queries.q), self.addr(pools.k), self.addr(pools.v));
-        (q | k | v) % 16 == 0 && (self.addr(queries.gate) | self.addr_mut(out)) % 4 == 0
+        (q | k | v).is_multiple_of(16)
+            && (self.addr(queries.gate) | self.addr_mut(out)).is_multiple_of(4)
     }
 
     /// Causal prefill of one chunk on the tensor cores (`attn_prefill_mma_d*`), plus the reduce when

@@ -60,7 +60,9 @@ impl Gpu {
         .clamp(1, 8) as u32
             * 32;
         let vec = i32::from(
-            hidden.is_multiple_of(8) && self.addr(table) % 16 == 0 && self.addr_mut(out) % 16 == 0,
+            hidden.is_multiple_of(8)
+                && self.addr(table).is_multiple_of(16)
+                && self.addr_mut(out).is_multiple_of(16),
         );
         let mut b = self.launch(self.kernel("embed_bf16")?);
         b.ptr(table).ptr(ids).ptr_mut(out).arg(&v).arg(&h).arg(&vec);

@@ -171,12 +171,13 @@ impl Gpu {
             int(OP, "e", e)?,
             int(OP, "max_tiles", max_tiles)?,
         );
-        let s = self.stream();
-        let (ip, _gi) = ids.device_ptr(s);
-        let (pp, _gp) = perm.device_ptr_mut(s);
-        let (tp, _gt) = tiles.device_ptr_mut(s);
         let mut b = self.launch(self.kernel("moe_sort")?);
-        b.arg(&ip).arg(&np).arg(&ei).arg(&pp).arg(&tp).arg(&mt);
+        b.ptr(ids)
+            .arg(&np)
+            .arg(&ei)
+            .ptr_mut(perm)
+            .ptr_mut(tiles)
+            .arg(&mt);
         // SAFETY: argument types match the kernel; lengths and shared memory ((2·e + 2) u32) checked
         // above.
         unsafe { b.launch(cfg((1, 1, 1), 1024, smem as u32)) }?;
@@ -221,13 +222,9 @@ impl Gpu {
         ensure(max_tiles <= 65535, OP, || {
             format!("{max_tiles} tiles exceed the grid limit")
         })?;
-        let s = self.stream();
-        let (wp, _gw) = w_ptrs.device_ptr(s);
-        let (xp, _gx) = x.device_ptr(s);
-        let (pp, _gp) = perm.device_ptr(s);
-        let (tp, _gt) = tiles.device_ptr(s);
-        let (yp, _gy) = y.device_ptr_mut(s);
-        ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
+        ensure(self.addr(x).is_multiple_of(16), OP, || {
+            "x must be 16-byte aligned".into()
+        })?;
         let plan = moe_gemv_plan(16, O::SUFFIX, n_pairs, e, k);
         let (xd, ni, ki, gi, li) = (
             int(OP, "x_div", x_div)?,
@@ -238,13 +235,13 @@ impl Gpu {
         );
         let mut b = self.launch(self.kernel(&plan.kernel)?);
         // The scale table is unused for bf16 experts: the word table stands in.
-        b.arg(&wp)
-            .arg(&wp)
-            .arg(&xp)
+        b.ptr(w_ptrs)
+            .ptr(w_ptrs)
+            .ptr(x)
             .arg(&xd)
-            .arg(&pp)
-            .arg(&tp)
-            .arg(&yp)
+            .ptr(perm)
+            .ptr(tiles)
+            .ptr_mut(y)
             .arg(&ni)
             .arg(&ki)
             .arg(&gi)
@@ -359,14 +356,9 @@ impl Gpu {
             format!("{max_tiles} tiles exceed the grid limit")
         })?;
         let group = if group_size == 0 { k } else { group_size };
-        let s = self.stream();
-        let (wp, _gw) = w_ptrs.device_ptr(s);
-        let (sp, _gs) = s_ptrs.device_ptr(s);
-        let (xp, _gx) = x.device_ptr(s);
-        let (pp, _gp) = perm.device_ptr(s);
-        let (tp, _gt) = tiles.device_ptr(s);
-        let (yp, _gy) = y.device_ptr_mut(s);
-        ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
+        ensure(self.addr(x).is_multiple_of(16), OP, || {
+            "x must be 16-byte aligned".into()
+        })?;
         // INT4 with groups of whole 128-value spans: the tensor-core kernel (any batch: a tile's ≤ 8
         // pairs are the mma's 8 columns), its x rows staged in shared memory.
         let mma = Self::moe_gemv_fuses_swiglu(bits, group_size, k);
@@ -393,13 +385,13 @@ impl Gpu {
             plan.lanes as i32,
         );
         let mut b = self.launch(self.kernel(&plan.kernel)?);
-        b.arg(&wp)
-            .arg(&sp)
-            .arg(&xp)
+        b.ptr(w_ptrs)
+            .ptr(s_ptrs)
+            .ptr(x)
             .arg(&xd)
-            .arg(&pp)
-            .arg(&tp)
-            .arg(&yp)
+            .ptr(perm)
+            .ptr(tiles)
+            .ptr_mut(y)
             .arg(&ni)
             .arg(&ki)
             .arg(&gi)
@@ -451,26 +443,22 @@ impl Gpu {
             return Ok(());
         }
         let s = self.stream();
-        let (yp, _gy) = y.device_ptr(s);
-        let (wp, _gw) = weights.device_ptr(s);
-        let (ip, _gi) = ids.device_ptr(s);
         let (sy, _gsy) = shared.map(|(b, _)| b.device_ptr(s)).unzip();
         let (sg, _gsg) = shared.map(|(_, b)| b.device_ptr(s)).unzip();
         let (syp, sgp) = (sy.unwrap_or(0), sg.unwrap_or(0));
-        let (op, _go) = out.device_ptr_mut(s);
         let (ei, ki, hi) = (int(OP, "e", e)?, int(OP, "top_k", top_k)?, int(OP, "h", h)?);
         let smem = 8 * top_k;
         ensure(smem <= 48 * 1024, OP, || {
             format!("top_k = {top_k} exceeds shared memory")
         })?;
         let mut b = self.launch(self.kernel("moe_combine")?);
-        b.arg(&yp)
-            .arg(&wp)
-            .arg(&ip)
+        b.ptr(y)
+            .ptr(weights)
+            .ptr(ids)
             .arg(&ei)
             .arg(&syp)
             .arg(&sgp)
-            .arg(&op)
+            .ptr_mut(out)
             .arg(&ki)
             .arg(&hi);
         let grid = (

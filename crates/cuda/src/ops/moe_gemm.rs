@@ -100,12 +100,13 @@ impl Gpu {
             int(OP, "e", e)?,
             int(OP, "max_tiles", max_tiles)?,
         );
-        let s = self.stream();
-        let (ip, _gi) = ids.device_ptr(s);
-        let (pp, _gp) = perm.device_ptr_mut(s);
-        let (tp, _gt) = tiles.device_ptr_mut(s);
         let mut b = self.launch(self.kernel("moe_gemm_plan")?);
-        b.arg(&ip).arg(&np).arg(&ei).arg(&pp).arg(&tp).arg(&mt);
+        b.ptr(ids)
+            .arg(&np)
+            .arg(&ei)
+            .ptr_mut(perm)
+            .ptr_mut(tiles)
+            .arg(&mt);
         // SAFETY: argument types match the kernel; lengths and shared memory (2·e u32) checked above.
         unsafe { b.launch(cfg((1, 1, 1), 1024, (8 * e) as u32)) }?;
         Ok(())
@@ -172,14 +173,9 @@ impl Gpu {
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
         )?;
-        let s = self.stream();
-        let (wp, _gw) = w_ptrs.device_ptr(s);
-        let (sp, _gs) = s_ptrs.device_ptr(s);
-        let (xp, _gx) = x.device_ptr(s);
-        let (pp, _gp) = perm.device_ptr(s);
-        let (tp, _gt) = tiles.device_ptr(s);
-        let (yp, _gy) = y.device_ptr_mut(s);
-        ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
+        ensure(self.addr(x).is_multiple_of(16), OP, || {
+            "x must be 16-byte aligned".into()
+        })?;
         let (xd, ni, ki, gi, si) = (
             int(OP, "x_div", x_div)?,
             int(OP, "n", n)?,
@@ -188,13 +184,13 @@ impl Gpu {
             int(OP, "spc", spc)?,
         );
         let mut b = self.launch(f);
-        b.arg(&wp)
-            .arg(&sp)
-            .arg(&xp)
+        b.ptr(w_ptrs)
+            .ptr(s_ptrs)
+            .ptr(x)
             .arg(&xd)
-            .arg(&pp)
-            .arg(&tp)
-            .arg(&yp)
+            .ptr(perm)
+            .ptr(tiles)
+            .ptr_mut(y)
             .arg(&ni)
             .arg(&ki)
             .arg(&gi)

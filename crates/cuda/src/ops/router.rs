@@ -225,7 +225,7 @@ impl Gpu {
             slot_log2 as i32,
         );
         ensure(
-            self.addr(router) % 16 == 0 && self.addr(x) % 16 == 0,
+            self.addr(router).is_multiple_of(16) && self.addr(x).is_multiple_of(16),
             OP,
             || "router and x must be 16-byte aligned".into(),
         )?;

@@ -25,7 +25,7 @@
 //! from the stream-ordered pool, uninitialised (the reduce reads only what the partial kernel wrote).
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceSlice};
 use half::bf16;
 
 use super::{row_threads, KvPools};
@@ -245,25 +245,10 @@ impl Gpu {
         ensure(n <= GRID_YZ_MAX && splits <= GRID_YZ_MAX, op, || {
             format!("{n} rows or {splits} splits exceed {GRID_YZ_MAX}")
         })?;
-        let pool_rows = bs * dims.kv_row();
-        ensure(
-            k_pool.len() == v_pool.len() && k_pool.len() % pool_rows == 0,
-            op,
-            || {
-                format!(
-                    "k_pool ({}) and v_pool ({}) must be equal multiples of block_size·hkv·head_dim = {pool_rows}",
-                    k_pool.len(),
-                    v_pool.len()
-                )
-            },
-        )?;
-        check_len(op, "q", q, n * dims.q_row())?;
-        check_len(op, "gate", gate, n * dims.q_row())?;
-        check_len(op, "out", out, n * dims.q_row())?;
+        let num_blocks = check_paged(op, dims, queries, &cache.pools, &*out, n)?;
         if n == 0 {
             return Ok(());
         }
-        let num_blocks = u32::try_from(k_pool.len() / pool_rows).unwrap_or(u32::MAX);
         let (lens, pos0, max_blocks, table_stride) = match rows {
             Rows::Decode {
                 lens, max_blocks, ..
@@ -332,6 +317,35 @@ impl Gpu {
         unsafe { l.launch(cfg((hq as u32, n as u32, 1), row_threads(d), 0)) }?;
         Ok(())
     }
+}
+
+/// Checks that the pools are equal and hold whole blocks, and that q, gate and out hold `rows` query
+/// rows; returns the number of blocks in the pools.
+fn check_paged(
+    op: &'static str,
+    dims: AttnDims,
+    queries: &Queries<'_, impl DevicePtr<bf16>>,
+    pools: &KvPools<&impl DevicePtr<bf16>>,
+    out: &impl DeviceSlice<bf16>,
+    rows: usize,
+) -> Result<u32> {
+    let (k_pool, v_pool) = (pools.k, pools.v);
+    let pool_rows = dims.block_size * dims.kv_row();
+    ensure(
+        k_pool.len() == v_pool.len() && k_pool.len() % pool_rows == 0,
+        op,
+        || {
+            format!(
+                "k_pool ({}) and v_pool ({}) must be equal multiples of block_size·hkv·head_dim = {pool_rows}",
+                k_pool.len(),
+                v_pool.len()
+            )
+        },
+    )?;
+    check_len(op, "q", queries.q, rows * dims.q_row())?;
+    check_len(op, "gate", queries.gate, rows * dims.q_row())?;
+    check_len(op, "out", out, rows * dims.q_row())?;
+    Ok(u32::try_from(k_pool.len() / pool_rows).unwrap_or(u32::MAX))
 }
 
 /// The largest split of a decode launch whose longest context is `max_len`: about
@@ -441,21 +455,7 @@ impl Gpu {
         ensure(hkv > 0 && hq > 0 && hq % hkv == 0, op, || {
             format!("hq = {hq} must be a positive multiple of hkv = {hkv}")
         })?;
-        let pool_rows = bs * dims.kv_row();
-        ensure(
-            k_pool.len() == v_pool.len() && k_pool.len() % pool_rows == 0,
-            op,
-            || {
-                format!(
-                    "k_pool ({}) and v_pool ({}) must be equal multiples of block_size·hkv·head_dim = {pool_rows}",
-                    k_pool.len(),
-                    v_pool.len()
-                )
-            },
-        )?;
-        check_len(op, "q", q, t * dims.q_row())?;
-        check_len(op, "gate", gate, t * dims.q_row())?;
-        check_len(op, "out", out, t * dims.q_row())?;
+        let num_blocks = check_paged(op, dims, queries, &cache.pools, &*out, t)?;
         if t == 0 {
             return Ok(());
         }
@@ -475,7 +475,6 @@ impl Gpu {
             op,
             || format!("{hkv} KV heads, {splits} splits or {t} rows exceed {GRID_YZ_MAX}"),
         )?;
-        let num_blocks = u32::try_from(k_pool.len() / pool_rows).unwrap_or(u32::MAX);
         let (mb_i, pos0_i, t_i) = (
             int(op, "max_blocks", block_table.len())?,
             int(op, "pos0 + t", len).map(|_| pos0 as i32)?,

@@ -11,7 +11,8 @@ use half::bf16;
 
 use super::PackedScheme;
 use crate::error::{ensure, CudaError, Result};
-use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
+use crate::gpu::{cfg, check_len, grid_u32, int, Gpu, Launch};
+use crate::registry::Kernel;
 
 /// Pairs per tile of the grouped GEMV (`MOE_TILE` in `moe_route.cuh`).
 pub const MOE_TILE: usize = 8;
@@ -23,6 +24,16 @@ const MMA_WARPS: usize = 4;
 const MMA_ROWS: usize = 16;
 /// Threads per block of `moe_combine` (each sums 4 columns).
 const COMBINE_THREADS: usize = 128;
+
+/// A pair-grouping launch ([`Gpu::group_pairs`]): its op and kernel, `e` experts, the `max_tiles`
+/// tile slots and `smem` bytes of shared memory.
+pub(super) struct Grouping {
+    pub op: &'static str,
+    pub kernel: &'static str,
+    pub e: usize,
+    pub max_tiles: usize,
+    pub smem: usize,
+}
 
 /// The most tiles `n_pairs` pairs over `e` experts can need: each non-empty expert adds at most one
 /// partial tile.
@@ -162,24 +173,52 @@ impl Gpu {
         ensure(e > 0 && smem <= 48 * 1024, OP, || {
             format!("{e} experts do not fit shared memory")
         })?;
-        let max_tiles = moe_max_tiles(n_pairs, e);
-        check_len(OP, "ids", ids, n_pairs)?;
-        check_len(OP, "perm", perm, n_pairs)?;
-        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
+        let grouping = Grouping {
+            op: OP,
+            kernel: "moe_sort",
+            e,
+            max_tiles: moe_max_tiles(n_pairs, e),
+            smem,
+        };
+        // Shared memory: (2·e + 2) u32, checked above.
+        self.group_pairs(grouping, ids, n_pairs, perm, tiles)
+    }
+
+    /// Launches a kernel that groups pairs by expert (`moe_sort`, `moe_gemm_plan`: `ids, n_pairs, e,
+    /// perm, tiles, max_tiles`) on one block of 1024 threads, after checking the buffers' lengths.
+    /// The caller checks that `g.smem` bytes of shared memory are what the kernel needs and fit.
+    pub(super) fn group_pairs(
+        &self,
+        g: Grouping,
+        ids: &impl DevicePtr<u32>,
+        n_pairs: usize,
+        perm: &mut impl DevicePtrMut<u32>,
+        tiles: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        let Grouping {
+            op,
+            kernel,
+            e,
+            max_tiles,
+            smem,
+        } = g;
+        check_len(op, "ids", ids, n_pairs)?;
+        check_len(op, "perm", perm, n_pairs)?;
+        check_len(op, "tiles", tiles, 3 * max_tiles)?;
         let (np, ei, mt) = (
-            int(OP, "n_pairs", n_pairs)?,
-            int(OP, "e", e)?,
-            int(OP, "max_tiles", max_tiles)?,
+            int(op, "n_pairs", n_pairs)?,
+            int(op, "e", e)?,
+            int(op, "max_tiles", max_tiles)?,
         );
-        let mut b = self.launch(self.kernel("moe_sort")?);
+        let mut b = self.launch(self.kernel(kernel)?);
         b.ptr(ids)
             .arg(&np)
             .arg(&ei)
             .ptr_mut(perm)
             .ptr_mut(tiles)
             .arg(&mt);
-        // SAFETY: argument types match the kernel; lengths and shared memory ((2·e + 2) u32) checked
-        // above.
+        // SAFETY: argument types match the kernel; lengths checked above, shared memory by the
+        // caller.
         unsafe { b.launch(cfg((1, 1, 1), 1024, smem as u32)) }?;
         Ok(())
     }
@@ -233,19 +272,10 @@ impl Gpu {
             1i32,
             plan.lanes as i32,
         );
-        let mut b = self.launch(self.kernel(&plan.kernel)?);
         // The scale table is unused for bf16 experts: the word table stands in.
-        b.ptr(w_ptrs)
-            .ptr(w_ptrs)
-            .ptr(x)
-            .arg(&xd)
-            .ptr(perm)
-            .ptr(tiles)
-            .ptr_mut(y)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&gi)
-            .arg(&li);
+        let kernel = self.kernel(&plan.kernel)?;
+        let mut b = self.grouped_launch(kernel, [w_ptrs, w_ptrs], x, &xd, groups, y);
+        b.arg(&ni).arg(&ki).arg(&gi).arg(&li);
         let grid = (
             grid_u32(OP, n.div_ceil(plan.rows_per_block))?,
             max_tiles as u32,
@@ -384,18 +414,9 @@ impl Gpu {
             int(OP, "group", group)?,
             plan.lanes as i32,
         );
-        let mut b = self.launch(self.kernel(&plan.kernel)?);
-        b.ptr(w_ptrs)
-            .ptr(s_ptrs)
-            .ptr(x)
-            .arg(&xd)
-            .ptr(perm)
-            .ptr(tiles)
-            .ptr_mut(y)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&gi)
-            .arg(&li);
+        let kernel = self.kernel(&plan.kernel)?;
+        let mut b = self.grouped_launch(kernel, [w_ptrs, s_ptrs], x, &xd, groups, y);
+        b.arg(&ni).arg(&ki).arg(&gi).arg(&li);
         let grid = (
             grid_u32(OP, n.div_ceil(plan.rows_per_block))?,
             max_tiles as u32,
@@ -408,6 +429,29 @@ impl Gpu {
         // (MOE_TILE staged x rows) is checked above.
         unsafe { b.launch(cfg(grid, threads, smem)) }?;
         Ok(())
+    }
+
+    /// Starts a launch of a grouped expert kernel (`moe_gemv*`, `moe_gemm*`) with the arguments they
+    /// all open with: the weight and scale address tables, `x` and its row divisor, the groups' `perm`
+    /// and `tiles`, and `y`; the caller adds the kernel's shape arguments.
+    pub(super) fn grouped_launch<'a, O>(
+        &'a self,
+        kernel: &'a Kernel,
+        tables: [&'a impl DevicePtr<u64>; 2],
+        x: &'a impl DevicePtr<bf16>,
+        x_div: &'a i32,
+        groups: &'a PairGroups<'a, impl DevicePtr<u32>>,
+        y: &'a mut impl DevicePtrMut<O>,
+    ) -> Launch<'a> {
+        let mut b = self.launch(kernel);
+        b.ptr(tables[0])
+            .ptr(tables[1])
+            .ptr(x)
+            .arg(x_div)
+            .ptr(groups.perm)
+            .ptr(groups.tiles)
+            .ptr_mut(y);
+        b
     }
 
     /// `out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j]`, skipping pairs whose id is `≥ experts`,

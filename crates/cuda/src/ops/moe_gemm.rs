@@ -14,7 +14,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::moe::{Experts, MoeOut, PairGroups, PairRows};
+use super::moe::{Experts, Grouping, MoeOut, PairGroups, PairRows};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -91,25 +91,15 @@ impl Gpu {
         ensure(e > 0 && 8 * e <= 46 * 1024, OP, || {
             format!("{e} experts do not fit shared memory")
         })?;
-        let max_tiles = Self::moe_gemm_max_tiles(n_pairs, e);
-        check_len(OP, "ids", ids, n_pairs)?;
-        check_len(OP, "perm", perm, n_pairs)?;
-        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
-        let (np, ei, mt) = (
-            int(OP, "n_pairs", n_pairs)?,
-            int(OP, "e", e)?,
-            int(OP, "max_tiles", max_tiles)?,
-        );
-        let mut b = self.launch(self.kernel("moe_gemm_plan")?);
-        b.ptr(ids)
-            .arg(&np)
-            .arg(&ei)
-            .ptr_mut(perm)
-            .ptr_mut(tiles)
-            .arg(&mt);
-        // SAFETY: argument types match the kernel; lengths and shared memory (2·e u32) checked above.
-        unsafe { b.launch(cfg((1, 1, 1), 1024, (8 * e) as u32)) }?;
-        Ok(())
+        let grouping = Grouping {
+            op: OP,
+            kernel: "moe_gemm_plan",
+            e,
+            max_tiles: Self::moe_gemm_max_tiles(n_pairs, e),
+            smem: 8 * e,
+        };
+        // Shared memory: 2·e u32 (8·e bytes), checked above.
+        self.group_pairs(grouping, ids, n_pairs, perm, tiles)
     }
 
     /// For every tile `(x, start, count)` of `groups.tiles` (from [`Gpu::moe_gemm_plan`]) and each
@@ -183,18 +173,8 @@ impl Gpu {
             int(OP, "group", group)?,
             int(OP, "spc", spc)?,
         );
-        let mut b = self.launch(f);
-        b.ptr(w_ptrs)
-            .ptr(s_ptrs)
-            .ptr(x)
-            .arg(&xd)
-            .ptr(perm)
-            .ptr(tiles)
-            .ptr_mut(y)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&gi)
-            .arg(&si);
+        let mut b = self.grouped_launch(f, [w_ptrs, s_ptrs], x, &xd, groups, y);
+        b.arg(&ni).arg(&ki).arg(&gi).arg(&si);
         let grid = (grid_u32(OP, n.div_ceil(BM))?, max_tiles as u32, 1);
         // SAFETY: argument types match the kernel; x, perm, tiles, y and table lengths and the shape
         // rules checked above; perm holds pair numbers below n_pairs (written by moe_gemm_plan), so x

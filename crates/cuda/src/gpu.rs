@@ -7,8 +7,8 @@ use std::sync::Arc;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::sys;
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DeviceSlice, LaunchConfig,
-    ValidAsZeroBits,
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
+    LaunchConfig, SyncOnDrop, ValidAsZeroBits,
 };
 
 use crate::device::{self, guarded, DeviceInfo};
@@ -102,7 +102,8 @@ impl Gpu {
         self.kernels.get(name)
     }
 
-    /// Starts a launch of `kernel` on [`Gpu::stream`]: add its arguments with [`Launch::arg`], then
+    /// Starts a launch of `kernel` on [`Gpu::stream`]: add its arguments in the kernel's parameter
+    /// order with [`Launch::ptr`], [`Launch::ptr_mut`] (buffers) and [`Launch::arg`] (scalars), then
     /// [`Launch::launch`].
     pub(crate) fn launch<'a>(&'a self, kernel: &'a Kernel) -> Launch<'a> {
         Launch {
@@ -110,7 +111,20 @@ impl Gpu {
             kernel,
             pdl: self.pdl && kernel.pdl,
             args: Vec::with_capacity(16),
+            ptrs: Vec::with_capacity(12),
+            guards: Vec::with_capacity(12),
         }
+    }
+
+    /// The device address of a buffer, for the alignment a kernel variant needs (a kernel's argument
+    /// goes through [`Launch::ptr`]).
+    pub(crate) fn addr<T>(&self, buf: &impl DevicePtr<T>) -> sys::CUdeviceptr {
+        buf.device_ptr(&self.stream).0
+    }
+
+    /// [`Gpu::addr`] of a buffer the op writes.
+    pub(crate) fn addr_mut<T>(&self, buf: &mut impl DevicePtrMut<T>) -> sys::CUdeviceptr {
+        buf.device_ptr_mut(&self.stream).0
     }
 
     /// Copies host data into a new device buffer.
@@ -169,13 +183,38 @@ pub(crate) struct Launch<'a> {
     stream: &'a CudaStream,
     kernel: &'a Kernel,
     pdl: bool,
+    /// One pointer per kernel parameter, to its value; the slots of the buffer arguments are filled
+    /// in from `ptrs` at the launch.
     args: Vec<*mut c_void>,
+    /// The device pointers of the buffer arguments, each with its slot in `args`.
+    ptrs: Vec<(usize, sys::CUdeviceptr)>,
+    /// The buffers' access guards, held until the launch is dropped (after the kernel is queued).
+    guards: Vec<SyncOnDrop<'a>>,
 }
 
 impl<'a> Launch<'a> {
     /// Appends a kernel argument: a device pointer (`u64`) or a scalar, borrowed until the launch.
     pub fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
         self.args.push(value as *const T as *mut c_void);
+        self
+    }
+
+    /// Appends a buffer the kernel reads: its device pointer on the launch's stream.
+    pub fn ptr<T>(&mut self, buf: &'a impl DevicePtr<T>) -> &mut Self {
+        let (p, guard) = buf.device_ptr(self.stream);
+        self.push_ptr(p, guard)
+    }
+
+    /// Appends a buffer the kernel writes: its device pointer on the launch's stream.
+    pub fn ptr_mut<T>(&mut self, buf: &'a mut impl DevicePtrMut<T>) -> &mut Self {
+        let (p, guard) = buf.device_ptr_mut(self.stream);
+        self.push_ptr(p, guard)
+    }
+
+    fn push_ptr(&mut self, p: sys::CUdeviceptr, guard: SyncOnDrop<'a>) -> &mut Self {
+        self.ptrs.push((self.args.len(), p));
+        self.args.push(std::ptr::null_mut());
+        self.guards.push(guard);
         self
     }
 
@@ -205,9 +244,12 @@ impl<'a> Launch<'a> {
             },
             numAttrs: u32::from(self.pdl),
         };
+        for (slot, p) in &self.ptrs {
+            self.args[*slot] = p as *const sys::CUdeviceptr as *mut c_void;
+        }
         self.stream.context().bind_to_thread()?;
-        // SAFETY: `config` and the argument pointers live across the call; the caller vouches for the
-        // arguments (see above).
+        // SAFETY: `config` and the argument pointers live across the call (`ptrs` is not touched
+        // until it returns); the caller vouches for the arguments (see above).
         unsafe {
             sys::cuLaunchKernelEx(
                 &config,

@@ -83,7 +83,6 @@ pub use cudarc;
 pub use device::{device_count, driver_version, gpu_present, probe, DeviceInfo, DeviceSelection};
 pub use error::{CudaError, Result};
 pub use gpu::{device_memory, Gpu, GpuOptions};
-pub use ops::SampleBatch;
 pub use ops::{
     moe_max_tiles, AttnDims, ChunkRows, DecodeLens, GdnDecodeWeights, GdnDims, HeadLayout,
     HeadNorm, KvPools, MoeOut, NormRows, PagedCache, PleDims, Queries, RopeArgs, Selection,
@@ -94,3 +93,4 @@ pub use ops::{DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed};
 pub use ops::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows};
 pub use ops::{PackedMat, PackedScheme};
 pub use ops::{PleGateWeights, PleGated, PleLin};
+pub use ops::{SampleBatch, SampleBuffers};

@@ -25,7 +25,7 @@
 //! from the stream-ordered pool, uninitialised (the reduce reads only what the partial kernel wrote).
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceSlice};
 use half::bf16;
 
 use super::{row_threads, KvPools};
@@ -245,25 +245,10 @@ impl Gpu {
         ensure(n <= GRID_YZ_MAX && splits <= GRID_YZ_MAX, op, || {
             format!("{n} rows or {splits} splits exceed {GRID_YZ_MAX}")
         })?;
-        let pool_rows = bs * dims.kv_row();
-        ensure(
-            k_pool.len() == v_pool.len() && k_pool.len() % pool_rows == 0,
-            op,
-            || {
-                format!(
-                    "k_pool ({}) and v_pool ({}) must be equal multiples of block_size·hkv·head_dim = {pool_rows}",
-                    k_pool.len(),
-                    v_pool.len()
-                )
-            },
-        )?;
-        check_len(op, "q", q, n * dims.q_row())?;
-        check_len(op, "gate", gate, n * dims.q_row())?;
-        check_len(op, "out", out, n * dims.q_row())?;
+        let num_blocks = check_paged(op, dims, queries, &cache.pools, &*out, n)?;
         if n == 0 {
             return Ok(());
         }
-        let num_blocks = u32::try_from(k_pool.len() / pool_rows).unwrap_or(u32::MAX);
         let (lens, pos0, max_blocks, table_stride) = match rows {
             Rows::Decode {
                 lens, max_blocks, ..
@@ -292,25 +277,17 @@ impl Gpu {
         // part_o slots of every split whose max is finite, the only ones the reduce reads.
         let mut part_o = unsafe { s.alloc::<f32>(n * hq * splits * d) }?;
         let mut part_ml = unsafe { s.alloc::<f32>(n * hq * splits * 2) }?;
-        let (qp, _gq) = q.device_ptr(s);
-        let (gp, _gg) = gate.device_ptr(s);
-        let (kp, _gk) = k_pool.device_ptr(s);
-        let (vp, _gv) = v_pool.device_ptr(s);
-        let (tp, _gt) = block_table.device_ptr(s);
-        let (pop, _gpo) = part_o.device_ptr_mut(s);
-        let (pmp, _gpm) = part_ml.device_ptr_mut(s);
-        let (op_, _go) = out.device_ptr_mut(s);
         let mut l = self.launch(self.kernel("attn_paged_partial")?);
-        l.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&tp)
+        l.ptr(q)
+            .ptr(k_pool)
+            .ptr(v_pool)
+            .ptr(block_table)
             .arg(&stride_i)
             .arg(&mb_i)
             .arg(&lens)
             .arg(&pos0_i)
-            .arg(&pop)
-            .arg(&pmp)
+            .ptr_mut(&mut part_o)
+            .ptr_mut(&mut part_ml)
             .arg(&hqi)
             .arg(&hkvi)
             .arg(&di)
@@ -326,11 +303,12 @@ impl Gpu {
         // stride 0); the kernel caps every length at max_blocks·block_size and masks block ids at or
         // beyond num_blocks; the workspace holds n·hq·splits slots.
         unsafe { l.launch(cfg(grid, PARTIAL_THREADS, 0)) }?;
+        drop(l);
         let mut l = self.launch(self.kernel("attn_paged_reduce")?);
-        l.arg(&pop)
-            .arg(&pmp)
-            .arg(&gp)
-            .arg(&op_)
+        l.ptr(&part_o)
+            .ptr(&part_ml)
+            .ptr(gate)
+            .ptr_mut(out)
             .arg(&hqi)
             .arg(&di)
             .arg(&splits_i);
@@ -339,6 +317,35 @@ impl Gpu {
         unsafe { l.launch(cfg((hq as u32, n as u32, 1), row_threads(d), 0)) }?;
         Ok(())
     }
+}
+
+/// Checks that the pools are equal and hold whole blocks, and that q, gate and out hold `rows` query
+/// rows; returns the number of blocks in the pools.
+fn check_paged(
+    op: &'static str,
+    dims: AttnDims,
+    queries: &Queries<'_, impl DevicePtr<bf16>>,
+    pools: &KvPools<&impl DevicePtr<bf16>>,
+    out: &impl DeviceSlice<bf16>,
+    rows: usize,
+) -> Result<u32> {
+    let (k_pool, v_pool) = (pools.k, pools.v);
+    let pool_rows = dims.block_size * dims.kv_row();
+    ensure(
+        k_pool.len() == v_pool.len() && k_pool.len() % pool_rows == 0,
+        op,
+        || {
+            format!(
+                "k_pool ({}) and v_pool ({}) must be equal multiples of block_size·hkv·head_dim = {pool_rows}",
+                k_pool.len(),
+                v_pool.len()
+            )
+        },
+    )?;
+    check_len(op, "q", queries.q, rows * dims.q_row())?;
+    check_len(op, "gate", queries.gate, rows * dims.q_row())?;
+    check_len(op, "out", out, rows * dims.q_row())?;
+    Ok(u32::try_from(k_pool.len() / pool_rows).unwrap_or(u32::MAX))
 }
 
 /// The largest split of a decode launch whose longest context is `max_len`: about
@@ -410,13 +417,9 @@ impl Gpu {
         pools: &KvPools<&impl DevicePtr<bf16>>,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> bool {
-        let s = self.stream();
-        let (qp, _gq) = queries.q.device_ptr(s);
-        let (kp, _gk) = pools.k.device_ptr(s);
-        let (vp, _gv) = pools.v.device_ptr(s);
-        let (gp, _gg) = queries.gate.device_ptr(s);
-        let (op_, _go) = out.device_ptr_mut(s);
-        (qp | kp | vp) % 16 == 0 && (gp | op_) % 4 == 0
+        let (q, k, v) = (self.addr(queries.q), self.addr(pools.k), self.addr(pools.v));
+        (q | k | v).is_multiple_of(16)
+            && (self.addr(queries.gate) | self.addr_mut(out)).is_multiple_of(4)
     }
 
     /// Causal prefill of one chunk on the tensor cores (`attn_prefill_mma_d*`), plus the reduce when
@@ -452,21 +455,7 @@ impl Gpu {
         ensure(hkv > 0 && hq > 0 && hq % hkv == 0, op, || {
             format!("hq = {hq} must be a positive multiple of hkv = {hkv}")
         })?;
-        let pool_rows = bs * dims.kv_row();
-        ensure(
-            k_pool.len() == v_pool.len() && k_pool.len() % pool_rows == 0,
-            op,
-            || {
-                format!(
-                    "k_pool ({}) and v_pool ({}) must be equal multiples of block_size·hkv·head_dim = {pool_rows}",
-                    k_pool.len(),
-                    v_pool.len()
-                )
-            },
-        )?;
-        check_len(op, "q", q, t * dims.q_row())?;
-        check_len(op, "gate", gate, t * dims.q_row())?;
-        check_len(op, "out", out, t * dims.q_row())?;
+        let num_blocks = check_paged(op, dims, queries, &cache.pools, &*out, t)?;
         if t == 0 {
             return Ok(());
         }
@@ -486,7 +475,6 @@ impl Gpu {
             op,
             || format!("{hkv} KV heads, {splits} splits or {t} rows exceed {GRID_YZ_MAX}"),
         )?;
-        let num_blocks = u32::try_from(k_pool.len() / pool_rows).unwrap_or(u32::MAX);
         let (mb_i, pos0_i, t_i) = (
             int(op, "max_blocks", block_table.len())?,
             int(op, "pos0 + t", len).map(|_| pos0 as i32)?,
@@ -516,12 +504,6 @@ impl Gpu {
         } else {
             None
         };
-        let (qp, _gq) = q.device_ptr(s);
-        let (gp, _gg) = gate.device_ptr(s);
-        let (kp, _gk) = k_pool.device_ptr(s);
-        let (vp, _gv) = v_pool.device_ptr(s);
-        let (tp, _gt) = block_table.device_ptr(s);
-        let (op_, _go) = out.device_ptr_mut(s);
         let (pop, pmp, _gpart) = match part.as_mut() {
             Some((po, pm)) => {
                 let (a, ga) = po.device_ptr_mut(s);
@@ -531,15 +513,15 @@ impl Gpu {
             None => (0, 0, None),
         };
         let mut l = self.launch(f);
-        l.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&tp)
+        l.ptr(q)
+            .ptr(k_pool)
+            .ptr(v_pool)
+            .ptr(block_table)
             .arg(&mb_i)
             .arg(&pos0_i)
             .arg(&t_i)
-            .arg(&gp)
-            .arg(&op_)
+            .ptr(gate)
+            .ptr_mut(out)
             .arg(&pop)
             .arg(&pmp)
             .arg(&hq_i)
@@ -557,13 +539,14 @@ impl Gpu {
         // splits the workspace holds t·hq·splits slots (without, the kernel never touches it); shared
         // memory opted in above.
         unsafe { l.launch(cfg(grid, MMA_THREADS, smem as u32)) }?;
+        drop(l);
         if splits > 1 {
             let d_i = d as i32;
             let mut l = self.launch(self.kernel("attn_paged_reduce")?);
             l.arg(&pop)
                 .arg(&pmp)
-                .arg(&gp)
-                .arg(&op_)
+                .ptr(gate)
+                .ptr_mut(out)
                 .arg(&hq_i)
                 .arg(&d_i)
                 .arg(&splits_i);

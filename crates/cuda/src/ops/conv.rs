@@ -81,24 +81,15 @@ impl Gpu {
             max_len.min(rows).div_ceil(ROWS_PER_THREAD).min(65535) as u32,
             n_seq as u32,
         );
-        let s = self.stream();
-        let (xp, _gx) = x.device_ptr(s);
-        let (wp, _gw) = w.device_ptr(s);
-        let (sp, _gs) = state_pool.device_ptr_mut(s);
-        let (pp, _gp) = positions.device_ptr(s);
-        let (stp, _gst) = starts.device_ptr(s);
-        let (lnp, _gln) = lens.device_ptr(s);
-        let (slp, _gsl) = slots.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
         let mut b = self.launch(self.kernel("conv1d_prefill_seqs_bf16")?);
-        b.arg(&xp)
-            .arg(&wp)
-            .arg(&sp)
-            .arg(&pp)
-            .arg(&stp)
-            .arg(&lnp)
-            .arg(&slp)
-            .arg(&op)
+        b.ptr(x)
+            .ptr(w)
+            .ptr_mut(state_pool)
+            .ptr(positions)
+            .ptr(starts)
+            .ptr(lens)
+            .ptr(slots)
+            .ptr_mut(out)
             .arg(&ri)
             .arg(&ci)
             .arg(&ki)
@@ -107,15 +98,16 @@ impl Gpu {
         // sequence's rows to `rows` (so the position it reads lies inside `positions`) and skips slot
         // ids at or beyond `num_slots`.
         unsafe { b.launch(cfg(grid, 256, 0)) }?;
+        drop(b);
         // With kernel 1 no later token reads an input of the chunk.
         if kernel > 1 {
             let mut b = self.launch(self.kernel("conv1d_ring_store_seqs_bf16")?);
-            b.arg(&xp)
-                .arg(&sp)
-                .arg(&pp)
-                .arg(&stp)
-                .arg(&lnp)
-                .arg(&slp)
+            b.ptr(x)
+                .ptr_mut(state_pool)
+                .ptr(positions)
+                .ptr(starts)
+                .ptr(lens)
+                .ptr(slots)
                 .arg(&ri)
                 .arg(&ci)
                 .arg(&ki)

@@ -24,11 +24,8 @@ impl Gpu {
         let ii = int(OP, "i", 2 * i)? / 2;
         let tt = t as i64;
         let blocks = grid_u32(OP, (t * i).div_ceil(256).min(1 << 20))?;
-        let s = self.stream();
-        let (gp, _gg) = gate_up.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
         let mut b = self.launch(self.kernel("swiglu_bf16")?);
-        b.arg(&gp).arg(&op).arg(&tt).arg(&ii);
+        b.ptr(gate_up).ptr_mut(out).arg(&tt).arg(&ii);
         // SAFETY: argument types match the kernel; lengths checked above.
         unsafe { b.launch(cfg((blocks, 1, 1), 256, 0)) }?;
         Ok(())
@@ -62,13 +59,13 @@ impl Gpu {
         .div_ceil(32)
         .clamp(1, 8) as u32
             * 32;
-        let s = self.stream();
-        let (tp, _gt) = table.device_ptr(s);
-        let (ip, _gi) = ids.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
-        let vec = i32::from(hidden.is_multiple_of(8) && tp % 16 == 0 && op % 16 == 0);
+        let vec = i32::from(
+            hidden.is_multiple_of(8)
+                && self.addr(table).is_multiple_of(16)
+                && self.addr_mut(out).is_multiple_of(16),
+        );
         let mut b = self.launch(self.kernel("embed_bf16")?);
-        b.arg(&tp).arg(&ip).arg(&op).arg(&v).arg(&h).arg(&vec);
+        b.ptr(table).ptr(ids).ptr_mut(out).arg(&v).arg(&h).arg(&vec);
         // SAFETY: argument types match the kernel; lengths checked above; the kernel reads table rows
         // only for ids below `vocab`.
         unsafe { b.launch(cfg((grid_u32(OP, t)?, 1, 1), threads, 0)) }?;

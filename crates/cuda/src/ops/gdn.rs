@@ -166,34 +166,20 @@ impl Gpu {
             ("gdn_decode_fused_dk256", THREADS_DK256)
         };
         let grid = (hvi as u32, batch as u32, 1);
-        let s = self.stream();
-        let (qp, _gq) = qkv.device_ptr(s);
-        let (zp, _gz) = z.device_ptr(s);
-        let (ap, _ga) = a.device_ptr(s);
-        let (bp, _gb) = b.device_ptr(s);
-        let (cwp, _gcw) = w.conv.device_ptr(s);
-        let (lp, _gl) = w.a_log.device_ptr(s);
-        let (dp, _gd) = w.dt_bias.device_ptr(s);
-        let (nwp, _gnw) = w.norm.device_ptr(s);
-        let (cp, _gc) = conv_pool.device_ptr_mut(s);
-        let (sp, _gs) = ssm_pool.device_ptr_mut(s);
-        let (slp, _gsl) = slots.device_ptr(s);
-        let (pp, _gp) = positions.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
         let mut l = self.launch(self.kernel(name)?);
-        l.arg(&qp)
-            .arg(&zp)
-            .arg(&ap)
-            .arg(&bp)
-            .arg(&cwp)
-            .arg(&lp)
-            .arg(&dp)
-            .arg(&nwp)
-            .arg(&cp)
-            .arg(&sp)
-            .arg(&slp)
-            .arg(&pp)
-            .arg(&op)
+        l.ptr(qkv)
+            .ptr(z)
+            .ptr(a)
+            .ptr(b)
+            .ptr(w.conv)
+            .ptr(w.a_log)
+            .ptr(w.dt_bias)
+            .ptr(w.norm)
+            .ptr_mut(conv_pool)
+            .ptr_mut(ssm_pool)
+            .ptr(slots)
+            .ptr(positions)
+            .ptr_mut(out)
             .arg(&hki)
             .arg(&hvi)
             .arg(&dki)

@@ -126,30 +126,21 @@ impl Gpu {
         let (qp, _gq) = qkv.device_ptr(s);
         let kp = qp + (hk * dk * 2) as u64;
         let vp = qp + (2 * hk * dk * 2) as u64;
-        let (ap, _ga) = a.device_ptr(s);
-        let (bp, _gb) = b.device_ptr(s);
-        let (lp, _gl) = a_log.device_ptr(s);
-        let (dp, _gd) = dt_bias.device_ptr(s);
-        let (sp, _gs) = state_pool.device_ptr_mut(s);
-        let (stp, _gst) = starts.device_ptr(s);
-        let (lnp, _gln) = lens.device_ptr(s);
-        let (slp, _gsl) = slots.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
         let mut l = self.launch(f);
         l.arg(&qp)
             .arg(&kp)
             .arg(&vp)
             .arg(&qkv_stride)
-            .arg(&ap)
-            .arg(&bp)
+            .ptr(a)
+            .ptr(b)
             .arg(&ab_stride)
-            .arg(&lp)
-            .arg(&dp)
-            .arg(&sp)
-            .arg(&stp)
-            .arg(&lnp)
-            .arg(&slp)
-            .arg(&op)
+            .ptr(a_log)
+            .ptr(dt_bias)
+            .ptr_mut(state_pool)
+            .ptr(starts)
+            .ptr(lens)
+            .ptr(slots)
+            .ptr_mut(out)
             .arg(&rows_i)
             .arg(&hki)
             .arg(&hvi)

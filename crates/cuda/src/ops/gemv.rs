@@ -263,9 +263,10 @@ impl Gpu {
         let (ki, mi) = (int(OP, "k", k)?, int(OP, "m", m)?);
         let tc = tensor_core_gemv(m, k);
         let sms = self.info().multiprocessors as usize;
+        ensure(self.addr(x).is_multiple_of(16), OP, || {
+            "x must be 16-byte aligned".into()
+        })?;
         let s = self.stream();
-        let (xp, _gx) = x.device_ptr(s);
-        ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
         let mut table = SegTable::new();
         let mut guards = Vec::with_capacity(2 * parts.len());
         for (w, y, n) in parts.iter_mut().filter(|p| p.2 > 0) {
@@ -293,13 +294,13 @@ impl Gpu {
                 base.strip_prefix("gemv_bf16").unwrap_or("")
             );
             let mut b = self.launch(self.kernel(&name)?);
-            b.arg(segs).arg(&xp).arg(&ki).arg(&mi);
+            b.arg(segs).ptr(x).arg(&ki).arg(&mi);
             // SAFETY: argument types match the kernel; every segment's lengths and alignment checked
             // above and its blocks cover its n; 2 ≤ m ≤ 8 and k % 32 == 0 (tensor_core_gemv).
             unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
         } else {
             let mut b = self.launch(self.kernel(&format!("{base}_m{m}"))?);
-            b.arg(segs).arg(&xp).arg(&ki);
+            b.arg(segs).ptr(x).arg(&ki);
             // SAFETY: argument types match the kernel; lengths, k % 8 and alignment checked above; each
             // segment's plan has rps ≤ GEMV_ROWS, slots of at most the block and blocks covering its n.
             unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;

@@ -77,24 +77,22 @@ impl Gpu {
         check_len(OP, "x", x, rows * h)?;
         check_len(OP, "y", y, rows * h)?;
         check_len(OP, "s", s, rows * rank)?;
-        let st = self.stream();
-        let (dp, _gd) = down.device_ptr(st);
-        let (dsp, _gds) = down_scales.device_ptr(st);
-        let (ip, _gi) = inject.device_ptr(st);
-        let (xp, _gx) = x.device_ptr(st);
-        let (yp, _gy) = y.device_ptr(st);
-        let (sp, _gs) = s.device_ptr_mut(st);
-        for (what, p) in [("down", dp), ("inject", ip), ("x", xp), ("y", yp)] {
+        for (what, p) in [
+            ("down", self.addr(down)),
+            ("inject", self.addr(inject)),
+            ("x", self.addr(x)),
+            ("y", self.addr(y)),
+        ] {
             aligned(OP, what, p)?;
         }
         let (hi, ri) = (int(OP, "h", h)?, int(OP, "rank", rank)?);
         let mut b = self.launch(self.kernel(&format!("hc_down_inject_silu_m{rows}"))?);
-        b.arg(&dp)
-            .arg(&dsp)
-            .arg(&ip)
-            .arg(&xp)
-            .arg(&yp)
-            .arg(&sp)
+        b.ptr(down)
+            .ptr(down_scales)
+            .ptr(inject)
+            .ptr(x)
+            .ptr(y)
+            .ptr_mut(s)
             .arg(&hi)
             .arg(&ri);
         // SAFETY: argument types match the kernel; lengths, shape rules and alignment checked above;
@@ -131,23 +129,17 @@ impl Gpu {
         check_len(OP, "s", s, rows * rank)?;
         check_len(OP, "y", y, rows * h)?;
         check_len(OP, "streams", streams, rows * n)?;
-        let st = self.stream();
-        let (up_p, _gu) = up.device_ptr(st);
-        let (usp, _gus) = up_scales.device_ptr(st);
-        let (sp, _gs) = s.device_ptr(st);
-        let (yp, _gy) = y.device_ptr(st);
-        let (rp, _gr) = streams.device_ptr_mut(st);
-        for (what, p) in [("up", up_p), ("s", sp)] {
+        for (what, p) in [("up", self.addr(up)), ("s", self.addr(s))] {
             aligned(OP, what, p)?;
         }
         let (ni, hi, ri) = (int(OP, "n", n)?, int(OP, "h", h)?, int(OP, "rank", rank)?);
         let blocks = grid_u32(OP, n.div_ceil(UP_ROWS))?;
         let mut b = self.launch(self.kernel(&format!("hc_up_gate_mix_m{rows}"))?);
-        b.arg(&up_p)
-            .arg(&usp)
-            .arg(&sp)
-            .arg(&yp)
-            .arg(&rp)
+        b.ptr(up)
+            .ptr(up_scales)
+            .ptr(s)
+            .ptr(y)
+            .ptr_mut(streams)
             .arg(&ni)
             .arg(&hi)
             .arg(&ri);

@@ -95,11 +95,6 @@ impl Gpu {
         }
         ensure(rows <= 65535, OP, || "more than 65535 rows".into())?;
         let s = self.stream();
-        let (xp, _gx) = x.device_ptr(s);
-        let (wp, _gw) = w.device_ptr(s);
-        let (pp, _gp) = positions.device_ptr(s);
-        let (fp, _gf) = rope.inv_freq.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
         let gp = match gate_out {
             Some(g) => g.device_ptr_mut(s).0,
             None => 0u64,
@@ -107,17 +102,17 @@ impl Gpu {
         let (xrs, xhs, ors) = (row_stride as i64, head_stride as i64, (n_heads * d) as i64);
         let (di, half) = (d as i32, (rope.rot_dim / 2) as i32);
         let mut b = self.launch(self.kernel("qk_norm_rope_bf16")?);
-        b.arg(&xp)
+        b.ptr(x)
             .arg(&xrs)
             .arg(&xhs)
-            .arg(&op)
+            .ptr_mut(out)
             .arg(&ors)
             .arg(&gp)
-            .arg(&wp)
+            .ptr(w)
             .arg(&eps)
             .arg(&di)
-            .arg(&pp)
-            .arg(&fp)
+            .ptr(positions)
+            .ptr(rope.inv_freq)
             .arg(&half)
             .arg(&rope.mscale);
         let grid = (grid_u32(OP, n_heads)?, rows as u32, 1);
@@ -155,18 +150,12 @@ impl Gpu {
         }
         let pool_rows = u32::try_from(k_pool.len() / row_elems).unwrap_or(u32::MAX);
         let re = int(OP, "row_elems", row_elems)?;
-        let s = self.stream();
-        let (kp, _gk) = k.device_ptr(s);
-        let (vp, _gv) = v.device_ptr(s);
-        let (kpp, _gkp) = k_pool.device_ptr_mut(s);
-        let (vpp, _gvp) = v_pool.device_ptr_mut(s);
-        let (dp, _gd) = dst.device_ptr(s);
         let mut b = self.launch(self.kernel("kv_write_bf16")?);
-        b.arg(&kp)
-            .arg(&vp)
-            .arg(&kpp)
-            .arg(&vpp)
-            .arg(&dp)
+        b.ptr(k)
+            .ptr(v)
+            .ptr_mut(k_pool)
+            .ptr_mut(v_pool)
+            .ptr(dst)
             .arg(&re)
             .arg(&pool_rows);
         // SAFETY: argument types match the kernel; k, v, dst lengths checked; the kernel skips pool

@@ -44,8 +44,8 @@ pub use ple::{PleDims, PleGateWeights, PleGated, PleLin};
 pub use qsa::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows, Selection};
 pub use quant::{PackedMat, PackedScheme};
 pub use router::{DecodeRouting, RouteDims, ROUTER_MAX_K};
-pub use sample::SampleBatch;
 pub(crate) use sample::SAMPLE_MAX_VOCAB;
+pub use sample::{SampleBatch, SampleBuffers};
 
 /// A layer's K and V pools, `[num_blocks, block_size, hkv·head_dim]` bf16 each (the CPU backend's
 /// layout): `KvPools<&CudaSlice<bf16>>` where a kernel reads them, `KvPools<&mut CudaSlice<bf16>>`

@@ -11,7 +11,8 @@ use half::bf16;
 
 use super::PackedScheme;
 use crate::error::{ensure, CudaError, Result};
-use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
+use crate::gpu::{cfg, check_len, grid_u32, int, Gpu, Launch};
+use crate::registry::Kernel;
 
 /// Pairs per tile of the grouped GEMV (`MOE_TILE` in `moe_route.cuh`).
 pub const MOE_TILE: usize = 8;
@@ -23,6 +24,16 @@ const MMA_WARPS: usize = 4;
 const MMA_ROWS: usize = 16;
 /// Threads per block of `moe_combine` (each sums 4 columns).
 const COMBINE_THREADS: usize = 128;
+
+/// A pair-grouping launch ([`Gpu::group_pairs`]): its op and kernel, `e` experts, the `max_tiles`
+/// tile slots and `smem` bytes of shared memory.
+pub(super) struct Grouping {
+    pub op: &'static str,
+    pub kernel: &'static str,
+    pub e: usize,
+    pub max_tiles: usize,
+    pub smem: usize,
+}
 
 /// The most tiles `n_pairs` pairs over `e` experts can need: each non-empty expert adds at most one
 /// partial tile.
@@ -162,23 +173,52 @@ impl Gpu {
         ensure(e > 0 && smem <= 48 * 1024, OP, || {
             format!("{e} experts do not fit shared memory")
         })?;
-        let max_tiles = moe_max_tiles(n_pairs, e);
-        check_len(OP, "ids", ids, n_pairs)?;
-        check_len(OP, "perm", perm, n_pairs)?;
-        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
+        let grouping = Grouping {
+            op: OP,
+            kernel: "moe_sort",
+            e,
+            max_tiles: moe_max_tiles(n_pairs, e),
+            smem,
+        };
+        // Shared memory: (2·e + 2) u32, checked above.
+        self.group_pairs(grouping, ids, n_pairs, perm, tiles)
+    }
+
+    /// Launches a kernel that groups pairs by expert (`moe_sort`, `moe_gemm_plan`: `ids, n_pairs, e,
+    /// perm, tiles, max_tiles`) on one block of 1024 threads, after checking the buffers' lengths.
+    /// The caller checks that `g.smem` bytes of shared memory are what the kernel needs and fit.
+    pub(super) fn group_pairs(
+        &self,
+        g: Grouping,
+        ids: &impl DevicePtr<u32>,
+        n_pairs: usize,
+        perm: &mut impl DevicePtrMut<u32>,
+        tiles: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
+        let Grouping {
+            op,
+            kernel,
+            e,
+            max_tiles,
+            smem,
+        } = g;
+        check_len(op, "ids", ids, n_pairs)?;
+        check_len(op, "perm", perm, n_pairs)?;
+        check_len(op, "tiles", tiles, 3 * max_tiles)?;
         let (np, ei, mt) = (
-            int(OP, "n_pairs", n_pairs)?,
-            int(OP, "e", e)?,
-            int(OP, "max_tiles", max_tiles)?,
+            int(op, "n_pairs", n_pairs)?,
+            int(op, "e", e)?,
+            int(op, "max_tiles", max_tiles)?,
         );
-        let s = self.stream();
-        let (ip, _gi) = ids.device_ptr(s);
-        let (pp, _gp) = perm.device_ptr_mut(s);
-        let (tp, _gt) = tiles.device_ptr_mut(s);
-        let mut b = self.launch(self.kernel("moe_sort")?);
-        b.arg(&ip).arg(&np).arg(&ei).arg(&pp).arg(&tp).arg(&mt);
-        // SAFETY: argument types match the kernel; lengths and shared memory ((2·e + 2) u32) checked
-        // above.
+        let mut b = self.launch(self.kernel(kernel)?);
+        b.ptr(ids)
+            .arg(&np)
+            .arg(&ei)
+            .ptr_mut(perm)
+            .ptr_mut(tiles)
+            .arg(&mt);
+        // SAFETY: argument types match the kernel; lengths checked above, shared memory by the
+        // caller.
         unsafe { b.launch(cfg((1, 1, 1), 1024, smem as u32)) }?;
         Ok(())
     }
@@ -221,13 +261,9 @@ impl Gpu {
         ensure(max_tiles <= 65535, OP, || {
             format!("{max_tiles} tiles exceed the grid limit")
         })?;
-        let s = self.stream();
-        let (wp, _gw) = w_ptrs.device_ptr(s);
-        let (xp, _gx) = x.device_ptr(s);
-        let (pp, _gp) = perm.device_ptr(s);
-        let (tp, _gt) = tiles.device_ptr(s);
-        let (yp, _gy) = y.device_ptr_mut(s);
-        ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
+        ensure(self.addr(x).is_multiple_of(16), OP, || {
+            "x must be 16-byte aligned".into()
+        })?;
         let plan = moe_gemv_plan(16, O::SUFFIX, n_pairs, e, k);
         let (xd, ni, ki, gi, li) = (
             int(OP, "x_div", x_div)?,
@@ -236,19 +272,10 @@ impl Gpu {
             1i32,
             plan.lanes as i32,
         );
-        let mut b = self.launch(self.kernel(&plan.kernel)?);
         // The scale table is unused for bf16 experts: the word table stands in.
-        b.arg(&wp)
-            .arg(&wp)
-            .arg(&xp)
-            .arg(&xd)
-            .arg(&pp)
-            .arg(&tp)
-            .arg(&yp)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&gi)
-            .arg(&li);
+        let kernel = self.kernel(&plan.kernel)?;
+        let mut b = self.grouped_launch(kernel, [w_ptrs, w_ptrs], x, &xd, groups, y);
+        b.arg(&ni).arg(&ki).arg(&gi).arg(&li);
         let grid = (
             grid_u32(OP, n.div_ceil(plan.rows_per_block))?,
             max_tiles as u32,
@@ -359,14 +386,9 @@ impl Gpu {
             format!("{max_tiles} tiles exceed the grid limit")
         })?;
         let group = if group_size == 0 { k } else { group_size };
-        let s = self.stream();
-        let (wp, _gw) = w_ptrs.device_ptr(s);
-        let (sp, _gs) = s_ptrs.device_ptr(s);
-        let (xp, _gx) = x.device_ptr(s);
-        let (pp, _gp) = perm.device_ptr(s);
-        let (tp, _gt) = tiles.device_ptr(s);
-        let (yp, _gy) = y.device_ptr_mut(s);
-        ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
+        ensure(self.addr(x).is_multiple_of(16), OP, || {
+            "x must be 16-byte aligned".into()
+        })?;
         // INT4 with groups of whole 128-value spans: the tensor-core kernel (any batch: a tile's ≤ 8
         // pairs are the mma's 8 columns), its x rows staged in shared memory.
         let mma = Self::moe_gemv_fuses_swiglu(bits, group_size, k);
@@ -392,18 +414,9 @@ impl Gpu {
             int(OP, "group", group)?,
             plan.lanes as i32,
         );
-        let mut b = self.launch(self.kernel(&plan.kernel)?);
-        b.arg(&wp)
-            .arg(&sp)
-            .arg(&xp)
-            .arg(&xd)
-            .arg(&pp)
-            .arg(&tp)
-            .arg(&yp)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&gi)
-            .arg(&li);
+        let kernel = self.kernel(&plan.kernel)?;
+        let mut b = self.grouped_launch(kernel, [w_ptrs, s_ptrs], x, &xd, groups, y);
+        b.arg(&ni).arg(&ki).arg(&gi).arg(&li);
         let grid = (
             grid_u32(OP, n.div_ceil(plan.rows_per_block))?,
             max_tiles as u32,
@@ -416,6 +429,29 @@ impl Gpu {
         // (MOE_TILE staged x rows) is checked above.
         unsafe { b.launch(cfg(grid, threads, smem)) }?;
         Ok(())
+    }
+
+    /// Starts a launch of a grouped expert kernel (`moe_gemv*`, `moe_gemm*`) with the arguments they
+    /// all open with: the weight and scale address tables, `x` and its row divisor, the groups' `perm`
+    /// and `tiles`, and `y`; the caller adds the kernel's shape arguments.
+    pub(super) fn grouped_launch<'a, O>(
+        &'a self,
+        kernel: &'a Kernel,
+        tables: [&'a impl DevicePtr<u64>; 2],
+        x: &'a impl DevicePtr<bf16>,
+        x_div: &'a i32,
+        groups: &'a PairGroups<'a, impl DevicePtr<u32>>,
+        y: &'a mut impl DevicePtrMut<O>,
+    ) -> Launch<'a> {
+        let mut b = self.launch(kernel);
+        b.ptr(tables[0])
+            .ptr(tables[1])
+            .ptr(x)
+            .arg(x_div)
+            .ptr(groups.perm)
+            .ptr(groups.tiles)
+            .ptr_mut(y);
+        b
     }
 
     /// `out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j]`, skipping pairs whose id is `≥ experts`,
@@ -451,26 +487,22 @@ impl Gpu {
             return Ok(());
         }
         let s = self.stream();
-        let (yp, _gy) = y.device_ptr(s);
-        let (wp, _gw) = weights.device_ptr(s);
-        let (ip, _gi) = ids.device_ptr(s);
         let (sy, _gsy) = shared.map(|(b, _)| b.device_ptr(s)).unzip();
         let (sg, _gsg) = shared.map(|(_, b)| b.device_ptr(s)).unzip();
         let (syp, sgp) = (sy.unwrap_or(0), sg.unwrap_or(0));
-        let (op, _go) = out.device_ptr_mut(s);
         let (ei, ki, hi) = (int(OP, "e", e)?, int(OP, "top_k", top_k)?, int(OP, "h", h)?);
         let smem = 8 * top_k;
         ensure(smem <= 48 * 1024, OP, || {
             format!("top_k = {top_k} exceeds shared memory")
         })?;
         let mut b = self.launch(self.kernel("moe_combine")?);
-        b.arg(&yp)
-            .arg(&wp)
-            .arg(&ip)
+        b.ptr(y)
+            .ptr(weights)
+            .ptr(ids)
             .arg(&ei)
             .arg(&syp)
             .arg(&sgp)
-            .arg(&op)
+            .ptr_mut(out)
             .arg(&ki)
             .arg(&hi);
         let grid = (

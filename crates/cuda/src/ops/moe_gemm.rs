@@ -14,7 +14,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use super::moe::{Experts, MoeOut, PairGroups, PairRows};
+use super::moe::{Experts, Grouping, MoeOut, PairGroups, PairRows};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -91,24 +91,15 @@ impl Gpu {
         ensure(e > 0 && 8 * e <= 46 * 1024, OP, || {
             format!("{e} experts do not fit shared memory")
         })?;
-        let max_tiles = Self::moe_gemm_max_tiles(n_pairs, e);
-        check_len(OP, "ids", ids, n_pairs)?;
-        check_len(OP, "perm", perm, n_pairs)?;
-        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
-        let (np, ei, mt) = (
-            int(OP, "n_pairs", n_pairs)?,
-            int(OP, "e", e)?,
-            int(OP, "max_tiles", max_tiles)?,
-        );
-        let s = self.stream();
-        let (ip, _gi) = ids.device_ptr(s);
-        let (pp, _gp) = perm.device_ptr_mut(s);
-        let (tp, _gt) = tiles.device_ptr_mut(s);
-        let mut b = self.launch(self.kernel("moe_gemm_plan")?);
-        b.arg(&ip).arg(&np).arg(&ei).arg(&pp).arg(&tp).arg(&mt);
-        // SAFETY: argument types match the kernel; lengths and shared memory (2·e u32) checked above.
-        unsafe { b.launch(cfg((1, 1, 1), 1024, (8 * e) as u32)) }?;
-        Ok(())
+        let grouping = Grouping {
+            op: OP,
+            kernel: "moe_gemm_plan",
+            e,
+            max_tiles: Self::moe_gemm_max_tiles(n_pairs, e),
+            smem: 8 * e,
+        };
+        // Shared memory: 2·e u32 (8·e bytes), checked above.
+        self.group_pairs(grouping, ids, n_pairs, perm, tiles)
     }
 
     /// For every tile `(x, start, count)` of `groups.tiles` (from [`Gpu::moe_gemm_plan`]) and each
@@ -172,14 +163,9 @@ impl Gpu {
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
         )?;
-        let s = self.stream();
-        let (wp, _gw) = w_ptrs.device_ptr(s);
-        let (sp, _gs) = s_ptrs.device_ptr(s);
-        let (xp, _gx) = x.device_ptr(s);
-        let (pp, _gp) = perm.device_ptr(s);
-        let (tp, _gt) = tiles.device_ptr(s);
-        let (yp, _gy) = y.device_ptr_mut(s);
-        ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
+        ensure(self.addr(x).is_multiple_of(16), OP, || {
+            "x must be 16-byte aligned".into()
+        })?;
         let (xd, ni, ki, gi, si) = (
             int(OP, "x_div", x_div)?,
             int(OP, "n", n)?,
@@ -187,18 +173,8 @@ impl Gpu {
             int(OP, "group", group)?,
             int(OP, "spc", spc)?,
         );
-        let mut b = self.launch(f);
-        b.arg(&wp)
-            .arg(&sp)
-            .arg(&xp)
-            .arg(&xd)
-            .arg(&pp)
-            .arg(&tp)
-            .arg(&yp)
-            .arg(&ni)
-            .arg(&ki)
-            .arg(&gi)
-            .arg(&si);
+        let mut b = self.grouped_launch(f, [w_ptrs, s_ptrs], x, &xd, groups, y);
+        b.arg(&ni).arg(&ki).arg(&gi).arg(&si);
         let grid = (grid_u32(OP, n.div_ceil(BM))?, max_tiles as u32, 1);
         // SAFETY: argument types match the kernel; x, perm, tiles, y and table lengths and the shape
         // rules checked above; perm holds pair numbers below n_pairs (written by moe_gemm_plan), so x

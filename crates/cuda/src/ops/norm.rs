@@ -68,17 +68,13 @@ impl Gpu {
             return Ok(());
         }
         let (ri, di) = (int(OP, "rows", rows)?, int(OP, "d", d)?);
-        let s = self.stream();
-        let (xp, _gx) = x.device_ptr(s);
-        let (wp, _gw) = w.device_ptr(s);
-        let (yp, _gy) = y.device_ptr_mut(s);
-        if vector_ok(d, &[xp, wp, yp]) {
+        if vector_ok(d, &[self.addr(x), self.addr(w), self.addr_mut(y)]) {
             let (tpr_log2, block, blocks) = norm_plan(rows, d);
             let tl = tpr_log2 as i32;
             let mut b = self.launch(self.kernel("rms_norm_bf16")?);
-            b.arg(&xp)
-                .arg(&wp)
-                .arg(&yp)
+            b.ptr(x)
+                .ptr(w)
+                .ptr_mut(y)
                 .arg(&ri)
                 .arg(&di)
                 .arg(&eps)
@@ -89,7 +85,7 @@ impl Gpu {
             unsafe { b.launch(cfg((grid_u32(OP, blocks)?, 1, 1), block, 0)) }?;
         } else {
             let mut b = self.launch(self.kernel("rms_norm_bf16_any")?);
-            b.arg(&xp).arg(&wp).arg(&yp).arg(&di).arg(&eps).arg(&offset);
+            b.ptr(x).ptr(w).ptr_mut(y).arg(&di).arg(&eps).arg(&offset);
             // SAFETY: argument types match the kernel; every buffer holds rows·d (w: d) elements.
             unsafe { b.launch(cfg((grid_u32(OP, rows)?, 1, 1), row_threads(d), 0)) }?;
         }
@@ -117,19 +113,15 @@ impl Gpu {
             return Ok(());
         }
         let (ri, di) = (int(OP, "rows", rows)?, int(OP, "d", d)?);
-        let s = self.stream();
-        let (xp, _gx) = x.device_ptr(s);
-        let (zp, _gz) = z.device_ptr(s);
-        let (wp, _gw) = w.device_ptr(s);
-        let (yp, _gy) = y.device_ptr_mut(s);
-        if vector_ok(d, &[xp, zp, wp, yp]) {
+        let ptrs = [self.addr(x), self.addr(z), self.addr(w), self.addr_mut(y)];
+        if vector_ok(d, &ptrs) {
             let (tpr_log2, block, blocks) = norm_plan(rows, d);
             let tl = tpr_log2 as i32;
             let mut b = self.launch(self.kernel("gated_rms_norm_bf16")?);
-            b.arg(&xp)
-                .arg(&zp)
-                .arg(&wp)
-                .arg(&yp)
+            b.ptr(x)
+                .ptr(z)
+                .ptr(w)
+                .ptr_mut(y)
                 .arg(&ri)
                 .arg(&di)
                 .arg(&eps)
@@ -139,7 +131,7 @@ impl Gpu {
             unsafe { b.launch(cfg((grid_u32(OP, blocks)?, 1, 1), block, 0)) }?;
         } else {
             let mut b = self.launch(self.kernel("gated_rms_norm_bf16_any")?);
-            b.arg(&xp).arg(&zp).arg(&wp).arg(&yp).arg(&di).arg(&eps);
+            b.ptr(x).ptr(z).ptr(w).ptr_mut(y).arg(&di).arg(&eps);
             // SAFETY: argument types match the kernel; buffer lengths checked above.
             unsafe { b.launch(cfg((grid_u32(OP, rows)?, 1, 1), row_threads(d), 0)) }?;
         }

@@ -92,28 +92,17 @@ impl Gpu {
             return Ok(());
         }
         let (hi, si, ci) = (int(OP, "H", h)?, int(OP, "S", s)?, int(OP, "c", c)?);
-        let st = self.stream();
-        let (vp, _g1) = v_lin.device_ptr(st);
-        let (vb, _g2) = w.value_bias.device_ptr(st);
-        let (kp, _g3) = k_lin.device_ptr(st);
-        let (kb, _g4) = w.key_bias.device_ptr(st);
-        let (kn, _g5) = w.key_norm.device_ptr(st);
-        let (rp, _g6) = streams.device_ptr(st);
-        let (qn, _g7) = w.query_norm.device_ptr(st);
-        let (cn, _g8) = w.conv_norm.device_ptr(st);
-        let (up, _g9) = u.device_ptr_mut(st);
-        let (zp, _g10) = z.device_ptr_mut(st);
         let mut l = self.launch(self.kernel("ple_gate")?);
-        l.arg(&vp)
-            .arg(&vb)
-            .arg(&kp)
-            .arg(&kb)
-            .arg(&kn)
-            .arg(&rp)
-            .arg(&qn)
-            .arg(&cn)
-            .arg(&up)
-            .arg(&zp)
+        l.ptr(v_lin)
+            .ptr(w.value_bias)
+            .ptr(k_lin)
+            .ptr(w.key_bias)
+            .ptr(w.key_norm)
+            .ptr(streams)
+            .ptr(w.query_norm)
+            .ptr(w.conv_norm)
+            .ptr_mut(u)
+            .ptr_mut(z)
             .arg(&hi)
             .arg(&si)
             .arg(&ci);
@@ -157,18 +146,12 @@ impl Gpu {
             int(OP, "dilation", dims.dilation)?,
             int(OP, "past", past)?,
         );
-        let st = self.stream();
-        let (zp, _g1) = z.device_ptr(st);
-        let (wp, _g2) = w.device_ptr(st);
-        let (sp, _g3) = state.device_ptr_mut(st);
-        let (up, _g4) = u.device_ptr(st);
-        let (rp, _g5) = streams.device_ptr_mut(st);
         let mut l = self.launch(self.kernel("ple_conv")?);
-        l.arg(&zp)
-            .arg(&wp)
-            .arg(&sp)
-            .arg(&up)
-            .arg(&rp)
+        l.ptr(z)
+            .ptr(w)
+            .ptr_mut(state)
+            .ptr(u)
+            .ptr_mut(streams)
             .arg(&ti)
             .arg(&ci)
             .arg(&ki)
@@ -176,9 +159,10 @@ impl Gpu {
         let blocks = grid_u32(OP, (t * c).div_ceil(256).min(1 << 20))?;
         // SAFETY: argument types match the kernel; lengths checked above.
         unsafe { l.launch(cfg((blocks, 1, 1), 256, 0)) }?;
+        drop(l);
         if past > 0 {
             let mut l = self.launch(self.kernel("ple_conv_state")?);
-            l.arg(&zp).arg(&sp).arg(&ti).arg(&ci).arg(&pi);
+            l.ptr(z).ptr_mut(state).arg(&ti).arg(&ci).arg(&pi);
             // SAFETY: as above; queued after the convolution on the same stream.
             unsafe { l.launch(cfg((grid_u32(OP, c.div_ceil(256))?, 1, 1), 256, 0)) }?;
         }
@@ -226,21 +210,14 @@ impl Gpu {
             int(OP, "kernel", dims.kernel)?,
             int(OP, "dilation", dims.dilation)?,
         );
-        let st = self.stream();
-        let (zp, _g1) = z.device_ptr(st);
-        let (wp, _g2) = w.device_ptr(st);
-        let (sp, _g3) = state_pool.device_ptr_mut(st);
-        let (lp, _g4) = slots.device_ptr(st);
-        let (up, _g5) = u.device_ptr(st);
-        let (rp, _g6) = streams.device_ptr_mut(st);
         let mut l = self.launch(self.kernel("ple_conv_decode")?);
-        l.arg(&zp)
-            .arg(&wp)
-            .arg(&sp)
-            .arg(&lp)
+        l.ptr(z)
+            .ptr(w)
+            .ptr_mut(state_pool)
+            .ptr(slots)
             .arg(&n_slots)
-            .arg(&up)
-            .arg(&rp)
+            .ptr(u)
+            .ptr_mut(streams)
             .arg(&ri)
             .arg(&ci)
             .arg(&ki)

@@ -121,25 +121,17 @@ impl Gpu {
             int(OP, "rows", rows)?,
             int(OP, "half", half)?,
         );
-        let s = self.stream();
-        let (ip, _g1) = ik.device_ptr(s);
-        let (wp, _g2) = w.device_ptr(s);
-        let (bp, _g3) = b.device_ptr(s);
-        let (pp, _g4) = positions.device_ptr(s);
-        let (fp, _g5) = inv_freq.device_ptr(s);
-        let (dp, _g6) = dst.device_ptr(s);
-        let (op, _g7) = idx_pool.device_ptr_mut(s);
         let mut l = self.launch(self.kernel("qsa_index_key_write")?);
-        l.arg(&ip)
-            .arg(&wp)
-            .arg(&bp)
+        l.ptr(ik)
+            .ptr(w)
+            .ptr(b)
             .arg(&eps)
-            .arg(&pp)
-            .arg(&fp)
+            .ptr(positions)
+            .ptr(inv_freq)
             .arg(&half)
-            .arg(&dp)
+            .ptr(dst)
             .arg(&pool_rows)
-            .arg(&op)
+            .ptr_mut(idx_pool)
             .arg(&dii)
             .arg(&ri);
         // SAFETY: argument types match the kernel; lengths checked; rows beyond the pool are skipped.
@@ -182,22 +174,15 @@ impl Gpu {
             int(OP, "rows", rows)?,
             int(OP, "half", half)?,
         );
-        let s = self.stream();
-        let (qp, _g1) = iq.device_ptr(s);
-        let (wp, _g2) = iw.device_ptr(s);
-        let (pp, _g3) = positions.device_ptr(s);
-        let (fp, _g4) = inv_freq.device_ptr(s);
-        let (op, _g5) = qi.device_ptr_mut(s);
-        let (tp, _g6) = wts.device_ptr_mut(s);
         let mut l = self.launch(self.kernel("qsa_query_prep")?);
-        l.arg(&qp)
-            .arg(&wp)
-            .arg(&pp)
-            .arg(&fp)
+        l.ptr(iq)
+            .ptr(iw)
+            .ptr(positions)
+            .ptr(inv_freq)
             .arg(&half)
             .arg(&head_scale)
-            .arg(&op)
-            .arg(&tp)
+            .ptr_mut(qi)
+            .ptr_mut(wts)
             .arg(&nii)
             .arg(&dii)
             .arg(&ri);
@@ -260,22 +245,16 @@ impl Gpu {
             int(OP, "pos0", pos0)?,
         );
         let ldl = ld as i64;
-        let s = self.stream();
-        let (qp, _g1) = qi.device_ptr(s);
-        let (wp, _g2) = wts.device_ptr(s);
-        let (ip, _g3) = idx_pool.device_ptr(s);
-        let (tp, _g4) = table.device_ptr(s);
-        let (sp, _g5) = scores.device_ptr_mut(s);
         let mut l = self.launch(self.kernel("qsa_scores")?);
-        l.arg(&qp)
-            .arg(&wp)
-            .arg(&ip)
-            .arg(&tp)
+        l.ptr(qi)
+            .ptr(wts)
+            .ptr(idx_pool)
+            .ptr(table)
             .arg(&p0)
             .arg(&nii)
             .arg(&dii)
             .arg(&bsi)
-            .arg(&sp)
+            .ptr_mut(scores)
             .arg(&ldl);
         let grid = (grid_u32(OP, ctx.div_ceil(128))?, n_rows as u32, 1);
         let smem = ((ni * di + ni) * 4) as u32;
@@ -314,12 +293,13 @@ impl Gpu {
         let (p0, k) = (int(OP, "pos0", pos0)?, int(OP, "topk", topk)?);
         int(OP, "context", pos0 + n_rows)?;
         let ldl = ld as i64;
-        let s = self.stream();
-        let (sp, _g1) = scores.device_ptr(s);
-        let (op, _g2) = sel.device_ptr_mut(s);
-        let (cp, _g3) = counts.device_ptr_mut(s);
         let mut l = self.launch(self.kernel("qsa_topk")?);
-        l.arg(&sp).arg(&ldl).arg(&p0).arg(&k).arg(&op).arg(&cp);
+        l.ptr(scores)
+            .arg(&ldl)
+            .arg(&p0)
+            .arg(&k)
+            .ptr_mut(sel)
+            .ptr_mut(counts);
         // SAFETY: argument types match the kernel; lengths checked above.
         unsafe { l.launch(cfg((grid_u32(OP, n_rows)?, 1, 1), 1024, 0)) }?;
         Ok(())
@@ -378,26 +358,19 @@ impl Gpu {
         // Positions past the table's reach are never read.
         let max_ctx = ld.min(table_stride * bs) as i64;
         let (ldl, ts) = (ld as i64, table_stride as i64);
-        let s = self.stream();
-        let (qp, _g1) = qi.device_ptr(s);
-        let (wp, _g2) = wts.device_ptr(s);
-        let (ip, _g3) = idx_pool.device_ptr(s);
-        let (tp, _g4) = tables.device_ptr(s);
-        let (lp, _g5) = lens.device_ptr(s);
-        let (sp, _g6) = scores.device_ptr_mut(s);
         let mut l = self.launch(self.kernel("qsa_scores_decode")?);
-        l.arg(&qp)
-            .arg(&wp)
-            .arg(&ip)
-            .arg(&tp)
+        l.ptr(qi)
+            .ptr(wts)
+            .ptr(idx_pool)
+            .ptr(tables)
             .arg(&ts)
-            .arg(&lp)
+            .ptr(lens)
             .arg(&max_ctx)
             .arg(&k)
             .arg(&nii)
             .arg(&dii)
             .arg(&bsi)
-            .arg(&sp)
+            .ptr_mut(scores)
             .arg(&ldl);
         let grid = (grid_u32(OP, ld.div_ceil(128))?, n_rows as u32, 1);
         let smem = ((ni * di + ni) * 4) as u32;
@@ -436,19 +409,14 @@ impl Gpu {
         }
         let k = int(OP, "topk", topk)?;
         let (ldl, max_ctx) = (ld as i64, ld as i64);
-        let s = self.stream();
-        let (sp, _g1) = scores.device_ptr(s);
-        let (lp, _g2) = lens.device_ptr(s);
-        let (op, _g3) = sel.device_ptr_mut(s);
-        let (cp, _g4) = counts.device_ptr_mut(s);
         let mut l = self.launch(self.kernel("qsa_topk_decode")?);
-        l.arg(&sp)
+        l.ptr(scores)
             .arg(&ldl)
-            .arg(&lp)
+            .ptr(lens)
             .arg(&max_ctx)
             .arg(&k)
-            .arg(&op)
-            .arg(&cp);
+            .ptr_mut(sel)
+            .ptr_mut(counts);
         // SAFETY: argument types match the kernel; lengths checked above; contexts are capped at ld.
         unsafe { l.launch(cfg((grid_u32(OP, n_rows)?, 1, 1), 1024, 0)) }?;
         Ok(())
@@ -551,29 +519,18 @@ impl Gpu {
             int(op, "sel_stride", sel_stride)?,
         );
         let scale = (d as f32).powf(-0.5);
-        let s = self.stream();
-        let (qp, _g1) = q.device_ptr(s);
-        let (gp, _g2) = gate.device_ptr(s);
-        let (kp, _g3) = k_pool.device_ptr(s);
-        let (vp, _g4) = v_pool.device_ptr(s);
-        let (tp, _g5) = cache.tables.device_ptr(s);
         let ts = cache.stride as i64;
-        let (lp, _g6) = sel.device_ptr(s);
-        let (cp, _g7) = counts.device_ptr(s);
-        let (outp, _g8) = out.device_ptr_mut(s);
-        let (po, _g9) = part_o.device_ptr_mut(s);
-        let (pm, _g10) = part_ml.device_ptr_mut(s);
         let mut l = self.launch(self.kernel("qsa_attn_partial")?);
-        l.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&tp)
+        l.ptr(q)
+            .ptr(k_pool)
+            .ptr(v_pool)
+            .ptr(cache.tables)
             .arg(&ts)
-            .arg(&lp)
+            .ptr(sel)
             .arg(&ss)
-            .arg(&cp)
-            .arg(&po)
-            .arg(&pm)
+            .ptr(counts)
+            .ptr_mut(&mut part_o)
+            .ptr_mut(&mut part_ml)
             .arg(&hqi)
             .arg(&hkvi)
             .arg(&di)
@@ -584,11 +541,12 @@ impl Gpu {
         // SAFETY: argument types match the kernel; lengths checked; the selected positions come from
         // qsa_topk (each below its row's context, which the table covers).
         unsafe { l.launch(cfg(grid, 128, 0)) }?;
+        drop(l);
         let mut l = self.launch(self.kernel("qsa_attn_reduce")?);
-        l.arg(&po)
-            .arg(&pm)
-            .arg(&gp)
-            .arg(&outp)
+        l.ptr(&part_o)
+            .ptr(&part_ml)
+            .ptr(gate)
+            .ptr_mut(out)
             .arg(&hqi)
             .arg(&di)
             .arg(&spi);

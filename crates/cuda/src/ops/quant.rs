@@ -136,6 +136,13 @@ struct Tile {
     rows: usize,
 }
 
+/// Where [`Gpu::tile_w_xt`] writes: rows of `ldy` elements of `ty` from device address `at`.
+struct TileOut {
+    at: u64,
+    ty: sys::cudaDataType,
+    ldy: i32,
+}
+
 /// One weight of a many-weight packed GEMV ([`Gpu::gemv_packed_many`]): `(W, scales, y, n)`,
 /// `y[m, :] = dequant(W) · x[m, :]` with `W` packed `[n, k]` and `y` `[m, n]`.
 pub type PackedPart<'a, W, S, Y> = (&'a W, &'a S, &'a mut Y, usize);
@@ -210,9 +217,10 @@ impl Gpu {
         let (ki, gi, mi) = (int(OP, "k", k)?, int(OP, "group", group)?, int(OP, "m", m)?);
         let tc = tensor_core_gemv(bits, group, m, k);
         let sms = self.info().multiprocessors as usize;
+        ensure(self.addr(x).is_multiple_of(16), OP, || {
+            "x must be 16-byte aligned".into()
+        })?;
         let s = self.stream();
-        let (xp, _gx) = x.device_ptr(s);
-        ensure(xp % 16 == 0, OP, || "x must be 16-byte aligned".into())?;
         let mut table = SegTable::new();
         let mut guards = Vec::with_capacity(3 * parts.len());
         for (w, sc, y, n) in parts.iter_mut().filter(|p| p.3 > 0) {
@@ -246,14 +254,14 @@ impl Gpu {
         let segs = table.segs();
         if tc {
             let mut b = self.launch(self.kernel(&format!("gemv_q{bits}_tc{suffix}"))?);
-            b.arg(segs).arg(&xp).arg(&ki).arg(&gi).arg(&mi);
+            b.arg(segs).ptr(x).arg(&ki).arg(&gi).arg(&mi);
             // SAFETY: argument types match the kernel; every segment's lengths and alignment and the
             // kernel's k and group rules (tensor_core_gemv) checked above; 2 ≤ m ≤ 8, each segment's
             // blocks cover its n ≥ 1.
             unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
         } else {
             let mut b = self.launch(self.kernel(&format!("gemv_q{bits}{suffix}_m{m}"))?);
-            b.arg(segs).arg(&xp).arg(&ki).arg(&gi);
+            b.arg(segs).ptr(x).arg(&ki).arg(&gi);
             // SAFETY: argument types match the kernel; lengths, k and group rules and alignment checked
             // above; each segment's plan has rps ≤ QROWS, slots of at most the block and blocks
             // covering its n.
@@ -310,11 +318,12 @@ impl Gpu {
             row0,
             rows,
         } = tile;
-        let s = self.stream();
-        let (op, _go) = out.device_ptr_mut(s);
-        ensure(op % 16 == 0, OP, || "out must be 16-byte aligned".into())?;
-        let (wp, _gw) = w.device_ptr(s);
-        ensure(wp % 16 == 0, OP, || "W must be 16-byte aligned".into())?;
+        ensure(self.addr_mut(out).is_multiple_of(16), OP, || {
+            "out must be 16-byte aligned".into()
+        })?;
+        ensure(self.addr(w).is_multiple_of(16), OP, || {
+            "W must be 16-byte aligned".into()
+        })?;
         let threads = rows * k.div_ceil(32);
         let grid = grid_u32(OP, threads.div_ceil(256))?;
         let (r0, ri, ki, gi) = (
@@ -324,9 +333,9 @@ impl Gpu {
             int(OP, "group", group)?,
         );
         let mut b = self.launch(self.kernel(&format!("dequant_q{bits}"))?);
-        b.arg(&wp)
+        b.ptr(w)
             .arg(&sp)
-            .arg(&op)
+            .ptr_mut(out)
             .arg(&r0)
             .arg(&ri)
             .arg(&ki)
@@ -373,26 +382,16 @@ impl Gpu {
         while row0 < n {
             let rows = tile.min(n - row0);
             self.dequant_packed(w, &mut *ws, row0, rows)?;
-            let s = self.stream();
-            let (xp, _gx) = x.device_ptr(s);
-            let (wsp, _gws) = ws.device_ptr_mut(s);
-            let (yp, _gy) = y.device_ptr_mut(s);
-            let ri = int(OP, "rows", rows)?;
+            let (yp, _gy) = y.device_ptr_mut(self.stream());
+            let out = TileOut {
+                at: yp + (row0 * 2) as u64,
+                ty: sys::cudaDataType::CUDA_R_16BF,
+                ldy: ni,
+            };
             // Columns row0..row0 + rows of y (ld n) = x · tileᵀ.
             // SAFETY: the tile holds rows·k elements, x m·k, y's columns row0..row0 + rows of m rows
             // with ld n lie inside the checked m·n.
-            unsafe {
-                self.blas_w_xt(WxT {
-                    rows: ri,
-                    m: mi,
-                    k: ki,
-                    w: wsp,
-                    x: xp,
-                    y: yp + (row0 * 2) as u64,
-                    y_type: sys::cudaDataType::CUDA_R_16BF,
-                    ldy: ni,
-                })
-            }?;
+            unsafe { self.tile_w_xt(x, &mut *ws, int(OP, "rows", rows)?, (mi, ki), out) }?;
             row0 += rows;
         }
         Ok(())
@@ -429,33 +428,22 @@ impl Gpu {
                 rows,
             };
             self.dequant_tile(w.words, 0, codes, &mut *ws)?;
-            let s = self.stream();
-            let (xp, _gx) = x.device_ptr(s);
-            let (wsp, _gws) = ws.device_ptr_mut(s);
-            let (ytp, _gyt) = yt.device_ptr_mut(s);
             let ri = int(OP, "rows", rows)?;
+            let (ytp, _gyt) = yt.device_ptr_mut(self.stream());
+            let out = TileOut {
+                at: ytp,
+                ty: sys::cudaDataType::CUDA_R_32F,
+                ldy: ri,
+            };
             // yt [m, rows] = x · tileᵀ (the codes), f32.
             // SAFETY: the tile holds rows·k codes, x m·k values, yt m·tile values.
-            unsafe {
-                self.blas_w_xt(WxT {
-                    rows: ri,
-                    m: mi,
-                    k: ki,
-                    w: wsp,
-                    x: xp,
-                    y: ytp,
-                    y_type: sys::cudaDataType::CUDA_R_32F,
-                    ldy: ri,
-                })
-            }?;
-            let (sp, _gs) = scales.device_ptr(s);
-            let (yp, _gy) = y.device_ptr_mut(s);
+            unsafe { self.tile_w_xt(x, &mut *ws, ri, (mi, ki), out) }?;
             let r0 = int(OP, "row0", row0)?;
             let grid = grid_u32(OP, (m * rows).div_ceil(256))?;
             let mut b = self.launch(self.kernel("scale_cols_bf16")?);
             b.arg(&ytp)
-                .arg(&sp)
-                .arg(&yp)
+                .ptr(scales)
+                .ptr_mut(y)
                 .arg(&mi)
                 .arg(&ni)
                 .arg(&r0)
@@ -466,6 +454,38 @@ impl Gpu {
             row0 += rows;
         }
         Ok(())
+    }
+
+    /// `out = x · tileᵀ` through cuBLAS ([`Gpu::blas_w_xt`]): the tile is the `rows` rows of W
+    /// dequantised into `ws` (bf16 `[rows, k]`), x bf16 `[m, k]` with `(m, k) = mk`.
+    ///
+    /// # Safety
+    /// `ws` must hold rows·k and `x` m·k elements, and `out` m rows of `ldy` from its address with
+    /// the first `rows` columns inside the buffer.
+    unsafe fn tile_w_xt(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        ws: &mut impl DevicePtrMut<bf16>,
+        rows: i32,
+        mk: (i32, i32),
+        out: TileOut,
+    ) -> Result<()> {
+        let s = self.stream();
+        let (xp, _gx) = x.device_ptr(s);
+        let (wsp, _gws) = ws.device_ptr_mut(s);
+        // SAFETY: the caller vouches for the extents; every buffer is used on this stream.
+        unsafe {
+            self.blas_w_xt(WxT {
+                rows,
+                m: mk.0,
+                k: mk.1,
+                w: wsp,
+                x: xp,
+                y: out.at,
+                y_type: out.ty,
+                ldy: out.ldy,
+            })
+        }
     }
 }
 

@@ -51,14 +51,10 @@ impl Gpu {
         let (nh, hf) = (int(OP, "n_heads", n_heads)?, int(OP, "rot_dim", half)?);
         let (rs, hs) = (row_stride as i64, head_stride as i64);
         let threads = ((n_heads * half).div_ceil(32) * 32).clamp(32, 512) as u32;
-        let s = self.stream();
-        let (pp, _gp) = positions.device_ptr(s);
-        let (fp, _gf) = inv_freq.device_ptr(s);
-        let (xp, _gx) = x.device_ptr_mut(s);
         let mut b = self.launch(self.kernel("rope_neox_bf16")?);
-        b.arg(&xp)
-            .arg(&pp)
-            .arg(&fp)
+        b.ptr_mut(x)
+            .ptr(positions)
+            .ptr(inv_freq)
             .arg(&nh)
             .arg(&hf)
             .arg(&rs)

@@ -94,15 +94,16 @@ impl Gpu {
             return Ok(());
         }
         let (ei, ki, rn) = (int(OP, "e", e)?, k as i32, i32::from(renorm));
-        let s = self.stream();
-        let (lp, _gl) = logits.device_ptr(s);
-        let (ip, _gi) = ids.device_ptr_mut(s);
-        let (wp, _gw) = weights.device_ptr_mut(s);
         if k <= SORT_MAX_K && e <= SORT_MAX_E {
             // One thread an expert, a power-of-two number of warps (the merge tree halves them).
             let threads = (e.div_ceil(32).next_power_of_two() * 32) as u32;
             let mut b = self.launch(self.kernel("router_topk_sort")?);
-            b.arg(&lp).arg(&ip).arg(&wp).arg(&ei).arg(&ki).arg(&rn);
+            b.ptr(logits)
+                .ptr_mut(ids)
+                .ptr_mut(weights)
+                .arg(&ei)
+                .arg(&ki)
+                .arg(&rn);
             // SAFETY: argument types match the kernel; lengths checked above; e ≤ threads ≤ 1024
             // and k ≤ 16 as the kernel requires.
             unsafe { b.launch(cfg((grid_u32(OP, t)?, 1, 1), threads, 0)) }?;
@@ -117,9 +118,9 @@ impl Gpu {
         if let Some(name) = warp_kernel {
             let ti = int(OP, "t", t)?;
             let mut b = self.launch(self.kernel(name)?);
-            b.arg(&lp)
-                .arg(&ip)
-                .arg(&wp)
+            b.ptr(logits)
+                .ptr_mut(ids)
+                .ptr_mut(weights)
                 .arg(&ti)
                 .arg(&ei)
                 .arg(&ki)
@@ -138,7 +139,12 @@ impl Gpu {
         }
         let threads = (e.div_ceil(32) * 32).clamp(32, 256) as u32;
         let mut b = self.launch(self.kernel("router_topk_f32")?);
-        b.arg(&lp).arg(&ip).arg(&wp).arg(&ei).arg(&ki).arg(&rn);
+        b.ptr(logits)
+            .ptr_mut(ids)
+            .ptr_mut(weights)
+            .arg(&ei)
+            .arg(&ki)
+            .arg(&rn);
         // SAFETY: argument types match the kernel; lengths and shared memory checked above.
         unsafe {
             b.launch(cfg(
@@ -218,27 +224,20 @@ impl Gpu {
             int(OP, "max_tiles", max_tiles)?,
             slot_log2 as i32,
         );
-        let s = self.stream();
-        let (wp, _gw) = router.device_ptr(s);
-        let (xp, _gx) = x.device_ptr(s);
-        ensure(wp % 16 == 0 && xp % 16 == 0, OP, || {
-            "router and x must be 16-byte aligned".into()
-        })?;
-        let (lp, _gl) = logits.device_ptr_mut(s);
-        let (ip, _gi) = ids.device_ptr_mut(s);
-        let (op, _go) = weights.device_ptr_mut(s);
-        let (pp, _gp) = perm.device_ptr_mut(s);
-        let (tp, _gt) = tiles.device_ptr_mut(s);
-        let (cp, _gc) = ticket.device_ptr_mut(s);
+        ensure(
+            self.addr(router).is_multiple_of(16) && self.addr(x).is_multiple_of(16),
+            OP,
+            || "router and x must be 16-byte aligned".into(),
+        )?;
         let mut b = self.launch(self.kernel("moe_route_decode_m1")?);
-        b.arg(&wp)
-            .arg(&xp)
-            .arg(&lp)
-            .arg(&ip)
-            .arg(&op)
-            .arg(&pp)
-            .arg(&tp)
-            .arg(&cp)
+        b.ptr(router)
+            .ptr(x)
+            .ptr_mut(logits)
+            .ptr_mut(ids)
+            .ptr_mut(weights)
+            .ptr_mut(perm)
+            .ptr_mut(tiles)
+            .ptr_mut(ticket)
             .arg(&ei)
             .arg(&hi)
             .arg(&ki)

@@ -114,6 +114,17 @@ impl SampleBatch {
     }
 }
 
+/// The device buffers of one [`Gpu::sample_bf16`] call: a [`SampleBatch`]'s `params`, `masks` and
+/// `edits` uploaded, the kernels' scratch `work` ([`SampleBatch::work_words`] words) and `out`
+/// (`[rows, 2]`: each row's id and log-probability bits, see [`unpack_samples`]).
+pub struct SampleBuffers<'a, P, W, O> {
+    pub params: &'a P,
+    pub masks: &'a P,
+    pub edits: &'a P,
+    pub work: &'a mut W,
+    pub out: &'a mut O,
+}
+
 /// Device pointers and sizes every sampling kernel takes, in their order.
 struct SampleArgs {
     logits: u64,
@@ -143,23 +154,30 @@ pub fn unpack_samples(out: &[u32]) -> Vec<std::result::Result<Sampled, RowError>
 
 impl Gpu {
     /// Samples one token per row of `logits` `[rows, cols]` (bf16; the first `b.vocab` columns are
-    /// tokens) with the packed batch `b` uploaded as `params`, `masks` and `edits`; `work` is scratch of
-    /// [`SampleBatch::work_words`] words; `out` `[rows, 2]` receives each row's id and log-probability
-    /// bits (see [`unpack_samples`]). Launches the same kernels whatever the parameters (rows a stage
-    /// does not concern return at once), with shapes that depend only on the rows and the vocabulary.
-    #[allow(clippy::too_many_arguments)]
+    /// tokens) with the packed batch `b` uploaded into `bufs` (see [`SampleBuffers`]); `bufs.out`
+    /// receives each row's id and log-probability bits. Launches the same kernels whatever the
+    /// parameters (rows a stage does not concern return at once), with shapes that depend only on
+    /// the rows and the vocabulary.
     pub fn sample_bf16(
         &self,
         logits: &impl DevicePtr<bf16>,
         cols: usize,
         b: &SampleBatch,
-        params: &impl DevicePtr<u32>,
-        masks: &impl DevicePtr<u32>,
-        edits: &impl DevicePtr<u32>,
-        work: &mut impl DevicePtrMut<u32>,
-        out: &mut impl DevicePtrMut<u32>,
+        bufs: SampleBuffers<
+            '_,
+            impl DevicePtr<u32>,
+            impl DevicePtrMut<u32>,
+            impl DevicePtrMut<u32>,
+        >,
     ) -> Result<()> {
         const OP: &str = "sample";
+        let SampleBuffers {
+            params,
+            masks,
+            edits,
+            work,
+            out,
+        } = bufs;
         let rows = b.rows;
         ensure(b.vocab >= 1 && b.vocab <= cols, OP, || {
             format!("vocabulary {} does not fit rows of {cols}", b.vocab)
@@ -283,9 +301,14 @@ impl Gpu {
         let mut work = unsafe { self.stream().alloc::<u32>(b.work_words().max(1)) }?;
         // SAFETY: the kernel writes both words of every row.
         let mut out = unsafe { self.stream().alloc::<u32>((2 * b.rows).max(1)) }?;
-        self.sample_bf16(
-            logits, cols, &b, &params, &masks, &edits, &mut work, &mut out,
-        )?;
+        let bufs = SampleBuffers {
+            params: &params,
+            masks: &masks,
+            edits: &edits,
+            work: &mut work,
+            out: &mut out,
+        };
+        self.sample_bf16(logits, cols, &b, bufs)?;
         let host = self.download(&out)?;
         Ok(unpack_samples(&host[..2 * b.rows]))
     }

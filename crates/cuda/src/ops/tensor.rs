@@ -27,12 +27,9 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let s = self.stream();
-        let (ap, _ga) = acc.device_ptr_mut(s);
-        let (yp, _gy) = y.device_ptr(s);
         let nn = n as i64;
         let mut b = self.launch(self.kernel("add_bf16")?);
-        b.arg(&ap).arg(&yp).arg(&nn);
+        b.ptr_mut(acc).ptr(y).arg(&nn);
         // SAFETY: argument types match the kernel; both buffers hold n elements.
         unsafe { b.launch(cfg((stride_blocks(OP, n)?, 1, 1), 256, 0)) }?;
         Ok(())
@@ -60,16 +57,11 @@ impl Gpu {
             return Ok(());
         }
         let (grid, di) = (grid_u32(OP, rows)?, int(OP, "d", d)?);
-        let s = self.stream();
-        let (ap, _ga) = acc.device_ptr_mut(s);
-        let (yp, _gy) = y.device_ptr(s);
-        let (wp, _gw) = w.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
         let mut b = self.launch(self.kernel("add_rms_norm_bf16")?);
-        b.arg(&ap)
-            .arg(&yp)
-            .arg(&wp)
-            .arg(&op)
+        b.ptr_mut(acc)
+            .ptr(y)
+            .ptr(w)
+            .ptr_mut(out)
             .arg(&di)
             .arg(&eps)
             .arg(&offset);
@@ -96,16 +88,12 @@ impl Gpu {
         if rows * cols == 0 {
             return Ok(());
         }
-        let s = self.stream();
-        let (xp, _gx) = x.device_ptr(s);
-        let (ip, _gi) = idx.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
         let (c, xr) = (
             int(OP, "cols", cols)?,
             u32::try_from(x_rows).unwrap_or(u32::MAX),
         );
         let mut b = self.launch(self.kernel("gather_rows_bf16")?);
-        b.arg(&xp).arg(&ip).arg(&op).arg(&c).arg(&xr);
+        b.ptr(x).ptr(idx).ptr_mut(out).arg(&c).arg(&xr);
         // SAFETY: argument types match the kernel; the kernel reads x only below x_rows.
         unsafe { b.launch(cfg((grid_u32(OP, rows)?, 1, 1), row_threads(cols), 0)) }?;
         Ok(())
@@ -129,13 +117,9 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        let s = self.stream();
-        let (ap, _ga) = a.device_ptr(s);
-        let (bp, _gb) = b.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
         let (cai, cbi) = (int(OP, "ca", ca)?, int(OP, "cb", cb)?);
         let mut l = self.launch(self.kernel("concat_cols_bf16")?);
-        l.arg(&ap).arg(&bp).arg(&op).arg(&cai).arg(&cbi);
+        l.ptr(a).ptr(b).ptr_mut(out).arg(&cai).arg(&cbi);
         // SAFETY: argument types match the kernel; lengths checked above.
         unsafe { l.launch(cfg((grid_u32(OP, rows)?, 1, 1), row_threads(ca + cb), 0)) }?;
         Ok(())
@@ -156,12 +140,9 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let s = self.stream();
-        let (xp, _gx) = x.device_ptr(s);
-        let (op, _go) = out.device_ptr_mut(s);
         let nn = n as i64;
         let mut b = self.launch(self.kernel("silu_bf16")?);
-        b.arg(&xp).arg(&op).arg(&nn);
+        b.ptr(x).ptr_mut(out).arg(&nn);
         // SAFETY: argument types match the kernel; both buffers hold n elements.
         unsafe { b.launch(cfg((stride_blocks(OP, n)?, 1, 1), 256, 0)) }?;
         Ok(())
@@ -186,13 +167,14 @@ impl Gpu {
         if rows * h == 0 {
             return Ok(());
         }
-        let st = self.stream();
-        let (sp, _gs) = streams.device_ptr(st);
-        let (pp, _gp) = pre.device_ptr(st);
-        let (op, _go) = out.device_ptr_mut(st);
         let (r, si, hi) = (rows as i64, int(OP, "s", s)?, int(OP, "h", h)?);
         let mut b = self.launch(self.kernel("hc_premix_bf16")?);
-        b.arg(&sp).arg(&pp).arg(&op).arg(&r).arg(&si).arg(&hi);
+        b.ptr(streams)
+            .ptr(pre)
+            .ptr_mut(out)
+            .arg(&r)
+            .arg(&si)
+            .arg(&hi);
         // SAFETY: argument types match the kernel; lengths checked above.
         unsafe { b.launch(cfg((stride_blocks(OP, rows * h)?, 1, 1), 256, 0)) }?;
         Ok(())
@@ -215,13 +197,9 @@ impl Gpu {
         if rows * s * h == 0 {
             return Ok(());
         }
-        let st = self.stream();
-        let (sp, _gs) = streams.device_ptr_mut(st);
-        let (up, _gu) = u.device_ptr(st);
-        let (yp, _gy) = y.device_ptr(st);
         let (r, si, hi) = (rows as i64, int(OP, "s", s)?, int(OP, "h", h)?);
         let mut b = self.launch(self.kernel("hc_gated_residual_bf16")?);
-        b.arg(&sp).arg(&up).arg(&yp).arg(&r).arg(&si).arg(&hi);
+        b.ptr_mut(streams).ptr(u).ptr(y).arg(&r).arg(&si).arg(&hi);
         // SAFETY: argument types match the kernel; lengths checked above.
         unsafe { b.launch(cfg((stride_blocks(OP, rows * s * h)?, 1, 1), 256, 0)) }?;
         Ok(())

@@ -20,7 +20,7 @@ use half::bf16;
 /// id 3 tokens from the host's (a CDF shift of ~3·10⁻⁵), and a top-p 0.999 row kept a tail token the
 /// host cut; 1e-4 covers both with margin and is still a few tokens wide.
 const U_SHIFT: f64 = 1e-4;
-use sanmai_cuda::SampleBatch;
+use sanmai_cuda::{SampleBatch, SampleBuffers};
 use sanmai_model::sample::{log_sum_exp, sample_rows, RowSampling, SamplingParams, SeenToken};
 
 use crate::bench::time;
@@ -483,8 +483,14 @@ fn bench_sample() {
                 let mut work = g.zeros::<u32>(b.work_words().max(1)).unwrap();
                 let mut out = g.zeros::<u32>(2 * batch).unwrap();
                 let tk = time(g, 3, 50, || {
-                    g.sample_bf16(&dev, cols, &b, &params, &masks, &edits, &mut work, &mut out)
-                        .unwrap();
+                    let bufs = SampleBuffers {
+                        params: &params,
+                        masks: &masks,
+                        edits: &edits,
+                        work: &mut work,
+                        out: &mut out,
+                    };
+                    g.sample_bf16(&dev, cols, &b, bufs).unwrap();
                 });
                 let mut host = values.clone();
                 let t0 = std::time::Instant::now();

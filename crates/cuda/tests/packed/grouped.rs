@@ -4,12 +4,11 @@ use cudarc::driver::DevicePtr;
 use half::bf16;
 use sanmai_config::QuantScheme;
 use sanmai_cpu::{ops, CpuBackend};
-use sanmai_cuda::{
-    cudarc, CudaBackend, Experts, Gpu, PackedScheme, PairGroups, PairRows, PACKED_WORKSPACE_BYTES,
-};
+use sanmai_cuda::{cudarc, CudaBackend, Gpu, PACKED_WORKSPACE_BYTES};
 use sanmai_model::Backend;
 use sanmai_weights::quant::{quantize, PackedTensor};
 
+use crate::launch::{expert_proj, packed_scheme, pair_groups, pair_rows};
 use crate::{bf16_round, rel_errors, Rng};
 
 fn gpu(test: &str) -> Option<Gpu> {
@@ -175,51 +174,23 @@ fn packed_grouped_gemv_matches_cpu() {
         g.moe_sort(&di, n, e, &mut perm, &mut tiles).unwrap();
         let mut y_gu = g.zeros::<bf16>(n * 2 * i).unwrap();
         g.moe_gemv_packed(
-            &Experts {
-                weights: &gu_t.w_ptrs,
-                scales: &gu_t.s_ptrs,
-                scheme: Some(PackedScheme {
-                    bits,
-                    group_size: group,
-                }),
-                n: 2 * i,
-                k: h,
-            },
-            &PairRows {
-                x: &dx,
-                rows: t,
-                div: k,
-            },
-            &PairGroups {
-                perm: &perm,
-                tiles: &tiles,
-                n_pairs: n,
-            },
+            &expert_proj(
+                &gu_t.w_ptrs,
+                &gu_t.s_ptrs,
+                packed_scheme(bits, group),
+                2 * i,
+                h,
+            ),
+            &pair_rows(&dx, t, k),
+            &pair_groups(&perm, &tiles, n),
             &mut y_gu,
         )
         .unwrap();
         let mut y_dn = g.zeros::<f32>(n * h).unwrap();
         g.moe_gemv_packed(
-            &Experts {
-                weights: &dn_t.w_ptrs,
-                scales: &dn_t.s_ptrs,
-                scheme: Some(PackedScheme {
-                    bits,
-                    group_size: group,
-                }),
-                n: h,
-                k: i,
-            },
-            &PairRows {
-                x: &da,
-                rows: n,
-                div: 1,
-            },
-            &PairGroups {
-                perm: &perm,
-                tiles: &tiles,
-                n_pairs: n,
-            },
+            &expert_proj(&dn_t.w_ptrs, &dn_t.s_ptrs, packed_scheme(bits, group), h, i),
+            &pair_rows(&da, n, 1),
+            &pair_groups(&perm, &tiles, n),
             &mut y_dn,
         )
         .unwrap();
@@ -250,51 +221,17 @@ fn packed_grouped_gemv_matches_cpu() {
             g.swiglu(&y_gu, &mut act_g, n, i).unwrap();
             let mut y_two = g.zeros::<f32>(n * h).unwrap();
             g.moe_gemv_packed(
-                &Experts {
-                    weights: &dn_t.w_ptrs,
-                    scales: &dn_t.s_ptrs,
-                    scheme: Some(PackedScheme {
-                        bits,
-                        group_size: group,
-                    }),
-                    n: h,
-                    k: i,
-                },
-                &PairRows {
-                    x: &act_g,
-                    rows: n,
-                    div: 1,
-                },
-                &PairGroups {
-                    perm: &perm,
-                    tiles: &tiles,
-                    n_pairs: n,
-                },
+                &expert_proj(&dn_t.w_ptrs, &dn_t.s_ptrs, packed_scheme(bits, group), h, i),
+                &pair_rows(&act_g, n, 1),
+                &pair_groups(&perm, &tiles, n),
                 &mut y_two,
             )
             .unwrap();
             let mut y_fused = g.zeros::<f32>(n * h).unwrap();
             g.moe_gemv_packed_swiglu(
-                &Experts {
-                    weights: &dn_t.w_ptrs,
-                    scales: &dn_t.s_ptrs,
-                    scheme: Some(PackedScheme {
-                        bits,
-                        group_size: group,
-                    }),
-                    n: h,
-                    k: i,
-                },
-                &PairRows {
-                    x: &y_gu,
-                    rows: n,
-                    div: 1,
-                },
-                &PairGroups {
-                    perm: &perm,
-                    tiles: &tiles,
-                    n_pairs: n,
-                },
+                &expert_proj(&dn_t.w_ptrs, &dn_t.s_ptrs, packed_scheme(bits, group), h, i),
+                &pair_rows(&y_gu, n, 1),
+                &pair_groups(&perm, &tiles, n),
                 &mut y_fused,
             )
             .unwrap();
@@ -333,52 +270,18 @@ fn packed_grouped_gemv_refuses_bad_shapes() {
     ] {
         let s = g.zeros::<u64>(s_len).unwrap();
         let r = g.moe_gemv_packed(
-            &Experts {
-                weights: &z64,
-                scales: &s,
-                scheme: Some(PackedScheme {
-                    bits,
-                    group_size: group,
-                }),
-                n: 8,
-                k,
-            },
-            &PairRows {
-                x: &x,
-                rows: 4,
-                div: 1,
-            },
-            &PairGroups {
-                perm: &perm,
-                tiles: &tiles,
-                n_pairs: 4,
-            },
+            &expert_proj(&z64, &s, packed_scheme(bits, group), 8, k),
+            &pair_rows(&x, 4, 1),
+            &pair_groups(&perm, &tiles, 4),
             &mut y,
         );
         assert!(r.is_err(), "bits {bits} group {group} k {k} accepted");
     }
     let s1 = g.zeros::<u64>(1).unwrap();
     let r = g.moe_gemv_packed(
-        &Experts {
-            weights: &z64,
-            scales: &s1,
-            scheme: Some(PackedScheme {
-                bits: 8,
-                group_size: 0,
-            }),
-            n: 8,
-            k: 32,
-        },
-        &PairRows {
-            x: &x,
-            rows: 4,
-            div: 1,
-        },
-        &PairGroups {
-            perm: &perm,
-            tiles: &tiles,
-            n_pairs: 4,
-        },
+        &expert_proj(&z64, &s1, packed_scheme(8, 0), 8, 32),
+        &pair_rows(&x, 4, 1),
+        &pair_groups(&perm, &tiles, 4),
         &mut y,
     );
     assert!(

@@ -7,10 +7,11 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
-use sanmai_cuda::{Experts, Gpu, PackedScheme, PairGroups, PairRows};
+use sanmai_cuda::Gpu;
 
 use crate::bench::{pattern, time};
 use crate::common::{gpu, Rng};
+use crate::launch::{expert_proj, packed_scheme, pair_groups, pair_rows};
 use crate::moe_gemm::{route, Routing};
 
 /// One projection's 512 packed experts in one allocation each for words and scales, and their tables.
@@ -94,47 +95,29 @@ fn bench_moe_gemm_prefill() {
                 let tg = time(g, 3, 20, || {
                     if what == "gate_up" {
                         g.moe_gemm(
-                            &Experts {
-                                weights: &gu.w_ptrs,
-                                scales: &gu.s_ptrs,
-                                scheme: scheme
-                                    .map(|(bits, group_size)| PackedScheme { bits, group_size }),
-                                n: nn,
-                                k: kk,
-                            },
-                            &PairRows {
-                                x: &x,
-                                rows: t,
-                                div: top_k,
-                            },
-                            &PairGroups {
-                                perm: &perm,
-                                tiles: &tiles,
-                                n_pairs: n,
-                            },
+                            &expert_proj(
+                                &gu.w_ptrs,
+                                &gu.s_ptrs,
+                                scheme.and_then(|(bits, group)| packed_scheme(bits, group)),
+                                nn,
+                                kk,
+                            ),
+                            &pair_rows(&x, t, top_k),
+                            &pair_groups(&perm, &tiles, n),
                             &mut y_gu,
                         )
                         .unwrap()
                     } else {
                         g.moe_gemm(
-                            &Experts {
-                                weights: &dn.w_ptrs,
-                                scales: &dn.s_ptrs,
-                                scheme: scheme
-                                    .map(|(bits, group_size)| PackedScheme { bits, group_size }),
-                                n: nn,
-                                k: kk,
-                            },
-                            &PairRows {
-                                x: &act,
-                                rows: n,
-                                div: 1,
-                            },
-                            &PairGroups {
-                                perm: &perm,
-                                tiles: &tiles,
-                                n_pairs: n,
-                            },
+                            &expert_proj(
+                                &dn.w_ptrs,
+                                &dn.s_ptrs,
+                                scheme.and_then(|(bits, group)| packed_scheme(bits, group)),
+                                nn,
+                                kk,
+                            ),
+                            &pair_rows(&act, n, 1),
+                            &pair_groups(&perm, &tiles, n),
                             &mut y_dn,
                         )
                         .unwrap()
@@ -156,51 +139,17 @@ fn bench_moe_gemm_prefill() {
                 let tv = time(g, 1, 3, || {
                     if what == "gate_up" {
                         g.moe_gemv_packed(
-                            &Experts {
-                                weights: &gu.w_ptrs,
-                                scales: &gu.s_ptrs,
-                                scheme: Some(PackedScheme {
-                                    bits: 4,
-                                    group_size: group,
-                                }),
-                                n: nn,
-                                k: kk,
-                            },
-                            &PairRows {
-                                x: &x,
-                                rows: t,
-                                div: top_k,
-                            },
-                            &PairGroups {
-                                perm: &sperm,
-                                tiles: &stiles,
-                                n_pairs: n,
-                            },
+                            &expert_proj(&gu.w_ptrs, &gu.s_ptrs, packed_scheme(4, group), nn, kk),
+                            &pair_rows(&x, t, top_k),
+                            &pair_groups(&sperm, &stiles, n),
                             &mut y_gu,
                         )
                         .unwrap()
                     } else {
                         g.moe_gemv_packed(
-                            &Experts {
-                                weights: &dn.w_ptrs,
-                                scales: &dn.s_ptrs,
-                                scheme: Some(PackedScheme {
-                                    bits: 4,
-                                    group_size: group,
-                                }),
-                                n: nn,
-                                k: kk,
-                            },
-                            &PairRows {
-                                x: &act,
-                                rows: n,
-                                div: 1,
-                            },
-                            &PairGroups {
-                                perm: &sperm,
-                                tiles: &stiles,
-                                n_pairs: n,
-                            },
+                            &expert_proj(&dn.w_ptrs, &dn.s_ptrs, packed_scheme(4, group), nn, kk),
+                            &pair_rows(&act, n, 1),
+                            &pair_groups(&sperm, &stiles, n),
                             &mut y_dn,
                         )
                         .unwrap()

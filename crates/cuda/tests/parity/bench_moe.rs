@@ -18,23 +18,23 @@ use crate::common::{gpu, Rng};
 use crate::launch::{expert_proj, packed_scheme, pair_groups, pair_rows};
 use crate::moe_gemm::{route, Routing};
 
-const E: usize = 512;
+pub const E: usize = 512;
 const TOP_K: usize = 10;
 /// Routings the GEMV calls cycle through.
 const ROUTINGS: usize = 8;
 
 /// One projection's `E` experts (`n` rows of `k`) in one allocation of words and one of scales, and
 /// their address tables. `bits` 16 is bf16 (finite values in (-2, 2), no scales), else packed.
-struct ExpertSet {
+pub struct ExpertSet {
     _words: CudaSlice<u32>,
     _scales: CudaSlice<f32>,
-    w_ptrs: CudaSlice<u64>,
-    s_ptrs: CudaSlice<u64>,
+    pub w_ptrs: CudaSlice<u64>,
+    pub s_ptrs: CudaSlice<u64>,
     /// Bytes (words and scales) of one expert.
-    bytes: usize,
+    pub bytes: usize,
 }
 
-fn experts(g: &Gpu, bits: u32, group: usize, n: usize, k: usize, salt: u32) -> ExpertSet {
+pub fn experts(g: &Gpu, bits: u32, group: usize, n: usize, k: usize, salt: u32) -> ExpertSet {
     let wpr = match bits {
         16 => k / 2,
         6 => k.div_ceil(32) * 6,

@@ -4,7 +4,7 @@ use cudarc::driver::DevicePtr;
 use half::bf16;
 use sanmai_config::QuantScheme;
 use sanmai_cpu::{ops, CpuBackend};
-use sanmai_cuda::{cudarc, CudaBackend, Gpu, PACKED_WORKSPACE_BYTES};
+use sanmai_cuda::{cudarc, CudaBackend, CudaWeight, Gpu, PACKED_WORKSPACE_BYTES};
 use sanmai_model::Backend;
 use sanmai_weights::quant::{quantize, PackedTensor};
 
@@ -19,6 +19,28 @@ fn gpu(test: &str) -> Option<Gpu> {
             None
         }
     }
+}
+
+fn backend(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0, &crate::options::cuda_options()) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            None
+        }
+    }
+}
+
+/// `p` as a weight of the GPU backend (which keeps it packed) and of the CPU backend.
+fn packed_weights(
+    b: &CudaBackend,
+    cpu: &CpuBackend,
+    p: &PackedTensor<'_>,
+) -> (CudaWeight, <CpuBackend as Backend>::Weight) {
+    let wg = b.packed_weight(p).unwrap();
+    let wc = cpu.packed_weight(p).unwrap();
+    assert!(matches!(wg, CudaWeight::Packed(_)));
+    (wg, wc)
 }
 
 fn scheme(bits: u32, group_size: usize) -> QuantScheme {
@@ -293,20 +315,14 @@ fn packed_grouped_gemv_refuses_bad_shapes() {
 #[test]
 fn backend_linear_on_packed_weights_matches_cpu() {
     let test = "backend_linear_on_packed_weights_matches_cpu";
-    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            return;
-        }
+    let Some(b) = backend(test) else {
+        return;
     };
     let cpu = CpuBackend::default();
     let mut rng = Rng::new(72);
     for (bits, group, n, k) in [(4, 128, 300, 512), (8, 0, 1000, 256), (6, 0, 96, 136)] {
         let p = packed(&mut rng, scheme(bits, group), n, k);
-        let wg = b.packed_weight(&p).unwrap();
-        let wc = cpu.packed_weight(&p).unwrap();
-        assert!(matches!(wg, sanmai_cuda::CudaWeight::Packed(_)));
+        let (wg, wc) = packed_weights(&b, &cpu, &p);
         assert_eq!(
             b.weight_bytes(&wg),
             p.nbytes(),
@@ -336,20 +352,14 @@ fn backend_linear_on_packed_weights_matches_cpu() {
 #[test]
 fn backend_embedding_on_packed_table_matches_cpu() {
     let test = "backend_embedding_on_packed_table_matches_cpu";
-    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            return;
-        }
+    let Some(b) = backend(test) else {
+        return;
     };
     let cpu = CpuBackend::default();
     let mut rng = Rng::new(73);
     for (bits, group, v, h) in [(8, 0, 1000, 256), (4, 128, 300, 512), (6, 0, 50, 136)] {
         let p = packed(&mut rng, scheme(bits, group), v, h);
-        let wg = b.packed_weight(&p).unwrap();
-        let wc = cpu.packed_weight(&p).unwrap();
-        assert!(matches!(wg, sanmai_cuda::CudaWeight::Packed(_)));
+        let (wg, wc) = packed_weights(&b, &cpu, &p);
         let ids: Vec<u32> = (0..37).map(|_| rng.below(v as u32)).collect();
         let (_, _, got) = b.to_host(b.embed(&wg, &ids).unwrap()).unwrap();
         let (_, _, want) = cpu.to_host(cpu.embed(&wc, &ids).unwrap()).unwrap();

@@ -90,6 +90,22 @@ fn index_key_bytes_match_cpu() {
     }
 }
 
+/// How many elements of `a` and `b` differ in their bits.
+fn bits_differing(a: &[f32], b: &[f32]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count()
+}
+
+/// Row `r`'s selected positions: the first `counts[r]` of its `topk` slots in `sel`.
+fn selected(sel: &[u32], counts: &[u32], topk: usize, r: usize) -> Vec<usize> {
+    sel[r * topk..r * topk + counts[r] as usize]
+        .iter()
+        .map(|&x| x as usize)
+        .collect()
+}
+
 /// How a selection case draws its keys and weights.
 #[derive(Clone, Copy, PartialEq)]
 enum Draw {
@@ -212,16 +228,9 @@ fn check_select(b: &CudaBackend, rng: &mut Rng, s: &SelectCase) -> usize {
             .collect();
         let mut want = vec![0f32; c];
         cpu::index_scores(&q, &w, &keys[..c * di], di, &mut want);
-        score_diff += want
-            .iter()
-            .zip(&scores[r * ld..r * ld + c])
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+        score_diff += bits_differing(&want, &scores[r * ld..r * ld + c]);
         let want_sel = cpu::topk_positions(&want, topk);
-        let got: Vec<usize> = sel[r * topk..r * topk + counts[r] as usize]
-            .iter()
-            .map(|&x| x as usize)
-            .collect();
+        let got = selected(&sel, &counts, topk, r);
         if got != want_sel {
             set_diff += 1;
         }
@@ -495,17 +504,10 @@ fn check_decode(b: &CudaBackend, rng: &mut Rng, c: &DecodeCase) -> usize {
         cpu::index_scores(&qh, &w, &keys[r], di, &mut want);
         if ctx > topk {
             // Rows within topk are not scored: every position is selected.
-            score_diff += want
-                .iter()
-                .zip(&scores[r * span..r * span + ctx])
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
+            score_diff += bits_differing(&want, &scores[r * span..r * span + ctx]);
         }
         let want_sel = cpu::topk_positions(&want, topk);
-        let got: Vec<usize> = sel[r * topk..r * topk + counts[r] as usize]
-            .iter()
-            .map(|&x| x as usize)
-            .collect();
+        let got = selected(&sel, &counts, topk, r);
         if got != want_sel {
             set_diff += 1;
         }

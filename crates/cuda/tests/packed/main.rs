@@ -17,6 +17,8 @@
 
 #[path = "../support/launch.rs"]
 mod launch;
+#[path = "../support/logits.rs"]
+mod logits;
 #[path = "../support/options.rs"]
 mod options;
 #[path = "../support/rng.rs"]

@@ -14,6 +14,8 @@
 //!
 //! Without a GPU the test prints `skipped: <test>: <reason>` and passes.
 
+#[path = "support/logits.rs"]
+mod logits;
 #[path = "support/options.rs"]
 mod options;
 
@@ -22,9 +24,11 @@ use std::path::{Path, PathBuf};
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
 use sanmai_cuda::CudaBackend;
-use sanmai_model::{Backend, Model, OutRows, PleSource, StepChunk, StepInput, StepStart};
+use sanmai_model::{Backend, Model, PleSource};
 use sanmai_weights::Checkpoint;
 use serde_json::Value;
+
+use logits::{log_softmax, step_logits};
 
 fn backend(test: &str) -> Option<CudaBackend> {
     match CudaBackend::new(0, &options::cuda_options()) {
@@ -87,17 +91,6 @@ fn load<B: Backend>(name: &str, b: B) -> Model<B> {
     m
 }
 
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
-    let lse = row
-        .iter()
-        .map(|&x| (x as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
-    row.iter().map(|&x| x as f64 - lse).collect()
-}
-
 /// Log-probs of every prompt token after the first, prefilled in chunks of `chunk`.
 fn prompt_logprobs<B: Backend>(m: &Model<B>, i: usize, prompt: &[u32], chunk: usize) -> Vec<f64> {
     let state = m.backend.alloc_state().unwrap();
@@ -107,22 +100,7 @@ fn prompt_logprobs<B: Backend>(m: &Model<B>, i: usize, prompt: &[u32], chunk: us
     let mut pos = 0;
     while pos < prompt.len() {
         let len = chunk.min(prompt.len() - pos);
-        let c = [StepChunk {
-            tokens: &prompt[pos..pos + len],
-            history: &prompt[..pos],
-            pos0: pos,
-            state,
-            blocks: &blocks,
-            out: OutRows::All,
-        }];
-        let o = m
-            .step(StepInput {
-                chunks: &c,
-                start: StepStart::Tokens,
-                hidden: false,
-            })
-            .unwrap();
-        let (r, cols, data) = m.backend.to_host(o.logits.unwrap()).unwrap();
+        let (r, cols, data) = step_logits(m, prompt, (pos, len), state, &blocks);
         for j in 0..r {
             let t = pos + j + 1;
             if t < prompt.len() {

@@ -535,6 +535,45 @@ mod tests {
         s
     }
 
+    /// `gemm` of the `[m, k]` operands `(values, row stride)` into an `[m, ldc]` output that starts
+    /// all NaN.
+    fn run(
+        gemm: fn(Mat<'_>, Mat<'_>, MatMut<'_>, usize, usize, usize),
+        (a, lda): (&[f32], usize),
+        (b, ldb): (&[f32], usize),
+        ldc: usize,
+        (m, k, n): (usize, usize, usize),
+    ) -> Vec<f32> {
+        let mut c = vec![f32::NAN; m * ldc];
+        gemm(
+            Mat::new(a, lda),
+            Mat::new(b, ldb),
+            MatMut::new(&mut c, ldc),
+            m,
+            k,
+            n,
+        );
+        c
+    }
+
+    /// Asserts `c[i·ldc + j]` is `want(i, j)` bit for bit for every `i < m`, `j < n`.
+    fn assert_bits(
+        c: &[f32],
+        ldc: usize,
+        (m, k, n): (usize, usize, usize),
+        want: impl Fn(usize, usize) -> f32,
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                assert_eq!(
+                    c[i * ldc + j].to_bits(),
+                    want(i, j).to_bits(),
+                    "m={m} k={k} n={n} at {i},{j}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn nt_follows_its_reduction_order_exactly() {
         for (m, k, n, ldx, ldw) in [
@@ -546,24 +585,11 @@ mod tests {
             let x = data((m - 1) * ldx + k, 1);
             let w = data((n - 1) * ldw + k, 2);
             let ldy = n + 3;
-            let mut y = vec![f32::NAN; m * ldy];
-            gemm_nt(
-                Mat::new(&x, ldx),
-                Mat::new(&w, ldw),
-                MatMut::new(&mut y, ldy),
-                m,
-                k,
-                n,
-            );
+            let y = run(gemm_nt, (&x, ldx), (&w, ldw), ldy, (m, k, n));
+            assert_bits(&y, ldy, (m, k, n), |i, j| {
+                nt_ref(&x[i * ldx..i * ldx + k], &w[j * ldw..j * ldw + k], k)
+            });
             for i in 0..m {
-                for j in 0..n {
-                    let want = nt_ref(&x[i * ldx..i * ldx + k], &w[j * ldw..j * ldw + k], k);
-                    assert_eq!(
-                        y[i * ldy + j].to_bits(),
-                        want.to_bits(),
-                        "m={m} k={k} n={n} at {i},{j}"
-                    );
-                }
                 assert!(
                     y[i * ldy + n..(i + 1) * ldy].iter().all(|v| v.is_nan()),
                     "wrote past n"
@@ -584,28 +610,14 @@ mod tests {
             let a = data((m - 1) * lda + k, 3);
             let b = data((k - 1) * ldb + n, 4);
             let ldc = n + 2;
-            let mut c = vec![f32::NAN; m * ldc];
-            gemm_nn(
-                Mat::new(&a, lda),
-                Mat::new(&b, ldb),
-                MatMut::new(&mut c, ldc),
-                m,
-                k,
-                n,
-            );
-            for i in 0..m {
-                for j in 0..n {
-                    let mut s = 0f32;
-                    for p in 0..k {
-                        s = a[i * lda + p].mul_add(b[p * ldb + j], s);
-                    }
-                    assert_eq!(
-                        c[i * ldc + j].to_bits(),
-                        s.to_bits(),
-                        "m={m} k={k} n={n} at {i},{j}"
-                    );
+            let c = run(gemm_nn, (&a, lda), (&b, ldb), ldc, (m, k, n));
+            assert_bits(&c, ldc, (m, k, n), |i, j| {
+                let mut s = 0f32;
+                for p in 0..k {
+                    s = a[i * lda + p].mul_add(b[p * ldb + j], s);
                 }
-            }
+                s
+            });
         }
     }
 

@@ -7,8 +7,10 @@ use std::path::{Path, PathBuf};
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
 use sanmai_cuda::{CudaBackend, CudaWeight};
-use sanmai_model::{Backend, Ffn, Model, OutRows, StepChunk, StepInput, StepStart};
+use sanmai_model::{Backend, Ffn, Model};
 use sanmai_weights::Checkpoint;
+
+use crate::logits::{log_softmax, step_logits};
 
 const FIXTURE: &str = "qwen3_5_moe_text_tiny_quant";
 /// The bf16 checkpoint the quantized fixture was made from: its GPU − CPU distance on the same prompt
@@ -55,17 +57,6 @@ fn load_dir<B: Backend>(b: B, dir: &Path) -> Model<B> {
     m
 }
 
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x)) as f64;
-    let lse = row
-        .iter()
-        .map(|&x| (x as f64 - max).exp())
-        .sum::<f64>()
-        .ln()
-        + max;
-    row.iter().map(|&x| x as f64 - lse).collect()
-}
-
 /// Log-prob rows of every position of `prompt`: one prefill chunk of `PREFILL` tokens, then one
 /// decode step per token.
 fn prompt_logprobs<B: Backend>(m: &Model<B>, prompt: &[u32]) -> Vec<Vec<f64>> {
@@ -75,22 +66,7 @@ fn prompt_logprobs<B: Backend>(m: &Model<B>, prompt: &[u32]) -> Vec<Vec<f64>> {
     let mut pos = 0;
     while pos < prompt.len() {
         let len = if pos == 0 { PREFILL } else { 1 };
-        let chunk = [StepChunk {
-            tokens: &prompt[pos..pos + len],
-            history: &prompt[..pos],
-            pos0: pos,
-            state,
-            blocks: &blocks,
-            out: OutRows::All,
-        }];
-        let out = m
-            .step(StepInput {
-                chunks: &chunk,
-                start: StepStart::Tokens,
-                hidden: false,
-            })
-            .unwrap();
-        let (r, c, data) = m.backend.to_host(out.logits.unwrap()).unwrap();
+        let (r, c, data) = step_logits(m, prompt, (pos, len), state, &blocks);
         rows.extend((0..r).map(|i| log_softmax(&data[i * c..(i + 1) * c])));
         pos += len;
     }

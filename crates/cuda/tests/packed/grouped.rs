@@ -4,12 +4,11 @@ use cudarc::driver::DevicePtr;
 use half::bf16;
 use sanmai_config::QuantScheme;
 use sanmai_cpu::{ops, CpuBackend};
-use sanmai_cuda::{
-    cudarc, CudaBackend, Experts, Gpu, PackedScheme, PairGroups, PairRows, PACKED_WORKSPACE_BYTES,
-};
+use sanmai_cuda::{cudarc, CudaBackend, CudaWeight, Gpu, PACKED_WORKSPACE_BYTES};
 use sanmai_model::Backend;
 use sanmai_weights::quant::{quantize, PackedTensor};
 
+use crate::launch::{expert_proj, packed_scheme, pair_groups, pair_rows};
 use crate::{bf16_round, rel_errors, Rng};
 
 fn gpu(test: &str) -> Option<Gpu> {
@@ -20,6 +19,28 @@ fn gpu(test: &str) -> Option<Gpu> {
             None
         }
     }
+}
+
+fn backend(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0, &crate::options::cuda_options()) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            None
+        }
+    }
+}
+
+/// `p` as a weight of the GPU backend (which keeps it packed) and of the CPU backend.
+fn packed_weights(
+    b: &CudaBackend,
+    cpu: &CpuBackend,
+    p: &PackedTensor<'_>,
+) -> (CudaWeight, <CpuBackend as Backend>::Weight) {
+    let wg = b.packed_weight(p).unwrap();
+    let wc = cpu.packed_weight(p).unwrap();
+    assert!(matches!(wg, CudaWeight::Packed(_)));
+    (wg, wc)
 }
 
 fn scheme(bits: u32, group_size: usize) -> QuantScheme {
@@ -175,51 +196,23 @@ fn packed_grouped_gemv_matches_cpu() {
         g.moe_sort(&di, n, e, &mut perm, &mut tiles).unwrap();
         let mut y_gu = g.zeros::<bf16>(n * 2 * i).unwrap();
         g.moe_gemv_packed(
-            &Experts {
-                weights: &gu_t.w_ptrs,
-                scales: &gu_t.s_ptrs,
-                scheme: Some(PackedScheme {
-                    bits,
-                    group_size: group,
-                }),
-                n: 2 * i,
-                k: h,
-            },
-            &PairRows {
-                x: &dx,
-                rows: t,
-                div: k,
-            },
-            &PairGroups {
-                perm: &perm,
-                tiles: &tiles,
-                n_pairs: n,
-            },
+            &expert_proj(
+                &gu_t.w_ptrs,
+                &gu_t.s_ptrs,
+                packed_scheme(bits, group),
+                2 * i,
+                h,
+            ),
+            &pair_rows(&dx, t, k),
+            &pair_groups(&perm, &tiles, n),
             &mut y_gu,
         )
         .unwrap();
         let mut y_dn = g.zeros::<f32>(n * h).unwrap();
         g.moe_gemv_packed(
-            &Experts {
-                weights: &dn_t.w_ptrs,
-                scales: &dn_t.s_ptrs,
-                scheme: Some(PackedScheme {
-                    bits,
-                    group_size: group,
-                }),
-                n: h,
-                k: i,
-            },
-            &PairRows {
-                x: &da,
-                rows: n,
-                div: 1,
-            },
-            &PairGroups {
-                perm: &perm,
-                tiles: &tiles,
-                n_pairs: n,
-            },
+            &expert_proj(&dn_t.w_ptrs, &dn_t.s_ptrs, packed_scheme(bits, group), h, i),
+            &pair_rows(&da, n, 1),
+            &pair_groups(&perm, &tiles, n),
             &mut y_dn,
         )
         .unwrap();
@@ -250,51 +243,17 @@ fn packed_grouped_gemv_matches_cpu() {
             g.swiglu(&y_gu, &mut act_g, n, i).unwrap();
             let mut y_two = g.zeros::<f32>(n * h).unwrap();
             g.moe_gemv_packed(
-                &Experts {
-                    weights: &dn_t.w_ptrs,
-                    scales: &dn_t.s_ptrs,
-                    scheme: Some(PackedScheme {
-                        bits,
-                        group_size: group,
-                    }),
-                    n: h,
-                    k: i,
-                },
-                &PairRows {
-                    x: &act_g,
-                    rows: n,
-                    div: 1,
-                },
-                &PairGroups {
-                    perm: &perm,
-                    tiles: &tiles,
-                    n_pairs: n,
-                },
+                &expert_proj(&dn_t.w_ptrs, &dn_t.s_ptrs, packed_scheme(bits, group), h, i),
+                &pair_rows(&act_g, n, 1),
+                &pair_groups(&perm, &tiles, n),
                 &mut y_two,
             )
             .unwrap();
             let mut y_fused = g.zeros::<f32>(n * h).unwrap();
             g.moe_gemv_packed_swiglu(
-                &Experts {
-                    weights: &dn_t.w_ptrs,
-                    scales: &dn_t.s_ptrs,
-                    scheme: Some(PackedScheme {
-                        bits,
-                        group_size: group,
-                    }),
-                    n: h,
-                    k: i,
-                },
-                &PairRows {
-                    x: &y_gu,
-                    rows: n,
-                    div: 1,
-                },
-                &PairGroups {
-                    perm: &perm,
-                    tiles: &tiles,
-                    n_pairs: n,
-                },
+                &expert_proj(&dn_t.w_ptrs, &dn_t.s_ptrs, packed_scheme(bits, group), h, i),
+                &pair_rows(&y_gu, n, 1),
+                &pair_groups(&perm, &tiles, n),
                 &mut y_fused,
             )
             .unwrap();
@@ -333,52 +292,18 @@ fn packed_grouped_gemv_refuses_bad_shapes() {
     ] {
         let s = g.zeros::<u64>(s_len).unwrap();
         let r = g.moe_gemv_packed(
-            &Experts {
-                weights: &z64,
-                scales: &s,
-                scheme: Some(PackedScheme {
-                    bits,
-                    group_size: group,
-                }),
-                n: 8,
-                k,
-            },
-            &PairRows {
-                x: &x,
-                rows: 4,
-                div: 1,
-            },
-            &PairGroups {
-                perm: &perm,
-                tiles: &tiles,
-                n_pairs: 4,
-            },
+            &expert_proj(&z64, &s, packed_scheme(bits, group), 8, k),
+            &pair_rows(&x, 4, 1),
+            &pair_groups(&perm, &tiles, 4),
             &mut y,
         );
         assert!(r.is_err(), "bits {bits} group {group} k {k} accepted");
     }
     let s1 = g.zeros::<u64>(1).unwrap();
     let r = g.moe_gemv_packed(
-        &Experts {
-            weights: &z64,
-            scales: &s1,
-            scheme: Some(PackedScheme {
-                bits: 8,
-                group_size: 0,
-            }),
-            n: 8,
-            k: 32,
-        },
-        &PairRows {
-            x: &x,
-            rows: 4,
-            div: 1,
-        },
-        &PairGroups {
-            perm: &perm,
-            tiles: &tiles,
-            n_pairs: 4,
-        },
+        &expert_proj(&z64, &s1, packed_scheme(8, 0), 8, 32),
+        &pair_rows(&x, 4, 1),
+        &pair_groups(&perm, &tiles, 4),
         &mut y,
     );
     assert!(
@@ -390,20 +315,14 @@ fn packed_grouped_gemv_refuses_bad_shapes() {
 #[test]
 fn backend_linear_on_packed_weights_matches_cpu() {
     let test = "backend_linear_on_packed_weights_matches_cpu";
-    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            return;
-        }
+    let Some(b) = backend(test) else {
+        return;
     };
     let cpu = CpuBackend::default();
     let mut rng = Rng::new(72);
     for (bits, group, n, k) in [(4, 128, 300, 512), (8, 0, 1000, 256), (6, 0, 96, 136)] {
         let p = packed(&mut rng, scheme(bits, group), n, k);
-        let wg = b.packed_weight(&p).unwrap();
-        let wc = cpu.packed_weight(&p).unwrap();
-        assert!(matches!(wg, sanmai_cuda::CudaWeight::Packed(_)));
+        let (wg, wc) = packed_weights(&b, &cpu, &p);
         assert_eq!(
             b.weight_bytes(&wg),
             p.nbytes(),
@@ -433,20 +352,14 @@ fn backend_linear_on_packed_weights_matches_cpu() {
 #[test]
 fn backend_embedding_on_packed_table_matches_cpu() {
     let test = "backend_embedding_on_packed_table_matches_cpu";
-    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            return;
-        }
+    let Some(b) = backend(test) else {
+        return;
     };
     let cpu = CpuBackend::default();
     let mut rng = Rng::new(73);
     for (bits, group, v, h) in [(8, 0, 1000, 256), (4, 128, 300, 512), (6, 0, 50, 136)] {
         let p = packed(&mut rng, scheme(bits, group), v, h);
-        let wg = b.packed_weight(&p).unwrap();
-        let wc = cpu.packed_weight(&p).unwrap();
-        assert!(matches!(wg, sanmai_cuda::CudaWeight::Packed(_)));
+        let (wg, wc) = packed_weights(&b, &cpu, &p);
         let ids: Vec<u32> = (0..37).map(|_| rng.below(v as u32)).collect();
         let (_, _, got) = b.to_host(b.embed(&wg, &ids).unwrap()).unwrap();
         let (_, _, want) = cpu.to_host(cpu.embed(&wc, &ids).unwrap()).unwrap();

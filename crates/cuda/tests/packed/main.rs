@@ -15,8 +15,14 @@
 //! Without a GPU the device tests print `skipped: <test>: <reason>` and pass. Each check prints one
 //! `PACKED` line.
 
+#[path = "../support/launch.rs"]
+mod launch;
+#[path = "../support/logits.rs"]
+mod logits;
 #[path = "../support/options.rs"]
 mod options;
+#[path = "../support/rng.rs"]
+mod rng;
 
 mod e2e;
 mod grouped;
@@ -24,37 +30,12 @@ mod plan;
 
 use half::bf16;
 
-/// xorshift64* with Box–Muller normals: deterministic, dependency-free.
-pub struct Rng(u64);
+pub use rng::Rng;
 
 impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    pub fn unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
-    }
-
-    pub fn normal(&mut self) -> f32 {
-        let u = self.unit().max(1e-7);
-        let v = self.unit();
-        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
-    }
-
+    /// `n` normals times `scale`.
     pub fn normals(&mut self, n: usize, scale: f32) -> Vec<f32> {
         (0..n).map(|_| scale * self.normal()).collect()
-    }
-
-    pub fn below(&mut self, n: u32) -> u32 {
-        (self.next_u64() % n as u64) as u32
     }
 }
 

@@ -74,40 +74,25 @@ fn reference(
     out
 }
 
+/// The attention shape of `hq` query and `hkv` KV heads of `head_dim` over blocks of `block_size`.
+const fn attn_dims(hq: usize, hkv: usize, head_dim: usize, block_size: usize) -> AttnDims {
+    AttnDims {
+        hq,
+        hkv,
+        head_dim,
+        block_size,
+    }
+}
+
 const SHAPES: [AttnDims; 5] = [
     // Qwen3-Next's full-attention layer (8 query heads per KV head); qwen4-exp's (12 per KV head: two
     // blocks of 6); one without GQA and a head size of 16-byte chunks below a warp; the tiny configs'
     // head size 32; a head size that is not a multiple of 8 (scalar loads).
-    AttnDims {
-        hq: 16,
-        hkv: 2,
-        head_dim: 256,
-        block_size: 16,
-    },
-    AttnDims {
-        hq: 24,
-        hkv: 2,
-        head_dim: 256,
-        block_size: 16,
-    },
-    AttnDims {
-        hq: 4,
-        hkv: 4,
-        head_dim: 72,
-        block_size: 32,
-    },
-    AttnDims {
-        hq: 4,
-        hkv: 2,
-        head_dim: 32,
-        block_size: 16,
-    },
-    AttnDims {
-        hq: 6,
-        hkv: 2,
-        head_dim: 36,
-        block_size: 8,
-    },
+    attn_dims(16, 2, 256, 16),
+    attn_dims(24, 2, 256, 16),
+    attn_dims(4, 4, 72, 32),
+    attn_dims(4, 2, 32, 16),
+    attn_dims(6, 2, 36, 8),
 ];
 
 /// One decode launch over sequences of `lens` whose tables hold `span / block_size` ids each (the
@@ -287,48 +272,13 @@ fn attention_paged_prefill_matches_cpu() {
 /// (8 query heads per KV head) and qwen4-exp (12: row tiles straddle queries) at 256, ratio 2 at
 /// 256, 128 at ratios 8 and 2, ratio 3 at 64, the tiny fixtures' 32.
 const MMA_SHAPES: [AttnDims; 7] = [
-    AttnDims {
-        hq: 16,
-        hkv: 2,
-        head_dim: 256,
-        block_size: 16,
-    },
-    AttnDims {
-        hq: 24,
-        hkv: 2,
-        head_dim: 256,
-        block_size: 16,
-    },
-    AttnDims {
-        hq: 4,
-        hkv: 2,
-        head_dim: 256,
-        block_size: 16,
-    },
-    AttnDims {
-        hq: 16,
-        hkv: 2,
-        head_dim: 128,
-        block_size: 16,
-    },
-    AttnDims {
-        hq: 8,
-        hkv: 4,
-        head_dim: 128,
-        block_size: 32,
-    },
-    AttnDims {
-        hq: 6,
-        hkv: 2,
-        head_dim: 64,
-        block_size: 8,
-    },
-    AttnDims {
-        hq: 4,
-        hkv: 2,
-        head_dim: 32,
-        block_size: 16,
-    },
+    attn_dims(16, 2, 256, 16),
+    attn_dims(24, 2, 256, 16),
+    attn_dims(4, 2, 256, 16),
+    attn_dims(16, 2, 128, 16),
+    attn_dims(8, 4, 128, 32),
+    attn_dims(6, 2, 64, 8),
+    attn_dims(4, 2, 32, 16),
 ];
 
 #[test]

@@ -11,31 +11,30 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
-use sanmai_cuda::{
-    DecodeRouting, Experts, Gpu, PackedScheme, PairGroups, PairRows, RouteDims, Routed,
-};
+use sanmai_cuda::{DecodeRouting, Gpu, RouteDims, Routed};
 
 use crate::bench::{pattern, time};
 use crate::common::{gpu, Rng};
+use crate::launch::{expert_proj, packed_scheme, pair_groups, pair_rows};
 use crate::moe_gemm::{route, Routing};
 
-const E: usize = 512;
+pub const E: usize = 512;
 const TOP_K: usize = 10;
 /// Routings the GEMV calls cycle through.
 const ROUTINGS: usize = 8;
 
 /// One projection's `E` experts (`n` rows of `k`) in one allocation of words and one of scales, and
 /// their address tables. `bits` 16 is bf16 (finite values in (-2, 2), no scales), else packed.
-struct ExpertSet {
+pub struct ExpertSet {
     _words: CudaSlice<u32>,
     _scales: CudaSlice<f32>,
-    w_ptrs: CudaSlice<u64>,
-    s_ptrs: CudaSlice<u64>,
+    pub w_ptrs: CudaSlice<u64>,
+    pub s_ptrs: CudaSlice<u64>,
     /// Bytes (words and scales) of one expert.
-    bytes: usize,
+    pub bytes: usize,
 }
 
-fn experts(g: &Gpu, bits: u32, group: usize, n: usize, k: usize, salt: u32) -> ExpertSet {
+pub fn experts(g: &Gpu, bits: u32, group: usize, n: usize, k: usize, salt: u32) -> ExpertSet {
     let wpr = match bits {
         16 => k / 2,
         6 => k.div_ceil(32) * 6,
@@ -225,95 +224,45 @@ fn bench_moe_decode() {
                     match (bits, what) {
                         (16, "gate_up") => g
                             .moe_gemv(
-                                &Experts {
-                                    weights: &gu.w_ptrs,
-                                    scales: &gu.w_ptrs,
-                                    scheme: None,
-                                    n: nn,
-                                    k: kk,
-                                },
-                                &PairRows {
-                                    x: &x,
-                                    rows: t,
-                                    div: TOP_K,
-                                },
-                                &PairGroups {
-                                    perm: &s.perm,
-                                    tiles: &s.tiles,
-                                    n_pairs: n,
-                                },
+                                &expert_proj(&gu.w_ptrs, &gu.w_ptrs, None, nn, kk),
+                                &pair_rows(&x, t, TOP_K),
+                                &pair_groups(&s.perm, &s.tiles, n),
                                 &mut y_gu,
                             )
                             .unwrap(),
                         (16, _) => g
                             .moe_gemv(
-                                &Experts {
-                                    weights: &dn.w_ptrs,
-                                    scales: &dn.w_ptrs,
-                                    scheme: None,
-                                    n: nn,
-                                    k: kk,
-                                },
-                                &PairRows {
-                                    x: &act,
-                                    rows: n,
-                                    div: 1,
-                                },
-                                &PairGroups {
-                                    perm: &s.perm,
-                                    tiles: &s.tiles,
-                                    n_pairs: n,
-                                },
+                                &expert_proj(&dn.w_ptrs, &dn.w_ptrs, None, nn, kk),
+                                &pair_rows(&act, n, 1),
+                                &pair_groups(&s.perm, &s.tiles, n),
                                 &mut y_dn,
                             )
                             .unwrap(),
                         (_, "gate_up") => g
                             .moe_gemv_packed(
-                                &Experts {
-                                    weights: &gu.w_ptrs,
-                                    scales: &gu.s_ptrs,
-                                    scheme: Some(PackedScheme {
-                                        bits,
-                                        group_size: group,
-                                    }),
-                                    n: nn,
-                                    k: kk,
-                                },
-                                &PairRows {
-                                    x: &x,
-                                    rows: t,
-                                    div: TOP_K,
-                                },
-                                &PairGroups {
-                                    perm: &s.perm,
-                                    tiles: &s.tiles,
-                                    n_pairs: n,
-                                },
+                                &expert_proj(
+                                    &gu.w_ptrs,
+                                    &gu.s_ptrs,
+                                    packed_scheme(bits, group),
+                                    nn,
+                                    kk,
+                                ),
+                                &pair_rows(&x, t, TOP_K),
+                                &pair_groups(&s.perm, &s.tiles, n),
                                 &mut y_gu,
                             )
                             .unwrap(),
                         _ => g
                             .moe_gemv_packed(
-                                &Experts {
-                                    weights: &dn.w_ptrs,
-                                    scales: &dn.s_ptrs,
-                                    scheme: Some(PackedScheme {
-                                        bits,
-                                        group_size: group,
-                                    }),
-                                    n: nn,
-                                    k: kk,
-                                },
-                                &PairRows {
-                                    x: &act,
-                                    rows: n,
-                                    div: 1,
-                                },
-                                &PairGroups {
-                                    perm: &s.perm,
-                                    tiles: &s.tiles,
-                                    n_pairs: n,
-                                },
+                                &expert_proj(
+                                    &dn.w_ptrs,
+                                    &dn.s_ptrs,
+                                    packed_scheme(bits, group),
+                                    nn,
+                                    kk,
+                                ),
+                                &pair_rows(&act, n, 1),
+                                &pair_groups(&s.perm, &s.tiles, n),
                                 &mut y_dn,
                             )
                             .unwrap(),
@@ -340,26 +289,9 @@ fn bench_moe_decode() {
                     let s = &st[call % ROUTINGS];
                     call += 1;
                     g.moe_gemv_packed_swiglu(
-                        &Experts {
-                            weights: &dn.w_ptrs,
-                            scales: &dn.s_ptrs,
-                            scheme: Some(PackedScheme {
-                                bits,
-                                group_size: group,
-                            }),
-                            n: h,
-                            k: i,
-                        },
-                        &PairRows {
-                            x: &y_gu,
-                            rows: n,
-                            div: 1,
-                        },
-                        &PairGroups {
-                            perm: &s.perm,
-                            tiles: &s.tiles,
-                            n_pairs: n,
-                        },
+                        &expert_proj(&dn.w_ptrs, &dn.s_ptrs, packed_scheme(bits, group), h, i),
+                        &pair_rows(&y_gu, n, 1),
+                        &pair_groups(&s.perm, &s.tiles, n),
                         &mut y_dn,
                     )
                     .unwrap()

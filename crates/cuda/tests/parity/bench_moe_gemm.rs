@@ -6,45 +6,13 @@
 //! bytes (words and scales) plus the inputs and outputs.
 
 use half::bf16;
-use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
-use sanmai_cuda::{Experts, Gpu, PackedScheme, PairGroups, PairRows};
+use sanmai_cuda::Gpu;
 
 use crate::bench::{pattern, time};
+use crate::bench_moe::{experts, E};
 use crate::common::{gpu, Rng};
+use crate::launch::{expert_proj, packed_scheme, pair_groups, pair_rows};
 use crate::moe_gemm::{route, Routing};
-
-/// One projection's 512 packed experts in one allocation each for words and scales, and their tables.
-struct ExpertSet {
-    _words: CudaSlice<u32>,
-    _scales: CudaSlice<f32>,
-    w_ptrs: CudaSlice<u64>,
-    s_ptrs: CudaSlice<u64>,
-    /// Packed bytes (words and scales) of one expert.
-    bytes: usize,
-}
-
-fn experts(g: &Gpu, e: usize, n: usize, k: usize, group: usize, salt: u32) -> ExpertSet {
-    let (wpr, sc) = (k / 8, k.div_ceil(group));
-    let words: Vec<u32> = (0..e * n * wpr)
-        .map(|i| (i as u32 ^ salt).wrapping_mul(2_654_435_761))
-        .collect();
-    let scales: Vec<f32> = pattern(e * n * sc, salt)
-        .iter()
-        .map(|v| 1e-3 * (1.0 + v.to_f32()))
-        .collect();
-    let (dw, ds) = (g.upload(&words).unwrap(), g.upload(&scales).unwrap());
-    let s = g.stream();
-    let (w0, s0) = (dw.device_ptr(s).0, ds.device_ptr(s).0);
-    let wp: Vec<u64> = (0..e).map(|x| w0 + (x * n * wpr * 4) as u64).collect();
-    let sp: Vec<u64> = (0..e).map(|x| s0 + (x * n * sc * 4) as u64).collect();
-    ExpertSet {
-        w_ptrs: g.upload(&wp).unwrap(),
-        s_ptrs: g.upload(&sp).unwrap(),
-        _words: dw,
-        _scales: ds,
-        bytes: n * wpr * 4 + n * sc * 4,
-    }
-}
 
 #[test]
 #[ignore = "timing; run with --ignored on a GPU host"]
@@ -52,15 +20,15 @@ fn bench_moe_gemm_prefill() {
     let Some(g) = gpu("bench_moe_gemm_prefill") else {
         return;
     };
-    let (e, top_k, group) = (512usize, 10usize, 128usize);
+    let (e, top_k, group) = (E, 10usize, 128usize);
     let scheme = Some((4u32, group));
     let mut rng = Rng::new(63);
     for (h, i, tokens) in [
         (2048usize, 512usize, &[64usize, 512][..]),
         (2560, 768, &[512][..]),
     ] {
-        let gu = experts(g, e, 2 * i, h, group, 1);
-        let dn = experts(g, e, h, i, group, 2);
+        let gu = experts(g, 4, group, 2 * i, h, 1);
+        let dn = experts(g, 4, group, h, i, 2);
         for &t in tokens {
             let n = t * top_k;
             let ids = route(&mut rng, Routing::Uniform, t, top_k, e);
@@ -94,47 +62,29 @@ fn bench_moe_gemm_prefill() {
                 let tg = time(g, 3, 20, || {
                     if what == "gate_up" {
                         g.moe_gemm(
-                            &Experts {
-                                weights: &gu.w_ptrs,
-                                scales: &gu.s_ptrs,
-                                scheme: scheme
-                                    .map(|(bits, group_size)| PackedScheme { bits, group_size }),
-                                n: nn,
-                                k: kk,
-                            },
-                            &PairRows {
-                                x: &x,
-                                rows: t,
-                                div: top_k,
-                            },
-                            &PairGroups {
-                                perm: &perm,
-                                tiles: &tiles,
-                                n_pairs: n,
-                            },
+                            &expert_proj(
+                                &gu.w_ptrs,
+                                &gu.s_ptrs,
+                                scheme.and_then(|(bits, group)| packed_scheme(bits, group)),
+                                nn,
+                                kk,
+                            ),
+                            &pair_rows(&x, t, top_k),
+                            &pair_groups(&perm, &tiles, n),
                             &mut y_gu,
                         )
                         .unwrap()
                     } else {
                         g.moe_gemm(
-                            &Experts {
-                                weights: &dn.w_ptrs,
-                                scales: &dn.s_ptrs,
-                                scheme: scheme
-                                    .map(|(bits, group_size)| PackedScheme { bits, group_size }),
-                                n: nn,
-                                k: kk,
-                            },
-                            &PairRows {
-                                x: &act,
-                                rows: n,
-                                div: 1,
-                            },
-                            &PairGroups {
-                                perm: &perm,
-                                tiles: &tiles,
-                                n_pairs: n,
-                            },
+                            &expert_proj(
+                                &dn.w_ptrs,
+                                &dn.s_ptrs,
+                                scheme.and_then(|(bits, group)| packed_scheme(bits, group)),
+                                nn,
+                                kk,
+                            ),
+                            &pair_rows(&act, n, 1),
+                            &pair_groups(&perm, &tiles, n),
                             &mut y_dn,
                         )
                         .unwrap()
@@ -156,51 +106,17 @@ fn bench_moe_gemm_prefill() {
                 let tv = time(g, 1, 3, || {
                     if what == "gate_up" {
                         g.moe_gemv_packed(
-                            &Experts {
-                                weights: &gu.w_ptrs,
-                                scales: &gu.s_ptrs,
-                                scheme: Some(PackedScheme {
-                                    bits: 4,
-                                    group_size: group,
-                                }),
-                                n: nn,
-                                k: kk,
-                            },
-                            &PairRows {
-                                x: &x,
-                                rows: t,
-                                div: top_k,
-                            },
-                            &PairGroups {
-                                perm: &sperm,
-                                tiles: &stiles,
-                                n_pairs: n,
-                            },
+                            &expert_proj(&gu.w_ptrs, &gu.s_ptrs, packed_scheme(4, group), nn, kk),
+                            &pair_rows(&x, t, top_k),
+                            &pair_groups(&sperm, &stiles, n),
                             &mut y_gu,
                         )
                         .unwrap()
                     } else {
                         g.moe_gemv_packed(
-                            &Experts {
-                                weights: &dn.w_ptrs,
-                                scales: &dn.s_ptrs,
-                                scheme: Some(PackedScheme {
-                                    bits: 4,
-                                    group_size: group,
-                                }),
-                                n: nn,
-                                k: kk,
-                            },
-                            &PairRows {
-                                x: &act,
-                                rows: n,
-                                div: 1,
-                            },
-                            &PairGroups {
-                                perm: &sperm,
-                                tiles: &stiles,
-                                n_pairs: n,
-                            },
+                            &expert_proj(&dn.w_ptrs, &dn.s_ptrs, packed_scheme(4, group), nn, kk),
+                            &pair_rows(&act, n, 1),
+                            &pair_groups(&sperm, &stiles, n),
                             &mut y_dn,
                         )
                         .unwrap()

@@ -14,8 +14,12 @@
 //!   two experts' logits lie within twice the token's largest logit difference between the two
 //!   computations (`router.rs`), and exactly equal ids, weights and tiles from the same logits.
 
+#[path = "../support/launch.rs"]
+mod launch;
 #[path = "../support/options.rs"]
 mod options;
+#[path = "../support/rng.rs"]
+mod rng;
 
 mod attention;
 mod bench;

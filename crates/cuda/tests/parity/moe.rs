@@ -4,9 +4,10 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::{DecodeRouting, Experts, Gpu, PairGroups, PairRows, RouteDims, Routed};
+use sanmai_cuda::{DecodeRouting, Gpu, RouteDims, Routed};
 
 use crate::common::{check_reduction, from_bf16, gpu, to_bf16, Rng};
+use crate::launch::{expert_proj, pair_groups, pair_rows};
 
 /// Checks the grouping contract of `moe_sort` (and of `moe_route_decode`'s grouping) for expert ids
 /// `ids` over `e` experts: `tiles` holds `(expert, start, count ≤ MOE_TILE)` expert after expert in
@@ -294,23 +295,9 @@ fn moe_experts_match_cpu() {
         }
         let mut gu = g.zeros::<bf16>(n * 2 * i).unwrap();
         g.moe_gemv(
-            &Experts {
-                weights: &gu_tab,
-                scales: &gu_tab,
-                scheme: None,
-                n: 2 * i,
-                k: h,
-            },
-            &PairRows {
-                x: &x,
-                rows: t,
-                div: k,
-            },
-            &PairGroups {
-                perm: &perm,
-                tiles: &tiles,
-                n_pairs: n,
-            },
+            &expert_proj(&gu_tab, &gu_tab, None, 2 * i, h),
+            &pair_rows(&x, t, k),
+            &pair_groups(&perm, &tiles, n),
             &mut gu,
         )
         .unwrap();
@@ -318,23 +305,9 @@ fn moe_experts_match_cpu() {
         g.swiglu(&gu, &mut act, n, i).unwrap();
         let mut y = g.zeros::<f32>(n * h).unwrap();
         g.moe_gemv(
-            &Experts {
-                weights: &dn_tab,
-                scales: &dn_tab,
-                scheme: None,
-                n: h,
-                k: i,
-            },
-            &PairRows {
-                x: &act,
-                rows: n,
-                div: 1,
-            },
-            &PairGroups {
-                perm: &perm,
-                tiles: &tiles,
-                n_pairs: n,
-            },
+            &expert_proj(&dn_tab, &dn_tab, None, h, i),
+            &pair_rows(&act, n, 1),
+            &pair_groups(&perm, &tiles, n),
             &mut y,
         )
         .unwrap();

@@ -10,12 +10,13 @@ use half::bf16;
 use sanmai_config::QuantScheme;
 use sanmai_cpu::{ops, CpuBackend};
 use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
-use sanmai_cuda::{CudaBackend, Experts, Gpu, PackedScheme, PairGroups, PairRows};
+use sanmai_cuda::{CudaBackend, Gpu};
 use sanmai_model::backend::{MlpWeights, MoeCall, MoeWeights};
 use sanmai_model::Backend;
 use sanmai_weights::quant::{pack, quantize};
 
 use crate::common::{check_composite, check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
+use crate::launch::{expert_proj, packed_scheme, pair_groups, pair_rows};
 
 /// A pool of expert weights `[n, k]` of one scheme on the device, with the f32 values they stand for.
 pub struct Pool {
@@ -290,45 +291,29 @@ fn moe_gemm_matches_cpu() {
         g.moe_gemm_plan(&di, n, e, &mut perm, &mut tiles).unwrap();
         let mut y_gu = g.zeros::<bf16>(n * 2 * i).unwrap();
         g.moe_gemm(
-            &Experts {
-                weights: &gu_w,
-                scales: &gu_s,
-                scheme: scheme.map(|(bits, group_size)| PackedScheme { bits, group_size }),
-                n: 2 * i,
-                k: h,
-            },
-            &PairRows {
-                x: &dx,
-                rows: t,
-                div: k,
-            },
-            &PairGroups {
-                perm: &perm,
-                tiles: &tiles,
-                n_pairs: n,
-            },
+            &expert_proj(
+                &gu_w,
+                &gu_s,
+                scheme.and_then(|(bits, group)| packed_scheme(bits, group)),
+                2 * i,
+                h,
+            ),
+            &pair_rows(&dx, t, k),
+            &pair_groups(&perm, &tiles, n),
             &mut y_gu,
         )
         .unwrap();
         let mut y_dn = g.zeros::<f32>(n * h).unwrap();
         g.moe_gemm(
-            &Experts {
-                weights: &dn_w,
-                scales: &dn_s,
-                scheme: scheme.map(|(bits, group_size)| PackedScheme { bits, group_size }),
-                n: h,
-                k: i,
-            },
-            &PairRows {
-                x: &da,
-                rows: n,
-                div: 1,
-            },
-            &PairGroups {
-                perm: &perm,
-                tiles: &tiles,
-                n_pairs: n,
-            },
+            &expert_proj(
+                &dn_w,
+                &dn_s,
+                scheme.and_then(|(bits, group)| packed_scheme(bits, group)),
+                h,
+                i,
+            ),
+            &pair_rows(&da, n, 1),
+            &pair_groups(&perm, &tiles, n),
             &mut y_dn,
         )
         .unwrap();
@@ -371,23 +356,15 @@ fn moe_gemm_refuses_bad_shapes() {
         (Some((4, 48)), 64),
     ] {
         let r = g.moe_gemm(
-            &Experts {
-                weights: &z64,
-                scales: &z64,
-                scheme: scheme.map(|(bits, group_size)| PackedScheme { bits, group_size }),
-                n: 8,
+            &expert_proj(
+                &z64,
+                &z64,
+                scheme.and_then(|(bits, group)| packed_scheme(bits, group)),
+                8,
                 k,
-            },
-            &PairRows {
-                x: &x,
-                rows: 4,
-                div: 1,
-            },
-            &PairGroups {
-                perm: &perm,
-                tiles: &tiles,
-                n_pairs: 4,
-            },
+            ),
+            &pair_rows(&x, 4, 1),
+            &pair_groups(&perm, &tiles, 4),
             &mut y,
         );
         assert!(r.is_err(), "{scheme:?} k {k} accepted");

@@ -75,6 +75,29 @@ const fn kind(name: &'static str, temperature: f32, top_k: usize, top_p: f32, mi
     }
 }
 
+/// `k` with a mask.
+const fn mask(k: Kind) -> Kind {
+    Kind { mask: true, ..k }
+}
+
+/// `k` with penalties and biases.
+const fn penalties(k: Kind) -> Kind {
+    Kind {
+        penalties: true,
+        ..k
+    }
+}
+
+/// `k` on coarse logits (runs of ties).
+const fn coarse(k: Kind) -> Kind {
+    Kind { coarse: true, ..k }
+}
+
+/// `k` on flat logits.
+const fn flat(k: Kind) -> Kind {
+    Kind { flat: true, ..k }
+}
+
 fn kinds() -> Vec<Kind> {
     vec![
         kind("greedy", 0.0, 0, 1.0, 0.0),
@@ -85,27 +108,11 @@ fn kinds() -> Vec<Kind> {
         kind("topp0.999_t1.5", 1.5, 0, 0.999, 0.0),
         kind("minp0.05", 1.0, 0, 1.0, 0.05),
         kind("topk50_topp0.8_minp0.02_t0.6", 0.6, 50, 0.8, 0.02),
-        Kind {
-            mask: true,
-            ..kind("mask_topp0.95", 1.0, 0, 0.95, 0.0)
-        },
-        Kind {
-            penalties: true,
-            ..kind("penalties_bias_topk40_t0.9", 0.9, 40, 1.0, 0.0)
-        },
-        Kind {
-            coarse: true,
-            ..kind("ties_topk1500_topp0.5", 1.0, 1500, 0.5, 0.0)
-        },
-        Kind {
-            coarse: true,
-            ..kind("ties_topp0.9_t2", 2.0, 0, 0.9, 0.0)
-        },
-        Kind {
-            penalties: true,
-            mask: true,
-            ..kind("greedy_mask_penalties", 0.0, 0, 1.0, 0.0)
-        },
+        mask(kind("mask_topp0.95", 1.0, 0, 0.95, 0.0)),
+        penalties(kind("penalties_bias_topk40_t0.9", 0.9, 40, 1.0, 0.0)),
+        coarse(kind("ties_topk1500_topp0.5", 1.0, 1500, 0.5, 0.0)),
+        coarse(kind("ties_topp0.9_t2", 2.0, 0, 0.9, 0.0)),
+        penalties(mask(kind("greedy_mask_penalties", 0.0, 0, 1.0, 0.0))),
         // Top-p without top-k (the radix cut), as chat clients send it.
         kind("topp0.5_t0.6", 0.6, 0, 0.5, 0.0),
         kind("topp0.8_t1.5", 1.5, 0, 0.8, 0.0),
@@ -113,26 +120,11 @@ fn kinds() -> Vec<Kind> {
         kind("topp0.95_t1.5_minp0.05", 1.5, 0, 0.95, 0.05),
         kind("topp0.999_t0.6_minp0.001", 0.6, 0, 0.999, 0.001),
         kind("topp0.999_t1.5", 1.5, 0, 0.999, 0.0),
-        Kind {
-            mask: true,
-            ..kind("mask_topp0.8_t0.6_minp0.02", 0.6, 0, 0.8, 0.02)
-        },
-        Kind {
-            penalties: true,
-            ..kind("penalties_bias_topp0.9_t1.5", 1.5, 0, 0.9, 0.0)
-        },
-        Kind {
-            coarse: true,
-            ..kind("ties_topp0.5_t0.6", 0.6, 0, 0.5, 0.0)
-        },
-        Kind {
-            flat: true,
-            ..kind("flat_topp0.9_t1.5", 1.5, 0, 0.9, 0.0)
-        },
-        Kind {
-            flat: true,
-            ..kind("flat_topp0.95_t1_minp0.05", 1.0, 0, 0.95, 0.05)
-        },
+        mask(kind("mask_topp0.8_t0.6_minp0.02", 0.6, 0, 0.8, 0.02)),
+        penalties(kind("penalties_bias_topp0.9_t1.5", 1.5, 0, 0.9, 0.0)),
+        coarse(kind("ties_topp0.5_t0.6", 0.6, 0, 0.5, 0.0)),
+        flat(kind("flat_topp0.9_t1.5", 1.5, 0, 0.9, 0.0)),
+        flat(kind("flat_topp0.95_t1_minp0.05", 1.0, 0, 0.95, 0.05)),
         // Top-k by the radix count passes, alone and with top-p (then cut within the top-k set).
         kind("topk1_t1", 1.0, 1, 1.0, 0.0),
         kind("topk40_t1.2", 1.2, 40, 1.0, 0.0),
@@ -140,36 +132,27 @@ fn kinds() -> Vec<Kind> {
         kind("topk2000_topp0.9_t1.5", 1.5, 2000, 0.9, 0.0),
         kind("topk20_topp0.8_minp0.05_t1.5", 1.5, 20, 0.8, 0.05),
         kind("topk_ge_vocab_topp0.9", 1.0, 300_000, 0.9, 0.0),
-        Kind {
-            penalties: true,
-            ..kind("penalties_bias_topk20_topp0.8_t0.7", 0.7, 20, 0.8, 0.0)
-        },
+        penalties(kind(
+            "penalties_bias_topk20_topp0.8_t0.7",
+            0.7,
+            20,
+            0.8,
+            0.0,
+        )),
         // The narrow mask's rows keep 200 tokens: fewer than k = 500, so top-k keeps them all.
-        Kind {
-            mask: true,
-            ..kind("mask_topk20_t0.7", 0.7, 20, 1.0, 0.0)
-        },
-        Kind {
-            mask: true,
-            ..kind("mask_topk500_topp0.9_t1", 1.0, 500, 0.9, 0.0)
-        },
+        mask(kind("mask_topk20_t0.7", 0.7, 20, 1.0, 0.0)),
+        mask(kind("mask_topk500_topp0.9_t1", 1.0, 500, 0.9, 0.0)),
         // k inside a run of tied logits: the cut takes the run's lowest ids.
-        Kind {
-            flat: true,
-            ..kind("flat_topk20_t1", 1.0, 20, 1.0, 0.0)
-        },
-        Kind {
-            flat: true,
-            ..kind("flat_topk5000_topp0.5_t1.5", 1.5, 5000, 0.5, 0.0)
-        },
-        Kind {
-            flat: true,
-            ..kind("flat_topk3000_topp0.99_minp0.01", 1.0, 3000, 0.99, 0.01)
-        },
-        Kind {
-            coarse: true,
-            ..kind("ties_topk20_topp0.8_t0.7", 0.7, 20, 0.8, 0.0)
-        },
+        flat(kind("flat_topk20_t1", 1.0, 20, 1.0, 0.0)),
+        flat(kind("flat_topk5000_topp0.5_t1.5", 1.5, 5000, 0.5, 0.0)),
+        flat(kind(
+            "flat_topk3000_topp0.99_minp0.01",
+            1.0,
+            3000,
+            0.99,
+            0.01,
+        )),
+        coarse(kind("ties_topk20_topp0.8_t0.7", 0.7, 20, 0.8, 0.0)),
     ]
 }
 

@@ -90,19 +90,55 @@ fn index_key_bytes_match_cpu() {
     }
 }
 
-/// The device's scores and selections for `rows` queries at the end of a `ctx`-position sequence.
-#[allow(clippy::too_many_arguments)]
-fn check_select(
-    b: &CudaBackend,
-    rng: &mut Rng,
+/// How many elements of `a` and `b` differ in their bits.
+fn bits_differing(a: &[f32], b: &[f32]) -> usize {
+    a.iter()
+        .zip(b)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count()
+}
+
+/// Row `r`'s selected positions: the first `counts[r]` of its `topk` slots in `sel`.
+fn selected(sel: &[u32], counts: &[u32], topk: usize, r: usize) -> Vec<usize> {
+    sel[r * topk..r * topk + counts[r] as usize]
+        .iter()
+        .map(|&x| x as usize)
+        .collect()
+}
+
+/// How a selection case draws its keys and weights.
+#[derive(Clone, Copy, PartialEq)]
+enum Draw {
+    /// Distinct random keys at their own positions, random weights.
+    Random,
+    /// Only 7 distinct key rows, all at one position: equal scores abound.
+    Ties,
+    /// Zero weights: every score is 0.
+    ZeroWeights,
+}
+
+/// A selection case: `n_rows` queries at the end of a `ctx`-position sequence keeping `topk`
+/// positions, with `ni` index heads of `di` values.
+struct SelectCase {
     ctx: usize,
     n_rows: usize,
     topk: usize,
     ni: usize,
     di: usize,
-    ties: bool,
-    zero_weights: bool,
-) -> usize {
+    draw: Draw,
+}
+
+/// The device's scores and selections for case `s`; returns the count of differing scores and sets.
+fn check_select(b: &CudaBackend, rng: &mut Rng, s: &SelectCase) -> usize {
+    let &SelectCase {
+        ctx,
+        n_rows,
+        topk,
+        ni,
+        di,
+        draw,
+    } = s;
+    let (ties, zero_weights) = (draw == Draw::Ties, draw == Draw::ZeroWeights);
     let (rot, bs) = (di / 2, 16);
     // Keys: with `ties`, only 7 distinct rows repeated, so equal scores abound.
     let distinct = if ties { 7 } else { ctx };
@@ -192,16 +228,9 @@ fn check_select(
             .collect();
         let mut want = vec![0f32; c];
         cpu::index_scores(&q, &w, &keys[..c * di], di, &mut want);
-        score_diff += want
-            .iter()
-            .zip(&scores[r * ld..r * ld + c])
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
+        score_diff += bits_differing(&want, &scores[r * ld..r * ld + c]);
         let want_sel = cpu::topk_positions(&want, topk);
-        let got: Vec<usize> = sel[r * topk..r * topk + counts[r] as usize]
-            .iter()
-            .map(|&x| x as usize)
-            .collect();
+        let got = selected(&sel, &counts, topk, r);
         if got != want_sel {
             set_diff += 1;
         }
@@ -221,12 +250,24 @@ fn scores_and_topk_match_cpu() {
     };
     let mut rng = Rng::new(2);
     let mut bad = 0;
-    bad += check_select(&b, &mut rng, 300, 300, 32, 4, 16, false, false);
-    bad += check_select(&b, &mut rng, 5000, 8, 256, 16, 64, false, false);
-    bad += check_select(&b, &mut rng, 70_000, 3, 2048, 16, 64, false, false);
-    bad += check_select(&b, &mut rng, 3000, 4, 100, 16, 64, true, false);
-    bad += check_select(&b, &mut rng, 3000, 2, 100, 4, 32, false, true);
-    bad += check_select(&b, &mut rng, 40, 40, 64, 4, 16, false, false);
+    for (ctx, n_rows, topk, ni, di, draw) in [
+        (300, 300, 32, 4, 16, Draw::Random),
+        (5000, 8, 256, 16, 64, Draw::Random),
+        (70_000, 3, 2048, 16, 64, Draw::Random),
+        (3000, 4, 100, 16, 64, Draw::Ties),
+        (3000, 2, 100, 4, 32, Draw::ZeroWeights),
+        (40, 40, 64, 4, 16, Draw::Random),
+    ] {
+        let s = SelectCase {
+            ctx,
+            n_rows,
+            topk,
+            ni,
+            di,
+            draw,
+        };
+        bad += check_select(&b, &mut rng, &s);
+    }
     assert_eq!(bad, 0, "scores or selected sets differ from the CPU's");
 }
 
@@ -463,17 +504,10 @@ fn check_decode(b: &CudaBackend, rng: &mut Rng, c: &DecodeCase) -> usize {
         cpu::index_scores(&qh, &w, &keys[r], di, &mut want);
         if ctx > topk {
             // Rows within topk are not scored: every position is selected.
-            score_diff += want
-                .iter()
-                .zip(&scores[r * span..r * span + ctx])
-                .filter(|(a, b)| a.to_bits() != b.to_bits())
-                .count();
+            score_diff += bits_differing(&want, &scores[r * span..r * span + ctx]);
         }
         let want_sel = cpu::topk_positions(&want, topk);
-        let got: Vec<usize> = sel[r * topk..r * topk + counts[r] as usize]
-            .iter()
-            .map(|&x| x as usize)
-            .collect();
+        let got = selected(&sel, &counts, topk, r);
         if got != want_sel {
             set_diff += 1;
         }
@@ -676,54 +710,16 @@ fn qsa_backend_matches_cpu() {
             data(di, &mut rng),
             data(ni, &mut rng),
         );
-        let g = qsa_call(
-            &p.gpu,
+        let step = QsaStep {
+            shape: &shape,
+            rope: &rope,
+            qsa: &qsa,
+            seqs: &seqs,
             rows,
-            [&qg, &kk, &vv, &iq, &ik, &iw],
-            |[q_gate, k, v, iq, ik, iw]| {
-                p.gpu.qsa_attention(&QsaCall {
-                    attn: AttnCall {
-                        layer: 0,
-                        shape: &shape,
-                        rope: &rope,
-                        q_gate,
-                        k,
-                        v,
-                        w: &aw_g,
-                        seqs: &seqs,
-                    },
-                    qsa: &qsa,
-                    iq,
-                    ik,
-                    iw,
-                    indexer: &iw_g,
-                })
-            },
-        );
-        let c = qsa_call(
-            &p.cpu,
-            rows,
-            [&qg, &kk, &vv, &iq, &ik, &iw],
-            |[q_gate, k, v, iq, ik, iw]| {
-                p.cpu.qsa_attention(&QsaCall {
-                    attn: AttnCall {
-                        layer: 0,
-                        shape: &shape,
-                        rope: &rope,
-                        q_gate,
-                        k,
-                        v,
-                        w: &aw_c,
-                        seqs: &seqs,
-                    },
-                    qsa: &qsa,
-                    iq,
-                    ik,
-                    iw,
-                    indexer: &iw_c,
-                })
-            },
-        );
+            inputs: [&qg, &kk, &vv, &iq, &ik, &iw],
+        };
+        let g = qsa_step(&p.gpu, &step, &aw_g, &iw_g);
+        let c = qsa_step(&p.cpu, &step, &aw_c, &iw_c);
         let rel = max_rel(&g, &c);
         worst = worst.max(rel);
         pa += la;
@@ -790,6 +786,45 @@ fn qsa_call<B: Backend>(
     let ts = inputs.map(|x| b.upload(rows, x.len() / rows, x.to_vec()).unwrap());
     let out = call(ts.each_ref()).unwrap();
     b.to_host(out).unwrap().2
+}
+
+/// One step of a backend's `qsa_attention` (layer 0): the shapes, the sequences and the six inputs
+/// (`q_gate`, `k`, `v`, `iq`, `ik`, `iw`, `[rows, ·]` each).
+struct QsaStep<'a> {
+    shape: &'a AttnShape,
+    rope: &'a Rope,
+    qsa: &'a QsaShape,
+    seqs: &'a [SeqChunk<'a>],
+    rows: usize,
+    inputs: [&'a [f32]; 6],
+}
+
+/// `b`'s `qsa_attention` of `step` with the attention weights `w` and the indexer's, on the host.
+fn qsa_step<B: Backend>(
+    b: &B,
+    step: &QsaStep<'_>,
+    w: &AttnWeights<B::Weight>,
+    indexer: &IndexerWeights<B::Weight>,
+) -> Vec<f32> {
+    qsa_call(b, step.rows, step.inputs, |[q_gate, k, v, iq, ik, iw]| {
+        b.qsa_attention(&QsaCall {
+            attn: AttnCall {
+                layer: 0,
+                shape: step.shape,
+                rope: step.rope,
+                q_gate,
+                k,
+                v,
+                w,
+                seqs: step.seqs,
+            },
+            qsa: step.qsa,
+            iq,
+            ik,
+            iw,
+            indexer,
+        })
+    })
 }
 
 /// The CPU's gated attention of one query row (`q`, `gate`: `[hq·d]`) over the K/V rows starting at the

@@ -13,7 +13,7 @@ use crate::backend::{
     AttnShape, AttnWeights, Backend, CacheSpec, GdnShape, GdnWeights, HcWeights, IndexerWeights,
     MlpWeights, MoeWeights, OpResult, PackedInfo, PleShape, PleWeights, QsaShape, Rope,
 };
-use crate::ple::PleSource;
+use crate::ple::source::PleSource;
 
 mod blocks;
 

@@ -33,6 +33,7 @@ use sanmai_model::{Backend, OpResult, SeqChunk};
 
 mod ple;
 mod qsa;
+mod qsa_decode;
 
 /// xorshift64* with Box–Muller normals.
 struct Rng(u64);

@@ -25,6 +25,6 @@ pub use prefetch::{PrefetchOptions, Prefetcher, WINDOW_TOKENS};
 pub use reader::PleTable;
 pub use store::PleStore;
 pub use table::{
-    check_sidecar, check_table, create_table, scaled_sizes, CreateOptions, Fill, Sidecar,
-    SIDECAR_FILE, TABLE_FILE,
+    check_shape, check_sidecar, check_table, create_table, scaled_sizes, CreateOptions, Fill,
+    Sidecar, SIDECAR_FILE, TABLE_FILE,
 };

@@ -280,11 +280,10 @@ pub fn check_sidecar(dir: &Path) -> Result<Sidecar, PleError> {
     Ok(s)
 }
 
-/// Validates the table in `dir` against `cfg`: [`check_sidecar`], then the shape, seed and sizes
-/// (the config's, scaled by the sidecar's `rows_scale`). Returns the sidecar; errors name what
-/// disagrees.
-pub fn check_table(dir: &Path, cfg: &PleConfig) -> Result<Sidecar, PleError> {
-    let s = check_sidecar(dir)?;
+/// Checks the sidecar `s` of the table in `dir` against `cfg`'s shape and seed (row width, orders,
+/// heads, hash seed): what a table must share with its model whatever its sizes. The error names
+/// the first field that disagrees.
+pub fn check_shape(dir: &Path, s: &Sidecar, cfg: &PleConfig) -> Result<(), PleError> {
     let mismatch = |what: &str, table: String, config: String| {
         table_err(
             dir,
@@ -315,6 +314,21 @@ pub fn check_table(dir: &Path, cfg: &PleConfig) -> Result<Sidecar, PleError> {
     if s.seed != cfg.seed {
         return Err(mismatch("seed", s.seed.to_string(), cfg.seed.to_string()));
     }
+    Ok(())
+}
+
+/// Validates the table in `dir` against `cfg`: [`check_sidecar`], then the shape, seed and sizes
+/// (the config's, scaled by the sidecar's `rows_scale`). Returns the sidecar; errors name what
+/// disagrees.
+pub fn check_table(dir: &Path, cfg: &PleConfig) -> Result<Sidecar, PleError> {
+    let s = check_sidecar(dir)?;
+    check_shape(dir, &s, cfg)?;
+    let mismatch = |what: &str, table: String, config: String| {
+        table_err(
+            dir,
+            format!("{what}: table has {table}, config has {config}"),
+        )
+    };
     let want = scaled_sizes(&cfg.table_sizes, s.rows_scale)
         .map_err(|e| table_err(dir, format!("rows_scale: {e}")))?;
     if s.sizes != want {

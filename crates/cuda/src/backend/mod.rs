@@ -274,12 +274,7 @@ impl CudaBackend {
                 msg: format!("{} values for shape {shape:?}", data.len()),
             });
         }
-        let b: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x)).collect();
-        let dev = if b.is_empty() {
-            self.gpu.zeros(1)?
-        } else {
-            self.gpu.upload(&b)?
-        };
+        let dev = self.upload_bf16(&data)?;
         let f32 = if shape.len() == 1 && !data.is_empty() {
             Some(self.gpu.upload(&data)?)
         } else {
@@ -417,6 +412,16 @@ impl CudaBackend {
         Ok(y)
     }
 
+    /// Host values rounded to bf16 in a new device buffer (one zero for no values: a buffer is never
+    /// empty).
+    fn upload_bf16(&self, data: &[f32]) -> Result<CudaSlice<bf16>> {
+        if data.is_empty() {
+            return self.gpu.zeros(1);
+        }
+        let b: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x)).collect();
+        self.gpu.upload(&b)
+    }
+
     /// A `[rows, cols]` tensor from host values (rounded to bf16).
     pub fn tensor_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaTensor> {
         if data.len() != rows * cols {
@@ -425,12 +430,7 @@ impl CudaBackend {
                 msg: format!("{} values for [{rows}, {cols}]", data.len()),
             });
         }
-        let b: Vec<bf16> = data.iter().map(|&x| bf16::from_f32(x)).collect();
-        let buf = if b.is_empty() {
-            self.gpu.zeros(1)?
-        } else {
-            self.gpu.upload(&b)?
-        };
+        let buf = self.upload_bf16(data)?;
         Ok(CudaTensor { rows, cols, buf })
     }
 

@@ -26,35 +26,7 @@ impl PleSource {
     pub fn open(dir: &Path, cfg: &PleConfig, dummy_weights: bool) -> Result<Self, PleError> {
         let table = if dummy_weights {
             let t = PleTable::open_sidecar(dir, cfg.eos_token_id)?;
-            let s = t.sidecar();
-            let mismatch = |what: &str, got: String, want: String| PleError::Table {
-                dir: dir.to_path_buf(),
-                what: format!("sidecar {what} {got} but the model config has {want}"),
-            };
-            if s.orders != cfg.orders {
-                return Err(mismatch(
-                    "orders",
-                    format!("{:?}", s.orders),
-                    format!("{:?}", cfg.orders),
-                ));
-            }
-            if s.heads != cfg.heads {
-                return Err(mismatch(
-                    "heads",
-                    s.heads.to_string(),
-                    cfg.heads.to_string(),
-                ));
-            }
-            if s.row_dim != cfg.row_dim {
-                return Err(mismatch(
-                    "row_dim",
-                    s.row_dim.to_string(),
-                    cfg.row_dim.to_string(),
-                ));
-            }
-            if s.seed != cfg.seed {
-                return Err(mismatch("seed", s.seed.to_string(), cfg.seed.to_string()));
-            }
+            sanmai_ple::check_shape(dir, t.sidecar(), cfg)?;
             t
         } else {
             let t = PleTable::open(dir, cfg)?;

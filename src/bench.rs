@@ -82,7 +82,7 @@ fn chunk<'a>(
 }
 
 fn bench<B: Probe>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
-    let m = &loaded.model;
+    let m = loaded.single("sanmai bench")?;
     if args.prompt_len == 0 || args.gen_len == 0 || args.batch.contains(&0) {
         bail!("--prompt-len, --gen-len and --batch must be positive");
     }
@@ -209,7 +209,7 @@ fn bench<B: Probe>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
 /// backend does once (lazy uploads, expert address tables, library heuristics) stays out of the
 /// first batch size's figures.
 fn warm_up<B: Backend>(args: &BenchArgs, loaded: &Loaded<B>) -> Result<()> {
-    let m = &loaded.model;
+    let m = loaded.single("sanmai bench")?;
     let vocab = loaded.valid_vocab as u64;
     let prompt: Vec<u32> = (0..args.prompt_len as u64 + 1)
         .map(|i| ((i * 7919 + 13) % vocab) as u32)

@@ -3,7 +3,9 @@
 
 use anyhow::{anyhow, Result};
 use clap::Args;
-use sanmai_engine::{start, EngineConfig, EngineHandle, ModelExecutor};
+use sanmai_engine::{
+    start, EngineConfig, EngineHandle, ModelExecutor, PipelineExecutor, PipelineOptions,
+};
 use sanmai_model::Backend;
 
 use crate::load::Loaded;
@@ -54,14 +56,16 @@ impl EngineArgs {
     ) -> Result<EngineHandle> {
         let Loaded {
             ple_prefetch,
+            pp_deferred_receive,
             gpu,
-            model,
+            mut stages,
             tokenizer,
             valid_vocab,
             eos_ids,
             default_max_tokens,
             ..
         } = loaded;
+        let model = &stages[0];
         let max_model_len = self
             .max_model_len
             .unwrap_or(model.cfg.max_position_embeddings);
@@ -79,10 +83,19 @@ impl EngineArgs {
                 "--max-num-seqs, --max-num-batched-tokens and --block-size must be positive"
             ));
         }
-        let kv_cache_memory_bytes = match &gpu {
-            Some(gpu) => memory_plan::plan(
-                &model,
-                gpu,
+        let kv_cache_memory_bytes = match gpu.as_slice() {
+            [] => {
+                let per_token: usize = stages.iter().map(|m| m.kv_bytes_per_token(4)).sum();
+                let one_request = max_model_len * per_token.max(1);
+                self.kv_cache_memory_bytes.unwrap_or_else(|| {
+                    (4 * one_request)
+                        .min(8 << 30)
+                        .max(one_request + one_request / 8)
+                })
+            }
+            gpus => memory_plan::plan_stages(
+                &stages,
+                gpus,
                 &PlanInput {
                     utilization: self
                         .gpu_memory_utilization
@@ -95,15 +108,6 @@ impl EngineArgs {
                     kv_cache_memory_bytes: self.kv_cache_memory_bytes,
                 },
             )?,
-            None => {
-                let per_token = model.kv_bytes_per_token(4).max(1);
-                let one_request = max_model_len * per_token;
-                self.kv_cache_memory_bytes.unwrap_or_else(|| {
-                    (4 * one_request)
-                        .min(8 << 30)
-                        .max(one_request + one_request / 8)
-                })
-            }
         };
         let cfg = EngineConfig {
             model_name: served_name,
@@ -119,11 +123,21 @@ impl EngineArgs {
             enable_prefix_caching: !self.no_enable_prefix_caching,
             state_checkpoint_interval: self.state_checkpoint_interval,
         };
-        start(
-            ModelExecutor::with_prefetch(model, ple_prefetch),
-            tokenizer,
-            cfg,
-        )
+        if stages.len() == 1 {
+            let model = stages.pop().expect("one stage");
+            start(
+                ModelExecutor::with_prefetch(model, ple_prefetch),
+                tokenizer,
+                cfg,
+            )
+        } else {
+            let opts = PipelineOptions {
+                deferred_receive: pp_deferred_receive,
+                ..PipelineOptions::default()
+            };
+            let exec = PipelineExecutor::new(stages, ple_prefetch, opts).map_err(|e| anyhow!(e))?;
+            start(exec, tokenizer, cfg)
+        }
         .map_err(|e| anyhow!(e))
     }
 }

@@ -13,7 +13,33 @@ use sanmai_ple::PrefetchOptions;
 use sanmai_tokenizer::Tokenizer;
 use sanmai_weights::{Checkpoint, Dummy, TensorSource};
 
+use crate::stages::{Device, StageFlags, StageLayout};
 use crate::switches::SwitchArgs;
+
+/// Where one stage runs without `--device`: `cuda:0` when this build has CUDA and a GPU is found,
+/// else the CPU.
+fn default_device() -> Device {
+    #[cfg(feature = "cuda")]
+    if sanmai_cuda::gpu_present() {
+        return Device::Cuda(0);
+    }
+    Device::Cpu
+}
+
+/// The device description with the stages, when there are several (e.g. `cpu (2 threads); stages:
+/// 0..2 on cpu, 2..4 on cpu`).
+fn stage_names(layout: &StageLayout, device: String) -> String {
+    if layout.len() == 1 {
+        return device;
+    }
+    let stages: Vec<String> = layout
+        .ranges
+        .iter()
+        .zip(&layout.devices)
+        .map(|(r, d)| format!("layers {}..{} on {d}", r.start, r.end))
+        .collect();
+    format!("{device}; {} stages: {}", layout.len(), stages.join(", "))
+}
 
 /// New tokens of a request to the built-in model that gives no `max_tokens`.
 const BUILTIN_DEFAULT_MAX_TOKENS: usize = 512;
@@ -51,18 +77,19 @@ pub struct ModelArgs {
     pub ple_table: Option<PathBuf>,
     #[command(flatten)]
     pub switches: SwitchArgs,
-    /// Where the model runs: cpu, cuda or cuda:N [default: cuda:0 when this build has CUDA and a GPU is
-    /// found, else cpu].
+    /// Where the model runs: cpu, cuda or cuda:N, or one per pipeline stage (cuda:0,cuda:1,cuda:2;
+    /// stages may share a GPU) [default: cuda:0 (cuda:0..N for N stages) when this build has CUDA and
+    /// a GPU is found, else cpu].
     #[arg(long)]
     pub device: Option<String>,
-}
-
-/// A device the model can run on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Device {
-    Cpu,
-    #[cfg(feature = "cuda")]
-    Cuda(usize),
+    /// Pipeline stages: the layers split into this many contiguous ranges, each stage on its own
+    /// device and worker thread [default: 1].
+    #[arg(long)]
+    pub pipeline_parallel_size: Option<usize>,
+    /// Layers per stage, comma-separated (e.g. 16,17,15) [default: an even split, the remainder on the
+    /// stages before the last].
+    #[arg(long)]
+    pub pp_layer_partition: Option<String>,
 }
 
 /// Work to do once a model is loaded, generic over the backend it was loaded on (a function that is
@@ -72,16 +99,20 @@ pub trait OnModel {
     fn run<B: Probe + 'static>(self, loaded: Loaded<B>) -> Result<Self::Output>;
 }
 
-/// A model ready to run, with its tokenizer when one is available.
+/// A model ready to run (one [`Model`] per pipeline stage, in layer order), with its tokenizer when
+/// one is available.
 pub struct Loaded<B: Backend> {
     /// How the PLE table's pages are prefetched (a model with a PLE table).
     pub ple_prefetch: PrefetchOptions,
-    /// What the GPU's memory plan needs (`None` on the CPU).
-    pub gpu: Option<crate::memory_plan::GpuMemory>,
+    /// Pipeline stages prepare a step before they wait for its input.
+    pub pp_deferred_receive: bool,
+    /// What each stage's GPU memory plan needs (empty on the CPU).
+    pub gpu: Vec<crate::memory_plan::GpuMemory>,
     pub name: String,
     /// The device it runs on, for logs and reports (e.g. `cpu (16 threads)`).
     pub device: String,
-    pub model: Model<B>,
+    /// The stages: one for the whole model, or one per `--pipeline-parallel-size`.
+    pub stages: Vec<Model<B>>,
     pub tokenizer: Option<Tokenizer>,
     /// Ids below this are real tokens; the lm_head rows above it are padding.
     pub valid_vocab: usize,
@@ -91,81 +122,38 @@ pub struct Loaded<B: Backend> {
     pub default_max_tokens: Option<usize>,
 }
 
-impl ModelArgs {
-    /// The device `--device` names, or the default one.
-    pub fn device(&self) -> Result<Device> {
-        let Some(text) = self.device.as_deref() else {
-            #[cfg(feature = "cuda")]
-            if sanmai_cuda::gpu_present() {
-                return Ok(Device::Cuda(0));
-            }
-            return Ok(Device::Cpu);
-        };
-        #[cfg(feature = "cuda")]
-        {
-            use sanmai_cuda::DeviceSelection;
-            match text.parse::<DeviceSelection>() {
-                Ok(DeviceSelection::Cpu) => Ok(Device::Cpu),
-                Ok(DeviceSelection::Cuda(n)) => Ok(Device::Cuda(n)),
-                Err(e) => bail!("--device: {e}"),
-            }
-        }
-        #[cfg(not(feature = "cuda"))]
-        match text.trim().to_ascii_lowercase().as_str() {
-            "cpu" => Ok(Device::Cpu),
-            t if t == "cuda" || t.starts_with("cuda:") => bail!(
-                "--device {text}: this build has no CUDA support (build with `--features cuda`)"
+impl<B: Backend> Loaded<B> {
+    /// The whole model on one stage, for work (`what`) that runs the model directly.
+    pub fn single(&self, what: &str) -> Result<&Model<B>> {
+        match self.stages.as_slice() {
+            [m] => Ok(m),
+            s => bail!(
+                "{what} runs the model on one stage, not {} pipeline stages: serve the stages \
+                 (`sanmai serve --pipeline-parallel-size N`) and measure them with `sanmai bench serve`",
+                s.len()
             ),
-            _ => bail!("--device {text}: expected cpu, cuda or cuda:N"),
+        }
+    }
+}
+
+impl ModelArgs {
+    /// The stage flags as given.
+    pub fn stage_flags(&self) -> StageFlags<'_> {
+        StageFlags {
+            pipeline_parallel_size: self.pipeline_parallel_size,
+            pp_layer_partition: self.pp_layer_partition.as_deref(),
+            device: self.device.as_deref(),
         }
     }
 
-    /// Loads the model on the chosen device and hands it to `work`.
-    pub fn load_then<W: OnModel>(&self, work: W) -> Result<W::Output> {
-        match self.device()? {
-            Device::Cpu => {
-                let cuda_flags = self.switches.cuda_flags();
-                if !cuda_flags.is_empty() {
-                    tracing::warn!(flags = ?cuda_flags, "CUDA switches have no effect on the CPU");
-                }
-                let threads = rayon::current_num_threads();
-                work.run(self.load_on(CpuBackend::new(), format!("cpu ({threads} threads)"))?)
-            }
-            #[cfg(feature = "cuda")]
-            Device::Cuda(n) => {
-                let options = self.switches.cuda_options();
-                let backend = sanmai_cuda::CudaBackend::new(n, &options)
-                    .with_context(|| format!("opening CUDA device {n}"))?;
-                backend.gpu().keep_pool_memory()?;
-                let info = backend.gpu().info().clone();
-                let ctx = backend.gpu().context().clone();
-                let mut device = format!("cuda:{n} ({}", info.name);
-                if !options.cuda_graphs {
-                    device.push_str(", CUDA graphs off");
-                }
-                if !options.gpu.pdl {
-                    device.push_str(", PDL off");
-                }
-                device.push(')');
-                let mut loaded = self.load_on(backend, device)?;
-                loaded.gpu = Some(crate::memory_plan::GpuMemory {
-                    total: info.total_memory,
-                    weights: loaded.model.backend.memory().weights,
-                    free: Box::new(move || Ok(sanmai_cuda::device_memory(&ctx)?.0)),
-                });
-                work.run(loaded)
-            }
-        }
+    /// Where the stages of a model of `cfg`'s shape run and which layers each holds.
+    pub fn layout(&self, cfg: &ModelConfig) -> Result<StageLayout> {
+        self.stage_flags().layout(cfg.num_layers, default_device())
     }
 
-    /// Loads the model on `backend`.
-    pub fn load_on<B: Backend>(&self, backend: B, device: String) -> Result<Loaded<B>> {
-        let started = Instant::now();
-        let (name, cfg, source): (String, ModelConfig, Box<dyn TensorSource>) = match (
-            &self.model,
-            &self.config,
-            self.load_format,
-        ) {
+    /// Where the weights come from: the served name, the config and the tensor source.
+    pub fn source(&self) -> Result<(String, ModelConfig, Box<dyn TensorSource>)> {
+        Ok(match (&self.model, &self.config, self.load_format) {
             (Some(_), Some(_), _) => bail!("give either --model DIR or --config FILE, not both"),
             (None, Some(_), LoadFormat::Auto) => {
                 bail!("--config FILE builds random weights: add --load-format dummy, or use --model DIR")
@@ -194,12 +182,102 @@ impl ModelArgs {
                 builtin::config(),
                 Box::new(Dummy::new(self.weight_seed)),
             ),
-        };
+        })
+    }
+
+    /// Loads the model's stages on their devices and hands them to `work`.
+    pub fn load_then<W: OnModel>(&self, work: W) -> Result<W::Output> {
+        let (name, cfg, source) = self.source()?;
+        let layout = self.layout(&cfg)?;
+        let desc = |d: String| stage_names(&layout, d);
+        match layout.devices[0] {
+            Device::Cpu => {
+                let cuda_flags = self.switches.cuda_flags();
+                if !cuda_flags.is_empty() {
+                    tracing::warn!(flags = ?cuda_flags, "CUDA switches have no effect on the CPU");
+                }
+                let threads = rayon::current_num_threads();
+                let backends = layout.devices.iter().map(|_| Ok(CpuBackend::new()));
+                let loaded = self.load_stages(
+                    (name, cfg, source.as_ref()),
+                    &layout,
+                    backends,
+                    desc(format!("cpu ({threads} threads)")),
+                )?;
+                work.run(loaded)
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => {
+                let options = self.switches.cuda_options();
+                let mut info = None;
+                let backends = layout.devices.iter().map(|d| {
+                    let Device::Cuda(n) = *d else {
+                        unreachable!("a layout's devices are all CPU or all CUDA")
+                    };
+                    let backend = sanmai_cuda::CudaBackend::new(n, &options)
+                        .with_context(|| format!("opening CUDA device {n}"))?;
+                    backend.gpu().keep_pool_memory()?;
+                    info.get_or_insert_with(|| backend.gpu().info().clone());
+                    Ok(backend)
+                });
+                let backends: Vec<Result<_>> = backends.collect();
+                let info = info.expect("at least one stage");
+                let mut device = format!("cuda ({}", info.name);
+                if !options.cuda_graphs {
+                    device.push_str(", CUDA graphs off");
+                }
+                if !options.gpu.pdl {
+                    device.push_str(", PDL off");
+                }
+                device.push(')');
+                let mut loaded = self.load_stages(
+                    (name, cfg, source.as_ref()),
+                    &layout,
+                    backends.into_iter(),
+                    desc(device),
+                )?;
+                loaded.gpu = loaded
+                    .stages
+                    .iter()
+                    .map(|m| {
+                        let info = m.backend.gpu().info().clone();
+                        let ctx = m.backend.gpu().context().clone();
+                        crate::memory_plan::GpuMemory {
+                            total: info.total_memory,
+                            weights: m.backend.memory().weights,
+                            free: Box::new(move || Ok(sanmai_cuda::device_memory(&ctx)?.0)),
+                        }
+                    })
+                    .collect();
+                work.run(loaded)
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => bail!(
+                "--device {}: this build has no CUDA support (build with `--features cuda`)",
+                self.device.as_deref().unwrap_or("cuda")
+            ),
+        }
+    }
+
+    /// Loads stage `i` of `layout` on the `i`-th backend.
+    fn load_stages<B: Backend>(
+        &self,
+        (name, cfg, source): (String, ModelConfig, &dyn TensorSource),
+        layout: &StageLayout,
+        backends: impl Iterator<Item = Result<B>>,
+        device: String,
+    ) -> Result<Loaded<B>> {
+        let started = Instant::now();
         let tokenizer = self.tokenizer(&cfg)?;
         let ple = self.ple_source(&cfg)?;
-        let model = Model::load_with_ple(cfg, source.as_ref(), backend, ple)
-            .with_context(|| format!("loading the weights of {name}"))?;
-        let cfg = &model.cfg;
+        let mut stages = Vec::with_capacity(layout.len());
+        for (range, backend) in layout.ranges.iter().zip(backends) {
+            let model =
+                Model::load_stage(cfg.clone(), source, backend?, ple.clone(), range.clone())
+                    .with_context(|| format!("loading the weights of {name}"))?;
+            stages.push(model);
+        }
+        let cfg = &stages[0].cfg;
         let valid_vocab = match &tokenizer {
             Some(t) => t.backend().get_vocab_size(true).min(cfg.vocab_size),
             None => cfg.vocab_size,
@@ -227,10 +305,11 @@ impl ModelArgs {
         };
         Ok(Loaded {
             ple_prefetch: self.switches.ple_prefetch(),
-            gpu: None,
+            pp_deferred_receive: self.switches.pp_deferred_receive(),
+            gpu: Vec::new(),
             name,
             device,
-            model,
+            stages,
             tokenizer,
             valid_vocab,
             eos_ids,

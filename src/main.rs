@@ -9,6 +9,7 @@ mod load;
 mod memory_plan;
 mod ple;
 mod serve;
+mod stages;
 mod switches;
 
 use clap::{Parser, Subcommand};

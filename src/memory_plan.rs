@@ -35,8 +35,23 @@ fn gib(b: usize) -> String {
     format!("{:.2} GiB", b as f64 / GIB)
 }
 
+/// The plan of every stage's GPU; returns the engine's K/V budget in bytes (whole-model blocks).
+pub fn plan_stages<B: Backend>(
+    stages: &[Model<B>],
+    gpus: &[GpuMemory],
+    p: &PlanInput,
+) -> Result<usize> {
+    match (stages, gpus) {
+        ([model], [gpu]) => plan(model, gpu, p),
+        _ => bail!(
+            "the GPU memory plan of {} pipeline stages is not written yet",
+            stages.len()
+        ),
+    }
+}
+
 /// Runs the profiling step and returns the bytes for K/V blocks and state checkpoints.
-pub fn plan<B: Backend>(model: &Model<B>, gpu: &GpuMemory, p: &PlanInput) -> Result<usize> {
+fn plan<B: Backend>(model: &Model<B>, gpu: &GpuMemory, p: &PlanInput) -> Result<usize> {
     if !(p.utilization > 0.0 && p.utilization <= 1.0) {
         bail!(
             "--gpu-memory-utilization {} must be in (0, 1]",

@@ -9,6 +9,8 @@ use sanmai_ple::PrefetchOptions;
 
 /// PLE page prefetch (a model with a PLE table).
 const PLE_PREFETCH_ENV: &str = "SANMAI_PLE_PREFETCH";
+/// A pipeline stage prepares its next step before it waits for the previous stage.
+const PP_DEFERRED_RECEIVE_ENV: &str = "SANMAI_PP_DEFERRED_RECEIVE";
 /// CUDA graphs for decode steps.
 #[cfg(feature = "cuda")]
 const CUDA_GRAPHS_ENV: &str = "SANMAI_CUDA_GRAPHS";
@@ -39,6 +41,14 @@ pub struct SwitchArgs {
     /// Launch every CUDA kernel the ordinary way [default: PDL, unless SANMAI_PDL=0].
     #[arg(long, overrides_with = "pdl")]
     pub no_pdl: bool,
+    /// A pipeline stage prepares its next step (layout, PLE rows, device metadata) before it waits
+    /// for the previous stage's streams (the default; overrides SANMAI_PP_DEFERRED_RECEIVE=0).
+    #[arg(long, overrides_with = "no_pp_deferred_receive")]
+    pub pp_deferred_receive: bool,
+    /// A pipeline stage waits for the previous stage's streams, then prepares its step [default:
+    /// deferred receive, unless SANMAI_PP_DEFERRED_RECEIVE=0].
+    #[arg(long, overrides_with = "pp_deferred_receive")]
+    pub no_pp_deferred_receive: bool,
 }
 
 /// What an environment variable says about a switch: `Some(false)` for `0`, `off` or `false`,
@@ -75,6 +85,15 @@ impl SwitchArgs {
             enabled: switch(self.ple_prefetch, self.no_ple_prefetch, PLE_PREFETCH_ENV),
             ..PrefetchOptions::default()
         }
+    }
+
+    /// Whether pipeline stages prepare a step before receiving its input.
+    pub fn pp_deferred_receive(&self) -> bool {
+        switch(
+            self.pp_deferred_receive,
+            self.no_pp_deferred_receive,
+            PP_DEFERRED_RECEIVE_ENV,
+        )
     }
 
     /// The CUDA flags given on the command line, for a warning when the model runs on the CPU.

@@ -181,6 +181,18 @@ pub struct MetricsSnapshot {
     pub e2e_request_latency: Histogram,
     /// The PLE table's read counters (a model with a PLE table).
     pub ple: Option<sanmai_ple::PleMetricsSnapshot>,
+    /// Each pipeline stage's busy and idle time (empty without stages).
+    pub stages: Vec<StageTimes>,
+    /// Why steps can no longer run (a pipeline stage stopped), if they cannot.
+    pub fault: Option<String>,
+}
+
+/// One pipeline stage's time: computing its share of steps, and waiting for work or for the
+/// previous stage's streams.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StageTimes {
+    pub busy_seconds: f64,
+    pub idle_seconds: f64,
 }
 
 /// A cumulative histogram with fixed bucket bounds (seconds).

@@ -149,6 +149,14 @@ pub trait Executor: Send {
     fn max_in_flight(&self) -> usize {
         1
     }
+    /// Each pipeline stage's busy and idle time so far (empty for an executor without stages).
+    fn stage_times(&self) -> Vec<crate::api::StageTimes> {
+        Vec::new()
+    }
+    /// Why the executor can no longer run steps (a pipeline stage stopped), if it cannot.
+    fn fault(&self) -> Option<String> {
+        None
+    }
     /// Starts a step.
     fn submit(&mut self, plan: StepPlan);
     /// Waits for the oldest step in flight and returns its plan with its logits, or the reason it failed.
@@ -196,17 +204,7 @@ impl<B: Backend> ModelExecutor<B> {
 
 impl<B: Backend> Executor for ModelExecutor<B> {
     fn geometry(&self) -> CacheGeometry {
-        CacheGeometry {
-            kv_bytes_per_token: self.model.kv_bytes_per_token(B::CACHE_ELEM_BYTES),
-            // The recurrent state is f32 on every backend.
-            state_bytes: self.model.state_bytes(4),
-            history_tokens: self
-                .model
-                .cfg
-                .ple
-                .as_ref()
-                .map_or(0, |p| p.orders.iter().max().map_or(0, |o| o - 1)),
-        }
+        geometry_of(&self.model)
     }
 
     fn prefetch(&mut self, request: u64, prompt: &[u32], from: usize) {
@@ -278,6 +276,20 @@ impl<B: Backend> Executor for ModelExecutor<B> {
     }
 }
 
+/// The cache sizes of `m`'s layers (a whole model or one pipeline stage).
+pub(crate) fn geometry_of<B: Backend>(m: &Model<B>) -> CacheGeometry {
+    CacheGeometry {
+        kv_bytes_per_token: m.kv_bytes_per_token(B::CACHE_ELEM_BYTES),
+        // The recurrent state is f32 on every backend.
+        state_bytes: m.state_bytes(4),
+        history_tokens: m
+            .cfg
+            .ple
+            .as_ref()
+            .map_or(0, |p| p.orders.iter().max().map_or(0, |o| o - 1)),
+    }
+}
+
 /// Each logit row's sampling (in chunk order): the [`ChunkSampling`] of a [`LogitRows::Last`] chunk
 /// that carries one, `None` for a row whose logits go to the host; with the rows' vocabulary.
 fn device_rows(plan: &StepPlan) -> (usize, Vec<Option<RowSampling<'_>>>) {
@@ -303,7 +315,7 @@ fn device_rows(plan: &StepPlan) -> (usize, Vec<Option<RowSampling<'_>>>) {
 
 /// The step's result from its logits: with `device` (the backend samples), the rows that carry their
 /// [`ChunkSampling`] are sampled by the backend and only the others' logits are copied to the host.
-fn finish_step<B: Backend>(
+pub(crate) fn finish_step<B: Backend>(
     m: &Model<B>,
     plan: &StepPlan,
     logits: B::Tensor,
@@ -358,13 +370,9 @@ fn finish_step<B: Backend>(
     Ok(out)
 }
 
-fn run_step<B: Backend>(
-    m: &Model<B>,
-    plan: &StepPlan,
-    device: bool,
-) -> Result<StepLogits, StepError> {
-    let chunks: Vec<StepChunk<'_>> = plan
-        .chunks
+/// The model's view of a step's chunks.
+pub(crate) fn step_chunks(plan: &StepPlan) -> Vec<StepChunk<'_>> {
+    plan.chunks
         .iter()
         .map(|c| StepChunk {
             tokens: &c.tokens,
@@ -374,7 +382,15 @@ fn run_step<B: Backend>(
             blocks: &c.blocks,
             out: c.logits,
         })
-        .collect();
+        .collect()
+}
+
+fn run_step<B: Backend>(
+    m: &Model<B>,
+    plan: &StepPlan,
+    device: bool,
+) -> Result<StepLogits, StepError> {
+    let chunks = step_chunks(plan);
     let out = m.step(StepInput {
         chunks: &chunks,
         start: StepStart::Tokens,

@@ -129,19 +129,52 @@ impl<'a> Layout<'a> {
     }
 }
 
+/// A step made ready before its input arrives ([`Model::prepare`]): the chunks' layout, the PLE rows
+/// gathered from the table, and the backend's step metadata staged. A pipeline stage prepares its
+/// next step while the previous stage still computes the streams it starts from.
+pub struct Prepared<'a, T> {
+    layout: Layout<'a>,
+    ple: Option<T>,
+}
+
 impl<B: Backend> Model<B> {
     /// Runs one step: appends the chunks' tokens to their caches and returns what [`StepOutput`]
     /// says. A decode step of the whole model (every chunk one token, from tokens) runs as one
     /// [`Backend::decode_step`] from the embedding to the logits, which a backend may replay from a
-    /// recording.
+    /// recording. [`Model::prepare`] then [`Model::run_prepared`] do the same in two parts.
     pub fn step(
         &self,
         input: StepInput<'_, B::Tensor>,
     ) -> Result<StepOutput<B::Tensor>, StepError> {
         let layout = Layout::of(input.chunks);
+        let ple = self.ple_rows(input.chunks, &layout)?;
+        self.run_prepared(Prepared { layout, ple }, input.start, input.hidden)
+    }
+
+    /// The part of a step that needs only its chunks: their layout, their PLE rows (read from the
+    /// table on the host) and the backend's step metadata ([`Backend::prepare_step`]).
+    pub fn prepare<'a>(
+        &self,
+        chunks: &'a [StepChunk<'a>],
+    ) -> Result<Prepared<'a, B::Tensor>, StepError> {
+        let layout = Layout::of(chunks);
+        let ple = self.ple_rows(chunks, &layout)?;
+        self.backend
+            .prepare_step(&layout.ids, &layout.seqs, &layout.out_rows)?;
+        Ok(Prepared { layout, ple })
+    }
+
+    /// Runs a prepared step from `start` (see [`Model::step`]).
+    pub fn run_prepared(
+        &self,
+        prepared: Prepared<'_, B::Tensor>,
+        start: StepStart<B::Tensor>,
+        hidden: bool,
+    ) -> Result<StepOutput<B::Tensor>, StepError> {
+        let Prepared { layout, ple } = prepared;
         let last = self.is_last_stage();
         let logits = last && !layout.out_rows.is_empty();
-        match input.start {
+        match start {
             StepStart::Tokens if !self.is_first_stage() => Err(StepError::Input(format!(
                 "the stage of layers {:?} starts from the previous stage's streams, not tokens",
                 self.stage
@@ -155,10 +188,9 @@ impl<B: Backend> Model<B> {
                     .filter(|_| last)
                     .ok_or_else(|| StepError::Input("this model holds no MTP head".into()))?;
                 let h = self.backend.rows(&h, &layout.out_rows)?;
-                Ok(self.outputs(h, logits, input.hidden)?)
+                Ok(self.outputs(h, logits, hidden)?)
             }
             StepStart::Tokens if last && layout.seqs.iter().all(|s| s.len == 1) => {
-                let ple = self.ple_rows(input.chunks, &layout)?;
                 if let Some(rows) = &ple {
                     self.backend.ple_step_rows(rows)?;
                 }
@@ -174,16 +206,15 @@ impl<B: Backend> Model<B> {
                     Ok(out.hidden.into_iter().chain(out.logits).collect())
                 };
                 let mut out = self.backend.decode_step(&step, &run)?.into_iter();
-                let hidden = out.next();
+                let h = out.next();
                 let logits = if logits { out.next() } else { None };
                 Ok(StepOutput {
                     logits,
-                    hidden: hidden.filter(|_| input.hidden),
+                    hidden: h.filter(|_| hidden),
                     streams: None,
                 })
             }
             start => {
-                let ple = self.ple_rows(input.chunks, &layout)?;
                 let streams = match start {
                     StepStart::Streams(x) => Some(x),
                     _ => None,
@@ -196,7 +227,7 @@ impl<B: Backend> Model<B> {
                         streams: Some(streams),
                     });
                 }
-                Ok(self.head(&layout, streams, logits, input.hidden)?)
+                Ok(self.head(&layout, streams, logits, hidden)?)
             }
         }
     }

@@ -19,10 +19,11 @@ pub mod sample;
 
 pub use backend::{
     AttnCall, AttnShape, AttnWeights, Backend, BackendError, DecodeStep, GdnCall, GdnShape,
-    GdnWeights, HcWeights, IndexerWeights, MlpWeights, MoeCall, MoeWeights, OpResult, PleCall,
-    PleShape, PleWeights, Probe, QsaCall, QsaShape, Rope, SampleCall, SeqChunk, SharedExpert,
+    GdnWeights, Handover, HcWeights, IndexerWeights, MlpWeights, MoeCall, MoeWeights, OpResult,
+    PleCall, PleShape, PleWeights, Probe, QsaCall, QsaShape, Rope, SampleCall, SeqChunk,
+    SharedExpert,
 };
-pub use forward::{OutRows, StepChunk, StepError, StepInput, StepOutput, StepStart};
+pub use forward::{OutRows, Prepared, StepChunk, StepError, StepInput, StepOutput, StepStart};
 pub use load::{Ffn, Layer, Mixer, Model, MtpWeights};
 pub use ple::PleSource;
 pub use roofline::StepBytes;

@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use sanmai_engine::api::{Histogram, MetricsSnapshot};
+use sanmai_engine::api::{Histogram, MetricsSnapshot, StageTimes};
 
 /// The Prometheus text exposition of `m`.
 pub fn render(m: &MetricsSnapshot, model_name: &str) -> String {
@@ -99,6 +99,30 @@ pub fn render(m: &MetricsSnapshot, model_name: &str) -> String {
             let _ = writeln!(out, "sanmai:{name}{{{label}}} {}", num(v));
         }
     }
+    if !m.stages.is_empty() {
+        let stage: [(&str, &str, fn(&StageTimes) -> f64); 2] = [
+            (
+                "pp_stage_busy_seconds_total",
+                "Time each pipeline stage spent computing its share of steps.",
+                |t| t.busy_seconds,
+            ),
+            (
+                "pp_stage_idle_seconds_total",
+                "Time each pipeline stage spent waiting for a step or for the previous stage.",
+                |t| t.idle_seconds,
+            ),
+        ];
+        for (name, help, get) in stage {
+            metric(&mut out, name, "counter", help);
+            for (k, t) in m.stages.iter().enumerate() {
+                let _ = writeln!(
+                    out,
+                    "sanmai:{name}{{{label},stage=\"{k}\"}} {}",
+                    num(get(t))
+                );
+            }
+        }
+    }
     let histograms: [(&str, &str, &Histogram); 3] = [
         (
             "time_to_first_token_seconds",
@@ -169,6 +193,31 @@ mod tests {
         text.lines()
             .find_map(|l| l.strip_prefix(key).map(|r| r.trim().parse().unwrap()))
             .unwrap_or_else(|| panic!("no sample {key} in\n{text}"))
+    }
+
+    #[test]
+    fn stage_times_appear_per_stage() {
+        let mut m = MetricsSnapshot::default();
+        assert!(!render(&m, "demo").contains("pp_stage"));
+        m.stages = vec![
+            StageTimes {
+                busy_seconds: 1.5,
+                idle_seconds: 0.25,
+            },
+            StageTimes {
+                busy_seconds: 2.0,
+                idle_seconds: 0.0,
+            },
+        ];
+        let text = render(&m, "demo");
+        for line in [
+            "sanmai:pp_stage_busy_seconds_total{model_name=\"demo\",stage=\"0\"} 1.5",
+            "sanmai:pp_stage_busy_seconds_total{model_name=\"demo\",stage=\"1\"} 2",
+            "sanmai:pp_stage_idle_seconds_total{model_name=\"demo\",stage=\"0\"} 0.25",
+            "# TYPE sanmai:pp_stage_idle_seconds_total counter",
+        ] {
+            assert!(text.contains(line), "{line} in\n{text}");
+        }
     }
 
     #[test]

@@ -136,7 +136,10 @@ async fn model(
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
     match state.ready() {
-        Ok(_) => StatusCode::OK.into_response(),
+        Ok(ready) => match ready.engine.metrics().fault {
+            None => StatusCode::OK.into_response(),
+            Some(fault) => ApiError::unavailable(fault).into_response(),
+        },
         Err(e) => e.into_response(),
     }
 }

@@ -21,6 +21,7 @@ mod attn;
 mod cache;
 mod gdn;
 mod graph;
+mod handover;
 mod hc;
 mod linear;
 mod meta;
@@ -39,8 +40,8 @@ use std::sync::{Mutex, MutexGuard};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
-    hc_residual_ops, AttnCall, Backend, CacheSpec, DecodeStep, GdnCall, GdnShape, HcWeights,
-    MoeCall, OpResult, PackedTensor, PleCall, Probe, QsaCall, SampleCall, SeqChunk,
+    hc_residual_ops, AttnCall, Backend, CacheSpec, DecodeStep, GdnCall, GdnShape, Handover,
+    HcWeights, MoeCall, OpResult, PackedTensor, PleCall, Probe, QsaCall, SampleCall, SeqChunk,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
@@ -570,6 +571,18 @@ impl Backend for CudaBackend {
 
     fn ple_step_rows(&self, rows: &CudaTensor) -> OpResult<()> {
         self.ple_step_rows_impl(rows).at("ple_step_rows")
+    }
+
+    fn prepare_step(&self, ids: &[u32], seqs: &[SeqChunk<'_>], out_rows: &[usize]) -> OpResult<()> {
+        self.begin_step(ids, seqs, out_rows).at("prepare_step")
+    }
+
+    fn hand_over(&self, x: CudaTensor) -> OpResult<Handover<CudaTensor>> {
+        self.hand_over_impl(x).at("hand_over")
+    }
+
+    fn take_over(&self, h: Handover<CudaTensor>) -> OpResult<CudaTensor> {
+        self.take_over_impl(h).at("take_over")
     }
 
     fn to_host(&self, x: CudaTensor) -> OpResult<(usize, usize, Vec<f32>)> {

@@ -357,6 +357,8 @@ impl<E: Executor> Engine<E> {
         self.stats.prefix_cache_queries_total = self.cache.stats.queries;
         self.stats.prefix_cache_hits_total = self.cache.stats.hits;
         self.stats.ple = self.executor.ple_metrics();
+        self.stats.stages = self.executor.stage_times();
+        self.stats.fault = self.executor.fault();
         *self.metrics.lock().unwrap() = self.stats.clone();
     }
 }

@@ -11,9 +11,12 @@ use crate::sequence::Sequence;
 impl<E: Executor> Engine<E> {
     /// Builds the step: running decodes, then running prefills, then admissions, all under the budgets.
     /// A sequence that cannot get blocks preempts the newest running sequence not yet in the step (or
-    /// itself): its caches are freed and it waits to be recomputed.
+    /// itself): its caches are freed and it waits to be recomputed. With an executor that keeps N
+    /// steps in flight (pipeline stages), a step takes at most 1/N of the sequences that may run, so
+    /// that N micro-batches of about equal size keep every stage busy.
     pub(super) fn schedule(&mut self) -> StepPlan {
         let mut budget = self.cfg.max_num_batched_tokens;
+        let cap = self.micro_batch_cap();
         let mut plan = StepPlan::default();
         let mut planned: Vec<String> = Vec::new();
         // A sequence waiting for its grammar mask has nothing to run.
@@ -33,7 +36,7 @@ impl<E: Executor> Engine<E> {
                 .map(|s| s.req.id.clone()),
         );
         for id in order {
-            if budget == 0 {
+            if budget == 0 || plan.chunks.len() >= cap {
                 break;
             }
             let Some(i) = self.running.iter().position(|s| s.req.id == id) else {
@@ -75,7 +78,7 @@ impl<E: Executor> Engine<E> {
             plan.chunks.push(c);
             planned.push(id);
         }
-        while budget > 0 && self.running.len() < self.cfg.max_num_seqs {
+        while budget > 0 && plan.chunks.len() < cap && self.running.len() < self.cfg.max_num_seqs {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
@@ -133,6 +136,21 @@ impl<E: Executor> Engine<E> {
             self.running.push(seq);
         }
         plan
+    }
+
+    /// Sequences one step may take: all of them with one step in flight at a time; with N, a 1/N
+    /// share (rounded up) of the running sequences and those that may be admitted.
+    fn micro_batch_cap(&self) -> usize {
+        let n = self.executor.max_in_flight().max(1);
+        if n == 1 {
+            return usize::MAX;
+        }
+        let running = self.running.iter().filter(|s| !s.abort_requested).count();
+        let admissible = self
+            .waiting
+            .len()
+            .min(self.cfg.max_num_seqs.saturating_sub(self.running.len()));
+        (running + admissible).div_ceil(n).max(1)
     }
 
     /// Tokens of `seq` to run this step: what is pending, within the budget, stopping at the next state

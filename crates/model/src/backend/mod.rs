@@ -210,6 +210,18 @@ pub struct PackedInfo {
 }
 
 /// The operations a backend provides. Ops on sequences take the step's [`SeqChunk`]s.
+/// A pipeline stage's output on its way to the next stage ([`Backend::hand_over`]).
+pub enum Handover<T> {
+    /// A tensor the next stage takes as it is or copies to its own memory.
+    Tensor(T),
+    /// Values on the host, `[rows, cols]` row-major.
+    Host {
+        rows: usize,
+        cols: usize,
+        data: Vec<f32>,
+    },
+}
+
 pub trait Backend: Send + Sync {
     /// Activations, `[rows, cols]`.
     type Tensor: Send;
@@ -317,6 +329,30 @@ pub trait Backend: Send + Sync {
     fn ple_step_rows(&self, rows: &Self::Tensor) -> OpResult<()> {
         let _ = rows;
         Ok(())
+    }
+
+    /// Stages a step's metadata (its token ids, chunks and returned rows) before its first op, so
+    /// the ops find it in place; a pipeline stage calls it before it waits for its input. The
+    /// default does nothing: the ops take what they need from their calls.
+    fn prepare_step(&self, ids: &[u32], seqs: &[SeqChunk<'_>], out_rows: &[usize]) -> OpResult<()> {
+        let _ = (ids, seqs, out_rows);
+        Ok(())
+    }
+
+    /// Hands a pipeline stage's output (the residual streams) over to the next stage's thread: what
+    /// comes back is complete and stays valid after this returns, whatever this backend does next.
+    /// The default moves the tensor as it is (host memory: the next stage reads it in place).
+    fn hand_over(&self, x: Self::Tensor) -> OpResult<Handover<Self::Tensor>> {
+        Ok(Handover::Tensor(x))
+    }
+
+    /// Takes over another stage's [`Backend::hand_over`] (a backend of this type, on this device or
+    /// another) as a tensor of this backend, ordered before this backend's next op.
+    fn take_over(&self, h: Handover<Self::Tensor>) -> OpResult<Self::Tensor> {
+        match h {
+            Handover::Tensor(x) => Ok(x),
+            Handover::Host { rows, cols, data } => self.upload(rows, cols, data),
+        }
     }
 
     /// Moves a tensor to the host as `(rows, cols, values)`.

@@ -120,7 +120,8 @@ pub async fn completions(
     stop.max_tokens = params::positive("max_tokens", common.max_tokens)?;
     let echo = f.echo.unwrap_or(false);
 
-    let needs_tokenizer = echo || inputs.iter().any(|p| matches!(p, PromptInput::Text(_)));
+    // A token-id prompt echoes without a tokenizer as its ids (`token_id:N`), like new tokens.
+    let needs_tokenizer = inputs.iter().any(|p| matches!(p, PromptInput::Text(_)));
     let tok = if needs_tokenizer {
         Some(ready.require_tokenizer()?.clone())
     } else {

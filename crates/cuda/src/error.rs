@@ -35,6 +35,12 @@ pub enum CudaError {
     /// A kernel name the registry does not hold.
     #[error("unknown kernel {0}")]
     UnknownKernel(String),
+    /// NCCL is not available (library not found) or one of its calls failed (`link`).
+    #[error("NCCL: {0}")]
+    Nccl(String),
+    /// Two backends on one device given to `link::connect`, which joins two devices.
+    #[error("link: both backends are on cuda:{0}; one device hands over by device copy, not NCCL")]
+    SameDevice(usize),
     /// Buffer sizes or shapes that do not fit the op.
     #[error("{op}: {msg}")]
     Shape { op: &'static str, msg: String },
@@ -54,7 +60,9 @@ impl CudaError {
             CudaError::Shape { op: inner, msg } => {
                 BackendError::invalid(op, format!("{inner}: {msg}"))
             }
-            CudaError::BadDevice(_) => BackendError::invalid(op, self.to_string()),
+            CudaError::BadDevice(_) | CudaError::SameDevice(_) => {
+                BackendError::invalid(op, self.to_string())
+            }
             e => BackendError::device(op, e),
         }
     }

@@ -2,9 +2,9 @@
 //! bf16 kernels (each checked against its CPU twin in `sanmai_cpu::ops`) and [`CudaBackend`], the
 //! `sanmai_model::Backend` implementation over them.
 //!
-//! The CUDA libraries (driver, NVRTC, cuBLAS) are loaded at run time (cudarc's dynamic loading), so the
-//! crate builds and its tests run on machines without a GPU or a CUDA toolkit: probes answer "no
-//! device" with the reason, and GPU tests print that they were skipped.
+//! The CUDA libraries (driver, NVRTC, cuBLAS, NCCL) are loaded at run time (cudarc's dynamic
+//! loading), so the crate builds and its tests run on machines without a GPU or a CUDA toolkit:
+//! probes answer "no device" with the reason, and GPU tests print that they were skipped.
 //!
 //! What exists:
 //! - [`DeviceSelection`] (`cpu`, `cuda`, `cuda:N`), [`probe`], [`gpu_present`], [`device_count`].
@@ -57,6 +57,11 @@
 //!   [`PACKED_WORKSPACE_BYTES`] workspace; routed experts run the packed grouped GEMV over tables of
 //!   word and scale addresses; a packed embedding table stays packed (its lookup decodes the rows).
 //!
+//! - The NCCL link between pipeline stages on two devices ([`link`]): [`link::connect`] joins two
+//!   backends with a two-rank communicator, [`link::LinkSender::send`] and
+//!   [`link::LinkReceiver::recv`] hand a [`CudaTensor`] over on each stage's own stream;
+//!   [`link::nccl_library`] loads libnccl (at first use) and names its version or why it is missing.
+//!
 //! - QSA attention (fp8 index keys next to the K/V, exact top-k, attention over the selected rows),
 //!   the PLE mix (its conv state in the state slots) and hyper-connections (fused gated residual for
 //!   decode) on the device.
@@ -70,6 +75,7 @@ pub mod cache;
 mod device;
 mod error;
 mod gpu;
+pub mod link;
 pub mod nvrtc;
 mod ops;
 pub mod registry;

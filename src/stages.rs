@@ -54,7 +54,7 @@ fn parse_device(text: &str) -> Result<Device> {
         "cuda" => Ok(Device::Cuda(0)),
         _ => match t.strip_prefix("cuda:").map(str::parse::<usize>) {
             Some(Ok(n)) => Ok(Device::Cuda(n)),
-            _ => bail!("--device {text:?}: expected cpu, cuda or cuda:N"),
+            _ => bail!("--device {text}: expected cpu, cuda or cuda:N"),
         },
     }
 }

@@ -1,7 +1,8 @@
 //! [`PipelineExecutor`]: a model split into pipeline stages (contiguous layer ranges, each a
 //! [`Model`] on its own backend), one worker thread per stage. The engine submits steps; stage 0
 //! embeds and runs its layers, hands its residual streams to stage 1 ([`Backend::hand_over`] /
-//! [`Backend::take_over`]: a move on the host, a device or peer copy on GPUs), and so on; the last
+//! [`Backend::take_over`]: a move on the host, a device copy on one GPU; or a [`Backend::link_to`]
+//! link: NCCL send/receive between two GPUs), and so on; the last
 //! stage samples (or returns logits) and answers. Up to one step per stage is in flight, so with
 //! several micro-batches every stage works at once.
 //!
@@ -20,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use sanmai_model::{Backend, Handover, Model, PleSource, StepStart};
+use sanmai_model::{Backend, Handover, Model, PleSource, StageRecv, StageSend, StepStart};
 use sanmai_ple::{PrefetchOptions, Prefetcher};
 
 use crate::api::StageTimes;
@@ -55,7 +56,15 @@ struct Job {
 /// A stage's output for the next stage, or why the step failed upstream.
 struct Passed<T> {
     id: u64,
-    streams: Result<Handover<T>, String>,
+    streams: Result<Moved<T>, String>,
+}
+
+/// How a stage's residual streams reach the next stage.
+enum Moved<T> {
+    /// Handed over ([`Backend::hand_over`]).
+    Handed(Handover<T>),
+    /// Sent through the stages' link: the next stage receives a `[rows, cols]` tensor from it.
+    Linked { rows: usize, cols: usize },
 }
 
 type Answer = (u64, Result<StepLogits, String>);
@@ -111,7 +120,16 @@ impl<B: Backend + 'static> PipelineExecutor<B> {
         let mut clocks = Vec::with_capacity(n);
         let mut workers = Vec::with_capacity(n);
         let mut from_prev: Option<Receiver<Passed<B::Tensor>>> = None;
+        let mut link_in: Option<Box<dyn StageRecv<B::Tensor>>> = None;
         for (k, model) in stages.iter().enumerate() {
+            let (link_out, next_in) = match stages.get(k + 1) {
+                Some(next) => model
+                    .backend
+                    .link_to(&next.backend)
+                    .map_err(|e| format!("linking pipeline stages {k} and {}: {e}", k + 1))?
+                    .map_or((None, None), |(s, r)| (Some(s), Some(r))),
+                None => (None, None),
+            };
             let (job_tx, job_rx) = channel();
             jobs.push(job_tx);
             let clock = Arc::new(Clock::default());
@@ -128,6 +146,8 @@ impl<B: Backend + 'static> PipelineExecutor<B> {
                 jobs: job_rx,
                 from_prev: from_prev.take(),
                 to_next,
+                link_in: link_in.take(),
+                link_out,
                 answers: (k + 1 == n).then(|| answer_tx.clone()),
                 opts: PipelineOptions {
                     device_sampling,
@@ -137,6 +157,7 @@ impl<B: Backend + 'static> PipelineExecutor<B> {
                 fault: fault.clone(),
             };
             from_prev = next_rx;
+            link_in = next_in;
             let handle = std::thread::Builder::new()
                 .name(format!("sanmai-stage-{k}"))
                 .spawn(move || worker.run())
@@ -355,6 +376,10 @@ struct Worker<B: Backend> {
     jobs: Receiver<Job>,
     from_prev: Option<Receiver<Passed<B::Tensor>>>,
     to_next: Option<Sender<Passed<B::Tensor>>>,
+    /// The link from the previous stage, where the two backends have one.
+    link_in: Option<Box<dyn StageRecv<B::Tensor>>>,
+    /// The link to the next stage, where the two backends have one.
+    link_out: Option<Box<dyn StageSend<B::Tensor>>>,
     answers: Option<Sender<Answer>>,
     opts: PipelineOptions,
     clock: Arc<Clock>,
@@ -428,16 +453,22 @@ impl<B: Backend> Worker<B> {
                 *idle_ns += waiting.elapsed().as_nanos() as u64;
                 let passed =
                     got.map_err(|_| format!("pipeline stage {} stopped", self.stage - 1))?;
+                // A linked send is received whatever else fails, so the link stays in step.
+                let streams = match passed.streams? {
+                    Moved::Handed(h) => m.backend.take_over(h),
+                    Moved::Linked { rows, cols } => self
+                        .link_in
+                        .as_ref()
+                        .ok_or_else(|| format!("pipeline stage {} has no link in", self.stage))?
+                        .recv(rows, cols),
+                }
+                .map_err(|e| e.to_string())?;
                 if passed.id != job.id {
                     return Err(format!(
                         "pipeline stage {} got step {} while step {} was due",
                         self.stage, passed.id, job.id
                     ));
                 }
-                let streams = m
-                    .backend
-                    .take_over(passed.streams?)
-                    .map_err(|e| e.to_string())?;
                 StepStart::Streams(streams)
             }
         };
@@ -452,8 +483,14 @@ impl<B: Backend> Worker<B> {
             let streams = out
                 .streams
                 .ok_or_else(|| format!("pipeline stage {} returned no streams", self.stage))?;
-            let h = m.backend.hand_over(streams).map_err(|e| e.to_string())?;
-            return Ok(StageOut::Streams(h));
+            let moved = match &self.link_out {
+                Some(link) => {
+                    let (rows, cols) = link.send(&streams).map_err(|e| e.to_string())?;
+                    Moved::Linked { rows, cols }
+                }
+                None => Moved::Handed(m.backend.hand_over(streams).map_err(|e| e.to_string())?),
+            };
+            return Ok(StageOut::Streams(moved));
         }
         let logits = match out.logits {
             Some(l) => finish_step(m, &job.plan, l, self.opts.device_sampling)
@@ -466,12 +503,12 @@ impl<B: Backend> Worker<B> {
 
 /// What a stage's step produced.
 enum StageOut<T> {
-    Streams(Handover<T>),
+    Streams(Moved<T>),
     Logits(StepLogits),
 }
 
 impl<T> StageOut<T> {
-    fn expect_streams(self) -> Handover<T> {
+    fn expect_streams(self) -> Moved<T> {
         match self {
             StageOut::Streams(h) => h,
             StageOut::Logits(_) => unreachable!("a stage before the last hands over streams"),

@@ -21,7 +21,7 @@ pub use backend::{
     AttnCall, AttnShape, AttnWeights, Backend, BackendError, DecodeStep, GdnCall, GdnShape,
     GdnWeights, Handover, HcWeights, IndexerWeights, MlpWeights, MoeCall, MoeWeights, OpResult,
     PleCall, PleShape, PleWeights, Probe, QsaCall, QsaShape, Rope, SampleCall, SeqChunk,
-    SharedExpert,
+    SharedExpert, StageLink, StageRecv, StageSend,
 };
 pub use forward::{OutRows, Prepared, StepChunk, StepError, StepInput, StepOutput, StepStart};
 pub use load::{Ffn, Layer, Mixer, Model, MtpWeights};

@@ -6,12 +6,35 @@
 
 use cudarc::driver::{sys, DevicePtr, DevicePtrMut};
 use half::bf16;
-use sanmai_model::Handover;
+use sanmai_model::{Handover, OpResult, StageLink, StageRecv, StageSend};
 
 use super::{CudaBackend, CudaTensor};
-use crate::error::Result;
+use crate::error::{At, Result};
+use crate::link::{connect, LinkReceiver, LinkSender};
+
+impl StageSend<CudaTensor> for LinkSender {
+    fn send(&self, x: &CudaTensor) -> OpResult<(usize, usize)> {
+        LinkSender::send(self, x).at("stage link send")?;
+        Ok((x.rows, x.cols))
+    }
+}
+
+impl StageRecv<CudaTensor> for LinkReceiver {
+    fn recv(&self, rows: usize, cols: usize) -> OpResult<CudaTensor> {
+        LinkReceiver::recv(self, rows, cols).at("stage link receive")
+    }
+}
 
 impl CudaBackend {
+    /// An NCCL link to a backend on another device; `None` on the same device (a device copy).
+    pub(super) fn link_to_impl(&self, next: &CudaBackend) -> Result<Option<StageLink<CudaTensor>>> {
+        if self.gpu.info().ordinal == next.gpu.info().ordinal {
+            return Ok(None);
+        }
+        let (send, recv) = connect(self, next)?;
+        Ok(Some((Box::new(send), Box::new(recv))))
+    }
+
     pub(super) fn hand_over_impl(&self, x: CudaTensor) -> Result<Handover<CudaTensor>> {
         self.gpu.synchronize()?;
         Ok(Handover::Tensor(x))

@@ -581,6 +581,10 @@ impl Backend for CudaBackend {
         self.hand_over_impl(x).at("hand_over")
     }
 
+    fn link_to(&self, next: &Self) -> OpResult<Option<sanmai_model::StageLink<CudaTensor>>> {
+        self.link_to_impl(next).at("link_to")
+    }
+
     fn take_over(&self, h: Handover<CudaTensor>) -> OpResult<CudaTensor> {
         self.take_over_impl(h).at("take_over")
     }

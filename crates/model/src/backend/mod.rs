@@ -222,6 +222,22 @@ pub enum Handover<T> {
     },
 }
 
+/// The sending half of a link between two pipeline stages' backends (NCCL between two GPUs): used on
+/// the sending stage's thread, queued with that backend's work. Returns `x`'s `[rows, cols]`, which
+/// the receiving stage passes to [`StageRecv::recv`].
+pub trait StageSend<T>: Send {
+    fn send(&self, x: &T) -> OpResult<(usize, usize)>;
+}
+
+/// The receiving half of a stage link: a `[rows, cols]` tensor of the receiving backend, ordered
+/// before its next op.
+pub trait StageRecv<T>: Send {
+    fn recv(&self, rows: usize, cols: usize) -> OpResult<T>;
+}
+
+/// The two halves of a stage link ([`Backend::link_to`]).
+pub type StageLink<T> = (Box<dyn StageSend<T>>, Box<dyn StageRecv<T>>);
+
 pub trait Backend: Send + Sync {
     /// Activations, `[rows, cols]`.
     type Tensor: Send;
@@ -344,6 +360,16 @@ pub trait Backend: Send + Sync {
     /// The default moves the tensor as it is (host memory: the next stage reads it in place).
     fn hand_over(&self, x: Self::Tensor) -> OpResult<Handover<Self::Tensor>> {
         Ok(Handover::Tensor(x))
+    }
+
+    /// A link to the next pipeline stage's backend that is not a hand-over (the streams cross between
+    /// devices through a communication library), or `None` where [`Backend::hand_over`] serves.
+    fn link_to(&self, next: &Self) -> OpResult<Option<StageLink<Self::Tensor>>>
+    where
+        Self: Sized,
+    {
+        let _ = next;
+        Ok(None)
     }
 
     /// Takes over another stage's [`Backend::hand_over`] (a backend of this type, on this device or

@@ -109,7 +109,7 @@ impl<B: Backend + 'static> PipelineExecutor<B> {
         let n = stages.len();
         let prefetcher = stages.iter().find_map(|m| match &m.ple {
             Some((_, PleSource::Table(t))) if ple.enabled => {
-                Some(Prefetcher::spawn(t.clone(), ple.clone()))
+                Some(Prefetcher::spawn(t.clone(), ple))
             }
             _ => None,
         });

@@ -100,7 +100,8 @@ pub fn render(m: &MetricsSnapshot, model_name: &str) -> String {
         }
     }
     if !m.stages.is_empty() {
-        let stage: [(&str, &str, fn(&StageTimes) -> f64); 2] = [
+        type Counter = (&'static str, &'static str, fn(&StageTimes) -> f64);
+        let stage: [Counter; 2] = [
             (
                 "pp_stage_busy_seconds_total",
                 "Time each pipeline stage spent computing its share of steps.",

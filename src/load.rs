@@ -151,8 +151,16 @@ impl ModelArgs {
         self.stage_flags().layout(cfg.num_layers, default_device())
     }
 
-    /// Where the weights come from: the served name, the config and the tensor source.
+    /// Where the weights come from: the served name, the config and the tensor source. The config
+    /// holds no MTP layer: nothing drafts with the MTP head yet, so neither it nor the last stage's
+    /// copy of the embedding it reads is loaded (nothing held for no use, nothing held twice).
     pub fn source(&self) -> Result<(String, ModelConfig, Box<dyn TensorSource>)> {
+        let (name, mut cfg, src) = self.source_as_written()?;
+        cfg.mtp_layers = 0;
+        Ok((name, cfg, src))
+    }
+
+    fn source_as_written(&self) -> Result<(String, ModelConfig, Box<dyn TensorSource>)> {
         Ok(match (&self.model, &self.config, self.load_format) {
             (Some(_), Some(_), _) => bail!("give either --model DIR or --config FILE, not both"),
             (None, Some(_), LoadFormat::Auto) => {

@@ -60,9 +60,10 @@ pub struct ServeArgs {
     pub enable_prefix_caching: bool,
 }
 
-/// The serve flags a preset file may hold (kebab-case keys, as on the command line).
+/// The serve flags a preset file may hold (kebab-case keys, as on the command line); any other key
+/// is an error.
 #[derive(Debug, Default, Deserialize)]
-#[serde(rename_all = "kebab-case")]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct Preset {
     pub host: Option<String>,
     pub port: Option<u16>,
@@ -80,9 +81,12 @@ pub struct Preset {
     pub kv_cache_memory_bytes: Option<usize>,
     pub state_checkpoint_interval: Option<usize>,
     pub enable_prefix_caching: Option<bool>,
-    /// Keys this build does not act on (settings for later features), reported at startup.
-    #[serde(flatten)]
-    pub other: toml::Table,
+    pub gpu_memory_utilization: Option<f64>,
+    pub pipeline_parallel_size: Option<usize>,
+    /// As on the command line: `"16,17,15"`.
+    pub pp_layer_partition: Option<String>,
+    /// As on the command line: `"cuda:0,cuda:1,cuda:2"`.
+    pub device: Option<String>,
 }
 
 impl Preset {
@@ -100,6 +104,7 @@ impl Preset {
 pub struct Settings {
     pub addr: String,
     pub server: ServerConfig,
+    pub model: ModelArgs,
     pub engine: EngineArgs,
 }
 
@@ -110,13 +115,6 @@ impl ServeArgs {
             Some(p) => Preset::from_file(p)?,
             None => Preset::default(),
         };
-        if !preset.other.is_empty() {
-            let keys: Vec<&String> = preset.other.keys().collect();
-            tracing::warn!(
-                ?keys,
-                "preset settings this build does not act on yet; ignored"
-            );
-        }
         let builtin = self.model.model.is_none() && self.model.config.is_none();
         let kwargs = match (
             &self.default_chat_template_kwargs,
@@ -200,9 +198,16 @@ impl ServeArgs {
         } else {
             e.no_enable_prefix_caching || preset.enable_prefix_caching == Some(false)
         };
+        e.gpu_memory_utilization = e.gpu_memory_utilization.or(preset.gpu_memory_utilization);
+        let mut model = self.model.clone();
+        let m = &mut model;
+        m.pipeline_parallel_size = m.pipeline_parallel_size.or(preset.pipeline_parallel_size);
+        m.pp_layer_partition = m.pp_layer_partition.take().or(preset.pp_layer_partition);
+        m.device = m.device.take().or(preset.device);
         Ok(Settings {
             addr,
             server,
+            model,
             engine,
         })
     }
@@ -222,10 +227,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .thread_name("sanmai-http")
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(serve(args, settings))
+    runtime.block_on(serve(settings))
 }
 
-async fn serve(args: ServeArgs, s: Settings) -> Result<()> {
+async fn serve(s: Settings) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&s.addr)
         .await
         .with_context(|| format!("binding {}", s.addr))?;
@@ -252,8 +257,7 @@ async fn serve(args: ServeArgs, s: Settings) -> Result<()> {
     };
     let loading = {
         let server = server.clone();
-        let args = args.clone();
-        tokio::task::spawn_blocking(move || load_and_start(&server, &args, &s))
+        tokio::task::spawn_blocking(move || load_and_start(&server, &s))
     };
     tokio::pin!(http);
     tokio::select! {
@@ -272,8 +276,8 @@ async fn serve(args: ServeArgs, s: Settings) -> Result<()> {
 }
 
 /// Loads the model, starts the engine and hands it to the server.
-fn load_and_start(server: &Server, args: &ServeArgs, s: &Settings) -> Result<()> {
-    args.model.load_then(StartEngine { server, s })
+fn load_and_start(server: &Server, s: &Settings) -> Result<()> {
+    s.model.load_then(StartEngine { server, s })
 }
 
 struct StartEngine<'a> {
@@ -340,6 +344,7 @@ mod tests {
         assert_eq!(s.engine.max_num_batched_tokens, Some(512));
         assert_eq!(s.engine.max_model_len, Some(262_144));
         assert!(!s.engine.no_enable_prefix_caching);
+        assert_eq!(s.model.pipeline_parallel_size, Some(3));
         let s = args(&[
             "--preset",
             &preset,
@@ -358,9 +363,11 @@ mod tests {
         let h200 = repo_file("configs/deploy/1xh200.toml");
         let s = args(&["--preset", &h200]).settings().unwrap();
         assert_eq!(s.engine.max_num_seqs, Some(256));
+        assert_eq!(s.model.pipeline_parallel_size, None);
         let mtp = repo_file("configs/deploy/3x3090-mtp.toml");
         let s = args(&["--preset", &mtp]).settings().unwrap();
         assert_eq!(s.engine.max_num_seqs, Some(4));
+        assert_eq!(s.model.pipeline_parallel_size, Some(3));
 
         // A preset's kwargs table and its prefix-caching switch; the flag turns caching back on.
         let dir = std::env::temp_dir().join(format!("sanmai-preset-{}", std::process::id()));
@@ -386,6 +393,32 @@ mod tests {
         assert_eq!(s.addr, "127.0.0.1:9002");
         std::fs::write(&file, "max-num-seqs = \"four\"\n").unwrap();
         assert!(args(&["--preset", f]).settings().is_err());
+        // Stage keys apply; the flags win.
+        std::fs::write(
+            &file,
+            "pipeline-parallel-size = 2\npp-layer-partition = \"1,3\"\ndevice = \"cpu\"\n",
+        )
+        .unwrap();
+        let s = args(&["--preset", f]).settings().unwrap();
+        assert_eq!(s.model.pipeline_parallel_size, Some(2));
+        assert_eq!(s.model.pp_layer_partition.as_deref(), Some("1,3"));
+        assert_eq!(s.model.device.as_deref(), Some("cpu"));
+        let s = args(&[
+            "--preset",
+            f,
+            "--pipeline-parallel-size",
+            "3",
+            "--pp-layer-partition",
+            "1,1,2",
+        ])
+        .settings()
+        .unwrap();
+        assert_eq!(s.model.pipeline_parallel_size, Some(3));
+        assert_eq!(s.model.pp_layer_partition.as_deref(), Some("1,1,2"));
+        // A key no flag has is an error naming it.
+        std::fs::write(&file, "num-speculative-tokens = 2\n").unwrap();
+        let err = format!("{:#}", args(&["--preset", f]).settings().unwrap_err());
+        assert!(err.contains("num-speculative-tokens"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Pipeline stages on one GPU host with a prebuilt `sanmai` (built elsewhere with
+# `cargo build --release --features cuda`, stripped, copied as BIN_DIR/sanmai). Builds nothing.
+#
+#   scripts/gpu_stages.sh OUT_DIR [BIN_DIR]
+#
+# For each case below, `sanmai serve` on dummy weights of a full-size config, the case's stages all on
+# cuda:0 (as the three-card deployment runs on one big GPU), then:
+# - the driver's used memory sampled every 200 ms for the whole run (OUT_DIR/CASE.mem, MiB);
+# - the server's memory plan lines (OUT_DIR/CASE.serve.log);
+# - greedy requests one at a time (token-id prompts of 40, 300 and 1000 tokens, 32 new tokens, top-5
+#   logprobs, echo with prompt logprobs): OUT_DIR/CASE.seq.json, compared with the case's one-stage
+#   run (OUT_DIR/compare.txt);
+# - one chat completion (OUT_DIR/CASE.chat.json);
+# - `sanmai bench serve` at concurrency 1 and 3 with the per-stage busy table (OUT_DIR/CASE.bench.log).
+# Cases: the 125B qwen4_exp (PLE table from `sanmai ple create --rows-scale 0.05`) as 1 and 3 stages
+# with --gpu-memory-budget 23.5GiB each and --max-model-len 32768; the 80B Qwen3-Next as 1 and 2
+# stages. `sanmai plan` for the 3x3090 preset prints into OUT_DIR/plan.txt first. SANMAI_STAGE_CASES
+# picks cases by name (default: all).
+set -uo pipefail
+out=${1:?usage: gpu_stages.sh OUT_DIR [BIN_DIR]}
+bin_dir=${2:-.device-bin}
+sanmai="$bin_dir/sanmai"
+mkdir -p "$out"
+[ -x "$sanmai" ] || { echo "no executable $sanmai" >&2; exit 1; }
+rc=0
+q125=configs/models/qwen4-exp-125b-a6b.json
+q80=configs/models/qwen3-next-80b-a3b.json
+cases=${SANMAI_STAGE_CASES:-q125-1 q125-3 q80-1 q80-2}
+
+table=$(mktemp -d)
+trap 'rm -rf "$table"' EXIT
+"$sanmai" ple create --config "$q125" --out "$table" --rows-scale 0.05 --fill zeros >"$out/ple.log" 2>&1 || rc=1
+
+"$sanmai" plan --config "$q125" --preset configs/deploy/3x3090.toml --gpu-memory-budget 23.5GiB \
+  --max-model-len 32768 >"$out/plan.txt" 2>&1 || rc=1
+
+# The greedy requests of one case, as one JSON document.
+requests() {
+  python3 - "$1" <<'EOF'
+import json, sys, urllib.request
+base = sys.argv[1]
+def post(path, body):
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"content-type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=600))
+out = []
+for n in (40, 300, 1000):
+    prompt = [(i * 7919 + 13) % 200000 + 1000 for i in range(n)]
+    r = post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32, "temperature": 0,
+                                 "logprobs": 5, "echo": True, "ignore_eos": True})
+    c = r["choices"][0]
+    out.append({"prompt_len": n, "text": c["text"], "logprobs": c["logprobs"], "usage": r["usage"]})
+json.dump(out, sys.stdout)
+EOF
+}
+
+serve_case() {
+  local name=$1; shift
+  local port=$((18500 + RANDOM % 1000))
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$out/$name.mem" 2>/dev/null &
+  local smi=$!
+  local t0=$(date +%s)
+  RUST_LOG=info NO_COLOR=1 "$sanmai" serve --port "$port" --served-model-name m "$@" >"$out/$name.serve.log" 2>&1 &
+  local pid=$!
+  local ready=0
+  for _ in $(seq 1200); do
+    curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && { ready=1; break; }
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  echo "$name: ready=$ready after $(($(date +%s) - t0)) s" | tee -a "$out/summary.txt"
+  if [ $ready = 1 ]; then
+    requests "http://127.0.0.1:$port" >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
+    curl -sS "http://127.0.0.1:$port/v1/chat/completions" -H 'content-type: application/json' \
+      -d '{"model":"m","messages":[{"role":"user","content":"Hello!"}],"max_tokens":16,"temperature":0}' \
+      >"$out/$name.chat.json" 2>>"$out/$name.err" || rc=1
+    for c in 1 3; do
+      "$sanmai" bench serve --url "http://127.0.0.1:$port" --concurrency $c --num-prompts $((3 * c)) \
+        --prompt-len 512 --gen-len 64 >>"$out/$name.bench.log" 2>&1 || rc=1
+    done
+    curl -sS "http://127.0.0.1:$port/metrics" >"$out/$name.metrics" 2>/dev/null
+  else
+    rc=1
+  fi
+  kill -TERM "$pid" 2>/dev/null
+  wait "$pid"
+  echo "$name: serve exit $?" >>"$out/summary.txt"
+  kill "$smi" 2>/dev/null
+  wait "$smi" 2>/dev/null
+  local base=$(head -1 "$out/$name.mem")
+  local peak=$(sort -n "$out/$name.mem" | tail -1)
+  echo "$name: driver used MiB before start $base, peak $peak" | tee -a "$out/summary.txt"
+  grep -h 'memory plan\|stage' "$out/$name.serve.log" | sed 's/\x1b\[[0-9;]*m//g' | head -40 >>"$out/summary.txt"
+  grep -q panicked "$out/$name.serve.log" && rc=1
+}
+
+budget=(--gpu-memory-budget 23.5GiB --max-model-len 32768 --max-num-seqs 4 --max-num-batched-tokens 512)
+for c in $cases; do
+  case $c in
+    q125-1) serve_case q125-1 --load-format dummy --config "$q125" --ple-table "$table" --device cuda:0 "${budget[@]}" ;;
+    q125-3) serve_case q125-3 --load-format dummy --config "$q125" --ple-table "$table" \
+      --pipeline-parallel-size 3 --device cuda:0,cuda:0,cuda:0 "${budget[@]}" ;;
+    q80-1) serve_case q80-1 --load-format dummy --config "$q80" --device cuda:0 --max-model-len 32768 \
+      --max-num-seqs 4 --max-num-batched-tokens 512 --gpu-memory-budget 60GiB ;;
+    q80-2) serve_case q80-2 --load-format dummy --config "$q80" --pipeline-parallel-size 2 \
+      --device cuda:0,cuda:0 --max-model-len 32768 --max-num-seqs 4 --max-num-batched-tokens 512 \
+      --gpu-memory-budget 30GiB ;;
+  esac
+done
+
+# One stage against several: the sequential greedy answers must be identical.
+python3 - "$out" >"$out/compare.txt" 2>&1 <<'EOF' || rc=1
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    p = os.path.join(out, name + ".seq.json")
+    return json.load(open(p)) if os.path.exists(p) and os.path.getsize(p) else None
+bad = 0
+for one, many in (("q125-1", "q125-3"), ("q80-1", "q80-2")):
+    a, b = load(one), load(many)
+    if a is None or b is None:
+        print(f"{one} vs {many}: missing run")
+        continue
+    for x, y in zip(a, b):
+        same_text = x["text"] == y["text"]
+        same_lp = x["logprobs"] == y["logprobs"]
+        diffs = [abs(p - q) for p, q in zip(x["logprobs"]["token_logprobs"], y["logprobs"]["token_logprobs"])
+                 if p is not None and q is not None]
+        print(f"{one} vs {many} prompt {x['prompt_len']}: text identical {same_text}, logprobs identical "
+              f"{same_lp}, max |token logprob diff| {max(diffs) if diffs else 0:.3g}")
+        bad += not (same_text and same_lp)
+sys.exit(1 if bad else 0)
+EOF
+cat "$out/compare.txt" >>"$out/summary.txt"
+exit $rc

@@ -317,6 +317,7 @@ impl CudaBackend {
             .collect::<Result<Vec<_>>>()
             .map_err(|e| e.to_string())?;
         let s = self.gpu.stream();
+        let _capturing = self.no_capture();
         s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| e.to_string())?;
         let body = (|| {

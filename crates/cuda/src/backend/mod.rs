@@ -134,6 +134,10 @@ pub struct CudaBackend {
     /// The ticket counter of the one-launch decode routing (`Gpu::moe_route_decode`, `moe.rs`): 0
     /// between launches, which the stream orders one after another.
     route_ticket: Mutex<CudaSlice<u32>>,
+    /// Held while a CUDA graph captures this backend's stream, and by the cache operations another
+    /// thread may call (a pipeline's engine thread): work queued on a capturing stream, from any
+    /// thread, would join the graph instead of running.
+    capture: Mutex<()>,
 }
 
 /// The rows of `x` as a norm kernel takes them.
@@ -198,6 +202,7 @@ impl CudaBackend {
             routing: roofline::RoutingLog::default(),
             routing_on: AtomicBool::new(false),
             graphs: Mutex::new(graph::Graphs::new(&DEFAULT_GRAPH_BATCH_SIZES)),
+            capture: Mutex::new(()),
             epoch: AtomicU64::new(0),
             ple_in: Mutex::new(None),
             route_ticket,
@@ -245,6 +250,11 @@ impl CudaBackend {
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// No graph captures this backend's stream while the guard lives (taken before [`Self::lock`]).
+    pub(crate) fn no_capture(&self) -> MutexGuard<'_, ()> {
+        self.capture.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// An uninitialised `[rows, cols]` tensor (every element is written by the op that asks for it).
@@ -458,6 +468,7 @@ impl Backend for CudaBackend {
     }
 
     fn init_cache(&self, spec: &CacheSpec) -> OpResult<()> {
+        let _no_capture = self.no_capture();
         let mut st = self.lock();
         let st = &mut *st;
         // Whatever happened, the pools may have been replaced: recordings pointing at them go.
@@ -467,6 +478,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc_state(&self) -> OpResult<usize> {
+        let _no_capture = self.no_capture();
         let mut st = self.lock();
         let before = st.states.bytes();
         let slot = st.states.alloc(&self.gpu);
@@ -482,6 +494,7 @@ impl Backend for CudaBackend {
     }
 
     fn copy_state(&self, src: usize, dst: usize) -> OpResult<()> {
+        let _no_capture = self.no_capture();
         self.lock()
             .states
             .copy(&self.gpu, src, dst)
@@ -489,6 +502,7 @@ impl Backend for CudaBackend {
     }
 
     fn copy_block(&self, src: u32, dst: u32) -> OpResult<()> {
+        let _no_capture = self.no_capture();
         self.lock()
             .kv
             .copy_block(&self.gpu, src, dst)

@@ -178,7 +178,8 @@ fn greedy_echo(max_tokens: u64) -> Value {
 const CHUNKING_TOLERANCE: f64 = 1e-3;
 
 /// `a` and `b` agree exactly but for numbers, which may differ by [`CHUNKING_TOLERANCE`]: the same
-/// tokens, the same top-N alternatives in the same order, log-probabilities nearly equal.
+/// tokens and the same top-N alternatives (in either order: two nearly equal ones may swap), their
+/// log-probabilities nearly equal.
 fn assert_close(a: &Value, b: &Value, what: &str) {
     fn walk(a: &Value, b: &Value, at: &str, what: &str) {
         match (a, b) {
@@ -196,8 +197,10 @@ fn assert_close(a: &Value, b: &Value, what: &str) {
                 }
             }
             (Value::Object(x), Value::Object(y)) => {
-                let kx: Vec<&String> = x.keys().collect();
-                let ky: Vec<&String> = y.keys().collect();
+                let mut kx: Vec<&String> = x.keys().collect();
+                let mut ky: Vec<&String> = y.keys().collect();
+                kx.sort();
+                ky.sort();
                 assert_eq!(kx, ky, "{what}: {at}: keys");
                 for (k, v) in x {
                     walk(v, &y[k], &format!("{at}.{k}"), what);

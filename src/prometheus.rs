@@ -46,7 +46,8 @@ fn parse_line(line: &str) -> Result<Sample> {
     if !is_name(name, true) {
         bail!("{name:?} is not a metric name");
     }
-    let mut rest = &line[name_end..];
+    // Blanks may stand between the name and its labels.
+    let mut rest = line[name_end..].trim_start();
     let mut labels = Vec::new();
     if let Some(r) = rest.strip_prefix('{') {
         rest = parse_labels(r, &mut labels)?;

@@ -34,6 +34,14 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
+    // Refused before the weights load: pipeline stages run under the server's engine only.
+    if let Some(n) = args.model.pipeline_parallel_size.filter(|&n| n > 1) {
+        bail!(
+            "sanmai bench runs the model on one stage, not --pipeline-parallel-size {n}: serve the \
+             stages (`sanmai serve --pipeline-parallel-size {n}`) and measure them with `sanmai bench \
+             serve`, whose stage table shows how much they overlap at --concurrency 1 and above"
+        );
+    }
     args.model.clone().load_then(Bench(args))
 }
 

@@ -10,6 +10,14 @@
 //! the ids cut to length, then sent as token-id prompts to `/v1/completions` (or, with `--endpoint chat`,
 //! the words as one user message, whose chat template adds a few tokens). Without `/tokenize`, prompts are
 //! text of about one token per word. The lengths the server counted are printed either way.
+//!
+//! Where the server answers `GET /metrics` in the Prometheus format, it is scraped just before and just
+//! after the timed run, and what the server counted in between is printed ([`server_metrics`]): prompt
+//! and generation tokens, the prefix-cache hit rate, preemptions, and with pipeline stages a table of
+//! each stage's busy and idle seconds and the pipeline overlap (1 when the stages compute in turn, N
+//! when N stages are busy at once).
+//!
+//! [`server_metrics`]: crate::server_metrics
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +28,8 @@ use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
 use crate::bench::BenchArgs;
+use crate::prometheus;
+use crate::server_metrics::{RunCounters, Scrape};
 
 /// `sanmai bench`: the local model benchmark, or `sanmai bench serve` against a server.
 #[derive(Args, Debug)]
@@ -301,6 +311,32 @@ impl Target {
         Ok(serde_json::from_str(&text)?)
     }
 
+    /// The samples of `GET /metrics`, or `None` when the server has no such route (a note says why
+    /// when it answers something that is not Prometheus text).
+    async fn scrape(&self) -> Option<Scrape> {
+        let mut req = self
+            .client
+            .get(format!("{}/metrics", self.base))
+            .timeout(Duration::from_secs(30));
+        if let Some(k) = &self.api_key {
+            req = req.bearer_auth(k);
+        }
+        let sent = Instant::now();
+        let resp = req.send().await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        let text = resp.text().await.ok()?;
+        let at = sent + sent.elapsed() / 2;
+        match prometheus::parse(&text) {
+            Ok(samples) => Some(Scrape { at, samples }),
+            Err(e) => {
+                eprintln!("bench serve: the server's /metrics is left out: {e:#}");
+                None
+            }
+        }
+    }
+
     /// Token ids of `text` from `/tokenize`, or `None` when the server has no such route.
     async fn tokenize(&self, model: &str, text: &str) -> Result<Option<Vec<u32>>> {
         let body = json!({"model": model, "prompt": text, "add_special_tokens": false});
@@ -513,6 +549,7 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         bail!("the first test request failed: {e}");
     }
 
+    let before = t.scrape().await;
     let sem = Arc::new(Semaphore::new(args.concurrency));
     let mut rng = Rng(args.seed ^ 0x5eed);
     let started = Instant::now();
@@ -539,10 +576,22 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         outcomes.push(task.await?);
     }
     let duration = started.elapsed().as_secs_f64();
-    report(&args, &outcomes, duration)
+    let counted = match before {
+        Some(before) => t.scrape().await.map(|after| {
+            let window = after.at.duration_since(before.at).as_secs_f64();
+            RunCounters::between(&before.samples, &after.samples, window)
+        }),
+        None => None,
+    };
+    report(&args, &outcomes, duration, counted.as_ref())
 }
 
-fn report(args: &BenchServeArgs, outcomes: &[Outcome], duration: f64) -> Result<()> {
+fn report(
+    args: &BenchServeArgs,
+    outcomes: &[Outcome],
+    duration: f64,
+    counted: Option<&RunCounters>,
+) -> Result<()> {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
     let failed: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_some()).collect();
     let input: usize = ok.iter().map(|o| o.prompt_tokens).sum();
@@ -592,6 +641,9 @@ fn report(args: &BenchServeArgs, outcomes: &[Outcome], duration: f64) -> Result<
         line(&format!("P90 {short} (ms):"), format!("{:.2}", s.p90));
         line(&format!("P99 {short} (ms):"), format!("{:.2}", s.p99));
     }
+    if let Some(c) = counted {
+        c.print(&line);
+    }
     println!("{:=^52}", "");
     if let Some(first) = failed.first() {
         println!(
@@ -600,7 +652,7 @@ fn report(args: &BenchServeArgs, outcomes: &[Outcome], duration: f64) -> Result<
         );
     }
     if let Some(path) = &args.result_json {
-        let v = json!({
+        let mut v = json!({
             "url": args.url, "endpoint": format!("{:?}", args.endpoint).to_lowercase(),
             "concurrency": args.concurrency, "request_rate": args.request_rate,
             "num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "gen_len": args.gen_len,
@@ -610,7 +662,13 @@ fn report(args: &BenchServeArgs, outcomes: &[Outcome], duration: f64) -> Result<
             "output_throughput": output as f64 / duration,
             "total_token_throughput": (input + output) as f64 / duration,
             "ttft": ttft.json(), "tpot": tpot.json(), "itl": itl.json(), "e2el": e2e.json(),
+            "server_counters": null, "pp_stages": [], "pp_overlap": null,
         });
+        if let (Some(c), Some(obj)) = (counted, v.as_object_mut()) {
+            if let Value::Object(fields) = c.json() {
+                obj.extend(fields);
+            }
+        }
         std::fs::write(path, serde_json::to_string_pretty(&v)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }

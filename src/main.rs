@@ -8,7 +8,9 @@ mod generate;
 mod load;
 mod memory_plan;
 mod ple;
+mod prometheus;
 mod serve;
+mod server_metrics;
 mod stages;
 mod switches;
 

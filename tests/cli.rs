@@ -210,6 +210,20 @@ fn bench_prints_speeds_and_the_roofline() {
     }
     assert_eq!(text.matches("roofline:").count(), 2, "{text}");
     assert!(text.contains("distinct experts per MoE layer"), "{text}");
+    // Pipeline stages are measured through the server.
+    let err = stderr(&sanmai(&[
+        "bench",
+        "--load-format",
+        "dummy",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--pipeline-parallel-size",
+        "2",
+    ]));
+    assert!(
+        err.contains("--pipeline-parallel-size 2") && err.contains("sanmai bench serve"),
+        "{err}"
+    );
 }
 
 #[test]

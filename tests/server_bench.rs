@@ -1,0 +1,88 @@
+//! `sanmai bench serve` against a real `sanmai serve` of the built-in model in two pipeline stages: the
+//! run completes at one and at three requests in flight, and prints what the server counted during it,
+//! the stage table with both stages busy included, in its text and its `--result-json`.
+
+mod server_support;
+
+use std::process::Command;
+
+use serde_json::Value;
+use server_support::ServerProc;
+
+/// The rows of the printed stage table: stage, busy, idle and busy fraction.
+fn stage_rows(text: &str) -> Vec<(String, f64, f64, f64)> {
+    text.lines()
+        .skip_while(|l| !l.contains("Pipeline Stages"))
+        .skip(2)
+        .take_while(|l| !l.starts_with("Pipeline overlap"))
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(f.len(), 4, "a stage row: {l:?}");
+            let num = |i: usize| f[i].parse::<f64>().unwrap();
+            (f[0].to_string(), num(1), num(2), num(3))
+        })
+        .collect()
+}
+
+#[test]
+fn bench_serve_prints_the_stage_table_of_a_two_stage_server() {
+    let s = ServerProc::start(&["--pipeline-parallel-size", "2", "--device", "cpu"]);
+    let (prompts, gen_len) = (3, 6);
+    for concurrency in [1, 3] {
+        let result = std::env::temp_dir().join(format!(
+            "sanmai-bench-serve-{}-{concurrency}.json",
+            std::process::id()
+        ));
+        let out = Command::new(env!("CARGO_BIN_EXE_sanmai"))
+            .args(["bench", "serve", "--url", &s.base, "--prompt-len", "16"])
+            .args(["--concurrency", &concurrency.to_string()])
+            .args(["--num-prompts", &prompts.to_string()])
+            .args(["--gen-len", &gen_len.to_string()])
+            .arg("--result-json")
+            .arg(&result)
+            .output()
+            .expect("the binary runs");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{text}\n{}\nserver log:\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            s.log()
+        );
+        let rows = stage_rows(&text);
+        let stages: Vec<&str> = rows.iter().map(|r| r.0.as_str()).collect();
+        assert_eq!(stages, ["0", "1"], "{text}");
+        assert!(
+            rows.iter().all(|r| r.1 > 0.0 && r.2 >= 0.0 && r.3 > 0.0),
+            "{text}"
+        );
+        assert!(
+            text.contains("Pipeline overlap (busy sum / wall):"),
+            "{text}"
+        );
+        assert!(text.contains("Generation tokens:"), "{text}");
+
+        let v: Value = serde_json::from_slice(&std::fs::read(&result).unwrap()).unwrap();
+        let _ = std::fs::remove_file(&result);
+        assert_eq!(v["concurrency"], concurrency, "{v}");
+        assert_eq!(v["completed"], prompts, "{v}");
+        assert_eq!(
+            v["server_counters"]["generation_tokens"].as_f64(),
+            Some((prompts * gen_len) as f64),
+            "{v}"
+        );
+        let stages = v["pp_stages"].as_array().unwrap();
+        assert_eq!(stages.len(), 2, "{v}");
+        let window = v["metrics_window_s"].as_f64().unwrap();
+        let mut busy_sum = 0.0;
+        for (k, st) in stages.iter().enumerate() {
+            assert_eq!(st["stage"], k.to_string(), "{v}");
+            let busy = st["busy_s"].as_f64().unwrap();
+            assert!(busy > 0.0, "{v}");
+            assert!((st["busy_fraction"].as_f64().unwrap() - busy / window).abs() < 1e-9);
+            busy_sum += busy;
+        }
+        let overlap = v["pp_overlap"].as_f64().unwrap();
+        assert!((overlap - busy_sum / window).abs() < 1e-9, "{v}");
+    }
+}

@@ -80,6 +80,14 @@ pub struct Preset {
     pub kv_cache_memory_bytes: Option<usize>,
     pub state_checkpoint_interval: Option<usize>,
     pub enable_prefix_caching: Option<bool>,
+    pub gpu_memory_utilization: Option<f64>,
+    /// Bytes, as on the command line (e.g. "23.5GiB").
+    pub gpu_memory_budget: Option<String>,
+    pub pipeline_parallel_size: Option<usize>,
+    /// Layers per stage (e.g. "16,17,15").
+    pub pp_layer_partition: Option<String>,
+    /// One device, or one per stage (e.g. "cuda:0,cuda:1,cuda:2").
+    pub device: Option<String>,
     /// Keys this build does not act on (settings for later features), reported at startup.
     #[serde(flatten)]
     pub other: toml::Table,
@@ -93,6 +101,39 @@ impl Preset {
             .with_context(|| format!("parsing the preset {}", path.display()))?;
         Ok(preset)
     }
+
+    /// Fills the engine flags not given on the command line from the preset.
+    pub fn apply_engine(&self, e: &mut EngineArgs) -> Result<()> {
+        e.max_model_len = e.max_model_len.or(self.max_model_len);
+        e.max_num_seqs = e.max_num_seqs.or(self.max_num_seqs);
+        e.max_num_batched_tokens = e.max_num_batched_tokens.or(self.max_num_batched_tokens);
+        e.max_waiting_requests = e.max_waiting_requests.or(self.max_waiting_requests);
+        e.block_size = e.block_size.or(self.block_size);
+        e.kv_cache_memory_bytes = e.kv_cache_memory_bytes.or(self.kv_cache_memory_bytes);
+        e.state_checkpoint_interval = e
+            .state_checkpoint_interval
+            .or(self.state_checkpoint_interval);
+        e.gpu_memory_utilization = e.gpu_memory_utilization.or(self.gpu_memory_utilization);
+        if e.gpu_memory_budget.is_none() {
+            if let Some(text) = &self.gpu_memory_budget {
+                let b = text
+                    .parse()
+                    .map_err(|m| anyhow::anyhow!("preset gpu-memory-budget {m}"))?;
+                e.gpu_memory_budget = Some(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills the pipeline stage flags not given on the command line from the preset.
+    pub fn apply_stages(&self, m: &mut ModelArgs) {
+        m.pipeline_parallel_size = m.pipeline_parallel_size.or(self.pipeline_parallel_size);
+        m.pp_layer_partition = m
+            .pp_layer_partition
+            .clone()
+            .or(self.pp_layer_partition.clone());
+        m.device = m.device.clone().or(self.device.clone());
+    }
 }
 
 /// Everything `serve` runs with, after the preset and defaults are applied.
@@ -101,6 +142,8 @@ pub struct Settings {
     pub addr: String,
     pub server: ServerConfig,
     pub engine: EngineArgs,
+    /// The model flags with the preset's stage keys applied.
+    pub model: ModelArgs,
 }
 
 impl ServeArgs {
@@ -117,6 +160,10 @@ impl ServeArgs {
                 "preset settings this build does not act on yet; ignored"
             );
         }
+        let mut engine = self.engine.clone();
+        preset.apply_engine(&mut engine)?;
+        let mut model = self.model.clone();
+        preset.apply_stages(&mut model);
         let builtin = self.model.model.is_none() && self.model.config.is_none();
         let kwargs = match (
             &self.default_chat_template_kwargs,
@@ -184,17 +231,7 @@ impl ServeArgs {
         server.chat_template = chat_template;
         server.tool_call_parser = tool_call_parser;
 
-        let mut engine = self.engine.clone();
         let e = &mut engine;
-        e.max_model_len = e.max_model_len.or(preset.max_model_len);
-        e.max_num_seqs = e.max_num_seqs.or(preset.max_num_seqs);
-        e.max_num_batched_tokens = e.max_num_batched_tokens.or(preset.max_num_batched_tokens);
-        e.max_waiting_requests = e.max_waiting_requests.or(preset.max_waiting_requests);
-        e.block_size = e.block_size.or(preset.block_size);
-        e.kv_cache_memory_bytes = e.kv_cache_memory_bytes.or(preset.kv_cache_memory_bytes);
-        e.state_checkpoint_interval = e
-            .state_checkpoint_interval
-            .or(preset.state_checkpoint_interval);
         e.no_enable_prefix_caching = if self.enable_prefix_caching {
             false
         } else {
@@ -204,6 +241,7 @@ impl ServeArgs {
             addr,
             server,
             engine,
+            model,
         })
     }
 }
@@ -222,10 +260,10 @@ pub fn run(args: ServeArgs) -> Result<()> {
         .thread_name("sanmai-http")
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(serve(args, settings))
+    runtime.block_on(serve(settings))
 }
 
-async fn serve(args: ServeArgs, s: Settings) -> Result<()> {
+async fn serve(s: Settings) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(&s.addr)
         .await
         .with_context(|| format!("binding {}", s.addr))?;
@@ -252,8 +290,7 @@ async fn serve(args: ServeArgs, s: Settings) -> Result<()> {
     };
     let loading = {
         let server = server.clone();
-        let args = args.clone();
-        tokio::task::spawn_blocking(move || load_and_start(&server, &args, &s))
+        tokio::task::spawn_blocking(move || load_and_start(&server, &s))
     };
     tokio::pin!(http);
     tokio::select! {
@@ -272,8 +309,8 @@ async fn serve(args: ServeArgs, s: Settings) -> Result<()> {
 }
 
 /// Loads the model, starts the engine and hands it to the server.
-fn load_and_start(server: &Server, args: &ServeArgs, s: &Settings) -> Result<()> {
-    args.model.load_then(StartEngine { server, s })
+fn load_and_start(server: &Server, s: &Settings) -> Result<()> {
+    s.model.load_then(StartEngine { server, s })
 }
 
 struct StartEngine<'a> {

@@ -37,7 +37,7 @@ fn error_of(out: &Output) -> String {
     let err = String::from_utf8_lossy(&out.stderr);
     let line = err
         .lines()
-        .find(|l| l.starts_with("Error:"))
+        .find(|l| l.starts_with("Error:") || l.starts_with("error:"))
         .unwrap_or_else(|| panic!("no error line in {err}"));
     line.to_string()
 }
@@ -64,6 +64,22 @@ fn gib_after(line: &str, key: &str) -> f64 {
 fn the_125b_config_on_three_3090s() {
     let cfg = path("configs/models/qwen4-exp-125b-a6b.json");
     let preset = path("configs/deploy/3x3090.toml");
+    // As the preset stands (its own 23.5GiB budget, the full 262,144-token context, an even
+    // split), the last stage's weights alone (its layers, the lm_head, the MTP head and its
+    // embedding) pass the budget: refused with every stage's numbers.
+    let e = error_of(&sanmai(&["plan", "--config", &cfg, "--preset", &preset]));
+    println!("{e}");
+    assert!(
+        e.contains("a pipeline stage does not fit --gpu-memory-budget"),
+        "{e}"
+    );
+    for (k, layers) in ["0..16", "16..32", "32..48"].iter().enumerate() {
+        assert!(
+            e.contains(&format!("stage {k} (layers {layers} on cuda:{k}): weights")),
+            "{e}"
+        );
+    }
+    // One layer fewer on the last stage and a 32,768-token context fit.
     let out = sanmai(&[
         "plan",
         "--config",
@@ -72,6 +88,10 @@ fn the_125b_config_on_three_3090s() {
         &preset,
         "--gpu-memory-budget",
         "23.5GiB",
+        "--pp-layer-partition",
+        "16,17,15",
+        "--max-model-len",
+        "32768",
     ]);
     let text = ok_stdout(&out);
     println!("{text}");
@@ -81,7 +101,7 @@ fn the_125b_config_on_three_3090s() {
         4,
         "three stages and the block arithmetic: {text}"
     );
-    for (k, (line, layers)) in lines.iter().zip(["0..16", "16..32", "32..48"]).enumerate() {
+    for (k, (line, layers)) in lines.iter().zip(["0..16", "16..33", "33..48"]).enumerate() {
         assert!(
             line.starts_with(&format!("stage {k} (layers {layers} on cuda:{k})")),
             "{line}"
@@ -111,6 +131,8 @@ fn the_125b_config_on_three_3090s() {
         "4",
         "--max-num-batched-tokens",
         "512",
+        "--max-model-len",
+        "32768",
     ]);
     let whole = plan_lines(&ok_stdout(&whole));
     let sum: f64 = lines[..3].iter().map(|l| gib_after(l, "weights")).sum();

@@ -71,8 +71,10 @@ pub struct CachePlan {
     pub request_blocks: usize,
     /// State checkpoints one such request takes (one per interval and its prompt's end).
     pub request_checkpoints: usize,
-    /// Requests of `max_model_len` that fit at once, checkpoints included.
+    /// Requests of `max_model_len` whose K/V blocks fit at once.
     pub requests: usize,
+    /// Of those, the requests whose checkpoints all have a slot too.
+    pub requests_checkpointed: usize,
 }
 
 impl CachePlan {
@@ -91,7 +93,8 @@ impl CachePlan {
         format!(
             "K/V cache: {} bytes = {} blocks of {} tokens ({} bytes per block) + {} state checkpoint \
              slots of {} bytes; a {}-token request takes {} blocks ({} of K/V + {} checkpoints of {} \
-             blocks, one per {} tokens and the prompt's end), so {} fit at once",
+             blocks, one per {} tokens and the prompt's end), so {} fit at once, {} of them with all \
+             their checkpoints",
             self.budget_bytes,
             self.num_blocks,
             self.block_size,
@@ -104,7 +107,8 @@ impl CachePlan {
             self.request_checkpoints,
             self.checkpoint_blocks,
             self.interval,
-            self.requests
+            self.requests,
+            self.requests_checkpointed
         )
     }
 }
@@ -132,13 +136,14 @@ impl EngineConfig {
         } else {
             0
         };
+        // The checkpoints of the requests that fit with theirs (of one at least), as many as
+        // leave one request's blocks.
         let units = budget / block_bytes;
-        let requests = units / (request_blocks + request_checkpoints * checkpoint_blocks).max(1);
-        // The checkpoints of the requests that fit (of one at least), as many as leave one
-        // request's blocks.
+        let with_checkpoints =
+            units / (request_blocks + request_checkpoints * checkpoint_blocks).max(1);
         let spare = budget.saturating_sub(needed * block_bytes);
         let checkpoint_slots =
-            (requests.max(1) * request_checkpoints).min(spare / g.state_bytes.max(1));
+            (with_checkpoints.max(1) * request_checkpoints).min(spare / g.state_bytes.max(1));
         let num_blocks = (budget - checkpoint_slots * g.state_bytes) / block_bytes;
         if num_blocks < needed {
             return Err(format!(
@@ -159,7 +164,11 @@ impl EngineConfig {
             max_model_len: self.max_model_len,
             request_blocks,
             request_checkpoints,
-            requests,
+            requests: num_blocks / request_blocks.max(1),
+            requests_checkpointed: match request_checkpoints {
+                0 => num_blocks / request_blocks.max(1),
+                c => (checkpoint_slots / c).min(num_blocks / request_blocks.max(1)),
+            },
         })
     }
 }

@@ -3,13 +3,15 @@
 
 use anyhow::{anyhow, Result};
 use clap::Args;
+use sanmai_config::ModelConfig;
 use sanmai_engine::{
     start, EngineConfig, EngineHandle, ModelExecutor, PipelineExecutor, PipelineOptions,
 };
 use sanmai_model::Backend;
 
+use crate::bytes::ByteSize;
 use crate::load::Loaded;
-use crate::memory_plan::{self, PlanInput};
+use crate::memory_plan::{self, BudgetFlags};
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct EngineArgs {
@@ -39,40 +41,40 @@ pub struct EngineArgs {
     /// Requests allowed to wait for a place before new ones are refused as overloaded (503).
     #[arg(long)]
     pub max_waiting_requests: Option<usize>,
-    /// Fraction of the GPU's memory the server may use (weights, activations, state, K/V).
+    /// Fraction of each GPU's memory the server may use (weights, activations, state, K/V), split
+    /// evenly between the pipeline stages on it.
     #[arg(long)]
     pub gpu_memory_utilization: Option<f64>,
+    /// Bytes each pipeline stage may use on its GPU (e.g. 23.5GiB, 24124MiB), in place of
+    /// --gpu-memory-utilization: every pool is sized within it at start, as on a card of that size.
+    /// Stages sharing a GPU add up and must fit it.
+    #[arg(long, value_name = "BYTES")]
+    pub gpu_memory_budget: Option<ByteSize>,
 }
 
-/// Default of `--gpu-memory-utilization`.
-pub const GPU_MEMORY_UTILIZATION: f64 = 0.9;
-
 impl EngineArgs {
-    /// Starts the engine on `loaded` (the model moves into the engine thread).
-    pub fn start<B: Backend + 'static>(
+    /// The flags that set the stages' memory budgets.
+    pub fn budget_flags(&self) -> BudgetFlags {
+        BudgetFlags {
+            budget: self.gpu_memory_budget.map(|b| b.0),
+            utilization: self.gpu_memory_utilization,
+        }
+    }
+
+    /// The engine's settings for a model of `cfg` (the K/V budget left to the memory plan).
+    pub fn engine_config(
         &self,
-        loaded: Loaded<B>,
+        cfg: &ModelConfig,
         served_name: String,
-    ) -> Result<EngineHandle> {
-        let Loaded {
-            ple_prefetch,
-            pp_deferred_receive,
-            gpu,
-            mut stages,
-            tokenizer,
-            valid_vocab,
-            eos_ids,
-            default_max_tokens,
-            ..
-        } = loaded;
-        let model = &stages[0];
-        let max_model_len = self
-            .max_model_len
-            .unwrap_or(model.cfg.max_position_embeddings);
-        if max_model_len < 2 || max_model_len > model.cfg.max_position_embeddings {
+        valid_vocab: usize,
+        eos_ids: Vec<u32>,
+        default_max_tokens: Option<usize>,
+    ) -> Result<EngineConfig> {
+        let max_model_len = self.max_model_len.unwrap_or(cfg.max_position_embeddings);
+        if max_model_len < 2 || max_model_len > cfg.max_position_embeddings {
             return Err(anyhow!(
                 "--max-model-len {max_model_len} must be in 2..={} (the model's max_position_embeddings)",
-                model.cfg.max_position_embeddings
+                cfg.max_position_embeddings
             ));
         }
         let max_num_seqs = self.max_num_seqs.unwrap_or(256);
@@ -83,33 +85,7 @@ impl EngineArgs {
                 "--max-num-seqs, --max-num-batched-tokens and --block-size must be positive"
             ));
         }
-        let kv_cache_memory_bytes = match gpu.as_slice() {
-            [] => {
-                let per_token: usize = stages.iter().map(|m| m.kv_bytes_per_token(4)).sum();
-                let one_request = max_model_len * per_token.max(1);
-                self.kv_cache_memory_bytes.unwrap_or_else(|| {
-                    (4 * one_request)
-                        .min(8 << 30)
-                        .max(one_request + one_request / 8)
-                })
-            }
-            gpus => memory_plan::plan_stages(
-                &stages,
-                gpus,
-                &PlanInput {
-                    utilization: self
-                        .gpu_memory_utilization
-                        .unwrap_or(GPU_MEMORY_UTILIZATION),
-                    max_model_len,
-                    max_num_seqs,
-                    max_num_batched_tokens,
-                    block_size,
-                    valid_vocab,
-                    kv_cache_memory_bytes: self.kv_cache_memory_bytes,
-                },
-            )?,
-        };
-        let cfg = EngineConfig {
+        Ok(EngineConfig {
             model_name: served_name,
             max_num_seqs,
             max_num_batched_tokens,
@@ -119,10 +95,48 @@ impl EngineArgs {
             valid_vocab,
             eos_ids,
             block_size,
-            kv_cache_memory_bytes,
+            kv_cache_memory_bytes: 0,
             enable_prefix_caching: !self.no_enable_prefix_caching,
             state_checkpoint_interval: self.state_checkpoint_interval,
-        };
+        })
+    }
+
+    /// Starts the engine on `loaded` (the model moves into the engine thread) after planning the
+    /// stages' memory.
+    pub fn start<B: Backend + 'static>(
+        &self,
+        loaded: Loaded<B>,
+        served_name: String,
+    ) -> Result<EngineHandle> {
+        let Loaded {
+            ple_prefetch,
+            pp_deferred_receive,
+            gpu,
+            devices,
+            mut stages,
+            tokenizer,
+            valid_vocab,
+            eos_ids,
+            default_max_tokens,
+            ..
+        } = loaded;
+        let mut cfg = self.engine_config(
+            &stages[0].cfg,
+            served_name,
+            valid_vocab,
+            eos_ids,
+            default_max_tokens,
+        )?;
+        let plan = memory_plan::plan_loaded(
+            &stages,
+            &devices,
+            &gpu,
+            &cfg,
+            self.kv_cache_memory_bytes,
+            &self.budget_flags(),
+        )?;
+        plan.log();
+        cfg.kv_cache_memory_bytes = plan.kv_cache_memory_bytes();
         if stages.len() == 1 {
             let model = stages.pop().expect("one stage");
             start(

@@ -108,6 +108,8 @@ pub struct Loaded<B: Backend> {
     pub pp_deferred_receive: bool,
     /// What each stage's GPU memory plan needs (empty on the CPU).
     pub gpu: Vec<crate::memory_plan::GpuMemory>,
+    /// Where each stage runs.
+    pub devices: Vec<Device>,
     pub name: String,
     /// The device it runs on, for logs and reports (e.g. `cpu (16 threads)`).
     pub device: String,
@@ -250,9 +252,11 @@ impl ModelArgs {
                     .map(|m| {
                         let info = m.backend.gpu().info().clone();
                         let ctx = m.backend.gpu().context().clone();
+                        let report = m.backend.memory();
                         crate::memory_plan::GpuMemory {
                             total: info.total_memory,
-                            weights: m.backend.memory().weights,
+                            weights: report.weights,
+                            workspace: report.workspace,
                             free: Box::new(move || Ok(sanmai_cuda::device_memory(&ctx)?.0)),
                         }
                     })
@@ -315,6 +319,7 @@ impl ModelArgs {
             ple_prefetch: self.switches.ple_prefetch(),
             pp_deferred_receive: self.switches.pp_deferred_receive(),
             gpu: Vec::new(),
+            devices: layout.devices.clone(),
             name,
             device,
             stages,

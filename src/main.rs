@@ -3,10 +3,12 @@
 
 mod bench;
 mod bench_serve;
+mod bytes;
 mod engine_args;
 mod generate;
 mod load;
 mod memory_plan;
+mod plan;
 mod ple;
 mod prometheus;
 mod serve;
@@ -37,6 +39,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// The PLE n-gram table: hash, create, check.
     Ple(ple::PleArgs),
+    /// Print the GPU memory plan of a deployment (per pipeline stage) without loading anything.
+    Plan(plan::PlanArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -54,5 +58,6 @@ fn main() -> anyhow::Result<()> {
         },
         Command::Serve(args) => serve::run(args),
         Command::Ple(args) => ple::run(args),
+        Command::Plan(args) => plan::run(args),
     }
 }

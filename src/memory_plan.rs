@@ -1,71 +1,447 @@
-//! The memory plan of a GPU: after the weights are loaded, one profiling step of the largest size the
-//! engine will schedule shows what the activations take at their peak; what is left under
-//! `--gpu-memory-utilization` goes to the sequences' GDN state slots and then to K/V blocks and state
-//! checkpoints. The plan is printed, and the server refuses to start, with the numbers, when a request
-//! of the full context length would not fit.
+//! The memory plan of the pipeline stages. Each stage gets a budget (`--gpu-memory-budget`, else its
+//! share of `--gpu-memory-utilization` of its card; stages sharing a card add up and are checked
+//! against it) and holds its weights, a step's activations, the GDN state of `--max-num-seqs`
+//! sequences, and its share of every K/V block and state checkpoint. The K/V budget is the largest
+//! every stage fits; the engine's own arithmetic ([`sanmai_engine::CachePlan`]) splits it into
+//! checkpoint slots and blocks, and the state slot pools are sized for those at start.
+//!
+//! `sanmai plan` fills a stage's numbers from the config alone ([`StageMemory::estimate`]); the
+//! server fills them from the loaded stages, on a GPU with one profiling step per stage, in order,
+//! each stage's activations being the drop in its card's free memory over its step. Both print
+//! [`MemoryPlan::lines`], and a stage that does not fit is refused with every stage's numbers.
+
+use std::ops::Range;
 
 use anyhow::{bail, Result};
+use sanmai_config::ModelConfig;
+use sanmai_engine::{CacheGeometry, CachePlan, EngineConfig};
+use sanmai_model::weight_plan::{self, WeightForm, WeightStorage};
 use sanmai_model::{Backend, Model, OutRows, StepChunk, StepInput, StepStart};
 
-/// What the device tells the plan.
+use crate::bytes::gib;
+use crate::stages::{Device, StageLayout};
+
+/// What a GPU stage's device tells the plan.
 pub struct GpuMemory {
     /// Total device memory.
     pub total: usize,
-    /// Device memory the weights occupy.
+    /// Device memory the stage's weights occupy.
     pub weights: usize,
+    /// The stage's persistent workspace after loading (expert tables, RoPE tables, step metadata).
+    pub workspace: usize,
     /// Free device memory now (every process's use counted).
     pub free: Box<dyn Fn() -> Result<usize> + Send + Sync>,
 }
 
-/// The plan's inputs from the engine flags.
-pub struct PlanInput {
-    pub utilization: f64,
-    pub max_model_len: usize,
+/// The flags that set the stages' budgets.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BudgetFlags {
+    /// `--gpu-memory-budget` (bytes per stage).
+    pub budget: Option<usize>,
+    /// `--gpu-memory-utilization`.
+    pub utilization: Option<f64>,
+}
+
+/// Default of `--gpu-memory-utilization`.
+pub const GPU_MEMORY_UTILIZATION: f64 = 0.9;
+
+impl BudgetFlags {
+    /// Each stage's budget: `--gpu-memory-budget`, else its card's `--gpu-memory-utilization` split
+    /// evenly over the stages on it. `totals[i]` is stage `i`'s card memory when known (`None`: no
+    /// GPU to ask; the CPU). A CPU stage without `--gpu-memory-budget` has no budget (`None`).
+    pub fn stage_budgets(
+        &self,
+        devices: &[Device],
+        totals: &[Option<usize>],
+    ) -> Result<Vec<Option<usize>>> {
+        let util = self.utilization.unwrap_or(GPU_MEMORY_UTILIZATION);
+        if !(util > 0.0 && util <= 1.0) {
+            bail!("--gpu-memory-utilization {util} must be in (0, 1]");
+        }
+        let sharing = |d: &Device| devices.iter().filter(|x| *x == d).count();
+        let mut out = Vec::with_capacity(devices.len());
+        for (d, total) in devices.iter().zip(totals) {
+            out.push(match (self.budget, total, d) {
+                (Some(b), Some(t), _) if b > *t => bail!(
+                    "--gpu-memory-budget {} is more than {d}'s {} of memory",
+                    gib(b),
+                    gib(*t)
+                ),
+                (Some(b), Some(t), _) if b * sharing(d) > *t => bail!(
+                    "--gpu-memory-budget {} for each of the {} stages on {d} adds up to {}, more than its {}",
+                    gib(b),
+                    sharing(d),
+                    gib(b * sharing(d)),
+                    gib(*t)
+                ),
+                (Some(b), _, _) => Some(b),
+                (None, Some(t), _) => Some((*t as f64 * util) as usize / sharing(d)),
+                (None, None, Device::Cpu) => None,
+                (None, None, Device::Cuda(_)) => bail!(
+                    "--gpu-memory-budget is needed to plan {d} without a GPU to ask for its memory"
+                ),
+            });
+        }
+        Ok(out)
+    }
+}
+
+/// One stage's memory, in bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageMemory {
+    pub layers: Range<usize>,
+    pub device: Device,
+    /// What the stage may use (`None`: no limit, a CPU stage without `--gpu-memory-budget`).
+    pub budget: Option<usize>,
+    pub weights: usize,
+    /// A step's activations and the runtime workspace.
+    pub activations: usize,
+    /// The activations come from a profiling step (else they are an estimate).
+    pub profiled: bool,
+    /// GDN (and PLE conv) state of one sequence.
+    pub state_per_seq: usize,
+    /// K/V of one token on this stage's layers.
+    pub kv_per_token: usize,
+    /// Pinned host memory the stage holds (the step metadata staging ring is not counted).
+    pub pinned_host: usize,
+}
+
+impl StageMemory {
+    /// A stage's numbers from the config alone: weights in `form` as the device stores them,
+    /// activations estimated at `tokens` per step.
+    pub fn estimate(
+        cfg: &ModelConfig,
+        layout: &StageLayout,
+        form: WeightForm<'_>,
+        tokens: usize,
+        budgets: &[Option<usize>],
+    ) -> Vec<StageMemory> {
+        layout
+            .ranges
+            .iter()
+            .zip(&layout.devices)
+            .zip(budgets)
+            .map(|((r, &device), &budget)| {
+                let storage = storage_of(device);
+                StageMemory {
+                    layers: r.clone(),
+                    device,
+                    budget,
+                    weights: weight_plan::stage_weight_bytes(cfg, r.clone(), form, storage).stored
+                        as usize,
+                    activations: weight_plan::stage_activation_bytes(cfg, r, tokens, form, storage),
+                    profiled: false,
+                    // The recurrent state is f32 on every backend (the engine's geometry too).
+                    state_per_seq: weight_plan::stage_state_bytes(cfg, r, 4),
+                    kv_per_token: weight_plan::stage_kv_bytes_per_token(
+                        cfg,
+                        r,
+                        storage.cache_elem(),
+                    ),
+                    pinned_host: 0,
+                }
+            })
+            .collect()
+    }
+
+    /// A loaded stage's numbers without a profiling step: its resident weights, its caches' sizes
+    /// and the activation estimate.
+    pub fn loaded<B: Backend>(
+        m: &Model<B>,
+        device: Device,
+        tokens: usize,
+        budget: Option<usize>,
+    ) -> StageMemory {
+        let storage = storage_of(device);
+        let form = WeightForm {
+            quant: m.cfg.quantization.as_ref(),
+            per_expert: false,
+        };
+        StageMemory {
+            layers: m.stage.clone(),
+            device,
+            budget,
+            weights: m.resident_weight_bytes() as usize,
+            activations: weight_plan::stage_activation_bytes(
+                &m.cfg, &m.stage, tokens, form, storage,
+            ),
+            profiled: false,
+            state_per_seq: m.state_bytes(4),
+            kv_per_token: m.kv_bytes_per_token(B::CACHE_ELEM_BYTES),
+            pinned_host: 0,
+        }
+    }
+
+    /// Weights, activations and the live GDN state of `seqs` sequences.
+    fn fixed(&self, seqs: usize) -> usize {
+        self.weights + self.activations + seqs * self.state_per_seq
+    }
+
+    /// What the K/V blocks and checkpoints `plan` takes on this stage.
+    fn cache_bytes(&self, plan: &CachePlan) -> (usize, usize) {
+        (
+            plan.num_blocks * plan.block_size * self.kv_per_token,
+            plan.checkpoint_slots * self.state_per_seq,
+        )
+    }
+
+    fn name(&self, k: usize) -> String {
+        format!(
+            "stage {k} (layers {}..{} on {})",
+            self.layers.start, self.layers.end, self.device
+        )
+    }
+}
+
+fn storage_of(device: Device) -> WeightStorage {
+    match device {
+        Device::Cpu => WeightStorage::Cpu,
+        Device::Cuda(_) => WeightStorage::Cuda,
+    }
+}
+
+/// The K/V budget without a memory budget: room for four requests of the full context (at
+/// least), at most 8 GiB unless one request needs more.
+fn default_kv_bytes(per_token: usize, max_model_len: usize) -> usize {
+    let one_request = max_model_len * per_token.max(1);
+    (4 * one_request)
+        .min(8 << 30)
+        .max(one_request + one_request / 8)
+}
+
+/// The stages' memory and the cache plan they share.
+#[derive(Debug, Clone)]
+pub struct MemoryPlan {
+    pub stages: Vec<StageMemory>,
+    pub cache: CachePlan,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
-    pub block_size: usize,
-    pub valid_vocab: usize,
-    /// `--kv-cache-memory-bytes`, when given.
-    pub kv_cache_memory_bytes: Option<usize>,
+    /// The flag a stage's budget came from, for the refusals.
+    budget_flag: &'static str,
 }
 
-const GIB: f64 = (1u64 << 30) as f64;
+impl MemoryPlan {
+    /// Plans `stages` under `cfg` (its `kv_cache_memory_bytes` is `--kv-cache-memory-bytes` when
+    /// given, else ignored). Refuses, with every stage's numbers, a stage whose weights,
+    /// activations and live state leave no room, and a K/V budget some stage cannot hold.
+    pub fn new(
+        stages: Vec<StageMemory>,
+        cfg: &EngineConfig,
+        kv_cache_memory_bytes: Option<usize>,
+        flags: &BudgetFlags,
+    ) -> Result<MemoryPlan> {
+        let seqs = cfg.max_num_seqs;
+        let budget_flag = if flags.budget.is_some() {
+            "--gpu-memory-budget"
+        } else {
+            "--gpu-memory-utilization"
+        };
+        let table = |stages: &[StageMemory]| {
+            stages
+                .iter()
+                .enumerate()
+                .map(|(k, s)| {
+                    format!(
+                        "{}: weights {} + activations {} + GDN state of {seqs} sequences {} = {} of {}",
+                        s.name(k),
+                        gib(s.weights),
+                        gib(s.activations),
+                        gib(seqs * s.state_per_seq),
+                        gib(s.fixed(seqs)),
+                        s.budget.map_or("no budget".into(), gib)
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        if stages
+            .iter()
+            .any(|s| s.budget.is_some_and(|b| s.fixed(seqs) >= b))
+        {
+            bail!(
+                "a pipeline stage does not fit {budget_flag}: {} (lower --max-num-seqs or \
+                 --max-num-batched-tokens, or give the stages other layers with --pp-layer-partition)",
+                table(&stages)
+            );
+        }
+        let geometry = CacheGeometry {
+            kv_bytes_per_token: stages.iter().map(|s| s.kv_per_token).sum(),
+            state_bytes: stages.iter().map(|s| s.state_per_seq).sum(),
+            history_tokens: 0,
+        };
+        // The largest whole-model K/V budget every stage holds: a stage holds `share` of each
+        // block and of each checkpoint, so `room / share` of the larger share is safe.
+        let fits = stages.iter().filter_map(|s| {
+            let room = s.budget? - s.fixed(seqs);
+            let share = |part: usize, whole: usize| part as f64 / whole.max(1) as f64;
+            let share = share(s.kv_per_token, geometry.kv_bytes_per_token)
+                .max(share(s.state_per_seq, geometry.state_bytes));
+            Some(if share > 0.0 {
+                (room as f64 / share) as usize
+            } else {
+                usize::MAX
+            })
+        });
+        let kv = match (kv_cache_memory_bytes, fits.min()) {
+            (Some(kv), _) => kv,
+            (None, Some(kv)) if kv < usize::MAX => kv,
+            _ => default_kv_bytes(geometry.kv_bytes_per_token, cfg.max_model_len),
+        };
+        let mut cfg = cfg.clone();
+        cfg.kv_cache_memory_bytes = kv;
+        let cache = cfg.cache_plan(geometry).map_err(|e| {
+            anyhow::anyhow!(
+                "{e} (under {budget_flag}, {} leave {} for K/V and state checkpoints)",
+                table(&stages),
+                gib(kv)
+            )
+        })?;
+        for (k, s) in stages.iter().enumerate() {
+            let (blocks, checkpoints) = s.cache_bytes(&cache);
+            if let Some(b) = s
+                .budget
+                .filter(|&b| s.fixed(seqs) + blocks + checkpoints > b)
+            {
+                bail!(
+                    "--kv-cache-memory-bytes {kv} does not fit {}: its K/V blocks {} and state \
+                     checkpoints {} on top of {} exceed its {} ({})",
+                    s.name(k),
+                    gib(blocks),
+                    gib(checkpoints),
+                    gib(s.fixed(seqs)),
+                    gib(b),
+                    table(&stages)
+                );
+            }
+        }
+        Ok(MemoryPlan {
+            stages,
+            cache,
+            max_num_seqs: seqs,
+            max_num_batched_tokens: cfg.max_num_batched_tokens,
+            budget_flag,
+        })
+    }
 
-fn gib(b: usize) -> String {
-    format!("{:.2} GiB", b as f64 / GIB)
+    /// The K/V budget the engine gets (whole-model bytes).
+    pub fn kv_cache_memory_bytes(&self) -> usize {
+        self.cache.budget_bytes
+    }
+
+    /// The plan as printed: one line per stage, then the block arithmetic.
+    pub fn lines(&self) -> Vec<String> {
+        let seqs = self.max_num_seqs;
+        let mut out: Vec<String> = self
+            .stages
+            .iter()
+            .enumerate()
+            .map(|(k, s)| {
+                let (blocks, checkpoints) = s.cache_bytes(&self.cache);
+                let total = s.fixed(seqs) + blocks + checkpoints;
+                format!(
+                    "{}: weights {}, activations {} ({} at {} tokens), GDN state {} ({seqs} \
+                     sequences of {} bytes), K/V blocks {} ({} bytes a token), state checkpoints {}, \
+                     pinned host RAM {}; {} of {}",
+                    s.name(k),
+                    gib(s.weights),
+                    gib(s.activations),
+                    if s.profiled { "profiled" } else { "estimated" },
+                    self.max_num_batched_tokens,
+                    gib(seqs * s.state_per_seq),
+                    s.state_per_seq,
+                    gib(blocks),
+                    s.kv_per_token,
+                    gib(checkpoints),
+                    gib(s.pinned_host),
+                    gib(total),
+                    s.budget
+                        .map_or_else(|| "no budget".into(), |b| format!("{} ({})", gib(b), self.budget_flag))
+                )
+            })
+            .collect();
+        out.push(self.cache.describe());
+        out
+    }
+
+    /// Logs the plan (the server's start).
+    pub fn log(&self) {
+        for line in self.lines() {
+            tracing::info!("memory plan: {line}");
+        }
+    }
 }
 
-/// The plan of every stage's GPU; returns the engine's K/V budget in bytes (whole-model blocks).
-pub fn plan_stages<B: Backend>(
+/// The plan of the loaded stages. On GPUs (`gpus`, one per stage) each stage runs one profiling
+/// step of the largest size the engine schedules, in order, and its activations are the drop in its
+/// card's free memory over the step; what else the card holds (contexts, other processes) counts
+/// on the first stage on it. Without GPUs the numbers are the loaded stages' sizes and the
+/// activation estimate.
+pub fn plan_loaded<B: Backend>(
     stages: &[Model<B>],
+    devices: &[Device],
     gpus: &[GpuMemory],
-    p: &PlanInput,
-) -> Result<usize> {
-    match (stages, gpus) {
-        ([model], [gpu]) => plan(model, gpu, p),
-        _ => bail!(
-            "the GPU memory plan of {} pipeline stages is not written yet",
-            stages.len()
-        ),
+    cfg: &EngineConfig,
+    kv_cache_memory_bytes: Option<usize>,
+    flags: &BudgetFlags,
+) -> Result<MemoryPlan> {
+    let t = cfg.max_num_batched_tokens;
+    if gpus.is_empty() {
+        let budgets = flags.stage_budgets(devices, &vec![None; devices.len()])?;
+        let mem = stages
+            .iter()
+            .zip(devices)
+            .zip(budgets)
+            .map(|((m, &d), b)| StageMemory::loaded(m, d, t, b))
+            .collect();
+        return MemoryPlan::new(mem, cfg, kv_cache_memory_bytes, flags);
     }
+    let totals: Vec<Option<usize>> = gpus.iter().map(|g| Some(g.total)).collect();
+    let budgets = flags.stage_budgets(devices, &totals)?;
+    // Before any profiling: what each card holds besides the stages' weights and workspace.
+    let mut other = vec![0usize; stages.len()];
+    for (k, d) in devices.iter().enumerate() {
+        if devices[..k].contains(d) {
+            continue;
+        }
+        let on_card: Vec<usize> = (0..stages.len()).filter(|&j| devices[j] == *d).collect();
+        let used = gpus[k].total.saturating_sub((gpus[k].free)()?);
+        let ours: usize = on_card
+            .iter()
+            .map(|&j| gpus[j].weights + gpus[j].workspace)
+            .sum();
+        other[k] = used.saturating_sub(ours);
+    }
+    let mut mem = Vec::with_capacity(stages.len());
+    for (k, m) in stages.iter().enumerate() {
+        let before = (gpus[k].free)()?;
+        profile(m, cfg)?;
+        let after = (gpus[k].free)()?;
+        let mut s = StageMemory::loaded(m, devices[k], t, budgets[k]);
+        let mut step = before.saturating_sub(after);
+        if devices[..k].contains(&devices[k]) {
+            // The card's memory pool may hand this step what an earlier stage's step freed, but
+            // the stages run at once: count at least the estimate.
+            step = step.max(s.activations);
+        }
+        s.weights = gpus[k].weights;
+        s.activations = gpus[k].workspace + step + other[k];
+        s.profiled = true;
+        mem.push(s);
+    }
+    MemoryPlan::new(mem, cfg, kv_cache_memory_bytes, flags)
 }
 
-/// Runs the profiling step and returns the bytes for K/V blocks and state checkpoints.
-fn plan<B: Backend>(model: &Model<B>, gpu: &GpuMemory, p: &PlanInput) -> Result<usize> {
-    if !(p.utilization > 0.0 && p.utilization <= 1.0) {
-        bail!(
-            "--gpu-memory-utilization {} must be in (0, 1]",
-            p.utilization
-        );
-    }
-    // The largest step: a prefill chunk of the whole token budget, with logits for every row (a
-    // request asking for prompt log-probabilities).
-    let t = p.max_num_batched_tokens;
-    let blocks: Vec<u32> = (0..t.div_ceil(p.block_size) as u32).collect();
-    model.init_cache(blocks.len(), p.block_size)?;
-    let slot = model.backend.alloc_state()?;
+/// One step of the whole token budget on `m` (logits for every row on the last stage: a request
+/// asking for prompt log-probabilities), with one state slot and the blocks it needs; the caches
+/// are released after it.
+fn profile<B: Backend>(m: &Model<B>, cfg: &EngineConfig) -> Result<()> {
+    let t = cfg.max_num_batched_tokens;
+    let blocks: Vec<u32> = (0..t.div_ceil(cfg.block_size) as u32).collect();
+    m.init_cache(blocks.len(), cfg.block_size)?;
+    m.backend.reserve_states(1)?;
+    let slot = m.backend.alloc_state()?;
     let ids: Vec<u32> = (0..t)
-        .map(|i| ((i * 7919 + 13) % p.valid_vocab.max(1)) as u32)
+        .map(|i| ((i * 7919 + 13) % cfg.valid_vocab.max(1)) as u32)
         .collect();
     let chunk = StepChunk {
         tokens: &ids,
@@ -75,66 +451,173 @@ fn plan<B: Backend>(model: &Model<B>, gpu: &GpuMemory, p: &PlanInput) -> Result<
         blocks: &blocks,
         out: OutRows::All,
     };
-    let out = model.step(StepInput {
+    let start = if m.is_first_stage() {
+        StepStart::Tokens
+    } else {
+        // The residual streams the previous stage would hand over, small and varied.
+        let width = m
+            .cfg
+            .hyper_connections
+            .as_ref()
+            .map_or(1, |h| h.num_streams)
+            * m.cfg.hidden_size;
+        let x = (0..t * width)
+            .map(|i| ((i * 2654435761) % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        StepStart::Streams(m.backend.upload(t, width, x)?)
+    };
+    let out = m.step(StepInput {
         chunks: &[chunk],
-        start: StepStart::Tokens,
+        start,
         hidden: false,
     })?;
     if let Some(logits) = out.logits {
-        model.backend.to_host(logits)?;
+        m.backend.to_host(logits)?;
     }
-    model.backend.free_state(slot);
-    model.init_cache(0, p.block_size)?;
-    let used = gpu.total.saturating_sub((gpu.free)()?);
-    let budget = (gpu.total as f64 * p.utilization) as usize;
-    let workspace = used.saturating_sub(gpu.weights);
-    // Live GDN state (recurrent state in f32) of every sequence that may run at once.
-    let state_per_seq = model.state_bytes(4);
-    let states = p.max_num_seqs * state_per_seq;
-    let left = budget.saturating_sub(used + states);
-    let kv = p.kv_cache_memory_bytes.unwrap_or(left);
-    let per_token = model.kv_bytes_per_token(B::CACHE_ELEM_BYTES).max(1);
-    let one_request = p.max_model_len * per_token + state_per_seq;
-    tracing::info!(
-        "memory plan: {} of {} ({:.0}%): weights {}, activations and runtime {} (profiled at {t} tokens), \
-         GDN state of {} sequences {}, K/V blocks and state checkpoints {} ({} tokens of K/V)",
-        gib(budget),
-        gib(gpu.total),
-        100.0 * p.utilization,
-        gib(gpu.weights),
-        gib(workspace),
-        p.max_num_seqs,
-        gib(states),
-        gib(kv),
-        kv / per_token
-    );
-    if kv > left {
-        bail!(
-            "--kv-cache-memory-bytes {kv} ({}) does not fit: {} of the device under \
-             --gpu-memory-utilization {} minus weights {}, activations {} and GDN state {} leaves {}",
-            gib(kv),
-            gib(budget),
-            p.utilization,
-            gib(gpu.weights),
-            gib(workspace),
-            gib(states),
-            gib(left)
+    if let Some(streams) = out.streams {
+        m.backend.to_host(streams)?;
+    }
+    m.backend.free_state(slot);
+    m.backend.reserve_states(0)?;
+    m.init_cache(0, cfg.block_size)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stages::StageFlags;
+    use sanmai_cpu::CpuBackend;
+    use sanmai_model::PleSource;
+    use sanmai_weights::{Checkpoint, Dummy, TensorSource};
+
+    fn repo(rel: &str) -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+    }
+
+    fn cpu_layout(cfg: &ModelConfig, n: usize) -> StageLayout {
+        StageFlags {
+            pipeline_parallel_size: Some(n),
+            pp_layer_partition: None,
+            device: Some("cpu"),
+        }
+        .layout(cfg.num_layers, Device::Cpu)
+        .unwrap()
+    }
+
+    /// Every stage of `cfg` from `src`, estimated before loading and measured once loaded.
+    fn check(what: &str, cfg: &ModelConfig, src: &dyn TensorSource, form: WeightForm<'_>) {
+        for n in [1, 2] {
+            let layout = cpu_layout(cfg, n);
+            let estimated = StageMemory::estimate(cfg, &layout, form, 64, &vec![None; n]);
+            for (r, est) in layout.ranges.iter().zip(&estimated) {
+                let ple = cfg.ple.as_ref().map(|_| PleSource::Zeros);
+                let m =
+                    Model::load_stage(cfg.clone(), src, CpuBackend::new(), ple, r.clone()).unwrap();
+                let loaded = StageMemory::loaded(&m, Device::Cpu, 64, None);
+                assert_eq!(*est, loaded, "{what}, layers {r:?}");
+                let w = weight_plan::stage_weight_bytes(cfg, r.clone(), form, WeightStorage::Cpu);
+                assert_eq!(w.packed_tensors, m.packed.len(), "{what}, layers {r:?}");
+                let packed: usize = m.packed.iter().map(|p| p.bytes).sum();
+                assert_eq!(w.packed_bytes as usize, packed, "{what}, layers {r:?}");
+            }
+            let whole =
+                weight_plan::stage_weight_bytes(cfg, 0..cfg.num_layers, form, WeightStorage::Cuda);
+            let stages: u64 = layout
+                .ranges
+                .iter()
+                .map(|r| {
+                    weight_plan::stage_weight_bytes(cfg, r.clone(), form, WeightStorage::Cuda)
+                        .stored
+                })
+                .sum();
+            // Only a last stage that also embeds (tied or MTP) holds a weight twice.
+            let twice = n > 1 && (cfg.tie_word_embeddings || cfg.mtp_layers > 0);
+            assert_eq!(
+                stages == whole.stored,
+                !twice,
+                "{what}: {stages} vs {}",
+                whole.stored
+            );
+        }
+    }
+
+    #[test]
+    fn estimates_before_loading_match_the_loaded_stages() {
+        for name in [
+            "qwen3_next_tiny",
+            "qwen3_5_moe_tiny",
+            "qwen3_5_moe_text_tiny",
+            "qwen3_5_moe_text_tiny_quant",
+            "qwen4_exp_all_tiny",
+            "qwen4_exp_hc_tiny",
+            "qwen4_exp_ple_tiny",
+            "qwen4_exp_qsa_tiny",
+        ] {
+            let dir = repo("tests/fixtures").join(name);
+            let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+            let ckpt = Checkpoint::open(&dir).unwrap();
+            let form = crate::plan::checkpoint_form(&cfg, &ckpt);
+            check(name, &cfg, &ckpt, form);
+            // The same config with random weights, quantized as its config says.
+            let dummy = Dummy::new(3).with_quantization(cfg.quantization.clone());
+            let form = WeightForm {
+                quant: cfg.quantization.as_ref(),
+                per_expert: false,
+            };
+            check(&format!("{name} (dummy)"), &cfg, &dummy, form);
+        }
+        // The 125B config's quantization on a shrunken copy (4 layers, 4 experts, 512 tokens).
+        let mut cfg =
+            ModelConfig::from_file(&repo("configs/models/qwen4-exp-125b-a6b.json")).unwrap();
+        cfg.num_layers = 4;
+        cfg.layer_types.truncate(4);
+        cfg.ffn_types.truncate(4);
+        cfg.vocab_size = 512;
+        cfg.moe.as_mut().unwrap().num_experts = 4;
+        cfg.moe.as_mut().unwrap().top_k = 2;
+        let dummy = Dummy::new(3).with_quantization(cfg.quantization.clone());
+        let form = WeightForm {
+            quant: cfg.quantization.as_ref(),
+            per_expert: false,
+        };
+        check("qwen4-exp-125b-a6b (shrunken)", &cfg, &dummy, form);
+    }
+
+    #[test]
+    fn budgets_add_up_on_a_shared_card() {
+        let three = [Device::Cuda(0); 3];
+        let card = [Some(80usize << 30); 3];
+        let flags = |b: Option<usize>, u: Option<f64>| BudgetFlags {
+            budget: b,
+            utilization: u,
+        };
+        let b = flags(Some(20 << 30), None)
+            .stage_budgets(&three, &card)
+            .unwrap();
+        assert_eq!(b, vec![Some(20 << 30); 3]);
+        let b = flags(None, Some(0.75))
+            .stage_budgets(&three, &card)
+            .unwrap();
+        assert_eq!(b, vec![Some(20 << 30); 3]);
+        for (f, want) in [
+            (flags(Some(30 << 30), None), "adds up to 90.00 GiB"),
+            (flags(Some(90 << 30), None), "more than cuda:0's 80.00 GiB"),
+            (flags(None, Some(1.5)), "--gpu-memory-utilization"),
+        ] {
+            let e = f.stage_budgets(&three, &card).unwrap_err().to_string();
+            assert!(e.contains(want) && !e.contains('\n'), "{e}");
+        }
+        let e = flags(None, None)
+            .stage_budgets(&three, &[None; 3])
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("--gpu-memory-budget is needed"), "{e}");
+        // The CPU has no budget unless one is given.
+        let cpu = [Device::Cpu; 2];
+        assert_eq!(
+            flags(None, None).stage_budgets(&cpu, &[None; 2]).unwrap(),
+            vec![None; 2]
         );
     }
-    if kv < one_request {
-        bail!(
-            "the K/V cache gets {} but one request of --max-model-len {} needs {}: lower --max-model-len \
-             or --max-num-seqs ({} sequences' GDN state take {}), or raise --gpu-memory-utilization \
-             (weights {}, activations {} of {} usable)",
-            gib(kv),
-            p.max_model_len,
-            gib(one_request),
-            p.max_num_seqs,
-            gib(states),
-            gib(gpu.weights),
-            gib(workspace),
-            gib(budget)
-        );
-    }
-    Ok(kv)
 }

@@ -82,10 +82,12 @@ pub struct Preset {
     pub state_checkpoint_interval: Option<usize>,
     pub enable_prefix_caching: Option<bool>,
     pub gpu_memory_utilization: Option<f64>,
+    /// Bytes, as on the command line (e.g. "23.5GiB").
+    pub gpu_memory_budget: Option<String>,
     pub pipeline_parallel_size: Option<usize>,
-    /// As on the command line: `"16,17,15"`.
+    /// Layers per stage (e.g. "16,17,15").
     pub pp_layer_partition: Option<String>,
-    /// As on the command line: `"cuda:0,cuda:1,cuda:2"`.
+    /// One device, or one per stage (e.g. "cuda:0,cuda:1,cuda:2").
     pub device: Option<String>,
 }
 
@@ -97,6 +99,39 @@ impl Preset {
             .with_context(|| format!("parsing the preset {}", path.display()))?;
         Ok(preset)
     }
+
+    /// Fills the engine flags not given on the command line from the preset.
+    pub fn apply_engine(&self, e: &mut EngineArgs) -> Result<()> {
+        e.max_model_len = e.max_model_len.or(self.max_model_len);
+        e.max_num_seqs = e.max_num_seqs.or(self.max_num_seqs);
+        e.max_num_batched_tokens = e.max_num_batched_tokens.or(self.max_num_batched_tokens);
+        e.max_waiting_requests = e.max_waiting_requests.or(self.max_waiting_requests);
+        e.block_size = e.block_size.or(self.block_size);
+        e.kv_cache_memory_bytes = e.kv_cache_memory_bytes.or(self.kv_cache_memory_bytes);
+        e.state_checkpoint_interval = e
+            .state_checkpoint_interval
+            .or(self.state_checkpoint_interval);
+        e.gpu_memory_utilization = e.gpu_memory_utilization.or(self.gpu_memory_utilization);
+        if e.gpu_memory_budget.is_none() {
+            if let Some(text) = &self.gpu_memory_budget {
+                let b = text
+                    .parse()
+                    .map_err(|m| anyhow::anyhow!("preset gpu-memory-budget {m}"))?;
+                e.gpu_memory_budget = Some(b);
+            }
+        }
+        Ok(())
+    }
+
+    /// Fills the pipeline stage flags not given on the command line from the preset.
+    pub fn apply_stages(&self, m: &mut ModelArgs) {
+        m.pipeline_parallel_size = m.pipeline_parallel_size.or(self.pipeline_parallel_size);
+        m.pp_layer_partition = m
+            .pp_layer_partition
+            .clone()
+            .or(self.pp_layer_partition.clone());
+        m.device = m.device.clone().or(self.device.clone());
+    }
 }
 
 /// Everything `serve` runs with, after the preset and defaults are applied.
@@ -104,8 +139,9 @@ impl Preset {
 pub struct Settings {
     pub addr: String,
     pub server: ServerConfig,
-    pub model: ModelArgs,
     pub engine: EngineArgs,
+    /// The model flags with the preset's stage keys applied.
+    pub model: ModelArgs,
 }
 
 impl ServeArgs {
@@ -115,6 +151,10 @@ impl ServeArgs {
             Some(p) => Preset::from_file(p)?,
             None => Preset::default(),
         };
+        let mut engine = self.engine.clone();
+        preset.apply_engine(&mut engine)?;
+        let mut model = self.model.clone();
+        preset.apply_stages(&mut model);
         let builtin = self.model.model.is_none() && self.model.config.is_none();
         let kwargs = match (
             &self.default_chat_template_kwargs,
@@ -182,33 +222,17 @@ impl ServeArgs {
         server.chat_template = chat_template;
         server.tool_call_parser = tool_call_parser;
 
-        let mut engine = self.engine.clone();
         let e = &mut engine;
-        e.max_model_len = e.max_model_len.or(preset.max_model_len);
-        e.max_num_seqs = e.max_num_seqs.or(preset.max_num_seqs);
-        e.max_num_batched_tokens = e.max_num_batched_tokens.or(preset.max_num_batched_tokens);
-        e.max_waiting_requests = e.max_waiting_requests.or(preset.max_waiting_requests);
-        e.block_size = e.block_size.or(preset.block_size);
-        e.kv_cache_memory_bytes = e.kv_cache_memory_bytes.or(preset.kv_cache_memory_bytes);
-        e.state_checkpoint_interval = e
-            .state_checkpoint_interval
-            .or(preset.state_checkpoint_interval);
         e.no_enable_prefix_caching = if self.enable_prefix_caching {
             false
         } else {
             e.no_enable_prefix_caching || preset.enable_prefix_caching == Some(false)
         };
-        e.gpu_memory_utilization = e.gpu_memory_utilization.or(preset.gpu_memory_utilization);
-        let mut model = self.model.clone();
-        let m = &mut model;
-        m.pipeline_parallel_size = m.pipeline_parallel_size.or(preset.pipeline_parallel_size);
-        m.pp_layer_partition = m.pp_layer_partition.take().or(preset.pp_layer_partition);
-        m.device = m.device.take().or(preset.device);
         Ok(Settings {
             addr,
             server,
-            model,
             engine,
+            model,
         })
     }
 }

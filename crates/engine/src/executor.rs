@@ -124,6 +124,9 @@ pub trait Executor: Send {
     fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), String>;
     /// A zeroed GDN state slot, or why none could be had (the device is out of memory).
     fn alloc_state(&mut self) -> Result<usize, String>;
+    /// Sizes the state slot pool for `slots` live slots, allocated now and never grown: past them
+    /// [`Executor::alloc_state`] fails.
+    fn reserve_states(&mut self, slots: usize) -> Result<(), String>;
     fn free_state(&mut self, slot: usize);
     fn copy_state(&mut self, src: usize, dst: usize) -> Result<(), String>;
     fn copy_block(&mut self, src: u32, dst: u32) -> Result<(), String>;
@@ -238,6 +241,13 @@ impl<B: Backend> Executor for ModelExecutor<B> {
 
     fn alloc_state(&mut self) -> Result<usize, String> {
         self.model.backend.alloc_state().map_err(|e| e.to_string())
+    }
+
+    fn reserve_states(&mut self, slots: usize) -> Result<(), String> {
+        self.model
+            .backend
+            .reserve_states(slots)
+            .map_err(|e| e.to_string())
     }
 
     fn free_state(&mut self, slot: usize) {

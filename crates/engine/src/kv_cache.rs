@@ -4,10 +4,12 @@
 //! GDN layers keep no per-token K/V, so a cached prefix is only usable where the recurrent + conv state at its
 //! end was saved. Checkpoints are taken every `interval` tokens (prefill chunks are cut to land on those
 //! boundaries), at the end of every prompt and at positions the request names (where a chat's history ends):
-//! the points an agent's next turn branches off. They are keyed by the hash of the prefix they end. A
-//! checkpoint reserves pool blocks worth its memory, so checkpoints and K/V share one budget; it is dropped when the block its prefix ends in is evicted, or, oldest first, when the pool runs
-//! dry. A prompt-end checkpoint that is not block-aligned also holds its partial last block; a request that
-//! restores it copies that block before writing past it.
+//! the points an agent's next turn branches off. They are keyed by the hash of the prefix they end. Each
+//! checkpoint holds a state slot of its own, one of `checkpoint_slots` the memory plan sized out of the
+//! same budget as the K/V blocks (the executor's slot pool is fixed at start): taking one when all are
+//! held drops the oldest. A checkpoint is also dropped when the block its prefix ends in is evicted. A
+//! prompt-end checkpoint that is not block-aligned also holds its partial last block (dropped, oldest
+//! first, when the pool runs dry); a request that restores it copies that block before writing past it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
@@ -43,7 +45,6 @@ pub struct SeqCache {
 
 struct Checkpoint {
     state: usize,
-    reserved: Vec<u32>,
     /// The partial block a non-aligned checkpoint holds.
     partial: Option<u32>,
     /// The block whose eviction makes this checkpoint unreachable.
@@ -67,7 +68,8 @@ pub struct CacheManager {
     /// The model has GDN layers: a prefix needs a state checkpoint to be reused.
     stateful: bool,
     interval: usize,
-    checkpoint_blocks: usize,
+    /// Checkpoints held at most (each holds one state slot).
+    checkpoint_slots: usize,
     checkpoints: HashMap<BlockHash, Checkpoint>,
     order: BTreeMap<u64, BlockHash>,
     partial_children: HashMap<BlockHash, Vec<(usize, BlockHash)>>,
@@ -99,14 +101,14 @@ fn root_hash(salt: &[u64]) -> BlockHash {
 }
 
 impl CacheManager {
-    /// `interval` must be a multiple of `block_size`; `checkpoint_blocks` is a checkpoint's size in blocks.
+    /// `interval` must be a multiple of `block_size`; at most `checkpoint_slots` checkpoints are held.
     pub fn new(
         num_blocks: usize,
         block_size: usize,
         prefix_caching: bool,
         stateful: bool,
         interval: usize,
-        checkpoint_blocks: usize,
+        checkpoint_slots: usize,
     ) -> Self {
         assert!(interval.is_multiple_of(block_size) && interval > 0);
         CacheManager {
@@ -115,7 +117,7 @@ impl CacheManager {
             prefix_caching,
             stateful,
             interval,
-            checkpoint_blocks: checkpoint_blocks.max(1),
+            checkpoint_slots,
             checkpoints: HashMap::new(),
             order: BTreeMap::new(),
             partial_children: HashMap::new(),
@@ -173,14 +175,13 @@ impl CacheManager {
             }
         }
         exec.free_state(c.state);
-        self.pool.release(&c.reserved);
         if let Some(p) = c.partial {
             self.pool.release(&[p]);
         }
     }
 
     /// One block, evicting cached blocks (and the checkpoints anchored on them) or, failing that, the oldest
-    /// checkpoint.
+    /// checkpoint that holds a partial block.
     fn allocate(&mut self, exec: &mut dyn Executor) -> Option<u32> {
         loop {
             if let Some((b, evicted)) = self.pool.allocate() {
@@ -191,9 +192,19 @@ impl CacheManager {
                 }
                 return Some(b);
             }
-            let (_, &key) = self.order.iter().next()?;
+            let key = self
+                .order
+                .values()
+                .copied()
+                .find(|k| self.checkpoints[k].partial.is_some())?;
             self.drop_checkpoint(exec, key);
         }
+    }
+
+    /// Checkpoints held now.
+    #[cfg(test)]
+    fn num_checkpoints(&self) -> usize {
+        self.checkpoints.len()
     }
 
     /// Makes sure `seq` has blocks for `positions` positions. False when the pool cannot provide them (the
@@ -393,31 +404,22 @@ impl CacheManager {
         } else {
             partial_key(parent, &tokens[k * bs..p])
         };
-        if p == 0 || self.checkpoints.contains_key(&key) {
+        if p == 0 || self.checkpoint_slots == 0 || self.checkpoints.contains_key(&key) {
             return;
         }
-        let mut reserved = Vec::with_capacity(self.checkpoint_blocks);
-        for _ in 0..self.checkpoint_blocks {
-            match self.allocate(exec) {
-                Some(b) => reserved.push(b),
-                None => {
-                    self.pool.release(&reserved);
-                    return;
-                }
-            }
+        // Every checkpoint slot held: the oldest checkpoint gives its slot up.
+        while self.checkpoints.len() >= self.checkpoint_slots {
+            let Some(&oldest) = self.order.values().next() else {
+                break;
+            };
+            self.drop_checkpoint(exec, oldest);
         }
-        // A checkpoint is an optimisation: without a state slot for it (the device is out of
-        // memory), the step goes on without one.
-        let state = match exec.alloc_state() {
-            Ok(state) => state,
-            Err(_) => {
-                self.pool.release(&reserved);
-                return;
-            }
+        // A checkpoint is an optimisation: without a state slot for it, the step goes on without one.
+        let Ok(state) = exec.alloc_state() else {
+            return;
         };
         if exec.copy_state(seq.state, state).is_err() {
             exec.free_state(state);
-            self.pool.release(&reserved);
             return;
         }
         let partial = (!aligned).then(|| {
@@ -439,7 +441,6 @@ impl CacheManager {
             key,
             Checkpoint {
                 state,
-                reserved,
                 partial,
                 anchor,
                 partial_of,
@@ -452,5 +453,77 @@ impl CacheManager {
     pub fn free(&mut self, exec: &mut dyn Executor, seq: SeqCache) {
         self.pool.release(&seq.blocks);
         exec.free_state(seq.state);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::executor::ModelExecutor;
+    use sanmai_config::ModelConfig;
+    use sanmai_cpu::CpuBackend;
+    use sanmai_model::Model;
+    use sanmai_weights::Dummy;
+
+    /// The tiny Qwen3-Next fixture (GDN layers: prefixes need checkpoints) with random weights.
+    fn executor() -> ModelExecutor<CpuBackend> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/qwen3_next_tiny/config.json");
+        let cfg = ModelConfig::from_file(&dir).unwrap();
+        ModelExecutor::new(Model::load(cfg, &Dummy::new(1), CpuBackend::new()).unwrap())
+    }
+
+    #[test]
+    fn checkpoints_stay_within_their_slots() {
+        let mut exec = executor();
+        let (bs, slots) = (16, 3);
+        exec.init_cache(64, bs).unwrap();
+        // One running sequence and the checkpoint slots: the pool never grows past them.
+        exec.reserve_states(1 + slots).unwrap();
+        let mut cache = CacheManager::new(64, bs, true, true, bs, slots);
+        let tokens: Vec<u32> = (0..20 * bs as u32).collect();
+        let (mut seq, cached) = cache.admit(&mut exec, &tokens, &[], true).unwrap();
+        assert_eq!(cached, 0);
+        let mut before = 0;
+        for after in (1..=20).map(|k| k * bs) {
+            assert!(cache.ensure(&mut exec, &mut seq, after));
+            let p = Progress {
+                tokens: &tokens,
+                before,
+                after,
+                prompt_len: tokens.len(),
+                checkpoint_at: &[],
+            };
+            cache.after_step(&mut exec, &mut seq, &p);
+            before = after;
+            assert!(cache.num_checkpoints() <= slots, "at {after} tokens");
+        }
+        // Twenty interval checkpoints were due; the newest three are kept, in their slots.
+        assert_eq!(cache.num_checkpoints(), slots);
+        assert!(
+            exec.alloc_state().is_err(),
+            "every reserved slot is held by the sequence or a checkpoint"
+        );
+        cache.free(&mut exec, seq);
+        // A prompt sharing the first 19 blocks resumes from the newest checkpoint inside it.
+        let mut again = tokens[..19 * bs].to_vec();
+        again.push(7);
+        let (seq, cached) = cache.admit(&mut exec, &again, &[], true).unwrap();
+        assert_eq!(cached, 19 * bs);
+        cache.free(&mut exec, seq);
+        // Without checkpoint slots none is taken.
+        let mut none = CacheManager::new(64, bs, true, true, bs, 0);
+        let (mut seq, _) = none.admit(&mut exec, &tokens[..2 * bs], &[], true).unwrap();
+        assert!(none.ensure(&mut exec, &mut seq, 2 * bs));
+        let p = Progress {
+            tokens: &tokens[..2 * bs],
+            before: 0,
+            after: 2 * bs,
+            prompt_len: 2 * bs,
+            checkpoint_at: &[],
+        };
+        none.after_step(&mut exec, &mut seq, &p);
+        assert_eq!(none.num_checkpoints(), 0);
+        none.free(&mut exec, seq);
     }
 }

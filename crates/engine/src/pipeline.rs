@@ -260,6 +260,13 @@ impl<B: Backend + 'static> Executor for PipelineExecutor<B> {
         Ok(slots[0])
     }
 
+    fn reserve_states(&mut self, slots: usize) -> Result<(), String> {
+        self.each("reserving the state slots", |m| {
+            m.backend.reserve_states(slots).map_err(|e| e.to_string())
+        })
+        .map(drop)
+    }
+
     fn free_state(&mut self, slot: usize) {
         for m in &self.stages {
             m.backend.free_state(slot);

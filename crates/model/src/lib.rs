@@ -16,6 +16,7 @@ mod load;
 mod ple;
 mod roofline;
 pub mod sample;
+pub mod weight_plan;
 
 pub use backend::{
     AttnCall, AttnShape, AttnWeights, Backend, BackendError, DecodeStep, GdnCall, GdnShape,

@@ -80,6 +80,35 @@ impl<B: Backend> Model<B> {
     }
 }
 
+impl<B: Backend> Model<B> {
+    /// Bytes every weight this model holds occupies in its backend (what
+    /// [`crate::weight_plan::stage_weight_bytes`] predicts before loading).
+    pub fn resident_weight_bytes(&self) -> u64 {
+        let b = &self.backend;
+        let wb = |w: &B::Weight| b.weight_bytes(w) as u64;
+        let layer = |l: &Layer<B::Weight>| {
+            layer_dense_bytes(l, &wb)
+                + match &l.ffn {
+                    Ffn::Moe(m) => m.experts.iter().map(|e| mlp_bytes(e, &wb)).sum(),
+                    Ffn::Dense(_) => 0,
+                }
+        };
+        let opt = |w: &Option<B::Weight>| w.as_ref().map_or(0, wb);
+        opt(&self.embed)
+            + opt(&self.lm_head)
+            + opt(&self.norm)
+            + opt(&self.hc_head)
+            + self.layers.iter().map(layer).sum::<u64>()
+            + self.mtp.as_ref().map_or(0, |m| {
+                wb(&m.fc)
+                    + wb(&m.pre_fc_norm_embedding)
+                    + wb(&m.pre_fc_norm_hidden)
+                    + layer(&m.layer)
+                    + wb(&m.norm)
+            })
+    }
+}
+
 fn layer_dense_bytes<W>(layer: &Layer<W>, wb: &impl Fn(&W) -> u64) -> u64 {
     let mut n = wb(&layer.input_norm) + wb(&layer.post_attention_norm);
     n += match &layer.mixer {

@@ -51,6 +51,21 @@ pub fn words_per_row(bits: u32, in_features: usize) -> usize {
     }
 }
 
+/// Bytes of the bf16 workspace the CUDA backend's packed prefill GEMM dequantises weight tiles into
+/// (allocated with its first packed weight).
+pub const PACKED_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Whether the CUDA backend's packed kernels take a `[_, k]` matrix of `bits` with `group_size`
+/// (0 = per row); a packed weight they do not take is dequantised to bf16 on the device.
+pub fn packed_fits(bits: u32, group_size: usize, k: usize) -> bool {
+    let step = match bits {
+        4 | 8 => 32,
+        6 => 8,
+        _ => return false,
+    };
+    k > 0 && k.is_multiple_of(step) && group_size.is_multiple_of(8)
+}
+
 /// Scales per row: one per group of `group_size` inputs (the last group may be short), or 1.
 pub fn scale_cols(group_size: usize, in_features: usize) -> usize {
     if group_size == 0 {

@@ -180,11 +180,30 @@ impl CpuBackend {
         out
     }
 
-    pub(super) fn alloc_state_impl(&self) -> usize {
+    pub(super) fn alloc_state_impl(&self) -> OpResult<usize> {
+        let limit = *self.state_limit.lock().unwrap();
+        let mut table = self.states.lock().unwrap();
+        if let Some(limit) = limit.filter(|&l| table.len() >= l) {
+            return Err(BackendError::invalid(
+                "alloc_state",
+                format!("all {limit} reserved state slots are live"),
+            ));
+        }
         let slot = self.next_state.fetch_add(1, Ordering::Relaxed);
-        let fresh = self.fresh_states();
-        self.states.lock().unwrap().insert(slot, fresh);
-        slot
+        table.insert(slot, self.fresh_states());
+        Ok(slot)
+    }
+
+    pub(super) fn reserve_states_impl(&self, slots: usize) -> OpResult<()> {
+        let live = self.states.lock().unwrap().len();
+        if live > slots {
+            return Err(BackendError::invalid(
+                "reserve_states",
+                format!("{live} state slots are live, more than the {slots} asked for"),
+            ));
+        }
+        *self.state_limit.lock().unwrap() = Some(slots);
+        Ok(())
     }
 
     pub(super) fn free_state_impl(&self, slot: usize) {

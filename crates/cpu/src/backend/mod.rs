@@ -98,6 +98,8 @@ pub struct CpuBackend {
     gdn: Mutex<Option<(Vec<usize>, GdnShape)>>,
     ple: Mutex<Option<(Vec<usize>, PleShape)>>,
     next_state: AtomicUsize,
+    /// Live state slots at most ([`Backend::reserve_states`]); `None`: unbounded.
+    state_limit: Mutex<Option<usize>>,
     /// QSA selections recorded while tracing is on (see [`CpuBackend::trace_qsa`]).
     pub(crate) qsa_trace: Mutex<Option<Vec<QsaSelection>>>,
     /// Distinct experts per MoE call while recording is on (see
@@ -197,7 +199,11 @@ impl Backend for CpuBackend {
     }
 
     fn alloc_state(&self) -> OpResult<usize> {
-        Ok(self.alloc_state_impl())
+        self.alloc_state_impl()
+    }
+
+    fn reserve_states(&self, slots: usize) -> OpResult<()> {
+        self.reserve_states_impl(slots)
     }
 
     fn free_state(&self, slot: usize) {

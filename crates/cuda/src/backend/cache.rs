@@ -2,7 +2,8 @@
 //! bf16, the CPU backend's layout) and the GDN state slots, one conv pool (`[slots, kernel,
 //! conv_dim]` bf16: a ring of projection outputs, exact in bf16, input `x_q` at entry `q mod kernel`)
 //! and one recurrent pool (`[slots, hv, dk, dv]` f32) per GDN layer. Slot pools grow on demand
-//! (doubling, contents copied on the device); a fresh slot is zeroed. QSA layers also keep an
+//! (doubling, contents copied on the device) until [`StateSlots::reserve`] sizes them once and
+//! fixes them (the server's memory plan does, at start); a fresh slot is zeroed. QSA layers also keep an
 //! index-key pool (`[num_blocks, block_size, dI + 2]` bytes: dI fp8 e4m3 bytes and the bf16 scale per
 //! position) in the same blocks as their K/V, so `copy_block` carries it; PLE layers keep their conv
 //! state (`[slots, (kernel−1)·dilation, S·H]` f32, normed conv inputs) in the state slots, so
@@ -82,6 +83,8 @@ pub(crate) struct StateSlots {
     pub ple: HashMap<usize, CudaSlice<f32>>,
     /// Slots the pools hold.
     pub cap: usize,
+    /// The pools were sized by [`StateSlots::reserve`]: they do not grow.
+    fixed: bool,
     pub live: Vec<bool>,
     free: Vec<usize>,
 }
@@ -252,7 +255,52 @@ impl StateSlots {
         Ok(())
     }
 
+    /// Resizes the pools to exactly `cap` slots (keeping the first `cap` slots' contents) and fixes
+    /// them there. Every live slot must be below `cap`.
+    pub fn reserve(&mut self, gpu: &Gpu, cap: usize) -> Result<()> {
+        if let Some(live) = self.live.iter().rposition(|&l| l).filter(|&s| s >= cap) {
+            return Err(CudaError::Shape {
+                op: "reserve_states",
+                msg: format!("state slot {live} is live, outside a pool of {cap}"),
+            });
+        }
+        self.live.truncate(cap);
+        self.free.retain(|&s| s < cap);
+        let keep = self.cap.min(cap);
+        if let Some(g) = self.shape {
+            let (cl, sl) = (conv_len(&g), ssm_len(&g));
+            for p in self.layers.values_mut() {
+                let conv: CudaSlice<bf16> = gpu.zeros((cap * cl).max(1))?;
+                let ssm: CudaSlice<f32> = gpu.zeros((cap * sl).max(1))?;
+                if keep > 0 {
+                    copy_within(gpu, &p.conv, Some(&conv), 0, 0, keep * cl)?;
+                    copy_within(gpu, &p.ssm, Some(&ssm), 0, 0, keep * sl)?;
+                }
+                *p = StatePool { conv, ssm };
+            }
+        }
+        if let Some(ps) = self.ple_shape {
+            let pl = ple_len(&ps);
+            for p in self.ple.values_mut() {
+                let st: CudaSlice<f32> = gpu.zeros((cap * pl).max(1))?;
+                if keep > 0 {
+                    copy_within(gpu, p, Some(&st), 0, 0, keep * pl)?;
+                }
+                *p = st;
+            }
+        }
+        self.cap = cap;
+        self.fixed = true;
+        Ok(())
+    }
+
     pub fn alloc(&mut self, gpu: &Gpu) -> Result<usize> {
+        if self.fixed && self.free.is_empty() && self.live.len() >= self.cap {
+            return Err(CudaError::Shape {
+                op: "alloc_state",
+                msg: format!("all {} reserved state slots are live", self.cap),
+            });
+        }
         let slot = match self.free.pop() {
             Some(s) => s,
             None => {

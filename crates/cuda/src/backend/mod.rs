@@ -489,6 +489,13 @@ impl Backend for CudaBackend {
         slot.at("alloc_state")
     }
 
+    fn reserve_states(&self, slots: usize) -> OpResult<()> {
+        let mut st = self.lock();
+        // The pools are replaced: recordings pointing at them go.
+        self.epoch.fetch_add(1, Ordering::Relaxed);
+        st.states.reserve(&self.gpu, slots).at("reserve_states")
+    }
+
     fn free_state(&self, slot: usize) {
         self.lock().states.free(slot);
     }

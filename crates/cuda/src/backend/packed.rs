@@ -22,20 +22,14 @@ use crate::error::{ensure, CudaError, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int};
 
 /// Bytes of the bf16 workspace the prefill GEMM dequantises weight tiles into.
-pub const PACKED_WORKSPACE_BYTES: usize = 32 << 20;
+pub use sanmai_weights::quant::PACKED_WORKSPACE_BYTES;
 
 /// Rows the packed GEMV takes per launch.
 const GEMV_ROWS: usize = 8;
 
-/// Whether the packed kernels take a `[_, k]` matrix of `bits` with `group_size` (0 = per row).
-pub fn packed_fits(bits: u32, group_size: usize, k: usize) -> bool {
-    let step = match bits {
-        4 | 8 => 32,
-        6 => 8,
-        _ => return false,
-    };
-    k > 0 && k.is_multiple_of(step) && group_size.is_multiple_of(8)
-}
+/// Whether the packed kernels take a `[_, k]` matrix of `bits` with `group_size` (0 = per row);
+/// the rule lives with the packed format so a plan made without a GPU counts the same bytes.
+pub use sanmai_weights::quant::packed_fits;
 
 /// Device bytes `p` occupies when the backend keeps it packed (words and f32 scales), or `None`
 /// when it would be dequantised to bf16 instead (see [`packed_fits`]).

@@ -51,29 +51,76 @@ pub struct EngineConfig {
     pub state_checkpoint_interval: Option<usize>,
 }
 
-/// The cache plan derived from the config and the model's geometry.
+/// The cache plan derived from the config and the model's geometry: the K/V budget split into
+/// state checkpoint slots and K/V blocks, with the arithmetic the server prints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CachePlan {
     pub num_blocks: usize,
     pub block_size: usize,
     pub interval: usize,
+    /// A checkpoint's state in blocks (rounded up): what one costs in the per-request count.
     pub checkpoint_blocks: usize,
+    /// GDN state checkpoints held at most, each in a state slot of its own.
+    pub checkpoint_slots: usize,
+    /// The budget split: `num_blocks` blocks of `block_bytes` and `checkpoint_slots` states.
+    pub budget_bytes: usize,
+    pub block_bytes: usize,
+    pub state_bytes: usize,
+    pub max_model_len: usize,
+    /// K/V blocks one request of `max_model_len` takes.
+    pub request_blocks: usize,
+    /// State checkpoints one such request takes (one per interval and its prompt's end).
+    pub request_checkpoints: usize,
+    /// Requests of `max_model_len` whose K/V blocks fit at once.
+    pub requests: usize,
+    /// Of those, the requests whose checkpoints all have a slot too.
+    pub requests_checkpointed: usize,
+}
+
+impl CachePlan {
+    /// Blocks one request of `max_model_len` takes, its checkpoints counted in blocks.
+    pub fn request_units(&self) -> usize {
+        self.request_blocks + self.request_checkpoints * self.checkpoint_blocks
+    }
+
+    /// State slots the executor reserves: `max_num_seqs` running sequences and the checkpoints.
+    pub fn state_slots(&self, max_num_seqs: usize) -> usize {
+        max_num_seqs + self.checkpoint_slots
+    }
+
+    /// The block arithmetic, one line (the server's log and `sanmai plan` print it).
+    pub fn describe(&self) -> String {
+        format!(
+            "K/V cache: {} bytes = {} blocks of {} tokens ({} bytes per block) + {} state checkpoint \
+             slots of {} bytes; a {}-token request takes {} blocks ({} of K/V + {} checkpoints of {} \
+             blocks, one per {} tokens and the prompt's end), so {} fit at once, {} of them with all \
+             their checkpoints",
+            self.budget_bytes,
+            self.num_blocks,
+            self.block_size,
+            self.block_bytes,
+            self.checkpoint_slots,
+            self.state_bytes,
+            self.max_model_len,
+            self.request_units(),
+            self.request_blocks,
+            self.request_checkpoints,
+            self.checkpoint_blocks,
+            self.interval,
+            self.requests,
+            self.requests_checkpointed
+        )
+    }
 }
 
 impl EngineConfig {
-    /// Blocks that fit the memory budget, the checkpoint interval and a checkpoint's size in blocks.
+    /// Splits `kv_cache_memory_bytes` into state checkpoint slots (those of the requests of
+    /// `max_model_len` that fit) and K/V blocks, and sets the checkpoint interval.
     pub fn cache_plan(&self, g: CacheGeometry) -> Result<CachePlan, String> {
         let bs = self.block_size.max(1);
+        let budget = self.kv_cache_memory_bytes;
         let block_bytes = (g.kv_bytes_per_token * bs).max(1);
-        let num_blocks = self.kv_cache_memory_bytes / block_bytes;
         let needed = self.max_model_len.div_ceil(bs) + 1;
-        if num_blocks < needed {
-            return Err(format!(
-                "the K/V cache budget of {} bytes holds {num_blocks} blocks of {bs} tokens ({block_bytes} bytes each), \
-                 but one request of max_model_len {} needs {needed}: raise --kv-cache-memory-bytes or lower --max-model-len",
-                self.kv_cache_memory_bytes, self.max_model_len
-            ));
-        }
         let min_interval = (g.state_bytes / g.kv_bytes_per_token.max(1)).next_multiple_of(bs);
         let interval = match self.state_checkpoint_interval {
             Some(i) if i == 0 || i % bs != 0 => {
@@ -82,11 +129,46 @@ impl EngineConfig {
             Some(i) => i,
             None => min_interval.max(64 * bs),
         };
+        let checkpoint_blocks = g.state_bytes.div_ceil(block_bytes).max(1);
+        let request_blocks = self.max_model_len.div_ceil(bs);
+        let request_checkpoints = if self.enable_prefix_caching && g.state_bytes > 0 {
+            self.max_model_len / interval + 1
+        } else {
+            0
+        };
+        // The checkpoints of the requests that fit with theirs (of one at least), as many as
+        // leave one request's blocks.
+        let units = budget / block_bytes;
+        let with_checkpoints =
+            units / (request_blocks + request_checkpoints * checkpoint_blocks).max(1);
+        let spare = budget.saturating_sub(needed * block_bytes);
+        let checkpoint_slots =
+            (with_checkpoints.max(1) * request_checkpoints).min(spare / g.state_bytes.max(1));
+        let num_blocks = (budget - checkpoint_slots * g.state_bytes) / block_bytes;
+        if num_blocks < needed {
+            return Err(format!(
+                "the K/V cache budget of {budget} bytes holds {num_blocks} blocks of {bs} tokens ({block_bytes} bytes each), \
+                 but one request of max_model_len {} needs {needed}: raise --kv-cache-memory-bytes or lower --max-model-len",
+                self.max_model_len
+            ));
+        }
         Ok(CachePlan {
             num_blocks,
             block_size: bs,
             interval,
-            checkpoint_blocks: g.state_bytes.div_ceil(block_bytes).max(1),
+            checkpoint_blocks,
+            checkpoint_slots,
+            budget_bytes: budget,
+            block_bytes,
+            state_bytes: g.state_bytes,
+            max_model_len: self.max_model_len,
+            request_blocks,
+            request_checkpoints,
+            requests: num_blocks / request_blocks.max(1),
+            requests_checkpointed: match request_checkpoints {
+                0 => num_blocks / request_blocks.max(1),
+                c => (checkpoint_slots / c).min(num_blocks / request_blocks.max(1)),
+            },
         })
     }
 }
@@ -99,32 +181,27 @@ pub fn start<E: Executor + 'static>(
 ) -> Result<EngineHandle, String> {
     let g = executor.geometry();
     let plan = cfg.cache_plan(g)?;
-    let per_request = cfg.max_model_len.div_ceil(plan.block_size);
     tracing::info!(
         blocks = plan.num_blocks,
         block_size = plan.block_size,
         state_checkpoint_interval = plan.interval,
-        checkpoint_blocks = plan.checkpoint_blocks,
-        "K/V cache: {} bytes / ({} bytes per token × {} tokens per block) = {} blocks; a {}-token request \
-         needs {} blocks, so {} fit at once",
-        cfg.kv_cache_memory_bytes,
-        g.kv_bytes_per_token,
-        plan.block_size,
-        plan.num_blocks,
-        cfg.max_model_len,
-        per_request,
-        plan.num_blocks / per_request
+        checkpoint_slots = plan.checkpoint_slots,
+        "{}",
+        plan.describe()
     );
     executor
         .init_cache(plan.num_blocks, plan.block_size)
         .map_err(|e| format!("allocating the K/V cache: {e}"))?;
+    executor
+        .reserve_states(plan.state_slots(cfg.max_num_seqs))
+        .map_err(|e| format!("allocating the state slots: {e}"))?;
     let cache = CacheManager::new(
         plan.num_blocks,
         plan.block_size,
         cfg.enable_prefix_caching,
         g.state_bytes > 0,
         plan.interval,
-        plan.checkpoint_blocks,
+        plan.checkpoint_slots,
     );
     let (tx, rx) = channel();
     let info = Arc::new(EngineInfo {

@@ -12,6 +12,9 @@ macro_rules! hand_on_cache_ops {
         fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), String> {
             self.inner.init_cache(num_blocks, block_size)
         }
+        fn reserve_states(&mut self, slots: usize) -> Result<(), String> {
+            self.inner.reserve_states(slots)
+        }
         fn copy_state(&mut self, src: usize, dst: usize) -> Result<(), String> {
             self.inner.copy_state(src, dst)
         }

@@ -261,6 +261,10 @@ pub trait Backend: Send + Sync {
     fn init_cache(&self, spec: &CacheSpec) -> OpResult<()>;
     /// A new GDN state slot, zeroed (the state of an empty sequence).
     fn alloc_state(&self) -> OpResult<usize>;
+    /// Sizes the state slot pool for `slots` live slots at once, allocated now, and fixes it there:
+    /// [`Backend::alloc_state`] fails while `slots` are live instead of growing the pool. Fails when
+    /// more than `slots` are live now.
+    fn reserve_states(&self, slots: usize) -> OpResult<()>;
     /// Returns a slot to the pool (a slot not allocated is ignored).
     fn free_state(&self, slot: usize);
     /// Copies every GDN layer's state of slot `src` into slot `dst` (checkpoint save and restore).

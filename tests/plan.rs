@@ -1,0 +1,243 @@
+//! `sanmai plan` end to end: the 125B config on the 3x3090 preset, the refusals of budgets that do
+//! not fit or name no card, and the plan the engine's start prints for the same flags.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn sanmai(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_sanmai"))
+        .args(args)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("the binary runs")
+}
+
+fn repo(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(rel)
+}
+
+fn path(rel: &str) -> String {
+    repo(rel).to_str().unwrap().to_string()
+}
+
+fn ok_stdout(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "sanmai failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The error line of a failed run.
+fn error_of(out: &Output) -> String {
+    assert!(!out.status.success(), "expected a failure");
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("Error:") || l.starts_with("error:"))
+        .unwrap_or_else(|| panic!("no error line in {err}"));
+    line.to_string()
+}
+
+/// The `memory plan:` lines of a run's output (stdout or log).
+fn plan_lines(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| l.split_once("memory plan: ").map(|(_, r)| r.to_string()))
+        .collect()
+}
+
+/// `GiB` numbers after `key` in `line` (e.g. `weights 21.04 GiB`).
+fn gib_after(line: &str, key: &str) -> f64 {
+    let rest = &line[line.find(key).unwrap_or_else(|| panic!("{key} in {line}")) + key.len()..];
+    rest.trim_start()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap_or_else(|_| panic!("a number after {key} in {line}"))
+}
+
+#[test]
+fn the_125b_config_on_three_3090s() {
+    let cfg = path("configs/models/qwen4-exp-125b-a6b.json");
+    let preset = path("configs/deploy/3x3090.toml");
+    // As the preset stands (its own 23.5GiB budget, the full 262,144-token context, an even
+    // split), the last stage's weights alone (its layers, the lm_head, the MTP head and its
+    // embedding) pass the budget: refused with every stage's numbers.
+    let e = error_of(&sanmai(&["plan", "--config", &cfg, "--preset", &preset]));
+    println!("{e}");
+    assert!(
+        e.contains("a pipeline stage does not fit --gpu-memory-budget"),
+        "{e}"
+    );
+    for (k, layers) in ["0..16", "16..32", "32..48"].iter().enumerate() {
+        assert!(
+            e.contains(&format!("stage {k} (layers {layers} on cuda:{k}): weights")),
+            "{e}"
+        );
+    }
+    // One layer fewer on the last stage and a 32,768-token context fit.
+    let out = sanmai(&[
+        "plan",
+        "--config",
+        &cfg,
+        "--preset",
+        &preset,
+        "--gpu-memory-budget",
+        "23.5GiB",
+        "--pp-layer-partition",
+        "16,17,15",
+        "--max-model-len",
+        "32768",
+    ]);
+    let text = ok_stdout(&out);
+    println!("{text}");
+    let lines = plan_lines(&text);
+    assert_eq!(
+        lines.len(),
+        4,
+        "three stages and the block arithmetic: {text}"
+    );
+    for (k, (line, layers)) in lines.iter().zip(["0..16", "16..33", "33..48"]).enumerate() {
+        assert!(
+            line.starts_with(&format!("stage {k} (layers {layers} on cuda:{k})")),
+            "{line}"
+        );
+        assert!(
+            line.ends_with("of 23.50 GiB (--gpu-memory-budget)"),
+            "{line}"
+        );
+        let total = gib_after(line, "; ");
+        assert!(total <= 23.5, "{line}");
+        assert!(gib_after(line, "weights") > 10.0, "{line}");
+        assert!(gib_after(line, "K/V blocks") > 0.0, "{line}");
+    }
+    // The stages' weights add up to the whole model's (the last stage also holds the embedding
+    // for the MTP head).
+    let whole = sanmai(&[
+        "plan",
+        "--config",
+        &cfg,
+        "--pipeline-parallel-size",
+        "1",
+        "--device",
+        "cuda:0",
+        "--gpu-memory-budget",
+        "200GiB",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "512",
+        "--max-model-len",
+        "32768",
+    ]);
+    let whole = plan_lines(&ok_stdout(&whole));
+    let sum: f64 = lines[..3].iter().map(|l| gib_after(l, "weights")).sum();
+    let embed_gib = 248_320.0 * (2560.0 + 4.0) / (1u64 << 30) as f64;
+    let one = gib_after(&whole[0], "weights");
+    assert!(
+        (sum - embed_gib - one).abs() < 0.03,
+        "stages {sum} GiB = whole {one} GiB + the last stage's embedding {embed_gib} GiB"
+    );
+    let arithmetic = &lines[3];
+    assert!(arithmetic.starts_with("K/V cache: "), "{arithmetic}");
+    for key in [
+        "blocks of 16 tokens",
+        "bytes per block",
+        "checkpoint",
+        "-token request takes",
+    ] {
+        assert!(arithmetic.contains(key), "{key} in {arithmetic}");
+    }
+    let fit: usize = arithmetic
+        .rsplit("so ")
+        .next()
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("requests that fit in {arithmetic}"));
+    assert!(fit >= 1, "{arithmetic}");
+}
+
+#[test]
+fn budgets_that_do_not_fit_are_refused_in_one_line() {
+    let cfg = path("configs/models/qwen4-exp-125b-a6b.json");
+    let preset = path("configs/deploy/3x3090.toml");
+    let e = error_of(&sanmai(&[
+        "plan",
+        "--config",
+        &cfg,
+        "--preset",
+        &preset,
+        "--gpu-memory-budget",
+        "12GiB",
+    ]));
+    assert!(e.contains("does not fit --gpu-memory-budget"), "{e}");
+    for k in 0..3 {
+        assert!(e.contains(&format!("stage {k} (layers")), "{e}");
+    }
+    let e = error_of(&sanmai(&[
+        "plan",
+        "--config",
+        &cfg,
+        "--gpu-memory-budget",
+        "lots",
+    ]));
+    assert!(e.contains("--gpu-memory-budget"), "{e}");
+    // Without a GPU to ask, the budget must be given.
+    let e = error_of(&sanmai(&[
+        "plan",
+        "--config",
+        &cfg,
+        "--pipeline-parallel-size",
+        "3",
+    ]));
+    assert!(e.contains("--gpu-memory-budget"), "{e}");
+}
+
+#[test]
+fn the_engine_start_prints_the_plan_sanmai_plan_prints() {
+    let cfg = path("tests/fixtures/qwen3_next_tiny/config.json");
+    let flags = [
+        "--config",
+        &cfg,
+        "--device",
+        "cpu",
+        "--pipeline-parallel-size",
+        "2",
+        "--gpu-memory-budget",
+        "48MiB",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "64",
+    ];
+    let planned = plan_lines(&ok_stdout(&sanmai(&[&["plan"][..], &flags[..]].concat())));
+    let run = sanmai(
+        &[
+            &[
+                "generate",
+                "--load-format",
+                "dummy",
+                "--prompt-ids",
+                "1,2,3",
+                "--max-tokens",
+                "2",
+            ][..],
+            &flags[..],
+        ]
+        .concat(),
+    );
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let started = plan_lines(&String::from_utf8_lossy(&run.stderr));
+    assert_eq!(planned.len(), 3, "{planned:?}");
+    assert_eq!(planned, started);
+}

@@ -92,6 +92,14 @@ pub struct ModelArgs {
     pub pp_layer_partition: Option<String>,
 }
 
+/// A checkpoint's config as the server loads it: without the MTP layer, since nothing drafts with
+/// the MTP head yet, so neither it nor the last stage's copy of the embedding it reads is held
+/// (nothing held for no use, nothing held twice). `sanmai plan` counts the same.
+pub fn served(mut cfg: ModelConfig) -> ModelConfig {
+    cfg.mtp_layers = 0;
+    cfg
+}
+
 /// Work to do once a model is loaded, generic over the backend it was loaded on (a function that is
 /// generic over the backend, as a trait because closures cannot be).
 pub trait OnModel {
@@ -153,13 +161,11 @@ impl ModelArgs {
         self.stage_flags().layout(cfg.num_layers, default_device())
     }
 
-    /// Where the weights come from: the served name, the config and the tensor source. The config
-    /// holds no MTP layer: nothing drafts with the MTP head yet, so neither it nor the last stage's
-    /// copy of the embedding it reads is loaded (nothing held for no use, nothing held twice).
+    /// Where the weights come from: the served name, the config (as [`served`]) and the tensor
+    /// source.
     pub fn source(&self) -> Result<(String, ModelConfig, Box<dyn TensorSource>)> {
-        let (name, mut cfg, src) = self.source_as_written()?;
-        cfg.mtp_layers = 0;
-        Ok((name, cfg, src))
+        let (name, cfg, src) = self.source_as_written()?;
+        Ok((name, served(cfg), src))
     }
 
     fn source_as_written(&self) -> Result<(String, ModelConfig, Box<dyn TensorSource>)> {

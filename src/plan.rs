@@ -17,7 +17,7 @@ use sanmai_weights::names::text_name;
 use sanmai_weights::{Checkpoint, TensorSource};
 
 use crate::engine_args::EngineArgs;
-use crate::load::{LoadFormat, ModelArgs};
+use crate::load::{served, LoadFormat, ModelArgs};
 use crate::memory_plan::{MemoryPlan, StageMemory};
 use crate::serve::Preset;
 use crate::stages::{Device, StageLayout};
@@ -47,7 +47,7 @@ impl Source {
                 anyhow::bail!("give either --model DIR or --config FILE, not both")
             }
             (Some(dir), None) => {
-                let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+                let cfg = served(ModelConfig::from_file(&dir.join("config.json"))?);
                 let checkpoint = match m.load_format {
                     LoadFormat::Auto => Some(Checkpoint::open(dir).with_context(|| {
                         format!("--model {}: opening the checkpoint", dir.display())
@@ -62,12 +62,12 @@ impl Source {
             }
             (None, Some(file)) => Source {
                 name: file.display().to_string(),
-                cfg: ModelConfig::from_file(file)?,
+                cfg: served(ModelConfig::from_file(file)?),
                 checkpoint: None,
             },
             (None, None) => Source {
                 name: builtin::NAME.into(),
-                cfg: builtin::config(),
+                cfg: served(builtin::config()),
                 checkpoint: None,
             },
         })

@@ -13,10 +13,10 @@
 #   run (OUT_DIR/compare.txt);
 # - one chat completion (OUT_DIR/CASE.chat.json);
 # - `sanmai bench serve` at concurrency 1 and 3 with the per-stage busy table (OUT_DIR/CASE.bench.log).
-# Cases: the 125B qwen4_exp (PLE table from `sanmai ple create --rows-scale 0.05`) as 1 and 3 stages
-# with --gpu-memory-budget 23.5GiB each and --max-model-len 32768; the 80B Qwen3-Next as 1 and 2
-# stages. `sanmai plan` for the 3x3090 preset prints into OUT_DIR/plan.txt first. SANMAI_STAGE_CASES
-# picks cases by name (default: all).
+# Cases: the 125B qwen4_exp (PLE table from `sanmai ple create --rows-scale 0.05`) as 1 stage and as
+# 3 stages with --gpu-memory-budget 23.5GiB each, and the 80B Qwen3-Next as 1 stage and as 2 stages of
+# 23.5GiB, all with --max-model-len 32768. `sanmai plan` for the 3x3090 preset (the q125-3 case's
+# flags) prints into OUT_DIR/plan.txt first. SANMAI_STAGE_CASES picks cases by name (default: all).
 set -uo pipefail
 out=${1:?usage: gpu_stages.sh OUT_DIR [BIN_DIR]}
 bin_dir=${2:-.device-bin}
@@ -94,17 +94,18 @@ serve_case() {
   grep -q panicked "$out/$name.serve.log" && rc=1
 }
 
-budget=(--gpu-memory-budget 23.5GiB --max-model-len 32768 --max-num-seqs 4 --max-num-batched-tokens 512)
+# The one-stage runs get the budget one card would need for the whole model.
+flags=(--max-model-len 32768 --max-num-seqs 4 --max-num-batched-tokens 512)
 for c in $cases; do
   case $c in
-    q125-1) serve_case q125-1 --load-format dummy --config "$q125" --ple-table "$table" --device cuda:0 "${budget[@]}" ;;
+    q125-1) serve_case q125-1 --load-format dummy --config "$q125" --ple-table "$table" --device cuda:0 \
+      "${flags[@]}" --gpu-memory-budget 80GiB ;;
     q125-3) serve_case q125-3 --load-format dummy --config "$q125" --ple-table "$table" \
-      --pipeline-parallel-size 3 --device cuda:0,cuda:0,cuda:0 "${budget[@]}" ;;
-    q80-1) serve_case q80-1 --load-format dummy --config "$q80" --device cuda:0 --max-model-len 32768 \
-      --max-num-seqs 4 --max-num-batched-tokens 512 --gpu-memory-budget 60GiB ;;
+      --pipeline-parallel-size 3 --device cuda:0,cuda:0,cuda:0 "${flags[@]}" --gpu-memory-budget 23.5GiB ;;
+    q80-1) serve_case q80-1 --load-format dummy --config "$q80" --device cuda:0 "${flags[@]}" \
+      --gpu-memory-budget 50GiB ;;
     q80-2) serve_case q80-2 --load-format dummy --config "$q80" --pipeline-parallel-size 2 \
-      --device cuda:0,cuda:0 --max-model-len 32768 --max-num-seqs 4 --max-num-batched-tokens 512 \
-      --gpu-memory-budget 30GiB ;;
+      --device cuda:0,cuda:0 "${flags[@]}" --gpu-memory-budget 23.5GiB ;;
   esac
 done
 

@@ -14,9 +14,10 @@
 # - one chat completion (OUT_DIR/CASE.chat.json);
 # - `sanmai bench serve` at concurrency 1 and 3 with the per-stage busy table (OUT_DIR/CASE.bench.log).
 # Cases: the 125B qwen4_exp (PLE table from `sanmai ple create --rows-scale 0.05`) as 1 stage and as
-# 3 stages with --gpu-memory-budget 23.5GiB each, and the 80B Qwen3-Next as 1 stage and as 2 stages of
-# 23.5GiB, all with --max-model-len 32768. `sanmai plan` for the 3x3090 preset (the q125-3 case's
-# flags) prints into OUT_DIR/plan.txt first. SANMAI_STAGE_CASES picks cases by name (default: all).
+# the 3x3090 preset's 3 stages of --gpu-memory-budget 23.5GiB (also with --no-pp-deferred-receive),
+# and the 80B Qwen3-Next as 1 stage and as 2 stages of 23.5GiB, all with --max-model-len 32768 and
+# steps of 256 tokens. `sanmai plan` for the preset's stages on cuda:0 (the q125-3 case) prints into
+# OUT_DIR/plan.txt first. SANMAI_STAGE_CASES picks cases by name (default: all).
 set -uo pipefail
 out=${1:?usage: gpu_stages.sh OUT_DIR [BIN_DIR]}
 bin_dir=${2:-.device-bin}
@@ -26,14 +27,14 @@ mkdir -p "$out"
 rc=0
 q125=configs/models/qwen4-exp-125b-a6b.json
 q80=configs/models/qwen3-next-80b-a3b.json
-cases=${SANMAI_STAGE_CASES:-q125-1 q125-3 q80-1 q80-2}
+cases=${SANMAI_STAGE_CASES:-q125-1 q125-3 q125-3-nodefer q80-1 q80-2}
 
 table=$(mktemp -d)
 trap 'rm -rf "$table"' EXIT
 "$sanmai" ple create --config "$q125" --out "$table" --rows-scale 0.05 --fill zeros >"$out/ple.log" 2>&1 || rc=1
 
-"$sanmai" plan --config "$q125" --preset configs/deploy/3x3090.toml --gpu-memory-budget 23.5GiB \
-  --max-model-len 32768 >"$out/plan.txt" 2>&1 || rc=1
+"$sanmai" plan --config "$q125" --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 \
+  >"$out/plan.txt" 2>&1 || rc=1
 
 # The greedy requests of one case, as one JSON document.
 requests() {
@@ -95,13 +96,15 @@ serve_case() {
 }
 
 # The one-stage runs get the budget one card would need for the whole model.
-flags=(--max-model-len 32768 --max-num-seqs 4 --max-num-batched-tokens 512)
+flags=(--max-model-len 32768 --max-num-seqs 4 --max-num-batched-tokens 256)
 for c in $cases; do
   case $c in
     q125-1) serve_case q125-1 --load-format dummy --config "$q125" --ple-table "$table" --device cuda:0 \
       "${flags[@]}" --gpu-memory-budget 80GiB ;;
     q125-3) serve_case q125-3 --load-format dummy --config "$q125" --ple-table "$table" \
-      --pipeline-parallel-size 3 --device cuda:0,cuda:0,cuda:0 "${flags[@]}" --gpu-memory-budget 23.5GiB ;;
+      --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 ;;
+    q125-3-nodefer) serve_case q125-3-nodefer --load-format dummy --config "$q125" --ple-table "$table" \
+      --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 --no-pp-deferred-receive ;;
     q80-1) serve_case q80-1 --load-format dummy --config "$q80" --device cuda:0 "${flags[@]}" \
       --gpu-memory-budget 50GiB ;;
     q80-2) serve_case q80-2 --load-format dummy --config "$q80" --pipeline-parallel-size 2 \

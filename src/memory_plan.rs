@@ -106,6 +106,11 @@ pub struct StageMemory {
     pub pinned_host: usize,
 }
 
+/// What a CUDA device's runtime takes besides the tensors (the context, the cuBLAS workspace, the
+/// kernel modules, the graph pools), as a profiling step measured it on an H200 (CUDA 13): about
+/// 0.86 GiB more than the activations alone.
+const CUDA_RUNTIME_BYTES: usize = 880 << 20;
+
 impl StageMemory {
     /// A stage's numbers from the config alone: weights in `form` as the device stores them,
     /// activations estimated at `tokens` per step.
@@ -121,15 +126,23 @@ impl StageMemory {
             .iter()
             .zip(&layout.devices)
             .zip(budgets)
-            .map(|((r, &device), &budget)| {
+            .enumerate()
+            .map(|(k, ((r, &device), &budget))| {
                 let storage = storage_of(device);
+                // The first stage on a GPU also pays for the device's runtime, which its profiling
+                // step measures at start.
+                let runtime = match device {
+                    Device::Cuda(_) if !layout.devices[..k].contains(&device) => CUDA_RUNTIME_BYTES,
+                    _ => 0,
+                };
                 StageMemory {
                     layers: r.clone(),
                     device,
                     budget,
                     weights: weight_plan::stage_weight_bytes(cfg, r.clone(), form, storage).stored
                         as usize,
-                    activations: weight_plan::stage_activation_bytes(cfg, r, tokens, form, storage),
+                    activations: runtime
+                        + weight_plan::stage_activation_bytes(cfg, r, tokens, form, storage),
                     profiled: false,
                     // The recurrent state is f32 on every backend (the engine's geometry too).
                     state_per_seq: weight_plan::stage_state_bytes(cfg, r, 4),

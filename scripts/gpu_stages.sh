@@ -46,7 +46,7 @@ def post(path, body):
     return json.load(urllib.request.urlopen(req, timeout=600))
 out = []
 for n in (40, 300, 1000):
-    prompt = [(i * 7919 + 13) % 200000 + 1000 for i in range(n)]
+    prompt = [(i * 7919 + 13) % 30000 + 1000 for i in range(n)]
     r = post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32, "temperature": 0,
                                  "logprobs": 5, "echo": True, "ignore_eos": True})
     c = r["choices"][0]

@@ -8,7 +8,8 @@
 //!
 //! Prompts have exact lengths where the server has vLLM's `/tokenize`: random words are tokenized there and
 //! the ids cut to length, then sent as token-id prompts to `/v1/completions` (or, with `--endpoint chat`,
-//! the words as one user message, whose chat template adds a few tokens). Without `/tokenize`, prompts are
+//! the words as one user message, whose chat template adds a few tokens); a model served without a
+//! tokenizer gets random token ids of exact length. Without `/tokenize`, prompts are
 //! text of about one token per word. The lengths the server counted are printed either way.
 //!
 //! Where the server answers `GET /metrics` in the Prometheus format, it is scraped just before and just
@@ -337,15 +338,18 @@ impl Target {
         }
     }
 
-    /// Token ids of `text` from `/tokenize`, or `None` when the server has no such route.
-    async fn tokenize(&self, model: &str, text: &str) -> Result<Option<Vec<u32>>> {
+    /// Token ids of `text` from `/tokenize`.
+    async fn tokenize(&self, model: &str, text: &str) -> Result<Tokenized> {
         let body = json!({"model": model, "prompt": text, "add_special_tokens": false});
         let resp = self.post("/tokenize", &body).send().await?;
         if resp.status() == reqwest::StatusCode::NOT_FOUND {
-            return Ok(None);
+            return Ok(Tokenized::NoRoute);
         }
         let status = resp.status();
         let text = resp.text().await?;
+        if status == reqwest::StatusCode::BAD_REQUEST && text.contains("without a tokenizer") {
+            return Ok(Tokenized::NoTokenizer);
+        }
         if !status.is_success() {
             bail!("POST /tokenize: {status}: {text}");
         }
@@ -357,9 +361,22 @@ impl Target {
             .map(|t| t.as_u64().map(|t| t as u32))
             .collect::<Option<Vec<u32>>>()
             .ok_or_else(|| anyhow!("/tokenize answered non-integer tokens"))?;
-        Ok(Some(ids))
+        Ok(Tokenized::Ids(ids))
     }
 }
+
+/// What `/tokenize` answered.
+enum Tokenized {
+    Ids(Vec<u32>),
+    /// The server has no such route.
+    NoRoute,
+    /// The server serves a model without a tokenizer (token-id prompts only).
+    NoTokenizer,
+}
+
+/// Token ids a tokenizer-less model's prompts are drawn from: ids every vocabulary holds (the
+/// smallest, the test fixtures', has 1,024).
+const RANDOM_IDS: std::ops::Range<u64> = 1..1000;
 
 /// Builds the prompts: exact token-id prompts when the server tokenizes, else text.
 async fn make_prompts(
@@ -374,7 +391,20 @@ async fn make_prompts(
         // Words run a little over one token each: 1.25 words per token leaves room to cut.
         let text = rng.words(args.prompt_len + args.prompt_len / 4 + 8);
         let prompt = match (exact, t.tokenize(model, &text).await?) {
-            (true, Some(ids)) if ids.len() >= args.prompt_len => match args.endpoint {
+            (true, Tokenized::NoTokenizer) => match args.endpoint {
+                Endpoint::Completions => Prompt::Ids(
+                    (0..args.prompt_len)
+                        .map(|_| {
+                            let span = RANDOM_IDS.end - RANDOM_IDS.start;
+                            (RANDOM_IDS.start + rng.next_u64() % span) as u32
+                        })
+                        .collect(),
+                ),
+                Endpoint::Chat => {
+                    bail!("the server's model has no tokenizer: use --endpoint completions")
+                }
+            },
+            (true, Tokenized::Ids(ids)) if ids.len() >= args.prompt_len => match args.endpoint {
                 Endpoint::Completions => Prompt::Ids(ids[..args.prompt_len].to_vec()),
                 Endpoint::Chat => {
                     // As many words as make about prompt_len tokens at this text's ratio.

@@ -86,3 +86,30 @@ fn bench_serve_prints_the_stage_table_of_a_two_stage_server() {
         assert!((overlap - busy_sum / window).abs() < 1e-9, "{v}");
     }
 }
+
+#[test]
+fn bench_serve_sends_token_ids_of_exact_length_to_a_model_without_a_tokenizer() {
+    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3_next_tiny");
+    let s = ServerProc::start(&["--model", fixture, "--device", "cpu"]);
+    let out = Command::new(env!("CARGO_BIN_EXE_sanmai"))
+        .args(["bench", "serve", "--url", &s.base, "--prompt-len", "12"])
+        .args(["--num-prompts", "2", "--gen-len", "3"])
+        .output()
+        .expect("the binary runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        s.log()
+    );
+    // Two timed prompts and the warm-up, 12 tokens each, counted by the server.
+    assert_eq!(s.metric("sanmai:prompt_tokens_total"), 36.0, "{text}");
+    let out = Command::new(env!("CARGO_BIN_EXE_sanmai"))
+        .args(["bench", "serve", "--url", &s.base, "--endpoint", "chat"])
+        .output()
+        .expect("the binary runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("--endpoint completions"), "{err}");
+}

@@ -158,6 +158,9 @@ impl Rng {
 #[derive(Debug, Clone)]
 enum Prompt {
     Ids(Vec<u32>),
+    /// Token ids for a model served without a tokenizer: its streamed chunks carry no text, so the
+    /// request asks for the sampled tokens' log-probabilities, which mark each token's arrival.
+    BareIds(Vec<u32>),
     Text(String),
 }
 
@@ -211,13 +214,18 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
     hay.windows(needle.len()).position(|w| w == needle)
 }
 
-/// The text a streamed chunk carries (content, reasoning or tool-call fragments), for either endpoint.
+/// The text a streamed chunk carries (content, reasoning or tool-call fragments), for either endpoint,
+/// or the tokens of a completion chunk without text (a model served without a tokenizer).
 fn chunk_has_text(v: &Value) -> bool {
     let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else {
         return false;
     };
     let nonempty = |x: Option<&Value>| x.and_then(Value::as_str).is_some_and(|s| !s.is_empty());
     if nonempty(choice.get("text")) {
+        return true;
+    }
+    let tokens = choice.pointer("/logprobs/tokens").and_then(Value::as_array);
+    if tokens.is_some_and(|t| !t.is_empty()) {
         return true;
     }
     let Some(delta) = choice.get("delta") else {
@@ -392,7 +400,7 @@ async fn make_prompts(
         let text = rng.words(args.prompt_len + args.prompt_len / 4 + 8);
         let prompt = match (exact, t.tokenize(model, &text).await?) {
             (true, Tokenized::NoTokenizer) => match args.endpoint {
-                Endpoint::Completions => Prompt::Ids(
+                Endpoint::Completions => Prompt::BareIds(
                     (0..args.prompt_len)
                         .map(|_| {
                             let span = RANDOM_IDS.end - RANDOM_IDS.start;
@@ -439,6 +447,10 @@ fn request_body(args: &BenchServeArgs, model: &str, prompt: &Prompt) -> Value {
     });
     let prompt = match prompt {
         Prompt::Ids(ids) => json!(ids),
+        Prompt::BareIds(ids) => {
+            body["logprobs"] = json!(0);
+            json!(ids)
+        }
         Prompt::Text(s) => json!(s),
     };
     match args.endpoint {

@@ -365,7 +365,7 @@ mod tests {
         let preset = repo_file("configs/deploy/3x3090.toml");
         let s = args(&["--preset", &preset]).settings().unwrap();
         assert_eq!(s.engine.max_num_seqs, Some(4));
-        assert_eq!(s.engine.max_num_batched_tokens, Some(512));
+        assert_eq!(s.engine.max_num_batched_tokens, Some(256));
         assert_eq!(s.engine.max_model_len, Some(32_768));
         assert!(!s.engine.no_enable_prefix_caching);
         assert_eq!(s.model.pipeline_parallel_size, Some(3));
@@ -381,7 +381,7 @@ mod tests {
         .settings()
         .unwrap();
         assert_eq!(s.engine.max_num_seqs, Some(8));
-        assert_eq!(s.engine.max_num_batched_tokens, Some(512));
+        assert_eq!(s.engine.max_num_batched_tokens, Some(256));
         assert!(s.engine.no_enable_prefix_caching);
         assert_eq!(s.server.served_model_name, "qwen");
         let h200 = repo_file("configs/deploy/1xh200.toml");

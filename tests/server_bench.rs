@@ -89,7 +89,10 @@ fn bench_serve_prints_the_stage_table_of_a_two_stage_server() {
 
 #[test]
 fn bench_serve_sends_token_ids_of_exact_length_to_a_model_without_a_tokenizer() {
-    let fixture = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/qwen3_next_tiny");
+    let fixture = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/fixtures/qwen3_next_tiny"
+    );
     let s = ServerProc::start(&["--model", fixture, "--device", "cpu"]);
     let out = Command::new(env!("CARGO_BIN_EXE_sanmai"))
         .args(["bench", "serve", "--url", &s.base, "--prompt-len", "12"])
@@ -105,6 +108,13 @@ fn bench_serve_sends_token_ids_of_exact_length_to_a_model_without_a_tokenizer() 
     );
     // Two timed prompts and the warm-up, 12 tokens each, counted by the server.
     assert_eq!(s.metric("sanmai:prompt_tokens_total"), 36.0, "{text}");
+    // Each token's arrival is timed although the chunks carry no text.
+    let tpot: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Median TPOT (ms):"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("a median TPOT in {text}"));
+    assert!(tpot > 0.0, "{text}");
     let out = Command::new(env!("CARGO_BIN_EXE_sanmai"))
         .args(["bench", "serve", "--url", &s.base, "--endpoint", "chat"])
         .output()

@@ -221,12 +221,12 @@ fn prefix_cache_hits_are_counted_and_change_nothing() {
 
 #[test]
 fn preemption_under_a_tiny_block_budget_keeps_outputs() {
-    // 24 blocks of 16 tokens: one 256-token request fits, two long ones do not.
+    // 22 blocks of 16 tokens: one 256-token request fits, two long ones do not.
     let s = ServerProc::start(&[
         "--max-model-len",
         "256",
         "--kv-cache-memory-bytes",
-        "400000",
+        "200000",
     ]);
     let body = |i: usize| {
         completion(

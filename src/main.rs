@@ -43,14 +43,40 @@ enum Command {
     Plan(plan::PlanArgs),
 }
 
-fn main() -> anyhow::Result<()> {
+/// Runs the command; an error prints as one line, its causes joined (`Error: while: because`).
+fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
+    match run(Cli::parse().command) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("Error: {}", one_line(&e));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// An error and its causes on one line, a cause left out where the message before it already says it.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if !line.contains(&text) {
+            if !line.is_empty() {
+                line.push_str(": ");
+            }
+            line.push_str(&text);
+        }
+    }
+    line
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
         Command::Generate(args) => generate::run(args),
         Command::Bench(b) => match b.command {
             Some(bench_serve::BenchSub::Serve(args)) => bench_serve::run(args),

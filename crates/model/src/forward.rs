@@ -22,6 +22,8 @@ use crate::load::{Ffn, Layer, Mixer, Model};
 const REGION_HIDDEN: u32 = 0;
 /// [`DecodeStep::region`] of decode steps that return hidden states and logits.
 const REGION_LOGITS: u32 = 1;
+/// The region of decode steps of a pipeline stage before the last (its output: the streams).
+const REGION_STREAMS: u32 = 2;
 
 /// Which rows of a chunk a step returns (logits on the last stage, and hidden states when asked).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -190,22 +192,51 @@ impl<B: Backend> Model<B> {
                 let h = self.backend.rows(&h, &layout.out_rows)?;
                 Ok(self.outputs(h, logits, hidden)?)
             }
-            StepStart::Tokens if last && layout.seqs.iter().all(|s| s.len == 1) => {
+            start if layout.seqs.iter().all(|s| s.len == 1) => {
+                // A decode step: from the tokens, or from the previous stage's streams where the
+                // backend keeps them in place for a recording.
+                let from_streams = match start {
+                    StepStart::Streams(x) => match self.backend.keep_streams(x)? {
+                        None => true,
+                        Some(x) => {
+                            return self.eager(&layout, Some(x), ple.as_ref(), logits, hidden)
+                        }
+                    },
+                    _ => false,
+                };
                 if let Some(rows) = &ple {
                     self.backend.ple_step_rows(rows)?;
                 }
                 let step = DecodeStep {
-                    region: if logits { REGION_LOGITS } else { REGION_HIDDEN },
+                    region: match (last, logits) {
+                        (false, _) => REGION_STREAMS,
+                        (true, true) => REGION_LOGITS,
+                        (true, false) => REGION_HIDDEN,
+                    },
                     ids: &layout.ids,
                     seqs: &layout.seqs,
                     out_rows: &layout.out_rows,
                 };
                 let run = || {
-                    let streams = self.layers_pass(&layout, None, ple.as_ref())?;
+                    let input = match from_streams {
+                        true => Some(self.backend.kept_streams()?),
+                        false => None,
+                    };
+                    let streams = self.layers_pass(&layout, input, ple.as_ref())?;
+                    if !last {
+                        return Ok(vec![streams]);
+                    }
                     let out = self.head(&layout, streams, logits, true)?;
                     Ok(out.hidden.into_iter().chain(out.logits).collect())
                 };
                 let mut out = self.backend.decode_step(&step, &run)?.into_iter();
+                if !last {
+                    return Ok(StepOutput {
+                        logits: None,
+                        hidden: None,
+                        streams: out.next(),
+                    });
+                }
                 let h = out.next();
                 let logits = if logits { out.next() } else { None };
                 Ok(StepOutput {
@@ -219,17 +250,29 @@ impl<B: Backend> Model<B> {
                     StepStart::Streams(x) => Some(x),
                     _ => None,
                 };
-                let streams = self.layers_pass(&layout, streams, ple.as_ref())?;
-                if !last {
-                    return Ok(StepOutput {
-                        logits: None,
-                        hidden: None,
-                        streams: Some(streams),
-                    });
-                }
-                Ok(self.head(&layout, streams, logits, hidden)?)
+                self.eager(&layout, streams, ple.as_ref(), logits, hidden)
             }
         }
+    }
+
+    /// A step's layers and (on the last stage) head, op by op.
+    fn eager(
+        &self,
+        layout: &Layout<'_>,
+        streams: Option<B::Tensor>,
+        ple: Option<&B::Tensor>,
+        logits: bool,
+        hidden: bool,
+    ) -> Result<StepOutput<B::Tensor>, StepError> {
+        let streams = self.layers_pass(layout, streams, ple)?;
+        if !self.is_last_stage() {
+            return Ok(StepOutput {
+                logits: None,
+                hidden: None,
+                streams: Some(streams),
+            });
+        }
+        Ok(self.head(layout, streams, logits, hidden)?)
     }
 
     /// The last stage's head on the residual streams of every row: the rows asked for, the

@@ -137,6 +137,44 @@ fn copy(b: &CudaBackend, src: &CudaTensor, dst: &mut CudaTensor) -> Result<()> {
     Ok(())
 }
 
+/// The input streams of a pipeline stage's decode steps, one buffer per shape that stays in place
+/// (a recorded step reads its shape's buffer at every replay), and the shape kept last.
+#[derive(Default)]
+pub(crate) struct KeptStreams {
+    bufs: HashMap<(usize, usize), CudaTensor>,
+    last: Option<(usize, usize)>,
+}
+
+impl CudaBackend {
+    /// Copies `x` into its shape's buffer (the first tensor of a shape becomes its buffer).
+    pub(crate) fn keep_streams_impl(&self, x: CudaTensor) -> Result<()> {
+        let mut k = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (x.rows, x.cols);
+        match k.bufs.get_mut(&key) {
+            Some(buf) => copy(self, &x, buf)?,
+            None => {
+                k.bufs.insert(key, x);
+            }
+        }
+        k.last = Some(key);
+        Ok(())
+    }
+
+    /// A copy of the buffer kept last (a recording captures the copy from the buffer's address).
+    pub(crate) fn kept_streams_impl(&self) -> Result<CudaTensor> {
+        let k = self.kept.lock().unwrap_or_else(|p| p.into_inner());
+        let buf = k.last.and_then(|key| k.bufs.get(&key)).ok_or_else(|| {
+            crate::error::CudaError::Shape {
+                op: "kept_streams",
+                msg: "no streams were kept".into(),
+            }
+        })?;
+        let mut t = self.alloc(buf.rows, buf.cols)?;
+        copy(self, buf, &mut t)?;
+        Ok(t)
+    }
+}
+
 fn shapes(ts: &[CudaTensor]) -> Vec<(usize, usize)> {
     ts.iter().map(|t| (t.rows, t.cols)).collect()
 }

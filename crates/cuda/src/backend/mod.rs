@@ -138,6 +138,8 @@ pub struct CudaBackend {
     /// thread may call (a pipeline's engine thread): work queued on a capturing stream, from any
     /// thread, would join the graph instead of running.
     capture: Mutex<()>,
+    /// A pipeline stage's input streams for recorded decode steps (`graph.rs`).
+    kept: Mutex<graph::KeptStreams>,
 }
 
 /// The rows of `x` as a norm kernel takes them.
@@ -203,6 +205,7 @@ impl CudaBackend {
             routing_on: AtomicBool::new(false),
             graphs: Mutex::new(graph::Graphs::new(&DEFAULT_GRAPH_BATCH_SIZES)),
             capture: Mutex::new(()),
+            kept: Mutex::new(graph::KeptStreams::default()),
             epoch: AtomicU64::new(0),
             ple_in: Mutex::new(None),
             route_ticket,
@@ -592,6 +595,15 @@ impl Backend for CudaBackend {
 
     fn ple_step_rows(&self, rows: &CudaTensor) -> OpResult<()> {
         self.ple_step_rows_impl(rows).at("ple_step_rows")
+    }
+
+    fn keep_streams(&self, x: CudaTensor) -> OpResult<Option<CudaTensor>> {
+        self.keep_streams_impl(x).at("keep_streams")?;
+        Ok(None)
+    }
+
+    fn kept_streams(&self) -> OpResult<CudaTensor> {
+        self.kept_streams_impl().at("kept_streams")
     }
 
     fn prepare_step(&self, ids: &[u32], seqs: &[SeqChunk<'_>], out_rows: &[usize]) -> OpResult<()> {

@@ -342,6 +342,23 @@ pub trait Backend: Send + Sync {
         run: &dyn Fn() -> OpResult<Vec<Self::Tensor>>,
     ) -> OpResult<Vec<Self::Tensor>>;
 
+    /// Keeps a decode step's input streams (from the previous pipeline stage) where a recorded
+    /// [`Backend::decode_step`] reads them ([`Backend::kept_streams`]): a buffer per shape that stays
+    /// in place from step to step. Gives them back where the backend records nothing (the default):
+    /// the step then runs on them as they are.
+    fn keep_streams(&self, x: Self::Tensor) -> OpResult<Option<Self::Tensor>> {
+        Ok(Some(x))
+    }
+
+    /// A copy of the streams [`Backend::keep_streams`] kept last, for the step's ops (a recording
+    /// reads the kept buffer at every replay).
+    fn kept_streams(&self) -> OpResult<Self::Tensor> {
+        Err(BackendError::Invalid {
+            op: "kept_streams",
+            message: "this backend keeps no streams".into(),
+        })
+    }
+
     /// Hands over the PLE rows `[rows, E]` of the [`Backend::decode_step`] that follows, before it
     /// starts: the step's [`Backend::ple_mix`] calls get the same tensor. A backend that replays
     /// recorded steps copies them where its recording reads them (a replay does not see the tensor

@@ -136,7 +136,12 @@ impl ServerProc {
 
     /// POSTs JSON; returns the status and the JSON body.
     pub fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let r = self.client.post(self.url(path)).json(body).send().unwrap();
+        let r = self
+            .client
+            .post(self.url(path))
+            .json(body)
+            .send()
+            .unwrap_or_else(|e| panic!("POST {path}: {e}\nserver log:\n{}", self.log()));
         let status = r.status().as_u16();
         let text = r.text().unwrap();
         let v = serde_json::from_str(&text)

@@ -43,6 +43,7 @@ impl<E: Executor> Engine<E> {
                 continue;
             };
             let len = self.chunk_len(&self.running[i], budget);
+            let mut wait = false;
             loop {
                 let seq = &mut self.running[i];
                 let end = seq.num_computed + len;
@@ -52,16 +53,25 @@ impl<E: Executor> Engine<E> {
                 {
                     break;
                 }
-                // The newest sequence that is neither in this step nor in flight (at worst this one).
-                let victim = self
-                    .running
+                // The newest sequence admitted after this one (or this one) that is neither in this
+                // step nor in flight: an older one is never preempted for a newer one, or sequences
+                // would take each other's blocks in turn and none would finish.
+                let victim = i + self.running[i..]
                     .iter()
                     .rposition(|s| !s.in_flight && !planned.contains(&s.req.id))
                     .expect("the sequence being scheduled is a candidate");
+                if victim == i && self.running[i + 1..].iter().any(|s| s.in_flight) {
+                    // A newer sequence is in flight: wait for its step rather than start over.
+                    wait = true;
+                    break;
+                }
                 self.preempt(victim);
                 if victim == i {
                     break;
                 }
+            }
+            if wait {
+                continue;
             }
             let Some(i) = self.running.iter().position(|s| s.req.id == id) else {
                 continue;

@@ -133,10 +133,19 @@ fn kv_bytes_per_token(s: &ServerProc) -> usize {
 }
 
 fn kv_bytes_per_block(s: &ServerProc) -> usize {
-    let log = s.log();
-    let at = log
-        .find(" bytes per block)")
-        .unwrap_or_else(|| panic!("no K/V cache line in the log:\n{log}"));
+    // The line is logged before the server is ready; the log is read from its stderr a little later.
+    let started = std::time::Instant::now();
+    let (log, at) = loop {
+        let log = s.log();
+        if let Some(at) = log.find(" bytes per block)") {
+            break (log, at);
+        }
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "no K/V cache line in the log:\n{log}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
     let digits: String = log[..at]
         .chars()
         .rev()

@@ -24,6 +24,23 @@ fn stage_rows(text: &str) -> Vec<(String, f64, f64, f64)> {
         .collect()
 }
 
+/// Runs `sanmai bench serve --url SERVER ARGS`, which must succeed; returns its stdout.
+fn bench_serve(s: &ServerProc, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_sanmai"))
+        .args(["bench", "serve", "--url", &s.base])
+        .args(args)
+        .output()
+        .expect("the binary runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}\n{}\nserver log:\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        s.log()
+    );
+    text
+}
+
 #[test]
 fn bench_serve_prints_the_stage_table_of_a_two_stage_server() {
     let s = ServerProc::start(&["--pipeline-parallel-size", "2", "--device", "cpu"]);
@@ -33,21 +50,25 @@ fn bench_serve_prints_the_stage_table_of_a_two_stage_server() {
             "sanmai-bench-serve-{}-{concurrency}.json",
             std::process::id()
         ));
-        let out = Command::new(env!("CARGO_BIN_EXE_sanmai"))
-            .args(["bench", "serve", "--url", &s.base, "--prompt-len", "16"])
-            .args(["--concurrency", &concurrency.to_string()])
-            .args(["--num-prompts", &prompts.to_string()])
-            .args(["--gen-len", &gen_len.to_string()])
-            .arg("--result-json")
-            .arg(&result)
-            .output()
-            .expect("the binary runs");
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            out.status.success(),
-            "{text}\n{}\nserver log:\n{}",
-            String::from_utf8_lossy(&out.stderr),
-            s.log()
+        let (c, n, g) = (
+            concurrency.to_string(),
+            prompts.to_string(),
+            gen_len.to_string(),
+        );
+        let text = bench_serve(
+            &s,
+            &[
+                "--prompt-len",
+                "16",
+                "--concurrency",
+                &c,
+                "--num-prompts",
+                &n,
+                "--gen-len",
+                &g,
+                "--result-json",
+                result.to_str().unwrap(),
+            ],
         );
         let rows = stage_rows(&text);
         let stages: Vec<&str> = rows.iter().map(|r| r.0.as_str()).collect();
@@ -94,17 +115,9 @@ fn bench_serve_sends_token_ids_of_exact_length_to_a_model_without_a_tokenizer() 
         "/tests/fixtures/qwen3_next_tiny"
     );
     let s = ServerProc::start(&["--model", fixture, "--device", "cpu"]);
-    let out = Command::new(env!("CARGO_BIN_EXE_sanmai"))
-        .args(["bench", "serve", "--url", &s.base, "--prompt-len", "12"])
-        .args(["--num-prompts", "2", "--gen-len", "3"])
-        .output()
-        .expect("the binary runs");
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{text}\n{}\nserver log:\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        s.log()
+    let text = bench_serve(
+        &s,
+        &["--prompt-len", "12", "--num-prompts", "2", "--gen-len", "3"],
     );
     // Two timed prompts and the warm-up, 12 tokens each, counted by the server.
     assert_eq!(s.metric("sanmai:prompt_tokens_total"), 36.0, "{text}");

@@ -4,10 +4,10 @@
 
 mod server_support;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::json;
-use server_support::{chat, completion, ServerProc};
+use server_support::{chat, completion, eventually, ServerProc};
 
 #[test]
 fn metrics_count_tokens_and_requests() {
@@ -85,18 +85,6 @@ fn concurrent_requests_all_complete() {
         }
     });
     assert_eq!(s.metric("sanmai:num_requests_running"), 0.0);
-}
-
-/// Polls until `f` holds or `limit` passes.
-fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    false
 }
 
 #[test]

@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use server_support::{completion, ServerProc};
+use server_support::{completion, eventually, ServerProc};
 
 const PATH: &str = "/v1/completions";
 
@@ -43,18 +43,6 @@ fn tokens(seed: u64, len: usize) -> Vec<u32> {
             ((x >> 33) % 1024) as u32
         })
         .collect()
-}
-
-/// Polls until `f` holds or `limit` passes.
-fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let t = Instant::now();
-    while t.elapsed() < limit {
-        if f() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    }
-    false
 }
 
 /// A stage layout: the flags that make it, and how many stages it has.
@@ -134,18 +122,12 @@ fn kv_bytes_per_token(s: &ServerProc) -> usize {
 
 fn kv_bytes_per_block(s: &ServerProc) -> usize {
     // The line is logged before the server is ready; the log is read from its stderr a little later.
-    let started = std::time::Instant::now();
-    let (log, at) = loop {
-        let log = s.log();
-        if let Some(at) = log.find(" bytes per block)") {
-            break (log, at);
-        }
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(10),
-            "no K/V cache line in the log:\n{log}"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    };
+    let logged = eventually(Duration::from_secs(10), || {
+        s.log().contains(" bytes per block)")
+    });
+    let log = s.log();
+    assert!(logged, "no K/V cache line in the log:\n{log}");
+    let at = log.find(" bytes per block)").unwrap();
     let digits: String = log[..at]
         .chars()
         .rev()

@@ -342,3 +342,15 @@ pub fn error_of(v: &Value) -> &Value {
     assert!(e.get("param").is_some() && e.get("code").is_some(), "{v}");
     e
 }
+
+/// Polls until `f` holds or `limit` passes.
+pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    false
+}

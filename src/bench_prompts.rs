@@ -5,7 +5,7 @@
 use anyhow::{bail, Result};
 use serde_json::{json, Value};
 
-use crate::bench_serve::{BenchServeArgs, Endpoint, Target};
+use clap::ValueEnum;
 
 /// Words of the random prompts: common, so most are one token in a byte-level BPE vocabulary.
 #[rustfmt::skip]
@@ -31,6 +31,31 @@ const WORDS: &[&str] = &[
     "send", "expect", "build", "stay", "fall", "cut", "reach", "kill", "remain", "river", "stone",
     "cloud", "green", "quiet", "bright", "north", "south", "paper", "glass", "music", "window",
 ];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Endpoint {
+    /// `/v1/completions` (token-id prompts of exact length when the server can tokenize).
+    Completions,
+    /// `/v1/chat/completions` with one user message.
+    Chat,
+}
+
+impl Endpoint {
+    pub(crate) fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// What every request of a run asks for.
+pub(crate) struct PromptSpec {
+    pub(crate) endpoint: Endpoint,
+    pub(crate) prompt_len: usize,
+    pub(crate) gen_len: usize,
+    pub(crate) temperature: f64,
+}
 
 /// A small deterministic generator (SplitMix64) for prompts and arrival times.
 pub(crate) struct Rng(pub(crate) u64);
@@ -84,62 +109,59 @@ pub(crate) enum Tokenized {
 /// smallest, the test fixtures', has 1,024).
 const RANDOM_IDS: std::ops::Range<u64> = 1..1000;
 
-/// Builds the prompts: exact token-id prompts when the server tokenizes, else text.
-pub(crate) async fn make_prompts(
-    t: &Target,
-    args: &BenchServeArgs,
-    model: &str,
-) -> Result<(Vec<Prompt>, bool)> {
-    let mut rng = Rng(args.seed);
-    let mut prompts = Vec::with_capacity(args.num_prompts);
-    let mut exact = true;
-    for _ in 0..args.num_prompts + 1 {
-        // Words run a little over one token each: 1.25 words per token leaves room to cut.
-        let text = rng.words(args.prompt_len + args.prompt_len / 4 + 8);
-        let prompt = match (exact, t.tokenize(model, &text).await?) {
-            (true, Tokenized::NoTokenizer) => match args.endpoint {
-                Endpoint::Completions => Prompt::BareIds(
-                    (0..args.prompt_len)
-                        .map(|_| {
-                            let span = RANDOM_IDS.end - RANDOM_IDS.start;
-                            (RANDOM_IDS.start + rng.next_u64() % span) as u32
-                        })
-                        .collect(),
-                ),
-                Endpoint::Chat => {
-                    bail!("the server's model has no tokenizer: use --endpoint completions")
-                }
-            },
-            (true, Tokenized::Ids(ids)) if ids.len() >= args.prompt_len => match args.endpoint {
-                Endpoint::Completions => Prompt::Ids(ids[..args.prompt_len].to_vec()),
-                Endpoint::Chat => {
-                    // As many words as make about prompt_len tokens at this text's ratio.
-                    let n_words = text.split(' ').count();
-                    let keep = (args.prompt_len * n_words).div_ceil(ids.len()).max(1);
-                    Prompt::Text(text.split(' ').take(keep).collect::<Vec<_>>().join(" "))
-                }
-            },
-            _ => {
-                exact = false;
-                Prompt::Text(
-                    text.split(' ')
-                        .take(args.prompt_len)
-                        .collect::<Vec<_>>()
-                        .join(" "),
-                )
-            }
-        };
-        prompts.push(prompt);
-    }
-    Ok((prompts, exact))
+/// Random words of about `spec.prompt_len` tokens, to be tokenized by the server.
+pub(crate) fn prompt_words(spec: &PromptSpec, rng: &mut Rng) -> String {
+    // Words run a little over one token each: 1.25 words per token leaves room to cut.
+    rng.words(spec.prompt_len + spec.prompt_len / 4 + 8)
 }
 
-pub(crate) fn request_body(args: &BenchServeArgs, model: &str, prompt: &Prompt) -> Value {
+/// One prompt from its words and what the server's tokenizer made of them: exact token ids when it
+/// tokenizes (`exact` stays true), else text of about one token per word (`exact` turns false, and
+/// stays so for the rest of the run).
+pub(crate) fn make_prompt(
+    spec: &PromptSpec,
+    rng: &mut Rng,
+    text: String,
+    tokenized: Tokenized,
+    exact: &mut bool,
+) -> Result<Prompt> {
+    let n = spec.prompt_len;
+    Ok(match (*exact, tokenized) {
+        (true, Tokenized::NoTokenizer) => match spec.endpoint {
+            Endpoint::Completions => Prompt::BareIds(
+                (0..n)
+                    .map(|_| {
+                        let span = RANDOM_IDS.end - RANDOM_IDS.start;
+                        (RANDOM_IDS.start + rng.next_u64() % span) as u32
+                    })
+                    .collect(),
+            ),
+            Endpoint::Chat => {
+                bail!("the server's model has no tokenizer: use --endpoint completions")
+            }
+        },
+        (true, Tokenized::Ids(ids)) if ids.len() >= n => match spec.endpoint {
+            Endpoint::Completions => Prompt::Ids(ids[..n].to_vec()),
+            Endpoint::Chat => {
+                // As many words as make about prompt_len tokens at this text's ratio.
+                let n_words = text.split(' ').count();
+                let keep = (n * n_words).div_ceil(ids.len()).max(1);
+                Prompt::Text(text.split(' ').take(keep).collect::<Vec<_>>().join(" "))
+            }
+        },
+        _ => {
+            *exact = false;
+            Prompt::Text(text.split(' ').take(n).collect::<Vec<_>>().join(" "))
+        }
+    })
+}
+
+pub(crate) fn request_body(spec: &PromptSpec, model: &str, prompt: &Prompt) -> Value {
     let mut body = json!({
         "model": model,
-        "max_tokens": args.gen_len,
+        "max_tokens": spec.gen_len,
         "ignore_eos": true,
-        "temperature": args.temperature,
+        "temperature": spec.temperature,
         "stream": true,
         "stream_options": {"include_usage": true},
     });
@@ -151,9 +173,9 @@ pub(crate) fn request_body(args: &BenchServeArgs, model: &str, prompt: &Prompt) 
         }
         Prompt::Text(s) => json!(s),
     };
-    match args.endpoint {
+    match spec.endpoint {
         Endpoint::Completions => body["prompt"] = prompt,
-        // Chat prompts are always text (see `make_prompts`).
+        // Chat prompts are always text (see `make_prompt`).
         Endpoint::Chat => body["messages"] = json!([{"role": "user", "content": prompt}]),
     }
     body

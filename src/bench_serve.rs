@@ -24,12 +24,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
-use clap::{Args, Subcommand, ValueEnum};
+use clap::{Args, Subcommand};
 use serde_json::{json, Value};
 use tokio::sync::Semaphore;
 
 use crate::bench::BenchArgs;
-use crate::bench_prompts::{make_prompts, request_body, Rng, Tokenized};
+pub use crate::bench_prompts::Endpoint;
+use crate::bench_prompts::{make_prompt, prompt_words, request_body, Prompt, PromptSpec, Rng, Tokenized};
 use crate::prometheus;
 use crate::server_metrics::{RunCounters, Scrape};
 
@@ -47,14 +48,6 @@ pub struct BenchCommand {
 pub enum BenchSub {
     /// Load a running OpenAI-compatible server and print throughput and latency percentiles.
     Serve(BenchServeArgs),
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Endpoint {
-    /// `/v1/completions` (token-id prompts of exact length when the server can tokenize).
-    Completions,
-    /// `/v1/chat/completions` with one user message.
-    Chat,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -222,6 +215,25 @@ impl Summary {
 fn base_url(url: &str) -> String {
     let u = url.trim_end_matches('/');
     u.strip_suffix("/v1").unwrap_or(u).to_string()
+}
+
+/// The run's prompts (one more than `--num-prompts`: the last warms the server) and whether their
+/// lengths are exact.
+async fn make_prompts(
+    t: &Target,
+    spec: &PromptSpec,
+    args: &BenchServeArgs,
+    model: &str,
+) -> Result<(Vec<Prompt>, bool)> {
+    let mut rng = Rng(args.seed);
+    let mut prompts = Vec::with_capacity(args.num_prompts + 1);
+    let mut exact = true;
+    for _ in 0..args.num_prompts + 1 {
+        let text = prompt_words(spec, &mut rng);
+        let tokenized = t.tokenize(model, &text).await?;
+        prompts.push(make_prompt(spec, &mut rng, text, tokenized, &mut exact)?);
+    }
+    Ok((prompts, exact))
 }
 
 pub(crate) struct Target {
@@ -415,11 +427,14 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
             .ok_or_else(|| anyhow!("/v1/models lists no model: {listed}"))?
             .to_string(),
     };
-    let path = match args.endpoint {
-        Endpoint::Completions => "/v1/completions",
-        Endpoint::Chat => "/v1/chat/completions",
+    let path = args.endpoint.path();
+    let spec = PromptSpec {
+        endpoint: args.endpoint,
+        prompt_len: args.prompt_len,
+        gen_len: args.gen_len,
+        temperature: args.temperature,
     };
-    let (mut prompts, exact) = make_prompts(&t, &args, &model).await?;
+    let (mut prompts, exact) = make_prompts(&t, &spec, &args, &model).await?;
     println!(
         "bench serve: {} {path}, model {model}, {} prompts of {} tokens{}, {} generated tokens each, \
          concurrency {}, request rate {}",
@@ -435,7 +450,7 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
 
     // One request first, outside the measurement: it checks the setup and warms the server.
     let warm = prompts.pop().ok_or_else(|| anyhow!("no prompt was made"))?;
-    let w = one_request(&t, path, request_body(&args, &model, &warm)).await;
+    let w = one_request(&t, path, request_body(&spec, &model, &warm)).await;
     if let Some(e) = w.error {
         bail!("the first test request failed: {e}");
     }
@@ -455,7 +470,7 @@ async fn run_async(args: BenchServeArgs) -> Result<()> {
         }
         let permit = sem.clone().acquire_owned().await?;
         let t = t.clone();
-        let body = request_body(&args, &model, prompt);
+        let body = request_body(&spec, &model, prompt);
         tasks.push(tokio::spawn(async move {
             let o = one_request(&t, path, body).await;
             drop(permit);

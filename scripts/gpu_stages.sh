@@ -17,7 +17,10 @@
 # the 3x3090 preset's 3 stages of --gpu-memory-budget 23.5GiB (also with --no-pp-deferred-receive),
 # and the 80B Qwen3-Next as 1 stage and as 2 stages of 23.5GiB, all with --max-model-len 32768 and
 # steps of 256 tokens. `sanmai plan` for the preset's stages on cuda:0 (the q125-3 case) prints into
-# OUT_DIR/plan.txt first. SANMAI_STAGE_CASES picks cases by name (default: all).
+# OUT_DIR/plan.txt first. The cases q125-1-off and q125-3-off run q125-1 and q125-3 with the QSA K/V
+# rows in pinned host memory (--qsa-kv-offload) and are compared with q125-1 too; every case also
+# times decode at batch 1 after a prompt of 8,192 tokens (OUT_DIR/CASE.bench.log).
+# SANMAI_STAGE_CASES picks cases by name (default: all).
 set -uo pipefail
 out=${1:?usage: gpu_stages.sh OUT_DIR [BIN_DIR]}
 bin_dir=${2:-.device-bin}
@@ -79,6 +82,8 @@ serve_case() {
       "$sanmai" bench serve --url "http://127.0.0.1:$port" --concurrency $c --num-prompts $((3 * c)) \
         --prompt-len 512 --gen-len 64 >>"$out/$name.bench.log" 2>&1 || rc=1
     done
+    "$sanmai" bench serve --url "http://127.0.0.1:$port" --concurrency 1 --num-prompts 2 \
+      --prompt-len 8192 --gen-len 64 >>"$out/$name.bench.log" 2>&1 || rc=1
     curl -sS "http://127.0.0.1:$port/metrics" >"$out/$name.metrics" 2>/dev/null
   else
     rc=1
@@ -105,6 +110,10 @@ for c in $cases; do
       --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 ;;
     q125-3-nodefer) serve_case q125-3-nodefer --load-format dummy --config "$q125" --ple-table "$table" \
       --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 --no-pp-deferred-receive ;;
+    q125-1-off) serve_case q125-1-off --load-format dummy --config "$q125" --ple-table "$table" --device cuda:0 \
+      "${flags[@]}" --gpu-memory-budget 80GiB --qsa-kv-offload ;;
+    q125-3-off) serve_case q125-3-off --load-format dummy --config "$q125" --ple-table "$table" \
+      --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 --qsa-kv-offload ;;
     q80-1) serve_case q80-1 --load-format dummy --config "$q80" --device cuda:0 "${flags[@]}" \
       --gpu-memory-budget 50GiB ;;
     q80-2) serve_case q80-2 --load-format dummy --config "$q80" --pipeline-parallel-size 2 \
@@ -120,10 +129,12 @@ def load(name):
     p = os.path.join(out, name + ".seq.json")
     return json.load(open(p)) if os.path.exists(p) and os.path.getsize(p) else None
 bad = 0
-for one, many in (("q125-1", "q125-3"), ("q80-1", "q80-2")):
+for one, many in (("q125-1", "q125-3"), ("q125-1", "q125-1-off"), ("q125-1", "q125-3-off"),
+                  ("q80-1", "q80-2")):
     a, b = load(one), load(many)
     if a is None or b is None:
-        print(f"{one} vs {many}: missing run")
+        if a is not None or b is not None:
+            print(f"{one} vs {many}: missing run")
         continue
     for x, y in zip(a, b):
         same_text = x["text"] == y["text"]

@@ -30,7 +30,9 @@ use tokio::sync::Semaphore;
 
 use crate::bench::BenchArgs;
 pub use crate::bench_prompts::Endpoint;
-use crate::bench_prompts::{make_prompt, prompt_words, request_body, Prompt, PromptSpec, Rng, Tokenized};
+use crate::bench_prompts::{
+    make_prompt, prompt_words, request_body, Prompt, PromptSpec, Rng, Tokenized,
+};
 use crate::prometheus;
 use crate::server_metrics::{RunCounters, Scrape};
 

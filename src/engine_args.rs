@@ -7,7 +7,7 @@ use sanmai_config::ModelConfig;
 use sanmai_engine::{
     start, EngineConfig, EngineHandle, ModelExecutor, PipelineExecutor, PipelineOptions,
 };
-use sanmai_model::Backend;
+use sanmai_model::{Backend, KvHost};
 
 use crate::bytes::ByteSize;
 use crate::load::Loaded;
@@ -50,15 +50,53 @@ pub struct EngineArgs {
     /// Stages sharing a GPU add up and must fit it.
     #[arg(long, value_name = "BYTES")]
     pub gpu_memory_budget: Option<ByteSize>,
+    /// Keep the K and V rows of QSA layers in pinned host RAM (the GPU reads the rows it selects
+    /// through unified addressing); the index keys and everything else stay on the device. The pool
+    /// is pinned at start, stage by stage under a lock file, after a check of MemAvailable.
+    #[arg(long)]
+    pub qsa_kv_offload: bool,
+    /// RAM that must stay available after pinning the QSA K/V pool (it serves the PLE table's page
+    /// cache, for one), e.g. 8GiB [default: 0].
+    #[arg(long, value_name = "BYTES")]
+    pub host_memory_reserve: Option<ByteSize>,
 }
 
 impl EngineArgs {
-    /// The flags that set the stages' memory budgets.
+    /// The flags that set the stages' memory budgets and what stays off the device.
     pub fn budget_flags(&self) -> BudgetFlags {
         BudgetFlags {
             budget: self.gpu_memory_budget.map(|b| b.0),
             utilization: self.gpu_memory_utilization,
+            qsa_kv_offload: self.qsa_kv_offload,
         }
+    }
+
+    /// Refuses `--qsa-kv-offload` for a model without QSA layers.
+    pub fn check_offload(&self, cfg: &ModelConfig) -> Result<()> {
+        if self.qsa_kv_offload && cfg.qsa.is_none() {
+            return Err(anyhow!(
+                "--qsa-kv-offload: the model has no QSA layers (its config has no `qsa` block)"
+            ));
+        }
+        if self.host_memory_reserve.is_some() && !self.qsa_kv_offload {
+            return Err(anyhow!(
+                "--host-memory-reserve applies to the pinned pool of --qsa-kv-offload, which is off"
+            ));
+        }
+        Ok(())
+    }
+
+    /// What each stage's backend needs to pin its QSA K/V pool, when `--qsa-kv-offload` is on.
+    fn kv_host(&self, stage: usize, stages: usize) -> Option<KvHost> {
+        self.qsa_kv_offload.then(|| KvHost {
+            what: if stages == 1 {
+                "the QSA K/V pool".into()
+            } else {
+                format!("the QSA K/V pool of stage {stage}")
+            },
+            reserve: self.host_memory_reserve.map_or(0, |b| b.0),
+            lock_path: std::env::temp_dir().join("sanmai-pin.lock"),
+        })
     }
 
     /// The engine's settings for a model of `cfg` (the K/V budget left to the memory plan).
@@ -127,6 +165,7 @@ impl EngineArgs {
             eos_ids,
             default_max_tokens,
         )?;
+        self.check_offload(&stages[0].cfg)?;
         let plan = memory_plan::plan_loaded(
             &stages,
             &devices,
@@ -137,6 +176,10 @@ impl EngineArgs {
         )?;
         plan.log();
         cfg.kv_cache_memory_bytes = plan.kv_cache_memory_bytes();
+        let n = stages.len();
+        for (k, m) in stages.iter_mut().enumerate() {
+            m.kv_host = self.kv_host(k, n);
+        }
         if stages.len() == 1 {
             let model = stages.pop().expect("one stage");
             start(

@@ -40,6 +40,8 @@ pub struct BudgetFlags {
     pub budget: Option<usize>,
     /// `--gpu-memory-utilization`.
     pub utilization: Option<f64>,
+    /// `--qsa-kv-offload`: the QSA K/V rows count against host RAM, not the stages' budgets.
+    pub qsa_kv_offload: bool,
 }
 
 /// Default of `--gpu-memory-utilization`.
@@ -100,9 +102,12 @@ pub struct StageMemory {
     pub profiled: bool,
     /// GDN (and PLE conv) state of one sequence.
     pub state_per_seq: usize,
-    /// K/V of one token on this stage's layers.
+    /// K/V of one token on this stage's layers, on the device.
     pub kv_per_token: usize,
-    /// Pinned host memory the stage holds (the step metadata staging ring is not counted).
+    /// K/V of one token on this stage's layers kept in pinned host memory (`--qsa-kv-offload`).
+    pub kv_host_per_token: usize,
+    /// Pinned host memory the stage holds: its share of the K/V blocks' host part (the step
+    /// metadata staging ring is not counted).
     pub pinned_host: usize,
 }
 
@@ -151,10 +156,23 @@ impl StageMemory {
                         r,
                         storage.cache_elem(),
                     ),
+                    kv_host_per_token: 0,
                     pinned_host: 0,
                 }
             })
             .collect()
+    }
+
+    /// The stage with its QSA K/V rows in pinned host memory when `--qsa-kv-offload` is on: their
+    /// bytes move from the device's share of a token to the host's; the index keys stay.
+    pub fn offload_if(mut self, flags: &BudgetFlags, cfg: &ModelConfig) -> StageMemory {
+        if flags.qsa_kv_offload && self.kv_host_per_token == 0 {
+            let elem = storage_of(self.device).cache_elem();
+            let host = weight_plan::stage_qsa_kv_bytes_per_token(cfg, &self.layers, elem);
+            self.kv_per_token -= host;
+            self.kv_host_per_token = host;
+        }
+        self
     }
 
     /// A loaded stage's numbers without a profiling step: its resident weights, its caches' sizes
@@ -181,6 +199,7 @@ impl StageMemory {
             profiled: false,
             state_per_seq: m.state_bytes(4),
             kv_per_token: m.kv_bytes_per_token(B::CACHE_ELEM_BYTES),
+            kv_host_per_token: m.kv_host_bytes_per_token(B::CACHE_ELEM_BYTES),
             pinned_host: 0,
         }
     }
@@ -220,6 +239,17 @@ fn default_kv_bytes(per_token: usize, max_model_len: usize) -> usize {
     (4 * one_request)
         .min(8 << 30)
         .max(one_request + one_request / 8)
+}
+
+/// The K/V budget (device bytes) of `max_num_seqs` requests of `max_model_len` with all their
+/// state checkpoints, one block to spare: the default when the QSA K/V rows live in host memory.
+fn host_held_kv_bytes(g: &CacheGeometry, cfg: &EngineConfig) -> usize {
+    let bs = cfg.block_size.max(1);
+    let block_bytes = g.kv_bytes_per_token * bs;
+    // A bad interval is refused by the cache plan itself.
+    let checkpoints = cfg.request_checkpoints(g).unwrap_or(0);
+    cfg.max_num_seqs * (cfg.max_model_len.div_ceil(bs) * block_bytes + checkpoints * g.state_bytes)
+        + 2 * block_bytes
 }
 
 /// The stages' memory and the cache plan they share.
@@ -279,6 +309,7 @@ impl MemoryPlan {
         }
         let geometry = CacheGeometry {
             kv_bytes_per_token: stages.iter().map(|s| s.kv_per_token).sum(),
+            host_kv_bytes_per_token: stages.iter().map(|s| s.kv_host_per_token).sum(),
             state_bytes: stages.iter().map(|s| s.state_per_seq).sum(),
             history_tokens: 0,
         };
@@ -299,6 +330,15 @@ impl MemoryPlan {
             (Some(kv), _) => kv,
             (None, Some(kv)) if kv < usize::MAX => kv,
             _ => default_kv_bytes(geometry.kv_bytes_per_token, cfg.max_model_len),
+        };
+        // With the QSA K/V rows in host memory a block costs the device little: hold the blocks
+        // and checkpoints of `max_num_seqs` full-length requests, not every block the device
+        // could index, so the pinned pool is what those requests need.
+        let kv = match kv_cache_memory_bytes {
+            None if geometry.host_kv_bytes_per_token > 0 => {
+                kv.min(host_held_kv_bytes(&geometry, cfg))
+            }
+            _ => kv,
         };
         let mut cfg = cfg.clone();
         cfg.kv_cache_memory_bytes = kv;
@@ -326,6 +366,10 @@ impl MemoryPlan {
                     table(&stages)
                 );
             }
+        }
+        let mut stages = stages;
+        for s in &mut stages {
+            s.pinned_host = cache.num_blocks * cache.block_size * s.kv_host_per_token;
         }
         Ok(MemoryPlan {
             stages,
@@ -404,7 +448,7 @@ pub fn plan_loaded<B: Backend>(
             .iter()
             .zip(devices)
             .zip(budgets)
-            .map(|((m, &d), b)| StageMemory::loaded(m, d, t, b))
+            .map(|((m, &d), b)| StageMemory::loaded(m, d, t, b).offload_if(flags, &m.cfg))
             .collect();
         return MemoryPlan::new(mem, cfg, kv_cache_memory_bytes, flags);
     }
@@ -429,7 +473,7 @@ pub fn plan_loaded<B: Backend>(
         let before = (gpus[k].free)()?;
         profile(m, cfg)?;
         let after = (gpus[k].free)()?;
-        let mut s = StageMemory::loaded(m, devices[k], t, budgets[k]);
+        let mut s = StageMemory::loaded(m, devices[k], t, budgets[k]).offload_if(flags, &m.cfg);
         let mut step = before.saturating_sub(after);
         if devices[..k].contains(&devices[k]) {
             // The card's memory pool may hand this step what an earlier stage's step freed, but

@@ -146,6 +146,7 @@ pub fn make_plan(args: &PlanArgs) -> Result<(String, StageLayout, MemoryPlan)> {
         Vec::new(),
         None,
     )?;
+    engine.check_offload(&src.cfg)?;
     let flags = engine.budget_flags();
     let budgets = flags.stage_budgets(&layout.devices, &card_totals(&layout))?;
     let stages = StageMemory::estimate(
@@ -154,7 +155,10 @@ pub fn make_plan(args: &PlanArgs) -> Result<(String, StageLayout, MemoryPlan)> {
         src.form(),
         cfg.max_num_batched_tokens,
         &budgets,
-    );
+    )
+    .into_iter()
+    .map(|s| s.offload_if(&flags, &src.cfg))
+    .collect();
     let plan = MemoryPlan::new(stages, &cfg, engine.kv_cache_memory_bytes, &flags)?;
     Ok((src.name, layout, plan))
 }

@@ -89,6 +89,9 @@ pub struct Preset {
     pub pp_layer_partition: Option<String>,
     /// One device, or one per stage (e.g. "cuda:0,cuda:1,cuda:2").
     pub device: Option<String>,
+    pub qsa_kv_offload: Option<bool>,
+    /// Bytes, as on the command line (e.g. "8GiB").
+    pub host_memory_reserve: Option<String>,
 }
 
 impl Preset {
@@ -118,6 +121,15 @@ impl Preset {
                     .parse()
                     .map_err(|m| anyhow::anyhow!("preset gpu-memory-budget {m}"))?;
                 e.gpu_memory_budget = Some(b);
+            }
+        }
+        e.qsa_kv_offload |= self.qsa_kv_offload.unwrap_or(false);
+        if e.host_memory_reserve.is_none() {
+            if let Some(text) = &self.host_memory_reserve {
+                let b = text
+                    .parse()
+                    .map_err(|m| anyhow::anyhow!("preset host-memory-reserve {m}"))?;
+                e.host_memory_reserve = Some(b);
             }
         }
         Ok(())

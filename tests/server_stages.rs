@@ -357,23 +357,117 @@ fn workload(s: &ServerProc, stages: usize) -> Answers {
     }
 }
 
-/// Every layout of a fixture answers the workload exactly as one stage does.
-fn stages_are_exact(name: &str, ple: bool) {
+/// The numbers of the K/V cache line a server logged: `(blocks, bytes per block, checkpoint slots,
+/// bytes per checkpoint)`.
+fn cache_line(s: &ServerProc) -> (usize, usize, usize, usize) {
+    kv_bytes_per_block(s);
+    let log = s.log();
+    let line = log
+        .lines()
+        .find(|l| l.contains(" bytes per block)"))
+        .unwrap();
+    let nums: Vec<usize> = line
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    let at = |word: &str| {
+        let i = line.find(word).unwrap();
+        let n = line[..i]
+            .split(|c: char| !c.is_ascii_digit())
+            .filter(|w| !w.is_empty())
+            .count();
+        nums[n - 1]
+    };
+    let after = |word: &str| {
+        let i = line.find(word).unwrap() + word.len();
+        line[i..]
+            .split(|c: char| !c.is_ascii_digit())
+            .find(|w| !w.is_empty())
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    (
+        at(" blocks of "),
+        at(" bytes per block)"),
+        at(" state checkpoint slots"),
+        after("state checkpoint slots of "),
+    )
+}
+
+/// Layouts with the QSA K/V rows in pinned host memory (`--qsa-kv-offload`): one and two stages.
+const OFFLOAD_LAYOUTS: [Layout; 2] = [
+    Layout {
+        flags: &["--qsa-kv-offload"],
+        stages: 1,
+    },
+    Layout {
+        flags: &["--qsa-kv-offload", "--pipeline-parallel-size", "2"],
+        stages: 2,
+    },
+];
+
+/// Every layout of a fixture answers the workload exactly as one stage does; with `offload`, so do
+/// the [`OFFLOAD_LAYOUTS`], under a budget of the same blocks and checkpoint slots.
+fn stages_are_exact(name: &str, ple: bool, offload: bool) {
     let dir = fixture(name);
     // The K/V bytes per token (of all stages together) size the small budget.
     let max_len = MAX_MODEL_LEN.to_string();
     let per_token = kv_bytes_per_token(&start(&dir, ple, &["--max-model-len", &max_len]));
     let budget = (BUDGET_BLOCKS * 16 * per_token).to_string();
+    // With the K/V rows in host memory a block costs the device its index keys only: the same
+    // blocks and checkpoint slots as the small budget gives.
+    let (offload_budget, same_cache) = if offload {
+        let small = start(
+            &dir,
+            ple,
+            &[
+                "--max-model-len",
+                &max_len,
+                "--kv-cache-memory-bytes",
+                &budget,
+            ],
+        );
+        let (blocks, _, slots, state) = cache_line(&small);
+        let off = start(
+            &dir,
+            ple,
+            &["--max-model-len", &max_len, "--qsa-kv-offload"],
+        );
+        let (_, block_bytes, _, _) = cache_line(&off);
+        let log = off.log();
+        assert!(log.contains("QSA K/V rows in pinned host memory"), "{log}");
+        (
+            (blocks * block_bytes + slots * state).to_string(),
+            (blocks, slots),
+        )
+    } else {
+        (String::new(), (0, 0))
+    };
+    let layouts = LAYOUTS.iter().map(|l| (l, &budget));
+    let offloaded = OFFLOAD_LAYOUTS
+        .iter()
+        .filter(|_| offload)
+        .map(|l| (l, &offload_budget));
     let mut reference: Option<Answers> = None;
-    for layout in &LAYOUTS {
+    for (layout, budget) in layouts.chain(offloaded) {
         let mut extra = vec![
             "--max-model-len",
             &max_len,
             "--kv-cache-memory-bytes",
-            &budget,
+            budget,
         ];
         extra.extend(layout.flags);
         let s = start(&dir, ple, &extra);
+        if budget == &offload_budget {
+            let (blocks, _, slots, _) = cache_line(&s);
+            assert_eq!(
+                (blocks, slots),
+                same_cache,
+                "{:?}: blocks and checkpoint slots",
+                layout.flags
+            );
+        }
         let got = workload(&s, layout.stages);
         drop(s);
         let what = format!("{name}, {:?}", layout.flags);
@@ -411,17 +505,17 @@ fn stages_are_exact(name: &str, ple: bool) {
 
 #[test]
 fn gdn_stages_are_exact() {
-    stages_are_exact("qwen3_next_tiny", false);
+    stages_are_exact("qwen3_next_tiny", false, false);
 }
 
 #[test]
 fn moe_mtp_stages_are_exact() {
-    stages_are_exact("qwen3_5_moe_tiny", false);
+    stages_are_exact("qwen3_5_moe_tiny", false, false);
 }
 
 #[test]
 fn qsa_ple_hc_stages_are_exact() {
-    stages_are_exact("qwen4_exp_all_tiny", true);
+    stages_are_exact("qwen4_exp_all_tiny", true, true);
 }
 
 /// `sanmai serve ARGS` on the GDN fixture exits with an error; returns its stderr.

@@ -228,6 +228,7 @@ fn ple_backend(sh: &PleShape) -> CpuBackend {
         },
         ple_layers: vec![2],
         ple: Some(*sh),
+        kv_host: None,
     })
     .unwrap();
     b

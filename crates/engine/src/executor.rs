@@ -109,8 +109,10 @@ impl StepLogits {
 /// Sizes the engine needs to plan its cache budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheGeometry {
-    /// K/V bytes of one token across all attention layers.
+    /// K/V bytes of one token across all attention layers, on the device.
     pub kv_bytes_per_token: usize,
+    /// K/V bytes of one token kept in pinned host memory (QSA K/V rows under `--qsa-kv-offload`).
+    pub host_kv_bytes_per_token: usize,
     /// Bytes of one GDN state (all GDN layers); 0 for models without GDN layers.
     pub state_bytes: usize,
     /// Tokens before a chunk that a step needs besides the caches (see [`PlannedChunk::history`]).
@@ -290,6 +292,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
 pub(crate) fn geometry_of<B: Backend>(m: &Model<B>) -> CacheGeometry {
     CacheGeometry {
         kv_bytes_per_token: m.kv_bytes_per_token(B::CACHE_ELEM_BYTES),
+        host_kv_bytes_per_token: m.kv_host_bytes_per_token(B::CACHE_ELEM_BYTES),
         // The recurrent state is f32 on every backend.
         state_bytes: m.state_bytes(4),
         history_tokens: m

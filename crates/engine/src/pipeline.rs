@@ -222,6 +222,7 @@ impl<B: Backend + 'static> Executor for PipelineExecutor<B> {
         let parts: Vec<CacheGeometry> = self.stages.iter().map(|m| geometry_of(m)).collect();
         CacheGeometry {
             kv_bytes_per_token: parts.iter().map(|g| g.kv_bytes_per_token).sum(),
+            host_kv_bytes_per_token: parts.iter().map(|g| g.host_kv_bytes_per_token).sum(),
             state_bytes: parts.iter().map(|g| g.state_bytes).sum(),
             history_tokens: parts.iter().map(|g| g.history_tokens).max().unwrap_or(0),
         }

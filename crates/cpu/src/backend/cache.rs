@@ -7,13 +7,14 @@ use std::sync::atomic::Ordering;
 
 use sanmai_model::backend::{BackendError, CacheSpec, OpResult, SeqChunk};
 
+use super::rows::{pin_rows, Rows};
 use super::{ensure, CpuBackend};
 
 /// K/V of one attention layer for every block: `[num_blocks, block_size, kv_heads·head_dim]` each,
 /// and QSA's index-key entries `[num_blocks, block_size, dI + 2]` bytes (empty without QSA).
 pub(crate) struct KvPool {
-    pub(crate) k: Vec<f32>,
-    pub(crate) v: Vec<f32>,
+    pub(crate) k: Rows,
+    pub(crate) v: Rows,
     pub(crate) idx: Vec<u8>,
 }
 
@@ -134,19 +135,28 @@ impl CpuBackend {
         pools.block_size = spec.block_size;
         pools.row = row;
         pools.idx_row = idx_row;
-        // Zero-filled allocations are lazily backed by the OS: only touched blocks cost memory.
+        // Zero-filled allocations are lazily backed by the OS: only touched blocks cost memory. The
+        // QSA layers' K and V rows may live in one pinned host pool instead.
+        let layers = spec.attn_layers.len();
+        let mut rows = match &spec.kv_host {
+            Some(host) if idx_row > 0 => {
+                pools.layers.clear();
+                pin_rows(host, 2 * layers, n)?
+            }
+            _ => (0..2 * layers).map(|_| Rows::Heap(vec![0.0; n])).collect(),
+        }
+        .into_iter();
         pools.layers = spec
             .attn_layers
             .iter()
             .map(|&l| {
-                (
-                    l,
-                    KvPool {
-                        k: vec![0.0; n],
-                        v: vec![0.0; n],
-                        idx: vec![0; spec.num_blocks * spec.block_size * idx_row],
-                    },
-                )
+                let (k, v) = (rows.next(), rows.next());
+                let pool = KvPool {
+                    k: k.expect("two row pools a layer"),
+                    v: v.expect("two row pools a layer"),
+                    idx: vec![0; spec.num_blocks * spec.block_size * idx_row],
+                };
+                (l, pool)
             })
             .collect();
         *self.gdn.lock().unwrap() = Some((spec.gdn_layers.clone(), spec.gdn));

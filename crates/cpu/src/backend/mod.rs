@@ -17,6 +17,7 @@ mod moe;
 mod ple;
 mod probe;
 mod qsa;
+mod rows;
 
 use std::collections::HashMap;
 use std::sync::atomic::AtomicUsize;

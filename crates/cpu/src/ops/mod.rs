@@ -27,6 +27,7 @@ mod norm;
 mod ple;
 mod qsa;
 mod rope;
+pub mod row_cache;
 
 pub use act::{sigmoid, silu, softplus, swiglu};
 pub use attention::{attention_causal, Causal, Heads};

@@ -11,17 +11,18 @@
 
 use std::collections::HashMap;
 
-use cudarc::driver::{result, CudaSlice, DevicePtr, DeviceRepr, ValidAsZeroBits};
+use cudarc::driver::{result, CudaSlice, DevicePtr, DeviceRepr, DeviceSlice, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{CacheSpec, GdnShape, PleShape};
 
+use super::host_rows::{pin_rows, Rows};
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 
 /// The K and V pools of one attention layer.
 pub(crate) struct KvPool {
-    pub k: CudaSlice<bf16>,
-    pub v: CudaSlice<bf16>,
+    pub k: Rows,
+    pub v: Rows,
     /// QSA index keys `[num_blocks, block_size, idx_row]` bytes (`None` without QSA).
     pub idx: Option<CudaSlice<u8>>,
 }
@@ -53,10 +54,12 @@ impl KvPools {
         self.layers.get_mut(&layer).ok_or_else(|| no_pool(layer))
     }
 
+    /// Device bytes of the pools (K/V rows in host memory not counted).
     pub fn bytes(&self) -> usize {
+        let on_device = |r: &Rows| if r.on_host() { 0 } else { 2 * r.len() };
         self.layers
             .values()
-            .map(|p| 2 * (p.k.len() + p.v.len()) + p.idx.as_ref().map_or(0, |i| i.len()))
+            .map(|p| on_device(&p.k) + on_device(&p.v) + p.idx.as_ref().map_or(0, |i| i.len()))
             .sum()
     }
 }
@@ -106,10 +109,10 @@ pub(crate) fn ssm_len(g: &GdnShape) -> usize {
 }
 
 /// Copies `n` elements from element `src` to element `dst` of `buf` (or of `to`, when given).
-fn copy_within<T: DeviceRepr>(
+fn copy_within<T: DeviceRepr, B: DevicePtr<T>>(
     gpu: &Gpu,
-    buf: &CudaSlice<T>,
-    to: Option<&CudaSlice<T>>,
+    buf: &B,
+    to: Option<&B>,
     src: usize,
     dst: usize,
     n: usize,
@@ -159,10 +162,20 @@ impl KvPools {
             0
         };
         let ni = (spec.num_blocks * spec.block_size * self.idx_row).max(1);
+        // The QSA layers' K and V rows may live in one pinned host pool instead.
+        let count = 2 * spec.attn_layers.len();
+        let mut rows = match &spec.kv_host {
+            Some(host) if self.idx_row > 0 => pin_rows(gpu, host, count, n)?,
+            _ => (0..count)
+                .map(|_| gpu.zeros(n).map(Rows::Device))
+                .collect::<Result<Vec<_>>>()?,
+        }
+        .into_iter();
         for &l in &spec.attn_layers {
+            let (k, v) = (rows.next(), rows.next());
             let pool = KvPool {
-                k: gpu.zeros(n)?,
-                v: gpu.zeros(n)?,
+                k: k.expect("two row pools a layer"),
+                v: v.expect("two row pools a layer"),
                 idx: if self.idx_row > 0 {
                     Some(gpu.zeros(ni)?)
                 } else {

@@ -23,6 +23,7 @@ mod gdn;
 mod graph;
 mod handover;
 mod hc;
+mod host_rows;
 mod linear;
 mod meta;
 mod moe;

@@ -17,6 +17,7 @@ use sanmai_model::backend::{QsaCall, SeqChunk};
 
 use super::attn::{attn_dims, Prepared};
 use super::cache::QsaPick;
+use super::host_rows::Rows;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};
@@ -365,8 +366,8 @@ struct Select<'a> {
     gate: &'a CudaSlice<bf16>,
     qi: &'a CudaSlice<f32>,
     wts: &'a CudaSlice<f32>,
-    k: &'a CudaSlice<bf16>,
-    v: &'a CudaSlice<bf16>,
+    k: &'a Rows,
+    v: &'a Rows,
     idx: &'a CudaSlice<u8>,
     tables: &'a CudaView<'a, u32>,
     stride: usize,
@@ -398,11 +399,7 @@ impl<'a> Select<'a> {
     }
 
     /// The layer's K/V pools read through `tables` (`stride` ids a row; 0: one table).
-    fn cache<'t, T: DevicePtr<u32>>(
-        &self,
-        tables: &'t T,
-        stride: usize,
-    ) -> PagedCache<'t, CudaSlice<bf16>, T>
+    fn cache<'t, T: DevicePtr<u32>>(&self, tables: &'t T, stride: usize) -> PagedCache<'t, Rows, T>
     where
         'a: 't,
     {

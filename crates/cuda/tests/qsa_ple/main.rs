@@ -140,5 +140,6 @@ fn spec(attn: bool, di: usize, ple: Option<PleShape>) -> CacheSpec {
         },
         ple_layers: if ple.is_some() { vec![0] } else { vec![] },
         ple,
+        kv_host: None,
     }
 }

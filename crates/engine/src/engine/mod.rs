@@ -65,6 +65,9 @@ pub struct CachePlan {
     /// The budget split: `num_blocks` blocks of `block_bytes` and `checkpoint_slots` states.
     pub budget_bytes: usize,
     pub block_bytes: usize,
+    /// Bytes of a block kept in pinned host memory besides `block_bytes` (QSA K/V rows under
+    /// `--qsa-kv-offload`; 0 without).
+    pub host_block_bytes: usize,
     pub state_bytes: usize,
     pub max_model_len: usize,
     /// K/V blocks one request of `max_model_len` takes.
@@ -88,13 +91,25 @@ impl CachePlan {
         max_num_seqs + self.checkpoint_slots
     }
 
+    /// Pinned host memory the blocks take (0 unless QSA K/V rows live in host memory).
+    pub fn host_bytes(&self) -> usize {
+        self.num_blocks * self.host_block_bytes
+    }
+
     /// The block arithmetic, one line (the server's log and `sanmai plan` print it).
     pub fn describe(&self) -> String {
+        let host = match self.host_block_bytes {
+            0 => String::new(),
+            b => format!(
+                "; QSA K/V rows in pinned host memory: {} bytes ({b} bytes per block)",
+                self.host_bytes()
+            ),
+        };
         format!(
             "K/V cache: {} bytes = {} blocks of {} tokens ({} bytes per block) + {} state checkpoint \
              slots of {} bytes; a {}-token request takes {} blocks ({} of K/V + {} checkpoints of {} \
              blocks, one per {} tokens and the prompt's end), so {} fit at once, {} of them with all \
-             their checkpoints",
+             their checkpoints{host}",
             self.budget_bytes,
             self.num_blocks,
             self.block_size,
@@ -114,6 +129,31 @@ impl CachePlan {
 }
 
 impl EngineConfig {
+    /// Tokens between GDN state checkpoints: `--state-checkpoint-interval`, else sized so that a
+    /// checkpoint costs no more than the K/V of the tokens it covers (64 blocks at least).
+    pub fn checkpoint_interval(&self, g: &CacheGeometry) -> Result<usize, String> {
+        let bs = self.block_size.max(1);
+        match self.state_checkpoint_interval {
+            Some(i) if i == 0 || i % bs != 0 => Err(format!(
+                "--state-checkpoint-interval {i} must be a positive multiple of the block size {bs}"
+            )),
+            Some(i) => Ok(i),
+            None => Ok((g.state_bytes / g.kv_bytes_per_token.max(1))
+                .next_multiple_of(bs)
+                .max(64 * bs)),
+        }
+    }
+
+    /// State checkpoints one request of `max_model_len` takes (one per interval and its prompt's
+    /// end; none without prefix caching or GDN state).
+    pub fn request_checkpoints(&self, g: &CacheGeometry) -> Result<usize, String> {
+        Ok(if self.enable_prefix_caching && g.state_bytes > 0 {
+            self.max_model_len / self.checkpoint_interval(g)? + 1
+        } else {
+            0
+        })
+    }
+
     /// Splits `kv_cache_memory_bytes` into state checkpoint slots (those of the requests of
     /// `max_model_len` that fit) and K/V blocks, and sets the checkpoint interval.
     pub fn cache_plan(&self, g: CacheGeometry) -> Result<CachePlan, String> {
@@ -121,21 +161,10 @@ impl EngineConfig {
         let budget = self.kv_cache_memory_bytes;
         let block_bytes = (g.kv_bytes_per_token * bs).max(1);
         let needed = self.max_model_len.div_ceil(bs) + 1;
-        let min_interval = (g.state_bytes / g.kv_bytes_per_token.max(1)).next_multiple_of(bs);
-        let interval = match self.state_checkpoint_interval {
-            Some(i) if i == 0 || i % bs != 0 => {
-                return Err(format!("--state-checkpoint-interval {i} must be a positive multiple of the block size {bs}"))
-            }
-            Some(i) => i,
-            None => min_interval.max(64 * bs),
-        };
+        let interval = self.checkpoint_interval(&g)?;
         let checkpoint_blocks = g.state_bytes.div_ceil(block_bytes).max(1);
         let request_blocks = self.max_model_len.div_ceil(bs);
-        let request_checkpoints = if self.enable_prefix_caching && g.state_bytes > 0 {
-            self.max_model_len / interval + 1
-        } else {
-            0
-        };
+        let request_checkpoints = self.request_checkpoints(&g)?;
         // The checkpoints of the requests that fit with theirs (of one at least), as many as
         // leave one request's blocks.
         let units = budget / block_bytes;
@@ -160,6 +189,7 @@ impl EngineConfig {
             checkpoint_slots,
             budget_bytes: budget,
             block_bytes,
+            host_block_bytes: g.host_kv_bytes_per_token * bs,
             state_bytes: g.state_bytes,
             max_model_len: self.max_model_len,
             request_blocks,

@@ -45,6 +45,21 @@ pub struct CacheSpec {
     pub ple_layers: Vec<usize>,
     /// PLE: the conv's shape (`None` when `ple_layers` is empty).
     pub ple: Option<PleShape>,
+    /// QSA: keep the K and V rows of the attention layers in pinned host memory (the device reads
+    /// them through unified addressing); the index keys stay on the device. `None`: all on the device.
+    pub kv_host: Option<KvHost>,
+}
+
+/// How a backend pins the host pool of QSA K/V rows (`--qsa-kv-offload`): one pool of exactly the
+/// needed size, pinned under a lock file after a check of the available RAM (`sanmai_pinned`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KvHost {
+    /// Names the pool in messages, e.g. "the QSA K/V pool of stage 1".
+    pub what: String,
+    /// RAM that must stay available after pinning (`--host-memory-reserve`).
+    pub reserve: usize,
+    /// The lock file that serialises pinning across stages and processes.
+    pub lock_path: std::path::PathBuf,
 }
 
 /// Static shapes of an attention layer call.

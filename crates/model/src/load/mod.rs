@@ -11,7 +11,7 @@ use sanmai_weights::{Init, Result, TensorSource, WeightError};
 
 use crate::backend::{
     AttnShape, AttnWeights, Backend, CacheSpec, GdnShape, GdnWeights, HcWeights, IndexerWeights,
-    MlpWeights, MoeWeights, OpResult, PackedInfo, PleShape, PleWeights, QsaShape, Rope,
+    KvHost, MlpWeights, MoeWeights, OpResult, PackedInfo, PleShape, PleWeights, QsaShape, Rope,
 };
 use crate::ple::source::PleSource;
 
@@ -77,6 +77,8 @@ pub struct Model<B: Backend> {
     pub hc_head: Option<B::Weight>,
     /// The weights loaded in packed form, in load order.
     pub packed: Vec<PackedInfo>,
+    /// Where [`Model::init_cache`] puts the K/V rows of QSA layers: pinned host memory when set.
+    pub kv_host: Option<KvHost>,
 }
 
 /// The four GDN input projections `(qkv, z, b, a)` in backend form.
@@ -563,6 +565,18 @@ impl<B: Backend> Model<B> {
         let a = &self.cfg.attention;
         let index = self.cfg.qsa.as_ref().map_or(0, |q| q.index_entry_bytes());
         self.attention_layers().len() * (2 * a.num_kv_heads * a.head_dim * elem + index)
+            - self.kv_host_bytes_per_token(elem)
+    }
+
+    /// Bytes of one token's K/V kept in pinned host memory ([`Model::kv_host`]; 0 without it).
+    pub fn kv_host_bytes_per_token(&self, elem: usize) -> usize {
+        let a = &self.cfg.attention;
+        match (&self.kv_host, &self.qsa) {
+            (Some(_), Some(_)) => {
+                self.attention_layers().len() * 2 * a.num_kv_heads * a.head_dim * elem
+            }
+            _ => 0,
+        }
     }
 
     /// Bytes of one sequence's state: GDN conv + recurrent state across all GDN layers and the PLE
@@ -600,6 +614,7 @@ impl<B: Backend> Model<B> {
             gdn: self.gdn_shape,
             ple_layers: self.ple_layers(),
             ple: self.ple.as_ref().map(|(sh, _)| *sh),
+            kv_host: self.kv_host.clone().filter(|_| self.qsa.is_some()),
         })
     }
 
@@ -794,6 +809,7 @@ impl<B: Backend> Model<B> {
             ple,
             hc_head,
             packed,
+            kv_host: None,
         })
     }
 }

@@ -96,6 +96,7 @@ impl EngineArgs {
             },
             reserve: self.host_memory_reserve.map_or(0, |b| b.0),
             lock_path: std::env::temp_dir().join("sanmai-pin.lock"),
+            row_cache_rows: 0,
         })
     }
 

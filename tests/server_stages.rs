@@ -520,10 +520,16 @@ fn qsa_ple_hc_stages_are_exact() {
 
 /// `sanmai serve ARGS` on the GDN fixture exits with an error; returns its stderr.
 fn serve_fails(args: &[&str]) -> String {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sanmai"))
-        .arg("serve")
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_sanmai"));
+    cmd.arg("serve")
         .args(["--port", "0", "--model", &fixture("qwen3_next_tiny")])
-        .args(args)
+        .args(args);
+    command_fails(cmd, args)
+}
+
+/// `cmd` (a `sanmai serve` command) exits with an error; returns its stderr.
+fn command_fails(mut cmd: Command, args: &[&str]) -> String {
+    let mut child = cmd
         .env("NO_COLOR", "1")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -582,4 +588,75 @@ fn bad_stage_flags_stop_the_server_naming_the_flag() {
         assert!(line.starts_with("Error: "), "{args:?}: {line:?}");
         assert!(!err.contains("Caused by"), "{args:?}: one line\n{err}");
     }
+}
+
+/// `sanmai serve` on the QSA fixture with its K/V rows in pinned host memory, run through
+/// `wrapper` (a command and its arguments, empty for none) with `args`; returns its stderr.
+fn offload_fails(wrapper: &[&str], args: &[&str]) -> String {
+    let dir = fixture("qwen4_exp_all_tiny");
+    let bin = env!("CARGO_BIN_EXE_sanmai");
+    let mut cmd = Command::new(wrapper.first().copied().unwrap_or(bin));
+    cmd.args(wrapper.iter().skip(1));
+    if !wrapper.is_empty() {
+        cmd.arg(bin);
+    }
+    cmd.arg("serve")
+        .args([
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--model",
+            &dir,
+            "--ple-table",
+            &dir,
+        ])
+        .args(["--max-model-len", "128", "--qsa-kv-offload"])
+        .args(args);
+    command_fails(cmd, args)
+}
+
+#[test]
+fn offload_refusals_name_the_flag_or_limit() {
+    // A model without QSA layers.
+    let err = serve_fails(&["--qsa-kv-offload"]);
+    assert!(
+        err.contains("--qsa-kv-offload: the model has no QSA layers"),
+        "{err}"
+    );
+    // Not enough RAM: a reserve larger than any machine's.
+    let err = offload_fails(&[], &["--host-memory-reserve", "64TiB"]);
+    let line = err
+        .lines()
+        .find(|l| l.contains("cannot pin"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("MemAvailable is")
+            && line.contains("--host-memory-reserve keeps 65536.00 GiB"),
+        "{line}"
+    );
+    // A memlock limit too small, without CAP_IPC_LOCK (which lifts it).
+    let setpriv = Command::new("setpriv").arg("--version").output();
+    if setpriv.is_err() {
+        eprintln!("skipped the memlock case: no setpriv");
+        return;
+    }
+    let err = offload_fails(
+        &[
+            "prlimit",
+            "--memlock=4096:4096",
+            "setpriv",
+            "--inh-caps=-ipc_lock",
+            "--bounding-set=-ipc_lock",
+        ],
+        &[],
+    );
+    let line = err
+        .lines()
+        .find(|l| l.contains("cannot pin"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("memlock") && line.contains("ulimit -l"),
+        "{line}"
+    );
 }

@@ -20,9 +20,9 @@ pub mod weight_plan;
 
 pub use backend::{
     AttnCall, AttnShape, AttnWeights, Backend, BackendError, DecodeStep, GdnCall, GdnShape,
-    GdnWeights, Handover, HcWeights, IndexerWeights, KvHost, MlpWeights, MoeCall, MoeWeights,
-    OpResult, PleCall, PleShape, PleWeights, Probe, QsaCall, QsaShape, Rope, SampleCall, SeqChunk,
-    SharedExpert, StageLink, StageRecv, StageSend,
+    GdnWeights, Handover, HcWeights, IndexerWeights, KvHost, KvHostStats, MlpWeights, MoeCall,
+    MoeWeights, OpResult, PleCall, PleShape, PleWeights, Probe, QsaCall, QsaShape, Rope,
+    RowCacheCounts, SampleCall, SeqChunk, SharedExpert, StageLink, StageRecv, StageSend,
 };
 pub use forward::{OutRows, Prepared, StepChunk, StepError, StepInput, StepOutput, StepStart};
 pub use load::{Ffn, Layer, Mixer, Model, MtpWeights};

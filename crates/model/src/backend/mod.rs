@@ -50,6 +50,24 @@ pub struct CacheSpec {
     pub kv_host: Option<KvHost>,
 }
 
+/// Counters of the QSA K/V host pool ([`Backend::kv_host_stats`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KvHostStats {
+    /// Per QSA layer (absolute index, ascending): row reads of decode-shaped steps that the VRAM row
+    /// cache served (`hits`) and that went to host memory (`misses`).
+    pub layers: Vec<RowCacheCounts>,
+    /// Bytes of K/V rows read from host memory (row-cache misses and every row of uncached steps).
+    pub host_bytes_read: u64,
+}
+
+/// One QSA layer's row-cache counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RowCacheCounts {
+    pub layer: usize,
+    pub hits: u64,
+    pub misses: u64,
+}
+
 /// How a backend pins the host pool of QSA K/V rows (`--qsa-kv-offload`): one pool of exactly the
 /// needed size, pinned under a lock file after a check of the available RAM (`sanmai_pinned`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,7 +78,14 @@ pub struct KvHost {
     pub reserve: usize,
     /// The lock file that serialises pinning across stages and processes.
     pub lock_path: std::path::PathBuf,
+    /// Rows of the VRAM row cache, split over the stage's QSA layers (0: no row cache). Only
+    /// decode-shaped steps ([`MAX_CACHED_ROWS`] query rows at most) read through it.
+    pub row_cache_rows: usize,
 }
+
+/// Decode-shaped steps (at most this many query rows: fixed launch shapes, recorded in CUDA graphs)
+/// read QSA K/V rows through the row cache; larger steps read every row from host memory.
+pub const MAX_CACHED_ROWS: usize = 12;
 
 /// Static shapes of an attention layer call.
 #[derive(Debug, Clone, Copy)]
@@ -447,6 +472,12 @@ pub trait Backend: Send + Sync {
     /// engine should sample through it; `false` for a backend whose logits live on the host anyway.
     fn device_sampling(&self) -> bool {
         false
+    }
+
+    /// What the QSA K/V host pool has served since the caches were initialised, when the K/V rows
+    /// live in host memory ([`CacheSpec::kv_host`]); `None` otherwise.
+    fn kv_host_stats(&self) -> OpResult<Option<KvHostStats>> {
+        Ok(None)
     }
 
     /// Bytes a weight occupies in this backend's storage: what one pass over it reads.

@@ -279,21 +279,47 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_topk_decode(const float* 
     topk_row(scores + (size_t)r * ld, ctx, topk, sel + (size_t)r * topk, counts + r);
 }
 
+// Where a selected row of the cached attention comes from (qsa_attn_partial, rc_st): host memory (a
+// miss, or the uncached kernel), the row cache's line (a hit), or host memory with the row copied into
+// the line its slot claimed (a miss that fills).
+#define RC_HOST 0
+#define RC_HIT 1
+#define RC_FILL 2
+
 // Grid (hq, splits, rows); block a multiple of 32 threads. Row r (q normed and roped) attends to its
 // counts[r] (at most sel_stride) selected positions sel[r·sel_stride ..], span sp of QSA_SPLIT of them;
 // K/V rows are gathered through block table table + r·table_stride (stride 0: the rows of one
 // sequence share its table; the decode form passes one table row per sequence). Writes part_o [rows, hq,
 // splits, d] (unnormalised Σ e·v) and part_ml [.., 2] (max, Σ e), as attn_paged_partial.
+//
+// The row cache (qsa_cache.cu; rc_tags null: none, and the kernel reads every row from the pools as it
+// always did). With the cache, phase 3 of a decode-shaped step, after qsa_rc_invalidate and qsa_rc_plan
+// of the layer: for each selected position the warp of the score loop decides once, lane 0 reading the
+// state plan left (epoch e, slot, line = slot % rc_lines): a hit when hitmark[line] == e and then
+// tags[line] == slot + 1 (the tag is not read otherwise); else a fill when claim[line] == (e << 32) |
+// slot; else a plain miss. The decision goes to rc_st in shared memory for the V loop. A hit reads the
+// line's row (rc_k, rc_v [rc_lines, hkv·d]), anything else the pool's row: the same loads and the same
+// arithmetic on the same bytes, so the output is bit for bit the uncached kernel's. A fill also writes
+// the bytes it read (its KV head's d values of K in the score loop, of V in the V loop, V loaded even
+// when its weight is 0) into the line and sets the tag; every head block of the row does so for its KV
+// head, so the whole row is in the line when the step ends. Blocks that fill one line write the same
+// bytes (its claim names one slot), and no reader of this step trusts that line (its hitmark is not e),
+// while lines that can hit are never written: the decisions do not depend on the order of the blocks.
 extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf16* __restrict__ k_pool,
                                             const bf16* __restrict__ v_pool, const u32* __restrict__ tables,
                                             long long table_stride, const u32* __restrict__ sel, int sel_stride,
                                             const u32* __restrict__ counts, float* __restrict__ part_o,
                                             float* __restrict__ part_ml, int hq, int hkv, int d, int bs,
-                                            int splits, float scale) {
+                                            int splits, float scale, unsigned long long* rc_tags,
+                                            const u32* __restrict__ rc_hitmark,
+                                            const unsigned long long* __restrict__ rc_claim,
+                                            const u32* __restrict__ rc_epoch, bf16* rc_k, bf16* rc_v,
+                                            long long rc_lines) {
     pdl_prologue();
     __shared__ float qs[QSA_MAX_D];
     __shared__ float sc[QSA_SPLIT];
     __shared__ float scratch[32];
+    __shared__ unsigned char rc_st[QSA_SPLIT];
     const int h = blockIdx.x, sp = blockIdx.y, r = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     if (d > QSA_MAX_D) return;
@@ -312,17 +338,47 @@ extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf
         }
         return;
     }
+    const bool cached = rc_tags != nullptr;
+    const u32 rc_e = cached ? *rc_epoch : 0u;
+    const u32 rc_l = (u32)rc_lines;
     const bf16* qr = q + ((size_t)r * hq + h) * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = bf2f(qr[i]);
     __syncthreads();
     const size_t row = (size_t)hkv * d;
     for (int j = i0 + warp; j < i1; j += nw) {
         const u32 p = ps[j];
-        const bf16* kr = k_pool + ((size_t)table[p / bs] * bs + p % bs) * row + (size_t)kh * d;
+        const size_t at = (size_t)table[p / bs] * bs + p % bs;
+        const bf16* kr = k_pool + at * row + (size_t)kh * d;
+        int st = RC_HOST;
+        size_t line = 0;
+        if (cached) {
+            const u32 s = (u32)at;
+            line = s % rc_l;
+            if (lane == 0) {
+                const u32 hm = rc_hitmark[line];
+                const unsigned long long cl = rc_claim[line];
+                if (hm == rc_e) {
+                    if (rc_tags[line] == (unsigned long long)s + 1) st = RC_HIT;
+                } else if (cl == (((unsigned long long)rc_e << 32) | s)) {
+                    st = RC_FILL;
+                }
+                rc_st[j - i0] = (unsigned char)st;
+            }
+            st = __shfl_sync(0xffffffffu, st, 0);
+            if (st == RC_HIT) kr = rc_k + line * row + (size_t)kh * d;
+        }
+        bf16* fill = st == RC_FILL ? rc_k + line * row + (size_t)kh * d : nullptr;
         float acc = 0.0f;
-        for (int i = lane; i < d; i += 32) acc += qs[i] * bf2f(kr[i]);
+        for (int i = lane; i < d; i += 32) {
+            const bf16 x = kr[i];
+            if (fill) fill[i] = x;
+            acc += qs[i] * bf2f(x);
+        }
         acc = warp_sum(acc) * scale;
-        if (lane == 0) sc[j - i0] = acc;
+        if (lane == 0) {
+            sc[j - i0] = acc;
+            if (fill) rc_tags[line] = (unsigned long long)(u32)at + 1;
+        }
     }
     __syncthreads();
     float m = NEG_INF;
@@ -339,9 +395,17 @@ extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf
         float acc = 0.0f;
         for (int j = i0; j < i1; ++j) {
             const float e = sc[j - i0];
-            if (e == 0.0f) continue;
+            const int st = cached ? rc_st[j - i0] : RC_HOST;
+            // A fill loads its V row whatever the weight: the line must hold the whole row.
+            if (e == 0.0f && st != RC_FILL) continue;
             const u32 p = ps[j];
-            acc += e * bf2f(v_pool[((size_t)table[p / bs] * bs + p % bs) * row + (size_t)kh * d + i]);
+            const size_t at = (size_t)table[p / bs] * bs + p % bs;
+            const size_t at_line = st == RC_HOST ? 0 : (size_t)((u32)at % rc_l) * row + (size_t)kh * d;
+            const bf16* vr = st == RC_HIT ? rc_v + at_line : v_pool + at * row + (size_t)kh * d;
+            const bf16 x = vr[i];
+            if (st == RC_FILL) rc_v[at_line + i] = x;
+            if (e == 0.0f) continue;
+            acc += e * bf2f(x);
         }
         part_o[slot * d + i] = acc;
     }

@@ -59,7 +59,15 @@ pub struct EngineArgs {
     /// cache, for one), e.g. 8GiB [default: 0].
     #[arg(long, value_name = "BYTES")]
     pub host_memory_reserve: Option<ByteSize>,
+    /// Rows of each stage's VRAM row cache under --qsa-kv-offload, split over its QSA layers
+    /// (recently read K/V rows, keyed by cache slot; decode steps only); 0 turns it off [default:
+    /// 48576, four 12,144-token blocks of rows, about 95 MiB at 2 KiB a row].
+    #[arg(long, value_name = "ROWS")]
+    pub qsa_row_cache_rows: Option<usize>,
 }
+
+/// Default of `--qsa-row-cache-rows`.
+pub const QSA_ROW_CACHE_ROWS: usize = 4 * 12_144;
 
 impl EngineArgs {
     /// The flags that set the stages' memory budgets and what stays off the device.
@@ -68,6 +76,7 @@ impl EngineArgs {
             budget: self.gpu_memory_budget.map(|b| b.0),
             utilization: self.gpu_memory_utilization,
             qsa_kv_offload: self.qsa_kv_offload,
+            row_cache_rows: self.row_cache_rows(),
         }
     }
 
@@ -78,12 +87,23 @@ impl EngineArgs {
                 "--qsa-kv-offload: the model has no QSA layers (its config has no `qsa` block)"
             ));
         }
-        if self.host_memory_reserve.is_some() && !self.qsa_kv_offload {
-            return Err(anyhow!(
-                "--host-memory-reserve applies to the pinned pool of --qsa-kv-offload, which is off"
-            ));
+        for (given, flag) in [
+            (self.host_memory_reserve.is_some(), "--host-memory-reserve"),
+            (self.qsa_row_cache_rows.is_some(), "--qsa-row-cache-rows"),
+        ] {
+            if given && !self.qsa_kv_offload {
+                return Err(anyhow!("{flag} applies to --qsa-kv-offload, which is off"));
+            }
         }
         Ok(())
+    }
+
+    /// Rows of each stage's row cache (0 without --qsa-kv-offload).
+    pub fn row_cache_rows(&self) -> usize {
+        match self.qsa_kv_offload {
+            true => self.qsa_row_cache_rows.unwrap_or(QSA_ROW_CACHE_ROWS),
+            false => 0,
+        }
     }
 
     /// What each stage's backend needs to pin its QSA K/V pool, when `--qsa-kv-offload` is on.
@@ -96,7 +116,7 @@ impl EngineArgs {
             },
             reserve: self.host_memory_reserve.map_or(0, |b| b.0),
             lock_path: std::env::temp_dir().join("sanmai-pin.lock"),
-            row_cache_rows: 0,
+            row_cache_rows: self.row_cache_rows(),
         })
     }
 

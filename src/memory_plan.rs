@@ -42,6 +42,8 @@ pub struct BudgetFlags {
     pub utilization: Option<f64>,
     /// `--qsa-kv-offload`: the QSA K/V rows count against host RAM, not the stages' budgets.
     pub qsa_kv_offload: bool,
+    /// `--qsa-row-cache-rows` in force (0 without offload): each stage's VRAM row cache.
+    pub row_cache_rows: usize,
 }
 
 /// Default of `--gpu-memory-utilization`.
@@ -109,6 +111,8 @@ pub struct StageMemory {
     /// Pinned host memory the stage holds: its share of the K/V blocks' host part (the step
     /// metadata staging ring is not counted).
     pub pinned_host: usize,
+    /// The VRAM row cache of its QSA K/V rows in host memory (`--qsa-row-cache-rows`).
+    pub row_cache: usize,
 }
 
 /// What a CUDA device's runtime takes besides the tensors (the context, the cuBLAS workspace, the
@@ -158,6 +162,7 @@ impl StageMemory {
                     ),
                     kv_host_per_token: 0,
                     pinned_host: 0,
+                    row_cache: 0,
                 }
             })
             .collect()
@@ -171,6 +176,14 @@ impl StageMemory {
             let host = weight_plan::stage_qsa_kv_bytes_per_token(cfg, &self.layers, elem);
             self.kv_per_token -= host;
             self.kv_host_per_token = host;
+        }
+        if flags.qsa_kv_offload {
+            // Whole rows per layer: the rows split evenly over the stage's QSA layers.
+            let layers = weight_plan::stage_qsa_layers(cfg, &self.layers);
+            self.row_cache = match layers {
+                0 => 0,
+                n => flags.row_cache_rows / n * self.kv_host_per_token,
+            };
         }
         self
     }
@@ -201,12 +214,13 @@ impl StageMemory {
             kv_per_token: m.kv_bytes_per_token(B::CACHE_ELEM_BYTES),
             kv_host_per_token: m.kv_host_bytes_per_token(B::CACHE_ELEM_BYTES),
             pinned_host: 0,
+            row_cache: 0,
         }
     }
 
-    /// Weights, activations and the live GDN state of `seqs` sequences.
+    /// Weights, activations, the row cache and the live GDN state of `seqs` sequences.
     fn fixed(&self, seqs: usize) -> usize {
-        self.weights + self.activations + seqs * self.state_per_seq
+        self.weights + self.activations + self.row_cache + seqs * self.state_per_seq
     }
 
     /// What the K/V blocks and checkpoints `plan` takes on this stage.
@@ -241,14 +255,14 @@ fn default_kv_bytes(per_token: usize, max_model_len: usize) -> usize {
         .max(one_request + one_request / 8)
 }
 
-/// The K/V budget (device bytes) of `max_num_seqs` requests of `max_model_len` with all their
-/// state checkpoints, one block to spare: the default when the QSA K/V rows live in host memory.
-fn host_held_kv_bytes(g: &CacheGeometry, cfg: &EngineConfig) -> usize {
+/// The K/V budget (device bytes) of `requests` requests of `max_model_len` with all their state
+/// checkpoints, two blocks to spare: what the QSA K/V rows in host memory are sized by.
+fn requests_kv_bytes(g: &CacheGeometry, cfg: &EngineConfig, requests: usize) -> usize {
     let bs = cfg.block_size.max(1);
     let block_bytes = g.kv_bytes_per_token * bs;
     // A bad interval is refused by the cache plan itself.
     let checkpoints = cfg.request_checkpoints(g).unwrap_or(0);
-    cfg.max_num_seqs * (cfg.max_model_len.div_ceil(bs) * block_bytes + checkpoints * g.state_bytes)
+    requests * (cfg.max_model_len.div_ceil(bs) * block_bytes + checkpoints * g.state_bytes)
         + 2 * block_bytes
 }
 
@@ -326,19 +340,19 @@ impl MemoryPlan {
                 usize::MAX
             })
         });
+        let offload = geometry.host_kv_bytes_per_token > 0;
         let kv = match (kv_cache_memory_bytes, fits.min()) {
             (Some(kv), _) => kv,
-            (None, Some(kv)) if kv < usize::MAX => kv,
-            _ => default_kv_bytes(geometry.kv_bytes_per_token, cfg.max_model_len),
-        };
-        // With the QSA K/V rows in host memory a block costs the device little: hold the blocks
-        // and checkpoints of `max_num_seqs` full-length requests, not every block the device
-        // could index, so the pinned pool is what those requests need.
-        let kv = match kv_cache_memory_bytes {
-            None if geometry.host_kv_bytes_per_token > 0 => {
-                kv.min(host_held_kv_bytes(&geometry, cfg))
+            // With the QSA K/V rows in host memory a block costs the device little: hold the
+            // blocks and checkpoints of `max_num_seqs` full-length requests, not every block the
+            // device could index, so the pinned pool is what those requests need.
+            (None, Some(kv)) if kv < usize::MAX && offload => {
+                kv.min(requests_kv_bytes(&geometry, cfg, cfg.max_num_seqs))
             }
-            _ => kv,
+            (None, Some(kv)) if kv < usize::MAX => kv,
+            // No budget (the CPU): four requests, as without the host pool, with their checkpoints.
+            _ if offload => requests_kv_bytes(&geometry, cfg, cfg.max_num_seqs.min(4)),
+            _ => default_kv_bytes(geometry.kv_bytes_per_token, cfg.max_model_len),
         };
         let mut cfg = cfg.clone();
         cfg.kv_cache_memory_bytes = kv;
@@ -398,7 +412,7 @@ impl MemoryPlan {
                 format!(
                     "{}: weights {}, activations {} ({} at {} tokens), GDN state {} ({seqs} \
                      sequences of {} bytes), K/V blocks {} ({} bytes a token), state checkpoints {}, \
-                     pinned host RAM {}; {} of {}",
+                     {}pinned host RAM {}; {} of {}",
                     s.name(k),
                     gib(s.weights),
                     gib(s.activations),
@@ -409,6 +423,10 @@ impl MemoryPlan {
                     gib(blocks),
                     s.kv_per_token,
                     gib(checkpoints),
+                    match s.row_cache {
+                        0 => String::new(),
+                        b => format!("QSA row cache {}, ", gib(b)),
+                    },
                     gib(s.pinned_host),
                     gib(total),
                     s.budget
@@ -417,6 +435,20 @@ impl MemoryPlan {
             })
             .collect();
         out.push(self.cache.describe());
+        let pinned: usize = self.stages.iter().map(|s| s.pinned_host).sum();
+        if pinned > 0 {
+            // What is left of the RAM serves the page cache (the PLE table's, for one).
+            let available = sanmai_pinned::mem_available().map_or_else(
+                |e| format!("unknown ({e})"),
+                |b| format!("{} ({b} bytes)", gib(b)),
+            );
+            out.push(format!(
+                "pinned host RAM: {} ({pinned} bytes) for the QSA K/V rows of {} blocks; \
+                 MemAvailable now {available}",
+                gib(pinned),
+                self.cache.num_blocks
+            ));
+        }
         out
     }
 

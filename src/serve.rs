@@ -90,6 +90,7 @@ pub struct Preset {
     /// One device, or one per stage (e.g. "cuda:0,cuda:1,cuda:2").
     pub device: Option<String>,
     pub qsa_kv_offload: Option<bool>,
+    pub qsa_row_cache_rows: Option<usize>,
     /// Bytes, as on the command line (e.g. "8GiB").
     pub host_memory_reserve: Option<String>,
 }
@@ -124,6 +125,7 @@ impl Preset {
             }
         }
         e.qsa_kv_offload |= self.qsa_kv_offload.unwrap_or(false);
+        e.qsa_row_cache_rows = e.qsa_row_cache_rows.or(self.qsa_row_cache_rows);
         if e.host_memory_reserve.is_none() {
             if let Some(text) = &self.host_memory_reserve {
                 let b = text

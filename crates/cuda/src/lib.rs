@@ -99,4 +99,5 @@ pub use ops::{DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed};
 pub use ops::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows};
 pub use ops::{PackedMat, PackedScheme};
 pub use ops::{PleGateWeights, PleGated, PleLin};
+pub use ops::{RowCache, RowCacheBufs, RowCacheState, ROW_CACHE_MAX_LINES};
 pub use ops::{SampleBatch, SampleBuffers};

@@ -88,6 +88,7 @@ pub const SOURCES: &[Source] = &[
     source!("moe_gemm.cu"),
     source!("elementwise.cu"),
     source!("qsa.cu"),
+    source!("qsa_cache.cu"),
     source!("ple.cu"),
     source!("hc.cu"),
     source!("sample.cu"),

@@ -6,6 +6,7 @@
 //! back on the request's channel: zero or more `Tokens`, then exactly one `Finished`. Dropping the
 //! [`RequestStream`] aborts the request (a client that disconnects frees its resources within one step).
 
+pub use sanmai_model::{KvHostStats, RowCacheCounts};
 use sanmai_structured::GrammarMatcher;
 
 use crate::sampler::ValidatedParams;
@@ -183,6 +184,9 @@ pub struct MetricsSnapshot {
     pub ple: Option<sanmai_ple::PleMetricsSnapshot>,
     /// Each pipeline stage's busy and idle time (empty without stages).
     pub stages: Vec<StageTimes>,
+    /// The QSA K/V host pool's counters (a model with `--qsa-kv-offload`): row-cache hits and
+    /// misses per QSA layer and bytes read from host memory.
+    pub kv_host: Option<KvHostStats>,
     /// Why steps can no longer run (a pipeline stage stopped), if they cannot.
     pub fault: Option<String>,
 }

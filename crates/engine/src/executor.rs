@@ -9,7 +9,8 @@ use std::collections::VecDeque;
 
 use sanmai_model::sample::{RowSampling, Sampled, SeenToken, ValidatedParams};
 use sanmai_model::{
-    Backend, Model, OpResult, PleSource, SampleCall, StepChunk, StepError, StepInput, StepStart,
+    Backend, KvHostStats, Model, OpResult, PleSource, SampleCall, StepChunk, StepError, StepInput,
+    StepStart,
 };
 use sanmai_ple::{PrefetchOptions, Prefetcher};
 
@@ -145,6 +146,12 @@ pub trait Executor: Send {
     fn ple_metrics(&self) -> Option<sanmai_ple::PleMetricsSnapshot> {
         None
     }
+    /// What the QSA K/V host pool has served (row-cache hits and misses per QSA layer, bytes read
+    /// from host memory), when the model keeps its QSA K/V rows in host memory (`--qsa-kv-offload`);
+    /// `None` otherwise. Read between steps, or while they run.
+    fn kv_host_stats(&self) -> Option<KvHostStats> {
+        None
+    }
     /// Whether the executor samples a step's tokens itself when every row of it carries a
     /// [`ChunkSampling`] (the engine then attaches them; otherwise it samples on the host).
     fn samples_on_device(&self) -> bool {
@@ -229,6 +236,11 @@ impl<B: Backend> Executor for ModelExecutor<B> {
             Some((_, PleSource::Table(t))) => Some(t.metrics().snapshot()),
             _ => None,
         }
+    }
+
+    /// The backend's counters; a backend that fails to read them reports none.
+    fn kv_host_stats(&self) -> Option<KvHostStats> {
+        self.model.backend.kv_host_stats().ok().flatten()
     }
 
     fn init_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), String> {

@@ -21,7 +21,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use sanmai_model::{Backend, Handover, Model, PleSource, StageRecv, StageSend, StepStart};
+use sanmai_model::{
+    Backend, Handover, KvHostStats, Model, PleSource, StageRecv, StageSend, StepStart,
+};
 use sanmai_ple::{PrefetchOptions, Prefetcher};
 
 use crate::api::StageTimes;
@@ -192,6 +194,26 @@ impl<B: Backend + 'static> PipelineExecutor<B> {
     }
 }
 
+/// The stages' QSA K/V host counters as one: the layers of all of them in ascending order (a layer
+/// met twice has its counts added), the bytes added; `None` without any.
+fn merge_kv_host(parts: impl IntoIterator<Item = KvHostStats>) -> Option<KvHostStats> {
+    let mut merged: Option<KvHostStats> = None;
+    for part in parts {
+        let m = merged.get_or_insert_with(KvHostStats::default);
+        m.host_bytes_read += part.host_bytes_read;
+        for l in part.layers {
+            match m.layers.binary_search_by_key(&l.layer, |x| x.layer) {
+                Ok(i) => {
+                    m.layers[i].hits += l.hits;
+                    m.layers[i].misses += l.misses;
+                }
+                Err(i) => m.layers.insert(i, l),
+            }
+        }
+    }
+    merged
+}
+
 /// The stages must tile the model's layers in order.
 fn check_stages<B: Backend>(stages: &[Model<B>]) -> Result<(), String> {
     let Some(first) = stages.first() else {
@@ -305,6 +327,16 @@ impl<B: Backend + 'static> Executor for PipelineExecutor<B> {
             Some((_, PleSource::Table(t))) => Some(t.metrics().snapshot()),
             _ => None,
         })
+    }
+
+    /// Every stage's counters together: each stage's QSA layers (disjoint across stages) and the
+    /// sum of their host bytes; `None` when no stage keeps its QSA K/V rows in host memory.
+    fn kv_host_stats(&self) -> Option<KvHostStats> {
+        merge_kv_host(
+            self.stages
+                .iter()
+                .filter_map(|m| m.backend.kv_host_stats().ok().flatten()),
+        )
     }
 
     fn samples_on_device(&self) -> bool {
@@ -528,5 +560,45 @@ impl<T> StageOut<T> {
             StageOut::Logits(l) => l,
             StageOut::Streams(_) => unreachable!("the last stage returns logits"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sanmai_model::RowCacheCounts;
+
+    use super::*;
+
+    fn counts(layer: usize, hits: u64, misses: u64) -> RowCacheCounts {
+        RowCacheCounts {
+            layer,
+            hits,
+            misses,
+        }
+    }
+
+    #[test]
+    fn kv_host_stats_merge_layers_in_order_and_add_bytes() {
+        assert_eq!(merge_kv_host(Vec::new()), None);
+        let a = KvHostStats {
+            layers: vec![counts(7, 1, 2), counts(11, 3, 4)],
+            host_bytes_read: 100,
+        };
+        let b = KvHostStats {
+            layers: vec![counts(3, 5, 6), counts(9, 7, 8)],
+            host_bytes_read: 20,
+        };
+        // A stage without QSA layers still counts as offloaded.
+        let empty = KvHostStats::default();
+        let merged = merge_kv_host([a.clone(), empty.clone(), b]).unwrap();
+        let layers: Vec<usize> = merged.layers.iter().map(|l| l.layer).collect();
+        assert_eq!(layers, [3, 7, 9, 11]);
+        assert_eq!(merged.layers[1], counts(7, 1, 2));
+        assert_eq!(merged.host_bytes_read, 120);
+        assert_eq!(merge_kv_host([empty.clone()]), Some(empty));
+        // A layer met twice adds up.
+        let twice = merge_kv_host([a.clone(), a]).unwrap();
+        assert_eq!(twice.layers, [counts(7, 2, 4), counts(11, 6, 8)]);
+        assert_eq!(twice.host_bytes_read, 200);
     }
 }

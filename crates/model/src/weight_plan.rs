@@ -51,15 +51,20 @@ pub fn stage_kv_bytes_per_token(cfg: &ModelConfig, stage: &Range<usize>, elem: u
     layers * (2 * a.num_kv_heads * a.head_dim * elem + index)
 }
 
+/// The QSA layers of the stage (its full-attention layers and the MTP layer when the config has
+/// `qsa`; 0 without).
+pub fn stage_qsa_layers(cfg: &ModelConfig, stage: &Range<usize>) -> usize {
+    match cfg.qsa {
+        Some(_) => count(cfg, stage, LayerType::FullAttention) + usize::from(has_mtp(cfg, stage)),
+        None => 0,
+    }
+}
+
 /// Bytes of one token's QSA K and V rows on the stage (0 without QSA): what `--qsa-kv-offload` moves
 /// to pinned host memory out of [`stage_kv_bytes_per_token`] (the index keys stay).
 pub fn stage_qsa_kv_bytes_per_token(cfg: &ModelConfig, stage: &Range<usize>, elem: usize) -> usize {
-    if cfg.qsa.is_none() {
-        return 0;
-    }
     let a = &cfg.attention;
-    let layers = count(cfg, stage, LayerType::FullAttention) + usize::from(has_mtp(cfg, stage));
-    layers * 2 * a.num_kv_heads * a.head_dim * elem
+    stage_qsa_layers(cfg, stage) * 2 * a.num_kv_heads * a.head_dim * elem
 }
 
 /// Bytes of one sequence's state on the stage: GDN conv + recurrent state of its GDN layers and the

@@ -177,13 +177,25 @@ pub(super) fn attend_all(
     let len = s.pos0 + s.len;
     let kc = gather(&pool.k, s.blocks, bs, row, len);
     let vc = gather(&pool.v, s.blocks, bs, row, len);
+    attend_gathered(&kc, &vc, s, p, heads)
+}
+
+/// [`attend_all`] over the sequence's K and V rows of positions `0..pos0 + len` already gathered
+/// (`[pos0 + len, kv_heads·d]` each): the same arithmetic on the same values.
+pub(super) fn attend_gathered(
+    kc: &[f32],
+    vc: &[f32],
+    s: &SeqChunk<'_>,
+    p: &Prepared,
+    heads: Heads,
+) -> Vec<f32> {
     let mut out = vec![0f32; s.len * heads.hq * heads.d];
     let causal = Causal {
         t: s.len,
-        len,
+        len: s.pos0 + s.len,
         heads,
     };
-    ops::attention_causal(&p.q, &kc, &vc, &causal, &mut out);
+    ops::attention_causal(&p.q, kc, vc, &causal, &mut out);
     out.iter_mut()
         .zip(&p.gate)
         .for_each(|(o, g)| *o *= ops::sigmoid(*g));

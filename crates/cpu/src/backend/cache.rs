@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 
 use sanmai_model::backend::{BackendError, CacheSpec, OpResult, SeqChunk};
 
+use super::host_kv::{fresh_stats, HostKv};
 use super::rows::{pin_rows, Rows};
 use super::{ensure, CpuBackend};
 
@@ -28,6 +29,8 @@ pub(crate) struct Pools {
     /// Bytes of one index-key entry (`dI + 2`; 0 without QSA).
     pub(crate) idx_row: usize,
     pub(crate) layers: HashMap<usize, KvPool>,
+    /// The row caches, when the QSA layers' K/V rows live in pinned host memory.
+    pub(crate) host: Option<HostKv>,
 }
 
 impl Pools {
@@ -68,16 +71,21 @@ impl Pools {
     }
 }
 
-fn no_pool(op: &'static str, layer: usize) -> BackendError {
+pub(crate) fn no_pool(op: &'static str, layer: usize) -> BackendError {
     BackendError::invalid(
         op,
         format!("no K/V pool for layer {layer}: init_cache first"),
     )
 }
 
+/// The physical cache slot of position `pos`: `block · block_size + offset`.
+pub(crate) fn slot_of(blocks: &[u32], block_size: usize, pos: usize) -> usize {
+    blocks[pos / block_size] as usize * block_size + pos % block_size
+}
+
 /// Offset of position `pos`'s row in a pool.
 pub(crate) fn pool_offset(blocks: &[u32], block_size: usize, row: usize, pos: usize) -> usize {
-    (blocks[pos / block_size] as usize * block_size + pos % block_size) * row
+    slot_of(blocks, block_size, pos) * row
 }
 
 /// Copies positions `0..len` of a sequence's K or V out of the pool into a contiguous `[len, row]` buffer.
@@ -138,12 +146,14 @@ impl CpuBackend {
         // Zero-filled allocations are lazily backed by the OS: only touched blocks cost memory. The
         // QSA layers' K and V rows may live in one pinned host pool instead.
         let layers = spec.attn_layers.len();
-        let mut rows = match &spec.kv_host {
-            Some(host) if idx_row > 0 => {
-                pools.layers.clear();
-                pin_rows(host, 2 * layers, n)?
-            }
-            _ => (0..2 * layers).map(|_| Rows::Heap(vec![0.0; n])).collect(),
+        let host = spec.kv_host.as_ref().filter(|_| idx_row > 0);
+        // Old pools (pinned ones especially) go before new ones are made.
+        pools.layers.clear();
+        pools.host = None;
+        *self.kv_stats.lock().unwrap() = None;
+        let mut rows = match host {
+            Some(host) => pin_rows(host, 2 * layers, n)?,
+            None => (0..2 * layers).map(|_| Rows::Heap(vec![0.0; n])).collect(),
         }
         .into_iter();
         pools.layers = spec
@@ -159,6 +169,11 @@ impl CpuBackend {
                 (l, pool)
             })
             .collect();
+        if let Some(host) = host {
+            let slots = spec.num_blocks * spec.block_size;
+            pools.host = Some(HostKv::new(host, spec, row, slots));
+            *self.kv_stats.lock().unwrap() = Some(fresh_stats(spec));
+        }
         *self.gdn.lock().unwrap() = Some((spec.gdn_layers.clone(), spec.gdn));
         *self.ple.lock().unwrap() = spec.ple.map(|sh| (spec.ple_layers.clone(), sh));
         Ok(())
@@ -248,6 +263,10 @@ impl CpuBackend {
             pool.k.copy_within(s..s + n, d);
             pool.v.copy_within(s..s + n, d);
             pool.idx.copy_within(si..si + ni, di);
+        }
+        let bs = pools.block_size;
+        if let Some(host) = pools.host.as_mut() {
+            host.invalidate_block(dst, bs);
         }
         Ok(())
     }

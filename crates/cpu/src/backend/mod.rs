@@ -4,8 +4,9 @@
 //!
 //! This file holds the tensor types, the backend and its elementwise and matrix ops; each mixer and
 //! block has its own file: `cache.rs` (block pools and state slots), `attention.rs` (the gated
-//! attention and the prologue QSA shares), `qsa.rs`, `gdn.rs`, `moe.rs`, `ple.rs`, `hc.rs`, and
-//! `probe.rs` (what `sanmai bench` measures). A call outside an op's contract (shapes that do not
+//! attention and the prologue QSA shares), `qsa.rs`, `host_kv.rs` (QSA K/V rows in pinned host
+//! memory: the row cache and its counters), `rows.rs` (where a pool's rows live), `gdn.rs`,
+//! `moe.rs`, `ple.rs`, `hc.rs`, and `probe.rs` (what `sanmai bench` measures). A call outside an op's contract (shapes that do not
 //! fit, a state slot not allocated, caches not initialised) is a [`BackendError::Invalid`], checked
 //! before anything is written.
 
@@ -13,6 +14,7 @@ mod attention;
 mod cache;
 mod gdn;
 mod hc;
+mod host_kv;
 mod moe;
 mod ple;
 mod probe;
@@ -24,8 +26,8 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::{Mutex, RwLock};
 
 use sanmai_model::backend::{
-    AttnCall, Backend, BackendError, CacheSpec, DecodeStep, GdnCall, GdnShape, MoeCall, OpResult,
-    PackedTensor, PleCall, PleShape, QsaCall, SeqChunk,
+    AttnCall, Backend, BackendError, CacheSpec, DecodeStep, GdnCall, GdnShape, KvHostStats,
+    MoeCall, OpResult, PackedTensor, PleCall, PleShape, QsaCall, SeqChunk,
 };
 
 use crate::ops;
@@ -103,6 +105,9 @@ pub struct CpuBackend {
     state_limit: Mutex<Option<usize>>,
     /// QSA selections recorded while tracing is on (see [`CpuBackend::trace_qsa`]).
     pub(crate) qsa_trace: Mutex<Option<Vec<QsaSelection>>>,
+    /// What the QSA K/V host pool has served since `init_cache` (`None` unless the rows are
+    /// pinned in host memory). Locked after `pools` where both are held, never the other way round.
+    pub(crate) kv_stats: Mutex<Option<KvHostStats>>,
     /// Distinct experts per MoE call while recording is on (see
     /// [`sanmai_model::Probe::record_routing`]).
     routing: Mutex<Option<Vec<usize>>>,
@@ -339,6 +344,10 @@ impl Backend for CpuBackend {
             format!("{} values for [{rows}, {cols}]", data.len())
         })?;
         Ok(CpuTensor { rows, cols, data })
+    }
+
+    fn kv_host_stats(&self) -> OpResult<Option<KvHostStats>> {
+        Ok(self.kv_stats.lock().unwrap().clone())
     }
 
     fn weight_bytes(&self, w: &CpuWeight) -> usize {

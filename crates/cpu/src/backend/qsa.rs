@@ -1,16 +1,20 @@
 //! QSA attention ([`Backend::qsa_attention`](sanmai_model::Backend::qsa_attention)): the lightning
 //! indexer's fp8 keys written next to the K/V (through the prologue of `attention.rs`), the index
-//! scan, the exact top-k, and the gated attention over the selected rows only.
+//! scan, the exact top-k, and the gated attention over the selected rows only; with the rows in
+//! pinned host memory, decode-shaped steps read them through the layer's row cache (`host_kv.rs`).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use rayon::prelude::*;
-use sanmai_model::backend::{OpResult, QsaCall, SeqChunk};
+use sanmai_model::backend::{OpResult, QsaCall, QsaShape, SeqChunk};
 
-use super::attention::{attend_all, heads, IndexEntries};
-use super::cache::{pool_offset, Pools};
+use super::attention::{attend_all, attend_gathered, heads, IndexEntries, Prepared};
+use super::cache::{no_pool, pool_offset, KvPool, Pools};
+use super::host_kv::{cached_step, gather_cached, gather_host, stored_slots, RowReads};
 use super::{ensure, CpuBackend, CpuTensor, CpuWeight, QsaSelection};
-use crate::ops;
+use crate::ops::row_cache::RowCache;
+use crate::ops::{self, Heads};
 
 /// Epsilon of the indexer's key LayerNorm.
 const INDEX_NORM_EPS: f32 = 1e-6;
@@ -86,108 +90,224 @@ fn check(op: &'static str, c: &QsaCall<'_, CpuTensor, CpuWeight>) -> OpResult<()
     )
 }
 
+/// Records the selections of a step's query rows while tracing is on.
+struct Trace {
+    on: bool,
+    layer: usize,
+    rows: Mutex<Vec<QsaSelection>>,
+}
+
+impl Trace {
+    fn record(&self, s: &SeqChunk<'_>, pos: usize, selected: impl FnOnce() -> Vec<usize>) {
+        if self.on {
+            self.rows.lock().unwrap().push(QsaSelection {
+                layer: self.layer,
+                state: s.state,
+                pos,
+                selected: selected(),
+            });
+        }
+    }
+}
+
+/// The selected positions of query row `i` of a sequence whose scan is `sc` over `keys`, at context
+/// `ctx`: every position while `ctx ≤ topk`, else the top-k of the index scores.
+fn select(sc: &Scan, keys: &[f32], i: usize, ctx: usize, qsa: &QsaShape) -> Vec<usize> {
+    if ctx <= qsa.topk {
+        return (0..ctx).collect();
+    }
+    let (ni, di) = (qsa.n_heads, qsa.head_dim);
+    let mut scores = vec![0f32; ctx];
+    ops::index_scores(
+        &sc.qi[i * ni * di..(i + 1) * ni * di],
+        &sc.wts[i * ni..(i + 1) * ni],
+        &keys[..ctx * di],
+        di,
+        &mut scores,
+    );
+    ops::topk_positions(&scores, qsa.topk)
+}
+
+/// One layer's step as the attend phase sees it.
+struct Attend<'a> {
+    qsa: &'a QsaShape,
+    heads: Heads,
+    trace: &'a Trace,
+    seqs: &'a [SeqChunk<'a>],
+    prepared: &'a [Prepared],
+    scans: &'a [Scan],
+    geo: Geo,
+}
+
+impl Attend<'_> {
+    /// Attends every sequence reading its K/V rows from the pool directly: densely while every
+    /// position is selected, else over each row's top-k. Returns the outputs and the rows read.
+    fn over_pool(&self, pools: &Pools, pool: &KvPool) -> (Vec<Vec<f32>>, u64) {
+        let (qsa, heads, geo) = (self.qsa, self.heads, self.geo);
+        let width = heads.hq * heads.d;
+        let read = AtomicU64::new(0);
+        let outs = self
+            .seqs
+            .par_iter()
+            .zip(self.prepared)
+            .zip(self.scans)
+            .map(|((s, p), sc)| {
+                let len = s.pos0 + s.len;
+                if len <= qsa.topk {
+                    for i in 0..s.len {
+                        let pos = s.pos0 + i;
+                        self.trace.record(s, pos, || (0..=pos).collect());
+                    }
+                    read.fetch_add(len as u64, Ordering::Relaxed);
+                    return attend_all(pools, pool, s, p, heads);
+                }
+                let mut out = vec![0f32; s.len * width];
+                let keys = geo.index_keys(pool, s, len, qsa.head_dim);
+                out.par_chunks_mut(width).enumerate().for_each(|(i, o)| {
+                    let ctx = s.pos0 + i + 1;
+                    let sel = select(sc, &keys, i, ctx, qsa);
+                    self.trace.record(s, ctx - 1, || sel.clone());
+                    // Only the selected K/V rows are read.
+                    read.fetch_add(sel.len() as u64, Ordering::Relaxed);
+                    let (kr, vr) = gather_host(pool, s, &sel, (geo.block_size, geo.row));
+                    let rows = i * width..(i + 1) * width;
+                    ops::attend_rows(&p.q[rows.clone()], &p.gate[rows], &kr, &vr, &heads, o);
+                });
+                out
+            })
+            .collect();
+        (outs, read.into_inner())
+    }
+
+    /// Attends a decode-shaped step (one row a sequence) reading the selected K/V rows through the
+    /// layer's row cache: the same arithmetic as [`Attend::over_pool`] on the same values.
+    fn through_cache(&self, cache: &mut RowCache<f32>, pool: &KvPool) -> (Vec<Vec<f32>>, RowReads) {
+        let (qsa, heads, geo) = (self.qsa, self.heads, self.geo);
+        // Per sequence: its selected positions, and whether that is every position (dense).
+        let picks: Vec<Vec<usize>> = self
+            .seqs
+            .par_iter()
+            .zip(self.scans)
+            .map(|(s, sc)| {
+                let ctx = s.pos0 + 1;
+                let sel = if ctx <= qsa.topk {
+                    (0..ctx).collect()
+                } else {
+                    select(sc, &geo.index_keys(pool, s, ctx, qsa.head_dim), 0, ctx, qsa)
+                };
+                self.trace.record(s, ctx - 1, || sel.clone());
+                sel
+            })
+            .collect();
+        let (gathered, reads) =
+            gather_cached(cache, pool, self.seqs, &picks, (geo.block_size, geo.row));
+        let outs = self
+            .seqs
+            .par_iter()
+            .zip(self.prepared)
+            .zip(&gathered)
+            .map(|((s, p), (kr, vr))| {
+                let ctx = s.pos0 + 1;
+                if ctx <= qsa.topk {
+                    return attend_gathered(kr, vr, s, p, heads);
+                }
+                let mut out = vec![0f32; heads.hq * heads.d];
+                ops::attend_rows(&p.q, &p.gate, kr, vr, &heads, &mut out);
+                out
+            })
+            .collect();
+        (outs, reads)
+    }
+}
+
 impl CpuBackend {
     pub(super) fn qsa_impl(&self, c: &QsaCall<'_, CpuTensor, CpuWeight>) -> OpResult<CpuTensor> {
         const OP: &str = "qsa_attention";
         check(OP, c)?;
         let (a, qsa) = (&c.attn, c.qsa);
         let (layer, seqs) = (a.layer, a.seqs);
-        let (ni, di) = (qsa.n_heads, qsa.head_dim);
         // 1. Per sequence: the indexer's queries, keys and head weights; then the prologue of
         //    gated attention, which writes K, V and the index-key entries into the blocks.
         let (entries, scans): (Vec<Vec<u8>>, Vec<Scan>) =
             seqs.par_iter().map(|s| index(s, c)).unzip();
         let index = IndexEntries {
-            width: di + 2,
+            width: qsa.head_dim + 2,
             entries: &entries,
         };
-        let (prepared, guard) = self.attention_prologue(OP, a, Some(index))?;
-        let pools: &Pools = &guard;
-        let pool = pools.layer(OP, layer)?;
-        let (bs, row, irow) = (pools.block_size, pools.row, pools.idx_row);
-        let heads = heads(a);
-        let width = heads.hq * heads.d;
-        let tracing = self.qsa_trace.lock().unwrap().is_some();
-        let trace = Mutex::new(Vec::new());
-        // 2. Attend: densely while every position is selected, else over each row's top-k.
-        let outs: Vec<Vec<f32>> = seqs
-            .par_iter()
-            .zip(&prepared)
-            .zip(&scans)
-            .map(|((s, p), sc)| {
-                let len = s.pos0 + s.len;
-                if len <= qsa.topk {
-                    if tracing {
-                        let mut tr = trace.lock().unwrap();
-                        for i in 0..s.len {
-                            let pos = s.pos0 + i;
-                            tr.push(QsaSelection {
-                                layer,
-                                state: s.state,
-                                pos,
-                                selected: (0..=pos).collect(),
-                            });
-                        }
-                    }
-                    return attend_all(pools, pool, s, p, heads);
-                }
-                let mut out = vec![0f32; s.len * width];
-                // The indexer scan: every index key of the sequence, dequantised.
-                let mut keys = vec![0f32; len * di];
-                for (pos, kd) in keys.chunks_exact_mut(di).enumerate() {
-                    let o = pool_offset(s.blocks, bs, irow, pos);
-                    ops::dequantize_index_key(&pool.idx[o..o + irow], kd);
-                }
-                out.par_chunks_mut(width).enumerate().for_each(|(i, o)| {
-                    let ctx = s.pos0 + i + 1;
-                    let sel = if ctx <= qsa.topk {
-                        (0..ctx).collect()
-                    } else {
-                        let mut scores = vec![0f32; ctx];
-                        ops::index_scores(
-                            &sc.qi[i * ni * di..(i + 1) * ni * di],
-                            &sc.wts[i * ni..(i + 1) * ni],
-                            &keys[..ctx * di],
-                            di,
-                            &mut scores,
-                        );
-                        ops::topk_positions(&scores, qsa.topk)
-                    };
-                    if tracing {
-                        trace.lock().unwrap().push(QsaSelection {
-                            layer,
-                            state: s.state,
-                            pos: ctx - 1,
-                            selected: sel.clone(),
-                        });
-                    }
-                    // Only the selected K/V rows are read.
-                    let mut kr = Vec::with_capacity(sel.len() * row);
-                    let mut vr = Vec::with_capacity(sel.len() * row);
-                    for &pos in &sel {
-                        let off = pool_offset(s.blocks, bs, row, pos);
-                        kr.extend_from_slice(&pool.k[off..off + row]);
-                        vr.extend_from_slice(&pool.v[off..off + row]);
-                    }
-                    ops::attend_rows(
-                        &p.q[i * width..(i + 1) * width],
-                        &p.gate[i * width..(i + 1) * width],
-                        &kr,
-                        &vr,
-                        &heads,
-                        o,
-                    );
-                });
-                out
-            })
-            .collect();
-        if tracing {
-            let mut recorded = trace.into_inner().unwrap();
+        let (prepared, mut guard) = self.attention_prologue(OP, a, Some(index))?;
+        let pools: &mut Pools = &mut guard;
+        let geo = Geo {
+            block_size: pools.block_size,
+            row: pools.row,
+            idx_row: pools.idx_row,
+        };
+        let offloaded = pools.host.is_some();
+        let trace = Trace {
+            on: self.qsa_trace.lock().unwrap().is_some(),
+            layer,
+            rows: Mutex::new(Vec::new()),
+        };
+        let attend = Attend {
+            qsa,
+            heads: heads(a),
+            trace: &trace,
+            seqs,
+            prepared: &prepared,
+            scans: &scans,
+            geo,
+        };
+        // 2. The row cache forgets the slots just stored (every step, whatever its shape).
+        let mut cache = pools.host.as_mut().and_then(|h| h.cache_mut(layer));
+        if let Some(cache) = cache.as_deref_mut() {
+            cache.invalidate(&stored_slots(seqs, geo.block_size));
+        }
+        // 3. Attend: a decode-shaped step through the row cache, any other from the pool.
+        let (outs, reads) = match cache.filter(|_| cached_step(seqs)) {
+            Some(cache) => {
+                let pool = pools.layers.get(&layer).ok_or_else(|| no_pool(OP, layer))?;
+                attend.through_cache(cache, pool)
+            }
+            None => {
+                let pools: &Pools = pools;
+                let (outs, direct) = attend.over_pool(pools, pools.layer(OP, layer)?);
+                let reads = RowReads {
+                    direct,
+                    ..RowReads::default()
+                };
+                (outs, reads)
+            }
+        };
+        let width = attend.heads.hq * attend.heads.d;
+        if offloaded {
+            self.count_host_reads(layer, reads, geo.row);
+        }
+        if trace.on {
+            let mut recorded = trace.rows.into_inner().unwrap();
             recorded.sort_by_key(|r| (r.state, r.pos));
             if let Some(t) = self.qsa_trace.lock().unwrap().as_mut() {
                 t.extend(recorded);
             }
         }
         Ok(Self::stack(seqs, width, outs))
+    }
+}
+
+/// A pool's geometry: positions per block, values per K/V row, bytes per index-key entry.
+#[derive(Debug, Clone, Copy)]
+struct Geo {
+    block_size: usize,
+    row: usize,
+    idx_row: usize,
+}
+
+impl Geo {
+    /// Every index key of positions `0..len` of a sequence, dequantised (`[len, dI]`).
+    fn index_keys(&self, pool: &KvPool, s: &SeqChunk<'_>, len: usize, di: usize) -> Vec<f32> {
+        let mut keys = vec![0f32; len * di];
+        for (pos, kd) in keys.chunks_exact_mut(di).enumerate() {
+            let o = pool_offset(s.blocks, self.block_size, self.idx_row, pos);
+            ops::dequantize_index_key(&pool.idx[o..o + self.idx_row], kd);
+        }
+        keys
     }
 }

@@ -26,6 +26,7 @@ mod qsa;
 mod quant;
 mod rope;
 mod router;
+mod row_cache;
 mod sample;
 mod tensor;
 
@@ -44,6 +45,7 @@ pub use ple::{PleDims, PleGateWeights, PleGated, PleLin};
 pub use qsa::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows, Selection};
 pub use quant::{PackedMat, PackedScheme};
 pub use router::{DecodeRouting, RouteDims, ROUTER_MAX_K};
+pub use row_cache::{RowCache, RowCacheBufs, RowCacheState, ROW_CACHE_MAX_LINES};
 pub(crate) use sample::SAMPLE_MAX_VOCAB;
 pub use sample::{SampleBatch, SampleBuffers};
 

@@ -7,9 +7,10 @@
 //! byte-, score- and selection-deciding arithmetic follows the CPU oracle's f32 operations in order,
 //! so the fp8 bytes, the scores and the selected sets equal `sanmai_cpu::ops`'s on equal inputs.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use super::row_cache::RowCacheBufs;
 use super::{AttnDims, KvPools, PagedCache, Queries, RopeArgs};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
@@ -439,7 +440,7 @@ impl Gpu {
         ensure(cache.stride == 0, OP, || {
             "the queries of one sequence read one block table (stride 0)".into()
         })?;
-        self.gather(OP, dims, queries, cache, sel, out)
+        self.gather((OP, dims), queries, cache, sel, NO_CACHE, out)
     }
 
     /// The decode form of [`Gpu::qsa_attention_gather`]: row `r` is the one query of sequence `r`,
@@ -457,17 +458,26 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "qsa_attention_gather_decode";
         check_len(OP, "tables", cache.tables, sel.rows * cache.stride)?;
-        self.gather(OP, dims, queries, cache, sel, out)
+        self.gather((OP, dims), queries, cache, sel, NO_CACHE, out)
     }
 
-    /// The partial and reduce launches of the gathered attention.
-    fn gather(
+    /// The partial and reduce launches of the gathered attention of the op `op`, through the row
+    /// cache `rc` when given (its buffers checked by the caller), else reading every row from the
+    /// pools (the kernel's cache pointers null).
+    pub(super) fn gather(
         &self,
-        op: &'static str,
-        dims: AttnDims,
+        (op, dims): (&'static str, AttnDims),
         queries: &Queries<'_, impl DevicePtr<bf16>>,
         cache: &PagedCache<'_, impl DevicePtr<bf16>, impl DevicePtr<u32>>,
         selection: &Selection<'_, impl DevicePtr<u32>, impl DevicePtr<u32>>,
+        rc: Option<
+            &mut RowCacheBufs<
+                '_,
+                impl DevicePtrMut<u64>,
+                impl DevicePtrMut<u32>,
+                impl DevicePtrMut<bf16>,
+            >,
+        >,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> Result<()> {
         let Selection {
@@ -520,6 +530,7 @@ impl Gpu {
         );
         let scale = (d as f32).powf(-0.5);
         let ts = cache.stride as i64;
+        let rc_lines = rc.as_ref().map_or(0, |rc| rc.lines as i64);
         let mut l = self.launch(self.kernel("qsa_attn_partial")?);
         l.ptr(q)
             .ptr(k_pool)
@@ -537,9 +548,28 @@ impl Gpu {
             .arg(&bsi)
             .arg(&spi)
             .arg(&scale);
+        match rc {
+            Some(rc) => l
+                .ptr_mut(&mut *rc.tags)
+                .ptr_mut(&mut *rc.hitmark)
+                .ptr_mut(&mut *rc.claim)
+                .ptr_mut(&mut *rc.epoch)
+                .ptr_mut(&mut *rc.k)
+                .ptr_mut(&mut *rc.v),
+            None => l
+                .arg(&NULL_PTR)
+                .arg(&NULL_PTR)
+                .arg(&NULL_PTR)
+                .arg(&NULL_PTR)
+                .arg(&NULL_PTR)
+                .arg(&NULL_PTR),
+        }
+        .arg(&rc_lines);
         let grid = (hq as u32, splits as u32, n_rows as u32);
         // SAFETY: argument types match the kernel; lengths checked; the selected positions come from
-        // qsa_topk (each below its row's context, which the table covers).
+        // qsa_topk (each below its row's context, which the table covers); with a row cache, its
+        // buffers hold `lines` entries and rows of hkv·d (checked by the caller) and every line
+        // index is a slot modulo lines.
         unsafe { l.launch(cfg(grid, 128, 0)) }?;
         drop(l);
         let mut l = self.launch(self.kernel("qsa_attn_reduce")?);
@@ -555,6 +585,13 @@ impl Gpu {
         Ok(())
     }
 }
+
+/// A null device pointer: the row-cache arguments of the uncached attention.
+static NULL_PTR: u64 = 0;
+
+/// No row cache (the uncached gathered attention).
+const NO_CACHE: Option<&mut RowCacheBufs<'_, CudaSlice<u64>, CudaSlice<u32>, CudaSlice<bf16>>> =
+    None;
 
 /// The selected positions of the gathered attention over `rows` query rows: row `r` attends to
 /// `sel[r·stride .. + counts[r]]`; `max_count` (≤ `stride`) ≥ every count sets the splits.

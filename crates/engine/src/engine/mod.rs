@@ -465,6 +465,7 @@ impl<E: Executor> Engine<E> {
         self.stats.prefix_cache_hits_total = self.cache.stats.hits;
         self.stats.ple = self.executor.ple_metrics();
         self.stats.stages = self.executor.stage_times();
+        self.stats.kv_host = self.executor.kv_host_stats();
         self.stats.fault = self.executor.fault();
         *self.metrics.lock().unwrap() = self.stats.clone();
     }

@@ -181,7 +181,31 @@ fn budgets_that_do_not_fit_are_refused_in_one_line() {
 
 #[test]
 fn the_engine_start_prints_the_plan_sanmai_plan_prints() {
-    let cfg = path("tests/fixtures/qwen3_next_tiny/config.json");
+    same_plan_at_start("tests/fixtures/qwen3_next_tiny/config.json", &[], 3);
+}
+
+/// With the QSA K/V rows in pinned host memory: the pinned bytes and the row cache are planned as
+/// the server then allocates them.
+#[test]
+fn the_offloaded_plan_is_the_plan_the_engine_starts_with() {
+    let planned = same_plan_at_start(
+        "tests/fixtures/qwen4_exp_qsa_tiny/config.json",
+        &["--qsa-kv-offload", "--qsa-row-cache-rows", "64"],
+        4,
+    );
+    // The fixture's attention layers are on the second stage.
+    assert!(planned[1].contains("QSA row cache"), "{planned:?}");
+    assert!(
+        planned[2].contains("QSA K/V rows in pinned host memory"),
+        "{planned:?}"
+    );
+    assert!(planned[3].starts_with("pinned host RAM: "), "{planned:?}");
+}
+
+/// `sanmai plan` and the start of `sanmai generate` on two CPU stages of the config `rel` with
+/// `extra` flags print the same `lines` plan lines (the RAM available, read when each prints, aside).
+fn same_plan_at_start(rel: &str, extra: &[&str], lines: usize) -> Vec<String> {
+    let cfg = path(rel);
     let flags = [
         "--config",
         &cfg,
@@ -198,6 +222,7 @@ fn the_engine_start_prints_the_plan_sanmai_plan_prints() {
         "--max-num-batched-tokens",
         "64",
     ];
+    let flags = [&flags[..], extra].concat();
     let planned = plan_lines(&ok_stdout(&sanmai(&[&["plan"][..], &flags[..]].concat())));
     let run = sanmai(
         &[
@@ -220,6 +245,13 @@ fn the_engine_start_prints_the_plan_sanmai_plan_prints() {
         String::from_utf8_lossy(&run.stderr)
     );
     let started = plan_lines(&String::from_utf8_lossy(&run.stderr));
-    assert_eq!(planned.len(), 3, "{planned:?}");
-    assert_eq!(planned, started);
+    let ram_aside = |lines: &[String]| -> Vec<String> {
+        lines
+            .iter()
+            .map(|l| l.split("; MemAvailable now").next().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(planned.len(), lines, "{planned:?}");
+    assert_eq!(ram_aside(&planned), ram_aside(&started));
+    planned
 }

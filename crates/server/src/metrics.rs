@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use sanmai_engine::api::{Histogram, MetricsSnapshot, StageTimes};
+use sanmai_engine::api::{Histogram, KvHostStats, MetricsSnapshot, RowCacheCounts, StageTimes};
 
 /// The Prometheus text exposition of `m`.
 pub fn render(m: &MetricsSnapshot, model_name: &str) -> String {
@@ -99,6 +99,9 @@ pub fn render(m: &MetricsSnapshot, model_name: &str) -> String {
             let _ = writeln!(out, "sanmai:{name}{{{label}}} {}", num(v));
         }
     }
+    if let Some(h) = &m.kv_host {
+        kv_host(&mut out, &label, h);
+    }
     if !m.stages.is_empty() {
         type Counter = (&'static str, &'static str, fn(&StageTimes) -> f64);
         let stage: [Counter; 2] = [
@@ -160,6 +163,44 @@ pub fn render(m: &MetricsSnapshot, model_name: &str) -> String {
         let _ = writeln!(out, "sanmai:{name}_count{{{label}}} {}", h.count);
     }
     out
+}
+
+/// The QSA K/V host pool's counters: row-cache hits and misses per QSA layer, bytes read from host
+/// memory.
+fn kv_host(out: &mut String, label: &str, h: &KvHostStats) {
+    type Count = (&'static str, &'static str, fn(&RowCacheCounts) -> u64);
+    let per_layer: [Count; 2] = [
+        (
+            "qsa_row_cache_hits_total",
+            "QSA K/V row reads of decode steps served by the row cache, per QSA layer.",
+            |c| c.hits,
+        ),
+        (
+            "qsa_row_cache_misses_total",
+            "QSA K/V row reads of decode steps that went to host memory, per QSA layer.",
+            |c| c.misses,
+        ),
+    ];
+    for (name, help, get) in per_layer {
+        metric(out, name, "counter", help);
+        for c in &h.layers {
+            let _ = writeln!(
+                out,
+                "sanmai:{name}{{{label},layer=\"{}\"}} {}",
+                c.layer,
+                get(c)
+            );
+        }
+    }
+    let name = "qsa_host_bytes_read_total";
+    metric(
+        out,
+        name,
+        "counter",
+        "Bytes of QSA K/V rows read from pinned host memory (row-cache misses and every row of \
+         larger steps).",
+    );
+    let _ = writeln!(out, "sanmai:{name}{{{label}}} {}", h.host_bytes_read);
 }
 
 fn metric(out: &mut String, name: &str, kind: &str, help: &str) {
@@ -247,6 +288,69 @@ mod tests {
             assert_eq!(sample(&text, &format!("sanmai:{name}{l}")), v, "{name}");
             assert!(text.contains(&format!("# TYPE sanmai:{name} counter")));
         }
+    }
+
+    #[test]
+    fn qsa_host_counters_appear_per_layer_only_with_offload() {
+        let m = MetricsSnapshot::default();
+        assert!(!render(&m, "demo").contains("qsa_"));
+        let m = MetricsSnapshot {
+            kv_host: Some(KvHostStats {
+                layers: vec![
+                    RowCacheCounts {
+                        layer: 3,
+                        hits: 40,
+                        misses: 7,
+                    },
+                    RowCacheCounts {
+                        layer: 7,
+                        hits: 0,
+                        misses: 2,
+                    },
+                ],
+                host_bytes_read: 1 << 40,
+            }),
+            ..MetricsSnapshot::default()
+        };
+        let text = render(&m, "demo");
+        let l = "model_name=\"demo\"";
+        for (key, v) in [
+            (format!("qsa_row_cache_hits_total{{{l},layer=\"3\"}}"), 40.0),
+            (format!("qsa_row_cache_hits_total{{{l},layer=\"7\"}}"), 0.0),
+            (
+                format!("qsa_row_cache_misses_total{{{l},layer=\"3\"}}"),
+                7.0,
+            ),
+            (
+                format!("qsa_row_cache_misses_total{{{l},layer=\"7\"}}"),
+                2.0,
+            ),
+            (
+                format!("qsa_host_bytes_read_total{{{l}}}"),
+                (1u64 << 40) as f64,
+            ),
+        ] {
+            assert_eq!(sample(&text, &format!("sanmai:{key}")), v, "{key}");
+        }
+        for name in [
+            "qsa_row_cache_hits_total",
+            "qsa_row_cache_misses_total",
+            "qsa_host_bytes_read_total",
+        ] {
+            assert!(text.contains(&format!("# TYPE sanmai:{name} counter")));
+            assert_eq!(text.matches(&format!("# HELP sanmai:{name} ")).count(), 1);
+        }
+        // Offloaded stages without QSA layers: the bytes, no per-layer series.
+        let m = MetricsSnapshot {
+            kv_host: Some(KvHostStats::default()),
+            ..MetricsSnapshot::default()
+        };
+        let text = render(&m, "demo");
+        assert_eq!(
+            sample(&text, &format!("sanmai:qsa_host_bytes_read_total{{{l}}}")),
+            0.0
+        );
+        assert!(!text.contains("sanmai:qsa_row_cache_hits_total{"));
     }
 
     #[test]

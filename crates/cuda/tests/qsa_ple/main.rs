@@ -34,6 +34,7 @@ use sanmai_model::{Backend, OpResult, SeqChunk};
 mod ple;
 mod qsa;
 mod qsa_decode;
+mod row_cache;
 
 /// xorshift64* with Box–Muller normals.
 struct Rng(u64);

@@ -184,9 +184,14 @@ struct Case {
 enum Relabel {
     Same,
     /// Twin epochs from `twin` on are `dev + (e − twin)` on the device; older ones are unchanged.
-    Jumped { twin: u32, dev: u32 },
+    Jumped {
+        twin: u32,
+        dev: u32,
+    },
     /// The device wrapped when the twin entered epoch `twin` (the device's 1); older epochs are 0.
-    Wrapped { twin: u32 },
+    Wrapped {
+        twin: u32,
+    },
 }
 
 impl Relabel {
@@ -330,7 +335,9 @@ impl<'g> Sim<'g> {
     /// emptied since the last step).
     fn invalidate(&mut self, stored: &[u32]) {
         let g = self.g;
-        let d = g.upload(if stored.is_empty() { &[0][..] } else { stored }).unwrap();
+        let d = g
+            .upload(if stored.is_empty() { &[0][..] } else { stored })
+            .unwrap();
         g.qsa_rc_invalidate(&mut self.rc.bufs().unwrap(), &d, stored.len())
             .unwrap();
         let mut all = stored.to_vec();
@@ -594,12 +601,7 @@ impl<'g> Sim<'g> {
         g.qsa_rc_plan(&mut bufs, &selection, &tables_d, stride, BS)
             .unwrap();
         g.qsa_attention_gather_decode_cached(
-            dims,
-            &queries,
-            &cache,
-            &selection,
-            &mut bufs,
-            &mut out_c,
+            dims, &queries, &cache, &selection, &mut bufs, &mut out_c,
         )
         .unwrap();
         let (u, c) = (g.download(&out_u).unwrap(), g.download(&out_c).unwrap());
@@ -733,12 +735,14 @@ fn row_cache_catches_a_missed_invalidation() {
         .collect();
     let mut k = g.upload(&kh).unwrap();
     let v = g.upload(&vh).unwrap();
-    let table = g.upload(&(0..(ctx / BS) as u32).collect::<Vec<_>>()).unwrap();
+    let table = g
+        .upload(&(0..(ctx / BS) as u32).collect::<Vec<_>>())
+        .unwrap();
     let sel: Vec<u32> = (0..ctx as u32).step_by(2).collect();
     let sel_d = g.upload(&sel).unwrap();
     let counts = g.upload(&[topk as u32]).unwrap();
-    let q = g.upload(&rng.bf16s(HQ * d, 0.0, 1.0).iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()).unwrap();
-    let gate = g.upload(&vec![bf16::from_f32(1.0); HQ * d]).unwrap();
+    let q = to_dev(&b, &rng.bf16s(HQ * d, 0.0, 1.0));
+    let gate = to_dev(&b, &rng.bf16s(HQ * d, 0.0, 1.0));
     let mut rc = RowCache::new(g, 64, row).unwrap();
     let dims = AttnDims {
         hq: HQ,
@@ -753,11 +757,12 @@ fn row_cache_catches_a_missed_invalidation() {
         max_count: topk,
         rows: 1,
     };
-    let none = g.upload(&[0u32]).unwrap();
-    let mut step = |k: &CudaSlice<bf16>, stored: &[u32], rc: &mut RowCache| -> usize {
-        let stored_d = g.upload(if stored.is_empty() { &[0][..] } else { stored }).unwrap();
+    // One step (stores already in the pool, `stored` told to the cache): the values in which the
+    // cached attention differs from the uncached one.
+    let step = |k: &CudaSlice<bf16>, stored: &[u32], rc: &mut RowCache| -> usize {
+        let stored_d = g.upload(&[stored, &[0]].concat()).unwrap();
         let mut bufs = rc.bufs().unwrap();
-        g.qsa_rc_invalidate(&mut bufs, if stored.is_empty() { &none } else { &stored_d }, stored.len())
+        g.qsa_rc_invalidate(&mut bufs, &stored_d, stored.len())
             .unwrap();
         let cache = PagedCache {
             pools: KvPools { k, v: &v },
@@ -771,28 +776,36 @@ fn row_cache_catches_a_missed_invalidation() {
             .unwrap();
         g.qsa_rc_plan(&mut bufs, &selection, &table, ctx / BS, BS)
             .unwrap();
-        g.qsa_attention_gather_decode_cached(dims, &queries, &cache, &selection, &mut bufs, &mut out_c)
-            .unwrap();
+        g.qsa_attention_gather_decode_cached(
+            dims, &queries, &cache, &selection, &mut bufs, &mut out_c,
+        )
+        .unwrap();
         let (u, c) = (g.download(&out_u).unwrap(), g.download(&out_c).unwrap());
-        u.iter().zip(&c).filter(|(a, b)| a.to_bits() != b.to_bits()).count()
+        u.iter()
+            .zip(&c)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count()
     };
     // Step 1 fills every selected line, step 2 hits them all.
     assert_eq!(step(&k, &[], &mut rc), 0);
     assert_eq!(step(&k, &[], &mut rc), 0);
     assert_eq!(rc.counts(g).unwrap(), (topk as u64, topk as u64));
     // Slot 10 rewritten without telling the cache: stale.
-    let mut rewrite = |k: &mut CudaSlice<bf16>, rng: &mut Rng| {
+    let rewrite = |k: &mut CudaSlice<bf16>, kh: &mut [bf16], rng: &mut Rng| {
         for x in &mut kh[10 * row..11 * row] {
             *x = bf16::from_f32(rng.normal() * 4.0);
         }
         g.stream()
-            .memcpy_htod(&kh[10 * row..11 * row], &mut k.slice_mut(10 * row..11 * row))
+            .memcpy_htod(
+                &kh[10 * row..11 * row],
+                &mut k.slice_mut(10 * row..11 * row),
+            )
             .unwrap();
     };
-    rewrite(&mut k, &mut rng);
+    rewrite(&mut k, &mut kh, &mut rng);
     let stale = step(&k, &[], &mut rc);
     // Told: the line is emptied and refilled from the pool.
-    rewrite(&mut k, &mut rng);
+    rewrite(&mut k, &mut kh, &mut rng);
     let told = step(&k, &[10], &mut rc);
     println!(
         "PARITY op=qsa_row_cache_missed_invalidation shape=ctx{ctx}_topk{topk}_d{d} stale_values_differing={stale} told_values_differing={told} tol=exact"
@@ -845,6 +858,93 @@ fn selections(rng: &mut Rng, n: usize, ctx: usize, topk: usize, overlap: f32) ->
     out
 }
 
+/// What every timed step of the bench shares: the shape, the query, and `n_sel` selections of
+/// `topk` positions of one sequence (identity block table) used in turn.
+struct BenchSteps<'a> {
+    g: &'a Gpu,
+    dims: AttnDims,
+    queries: Queries<'a, CudaSlice<bf16>>,
+    sels: CudaSlice<u32>,
+    n_sel: usize,
+    topk: usize,
+    counts: CudaSlice<u32>,
+    /// The slot each cached step stores (never selected).
+    stored: CudaSlice<u32>,
+}
+
+impl BenchSteps<'_> {
+    fn sel(&self, i: usize) -> sanmai_cuda::cudarc::driver::CudaView<'_, u32> {
+        let a = (i % self.n_sel) * self.topk;
+        self.sels.slice(a..a + self.topk)
+    }
+
+    /// Mean seconds of the uncached attention over `cache`, one pass to warm up, two timed.
+    fn uncached<P: DevicePtr<bf16>>(
+        &self,
+        cache: &PagedCache<'_, P, CudaSlice<u32>>,
+        out: &mut CudaSlice<bf16>,
+    ) -> f64 {
+        time(self.g, self.n_sel, 2 * self.n_sel, |i| {
+            let s = self.sel(i);
+            let sel = Selection {
+                sel: &s,
+                stride: self.topk,
+                counts: &self.counts,
+                max_count: self.topk,
+                rows: 1,
+            };
+            self.g
+                .qsa_attention_gather_decode(self.dims, &self.queries, cache, &sel, out)
+                .unwrap();
+        })
+    }
+
+    /// One cached step: invalidate (one stored slot), plan, cached attention over `cache`.
+    fn cached_step<P: DevicePtr<bf16>>(
+        &self,
+        i: usize,
+        rc: &mut RowCache,
+        cache: &PagedCache<'_, P, CudaSlice<u32>>,
+        out: &mut CudaSlice<bf16>,
+    ) {
+        let g = self.g;
+        let s = self.sel(i);
+        let sel = Selection {
+            sel: &s,
+            stride: self.topk,
+            counts: &self.counts,
+            max_count: self.topk,
+            rows: 1,
+        };
+        let mut bufs = rc.bufs().unwrap();
+        g.qsa_rc_invalidate(&mut bufs, &self.stored, 1).unwrap();
+        g.qsa_rc_plan(&mut bufs, &sel, cache.tables, cache.stride, BS)
+            .unwrap();
+        g.qsa_attention_gather_decode_cached(self.dims, &self.queries, cache, &sel, &mut bufs, out)
+            .unwrap();
+    }
+
+    /// Mean seconds of a cached step and the hit rate, over two passes after one that warms the
+    /// cache.
+    fn cached<P: DevicePtr<bf16>>(
+        &self,
+        rc: &mut RowCache,
+        cache: &PagedCache<'_, P, CudaSlice<u32>>,
+        out: &mut CudaSlice<bf16>,
+    ) -> (f64, f64) {
+        for i in 0..self.n_sel {
+            self.cached_step(i, rc, cache, out);
+        }
+        let (h0, m0) = rc.counts(self.g).unwrap();
+        let t = time(self.g, 0, 2 * self.n_sel, |i| {
+            self.cached_step(i, rc, cache, out)
+        });
+        let (h1, m1) = rc.counts(self.g).unwrap();
+        let (h, m) = (h1 - h0, m1 - m0);
+        (t, h as f64 / (h + m).max(1) as f64)
+    }
+}
+
 /// The 125B model's QSA decode attention (hq 24, hkv 2, d 256, topk 2048; batch 1, a context of
 /// 65,536 positions) with its K/V pools in host-registered memory: a cached step (invalidate, plan,
 /// cached attention) at 0%, ~72% and 100% overlap of consecutive selections, for a cache of the
@@ -872,38 +972,30 @@ fn bench_qsa_cached_attention() {
         num(&cfg["head_dim"]),
     );
     let topk = num(&cfg["qsa"]["index_topk"]);
+    let qsa_layers = num(&cfg["num_hidden_layers"]) / num(&cfg["full_attention_interval"]);
     let (ctx, n_sel) = (65_536usize, 64usize);
     let row = hkv * d;
     // One block past the context holds the slot each step stores (never selected).
     let slots = ctx + BS;
     let mut kp = HostRegistered::new(g, slots * row);
     let mut vp = HostRegistered::new(g, slots * row);
+    let pattern = |i: usize, salt: u32| {
+        let h = ((i as u32) ^ salt).wrapping_mul(2_654_435_761) >> 16;
+        bf16::from_f32(h as f32 / 65536.0 - 0.5)
+    };
     for (i, x) in kp.host_mut().iter_mut().enumerate() {
-        *x = bf16::from_f32(((i as u32).wrapping_mul(2_654_435_761) >> 16) as f32 / 65536.0 - 0.5);
+        *x = pattern(i, 1);
     }
     for (i, x) in vp.host_mut().iter_mut().enumerate() {
-        *x = bf16::from_f32(((i as u32 ^ 7).wrapping_mul(2_654_435_761) >> 16) as f32 / 65536.0 - 0.5);
+        *x = pattern(i, 2);
     }
-    let kd = g.upload(&kp.host_mut()[..]).unwrap();
-    let vd = g.upload(&vp.host_mut()[..]).unwrap();
+    let kd = g.upload(kp.host_mut()).unwrap();
+    let vd = g.upload(vp.host_mut()).unwrap();
     let stride = slots / BS;
     let table = g.upload(&(0..stride as u32).collect::<Vec<_>>()).unwrap();
-    let stored = g.upload(&[ctx as u32]).unwrap();
     let mut rng = Rng::new(7);
-    let q = g
-        .upload(&rng.bf16s(hq * d, 0.0, 1.0).iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>())
-        .unwrap();
-    let gate = g
-        .upload(&rng.bf16s(hq * d, 0.0, 1.0).iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>())
-        .unwrap();
-    let counts = g.upload(&[topk as u32]).unwrap();
-    let dims = AttnDims {
-        hq,
-        hkv,
-        head_dim: d,
-        block_size: BS,
-    };
-    let queries = Queries { q: &q, gate: &gate };
+    let q = to_dev(&b, &rng.bf16s(hq * d, 0.0, 1.0));
+    let gate = to_dev(&b, &rng.bf16s(hq * d, 0.0, 1.0));
     let host_cache = PagedCache {
         pools: KvPools { k: &kp, v: &vp },
         tables: &table,
@@ -915,30 +1007,32 @@ fn bench_qsa_cached_attention() {
         stride,
     };
     let mut out = g.zeros::<bf16>(hq * d).unwrap();
-    let default_lines = 4 * 12_144 / 12;
+    // The default row cache (QSA_ROW_CACHE_ROWS) split over the model's QSA layers.
+    let default_lines = 4 * 12_144 / qsa_layers;
     println!(
-        "BENCH qsa_cached_attention shape=hq{hq}_hkv{hkv}_d{d}_topk{topk}_ctx{ctx}_batch1 kv_pool=host_registered row_bytes={}",
+        "BENCH qsa_cached_attention shape=hq{hq}_hkv{hkv}_d{d}_topk{topk}_ctx{ctx}_batch1 kv_pool=host_registered row_bytes={} selections={n_sel}",
         row * 2
     );
     for overlap in [0.0f32, 0.72, 1.0] {
-        let sels = g.upload(&selections(&mut rng, n_sel, ctx, topk, overlap)).unwrap();
-        let selection = |i: usize| sels.slice((i % n_sel) * topk..(i % n_sel + 1) * topk);
-        let uncached = |cache: &PagedCache<'_, _, _>, out: &mut CudaSlice<bf16>| {
-            time(g, n_sel, 2 * n_sel, |i| {
-                let s = selection(i);
-                let sel = Selection {
-                    sel: &s,
-                    stride: topk,
-                    counts: &counts,
-                    max_count: topk,
-                    rows: 1,
-                };
-                g.qsa_attention_gather_decode(dims, &queries, cache, &sel, out)
-                    .unwrap();
-            })
+        let steps = BenchSteps {
+            g,
+            dims: AttnDims {
+                hq,
+                hkv,
+                head_dim: d,
+                block_size: BS,
+            },
+            queries: Queries { q: &q, gate: &gate },
+            sels: g
+                .upload(&selections(&mut rng, n_sel, ctx, topk, overlap))
+                .unwrap(),
+            n_sel,
+            topk,
+            counts: g.upload(&[topk as u32]).unwrap(),
+            stored: g.upload(&[ctx as u32]).unwrap(),
         };
-        let t_host = uncached(&host_cache, &mut out);
-        let t_dev = uncached(&dev_cache, &mut out);
+        let t_host = steps.uncached(&host_cache, &mut out);
+        let t_dev = steps.uncached(&dev_cache, &mut out);
         println!(
             "BENCH qsa_cached_attention overlap={overlap:.2} uncached_host_us={:.1} uncached_vram_us={:.1}",
             t_host * 1e6,
@@ -946,38 +1040,9 @@ fn bench_qsa_cached_attention() {
         );
         for lines in [default_lines, ctx] {
             let mut rc = RowCache::new(g, lines, row).unwrap();
-            let mut step = |i: usize| {
-                let s = selection(i);
-                let sel = Selection {
-                    sel: &s,
-                    stride: topk,
-                    counts: &counts,
-                    max_count: topk,
-                    rows: 1,
-                };
-                let mut bufs = rc.bufs().unwrap();
-                g.qsa_rc_invalidate(&mut bufs, &stored, 1).unwrap();
-                g.qsa_rc_plan(&mut bufs, &sel, &table, stride, BS).unwrap();
-                g.qsa_attention_gather_decode_cached(
-                    dims,
-                    &queries,
-                    &host_cache,
-                    &sel,
-                    &mut bufs,
-                    &mut out,
-                )
-                .unwrap();
-            };
-            // One pass over the selections warms the cache; the counters cover the timed passes.
-            for i in 0..n_sel {
-                step(i);
-            }
-            let (h0, m0) = rc.counts(g).unwrap();
-            let t = time(g, 0, 2 * n_sel, &mut step);
-            let (h1, m1) = rc.counts(g).unwrap();
-            let hit_rate = (h1 - h0) as f64 / ((h1 - h0) + (m1 - m0)).max(1) as f64;
+            let (t, hit_rate) = steps.cached(&mut rc, &host_cache, &mut out);
             println!(
-                "BENCH qsa_cached_attention overlap={overlap:.2} lines={lines} hit_rate={hit_rate:.3} cached_step_us={:.1} (invalidate+plan+attention) speedup_vs_uncached_host={:.2}",
+                "BENCH qsa_cached_attention overlap={overlap:.2} lines={lines} hit_rate={hit_rate:.3} cached_step_us={:.1} speedup_vs_uncached_host={:.2} (step = invalidate + plan + attention)",
                 t * 1e6,
                 t_host / t
             );

@@ -16,7 +16,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use server_support::{completion, eventually, ServerProc};
+use server_support::{completion, eventually, metric_in, ServerProc};
 
 const PATH: &str = "/v1/completions";
 
@@ -144,6 +144,53 @@ fn stage_metric(s: &ServerProc, name: &str, stage: usize) -> Option<f64> {
     text.lines()
         .filter(|l| l.starts_with(&format!("sanmai:{name}{{")) && l.contains(&label))
         .find_map(|l| l.rsplit_once(' ')?.1.parse().ok())
+}
+
+/// The QSA K/V host counters on `/metrics`: per QSA layer `(layer, hits, misses)` and the bytes
+/// read from host memory; `None` when the server shows none of them (not even their HELP lines).
+type HostCounters = (Vec<(usize, f64, f64)>, f64);
+
+fn kv_host_metrics(s: &ServerProc) -> Option<HostCounters> {
+    let (status, text) = s.get("/metrics");
+    assert_eq!(status, 200);
+    let Some(bytes) = metric_in(&text, "sanmai:qsa_host_bytes_read_total") else {
+        assert!(
+            !text.contains("sanmai:qsa_"),
+            "QSA counters without bytes:\n{text}"
+        );
+        return None;
+    };
+    // `(layer, value)` of each series of a per-layer counter.
+    let series = |name: &str| -> Vec<(usize, f64)> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix(&format!("sanmai:{name}{{")))
+            .map(|l| {
+                let layer = l
+                    .split("layer=\"")
+                    .nth(1)
+                    .unwrap()
+                    .split('"')
+                    .next()
+                    .unwrap();
+                let value = l.rsplit_once(' ').unwrap().1;
+                (layer.parse().unwrap(), value.parse().unwrap())
+            })
+            .collect()
+    };
+    let hits = series("qsa_row_cache_hits_total");
+    let misses = series("qsa_row_cache_misses_total");
+    let layers: Vec<usize> = hits.iter().map(|h| h.0).collect();
+    assert_eq!(
+        layers,
+        misses.iter().map(|m| m.0).collect::<Vec<_>>(),
+        "{text}"
+    );
+    let per_layer = hits
+        .iter()
+        .zip(&misses)
+        .map(|(h, m)| (h.0, h.1, m.1))
+        .collect();
+    Some((per_layer, bytes))
 }
 
 /// A completion's `choices` and `usage` (what must not depend on the stages).
@@ -469,6 +516,33 @@ fn stages_are_exact(name: &str, ple: bool, offload: bool) {
             );
         }
         let got = workload(&s, layout.stages);
+        // The QSA K/V rows in host memory report their row cache: decoding re-reads the rows of
+        // the previous step (every position while the context is within the top-k), so it hits.
+        let counters = kv_host_metrics(&s);
+        if budget == &offload_budget {
+            let (layers, bytes) = counters.expect("offloaded QSA rows report their counters");
+            // The attention layer 3 and the MTP layer 4 (on the last stage).
+            assert_eq!(
+                layers.iter().map(|l| l.0).collect::<Vec<_>>(),
+                [3, 4],
+                "{:?}",
+                layout.flags
+            );
+            assert!(
+                layers
+                    .iter()
+                    .any(|&(_, hits, misses)| hits > 0.0 && misses > 0.0),
+                "{:?}: no row-cache hits: {layers:?}",
+                layout.flags
+            );
+            assert!(bytes > 0.0, "{:?}: no host bytes read", layout.flags);
+        } else {
+            assert_eq!(
+                counters, None,
+                "{name}, {:?}: K/V rows on the device",
+                layout.flags
+            );
+        }
         drop(s);
         let what = format!("{name}, {:?}", layout.flags);
         for (i, (a, b)) in got.together.iter().zip(&got.alone).enumerate() {

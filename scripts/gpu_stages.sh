@@ -8,7 +8,7 @@
 # cuda:0 (as the three-card deployment runs on one big GPU), then:
 # - the driver's used memory sampled every 200 ms for the whole run (OUT_DIR/CASE.mem, MiB);
 # - the server's memory plan lines (OUT_DIR/CASE.serve.log);
-# - greedy requests one at a time (token-id prompts of 40, 300 and 1000 tokens, 32 new tokens, top-5
+# - greedy requests one at a time (token-id prompts of 40, 300, 1000 and 4000 tokens, 32 new tokens, top-5
 #   logprobs, echo with prompt logprobs): OUT_DIR/CASE.seq.json, compared with the case's one-stage
 #   run (OUT_DIR/compare.txt);
 # - one chat completion (OUT_DIR/CASE.chat.json);
@@ -48,7 +48,7 @@ def post(path, body):
     req = urllib.request.Request(base + path, json.dumps(body).encode(), {"content-type": "application/json"})
     return json.load(urllib.request.urlopen(req, timeout=600))
 out = []
-for n in (40, 300, 1000):
+for n in (40, 300, 1000, 4000):
     prompt = [(i * 7919 + 13) % 30000 + 1000 for i in range(n)]
     r = post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32, "temperature": 0,
                                  "logprobs": 5, "echo": True, "ignore_eos": True})

@@ -38,6 +38,20 @@ pub(crate) struct KvPools {
     pub layers: HashMap<usize, KvPool>,
     /// QSA selections recorded while tracing is on (see `CudaBackend::trace_qsa`).
     pub qsa_trace: Option<Vec<QsaPick>>,
+    /// The VRAM arena of K/V rows kept in host memory (`None` when they are on the device).
+    pub arena: Option<Arena>,
+}
+
+/// The staging arena of K/V rows kept in host memory (`KvHost::row_cache_rows` rows of K and of
+/// V): a prefill step stages the rows a QSA layer reads into it and reads them from there, as from
+/// the pools through the identity table.
+pub(crate) struct Arena {
+    pub k: CudaSlice<bf16>,
+    pub v: CudaSlice<bf16>,
+    /// Positions it holds: whole blocks.
+    pub rows: usize,
+    /// `0, 1, 2, …` (`rows / block_size` ids): the block table of the staged rows.
+    pub table: CudaSlice<u32>,
 }
 
 /// One query row's QSA selection: `(layer, state slot, position, selected positions ascending)`.
@@ -54,13 +68,18 @@ impl KvPools {
         self.layers.get_mut(&layer).ok_or_else(|| no_pool(layer))
     }
 
-    /// Device bytes of the pools (K/V rows in host memory not counted).
+    /// Device bytes of the pools and the arena (K/V rows in host memory not counted).
     pub fn bytes(&self) -> usize {
         let on_device = |r: &Rows| if r.on_host() { 0 } else { 2 * r.len() };
+        let arena = self
+            .arena
+            .as_ref()
+            .map_or(0, |a| 2 * (a.k.len() + a.v.len()));
         self.layers
             .values()
             .map(|p| on_device(&p.k) + on_device(&p.v) + p.idx.as_ref().map_or(0, |i| i.len()))
-            .sum()
+            .sum::<usize>()
+            + arena
     }
 }
 
@@ -183,6 +202,20 @@ impl KvPools {
                 },
             };
             self.layers.insert(l, pool);
+        }
+        self.arena = None;
+        if let Some(host) = spec.kv_host.as_ref().filter(|_| self.idx_row > 0) {
+            let bs = spec.block_size.max(1);
+            let blocks = host.row_cache_rows / bs;
+            if blocks > 0 {
+                let ids: Vec<u32> = (0..blocks as u32).collect();
+                self.arena = Some(Arena {
+                    k: gpu.zeros(blocks * bs * row)?,
+                    v: gpu.zeros(blocks * bs * row)?,
+                    rows: blocks * bs,
+                    table: gpu.upload(&ids)?,
+                });
+            }
         }
         Ok(())
     }

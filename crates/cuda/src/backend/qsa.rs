@@ -16,10 +16,10 @@ use half::bf16;
 use sanmai_model::backend::{QsaCall, SeqChunk};
 
 use super::attn::{attn_dims, Prepared};
-use super::cache::QsaPick;
+use super::cache::{Arena, QsaPick};
 use super::host_rows::Rows;
 use super::tensor::{CudaTensor, CudaWeight};
-use super::{all_decode, CudaBackend};
+use super::{all_decode, CudaBackend, State};
 use crate::error::{CudaError, Result};
 use crate::ops::{
     AttnDims, ChunkRows, IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, KvPools,
@@ -56,17 +56,9 @@ impl CudaBackend {
     }
 
     pub(crate) fn qsa_impl(&self, c: &QsaCall<'_, CudaTensor, CudaWeight>) -> Result<CudaTensor> {
-        let g = &self.gpu;
-        let (attn, qsa) = (&c.attn, c.qsa);
-        let (nh, d, layer, seqs) = (
-            attn.shape.num_heads,
-            attn.shape.head_dim,
-            attn.layer,
-            attn.seqs,
-        );
         let (iq, ik, iw) = (c.iq, c.ik, c.iw);
-        let (ni, di, topk) = (qsa.n_heads, qsa.head_dim, qsa.topk.max(1));
-        let rows = attn.q_gate.rows;
+        let (ni, di) = (c.qsa.n_heads, c.qsa.head_dim);
+        let rows = c.attn.q_gate.rows;
         let bad = |msg: String| CudaError::Shape {
             op: "qsa_attention",
             msg,
@@ -82,6 +74,35 @@ impl CudaBackend {
         }
         let mut st = self.lock();
         let st = &mut *st;
+        // The arena is lent to this call (and returned whatever it answers), so the K/V pools it
+        // stages rows from stay borrowed alongside it.
+        let mut arena = st.kv.arena.take();
+        let res = self.qsa_locked(st, c, arena.as_mut());
+        st.kv.arena = arena;
+        res
+    }
+
+    fn qsa_locked(
+        &self,
+        st: &mut State,
+        c: &QsaCall<'_, CudaTensor, CudaWeight>,
+        arena: Option<&mut Arena>,
+    ) -> Result<CudaTensor> {
+        let g = &self.gpu;
+        let (attn, qsa) = (&c.attn, c.qsa);
+        let (nh, d, layer, seqs) = (
+            attn.shape.num_heads,
+            attn.shape.head_dim,
+            attn.layer,
+            attn.seqs,
+        );
+        let (iq, ik, iw) = (c.iq, c.ik, c.iw);
+        let (ni, di, topk) = (qsa.n_heads, qsa.head_dim, qsa.topk.max(1));
+        let rows = attn.q_gate.rows;
+        let bad = |msg: String| CudaError::Shape {
+            op: "qsa_attention",
+            msg,
+        };
         if st.kv.idx_row != di + 2 {
             return Err(bad(format!(
                 "the cache has no index keys of width dI = {di}: init_cache with index_head_dim"
@@ -135,6 +156,7 @@ impl CudaBackend {
         g.qsa_query_prep(&proj, &index_rope, heads, head_scale, &mut qi, &mut wts)?;
         let tables = st.meta.view(m.tables, m.n_seq * m.stride);
         let x = Select {
+            layer,
             dims: attn_dims(attn.shape, bs),
             ni,
             di,
@@ -162,7 +184,7 @@ impl CudaBackend {
                 Vec::new()
             }
         } else {
-            self.qsa_chunks(layer, &x, seqs, &mut out, tracing)?
+            self.qsa_chunks(&x, seqs, &mut out, tracing, arena)?
         };
         if let Some(t) = st.kv.qsa_trace.as_mut() {
             t.extend(trace);
@@ -253,104 +275,144 @@ impl CudaBackend {
     }
 
     /// Per sequence: the dense paged prefill kernel while its context fits topk, else the scan, the
-    /// top-k and the gathered attention over groups of its query rows. Returns the selections when
-    /// `tracing`.
+    /// top-k and the gathered attention over groups of its query rows. With the K/V rows in host
+    /// memory and an `arena`, a sequence whose context fits the arena has its rows staged there first
+    /// and read from VRAM (the same kernels through the identity table: the same arithmetic).
+    /// Returns the selections when `tracing`.
     fn qsa_chunks(
         &self,
-        layer: usize,
         x: &Select<'_>,
         seqs: &[SeqChunk<'_>],
         out: &mut CudaTensor,
         tracing: bool,
+        mut arena: Option<&mut Arena>,
     ) -> Result<Vec<QsaPick>> {
         let g = &self.gpu;
-        let (ni, di, topk, bs) = (x.ni, x.di, x.topk, x.dims.block_size);
-        let qr = x.dims.hq * x.dims.head_dim;
+        let bs = x.dims.block_size;
         let mut trace = Vec::new();
         for (i, s) in seqs.iter().enumerate().filter(|(_, s)| s.len > 0) {
-            let nb = (s.pos0 + s.len).div_ceil(bs.max(1));
+            let ctx = s.pos0 + s.len;
+            let nb = ctx.div_ceil(bs.max(1));
             let table = x.tables.slice(i * x.stride..i * x.stride + nb);
-            if s.pos0 + s.len <= topk {
-                let (a, b) = (s.start * qr, (s.start + s.len) * qr);
-                let queries = Queries {
-                    q: &x.q.slice(a..b),
-                    gate: &x.gate.slice(a..b),
-                };
-                let chunk = ChunkRows {
-                    pos0: s.pos0,
-                    t: s.len,
-                };
-                g.attention_paged_prefill(
-                    x.dims,
-                    &queries,
-                    &x.cache(&table, 0),
-                    chunk,
-                    &mut out.buf.slice_mut(a..b),
-                )?;
-                if tracing {
-                    for p in s.pos0..s.pos0 + s.len {
-                        trace.push((layer, s.state, p, (0..=p).collect()));
-                    }
+            let on_host = x.k.on_host();
+            match arena.as_deref_mut().filter(|a| on_host && ctx <= a.rows) {
+                Some(a) => {
+                    let pools = KvPools { k: x.k, v: x.v };
+                    let staged = KvPools {
+                        k: &mut a.k,
+                        v: &mut a.v,
+                    };
+                    g.kv_stage(pools, &table, bs, ctx, x.dims.hkv * x.dims.head_dim, staged)?;
+                    let cache = PagedCache {
+                        pools: KvPools { k: &a.k, v: &a.v },
+                        tables: &a.table,
+                        stride: 0,
+                    };
+                    self.qsa_chunk(x, s, &table, &cache, out, tracing.then_some(&mut trace))?;
                 }
-                continue;
-            }
-            let ctx_all = s.pos0 + s.len;
-            let group = (SCORE_BUDGET / ctx_all).clamp(1, MAX_GROUP_ROWS);
-            let mut a = 0;
-            while a < s.len {
-                let n = group.min(s.len - a);
-                let (r0, p0) = (s.start + a, s.pos0 + a);
-                let ld = p0 + n;
-                let mut scores = self.scratch::<f32>(n * ld)?;
-                let mut sel = self.scratch::<u32>(n * topk)?;
-                let mut counts = self.scratch::<u32>(n)?;
-                let queries = IndexQueries {
-                    qi: &x.qi.slice(r0 * ni * di..(r0 + n) * ni * di),
-                    wts: &x.wts.slice(r0 * ni..(r0 + n) * ni),
-                    heads: x.heads(),
-                    rows: n,
-                };
-                g.qsa_scores(&queries, &x.index_cache(&table, 0), p0, &mut scores, ld)?;
-                let rows = ScoreRows {
-                    scores: &scores,
-                    ld,
-                    rows: n,
-                };
-                g.qsa_topk(&rows, p0, topk, &mut sel, &mut counts)?;
-                let (qa, qb) = (r0 * qr, (r0 + n) * qr);
-                let queries = Queries {
-                    q: &x.q.slice(qa..qb),
-                    gate: &x.gate.slice(qa..qb),
-                };
-                let selection = Selection {
-                    sel: &sel,
-                    stride: topk,
-                    counts: &counts,
-                    max_count: topk.min(ld),
-                    rows: n,
-                };
-                g.qsa_attention_gather(
-                    x.dims,
-                    &queries,
-                    &x.cache(&table, 0),
-                    &selection,
-                    &mut out.buf.slice_mut(qa..qb),
-                )?;
-                if tracing {
-                    let sel = g.download(&sel)?;
-                    let counts = g.download(&counts)?;
-                    for (j, &c) in counts.iter().take(n).enumerate() {
-                        let picked = sel[j * topk..j * topk + c as usize]
-                            .iter()
-                            .map(|&x| x as usize)
-                            .collect();
-                        trace.push((layer, s.state, p0 + j, picked));
-                    }
+                None => {
+                    let cache = x.cache(&table, 0);
+                    self.qsa_chunk(x, s, &table, &cache, out, tracing.then_some(&mut trace))?;
                 }
-                a += n;
             }
         }
         Ok(trace)
+    }
+
+    /// One sequence's chunk of [`CudaBackend::qsa_chunks`]: the index keys through its block
+    /// `table`, the K/V rows through `cache`; its selections go to `trace` when given.
+    fn qsa_chunk<K: DevicePtr<bf16>, T: DevicePtr<u32>>(
+        &self,
+        x: &Select<'_>,
+        s: &SeqChunk<'_>,
+        table: &CudaView<'_, u32>,
+        cache: &PagedCache<'_, K, T>,
+        out: &mut CudaTensor,
+        mut trace: Option<&mut Vec<QsaPick>>,
+    ) -> Result<()> {
+        let g = &self.gpu;
+        let (layer, ni, di, topk) = (x.layer, x.ni, x.di, x.topk);
+        let qr = x.dims.hq * x.dims.head_dim;
+        if s.pos0 + s.len <= topk {
+            let (a, b) = (s.start * qr, (s.start + s.len) * qr);
+            let queries = Queries {
+                q: &x.q.slice(a..b),
+                gate: &x.gate.slice(a..b),
+            };
+            let chunk = ChunkRows {
+                pos0: s.pos0,
+                t: s.len,
+            };
+            g.attention_paged_prefill(
+                x.dims,
+                &queries,
+                cache,
+                chunk,
+                &mut out.buf.slice_mut(a..b),
+            )?;
+            if let Some(t) = trace {
+                for p in s.pos0..s.pos0 + s.len {
+                    t.push((layer, s.state, p, (0..=p).collect()));
+                }
+            }
+            return Ok(());
+        }
+        let ctx_all = s.pos0 + s.len;
+        let group = (SCORE_BUDGET / ctx_all).clamp(1, MAX_GROUP_ROWS);
+        let mut a = 0;
+        while a < s.len {
+            let n = group.min(s.len - a);
+            let (r0, p0) = (s.start + a, s.pos0 + a);
+            let ld = p0 + n;
+            let mut scores = self.scratch::<f32>(n * ld)?;
+            let mut sel = self.scratch::<u32>(n * topk)?;
+            let mut counts = self.scratch::<u32>(n)?;
+            let queries = IndexQueries {
+                qi: &x.qi.slice(r0 * ni * di..(r0 + n) * ni * di),
+                wts: &x.wts.slice(r0 * ni..(r0 + n) * ni),
+                heads: x.heads(),
+                rows: n,
+            };
+            g.qsa_scores(&queries, &x.index_cache(table, 0), p0, &mut scores, ld)?;
+            let rows = ScoreRows {
+                scores: &scores,
+                ld,
+                rows: n,
+            };
+            g.qsa_topk(&rows, p0, topk, &mut sel, &mut counts)?;
+            let (qa, qb) = (r0 * qr, (r0 + n) * qr);
+            let queries = Queries {
+                q: &x.q.slice(qa..qb),
+                gate: &x.gate.slice(qa..qb),
+            };
+            let selection = Selection {
+                sel: &sel,
+                stride: topk,
+                counts: &counts,
+                max_count: topk.min(ld),
+                rows: n,
+            };
+            g.qsa_attention_gather(
+                x.dims,
+                &queries,
+                cache,
+                &selection,
+                &mut out.buf.slice_mut(qa..qb),
+            )?;
+            if let Some(t) = trace.as_deref_mut() {
+                let sel = g.download(&sel)?;
+                let counts = g.download(&counts)?;
+                for (j, &c) in counts.iter().take(n).enumerate() {
+                    let picked = sel[j * topk..j * topk + c as usize]
+                        .iter()
+                        .map(|&x| x as usize)
+                        .collect();
+                    t.push((layer, s.state, p0 + j, picked));
+                }
+            }
+            a += n;
+        }
+        Ok(())
     }
 }
 
@@ -358,6 +420,7 @@ impl CudaBackend {
 /// heads and topk, q and gate `[rows, hq·d]`, the indexer queries and head weights (f32), the layer's
 /// K/V and index-key pools, and the step's block tables (`stride` ids a sequence).
 struct Select<'a> {
+    layer: usize,
     dims: AttnDims,
     ni: usize,
     di: usize,

@@ -957,14 +957,18 @@ fn bench_qsa_cached_attention() {
         return;
     };
     let g = b.gpu();
-    let cfg: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../../configs/models/qwen4-exp-125b-a6b.json"
-        ))
-        .unwrap(),
-    )
-    .unwrap();
+    // The shipped config: under the working directory (a copied test binary run from the
+    // repository root), else next to this crate's sources.
+    let rel = std::path::Path::new("configs/models/qwen4-exp-125b-a6b.json");
+    let path = if rel.exists() {
+        rel.to_path_buf()
+    } else {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(rel)
+    };
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
     let num = |v: &serde_json::Value| v.as_u64().unwrap() as usize;
     let (hq, hkv, d) = (
         num(&cfg["num_attention_heads"]),

@@ -64,6 +64,10 @@ pub struct EngineArgs {
     /// 48576, four 12,144-token blocks of rows, about 95 MiB at 2 KiB a row].
     #[arg(long, value_name = "ROWS")]
     pub qsa_row_cache_rows: Option<usize>,
+    /// Decode steps read every QSA K/V row from host memory, not through the row cache (for A/B
+    /// runs; prefills still stage rows in the arena).
+    #[arg(long)]
+    pub no_qsa_row_cache: bool,
 }
 
 /// Default of `--qsa-row-cache-rows`.
@@ -90,6 +94,7 @@ impl EngineArgs {
         for (given, flag) in [
             (self.host_memory_reserve.is_some(), "--host-memory-reserve"),
             (self.qsa_row_cache_rows.is_some(), "--qsa-row-cache-rows"),
+            (self.no_qsa_row_cache, "--no-qsa-row-cache"),
         ] {
             if given && !self.qsa_kv_offload {
                 return Err(anyhow!("{flag} applies to --qsa-kv-offload, which is off"));
@@ -117,6 +122,7 @@ impl EngineArgs {
             reserve: self.host_memory_reserve.map_or(0, |b| b.0),
             lock_path: std::env::temp_dir().join("sanmai-pin.lock"),
             row_cache_rows: self.row_cache_rows(),
+            row_cache: !self.no_qsa_row_cache,
         })
     }
 

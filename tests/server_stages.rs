@@ -536,7 +536,6 @@ fn stages_are_exact(name: &str, ple: bool, offload: bool) {
                 layout.flags
             );
             assert!(bytes > 0.0, "{:?}: no host bytes read", layout.flags);
-            eprintln!("COUNTERS {:?}: {layers:?} {bytes}", layout.flags);
         } else {
             assert_eq!(
                 counters, None,

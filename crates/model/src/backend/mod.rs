@@ -78,9 +78,12 @@ pub struct KvHost {
     pub reserve: usize,
     /// The lock file that serialises pinning across stages and processes.
     pub lock_path: std::path::PathBuf,
-    /// Rows of the VRAM row cache, split over the stage's QSA layers (0: no row cache). Only
-    /// decode-shaped steps ([`MAX_CACHED_ROWS`] query rows at most) read through it.
+    /// Rows of the stage's VRAM arena: a prefill stages a sequence's rows there (when they fit), and
+    /// decode-shaped steps ([`MAX_CACHED_ROWS`] query rows at most) read through the row cache it
+    /// holds between prefills, split over the stage's QSA layers (0: neither).
     pub row_cache_rows: usize,
+    /// Whether decode-shaped steps read through the row cache (off: every row from host memory).
+    pub row_cache: bool,
 }
 
 /// Decode-shaped steps (at most this many query rows: fixed launch shapes, recorded in CUDA graphs)

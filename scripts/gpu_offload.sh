@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# QSA K/V rows in pinned host memory on one GPU host, with a prebuilt `sanmai` (built elsewhere with
+# `cargo build --release --features cuda`, stripped, copied as BIN_DIR/sanmai). Builds nothing.
+#
+#   scripts/gpu_offload.sh OUT_DIR [BIN_DIR]
+#
+# The 125B qwen4_exp config (dummy weights in its quantization mix, a PLE table from
+# `sanmai ple create --rows-scale 0.05`) on cuda:0, served three ways: all K/V in VRAM (`vram`),
+# the QSA K/V rows in host memory with the VRAM row cache (`cache`) and without it (`nocache`). Each
+# case runs greedy requests one at a time (OUT_DIR/CASE.seq.json; compared with `vram` in
+# OUT_DIR/compare.txt: text and logprobs must be identical), then decode at batch 1 after prompts of
+# each length in SANMAI_OFFLOAD_CONTEXTS (default "1024 8192 65536") with `sanmai bench serve`
+# (OUT_DIR/CASE.bench.log) and the row-cache counters from /metrics (OUT_DIR/CASE.metrics).
+# SANMAI_OFFLOAD_CASES picks cases (default "vram cache nocache").
+set -uo pipefail
+out=${1:?usage: gpu_offload.sh OUT_DIR [BIN_DIR]}
+bin_dir=${2:-.device-bin}
+sanmai="$bin_dir/sanmai"
+mkdir -p "$out"
+[ -x "$sanmai" ] || { echo "no executable $sanmai" >&2; exit 1; }
+rc=0
+q125=configs/models/qwen4-exp-125b-a6b.json
+cases=${SANMAI_OFFLOAD_CASES:-vram cache nocache}
+contexts=${SANMAI_OFFLOAD_CONTEXTS:-1024 8192 65536}
+longest=$(printf '%s\n' $contexts | sort -n | tail -1)
+max_len=$((longest + 4096))
+
+table=$(mktemp -d)
+trap 'rm -rf "$table"' EXIT
+"$sanmai" ple create --config "$q125" --out "$table" --rows-scale 0.05 --fill zeros >"$out/ple.log" 2>&1 || rc=1
+
+requests() {
+  python3 - "$1" <<'PY'
+import json, sys, urllib.request
+base = sys.argv[1]
+def post(path, body):
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"content-type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=900))
+out = []
+for n in (40, 1000, 4000):
+    prompt = [(i * 7919 + 13) % 30000 + 1000 for i in range(n)]
+    r = post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32, "temperature": 0,
+                                 "logprobs": 5, "echo": True, "ignore_eos": True})
+    c = r["choices"][0]
+    out.append({"prompt_len": n, "text": c["text"], "logprobs": c["logprobs"]})
+json.dump(out, sys.stdout)
+PY
+}
+
+serve_case() {
+  local name=$1; shift
+  local port=$((18500 + RANDOM % 1000))
+  RUST_LOG=info NO_COLOR=1 "$sanmai" serve --port "$port" --served-model-name m --load-format dummy \
+    --config "$q125" --ple-table "$table" --device cuda:0 --max-model-len "$max_len" --max-num-seqs 4 \
+    --max-num-batched-tokens 2048 --gpu-memory-budget 100GiB "$@" >"$out/$name.serve.log" 2>&1 &
+  local pid=$!
+  local ready=0
+  for _ in $(seq 1200); do
+    curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && { ready=1; break; }
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.5
+  done
+  echo "$name: ready=$ready" | tee -a "$out/summary.txt"
+  if [ $ready = 1 ]; then
+    requests "http://127.0.0.1:$port" >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
+    for n in $contexts; do
+      local t0=$(date +%s)
+      "$sanmai" bench serve --url "http://127.0.0.1:$port" --concurrency 1 --num-prompts 1 \
+        --prompt-len "$n" --gen-len 128 >>"$out/$name.bench.log" 2>&1 || rc=1
+      echo "$name: context $n took $(($(date +%s) - t0)) s" >>"$out/summary.txt"
+    done
+    curl -sS "http://127.0.0.1:$port/metrics" >"$out/$name.metrics" 2>/dev/null
+  else
+    rc=1
+  fi
+  kill -TERM "$pid" 2>/dev/null
+  wait "$pid"
+  grep -h 'memory plan\|pinned' "$out/$name.serve.log" | sed 's/\x1b\[[0-9;]*m//g' | head -8 >>"$out/summary.txt"
+  grep -q panicked "$out/$name.serve.log" && rc=1
+}
+
+rows=$((max_len + 2048))
+for c in $cases; do
+  case $c in
+    vram) serve_case vram ;;
+    cache) serve_case cache --qsa-kv-offload --qsa-row-cache-rows "$rows" ;;
+    nocache) serve_case nocache --qsa-kv-offload --qsa-row-cache-rows "$rows" --no-qsa-row-cache ;;
+  esac
+done
+
+python3 - "$out" >"$out/compare.txt" 2>&1 <<'PY' || rc=1
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    p = os.path.join(out, name + ".seq.json")
+    return json.load(open(p)) if os.path.exists(p) and os.path.getsize(p) else None
+bad = 0
+base = load("vram")
+for other in ("cache", "nocache"):
+    b = load(other)
+    if base is None or b is None:
+        continue
+    for x, y in zip(base, b):
+        same = x["text"] == y["text"] and x["logprobs"] == y["logprobs"]
+        print(f"vram vs {other} prompt {x['prompt_len']}: identical {same}")
+        bad += not same
+sys.exit(1 if bad else 0)
+PY
+cat "$out/compare.txt" >>"$out/summary.txt"
+for c in $cases; do
+  echo "== $c" >>"$out/summary.txt"
+  grep -h "prompts of\|Median TPOT\|Median TTFT" "$out/$c.bench.log" >>"$out/summary.txt" 2>/dev/null
+  grep -h "^sanmai:qsa_" "$out/$c.metrics" >>"$out/summary.txt" 2>/dev/null
+done
+exit $rc

@@ -75,18 +75,18 @@ extern "C" __global__ void kv_write_bf16(const bf16* __restrict__ k, const bf16*
     }
 }
 
-// Grid (n); block any multiple of 32. Stages the rows of one sequence for a step that reads them from
-// VRAM: position p's row of k_pool and v_pool (pool row table[p / bs]·bs + p % bs, through unified
-// addressing when the pools are in host memory) goes to row p of k_out and v_out ([n, row_elems]).
-// The rows are copied as 16-byte words when row_elems is a multiple of 8 (the pools' rows are then
-// 16-byte aligned), else element by element.
+// Grid (n); block any multiple of 32. Stages rows of one sequence for a step that reads them from
+// VRAM: position first + i's row of k_pool and v_pool (pool row table[p / bs]·bs + p % bs, through
+// unified addressing when the pools are in host memory) goes to row i of k_out and v_out
+// ([n, row_elems]); a null k_out or v_out stages only the other. The rows are copied as 16-byte words
+// when row_elems is a multiple of 8 (the pools' rows are then 16-byte aligned), else element by element.
 extern "C" __global__ void kv_stage_bf16(const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
-                                         const u32* __restrict__ table, int bs, int row_elems,
+                                         const u32* __restrict__ table, int bs, int row_elems, u32 first,
                                          bf16* __restrict__ k_out, bf16* __restrict__ v_out) {
     pdl_prologue();
-    const u32 p = blockIdx.x;
+    const u32 p = first + blockIdx.x;
     const size_t src = ((size_t)table[p / bs] * bs + p % bs) * row_elems;
-    const size_t dst = (size_t)p * row_elems;
+    const size_t dst = (size_t)blockIdx.x * row_elems;
     if (row_elems % 8 == 0) {
         const int words = row_elems / 8;
         const uint4* ks = reinterpret_cast<const uint4*>(k_pool + src);
@@ -94,13 +94,13 @@ extern "C" __global__ void kv_stage_bf16(const bf16* __restrict__ k_pool, const 
         uint4* kd = reinterpret_cast<uint4*>(k_out + dst);
         uint4* vd = reinterpret_cast<uint4*>(v_out + dst);
         for (int i = threadIdx.x; i < words; i += blockDim.x) {
-            kd[i] = ks[i];
-            vd[i] = vs[i];
+            if (k_out) kd[i] = ks[i];
+            if (v_out) vd[i] = vs[i];
         }
     } else {
         for (int i = threadIdx.x; i < row_elems; i += blockDim.x) {
-            k_out[dst + i] = k_pool[src + i];
-            v_out[dst + i] = v_pool[src + i];
+            if (k_out) k_out[dst + i] = k_pool[src + i];
+            if (v_out) v_out[dst + i] = v_pool[src + i];
         }
     }
 }

@@ -299,10 +299,17 @@ impl CudaBackend {
                 Some(a) => {
                     let pools = KvPools { k: x.k, v: x.v };
                     let staged = KvPools {
-                        k: &mut a.k,
-                        v: &mut a.v,
+                        k: Some(&mut a.k),
+                        v: Some(&mut a.v),
                     };
-                    g.kv_stage(pools, &table, bs, ctx, x.dims.hkv * x.dims.head_dim, staged)?;
+                    g.kv_stage(
+                        pools,
+                        &table,
+                        bs,
+                        0..ctx,
+                        x.dims.hkv * x.dims.head_dim,
+                        staged,
+                    )?;
                     let cache = PagedCache {
                         pools: KvPools { k: &a.k, v: &a.v },
                         tables: &a.table,

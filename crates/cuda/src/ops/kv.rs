@@ -2,7 +2,7 @@
 //! fused `[q | gate]` projection), the write of new K/V rows into the paged pools, and the staging of
 //! one sequence's rows into a contiguous VRAM buffer (the prefill of K/V rows kept in host memory).
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::{row_threads, KvPools};
@@ -165,46 +165,59 @@ impl Gpu {
         Ok(())
     }
 
-    /// Copies positions `0..n` of one sequence from the K and V pools (`[pool_rows, row_elems]`,
-    /// gathered through `table`, `block_size` positions a block; host memory read through unified
-    /// addressing) into rows `0..n` of `out` (`[≥ n, row_elems]` each): the step then reads them from
-    /// VRAM through an identity table, with the same arithmetic as from the pools.
+    /// Copies positions `rows.start..rows.end` of one sequence from the K and V pools
+    /// (`[pool_rows, row_elems]`, gathered through `table`, `block_size` positions a block; host
+    /// memory read through unified addressing) into rows `0..` of `out.k` and `out.v` (`[≥ len,
+    /// row_elems]` each; a side given as `None` is not staged): the step then reads them from VRAM
+    /// through an identity table, with the same arithmetic as from the pools.
     pub fn kv_stage(
         &self,
         pools: KvPools<&impl DevicePtr<bf16>>,
         table: &impl DevicePtr<u32>,
         block_size: usize,
-        n: usize,
+        rows: std::ops::Range<usize>,
         row_elems: usize,
-        out: KvPools<&mut impl DevicePtrMut<bf16>>,
+        out: KvPools<Option<&mut CudaSlice<bf16>>>,
     ) -> Result<()> {
         const OP: &str = "kv_stage";
         ensure(row_elems > 0 && block_size > 0, OP, || {
             "row_elems and block_size must be positive".into()
         })?;
-        check_len(OP, "table", table, n.div_ceil(block_size))?;
-        check_len(OP, "k_out", out.k, n * row_elems)?;
-        check_len(OP, "v_out", out.v, n * row_elems)?;
+        let n = rows.len();
+        check_len(OP, "table", table, rows.end.div_ceil(block_size))?;
+        for (side, buf) in [("k_out", &out.k), ("v_out", &out.v)] {
+            if let Some(b) = buf {
+                check_len(OP, side, *b, n * row_elems)?;
+            }
+        }
         ensure(pools.k.len() == pools.v.len(), OP, || {
             "the pools differ".into()
         })?;
-        if n == 0 {
+        if n == 0 || (out.k.is_none() && out.v.is_none()) {
             return Ok(());
         }
         let (bs, re) = (
             int(OP, "block_size", block_size)?,
             int(OP, "row_elems", row_elems)?,
         );
+        let first = u32::try_from(rows.start).map_err(|_| crate::error::CudaError::Shape {
+            op: OP,
+            msg: format!("position {} past u32", rows.start),
+        })?;
+        let s = self.stream();
+        let kp = out.k.map_or(0u64, |k| k.device_ptr_mut(s).0);
+        let vp = out.v.map_or(0u64, |v| v.device_ptr_mut(s).0);
         let mut b = self.launch(self.kernel("kv_stage_bf16")?);
         b.ptr(pools.k)
             .ptr(pools.v)
             .ptr(table)
             .arg(&bs)
             .arg(&re)
-            .ptr_mut(out.k)
-            .ptr_mut(out.v);
-        // SAFETY: argument types match the kernel; table and outputs cover n positions; the table's
-        // blocks are the sequence's, inside the pools (the caller's block table).
+            .arg(&first)
+            .arg(&kp)
+            .arg(&vp);
+        // SAFETY: argument types match the kernel; the table covers the rows and the outputs hold
+        // them; the table's blocks are the sequence's, inside the pools (the caller's block table).
         unsafe { b.launch(cfg((grid_u32(OP, n)?, 1, 1), row_threads(row_elems / 8), 0)) }?;
         Ok(())
     }

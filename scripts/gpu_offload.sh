@@ -18,6 +18,7 @@ bin_dir=${2:-.device-bin}
 sanmai="$bin_dir/sanmai"
 mkdir -p "$out"
 [ -x "$sanmai" ] || { echo "no executable $sanmai" >&2; exit 1; }
+. "$(dirname "$0")/gpu_serve_lib.sh"
 rc=0
 q125=configs/models/qwen4-exp-125b-a6b.json
 cases=${SANMAI_OFFLOAD_CASES:-vram cache nocache}
@@ -29,24 +30,6 @@ table=$(mktemp -d)
 trap 'rm -rf "$table"' EXIT
 "$sanmai" ple create --config "$q125" --out "$table" --rows-scale 0.05 --fill zeros >"$out/ple.log" 2>&1 || rc=1
 
-requests() {
-  python3 - "$1" <<'PY'
-import json, sys, urllib.request
-base = sys.argv[1]
-def post(path, body):
-    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"content-type": "application/json"})
-    return json.load(urllib.request.urlopen(req, timeout=900))
-out = []
-for n in (40, 1000, 4000):
-    prompt = [(i * 7919 + 13) % 30000 + 1000 for i in range(n)]
-    r = post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32, "temperature": 0,
-                                 "logprobs": 5, "echo": True, "ignore_eos": True})
-    c = r["choices"][0]
-    out.append({"prompt_len": n, "text": c["text"], "logprobs": c["logprobs"]})
-json.dump(out, sys.stdout)
-PY
-}
-
 serve_case() {
   local name=$1; shift
   local port=$((18500 + RANDOM % 1000))
@@ -55,14 +38,10 @@ serve_case() {
     --max-num-batched-tokens 2048 --gpu-memory-budget 100GiB "$@" >"$out/$name.serve.log" 2>&1 &
   local pid=$!
   local ready=0
-  for _ in $(seq 1200); do
-    curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && { ready=1; break; }
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.5
-  done
+  wait_ready "$port" "$pid" && ready=1
   echo "$name: ready=$ready" | tee -a "$out/summary.txt"
   if [ $ready = 1 ]; then
-    requests "http://127.0.0.1:$port" >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
+    greedy_requests "http://127.0.0.1:$port" 40 1000 4000 >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
     for n in $contexts; do
       local t0=$(date +%s)
       "$sanmai" bench serve --url "http://127.0.0.1:$port" --concurrency 1 --num-prompts 1 \
@@ -88,24 +67,7 @@ for c in $cases; do
   esac
 done
 
-python3 - "$out" >"$out/compare.txt" 2>&1 <<'PY' || rc=1
-import json, os, sys
-out = sys.argv[1]
-def load(name):
-    p = os.path.join(out, name + ".seq.json")
-    return json.load(open(p)) if os.path.exists(p) and os.path.getsize(p) else None
-bad = 0
-base = load("vram")
-for other in ("cache", "nocache"):
-    b = load(other)
-    if base is None or b is None:
-        continue
-    for x, y in zip(base, b):
-        same = x["text"] == y["text"] and x["logprobs"] == y["logprobs"]
-        print(f"vram vs {other} prompt {x['prompt_len']}: identical {same}")
-        bad += not same
-sys.exit(1 if bad else 0)
-PY
+compare_runs "$out" vram:cache vram:nocache >"$out/compare.txt" 2>&1 || rc=1
 cat "$out/compare.txt" >>"$out/summary.txt"
 for c in $cases; do
   echo "== $c" >>"$out/summary.txt"

@@ -27,6 +27,7 @@ bin_dir=${2:-.device-bin}
 sanmai="$bin_dir/sanmai"
 mkdir -p "$out"
 [ -x "$sanmai" ] || { echo "no executable $sanmai" >&2; exit 1; }
+. "$(dirname "$0")/gpu_serve_lib.sh"
 rc=0
 q125=configs/models/qwen4-exp-125b-a6b.json
 q80=configs/models/qwen3-next-80b-a3b.json
@@ -39,25 +40,6 @@ trap 'rm -rf "$table"' EXIT
 "$sanmai" plan --config "$q125" --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 \
   >"$out/plan.txt" 2>&1 || rc=1
 
-# The greedy requests of one case, as one JSON document.
-requests() {
-  python3 - "$1" <<'EOF'
-import json, sys, urllib.request
-base = sys.argv[1]
-def post(path, body):
-    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"content-type": "application/json"})
-    return json.load(urllib.request.urlopen(req, timeout=600))
-out = []
-for n in (40, 300, 1000, 4000):
-    prompt = [(i * 7919 + 13) % 30000 + 1000 for i in range(n)]
-    r = post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32, "temperature": 0,
-                                 "logprobs": 5, "echo": True, "ignore_eos": True})
-    c = r["choices"][0]
-    out.append({"prompt_len": n, "text": c["text"], "logprobs": c["logprobs"], "usage": r["usage"]})
-json.dump(out, sys.stdout)
-EOF
-}
-
 serve_case() {
   local name=$1; shift
   local port=$((18500 + RANDOM % 1000))
@@ -67,14 +49,10 @@ serve_case() {
   RUST_LOG=info NO_COLOR=1 "$sanmai" serve --port "$port" --served-model-name m "$@" >"$out/$name.serve.log" 2>&1 &
   local pid=$!
   local ready=0
-  for _ in $(seq 1200); do
-    curl -fsS "http://127.0.0.1:$port/health" >/dev/null 2>&1 && { ready=1; break; }
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.5
-  done
+  wait_ready "$port" "$pid" && ready=1
   echo "$name: ready=$ready after $(($(date +%s) - t0)) s" | tee -a "$out/summary.txt"
   if [ $ready = 1 ]; then
-    requests "http://127.0.0.1:$port" >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
+    greedy_requests "http://127.0.0.1:$port" 40 300 1000 4000 >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
     curl -sS "http://127.0.0.1:$port/v1/chat/completions" -H 'content-type: application/json' \
       -d '{"model":"m","messages":[{"role":"user","content":"Hello!"}],"max_tokens":16,"temperature":0}' \
       >"$out/$name.chat.json" 2>>"$out/$name.err" || rc=1
@@ -121,30 +99,7 @@ for c in $cases; do
   esac
 done
 
-# One stage against several: the sequential greedy answers must be identical.
-python3 - "$out" >"$out/compare.txt" 2>&1 <<'EOF' || rc=1
-import json, os, sys
-out = sys.argv[1]
-def load(name):
-    p = os.path.join(out, name + ".seq.json")
-    return json.load(open(p)) if os.path.exists(p) and os.path.getsize(p) else None
-bad = 0
-for one, many in (("q125-1", "q125-3"), ("q125-1", "q125-1-off"), ("q125-1", "q125-3-off"),
-                  ("q80-1", "q80-2")):
-    a, b = load(one), load(many)
-    if a is None or b is None:
-        if a is not None or b is not None:
-            print(f"{one} vs {many}: missing run")
-        continue
-    for x, y in zip(a, b):
-        same_text = x["text"] == y["text"]
-        same_lp = x["logprobs"] == y["logprobs"]
-        diffs = [abs(p - q) for p, q in zip(x["logprobs"]["token_logprobs"], y["logprobs"]["token_logprobs"])
-                 if p is not None and q is not None]
-        print(f"{one} vs {many} prompt {x['prompt_len']}: text identical {same_text}, logprobs identical "
-              f"{same_lp}, max |token logprob diff| {max(diffs) if diffs else 0:.3g}")
-        bad += not (same_text and same_lp)
-sys.exit(1 if bad else 0)
-EOF
+# One stage against several, and with offload: the sequential greedy answers must be identical.
+compare_runs "$out" q125-1:q125-3 q125-1:q125-1-off q125-1:q125-3-off q80-1:q80-2 >"$out/compare.txt" 2>&1 || rc=1
 cat "$out/compare.txt" >>"$out/summary.txt"
 exit $rc

@@ -1,0 +1,61 @@
+# Shell functions the GPU-host serve scripts share (sourced by gpu_stages.sh and gpu_offload.sh).
+
+# greedy_requests URL LEN...: greedy completions one at a time of token-id prompts of each length
+# (32 new tokens, top-5 logprobs, the prompt echoed with its logprobs), as one JSON document.
+greedy_requests() {
+  python3 - "$@" <<'PY'
+import json, sys, urllib.request
+base, lens = sys.argv[1], [int(n) for n in sys.argv[2:]]
+def post(path, body):
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"content-type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=900))
+out = []
+for n in lens:
+    prompt = [(i * 7919 + 13) % 30000 + 1000 for i in range(n)]
+    r = post("/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 32, "temperature": 0,
+                                 "logprobs": 5, "echo": True, "ignore_eos": True})
+    c = r["choices"][0]
+    out.append({"prompt_len": n, "text": c["text"], "logprobs": c["logprobs"], "usage": r["usage"]})
+json.dump(out, sys.stdout)
+PY
+}
+
+# wait_ready PORT PID: waits (up to 10 minutes) until the server on PORT answers /health; fails
+# when the process PID ends first.
+wait_ready() {
+  for _ in $(seq 1200); do
+    curl -fsS "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.5
+  done
+  return 1
+}
+
+# compare_runs OUT_DIR A:B...: for each pair, whether the greedy answers of runs A and B
+# (OUT_DIR/A.seq.json, OUT_DIR/B.seq.json) are identical, text and logprobs; fails if any differ.
+# A pair with neither run is skipped; a pair with one run is reported missing.
+compare_runs() {
+  python3 - "$@" <<'PY'
+import json, os, sys
+out, pairs = sys.argv[1], [p.split(":") for p in sys.argv[2:]]
+def load(name):
+    p = os.path.join(out, name + ".seq.json")
+    return json.load(open(p)) if os.path.exists(p) and os.path.getsize(p) else None
+bad = 0
+for one, other in pairs:
+    a, b = load(one), load(other)
+    if a is None or b is None:
+        if a is not None or b is not None:
+            print(f"{one} vs {other}: missing run")
+        continue
+    for x, y in zip(a, b):
+        same_text = x["text"] == y["text"]
+        same_lp = x["logprobs"] == y["logprobs"]
+        diffs = [abs(p - q) for p, q in zip(x["logprobs"]["token_logprobs"], y["logprobs"]["token_logprobs"])
+                 if p is not None and q is not None]
+        print(f"{one} vs {other} prompt {x['prompt_len']}: text identical {same_text}, logprobs identical "
+              f"{same_lp}, max |token logprob diff| {max(diffs) if diffs else 0:.3g}")
+        bad += not (same_text and same_lp)
+sys.exit(1 if bad else 0)
+PY
+}

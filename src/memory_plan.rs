@@ -680,6 +680,7 @@ mod tests {
         let flags = |b: Option<usize>, u: Option<f64>| BudgetFlags {
             budget: b,
             utilization: u,
+            ..BudgetFlags::default()
         };
         let b = flags(Some(20 << 30), None)
             .stage_budgets(&three, &card)

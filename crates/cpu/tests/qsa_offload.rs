@@ -42,16 +42,17 @@ fn config() -> ModelConfig {
     cfg
 }
 
-/// The model with random weights, its K/V rows pinned with a row cache of `cache_rows` rows when
-/// given, on the heap otherwise.
-fn model(cache_rows: Option<usize>) -> Model<CpuBackend> {
+/// The model with random weights, its K/V rows pinned with a row cache of `rows` rows when given
+/// (turned off when `on` is false), on the heap otherwise.
+fn model(cache: Option<(usize, bool)>) -> Model<CpuBackend> {
     let mut m = Model::load(config(), &Dummy::new(7), CpuBackend::new()).unwrap();
-    m.kv_host = cache_rows.map(|rows| KvHost {
+    m.kv_host = cache.map(|(rows, on)| KvHost {
         what: format!("the test's QSA K/V pool ({rows} cache rows)"),
         reserve: 0,
         lock_path: std::env::temp_dir()
             .join(format!("sanmai-cpu-test-{}.lock", std::process::id())),
         row_cache_rows: rows,
+        row_cache: on,
     });
     m.init_cache(BLOCKS, BLOCK).unwrap();
     m
@@ -180,25 +181,24 @@ fn row_cache_reads_are_the_host_rows_and_the_counters_add_up() {
     let heap = model(None);
     let want = workload(&heap);
     assert_eq!(heap.backend.kv_host_stats().unwrap(), None);
-    // No cache, 3 lines a layer (12 rows over 4 layers), and more lines than the pool's slots.
-    let runs: Vec<(usize, KvHostStats)> = [0, 12, 100_000]
-        .into_iter()
-        .map(|rows| {
-            let m = model(Some(rows));
-            let got = workload(&m);
-            assert!(
-                got == want,
-                "{rows} cache rows: logits differ from the heap's"
-            );
-            (rows, stats(&m))
-        })
-        .collect();
+    // No cache, 3 lines a layer (12 rows over 4 layers), more lines than the pool's slots, and
+    // a cache turned off.
+    let runs: Vec<((usize, bool), KvHostStats)> =
+        [(0, true), (12, true), (100_000, true), (100_000, false)]
+            .into_iter()
+            .map(|cache| {
+                let m = model(Some(cache));
+                let got = workload(&m);
+                assert!(got == want, "{cache:?}: logits differ from the heap's");
+                (cache, stats(&m))
+            })
+            .collect();
     let total = rows_read(&runs[0].1);
     assert!(total > 0);
     for (rows, s) in &runs {
         let layers: Vec<usize> = s.layers.iter().map(|l| l.layer).collect();
-        assert_eq!(layers, QSA_LAYERS, "{rows} cache rows");
-        assert_eq!(rows_read(s), total, "{rows} cache rows: {s:?}");
+        assert_eq!(layers, QSA_LAYERS, "{rows:?}");
+        assert_eq!(rows_read(s), total, "{rows:?}: {s:?}");
         // The MTP layer does not run in these steps.
         assert_eq!((s.layers[3].hits, s.layers[3].misses), (0, 0));
     }
@@ -215,6 +215,7 @@ fn row_cache_reads_are_the_host_rows_and_the_counters_add_up() {
     }
     assert!(large.host_bytes_read < tiny.host_bytes_read);
     assert!(tiny.host_bytes_read < none.host_bytes_read);
+    assert_eq!(&runs[3].1, none, "a cache turned off reads as no cache");
 }
 
 /// A decode step of one sequence at context `ctx ≤ topk` reads its `ctx` rows in every QSA layer
@@ -222,7 +223,7 @@ fn row_cache_reads_are_the_host_rows_and_the_counters_add_up() {
 /// `init_cache` starts the counters again.
 #[test]
 fn a_decode_step_hits_what_the_previous_one_read() {
-    let m = model(Some(4096));
+    let m = model(Some((4096, true)));
     let mut seqs = vec![S::new(&m, vec![3, 4], toks(5, 8))];
     let mut out = Vec::new();
     step(&m, &mut seqs, &[(0, 4)], &mut out);

@@ -37,6 +37,7 @@ fn load(stage: std::ops::Range<usize>, offload: bool) -> Model<CpuBackend> {
         reserve: 0,
         lock_path: std::env::temp_dir().join("sanmai-engine-test-pin.lock"),
         row_cache_rows: CACHE_ROWS,
+        row_cache: true,
     });
     m
 }

@@ -36,12 +36,12 @@ impl HostKv {
     /// Empty caches for `spec.attn_layers` (the QSA layers) under `host`, with K and V rows of
     /// `row` values in a pool of `slots` positions. The lines per layer are capped at `slots` (a
     /// slot maps to line `slot % lines`, so more lines would never be used, and the hits and misses
-    /// are the same); no cache when not even one line per layer fits, or when the slots do not fit
-    /// the cache's `u32` keys.
+    /// are the same). No cache when `host` turns it off ([`KvHost::row_cache`]), when not even one
+    /// line per layer fits, or when the slots do not fit the cache's `u32` keys.
     pub(crate) fn new(host: &KvHost, spec: &CacheSpec, row: usize, slots: usize) -> Self {
         let lines = lines_per_layer(host.row_cache_rows, spec.attn_layers.len(), 1).min(slots);
         let keyed = u32::try_from(slots).is_ok();
-        let caches = if lines > 0 && row > 0 && keyed {
+        let caches = if host.row_cache && lines > 0 && row > 0 && keyed {
             spec.attn_layers
                 .iter()
                 .map(|&l| (l, RowCache::new(lines, 2 * row)))

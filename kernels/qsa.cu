@@ -294,17 +294,19 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_topk_decode(const float* 
 //
 // The row cache (qsa_cache.cu; rc_tags null: none, and the kernel reads every row from the pools as it
 // always did). With the cache, phase 3 of a decode-shaped step, after qsa_rc_invalidate and qsa_rc_plan
-// of the layer: for each selected position the warp of the score loop decides once, lane 0 reading the
-// state plan left (epoch e, slot, line = slot % rc_lines): a hit when hitmark[line] == e and then
-// tags[line] == slot + 1 (the tag is not read otherwise); else a fill when claim[line] == (e << 32) |
-// slot; else a plain miss. The decision goes to rc_st in shared memory for the V loop. A hit reads the
-// line's row (rc_k, rc_v [rc_lines, hkv·d]), anything else the pool's row: the same loads and the same
-// arithmetic on the same bytes, so the output is bit for bit the uncached kernel's. A fill also writes
-// the bytes it read (its KV head's d values of K in the score loop, of V in the V loop, V loaded even
-// when its weight is 0) into the line and sets the tag; every head block of the row does so for its KV
-// head, so the whole row is in the line when the step ends. Blocks that fill one line write the same
-// bytes (its claim names one slot), and no reader of this step trusts that line (its hitmark is not e),
-// while lines that can hit are never written: the decisions do not depend on the order of the blocks.
+// of the layer: before the score loop the block decides once for each selected position of its span,
+// one thread a position, all at once (the state loads overlap instead of adding two round trips to
+// every row of the score loop), from the state plan left (epoch e, slot, line = slot % rc_lines): a hit
+// when hitmark[line] == e and then tags[line] == slot + 1 (the tag is not read otherwise); else a fill
+// when claim[line] == (e << 32) | slot; else a plain miss. The decisions stay in rc_st (shared memory)
+// for the score and V loops. A hit reads the line's row (rc_k, rc_v [rc_lines, hkv·d]), anything else
+// the pool's row: the same loads and the same arithmetic on the same bytes, so the output is bit for
+// bit the uncached kernel's. A fill also writes the bytes it read (its KV head's d values of K in the
+// score loop, of V in the V loop, V loaded even when its weight is 0) into the line and sets the tag;
+// every head block of the row does so for its KV head, so the whole row is in the line when the step
+// ends. Blocks that fill one line write the same bytes (its claim names one slot), and no reader of
+// this step trusts that line (its hitmark is not e), while lines that can hit are never written: the
+// decisions do not depend on the order of the blocks.
 extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf16* __restrict__ k_pool,
                                             const bf16* __restrict__ v_pool, const u32* __restrict__ tables,
                                             long long table_stride, const u32* __restrict__ sel, int sel_stride,
@@ -343,31 +345,34 @@ extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf
     const u32 rc_l = (u32)rc_lines;
     const bf16* qr = q + ((size_t)r * hq + h) * d;
     for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = bf2f(qr[i]);
+    if (cached) {
+        for (int j = i0 + threadIdx.x; j < i1; j += blockDim.x) {
+            const u32 p = ps[j];
+            const u32 s = (u32)((size_t)table[p / bs] * bs + p % bs);
+            const u32 line = s % rc_l;
+            // The claim is loaded beside the hitmark (no kernel of this step writes either); the tag
+            // only when the line was hit this step (a fill may be writing it otherwise).
+            const u32 hm = rc_hitmark[line];
+            const unsigned long long cl = rc_claim[line];
+            int st = RC_HOST;
+            if (hm == rc_e) {
+                if (rc_tags[line] == (unsigned long long)s + 1) st = RC_HIT;
+            } else if (cl == (((unsigned long long)rc_e << 32) | s)) {
+                st = RC_FILL;
+            }
+            rc_st[j - i0] = (unsigned char)st;
+        }
+    }
     __syncthreads();
     const size_t row = (size_t)hkv * d;
     for (int j = i0 + warp; j < i1; j += nw) {
         const u32 p = ps[j];
         const size_t at = (size_t)table[p / bs] * bs + p % bs;
-        const bf16* kr = k_pool + at * row + (size_t)kh * d;
-        int st = RC_HOST;
-        size_t line = 0;
-        if (cached) {
-            const u32 s = (u32)at;
-            line = s % rc_l;
-            if (lane == 0) {
-                const u32 hm = rc_hitmark[line];
-                const unsigned long long cl = rc_claim[line];
-                if (hm == rc_e) {
-                    if (rc_tags[line] == (unsigned long long)s + 1) st = RC_HIT;
-                } else if (cl == (((unsigned long long)rc_e << 32) | s)) {
-                    st = RC_FILL;
-                }
-                rc_st[j - i0] = (unsigned char)st;
-            }
-            st = __shfl_sync(0xffffffffu, st, 0);
-            if (st == RC_HIT) kr = rc_k + line * row + (size_t)kh * d;
-        }
-        bf16* fill = st == RC_FILL ? rc_k + line * row + (size_t)kh * d : nullptr;
+        const int st = cached ? rc_st[j - i0] : RC_HOST;
+        // This KV head's part of the row's line (used by hits and fills only).
+        const size_t at_line = st == RC_HOST ? 0 : (size_t)((u32)at % rc_l) * row + (size_t)kh * d;
+        const bf16* kr = st == RC_HIT ? rc_k + at_line : k_pool + at * row + (size_t)kh * d;
+        bf16* fill = st == RC_FILL ? rc_k + at_line : nullptr;
         float acc = 0.0f;
         for (int i = lane; i < d; i += 32) {
             const bf16 x = kr[i];
@@ -377,7 +382,7 @@ extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf
         acc = warp_sum(acc) * scale;
         if (lane == 0) {
             sc[j - i0] = acc;
-            if (fill) rc_tags[line] = (unsigned long long)(u32)at + 1;
+            if (fill) rc_tags[(u32)at % rc_l] = (unsigned long long)(u32)at + 1;
         }
     }
     __syncthreads();

@@ -101,3 +101,4 @@ pub use ops::{PackedMat, PackedScheme};
 pub use ops::{PleGateWeights, PleGated, PleLin};
 pub use ops::{RowCache, RowCacheBufs, RowCacheState, ROW_CACHE_MAX_LINES};
 pub use ops::{SampleBatch, SampleBuffers};
+pub use ops::{SeqKv, StagingArena};

@@ -89,6 +89,7 @@ pub const SOURCES: &[Source] = &[
     source!("elementwise.cu"),
     source!("qsa.cu"),
     source!("qsa_cache.cu"),
+    source!("qsa_staged.cu"),
     source!("ple.cu"),
     source!("hc.cu"),
     source!("sample.cu"),

@@ -23,6 +23,7 @@ mod moe_gemm;
 mod norm;
 mod ple;
 mod qsa;
+mod qsa_staged;
 mod quant;
 mod rope;
 mod router;
@@ -43,6 +44,7 @@ pub use moe::{moe_max_tiles, Experts, MoeOut, PairGroups, PairRows, Routed, MOE_
 pub use norm::NormRows;
 pub use ple::{PleDims, PleGateWeights, PleGated, PleLin};
 pub use qsa::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows, Selection};
+pub use qsa_staged::{SeqKv, StagingArena};
 pub use quant::{PackedMat, PackedScheme};
 pub use router::{DecodeRouting, RouteDims, ROUTER_MAX_K};
 pub use row_cache::{RowCache, RowCacheBufs, RowCacheState, ROW_CACHE_MAX_LINES};

@@ -9,6 +9,9 @@
 //! - the backend ops: `qsa_attention` (mixed prefill chunks and decodes of two sequences, dense and
 //!   selecting, selected sets recorded on both sides) and `ple_mix` (chunks, decodes, a `copy_state`
 //!   fork) on `CudaBackend` against `CpuBackend` with the same inputs;
+//! - the VRAM row cache of offloaded QSA K/V rows (`row_cache.rs`): the cached decode attention byte
+//!   for byte the uncached one's over thousands of steps, the device state equal to the CPU twin's;
+//!   `bench_qsa_cached_attention` (ignored) times it at the 125B shape;
 //!
 //! The end-to-end comparison on the tiny fixtures is `qsa_ple_e2e.rs`.
 //!
@@ -34,6 +37,7 @@ use sanmai_model::{Backend, OpResult, SeqChunk};
 mod ple;
 mod qsa;
 mod qsa_decode;
+mod qsa_staged;
 mod row_cache;
 
 /// xorshift64* with Box–Muller normals.

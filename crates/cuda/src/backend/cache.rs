@@ -11,13 +11,16 @@
 
 use std::collections::HashMap;
 
-use cudarc::driver::{result, CudaSlice, DevicePtr, DeviceRepr, DeviceSlice, ValidAsZeroBits};
+use cudarc::driver::{
+    result, CudaSlice, CudaViewMut, DevicePtr, DeviceRepr, DeviceSlice, ValidAsZeroBits,
+};
 use half::bf16;
-use sanmai_model::backend::{CacheSpec, GdnShape, PleShape};
+use sanmai_model::backend::{CacheSpec, GdnShape, KvHostStats, PleShape, RowCacheCounts};
 
 use super::host_rows::{pin_rows, Rows};
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
+use crate::ops::{RowCache, RowCacheBufs};
 
 /// The K and V pools of one attention layer.
 pub(crate) struct KvPool {
@@ -44,7 +47,8 @@ pub(crate) struct KvPools {
 
 /// The staging arena of K/V rows kept in host memory (`KvHost::row_cache_rows` rows of K and of
 /// V): a prefill step stages the rows a QSA layer reads into it and reads them from there, as from
-/// the pools through the identity table.
+/// the pools through the identity table. Between prefills it holds each QSA layer's row cache
+/// (`lines` rows of it a layer, in layer order), which a staging empties.
 pub(crate) struct Arena {
     pub k: CudaSlice<bf16>,
     pub v: CudaSlice<bf16>,
@@ -52,7 +56,80 @@ pub(crate) struct Arena {
     pub rows: usize,
     /// `0, 1, 2, …` (`rows / block_size` ids): the block table of the staged rows.
     pub table: CudaSlice<u32>,
+    /// Each QSA layer's row-cache state (its rows in the arena), `(layer, cache)` in layer order;
+    /// empty when decode steps read every row from host memory (`KvHost::row_cache` off).
+    pub caches: Vec<(usize, RowCache)>,
+    /// Lines of each layer's cache.
+    pub lines: usize,
+    /// Elements of one K (or V) row.
+    pub row: usize,
+    /// Rows read from host memory by uncached reads and stagings, since the caches were made.
+    pub host_rows: u64,
+    /// QSA layers of the stage, and the topk their calls select (set by the first call): what a
+    /// replayed decode step without row caches reads.
+    pub layers: usize,
+    pub topk: usize,
+    /// The counters as last read from the device, and when.
+    pub read: Option<(std::time::Instant, KvHostStats)>,
 }
+
+impl Arena {
+    /// The counters ([`Backend::kv_host_stats`]): read from the device (a synchronisation) at most
+    /// once a second, else as last read.
+    ///
+    /// [`Backend::kv_host_stats`]: sanmai_model::Backend::kv_host_stats
+    pub fn stats(&mut self, gpu: &Gpu) -> Result<KvHostStats> {
+        if let Some((at, s)) = &self.read {
+            if at.elapsed() < std::time::Duration::from_secs(1) {
+                return Ok(s.clone());
+            }
+        }
+        let mut layers = Vec::with_capacity(self.caches.len());
+        for (layer, rc) in &self.caches {
+            let (hits, misses) = rc.counts(gpu)?;
+            layers.push(RowCacheCounts {
+                layer: *layer,
+                hits,
+                misses,
+            });
+        }
+        let misses: u64 = layers.iter().map(|c| c.misses).sum();
+        let row_bytes = (2 * self.row * std::mem::size_of::<bf16>()) as u64;
+        let stats = KvHostStats {
+            layers,
+            host_bytes_read: (self.host_rows + misses) * row_bytes,
+        };
+        self.read = Some((std::time::Instant::now(), stats.clone()));
+        Ok(stats)
+    }
+
+    /// Runs `f` on layer `layer`'s cache and its rows in the arena, as the row-cache ops take them;
+    /// `None` when the layer has no cache.
+    pub fn with_cache<T>(
+        &mut self,
+        layer: usize,
+        f: impl FnOnce(&mut CacheBufs<'_, '_>) -> Result<T>,
+    ) -> Option<Result<T>> {
+        let i = self.caches.iter().position(|(l, _)| *l == layer)?;
+        let span = i * self.lines * self.row..(i + 1) * self.lines * self.row;
+        let (mut k, mut v) = (self.k.slice_mut(span.clone()), self.v.slice_mut(span));
+        let mut rc = self.caches[i].1.bufs_with_rows(&mut k, &mut v);
+        Some(f(&mut rc))
+    }
+
+    /// Runs `f` on every layer's cache.
+    pub fn each_cache(&mut self, f: impl Fn(&mut CacheBufs<'_, '_>) -> Result<()>) -> Result<()> {
+        let layers: Vec<usize> = self.caches.iter().map(|(l, _)| *l).collect();
+        for l in layers {
+            self.with_cache(l, &f).transpose()?;
+        }
+        Ok(())
+    }
+}
+
+/// One layer's row cache in the arena, as the ops take it.
+pub(crate) type CacheBufs<'a, 'v> =
+    RowCacheBufs<'a, CudaSlice<u64>, CudaSlice<u32>, CudaViewMut<'v, bf16>>;
 
 /// One query row's QSA selection: `(layer, state slot, position, selected positions ascending)`.
 pub type QsaPick = (usize, usize, usize, Vec<usize>);
@@ -207,20 +284,39 @@ impl KvPools {
         if let Some(host) = spec.kv_host.as_ref().filter(|_| self.idx_row > 0) {
             let bs = spec.block_size.max(1);
             let blocks = host.row_cache_rows / bs;
-            if blocks > 0 {
-                let ids: Vec<u32> = (0..blocks as u32).collect();
+            let layers = spec.attn_layers.len();
+            // The cache's rows split evenly over the layers (whole rows a layer).
+            let lines = host.row_cache_rows / layers.max(1);
+            {
+                let ids: Vec<u32> = (0..blocks.max(1) as u32).collect();
+                let mut layer_ids = spec.attn_layers.clone();
+                layer_ids.sort_unstable();
+                let caches = match host.row_cache && lines > 0 {
+                    true => layer_ids
+                        .into_iter()
+                        .map(|l| Ok((l, RowCache::without_rows(gpu, lines, row)?)))
+                        .collect::<Result<Vec<_>>>()?,
+                    false => Vec::new(),
+                };
                 self.arena = Some(Arena {
-                    k: gpu.zeros(blocks * bs * row)?,
-                    v: gpu.zeros(blocks * bs * row)?,
+                    k: gpu.zeros(((blocks * bs).max(lines * layers) * row).max(1))?,
+                    v: gpu.zeros(((blocks * bs).max(lines * layers) * row).max(1))?,
                     rows: blocks * bs,
                     table: gpu.upload(&ids)?,
+                    caches,
+                    lines,
+                    row,
+                    host_rows: 0,
+                    layers,
+                    topk: 0,
+                    read: None,
                 });
             }
         }
         Ok(())
     }
 
-    pub fn copy_block(&self, gpu: &Gpu, src: u32, dst: u32) -> Result<()> {
+    pub fn copy_block(&mut self, gpu: &Gpu, src: u32, dst: u32) -> Result<()> {
         let n = self.block_size * self.row;
         if src as usize >= self.num_blocks || dst as usize >= self.num_blocks {
             return Err(CudaError::Shape {
@@ -230,6 +326,11 @@ impl KvPools {
         }
         if src == dst {
             return Ok(());
+        }
+        // The destination block's rows change: its slots leave every layer's row cache.
+        let bs = self.block_size;
+        if let Some(a) = self.arena.as_mut() {
+            a.each_cache(|rc| gpu.qsa_rc_invalidate_range(rc, dst as usize * bs, bs))?;
         }
         let (s, d) = (src as usize * n, dst as usize * n);
         let ni = self.block_size * self.idx_row;

@@ -35,7 +35,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::{sys, CudaGraph};
-use sanmai_model::{DecodeStep, OpResult};
+use sanmai_model::{DecodeStep, OpResult, SeqChunk};
 
 use super::{all_decode, CudaBackend, CudaTensor};
 use crate::error::{At, Result};
@@ -275,6 +275,7 @@ impl CudaBackend {
         match g.entries.get(&key) {
             Some(Entry::Ready(rec)) => {
                 g.stats.replays += 1;
+                self.count_replayed_host_reads(step.seqs);
                 self.replay(rec).at("decode_step")
             }
             Some(Entry::Warm(sh)) => {
@@ -389,6 +390,16 @@ impl CudaBackend {
     }
 
     /// Launches a recording and returns fresh copies of its outputs.
+    /// A replayed decode step runs no host code: the QSA rows it reads from host memory without a
+    /// row cache (each sequence's context up to topk, every QSA layer) are counted here.
+    fn count_replayed_host_reads(&self, seqs: &[SeqChunk<'_>]) {
+        let mut st = self.lock();
+        if let Some(a) = st.kv.arena.as_mut().filter(|a| a.caches.is_empty()) {
+            let per_layer: u64 = seqs.iter().map(|s| (s.pos0 + 1).min(a.topk) as u64).sum();
+            a.host_rows += per_layer * a.layers as u64;
+        }
+    }
+
     fn replay(&self, rec: &Recorded) -> Result<Vec<CudaTensor>> {
         rec.graph.launch()?;
         rec.outs

@@ -42,7 +42,8 @@ use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
     hc_residual_ops, AttnCall, Backend, CacheSpec, DecodeStep, GdnCall, GdnShape, Handover,
-    HcWeights, MoeCall, OpResult, PackedTensor, PleCall, Probe, QsaCall, SampleCall, SeqChunk,
+    HcWeights, KvHostStats, MoeCall, OpResult, PackedTensor, PleCall, Probe, QsaCall, SampleCall,
+    SeqChunk,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
@@ -643,6 +644,14 @@ impl Backend for CudaBackend {
 
     fn device_sampling(&self) -> bool {
         true
+    }
+
+    fn kv_host_stats(&self) -> OpResult<Option<KvHostStats>> {
+        let mut st = self.lock();
+        match st.kv.arena.as_mut() {
+            Some(a) => a.stats(&self.gpu).map(Some).at("kv_host_stats"),
+            None => Ok(None),
+        }
     }
 
     fn weight_bytes(&self, w: &CudaWeight) -> usize {

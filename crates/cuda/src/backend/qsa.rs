@@ -13,7 +13,7 @@
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 use half::bf16;
-use sanmai_model::backend::{QsaCall, SeqChunk};
+use sanmai_model::backend::{QsaCall, SeqChunk, MAX_CACHED_ROWS};
 
 use super::attn::{attn_dims, Prepared};
 use super::cache::{Arena, QsaPick};
@@ -135,6 +135,13 @@ impl CudaBackend {
             dim: di,
         };
         g.qsa_index_key_write(&ik.buf, &norm, &index_rope, &kv_dst, idx, rows)?;
+        // Every store leaves the layer's row cache (the K/V write above is ordered before it).
+        let mut arena = arena;
+        if let Some(a) = arena.as_deref_mut() {
+            a.topk = topk;
+            a.with_cache(layer, |rc| g.qsa_rc_invalidate(rc, &kv_dst, rows))
+                .transpose()?;
+        }
         let pool = &*pool;
         let idx = pool
             .idx
@@ -177,7 +184,20 @@ impl CudaBackend {
             let longest = seqs.iter().map(|s| s.pos0 + 1).max().unwrap_or(1);
             let ld = st.decode_span.map_or(longest, |span| span.max(longest));
             let lens = st.meta.view(m.lens, m.n_seq);
-            let (sel, counts) = self.qsa_decode(&x, &lens, ld, &mut out, seqs.len())?;
+            // Decode-shaped steps read through the layer's row cache, when it has one; other
+            // steps read each sequence's selected rows (its context up to topk) from host memory.
+            let on_host = x.k.on_host();
+            let use_cache = arena
+                .as_deref()
+                .is_some_and(|a| on_host && seqs.len() <= MAX_CACHED_ROWS && !a.caches.is_empty());
+            if let Some(a) = arena.as_deref_mut().filter(|_| on_host && !use_cache) {
+                a.host_rows += seqs
+                    .iter()
+                    .map(|s| (s.pos0 + 1).min(topk) as u64)
+                    .sum::<u64>();
+            }
+            let cached = arena.filter(|_| use_cache);
+            let (sel, counts) = self.qsa_decode(&x, &lens, ld, &mut out, seqs.len(), cached)?;
             if tracing {
                 self.decode_trace(layer, seqs, topk, &sel, &counts)?
             } else {
@@ -195,6 +215,8 @@ impl CudaBackend {
     /// The batched decode form over `n` sequences of one query each (row `r` = sequence `r`, context
     /// `lens[r]`): the scan over `ld` positions a row (at least every context), the top-k, the
     /// gathered attention into `out`. Returns the selections `(sel [n, topk], counts [n])`.
+    /// With an `arena` whose caches hold the layer, the rows are read through its row cache; else
+    /// from the pools (counted in the arena's host reads when there is one).
     fn qsa_decode(
         &self,
         x: &Select<'_>,
@@ -202,6 +224,7 @@ impl CudaBackend {
         ld: usize,
         out: &mut CudaTensor,
         n: usize,
+        arena: Option<&mut Arena>,
     ) -> Result<(CudaSlice<u32>, CudaSlice<u32>)> {
         let g = &self.gpu;
         let topk = x.topk;
@@ -239,13 +262,27 @@ impl CudaBackend {
             q: x.q,
             gate: x.gate,
         };
-        g.qsa_attention_gather_decode(
-            x.dims,
-            &queries,
-            &x.cache(x.tables, x.stride),
-            &selection,
-            &mut out.buf,
-        )?;
+        let cache = x.cache(x.tables, x.stride);
+        let bs = x.dims.block_size;
+        let cached = arena.and_then(|a| {
+            a.with_cache(x.layer, |rc| {
+                g.qsa_rc_plan(rc, &selection, x.tables, x.stride, bs)?;
+                g.qsa_attention_gather_decode_cached(
+                    x.dims,
+                    &queries,
+                    &cache,
+                    &selection,
+                    rc,
+                    &mut out.buf,
+                )
+            })
+        });
+        match cached {
+            Some(done) => done?,
+            None => {
+                g.qsa_attention_gather_decode(x.dims, &queries, &cache, &selection, &mut out.buf)?
+            }
+        }
         Ok((sel, counts))
     }
 
@@ -289,14 +326,21 @@ impl CudaBackend {
     ) -> Result<Vec<QsaPick>> {
         let g = &self.gpu;
         let bs = x.dims.block_size;
+        let group = x.dims.hq / x.dims.hkv.max(1);
         let mut trace = Vec::new();
+        let mut staged_any = false;
         for (i, s) in seqs.iter().enumerate().filter(|(_, s)| s.len > 0) {
             let ctx = s.pos0 + s.len;
             let nb = ctx.div_ceil(bs.max(1));
             let table = x.tables.slice(i * x.stride..i * x.stride + nb);
             let on_host = x.k.on_host();
-            match arena.as_deref_mut().filter(|a| on_host && ctx <= a.rows) {
+            // Staging copies the context's rows once; reading in place reads each query row's
+            // selected rows once a query head: stage when that reads more.
+            let stage = on_host && s.len * ctx.min(x.topk) * group > ctx;
+            match arena.as_deref_mut().filter(|a| stage && ctx <= a.rows) {
                 Some(a) => {
+                    staged_any = true;
+                    a.host_rows += ctx as u64;
                     let pools = KvPools { k: x.k, v: x.v };
                     let staged = KvPools {
                         k: Some(&mut a.k),
@@ -318,9 +362,20 @@ impl CudaBackend {
                     self.qsa_chunk(x, s, &table, &cache, out, tracing.then_some(&mut trace))?;
                 }
                 None => {
+                    if let Some(a) = arena.as_deref_mut().filter(|_| on_host) {
+                        // Each query row reads its selected rows (all its context up to topk).
+                        let reads: usize = (s.pos0..ctx).map(|p| (p + 1).min(x.topk)).sum();
+                        a.host_rows += reads as u64;
+                    }
                     let cache = x.cache(&table, 0);
                     self.qsa_chunk(x, s, &table, &cache, out, tracing.then_some(&mut trace))?;
                 }
+            }
+        }
+        // The staging overwrote the rows the layers' caches held.
+        if staged_any {
+            if let Some(a) = arena {
+                a.each_cache(|rc| g.qsa_rc_invalidate_all(rc))?;
             }
         }
         Ok(trace)

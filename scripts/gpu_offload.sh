@@ -7,7 +7,8 @@
 # The 125B qwen4_exp config (dummy weights in its quantization mix, a PLE table from
 # `sanmai ple create --rows-scale 0.05`) on cuda:0, served three ways: all K/V in VRAM (`vram`),
 # the QSA K/V rows in host memory with the VRAM row cache (`cache`) and without it (`nocache`). Each
-# case runs greedy requests one at a time (OUT_DIR/CASE.seq.json; compared with `vram` in
+# case runs greedy requests one at a time, prompts of 40, 4,000 and 50,000 tokens (the last prefilled
+# through the arena in sections) (OUT_DIR/CASE.seq.json; compared with `vram` in
 # OUT_DIR/compare.txt: text and logprobs must be identical), then decode at batch 1 after prompts of
 # each length in SANMAI_OFFLOAD_CONTEXTS (default "1024 8192 65536") with `sanmai bench serve`
 # (OUT_DIR/CASE.bench.log) and the row-cache counters from /metrics (OUT_DIR/CASE.metrics).
@@ -41,7 +42,7 @@ serve_case() {
   wait_ready "$port" "$pid" && ready=1
   echo "$name: ready=$ready" | tee -a "$out/summary.txt"
   if [ $ready = 1 ]; then
-    greedy_requests "http://127.0.0.1:$port" 40 1000 4000 >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
+    greedy_requests "http://127.0.0.1:$port" 40 4000 50000 >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
     for n in $contexts; do
       local t0=$(date +%s)
       "$sanmai" bench serve --url "http://127.0.0.1:$port" --concurrency 1 --num-prompts 1 \
@@ -58,12 +59,13 @@ serve_case() {
   grep -q panicked "$out/$name.serve.log" && rc=1
 }
 
-rows=$((max_len + 2048))
+# The default arena (48,576 rows): the 50,000-token prompt and the longest context are prefilled
+# through it in sections.
 for c in $cases; do
   case $c in
     vram) serve_case vram ;;
-    cache) serve_case cache --qsa-kv-offload --qsa-row-cache-rows "$rows" ;;
-    nocache) serve_case nocache --qsa-kv-offload --qsa-row-cache-rows "$rows" --no-qsa-row-cache ;;
+    cache) serve_case cache --qsa-kv-offload ;;
+    nocache) serve_case nocache --qsa-kv-offload --no-qsa-row-cache ;;
   esac
 done
 

@@ -23,7 +23,7 @@ use super::{all_decode, CudaBackend, State};
 use crate::error::{CudaError, Result};
 use crate::ops::{
     AttnDims, ChunkRows, IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, KvPools,
-    PagedCache, Queries, RopeArgs, ScoreRows, Selection,
+    PagedCache, Queries, RopeArgs, ScoreRows, Selection, SeqKv, StagingArena,
 };
 
 /// Epsilon of the indexer's key LayerNorm.
@@ -359,16 +359,32 @@ impl CudaBackend {
                         tables: &a.table,
                         stride: 0,
                     };
-                    self.qsa_chunk(x, s, &table, &cache, out, tracing.then_some(&mut trace))?;
+                    let to = ChunkOut {
+                        out,
+                        trace: tracing.then_some(&mut trace),
+                    };
+                    self.qsa_chunk(x, s, &table, &cache, None, to)?;
                 }
                 None => {
+                    // Past the arena (and past topk, so the gathered form runs): the context in
+                    // sections of it, each row staged once; else every selected row read in place.
+                    let in_sections =
+                        stage && ctx > x.topk && arena.as_deref().is_some_and(|a| a.rows > 0);
                     if let Some(a) = arena.as_deref_mut().filter(|_| on_host) {
-                        // Each query row reads its selected rows (all its context up to topk).
-                        let reads: usize = (s.pos0..ctx).map(|p| (p + 1).min(x.topk)).sum();
-                        a.host_rows += reads as u64;
+                        a.host_rows += match in_sections {
+                            true => ctx as u64,
+                            // Each query row reads its selected rows (all its context up to topk).
+                            false => (s.pos0..ctx).map(|p| (p + 1).min(x.topk) as u64).sum(),
+                        };
                     }
+                    staged_any |= in_sections;
+                    let sectioned = arena.as_deref_mut().filter(|_| in_sections);
                     let cache = x.cache(&table, 0);
-                    self.qsa_chunk(x, s, &table, &cache, out, tracing.then_some(&mut trace))?;
+                    let to = ChunkOut {
+                        out,
+                        trace: tracing.then_some(&mut trace),
+                    };
+                    self.qsa_chunk(x, s, &table, &cache, sectioned, to)?;
                 }
             }
         }
@@ -389,9 +405,10 @@ impl CudaBackend {
         s: &SeqChunk<'_>,
         table: &CudaView<'_, u32>,
         cache: &PagedCache<'_, K, T>,
-        out: &mut CudaTensor,
-        mut trace: Option<&mut Vec<QsaPick>>,
+        mut sections: Option<&mut Arena>,
+        to: ChunkOut<'_>,
     ) -> Result<()> {
+        let ChunkOut { out, mut trace } = to;
         let g = &self.gpu;
         let (layer, ni, di, topk) = (x.layer, x.ni, x.di, x.topk);
         let qr = x.dims.hq * x.dims.head_dim;
@@ -454,13 +471,33 @@ impl CudaBackend {
                 max_count: topk.min(ld),
                 rows: n,
             };
-            g.qsa_attention_gather(
-                x.dims,
-                &queries,
-                cache,
-                &selection,
-                &mut out.buf.slice_mut(qa..qb),
-            )?;
+            let mut rows_out = out.buf.slice_mut(qa..qb);
+            match sections.as_deref_mut() {
+                // The context in sections of the arena (the same arithmetic, in passes).
+                Some(a) => {
+                    let kv = SeqKv {
+                        pools: KvPools { k: x.k, v: x.v },
+                        table,
+                        context: ctx_all,
+                    };
+                    let mut arena = StagingArena {
+                        k: &mut a.k,
+                        v: &mut a.v,
+                        rows: a.rows,
+                    };
+                    g.qsa_attention_gather_staged(
+                        x.dims,
+                        &queries,
+                        &kv,
+                        &selection,
+                        &mut arena,
+                        &mut rows_out,
+                    )?
+                }
+                None => {
+                    g.qsa_attention_gather(x.dims, &queries, cache, &selection, &mut rows_out)?
+                }
+            }
             if let Some(t) = trace.as_deref_mut() {
                 let sel = g.download(&sel)?;
                 let counts = g.download(&counts)?;
@@ -476,6 +513,13 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// Where one sequence's chunk of QSA attention goes: its rows of the call's output, and its
+/// selections when traced.
+struct ChunkOut<'o> {
+    out: &'o mut CudaTensor,
+    trace: Option<&'o mut Vec<QsaPick>>,
 }
 
 /// What the selection and the attention of one QSA call read: the attention shape, the indexer's

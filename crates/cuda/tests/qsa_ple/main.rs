@@ -87,6 +87,38 @@ fn to_dev(b: &CudaBackend, x: &[f32]) -> sanmai_cuda::cudarc::driver::CudaSlice<
     b.gpu().upload(&v).unwrap()
 }
 
+/// The attention shape of the shipped 125B qwen4_exp config, for the timing runs.
+struct Q125 {
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    topk: usize,
+    qsa_layers: usize,
+}
+
+/// Reads [`Q125`] from `configs/models/qwen4-exp-125b-a6b.json`: under the working directory (a
+/// copied test binary run from the repository root), else next to this crate's sources.
+fn q125() -> Q125 {
+    let rel = std::path::Path::new("configs/models/qwen4-exp-125b-a6b.json");
+    let path = if rel.exists() {
+        rel.to_path_buf()
+    } else {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../..")
+            .join(rel)
+    };
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let num = |v: &serde_json::Value| v.as_u64().unwrap() as usize;
+    Q125 {
+        hq: num(&cfg["num_attention_heads"]),
+        hkv: num(&cfg["num_key_value_heads"]),
+        d: num(&cfg["head_dim"]),
+        topk: num(&cfg["qsa"]["index_topk"]),
+        qsa_layers: num(&cfg["num_hidden_layers"]) / num(&cfg["full_attention_interval"]),
+    }
+}
+
 fn inv_freq(rot: usize, theta: f32) -> Vec<f32> {
     (0..rot / 2)
         .map(|j| theta.powf(-2.0 * j as f32 / rot as f32))

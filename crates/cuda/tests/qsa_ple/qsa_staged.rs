@@ -449,25 +449,9 @@ fn bench_qsa_staged() {
         return;
     };
     let g = b.gpu();
-    // The shipped config: under the working directory (a copied test binary run from the
-    // repository root), else next to this crate's sources.
-    let rel = std::path::Path::new("configs/models/qwen4-exp-125b-a6b.json");
-    let path = if rel.exists() {
-        rel.to_path_buf()
-    } else {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../..")
-            .join(rel)
-    };
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let num = |v: &serde_json::Value| v.as_u64().unwrap() as usize;
-    let (hq, hkv, d) = (
-        num(&cfg["num_attention_heads"]),
-        num(&cfg["num_key_value_heads"]),
-        num(&cfg["head_dim"]),
-    );
-    let topk = num(&cfg["qsa"]["index_topk"]);
+    let super::Q125 {
+        hq, hkv, d, topk, ..
+    } = super::q125();
     let (rows, arena_rows, bs) = (256usize, 48_576usize, 16usize);
     let row = hkv * d;
     let max_ctx = 262_144usize;

@@ -39,6 +39,7 @@ mod qsa;
 mod qsa_decode;
 mod qsa_staged;
 mod row_cache;
+mod row_cache_bench;
 
 /// xorshift64* with Box–Muller normals.
 struct Rng(u64);

@@ -562,20 +562,17 @@ impl<B: Backend> Model<B> {
     /// Bytes of K/V one token takes across all attention layers, at `elem` bytes per value, plus the
     /// QSA index-key entry (`dI + 2` bytes) of each attention layer.
     pub fn kv_bytes_per_token(&self, elem: usize) -> usize {
-        let a = &self.cfg.attention;
-        let index = self.cfg.qsa.as_ref().map_or(0, |q| q.index_entry_bytes());
-        self.attention_layers().len() * (2 * a.num_kv_heads * a.head_dim * elem + index)
+        crate::weight_plan::stage_kv_bytes_per_token(&self.cfg, &self.stage, elem)
             - self.kv_host_bytes_per_token(elem)
     }
 
     /// Bytes of one token's K/V kept in pinned host memory ([`Model::kv_host`]; 0 without it).
     pub fn kv_host_bytes_per_token(&self, elem: usize) -> usize {
-        let a = &self.cfg.attention;
-        match (&self.kv_host, &self.qsa) {
-            (Some(_), Some(_)) => {
-                self.attention_layers().len() * 2 * a.num_kv_heads * a.head_dim * elem
+        match self.kv_host {
+            Some(_) => {
+                crate::weight_plan::stage_qsa_kv_bytes_per_token(&self.cfg, &self.stage, elem)
             }
-            _ => 0,
+            None => 0,
         }
     }
 

@@ -143,14 +143,56 @@ __device__ __forceinline__ void stage_query(float* qs, float* ws, const float* q
     __syncthreads();
 }
 
+// Query rows a block of the tiled prefill scores stages at once.
+#define QSA_SCORE_ROWS 8
+
+// The f32 value of every e4m3 byte, in shared memory (every thread of the block; a barrier follows
+// before it is read).
+__device__ __forceinline__ void stage_fp8_table(float* lut) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) lut[i] = fp8_e4m3_decode((unsigned char)i);
+}
+
+// index_score of R query rows at one position, the key decoded once for all of them (into registers:
+// DI is a compile-time head size): qs [R, ni·DI] and ws [R, ni] in shared memory, e the position's
+// entry, lut the e4m3 table. acc[j] = row j's score, each with index_score's operations in its order.
+template <int DI, int R>
+__device__ __forceinline__ void index_score_rows(const float* lut, const float* qs, const float* ws,
+                                                 const unsigned char* e, int ni, float* acc) {
+    const float sv = __uint_as_float(((u32)e[DI] | ((u32)e[DI + 1] << 8)) << 16);
+    float k[DI];
+#pragma unroll
+    for (int i = 0; i < DI; ++i) k[i] = __fmul_rn(lut[e[i]], sv);
+#pragma unroll
+    for (int j = 0; j < R; ++j) acc[j] = 0.0f;
+    for (int h = 0; h < ni; ++h) {
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+            const float4* q = reinterpret_cast<const float4*>(qs + ((size_t)j * ni + h) * DI);
+            float dot = 0.0f;
+#pragma unroll
+            for (int i = 0; i < DI / 4; ++i) {
+                const float4 v = q[i];
+                dot = __fadd_rn(dot, __fmul_rn(v.x, k[4 * i]));
+                dot = __fadd_rn(dot, __fmul_rn(v.y, k[4 * i + 1]));
+                dot = __fadd_rn(dot, __fmul_rn(v.z, k[4 * i + 2]));
+                dot = __fadd_rn(dot, __fmul_rn(v.w, k[4 * i + 3]));
+            }
+            acc[j] = __fadd_rn(acc[j], __fmul_rn(ws[j * ni + h], fmaxf(dot, 0.0f)));
+        }
+    }
+}
+
 // Grid (ceil(ctx_max / blockDim), n_rows); dynamic shared memory (ni·di + ni) floats. Row r (query
-// pos0 + r of one sequence) scores every position s ≤ pos0 + r: scores[r·ld + s] = index_score.
+// pos0 + r of one sequence) scores every position s ≤ pos0 + r: scores[r·ld + s] = index_score. The
+// form for any dI; qsa_scores_di* below are the same scores for the usual head sizes.
 extern "C" __global__ void qsa_scores(const float* __restrict__ qi, const float* __restrict__ wts,
                                       const unsigned char* __restrict__ idx_pool, const u32* __restrict__ table,
-                                      int pos0, int ni, int di, int bs, float* __restrict__ scores, long long ld) {
+                                      int pos0, int ni, int di, int bs, int n_rows, float* __restrict__ scores,
+                                      long long ld) {
     pdl_prologue();
     extern __shared__ float sm[];
     const int r = blockIdx.y;
+    if (r >= n_rows) return;
     stage_query(sm, sm + ni * di, qi, wts, r, ni, di);
     const long long s = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     const long long ctx = (long long)pos0 + r + 1;
@@ -158,11 +200,77 @@ extern "C" __global__ void qsa_scores(const float* __restrict__ qi, const float*
     scores[(size_t)r * ld + s] = index_score(sm, sm + ni * di, index_entry(idx_pool, table, s, bs, di), ni, di);
 }
 
+// qsa_scores for dI = DI, QSA_SCORE_ROWS query rows a block: grid (ceil(ctx_max / blockDim),
+// ceil(n_rows / QSA_SCORE_ROWS)); dynamic shared memory 256 + QSA_SCORE_ROWS·(ni·DI + ni) floats.
+// Each thread decodes its position's key once for the block's rows.
+template <int DI>
+__device__ __forceinline__ void scores_tiled(const float* __restrict__ qi, const float* __restrict__ wts,
+                                             const unsigned char* __restrict__ idx_pool,
+                                             const u32* __restrict__ table, int pos0, int ni, int bs, int n_rows,
+                                             float* __restrict__ scores, long long ld) {
+    constexpr int R = QSA_SCORE_ROWS;
+    extern __shared__ float sm[];
+    float* lut = sm;
+    float* qs = sm + 256;
+    float* ws = qs + R * ni * DI;
+    const int r0 = blockIdx.y * R;
+    const int nr = min(R, n_rows - r0);
+    // The widest context of the block's rows; blocks past it exit at once (uniform over the block).
+    const long long ctx = (long long)pos0 + r0 + nr;
+    const long long s0 = (long long)blockIdx.x * blockDim.x;
+    if (nr <= 0 || s0 >= ctx) return;
+    stage_fp8_table(lut);
+    const size_t q0 = (size_t)r0 * ni * DI, w0 = (size_t)r0 * ni;
+    for (int i = threadIdx.x; i < R * ni * DI; i += blockDim.x) qs[i] = i < nr * ni * DI ? qi[q0 + i] : 0.0f;
+    for (int i = threadIdx.x; i < R * ni; i += blockDim.x) ws[i] = i < nr * ni ? wts[w0 + i] : 0.0f;
+    __syncthreads();
+    const long long s = s0 + threadIdx.x;
+    if (s >= ctx) return;
+    float acc[R];
+    index_score_rows<DI, R>(lut, qs, ws, index_entry(idx_pool, table, s, bs, DI), ni, acc);
+#pragma unroll
+    for (int j = 0; j < R; ++j)
+        if (j < nr && s <= (long long)pos0 + r0 + j) scores[(size_t)(r0 + j) * ld + s] = acc[j];
+}
+
+extern "C" __global__ void qsa_scores_di16(const float* __restrict__ qi, const float* __restrict__ wts,
+                                            const unsigned char* __restrict__ idx_pool, const u32* __restrict__ table,
+                                            int pos0, int ni, int di, int bs, int n_rows, float* __restrict__ scores,
+                                            long long ld) {
+    pdl_prologue();
+    if (di == 16) scores_tiled<16>(qi, wts, idx_pool, table, pos0, ni, bs, n_rows, scores, ld);
+}
+
+extern "C" __global__ void qsa_scores_di32(const float* __restrict__ qi, const float* __restrict__ wts,
+                                            const unsigned char* __restrict__ idx_pool, const u32* __restrict__ table,
+                                            int pos0, int ni, int di, int bs, int n_rows, float* __restrict__ scores,
+                                            long long ld) {
+    pdl_prologue();
+    if (di == 32) scores_tiled<32>(qi, wts, idx_pool, table, pos0, ni, bs, n_rows, scores, ld);
+}
+
+extern "C" __global__ void qsa_scores_di64(const float* __restrict__ qi, const float* __restrict__ wts,
+                                            const unsigned char* __restrict__ idx_pool, const u32* __restrict__ table,
+                                            int pos0, int ni, int di, int bs, int n_rows, float* __restrict__ scores,
+                                            long long ld) {
+    pdl_prologue();
+    if (di == 64) scores_tiled<64>(qi, wts, idx_pool, table, pos0, ni, bs, n_rows, scores, ld);
+}
+
+extern "C" __global__ void qsa_scores_di128(const float* __restrict__ qi, const float* __restrict__ wts,
+                                            const unsigned char* __restrict__ idx_pool, const u32* __restrict__ table,
+                                            int pos0, int ni, int di, int bs, int n_rows, float* __restrict__ scores,
+                                            long long ld) {
+    pdl_prologue();
+    if (di == 128) scores_tiled<128>(qi, wts, idx_pool, table, pos0, ni, bs, n_rows, scores, ld);
+}
+
 // The decode form: grid (ceil(ld / blockDim), rows); dynamic shared memory (ni·di + ni) floats. Row r
 // is the one query of sequence r: context ctx = min(lens[r], max_ctx), block table row r of tables
 // (table_stride ids a row), all read on the device. A row with ctx ≤ topk selects every position and
 // is not scored; otherwise scores[r·ld + s] = index_score for every s < ctx. Blocks past a row's
-// context exit at once, so one launch shape serves every context up to ld.
+// context exit at once, so one launch shape serves every context up to ld. The form for any dI;
+// qsa_scores_decode_di* below are the same scores for the usual head sizes.
 extern "C" __global__ void qsa_scores_decode(const float* __restrict__ qi, const float* __restrict__ wts,
                                              const unsigned char* __restrict__ idx_pool,
                                              const u32* __restrict__ tables, long long table_stride,
@@ -182,6 +290,73 @@ extern "C" __global__ void qsa_scores_decode(const float* __restrict__ qi, const
     scores[(size_t)r * ld + s] = index_score(sm, sm + ni * di, index_entry(idx_pool, table, s, bs, di), ni, di);
 }
 
+// qsa_scores_decode for dI = DI: dynamic shared memory 256 + ni·DI + ni floats (the e4m3 table, the
+// row's heads and weights); the key decoded into registers.
+template <int DI>
+__device__ __forceinline__ void scores_decode_tiled(const float* __restrict__ qi, const float* __restrict__ wts,
+                                                    const unsigned char* __restrict__ idx_pool,
+                                                    const u32* __restrict__ tables, long long table_stride,
+                                                    const u32* __restrict__ lens, long long max_ctx, int topk,
+                                                    int ni, int bs, float* __restrict__ scores, long long ld) {
+    extern __shared__ float sm[];
+    float* lut = sm;
+    float* qs = sm + 256;
+    float* ws = qs + ni * DI;
+    const int r = blockIdx.y;
+    const long long ctx = min((long long)lens[r], max_ctx);
+    const long long s0 = (long long)blockIdx.x * blockDim.x;
+    if (ctx <= topk || s0 >= ctx) return;  // uniform over the block
+    stage_fp8_table(lut);
+    stage_query(qs, ws, qi, wts, r, ni, DI);
+    const long long s = s0 + threadIdx.x;
+    if (s >= ctx) return;
+    const u32* table = tables + (size_t)r * table_stride;
+    float acc[1];
+    index_score_rows<DI, 1>(lut, qs, ws, index_entry(idx_pool, table, s, bs, DI), ni, acc);
+    scores[(size_t)r * ld + s] = acc[0];
+}
+
+extern "C" __global__ void qsa_scores_decode_di16(const float* __restrict__ qi, const float* __restrict__ wts,
+                                                   const unsigned char* __restrict__ idx_pool,
+                                                   const u32* __restrict__ tables, long long table_stride,
+                                                   const u32* __restrict__ lens, long long max_ctx, int topk,
+                                                   int ni, int di, int bs, float* __restrict__ scores,
+                                                   long long ld) {
+    pdl_prologue();
+    if (di == 16)
+        scores_decode_tiled<16>(qi, wts, idx_pool, tables, table_stride, lens, max_ctx, topk, ni, bs, scores, ld);
+}
+extern "C" __global__ void qsa_scores_decode_di32(const float* __restrict__ qi, const float* __restrict__ wts,
+                                                   const unsigned char* __restrict__ idx_pool,
+                                                   const u32* __restrict__ tables, long long table_stride,
+                                                   const u32* __restrict__ lens, long long max_ctx, int topk,
+                                                   int ni, int di, int bs, float* __restrict__ scores,
+                                                   long long ld) {
+    pdl_prologue();
+    if (di == 32)
+        scores_decode_tiled<32>(qi, wts, idx_pool, tables, table_stride, lens, max_ctx, topk, ni, bs, scores, ld);
+}
+extern "C" __global__ void qsa_scores_decode_di64(const float* __restrict__ qi, const float* __restrict__ wts,
+                                                   const unsigned char* __restrict__ idx_pool,
+                                                   const u32* __restrict__ tables, long long table_stride,
+                                                   const u32* __restrict__ lens, long long max_ctx, int topk,
+                                                   int ni, int di, int bs, float* __restrict__ scores,
+                                                   long long ld) {
+    pdl_prologue();
+    if (di == 64)
+        scores_decode_tiled<64>(qi, wts, idx_pool, tables, table_stride, lens, max_ctx, topk, ni, bs, scores, ld);
+}
+extern "C" __global__ void qsa_scores_decode_di128(const float* __restrict__ qi, const float* __restrict__ wts,
+                                                   const unsigned char* __restrict__ idx_pool,
+                                                   const u32* __restrict__ tables, long long table_stride,
+                                                   const u32* __restrict__ lens, long long max_ctx, int topk,
+                                                   int ni, int di, int bs, float* __restrict__ scores,
+                                                   long long ld) {
+    pdl_prologue();
+    if (di == 128)
+        scores_decode_tiled<128>(qi, wts, idx_pool, tables, table_stride, lens, max_ctx, topk, ni, bs, scores, ld);
+}
+
 // The rank key of position s: the score in total order (NaN as −inf) above the position, so that
 // larger keys rank first and equal scores prefer the larger position; keys are unique.
 __device__ __forceinline__ unsigned long long rank_key(float x, long long s) {
@@ -191,46 +366,90 @@ __device__ __forceinline__ unsigned long long rank_key(float x, long long s) {
     return ((unsigned long long)b << 32) | (unsigned long long)s;
 }
 
+// The digit of the selection's next pass, by warp 0 (lane l holds the counts of digits 255 − 8l down
+// to 248 − 8l, largest first): the digit d whose bin holds the need-th largest of the keys still in
+// play, to *prefix (prefix with d at shift), the keys still needed from d's bin to *need, and whether
+// d's bin holds exactly those (every key of it is taken, so the later digits need no pass) to *done.
+// The digits are scanned from 255 down, as a serial scan by one thread would (digit 0 takes what is
+// left).
+__device__ __forceinline__ void pick_digit(const u32* hist, u32 need, unsigned long long prefix, int shift,
+                                           unsigned long long* out_prefix, u32* out_need, bool* done) {
+    const int lane = threadIdx.x;
+    u32 c[8], tot = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        c[j] = hist[255 - 8 * lane - j];
+        tot += c[j];
+    }
+    u32 incl = tot;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 t = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += t;
+    }
+    const u32 excl = incl - tot;
+    if (excl < need && need <= incl) {
+        u32 above = excl;
+        int j = 0;
+        for (; j < 7; ++j) {
+            if (above + c[j] >= need) break;
+            above += c[j];
+        }
+        const int dgt = 255 - 8 * lane - j;
+        *out_prefix = prefix | ((unsigned long long)dgt << shift);
+        *out_need = need - above;
+        *done = c[j] == need - above;
+    }
+}
+
 // One row's selection by a block of 1024 threads: n = min(topk, ctx) positions of sc[0 .. ctx), all
 // of them when ctx ≤ topk (sc not read), else the topk largest rank keys (radix select of the topk-th
-// key, eight passes of 8 bits, then an in-order compaction). Writes out[0 .. n) in increasing position
-// order and *count = n. Every thread of the block calls it with the same ctx.
+// key, up to eight passes of 8 bits, stopping once the digit's bin holds exactly the keys still needed,
+// then an in-order compaction). Writes out[0 .. n) in increasing position order and *count = n. Every
+// thread of the block calls it with the same ctx. The histogram counts a warp's lanes of one digit with
+// one shared-memory add (most keys share the leading digits).
 __device__ __forceinline__ void topk_row(const float* __restrict__ sc, long long ctx, int topk, u32* __restrict__ out,
                                          u32* __restrict__ count) {
     __shared__ u32 hist[256];
     __shared__ u32 warp_n[32];
     __shared__ unsigned long long sh_prefix;
     __shared__ u32 sh_need;
+    __shared__ bool sh_done;
     if (ctx <= topk) {
         for (long long s = threadIdx.x; s < ctx; s += blockDim.x) out[s] = (u32)s;
         if (threadIdx.x == 0) *count = (u32)ctx;
         return;
     }
+    const u32 lane_id = threadIdx.x & 31;
+    const long long span = (ctx + blockDim.x - 1) / blockDim.x * blockDim.x;
     unsigned long long prefix = 0, mask = 0;
     u32 need = (u32)topk;
     for (int shift = 56; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
         __syncthreads();
-        for (long long s = threadIdx.x; s < ctx; s += blockDim.x) {
-            const unsigned long long k = rank_key(sc[s], s);
-            if ((k & mask) == prefix) atomicAdd(&hist[(k >> shift) & 255], 1u);
+        // Every lane runs the same number of iterations (span), so the warp votes below see all 32.
+        for (long long s = threadIdx.x; s < span; s += blockDim.x) {
+            bool in = false;
+            u32 d = 0;
+            if (s < ctx) {
+                const unsigned long long k = rank_key(sc[s], s);
+                in = (k & mask) == prefix;
+                d = (u32)(k >> shift) & 255u;
+            }
+            if (__ballot_sync(0xffffffffu, in) == 0) continue;
+            // Lanes out of play get a value no other lane has, so they group with nobody.
+            const u32 peers = __match_any_sync(0xffffffffu, in ? d : 256u + lane_id);
+            if (in && (__ffs(peers) - 1) == (int)lane_id) atomicAdd(&hist[d], (u32)__popc(peers));
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
-            u32 above = 0;
-            int dgt = 255;
-            for (; dgt > 0; --dgt) {
-                if (above + hist[dgt] >= need) break;
-                above += hist[dgt];
-            }
-            sh_prefix = prefix | ((unsigned long long)dgt << shift);
-            sh_need = need - above;
-        }
+        if (threadIdx.x < 32) pick_digit(hist, need, prefix, shift, &sh_prefix, &sh_need, &sh_done);
         __syncthreads();
         prefix = sh_prefix;
         need = sh_need;
         mask |= 255ull << shift;
+        const bool done = sh_done;
         __syncthreads();
+        if (done) break;
     }
     // prefix is now the topk-th largest key: select every key ≥ it, in position order.
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;

@@ -24,6 +24,54 @@ const QSA_MAX_HEAD_DIM: usize = 256;
 /// Largest `nI·dI + nI` floats of the score kernel's shared memory (48 KiB).
 const SCORE_SMEM_FLOATS: usize = 12 * 1024;
 const GRID_YZ_MAX: usize = 65535;
+/// Query rows a block of the tiled prefill score kernels (`qsa_scores_di*`) stages at once.
+const SCORE_ROWS: usize = 8;
+/// The index head sizes with a tiled score kernel (the key decoded once into registers).
+const TILED_INDEX_DIMS: [usize; 4] = [16, 32, 64, 128];
+
+/// Which score kernel a launch takes: the tiled one of its head size, `rows` query rows a block
+/// (with the e4m3 table in shared memory too), when it has one and they fit; else the one for any
+/// head size, one row a block. Both compute the same scores bit for bit.
+#[derive(Debug, Clone, Copy)]
+enum ScoreForm {
+    Tiled { rows: usize },
+    Any,
+}
+
+impl ScoreForm {
+    fn of(ni: usize, di: usize, rows: usize) -> Self {
+        if TILED_INDEX_DIMS.contains(&di) && 256 + rows * (ni * di + ni) <= SCORE_SMEM_FLOATS {
+            ScoreForm::Tiled { rows }
+        } else {
+            ScoreForm::Any
+        }
+    }
+
+    /// The entry point: `base` or `base_di{di}`.
+    fn name(self, base: &str, di: usize) -> String {
+        match self {
+            ScoreForm::Tiled { .. } => format!("{base}_di{di}"),
+            ScoreForm::Any => base.to_string(),
+        }
+    }
+
+    /// Query rows a block scores.
+    fn rows(self) -> usize {
+        match self {
+            ScoreForm::Tiled { rows } => rows,
+            ScoreForm::Any => 1,
+        }
+    }
+
+    /// Dynamic shared memory of a block.
+    fn smem_bytes(self, ni: usize, di: usize) -> u32 {
+        let floats = match self {
+            ScoreForm::Tiled { rows } => 256 + rows * (ni * di + ni),
+            ScoreForm::Any => ni * di + ni,
+        };
+        (floats * 4) as u32
+    }
+}
 
 /// The indexer's query heads: `n_heads` (nI) of `head_dim` (dI).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -245,8 +293,9 @@ impl Gpu {
             int(OP, "block_size", bs)?,
             int(OP, "pos0", pos0)?,
         );
-        let ldl = ld as i64;
-        let mut l = self.launch(self.kernel("qsa_scores")?);
+        let (ldl, nri) = (ld as i64, int(OP, "rows", n_rows)?);
+        let tiled = ScoreForm::of(ni, di, SCORE_ROWS);
+        let mut l = self.launch(self.kernel(&tiled.name("qsa_scores", di))?);
         l.ptr(qi)
             .ptr(wts)
             .ptr(idx_pool)
@@ -255,10 +304,15 @@ impl Gpu {
             .arg(&nii)
             .arg(&dii)
             .arg(&bsi)
+            .arg(&nri)
             .ptr_mut(scores)
             .arg(&ldl);
-        let grid = (grid_u32(OP, ctx.div_ceil(128))?, n_rows as u32, 1);
-        let smem = ((ni * di + ni) * 4) as u32;
+        let grid = (
+            grid_u32(OP, ctx.div_ceil(128))?,
+            n_rows.div_ceil(tiled.rows()) as u32,
+            1,
+        );
+        let smem = tiled.smem_bytes(ni, di);
         // SAFETY: argument types match the kernel; lengths checked above; block ids come from the
         // caller's validated tables.
         unsafe { l.launch(cfg(grid, 128, smem)) }?;
@@ -359,7 +413,8 @@ impl Gpu {
         // Positions past the table's reach are never read.
         let max_ctx = ld.min(table_stride * bs) as i64;
         let (ldl, ts) = (ld as i64, table_stride as i64);
-        let mut l = self.launch(self.kernel("qsa_scores_decode")?);
+        let tiled = ScoreForm::of(ni, di, 1);
+        let mut l = self.launch(self.kernel(&tiled.name("qsa_scores_decode", di))?);
         l.ptr(qi)
             .ptr(wts)
             .ptr(idx_pool)
@@ -374,7 +429,7 @@ impl Gpu {
             .ptr_mut(scores)
             .arg(&ldl);
         let grid = (grid_u32(OP, ld.div_ceil(128))?, n_rows as u32, 1);
-        let smem = ((ni * di + ni) * 4) as u32;
+        let smem = tiled.smem_bytes(ni, di);
         // SAFETY: argument types match the kernel; lengths checked above; each row reads at most
         // min(ld, table_stride·block_size) positions through its table row, whose block ids come from
         // the step's validated chunks.

@@ -39,6 +39,7 @@ mod qsa;
 mod qsa_decode;
 mod qsa_staged;
 mod row_cache;
+mod qsa_select_bench;
 mod row_cache_bench;
 
 /// xorshift64* with Box–Muller normals.
@@ -95,6 +96,9 @@ struct Q125 {
     d: usize,
     topk: usize,
     qsa_layers: usize,
+    /// The indexer's heads and head size.
+    ni: usize,
+    di: usize,
 }
 
 /// Reads [`Q125`] from `configs/models/qwen4-exp-125b-a6b.json`: under the working directory (a
@@ -117,7 +121,29 @@ fn q125() -> Q125 {
         d: num(&cfg["head_dim"]),
         topk: num(&cfg["qsa"]["index_topk"]),
         qsa_layers: num(&cfg["num_hidden_layers"]) / num(&cfg["full_attention_interval"]),
+        ni: num(&cfg["qsa"]["index_n_heads"]),
+        di: num(&cfg["qsa"]["index_head_dim"]),
     }
+}
+
+/// Mean seconds per call of `f` over `iters` calls after `warm` warm-up calls (the argument counts
+/// every call from 0), timed with events on the device's stream.
+fn time(g: &sanmai_cuda::Gpu, warm: usize, iters: usize, mut f: impl FnMut(usize)) -> f64 {
+    use sanmai_cuda::cudarc::driver::sys::CUevent_flags;
+    for i in 0..warm {
+        f(i);
+    }
+    let s = g.stream();
+    let start = s
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .unwrap();
+    for i in 0..iters {
+        f(warm + i);
+    }
+    let end = s
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .unwrap();
+    start.elapsed_ms(&end).unwrap() as f64 / 1e3 / iters as f64
 }
 
 fn inv_freq(rot: usize, theta: f32) -> Vec<f32> {

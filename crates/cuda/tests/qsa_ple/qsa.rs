@@ -257,6 +257,8 @@ fn scores_and_topk_match_cpu() {
         (3000, 4, 100, 16, 64, Draw::Ties),
         (3000, 2, 100, 4, 32, Draw::ZeroWeights),
         (40, 40, 64, 4, 16, Draw::Random),
+        (2000, 13, 128, 8, 128, Draw::Random),
+        (500, 5, 64, 4, 24, Draw::Random),
     ] {
         let s = SelectCase {
             ctx,

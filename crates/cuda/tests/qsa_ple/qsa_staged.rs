@@ -15,7 +15,6 @@
 
 use std::sync::Arc;
 
-use sanmai_cuda::cudarc::driver::sys::CUevent_flags;
 use sanmai_cuda::cudarc::driver::{sys, CudaStream, DevicePtr, DeviceSlice, SyncOnDrop};
 use sanmai_cuda::{Gpu, SeqKv, StagingArena};
 
@@ -424,24 +423,6 @@ fn staged_attention_rejects_bad_shapes() {
     g.synchronize().unwrap();
 }
 
-/// Mean seconds of `f` over `iters` calls after `warm` ones.
-fn time(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut()) -> f64 {
-    for _ in 0..warm {
-        f();
-    }
-    let s = g.stream();
-    let start = s
-        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .unwrap();
-    for _ in 0..iters {
-        f();
-    }
-    let end = s
-        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .unwrap();
-    start.elapsed_ms(&end).unwrap() as f64 / 1e3 / iters as f64
-}
-
 #[test]
 #[ignore = "a timing run: cargo test --release -- --ignored bench_qsa_staged"]
 fn bench_qsa_staged() {
@@ -507,7 +488,7 @@ fn bench_qsa_staged() {
             table: &table,
             context,
         };
-        let t_staged = time(g, 1, 3, || {
+        let t_staged = time(g, 1, 3, |_| {
             let mut arena = StagingArena {
                 k: &mut ak,
                 v: &mut av,
@@ -521,12 +502,12 @@ fn bench_qsa_staged() {
             tables: &table,
             stride: 0,
         };
-        let t_direct = time(g, 1, 2, || {
+        let t_direct = time(g, 1, 2, |_| {
             g.qsa_attention_gather(dims, &queries, &cache, &selection, &mut direct)
                 .unwrap();
         });
         // The staging alone: every position's K and V rows once.
-        let t_stage = time(g, 1, 3, || {
+        let t_stage = time(g, 1, 3, |_| {
             let mut a = 0;
             while a < context {
                 let e = (a + arena_rows).min(context);

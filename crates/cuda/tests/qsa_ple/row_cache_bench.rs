@@ -5,31 +5,12 @@
 
 use std::collections::HashSet;
 
-use sanmai_cuda::cudarc::driver::sys::CUevent_flags;
 use sanmai_cuda::{Gpu, RowCache};
 
 use sanmai_cuda::cudarc::driver::DevicePtr;
 
 use super::row_cache::{HostRegistered, BS};
 use super::*;
-
-/// Mean seconds per call of `f` over `iters` calls after `warm` warm-up calls, timed with events.
-fn time(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut(usize)) -> f64 {
-    for i in 0..warm {
-        f(i);
-    }
-    let s = g.stream();
-    let start = s
-        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .unwrap();
-    for i in 0..iters {
-        f(warm + i);
-    }
-    let end = s
-        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .unwrap();
-    start.elapsed_ms(&end).unwrap() as f64 / 1e3 / iters as f64
-}
 
 /// `n` selections of `topk` of `ctx` positions (sorted), each keeping about `overlap` of the one
 /// before (0: disjoint from it).
@@ -166,6 +147,7 @@ fn bench_qsa_cached_attention() {
         d,
         topk,
         qsa_layers,
+        ..
     } = super::q125();
     let (ctx, n_sel) = (65_536usize, 192usize);
     let row = hkv * d;

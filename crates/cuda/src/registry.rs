@@ -88,6 +88,7 @@ pub const SOURCES: &[Source] = &[
     source!("moe_gemm.cu"),
     source!("elementwise.cu"),
     source!("qsa.cu"),
+    source!("qsa_topk.cu"),
     source!("qsa_cache.cu"),
     source!("qsa_staged.cu"),
     source!("ple.cu"),

@@ -21,6 +21,7 @@ use super::host_rows::Rows;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend, State};
 use crate::error::{CudaError, Result};
+use crate::Gpu;
 use crate::ops::{
     AttnDims, ChunkRows, IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, KvPools,
     PagedCache, Queries, RopeArgs, ScoreRows, Selection, SeqKv, StagingArena,
@@ -250,7 +251,8 @@ impl CudaBackend {
             ld,
             rows: n,
         };
-        g.qsa_topk_decode(&rows, lens, topk, &mut sel, &mut counts)?;
+        let mut work = self.scratch::<u32>(Gpu::qsa_topk_decode_work(n, ld))?;
+        g.qsa_topk_decode(&rows, lens, topk, (&mut sel, &mut counts), &mut work)?;
         let selection = Selection {
             sel: &sel,
             stride: topk,

@@ -7,7 +7,7 @@
 //! byte-, score- and selection-deciding arithmetic follows the CPU oracle's f32 operations in order,
 //! so the fp8 bytes, the scores and the selected sets equal `sanmai_cpu::ops`'s on equal inputs.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{result, CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::row_cache::RowCacheBufs;
@@ -24,6 +24,13 @@ const QSA_MAX_HEAD_DIM: usize = 256;
 /// Largest `nI·dI + nI` floats of the score kernel's shared memory (48 KiB).
 const SCORE_SMEM_FLOATS: usize = 12 * 1024;
 const GRID_YZ_MAX: usize = 65535;
+/// `u32` values of the wide top-k's per-row state (`WIDE_AUX` in `kernels/qsa_topk.cu`).
+const WIDE_AUX: usize = 4096 + 8;
+/// Positions a block of the wide top-k's passes covers, and its threads.
+const WIDE_CHUNK: usize = 2048;
+const WIDE_THREADS: u32 = 256;
+/// The largest topk of the wide top-k.
+const WIDE_MAX_TOPK: usize = 4096;
 /// Query rows a block of the tiled prefill score kernels (`qsa_scores_di*`) stages at once.
 const SCORE_ROWS: usize = 8;
 /// The index head sizes with a tiled score kernel (the key decoded once into registers).
@@ -437,17 +444,29 @@ impl Gpu {
         Ok(())
     }
 
+    /// The `u32` values of the work buffer [`Gpu::qsa_topk_decode`] takes for `rows` score rows of
+    /// `ld` positions.
+    pub fn qsa_topk_decode_work(rows: usize, ld: usize) -> usize {
+        rows * (WIDE_AUX + ld)
+    }
+
     /// The decode form of [`Gpu::qsa_topk`]: row `r` is the one query of sequence `r`, its context
     /// `min(lens[r], ld)` read on the device; every position when that is at most `topk`, else the
     /// `topk` of largest `scores[r·ld + s]` (as `qsa_scores_decode` wrote them; ties to the larger
-    /// position), in increasing order, to `sel[r·topk ..]`; `counts[r]` = how many.
+    /// position), in increasing order, to `sel[r·topk ..]`; `counts[r]` = how many. `work` holds
+    /// [`Gpu::qsa_topk_decode_work`] values (its contents do not matter).
+    ///
+    /// Up to `topk` 4,096 this is the wide form (`kernels/qsa_topk.cu`): many blocks a row narrow
+    /// the threshold to the positions whose score shares its top 24 bits, one block a row finishes
+    /// among them, so a long context at batch 1 keeps the GPU busy. Past it, one block a row. Both
+    /// select the same sets; every launch shape depends only on the rows, `ld` and `topk`.
     pub fn qsa_topk_decode(
         &self,
         rows: &ScoreRows<'_, impl DevicePtr<f32>>,
         lens: &impl DevicePtr<u32>,
         topk: usize,
-        sel: &mut impl DevicePtrMut<u32>,
-        counts: &mut impl DevicePtrMut<u32>,
+        (sel, counts): (&mut impl DevicePtrMut<u32>, &mut impl DevicePtrMut<u32>),
+        work: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
         const OP: &str = "qsa_topk_decode";
         let ScoreRows {
@@ -456,24 +475,78 @@ impl Gpu {
             rows: n_rows,
         } = *rows;
         ensure(topk > 0, OP, || "topk must be positive".into())?;
+        ensure(n_rows <= GRID_YZ_MAX, OP, || {
+            "too many rows in one call".into()
+        })?;
         check_len(OP, "scores", scores, n_rows * ld)?;
         check_len(OP, "lens", lens, n_rows)?;
         check_len(OP, "sel", sel, n_rows * topk)?;
         check_len(OP, "counts", counts, n_rows)?;
+        check_len(OP, "work", work, Self::qsa_topk_decode_work(n_rows, ld))?;
         if n_rows == 0 {
             return Ok(());
         }
         let k = int(OP, "topk", topk)?;
+        int(OP, "ld", ld)?;
         let (ldl, max_ctx) = (ld as i64, ld as i64);
-        let mut l = self.launch(self.kernel("qsa_topk_decode")?);
+        if topk > WIDE_MAX_TOPK {
+            let mut l = self.launch(self.kernel("qsa_topk_decode")?);
+            l.ptr(scores)
+                .arg(&ldl)
+                .ptr(lens)
+                .arg(&max_ctx)
+                .arg(&k)
+                .ptr_mut(sel)
+                .ptr_mut(counts);
+            // SAFETY: argument types match the kernel; lengths checked above; contexts are capped
+            // at ld.
+            unsafe { l.launch(cfg((grid_u32(OP, n_rows)?, 1, 1), 1024, 0)) }?;
+            return Ok(());
+        }
+        // The per-row histograms and state start at zero; the candidate lists after them need not.
+        let aux_len = n_rows * WIDE_AUX;
+        let (work_ptr, _rec) = work.device_ptr_mut(self.stream());
+        // SAFETY: the work buffer holds at least aux_len u32 values (checked above).
+        unsafe { result::memset_d8_async(work_ptr, 0, aux_len * 4, self.stream().cu_stream()) }?;
+        let cand_ptr = work_ptr + (aux_len * 4) as u64;
+        let grid = (grid_u32(OP, ld.div_ceil(WIDE_CHUNK))?, n_rows as u32, 1);
+        for pass in [1i32, 2] {
+            let mut l = self.launch(self.kernel("qsa_topk_wide_hist")?);
+            l.ptr(scores)
+                .arg(&ldl)
+                .ptr(lens)
+                .arg(&max_ctx)
+                .arg(&k)
+                .arg(&pass)
+                .arg(&work_ptr);
+            // SAFETY: argument types match the kernel; lengths checked above (aux rows of
+            // WIDE_AUX values, contexts capped at ld).
+            unsafe { l.launch(cfg(grid, WIDE_THREADS, 0)) }?;
+        }
+        {
+            let mut l = self.launch(self.kernel("qsa_topk_wide_collect")?);
+            l.ptr(scores)
+                .arg(&ldl)
+                .ptr(lens)
+                .arg(&max_ctx)
+                .arg(&k)
+                .arg(&work_ptr)
+                .ptr_mut(sel)
+                .arg(&cand_ptr);
+            // SAFETY: as above; each row appends at most topk selected and ld candidate positions.
+            unsafe { l.launch(cfg(grid, WIDE_THREADS, 0)) }?;
+        }
+        let mut l = self.launch(self.kernel("qsa_topk_wide_finish")?);
         l.ptr(scores)
             .arg(&ldl)
             .ptr(lens)
             .arg(&max_ctx)
             .arg(&k)
+            .arg(&work_ptr)
             .ptr_mut(sel)
+            .arg(&cand_ptr)
             .ptr_mut(counts);
-        // SAFETY: argument types match the kernel; lengths checked above; contexts are capped at ld.
+        // SAFETY: as above; topk ≤ WIDE_MAX_TOPK fits the block's shared sort buffer.
         unsafe { l.launch(cfg((grid_u32(OP, n_rows)?, 1, 1), 1024, 0)) }?;
         Ok(())
     }

@@ -2,10 +2,13 @@
 //! selection over paged index keys, and the gathered decode attention.
 
 use super::qsa::{bits_differing, cpu_attend_rows_at, query_prep, selected, write_keys};
+use sanmai_cuda::Gpu;
 use super::*;
 
 /// One case of the decode forms: a query per sequence (contexts `ctxs`), `topk`, the indexer's `ni`
-/// heads of `di`, score rows of `span` positions, attention heads `hq`/`hkv` of `d`.
+/// heads of `di` (head weights drawn at `weight_scale`: 0 makes every score 0, so the selection is
+/// the last topk positions by the tie rule), score rows of `span` positions, attention heads
+/// `hq`/`hkv` of `d`.
 struct DecodeCase {
     ctxs: Vec<usize>,
     topk: usize,
@@ -15,6 +18,7 @@ struct DecodeCase {
     hq: usize,
     hkv: usize,
     d: usize,
+    weight_scale: f32,
 }
 
 /// The decode forms of the scan, the top-k and the gathered attention on one case against the CPU
@@ -60,7 +64,7 @@ fn check_decode(b: &CudaBackend, rng: &mut Rng, c: &DecodeCase) -> usize {
         g.upload(&lens).unwrap(),
     );
     let iq = rng.bf16s(n * ni * di, 0.0, 1.0);
-    let iw = rng.bf16s(n * ni, 0.0, 1.0);
+    let iw = rng.bf16s(n * ni, 0.0, c.weight_scale);
     let qpos: Vec<u32> = c.ctxs.iter().map(|&x| x as u32 - 1).collect();
     let f = inv_freq(rot, 1e7);
     let fd = g.upload(&f).unwrap();
@@ -94,7 +98,8 @@ fn check_decode(b: &CudaBackend, rng: &mut Rng, c: &DecodeCase) -> usize {
         ld: span,
         rows: n,
     };
-    g.qsa_topk_decode(&rows, &lens_d, topk, &mut sel, &mut counts)
+    let mut work = g.zeros::<u32>(Gpu::qsa_topk_decode_work(n, span)).unwrap();
+    g.qsa_topk_decode(&rows, &lens_d, topk, (&mut sel, &mut counts), &mut work)
         .unwrap();
     // The gathered attention over the selections, K/V through the same tables.
     let (hq, hkv, d) = (c.hq, c.hkv, c.d);
@@ -198,6 +203,7 @@ fn decode_select_matches_cpu() {
             hq: 4,
             hkv: 2,
             d: 32,
+            weight_scale: 1.0,
         },
         // The full-size indexer (topk 2048, 16 heads of 64), one long context.
         DecodeCase {
@@ -209,6 +215,31 @@ fn decode_select_matches_cpu() {
             hq: 16,
             hkv: 2,
             d: 256,
+            weight_scale: 1.0,
+        },
+        // Every score 0: the wide form's candidates are the whole context.
+        DecodeCase {
+            ctxs: vec![3000, 20_000],
+            topk: 2048,
+            ni: 16,
+            di: 64,
+            span: 32_768,
+            hq: 16,
+            hkv: 2,
+            d: 256,
+            weight_scale: 0.0,
+        },
+        // topk past the wide form's limit: one block a row.
+        DecodeCase {
+            ctxs: vec![9000, 4000],
+            topk: 5000,
+            ni: 4,
+            di: 16,
+            span: 16_384,
+            hq: 4,
+            hkv: 2,
+            d: 32,
+            weight_scale: 1.0,
         },
         // Odd sizes; a single sequence.
         DecodeCase {
@@ -220,6 +251,7 @@ fn decode_select_matches_cpu() {
             hq: 6,
             hkv: 3,
             d: 40,
+            weight_scale: 1.0,
         },
     ];
     let bad: usize = cases.iter().map(|c| check_decode(&b, &mut rng, c)).sum();

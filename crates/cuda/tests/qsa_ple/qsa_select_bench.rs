@@ -6,6 +6,7 @@
 
 use super::qsa::{cpu_entries, query_prep};
 use super::*;
+use sanmai_cuda::Gpu;
 
 /// The backend's score scratch per group of query rows, in f32 values.
 const SCORE_BUDGET: usize = 32 << 20;
@@ -102,8 +103,11 @@ fn bench_qsa_select() {
             ld: ctx,
             rows: 1,
         };
+        let mut work = g
+            .zeros::<u32>(Gpu::qsa_topk_decode_work(1, ctx))
+            .unwrap();
         let t_dtopk = time(g, 2, 20, |_| {
-            g.qsa_topk_decode(&drows, &lens, topk, &mut sel, &mut counts)
+            g.qsa_topk_decode(&drows, &lens, topk, (&mut sel, &mut counts), &mut work)
                 .unwrap()
         });
         let per_row = (t_scores + t_topk) / n as f64;

@@ -195,9 +195,9 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_topk_decode(const float* 
 // digit. The last block of a row to finish (a counter in the state) picks the digit whose bin holds
 // the need-th largest key (need = topk, then the first pass's remainder) and empties the histogram for
 // the next pass. Rows with a context of at most topk are left to qsa_topk_wide_finish.
-extern "C" __global__ void __launch_bounds__(WIDE_THREADS)
-    qsa_topk_wide_hist(const float* __restrict__ scores, long long ld, const u32* __restrict__ lens,
-                       long long max_ctx, int topk, int pass, u32* __restrict__ aux) {
+extern "C" __global__ void __launch_bounds__(WIDE_THREADS) qsa_topk_wide_hist(
+    const float* __restrict__ scores, long long ld, const u32* __restrict__ lens, long long max_ctx, int topk, int pass,
+    u32* __restrict__ aux) {
     pdl_prologue();
     __shared__ u32 h[WIDE_BINS];
     __shared__ bool last;
@@ -269,10 +269,9 @@ extern "C" __global__ void __launch_bounds__(WIDE_THREADS)
 // (the threshold's top 24 bits of score key): a position whose key's top 24 bits exceed p is selected
 // (appended to sel[r·topk ..], topk − need2 of them in all), one equal to p is a candidate (appended
 // to cand[r·ld ..]). Appends are unordered; qsa_topk_wide_finish orders the selection.
-extern "C" __global__ void __launch_bounds__(WIDE_THREADS)
-    qsa_topk_wide_collect(const float* __restrict__ scores, long long ld, const u32* __restrict__ lens,
-                          long long max_ctx, int topk, u32* __restrict__ aux, u32* __restrict__ sel,
-                          u32* __restrict__ cand) {
+extern "C" __global__ void __launch_bounds__(WIDE_THREADS) qsa_topk_wide_collect(
+    const float* __restrict__ scores, long long ld, const u32* __restrict__ lens, long long max_ctx, int topk,
+    u32* __restrict__ aux, u32* __restrict__ sel, u32* __restrict__ cand) {
     pdl_prologue();
     const int r = blockIdx.y;
     const long long ctx = min((long long)lens[r], max_ctx);
@@ -307,10 +306,9 @@ extern "C" __global__ void __launch_bounds__(WIDE_THREADS)
 // are; else radix_threshold over their low score bits and positions) join the positions above the
 // threshold, and the topk positions are sorted (a bitonic sort in shared memory) into sel[r·topk ..];
 // counts[r] = how many.
-extern "C" __global__ void __launch_bounds__(1024)
-    qsa_topk_wide_finish(const float* __restrict__ scores, long long ld, const u32* __restrict__ lens,
-                         long long max_ctx, int topk, const u32* __restrict__ aux, u32* __restrict__ sel,
-                         const u32* __restrict__ cand, u32* __restrict__ counts) {
+extern "C" __global__ void __launch_bounds__(1024) qsa_topk_wide_finish(
+    const float* __restrict__ scores, long long ld, const u32* __restrict__ lens, long long max_ctx, int topk,
+    const u32* __restrict__ aux, u32* __restrict__ sel, const u32* __restrict__ cand, u32* __restrict__ counts) {
     pdl_prologue();
     __shared__ u32 pos[WIDE_MAX_TOPK];
     __shared__ u32 n_taken;

@@ -156,8 +156,7 @@ serve_case() {
 
 for c in $cases; do
   case $c in
-    off3) serve_case off3 --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 \
-      --max-model-len 262144 --qsa-kv-offload ;;
+    off3) serve_case off3 --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 --qsa-kv-offload ;;
     vram1) serve_case vram1 --device cuda:0 --enable-prefix-caching ;;
     off1) serve_case off1 --device cuda:0 --enable-prefix-caching --qsa-kv-offload ;;
     nocache1) serve_case nocache1 --device cuda:0 --enable-prefix-caching --qsa-kv-offload --no-qsa-row-cache ;;

@@ -275,6 +275,15 @@ mod tests {
         for src in SOURCES {
             let eps = entry_points(src);
             assert!(!eps.is_empty(), "{} declares no kernel", src.name);
+            // Every `__global__` function is found: its name on its `extern "C" __global__` line.
+            let globals = src.text.matches("__global__").count();
+            assert_eq!(
+                eps.len(),
+                globals,
+                "{}: {globals} __global__ functions, {} entry points read (a kernel's name must be on its extern \"C\" __global__ line)",
+                src.name,
+                eps.len()
+            );
             all.extend(eps);
         }
         let n = all.len();

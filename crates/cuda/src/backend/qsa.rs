@@ -21,11 +21,11 @@ use super::host_rows::Rows;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend, State};
 use crate::error::{CudaError, Result};
-use crate::Gpu;
 use crate::ops::{
     AttnDims, ChunkRows, IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, KvPools,
     PagedCache, Queries, RopeArgs, ScoreRows, Selection, SeqKv, StagingArena,
 };
+use crate::Gpu;
 
 /// Epsilon of the indexer's key LayerNorm.
 const INDEX_NORM_EPS: f32 = 1e-6;

@@ -37,9 +37,9 @@ use sanmai_model::{Backend, OpResult, SeqChunk};
 mod ple;
 mod qsa;
 mod qsa_decode;
+mod qsa_select_bench;
 mod qsa_staged;
 mod row_cache;
-mod qsa_select_bench;
 mod row_cache_bench;
 
 /// xorshift64* with Box–Muller normals.

@@ -2,8 +2,8 @@
 //! selection over paged index keys, and the gathered decode attention.
 
 use super::qsa::{bits_differing, cpu_attend_rows_at, query_prep, selected, write_keys};
-use sanmai_cuda::Gpu;
 use super::*;
+use sanmai_cuda::Gpu;
 
 /// One case of the decode forms: a query per sequence (contexts `ctxs`), `topk`, the indexer's `ni`
 /// heads of `di` (head weights drawn at `weight_scale`: 0 makes every score 0, so the selection is

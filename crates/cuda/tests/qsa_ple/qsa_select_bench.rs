@@ -50,7 +50,13 @@ fn bench_qsa_select() {
         let qpos: Vec<u32> = (pos0..ctx).map(|p| p as u32).collect();
         let mut qi = g.zeros::<f32>(n * ni * di).unwrap();
         let mut wts = g.zeros::<f32>(n * ni).unwrap();
-        query_prep(&b, (&iq, &iw), (&qpos, &fd, rot), heads, (&mut qi, &mut wts));
+        query_prep(
+            &b,
+            (&iq, &iw),
+            (&qpos, &fd, rot),
+            heads,
+            (&mut qi, &mut wts),
+        );
         let queries = IndexQueries {
             qi: &qi,
             wts: &wts,
@@ -103,9 +109,7 @@ fn bench_qsa_select() {
             ld: ctx,
             rows: 1,
         };
-        let mut work = g
-            .zeros::<u32>(Gpu::qsa_topk_decode_work(1, ctx))
-            .unwrap();
+        let mut work = g.zeros::<u32>(Gpu::qsa_topk_decode_work(1, ctx)).unwrap();
         let t_dtopk = time(g, 2, 20, |_| {
             g.qsa_topk_decode(&drows, &lens, topk, (&mut sel, &mut counts), &mut work)
                 .unwrap()

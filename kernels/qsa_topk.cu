@@ -175,17 +175,17 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_topk_decode(const float* 
 #define WIDE_THREADS 256
 // Bins of a 12-bit digit.
 #define WIDE_BINS 4096
-// The state after the histogram: blocks done with pass 1 and 2, the first digit, the keys needed
+// The state after the histogram (its indices in a row's aux): blocks done with pass 1 and 2, the first digit, the keys needed
 // from its bin, the second digit, the keys needed from its bin, positions above the threshold so
 // far, candidates so far.
-#define WS_DONE1 0
-#define WS_DONE2 1
-#define WS_D1 2
-#define WS_NEED1 3
-#define WS_D2 4
-#define WS_NEED2 5
-#define WS_ABOVE 6
-#define WS_CAND 7
+#define WS_DONE1 (WIDE_BINS + 0)
+#define WS_DONE2 (WIDE_BINS + 1)
+#define WS_D1 (WIDE_BINS + 2)
+#define WS_NEED1 (WIDE_BINS + 3)
+#define WS_D2 (WIDE_BINS + 4)
+#define WS_NEED2 (WIDE_BINS + 5)
+#define WS_ABOVE (WIDE_BINS + 6)
+#define WS_CAND (WIDE_BINS + 7)
 #define WIDE_AUX (WIDE_BINS + 8)
 // The largest topk of the wide form (the finishing block sorts the selection in shared memory).
 #define WIDE_MAX_TOPK 4096

@@ -12,6 +12,7 @@ the command line nor the preset sets --gpu-memory-budget, the service's card is 
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import yaml
@@ -51,7 +52,7 @@ def plan_args(name, service, repo):
             i += 1
     on_cpu = "cpu" in cmd[cmd.index("--device") + 1] if "--device" in cmd else False
     budget_set = "--gpu-memory-budget" in cmd or (
-        preset is not None and "gpu-memory-budget" in preset.read_text())
+        preset is not None and "gpu-memory-budget" in tomllib.loads(preset.read_text()))
     if not on_cpu and not budget_set:
         profile = service.get("profiles", [name])[0]
         out += ["--gpu-memory-budget", CARD_BUDGET[profile]]

@@ -62,8 +62,8 @@ __device__ __forceinline__ void pick_digit(const u32* hist, u32 need, unsigned l
 // The need-th largest of the n keys key_at(0 .. n) by a block of threads (a multiple of 32, every
 // thread calls it with the same arguments; need ≤ n): radix passes of 8 bits from bits shift0 + 7 ..
 // shift0 down (the keys must agree on every bit above them), stopping once the digit's bin holds
-// exactly the keys still needed. Every key ≥ the result is among the need largest, and there are
-// exactly need of them. Counts a warp's lanes of one digit with one shared-memory add (most keys
+// exactly the keys still needed. The result holds bits shift0 + 7 .. 0 only: a key whose bits
+// shift0 + 7 .. 0 are ≥ it is among the need largest, and there are exactly need of them. Counts a warp's lanes of one digit with one shared-memory add (most keys
 // share the leading digits).
 template <class KeyAt>
 __device__ __forceinline__ unsigned long long radix_threshold(long long n, u32 need, int shift0, KeyAt key_at) {
@@ -329,10 +329,15 @@ extern "C" __global__ void __launch_bounds__(1024) qsa_topk_wide_finish(
     __syncthreads();
     auto key_at = [&](long long i) { return rank_key(sc[cd[i]], cd[i]); };
     // Every candidate when they are exactly what is needed; else the need largest (their keys agree
-    // above bit 40: the score keys' top 24 bits).
+    // on bits 63 .. 40, the score keys' top 24 bits, so the threshold and the comparison take bits
+    // 39 .. 0).
+    const unsigned long long low = (1ull << 40) - 1;
     const unsigned long long t = n_cand == need ? 0ull : radix_threshold(n_cand, need, 32, key_at);
     for (u32 i = threadIdx.x; i < n_cand; i += blockDim.x)
-        if (key_at(i) >= t) pos[n_above + atomicAdd(&n_taken, 1u)] = cd[i];
+        if ((key_at(i) & low) >= t) {
+            const u32 at = n_above + atomicAdd(&n_taken, 1u);
+            if (at < (u32)topk) pos[at] = cd[i];
+        }
     // Pad to a power of two and sort ascending.
     u32 n2 = 1;
     while (n2 < (u32)topk) n2 <<= 1;

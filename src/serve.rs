@@ -38,9 +38,13 @@ pub struct ServeArgs {
     /// built-in model].
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize.
-    #[arg(long)]
+    /// Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize. Also read from the
+    /// environment (SANMAI_API_KEY), which keeps the key off the command line.
+    #[arg(long, env = "SANMAI_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// Read the API key from this file (its first line; a container secret, for example).
+    #[arg(long, conflicts_with = "api_key")]
+    pub api_key_file: Option<PathBuf>,
     /// A Jinja chat template file replacing the tokenizer's.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
@@ -224,7 +228,10 @@ impl ServeArgs {
             .or(preset.served_model_name)
             .unwrap_or_else(|| self.model.default_served_name());
         let mut server = ServerConfig::new(name);
-        server.api_key = self.api_key.clone().filter(|k| !k.is_empty());
+        server.api_key = match &self.api_key_file {
+            Some(path) => Some(read_api_key(path)?),
+            None => self.api_key.clone().filter(|k| !k.is_empty()),
+        };
         server.max_request_bytes = self
             .max_request_bytes
             .or(preset.max_request_bytes)
@@ -249,6 +256,17 @@ impl ServeArgs {
             model,
         })
     }
+}
+
+/// The API key in `path`: its first line, trimmed; an unreadable or empty file is an error naming it.
+fn read_api_key(path: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("--api-key-file {}: cannot read it", path.display()))?;
+    let key = text.lines().next().unwrap_or("").trim();
+    if key.is_empty() {
+        bail!("--api-key-file {}: the file holds no key", path.display());
+    }
+    Ok(key.to_string())
 }
 
 fn parse_kwargs(text: &str) -> Result<Map<String, Value>> {
@@ -457,6 +475,31 @@ mod tests {
         std::fs::write(&file, "num-speculative-tokens = 2\n").unwrap();
         let err = format!("{:#}", args(&["--preset", f]).settings().unwrap_err());
         assert!(err.contains("num-speculative-tokens"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_api_key_comes_from_a_flag_or_a_file() {
+        let dir = std::env::temp_dir().join(format!("sanmai-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("key");
+        std::fs::write(&file, "s3cret\n").unwrap();
+        let f = file.to_str().unwrap();
+        let s = args(&["--api-key-file", f]).settings().unwrap();
+        assert_eq!(s.server.api_key.as_deref(), Some("s3cret"));
+        let s = args(&["--api-key", "k"]).settings().unwrap();
+        assert_eq!(s.server.api_key.as_deref(), Some("k"));
+        std::fs::write(&file, "\n").unwrap();
+        let err = format!("{:#}", args(&["--api-key-file", f]).settings().unwrap_err());
+        assert!(err.contains("--api-key-file") && err.contains("no key"), "{err}");
+        let missing = dir.join("missing");
+        let err = format!(
+            "{:#}",
+            args(&["--api-key-file", missing.to_str().unwrap()])
+                .settings()
+                .unwrap_err()
+        );
+        assert!(err.contains("cannot read"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

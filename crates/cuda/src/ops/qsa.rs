@@ -31,6 +31,9 @@ const WIDE_CHUNK: usize = 2048;
 const WIDE_THREADS: u32 = 256;
 /// The largest topk of the wide top-k.
 const WIDE_MAX_TOPK: usize = 4096;
+/// The shortest score row the wide top-k takes: below it one block a row is faster (on an H200 at
+/// one row: 29 µs against the wide form's 56 µs at 8,192 positions, 194 µs against 62 µs at 65,536).
+const WIDE_MIN_SPAN: usize = 32_768;
 /// Query rows a block of the tiled prefill score kernels (`qsa_scores_di*`) stages at once.
 const SCORE_ROWS: usize = 8;
 /// The index head sizes with a tiled score kernel (the key decoded once into registers).
@@ -456,10 +459,11 @@ impl Gpu {
     /// position), in increasing order, to `sel[r·topk ..]`; `counts[r]` = how many. `work` holds
     /// [`Gpu::qsa_topk_decode_work`] values (its contents do not matter).
     ///
-    /// Up to `topk` 4,096 this is the wide form (`kernels/qsa_topk.cu`): many blocks a row narrow
-    /// the threshold to the positions whose score shares its top 24 bits, one block a row finishes
-    /// among them, so a long context at batch 1 keeps the GPU busy. Past it, one block a row. Both
-    /// select the same sets; every launch shape depends only on the rows, `ld` and `topk`.
+    /// For rows of at least 32,768 positions and `topk` up to 4,096 this is the wide form
+    /// (`kernels/qsa_topk.cu`): many blocks a row narrow the threshold to the positions whose score
+    /// shares its top 24 bits, one block a row finishes among them, so a long context at batch 1
+    /// keeps the GPU busy. Otherwise one block a row. Both select the same sets; every launch shape
+    /// depends only on the rows, `ld` and `topk`.
     pub fn qsa_topk_decode(
         &self,
         rows: &ScoreRows<'_, impl DevicePtr<f32>>,
@@ -489,7 +493,7 @@ impl Gpu {
         let k = int(OP, "topk", topk)?;
         int(OP, "ld", ld)?;
         let (ldl, max_ctx) = (ld as i64, ld as i64);
-        if topk > WIDE_MAX_TOPK {
+        if topk > WIDE_MAX_TOPK || ld < WIDE_MIN_SPAN {
             let mut l = self.launch(self.kernel("qsa_topk_decode")?);
             l.ptr(scores)
                 .arg(&ldl)

@@ -229,6 +229,18 @@ fn decode_select_matches_cpu() {
             d: 256,
             weight_scale: 0.0,
         },
+        // A small topk over a span the wide form takes, with rows below and at topk beside it.
+        DecodeCase {
+            ctxs: vec![40_000, 33, 5],
+            topk: 32,
+            ni: 4,
+            di: 16,
+            span: 40_960,
+            hq: 4,
+            hkv: 2,
+            d: 32,
+            weight_scale: 1.0,
+        },
         // topk past the wide form's limit: one block a row.
         DecodeCase {
             ctxs: vec![9000, 4000],

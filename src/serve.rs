@@ -491,7 +491,10 @@ mod tests {
         assert_eq!(s.server.api_key.as_deref(), Some("k"));
         std::fs::write(&file, "\n").unwrap();
         let err = format!("{:#}", args(&["--api-key-file", f]).settings().unwrap_err());
-        assert!(err.contains("--api-key-file") && err.contains("no key"), "{err}");
+        assert!(
+            err.contains("--api-key-file") && err.contains("no key"),
+            "{err}"
+        );
         let missing = dir.join("missing");
         let err = format!(
             "{:#}",

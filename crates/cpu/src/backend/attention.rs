@@ -7,7 +7,8 @@ use std::sync::RwLockWriteGuard;
 use rayon::prelude::*;
 use sanmai_model::backend::{AttnCall, OpResult, SeqChunk};
 
-use super::cache::{gather, pool_offset, KvPool, Pools};
+use super::cache::{gather, Pools};
+use super::rows::{pool_offset, KvPool};
 use super::{ensure, CpuBackend, CpuTensor, CpuWeight};
 use crate::ops::{self, Causal, Heads};
 

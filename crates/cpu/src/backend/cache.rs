@@ -8,16 +8,8 @@ use std::sync::atomic::Ordering;
 use sanmai_model::backend::{BackendError, CacheSpec, OpResult, SeqChunk};
 
 use super::host_kv::{fresh_stats, HostKv};
-use super::rows::{pin_rows, Rows};
+use super::rows::{pin_rows, pool_offset, KvPool, Rows};
 use super::{ensure, CpuBackend};
-
-/// K/V of one attention layer for every block: `[num_blocks, block_size, kv_heads·head_dim]` each,
-/// and QSA's index-key entries `[num_blocks, block_size, dI + 2]` bytes (empty without QSA).
-pub(crate) struct KvPool {
-    pub(crate) k: Rows,
-    pub(crate) v: Rows,
-    pub(crate) idx: Vec<u8>,
-}
 
 /// The block pools and their geometry.
 #[derive(Default)]
@@ -76,16 +68,6 @@ pub(crate) fn no_pool(op: &'static str, layer: usize) -> BackendError {
         op,
         format!("no K/V pool for layer {layer}: init_cache first"),
     )
-}
-
-/// The physical cache slot of position `pos`: `block · block_size + offset`.
-pub(crate) fn slot_of(blocks: &[u32], block_size: usize, pos: usize) -> usize {
-    blocks[pos / block_size] as usize * block_size + pos % block_size
-}
-
-/// Offset of position `pos`'s row in a pool.
-pub(crate) fn pool_offset(blocks: &[u32], block_size: usize, row: usize, pos: usize) -> usize {
-    slot_of(blocks, block_size, pos) * row
 }
 
 /// Copies positions `0..len` of a sequence's K or V out of the pool into a contiguous `[len, row]` buffer.

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 
 use sanmai_model::backend::{CacheSpec, KvHost, KvHostStats, RowCacheCounts, SeqChunk};
 
-use super::cache::{pool_offset, slot_of, KvPool};
+use super::rows::{pool_offset, slot_of, KvPool};
 use super::CpuBackend;
 use crate::ops::row_cache::{decode_shaped, lines_per_layer, RowCache};
 

@@ -10,8 +10,9 @@ use rayon::prelude::*;
 use sanmai_model::backend::{OpResult, QsaCall, QsaShape, SeqChunk};
 
 use super::attention::{attend_all, attend_gathered, heads, IndexEntries, Prepared};
-use super::cache::{no_pool, pool_offset, KvPool, Pools};
+use super::cache::{no_pool, Pools};
 use super::host_kv::{cached_step, gather_cached, gather_host, stored_slots, RowReads};
+use super::rows::{pool_offset, KvPool};
 use super::{ensure, CpuBackend, CpuTensor, CpuWeight, QsaSelection};
 use crate::ops::row_cache::RowCache;
 use crate::ops::{self, Heads};

@@ -1,6 +1,7 @@
 //! Where a K/V pool's rows live: on the heap, or in a range of one pinned host pool that every
 //! attention layer's K and V share (`--qsa-kv-offload`, [`sanmai_pinned`]). Both read and write as
-//! `[f32]`, so the ops do not tell them apart.
+//! `[f32]`, so the ops do not tell them apart. Also the pool of one attention layer ([`KvPool`]) and
+//! where a position's row is in it.
 
 use std::ops::{Deref, DerefMut};
 use std::ptr::NonNull;
@@ -79,4 +80,22 @@ pub(crate) fn pin_rows(host: &KvHost, count: usize, len: usize) -> OpResult<Vec<
             })
         })
         .collect())
+}
+
+/// K/V of one attention layer for every block: `[num_blocks, block_size, kv_heads·head_dim]` each,
+/// and QSA's index-key entries `[num_blocks, block_size, dI + 2]` bytes (empty without QSA).
+pub(crate) struct KvPool {
+    pub(crate) k: Rows,
+    pub(crate) v: Rows,
+    pub(crate) idx: Vec<u8>,
+}
+
+/// The physical cache slot of position `pos`: `block · block_size + offset`.
+pub(crate) fn slot_of(blocks: &[u32], block_size: usize, pos: usize) -> usize {
+    blocks[pos / block_size] as usize * block_size + pos % block_size
+}
+
+/// Offset of position `pos`'s row in a pool.
+pub(crate) fn pool_offset(blocks: &[u32], block_size: usize, row: usize, pos: usize) -> usize {
+    slot_of(blocks, block_size, pos) * row
 }

@@ -23,21 +23,19 @@ __device__ __forceinline__ unsigned long long rank_key(float x, long long s) {
     return ((unsigned long long)score_key(x) << 32) | (unsigned long long)s;
 }
 
-// The digit of a radix pass over 256 bins, by warp 0 (lane l holds the counts of digits 255 − 8l
-// down to 248 − 8l, largest first): the digit d whose bin holds the need-th largest of the keys still
-// in play, to *prefix (prefix with d at shift), the keys still needed from d's bin to *need, and
-// whether d's bin holds exactly those (every key of it is taken, so the later digits need no pass)
-// to *done. The digits are scanned from 255 down, as a serial scan by one thread would (digit 0 takes
-// what is left).
-__device__ __forceinline__ void pick_digit(const u32* hist, u32 need, unsigned long long prefix, int shift,
-                                           unsigned long long* out_prefix, u32* out_need, bool* done) {
-    const int lane = threadIdx.x;
-    u32 c[8], tot = 0;
+// The digit whose bin holds the need-th largest of the counted keys, by warp 0 (every lane calls it;
+// hist holds BINS = 32·PER counts, lane l the digits BINS − 1 − PER·l down to BINS − PER·(l + 1),
+// largest first; the digits are scanned from the top down, as a serial scan by one thread would, and
+// digit 0 takes what is left). Returns true on the one lane that found it, with the digit in *digit,
+// the keys still needed from its bin in *rest and the bin's count in *count.
+template <int PER>
+__device__ __forceinline__ bool warp_pick(const u32* hist, u32 need, u32* digit, u32* rest, u32* count) {
+    constexpr int BINS = 32 * PER;
+    const int lane = threadIdx.x & 31;
+    const u32* mine = hist + BINS - 1 - PER * lane;  // mine[-j]: the lane's j-th digit from the top
+    u32 tot = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        c[j] = hist[255 - 8 * lane - j];
-        tot += c[j];
-    }
+    for (int j = 0; j < PER; ++j) tot += mine[-j];
     u32 incl = tot;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -45,17 +43,29 @@ __device__ __forceinline__ void pick_digit(const u32* hist, u32 need, unsigned l
         if (lane >= o) incl += t;
     }
     const u32 excl = incl - tot;
-    if (excl < need && need <= incl) {
-        u32 above = excl;
-        int j = 0;
-        for (; j < 7; ++j) {
-            if (above + c[j] >= need) break;
-            above += c[j];
-        }
-        const int dgt = 255 - 8 * lane - j;
+    if (!(excl < need && need <= incl)) return false;
+    u32 above = excl;
+    int j = 0;
+    for (; j < PER - 1; ++j) {
+        if (above + mine[-j] >= need) break;
+        above += mine[-j];
+    }
+    *digit = BINS - 1 - PER * lane - j;
+    *rest = need - above;
+    *count = mine[-j];
+    return true;
+}
+
+// A radix pass's digit (warp_pick over 256 bins): *prefix = prefix with the digit at shift, *need =
+// the keys still needed from its bin, *done = whether its bin holds exactly those (every key of it is
+// taken, so the later digits need no pass).
+__device__ __forceinline__ void pick_digit(const u32* hist, u32 need, unsigned long long prefix, int shift,
+                                           unsigned long long* out_prefix, u32* out_need, bool* done) {
+    u32 dgt, rest, count;
+    if (warp_pick<8>(hist, need, &dgt, &rest, &count)) {
         *out_prefix = prefix | ((unsigned long long)dgt << shift);
-        *out_need = need - above;
-        *done = c[j] == need - above;
+        *out_need = rest;
+        *done = count == rest;
     }
 }
 
@@ -240,27 +250,11 @@ extern "C" __global__ void __launch_bounds__(WIDE_THREADS) qsa_topk_wide_hist(
     }
     __syncthreads();
     if (threadIdx.x < 32) {
-        // Lane l holds digits 4095 − 128l down to 3968 − 128l, largest first.
         const u32 need = pass == 1 ? (u32)topk : a[WS_NEED1];
-        u32 tot = 0;
-        for (int j = 0; j < WIDE_BINS / 32; ++j) tot += h[WIDE_BINS - 1 - (WIDE_BINS / 32) * lane - j];
-        u32 incl = tot;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const u32 t = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += t;
-        }
-        const u32 excl = incl - tot;
-        if (excl < need && need <= incl) {
-            u32 above = excl;
-            int j = 0;
-            for (; j < WIDE_BINS / 32 - 1; ++j) {
-                const u32 c = h[WIDE_BINS - 1 - (WIDE_BINS / 32) * lane - j];
-                if (above + c >= need) break;
-                above += c;
-            }
-            a[pass == 1 ? WS_D1 : WS_D2] = WIDE_BINS - 1 - (WIDE_BINS / 32) * lane - j;
-            a[pass == 1 ? WS_NEED1 : WS_NEED2] = need - above;
+        u32 dgt, rest, count;
+        if (warp_pick<WIDE_BINS / 32>(h, need, &dgt, &rest, &count)) {
+            a[pass == 1 ? WS_D1 : WS_D2] = dgt;
+            a[pass == 1 ? WS_NEED1 : WS_NEED2] = rest;
         }
     }
 }

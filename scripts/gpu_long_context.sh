@@ -22,22 +22,13 @@
 # The driver's used memory is sampled every 200 ms (OUT_DIR/CASE.mem, MiB); the row-cache counters
 # from /metrics are in OUT_DIR/CASE.metrics; OUT_DIR/summary.txt collects the lines that matter.
 set -uo pipefail
-out=${1:?usage: gpu_long_context.sh OUT_DIR [BIN_DIR]}
-bin_dir=${2:-.device-bin}
-sanmai="$bin_dir/sanmai"
-mkdir -p "$out"
-[ -x "$sanmai" ] || { echo "no executable $sanmai" >&2; exit 1; }
 . "$(dirname "$0")/gpu_serve_lib.sh"
-rc=0
-q125=configs/models/qwen4-exp-125b-a6b.json
+serve_setup gpu_long_context.sh "$@"
 cases=${SANMAI_LONG_CASES:-off3 vram1}
 prompts=${SANMAI_LONG_PROMPTS:-64000 240000}
 contexts=${SANMAI_LONG_CONTEXTS:-1024 8192 64000 240000}
 longest=$(printf '%s\n' $prompts | sort -n | tail -1)
 
-table=$(mktemp -d)
-trap 'rm -rf "$table"' EXIT
-"$sanmai" ple create --config "$q125" --out "$table" --rows-scale 0.05 --fill zeros >"$out/ple.log" 2>&1 || rc=1
 
 # client SCRIPT ARGS...: the Python clients below (token-id prompts as greedy_requests makes them).
 client() {

@@ -14,22 +14,13 @@
 # (OUT_DIR/CASE.bench.log) and the row-cache counters from /metrics (OUT_DIR/CASE.metrics).
 # SANMAI_OFFLOAD_CASES picks cases (default "vram cache nocache").
 set -uo pipefail
-out=${1:?usage: gpu_offload.sh OUT_DIR [BIN_DIR]}
-bin_dir=${2:-.device-bin}
-sanmai="$bin_dir/sanmai"
-mkdir -p "$out"
-[ -x "$sanmai" ] || { echo "no executable $sanmai" >&2; exit 1; }
 . "$(dirname "$0")/gpu_serve_lib.sh"
-rc=0
-q125=configs/models/qwen4-exp-125b-a6b.json
+serve_setup gpu_offload.sh "$@"
 cases=${SANMAI_OFFLOAD_CASES:-vram cache nocache}
 contexts=${SANMAI_OFFLOAD_CONTEXTS:-1024 8192 65536}
 longest=$(printf '%s\n' $contexts | sort -n | tail -1)
 max_len=$((longest + 4096))
 
-table=$(mktemp -d)
-trap 'rm -rf "$table"' EXIT
-"$sanmai" ple create --config "$q125" --out "$table" --rows-scale 0.05 --fill zeros >"$out/ple.log" 2>&1 || rc=1
 
 serve_case() {
   local name=$1; shift

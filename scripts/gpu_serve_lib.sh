@@ -1,4 +1,22 @@
-# Shell functions the GPU-host serve scripts share (sourced by gpu_stages.sh and gpu_offload.sh).
+# Shell functions the GPU-host serve scripts share (sourced by gpu_stages.sh, gpu_offload.sh and
+# gpu_long_context.sh).
+
+# serve_setup NAME OUT_DIR [BIN_DIR]: the scripts' common start. Sets out (OUT_DIR, created), sanmai
+# (BIN_DIR/sanmai, default BIN_DIR .device-bin; exits when it is not executable), rc=0, q125 (the 125B
+# qwen4_exp config) and table (a PLE table for it from `sanmai ple create --rows-scale 0.05`, in a
+# temporary folder removed at exit; its log in OUT_DIR/ple.log).
+serve_setup() {
+  local name=$1
+  out=${2:?usage: $name OUT_DIR [BIN_DIR]}
+  sanmai="${3:-.device-bin}/sanmai"
+  mkdir -p "$out"
+  [ -x "$sanmai" ] || { echo "no executable $sanmai" >&2; exit 1; }
+  rc=0
+  q125=configs/models/qwen4-exp-125b-a6b.json
+  table=$(mktemp -d)
+  trap 'rm -rf "$table"' EXIT
+  "$sanmai" ple create --config "$q125" --out "$table" --rows-scale 0.05 --fill zeros >"$out/ple.log" 2>&1 || rc=1
+}
 
 # greedy_requests URL LEN...: greedy completions one at a time of token-id prompts of each length
 # (32 new tokens, top-5 logprobs, the prompt echoed with its logprobs), as one JSON document.

@@ -22,20 +22,11 @@
 # times decode at batch 1 after a prompt of 8,192 tokens (OUT_DIR/CASE.bench.log).
 # SANMAI_STAGE_CASES picks cases by name (default: all).
 set -uo pipefail
-out=${1:?usage: gpu_stages.sh OUT_DIR [BIN_DIR]}
-bin_dir=${2:-.device-bin}
-sanmai="$bin_dir/sanmai"
-mkdir -p "$out"
-[ -x "$sanmai" ] || { echo "no executable $sanmai" >&2; exit 1; }
 . "$(dirname "$0")/gpu_serve_lib.sh"
-rc=0
-q125=configs/models/qwen4-exp-125b-a6b.json
+serve_setup gpu_stages.sh "$@"
 q80=configs/models/qwen3-next-80b-a3b.json
 cases=${SANMAI_STAGE_CASES:-q125-1 q125-3 q125-3-nodefer q80-1 q80-2}
 
-table=$(mktemp -d)
-trap 'rm -rf "$table"' EXIT
-"$sanmai" ple create --config "$q125" --out "$table" --rows-scale 0.05 --fill zeros >"$out/ple.log" 2>&1 || rc=1
 
 "$sanmai" plan --config "$q125" --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 \
   >"$out/plan.txt" 2>&1 || rc=1

@@ -364,65 +364,132 @@ extern "C" __global__ void qsa_scores_decode_di128(const float* __restrict__ qi,
 #define RC_HIT 1
 #define RC_FILL 2
 
-// Grid (hq, splits, rows); block a multiple of 32 threads. Row r (q normed and roped) attends to its
-// counts[r] (at most sel_stride) selected positions sel[r·sel_stride ..], span sp of QSA_SPLIT of them;
-// K/V rows are gathered through block table table + r·table_stride (stride 0: the rows of one
-// sequence share its table; the decode form passes one table row per sequence). Writes part_o [rows, hq,
-// splits, d] (unnormalised Σ e·v) and part_ml [.., 2] (max, Σ e), as attn_paged_partial.
+// Query heads one block of qsa_attn_partial serves (all of one KV head's, in groups of at most this).
+#define QSA_GROUP 8
+// Selection entries whose K or V rows a block stages in shared memory at a time.
+#define QSA_CHUNK 32
+// The block size qsa_attn_partial (and qsa_staged.cu) are launched with: the order of the block
+// reductions depends on it.
+#define QSA_THREADS 128
+
+// The query heads of KV head kh that block x of qsa_attn_partial's grid serves: the g = hq / hkv heads of
+// a KV head split into ceil(g / QSA_GROUP) groups of ceil(g / groups) heads (the last may be smaller).
+struct QsaHeads {
+    int kh;
+    int h0;
+    int n;
+};
+__device__ __forceinline__ QsaHeads qsa_heads(int x, int hq, int hkv) {
+    const int g = hq / hkv;
+    const int groups = (g + QSA_GROUP - 1) / QSA_GROUP;
+    const int per = (g + groups - 1) / groups;
+    const int kh = x / groups, grp = x % groups;
+    return QsaHeads{kh, kh * g + grp * per, min(per, g - grp * per)};
+}
+
+// Copies the d bf16 values at src[j] (j < cn; a null src[j] is skipped) into rows[j·d ..] and, where
+// fill[j] is not null, into fill[j] too: 16-byte loads when `vec` (d a multiple of 8, every pointer
+// 16-byte aligned), so a whole chunk's loads are in flight at once.
+__device__ __forceinline__ void qsa_stage_chunk(bf16* rows, const bf16* const* src, bf16* const* fill, int cn,
+                                                int d, bool vec) {
+    if (vec) {
+        const int per = d >> 3;
+        for (int t = threadIdx.x; t < cn * per; t += blockDim.x) {
+            const int j = t / per, c = t - j * per;
+            if (!src[j]) continue;
+            const uint4 x = reinterpret_cast<const uint4*>(src[j])[c];
+            reinterpret_cast<uint4*>(rows + (size_t)j * d)[c] = x;
+            if (fill[j]) reinterpret_cast<uint4*>(fill[j])[c] = x;
+        }
+    } else {
+        for (int t = threadIdx.x; t < cn * d; t += blockDim.x) {
+            const int j = t / d, c = t - j * d;
+            if (!src[j]) continue;
+            const bf16 x = src[j][c];
+            rows[(size_t)j * d + c] = x;
+            if (fill[j]) fill[j][c] = x;
+        }
+    }
+}
+
+// Grid (hkv·groups, splits, rows) (qsa_heads); block QSA_THREADS threads. Row r (q normed and roped)
+// attends to its counts[r] (at most sel_stride) selected positions sel[r·sel_stride ..], span sp of
+// QSA_SPLIT of them; K/V rows are gathered through block table table + r·table_stride (stride 0: the
+// rows of one sequence share its table; the decode form passes one table row per sequence). A block
+// serves a group of the query heads of one KV head, so each selected row crosses the bus once for the
+// group (not once a query head), QSA_CHUNK rows at a time staged in shared memory with every load of
+// the chunk in flight together. Writes part_o [rows, hq, splits, d] (unnormalised Σ e·v) and part_ml
+// [.., 2] (max, Σ e), as attn_paged_partial.
+//
+// Each head's arithmetic is that of a block of QSA_THREADS threads serving it alone (qsa_staged.cu
+// splits it at its phases and must stay equal): (1) an entry's score by a warp, lanes striding over d,
+// acc += q·k, warp_sum, × scale; (2) m = block_max of the span's scores, e = exp(sc − m) (0 for −inf),
+// l = block_sum(e), the loops striding by the block size; (3) thread i: acc += e·v[i] over the span's
+// entries in ascending order, skipping e == 0.
 //
 // The row cache (qsa_cache.cu; rc_tags null: none, and the kernel reads every row from the pools as it
 // always did). With the cache, phase 3 of a decode-shaped step, after qsa_rc_invalidate and qsa_rc_plan
 // of the layer: before the score loop the block decides once for each selected position of its span,
-// one thread a position, all at once (the state loads overlap instead of adding two round trips to
-// every row of the score loop), from the state plan left (epoch e, slot, line = slot % rc_lines): a hit
-// when hitmark[line] == e and then tags[line] == slot + 1 (the tag is not read otherwise); else a fill
-// when claim[line] == (e << 32) | slot; else a plain miss. The decisions stay in rc_st (shared memory)
-// for the score and V loops. A hit reads the line's row (rc_k, rc_v [rc_lines, hkv·d]), anything else
-// the pool's row: the same loads and the same arithmetic on the same bytes, so the output is bit for
-// bit the uncached kernel's. A fill also writes the bytes it read (its KV head's d values of K in the
-// score loop, of V in the V loop, V loaded even when its weight is 0) into the line and sets the tag;
-// every head block of the row does so for its KV head, so the whole row is in the line when the step
+// one thread a position, all at once, from the state plan left (epoch e, slot, line = slot % rc_lines):
+// a hit when hitmark[line] == e and then tags[line] == slot + 1 (the tag is not read otherwise); else a
+// fill when claim[line] == (e << 32) | slot; else a plain miss. The decisions stay in rc_st (shared
+// memory). A hit reads the line's row (rc_k, rc_v [rc_lines, hkv·d]), anything else the pool's row: the
+// same bytes, so the output is bit for bit the uncached kernel's. A fill also writes the bytes it read
+// (its KV head's d values of K, then of V, V loaded whatever its weights) into the line and sets the
+// tag; every KV head's blocks do so for their part, so the whole row is in the line when the step
 // ends. Blocks that fill one line write the same bytes (its claim names one slot), and no reader of
 // this step trusts that line (its hitmark is not e), while lines that can hit are never written: the
 // decisions do not depend on the order of the blocks.
-extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf16* __restrict__ k_pool,
-                                            const bf16* __restrict__ v_pool, const u32* __restrict__ tables,
-                                            long long table_stride, const u32* __restrict__ sel, int sel_stride,
-                                            const u32* __restrict__ counts, float* __restrict__ part_o,
-                                            float* __restrict__ part_ml, int hq, int hkv, int d, int bs,
-                                            int splits, float scale, unsigned long long* rc_tags,
-                                            const u32* __restrict__ rc_hitmark,
-                                            const unsigned long long* __restrict__ rc_claim,
-                                            const u32* __restrict__ rc_epoch, bf16* rc_k, bf16* rc_v,
-                                            long long rc_lines) {
+extern "C" __global__ void __launch_bounds__(QSA_THREADS)
+    qsa_attn_partial(const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
+                     const u32* __restrict__ tables, long long table_stride, const u32* __restrict__ sel,
+                     int sel_stride, const u32* __restrict__ counts, float* __restrict__ part_o,
+                     float* __restrict__ part_ml, int hq, int hkv, int d, int bs, int splits, float scale,
+                     unsigned long long* rc_tags, const u32* __restrict__ rc_hitmark,
+                     const unsigned long long* __restrict__ rc_claim, const u32* __restrict__ rc_epoch, bf16* rc_k,
+                     bf16* rc_v, long long rc_lines) {
     pdl_prologue();
-    __shared__ float qs[QSA_MAX_D];
-    __shared__ float sc[QSA_SPLIT];
+    __shared__ float qs[QSA_GROUP][QSA_MAX_D];
+    __shared__ float sc[QSA_GROUP][QSA_SPLIT];
+    __shared__ __align__(16) bf16 rows[QSA_CHUNK * QSA_MAX_D];
+    __shared__ const bf16* src[QSA_CHUNK];
+    __shared__ bf16* fill[QSA_CHUNK];
     __shared__ float scratch[32];
     __shared__ unsigned char rc_st[QSA_SPLIT];
-    const int h = blockIdx.x, sp = blockIdx.y, r = blockIdx.z;
+    const QsaHeads hd = qsa_heads(blockIdx.x, hq, hkv);
+    const int sp = blockIdx.y, r = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    if (d > QSA_MAX_D) return;
-    const int kh = h / (hq / hkv);
+    if (d > QSA_MAX_D || blockDim.x != QSA_THREADS) return;
+    const int kh = hd.kh, ng = hd.n;
     const int n = (int)min(counts[r], (u32)sel_stride);
     const u32* ps = sel + (size_t)r * sel_stride;
     const u32* table = tables + (size_t)r * table_stride;
     const int i0 = sp * QSA_SPLIT;
     const int i1 = min(i0 + QSA_SPLIT, n);
-    const size_t slot = ((size_t)r * hq + h) * splits + sp;
+    const size_t slot0 = ((size_t)r * hq + hd.h0) * splits + sp;  // head h0 + hh: slot0 + hh·splits
     if (i0 >= i1) {
-        for (int i = threadIdx.x; i < d; i += blockDim.x) part_o[slot * d + i] = 0.0f;
-        if (threadIdx.x == 0) {
-            part_ml[2 * slot] = NEG_INF;
-            part_ml[2 * slot + 1] = 0.0f;
+        for (int hh = 0; hh < ng; ++hh) {
+            const size_t slot = slot0 + (size_t)hh * splits;
+            for (int i = threadIdx.x; i < d; i += blockDim.x) part_o[slot * d + i] = 0.0f;
+            if (threadIdx.x == 0) {
+                part_ml[2 * slot] = NEG_INF;
+                part_ml[2 * slot + 1] = 0.0f;
+            }
         }
         return;
     }
     const bool cached = rc_tags != nullptr;
     const u32 rc_e = cached ? *rc_epoch : 0u;
     const u32 rc_l = (u32)rc_lines;
-    const bf16* qr = q + ((size_t)r * hq + h) * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) qs[i] = bf2f(qr[i]);
+    const size_t row = (size_t)hkv * d;
+    const bool vec = (d & 7) == 0 &&
+                     ((reinterpret_cast<size_t>(k_pool) | reinterpret_cast<size_t>(v_pool) |
+                       reinterpret_cast<size_t>(rc_k) | reinterpret_cast<size_t>(rc_v)) &
+                      15) == 0;
+    for (int t = threadIdx.x; t < ng * d; t += blockDim.x) {
+        const int hh = t / d, i = t - hh * d;
+        qs[hh][i] = bf2f(q[((size_t)r * hq + hd.h0 + hh) * d + i]);
+    }
     if (cached) {
         for (int j = i0 + threadIdx.x; j < i1; j += blockDim.x) {
             const u32 p = ps[j];
@@ -442,59 +509,110 @@ extern "C" __global__ void qsa_attn_partial(const bf16* __restrict__ q, const bf
         }
     }
     __syncthreads();
-    const size_t row = (size_t)hkv * d;
-    for (int j = i0 + warp; j < i1; j += nw) {
+    // Where entry j's KV-head part of K (or V) comes from, and the line it fills (null: none).
+    auto source = [&](int j, const bf16* pool, bf16* line_rows, bool want, const bf16** from, bf16** to) {
         const u32 p = ps[j];
         const size_t at = (size_t)table[p / bs] * bs + p % bs;
         const int st = cached ? rc_st[j - i0] : RC_HOST;
-        // This KV head's part of the row's line (used by hits and fills only).
         const size_t at_line = st == RC_HOST ? 0 : (size_t)((u32)at % rc_l) * row + (size_t)kh * d;
-        const bf16* kr = st == RC_HIT ? rc_k + at_line : k_pool + at * row + (size_t)kh * d;
-        bf16* fill = st == RC_FILL ? rc_k + at_line : nullptr;
-        float acc = 0.0f;
-        for (int i = lane; i < d; i += 32) {
-            const bf16 x = kr[i];
-            if (fill) fill[i] = x;
-            acc += qs[i] * bf2f(x);
+        *to = st == RC_FILL ? line_rows + at_line : nullptr;
+        *from = !(want || st == RC_FILL) ? nullptr
+                : st == RC_HIT           ? line_rows + at_line
+                                         : pool + at * row + (size_t)kh * d;
+        return st == RC_FILL ? (long long)(u32)at : -1ll;
+    };
+    // Phase 1: the scores, a chunk of K rows at a time.
+    for (int c0 = i0; c0 < i1; c0 += QSA_CHUNK) {
+        const int cn = min(QSA_CHUNK, i1 - c0);
+        if (threadIdx.x < cn) {
+            const long long filled = source(c0 + threadIdx.x, k_pool, rc_k, true, &src[threadIdx.x], &fill[threadIdx.x]);
+            if (filled >= 0) rc_tags[(u32)filled % rc_l] = (unsigned long long)filled + 1;
         }
-        acc = warp_sum(acc) * scale;
-        if (lane == 0) {
-            sc[j - i0] = acc;
-            if (fill) rc_tags[(u32)at % rc_l] = (unsigned long long)(u32)at + 1;
+        __syncthreads();
+        qsa_stage_chunk(rows, src, fill, cn, d, vec);
+        __syncthreads();
+        for (int jj = warp; jj < cn; jj += nw) {
+            float acc[QSA_GROUP];
+#pragma unroll
+            for (int hh = 0; hh < QSA_GROUP; ++hh) acc[hh] = 0.0f;
+            for (int i = lane; i < d; i += 32) {
+                const float x = bf2f(rows[(size_t)jj * d + i]);
+#pragma unroll
+                for (int hh = 0; hh < QSA_GROUP; ++hh)
+                    if (hh < ng) acc[hh] += qs[hh][i] * x;
+            }
+#pragma unroll
+            for (int hh = 0; hh < QSA_GROUP; ++hh) {
+                if (hh < ng) {
+                    const float v = warp_sum(acc[hh]) * scale;
+                    if (lane == 0) sc[hh][c0 - i0 + jj] = v;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    // Phase 2: each head's softmax weights over the span.
+    const int cnt = i1 - i0;
+    for (int hh = 0; hh < ng; ++hh) {
+        float m = NEG_INF;
+        for (int i = threadIdx.x; i < cnt; i += blockDim.x) m = fmaxf(m, sc[hh][i]);
+        m = block_max(m, scratch);
+        float l = 0.0f;
+        for (int i = threadIdx.x; i < cnt; i += blockDim.x) {
+            const float e = (m == NEG_INF || sc[hh][i] == NEG_INF) ? 0.0f : expf(sc[hh][i] - m);
+            sc[hh][i] = e;
+            l += e;
+        }
+        l = block_sum(l, scratch);
+        if (threadIdx.x == 0) {
+            const size_t slot = slot0 + (size_t)hh * splits;
+            part_ml[2 * slot] = m;
+            part_ml[2 * slot + 1] = l;
         }
     }
     __syncthreads();
-    float m = NEG_INF;
-    for (int i = threadIdx.x; i < i1 - i0; i += blockDim.x) m = fmaxf(m, sc[i]);
-    m = block_max(m, scratch);
-    float l = 0.0f;
-    for (int i = threadIdx.x; i < i1 - i0; i += blockDim.x) {
-        const float e = (m == NEG_INF || sc[i] == NEG_INF) ? 0.0f : expf(sc[i] - m);
-        sc[i] = e;
-        l += e;
-    }
-    l = block_sum(l, scratch);
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float acc = 0.0f;
-        for (int j = i0; j < i1; ++j) {
-            const float e = sc[j - i0];
-            const int st = cached ? rc_st[j - i0] : RC_HOST;
-            // A fill loads its V row whatever the weight: the line must hold the whole row.
-            if (e == 0.0f && st != RC_FILL) continue;
-            const u32 p = ps[j];
-            const size_t at = (size_t)table[p / bs] * bs + p % bs;
-            const size_t at_line = st == RC_HOST ? 0 : (size_t)((u32)at % rc_l) * row + (size_t)kh * d;
-            const bf16* vr = st == RC_HIT ? rc_v + at_line : v_pool + at * row + (size_t)kh * d;
-            const bf16 x = vr[i];
-            if (st == RC_FILL) rc_v[at_line + i] = x;
-            if (e == 0.0f) continue;
-            acc += e * bf2f(x);
+    // Phase 3: Σ e·v, a chunk of V rows at a time (a row no head weighs is not read unless it fills).
+    constexpr int PER_T = QSA_MAX_D / QSA_THREADS;
+    float acc[PER_T][QSA_GROUP];
+#pragma unroll
+    for (int k = 0; k < PER_T; ++k)
+#pragma unroll
+        for (int hh = 0; hh < QSA_GROUP; ++hh) acc[k][hh] = 0.0f;
+    for (int c0 = i0; c0 < i1; c0 += QSA_CHUNK) {
+        const int cn = min(QSA_CHUNK, i1 - c0);
+        if (threadIdx.x < cn) {
+            bool want = false;
+            for (int hh = 0; hh < ng; ++hh) want |= sc[hh][c0 - i0 + threadIdx.x] != 0.0f;
+            source(c0 + threadIdx.x, v_pool, rc_v, want, &src[threadIdx.x], &fill[threadIdx.x]);
         }
-        part_o[slot * d + i] = acc;
+        __syncthreads();
+        qsa_stage_chunk(rows, src, fill, cn, d, vec);
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < PER_T; ++k) {
+            const int i = threadIdx.x + k * QSA_THREADS;
+            if (i >= d) break;
+            for (int jj = 0; jj < cn; ++jj) {
+                if (!src[jj]) continue;
+                const float x = bf2f(rows[(size_t)jj * d + i]);
+#pragma unroll
+                for (int hh = 0; hh < QSA_GROUP; ++hh) {
+                    if (hh >= ng) break;
+                    const float e = sc[hh][c0 - i0 + jj];
+                    if (e == 0.0f) continue;
+                    acc[k][hh] += e * x;
+                }
+            }
+        }
+        __syncthreads();
     }
-    if (threadIdx.x == 0) {
-        part_ml[2 * slot] = m;
-        part_ml[2 * slot + 1] = l;
+#pragma unroll
+    for (int k = 0; k < PER_T; ++k) {
+        const int i = threadIdx.x + k * QSA_THREADS;
+        if (i >= d) break;
+#pragma unroll
+        for (int hh = 0; hh < QSA_GROUP; ++hh)
+            if (hh < ng) part_o[(slot0 + (size_t)hh * splits) * d + i] = acc[k][hh];
     }
 }
 

@@ -11,6 +11,9 @@
 #   QSA K/V rows in pinned host memory and the VRAM row cache (--qsa-kv-offload);
 # - vram1: one stage, every K/V row in VRAM, no budget;
 # - off1 / nocache1: one stage with --qsa-kv-offload, with and without the row cache.
+# Every case takes the GDN state checkpoint interval of off3's plan (SANMAI_LONG_INTERVAL, default
+# 149040): prefill chunks stop at checkpoints, so equal intervals give every case the same steps and
+# the same arithmetic.
 # Each case: greedy completions one at a time of token-id prompts of the lengths in
 # SANMAI_LONG_PROMPTS (default "64000 240000"; 32 new tokens, top-5 logprobs) into OUT_DIR/CASE.seq.json
 # (compare two cases with compare_runs of gpu_serve_lib.sh: text and logprobs must be identical);
@@ -27,6 +30,7 @@ serve_setup gpu_long_context.sh "$@"
 cases=${SANMAI_LONG_CASES:-off3 vram1}
 prompts=${SANMAI_LONG_PROMPTS:-64000 240000}
 contexts=${SANMAI_LONG_CONTEXTS:-1024 8192 64000 240000}
+interval=${SANMAI_LONG_INTERVAL:-149040}
 longest=$(printf '%s\n' $prompts | sort -n | tail -1)
 
 
@@ -116,7 +120,8 @@ serve_case() {
   local t0=$(date +%s)
   RUST_LOG=info NO_COLOR=1 "$sanmai" serve --port "$port" --served-model-name m --load-format dummy \
     --config "$q125" --ple-table "$table" --max-model-len 262144 --max-num-seqs 4 \
-    --max-num-batched-tokens 256 --block-size 16 "$@" >"$out/$name.serve.log" 2>&1 &
+    --max-num-batched-tokens 256 --block-size 16 --state-checkpoint-interval "$interval" "$@" \
+    >"$out/$name.serve.log" 2>&1 &
   local pid=$!
   local ready=0
   wait_ready "$port" "$pid" && ready=1

@@ -3,8 +3,10 @@
 //!
 //! GDN layers keep no per-token K/V, so a cached prefix is only usable where the recurrent + conv state at its
 //! end was saved. Checkpoints are taken every `interval` tokens (prefill chunks are cut to land on those
-//! boundaries), at the end of every prompt and at positions the request names (where a chat's history ends):
-//! the points an agent's next turn branches off. They are keyed by the hash of the prefix they end. Each
+//! boundaries), at the last block boundary before every prompt's end and at positions the request names
+//! (where a chat's history ends): the points an agent's next turn branches off. The prompt's checkpoint
+//! stops short of its end because a prefix hit leaves at least one token to compute: the same prompt
+//! asked again, or extended, resumes there and recomputes under a block. They are keyed by the hash of the prefix they end. Each
 //! checkpoint holds a state slot of its own, one of `checkpoint_slots` the memory plan sized out of the
 //! same budget as the K/V blocks (the executor's slot pool is fixed at start): taking one when all are
 //! held drops the oldest. A checkpoint is also dropped when the block its prefix ends in is evicted. A
@@ -26,7 +28,7 @@ pub struct Progress<'a> {
     pub before: usize,
     pub after: usize,
     pub prompt_len: usize,
-    /// Positions the request asked to checkpoint at (besides the interval's and the prompt's end).
+    /// Positions the request asked to checkpoint at (besides the interval's and the prompt's).
     pub checkpoint_at: &'a [usize],
 }
 
@@ -132,9 +134,20 @@ impl CacheManager {
         self.pool.num_used() as f64 / self.pool.num_blocks() as f64
     }
 
+    /// Where a prompt of `prompt_len` tokens is checkpointed: the last block boundary before its end
+    /// (0: none), the deepest point the same prompt asked again can resume from.
+    fn prompt_checkpoint(&self, prompt_len: usize) -> usize {
+        prompt_len.saturating_sub(1) / self.block_size * self.block_size
+    }
+
     /// The next position a prefill chunk should stop at to take a checkpoint there: the next interval
-    /// boundary or requested position (`extra`).
-    pub fn next_boundary(&self, num_computed: usize, extra: &[usize]) -> Option<usize> {
+    /// boundary, the prompt's checkpoint or a requested position (`extra`).
+    pub fn next_boundary(
+        &self,
+        num_computed: usize,
+        prompt_len: usize,
+        extra: &[usize],
+    ) -> Option<usize> {
         if !(self.prefix_caching && self.stateful) {
             return None;
         }
@@ -143,6 +156,7 @@ impl CacheManager {
             extra
                 .iter()
                 .copied()
+                .chain([self.prompt_checkpoint(prompt_len)])
                 .filter(|&p| p > num_computed)
                 .fold(interval, usize::min),
         )
@@ -376,14 +390,12 @@ impl CacheManager {
         }
         let crossed_interval =
             after / self.interval > before / self.interval && after.is_multiple_of(self.interval);
-        // After a preemption the recompute may run past the prompt in one chunk; the state is then not at the
-        // prompt's end, so only an exact landing takes the prompt-end checkpoint.
-        let prompt_end = before < prompt_len && after == prompt_len;
-        if crossed_interval || (after > before && extra.contains(&after)) {
+        // Chunks stop at every checkpoint position (`next_boundary`), so the state is at one only when a
+        // step lands on it exactly.
+        let landed = after > before
+            && (extra.contains(&after) || after == self.prompt_checkpoint(prompt_len));
+        if crossed_interval || landed {
             self.checkpoint(exec, seq, tokens, after);
-        }
-        if prompt_end && !(crossed_interval && after == prompt_len) {
-            self.checkpoint(exec, seq, tokens, prompt_len);
         }
     }
 

@@ -293,10 +293,10 @@ fn prefix_cache_resumes_agent_turns_with_equal_logits() {
     let mut turn2 = request("t2", "", 30);
     turn2.prompt = prompt2.clone();
     let (ids2, lp2, hit2) = run_logprobs(&cached, turn2.clone());
-    // The first turn's whole prompt comes back from its prompt-end checkpoint (its reply's blocks too,
-    // if an interval checkpoint landed there).
+    // The first turn's prompt comes back from its checkpoint at the last block boundary before its end
+    // (its reply's blocks too, if an interval checkpoint landed there).
     assert!(
-        hit2 >= turn1.prompt.len(),
+        hit2 >= (turn1.prompt.len() - 1) / 16 * 16,
         "cached {hit2} of the {}-token first prompt",
         turn1.prompt.len()
     );
@@ -309,13 +309,45 @@ fn prefix_cache_resumes_agent_turns_with_equal_logits() {
     assert!(m.prefix_cache_queries_total >= (turn1.prompt.len() + prompt2.len()) as u64);
 }
 
+/// The same prompt asked again resumes from the last block boundary before its end, whatever its
+/// length, and answers as an engine without a prefix cache does.
+#[test]
+fn a_repeated_prompt_resumes_from_its_last_block() {
+    let cached = engine(2, 48);
+    let plain = engine_uncached(2, 48);
+    for (i, text) in [
+        "Count the sheep: one, two, three.",
+        "A longer prompt that runs past several blocks of sixteen tokens, so that its checkpoint lands well inside it and the second request reuses most of what the first one computed.",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let req = request(&format!("r{i}"), text, 6);
+        let n = req.prompt.len();
+        let (ids1, lp1, hit1) = run_logprobs(&cached, req.clone());
+        assert_eq!(hit1, 0);
+        let (ids2, lp2, hit2) = run_logprobs(&cached, req.clone());
+        assert_eq!(hit2, (n - 1) / 16 * 16, "{n}-token prompt");
+        let (ids3, lp3, _) = run_logprobs(&plain, req);
+        assert_eq!(ids1, ids3);
+        assert_eq!(ids2, ids3);
+        assert_close(&lp1, &lp3);
+        assert_close(&lp2, &lp3);
+    }
+}
+
 #[test]
 fn interval_checkpoints_serve_a_diverging_prompt() {
     let cached = engine(2, 40);
     let plain = engine_uncached(2, 40);
     let long = "The history of the printing press begins with movable type in East Asia and continues through Gutenberg's workshop in Mainz, where metal type, oil-based ink and a screw press came together around 1450.";
     let long = format!("{long} {long}");
-    let a = request("a", &format!("{long} Summarise it."), 5);
+    // Its own checkpoint (the last block boundary before its end) lies past where `b` diverges.
+    let a = request(
+        "a",
+        &format!("{long} Summarise it in three sentences, then list every name, place and date it gives, in order."),
+        5,
+    );
     assert!(
         a.prompt.len() > 70,
         "the prompt must cross the 64-token checkpoint interval"

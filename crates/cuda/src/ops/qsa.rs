@@ -19,6 +19,8 @@ use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 pub const QSA_MAX_INDEX_DIM: usize = 256;
 /// Selected positions per block of the gathered attention's partial kernel.
 pub const QSA_SPLIT: usize = 256;
+/// Query heads (of one KV head) a block of `qsa_attn_partial` serves at most (`QSA_GROUP` in qsa.cu).
+const QSA_GROUP: usize = 8;
 /// The largest attention head size of the gathered attention.
 const QSA_MAX_HEAD_DIM: usize = 256;
 /// Largest `nI·dI + nI` floats of the score kernel's shared memory (48 KiB).
@@ -697,7 +699,9 @@ impl Gpu {
                 .arg(&NULL_PTR),
         }
         .arg(&rc_lines);
-        let grid = (hq as u32, splits as u32, n_rows as u32);
+        // A block a group of at most QSA_GROUP query heads of one KV head (`qsa_heads` in qsa.cu).
+        let groups = (hq / hkv).div_ceil(QSA_GROUP);
+        let grid = ((hkv * groups) as u32, splits as u32, n_rows as u32);
         // SAFETY: argument types match the kernel; lengths checked; the selected positions come from
         // qsa_topk (each below its row's context, which the table covers); with a row cache, its
         // buffers hold `lines` entries and rows of hkv·d (checked by the caller) and every line

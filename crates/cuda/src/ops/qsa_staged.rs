@@ -7,8 +7,9 @@
 //!
 //! # Why the bytes are the same
 //!
-//! `qsa_attn_partial` (`kernels/qsa.cu`, without the row cache) runs a block of 128 threads per (query
-//! head `h`, span `sp` of `QSA_SPLIT` selection entries, query row `r`) in three phases: (1) each
+//! `qsa_attn_partial` (`kernels/qsa.cu`, without the row cache) runs a block of 128 threads per (group
+//! of the query heads of one KV head, span `sp` of `QSA_SPLIT` selection entries, query row `r`), and
+//! computes each head `h` of its group as a block serving `h` alone would, in three phases: (1) each
 //! entry's score by a warp (lane-strided dot of the f32 query with the K row, `warp_sum`, `× scale`);
 //! (2) `m = block_max` of the span's scores, `e_j = exp(sc_j − m)` (0 for −inf) and `l = block_sum(e)`,
 //! whose reduction orders depend only on the block size and the entry count; (3) thread `i`:
@@ -31,7 +32,7 @@
 //! merges `part_o` and `part_ml`.
 //!
 //! The K/V bytes cross the bus once each (every position of the context staged once for K and once
-//! for V), instead of once per selecting query row and query head as the gathered kernel reads them
+//! for V), instead of once per selecting query row and head group as the gathered kernel reads them
 //! from host memory.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};

@@ -284,6 +284,10 @@ fn gathered_attention_matches_cpu() {
         (4usize, 2usize, 32usize, 300usize, 5usize, 32usize),
         (16, 2, 256, 5000, 3, 2048),
         (8, 8, 128, 1000, 4, 700),
+        // Head groups: 12 heads of a KV head in two blocks; 17 in three of 6, 6 and 5 with a head
+        // size the 16-byte loads do not take.
+        (24, 2, 256, 3000, 2, 2048),
+        (17, 1, 20, 400, 3, 100),
     ] {
         let bs = 16;
         let nb = ctx.div_ceil(bs);

@@ -167,9 +167,9 @@ impl<E: Executor> Engine<E> {
     /// checkpoint boundary.
     fn chunk_len(&self, seq: &Sequence, budget: usize) -> usize {
         let mut len = seq.pending().min(budget);
-        if let Some(b) = self
-            .cache
-            .next_boundary(seq.num_computed, &seq.req.checkpoint_at)
+        if let Some(b) =
+            self.cache
+                .next_boundary(seq.num_computed, seq.prompt_len(), &seq.req.checkpoint_at)
         {
             len = len.min(b - seq.num_computed);
         }

@@ -440,8 +440,7 @@ __device__ __forceinline__ void qsa_stage_chunk(bf16* rows, const bf16* const* s
 // ends. Blocks that fill one line write the same bytes (its claim names one slot), and no reader of
 // this step trusts that line (its hitmark is not e), while lines that can hit are never written: the
 // decisions do not depend on the order of the blocks.
-extern "C" __global__ void __launch_bounds__(QSA_THREADS)
-    qsa_attn_partial(const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
+extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial(const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
                      const u32* __restrict__ tables, long long table_stride, const u32* __restrict__ sel,
                      int sel_stride, const u32* __restrict__ counts, float* __restrict__ part_o,
                      float* __restrict__ part_ml, int hq, int hkv, int d, int bs, int splits, float scale,

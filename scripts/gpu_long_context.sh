@@ -10,6 +10,7 @@
 # - off3: the 3x3090 preset's three stages on cuda:0 (--gpu-memory-budget 23.5GiB each) with the
 #   QSA K/V rows in pinned host memory and the VRAM row cache (--qsa-kv-offload);
 # - vram1: one stage, every K/V row in VRAM, no budget;
+# - nocache3: off3 without the row cache (--no-qsa-row-cache);
 # - off1 / nocache1: one stage with --qsa-kv-offload, with and without the row cache.
 # Every case takes the GDN state checkpoint interval of off3's plan (SANMAI_LONG_INTERVAL, default
 # 149040): prefill chunks stop at checkpoints, so equal intervals give every case the same steps and
@@ -153,6 +154,8 @@ serve_case() {
 for c in $cases; do
   case $c in
     off3) serve_case off3 --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 --qsa-kv-offload ;;
+    nocache3) serve_case nocache3 --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 --qsa-kv-offload \
+      --no-qsa-row-cache ;;
     vram1) serve_case vram1 --device cuda:0 --enable-prefix-caching ;;
     off1) serve_case off1 --device cuda:0 --enable-prefix-caching --qsa-kv-offload ;;
     nocache1) serve_case nocache1 --device cuda:0 --enable-prefix-caching --qsa-kv-offload --no-qsa-row-cache ;;

@@ -64,16 +64,18 @@ fn gib_after(line: &str, key: &str) -> f64 {
 fn the_125b_config_on_three_3090s() {
     let cfg = path("configs/models/qwen4-exp-125b-a6b.json");
     let preset = path("configs/deploy/3x3090.toml");
-    // The preset as it stands (its own 23.5GiB budget, a 32,768-token context, an even split).
+    // The preset as it stands (its own 23.5GiB budget, the 262,144-token context with the QSA K/V
+    // rows in pinned host memory, an even split).
     let out = sanmai(&["plan", "--config", &cfg, "--preset", &preset]);
     let text = ok_stdout(&out);
     println!("{text}");
     let lines = plan_lines(&text);
     assert_eq!(
         lines.len(),
-        4,
-        "three stages and the block arithmetic: {text}"
+        5,
+        "three stages, the block arithmetic and the pinned bytes: {text}"
     );
+    assert!(lines[4].starts_with("pinned host RAM: "), "{}", lines[4]);
     for (k, (line, layers)) in lines.iter().zip(["0..16", "16..32", "32..48"]).enumerate() {
         assert!(
             line.starts_with(&format!("stage {k} (layers {layers} on cuda:{k})")),
@@ -87,6 +89,7 @@ fn the_125b_config_on_three_3090s() {
         assert!(total <= 23.5, "{line}");
         assert!(gib_after(line, "weights") > 10.0, "{line}");
         assert!(gib_after(line, "K/V blocks") > 0.0, "{line}");
+        assert!(gib_after(line, "pinned host RAM") > 1.0, "{line}");
     }
     // The stages' weights add up to the whole model's: nothing is held twice.
     let whole = sanmai(&[
@@ -113,13 +116,20 @@ fn the_125b_config_on_three_3090s() {
         (sum - one).abs() < 0.03,
         "stages {sum} GiB = whole {one} GiB"
     );
-    // The full 262,144-token context does not fit: refused with the block arithmetic.
+    // The same cards without the offload: the full 262,144-token context does not fit, refused with
+    // the block arithmetic.
     let e = error_of(&sanmai(&[
         "plan",
         "--config",
         &cfg,
-        "--preset",
-        &preset,
+        "--pipeline-parallel-size",
+        "3",
+        "--gpu-memory-budget",
+        "23.5GiB",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "256",
         "--max-model-len",
         "262144",
     ]));

@@ -72,7 +72,7 @@ pub struct CachePlan {
     pub max_model_len: usize,
     /// K/V blocks one request of `max_model_len` takes.
     pub request_blocks: usize,
-    /// State checkpoints one such request takes (one per interval and its prompt's end).
+    /// State checkpoints one such request takes (one per interval and its prompt's last block).
     pub request_checkpoints: usize,
     /// Requests of `max_model_len` whose K/V blocks fit at once.
     pub requests: usize,
@@ -108,7 +108,7 @@ impl CachePlan {
         format!(
             "K/V cache: {} bytes = {} blocks of {} tokens ({} bytes per block) + {} state checkpoint \
              slots of {} bytes; a {}-token request takes {} blocks ({} of K/V + {} checkpoints of {} \
-             blocks, one per {} tokens and the prompt's end), so {} fit at once, {} of them with all \
+             blocks, one per {} tokens and the prompt's last block), so {} fit at once, {} of them with all \
              their checkpoints{host}",
             self.budget_bytes,
             self.num_blocks,
@@ -145,7 +145,7 @@ impl EngineConfig {
     }
 
     /// State checkpoints one request of `max_model_len` takes (one per interval and its prompt's
-    /// end; none without prefix caching or GDN state).
+    /// last block; none without prefix caching or GDN state).
     pub fn request_checkpoints(&self, g: &CacheGeometry) -> Result<usize, String> {
         Ok(if self.enable_prefix_caching && g.state_bytes > 0 {
             self.max_model_len / self.checkpoint_interval(g)? + 1

@@ -398,9 +398,10 @@ mod tests {
         let s = args(&["--preset", &preset]).settings().unwrap();
         assert_eq!(s.engine.max_num_seqs, Some(4));
         assert_eq!(s.engine.max_num_batched_tokens, Some(256));
-        assert_eq!(s.engine.max_model_len, Some(32_768));
+        assert_eq!(s.engine.max_model_len, Some(262_144));
         assert!(!s.engine.no_enable_prefix_caching);
         assert_eq!(s.model.pipeline_parallel_size, Some(3));
+        assert!(s.engine.qsa_kv_offload);
         let s = args(&[
             "--preset",
             &preset,

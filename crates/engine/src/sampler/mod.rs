@@ -5,13 +5,14 @@
 //! same tokens, and so does the parameter type ([`SamplingParams`], re-exported here; a request carries
 //! it as [`ValidatedParams`], checked once when it is built, so the sampler never checks it again).
 //! This module holds what a request owns around it: the random stream ([`Rng`], one uniform per draw),
-//! the token counts penalties read ([`TokenCounts`]), the batch entry point ([`Sampler`]) and prompt
-//! log-probabilities ([`RowLogprobs`]).
+//! the token counts penalties read ([`TokenCounts`]), the batch entry point ([`Sampler`]), prompt
+//! log-probabilities ([`RowLogprobs`]) and the verification of draft tokens ([`speculative`]).
 
 mod batch;
 pub mod logprobs;
 pub mod penalties;
 mod rng;
+pub mod speculative;
 
 use thiserror::Error;
 

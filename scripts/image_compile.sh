@@ -9,7 +9,9 @@
 #   scripts/image_compile.sh WORK_DIR
 #
 # WORK_DIR: where the root file system and the build log go. Needs podman, mmdebstrap and network
-# access to the Debian mirrors and crates.io.
+# access to the Debian mirrors and crates.io. The compile trusts the build host's CA bundle
+# (SANMAI_BUILD_CA_BUNDLE, default /etc/ssl/certs/ca-certificates.crt, mounted read-only over the
+# image's for the build only), so it also works behind a proxy that re-signs TLS with its own CA.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=${1:?usage: image_compile.sh WORK_DIR}
@@ -28,7 +30,10 @@ if ! podman image exists "$base"; then
     rm -f "$work/rust-rootfs.tar"
 fi
 
+ca=${SANMAI_BUILD_CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
+mounts=()
+[ -f "$ca" ] && mounts=(--volume "$ca:/etc/ssl/certs/ca-certificates.crt:ro")
 t0=$(date +%s)
-podman build --format docker --isolation chroot --target build \
+podman build --format docker --isolation chroot --target build "${mounts[@]}" \
     --build-arg BUILD_IMAGE="$base" -t "$image" . 2>&1 | tee "$work/build-stage.log"
 echo "build stage compiled in $(($(date +%s) - t0)) s: $image"

@@ -8,6 +8,7 @@
 
 mod blocks;
 mod fields;
+mod fp8;
 mod ple;
 mod quant;
 mod rope;
@@ -18,6 +19,7 @@ use serde_json::Value;
 
 pub use blocks::{HyperConnectionsConfig, QsaConfig};
 use fields::Fields;
+pub use fp8::Fp8Config;
 pub use ple::{PleConfig, PleConfigError};
 pub use quant::{QuantConfig, QuantScheme};
 pub use rope::{RopeConfig, RopeScaling};
@@ -155,8 +157,11 @@ pub struct ModelConfig {
     pub pad_token_id: Option<u32>,
     /// Prefix of the text model's tensors (`model.` or `model.language_model.`).
     pub weight_prefix: String,
-    /// The compressed-tensors weight quantization (`quantization_config`); `None` = bf16 weights.
+    /// The compressed-tensors weight quantization (`quantization_config` with `quant_method:
+    /// compressed-tensors`); `None` = no packed weights.
     pub quantization: Option<QuantConfig>,
+    /// The block-scaled FP8 weights (`quantization_config` with `quant_method: fp8`).
+    pub fp8: Option<Fp8Config>,
     /// qwen4_exp: sparse attention with a lightning indexer on every full-attention layer.
     pub qsa: Option<QsaConfig>,
     /// qwen4_exp: the hashed n-gram memory (PLE) inserted before the mixers of `ple.layer_ids`.
@@ -209,17 +214,20 @@ impl ModelConfig {
         } else {
             top.clone()
         };
-        let quantization = match (
+        let quant_block = match (
             top.has("quantization_config"),
             text.has("quantization_config"),
         ) {
-            (true, _) => Some(QuantConfig::from_fields(
-                &top.child("quantization_config")?,
-            )?),
-            (false, true) => Some(QuantConfig::from_fields(
-                &text.child("quantization_config")?,
-            )?),
+            (true, _) => Some(top.child("quantization_config")?),
+            (false, true) => Some(text.child("quantization_config")?),
             (false, false) => None,
+        };
+        let (quantization, fp8) = match &quant_block {
+            None => (None, None),
+            Some(q) if q.opt_str("quant_method")?.as_deref() == Some("fp8") => {
+                (None, Some(Fp8Config::from_fields(q)?))
+            }
+            Some(q) => (Some(QuantConfig::from_fields(q)?), None),
         };
         if top.has("compression_config") || text.has("compression_config") {
             return Err(top.invalid(
@@ -438,6 +446,7 @@ impl ModelConfig {
             pad_token_id: text.opt_usize("pad_token_id")?.map(|x| x as u32),
             weight_prefix,
             quantization,
+            fp8,
             qsa,
             ple,
             hyper_connections,

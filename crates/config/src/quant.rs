@@ -124,7 +124,7 @@ impl QuantConfig {
         if method != "compressed-tensors" {
             return Err(f.invalid(
                 "quant_method",
-                format!("`{method}` is not served (only compressed-tensors)"),
+                format!("`{method}` is not served (compressed-tensors or fp8)"),
             ));
         }
         let format = f.req_str("format")?;

@@ -369,3 +369,28 @@ fn ple_config_errors_name_the_field() {
         Err(PleConfigError { field, .. }) if field == "ple"
     ));
 }
+
+/// A `quantization_config` with `quant_method: fp8` is the FP8 block config, not a compressed-tensors
+/// one; other methods are refused naming the field.
+#[test]
+fn fp8_quantization_config_is_read_by_its_method() {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/models/qwen3-next-80b-a3b.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    v["quantization_config"] = serde_json::json!({
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]});
+    let c = ModelConfig::from_value(&v, "config.json").unwrap();
+    assert!(c.quantization.is_none());
+    assert_eq!(c.fp8.as_ref().unwrap().block, [128, 128]);
+    v["quantization_config"]["activation_scheme"] = "static".into();
+    let e = ModelConfig::from_value(&v, "config.json")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("quantization_config.activation_scheme"), "{e}");
+    v["quantization_config"] = serde_json::json!({"quant_method": "awq"});
+    let e = ModelConfig::from_value(&v, "config.json")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("quant_method") && e.contains("awq"), "{e}");
+}

@@ -6,6 +6,10 @@
 //! and `X.weight_shape` instead of `X.weight`; the scheme of each comes from the `quantization_config` of
 //! the `config.json` beside the weights. Asking for `X.weight` then yields the dequantised values, and
 //! [`TensorSource::packed`] the packed form, borrowed from the mmap.
+//!
+//! A block-scaled FP8 checkpoint (`quant_method: fp8`) stores a converted Linear's `X.weight` as
+//! float8_e4m3fn beside `X.weight_scale_inv`; asking for `X.weight` yields `fp8(q) · scale_inv[block]`
+//! in f32 (see [`crate::fp8`]).
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -13,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype as StDtype, SafeTensors};
-use sanmai_config::QuantConfig;
+use sanmai_config::{Fp8Config, QuantConfig};
 
 use crate::quant::{quant_module, PackedTensor, PackedWords};
 use crate::{DType, HostTensor, Init, Result, TensorData, TensorSource, WeightError};
@@ -33,6 +37,7 @@ pub struct Checkpoint {
     files: Vec<(PathBuf, Mmap)>,
     tensors: HashMap<String, Entry>,
     quant: Option<QuantConfig>,
+    fp8: Option<Fp8Config>,
 }
 
 fn file_err(path: &Path, message: impl Into<String>) -> WeightError {
@@ -93,6 +98,7 @@ impl Checkpoint {
             files: Vec::new(),
             tensors: HashMap::new(),
             quant: None,
+            fp8: None,
         };
         for path in files {
             let file = File::open(&path).map_err(|e| file_err(&path, e.to_string()))?;
@@ -128,8 +134,10 @@ impl Checkpoint {
             }
             ckpt.files.push((path, mmap));
         }
-        if ckpt.tensors.keys().any(|n| n.ends_with("_packed")) {
-            ckpt.quant = read_quant_config(&dir.join("config.json"))?;
+        let packed = ckpt.tensors.keys().any(|n| n.ends_with("_packed"));
+        let fp8 = ckpt.tensors.values().any(|e| e.dtype == StDtype::F8_E4M3);
+        if packed || fp8 {
+            (ckpt.quant, ckpt.fp8) = read_quant_config(&dir.join("config.json"))?;
         }
         Ok(ckpt)
     }
@@ -142,6 +150,45 @@ impl Checkpoint {
     /// Sets the quantization config, for a checkpoint whose `config.json` lives elsewhere.
     pub fn set_quantization(&mut self, quant: Option<QuantConfig>) {
         self.quant = quant;
+    }
+
+    /// The f32 values of the FP8 weight `name` (entry `e`) from its bytes and `weight_scale_inv`.
+    fn fp8_values(&self, name: &str, e: &Entry) -> Result<Vec<f32>> {
+        let qerr = |message: String| WeightError::Quant {
+            name: name.into(),
+            message,
+        };
+        let cfg = self.fp8.as_ref().ok_or_else(|| {
+            qerr(
+                "float8_e4m3fn, but config.json has no quantization_config with quant_method fp8"
+                    .into(),
+            )
+        })?;
+        let scale_name = match name.strip_suffix("weight") {
+            Some(module) => format!("{module}weight_scale_inv"),
+            None => format!("{name}_scale_inv"),
+        };
+        let se = self
+            .tensors
+            .get(&scale_name)
+            .ok_or_else(|| WeightError::Missing {
+                name: scale_name.clone(),
+            })?;
+        let want = crate::fp8::scale_shape(&e.shape, cfg);
+        if squeeze(&se.shape) != squeeze(&want) {
+            return Err(WeightError::Shape {
+                name: scale_name,
+                expected: want,
+                found: se.shape.clone(),
+            });
+        }
+        let scales = self.float_values(&scale_name, se)?;
+        Ok(crate::fp8::dequantize(
+            self.bytes(e),
+            &scales,
+            &e.shape,
+            cfg,
+        ))
     }
 
     fn bytes(&self, e: &Entry) -> &[u8] {
@@ -266,6 +313,13 @@ impl TensorSource for Checkpoint {
                 found: e.shape.clone(),
             });
         }
+        if e.dtype == StDtype::F8_E4M3 {
+            return Ok(HostTensor {
+                name: name.into(),
+                shape: shape.to_vec(),
+                data: TensorData::F32(self.fp8_values(name, e)?),
+            });
+        }
         let dtype = float_dtype(name, e.dtype)?;
         Ok(HostTensor {
             name: name.into(),
@@ -299,10 +353,11 @@ fn float_dtype(name: &str, dtype: StDtype) -> Result<DType> {
     }
 }
 
-/// The `quantization_config` of a `config.json` (at the top level or under `text_config`).
-fn read_quant_config(path: &Path) -> Result<Option<QuantConfig>> {
+/// The `quantization_config` of a `config.json` (at the top level or under `text_config`): a
+/// compressed-tensors one or an FP8 one, by its `quant_method`.
+fn read_quant_config(path: &Path) -> Result<(Option<QuantConfig>, Option<Fp8Config>)> {
     let Ok(text) = std::fs::read_to_string(path) else {
-        return Ok(None);
+        return Ok((None, None));
     };
     let v: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| file_err(path, format!("not valid JSON: {e}")))?;
@@ -310,10 +365,16 @@ fn read_quant_config(path: &Path) -> Result<Option<QuantConfig>> {
         v.get("text_config")
             .and_then(|t| t.get("quantization_config"))
     });
+    let file = path.display().to_string();
     match q {
-        None | Some(serde_json::Value::Null) => Ok(None),
-        Some(q) => QuantConfig::from_value(q, &path.display().to_string())
-            .map(Some)
+        None | Some(serde_json::Value::Null) => Ok((None, None)),
+        Some(q) if q.get("quant_method").and_then(|m| m.as_str()) == Some("fp8") => {
+            Fp8Config::from_value(q, &file)
+                .map(|c| (None, Some(c)))
+                .map_err(|e| file_err(path, e.to_string()))
+        }
+        Some(q) => QuantConfig::from_value(q, &file)
+            .map(|c| (Some(c), None))
             .map_err(|e| file_err(path, e.to_string())),
     }
 }

@@ -8,10 +8,12 @@
 //!
 //! Quantized checkpoints (compressed-tensors `pack-quantized`, see [`quant`]) are read transparently:
 //! [`TensorSource::tensor`] dequantises a packed Linear to f32, and [`TensorSource::packed`] hands the
-//! packed words and scales to a backend that consumes them directly.
+//! packed words and scales to a backend that consumes them directly. Block-scaled FP8 checkpoints
+//! ([`fp8`]) are dequantised to f32 when a tensor is asked for.
 
 mod checkpoint;
 mod dummy;
+pub mod fp8;
 pub mod names;
 pub mod quant;
 mod tensor;

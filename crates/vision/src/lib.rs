@@ -1,0 +1,32 @@
+//! Images for the vision tower: what an image becomes before the model sees it. This crate owns the
+//! preprocessing of the Qwen3.5/3.6 and qwen4_exp checkpoints ([`preprocess`]): decoding, RGB,
+//! the processor's `smart_resize`, a bicubic resample that reproduces Pillow's byte for byte
+//! ([`resample`]), rescale and normalisation, and the patch layout the vision model reads.
+
+pub mod config;
+pub mod preprocess;
+pub mod resample;
+
+pub use config::PreprocessorConfig;
+pub use preprocess::{preprocess, smart_resize, Patches};
+
+/// Why an image could not be prepared. Each names the field or the image at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum VisionError {
+    #[error("{file}: field `{field}`: {message}")]
+    Config {
+        file: String,
+        field: String,
+        message: String,
+    },
+    #[error("the image could not be decoded: {0}")]
+    Decode(String),
+    #[error("the image is {height}x{width}: {message}")]
+    Size {
+        height: usize,
+        width: usize,
+        message: String,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, VisionError>;

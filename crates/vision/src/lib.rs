@@ -1,9 +1,11 @@
 //! Images for the vision tower: what an image becomes before the model sees it. This crate owns the
 //! preprocessing of the Qwen3.5/3.6 and qwen4_exp checkpoints ([`preprocess`]): decoding, RGB,
 //! the processor's `smart_resize`, a bicubic resample that reproduces Pillow's byte for byte
-//! ([`resample`]), rescale and normalisation, and the patch layout the vision model reads.
+//! ([`resample`]), rescale and normalisation, and the patch layout the vision model reads; and where
+//! each patch and image token sits ([`positions`]).
 
 pub mod config;
+pub mod positions;
 pub mod preprocess;
 pub mod resample;
 
@@ -21,6 +23,8 @@ pub enum VisionError {
     },
     #[error("the image could not be decoded: {0}")]
     Decode(String),
+    #[error("image tokens: {0}")]
+    Tokens(String),
     #[error("the image is {height}x{width}: {message}")]
     Size {
         height: usize,

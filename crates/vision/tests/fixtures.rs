@@ -87,3 +87,32 @@ fn undecodable_bytes_are_an_error() {
         .to_string();
     assert!(e.contains("could not be decoded"), "{e}");
 }
+
+/// The vision fixture's second image, preprocessed on a GPU host by transformers 5.17's processor
+/// (`tests/reference/make_vision_fixtures.py`): the same values bit for bit.
+#[test]
+fn the_vision_fixtures_second_image_is_transformers_5_17s() {
+    let vis =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/qwen3_5_vision_tiny");
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(vis.join("reference.json")).unwrap())
+            .unwrap();
+    let image = &r["images"][1];
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir().join("manifest.json")).unwrap())
+            .unwrap();
+    let mut v = manifest["settings"].clone();
+    v["min_pixels"] = image["preprocessor"]["min_pixels"].clone();
+    v["max_pixels"] = image["preprocessor"]["max_pixels"].clone();
+    let cfg = PreprocessorConfig::from_value(&v, "reference.json").unwrap();
+    let got = preprocess(&std::fs::read(vis.join("second.png")).unwrap(), &cfg).unwrap();
+    let grid: Vec<usize> = serde_json::from_value(image["grid_thw"].clone()).unwrap();
+    assert_eq!(got.grid_thw.to_vec(), grid);
+    let want: Vec<u32> = std::fs::read(vis.join("second.f32"))
+        .unwrap()
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let got: Vec<u32> = got.pixel_values.iter().map(|x| x.to_bits()).collect();
+    assert_eq!(got, want);
+}

@@ -15,6 +15,7 @@
 use serde_json::Value;
 
 use crate::fields::Fields;
+use crate::quant::str_list;
 use crate::Result;
 
 /// A parsed FP8 `quantization_config`.
@@ -80,26 +81,7 @@ impl Fp8Config {
                 ))
             }
         };
-        let not_converted = match f.get("modules_to_not_convert") {
-            None | Some(Value::Null) => Vec::new(),
-            Some(Value::Array(a)) => a
-                .iter()
-                .map(|v| {
-                    v.as_str().map(str::to_string).ok_or_else(|| {
-                        f.invalid(
-                            "modules_to_not_convert",
-                            format!("expected strings, found {v}"),
-                        )
-                    })
-                })
-                .collect::<Result<_>>()?,
-            Some(v) => {
-                return Err(f.invalid(
-                    "modules_to_not_convert",
-                    format!("expected an array of strings, found {v}"),
-                ))
-            }
-        };
+        let not_converted = str_list(f, "modules_to_not_convert")?;
         Ok(Fp8Config {
             block,
             not_converted,

@@ -97,7 +97,7 @@ pub struct QuantConfig {
     ignore: Vec<Target>,
 }
 
-fn str_list(f: &Fields, name: &str) -> Result<Vec<String>> {
+pub(crate) fn str_list(f: &Fields, name: &str) -> Result<Vec<String>> {
     match f.get(name) {
         None | Some(Value::Null) => Ok(Vec::new()),
         Some(Value::Array(a)) => a

@@ -21,15 +21,7 @@ fn grids(r: &serde_json::Value) -> Vec<Grid> {
         .as_array()
         .unwrap()
         .iter()
-        .map(|im| {
-            let g: Vec<usize> = im["grid_thw"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_u64().unwrap() as usize)
-                .collect();
-            [g[0], g[1], g[2]]
-        })
+        .map(|im| serde_json::from_value(im["grid_thw"].clone()).unwrap())
         .collect()
 }
 

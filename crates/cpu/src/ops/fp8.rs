@@ -45,21 +45,8 @@ pub fn fp8_e4m3_encode(x: f32) -> u8 {
     sign | (((e + 7) as u8) << 3) | m as u8
 }
 
-/// The f32 value of an fp8 e4m3 byte.
-pub fn fp8_e4m3_decode(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let e = ((b >> 3) & 0xf) as i32;
-    let m = (b & 7) as f32;
-    if e == 0xf && b & 7 == 7 {
-        return f32::NAN;
-    }
-    let v = if e == 0 {
-        m * 2f32.powi(-9)
-    } else {
-        (1.0 + m / 8.0) * 2f32.powi(e - 7)
-    };
-    sign * v
-}
+/// The f32 value of an fp8 e4m3 byte (the one decoder, shared with FP8 checkpoints).
+pub use sanmai_weights::fp8::fp8_e4m3_to_f32 as fp8_e4m3_decode;
 
 /// One index-key cache entry of `k` (`dI` values): `dI` fp8 bytes of `k / s` followed by the bf16
 /// scale `s = bf16(max|k| / 448)` (1 when that is 0) little-endian; `out` has `dI + 2` bytes.

@@ -68,6 +68,65 @@ pub struct EngineArgs {
     /// runs; prefills still stage rows in the arena).
     #[arg(long)]
     pub no_qsa_row_cache: bool,
+    /// Speculative decoding with the checkpoint's MTP head, as vLLM's flag takes it:
+    /// '{"method": "mtp", "num_speculative_tokens": K}' (K drafts a step, 1 by default). Every
+    /// emitted token is drawn from the target model, so outputs are those without it.
+    #[arg(long, value_name = "JSON")]
+    pub speculative_config: Option<String>,
+}
+
+/// `--speculative-config`, read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Speculative {
+    pub num_speculative_tokens: usize,
+}
+
+/// The most drafts a step may verify (a step's drafts and the head's chained rows stay within one
+/// K/V block past the context).
+pub const MAX_SPECULATIVE_TOKENS: usize = 8;
+
+impl Speculative {
+    /// Reads `--speculative-config`'s JSON; each refusal names the key at fault.
+    pub fn parse(json: &str) -> Result<Self> {
+        let flag = "--speculative-config";
+        let v: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| anyhow!("{flag}: not JSON: {e}"))?;
+        let obj = v
+            .as_object()
+            .ok_or_else(|| anyhow!("{flag}: expected a JSON object"))?;
+        for key in obj.keys() {
+            if !["method", "num_speculative_tokens"].contains(&key.as_str()) {
+                return Err(anyhow!(
+                    "{flag}: unknown key `{key}` (known: method, num_speculative_tokens)"
+                ));
+            }
+        }
+        match obj.get("method").map(|m| m.as_str()) {
+            Some(Some("mtp")) => {}
+            Some(Some(m)) => {
+                return Err(anyhow!(
+                    "{flag}: `method` {m:?} is not supported (the one method is \"mtp\")"
+                ))
+            }
+            Some(None) => return Err(anyhow!("{flag}: `method` must be a string")),
+            None => return Err(anyhow!("{flag}: `method` is missing (use \"mtp\")")),
+        }
+        let k = match obj.get("num_speculative_tokens") {
+            None => 1,
+            Some(n) => n
+                .as_u64()
+                .filter(|&n| (1..=MAX_SPECULATIVE_TOKENS as u64).contains(&n))
+                .ok_or_else(|| {
+                    anyhow!(
+                        "{flag}: `num_speculative_tokens` must be an integer in \
+                         1..={MAX_SPECULATIVE_TOKENS}, not {n}"
+                    )
+                })? as usize,
+        };
+        Ok(Speculative {
+            num_speculative_tokens: k,
+        })
+    }
 }
 
 /// Default of `--qsa-row-cache-rows`.
@@ -82,6 +141,21 @@ impl EngineArgs {
             qsa_kv_offload: self.qsa_kv_offload,
             row_cache_rows: self.row_cache_rows(),
         }
+    }
+
+    /// `--speculative-config`, read and checked against the model (it needs an MTP head).
+    pub fn speculative(&self, cfg: &ModelConfig) -> Result<Option<Speculative>> {
+        let Some(json) = &self.speculative_config else {
+            return Ok(None);
+        };
+        let s = Speculative::parse(json)?;
+        if cfg.mtp_layers == 0 {
+            return Err(anyhow!(
+                "--speculative-config: the model has no MTP head (its config gives no MTP layers: \
+                 mtp_num_hidden_layers or num_nextn_predict_layers)"
+            ));
+        }
+        Ok(Some(s))
     }
 
     /// Refuses `--qsa-kv-offload` for a model without QSA layers.
@@ -163,6 +237,9 @@ impl EngineArgs {
             kv_cache_memory_bytes: 0,
             enable_prefix_caching: !self.no_enable_prefix_caching,
             state_checkpoint_interval: self.state_checkpoint_interval,
+            num_speculative_tokens: self
+                .speculative(cfg)?
+                .map_or(0, |s| s.num_speculative_tokens),
         })
     }
 

@@ -272,6 +272,8 @@ pub struct MemoryPlan {
     pub stages: Vec<StageMemory>,
     pub cache: CachePlan,
     pub max_num_seqs: usize,
+    /// The sequences draft with the MTP head (each keeps a second GDN state).
+    pub drafting: bool,
     pub max_num_batched_tokens: usize,
     /// The flag a stage's budget came from, for the refusals.
     budget_flag: &'static str,
@@ -288,6 +290,10 @@ impl MemoryPlan {
         flags: &BudgetFlags,
     ) -> Result<MemoryPlan> {
         let seqs = cfg.max_num_seqs;
+        let drafting = cfg.num_speculative_tokens > 0;
+        // A sequence that drafts keeps a second state: the one before its verify step.
+        let slots = seqs * (1 + usize::from(drafting));
+        let who = state_holders(seqs, drafting);
         let budget_flag = if flags.budget.is_some() {
             "--gpu-memory-budget"
         } else {
@@ -299,12 +305,12 @@ impl MemoryPlan {
                 .enumerate()
                 .map(|(k, s)| {
                     format!(
-                        "{}: weights {} + activations {} + GDN state of {seqs} sequences {} = {} of {}",
+                        "{}: weights {} + activations {} + GDN state of {who} {} = {} of {}",
                         s.name(k),
                         gib(s.weights),
                         gib(s.activations),
-                        gib(seqs * s.state_per_seq),
-                        gib(s.fixed(seqs)),
+                        gib(slots * s.state_per_seq),
+                        gib(s.fixed(slots)),
                         s.budget.map_or("no budget".into(), gib)
                     )
                 })
@@ -313,7 +319,7 @@ impl MemoryPlan {
         };
         if stages
             .iter()
-            .any(|s| s.budget.is_some_and(|b| s.fixed(seqs) >= b))
+            .any(|s| s.budget.is_some_and(|b| s.fixed(slots) >= b))
         {
             bail!(
                 "a pipeline stage does not fit {budget_flag}: {} (lower --max-num-seqs or \
@@ -330,7 +336,7 @@ impl MemoryPlan {
         // The largest whole-model K/V budget every stage holds: a stage holds `share` of each
         // block and of each checkpoint, so `room / share` of the larger share is safe.
         let fits = stages.iter().filter_map(|s| {
-            let room = s.budget? - s.fixed(seqs);
+            let room = s.budget? - s.fixed(slots);
             let share = |part: usize, whole: usize| part as f64 / whole.max(1) as f64;
             let share = share(s.kv_per_token, geometry.kv_bytes_per_token)
                 .max(share(s.state_per_seq, geometry.state_bytes));
@@ -367,7 +373,7 @@ impl MemoryPlan {
             let (blocks, checkpoints) = s.cache_bytes(&cache);
             if let Some(b) = s
                 .budget
-                .filter(|&b| s.fixed(seqs) + blocks + checkpoints > b)
+                .filter(|&b| s.fixed(slots) + blocks + checkpoints > b)
             {
                 bail!(
                     "--kv-cache-memory-bytes {kv} does not fit {}: its K/V blocks {} and state \
@@ -375,7 +381,7 @@ impl MemoryPlan {
                     s.name(k),
                     gib(blocks),
                     gib(checkpoints),
-                    gib(s.fixed(seqs)),
+                    gib(s.fixed(slots)),
                     gib(b),
                     table(&stages)
                 );
@@ -389,6 +395,7 @@ impl MemoryPlan {
             stages,
             cache,
             max_num_seqs: seqs,
+            drafting,
             max_num_batched_tokens: cfg.max_num_batched_tokens,
             budget_flag,
         })
@@ -402,23 +409,25 @@ impl MemoryPlan {
     /// The plan as printed: one line per stage, then the block arithmetic.
     pub fn lines(&self) -> Vec<String> {
         let seqs = self.max_num_seqs;
+        let slots = seqs * (1 + usize::from(self.drafting));
+        let who = state_holders(seqs, self.drafting);
         let mut out: Vec<String> = self
             .stages
             .iter()
             .enumerate()
             .map(|(k, s)| {
                 let (blocks, checkpoints) = s.cache_bytes(&self.cache);
-                let total = s.fixed(seqs) + blocks + checkpoints;
+                let total = s.fixed(slots) + blocks + checkpoints;
                 format!(
-                    "{}: weights {}, activations {} ({} at {} tokens), GDN state {} ({seqs} \
-                     sequences of {} bytes), K/V blocks {} ({} bytes a token), state checkpoints {}, \
+                    "{}: weights {}, activations {} ({} at {} tokens), GDN state {} ({who} \
+                     of {} bytes), K/V blocks {} ({} bytes a token), state checkpoints {}, \
                      {}pinned host RAM {}; {} of {}",
                     s.name(k),
                     gib(s.weights),
                     gib(s.activations),
                     if s.profiled { "profiled" } else { "estimated" },
                     self.max_num_batched_tokens,
-                    gib(seqs * s.state_per_seq),
+                    gib(slots * s.state_per_seq),
                     s.state_per_seq,
                     gib(blocks),
                     s.kv_per_token,
@@ -429,8 +438,10 @@ impl MemoryPlan {
                     },
                     gib(s.pinned_host),
                     gib(total),
-                    s.budget
-                        .map_or_else(|| "no budget".into(), |b| format!("{} ({})", gib(b), self.budget_flag))
+                    s.budget.map_or_else(
+                        || "no budget".into(),
+                        |b| format!("{} ({})", gib(b), self.budget_flag)
+                    )
                 )
             })
             .collect();
@@ -709,5 +720,13 @@ mod tests {
             flags(None, None).stage_budgets(&cpu, &[None; 2]).unwrap(),
             vec![None; 2]
         );
+    }
+}
+
+/// Who holds the live GDN states: the sequences, and with drafting their verify snapshots.
+fn state_holders(seqs: usize, drafting: bool) -> String {
+    match drafting {
+        true => format!("{seqs} sequences and their verify snapshots"),
+        false => format!("{seqs} sequences"),
     }
 }

@@ -37,6 +37,7 @@ fn engine(tok: &Tokenizer, prefix_caching: bool) -> EngineHandle {
             kv_cache_memory_bytes: 1 << 30,
             enable_prefix_caching: prefix_caching,
             state_checkpoint_interval: None,
+            num_speculative_tokens: 0,
         },
     )
     .unwrap()

@@ -38,6 +38,7 @@ fn main() {
                 kv_cache_memory_bytes: 1 << 30,
                 enable_prefix_caching: true,
                 state_checkpoint_interval: None,
+                num_speculative_tokens: 0,
             },
         )
         .unwrap();

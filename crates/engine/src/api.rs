@@ -77,6 +77,16 @@ pub struct EngineRequest {
     pub checkpoint_at: Vec<usize>,
 }
 
+impl EngineRequest {
+    /// A number naming the request for the executor (its id's FNV-1a hash; see
+    /// [`crate::executor::PlannedChunk::request`]).
+    pub fn key(&self) -> u64 {
+        self.id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+    }
+}
+
 /// The log-probability of one token and its most likely alternatives.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
@@ -189,6 +199,13 @@ pub struct MetricsSnapshot {
     pub kv_host: Option<KvHostStats>,
     /// Why steps can no longer run (a pipeline stage stopped), if they cannot.
     pub fault: Option<String>,
+    /// Speculative decoding with the MTP head: drafts verified (one per sequence and verify step),
+    /// draft tokens in them, drafts accepted, and drafts accepted at each draft position (index 0:
+    /// the first draft).
+    pub spec_decode_num_drafts_total: u64,
+    pub spec_decode_num_draft_tokens_total: u64,
+    pub spec_decode_num_accepted_tokens_total: u64,
+    pub spec_decode_num_accepted_tokens_per_pos_total: Vec<u64>,
 }
 
 /// One pipeline stage's time: computing its share of steps, and waiting for work or for the

@@ -10,7 +10,7 @@ use std::collections::VecDeque;
 use sanmai_model::sample::{RowSampling, Sampled, SeenToken, ValidatedParams};
 use sanmai_model::{
     Backend, KvHostStats, Model, OpResult, PleSource, SampleCall, StepChunk, StepError, StepInput,
-    StepStart,
+    StepOutput, StepStart,
 };
 use sanmai_ple::{PrefetchOptions, Prefetcher};
 
@@ -34,9 +34,27 @@ pub struct PlannedChunk {
     pub pos0: usize,
     pub tokens: Vec<u32>,
     pub logits: LogitRows,
-    /// How the token after the chunk is drawn, for a [`LogitRows::Last`] chunk the engine lets the
-    /// executor sample (see [`Executor::samples_on_device`]).
-    pub sampling: Option<ChunkSampling>,
+    /// How each logit row's token is drawn when the engine lets the executor sample them (see
+    /// [`Executor::samples_on_device`]; a sequence that drafts always does): one per logit row, or
+    /// none (the rows' logits go to the host).
+    pub sampling: Vec<ChunkSampling>,
+    /// The MTP draft head's part, for a sequence that drafts (`--speculative-config`).
+    pub spec: Option<SpecChunk>,
+}
+
+/// What a chunk of a sequence that drafts with the MTP head asks besides its tokens. After the
+/// step, the executor runs the head over the chunk's rows whose next token is known (catching its
+/// K/V cache up with the main model's) and, when the executor sampled every logit row of the chunk,
+/// proposes `propose` drafts from the last of them ([`StepLogits::drafts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecChunk {
+    /// The chunk's last `drafts` tokens are drafts being verified; its logit rows are the row before
+    /// them and each draft's ([`LogitRows::Tail`]`(drafts + 1)`).
+    pub drafts: usize,
+    /// The token after the chunk, when it is known already (a prompt chunk before the last).
+    pub next: Option<u32>,
+    /// Drafts to propose for the next step (0: none).
+    pub propose: usize,
 }
 
 /// One row's sampling, owned: the request's parameters (shared, not copied) and what the row adds to
@@ -92,6 +110,9 @@ pub struct StepLogits {
     /// One entry per logit row when the executor sampled any (empty otherwise): the token it drew
     /// (or why it failed), `None` for a row returned as logits.
     pub sampled: Vec<Option<Result<Sampled, String>>>,
+    /// The drafts the MTP head proposed, by chunk (empty for a chunk it proposed none for; the
+    /// vector may end before the last chunk).
+    pub drafts: Vec<Vec<u32>>,
 }
 
 impl StepLogits {
@@ -284,7 +305,7 @@ impl<B: Backend> Executor for ModelExecutor<B> {
 
     fn submit(&mut self, plan: StepPlan) {
         // A failed step fails its requests, not the engine.
-        let out = run_step(&self.model, &plan, self.device_sampling).map_err(|e| e.to_string());
+        let out = run_step(&self.model, &plan).map_err(|e| e.to_string());
         if let Some(p) = &self.prefetcher {
             for c in &plan.chunks {
                 p.progress(c.request, c.pos0 + c.tokens.len());
@@ -315,42 +336,60 @@ pub(crate) fn geometry_of<B: Backend>(m: &Model<B>) -> CacheGeometry {
     }
 }
 
-/// Each logit row's sampling (in chunk order): the [`ChunkSampling`] of a [`LogitRows::Last`] chunk
-/// that carries one, `None` for a row whose logits go to the host; with the rows' vocabulary.
+/// Each logit row's sampling (in chunk order): the [`ChunkSampling`]s of a chunk that carries one
+/// per logit row, `None` for a row whose logits go to the host; with the rows' vocabulary.
 fn device_rows(plan: &StepPlan) -> (usize, Vec<Option<RowSampling<'_>>>) {
     let mut vocab = None;
     let mut rows = Vec::new();
     for c in &plan.chunks {
-        match (c.logits, &c.sampling) {
-            (LogitRows::None, _) => {}
-            (LogitRows::Last, Some(s)) => {
-                let v = *vocab.get_or_insert(s.valid_vocab);
-                assert_eq!(
-                    v, s.valid_vocab,
-                    "the sampled rows of a step share one vocabulary"
-                );
-                rows.push(Some(s.row()));
-            }
-            (LogitRows::Last, None) => rows.push(None),
-            (LogitRows::All, _) => rows.extend((0..c.tokens.len()).map(|_| None)),
+        let n = c.logits.count(c.tokens.len());
+        if c.sampling.len() != n || n == 0 {
+            rows.extend((0..n).map(|_| None));
+            continue;
+        }
+        for s in &c.sampling {
+            let v = *vocab.get_or_insert(s.valid_vocab);
+            assert_eq!(
+                v, s.valid_vocab,
+                "the sampled rows of a step share one vocabulary"
+            );
+            rows.push(Some(s.row()));
         }
     }
     (vocab.unwrap_or(0), rows)
 }
 
-/// The step's result from its logits: with `device` (the backend samples), the rows that carry their
-/// [`ChunkSampling`] are sampled by the backend and only the others' logits are copied to the host.
+/// The last stage's answer to a step: the sampled tokens or logits of [`finish_step`], and the MTP
+/// head's drafts ([`crate::mtp::propose`]) when a chunk asks for them (`out` then carries every
+/// row's hidden state).
+pub(crate) fn answer<B: Backend>(
+    m: &Model<B>,
+    plan: &StepPlan,
+    out: StepOutput<B::Tensor>,
+) -> OpResult<StepLogits> {
+    let mut answer = match out.logits {
+        Some(logits) => finish_step(m, plan, logits)?,
+        None => StepLogits::default(),
+    };
+    if let Some(h) = out.hidden.filter(|_| wants_hidden(plan)) {
+        answer.drafts = crate::mtp::propose(m, plan, &h, &answer)?;
+    }
+    Ok(answer)
+}
+
+/// Whether a step's last stage keeps every row's hidden state for the MTP head.
+pub(crate) fn wants_hidden(plan: &StepPlan) -> bool {
+    plan.chunks.iter().any(|c| c.spec.is_some())
+}
+
+/// The step's result from its logits: the rows that carry their [`ChunkSampling`] are sampled by
+/// the backend and only the others' logits are copied to the host.
 pub(crate) fn finish_step<B: Backend>(
     m: &Model<B>,
     plan: &StepPlan,
     logits: B::Tensor,
-    device: bool,
 ) -> OpResult<StepLogits> {
-    let (vocab, rows) = if device {
-        device_rows(plan)
-    } else {
-        (0, Vec::new())
-    };
+    let (vocab, rows) = device_rows(plan);
     let on_device: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_some()).collect();
     let host: Vec<usize> = (0..rows.len()).filter(|&i| rows[i].is_none()).collect();
     if on_device.is_empty() {
@@ -359,7 +398,7 @@ pub(crate) fn finish_step<B: Backend>(
             width,
             rows: data,
             host: (0..n).collect(),
-            sampled: Vec::new(),
+            ..StepLogits::default()
         });
     }
     let (mut out, logits) = if host.is_empty() {
@@ -372,7 +411,7 @@ pub(crate) fn finish_step<B: Backend>(
                 width,
                 rows: data,
                 host,
-                sampled: Vec::new(),
+                ..StepLogits::default()
             },
             picked,
         )
@@ -410,19 +449,12 @@ pub(crate) fn step_chunks(plan: &StepPlan) -> Vec<StepChunk<'_>> {
         .collect()
 }
 
-fn run_step<B: Backend>(
-    m: &Model<B>,
-    plan: &StepPlan,
-    device: bool,
-) -> Result<StepLogits, StepError> {
+fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan) -> Result<StepLogits, StepError> {
     let chunks = step_chunks(plan);
     let out = m.step(StepInput {
         chunks: &chunks,
         start: StepStart::Tokens,
-        hidden: false,
+        hidden: wants_hidden(plan),
     })?;
-    match out.logits {
-        Some(logits) => Ok(finish_step(m, plan, logits, device)?),
-        None => Ok(StepLogits::default()),
-    }
+    Ok(answer(m, plan, out)?)
 }

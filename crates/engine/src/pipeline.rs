@@ -27,7 +27,7 @@ use sanmai_model::{
 use sanmai_ple::{PrefetchOptions, Prefetcher};
 
 use crate::api::StageTimes;
-use crate::executor::{finish_step, geometry_of, step_chunks, CacheGeometry, Executor};
+use crate::executor::{answer, geometry_of, step_chunks, wants_hidden, CacheGeometry, Executor};
 use crate::executor::{StepLogits, StepPlan};
 
 /// How a pipeline runs.
@@ -517,7 +517,7 @@ impl<B: Backend> Worker<B> {
             None => m.prepare(&chunks).map_err(|e| e.to_string())?,
         };
         let out = m
-            .run_prepared(prepared, start, false)
+            .run_prepared(prepared, start, wants_hidden(&job.plan))
             .map_err(|e| e.to_string())?;
         if self.to_next.is_some() {
             let streams = out
@@ -532,11 +532,7 @@ impl<B: Backend> Worker<B> {
             };
             return Ok(StageOut::Streams(moved));
         }
-        let logits = match out.logits {
-            Some(l) => finish_step(m, &job.plan, l, self.opts.device_sampling)
-                .map_err(|e| e.to_string())?,
-            None => StepLogits::default(),
-        };
+        let logits = answer(m, &job.plan, out).map_err(|e| e.to_string())?;
         Ok(StageOut::Logits(logits))
     }
 }

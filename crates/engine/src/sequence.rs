@@ -41,6 +41,11 @@ pub(crate) struct Sequence {
     /// sequence is not scheduled.
     pub deferred_row: Vec<f32>,
     pub deferred: bool,
+    /// The MTP head's latest drafts for the tokens after the last one (empty when none).
+    pub drafts: Vec<u32>,
+    /// A state slot holding the GDN state from before the step that verifies drafts, restored when
+    /// a draft is rejected (held while the sequence drafts).
+    pub snapshot: Option<usize>,
 }
 
 /// What appending a token decided.
@@ -50,11 +55,9 @@ pub(crate) enum Appended {
 }
 
 impl Sequence {
-    /// A number naming the request for the executor (its id's FNV-1a hash).
+    /// A number naming the request for the executor ([`EngineRequest::key`]).
     pub fn key(&self) -> u64 {
-        self.req.id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        })
+        self.req.key()
     }
 
     pub fn new(
@@ -83,6 +86,8 @@ impl Sequence {
             constraint: None,
             deferred_row: Vec::new(),
             deferred: false,
+            drafts: Vec::new(),
+            snapshot: None,
             req,
             tx,
         }

@@ -40,6 +40,7 @@ fn config() -> EngineConfig {
         kv_cache_memory_bytes: 1 << 30,
         enable_prefix_caching: true,
         state_checkpoint_interval: Some(64),
+        num_speculative_tokens: 0,
     }
 }
 

@@ -35,6 +35,7 @@ fn config(max_num_seqs: usize, max_num_batched_tokens: usize) -> EngineConfig {
         kv_cache_memory_bytes: 1 << 30,
         enable_prefix_caching: true,
         state_checkpoint_interval: Some(64),
+        num_speculative_tokens: 0,
     }
 }
 

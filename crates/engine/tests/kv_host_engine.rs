@@ -61,6 +61,7 @@ fn run(exec: impl Executor + 'static, budget: usize) -> (Vec<Vec<u32>>, Option<K
             kv_cache_memory_bytes: budget,
             enable_prefix_caching: true,
             state_checkpoint_interval: Some(64),
+            num_speculative_tokens: 0,
         },
     )
     .unwrap();

@@ -45,6 +45,7 @@ fn a_ple_model_generates_the_reference_and_reports_its_table_reads() {
             kv_cache_memory_bytes: 1 << 24,
             enable_prefix_caching: true,
             state_checkpoint_interval: Some(64),
+            num_speculative_tokens: 0,
         },
     )
     .unwrap();

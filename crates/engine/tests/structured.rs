@@ -41,6 +41,7 @@ fn engine() -> &'static EngineHandle {
             kv_cache_memory_bytes: 1 << 30,
             enable_prefix_caching: true,
             state_checkpoint_interval: Some(64),
+            num_speculative_tokens: 0,
         };
         let model = Model::load(
             builtin::config(),

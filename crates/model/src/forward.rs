@@ -33,6 +33,20 @@ pub enum OutRows {
     Last,
     /// Every token of the chunk (prompt log-probabilities, an MTP draft over a prompt).
     All,
+    /// The chunk's last `n` tokens (a verify step: the row before the drafts and each draft's row).
+    Tail(usize),
+}
+
+impl OutRows {
+    /// Rows returned for a chunk of `len` tokens.
+    pub fn count(self, len: usize) -> usize {
+        match self {
+            OutRows::None => 0,
+            OutRows::Last => len.min(1),
+            OutRows::All => len,
+            OutRows::Tail(n) => n.min(len),
+        }
+    }
 }
 
 /// One sequence's share of a step.
@@ -70,12 +84,13 @@ pub struct StepInput<'a, T> {
     /// The chunks, in row order: chunk `i`'s tokens are the rows after chunk `i − 1`'s.
     pub chunks: &'a [StepChunk<'a>],
     pub start: StepStart<T>,
-    /// Also return the final-normed hidden states of the rows asked for (what an MTP draft reads).
+    /// Also return final-normed hidden states (what an MTP draft reads): of every row of a step from
+    /// tokens or streams, of the rows asked for of a [`StepStart::Draft`] step.
     pub hidden: bool,
 }
 
 /// What a step returns. On the last stage: the logits `[rows, vocab]` of the rows the chunks asked
-/// for (`None` when none did), and their hidden states when [`StepInput::hidden`] asked. On another
+/// for (`None` when none did), and the hidden states [`StepInput::hidden`] asks for. On another
 /// stage: the residual streams of every row, for the next stage.
 pub struct StepOutput<T> {
     pub logits: Option<T>,
@@ -116,12 +131,8 @@ impl<'a> Layout<'a> {
                 state: c.state,
                 blocks: c.blocks,
             });
-            match c.out {
-                OutRows::None => {}
-                OutRows::Last if c.tokens.is_empty() => {}
-                OutRows::Last => out_rows.push(start + c.tokens.len() - 1),
-                OutRows::All => out_rows.extend(start..start + c.tokens.len()),
-            }
+            let end = start + c.tokens.len();
+            out_rows.extend(end - c.out.count(c.tokens.len())..end);
         }
         Layout {
             ids,
@@ -149,7 +160,11 @@ impl<B: Backend> Model<B> {
         input: StepInput<'_, B::Tensor>,
     ) -> Result<StepOutput<B::Tensor>, StepError> {
         let layout = Layout::of(input.chunks);
-        let ple = self.ple_rows(input.chunks, &layout)?;
+        let ple = match input.start {
+            // The draft head reads no PLE rows.
+            StepStart::Draft(_) => None,
+            _ => self.ple_rows(input.chunks, &layout)?,
+        };
         self.run_prepared(Prepared { layout, ple }, input.start, input.hidden)
     }
 
@@ -189,6 +204,13 @@ impl<B: Backend> Model<B> {
                     .mtp_pass(&layout, &h)?
                     .filter(|_| last)
                     .ok_or_else(|| StepError::Input("this model holds no MTP head".into()))?;
+                if layout.out_rows.is_empty() {
+                    return Ok(StepOutput {
+                        logits: None,
+                        hidden: None,
+                        streams: None,
+                    });
+                }
                 let h = self.backend.rows(&h, &layout.out_rows)?;
                 Ok(self.outputs(h, logits, hidden)?)
             }
@@ -275,8 +297,9 @@ impl<B: Backend> Model<B> {
         Ok(self.head(layout, streams, logits, hidden)?)
     }
 
-    /// The last stage's head on the residual streams of every row: the rows asked for, the
-    /// hyper-connections' head collapse, the final norm, and the lm_head when `logits`.
+    /// The last stage's head on the residual streams of every row: the hyper-connections' head
+    /// collapse and the final norm of the rows asked for (of every row with `hidden`), and the
+    /// lm_head of the rows asked for when `logits`.
     fn head(
         &self,
         layout: &Layout<'_>,
@@ -285,13 +308,28 @@ impl<B: Backend> Model<B> {
         hidden: bool,
     ) -> OpResult<StepOutput<B::Tensor>> {
         let b = &self.backend;
-        let r = b.rows(&streams, &layout.out_rows)?;
+        let every = layout.out_rows.len() == layout.ids.len();
+        let r = match hidden || every {
+            true => streams,
+            false => b.rows(&streams, &layout.out_rows)?,
+        };
         let x = match &self.hc_head {
             Some(pre) => b.hc_premix(&r, pre)?,
             None => r,
         };
         let h = b.rms_norm(&x, self.final_norm(), self.cfg.rms_norm_eps, 1.0)?;
-        self.outputs(h, logits, hidden)
+        if !hidden || every {
+            return self.outputs(h, logits, hidden);
+        }
+        let logits = match logits {
+            true => Some(self.logits(&b.rows(&h, &layout.out_rows)?)?),
+            false => None,
+        };
+        Ok(StepOutput {
+            logits,
+            hidden: Some(h),
+            streams: None,
+        })
     }
 
     /// A last stage's outputs from the final-normed hidden states `h` of the rows asked for.

@@ -132,6 +132,7 @@ fn engine(tok: &Tokenizer) -> EngineHandle {
         kv_cache_memory_bytes: 1 << 30,
         enable_prefix_caching: false,
         state_checkpoint_interval: Some(64),
+        num_speculative_tokens: 0,
     };
     let model = Model::load(
         builtin::config(),

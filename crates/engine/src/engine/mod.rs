@@ -49,6 +49,9 @@ pub struct EngineConfig {
     /// Tokens between GDN state checkpoints (a multiple of `block_size`); `None` sizes it so a checkpoint
     /// costs no more than the K/V of the tokens it covers.
     pub state_checkpoint_interval: Option<usize>,
+    /// Drafts the MTP head proposes per step for each sequence (`--speculative-config`'s
+    /// `num_speculative_tokens`; 0: no speculative decoding).
+    pub num_speculative_tokens: usize,
 }
 
 /// The cache plan derived from the config and the model's geometry: the K/V budget split into
@@ -86,9 +89,10 @@ impl CachePlan {
         self.request_blocks + self.request_checkpoints * self.checkpoint_blocks
     }
 
-    /// State slots the executor reserves: `max_num_seqs` running sequences and the checkpoints.
-    pub fn state_slots(&self, max_num_seqs: usize) -> usize {
-        max_num_seqs + self.checkpoint_slots
+    /// State slots the executor reserves: `max_num_seqs` running sequences (twice as many when they
+    /// draft: each keeps the state from before its verify step) and the checkpoints.
+    pub fn state_slots(&self, max_num_seqs: usize, drafting: bool) -> usize {
+        max_num_seqs * (1 + usize::from(drafting)) + self.checkpoint_slots
     }
 
     /// Pinned host memory the blocks take (0 unless QSA K/V rows live in host memory).
@@ -223,7 +227,7 @@ pub fn start<E: Executor + 'static>(
         .init_cache(plan.num_blocks, plan.block_size)
         .map_err(|e| format!("allocating the K/V cache: {e}"))?;
     executor
-        .reserve_states(plan.state_slots(cfg.max_num_seqs))
+        .reserve_states(plan.state_slots(cfg.max_num_seqs, cfg.num_speculative_tokens > 0))
         .map_err(|e| format!("allocating the state slots: {e}"))?;
     let cache = CacheManager::new(
         plan.num_blocks,
@@ -441,6 +445,9 @@ impl<E: Executor> Engine<E> {
     fn finish(&mut self, mut seq: Sequence, reason: FinishReason, stop: Option<StopReason>) {
         if let Some(c) = seq.cache.take() {
             self.cache.free(&mut self.executor, c);
+        }
+        if let Some(s) = seq.snapshot.take() {
+            self.executor.free_state(s);
         }
         self.executor.cancel_prefetch(seq.key());
         self.stats.requests_finished_total += 1;

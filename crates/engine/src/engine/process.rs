@@ -4,8 +4,9 @@ use rayon::prelude::*;
 
 use super::Engine;
 use crate::api::{EngineEvent, FinishReason, StopReason, TokenLogprob};
-use crate::executor::{Executor, LogitRows, StepLogits, StepPlan};
+use crate::executor::{Executor, LogitRows, PlannedChunk, StepLogits, StepPlan};
 use crate::kv_cache::Progress;
+use crate::sampler::speculative::verify_drafts;
 use crate::sampler::{RowLogprobs, SampleRequest, Sampled};
 use crate::sequence::Appended;
 
@@ -38,26 +39,26 @@ impl<E: Executor> Engine<E> {
         let mut row = 0;
         let mut done = Vec::new();
         let mut to_sample: Vec<Option<usize>> = vec![None; self.running.len()];
-        for c in &plan.chunks {
-            // Sequences aborted meanwhile are gone; their rows are skipped.
-            let Some(i) = self.running.iter().position(|s| s.state() == Some(c.state)) else {
-                row += match c.logits {
-                    LogitRows::None => 0,
-                    LogitRows::Last => 1,
-                    LogitRows::All => c.tokens.len(),
-                };
-                continue;
-            };
-            let rows = match c.logits {
-                LogitRows::None => 0,
-                LogitRows::Last => 1,
-                LogitRows::All => c.tokens.len(),
-            };
+        let mut verify = Vec::new();
+        for (ci, c) in plan.chunks.iter().enumerate() {
+            let rows = c.logits.count(c.tokens.len());
             let first_row = row;
             row += rows;
+            // Sequences aborted meanwhile are gone; their rows are skipped.
+            let Some(i) = self.running.iter().position(|s| s.state() == Some(c.state)) else {
+                continue;
+            };
             let seq = &mut self.running[i];
+            if c.spec.is_some() {
+                seq.drafts = out.drafts.get(ci).cloned().unwrap_or_default();
+            }
             let prompt_part = seq.prompt_len().saturating_sub(c.pos0).min(c.tokens.len());
             self.stats.prompt_tokens_total += prompt_part as u64;
+            if c.spec.is_some_and(|s| s.drafts > 0) {
+                // Its tokens are the sequence's once verified, below.
+                verify.push((i, ci, first_row));
+                continue;
+            }
             if c.logits == LogitRows::All {
                 let n = seq.req.sampling.logprobs.unwrap_or(0);
                 for r in 0..rows {
@@ -100,6 +101,11 @@ impl<E: Executor> Engine<E> {
             }
             to_sample[i] = Some(first_row + rows - 1);
         }
+        for (i, ci, first_row) in verify {
+            if let Some(end) = self.apply_verified(i, &plan.chunks[ci], first_row, &mut out) {
+                done.push(end);
+            }
+        }
         // The rows the executor sampled itself: those the plan gave a `ChunkSampling` (where a row is
         // sampled was decided then, see `schedule::device_sampling`, with its uniform reserved). Every
         // other row came back as logits and is sampled here.
@@ -108,13 +114,8 @@ impl<E: Executor> Engine<E> {
                 continue;
             };
             *r = None;
-            let s = s.map(|s| Sampled {
-                id: s.id,
-                logprob: s.logprob,
-                top_logprobs: Vec::new(),
-            });
             self.running[i].sampler.discard_reserved();
-            if let Some(end) = self.accept_sampled(i, s) {
+            if let Some(end) = self.accept_sampled(i, drawn(s)) {
                 done.push(end);
             }
         }
@@ -177,6 +178,79 @@ impl<E: Executor> Engine<E> {
             }
         }
         self.finish_done(done);
+    }
+
+    /// Applies a verify step of running sequence `i` (chunk `c`, whose logit rows start at
+    /// `first_row`, all drawn by the executor): emits the drawn tokens up to the first that differs
+    /// from its draft (`crate::sampler::speculative`), or all of them and the bonus token. When
+    /// every draft was accepted the caches hold the chunk; otherwise the state before the step is
+    /// restored and the chunk's accepted tokens are computed again with the next step (their K/V
+    /// rows are rewritten with the same values). Returns how the sequence ends, if it does.
+    fn apply_verified(
+        &mut self,
+        i: usize,
+        c: &PlannedChunk,
+        first_row: usize,
+        out: &mut StepLogits,
+    ) -> Option<(usize, FinishReason, Option<StopReason>)> {
+        let k = c.spec.map_or(0, |s| s.drafts);
+        let drafts = &c.tokens[c.tokens.len() - k..];
+        let mut draws = (0..=k).map(|j| {
+            out.take_sampled(first_row + j)
+                .unwrap_or_else(|| Err("the executor drew no token for a verify row".to_string()))
+        });
+        let mut end = None;
+        let mut accepted = 0;
+        let verdict = verify_drafts(drafts, |j| {
+            let s = draws.next().expect("one draw per verify row");
+            self.running[i].sampler.discard_reserved();
+            let id = s.as_ref().map(|s| s.id).ok();
+            end = self.accept_sampled(i, drawn(s));
+            if j < k && id == Some(drafts[j]) {
+                accepted += 1;
+            }
+            // An ended sequence draws no further.
+            match (&end, id) {
+                (None, Some(id)) => Ok(id),
+                _ => Err(()),
+            }
+        });
+        debug_assert!(verdict.map_or(true, |v| v.accepted == accepted));
+        let st = &mut self.stats;
+        st.spec_decode_num_drafts_total += 1;
+        st.spec_decode_num_draft_tokens_total += k as u64;
+        st.spec_decode_num_accepted_tokens_total += accepted as u64;
+        let per_pos = &mut st.spec_decode_num_accepted_tokens_per_pos_total;
+        if per_pos.len() < k {
+            per_pos.resize(k, 0);
+        }
+        for n in &mut per_pos[..accepted] {
+            *n += 1;
+        }
+        if end.is_some() {
+            return end;
+        }
+        let seq = &mut self.running[i];
+        let cache = seq.cache.as_mut().expect("running sequences hold caches");
+        if accepted < k {
+            let snapshot = seq
+                .snapshot
+                .expect("a verify step keeps the state before it");
+            return match self.executor.copy_state(snapshot, cache.state) {
+                Ok(()) => None,
+                Err(e) => Some((i, FinishReason::Error(e), None)),
+            };
+        }
+        seq.num_computed = c.pos0 + c.tokens.len();
+        let progress = Progress {
+            tokens: &seq.tokens,
+            before: c.pos0,
+            after: seq.num_computed,
+            prompt_len: seq.req.prompt.len(),
+            checkpoint_at: &seq.req.checkpoint_at,
+        };
+        self.cache.after_step(&mut self.executor, cache, &progress);
+        None
     }
 
     /// Appends a sampled token (or fails the sequence), records its latency and asks for the next grammar
@@ -266,4 +340,14 @@ impl<E: Executor> Engine<E> {
         }
         self.finish_done(done);
     }
+}
+
+/// A token the executor drew, as the host sampler reports one (no top log-probabilities: a row
+/// that asks for them is drawn on the host).
+fn drawn(s: Result<sanmai_model::sample::Sampled, String>) -> Result<Sampled, String> {
+    s.map(|s| Sampled {
+        id: s.id,
+        logprob: s.logprob,
+        top_logprobs: Vec::new(),
+    })
 }

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 
 use super::Engine;
 use crate::api::FinishReason;
-use crate::executor::{ChunkSampling, Executor, LogitRows, PlannedChunk, StepPlan};
+use crate::executor::{ChunkSampling, Executor, LogitRows, PlannedChunk, SpecChunk, StepPlan};
 use crate::sequence::Sequence;
 
 impl<E: Executor> Engine<E> {
@@ -43,10 +43,11 @@ impl<E: Executor> Engine<E> {
                 continue;
             };
             let len = self.chunk_len(&self.running[i], budget);
+            let (drafts, propose) = self.draft_plan(&self.running[i], len, budget);
             let mut wait = false;
             loop {
                 let seq = &mut self.running[i];
-                let end = seq.num_computed + len;
+                let end = seq.num_computed + len + drafts + propose.saturating_sub(1);
                 if self
                     .cache
                     .ensure(&mut self.executor, seq.cache.as_mut().unwrap(), end)
@@ -76,11 +77,13 @@ impl<E: Executor> Engine<E> {
             let Some(i) = self.running.iter().position(|s| s.req.id == id) else {
                 continue;
             };
-            let mut c = self.chunk(&self.running[i], len);
+            let drafts = self.take_snapshot(i, drafts);
+            let mut c = self.chunk(&self.running[i], len, drafts, propose);
             c.sampling = device_sampling(
                 &mut self.running[i],
                 c.logits,
-                self.executor.samples_on_device(),
+                &c.tokens[len..],
+                self.executor.samples_on_device() || c.spec.is_some(),
                 self.cfg.valid_vocab,
                 &self.cfg.eos_ids,
             );
@@ -115,10 +118,9 @@ impl<E: Executor> Engine<E> {
                 seq.cached_tokens = cached;
             }
             let len = self.chunk_len(&seq, budget);
-            if !self
-                .cache
-                .ensure(&mut self.executor, &mut cache, seq.num_computed + len)
-            {
+            let (_, propose) = self.draft_plan(&seq, len, budget);
+            let end = seq.num_computed + len + propose.saturating_sub(1);
+            if !self.cache.ensure(&mut self.executor, &mut cache, end) {
                 self.cache.free(&mut self.executor, cache);
                 seq.num_computed = 0;
                 self.waiting.push_front(seq);
@@ -133,11 +135,12 @@ impl<E: Executor> Engine<E> {
             if lookup {
                 self.cache.record_admission(seq.tokens.len(), cached);
             }
-            let mut c = self.chunk(&seq, len);
+            let mut c = self.chunk(&seq, len, 0, propose);
             c.sampling = device_sampling(
                 &mut seq,
                 c.logits,
-                self.executor.samples_on_device(),
+                &[],
+                self.executor.samples_on_device() || c.spec.is_some(),
                 self.cfg.valid_vocab,
                 &self.cfg.eos_ids,
             );
@@ -176,10 +179,14 @@ impl<E: Executor> Engine<E> {
         len
     }
 
-    fn chunk(&self, seq: &Sequence, len: usize) -> PlannedChunk {
+    /// `len` of `seq`'s tokens, then `drafts` of its drafts to verify; the MTP head is to propose
+    /// `propose` drafts after the step (for a sequence that drafts).
+    fn chunk(&self, seq: &Sequence, len: usize, drafts: usize, propose: usize) -> PlannedChunk {
         let end = seq.num_computed + len;
         let logits = if seq.req.prompt_logprobs && seq.num_output() == 0 {
             LogitRows::All
+        } else if drafts > 0 {
+            LogitRows::Tail(drafts + 1)
         } else if end == seq.tokens.len() {
             LogitRows::Last
         } else {
@@ -187,15 +194,85 @@ impl<E: Executor> Engine<E> {
         };
         let cache = seq.cache.as_ref().expect("scheduled sequences hold caches");
         let past = self.history_tokens.min(seq.num_computed);
+        let mut tokens = seq.tokens[seq.num_computed..end].to_vec();
+        tokens.extend_from_slice(&seq.drafts[..drafts]);
         PlannedChunk {
             request: seq.key(),
             history: seq.tokens[seq.num_computed - past..seq.num_computed].to_vec(),
             state: cache.state,
             blocks: cache.blocks.clone(),
             pos0: seq.num_computed,
-            tokens: seq.tokens[seq.num_computed..end].to_vec(),
+            tokens,
             logits,
-            sampling: None,
+            sampling: Vec::new(),
+            spec: self.drafts(seq).then(|| SpecChunk {
+                drafts,
+                next: seq.tokens.get(end).copied(),
+                propose,
+            }),
+        }
+    }
+
+    /// Whether `seq` drafts with the MTP head: speculative decoding is on and nothing about the
+    /// request needs its rows on the host (a grammar, top log-probabilities, prompt
+    /// log-probabilities).
+    fn drafts(&self, seq: &Sequence) -> bool {
+        self.cfg.num_speculative_tokens > 0
+            && seq.constraint.is_none()
+            && !seq.req.prompt_logprobs
+            && seq.req.sampling.logprobs.unwrap_or(0) == 0
+    }
+
+    /// For a chunk of `len` of `seq`'s pending tokens: how many of its drafts to verify with them,
+    /// and how many the MTP head is to propose after the step. Drafts are verified only after the
+    /// sequence's last token, within the step's token budget, the request's remaining tokens, the
+    /// context and the next state checkpoint; and not after a chunk that already repeats a rejected
+    /// verify's tokens (so that chunk cannot grow). The head proposes after a chunk that ends the
+    /// sequence's tokens, as many as the context has positions for.
+    fn draft_plan(&self, seq: &Sequence, len: usize, budget: usize) -> (usize, usize) {
+        let k = self.cfg.num_speculative_tokens;
+        let end = seq.num_computed + len;
+        if !self.drafts(seq) || end < seq.tokens.len() {
+            return (0, 0);
+        }
+        let room = self.cfg.max_model_len.saturating_sub(end);
+        let mut drafts = seq
+            .drafts
+            .len()
+            .min(k)
+            .min(budget.saturating_sub(len))
+            .min(seq.max_tokens.saturating_sub(seq.num_output() + 1))
+            .min(room.saturating_sub(1));
+        if len > k + 1 {
+            drafts = 0;
+        }
+        if let Some(b) =
+            self.cache
+                .next_boundary(seq.num_computed, seq.prompt_len(), &seq.req.checkpoint_at)
+        {
+            drafts = drafts.min(b.saturating_sub(end));
+        }
+        (drafts, k.min(room.saturating_sub(drafts) + 1))
+    }
+
+    /// Keeps the state of running sequence `i` before a step that verifies `drafts` drafts, in its
+    /// snapshot slot; returns the drafts to verify (none when no slot could be had).
+    fn take_snapshot(&mut self, i: usize, drafts: usize) -> usize {
+        if drafts == 0 {
+            return 0;
+        }
+        let seq = &mut self.running[i];
+        let state = seq.state().expect("scheduled sequences hold caches");
+        let slot = match seq.snapshot {
+            Some(s) => s,
+            None => match self.executor.alloc_state() {
+                Ok(s) => *seq.snapshot.insert(s),
+                Err(_) => return 0,
+            },
+        };
+        match self.executor.copy_state(state, slot) {
+            Ok(()) => drafts,
+            Err(_) => 0,
         }
     }
 
@@ -205,8 +282,12 @@ impl<E: Executor> Engine<E> {
         if let Some(c) = seq.cache.take() {
             self.cache.free(&mut self.executor, c);
         }
+        if let Some(s) = seq.snapshot.take() {
+            self.executor.free_state(s);
+        }
         self.executor.cancel_prefetch(seq.key());
         seq.num_computed = 0;
+        seq.drafts.clear();
         // Recomputing gives the late position's logits again.
         seq.deferred = false;
         if seq.num_output() == 0 {
@@ -227,16 +308,47 @@ impl<E: Executor> Engine<E> {
 /// and a grammar's mask is in hand (a late or failed one is the host's to wait for or report). Else
 /// `None`: the step returns the row's logits and the host samples them. Reserves the draw's uniform
 /// from the sequence's stream, so the token is the same whichever side samples it.
+///
+/// A chunk that verifies `drafts` gets one row per draft besides its last token's: row `j` is drawn
+/// as a step without drafts would after `drafts[..j]` (their penalty counts, `min_tokens`), with the
+/// `j`-th uniform from now (such a sequence has no grammar).
 pub(super) fn device_sampling(
     seq: &mut Sequence,
     logits: LogitRows,
+    drafts: &[u32],
     on_device: bool,
     valid_vocab: usize,
     eos: &[u32],
-) -> Option<ChunkSampling> {
-    if !on_device || logits != LogitRows::Last || seq.req.sampling.logprobs.unwrap_or(0) > 0 {
-        return None;
+) -> Vec<ChunkSampling> {
+    let last = matches!(logits, LogitRows::Last | LogitRows::Tail(_));
+    if !on_device || !last || seq.req.sampling.logprobs.unwrap_or(0) > 0 {
+        return Vec::new();
     }
+    let mut counts = seq.sampler.counts().clone();
+    let mut rows = Vec::with_capacity(drafts.len() + 1);
+    for j in 0..=drafts.len() {
+        if j > 0 {
+            counts.add_output_token(drafts[j - 1]);
+        }
+        let Some(mut s) = row_sampling(seq, j, valid_vocab, eos) else {
+            return Vec::new();
+        };
+        if s.params.uses_penalties() {
+            s.seen = counts.seen().to_vec();
+        }
+        rows.push(s);
+    }
+    rows
+}
+
+/// The sampling of the row `j` draws after the sequence's last token (see [`device_sampling`]),
+/// its penalty counts left empty; `None` when its grammar mask is not in hand.
+fn row_sampling(
+    seq: &mut Sequence,
+    j: usize,
+    valid_vocab: usize,
+    eos: &[u32],
+) -> Option<ChunkSampling> {
     let words = valid_vocab.div_ceil(32);
     let mut allowed = match seq.constraint.as_mut() {
         Some(c) if c.active() => {
@@ -254,7 +366,7 @@ pub(super) fn device_sampling(
         }
         _ => None,
     };
-    if seq.num_output() < seq.req.stop.min_tokens {
+    if seq.num_output() + j < seq.req.stop.min_tokens {
         // Too early to stop: end tokens cannot be drawn.
         let m = allowed.get_or_insert_with(|| vec![u32::MAX; words]);
         for &id in eos.iter().chain(&seq.req.stop.stop_token_ids) {
@@ -266,16 +378,12 @@ pub(super) fn device_sampling(
     let params = seq.req.sampling.clone();
     Some(ChunkSampling {
         valid_vocab,
-        seen: if params.uses_penalties() {
-            seq.sampler.counts().seen().to_vec()
-        } else {
-            Vec::new()
-        },
+        seen: Vec::new(),
         allowed,
         uniform: if params.is_greedy() {
             0.0
         } else {
-            seq.sampler.reserve_uniform()
+            seq.sampler.reserve_uniform_at(j)
         },
         params,
     })

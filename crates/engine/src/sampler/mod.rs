@@ -14,6 +14,8 @@ pub mod penalties;
 mod rng;
 pub mod speculative;
 
+use std::collections::VecDeque;
+
 use thiserror::Error;
 
 use sanmai_model::sample::{RowError, RowSampling};
@@ -79,8 +81,9 @@ pub struct SamplerState {
     rng: Rng,
     counts: TokenCounts,
     track: bool,
-    /// A uniform drawn ahead for a step that samples on the device, used by whichever path samples it.
-    reserved: Option<f64>,
+    /// Uniforms drawn ahead for the next draws (a step that samples on the device, a verify step's
+    /// rows), used in order by whichever path draws them.
+    reserved: VecDeque<f64>,
 }
 
 impl SamplerState {
@@ -95,7 +98,7 @@ impl SamplerState {
                 TokenCounts::new()
             },
             track,
-            reserved: None,
+            reserved: VecDeque::new(),
         }
     }
 
@@ -119,17 +122,30 @@ impl SamplerState {
     /// The uniform of the next draw, drawn now and kept until that draw happens (the same value
     /// however often this is called before it).
     pub fn reserve_uniform(&mut self) -> f64 {
-        *self.reserved.get_or_insert_with(|| self.rng.next_f64())
+        self.reserve_uniform_at(0)
     }
 
-    /// Forgets the reserved uniform: the draw it was for happened elsewhere (on the device).
+    /// The uniform of the draw `i` draws from now (0: the next), drawn now and kept until that draw
+    /// happens: a verify step reserves one per row, and the rows it does not draw leave theirs to
+    /// the draws that follow, so the stream is the one a step without drafts would read.
+    pub fn reserve_uniform_at(&mut self, i: usize) -> f64 {
+        while self.reserved.len() <= i {
+            let u = self.rng.next_f64();
+            self.reserved.push_back(u);
+        }
+        self.reserved[i]
+    }
+
+    /// Forgets the next reserved uniform: the draw it was for happened elsewhere (on the device).
     pub fn discard_reserved(&mut self) {
-        self.reserved = None;
+        self.reserved.pop_front();
     }
 
-    /// The uniform of the draw happening now: the reserved one, else the next of the stream.
+    /// The uniform of the draw happening now: the next reserved one, else the next of the stream.
     pub fn take_uniform(&mut self) -> f64 {
-        self.reserved.take().unwrap_or_else(|| self.rng.next_f64())
+        self.reserved
+            .pop_front()
+            .unwrap_or_else(|| self.rng.next_f64())
     }
 }
 

@@ -6,6 +6,8 @@ use anyhow::{bail, Result};
 use clap::Args;
 use sanmai_model::{Backend, Model, OutRows, Probe, StepChunk, StepInput, StepStart};
 
+use crate::bench_mtp;
+use crate::engine_args::Speculative;
 use crate::load::{Loaded, ModelArgs, OnModel};
 
 #[derive(Args, Debug)]
@@ -21,6 +23,11 @@ pub struct BenchArgs {
     /// Tokens decoded per sequence.
     #[arg(long, default_value_t = 128)]
     pub gen_len: usize,
+    /// Also measure MTP drafting ('{"method": "mtp", "num_speculative_tokens": K}', as `serve`
+    /// takes it): verify and draft step times per batch size, and the engine's decode with drafts
+    /// forced to the plain decode's tokens.
+    #[arg(long, value_name = "JSON")]
+    pub speculative_config: Option<String>,
 }
 
 /// Block size of the benchmark's caches.
@@ -89,11 +96,23 @@ fn chunk<'a>(
     }
 }
 
-fn bench<B: Probe>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
+fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<()> {
     let m = loaded.single("sanmai bench")?;
     if args.prompt_len == 0 || args.gen_len == 0 || args.batch.contains(&0) {
         bail!("--prompt-len, --gen-len and --batch must be positive");
     }
+    let k = match &args.speculative_config {
+        Some(json) => {
+            let k = Speculative::parse(json)?.num_speculative_tokens;
+            if m.mtp.is_none() {
+                bail!("--speculative-config: the model has no MTP head");
+            }
+            k
+        }
+        None => 0,
+    };
+    // Each batch size's sequences (prompt, plain greedy output and the token after it).
+    let mut plain = Vec::new();
     let vocab = loaded.valid_vocab as u64;
     println!("model: {} on {}", loaded.name, loaded.device);
     let bandwidth = m.backend.copy_bandwidth()?;
@@ -109,7 +128,12 @@ fn bench<B: Probe>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
             .collect();
         // Each sequence gets a contiguous run of blocks for its whole length (and the untimed step
         // that records the routing).
-        let per_seq = (args.prompt_len + args.gen_len + 1).div_ceil(BLOCK) as u32;
+        let extra = if k > 0 {
+            bench_mtp::extra_positions(k)
+        } else {
+            0
+        };
+        let per_seq = (args.prompt_len + args.gen_len + 1 + extra).div_ceil(BLOCK) as u32;
         m.init_cache(per_seq as usize * batch, BLOCK)?;
         let seqs_cache: Vec<(usize, Vec<u32>)> = (0..batch as u32)
             .map(|i| {
@@ -168,11 +192,27 @@ fn bench<B: Probe>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
         step_logits(m, &chunks)?;
         let routed = m.backend.take_routing();
         m.backend.record_routing(false);
+        let total: f64 = steps.iter().sum();
+        let itl = median(&mut steps);
+        if k > 0 {
+            for (h, &n) in hist.iter_mut().zip(&next) {
+                h.push(n);
+            }
+            let seqs: Vec<bench_mtp::Seq> = seqs_cache
+                .iter()
+                .zip(&hist)
+                .map(|((state, blocks), h)| bench_mtp::Seq {
+                    tokens: h,
+                    state: *state,
+                    blocks,
+                })
+                .collect();
+            bench_mtp::verify_and_draft(m, &seqs, k, itl)?;
+            plain.push((batch, hist));
+        }
         for (state, _) in seqs_cache {
             m.backend.free_state(state);
         }
-        let total: f64 = steps.iter().sum();
-        let itl = median(&mut steps);
         let decode_tok_s = (batch * args.gen_len) as f64 / total;
         println!(
             "batch {batch}: prefill {:.1} tok/s (TTFT median {:.1} ms, prompt {} tokens) | decode {:.1} tok/s, \
@@ -209,6 +249,17 @@ fn bench<B: Probe>(args: BenchArgs, loaded: Loaded<B>) -> Result<()> {
             ceiling,
             100.0 * decode_tok_s / ceiling
         );
+    }
+    if k > 0 {
+        let model = loaded.stages.pop().expect("one stage");
+        bench_mtp::forced_end_to_end(
+            model,
+            loaded.valid_vocab,
+            &plain,
+            args.prompt_len,
+            args.gen_len,
+            k,
+        )?;
     }
     Ok(())
 }

@@ -198,6 +198,25 @@ impl Constrained {
         })
     }
 
+    /// The masks of the positions a verify step draws after the next one: row `i` (of
+    /// [`mask_words`] words) is the mask after `drafts[..i]`, for the drafts' prefix the grammar
+    /// allows; `None` unless the next position's mask is in hand (see
+    /// [`GrammarMatcher::draft_masks`]). Computed here, on the caller's thread.
+    pub fn draft_masks(&mut self, drafts: &[u32]) -> Option<Result<Vec<Vec<u32>>, String>> {
+        if !self.poll() {
+            return None;
+        }
+        let job = self.job.as_mut()?;
+        let words = job.mask.len();
+        let mut out = vec![0u32; words * (drafts.len() + 1)];
+        Some(
+            job.matcher
+                .draft_masks(drafts, &mut out)
+                .map(|rows| out.chunks(words).take(rows).map(<[u32]>::to_vec).collect())
+                .map_err(|e| e.to_string()),
+        )
+    }
+
     /// Accepts a sampled token; `output` is the output so far, the token included.
     pub fn accept(&mut self, token: u32, output: &[u32]) -> Accepted {
         if !self.active {

@@ -102,6 +102,9 @@ pub fn render(m: &MetricsSnapshot, model_name: &str) -> String {
     if let Some(h) = &m.kv_host {
         kv_host(&mut out, &label, h);
     }
+    if !m.spec_decode_num_accepted_tokens_per_pos_total.is_empty() {
+        spec_decode(&mut out, &label, m);
+    }
     if !m.stages.is_empty() {
         type Counter = (&'static str, &'static str, fn(&StageTimes) -> f64);
         let stage: [Counter; 2] = [
@@ -224,6 +227,40 @@ fn escape(s: &str) -> String {
     s.replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace('\n', "\\n")
+}
+
+/// The speculative-decoding counters (a server with `--speculative-config`), under vLLM's names.
+fn spec_decode(out: &mut String, label: &str, m: &MetricsSnapshot) {
+    let counters: [(&str, &str, u64); 3] = [
+        (
+            "spec_decode_num_drafts_total",
+            "Number of spec decoding drafts.",
+            m.spec_decode_num_drafts_total,
+        ),
+        (
+            "spec_decode_num_draft_tokens_total",
+            "Number of draft tokens.",
+            m.spec_decode_num_draft_tokens_total,
+        ),
+        (
+            "spec_decode_num_accepted_tokens_total",
+            "Number of accepted tokens.",
+            m.spec_decode_num_accepted_tokens_total,
+        ),
+    ];
+    for (name, help, v) in counters {
+        metric(out, name, "counter", help);
+        let _ = writeln!(out, "sanmai:{name}{{{label}}} {v}");
+    }
+    let name = "spec_decode_num_accepted_tokens_per_pos_total";
+    metric(out, name, "counter", "Accepted tokens per draft position.");
+    for (k, v) in m
+        .spec_decode_num_accepted_tokens_per_pos_total
+        .iter()
+        .enumerate()
+    {
+        let _ = writeln!(out, "sanmai:{name}{{{label},position=\"{k}\"}} {v}");
+    }
 }
 
 #[cfg(test)]
@@ -351,6 +388,32 @@ mod tests {
             0.0
         );
         assert!(!text.contains("sanmai:qsa_row_cache_hits_total{"));
+    }
+
+    #[test]
+    fn speculative_decoding_counters_appear_with_drafting() {
+        let text = render(&MetricsSnapshot::default(), "m");
+        assert!(!text.contains("spec_decode"), "no drafting, no series");
+        let m = MetricsSnapshot {
+            spec_decode_num_drafts_total: 10,
+            spec_decode_num_draft_tokens_total: 20,
+            spec_decode_num_accepted_tokens_total: 13,
+            spec_decode_num_accepted_tokens_per_pos_total: vec![8, 5],
+            ..MetricsSnapshot::default()
+        };
+        let text = render(&m, "m");
+        let l = "model_name=\"m\"";
+        for (name, v) in [
+            ("spec_decode_num_drafts_total", 10.0),
+            ("spec_decode_num_draft_tokens_total", 20.0),
+            ("spec_decode_num_accepted_tokens_total", 13.0),
+        ] {
+            assert_eq!(sample(&text, &format!("sanmai:{name}{{{l}}}")), v, "{name}");
+            assert!(text.contains(&format!("# TYPE sanmai:{name} counter")));
+        }
+        let p = "sanmai:spec_decode_num_accepted_tokens_per_pos_total";
+        assert_eq!(sample(&text, &format!("{p}{{{l},position=\"0\"}}")), 8.0);
+        assert_eq!(sample(&text, &format!("{p}{{{l},position=\"1\"}}")), 5.0);
     }
 
     #[test]

@@ -249,6 +249,7 @@ pub fn start<E: Executor + 'static>(
         max_waiting: cfg.max_waiting,
         waiting: AtomicUsize::new(0),
     });
+    let per_pos = vec![0; cfg.num_speculative_tokens];
     let mut engine = Engine {
         cache,
         sampler: Sampler::new(cfg.valid_vocab),
@@ -261,7 +262,11 @@ pub fn start<E: Executor + 'static>(
         in_flight: 0,
         metrics: metrics.clone(),
         limits: limits.clone(),
-        stats: MetricsSnapshot::default(),
+        stats: MetricsSnapshot {
+            // Drafting shows its counters from the start.
+            spec_decode_num_accepted_tokens_per_pos_total: per_pos,
+            ..MetricsSnapshot::default()
+        },
         masks: MaskWorkers::new(2),
         history_tokens: g.history_tokens,
     };

@@ -205,8 +205,10 @@ impl<E: Executor> Engine<E> {
             let s = draws.next().expect("one draw per verify row");
             self.running[i].sampler.discard_reserved();
             let id = s.as_ref().map(|s| s.id).ok();
-            end = self.accept_sampled(i, drawn(s));
-            if j < k && id == Some(drafts[j]) {
+            let more = j < k && id == Some(drafts[j]);
+            // The grammar's next mask is asked for after the last token this step emits.
+            end = self.accept_drawn(i, drawn(s), !more);
+            if more {
                 accepted += 1;
             }
             // An ended sequence draws no further.
@@ -260,6 +262,17 @@ impl<E: Executor> Engine<E> {
         i: usize,
         s: Result<Sampled, String>,
     ) -> Option<(usize, FinishReason, Option<StopReason>)> {
+        self.accept_drawn(i, s, true)
+    }
+
+    /// [`Self::accept_sampled`], asking for the next grammar mask only when `last` (no other token
+    /// of this step follows).
+    fn accept_drawn(
+        &mut self,
+        i: usize,
+        s: Result<Sampled, String>,
+        last: bool,
+    ) -> Option<(usize, FinishReason, Option<StopReason>)> {
         let sampled = match s {
             Ok(s) => s,
             Err(e) => return Some((i, FinishReason::Error(e), None)),
@@ -286,7 +299,7 @@ impl<E: Executor> Engine<E> {
         match outcome {
             Appended::Finished(reason, stop) => Some((i, reason, stop)),
             Appended::Continue => {
-                if let Some(c) = seq.constraint.as_mut() {
+                if let Some(c) = seq.constraint.as_mut().filter(|_| last) {
                     // Computed while the model runs the next step.
                     c.request_mask(&mut self.masks);
                 }

@@ -77,12 +77,14 @@ impl<E: Executor> Engine<E> {
             let Some(i) = self.running.iter().position(|s| s.req.id == id) else {
                 continue;
             };
+            let (drafts, masks) = self.legal_drafts(i, drafts);
             let drafts = self.take_snapshot(i, drafts);
             let mut c = self.chunk(&self.running[i], len, drafts, propose);
             c.sampling = device_sampling(
                 &mut self.running[i],
                 c.logits,
                 &c.tokens[len..],
+                &masks,
                 self.executor.samples_on_device() || c.spec.is_some(),
                 self.cfg.valid_vocab,
                 &self.cfg.eos_ids,
@@ -139,6 +141,7 @@ impl<E: Executor> Engine<E> {
             c.sampling = device_sampling(
                 &mut seq,
                 c.logits,
+                &[],
                 &[],
                 self.executor.samples_on_device() || c.spec.is_some(),
                 self.cfg.valid_vocab,
@@ -214,11 +217,9 @@ impl<E: Executor> Engine<E> {
     }
 
     /// Whether `seq` drafts with the MTP head: speculative decoding is on and nothing about the
-    /// request needs its rows on the host (a grammar, top log-probabilities, prompt
-    /// log-probabilities).
+    /// request needs its rows on the host (top log-probabilities, prompt log-probabilities).
     fn drafts(&self, seq: &Sequence) -> bool {
         self.cfg.num_speculative_tokens > 0
-            && seq.constraint.is_none()
             && !seq.req.prompt_logprobs
             && seq.req.sampling.logprobs.unwrap_or(0) == 0
     }
@@ -253,6 +254,24 @@ impl<E: Executor> Engine<E> {
             drafts = drafts.min(b.saturating_sub(end));
         }
         (drafts, k.min(room.saturating_sub(drafts) + 1))
+    }
+
+    /// The first `drafts` of running sequence `i`'s drafts cut to the prefix its grammar allows,
+    /// with the grammar's mask at each verify row (none without a grammar). A sequence whose
+    /// grammar is not yet active (it starts after a trigger, which a draft might complete) or whose
+    /// next mask is not in hand verifies none.
+    fn legal_drafts(&mut self, i: usize, drafts: usize) -> (usize, Vec<Vec<u32>>) {
+        let seq = &mut self.running[i];
+        let Some(c) = seq.constraint.as_mut().filter(|_| drafts > 0) else {
+            return (drafts, Vec::new());
+        };
+        if !c.active() {
+            return (0, Vec::new());
+        }
+        match c.draft_masks(&seq.drafts[..drafts]) {
+            Some(Ok(masks)) => (masks.len() - 1, masks),
+            _ => (0, Vec::new()),
+        }
     }
 
     /// Keeps the state of running sequence `i` before a step that verifies `drafts` drafts, in its
@@ -311,11 +330,13 @@ impl<E: Executor> Engine<E> {
 ///
 /// A chunk that verifies `drafts` gets one row per draft besides its last token's: row `j` is drawn
 /// as a step without drafts would after `drafts[..j]` (their penalty counts, `min_tokens`), with the
-/// `j`-th uniform from now (such a sequence has no grammar).
+/// `j`-th uniform from now, and for a sequence with a grammar `masks[j]` (the grammar's mask after
+/// `drafts[..j]`, see [`Constrained::draft_masks`](crate::masks::Constrained::draft_masks)).
 pub(super) fn device_sampling(
     seq: &mut Sequence,
     logits: LogitRows,
     drafts: &[u32],
+    masks: &[Vec<u32>],
     on_device: bool,
     valid_vocab: usize,
     eos: &[u32],
@@ -330,7 +351,7 @@ pub(super) fn device_sampling(
         if j > 0 {
             counts.add_output_token(drafts[j - 1]);
         }
-        let Some(mut s) = row_sampling(seq, j, valid_vocab, eos) else {
+        let Some(mut s) = row_sampling(seq, j, masks.get(j), valid_vocab, eos) else {
             return Vec::new();
         };
         if s.params.uses_penalties() {
@@ -342,15 +363,22 @@ pub(super) fn device_sampling(
 }
 
 /// The sampling of the row `j` draws after the sequence's last token (see [`device_sampling`]),
-/// its penalty counts left empty; `None` when its grammar mask is not in hand.
+/// its penalty counts left empty, its grammar mask `mask` when given; `None` when its grammar mask
+/// is not in hand.
 fn row_sampling(
     seq: &mut Sequence,
     j: usize,
+    mask: Option<&Vec<u32>>,
     valid_vocab: usize,
     eos: &[u32],
 ) -> Option<ChunkSampling> {
     let words = valid_vocab.div_ceil(32);
     let mut allowed = match seq.constraint.as_mut() {
+        _ if mask.is_some() => mask.map(|m| {
+            let mut m = m.clone();
+            m.resize(words, 0);
+            m
+        }),
         Some(c) if c.active() => {
             if !c.poll() {
                 return None;

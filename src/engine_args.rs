@@ -76,9 +76,12 @@ pub struct EngineArgs {
 }
 
 /// `--speculative-config`, read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Speculative {
     pub num_speculative_tokens: usize,
+    /// `model`: a directory whose `mtp.*` tensors replace the checkpoint's (e.g. the INT4 head
+    /// `sanmai quantize --mtp-int4` writes); every other tensor still comes from the checkpoint.
+    pub model: Option<std::path::PathBuf>,
 }
 
 /// The most drafts a step may verify (a step's drafts and the head's chained rows stay within one
@@ -95,9 +98,9 @@ impl Speculative {
             .as_object()
             .ok_or_else(|| anyhow!("{flag}: expected a JSON object"))?;
         for key in obj.keys() {
-            if !["method", "num_speculative_tokens"].contains(&key.as_str()) {
+            if !["method", "num_speculative_tokens", "model"].contains(&key.as_str()) {
                 return Err(anyhow!(
-                    "{flag}: unknown key `{key}` (known: method, num_speculative_tokens)"
+                    "{flag}: unknown key `{key}` (known: method, num_speculative_tokens, model)"
                 ));
             }
         }
@@ -123,8 +126,26 @@ impl Speculative {
                     )
                 })? as usize,
         };
+        let model = match obj.get("model") {
+            None => None,
+            Some(m) => {
+                let dir = m.as_str().filter(|s| !s.is_empty()).ok_or_else(|| {
+                    anyhow!("{flag}: `model` must be the path of a directory, not {m}")
+                })?;
+                let dir = std::path::PathBuf::from(dir);
+                if !dir.is_dir() {
+                    let what = match dir.exists() {
+                        true => "not a directory",
+                        false => "no such directory",
+                    };
+                    return Err(anyhow!("{flag}: `model` {}: {what}", dir.display()));
+                }
+                Some(dir)
+            }
+        };
         Ok(Speculative {
             num_speculative_tokens: k,
+            model,
         })
     }
 }

@@ -1,18 +1,19 @@
 //! Where a model comes from: a checkpoint directory, random weights for a config file, or the built-in
 //! default model (random weights from a fixed seed plus the real Qwen3.5/3.6 vocabulary).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
+use clap::{ArgMatches, Args, FromArgMatches, ValueEnum};
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
 use sanmai_model::{builtin, Backend, Model, PleSource, Probe};
 use sanmai_ple::PrefetchOptions;
 use sanmai_tokenizer::Tokenizer;
-use sanmai_weights::{Checkpoint, Dummy, TensorSource};
+use sanmai_weights::{Checkpoint, Dummy, Overlay, TensorSource};
 
+use crate::engine_args::EngineArgs;
 use crate::stages::{Device, StageFlags, StageLayout};
 use crate::switches::SwitchArgs;
 
@@ -90,11 +91,58 @@ pub struct ModelArgs {
     /// stages before the last].
     #[arg(long)]
     pub pp_layer_partition: Option<String>,
+    // The command's `--speculative-config`, when it has one (no flag of its own).
+    #[command(flatten)]
+    pub speculative_config: SpeculativeFlag,
 }
 
-/// A checkpoint's config as the server loads it: without the MTP layer, since nothing drafts with
-/// the MTP head yet, so neither it nor the last stage's copy of the embedding it reads is held
-/// (nothing held for no use, nothing held twice). `sanmai plan` counts the same.
+/// `--speculative-config` as given to the command the model flags belong to, read from its matches
+/// when the command has that flag (`serve`, `generate`, `plan` through the engine flags, `bench` its
+/// own): the loader keeps
+/// the MTP head only for speculative decoding, and reads it from the `model` key's directory when
+/// there is one. It adds no flag of its own: the command's flag is the one read.
+///
+/// The model flags must come before the flag's owner in a command's struct: a derived parser takes
+/// its values out of the matches.
+#[derive(Debug, Clone, Default)]
+pub struct SpeculativeFlag(pub Option<String>);
+
+impl SpeculativeFlag {
+    /// The argument id of a command's `--speculative-config` (`EngineArgs::speculative_config`).
+    const ID: &'static str = "speculative_config";
+
+    fn read(m: &ArgMatches) -> Option<String> {
+        m.try_get_one::<String>(Self::ID).ok().flatten().cloned()
+    }
+}
+
+impl FromArgMatches for SpeculativeFlag {
+    fn from_arg_matches(m: &ArgMatches) -> Result<Self, clap::Error> {
+        Ok(SpeculativeFlag(Self::read(m)))
+    }
+
+    fn update_from_arg_matches(&mut self, m: &ArgMatches) -> Result<(), clap::Error> {
+        if let Some(json) = Self::read(m) {
+            self.0 = Some(json);
+        }
+        Ok(())
+    }
+}
+
+impl Args for SpeculativeFlag {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        cmd
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        cmd
+    }
+}
+
+/// A checkpoint's config as the server loads it without speculative decoding: without the MTP
+/// layer, which nothing drafts with then, so neither it nor the last stage's copy of the embedding
+/// it reads is held (nothing held for no use, nothing held twice). `sanmai plan` counts the same.
+/// With `--speculative-config` the loader keeps the config's MTP layer ([`ModelArgs::source`]).
 pub fn served(mut cfg: ModelConfig) -> ModelConfig {
     cfg.mtp_layers = 0;
     cfg
@@ -161,11 +209,59 @@ impl ModelArgs {
         self.stage_flags().layout(cfg.num_layers, default_device())
     }
 
-    /// Where the weights come from: the served name, the config (as [`served`]) and the tensor
-    /// source.
+    /// Where the weights come from: the served name, the config and the tensor source. Without
+    /// `--speculative-config` the config is [`served`] (no MTP layer); with it the MTP layer stays
+    /// (the model must have one), and its `model` key's directory gives the `mtp.*` tensors
+    /// through an [`Overlay`] over the checkpoint.
     pub fn source(&self) -> Result<(String, ModelConfig, Box<dyn TensorSource>)> {
         let (name, cfg, src) = self.source_as_written()?;
-        Ok((name, served(cfg), src))
+        let engine = EngineArgs {
+            speculative_config: self.speculative_config.0.clone(),
+            ..EngineArgs::default()
+        };
+        let Some(spec) = engine.speculative(&cfg)? else {
+            return Ok((name, served(cfg), src));
+        };
+        let src = match &spec.model {
+            Some(dir) => self.mtp_overlay(&name, src, dir)?,
+            None => src,
+        };
+        Ok((name, cfg, src))
+    }
+
+    /// `base` with its `mtp.*` tensors read from the checkpoint in `dir` (`--speculative-config`'s
+    /// `model`).
+    fn mtp_overlay(
+        &self,
+        name: &str,
+        base: Box<dyn TensorSource>,
+        dir: &Path,
+    ) -> Result<Box<dyn TensorSource>> {
+        let key = format!("--speculative-config: `model` {}", dir.display());
+        if self.load_format == LoadFormat::Dummy {
+            bail!(
+                "{key}: the MTP head is read over a checkpoint's weights, and --load-format dummy \
+                 makes up every weight (drop `model`, or load the checkpoint)"
+            );
+        }
+        if self.model.is_none() {
+            bail!(
+                "{key}: the MTP head is read over a checkpoint's weights: give it with --model DIR"
+            );
+        }
+        let mtp =
+            Checkpoint::open(dir).with_context(|| format!("{key}: opening the checkpoint"))?;
+        if !mtp.names().any(|n| n.starts_with("mtp.")) {
+            bail!("{key} has no MTP tensors (mtp.*)");
+        }
+        tracing::info!(model = %dir.display(), "the MTP head's tensors come from the speculative config's model");
+        Ok(Box::new(Overlay::new(
+            "mtp.",
+            base,
+            format!("the checkpoint {name}"),
+            Box::new(mtp),
+            format!("the MTP checkpoint {}", dir.display()),
+        )))
     }
 
     fn source_as_written(&self) -> Result<(String, ModelConfig, Box<dyn TensorSource>)> {
@@ -391,4 +487,37 @@ fn generation_max_new_tokens(dir: &std::path::Path) -> Option<usize> {
     let text = std::fs::read_to_string(dir.join("generation_config.json")).ok()?;
     let v: serde_json::Value = serde_json::from_str(&text).ok()?;
     v.get("max_new_tokens")?.as_u64().map(|n| n as usize)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{Args, Command};
+
+    fn parse<A: Args>(args: &[&str]) -> A {
+        let cmd = A::augment_args(Command::new("sanmai"));
+        cmd.clone().debug_assert();
+        A::from_arg_matches(&cmd.try_get_matches_from(args).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn model_flags_read_the_commands_speculative_config() {
+        let json = r#"{"method": "mtp", "model": "/x"}"#;
+        let argv = ["sanmai", "--model", "m", "--speculative-config", json];
+        let g: crate::generate::GenerateArgs = parse(&argv);
+        assert_eq!(g.model.speculative_config.0.as_deref(), Some(json));
+        assert_eq!(g.engine.speculative_config.as_deref(), Some(json));
+        let s: crate::serve::ServeArgs = parse(&argv);
+        assert_eq!(s.model.speculative_config.0.as_deref(), Some(json));
+        assert_eq!(s.engine.speculative_config.as_deref(), Some(json));
+        let p: crate::plan::PlanArgs = parse(&argv);
+        assert_eq!(p.model.speculative_config.0.as_deref(), Some(json));
+        let b: crate::bench::BenchArgs = parse(&argv);
+        assert_eq!(b.model.speculative_config.0.as_deref(), Some(json));
+        assert_eq!(b.speculative_config.as_deref(), Some(json));
+        // Without the flag.
+        let g: crate::generate::GenerateArgs = parse(&["sanmai", "--model", "m"]);
+        assert_eq!(g.model.speculative_config.0, None);
+        let b: crate::bench::BenchArgs = parse(&["sanmai", "--batch", "2"]);
+        assert_eq!(b.model.speculative_config.0, None);
+    }
 }

@@ -13,6 +13,7 @@ mod memory_plan;
 mod plan;
 mod ple;
 mod prometheus;
+mod quantize;
 mod serve;
 mod server_metrics;
 mod stages;
@@ -43,6 +44,9 @@ enum Command {
     Ple(ple::PleArgs),
     /// Print the GPU memory plan of a deployment (per pipeline stage) without loading anything.
     Plan(plan::PlanArgs),
+    /// Write a checkpoint's MTP head with its routed experts in INT4 (`--mtp-int4 DIR OUT`), for
+    /// --speculative-config's `model`.
+    Quantize(quantize::QuantizeArgs),
 }
 
 /// Runs the command; an error prints as one line, its causes joined (`Error: while: because`).
@@ -87,5 +91,6 @@ fn run(command: Command) -> anyhow::Result<()> {
         Command::Serve(args) => serve::run(args),
         Command::Ple(args) => ple::run(args),
         Command::Plan(args) => plan::run(args),
+        Command::Quantize(args) => quantize::run(args),
     }
 }

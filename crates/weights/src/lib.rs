@@ -15,11 +15,13 @@ mod checkpoint;
 mod dummy;
 pub mod fp8;
 pub mod names;
+pub mod overlay;
 pub mod quant;
 mod tensor;
 
 pub use checkpoint::Checkpoint;
 pub use dummy::Dummy;
+pub use overlay::Overlay;
 pub use quant::{PackedTensor, PackedWords};
 pub use tensor::{DType, HostTensor, TensorData};
 

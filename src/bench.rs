@@ -194,25 +194,6 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
         m.backend.record_routing(false);
         let total: f64 = steps.iter().sum();
         let itl = median(&mut steps);
-        if k > 0 {
-            for (h, &n) in hist.iter_mut().zip(&next) {
-                h.push(n);
-            }
-            let seqs: Vec<bench_mtp::Seq> = seqs_cache
-                .iter()
-                .zip(&hist)
-                .map(|((state, blocks), h)| bench_mtp::Seq {
-                    tokens: h,
-                    state: *state,
-                    blocks,
-                })
-                .collect();
-            bench_mtp::verify_and_draft(m, &seqs, k, itl)?;
-            plain.push((batch, hist));
-        }
-        for (state, _) in seqs_cache {
-            m.backend.free_state(state);
-        }
         let decode_tok_s = (batch * args.gen_len) as f64 / total;
         println!(
             "batch {batch}: prefill {:.1} tok/s (TTFT median {:.1} ms, prompt {} tokens) | decode {:.1} tok/s, \
@@ -249,6 +230,25 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
             ceiling,
             100.0 * decode_tok_s / ceiling
         );
+        if k > 0 {
+            for (h, &n) in hist.iter_mut().zip(&next) {
+                h.push(n);
+            }
+            let seqs: Vec<bench_mtp::Seq> = seqs_cache
+                .iter()
+                .zip(&hist)
+                .map(|((state, blocks), h)| bench_mtp::Seq {
+                    tokens: h,
+                    state: *state,
+                    blocks,
+                })
+                .collect();
+            bench_mtp::verify_and_draft(m, &seqs, k, itl)?;
+            plain.push((batch, hist));
+        }
+        for (state, _) in seqs_cache {
+            m.backend.free_state(state);
+        }
     }
     if k > 0 {
         let model = loaded.stages.pop().expect("one stage");

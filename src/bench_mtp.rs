@@ -215,20 +215,34 @@ pub fn forced_end_to_end<B: Probe + 'static>(
             .iter()
             .map(|(r, _)| engine.submit(r.clone()).map_err(|e| anyhow!("{e:?}")))
             .collect::<Result<_>>()?;
-        let (mut first, mut equal, mut tokens) = (0.0f64, 0, 0);
-        for (mut s, (_, want)) in streams.into_iter().zip(&wave) {
-            let mut ids = Vec::new();
-            while let Some(ev) = s.blocking_recv() {
-                if let EngineEvent::Tokens { ids: new, .. } = ev {
-                    if ids.is_empty() {
-                        first = first.max(started.elapsed().as_secs_f64());
-                    }
-                    ids.extend(new);
-                }
-            }
-            tokens += ids.len();
-            equal += usize::from(&ids == want);
-        }
+        // Each stream read on its own thread: when its first token came, and its tokens.
+        let got: Vec<(f64, Vec<u32>)> = std::thread::scope(|scope| {
+            let hs: Vec<_> = streams
+                .into_iter()
+                .map(|mut s| {
+                    scope.spawn(move || {
+                        let (mut first, mut ids) = (0.0, Vec::new());
+                        while let Some(ev) = s.blocking_recv() {
+                            if let EngineEvent::Tokens { ids: new, .. } = ev {
+                                if ids.is_empty() {
+                                    first = started.elapsed().as_secs_f64();
+                                }
+                                ids.extend(new);
+                            }
+                        }
+                        (first, ids)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let first = got.iter().map(|g| g.0).fold(0.0, f64::max);
+        let tokens: usize = got.iter().map(|g| g.1.len()).sum();
+        let equal = got
+            .iter()
+            .zip(&wave)
+            .filter(|(g, (_, want))| &g.1 == want)
+            .count();
         let total = started.elapsed().as_secs_f64();
         let m = engine.metrics();
         let drafted =

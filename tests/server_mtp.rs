@@ -1,0 +1,218 @@
+//! Speculative decoding with the built-in model's MTP head over HTTP: with `--speculative-config`
+//! (K = 1 and 2) the server answers concurrent greedy and seeded requests, a forced tool call
+//! streamed, and the same prompts again from the prefix cache, exactly as without it (text, token
+//! log-probabilities, usage, the streamed deltas); prefill runs in small chunks; a tiny K/V budget
+//! preempts and still gives the same text; the spec-decode counters move.
+
+mod server_support;
+
+use serde_json::{json, Value};
+use server_support::{chat, completion, ServerProc};
+
+const PATH: &str = "/v1/chat/completions";
+
+fn spec(k: usize) -> String {
+    format!(r#"{{"method": "mtp", "num_speculative_tokens": {k}}}"#)
+}
+
+/// What a request's answer must keep: its text (or tool calls), token log-probabilities and usage.
+fn answer(v: &Value) -> Value {
+    let c = &v["choices"][0];
+    json!({
+        "content": c["message"]["content"],
+        "tool_calls": c["message"]["tool_calls"],
+        "finish_reason": c["finish_reason"],
+        "logprobs": c["logprobs"]["content"].as_array().map(|a| a.iter().map(|t| json!([t["token"], t["logprob"]])).collect::<Vec<_>>()),
+        "usage": [v["usage"]["prompt_tokens"], v["usage"]["completion_tokens"]],
+    })
+}
+
+/// The requests: four greedy chats with log-probabilities and one seeded sampled chat, all at
+/// once; each answer as [`answer`] gives it.
+fn concurrent(s: &ServerProc) -> Vec<Value> {
+    let bodies: Vec<Value> = (0..4)
+        .map(|i| {
+            chat(
+                &format!("Request {i}: tell me a story about the number {}.", i * 17),
+                json!({"max_tokens": 24, "temperature": 0, "ignore_eos": true, "logprobs": true}),
+            )
+        })
+        .chain(std::iter::once(chat(
+            "Sample something.",
+            json!({"max_tokens": 24, "temperature": 1.0, "top_p": 0.9, "seed": 11,
+                   "presence_penalty": 0.5, "ignore_eos": true}),
+        )))
+        .collect();
+    std::thread::scope(|scope| {
+        let hs: Vec<_> = bodies
+            .iter()
+            .map(|b| {
+                scope.spawn(move || {
+                    let (status, v) = s.post(PATH, b);
+                    assert_eq!(status, 200, "{v}");
+                    answer(&v)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A forced tool call, streamed: the content of every chunk's delta.
+fn tool_call_deltas(s: &ServerProc) -> Vec<Value> {
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+        "days": {"type": "integer"}}, "required": ["city", "days"]}}}]);
+    let body = chat(
+        "What's the weather in Paris?",
+        json!({"max_tokens": 64, "temperature": 0, "stream": true, "tools": tools,
+               "tool_choice": "required"}),
+    );
+    let sse = s.stream(PATH, &body);
+    assert!(sse.done);
+    sse.chunks()
+        .map(|c| {
+            let mut d = c["choices"][0]["delta"].clone();
+            // Ids are per response.
+            if let Some(calls) = d["tool_calls"].as_array_mut() {
+                for call in calls {
+                    call.as_object_mut().unwrap().remove("id");
+                }
+            }
+            json!([d, c["choices"][0]["finish_reason"]])
+        })
+        .collect()
+}
+
+/// Everything [`concurrent`] and [`tool_call_deltas`] give, twice (the second round hits the
+/// prefix cache), with the server's spec-decode counters.
+fn run(args: &[&str]) -> (Vec<Value>, f64, f64) {
+    let s = ServerProc::start(args);
+    let mut out = concurrent(&s);
+    out.push(json!(tool_call_deltas(&s)));
+    let hits = s.metric("sanmai:prefix_cache_hits_total");
+    out.extend(concurrent(&s));
+    assert!(
+        s.metric("sanmai:prefix_cache_hits_total") > hits,
+        "the second round hits"
+    );
+    out.push(json!(tool_call_deltas(&s)));
+    let drafts = metric_or_zero(&s, "sanmai:spec_decode_num_draft_tokens_total");
+    let accepted = metric_or_zero(&s, "sanmai:spec_decode_num_accepted_tokens_total");
+    (out, drafts, accepted)
+}
+
+/// Equal answers: the same text, tokens, tool calls and usage, and log-probabilities within
+/// 1e-4 (a verify step computes a row among several, in another order than a decode step alone).
+fn assert_same(got: &Value, want: &Value, what: &str) {
+    match (got, want) {
+        (Value::Number(a), Value::Number(b)) => {
+            let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+            assert!((a - b).abs() <= 1e-4, "{what}: {a} vs {b}");
+        }
+        (Value::Array(a), Value::Array(b)) => {
+            assert_eq!(a.len(), b.len(), "{what}: {got} vs {want}");
+            for (x, y) in a.iter().zip(b) {
+                assert_same(x, y, what);
+            }
+        }
+        (Value::Object(a), Value::Object(b)) => {
+            assert_eq!(a.len(), b.len(), "{what}: {got} vs {want}");
+            for (k, x) in a {
+                assert_same(x, &b[k], &format!("{what}.{k}"));
+            }
+        }
+        _ => assert_eq!(got, want, "{what}"),
+    }
+}
+
+fn metric_or_zero(s: &ServerProc, name: &str) -> f64 {
+    let (_, text) = s.get("/metrics");
+    server_support::metric_in(&text, name).unwrap_or(0.0)
+}
+
+#[test]
+fn answers_with_mtp_drafts_equal_those_without() {
+    let chunked = ["--max-num-batched-tokens", "32"];
+    let (want, drafts, _) = run(&chunked);
+    assert_eq!(drafts, 0.0, "no drafts without --speculative-config");
+    for k in [1, 2] {
+        let json = spec(k);
+        let args = [&chunked[..], &["--speculative-config", &json]].concat();
+        let (got, drafts, accepted) = run(&args);
+        assert!(drafts > 0.0, "K = {k}: the head drafted");
+        assert!(accepted <= drafts);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_same(g, w, &format!("K = {k}: answer {i}"));
+        }
+    }
+}
+
+#[test]
+fn preemption_with_drafts_keeps_outputs() {
+    let json = spec(2);
+    let s = ServerProc::start(&[
+        "--max-model-len",
+        "256",
+        // 18 blocks of 16 tokens (the MTP layer's K/V included): one 224-token request fits, two
+        // do not.
+        "--kv-cache-memory-bytes",
+        "300000",
+        "--speculative-config",
+        &json,
+    ]);
+    let body = |i: usize| {
+        completion(
+            json!(format!("Story number {i} begins here and goes on")),
+            json!({"max_tokens": 200, "temperature": 0, "ignore_eos": true}),
+        )
+    };
+    let together: Vec<String> = std::thread::scope(|scope| {
+        let hs: Vec<_> = (0..2)
+            .map(|i| {
+                let s = &s;
+                let b = body(i);
+                scope.spawn(move || {
+                    let (status, v) = s.post("/v1/completions", &b);
+                    assert_eq!(status, 200, "{v}");
+                    v["choices"][0]["text"].as_str().unwrap().to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(s.metric("sanmai:num_preemptions_total") >= 1.0);
+    for (i, text) in together.iter().enumerate() {
+        let (_, alone) = s.post("/v1/completions", &body(i));
+        assert_eq!(
+            alone["choices"][0]["text"].as_str().unwrap(),
+            text,
+            "request {i}"
+        );
+    }
+    assert_eq!(s.metric("sanmai:num_requests_running"), 0.0);
+}
+
+#[test]
+fn a_bad_speculative_config_names_the_key() {
+    for (json, want) in [
+        (r#"{"method": "eagle"}"#, "`method`"),
+        (
+            r#"{"method": "mtp", "num_speculative_tokens": 0}"#,
+            "`num_speculative_tokens`",
+        ),
+        (r#"{"method": "mtp", "k": 2}"#, "unknown key `k`"),
+        ("not json", "not JSON"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_sanmai"))
+            .args(["generate", "--speculative-config", json, "--prompt", "hi"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{json}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--speculative-config") && err.contains(want),
+            "{json}: {err}"
+        );
+    }
+}

@@ -52,12 +52,39 @@ pub fn verify_and_draft<B: Backend>(
         .map(|s| vec![*s.tokens.last().unwrap(); k + 1])
         .collect();
     let (mut verify, mut draft) = (Vec::new(), Vec::new());
+    let pos0 = seqs[0].tokens.len() - 1;
+    // A decode step at the verify's first position, for its logits (the state put back after).
+    for (s, &snap) in seqs.iter().zip(&snaps) {
+        m.backend.copy_state(s.state, snap)?;
+    }
+    let chunks: Vec<StepChunk> = seqs
+        .iter()
+        .map(|s| StepChunk {
+            tokens: &s.tokens[pos0..],
+            history: &s.tokens[..pos0],
+            pos0,
+            state: s.state,
+            blocks: s.blocks,
+            out: OutRows::Last,
+        })
+        .collect();
+    let out = m.step(StepInput {
+        chunks: &chunks,
+        start: StepStart::Tokens,
+        hidden: false,
+    })?;
+    let (_, cols, decoded) = m
+        .backend
+        .to_host(out.logits.ok_or_else(|| anyhow!("no logits"))?)?;
+    for (s, &snap) in seqs.iter().zip(&snaps) {
+        m.backend.copy_state(snap, s.state)?;
+    }
+    let mut first_rows = Vec::new();
     for _ in 0..REPS {
         let t0 = Instant::now();
         for (s, &snap) in seqs.iter().zip(&snaps) {
             m.backend.copy_state(s.state, snap)?;
         }
-        let pos0 = seqs[0].tokens.len() - 1;
         let chunks: Vec<StepChunk> = seqs
             .iter()
             .zip(&rows)
@@ -76,8 +103,9 @@ pub fn verify_and_draft<B: Backend>(
             hidden: true,
         })?;
         let logits = out.logits.ok_or_else(|| anyhow!("no logits"))?;
-        m.backend.to_host(logits)?;
+        let (_, _, got) = m.backend.to_host(logits)?;
         verify.push(t0.elapsed().as_secs_f64());
+        first_rows = got;
 
         let t0 = Instant::now();
         let hidden = out.hidden.ok_or_else(|| anyhow!("no hidden states"))?;
@@ -121,6 +149,21 @@ pub fn verify_and_draft<B: Backend>(
     for s in snaps {
         m.backend.free_state(s);
     }
+    // Each sequence's first verify row against the decode step's row.
+    let (mut diff, mut scale, mut same) = (0f32, 0f32, 0);
+    for i in 0..batch {
+        let a = &decoded[i * cols..(i + 1) * cols];
+        let b = &first_rows[i * (k + 1) * cols..(i * (k + 1) + 1) * cols];
+        for (x, y) in a.iter().zip(b) {
+            diff = diff.max((x - y).abs());
+            scale = scale.max(x.abs());
+        }
+        same += usize::from(argmax(a) == argmax(b));
+    }
+    println!(
+        "  MTP K={k}: a verify's first row against a decode step at the same position: max |logit \
+         difference| {diff:.4} (max |logit| {scale:.2}); the same greedy token in {same} of {batch}"
+    );
     let (v, d) = (median(&mut verify), median(&mut draft));
     println!(
         "  MTP K={k}: verify step ({} rows a sequence, its state kept first) median {:.2} ms vs plain decode \

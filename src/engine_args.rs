@@ -69,8 +69,10 @@ pub struct EngineArgs {
     #[arg(long)]
     pub no_qsa_row_cache: bool,
     /// Speculative decoding with the checkpoint's MTP head, as vLLM's flag takes it:
-    /// '{"method": "mtp", "num_speculative_tokens": K}' (K drafts a step, 1 by default). Every
-    /// emitted token is drawn from the target model, so outputs are those without it.
+    /// '{"method": "mtp", "num_speculative_tokens": K}' (K drafts a step, 1 by default; "model":
+    /// DIR reads the head's mtp.* tensors from another checkpoint, such as `sanmai quantize
+    /// --mtp-int4` writes). Every emitted token is drawn from the target model, so outputs are
+    /// those without it.
     #[arg(long, value_name = "JSON")]
     pub speculative_config: Option<String>,
 }

@@ -583,6 +583,14 @@ fn profile<B: Backend>(m: &Model<B>, cfg: &EngineConfig) -> Result<()> {
     Ok(())
 }
 
+/// Who holds the live GDN states: the sequences, and with drafting their verify snapshots.
+fn state_holders(seqs: usize, drafting: bool) -> String {
+    match drafting {
+        true => format!("{seqs} sequences and their verify snapshots"),
+        false => format!("{seqs} sequences"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -720,13 +728,5 @@ mod tests {
             flags(None, None).stage_budgets(&cpu, &[None; 2]).unwrap(),
             vec![None; 2]
         );
-    }
-}
-
-/// Who holds the live GDN states: the sequences, and with drafting their verify snapshots.
-fn state_holders(seqs: usize, drafting: bool) -> String {
-    match drafting {
-        true => format!("{seqs} sequences and their verify snapshots"),
-        false => format!("{seqs} sequences"),
     }
 }

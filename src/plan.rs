@@ -42,6 +42,11 @@ struct Source {
 
 impl Source {
     fn open(m: &ModelArgs) -> Result<Source> {
+        // The MTP head is counted where speculative decoding loads it.
+        let served = |cfg| match &m.speculative_config.0 {
+            Some(_) => cfg,
+            None => served(cfg),
+        };
         Ok(match (&m.model, &m.config) {
             (Some(_), Some(_)) => {
                 anyhow::bail!("give either --model DIR or --config FILE, not both")

@@ -97,6 +97,8 @@ pub struct Preset {
     pub qsa_row_cache_rows: Option<usize>,
     /// Bytes, as on the command line (e.g. "8GiB").
     pub host_memory_reserve: Option<String>,
+    /// A JSON string, as on the command line.
+    pub speculative_config: Option<String>,
 }
 
 impl Preset {
@@ -129,6 +131,10 @@ impl Preset {
             }
         }
         e.qsa_kv_offload |= self.qsa_kv_offload.unwrap_or(false);
+        e.speculative_config = e
+            .speculative_config
+            .clone()
+            .or(self.speculative_config.clone());
         e.qsa_row_cache_rows = e.qsa_row_cache_rows.or(self.qsa_row_cache_rows);
         if e.host_memory_reserve.is_none() {
             if let Some(text) = &self.host_memory_reserve {
@@ -141,7 +147,8 @@ impl Preset {
         Ok(())
     }
 
-    /// Fills the pipeline stage flags not given on the command line from the preset.
+    /// Fills the pipeline stage flags (and the loader's view of `speculative-config`) not given on
+    /// the command line from the preset.
     pub fn apply_stages(&self, m: &mut ModelArgs) {
         m.pipeline_parallel_size = m.pipeline_parallel_size.or(self.pipeline_parallel_size);
         m.pp_layer_partition = m
@@ -149,6 +156,12 @@ impl Preset {
             .clone()
             .or(self.pp_layer_partition.clone());
         m.device = m.device.clone().or(self.device.clone());
+        // The loader keeps the MTP head for speculative decoding.
+        m.speculative_config.0 = m
+            .speculative_config
+            .0
+            .clone()
+            .or(self.speculative_config.clone());
     }
 }
 

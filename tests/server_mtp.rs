@@ -216,3 +216,88 @@ fn a_bad_speculative_config_names_the_key() {
         );
     }
 }
+
+/// Forced tool calls (`tool_choice: "required"`), two at a time, streamed, on two pipeline stages
+/// with drafting on: every answer is a call of a given tool whose arguments parse, and the streamed
+/// deltas are those of one stage without drafts.
+#[test]
+fn forced_tool_calls_on_two_stages_with_drafts_are_valid_and_unchanged() {
+    let tools = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8},
+                "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["city", "days"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "search", "parameters": {"type": "object",
+            "properties": {"query": {"type": "string", "maxLength": 10}}, "required": ["query"],
+            "additionalProperties": false}}}
+    ]);
+    let body = |i: usize| {
+        chat(
+            &format!("Question {i}: what should I look up?"),
+            // Penalties keep the random model from repeating one character to the end.
+            json!({"max_tokens": 200, "temperature": 1.0, "seed": 40 + i, "stream": true,
+                   "frequency_penalty": 1.0, "presence_penalty": 1.0,
+                   "tools": tools, "tool_choice": "required"}),
+        )
+    };
+    let run = |s: &ServerProc| -> Vec<Vec<Value>> {
+        let mut all = Vec::new();
+        for pair in 0..4 {
+            let got: Vec<Vec<Value>> = std::thread::scope(|scope| {
+                let hs: Vec<_> = (0..2)
+                    .map(|j| {
+                        let b = body(pair * 2 + j);
+                        scope.spawn(move || {
+                            let sse = s.stream(PATH, &b);
+                            assert!(sse.done);
+                            sse.chunks()
+                                .map(|c| {
+                                    let mut d = c["choices"][0]["delta"].clone();
+                                    if let Some(calls) = d["tool_calls"].as_array_mut() {
+                                        for call in calls {
+                                            call.as_object_mut().unwrap().remove("id");
+                                        }
+                                    }
+                                    json!([d, c["choices"][0]["finish_reason"]])
+                                })
+                                .collect()
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            all.extend(got);
+        }
+        all
+    };
+    let want = run(&ServerProc::start(&[]));
+    let json = spec(2);
+    let two = ServerProc::start(&[
+        "--pipeline-parallel-size",
+        "2",
+        "--speculative-config",
+        &json,
+    ]);
+    let got = run(&two);
+    // The random head's drafts are rarely legal under the tool-call grammar, which cuts them before
+    // they are verified (`crates/engine/tests/mtp.rs` verifies grammar-masked drafts with forced ones).
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i}'s streamed deltas");
+        // The call: a name from the tools and arguments that parse as a JSON object.
+        let (mut name, mut args) = (String::new(), String::new());
+        for d in g {
+            for call in d[0]["tool_calls"].as_array().into_iter().flatten() {
+                name.push_str(call["function"]["name"].as_str().unwrap_or(""));
+                args.push_str(call["function"]["arguments"].as_str().unwrap_or(""));
+            }
+        }
+        assert!(
+            ["get_weather", "search"].contains(&name.as_str()),
+            "request {i}: {name}: {g:?}"
+        );
+        let v: Value = serde_json::from_str(&args).unwrap_or_else(|e| panic!("{args}: {e}"));
+        assert!(v.is_object(), "request {i}: {args}");
+        let last = g.last().unwrap();
+        assert_eq!(last[1], "tool_calls", "request {i}");
+    }
+}

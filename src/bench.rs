@@ -7,8 +7,8 @@ use clap::Args;
 use sanmai_model::{Backend, Model, OutRows, Probe, StepChunk, StepInput, StepStart};
 
 use crate::bench_mtp;
-use crate::engine_args::Speculative;
 use crate::load::{Loaded, ModelArgs, OnModel};
+use crate::speculative::Speculative;
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {

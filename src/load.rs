@@ -13,7 +13,7 @@ use sanmai_ple::PrefetchOptions;
 use sanmai_tokenizer::Tokenizer;
 use sanmai_weights::{Checkpoint, Dummy, Overlay, TensorSource};
 
-use crate::engine_args::EngineArgs;
+use crate::speculative::Speculative;
 use crate::stages::{Device, StageFlags, StageLayout};
 use crate::switches::SwitchArgs;
 
@@ -215,11 +215,7 @@ impl ModelArgs {
     /// through an [`Overlay`] over the checkpoint.
     pub fn source(&self) -> Result<(String, ModelConfig, Box<dyn TensorSource>)> {
         let (name, cfg, src) = self.source_as_written()?;
-        let engine = EngineArgs {
-            speculative_config: self.speculative_config.0.clone(),
-            ..EngineArgs::default()
-        };
-        let Some(spec) = engine.speculative(&cfg)? else {
+        let Some(spec) = Speculative::for_model(self.speculative_config.0.as_deref(), &cfg)? else {
             return Ok((name, served(cfg), src));
         };
         let src = match &spec.model {

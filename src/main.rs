@@ -16,6 +16,7 @@ mod prometheus;
 mod quantize;
 mod serve;
 mod server_metrics;
+mod speculative;
 mod stages;
 mod switches;
 

@@ -8,7 +8,8 @@
 use std::collections::HashMap;
 
 use crate::api::StageTimes;
-use crate::executor::{CacheGeometry, Executor, StepLogits, StepPlan};
+use crate::executor::{CacheGeometry, Executor};
+use crate::step::{StepLogits, StepPlan};
 
 /// Which drafts to spoil: called with the request's key, the step's count and the draft's position
 /// in its proposal (0: the first); a spoiled draft is the right token plus one.

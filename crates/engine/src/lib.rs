@@ -19,6 +19,7 @@ mod mtp;
 pub mod pipeline;
 pub mod sampler;
 mod sequence;
+mod step;
 mod stop;
 
 pub use engine::{start, CachePlan, EngineConfig};

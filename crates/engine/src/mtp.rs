@@ -18,7 +18,7 @@ use sanmai_model::{
     Backend, Model, OpResult, OutRows, SampleCall, StepChunk, StepInput, StepStart,
 };
 
-use crate::executor::{SpecChunk, StepLogits, StepPlan};
+use crate::step::{PlannedChunk, SpecChunk, StepLogits, StepPlan};
 
 /// One chunk's share of the head's catch-up pass.
 struct Rows {
@@ -35,7 +35,7 @@ struct Rows {
 /// The rows of `spec`'s chunk `c` (the chunk's first logit row in the step is `first_row`) whose
 /// next token is known after the step.
 fn known_rows(
-    c: &crate::executor::PlannedChunk,
+    c: &PlannedChunk,
     spec: SpecChunk,
     first_row: usize,
     out: &StepLogits,

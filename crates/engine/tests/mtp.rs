@@ -479,13 +479,14 @@ fn json_schema_answers_under_drafts_and_two_stages_are_valid_and_unchanged() {
     ];
     for (what, (got, m)) in runs {
         assert_eq!(got, want, "{what}");
-        // The random head's drafts are rarely legal JSON: the grammar cuts them before verifying.
+        // The random head's drafts are rarely legal JSON, and a spoiled draft rarely is: the
+        // grammar cuts them before verifying. The forced ones are verified under the masks.
         if what.contains("forced") {
             let (acc, drafted) = (
                 m.spec_decode_num_accepted_tokens_total,
                 m.spec_decode_num_draft_tokens_total,
             );
-            assert!(acc > 0 && acc < drafted, "{what}: {acc} of {drafted}");
+            assert!(acc > 0 && acc <= drafted, "{what}: {acc} of {drafted}");
         }
     }
 }

@@ -12,6 +12,7 @@ mod fp8;
 mod ple;
 mod quant;
 mod rope;
+mod vision;
 
 use std::path::Path;
 
@@ -23,6 +24,7 @@ pub use fp8::Fp8Config;
 pub use ple::{PleConfig, PleConfigError};
 pub use quant::{QuantConfig, QuantScheme};
 pub use rope::{RopeConfig, RopeScaling};
+pub use vision::VisionSpec;
 
 /// Errors from reading a model configuration.
 #[derive(Debug, thiserror::Error)]
@@ -168,6 +170,9 @@ pub struct ModelConfig {
     pub ple: Option<PleConfig>,
     /// qwen4_exp: S residual streams with gated residuals.
     pub hyper_connections: Option<HyperConnectionsConfig>,
+    /// The vision tower and image token ids, when the top level carries a `vision_config`
+    /// (multimodal wrappers and qwen4_exp); the text model ignores them.
+    pub vision: Option<VisionSpec>,
 }
 
 impl ModelConfig {
@@ -419,6 +424,10 @@ impl ModelConfig {
         } else {
             (None, None, None)
         };
+        let vision = match arch {
+            Arch::Qwen35Moe | Arch::Qwen4Exp => vision::parse(&top)?,
+            _ => None,
+        };
         let weight_prefix = if arch == Arch::Qwen35Moe {
             "model.language_model.".to_string()
         } else {
@@ -450,6 +459,7 @@ impl ModelConfig {
             qsa,
             ple,
             hyper_connections,
+            vision,
         })
     }
 

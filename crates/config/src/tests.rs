@@ -394,3 +394,47 @@ fn fp8_quantization_config_is_read_by_its_method() {
         .to_string();
     assert!(e.contains("quant_method") && e.contains("awq"), "{e}");
 }
+
+#[test]
+fn vision_spec_of_the_wrapper() {
+    let c = repo_config("qwen3.5-35b-a3b.json");
+    let v = c.vision.as_ref().expect("the wrapper has a vision_config");
+    assert_eq!(v.image_token_id, 248056);
+    assert_eq!(v.video_token_id, 248057);
+    assert_eq!(
+        (v.vision_start_token_id, v.vision_end_token_id),
+        (248053, 248054)
+    );
+    assert_eq!(v.config["depth"], 27);
+    assert_eq!(v.config["out_hidden_size"], 2048);
+    // Text-only configs carry none.
+    assert!(repo_config("qwen3-next-80b-a3b.json").vision.is_none());
+    assert!(repo_config("builtin.json").vision.is_none());
+}
+
+#[test]
+fn vision_token_ids_default_and_are_checked() {
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs/models/qwen3.5-35b-a3b.json"),
+    )
+    .unwrap();
+    let mut v: Value = serde_json::from_str(&text).unwrap();
+    let top = v.as_object_mut().unwrap();
+    top.remove("image_token_id");
+    top.insert("vision_end_token_id".into(), 7.into());
+    let c = ModelConfig::from_value(&v, "config.json").unwrap();
+    let s = c.vision.unwrap();
+    assert_eq!((s.image_token_id, s.vision_end_token_id), (248056, 7));
+
+    v["image_token_id"] = "pad".into();
+    let e = ModelConfig::from_value(&v, "config.json")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`image_token_id`"), "{e}");
+    v["image_token_id"] = 5.into();
+    v["vision_config"] = 3.into();
+    let e = ModelConfig::from_value(&v, "config.json")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("`vision_config`"), "{e}");
+}

@@ -8,13 +8,18 @@
 //! then for the mixer and the FFN sublayer: `x` = the streams (S = 1) or their pre-mix, `y = F(N(x))`,
 //! then `R += y` (S = 1) or the gated residual of spec §4. The last stage ends with the final norm
 //! and, for the rows asked for, the lm_head.
+//!
+//! A prompt with images ([`Model::step_multimodal`]) adds two things to a step: rows whose input
+//! embedding is given (an image's merged tokens in place of its placeholder tokens' embeddings,
+//! put in before the streams are made from the embeddings), and explicit interleaved-MRoPE
+//! positions that the attention layers turn queries and keys by instead of `pos0 + i`.
 
 use sanmai_ple::PleError;
 use thiserror::Error;
 
 use crate::backend::{
-    AttnCall, Backend, BackendError, DecodeStep, GdnCall, HcWeights, MlpWeights, MoeCall, OpResult,
-    QsaCall, SeqChunk, SharedExpert,
+    AttnCall, Backend, BackendError, DecodeStep, GdnCall, HcWeights, MlpWeights, MoeCall, Mrope,
+    OpResult, QsaCall, SeqChunk, SharedExpert,
 };
 use crate::load::{Ffn, Layer, Mixer, Model};
 
@@ -89,6 +94,39 @@ pub struct StepInput<'a, T> {
     pub hidden: bool,
 }
 
+/// What a step of a prompt with images adds to its [`StepInput`] ([`Model::step_multimodal`]).
+pub struct StepMultimodal<'a, T> {
+    /// The interleaved-MRoPE `(t, h, w)` positions of each chunk's tokens, one per token, in the
+    /// order of [`StepInput::chunks`]: what transformers' `get_rope_index` gives an image's tokens
+    /// and the text after it (`crate::vision::PromptPositions`). `None`, or no entry, for a chunk:
+    /// `pos0 + i` on every axis, plain RoPE. Only the rotary angles change; the K/V cache slots and
+    /// the causal mask stay the sequence positions `pos0 + i`.
+    pub positions: &'a [Option<&'a [[u32; 3]]>],
+    /// Input embeddings in place of the token embeddings of some rows (the first stage only).
+    pub embeds: Option<StepEmbeds<'a, T>>,
+}
+
+impl<T> StepMultimodal<'_, T> {
+    /// Nothing added: [`Model::step_multimodal`] is then [`Model::step`].
+    pub fn none() -> Self {
+        StepMultimodal {
+            positions: &[],
+            embeds: None,
+        }
+    }
+}
+
+/// Rows whose input embedding is given rather than looked up: an image's merged vision tokens in
+/// place of its placeholder tokens' embeddings (transformers' `masked_scatter` of the image features
+/// into `inputs_embeds`). Applied to the token embeddings before anything else reads them (with
+/// hyper-connections, before the streams are copied from them).
+pub struct StepEmbeds<'a, T> {
+    /// Rows of the step, distinct (the step's rows are the chunks' tokens one after another).
+    pub rows: &'a [usize],
+    /// `[rows.len(), hidden]`: row `i` is the input embedding of row `rows[i]`.
+    pub values: T,
+}
+
 /// What a step returns. On the last stage: the logits `[rows, vocab]` of the rows the chunks asked
 /// for (`None` when none did), and the hidden states [`StepInput::hidden`] asks for. On another
 /// stage: the residual streams of every row, for the next stage.
@@ -114,6 +152,15 @@ pub(crate) struct Layout<'a> {
     pub ids: Vec<u32>,
     pub seqs: Vec<SeqChunk<'a>>,
     pub out_rows: Vec<usize>,
+    /// Explicit MRoPE positions of every row, when a chunk has them.
+    pub mrope: Option<Vec<[u32; 3]>>,
+}
+
+/// What a layer's ops take of the step's layout: its chunks and the rows' MRoPE positions.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
+    seqs: &'a [SeqChunk<'a>],
+    mrope: Option<Mrope<'a>>,
 }
 
 impl<'a> Layout<'a> {
@@ -138,6 +185,7 @@ impl<'a> Layout<'a> {
             ids,
             seqs,
             out_rows,
+            mrope: None,
         }
     }
 }
@@ -168,6 +216,100 @@ impl<B: Backend> Model<B> {
         self.run_prepared(Prepared { layout, ple }, input.start, input.hidden)
     }
 
+    /// [`Model::step`] for a prompt with images: the chunks' tokens turned at explicit MRoPE
+    /// positions, and some rows' input embeddings given (see [`StepMultimodal`]). A step with
+    /// either runs op by op (not as a [`Backend::decode_step`], which a backend may replay from a
+    /// recording of the plain step); without either it is exactly [`Model::step`].
+    pub fn step_multimodal(
+        &self,
+        input: StepInput<'_, B::Tensor>,
+        mm: StepMultimodal<'_, B::Tensor>,
+    ) -> Result<StepOutput<B::Tensor>, StepError> {
+        let mut layout = Layout::of(input.chunks);
+        layout.mrope = self.mrope_rows(input.chunks, mm.positions)?;
+        if let Some(e) = &mm.embeds {
+            if !matches!(input.start, StepStart::Tokens) {
+                return Err(StepError::Input(
+                    "input embeddings replace token embeddings: only a step from tokens takes them"
+                        .into(),
+                ));
+            }
+            let mut rows = e.rows.to_vec();
+            rows.sort_unstable();
+            if let Some(&bad) = rows.last().filter(|&&r| r >= layout.ids.len()) {
+                return Err(StepError::Input(format!(
+                    "input embedding for row {bad} of a step of {} rows",
+                    layout.ids.len()
+                )));
+            }
+            if let Some(w) = rows.windows(2).find(|w| w[0] == w[1]) {
+                return Err(StepError::Input(format!(
+                    "two input embeddings for row {}",
+                    w[0]
+                )));
+            }
+        }
+        let ple = match input.start {
+            StepStart::Draft(_) => None,
+            _ => self.ple_rows(input.chunks, &layout)?,
+        };
+        self.run(
+            Prepared { layout, ple },
+            input.start,
+            input.hidden,
+            mm.embeds.as_ref(),
+        )
+    }
+
+    /// Every row's MRoPE positions when a chunk has explicit ones (`None` when none has).
+    fn mrope_rows(
+        &self,
+        chunks: &[StepChunk<'_>],
+        positions: &[Option<&[[u32; 3]]>],
+    ) -> Result<Option<Vec<[u32; 3]>>, StepError> {
+        if positions.iter().all(Option::is_none) {
+            return Ok(None);
+        }
+        if positions.len() > chunks.len() {
+            return Err(StepError::Input(format!(
+                "MRoPE positions for {} chunks of a step of {}",
+                positions.len(),
+                chunks.len()
+            )));
+        }
+        if self.cfg.rope.mrope_section.is_none() {
+            return Err(StepError::Input(
+                "explicit MRoPE positions for a model whose RoPE has no mrope_section".into(),
+            ));
+        }
+        let mut rows = Vec::with_capacity(chunks.iter().map(|c| c.tokens.len()).sum());
+        for (i, c) in chunks.iter().enumerate() {
+            match positions.get(i).copied().flatten() {
+                Some(p) if p.len() != c.tokens.len() => {
+                    return Err(StepError::Input(format!(
+                        "chunk {i}: {} MRoPE positions for {} tokens",
+                        p.len(),
+                        c.tokens.len()
+                    )))
+                }
+                Some(p) => rows.extend_from_slice(p),
+                None => rows.extend((c.pos0..c.pos0 + c.tokens.len()).map(|p| [p as u32; 3])),
+            }
+        }
+        Ok(Some(rows))
+    }
+
+    /// What the layers take of `layout`.
+    fn rows_of<'l>(&self, layout: &'l Layout<'_>) -> Rows<'l> {
+        Rows {
+            seqs: &layout.seqs,
+            mrope: layout.mrope.as_deref().map(|positions| Mrope {
+                positions,
+                sections: self.cfg.rope.mrope_section.unwrap_or_default(),
+            }),
+        }
+    }
+
     /// The part of a step that needs only its chunks: their layout, their PLE rows (read from the
     /// table on the host) and the backend's step metadata ([`Backend::prepare_step`]).
     pub fn prepare<'a>(
@@ -188,7 +330,21 @@ impl<B: Backend> Model<B> {
         start: StepStart<B::Tensor>,
         hidden: bool,
     ) -> Result<StepOutput<B::Tensor>, StepError> {
+        self.run(prepared, start, hidden, None)
+    }
+
+    /// [`Model::run_prepared`] with the rows' input embeddings `embeds` in place of their token
+    /// embeddings.
+    fn run(
+        &self,
+        prepared: Prepared<'_, B::Tensor>,
+        start: StepStart<B::Tensor>,
+        hidden: bool,
+        embeds: Option<&StepEmbeds<'_, B::Tensor>>,
+    ) -> Result<StepOutput<B::Tensor>, StepError> {
         let Prepared { layout, ple } = prepared;
+        // A step with MRoPE positions or input embeddings is not a plain decode step.
+        let plain = layout.mrope.is_none() && embeds.is_none();
         let last = self.is_last_stage();
         let logits = last && !layout.out_rows.is_empty();
         match start {
@@ -214,14 +370,14 @@ impl<B: Backend> Model<B> {
                 let h = self.backend.rows(&h, &layout.out_rows)?;
                 Ok(self.outputs(h, logits, hidden)?)
             }
-            start if layout.seqs.iter().all(|s| s.len == 1) => {
+            start if plain && layout.seqs.iter().all(|s| s.len == 1) => {
                 // A decode step: from the tokens, or from the previous stage's streams where the
                 // backend keeps them in place for a recording.
                 let from_streams = match start {
                     StepStart::Streams(x) => match self.backend.keep_streams(x)? {
                         None => true,
                         Some(x) => {
-                            return self.eager(&layout, Some(x), ple.as_ref(), logits, hidden)
+                            return self.eager(&layout, Some(x), ple.as_ref(), logits, hidden, None)
                         }
                     },
                     _ => false,
@@ -244,7 +400,7 @@ impl<B: Backend> Model<B> {
                         true => Some(self.backend.kept_streams()?),
                         false => None,
                     };
-                    let streams = self.layers_pass(&layout, input, ple.as_ref())?;
+                    let streams = self.layers_pass(&layout, input, ple.as_ref(), None)?;
                     if !last {
                         return Ok(vec![streams]);
                     }
@@ -272,7 +428,7 @@ impl<B: Backend> Model<B> {
                     StepStart::Streams(x) => Some(x),
                     _ => None,
                 };
-                self.eager(&layout, streams, ple.as_ref(), logits, hidden)
+                self.eager(&layout, streams, ple.as_ref(), logits, hidden, embeds)
             }
         }
     }
@@ -285,8 +441,9 @@ impl<B: Backend> Model<B> {
         ple: Option<&B::Tensor>,
         logits: bool,
         hidden: bool,
+        embeds: Option<&StepEmbeds<'_, B::Tensor>>,
     ) -> Result<StepOutput<B::Tensor>, StepError> {
-        let streams = self.layers_pass(layout, streams, ple)?;
+        let streams = self.layers_pass(layout, streams, ple, embeds)?;
         if !self.is_last_stage() {
             return Ok(StepOutput {
                 logits: None,
@@ -343,19 +500,30 @@ impl<B: Backend> Model<B> {
     }
 
     /// The stage's decoder layers over the step's rows, from `streams` (a later stage) or the token
-    /// embeddings (the first stage); returns the residual streams `[rows, S·H]` of every row.
+    /// embeddings (the first stage), `embeds`' rows replaced; returns the residual streams
+    /// `[rows, S·H]` of every row.
     fn layers_pass(
         &self,
         layout: &Layout<'_>,
         streams: Option<B::Tensor>,
         ple_rows: Option<&B::Tensor>,
+        embeds: Option<&StepEmbeds<'_, B::Tensor>>,
     ) -> OpResult<B::Tensor> {
         let b = &self.backend;
-        let seqs = &layout.seqs[..];
+        let rows = self.rows_of(layout);
         let mut streams = match streams {
+            Some(_) if embeds.is_some() => {
+                return Err(BackendError::invalid(
+                    "set_rows",
+                    "input embeddings for a step that starts from streams",
+                ))
+            }
             Some(x) => x,
             None => {
-                let x = b.embed(self.embedding(), &layout.ids)?;
+                let mut x = b.embed(self.embedding(), &layout.ids)?;
+                if let Some(e) = embeds {
+                    b.set_rows(&mut x, e.rows, &e.values)?;
+                }
                 // Every stream starts as the token embedding.
                 match &self.cfg.hyper_connections {
                     Some(hc) if hc.num_streams > 1 => {
@@ -376,9 +544,9 @@ impl<B: Backend> Model<B> {
                 if let Some(y) = pending.take() {
                     b.add(&mut streams, &y)?;
                 }
-                self.ple_mix(i, w, &mut streams, ple_rows, seqs)?;
+                self.ple_mix(i, w, &mut streams, ple_rows, rows.seqs)?;
             }
-            pending = self.layer_forward(i, layer, &mut streams, pending, seqs)?;
+            pending = self.layer_forward(i, layer, &mut streams, pending, rows)?;
         }
         if let Some(y) = pending {
             b.add(&mut streams, &y)?;
@@ -403,7 +571,7 @@ impl<B: Backend> Model<B> {
         };
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
-        let seqs = &layout.seqs[..];
+        let rows = self.rows_of(layout);
         let e = b.rms_norm(
             &b.embed(self.embedding(), &layout.ids)?,
             &mtp.pre_fc_norm_embedding,
@@ -412,7 +580,7 @@ impl<B: Backend> Model<B> {
         )?;
         let h = b.rms_norm(h_prev, &mtp.pre_fc_norm_hidden, eps, 1.0)?;
         let mut x = b.linear(&b.concat_cols(&e, &h)?, &mtp.fc)?;
-        let h = match self.layer_forward(self.cfg.num_layers, &mtp.layer, &mut x, None, seqs)? {
+        let h = match self.layer_forward(self.cfg.num_layers, &mtp.layer, &mut x, None, rows)? {
             Some(y) => b.add_rms_norm(&mut x, &y, &mtp.norm, eps, 1.0)?,
             None => b.rms_norm(&x, &mtp.norm, eps, 1.0)?,
         };
@@ -429,7 +597,7 @@ impl<B: Backend> Model<B> {
         layer: &Layer<B::Weight>,
         streams: &mut B::Tensor,
         pending: Option<B::Tensor>,
-        seqs: &[SeqChunk<'_>],
+        rows: Rows<'_>,
     ) -> OpResult<Option<B::Tensor>> {
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
@@ -451,7 +619,7 @@ impl<B: Backend> Model<B> {
                 (hn, x)
             }
         };
-        let mixed = self.mixer(index, layer, &hn, seqs)?;
+        let mixed = self.mixer(index, layer, &hn, rows)?;
 
         let hn = match hc {
             None => b.add_rms_norm(streams, &mixed, &layer.post_attention_norm, eps, 1.0)?,
@@ -494,9 +662,10 @@ impl<B: Backend> Model<B> {
         index: usize,
         layer: &Layer<B::Weight>,
         hn: &B::Tensor,
-        seqs: &[SeqChunk<'_>],
+        rows: Rows<'_>,
     ) -> OpResult<B::Tensor> {
         let b = &self.backend;
+        let seqs = rows.seqs;
         let attn = |w, q_gate, k, v| AttnCall {
             layer: index,
             shape: &self.attn_shape,
@@ -506,6 +675,7 @@ impl<B: Backend> Model<B> {
             v,
             w,
             seqs,
+            mrope: rows.mrope,
         };
         match &layer.mixer {
             Mixer::Attention(w) => {

@@ -7,7 +7,8 @@
 //! the per-sequence caches; this crate decides what is computed, in which order, with which weights,
 //! and how sampling draws a token from a row of logits with a request's parameters (`sample`: the
 //! math the backends' sampling op follows, and `SamplingParams`, the one parameter type from the
-//! request to that op).
+//! request to that op). Images enter through [`vision`] (the tower's weights and merged tokens, a
+//! prompt's MRoPE positions) and [`Model::step_multimodal`] (the step inputs that carry them).
 
 pub mod backend;
 pub mod builtin;
@@ -16,15 +17,19 @@ mod load;
 mod ple;
 mod roofline;
 pub mod sample;
+pub mod vision;
 pub mod weight_plan;
 
 pub use backend::{
     AttnCall, AttnShape, AttnWeights, Backend, BackendError, DecodeStep, GdnCall, GdnShape,
     GdnWeights, Handover, HcWeights, IndexerWeights, KvHost, KvHostStats, MlpWeights, MoeCall,
-    MoeWeights, OpResult, PleCall, PleShape, PleWeights, Probe, QsaCall, QsaShape, Rope,
+    MoeWeights, Mrope, OpResult, PleCall, PleShape, PleWeights, Probe, QsaCall, QsaShape, Rope,
     RowCacheCounts, SampleCall, SeqChunk, SharedExpert, StageLink, StageRecv, StageSend,
 };
-pub use forward::{OutRows, Prepared, StepChunk, StepError, StepInput, StepOutput, StepStart};
+pub use forward::{
+    OutRows, Prepared, StepChunk, StepEmbeds, StepError, StepInput, StepMultimodal, StepOutput,
+    StepStart,
+};
 pub use load::{Ffn, Layer, Mixer, Model, MtpWeights};
 pub use ple::PleSource;
 pub use roofline::StepBytes;

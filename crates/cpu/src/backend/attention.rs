@@ -9,7 +9,7 @@ use sanmai_model::backend::{AttnCall, OpResult, SeqChunk};
 
 use super::cache::{gather, Pools};
 use super::rows::{pool_offset, KvPool};
-use super::{ensure, CpuBackend, CpuTensor, CpuWeight};
+use super::{ensure, step_rows, CpuBackend, CpuTensor, CpuWeight};
 use crate::ops::{self, Causal, Heads};
 
 /// One sequence's attention inputs after the prologue, `[len, heads·head_dim]` each: the query
@@ -59,10 +59,22 @@ fn prepare(s: &SeqChunk<'_>, c: &AttnCall<'_, CpuTensor, CpuWeight>) -> Prepared
     let mut k = c.k.row_range(s.start, t).to_vec();
     ops::rms_norm(&mut q, &c.w.q_norm.data, d, sh.eps, 1.0);
     ops::rms_norm(&mut k, &c.w.k_norm.data, d, sh.eps, 1.0);
-    let positions: Vec<u32> = (s.pos0..s.pos0 + t).map(|p| p as u32).collect();
     let (rot, freq, mscale) = (rope.rot_dim, &rope.inv_freq, rope.mscale);
-    ops::rope_neox(&mut q, nh, d, rot, &positions, freq, mscale);
-    ops::rope_neox(&mut k, nkv, d, rot, &positions, freq, mscale);
+    match c.mrope {
+        None => {
+            let positions: Vec<u32> = (s.pos0..s.pos0 + t).map(|p| p as u32).collect();
+            ops::rope_neox(&mut q, nh, d, rot, &positions, freq, mscale);
+            ops::rope_neox(&mut k, nkv, d, rot, &positions, freq, mscale);
+        }
+        Some(m) => {
+            let p = ops::MropePositions {
+                positions: &m.positions[s.start..s.start + t],
+                sections: &m.sections,
+            };
+            ops::rope_mrope_interleaved(&mut q, nh, d, rot, p, freq, mscale);
+            ops::rope_mrope_interleaved(&mut k, nkv, d, rot, p, freq, mscale);
+        }
+    }
     Prepared { q, gate, k }
 }
 
@@ -98,7 +110,28 @@ fn check(op: &'static str, c: &AttnCall<'_, CpuTensor, CpuWeight>) -> OpResult<(
                 r.inv_freq.len()
             )
         },
-    )
+    )?;
+    if let Some(m) = &c.mrope {
+        let rows = step_rows(c.seqs);
+        ensure(m.positions.len() >= rows, op, || {
+            format!(
+                "{} MRoPE positions, the step's chunks cover {rows} rows",
+                m.positions.len()
+            )
+        })?;
+        ensure(
+            m.sections.iter().sum::<usize>() == r.rot_dim / 2,
+            op,
+            || {
+                format!(
+                    "MRoPE sections {:?} for {} rotary frequencies",
+                    m.sections,
+                    r.rot_dim / 2
+                )
+            },
+        )?;
+    }
+    Ok(())
 }
 
 impl CpuBackend {

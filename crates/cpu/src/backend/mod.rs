@@ -277,6 +277,33 @@ impl Backend for CpuBackend {
         Ok(out)
     }
 
+    fn set_rows(&self, x: &mut CpuTensor, rows: &[usize], values: &CpuTensor) -> OpResult<()> {
+        ensure(
+            values.rows == rows.len() && values.cols == x.cols,
+            "set_rows",
+            || {
+                format!(
+                    "values [{}, {}] for {} rows {} wide",
+                    values.rows,
+                    values.cols,
+                    rows.len(),
+                    x.cols
+                )
+            },
+        )?;
+        if let Some(&r) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(BackendError::invalid(
+                "set_rows",
+                format!("row {r} of a tensor of {} rows", x.rows),
+            ));
+        }
+        let c = x.cols;
+        for (src, &r) in values.data.chunks_exact(c.max(1)).zip(rows) {
+            x.data[r * c..(r + 1) * c].copy_from_slice(src);
+        }
+        Ok(())
+    }
+
     fn concat_cols(&self, a: &CpuTensor, b: &CpuTensor) -> OpResult<CpuTensor> {
         ensure(a.rows == b.rows, "concat_cols", || {
             format!("{} rows beside {} rows", a.rows, b.rows)

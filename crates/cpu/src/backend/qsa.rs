@@ -88,7 +88,12 @@ fn check(op: &'static str, c: &QsaCall<'_, CpuTensor, CpuWeight>) -> OpResult<()
         r.rot_dim.is_multiple_of(2) && r.rot_dim <= di && r.inv_freq.len() == r.rot_dim / 2,
         op,
         || format!("an indexer RoPE over {} dims for dI = {di}", r.rot_dim),
-    )
+    )?;
+    ensure(c.attn.mrope.is_none(), op, || {
+        "explicit MRoPE positions are not supported by QSA attention (its indexer's keys have \
+         no multimodal positions)"
+            .into()
+    })
 }
 
 /// Records the selections of a step's query rows while tracing is on.

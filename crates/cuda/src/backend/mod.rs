@@ -41,9 +41,9 @@ use std::sync::{Mutex, MutexGuard};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
-    hc_residual_ops, AttnCall, Backend, CacheSpec, DecodeStep, GdnCall, GdnShape, Handover,
-    HcWeights, KvHostStats, MoeCall, OpResult, PackedTensor, PleCall, Probe, QsaCall, SampleCall,
-    SeqChunk,
+    hc_residual_ops, AttnCall, Backend, BackendError, CacheSpec, DecodeStep, GdnCall, GdnShape,
+    Handover, HcWeights, KvHostStats, MoeCall, OpResult, PackedTensor, PleCall, Probe, QsaCall,
+    SampleCall, SeqChunk,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
@@ -53,6 +53,19 @@ use crate::ops::NormRows;
 pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, MIN_GRAPH_SPAN};
 pub use packed::{packed_device_bytes, packed_fits, PACKED_WORKSPACE_BYTES};
 pub use tensor::{CudaTensor, CudaWeight, DenseBf16, PackedWeight};
+
+/// Refuses explicit MRoPE positions (images in a prompt): the RoPE kernels turn row `i` of a chunk
+/// at `pos0 + i` only.
+fn refuse_mrope(op: &'static str, c: &AttnCall<'_, CudaTensor, CudaWeight>) -> OpResult<()> {
+    match c.mrope {
+        None => Ok(()),
+        Some(_) => Err(BackendError::invalid(
+            op,
+            "explicit MRoPE positions (image tokens) are not supported on CUDA yet: \
+             the RoPE kernels turn each row at its sequence position only",
+        )),
+    }
+}
 
 /// Default step limits the metadata buffers are first sized for (larger steps grow them).
 pub const DEFAULT_MAX_TOKENS: usize = 8192;
@@ -363,6 +376,40 @@ impl CudaBackend {
         Ok(y)
     }
 
+    /// Row `rows[i]` of `x` becomes row `i` of `values`: one device copy per run of consecutive
+    /// rows (an image's placeholder rows are one run).
+    fn set_rows_impl(&self, x: &mut CudaTensor, rows: &[usize], values: &CudaTensor) -> Result<()> {
+        let bad = |msg: String| CudaError::Shape {
+            op: "set_rows",
+            msg,
+        };
+        if values.rows != rows.len() || values.cols != x.cols {
+            return Err(bad(format!(
+                "values [{}, {}] for {} rows {} wide",
+                values.rows,
+                values.cols,
+                rows.len(),
+                x.cols
+            )));
+        }
+        if let Some(&r) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(bad(format!("row {r} of a {}-row tensor", x.rows)));
+        }
+        let c = x.cols;
+        let mut i = 0;
+        while i < rows.len() {
+            let mut n = 1;
+            while i + n < rows.len() && rows[i + n] == rows[i] + n {
+                n += 1;
+            }
+            let src = values.buf.slice(i * c..(i + n) * c);
+            let mut dst = x.buf.slice_mut(rows[i] * c..(rows[i] + n) * c);
+            self.gpu.stream().memcpy_dtod(&src, &mut dst)?;
+            i += n;
+        }
+        Ok(())
+    }
+
     fn concat_cols_impl(&self, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
         if a.rows != b.rows {
             return Err(CudaError::Shape {
@@ -547,6 +594,10 @@ impl Backend for CudaBackend {
         self.rows_impl(x, rows).at("rows")
     }
 
+    fn set_rows(&self, x: &mut CudaTensor, rows: &[usize], values: &CudaTensor) -> OpResult<()> {
+        self.set_rows_impl(x, rows, values).at("set_rows")
+    }
+
     fn concat_cols(&self, a: &CudaTensor, b: &CudaTensor) -> OpResult<CudaTensor> {
         self.concat_cols_impl(a, b).at("concat_cols")
     }
@@ -576,6 +627,7 @@ impl Backend for CudaBackend {
     }
 
     fn attention(&self, c: &AttnCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        refuse_mrope("attention", c)?;
         self.attention_impl(c).at("attention")
     }
 
@@ -686,6 +738,7 @@ impl Backend for CudaBackend {
     }
 
     fn qsa_attention(&self, c: &QsaCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        refuse_mrope("qsa_attention", &c.attn)?;
         self.qsa_impl(c).at("qsa_attention")
     }
 

@@ -222,6 +222,7 @@ impl<'a> Lockstep<'a> {
                 v,
                 w: attn(m, i),
                 seqs,
+                mrope: None,
             }));
             both!(self, "o_proj", [o], m => m.backend.linear(o, &attn(m, i).o_proj))
         } else {

@@ -625,3 +625,88 @@ fn lockstep_quant_fixture_ops_match_cpu() {
     }
     assert!(bad.is_empty(), "ops off the CPU: {bad:?}");
 }
+
+/// Images in a step on the device ([`Model::step_multimodal`]): given input embeddings (copied in
+/// by [`Backend::set_rows`], a run of rows and a single row) are what the layers read, bit for bit
+/// the step of the prompt whose tokens have those embeddings; explicit MRoPE positions are refused
+/// with an error that says so.
+#[test]
+fn multimodal_step_inputs() {
+    use sanmai_model::{StepEmbeds, StepMultimodal};
+    let name = "qwen3_5_moe_tiny";
+    let Some(b) = backend("multimodal_step_inputs") else {
+        return;
+    };
+    let m = load(name, b);
+    let toks = ids(&reference(name)["prompts"][1]["ids"]);
+    let n = 40;
+    let rows: Vec<usize> = (3..9).chain([20, 39]).collect();
+    let others: Vec<u32> = rows
+        .iter()
+        .map(|&r| (toks[r] + 101) % m.cfg.vocab_size as u32)
+        .collect();
+    let mut swapped = toks[..n].to_vec();
+    for (&r, &t) in rows.iter().zip(&others) {
+        swapped[r] = t;
+    }
+    let (a, c) = (Seq::new(&m, 0), Seq::new(&m, 1));
+    let want = step(&m, &swapped, &[a.chunk(0, n, 0)], &[OutRows::All]);
+    fn chunk<'a>(s: &'a Seq, tokens: &'a [u32]) -> StepChunk<'a> {
+        StepChunk {
+            tokens,
+            history: &[],
+            pos0: 0,
+            state: s.state,
+            blocks: &s.blocks,
+            out: OutRows::All,
+        }
+    }
+    let values = m.backend.embed(m.embedding(), &others).unwrap();
+    let o = m
+        .step_multimodal(
+            StepInput {
+                chunks: &[chunk(&c, &toks[..n])],
+                start: StepStart::Tokens,
+                hidden: false,
+            },
+            StepMultimodal {
+                positions: &[],
+                embeds: Some(StepEmbeds {
+                    rows: &rows,
+                    values,
+                }),
+            },
+        )
+        .unwrap();
+    let (r, cols, data) = m.backend.to_host(o.logits.unwrap()).unwrap();
+    let got: Vec<Vec<f64>> = (0..r)
+        .map(|i| log_softmax(&data[i * cols..(i + 1) * cols]))
+        .collect();
+    let worst = got
+        .iter()
+        .zip(&want)
+        .flat_map(|(g, w)| g.iter().zip(w).map(|(x, y)| (x - y).abs()))
+        .fold(0.0, f64::max);
+    println!("E2E check=multimodal_embeds model={name} rows={r} max_diff={worst:e}");
+    assert_eq!(got, want, "given embeddings: off by up to {worst}");
+
+    let d = Seq::new(&m, 2);
+    let p: Vec<[u32; 3]> = (0..n as u32).map(|i| [i; 3]).collect();
+    let e = m
+        .step_multimodal(
+            StepInput {
+                chunks: &[chunk(&d, &toks[..n])],
+                start: StepStart::Tokens,
+                hidden: false,
+            },
+            StepMultimodal {
+                positions: &[Some(&p)],
+                embeds: None,
+            },
+        )
+        .err()
+        .expect("MRoPE positions refused")
+        .to_string();
+    println!("E2E check=multimodal_mrope_refused model={name} error={e:?}");
+    assert!(e.contains("not supported on CUDA"), "{e}");
+}

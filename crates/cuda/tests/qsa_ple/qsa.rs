@@ -598,6 +598,7 @@ fn qsa_step<B: Backend>(
                 v,
                 w,
                 seqs: step.seqs,
+                mrope: None,
             },
             qsa: step.qsa,
             iq,

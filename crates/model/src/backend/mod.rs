@@ -107,6 +107,31 @@ pub struct Rope {
     pub mscale: f32,
 }
 
+/// Explicit interleaved-MRoPE positions of a step's rows (Qwen3-VL / Qwen3.5 with images in the
+/// prompt): row `r` turns rotary frequency `j` by `positions[r][mrope_axis(j, sections)] ·
+/// inv_freq[j]` instead of `(pos0 + i) · inv_freq[j]`, as transformers' text rotary embedding
+/// recomposes its (t, h, w) frequency tables. Only the angle changes: the K/V cache slot and the
+/// causal mask of a row stay its sequence index `pos0 + i`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Mrope<'a> {
+    /// `(t, h, w)` of every row of the step, in row order.
+    pub positions: &'a [[u32; 3]],
+    /// The config's `mrope_section`: how many frequencies each axis owns (they sum to
+    /// `rot_dim / 2`).
+    pub sections: [usize; 3],
+}
+
+/// Which position axis (0 = t, 1 = h, 2 = w) rotary frequency `j` takes under interleaved MRoPE
+/// (transformers' `recomposition_frequencies`: the h frequencies are `1, 4, 7, ...` below
+/// `3·sections[1]`, the w frequencies `2, 5, 8, ...` below `3·sections[2]`, t keeps the rest).
+pub fn mrope_axis(j: usize, sections: &[usize; 3]) -> usize {
+    match j % 3 {
+        1 if j < 3 * sections[1] => 1,
+        2 if j < 3 * sections[2] => 2,
+        _ => 0,
+    }
+}
+
 /// Static shapes of a GDN layer call.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GdnShape {
@@ -200,6 +225,9 @@ pub struct AttnCall<'a, T, W> {
     pub v: &'a T,
     pub w: &'a AttnWeights<W>,
     pub seqs: &'a [SeqChunk<'a>],
+    /// Explicit MRoPE positions of the step's rows; `None`: row `i` of a chunk at `pos0 + i` on
+    /// every axis (plain RoPE).
+    pub mrope: Option<Mrope<'a>>,
 }
 
 /// One GDN layer call over GDN layer `layer`'s state in each chunk's state slot: the `qkv`, `z`, `b`
@@ -336,6 +364,10 @@ pub trait Backend: Send + Sync {
     }
     /// Selected rows of `x`.
     fn rows(&self, x: &Self::Tensor, rows: &[usize]) -> OpResult<Self::Tensor>;
+    /// Overwrites rows of `x`: row `rows[i]` becomes row `i` of `values` (`[rows.len(), x.cols]`).
+    /// The rows are distinct. What puts an image's embeddings in place of its placeholder tokens'.
+    fn set_rows(&self, x: &mut Self::Tensor, rows: &[usize], values: &Self::Tensor)
+        -> OpResult<()>;
     /// Concatenation along columns: `[a | b]`.
     fn concat_cols(&self, a: &Self::Tensor, b: &Self::Tensor) -> OpResult<Self::Tensor>;
     /// `acc += y`.
@@ -358,9 +390,11 @@ pub trait Backend: Send + Sync {
     /// `silu(x)` elementwise.
     fn silu(&self, x: &Self::Tensor) -> OpResult<Self::Tensor>;
 
-    /// Gated attention core: splits `q_gate` per head into query and gate, applies q/k norms and RoPE,
-    /// writes k/v into the sequence's blocks for layer index `c.layer`, attends causally over positions
-    /// `0..pos0 + len` and returns `attn · sigmoid(gate)` as `[rows, num_heads·head_dim]`.
+    /// Gated attention core: splits `q_gate` per head into query and gate, applies q/k norms and RoPE
+    /// (at `pos0 + i`, or at the explicit positions of `c.mrope`), writes k/v into the sequence's
+    /// blocks for layer index `c.layer`, attends causally over positions `0..pos0 + len` and returns
+    /// `attn · sigmoid(gate)` as `[rows, num_heads·head_dim]`. A backend that cannot turn rows by
+    /// explicit MRoPE positions refuses a call with `c.mrope` set.
     fn attention(&self, c: &AttnCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;
 
     /// Gated delta net core over GDN layer `c.layer`'s state in each sequence's state slot: causal
@@ -527,6 +561,8 @@ pub trait Backend: Send + Sync {
     /// S_t is the `min(qsa.topk, t+1)` positions of largest score, ties going to the larger position;
     /// the output is the gated attention of [`Backend::attention`] with keys/values restricted to S_t
     /// (softmax over S_t only), `[rows, num_heads·head_dim]`. Only the selected K/V rows are read.
+    /// Explicit MRoPE positions (`c.attn.mrope`) are refused: the indexer's keys have no
+    /// multimodal positions.
     fn qsa_attention(&self, c: &QsaCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;
 
     /// The PLE mix of layer `c.layer` (spec §3.7), in place on the residual streams `[rows, S·H]`

@@ -1,0 +1,269 @@
+//! Images into the text model, as transformers 5.17's `Qwen3_5MoeModel` takes them:
+//!
+//! - [`Vision`]: the vision tower of a multimodal checkpoint (`vision_config`, the `model.visual.*`
+//!   tensors as f32 host weights) and its CPU forward over preprocessed patches
+//!   ([`sanmai_vision::tower`]); [`Model::image_embeds`] puts its merged tokens on the model's
+//!   backend, ready to replace the embeddings of the image placeholder tokens
+//!   ([`crate::StepEmbeds`]);
+//! - [`PromptPositions`]: where each token of a prompt with images sits under interleaved MRoPE
+//!   (`get_rope_index`), the rows of its placeholder tokens, and the offset of the positions of
+//!   the tokens after it ([`crate::StepMultimodal::positions`]).
+//!
+//! A prompt shows an image as `<|vision_start|>`, `t·h·w / merge²` image placeholder tokens
+//! (`image_token_id`) and `<|vision_end|>`: the processor expands one placeholder per merged token.
+//! The placeholders' rows take the image's merged tokens in order, images in prompt order.
+
+use sanmai_config::ModelConfig;
+use sanmai_vision::positions::rope_index;
+use sanmai_vision::tower::{self, Tensor, VisionConfig, VisionWeights};
+use sanmai_weights::{Init, TensorSource, WeightError};
+
+use crate::backend::{Backend, BackendError};
+use crate::load::Model;
+
+pub use sanmai_vision::positions::Grid;
+pub use sanmai_vision::{preprocess, Patches, PreprocessorConfig, VisionError};
+
+/// Why an image could not be prepared or its tokens placed.
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error(transparent)]
+    Vision(#[from] VisionError),
+    #[error("vision tower weights: {0}")]
+    Weights(#[from] WeightError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("{0}")]
+    Input(String),
+}
+
+/// A multimodal checkpoint's vision tower with its weights, and the token that stands for an
+/// image's merged tokens.
+pub struct Vision {
+    pub config: VisionConfig,
+    pub weights: VisionWeights,
+    /// The image placeholder token (`image_token_id`).
+    pub image_token_id: u32,
+    pub vision_start_token_id: u32,
+    pub vision_end_token_id: u32,
+}
+
+/// Where a checkpoint keeps the tower's tensors (transformers' `model.visual`).
+pub const VISION_PREFIX: &str = "model.visual.";
+
+impl Vision {
+    /// The tower of `cfg` (its `vision_config`) with its weights from `src` (`model.visual.*`,
+    /// widened to f32); `None` when the config has no vision tower. A missing or mis-shaped tensor
+    /// is an error naming it.
+    pub fn load(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Option<Self>, ImageError> {
+        let Some(spec) = &cfg.vision else {
+            return Ok(None);
+        };
+        let config = VisionConfig::from_value(&spec.config, "config.json: vision_config")?;
+        if config.out_hidden_size != cfg.hidden_size {
+            return Err(ImageError::Input(format!(
+                "the vision tower's out_hidden_size {} is not the text model's hidden_size {}",
+                config.out_hidden_size, cfg.hidden_size
+            )));
+        }
+        let mut failed: Option<WeightError> = None;
+        let weights = VisionWeights::load(&config, |name| {
+            match read(src, &config, name) {
+                Ok(t) => Some(t),
+                // The tower's loader names a missing tensor; other failures are kept.
+                Err(WeightError::Missing { .. }) => None,
+                Err(e) => {
+                    failed.get_or_insert(e);
+                    None
+                }
+            }
+        });
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        Ok(Some(Vision {
+            config,
+            weights: weights?,
+            image_token_id: spec.image_token_id,
+            vision_start_token_id: spec.vision_start_token_id,
+            vision_end_token_id: spec.vision_end_token_id,
+        }))
+    }
+
+    /// Merged tokens of an image of grid `[t, h, w]` (patches): its placeholder count.
+    pub fn tokens(&self, grid: Grid) -> usize {
+        grid.iter().product::<usize>() / self.config.merge_unit()
+    }
+
+    /// The tower's merged tokens `[Σ tokens, out_hidden_size]` (row-major) of the images whose
+    /// patch rows are `pixels` (one image after another, as [`Patches::pixel_values`]) and whose
+    /// grids are `grids`.
+    pub fn forward(&self, pixels: &[f32], grids: &[Grid]) -> Result<Vec<f32>, ImageError> {
+        Ok(tower::forward(&self.config, &self.weights, pixels, grids)?)
+    }
+
+    /// The positions of the prompt `ids`, whose runs of the image placeholder are the images of
+    /// `grids` in order.
+    pub fn positions(&self, ids: &[u32], grids: &[Grid]) -> Result<PromptPositions, ImageError> {
+        PromptPositions::new(
+            ids,
+            self.image_token_id,
+            grids,
+            self.config.spatial_merge_size,
+        )
+    }
+}
+
+/// The tensor `name` of the tower (relative to [`VISION_PREFIX`]) in f32, with its shape.
+fn read(src: &dyn TensorSource, cfg: &VisionConfig, name: &str) -> Result<Tensor, WeightError> {
+    let full = format!("{VISION_PREFIX}{name}");
+    let Some(shape) = shape(cfg, name) else {
+        return Err(WeightError::Missing { name: full });
+    };
+    let init = if name.ends_with("norm1.weight")
+        || name.ends_with("norm2.weight")
+        || name.ends_with("norm.weight")
+    {
+        Init::ONES
+    } else if name.ends_with(".bias") {
+        Init::ZEROS
+    } else {
+        Init::std((*shape.last().unwrap_or(&1) as f32).powf(-0.5))
+    };
+    let t = match src.tensor(&full, &shape, init) {
+        // The patch embedding's Conv3d may be stored flattened to a matrix.
+        Err(WeightError::Shape { found, .. })
+            if name == "patch_embed.proj.weight" && found == [cfg.hidden_size, cfg.patch_len()] =>
+        {
+            src.tensor(&full, &found, init)?
+        }
+        t => t?,
+    };
+    let shape = t.shape.clone();
+    Ok((shape, t.into_f32()))
+}
+
+/// The shape transformers gives the tower's parameter `name`.
+fn shape(cfg: &VisionConfig, name: &str) -> Option<Vec<usize>> {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let m = h * cfg.merge_unit();
+    let (c, t, p) = (cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size);
+    let (base, kind) = name.rsplit_once('.')?;
+    let block = base.strip_prefix("blocks.").and_then(|rest| {
+        let (n, part) = rest.split_once('.')?;
+        n.parse::<usize>()
+            .ok()
+            .filter(|&n| n < cfg.depth)
+            .map(|_| part)
+    });
+    let (out, inp) = match (block, base) {
+        (Some("norm1" | "norm2"), _) => (h, 0),
+        (Some("attn.qkv"), _) => (3 * h, h),
+        (Some("attn.proj"), _) => (h, h),
+        (Some("mlp.linear_fc1"), _) => (i, h),
+        (Some("mlp.linear_fc2"), _) => (h, i),
+        (Some(_), _) => return None,
+        (None, "merger.norm") => (h, 0),
+        (None, "merger.linear_fc1") => (m, m),
+        (None, "merger.linear_fc2") => (cfg.out_hidden_size, m),
+        (None, "pos_embed") if kind == "weight" => {
+            return Some(vec![cfg.num_position_embeddings, h])
+        }
+        (None, "patch_embed.proj") if kind == "weight" => return Some(vec![h, c, t, p, p]),
+        (None, "patch_embed.proj") => (h, 0),
+        _ => return None,
+    };
+    Some(match kind {
+        "weight" if inp > 0 => vec![out, inp],
+        "weight" | "bias" => vec![out],
+        _ => return None,
+    })
+}
+
+/// Where the tokens of a prompt with images sit: transformers' `get_rope_index` over the prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PromptPositions {
+    /// `(t, h, w)` of every token: text advances all three by one a token; an image's tokens sit at
+    /// its start (t) plus their merged row (h) and column (w); the text after an image starts at
+    /// the image's start plus `max(h, w) / merge`.
+    pub positions: Vec<[u32; 3]>,
+    /// `max position + 1 − prompt length` (transformers' `rope_deltas`): a token at sequence
+    /// position `p` after the prompt sits at `p + delta` on every axis.
+    pub delta: i64,
+    /// The rows of the image placeholder tokens, in order: the rows the images' merged tokens
+    /// replace ([`crate::StepEmbeds::rows`]).
+    pub image_rows: Vec<usize>,
+}
+
+impl PromptPositions {
+    /// The positions of `ids`, whose runs of `image_token` are the images of `grids` in order
+    /// (`merge`: the tower's `spatial_merge_size`).
+    pub fn new(
+        ids: &[u32],
+        image_token: u32,
+        grids: &[Grid],
+        merge: usize,
+    ) -> Result<Self, ImageError> {
+        let (pos, delta) = rope_index(ids, image_token, grids, merge)?;
+        let axis = |a: usize, i: usize| -> Result<u32, ImageError> {
+            u32::try_from(pos[a][i])
+                .map_err(|_| ImageError::Input(format!("position {} of token {i}", pos[a][i])))
+        };
+        let positions = (0..ids.len())
+            .map(|i| Ok([axis(0, i)?, axis(1, i)?, axis(2, i)?]))
+            .collect::<Result<Vec<_>, ImageError>>()?;
+        let image_rows = (0..ids.len()).filter(|&i| ids[i] == image_token).collect();
+        Ok(PromptPositions {
+            positions,
+            delta,
+            image_rows,
+        })
+    }
+
+    /// The positions of the `len` tokens at sequence positions `pos0 ..` after the prompt (the
+    /// prompt's own positions for those within it): `p + delta` on every axis.
+    pub fn at(&self, pos0: usize, len: usize) -> Vec<[u32; 3]> {
+        (pos0..pos0 + len)
+            .map(|p| match self.positions.get(p) {
+                Some(&x) => x,
+                None => [(p as i64 + self.delta).max(0) as u32; 3],
+            })
+            .collect()
+    }
+
+    /// The image rows among the sequence positions `pos0 .. pos0 + len`, as rows of a chunk
+    /// starting at step row `start`, and the index of the first one among all image rows (where
+    /// its merged tokens start).
+    pub fn image_rows_in(&self, pos0: usize, len: usize, start: usize) -> (Vec<usize>, usize) {
+        let first = self.image_rows.partition_point(|&r| r < pos0);
+        let rows = self.image_rows[first..]
+            .iter()
+            .take_while(|&&r| r < pos0 + len)
+            .map(|&r| start + r - pos0)
+            .collect();
+        (rows, first)
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// The merged tokens of the images of `grids` (patch rows `pixels`, see [`Vision::forward`]),
+    /// computed by `vision`'s CPU tower and uploaded to this model's backend as a
+    /// `[Σ tokens, hidden]` tensor: the input embeddings of their placeholder rows
+    /// ([`crate::StepEmbeds::values`]).
+    pub fn image_embeds(
+        &self,
+        vision: &Vision,
+        pixels: &[f32],
+        grids: &[Grid],
+    ) -> Result<B::Tensor, ImageError> {
+        let h = self.cfg.hidden_size;
+        if vision.config.out_hidden_size != h {
+            return Err(ImageError::Input(format!(
+                "the vision tower's out_hidden_size {} is not the text model's hidden_size {h}",
+                vision.config.out_hidden_size
+            )));
+        }
+        let merged = vision.forward(pixels, grids)?;
+        Ok(self.backend.upload(merged.len() / h, h, merged)?)
+    }
+}

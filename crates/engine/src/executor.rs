@@ -260,7 +260,7 @@ pub(crate) fn answer<B: Backend>(
         None => StepLogits::default(),
     };
     if let Some(h) = out.hidden.filter(|_| wants_hidden(plan)) {
-        answer.drafts = crate::mtp::propose(m, plan, &h, &answer)?;
+        (answer.drafts, answer.draft_logits) = crate::mtp::propose(m, plan, &h, &answer)?;
     }
     Ok(answer)
 }

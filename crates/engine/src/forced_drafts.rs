@@ -50,6 +50,10 @@ impl<E: Executor> ForcedDrafts<E> {
             let Some(proposed) = out.drafts.get_mut(ci).filter(|d| !d.is_empty()) else {
                 continue;
             };
+            // The engine takes these drafts as they are, not picks from the head's logits.
+            if let Some(rows) = out.draft_logits.get_mut(ci) {
+                rows.clear();
+            }
             // The sequence's length after this step: its certain tokens, the accepted drafts and
             // the token drawn after them.
             let drawn: Vec<u32> = (start..start + rows)

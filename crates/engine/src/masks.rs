@@ -128,6 +128,9 @@ pub(crate) struct Constrained {
 }
 
 /// What accepting a token did to the grammar.
+/// Drafts picked under a grammar and the mask of each verify row ([`Constrained::pick_drafts`]).
+pub(crate) type Picked = (Vec<u32>, Vec<Vec<u32>>);
+
 pub(crate) enum Accepted {
     Continue,
     /// The grammar is complete: the sequence ends.
@@ -198,21 +201,65 @@ impl Constrained {
         })
     }
 
-    /// The masks of the positions a verify step draws after the next one: row `i` (of
-    /// [`mask_words`] words) is the mask after `drafts[..i]`, for the drafts' prefix the grammar
-    /// allows; `None` unless the next position's mask is in hand (see
-    /// [`GrammarMatcher::draft_masks`]). Computed here, on the caller's thread.
-    pub fn draft_masks(&mut self, drafts: &[u32]) -> Option<Result<Vec<Vec<u32>>, String>> {
+    /// Drafts under the grammar, at most `max`, with the mask of every verify row. Where the MTP
+    /// head's logits row behind draft `j` is given (`rows[j]`), draft `j` is its greedy pick among
+    /// the tokens the grammar allows after the drafts before it; the head chained its later rows
+    /// from its own unmasked pick, so the drafts end after the first pick that differs from it.
+    /// Without rows, `drafts` are taken as far as the grammar allows them. Returns the drafts and
+    /// `drafts + 1` masks (of [`mask_words`] words); `None` unless the next position's mask is in
+    /// hand. Computed here, on the caller's thread; the matcher is left where it was.
+    pub fn pick_drafts(
+        &mut self,
+        drafts: &[u32],
+        rows: &[Vec<f32>],
+        max: usize,
+    ) -> Option<Result<Picked, String>> {
         if !self.poll() {
             return None;
         }
         let job = self.job.as_mut()?;
         let words = job.mask.len();
-        let mut out = vec![0u32; words * (drafts.len() + 1)];
+        let m = &mut job.matcher;
+        let (mut picked, mut masks) = (Vec::new(), Vec::new());
+        let out = (|| {
+            loop {
+                let mut mask = vec![0u32; words];
+                m.fill_mask(&mut mask)?;
+                let j = picked.len();
+                masks.push(mask);
+                if j >= max || m.is_stopped() {
+                    break;
+                }
+                let mask = &masks[j];
+                let allowed = |t: usize| mask.get(t / 32).is_some_and(|w| w & (1 << (t % 32)) != 0);
+                let greedy = |row: &[f32], only: bool| {
+                    (0..row.len())
+                        .filter(|&t| !only || allowed(t))
+                        .max_by(|&a, &b| row[a].total_cmp(&row[b]).then(b.cmp(&a)))
+                };
+                let (t, chained) = match (rows.get(j), drafts.get(j)) {
+                    (Some(row), _) => match greedy(row, true) {
+                        Some(t) => (t, greedy(row, false) == Some(t)),
+                        None => break,
+                    },
+                    (None, Some(&d)) if allowed(d as usize) => (d as usize, true),
+                    _ => break,
+                };
+                picked.push(t as u32);
+                m.advance(&[t as u32])?;
+                if !chained {
+                    let mut mask = vec![0u32; words];
+                    m.fill_mask(&mut mask)?;
+                    masks.push(mask);
+                    break;
+                }
+            }
+            Ok::<(), sanmai_structured::StructuredError>(())
+        })();
+        let rollback = m.rollback(picked.len());
         Some(
-            job.matcher
-                .draft_masks(drafts, &mut out)
-                .map(|rows| out.chunks(words).take(rows).map(<[u32]>::to_vec).collect())
+            out.and(rollback)
+                .map(|()| (picked, masks))
                 .map_err(|e| e.to_string()),
         )
     }

@@ -10,6 +10,10 @@
 //! chains them. Those chained rows' K/V are provisional: the next step's catch-up writes the same
 //! positions again from the main model's hidden states.
 //!
+//! A sequence with a grammar gets the head's logits row of each draft besides: the engine picks
+//! its drafts from them under the grammar's masks (the first draft exactly the masked greedy pick),
+//! since the masks depend on the token drawn after the step.
+//!
 //! A draft that is wrong costs only time: the verify step draws every row from the target model
 //! (`crate::sampler::speculative`), whatever the drafts were.
 
@@ -69,6 +73,10 @@ fn known_rows(
     }
 }
 
+/// Each chunk's drafts and, for a chunk whose grammar picks its drafts ([`SpecChunk::masked`]),
+/// the head's logits row of each draft.
+type Proposal = (Vec<Vec<u32>>, Vec<Vec<Vec<f32>>>);
+
 /// Runs the MTP head after a step whose rows' final-normed hidden states are `hidden` (every row of
 /// the step, in order): catches its K/V up over the known rows of each drafting chunk and returns
 /// the drafts proposed for each chunk (see the module doc).
@@ -77,7 +85,7 @@ pub(crate) fn propose<B: Backend>(
     plan: &StepPlan,
     hidden: &B::Tensor,
     out: &StepLogits,
-) -> OpResult<Vec<Vec<u32>>> {
+) -> OpResult<Proposal> {
     let mut parts = Vec::new();
     let (mut row, mut logit_row) = (0, 0);
     for (i, c) in plan.chunks.iter().enumerate() {
@@ -99,8 +107,9 @@ pub(crate) fn propose<B: Backend>(
         });
     }
     let mut drafts = vec![Vec::new(); plan.chunks.len()];
+    let mut logit_rows = vec![Vec::new(); plan.chunks.len()];
     if parts.is_empty() {
-        return Ok(drafts);
+        return Ok((drafts, logit_rows));
     }
     let b = &m.backend;
     let idx: Vec<usize> = parts
@@ -147,6 +156,21 @@ pub(crate) fn propose<B: Backend>(
         let (Some(logits), Some(hs)) = (step.logits, step.hidden) else {
             break;
         };
+        // The draft rows of the chunks whose grammar picks among the head's logits.
+        let masked: Vec<usize> = (0..asked.len())
+            .filter(|&j| {
+                plan.chunks[parts[asked[j]].chunk]
+                    .spec
+                    .is_some_and(|s| s.masked)
+            })
+            .collect();
+        if !masked.is_empty() {
+            let (_, cols, host) = b.to_host(b.rows(&logits, &masked)?)?;
+            for (row, &j) in host.chunks(cols.max(1)).zip(&masked) {
+                let p = &parts[asked[j]];
+                logit_rows[p.chunk].push(row[..p.valid_vocab.min(cols)].to_vec());
+            }
+        }
         let picks = greedy(b, logits, parts[asked[0]].valid_vocab, asked.len())?;
         for (&k, id) in asked.iter().zip(picks) {
             drafts[parts[k].chunk].push(id);
@@ -165,7 +189,7 @@ pub(crate) fn propose<B: Backend>(
         h = b.rows(&hs, &more)?;
         current = more.iter().map(|&j| asked[j]).collect();
     }
-    Ok(drafts)
+    Ok((drafts, logit_rows))
 }
 
 /// The greedy pick of each of the `n` rows of `logits`.

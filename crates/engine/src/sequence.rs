@@ -43,6 +43,9 @@ pub(crate) struct Sequence {
     pub deferred: bool,
     /// The MTP head's latest drafts for the tokens after the last one (empty when none).
     pub drafts: Vec<u32>,
+    /// Under a grammar, the head's logits row behind each draft (the drafts are picked again from
+    /// them under the grammar's masks).
+    pub draft_logits: Vec<Vec<f32>>,
     /// A state slot holding the GDN state from before the step that verifies drafts, restored when
     /// a draft is rejected (held while the sequence drafts).
     pub snapshot: Option<usize>,
@@ -87,6 +90,7 @@ impl Sequence {
             deferred_row: Vec::new(),
             deferred: false,
             drafts: Vec::new(),
+            draft_logits: Vec::new(),
             snapshot: None,
             req,
             tx,

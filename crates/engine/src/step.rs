@@ -45,6 +45,9 @@ pub struct SpecChunk {
     pub next: Option<u32>,
     /// Drafts to propose for the next step (0: none).
     pub propose: usize,
+    /// The sequence has a grammar: return the head's logits row of each draft too
+    /// ([`StepLogits::draft_logits`]), for the engine to pick the drafts under its masks.
+    pub masked: bool,
 }
 
 /// One row's sampling, owned: the request's parameters (shared, not copied) and what the row adds to
@@ -103,6 +106,9 @@ pub struct StepLogits {
     /// The drafts the MTP head proposed, by chunk (empty for a chunk it proposed none for; the
     /// vector may end before the last chunk).
     pub drafts: Vec<Vec<u32>>,
+    /// For a chunk with [`SpecChunk::masked`], the head's logits (real vocabulary) behind each of
+    /// its drafts, by chunk.
+    pub draft_logits: Vec<Vec<Vec<f32>>>,
 }
 
 impl StepLogits {

@@ -51,6 +51,11 @@ impl<E: Executor> Engine<E> {
             let seq = &mut self.running[i];
             if c.spec.is_some() {
                 seq.drafts = out.drafts.get(ci).cloned().unwrap_or_default();
+                seq.draft_logits = out
+                    .draft_logits
+                    .get_mut(ci)
+                    .map(std::mem::take)
+                    .unwrap_or_default();
             }
             let prompt_part = seq.prompt_len().saturating_sub(c.pos0).min(c.tokens.len());
             self.stats.prompt_tokens_total += prompt_part as u64;

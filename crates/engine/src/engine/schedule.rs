@@ -212,6 +212,7 @@ impl<E: Executor> Engine<E> {
                 drafts,
                 next: seq.tokens.get(end).copied(),
                 propose,
+                masked: seq.constraint.is_some(),
             }),
         }
     }
@@ -256,10 +257,11 @@ impl<E: Executor> Engine<E> {
         (drafts, k.min(room.saturating_sub(drafts) + 1))
     }
 
-    /// The first `drafts` of running sequence `i`'s drafts cut to the prefix its grammar allows,
-    /// with the grammar's mask at each verify row (none without a grammar). A sequence whose
-    /// grammar is not yet active (it starts after a trigger, which a draft might complete) or whose
-    /// next mask is not in hand verifies none.
+    /// Running sequence `i`'s drafts to verify (at most `drafts`) with the grammar's mask at each
+    /// verify row (none without a grammar): under a grammar, the drafts are picked from the head's
+    /// logits rows under the masks (see [`Constrained::pick_drafts`](crate::masks::Constrained::pick_drafts)).
+    /// A sequence whose grammar is not yet active (it starts after a trigger, which a draft might
+    /// complete) or whose next mask is not in hand verifies none.
     fn legal_drafts(&mut self, i: usize, drafts: usize) -> (usize, Vec<Vec<u32>>) {
         let seq = &mut self.running[i];
         let Some(c) = seq.constraint.as_mut().filter(|_| drafts > 0) else {
@@ -268,8 +270,12 @@ impl<E: Executor> Engine<E> {
         if !c.active() {
             return (0, Vec::new());
         }
-        match c.draft_masks(&seq.drafts[..drafts]) {
-            Some(Ok(masks)) => (masks.len() - 1, masks),
+        match c.pick_drafts(&seq.drafts, &seq.draft_logits, drafts) {
+            Some(Ok((picked, masks))) => {
+                let n = picked.len();
+                seq.drafts = picked;
+                (n, masks)
+            }
             _ => (0, Vec::new()),
         }
     }
@@ -307,6 +313,7 @@ impl<E: Executor> Engine<E> {
         self.executor.cancel_prefetch(seq.key());
         seq.num_computed = 0;
         seq.drafts.clear();
+        seq.draft_logits.clear();
         // Recomputing gives the late position's logits again.
         seq.deferred = false;
         if seq.num_output() == 0 {

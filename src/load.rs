@@ -268,21 +268,24 @@ impl ModelArgs {
             }
             (Some(dir), None, format) => {
                 let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-                let src: Box<dyn TensorSource> = match format {
-                    LoadFormat::Auto => {
-                        Box::new(Checkpoint::open(dir).with_context(|| {
+                let src: Box<dyn TensorSource> =
+                    match format {
+                        LoadFormat::Auto => Box::new(Checkpoint::open(dir).with_context(|| {
                             format!("opening the checkpoint in {}", dir.display())
-                        })?)
-                    }
-                    LoadFormat::Dummy => Box::new(
-                        Dummy::new(self.weight_seed).with_quantization(cfg.quantization.clone()),
-                    ),
-                };
+                        })?),
+                        LoadFormat::Dummy => Box::new(
+                            Dummy::new(self.weight_seed)
+                                .with_quantization(cfg.quantization.clone())
+                                .with_fp8(cfg.fp8.clone()),
+                        ),
+                    };
                 (dir.display().to_string(), cfg, src)
             }
             (None, Some(file), LoadFormat::Dummy) => {
                 let cfg = ModelConfig::from_file(file)?;
-                let src = Dummy::new(self.weight_seed).with_quantization(cfg.quantization.clone());
+                let src = Dummy::new(self.weight_seed)
+                    .with_quantization(cfg.quantization.clone())
+                    .with_fp8(cfg.fp8.clone());
                 (file.display().to_string(), cfg, Box::new(src))
             }
             (None, None, _) => (

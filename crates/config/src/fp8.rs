@@ -88,6 +88,17 @@ impl Fp8Config {
         })
     }
 
+    /// Whether the Linear `module` (its name without `.weight`) is stored in FP8: not when an entry
+    /// of `modules_to_not_convert` names it, a module it belongs to (`lm_head`, `mtp.fc`,
+    /// `model.layers.0.mlp.gate`) or its own last parts (`mlp.gate` names every layer's gate).
+    pub fn converts(&self, module: &str) -> bool {
+        !self.not_converted.iter().any(|p| {
+            module == p
+                || module.starts_with(&format!("{p}."))
+                || module.ends_with(&format!(".{p}"))
+        })
+    }
+
     /// The scale grid of a `[rows, cols]` weight: `[ceil(rows / block rows), ceil(cols / block cols)]`.
     pub fn scale_shape(&self, rows: usize, cols: usize) -> [usize; 2] {
         [rows.div_ceil(self.block[0]), cols.div_ceil(self.block[1])]
@@ -98,6 +109,24 @@ impl Fp8Config {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn modules_to_not_convert_name_modules_their_parents_or_their_last_parts() {
+        let c = Fp8Config {
+            block: [128, 128],
+            not_converted: vec!["lm_head".into(), "mtp.fc".into(), "mlp.gate".into()],
+        };
+        for kept in ["lm_head", "mtp.fc", "model.layers.3.mlp.gate"] {
+            assert!(!c.converts(kept), "{kept}");
+        }
+        for fp8 in [
+            "model.layers.3.mlp.gate_proj",
+            "model.layers.3.mlp.shared_expert_gate",
+            "mtp.layers.0.self_attn.q_proj",
+        ] {
+            assert!(c.converts(fp8), "{fp8}");
+        }
+    }
 
     fn parse(v: Value) -> Result<Fp8Config> {
         Fp8Config::from_value(&v, "config.json")

@@ -11,6 +11,8 @@ pub struct Dummy {
     seed: u64,
     /// Linears this config quantizes come out packed (and `tensor` returns their dequantised values).
     quant: Option<sanmai_config::QuantConfig>,
+    /// An FP8 config's converted Linears come out as FP8 blocks (their f32 values).
+    fp8: Option<sanmai_config::Fp8Config>,
 }
 
 const CHUNK: usize = 1 << 16;
@@ -31,12 +33,23 @@ fn fnv1a(s: &str) -> u64 {
 
 impl Dummy {
     pub fn new(seed: u64) -> Self {
-        Dummy { seed, quant: None }
+        Dummy {
+            seed,
+            quant: None,
+            fp8: None,
+        }
     }
 
     /// Makes the Linears `quant` targets packed, so a quantized config's dummy weights have its bytes.
     pub fn with_quantization(mut self, quant: Option<sanmai_config::QuantConfig>) -> Self {
         self.quant = quant;
+        self
+    }
+
+    /// Random weights as a block-scaled FP8 checkpoint of `fp8` holds them: every converted Linear's
+    /// values are e4m3 values times one scale a block ([`crate::fp8::round_blocks`]).
+    pub fn with_fp8(mut self, fp8: Option<sanmai_config::Fp8Config>) -> Self {
+        self.fp8 = fp8;
         self
     }
 
@@ -72,6 +85,11 @@ impl TensorSource for Dummy {
         }
         let mut data = vec![0f32; shape.iter().product()];
         self.fill(name, init, &mut data);
+        let converted = quant_module(name, shape)
+            .filter(|&(m, linear)| linear && self.fp8.as_ref().is_some_and(|f| f.converts(m)));
+        if let (Some(_), Some(f)) = (converted, &self.fp8) {
+            crate::fp8::round_blocks(&mut data, shape, f);
+        }
         Ok(HostTensor {
             name: name.into(),
             shape: shape.to_vec(),

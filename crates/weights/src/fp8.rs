@@ -20,6 +20,67 @@ pub fn fp8_e4m3_to_f32(b: u8) -> f32 {
     }
 }
 
+/// The float8_e4m3fn byte nearest `x` (ties to the even code, magnitudes past 448 saturate to
+/// ±448, NaN to the NaN code).
+pub fn f32_to_fp8_e4m3(x: f32) -> u8 {
+    if x.is_nan() {
+        return 0x7f;
+    }
+    // The non-negative codes 0x00..=0x7e are increasing in value.
+    let a = x.abs();
+    let (mut lo, mut hi) = (0u8, 0x7e);
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if fp8_e4m3_to_f32(mid) <= a {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    let below = lo;
+    let code = match below {
+        0x7e => 0x7e,
+        _ => {
+            let (l, h) = (fp8_e4m3_to_f32(below), fp8_e4m3_to_f32(below + 1));
+            match (a - l).total_cmp(&(h - a)) {
+                std::cmp::Ordering::Less => below,
+                std::cmp::Ordering::Greater => below + 1,
+                std::cmp::Ordering::Equal if below % 2 == 0 => below,
+                std::cmp::Ordering::Equal => below + 1,
+            }
+        }
+    };
+    code | if x.is_sign_negative() && code != 0 {
+        0x80
+    } else {
+        0
+    }
+}
+
+/// `w` (shape `[.., rows, cols]`) as an FP8 checkpoint stores it, in f32: each block scaled so its
+/// largest magnitude is 448, rounded to the nearest e4m3 value, scaled back. What `--load-format
+/// dummy` gives for an FP8 config's converted Linears.
+pub fn round_blocks(w: &mut [f32], shape: &[usize], cfg: &Fp8Config) {
+    let (rows, cols) = rows_cols(shape);
+    let [br, bc] = cfg.block;
+    for mat in w.chunks_mut(rows * cols) {
+        for r0 in (0..rows).step_by(br) {
+            for c0 in (0..cols).step_by(bc) {
+                let (r1, c1) = ((r0 + br).min(rows), (c0 + bc).min(cols));
+                let amax = (r0..r1)
+                    .flat_map(|r| mat[r * cols + c0..r * cols + c1].iter())
+                    .fold(0f32, |m, v| m.max(v.abs()));
+                let scale = if amax > 0.0 { amax / 448.0 } else { 1.0 };
+                for r in r0..r1 {
+                    for v in &mut mat[r * cols + c0..r * cols + c1] {
+                        *v = fp8_e4m3_to_f32(f32_to_fp8_e4m3(*v / scale)) * scale;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The f32 weight of FP8 bytes `q` of shape `[.., rows, cols]` (leading dims: stacked experts) with
 /// scales `[.., ceil(rows / br), ceil(cols / bc)]` for blocks `cfg.block = [br, bc]`.
 pub fn dequantize(q: &[u8], scales: &[f32], shape: &[usize], cfg: &Fp8Config) -> Vec<f32> {
@@ -63,6 +124,46 @@ pub fn scale_shape(shape: &[usize], cfg: &Fp8Config) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn encoding_picks_the_nearest_code_and_round_trips_every_code() {
+        for b in 0..=255u8 {
+            let x = fp8_e4m3_to_f32(b);
+            if x.is_nan() {
+                continue;
+            }
+            let back = f32_to_fp8_e4m3(x);
+            assert_eq!(fp8_e4m3_to_f32(back), x, "code {b:#04x}");
+        }
+        assert_eq!(fp8_e4m3_to_f32(f32_to_fp8_e4m3(1000.0)), 448.0);
+        assert_eq!(fp8_e4m3_to_f32(f32_to_fp8_e4m3(-1000.0)), -448.0);
+        // Between 1.0 and 1.125 (codes 0x38, 0x39): nearest, the tie to the even code.
+        assert_eq!(f32_to_fp8_e4m3(1.05), 0x38);
+        assert_eq!(f32_to_fp8_e4m3(1.07), 0x39);
+        assert_eq!(f32_to_fp8_e4m3(1.0625), 0x38);
+        assert_eq!(f32_to_fp8_e4m3(-1.07), 0xb9);
+    }
+
+    #[test]
+    fn rounded_blocks_are_fp8_values_times_one_scale_a_block() {
+        let cfg = Fp8Config {
+            block: [2, 3],
+            not_converted: Vec::new(),
+        };
+        let shape = [2, 5, 4];
+        let mut w: Vec<f32> = (0..40)
+            .map(|i| ((i * 37 % 17) as f32 - 8.0) * 0.013)
+            .collect();
+        let orig = w.clone();
+        round_blocks(&mut w, &shape, &cfg);
+        // Rounding again changes nothing, and each value moved by at most half an e4m3 step.
+        let mut again = w.clone();
+        round_blocks(&mut again, &shape, &cfg);
+        assert_eq!(again, w);
+        for (a, b) in w.iter().zip(&orig) {
+            assert!((a - b).abs() <= b.abs() / 16.0 + 1e-6, "{a} vs {b}");
+        }
+    }
 
     #[test]
     fn e4m3_bytes_decode_as_the_format_defines() {

@@ -142,3 +142,50 @@ fn what_is_wrong_with_an_fp8_weight_is_named() {
         "{e}"
     );
 }
+
+/// `--load-format dummy` with an FP8 config: every converted Linear is FP8 blocks (rounding it
+/// again changes nothing; it is not the plain random weight), of its shape; a module the config
+/// keeps and a norm come out as without FP8.
+#[test]
+fn dummy_weights_of_an_fp8_config_are_fp8_blocks() {
+    use sanmai_config::Fp8Config;
+    use sanmai_weights::{fp8::round_blocks, Dummy, TensorData};
+    let cfg = Fp8Config {
+        block: [4, 8],
+        not_converted: vec!["lm_head".into()],
+    };
+    let fp8 = Dummy::new(5).with_fp8(Some(cfg.clone()));
+    let plain = Dummy::new(5);
+    let init = Init::Random {
+        mean: 0.0,
+        std: 0.02,
+    };
+    let values = |d: &Dummy, name: &str, shape: &[usize]| {
+        let t = d.tensor(name, shape, init).unwrap();
+        assert_eq!(t.shape, shape);
+        match t.data {
+            TensorData::F32(v) => v,
+            _ => panic!("{name}: f32 values expected"),
+        }
+    };
+    for (name, shape) in [
+        ("model.layers.0.mlp.gate_proj.weight", vec![12, 20]),
+        ("model.layers.0.mlp.experts.gate_up_proj", vec![3, 10, 16]),
+    ] {
+        let got = values(&fp8, name, &shape);
+        let mut again = got.clone();
+        round_blocks(&mut again, &shape, &cfg);
+        assert_eq!(again, got, "{name}: FP8 blocks");
+        assert_ne!(got, values(&plain, name, &shape), "{name}: rounded");
+    }
+    for (name, shape) in [
+        ("lm_head.weight", vec![12, 20]),
+        ("model.norm.weight", vec![20]),
+    ] {
+        assert_eq!(
+            values(&fp8, name, &shape),
+            values(&plain, name, &shape),
+            "{name}"
+        );
+    }
+}

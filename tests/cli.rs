@@ -1,19 +1,13 @@
 //! The `sanmai` binary end to end: `generate` on a transformers fixture and on the built-in model, and the
 //! errors bad input gets.
 
+mod server_support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use serde_json::Value;
-
-fn sanmai(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_sanmai"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("the binary runs")
-}
+use server_support::{sanmai, stderr};
 
 fn json_of(out: &Output) -> Value {
     assert!(
@@ -22,11 +16,6 @@ fn json_of(out: &Output) -> Value {
         String::from_utf8_lossy(&out.stderr)
     );
     serde_json::from_slice(&out.stdout).expect("--json prints one JSON object")
-}
-
-fn stderr(out: &Output) -> String {
-    assert!(!out.status.success(), "expected a failure");
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 fn fixture(name: &str) -> PathBuf {

@@ -9,23 +9,14 @@ mod server_support;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use sanmai_config::ModelConfig;
 use sanmai_cpu::{CpuBackend, CpuWeight};
 use sanmai_model::{Ffn, Model};
 use sanmai_weights::{Checkpoint, Init, Overlay, TensorSource};
 use serde_json::Value;
-use server_support::{completion, ServerProc};
-
-fn sanmai(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_sanmai"))
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .expect("the binary runs")
-}
+use server_support::{completion, sanmai, stderr, ServerProc};
 
 fn ok(out: &Output) -> String {
     assert!(
@@ -34,15 +25,6 @@ fn ok(out: &Output) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn stderr(out: &Output) -> String {
-    assert!(
-        !out.status.success(),
-        "expected a failure; stdout: {}",
-        String::from_utf8_lossy(&out.stdout)
-    );
-    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 fn fixture(name: &str) -> PathBuf {

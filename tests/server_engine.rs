@@ -216,36 +216,7 @@ fn preemption_under_a_tiny_block_budget_keeps_outputs() {
         "--kv-cache-memory-bytes",
         "200000",
     ]);
-    let body = |i: usize| {
-        completion(
-            json!(format!("Story number {i} begins here and goes on")),
-            json!({"max_tokens": 200, "temperature": 0, "ignore_eos": true}),
-        )
-    };
-    let together: Vec<String> = std::thread::scope(|scope| {
-        let hs: Vec<_> = (0..2)
-            .map(|i| {
-                let s = &s;
-                let b = body(i);
-                scope.spawn(move || {
-                    let (status, v) = s.post("/v1/completions", &b);
-                    assert_eq!(status, 200, "{v}");
-                    v["choices"][0]["text"].as_str().unwrap().to_string()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    assert!(s.metric("sanmai:num_preemptions_total") >= 1.0);
-    for (i, text) in together.iter().enumerate() {
-        let (_, alone) = s.post("/v1/completions", &body(i));
-        assert_eq!(
-            alone["choices"][0]["text"].as_str().unwrap(),
-            text,
-            "request {i}"
-        );
-    }
-    assert_eq!(s.metric("sanmai:num_requests_running"), 0.0);
+    server_support::preempted_outputs_equal_solo_ones(&s);
 }
 
 /// A short chat's second turn reuses the first turn's conversation history from the prefix cache, although

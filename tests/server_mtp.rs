@@ -7,7 +7,7 @@
 mod server_support;
 
 use serde_json::{json, Value};
-use server_support::{chat, completion, ServerProc};
+use server_support::{chat, ServerProc};
 
 const PATH: &str = "/v1/chat/completions";
 
@@ -68,12 +68,17 @@ fn tool_call_deltas(s: &ServerProc) -> Vec<Value> {
         json!({"max_tokens": 64, "temperature": 0, "stream": true, "tools": tools,
                "tool_choice": "required"}),
     );
-    let sse = s.stream(PATH, &body);
+    deltas(s, &body)
+}
+
+/// A streamed chat completion: each chunk's delta (tool call ids removed: they are per response)
+/// and finish reason.
+fn deltas(s: &ServerProc, body: &Value) -> Vec<Value> {
+    let sse = s.stream(PATH, body);
     assert!(sse.done);
     sse.chunks()
         .map(|c| {
             let mut d = c["choices"][0]["delta"].clone();
-            // Ids are per response.
             if let Some(calls) = d["tool_calls"].as_array_mut() {
                 for call in calls {
                     call.as_object_mut().unwrap().remove("id");
@@ -161,36 +166,7 @@ fn preemption_with_drafts_keeps_outputs() {
         "--speculative-config",
         &json,
     ]);
-    let body = |i: usize| {
-        completion(
-            json!(format!("Story number {i} begins here and goes on")),
-            json!({"max_tokens": 200, "temperature": 0, "ignore_eos": true}),
-        )
-    };
-    let together: Vec<String> = std::thread::scope(|scope| {
-        let hs: Vec<_> = (0..2)
-            .map(|i| {
-                let s = &s;
-                let b = body(i);
-                scope.spawn(move || {
-                    let (status, v) = s.post("/v1/completions", &b);
-                    assert_eq!(status, 200, "{v}");
-                    v["choices"][0]["text"].as_str().unwrap().to_string()
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    assert!(s.metric("sanmai:num_preemptions_total") >= 1.0);
-    for (i, text) in together.iter().enumerate() {
-        let (_, alone) = s.post("/v1/completions", &body(i));
-        assert_eq!(
-            alone["choices"][0]["text"].as_str().unwrap(),
-            text,
-            "request {i}"
-        );
-    }
-    assert_eq!(s.metric("sanmai:num_requests_running"), 0.0);
+    server_support::preempted_outputs_equal_solo_ones(&s);
 }
 
 #[test]
@@ -204,12 +180,13 @@ fn a_bad_speculative_config_names_the_key() {
         (r#"{"method": "mtp", "k": 2}"#, "unknown key `k`"),
         ("not json", "not JSON"),
     ] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_sanmai"))
-            .args(["generate", "--speculative-config", json, "--prompt", "hi"])
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{json}");
-        let err = String::from_utf8_lossy(&out.stderr);
+        let err = server_support::stderr(&server_support::sanmai(&[
+            "generate",
+            "--speculative-config",
+            json,
+            "--prompt",
+            "hi",
+        ]));
         assert!(
             err.contains("--speculative-config") && err.contains(want),
             "{json}: {err}"
@@ -247,21 +224,7 @@ fn forced_tool_calls_on_two_stages_with_drafts_are_valid_and_unchanged() {
                 let hs: Vec<_> = (0..2)
                     .map(|j| {
                         let b = body(pair * 2 + j);
-                        scope.spawn(move || {
-                            let sse = s.stream(PATH, &b);
-                            assert!(sse.done);
-                            sse.chunks()
-                                .map(|c| {
-                                    let mut d = c["choices"][0]["delta"].clone();
-                                    if let Some(calls) = d["tool_calls"].as_array_mut() {
-                                        for call in calls {
-                                            call.as_object_mut().unwrap().remove("id");
-                                        }
-                                    }
-                                    json!([d, c["choices"][0]["finish_reason"]])
-                                })
-                                .collect()
-                        })
+                        scope.spawn(move || deltas(s, &b))
                     })
                     .collect();
                 hs.into_iter().map(|h| h.join().unwrap()).collect()

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use reqwest::blocking::{Client, Response};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// A running server; killed when dropped.
 pub struct ServerProc {
@@ -353,4 +353,59 @@ pub fn eventually(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(25));
     }
     false
+}
+
+/// Two 200-token greedy completions at once on `s` (whose K/V budget holds one of them): at least
+/// one preemption, and each text equals the same request run alone afterwards; nothing left running.
+pub fn preempted_outputs_equal_solo_ones(s: &ServerProc) {
+    let body = |i: usize| {
+        completion(
+            json!(format!("Story number {i} begins here and goes on")),
+            json!({"max_tokens": 200, "temperature": 0, "ignore_eos": true}),
+        )
+    };
+    let together: Vec<String> = std::thread::scope(|scope| {
+        let hs: Vec<_> = (0..2)
+            .map(|i| {
+                let s = &s;
+                let b = body(i);
+                scope.spawn(move || {
+                    let (status, v) = s.post("/v1/completions", &b);
+                    assert_eq!(status, 200, "{v}");
+                    v["choices"][0]["text"].as_str().unwrap().to_string()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(s.metric("sanmai:num_preemptions_total") >= 1.0);
+    for (i, text) in together.iter().enumerate() {
+        let (_, alone) = s.post("/v1/completions", &body(i));
+        assert_eq!(
+            alone["choices"][0]["text"].as_str().unwrap(),
+            text,
+            "request {i}"
+        );
+    }
+    assert_eq!(s.metric("sanmai:num_requests_running"), 0.0);
+}
+
+/// Runs the `sanmai` binary with `args` (warnings only in its log) and returns what it did.
+pub fn sanmai(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_sanmai"))
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .expect("the binary runs")
+}
+
+/// The error output of a run that must fail.
+pub fn stderr(out: &std::process::Output) -> String {
+    assert!(
+        !out.status.success(),
+        "expected a failure; stdout: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }

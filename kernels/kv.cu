@@ -3,8 +3,11 @@
 // qk_norm_rope_bf16: per head, the zero-centred RMSNorm over head_dim (weight offset 1, as q_norm and
 // k_norm) followed by NeoX RoPE on the first 2·half dims at the row's position (read from device memory),
 // in f32 with one rounding per output; optionally also copies the head's gate half out of a fused
-// [q | gate] row. kv_write_bf16: copies the step's new K and V rows into their pool rows (the pool row of
-// every token is computed on the host as block·block_size + pos % block_size and uploaded with the step).
+// [q | gate] row. With explicit interleaved-MRoPE positions (pos3, (t, h, w) per row) frequency j turns
+// by the position of axis mrope_axis(j) instead: the same f32 product and the same sincosf, so a row
+// whose three positions equal its sequence position comes out bit for bit as without them.
+// kv_write_bf16: copies the step's new K and V rows into their pool rows (the pool row of every token is
+// computed on the host as block·block_size + pos % block_size and uploaded with the step).
 #include "common.cuh"
 
 #define KV_MAX_D 256
@@ -12,13 +15,22 @@
 // Grid (n_heads, rows); block a multiple of 32 threads (≤ 256). Head h of row r is read at
 // x + r·x_row_stride + h·x_head_stride and written at out + r·out_row_stride + h·d; when gate_out is
 // non-null, the d values after the head are copied to gate_out + r·out_row_stride + h·d. w: [d] (the
-// norm weight, used as 1 + w); pos: [rows]; inv_freq: [half] (half = 0: no rotation).
+// norm weight, used as 1 + w); pos: [rows]; inv_freq: [half] (half = 0: no rotation). pos3: null (every
+// frequency at pos[r]) or [rows, 3] explicit (t, h, w) positions, frequency j taking axis 1 when
+// j % 3 == 1 and j < 3·sec_h, axis 2 when j % 3 == 2 and j < 3·sec_w, axis 0 otherwise (transformers'
+// interleaved MRoPE; sec_h, sec_w: the h and w entries of mrope_section).
+__device__ __forceinline__ int mrope_axis(int j, int sec_h, int sec_w) {
+    const int m = j % 3;
+    return (m == 1 && j < 3 * sec_h) ? 1 : (m == 2 && j < 3 * sec_w) ? 2 : 0;
+}
+
 extern "C" __global__ void qk_norm_rope_bf16(const bf16* __restrict__ x, long long x_row_stride,
                                              long long x_head_stride, bf16* __restrict__ out,
                                              long long out_row_stride, bf16* __restrict__ gate_out,
                                              const bf16* __restrict__ w, float eps, int d,
                                              const u32* __restrict__ pos, const float* __restrict__ inv_freq,
-                                             int half, float mscale) {
+                                             int half, float mscale, const u32* __restrict__ pos3,
+                                             int sec_h, int sec_w) {
     pdl_prologue();
     __shared__ float v[KV_MAX_D];
     __shared__ float scratch[32];
@@ -37,12 +49,14 @@ extern "C" __global__ void qk_norm_rope_bf16(const bf16* __restrict__ x, long lo
     __syncthreads();
     bf16* oh = out + (long long)r * out_row_stride + (long long)h * d;
     const float p = (float)pos[r];
+    const u32* p3 = pos3 ? pos3 + 3ll * r : nullptr;
     for (int i = threadIdx.x; i < d; i += blockDim.x) {
         float o = v[i];
         if (i < 2 * half) {
             const int j = i < half ? i : i - half;
+            const float pj = p3 ? (float)p3[mrope_axis(j, sec_h, sec_w)] : p;
             float sn, cs;
-            sincosf(p * inv_freq[j], &sn, &cs);
+            sincosf(pj * inv_freq[j], &sn, &cs);
             cs *= mscale;
             sn *= mscale;
             const float a = v[j], b = v[j + half];

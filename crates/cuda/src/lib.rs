@@ -15,7 +15,7 @@
 //! - [`Gpu`]: context, stream, loaded kernels and a cuBLAS handle, with these ops (bf16 activations,
 //!   f32 arithmetic, one rounding per output): `rms_norm` (zero-centred and plain), `gated_rms_norm`,
 //!   `rope_neox` (partial, strided heads), `qk_norm_rope` (per-head q/k norm + partial RoPE + gate
-//!   split), `kv_write` (new K/V rows into the paged pools), `swiglu`, `silu`, `embed`, `gemv_bf16` /
+//!   split; `qk_norm_rope_mrope` at explicit interleaved-MRoPE `(t, h, w)` positions), `kv_write` (new K/V rows into the paged pools), `swiglu`, `silu`, `embed`, `gemv_bf16` /
 //!   `gemv_bf16_f32` (decode, 1–8 rows), `gemm_bf16` / `gemm_bf16_f32` (cuBLAS, prefill),
 //!   `route_topk` (softmax + top-k + renormalise), `moe_sort` / `moe_gemv` / `moe_combine` (routed
 //!   experts grouped by expert on the device, through a table of expert weight addresses),
@@ -91,8 +91,8 @@ pub use error::{CudaError, Result};
 pub use gpu::{device_memory, Gpu, GpuOptions};
 pub use ops::{
     moe_max_tiles, AttnDims, ChunkRows, DecodeLens, GdnDecodeWeights, GdnDims, HeadLayout,
-    HeadNorm, KvPools, MoeOut, NormRows, PagedCache, PleDims, Queries, RopeArgs, Selection,
-    ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
+    HeadNorm, KvPools, MoeOut, MropeArgs, NormRows, PagedCache, PleDims, Queries, RopeArgs,
+    Selection, ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
 };
 pub use ops::{ConvWeight, DecodeSlots, GdnGates, GdnPools, GdnProj, SeqRows};
 pub use ops::{DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed};

@@ -2,6 +2,11 @@
 //! RoPE (one kernel each for q and k), the K/V write into the layer's pools, then the paged decode
 //! kernel for a batch of one-token chunks or the paged prefill kernel per chunk. The first part
 //! ([`CudaBackend::attn_prologue`]) is QSA attention's first part too (`qsa.rs`).
+//!
+//! Explicit interleaved-MRoPE positions (`AttnCall::mrope`, images in a prompt) change the RoPE
+//! angles only: the rows' `(t, h, w)` are staged once per step (`Meta::stage_mrope`, a small
+//! device buffer reused across steps) and the norm+RoPE kernel takes each frequency's axis from
+//! them; the K/V destinations and the causal extent stay the sequence positions.
 
 use sanmai_model::backend::{AttnCall, AttnShape};
 
@@ -10,7 +15,8 @@ use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend, State};
 use crate::error::{CudaError, Result};
 use crate::ops::{
-    AttnDims, ChunkRows, DecodeLens, HeadLayout, HeadNorm, KvPools, PagedCache, Queries, RopeArgs,
+    AttnDims, ChunkRows, DecodeLens, HeadLayout, HeadNorm, KvPools, MropeArgs, PagedCache, Queries,
+    RopeArgs,
 };
 
 /// What the attention prologue leaves for the attention proper: q (normed and roped) and the gate,
@@ -134,53 +140,94 @@ impl CudaBackend {
         let bs = st.kv.block_size;
         let m = st.meta.seqs(g, c.seqs, rows, bs)?;
         let ri = st.rope_table(g, &c.rope.inv_freq)?;
+        let sections = match &c.mrope {
+            None => None,
+            Some(mr) => {
+                let half = c.rope.rot_dim / 2;
+                if mr.positions.len() < rows {
+                    return Err(bad(format!(
+                        "{} MRoPE positions for a step of {rows} rows",
+                        mr.positions.len()
+                    )));
+                }
+                if mr.sections.iter().sum::<usize>() != half {
+                    return Err(bad(format!(
+                        "MRoPE sections {:?} for {half} rotary frequencies",
+                        mr.sections
+                    )));
+                }
+                st.meta.stage_mrope(g, &mr.positions[..rows])?;
+                Some(mr.sections)
+            }
+        };
         let positions = st.meta.view(m.positions, rows);
+        let pos3 = match sections {
+            None => None,
+            Some(_) => Some(
+                st.meta
+                    .mrope_view(rows)
+                    .ok_or_else(|| bad("MRoPE positions not staged".into()))?,
+            ),
+        };
         let ra = RopeArgs {
             positions: &positions,
             inv_freq: &st.rope[ri].1,
             rot_dim: c.rope.rot_dim,
             mscale: c.rope.mscale,
         };
+        let mrope = sections
+            .zip(pos3.as_ref())
+            .map(|(sections, positions)| MropeArgs {
+                rope: &ra,
+                positions,
+                sections,
+            });
         let kv_dst = st.meta.view(m.kv_dst, rows);
         let pool = st.kv.pool_mut(c.layer)?;
         let mut q = self.alloc(rows, nh * d)?;
         let mut gate = self.alloc(rows, nh * d)?;
         let mut kn = self.alloc(rows, nkv * d)?;
         let mut gv = gate.buf.slice_mut(..);
-        g.qk_norm_rope(
-            &q_gate.buf,
-            HeadLayout {
-                rows,
-                n_heads: nh,
-                head_dim: d,
-                row_stride: 2 * nh * d,
-                head_stride: 2 * d,
-            },
-            &HeadNorm {
-                w: c.w.q_norm.bf16()?,
-                eps: sh.eps,
-            },
-            &ra,
-            &mut q.buf,
-            Some(&mut gv),
-        )?;
-        g.qk_norm_rope(
-            &k.buf,
-            HeadLayout {
-                rows,
-                n_heads: nkv,
-                head_dim: d,
-                row_stride: nkv * d,
-                head_stride: d,
-            },
-            &HeadNorm {
-                w: c.w.k_norm.bf16()?,
-                eps: sh.eps,
-            },
-            &ra,
-            &mut kn.buf,
-            None,
-        )?;
+        let q_layout = HeadLayout {
+            rows,
+            n_heads: nh,
+            head_dim: d,
+            row_stride: 2 * nh * d,
+            head_stride: 2 * d,
+        };
+        let q_norm = HeadNorm {
+            w: c.w.q_norm.bf16()?,
+            eps: sh.eps,
+        };
+        let k_layout = HeadLayout {
+            rows,
+            n_heads: nkv,
+            head_dim: d,
+            row_stride: nkv * d,
+            head_stride: d,
+        };
+        let k_norm = HeadNorm {
+            w: c.w.k_norm.bf16()?,
+            eps: sh.eps,
+        };
+        match &mrope {
+            None => {
+                g.qk_norm_rope(
+                    &q_gate.buf,
+                    q_layout,
+                    &q_norm,
+                    &ra,
+                    &mut q.buf,
+                    Some(&mut gv),
+                )?;
+                g.qk_norm_rope(&k.buf, k_layout, &k_norm, &ra, &mut kn.buf, None)?;
+            }
+            Some(mr) => {
+                let (x, out) = (&q_gate.buf, &mut q.buf);
+                g.qk_norm_rope_mrope(x, q_layout, &q_norm, mr, out, Some(&mut gv))?;
+                g.qk_norm_rope_mrope(&k.buf, k_layout, &k_norm, mr, &mut kn.buf, None)?;
+            }
+        }
         let pools = KvPools {
             k: &mut pool.k,
             v: &mut pool.v,

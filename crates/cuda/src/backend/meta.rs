@@ -11,6 +11,11 @@
 //! an op whose metadata is already there uploads nothing. A staging buffer is rewritten only after its
 //! previous copy has completed (its event), which, with a ring of [`RING`] buffers, never waits in a
 //! normal step.
+//!
+//! A step with explicit interleaved-MRoPE positions (images in a prompt) also uploads its rows'
+//! `(t, h, w)` through the same ring into a small buffer of their own ([`Meta::stage_mrope`]),
+//! allocated with the first such step and reused (grown when a step has more rows); every attention
+//! layer of the step reads the same copy.
 
 use cudarc::driver::{
     result, CudaContext, CudaEvent, CudaSlice, CudaView, DevicePtr, PinnedHostSlice,
@@ -78,6 +83,9 @@ pub(crate) struct Meta {
     ids: Option<(Vec<u32>, usize)>,
     out_rows: Option<(Vec<u32>, usize)>,
     seqs: Option<(SeqKey, SeqMeta)>,
+    /// Explicit MRoPE positions, `[rows, 3]` words, and what the host last copied there.
+    mrope_dev: Option<CudaSlice<u32>>,
+    mrope: Option<Vec<u32>>,
     /// Counts reallocations of `dev` (a recorded graph holds its address).
     pub generation: u64,
 }
@@ -89,6 +97,44 @@ fn pinned(ctx: &Arc<CudaContext>, words: usize) -> Result<Staging> {
         host,
         event: ctx.new_event(None)?,
     })
+}
+
+/// Copies `words` to word offset `at` of `dst` through the next staging buffer of `ring` (`next`
+/// names it, and moves on).
+fn copy_staged(
+    ring: &mut [Staging],
+    next: &mut usize,
+    gpu: &Gpu,
+    dst: &CudaSlice<u32>,
+    words: &[u32],
+    at: usize,
+) -> Result<()> {
+    if words.is_empty() {
+        return Ok(());
+    }
+    if at + words.len() > dst.len() {
+        return Err(CudaError::Shape {
+            op: "step metadata",
+            msg: format!("{} words at {at} of a buffer of {}", words.len(), dst.len()),
+        });
+    }
+    let i = *next;
+    *next = (i + 1) % ring.len();
+    let st = &mut ring[i];
+    // Waits for this buffer's previous copy (long done in a normal step).
+    st.event.synchronize()?;
+    if st.host.len() < words.len() {
+        *st = pinned(gpu.context(), words.len().next_power_of_two())?;
+    }
+    let host = st.host.as_mut_slice()?;
+    host[..words.len()].copy_from_slice(words);
+    let s = gpu.stream();
+    let (dp, _g) = dst.device_ptr(s);
+    // SAFETY: the destination range lies inside `dst` (checked above); the pinned source is not
+    // rewritten before the event recorded below completes.
+    unsafe { result::memcpy_htod_async(dp + 4 * at as u64, &host[..words.len()], s.cu_stream()) }?;
+    st.event.record(s)?;
+    Ok(())
 }
 
 /// Words the packed step region needs, and its table stride (at least `min_stride`).
@@ -129,13 +175,15 @@ impl Meta {
             ids: None,
             out_rows: None,
             seqs: None,
+            mrope_dev: None,
+            mrope: None,
             generation: 0,
         })
     }
 
-    /// Device bytes of the metadata buffer.
+    /// Device bytes of the metadata buffers.
     pub fn bytes(&self) -> usize {
-        4 * self.dev.len()
+        4 * (self.dev.len() + self.mrope_dev.as_ref().map_or(0, |d| d.len()))
     }
 
     fn packed_base(&self) -> usize {
@@ -160,28 +208,33 @@ impl Meta {
 
     /// Copies `words` to word offset `at` of the device buffer through the next staging buffer.
     fn upload(&mut self, gpu: &Gpu, words: &[u32], at: usize) -> Result<()> {
-        if words.is_empty() {
+        copy_staged(&mut self.ring, &mut self.next, gpu, &self.dev, words, at)
+    }
+
+    /// Makes the MRoPE buffer hold `positions` (`(t, h, w)` of each of the step's rows), uploading
+    /// them when it holds other values; [`Meta::mrope_view`] then reads them.
+    pub fn stage_mrope(&mut self, gpu: &Gpu, positions: &[[u32; 3]]) -> Result<()> {
+        let words: Vec<u32> = positions.iter().flatten().copied().collect();
+        if self.mrope_dev.is_some() && self.mrope.as_ref() == Some(&words) {
             return Ok(());
         }
-        let i = self.next;
-        self.next = (self.next + 1) % RING;
-        let st = &mut self.ring[i];
-        // Waits for this buffer's previous copy (long done in a normal step).
-        st.event.synchronize()?;
-        if st.host.len() < words.len() {
-            *st = pinned(gpu.context(), words.len().next_power_of_two())?;
-        }
-        let host = st.host.as_mut_slice()?;
-        host[..words.len()].copy_from_slice(words);
-        let s = gpu.stream();
-        let (dp, _g) = self.dev.device_ptr(s);
-        // SAFETY: the destination range lies inside `dev` (reserved by the caller); the pinned source
-        // is not rewritten before the event recorded below completes.
-        unsafe {
-            result::memcpy_htod_async(dp + 4 * at as u64, &host[..words.len()], s.cu_stream())
-        }?;
-        st.event.record(s)?;
+        self.mrope = None;
+        let dev = match self.mrope_dev.take() {
+            Some(d) if d.len() >= words.len() => d,
+            // Kernels already queued keep reading the old buffer: it is freed in stream order.
+            _ => gpu.zeros::<u32>(words.len().max(1).next_power_of_two())?,
+        };
+        let copied = copy_staged(&mut self.ring, &mut self.next, gpu, &dev, &words, 0);
+        self.mrope_dev = Some(dev);
+        copied?;
+        self.mrope = Some(words);
         Ok(())
+    }
+
+    /// The MRoPE positions last staged ([`Meta::stage_mrope`]), `3·rows` words; `None` before any.
+    pub fn mrope_view(&self, rows: usize) -> Option<CudaView<'_, u32>> {
+        let d = self.mrope_dev.as_ref()?;
+        Some(d.slice(..(3 * rows).clamp(1, d.len())))
     }
 
     /// Appends the sequence words of a step to `w`, returning their offsets relative to `base`.

@@ -54,15 +54,16 @@ pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, MIN_GRAPH_SPAN};
 pub use packed::{packed_device_bytes, packed_fits, PACKED_WORKSPACE_BYTES};
 pub use tensor::{CudaTensor, CudaWeight, DenseBf16, PackedWeight};
 
-/// Refuses explicit MRoPE positions (images in a prompt): the RoPE kernels turn row `i` of a chunk
-/// at `pos0 + i` only.
+/// Refuses explicit MRoPE positions (images in a prompt) in QSA attention, as the CPU backend
+/// does: its indexer's keys are turned at the sequence positions, with no MRoPE. Dense attention
+/// takes them (`attn.rs`).
 fn refuse_mrope(op: &'static str, c: &AttnCall<'_, CudaTensor, CudaWeight>) -> OpResult<()> {
     match c.mrope {
         None => Ok(()),
         Some(_) => Err(BackendError::invalid(
             op,
-            "explicit MRoPE positions (image tokens) are not supported on CUDA yet: \
-             the RoPE kernels turn each row at its sequence position only",
+            "explicit MRoPE positions (image tokens) are not supported by QSA attention: \
+             its indexer's keys have no MRoPE",
         )),
     }
 }
@@ -627,7 +628,6 @@ impl Backend for CudaBackend {
     }
 
     fn attention(&self, c: &AttnCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
-        refuse_mrope("attention", c)?;
         self.attention_impl(c).at("attention")
     }
 

@@ -33,6 +33,25 @@ pub struct RopeArgs<'a, F: DevicePtr<f32>, P: DevicePtr<u32>> {
     pub mscale: f32,
 }
 
+/// The rotary embedding of [`Gpu::qk_norm_rope_mrope`]: the plain arguments `rope` (the rows'
+/// sequence positions, checked but not used for the angle, the inverse frequencies, `rot_dim` and
+/// the cos/sin scale) with explicit interleaved-MRoPE positions, `(t, h, w)` of every row
+/// (`positions` `[rows, 3]`, device), and the config's `mrope_section` (how many rotary frequencies
+/// each axis owns; they sum to `rot_dim / 2`). Frequency `j` of row `r` turns by
+/// `positions[r][sanmai_model::backend::mrope_axis(j, sections)]`.
+pub struct MropeArgs<'a, F: DevicePtr<f32>, P: DevicePtr<u32>, Q: DevicePtr<u32>> {
+    pub rope: &'a RopeArgs<'a, F, P>,
+    pub positions: &'a Q,
+    pub sections: [usize; 3],
+}
+
+/// What [`Gpu::qk_norm_rope`] and [`Gpu::qk_norm_rope_mrope`] turn by: the rotary arguments and,
+/// for the latter, the MRoPE positions and sections.
+struct Rotation<'a, F: DevicePtr<f32>, P: DevicePtr<u32>, Q: DevicePtr<u32>> {
+    rope: &'a RopeArgs<'a, F, P>,
+    mrope: Option<(&'a Q, [usize; 3])>,
+}
+
 /// The per-head RMSNorm of [`Gpu::qk_norm_rope`]: the zero-centred weight `w` `[head_dim]` (the
 /// norm scales by `1 + w`) and the epsilon.
 pub struct HeadNorm<'a, W: DevicePtr<bf16>> {
@@ -55,7 +74,46 @@ impl Gpu {
         out: &mut impl DevicePtrMut<bf16>,
         gate_out: Option<&mut cudarc::driver::CudaViewMut<'_, bf16>>,
     ) -> Result<()> {
-        const OP: &str = "qk_norm_rope";
+        let rot: Rotation<'_, _, _, CudaSlice<u32>> = Rotation { rope, mrope: None };
+        self.qk_norm_rope_at(x, layout, norm, rot, out, gate_out)
+    }
+
+    /// [`Gpu::qk_norm_rope`] turning each row at explicit interleaved-MRoPE positions
+    /// (`mrope.positions[row]`, frequency `j` at axis `mrope_axis(j, mrope.sections)`) instead of
+    /// `mrope.rope.positions[row]`: the angle is the same f32 product of the position and the
+    /// frequency, so positions equal to the sequence positions on every axis give the same bits.
+    /// Matches `sanmai_cpu::ops::rope_mrope_interleaved` after the norm.
+    pub fn qk_norm_rope_mrope(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        layout: HeadLayout,
+        norm: &HeadNorm<'_, impl DevicePtr<bf16>>,
+        mrope: &MropeArgs<'_, impl DevicePtr<f32>, impl DevicePtr<u32>, impl DevicePtr<u32>>,
+        out: &mut impl DevicePtrMut<bf16>,
+        gate_out: Option<&mut cudarc::driver::CudaViewMut<'_, bf16>>,
+    ) -> Result<()> {
+        let rot = Rotation {
+            rope: mrope.rope,
+            mrope: Some((mrope.positions, mrope.sections)),
+        };
+        self.qk_norm_rope_at(x, layout, norm, rot, out, gate_out)
+    }
+
+    /// The launch of [`Gpu::qk_norm_rope`] and [`Gpu::qk_norm_rope_mrope`].
+    fn qk_norm_rope_at(
+        &self,
+        x: &impl DevicePtr<bf16>,
+        layout: HeadLayout,
+        norm: &HeadNorm<'_, impl DevicePtr<bf16>>,
+        rot: Rotation<'_, impl DevicePtr<f32>, impl DevicePtr<u32>, impl DevicePtr<u32>>,
+        out: &mut impl DevicePtrMut<bf16>,
+        gate_out: Option<&mut cudarc::driver::CudaViewMut<'_, bf16>>,
+    ) -> Result<()> {
+        let Rotation { rope, mrope } = rot;
+        let op = match mrope {
+            None => "qk_norm_rope",
+            Some(_) => "qk_norm_rope_mrope",
+        };
         let HeadNorm { w, eps } = *norm;
         let positions = rope.positions;
         let HeadLayout {
@@ -65,12 +123,12 @@ impl Gpu {
             row_stride,
             head_stride,
         } = layout;
-        ensure(d > 0 && d <= QK_MAX_HEAD_DIM, OP, || {
+        ensure(d > 0 && d <= QK_MAX_HEAD_DIM, op, || {
             format!("head_dim = {d} must be in 1..={QK_MAX_HEAD_DIM}")
         })?;
         ensure(
             rope.rot_dim.is_multiple_of(2) && rope.rot_dim <= d,
-            OP,
+            op,
             || {
                 format!(
                     "rot_dim {} must be even and at most head_dim {d}",
@@ -79,22 +137,36 @@ impl Gpu {
             },
         )?;
         let need_stride = if gate_out.is_some() { 2 * d } else { d };
-        ensure(head_stride >= need_stride, OP, || {
+        ensure(head_stride >= need_stride, op, || {
             format!("head_stride {head_stride} < {need_stride}")
         })?;
         if rows == 0 || n_heads == 0 {
             return Ok(());
         }
         let extent = (rows - 1) * row_stride + (n_heads - 1) * head_stride + need_stride;
-        check_len(OP, "x", x, extent)?;
-        check_len(OP, "w", w, d)?;
-        check_len(OP, "positions", positions, rows)?;
-        check_len(OP, "inv_freq", rope.inv_freq, rope.rot_dim / 2)?;
-        check_len(OP, "out", out, rows * n_heads * d)?;
+        check_len(op, "x", x, extent)?;
+        check_len(op, "w", w, d)?;
+        check_len(op, "positions", positions, rows)?;
+        check_len(op, "inv_freq", rope.inv_freq, rope.rot_dim / 2)?;
+        check_len(op, "out", out, rows * n_heads * d)?;
         if let Some(g) = &gate_out {
-            check_len(OP, "gate_out", *g, rows * n_heads * d)?;
+            check_len(op, "gate_out", *g, rows * n_heads * d)?;
         }
-        ensure(rows <= 65535, OP, || "more than 65535 rows".into())?;
+        let (sec_h, sec_w) = match mrope {
+            Some((pos3, sections)) => {
+                let half = rope.rot_dim / 2;
+                ensure(sections.iter().sum::<usize>() == half, op, || {
+                    format!("MRoPE sections {sections:?} for {half} rotary frequencies")
+                })?;
+                check_len(op, "MRoPE positions", pos3, 3 * rows)?;
+                (
+                    int(op, "mrope_section", sections[1])?,
+                    int(op, "mrope_section", sections[2])?,
+                )
+            }
+            None => (0, 0),
+        };
+        ensure(rows <= 65535, op, || "more than 65535 rows".into())?;
         let s = self.stream();
         let gp = match gate_out {
             Some(g) => g.device_ptr_mut(s).0,
@@ -102,6 +174,8 @@ impl Gpu {
         };
         let (xrs, xhs, ors) = (row_stride as i64, head_stride as i64, (n_heads * d) as i64);
         let (di, half) = (d as i32, (rope.rot_dim / 2) as i32);
+        // Null: every frequency at `positions[row]`.
+        let plain = 0u64;
         let mut b = self.launch(self.kernel("qk_norm_rope_bf16")?);
         b.ptr(x)
             .arg(&xrs)
@@ -116,9 +190,14 @@ impl Gpu {
             .ptr(rope.inv_freq)
             .arg(&half)
             .arg(&rope.mscale);
-        let grid = (grid_u32(OP, n_heads)?, rows as u32, 1);
-        // SAFETY: argument types match the kernel; the strided extent of x, out, gate_out, positions
-        // and inv_freq are checked above; head_dim ≤ KV_MAX_D.
+        match mrope {
+            Some((pos3, _)) => b.ptr(pos3),
+            None => b.arg(&plain),
+        };
+        b.arg(&sec_h).arg(&sec_w);
+        let grid = (grid_u32(op, n_heads)?, rows as u32, 1);
+        // SAFETY: argument types match the kernel; the strided extent of x, out, gate_out, positions,
+        // the MRoPE positions and inv_freq are checked above; head_dim ≤ KV_MAX_D.
         unsafe { b.launch(cfg(grid, row_threads(d), 0)) }?;
         Ok(())
     }

@@ -628,8 +628,8 @@ fn lockstep_quant_fixture_ops_match_cpu() {
 
 /// Images in a step on the device ([`Model::step_multimodal`]): given input embeddings (copied in
 /// by [`Backend::set_rows`], a run of rows and a single row) are what the layers read, bit for bit
-/// the step of the prompt whose tokens have those embeddings; explicit MRoPE positions are refused
-/// with an error that says so.
+/// the step of the prompt whose tokens have those embeddings; explicit MRoPE positions equal to the
+/// sequence positions give the plain step bit for bit (`tests/mrope.rs` checks other positions).
 #[test]
 fn multimodal_step_inputs() {
     use sanmai_model::{StepEmbeds, StepMultimodal};
@@ -690,9 +690,10 @@ fn multimodal_step_inputs() {
     println!("E2E check=multimodal_embeds model={name} rows={r} max_diff={worst:e}");
     assert_eq!(got, want, "given embeddings: off by up to {worst}");
 
-    let d = Seq::new(&m, 2);
+    let (d, e) = (Seq::new(&m, 2), Seq::new(&m, 3));
+    let want = step(&m, &toks[..n], &[e.chunk(0, n, 0)], &[OutRows::All]);
     let p: Vec<[u32; 3]> = (0..n as u32).map(|i| [i; 3]).collect();
-    let e = m
+    let o = m
         .step_multimodal(
             StepInput {
                 chunks: &[chunk(&d, &toks[..n])],
@@ -704,9 +705,15 @@ fn multimodal_step_inputs() {
                 embeds: None,
             },
         )
-        .err()
-        .expect("MRoPE positions refused")
-        .to_string();
-    println!("E2E check=multimodal_mrope_refused model={name} error={e:?}");
-    assert!(e.contains("not supported on CUDA"), "{e}");
+        .unwrap();
+    let (r, cols, data) = m.backend.to_host(o.logits.unwrap()).unwrap();
+    let got: Vec<Vec<f64>> = (0..r)
+        .map(|i| log_softmax(&data[i * cols..(i + 1) * cols]))
+        .collect();
+    let same = got == want;
+    println!("E2E check=multimodal_mrope_sequence_positions model={name} rows={r} bitwise={same}");
+    assert!(
+        same,
+        "MRoPE at the sequence positions is not the plain step"
+    );
 }

@@ -224,6 +224,7 @@ pub fn forced_end_to_end<B: Probe + 'static>(
                 prompt_logprobs: false,
                 cache_salt: Vec::new(),
                 checkpoint_at: Vec::new(),
+                images: None,
             };
             known.insert(req.key(), t.clone());
             wave.push((req, t[prompt_len..prompt_len + gen_len].to_vec()));

@@ -199,6 +199,7 @@ impl EngineArgs {
             valid_vocab,
             eos_ids,
             default_max_tokens,
+            images,
             ..
         } = loaded;
         let mut cfg = self.engine_config(
@@ -238,6 +239,10 @@ impl EngineArgs {
             let exec = PipelineExecutor::new(stages, ple_prefetch, opts).map_err(|e| anyhow!(e))?;
             start(exec, tokenizer, cfg)
         }
+        .map(|h| match images {
+            Some(e) => h.with_images(e),
+            None => h,
+        })
         .map_err(|e| anyhow!(e))
     }
 }

@@ -135,6 +135,7 @@ fn generate<B: Backend + 'static>(args: GenerateArgs, loaded: Loaded<B>) -> Resu
         prompt_logprobs: args.echo,
         cache_salt: Vec::new(),
         checkpoint_at: Vec::new(),
+        images: None,
     };
     let started = Instant::now();
     let mut stream = engine.submit(request)?;

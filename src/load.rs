@@ -78,6 +78,8 @@ pub struct ModelArgs {
     pub ple_table: Option<PathBuf>,
     #[command(flatten)]
     pub switches: SwitchArgs,
+    #[command(flatten)]
+    pub mm: crate::images::MmArgs,
     /// Where the model runs: cpu, cuda or cuda:N, or one per pipeline stage (cuda:0,cuda:1,cuda:2;
     /// stages may share a GPU) [default: cuda:0 (cuda:0..N for N stages) when this build has CUDA and
     /// a GPU is found, else cpu].
@@ -178,6 +180,8 @@ pub struct Loaded<B: Backend> {
     pub eos_ids: Vec<u32>,
     /// New tokens when a request gives no limit (`None`: up to the context length).
     pub default_max_tokens: Option<usize>,
+    /// What prepares prompts with images (a model with a vision tower, on one stage).
+    pub images: Option<sanmai_engine::images::ImageEncoder>,
 }
 
 impl<B: Backend> Loaded<B> {
@@ -411,6 +415,15 @@ impl ModelArgs {
             seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
             "model loaded"
         );
+        let images = match layout.len() {
+            1 => self.mm.encoder(cfg, source, self.model.as_deref())?,
+            _ => {
+                if cfg.vision.is_some() {
+                    tracing::warn!("the model's vision tower is not served under pipeline stages: requests with images get a 400");
+                }
+                None
+            }
+        };
         let default_max_tokens = match &self.model {
             None if self.config.is_none() => Some(BUILTIN_DEFAULT_MAX_TOKENS),
             Some(dir) => generation_max_new_tokens(dir),
@@ -428,6 +441,7 @@ impl ModelArgs {
             valid_vocab,
             eos_ids,
             default_max_tokens,
+            images,
         })
     }
 

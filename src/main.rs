@@ -8,6 +8,7 @@ mod bench_serve;
 mod bytes;
 mod engine_args;
 mod generate;
+mod images;
 mod load;
 mod memory_plan;
 mod plan;

@@ -61,6 +61,7 @@ fn turn(h: &EngineHandle, prompt: Vec<u32>, id: usize) -> (f64, Vec<u32>, usize)
             prompt_logprobs: false,
             cache_salt: vec![],
             checkpoint_at: Vec::new(),
+            images: None,
         })
         .unwrap();
     let (mut ttft, mut ids, mut cached) = (None, Vec::new(), 0);

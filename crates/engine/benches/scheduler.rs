@@ -72,6 +72,7 @@ fn main() {
                     prompt_logprobs: false,
                     cache_salt: vec![],
                     checkpoint_at: Vec::new(),
+                    images: None,
                 })
                 .unwrap()
             })

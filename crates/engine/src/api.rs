@@ -75,6 +75,9 @@ pub struct EngineRequest {
     /// reply that follows differently (e.g. without an empty think block), so it shares the prompt only up
     /// to there.
     pub checkpoint_at: Vec<usize>,
+    /// The prompt's images (its image rows' embeddings and MRoPE positions), made by
+    /// [`ImageEncoder::encode`](crate::images::ImageEncoder::encode); `None` for text.
+    pub images: Option<std::sync::Arc<crate::images::PromptImages>>,
 }
 
 impl EngineRequest {

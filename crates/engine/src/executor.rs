@@ -9,8 +9,8 @@ use std::collections::VecDeque;
 
 use sanmai_model::sample::RowSampling;
 use sanmai_model::{
-    Backend, KvHostStats, Model, OpResult, PleSource, SampleCall, StepChunk, StepError, StepInput,
-    StepOutput, StepStart,
+    Backend, KvHostStats, Model, OpResult, PleSource, SampleCall, StepChunk, StepEmbeds, StepError,
+    StepInput, StepMultimodal, StepOutput, StepStart,
 };
 use sanmai_ple::{PrefetchOptions, Prefetcher};
 
@@ -339,10 +339,47 @@ pub(crate) fn step_chunks(plan: &StepPlan) -> Vec<StepChunk<'_>> {
 
 fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan) -> Result<StepLogits, StepError> {
     let chunks = step_chunks(plan);
-    let out = m.step(StepInput {
+    let input = StepInput {
         chunks: &chunks,
         start: StepStart::Tokens,
         hidden: wants_hidden(plan),
-    })?;
+    };
+    let out = if plan.chunks.iter().any(|c| c.images.is_some()) {
+        let (positions, rows, values) = step_images(plan);
+        let embeds = match rows.is_empty() {
+            true => None,
+            false => Some(StepEmbeds {
+                rows: &rows,
+                values: m.backend.upload(rows.len(), m.cfg.hidden_size, values)?,
+            }),
+        };
+        m.step_multimodal(
+            input,
+            StepMultimodal {
+                positions: &positions,
+                embeds,
+            },
+        )?
+    } else {
+        m.step(input)?
+    };
     Ok(answer(m, plan, out)?)
+}
+
+/// A step's images: each chunk's explicit MRoPE positions (`None` for a plain chunk), and the step
+/// rows that take an image embedding with their values `[rows, hidden]`.
+#[allow(clippy::type_complexity)]
+fn step_images(plan: &StepPlan) -> (Vec<Option<&[[u32; 3]]>>, Vec<usize>, Vec<f32>) {
+    let mut positions = Vec::with_capacity(plan.chunks.len());
+    let (mut rows, mut values) = (Vec::new(), Vec::new());
+    let mut start = 0;
+    for c in &plan.chunks {
+        positions.push(c.images.as_ref().map(|i| i.positions.as_slice()));
+        if let Some(i) = &c.images {
+            rows.extend(i.rows.iter().map(|r| start + r));
+            values.extend_from_slice(&i.embeds);
+        }
+        start += c.tokens.len();
+    }
+    (positions, rows, values)
 }

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::images::ImageEncoder;
 use crate::api::{
     EngineEvent, EngineRequest, MetricsSnapshot, OutputConstraint, StopParams, SubmitError,
 };
@@ -77,6 +78,7 @@ pub struct EngineHandle {
     pub(crate) info: Arc<EngineInfo>,
     pub(crate) metrics: Arc<Mutex<MetricsSnapshot>>,
     pub(crate) limits: Arc<Limits>,
+    pub(crate) images: Option<Arc<ImageEncoder>>,
 }
 
 pub(crate) struct Limits {
@@ -141,6 +143,17 @@ impl EngineHandle {
 
     pub fn info(&self) -> &EngineInfo {
         &self.info
+    }
+
+    /// The engine takes prompts with images, prepared by `encoder` (a model with a vision tower).
+    pub fn with_images(mut self, encoder: ImageEncoder) -> Self {
+        self.images = Some(Arc::new(encoder));
+        self
+    }
+
+    /// What prepares a prompt's images, when the model takes images.
+    pub fn images(&self) -> Option<&Arc<ImageEncoder>> {
+        self.images.as_ref()
     }
 
     pub fn metrics(&self) -> MetricsSnapshot {

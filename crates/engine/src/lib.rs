@@ -13,6 +13,7 @@ mod engine;
 pub mod executor;
 pub mod forced_drafts;
 mod handle;
+pub mod images;
 mod kv_cache;
 mod masks;
 mod mtp;

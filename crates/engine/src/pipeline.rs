@@ -480,6 +480,9 @@ impl<B: Backend> Worker<B> {
     /// Runs one step on this stage; `idle_ns` gets the time spent waiting for the previous stage.
     fn step(&self, job: &Job, idle_ns: &mut u64) -> Result<StageOut<B::Tensor>, String> {
         let m = &*self.model;
+        if job.plan.chunks.iter().any(|c| c.images.is_some()) {
+            return Err("prompts with images are not served under pipeline stages".into());
+        }
         let chunks = step_chunks(&job.plan);
         let early = self
             .opts

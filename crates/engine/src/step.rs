@@ -4,6 +4,8 @@
 
 use sanmai_model::sample::{RowSampling, Sampled, SeenToken, ValidatedParams};
 
+pub use crate::images::ChunkImages;
+
 /// Which logits a chunk needs back: none, its last token's (to sample the next one) or every
 /// token's (prompt log-probabilities).
 pub use sanmai_model::OutRows as LogitRows;
@@ -30,6 +32,9 @@ pub struct PlannedChunk {
     pub sampling: Vec<ChunkSampling>,
     /// The MTP draft head's part, for a sequence that drafts (`--speculative-config`).
     pub spec: Option<SpecChunk>,
+    /// The explicit MRoPE positions and image-row embeddings of a chunk of a prompt with images
+    /// (`None`: a plain chunk).
+    pub images: Option<ChunkImages>,
 }
 
 /// What a chunk of a sequence that drafts with the MTP head asks besides its tokens. After the

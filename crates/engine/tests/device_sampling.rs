@@ -207,6 +207,7 @@ fn run(device: bool) -> (Vec<Generated>, usize, usize) {
                 prompt_logprobs: false,
                 cache_salt: Vec::new(),
                 checkpoint_at: Vec::new(),
+                images: None,
             };
             h.submit(req).unwrap()
         })

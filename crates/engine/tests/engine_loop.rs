@@ -84,6 +84,7 @@ fn request(id: &str, prompt: &str, max_tokens: usize) -> EngineRequest {
         prompt_logprobs: false,
         cache_salt: Vec::new(),
         checkpoint_at: Vec::new(),
+        images: None,
     }
 }
 

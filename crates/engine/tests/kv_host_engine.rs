@@ -90,6 +90,7 @@ fn run(exec: impl Executor + 'static, budget: usize) -> (Vec<Vec<u32>>, Option<K
                     prompt_logprobs: false,
                     cache_salt: Vec::new(),
                     checkpoint_at: Vec::new(),
+                    images: None,
                 })
                 .unwrap()
         })

@@ -80,6 +80,7 @@ fn request(
         prompt_logprobs: false,
         cache_salt: Vec::new(),
         checkpoint_at: Vec::new(),
+        images: None,
     }
 }
 
@@ -388,6 +389,7 @@ fn json_answers(
                     prompt_logprobs: false,
                     cache_salt: Vec::new(),
                     checkpoint_at: Vec::new(),
+                    images: None,
                 };
                 let c = OutputConstraint {
                     matcher: grammar.matcher(),
@@ -448,6 +450,7 @@ fn json_schema_answers_under_drafts_and_two_stages_are_valid_and_unchanged() {
                 prompt_logprobs: false,
                 cache_salt: Vec::new(),
                 checkpoint_at: Vec::new(),
+                images: None,
             }
             .key();
             (key, t)

@@ -88,6 +88,7 @@ fn a_ple_model_generates_the_reference_and_reports_its_table_reads() {
                     prompt_logprobs: false,
                     cache_salt: Vec::new(),
                     checkpoint_at: Vec::new(),
+                    images: None,
                 })
                 .unwrap()
         })

@@ -75,6 +75,7 @@ fn request(id: String, seed: u64, max_tokens: usize) -> EngineRequest {
         prompt_logprobs: false,
         cache_salt: Vec::new(),
         checkpoint_at: Vec::new(),
+        images: None,
     }
 }
 

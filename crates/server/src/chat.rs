@@ -135,6 +135,7 @@ pub async fn chat_completions(
         text: rendered,
         ids,
         history_len,
+        images,
     } = render_and_encode(&state, ready, prompt).await?;
 
     let opens_think = prompt_opens_think(&rendered);
@@ -167,6 +168,7 @@ pub async fn chat_completions(
             prompt_logprobs: false,
             cache_salt: Vec::new(),
             checkpoint_at: history_len.into_iter().collect(),
+            images: images.clone(),
         })
         .collect();
     let fields = SubmitFields {

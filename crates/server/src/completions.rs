@@ -167,6 +167,7 @@ pub async fn completions(
                 prompt_logprobs: echo && logprobs.is_some(),
                 cache_salt: Vec::new(),
                 checkpoint_at: Vec::new(),
+                images: None,
             });
         }
     }

@@ -1,6 +1,11 @@
 //! A conversation into prompt tokens: `messages` checked, rendered with the chat template (the
-//! server's default template kwargs under the request's) and encoded, off the async workers.
+//! server's default template kwargs under the request's) and encoded, off the async workers. A
+//! model with a vision tower takes `image_url` parts: each image is fetched ([`crate::media`]),
+//! prepared and run through the tower, and its placeholder token expanded to its tokens.
 
+use std::sync::Arc;
+
+use sanmai_engine::images::{ImageEncoder, PreparedImage, PromptImages};
 use sanmai_tokenizer::TokenizerError;
 use serde_json::{Map, Value};
 
@@ -24,6 +29,16 @@ pub struct Encoded {
     /// Tokens of the conversation history alone (without the generation prompt), when they are a proper
     /// prefix of `ids`: the point the next turn shares.
     pub history_len: Option<usize>,
+    /// The conversation's images (`None` without any).
+    pub images: Option<Arc<PromptImages>>,
+}
+
+/// An image content part: where it is in `messages` and its URL.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ImagePart {
+    /// `messages[i].content[j]`.
+    pub at: String,
+    pub url: String,
 }
 
 /// Renders a conversation and encodes it (without adding special tokens: the template writes them).
@@ -38,7 +53,21 @@ pub async fn render_and_encode(
             "this model's tokenizer has no chat template: start the server with --chat-template FILE",
         )
     })?;
-    let messages = check_messages(&prompt.messages)?;
+    let (messages, parts) = check_messages(&prompt.messages)?;
+    let encoder = match (parts.first(), ready.engine.images()) {
+        (None, _) => None,
+        (Some(p), None) => {
+            return Err(ApiError::invalid(
+                p.at.clone(),
+                format!("{} is an image, but this model takes no images (it has no vision tower, or it is served under pipeline stages)", p.at),
+            ))
+        }
+        (Some(_), Some(e)) => Some(e.clone()),
+    };
+    let images = match &encoder {
+        Some(e) => prepare_images(state, e, &parts).await?,
+        None => Vec::new(),
+    };
     let mut kwargs = state.config.default_chat_template_kwargs.clone();
     kwargs.extend(prompt.kwargs);
     let mut req = tok.chat_request(messages);
@@ -54,7 +83,7 @@ pub async fn render_and_encode(
             ),
             other => ApiError::invalid("messages", other.to_string()),
         })?;
-        let ids = tok
+        let mut ids = tok
             .encode(&text, false)
             .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
         let history_len = if req.add_generation_prompt {
@@ -68,18 +97,63 @@ pub async fn render_and_encode(
         } else {
             None
         };
+        let (mut history_len, mut images_out) = (history_len, None);
+        if let Some(e) = &encoder {
+            let (expanded, prompt_images, moved) = e
+                .encode(&ids, &images)
+                .map_err(|e| ApiError::invalid("messages", e.to_string()))?;
+            history_len = history_len.map(|h| moved[h]);
+            ids = expanded;
+            images_out = Some(Arc::new(prompt_images));
+        }
         Ok(Encoded {
             text,
             ids,
             history_len,
+            images: images_out,
         })
     })
     .await
 }
 
+/// Fetches the images of `parts` (at most the encoder's limit) and prepares them off the async
+/// workers; a part that cannot be had is a 400 naming it.
+async fn prepare_images(
+    state: &AppState,
+    encoder: &Arc<ImageEncoder>,
+    parts: &[ImagePart],
+) -> Result<Vec<PreparedImage>, ApiError> {
+    if parts.len() > encoder.max_images {
+        return Err(ApiError::invalid(
+            parts[encoder.max_images].at.clone(),
+            format!(
+                "the conversation has {} images, above the limit of {} per prompt (--limit-mm-per-prompt)",
+                parts.len(),
+                encoder.max_images
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity(parts.len());
+    for p in parts {
+        let bytes = crate::media::fetch(&p.url, &state.config.media)
+            .await
+            .map_err(|e| ApiError::invalid(p.at.clone(), format!("{}: {e}", p.at)))?;
+        let (encoder, at) = (encoder.clone(), p.at.clone());
+        out.push(
+            blocking(move || {
+                encoder
+                    .prepare(&bytes)
+                    .map_err(|e| ApiError::invalid(at.clone(), format!("{at}: {e}")))
+            })
+            .await?,
+        );
+    }
+    Ok(out)
+}
+
 /// Checks `messages` and returns them ready for the template (`reasoning` is accepted as an alias of
-/// `reasoning_content`). Image, audio and video parts are refused: there is no vision support yet.
-pub fn check_messages(messages: &Value) -> Result<Value, ApiError> {
+/// `reasoning_content`), with their image parts in order. Audio and video parts are refused.
+pub fn check_messages(messages: &Value) -> Result<(Value, Vec<ImagePart>), ApiError> {
     let Value::Array(list) = messages else {
         return Err(ApiError::invalid("messages", "`messages` must be an array"));
     };
@@ -90,6 +164,7 @@ pub fn check_messages(messages: &Value) -> Result<Value, ApiError> {
         ));
     }
     let mut out = Vec::with_capacity(list.len());
+    let mut images = Vec::new();
     for (i, m) in list.iter().enumerate() {
         let at = |s: &str| format!("messages[{i}]{s}");
         let Value::Object(map) = m else {
@@ -117,7 +192,10 @@ pub fn check_messages(messages: &Value) -> Result<Value, ApiError> {
             None | Some(Value::Null) | Some(Value::String(_)) => {}
             Some(Value::Array(parts)) => {
                 for (j, part) in parts.iter().enumerate() {
-                    check_part(part, &at(&format!(".content[{j}]")))?;
+                    let at = at(&format!(".content[{j}]"));
+                    if let Some(url) = check_part(part, &at)? {
+                        images.push(ImagePart { at, url });
+                    }
                 }
             }
             Some(_) => {
@@ -138,27 +216,41 @@ pub fn check_messages(messages: &Value) -> Result<Value, ApiError> {
         }
         out.push(Value::Object(map));
     }
-    Ok(Value::Array(out))
+    Ok((Value::Array(out), images))
 }
 
-fn check_part(part: &Value, at: &str) -> Result<(), ApiError> {
+/// Checks one content part; an image part's URL.
+fn check_part(part: &Value, at: &str) -> Result<Option<String>, ApiError> {
     let kind = match part {
-        Value::String(_) => return Ok(()),
+        Value::String(_) => return Ok(None),
         Value::Object(p) => p.get("type").and_then(Value::as_str).unwrap_or("text"),
         _ => return Err(ApiError::invalid(at, format!("{at} must be an object"))),
     };
     match kind {
         "text" | "input_text" | "output_text" => match part.get("text") {
-            Some(Value::String(_)) => Ok(()),
+            Some(Value::String(_)) => Ok(None),
             _ => Err(ApiError::invalid(at, format!("{at} has no string `text`"))),
         },
-        "image_url" | "input_image" | "image" | "image_pil" | "image_embeds" => Err(ApiError::invalid(
+        // OpenAI's `{"image_url": {"url": ...}}`, or the URL as a string (the Responses API's
+        // `input_image`).
+        "image_url" | "input_image" => {
+            let url = match part.get("image_url") {
+                Some(Value::String(u)) => Some(u.as_str()),
+                Some(Value::Object(o)) => o.get("url").and_then(Value::as_str),
+                _ => None,
+            };
+            match url {
+                Some(u) if !u.is_empty() => Ok(Some(u.to_string())),
+                _ => Err(ApiError::invalid(at, format!("{at} has no `image_url.url` string"))),
+            }
+        }
+        "image" | "image_pil" | "image_embeds" => Err(ApiError::invalid(
             at,
-            format!("{at} is an image, but image input is not supported yet: this server has no vision support"),
+            format!("{at} is a {kind} part: send images as {{\"type\": \"image_url\", \"image_url\": {{\"url\": ...}}}}"),
         )),
         "input_audio" | "audio_url" | "video_url" | "video" | "file" | "input_file" => Err(ApiError::invalid(
             at,
-            format!("{at} is a {kind} part; only text content is supported (no vision or audio support yet)"),
+            format!("{at} is a {kind} part; only text and image content is supported"),
         )),
         other => Err(ApiError::invalid(at, format!("{at} has an unknown content type {other:?}"))),
     }
@@ -173,7 +265,7 @@ mod tests {
     fn messages_are_checked() {
         let ok = json!([{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
             {"role": "assistant", "content": null, "reasoning": "r", "tool_calls": []}, {"role": "tool", "content": "x", "tool_call_id": "1"}]);
-        let out = check_messages(&ok).unwrap();
+        let (out, _) = check_messages(&ok).unwrap();
         assert_eq!(out[2]["reasoning_content"], "r");
         for (bad, param) in [
             (json!("hi"), "messages"),
@@ -192,14 +284,31 @@ mod tests {
                 "messages[0].content[0]",
             ),
             (
-                json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]),
+                json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {}}]}]),
                 "messages[0].content[1]",
+            ),
+            (
+                json!([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]),
+                "messages[0].content[0]",
             ),
         ] {
             let e = check_messages(&bad).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param), "{bad}");
         }
-        let e = check_messages(&json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])).unwrap_err();
-        assert!(e.message.contains("vision"), "{}", e.message);
+        let (_, images) = check_messages(&json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}, "t"]},
+            {"role": "user", "content": [{"type": "input_image", "image_url": "y"}]}])).unwrap();
+        assert_eq!(
+            images,
+            vec![
+                ImagePart {
+                    at: "messages[0].content[0]".into(),
+                    url: "x".into()
+                },
+                ImagePart {
+                    at: "messages[1].content[0]".into(),
+                    url: "y".into()
+                },
+            ]
+        );
     }
 }

@@ -172,6 +172,7 @@ fn engine_step(
                 prompt_logprobs: false,
                 cache_salt: Vec::new(),
                 checkpoint_at: Vec::new(),
+                images: None,
             };
             let c = grammars.map(|g| OutputConstraint {
                 matcher: g[i].matcher(),

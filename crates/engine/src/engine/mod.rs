@@ -279,6 +279,7 @@ pub fn start<E: Executor + 'static>(
         info,
         metrics,
         limits,
+        images: None,
     })
 }
 

@@ -5,6 +5,7 @@ use rayon::prelude::*;
 use super::Engine;
 use crate::api::{EngineEvent, FinishReason, StopReason, TokenLogprob};
 use crate::executor::{Executor, LogitRows, PlannedChunk, StepLogits, StepPlan};
+use crate::images::cache_tokens;
 use crate::kv_cache::Progress;
 use crate::sampler::speculative::verify_drafts;
 use crate::sampler::{RowLogprobs, SampleRequest, Sampled};
@@ -85,7 +86,7 @@ impl<E: Executor> Engine<E> {
             seq.num_computed += c.tokens.len();
             let prompt_len = seq.prompt_len();
             let progress = Progress {
-                tokens: &seq.tokens,
+                tokens: &cache_tokens(seq.req.images.as_deref(), &seq.tokens),
                 before,
                 after: seq.num_computed,
                 prompt_len,
@@ -250,7 +251,7 @@ impl<E: Executor> Engine<E> {
         }
         seq.num_computed = c.pos0 + c.tokens.len();
         let progress = Progress {
-            tokens: &seq.tokens,
+            tokens: &cache_tokens(seq.req.images.as_deref(), &seq.tokens),
             before: c.pos0,
             after: seq.num_computed,
             prompt_len: seq.req.prompt.len(),

@@ -6,6 +6,7 @@ use std::sync::atomic::Ordering;
 use super::Engine;
 use crate::api::FinishReason;
 use crate::executor::{ChunkSampling, Executor, LogitRows, PlannedChunk, SpecChunk, StepPlan};
+use crate::images::cache_tokens;
 use crate::sequence::Sequence;
 
 impl<E: Executor> Engine<E> {
@@ -98,9 +99,12 @@ impl<E: Executor> Engine<E> {
                 break;
             };
             let lookup = !(seq.req.prompt_logprobs && seq.num_output() == 0);
-            let admitted =
-                self.cache
-                    .admit(&mut self.executor, &seq.tokens, &seq.req.cache_salt, lookup);
+            let admitted = self.cache.admit(
+                &mut self.executor,
+                &cache_tokens(seq.req.images.as_deref(), &seq.tokens),
+                &seq.req.cache_salt,
+                lookup,
+            );
             let (mut cache, cached) = match admitted {
                 Ok(a) => a,
                 // No state slot: wait for a running sequence to free one, or fail the request
@@ -199,6 +203,11 @@ impl<E: Executor> Engine<E> {
         let past = self.history_tokens.min(seq.num_computed);
         let mut tokens = seq.tokens[seq.num_computed..end].to_vec();
         tokens.extend_from_slice(&seq.drafts[..drafts]);
+        let images = seq
+            .req
+            .images
+            .as_ref()
+            .and_then(|im| im.chunk(seq.num_computed, tokens.len()));
         PlannedChunk {
             request: seq.key(),
             history: seq.tokens[seq.num_computed - past..seq.num_computed].to_vec(),
@@ -214,6 +223,7 @@ impl<E: Executor> Engine<E> {
                 propose,
                 masked: seq.constraint.is_some(),
             }),
+            images,
         }
     }
 

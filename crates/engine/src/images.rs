@@ -12,12 +12,14 @@ use std::borrow::Cow;
 use std::hash::{Hash, Hasher};
 
 use sanmai_model::vision::{
-    Grid, ImageError, Patches, PreprocessorConfig, PromptPositions, Vision,
+    Grid, ImageError, Patches, PreprocessorConfig, PromptPositions, Tower, Vision,
 };
 
 /// A multimodal model's vision tower with how its images are prepared.
 pub struct ImageEncoder {
     vision: Vision,
+    /// Runs the tower in place of `vision`'s CPU forward (a device's copy of its weights).
+    tower: Option<Box<dyn Tower>>,
     preprocessor: PreprocessorConfig,
     /// Images one prompt may hold (`--limit-mm-per-prompt`).
     pub max_images: usize,
@@ -34,9 +36,21 @@ impl ImageEncoder {
     pub fn new(vision: Vision, preprocessor: PreprocessorConfig, max_images: usize) -> Self {
         ImageEncoder {
             vision,
+            tower: None,
             preprocessor,
             max_images,
         }
+    }
+
+    /// Runs the tower with `tower` (the same weights on a device) instead of on the CPU.
+    pub fn with_tower(mut self, tower: Box<dyn Tower>) -> Self {
+        self.tower = Some(tower);
+        self
+    }
+
+    /// The tower's CPU reference (its config and weights).
+    pub fn vision(&self) -> &Vision {
+        &self.vision
     }
 
     pub fn preprocessor(&self) -> &PreprocessorConfig {
@@ -104,7 +118,10 @@ impl ImageEncoder {
             .iter()
             .flat_map(|i| i.patches.pixel_values.iter().copied())
             .collect();
-        let embeds = self.vision.forward(&pixels, &grids)?;
+        let embeds = match &self.tower {
+            Some(t) => t.forward(&pixels, &grids)?,
+            None => self.vision.forward(&pixels, &grids)?,
+        };
         let hidden = self.vision.config.out_hidden_size;
         let keys = positions
             .image_rows

@@ -114,6 +114,19 @@ impl Vision {
     }
 }
 
+/// A vision tower's forward over prepared patches: [`Vision`]'s CPU reference, or a device's copy
+/// of the same weights. Returns the merged tokens `[Σ tokens, out_hidden_size]`, row-major, of the
+/// images whose patch rows are `pixels` and whose grids are `grids` (see [`Vision::forward`]).
+pub trait Tower: Send + Sync {
+    fn forward(&self, pixels: &[f32], grids: &[Grid]) -> Result<Vec<f32>, ImageError>;
+}
+
+impl Tower for Vision {
+    fn forward(&self, pixels: &[f32], grids: &[Grid]) -> Result<Vec<f32>, ImageError> {
+        Vision::forward(self, pixels, grids)
+    }
+}
+
 /// The tensor `name` of the tower (relative to [`VISION_PREFIX`]) in f32, with its shape.
 fn read(src: &dyn TensorSource, cfg: &VisionConfig, name: &str) -> Result<Tensor, WeightError> {
     let full = format!("{VISION_PREFIX}{name}");

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use sanmai_server::media::MediaPolicy;
 use sanmai_server::{Server, ServerConfig, ToolFormat, DEFAULT_MAX_REQUEST_BYTES};
 use sanmai_tokenizer::ChatTemplate;
 use serde::Deserialize;
@@ -62,6 +63,17 @@ pub struct ServeArgs {
     /// Turn prefix caching on (the default; overrides a preset that turns it off).
     #[arg(long, overrides_with = "no_enable_prefix_caching")]
     pub enable_prefix_caching: bool,
+    /// Let `file://` image URLs read files inside this folder (symlinks and `..` cannot leave it)
+    /// [default: no local files].
+    #[arg(long, value_name = "DIR")]
+    pub allowed_local_media_path: Option<PathBuf>,
+    /// The only hosts `http(s)://` image URLs (and their redirects) may name; space- or
+    /// comma-separated, or repeated [default: any host].
+    #[arg(long, value_name = "HOST", value_delimiter = ',', num_args = 1..)]
+    pub allowed_media_domains: Vec<String>,
+    /// Seconds an image URL's fetch may take, connecting and reading included [default: 10].
+    #[arg(long, value_name = "SECONDS")]
+    pub media_fetch_timeout: Option<f64>,
 }
 
 /// The serve flags a preset file may hold (kebab-case keys, as on the command line); any other key
@@ -255,6 +267,7 @@ impl ServeArgs {
         server.default_chat_template_kwargs = default_kwargs;
         server.chat_template = chat_template;
         server.tool_call_parser = tool_call_parser;
+        server.media = self.media_policy()?;
 
         let e = &mut engine;
         e.no_enable_prefix_caching = if self.enable_prefix_caching {
@@ -268,6 +281,48 @@ impl ServeArgs {
             engine,
             model,
         })
+    }
+}
+
+impl ServeArgs {
+    /// `--allowed-local-media-path`, `--allowed-media-domains` and `--media-fetch-timeout`.
+    fn media_policy(&self) -> Result<MediaPolicy> {
+        let mut media = MediaPolicy::default();
+        if let Some(dir) = &self.allowed_local_media_path {
+            let real = std::fs::canonicalize(dir).with_context(|| {
+                format!(
+                    "--allowed-local-media-path {}: cannot open it",
+                    dir.display()
+                )
+            })?;
+            if !real.is_dir() {
+                bail!(
+                    "--allowed-local-media-path {}: not a directory",
+                    dir.display()
+                );
+            }
+            media.allowed_local_path = Some(real);
+        }
+        if !self.allowed_media_domains.is_empty() {
+            let mut hosts = Vec::new();
+            for host in &self.allowed_media_domains {
+                let host = host.trim();
+                if host.is_empty() {
+                    bail!("--allowed-media-domains: an empty host name");
+                }
+                hosts.push(host.to_ascii_lowercase());
+            }
+            media.allowed_domains = Some(hosts);
+        }
+        if let Some(secs) = self.media_fetch_timeout {
+            media.timeout = Duration::try_from_secs_f64(secs)
+                .ok()
+                .filter(|t| !t.is_zero())
+                .with_context(|| {
+                    format!("--media-fetch-timeout {secs}: must be a positive number of seconds")
+                })?;
+        }
+        Ok(media)
     }
 }
 
@@ -517,6 +572,84 @@ mod tests {
                 .unwrap_err()
         );
         assert!(err.contains("cannot read"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn media_flags_fill_the_media_policy() {
+        let s = args(&[]).settings().unwrap();
+        assert_eq!(s.server.media.allowed_local_path, None);
+        assert_eq!(s.server.media.allowed_domains, None);
+        assert_eq!(s.server.media.timeout, Duration::from_secs(10));
+
+        let dir = std::env::temp_dir().join(format!("sanmai-media-flags-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("images")).unwrap();
+        let images = dir.join("images");
+        let s = args(&[
+            "--allowed-local-media-path",
+            images.to_str().unwrap(),
+            "--allowed-media-domains",
+            "Example.com,cdn.example.com",
+            "upload.wikimedia.org",
+            "--allowed-media-domains",
+            "images.test",
+            "--media-fetch-timeout",
+            "2.5",
+        ])
+        .settings()
+        .unwrap();
+        let media = &s.server.media;
+        assert_eq!(
+            media.allowed_local_path.as_deref(),
+            Some(images.canonicalize().unwrap().as_path())
+        );
+        assert_eq!(
+            media.allowed_domains.as_deref().unwrap(),
+            [
+                "example.com",
+                "cdn.example.com",
+                "upload.wikimedia.org",
+                "images.test"
+            ]
+        );
+        assert_eq!(media.timeout, Duration::from_millis(2500));
+
+        let missing = dir.join("missing");
+        let err = format!(
+            "{:#}",
+            args(&["--allowed-local-media-path", missing.to_str().unwrap()])
+                .settings()
+                .unwrap_err()
+        );
+        assert!(
+            err.contains("--allowed-local-media-path") && err.contains(missing.to_str().unwrap()),
+            "{err}"
+        );
+        let file = dir.join("file.png");
+        std::fs::write(&file, b"x").unwrap();
+        let err = format!(
+            "{:#}",
+            args(&["--allowed-local-media-path", file.to_str().unwrap()])
+                .settings()
+                .unwrap_err()
+        );
+        assert!(err.ends_with("not a directory"), "{err}");
+        for bad in ["0", "-1", "nan", "inf"] {
+            let err = format!(
+                "{:#}",
+                args(&[&format!("--media-fetch-timeout={bad}")])
+                    .settings()
+                    .unwrap_err()
+            );
+            assert!(err.contains("--media-fetch-timeout"), "{bad}: {err}");
+        }
+        let err = format!(
+            "{:#}",
+            args(&["--allowed-media-domains", "a.test,,b.test"])
+                .settings()
+                .unwrap_err()
+        );
+        assert!(err.contains("empty host"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -15,6 +15,7 @@ mod chat;
 mod completions;
 pub mod error;
 mod logprobs;
+pub mod media;
 pub mod metrics;
 mod output;
 mod params;

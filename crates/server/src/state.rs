@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 use crate::logprobs::TokenText;
+use crate::media::MediaPolicy;
 use crate::output::ToolFormat;
 
 /// Default `--max-request-bytes`: long agent contexts are large.
@@ -30,6 +31,8 @@ pub struct ServerConfig {
     pub chat_template: Option<ChatTemplate>,
     /// Tool-call format; `None` reads it from the chat template.
     pub tool_call_parser: Option<ToolFormat>,
+    /// Where image URLs may point and how they are fetched.
+    pub media: MediaPolicy,
 }
 
 impl ServerConfig {
@@ -41,6 +44,7 @@ impl ServerConfig {
             default_chat_template_kwargs: Map::new(),
             chat_template: None,
             tool_call_parser: None,
+            media: MediaPolicy::default(),
         }
     }
 }

@@ -11,7 +11,9 @@
 //!    consecutive, each row `[channel, temporal, y, x]` with the image repeated over the temporal
 //!    patch.
 
-use image::{DynamicImage, GenericImageView};
+use std::io::Cursor;
+
+use image::{DynamicImage, GenericImageView, ImageReader, Limits};
 
 use crate::config::PreprocessorConfig;
 use crate::resample::resize_rgb;
@@ -91,9 +93,39 @@ fn to_rgb(img: &DynamicImage) -> Vec<u8> {
     }
 }
 
+/// The most pixels an image may have: a larger one is refused from its header, before decoding.
+pub const MAX_IMAGE_PIXELS: u64 = 50_000_000;
+
+/// The most bytes the decoder may allocate at once, its output image included.
+const MAX_DECODE_ALLOC: u64 = 512 << 20;
+
+/// Decodes an image file's bytes, reading its header first so that an image over
+/// [`MAX_IMAGE_PIXELS`] is refused before its pixels are allocated.
+fn decode(bytes: &[u8]) -> Result<DynamicImage> {
+    let decode_err = |e: image::ImageError| VisionError::Decode(e.to_string());
+    let mut limits = Limits::default();
+    limits.max_alloc = Some(MAX_DECODE_ALLOC);
+    let reader = || {
+        let mut r = ImageReader::new(Cursor::new(bytes))
+            .with_guessed_format()
+            .map_err(|e| VisionError::Decode(e.to_string()))?;
+        r.limits(limits.clone());
+        Ok::<_, VisionError>(r)
+    };
+    let (w, h) = reader()?.into_dimensions().map_err(decode_err)?;
+    if u64::from(w) * u64::from(h) > MAX_IMAGE_PIXELS {
+        return Err(VisionError::Size {
+            height: h as usize,
+            width: w as usize,
+            message: format!("more than {MAX_IMAGE_PIXELS} pixels"),
+        });
+    }
+    reader()?.decode().map_err(decode_err)
+}
+
 /// Prepares one image file's bytes.
 pub fn preprocess(bytes: &[u8], cfg: &PreprocessorConfig) -> Result<Patches> {
-    let img = image::load_from_memory(bytes).map_err(|e| VisionError::Decode(e.to_string()))?;
+    let img = decode(bytes)?;
     let (w, h) = img.dimensions();
     let (h, w) = (h as usize, w as usize);
     let (rh, rw) = smart_resize(h, w, cfg)?;

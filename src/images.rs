@@ -9,6 +9,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use sanmai_config::ModelConfig;
 use sanmai_engine::images::ImageEncoder;
+use sanmai_model::builtin;
 use sanmai_model::vision::{PreprocessorConfig, Vision};
 use sanmai_weights::TensorSource;
 use serde_json::Value;
@@ -55,12 +56,9 @@ impl MmArgs {
         Ok(images)
     }
 
-    /// The image processor's settings: `dir`'s `preprocessor_config.json` (Qwen3.5's values
-    /// without one) under `--mm-processor-kwargs`.
-    pub fn preprocessor(&self, dir: Option<&Path>) -> Result<PreprocessorConfig> {
-        let file = dir
-            .map(|d| d.join("preprocessor_config.json"))
-            .filter(|f| f.exists());
+    /// The image processor's settings: `file` (a `preprocessor_config.json`, by name and text;
+    /// Qwen3.5's values without one) under `--mm-processor-kwargs`.
+    pub fn preprocessor(&self, file: Option<(&str, &str)>) -> Result<PreprocessorConfig> {
         let flag = "--mm-processor-kwargs";
         let kwargs: Option<Value> = self
             .mm_processor_kwargs
@@ -72,18 +70,12 @@ impl MmArgs {
         if kwargs.as_ref().is_some_and(|k| !k.is_object()) {
             bail!("{flag}: expected an object like {{\"max_pixels\": 2097152}}");
         }
-        let mut base = match &file {
-            Some(f) => serde_json::from_str::<Value>(
-                &std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?,
-            )
-            .with_context(|| format!("{}: not valid JSON", f.display()))?,
+        let mut base = match file {
+            Some((name, text)) => serde_json::from_str::<Value>(text)
+                .with_context(|| format!("{name}: not valid JSON"))?,
             None => Value::Object(Default::default()),
         };
-        let name = file
-            .as_ref()
-            .map_or("preprocessor_config.json".to_string(), |f| {
-                f.display().to_string()
-            });
+        let name = file.map_or("preprocessor_config.json", |(n, _)| n);
         if let (Some(Value::Object(k)), Value::Object(b)) = (&kwargs, &mut base) {
             for (key, v) in k {
                 match key.as_str() {
@@ -96,25 +88,42 @@ impl MmArgs {
                 }
             }
         }
-        PreprocessorConfig::from_value(&base, &name).map_err(|e| match kwargs {
+        PreprocessorConfig::from_value(&base, name).map_err(|e| match kwargs {
             Some(_) => anyhow!("{flag} over {name}: {e}"),
             None => anyhow!(e),
         })
     }
 
     /// The image encoder of a model whose config has a vision tower (`None` without one, or with
-    /// images turned off), its weights read from `src`.
+    /// images turned off), its weights read from `src`. The processor's settings are `dir`'s
+    /// `preprocessor_config.json` (the model directory's, when it has one), the built-in model's
+    /// when `builtin`, else Qwen3.5's.
     pub fn encoder(
         &self,
         cfg: &ModelConfig,
         src: &dyn TensorSource,
         dir: Option<&Path>,
+        builtin: bool,
     ) -> Result<Option<ImageEncoder>> {
         let max_images = self.images_per_prompt()?;
         if cfg.vision.is_none() || max_images == 0 {
             return Ok(None);
         }
-        let preprocessor = self.preprocessor(dir)?;
+        let file = dir
+            .map(|d| d.join("preprocessor_config.json"))
+            .filter(|f| f.exists());
+        let preprocessor = match file {
+            Some(f) => {
+                let text = std::fs::read_to_string(&f)
+                    .with_context(|| format!("reading {}", f.display()))?;
+                self.preprocessor(Some((&f.display().to_string(), &text)))?
+            }
+            None if builtin => self.preprocessor(Some((
+                "configs/models/builtin_preprocessor_config.json",
+                builtin::PREPROCESSOR_JSON,
+            )))?,
+            None => self.preprocessor(None)?,
+        };
         let vision = Vision::load(cfg, src)
             .context("loading the vision tower")?
             .expect("the config has a vision tower");

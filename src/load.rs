@@ -416,7 +416,12 @@ impl ModelArgs {
             "model loaded"
         );
         let images = match layout.len() {
-            1 => self.mm.encoder(cfg, source, self.model.as_deref())?,
+            1 => self.mm.encoder(
+                cfg,
+                source,
+                self.model.as_deref(),
+                self.model.is_none() && self.config.is_none(),
+            )?,
             _ => {
                 if cfg.vision.is_some() {
                     tracing::warn!("the model's vision tower is not served under pipeline stages: requests with images get a 400");

@@ -7,7 +7,7 @@ Usage: openai_conversation.py BASE_URL MODEL [--api-key KEY]
 It covers non-streamed and streamed chat (usage chunk, role chunk, finish reasons), log-probabilities with
 alternatives, `n`, stop strings, tools with `tool_choice="auto"` and tool results sent back, structured output
 (`chat.completions.parse` with a pydantic model, forced tool calls, `structured_outputs`), reasoning with
-thinking on, prefix-cache reuse across turns, the completions API (echo + logprobs, token-id prompts,
+thinking on, prefix-cache reuse across turns, an image as a data URL, the completions API (echo + logprobs, token-id prompts,
 several prompts, streaming), the models list and error answers.
 
 The model may have random weights: every check is about structure and invariants (counts, agreement between
@@ -16,7 +16,9 @@ the script prints one line per check, a summary, and exits non-zero if any faile
 """
 
 import argparse
+import base64
 import json
+import pathlib
 import math
 import sys
 import time
@@ -569,6 +571,34 @@ class Conversation:
         check(chunks[-1].usage is not None and not chunks[-1].choices, "streamed completion: no final usage chunk")
         eq(chunks[-1].usage.completion_tokens, 6, "streamed completion tokens")
 
+    def image(self):
+        """An image as a data URL (the vision fixture's PNG): answered, its tokens counted as prompt
+        tokens, the same image again greedy-identical and served from the prefix cache; a broken one is a
+        400 naming the part."""
+        png = (pathlib.Path(__file__).resolve().parents[1] / "fixtures/qwen3_5_mm_tiny/image0.png").read_bytes()
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        text = {"type": "text", "text": "Describe the picture."}
+        plain = self.chat([{"role": "user", "content": [text]}], max_tokens=4, temperature=0.0)
+        msgs = [{"role": "user", "content": [text, {"type": "image_url", "image_url": {"url": url}}]}]
+        first = self.chat(msgs, max_tokens=4, temperature=0.0)
+        self.check_message(first.choices[0], "image chat")
+        self.check_usage(first.usage, "image chat", completion=4)
+        check(
+            first.usage.prompt_tokens > plain.usage.prompt_tokens + 2,
+            f"image chat: {first.usage.prompt_tokens} prompt tokens, {plain.usage.prompt_tokens} without the image",
+        )
+        again = self.chat(msgs, max_tokens=4, temperature=0.0)
+        eq(again.choices[0].message.content, first.choices[0].message.content, "the same image, greedy")
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        check(cached > plain.usage.prompt_tokens, f"the image's tokens not from the cache: {cached} cached")
+        broken = [{"role": "user", "content": [text, {"type": "image_url", "image_url": {"url": url[: len(url) // 2]}}]}]
+        try:
+            self.chat(broken, max_tokens=2)
+        except openai.BadRequestError as e:
+            eq(e.response.json()["error"]["param"], "messages[0].content[1]", "broken image: error param")
+        else:
+            raise Mismatch("a truncated image was accepted")
+
     def errors(self):
         def expect(exc_type, status, param, fn):
             try:
@@ -636,6 +666,7 @@ def main():
         ("reasoning with thinking on", conv.reasoning),
         ("prefix cache across turns", conv.prefix_cache),
         ("completions: echo, logprobs, ids, stream", conv.completions),
+        ("image as a data URL", conv.image),
         ("errors", conv.errors),
     ]
     failed = []

@@ -180,7 +180,7 @@ pub struct Loaded<B: Backend> {
     pub eos_ids: Vec<u32>,
     /// New tokens when a request gives no limit (`None`: up to the context length).
     pub default_max_tokens: Option<usize>,
-    /// What prepares prompts with images (a model with a vision tower, on one stage).
+    /// What prepares prompts with images (a model with a vision tower).
     pub images: Option<sanmai_engine::images::ImageEncoder>,
 }
 
@@ -415,20 +415,12 @@ impl ModelArgs {
             seconds = format!("{:.2}", started.elapsed().as_secs_f64()),
             "model loaded"
         );
-        let images = match layout.len() {
-            1 => self.mm.encoder(
-                cfg,
-                source,
-                self.model.as_deref(),
-                self.model.is_none() && self.config.is_none(),
-            )?,
-            _ => {
-                if cfg.vision.is_some() {
-                    tracing::warn!("the model's vision tower is not served under pipeline stages: requests with images get a 400");
-                }
-                None
-            }
-        };
+        let images = self.mm.encoder(
+            cfg,
+            source,
+            self.model.as_deref(),
+            self.model.is_none() && self.config.is_none(),
+        )?;
         let default_max_tokens = match &self.model {
             None if self.config.is_none() => Some(BUILTIN_DEFAULT_MAX_TOKENS),
             Some(dir) => generation_max_new_tokens(dir),

@@ -345,7 +345,11 @@ fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan) -> Result<StepLogits, Ste
         hidden: wants_hidden(plan),
     };
     let out = if plan.chunks.iter().any(|c| c.images.is_some()) {
-        let (positions, rows, values) = step_images(plan);
+        let StepImages {
+            positions,
+            rows,
+            values,
+        } = step_images(plan);
         let embeds = match rows.is_empty() {
             true => None,
             false => Some(StepEmbeds {
@@ -366,10 +370,17 @@ fn run_step<B: Backend>(m: &Model<B>, plan: &StepPlan) -> Result<StepLogits, Ste
     Ok(answer(m, plan, out)?)
 }
 
-/// A step's images: each chunk's explicit MRoPE positions (`None` for a plain chunk), and the step
-/// rows that take an image embedding with their values `[rows, hidden]`.
-#[allow(clippy::type_complexity)]
-fn step_images(plan: &StepPlan) -> (Vec<Option<&[[u32; 3]]>>, Vec<usize>, Vec<f32>) {
+/// A step's images, as the model takes them.
+pub(crate) struct StepImages<'a> {
+    /// Each chunk's explicit MRoPE positions (`None` for a plain chunk).
+    pub positions: Vec<Option<&'a [[u32; 3]]>>,
+    /// The step rows that take an image embedding, and their values `[rows, hidden]`.
+    pub rows: Vec<usize>,
+    pub values: Vec<f32>,
+}
+
+/// The images of a step's chunks.
+pub(crate) fn step_images(plan: &StepPlan) -> StepImages<'_> {
     let mut positions = Vec::with_capacity(plan.chunks.len());
     let (mut rows, mut values) = (Vec::new(), Vec::new());
     let mut start = 0;
@@ -381,5 +392,9 @@ fn step_images(plan: &StepPlan) -> (Vec<Option<&[[u32; 3]]>>, Vec<usize>, Vec<f3
         }
         start += c.tokens.len();
     }
-    (positions, rows, values)
+    StepImages {
+        positions,
+        rows,
+        values,
+    }
 }

@@ -22,12 +22,13 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use sanmai_model::{
-    Backend, Handover, KvHostStats, Model, PleSource, StageRecv, StageSend, StepStart,
+    Backend, Handover, KvHostStats, Model, PleSource, StageRecv, StageSend, StepEmbeds, StepStart,
 };
 use sanmai_ple::{PrefetchOptions, Prefetcher};
 
 use crate::api::StageTimes;
-use crate::executor::{answer, geometry_of, step_chunks, wants_hidden, CacheGeometry, Executor};
+use crate::executor::{answer, geometry_of, step_chunks, step_images, wants_hidden};
+use crate::executor::{CacheGeometry, Executor};
 use crate::executor::{StepLogits, StepPlan};
 
 /// How a pipeline runs.
@@ -480,14 +481,23 @@ impl<B: Backend> Worker<B> {
     /// Runs one step on this stage; `idle_ns` gets the time spent waiting for the previous stage.
     fn step(&self, job: &Job, idle_ns: &mut u64) -> Result<StageOut<B::Tensor>, String> {
         let m = &*self.model;
-        if job.plan.chunks.iter().any(|c| c.images.is_some()) {
-            return Err("prompts with images are not served under pipeline stages".into());
-        }
         let chunks = step_chunks(&job.plan);
+        // Prompts with images: every stage turns their rows at the MRoPE positions; the first
+        // stage takes the image rows' embeddings.
+        let images = job
+            .plan
+            .chunks
+            .iter()
+            .any(|c| c.images.is_some())
+            .then(|| step_images(&job.plan));
+        let prepare = || match &images {
+            Some(i) => m.prepare_multimodal(&chunks, &i.positions),
+            None => m.prepare(&chunks),
+        };
         let early = self
             .opts
             .deferred_receive
-            .then(|| m.prepare(&chunks).map_err(|e| e.to_string()));
+            .then(|| prepare().map_err(|e| e.to_string()));
         let start = match &self.from_prev {
             None => StepStart::Tokens,
             Some(rx) => {
@@ -517,10 +527,20 @@ impl<B: Backend> Worker<B> {
         };
         let prepared = match early {
             Some(p) => p?,
-            None => m.prepare(&chunks).map_err(|e| e.to_string())?,
+            None => prepare().map_err(|e| e.to_string())?,
+        };
+        let embeds = match &images {
+            Some(i) if self.from_prev.is_none() && !i.rows.is_empty() => Some(StepEmbeds {
+                rows: &i.rows,
+                values: m
+                    .backend
+                    .upload(i.rows.len(), m.cfg.hidden_size, i.values.clone())
+                    .map_err(|e| e.to_string())?,
+            }),
+            _ => None,
         };
         let out = m
-            .run_prepared(prepared, start, wants_hidden(&job.plan))
+            .run_prepared_multimodal(prepared, start, wants_hidden(&job.plan), embeds.as_ref())
             .map_err(|e| e.to_string())?;
         if self.to_next.is_some() {
             let streams = out

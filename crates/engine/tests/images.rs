@@ -4,7 +4,7 @@
 //! [`ImageEncoder`] (placeholders expanded, tower run, MRoPE positions placed) and its prefill is cut
 //! into chunks smaller than an image; the same prompt again hits the prefix cache through its
 //! images and gives the same tokens; a different image behind the same placeholders does not hit
-//! past the text before it.
+//! past the text before it; on one stage and on two pipeline stages.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -14,9 +14,10 @@ use sanmai_cpu::CpuBackend;
 use sanmai_engine::api::{EngineEvent, EngineRequest, StopParams, Usage};
 use sanmai_engine::images::{ImageEncoder, PreparedImage, PromptImages};
 use sanmai_engine::sampler::SamplingParams;
-use sanmai_engine::{start, EngineConfig, ModelExecutor};
+use sanmai_engine::{start, EngineConfig, Executor, ModelExecutor, PipelineExecutor};
 use sanmai_model::vision::{PreprocessorConfig, Vision};
 use sanmai_model::Model;
+use sanmai_ple::PrefetchOptions;
 use sanmai_weights::Checkpoint;
 use serde_json::Value;
 
@@ -38,15 +39,26 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-/// The model, and the encoder of its images.
-fn load() -> (Model<CpuBackend>, ImageEncoder) {
+fn model_config() -> ModelConfig {
     let mut cfg = ModelConfig::from_file(&dir().join("config.json")).unwrap();
     cfg.mtp_layers = 0;
+    cfg
+}
+
+/// The encoder of the fixture's images.
+fn encoder() -> ImageEncoder {
     let ckpt = Checkpoint::open(&dir()).unwrap();
-    let vision = Vision::load(&cfg, &ckpt).unwrap().expect("a vision tower");
+    let vision = Vision::load(&model_config(), &ckpt)
+        .unwrap()
+        .expect("a vision tower");
     let pre = PreprocessorConfig::from_file(&dir().join("preprocessor_config.json")).unwrap();
-    let model = Model::load(cfg, &ckpt, CpuBackend::new()).unwrap();
-    (model, ImageEncoder::new(vision, pre, 4))
+    ImageEncoder::new(vision, pre, 4)
+}
+
+/// The model's layers `range` on the CPU.
+fn stage(range: std::ops::Range<usize>) -> Model<CpuBackend> {
+    let ckpt = Checkpoint::open(&dir()).unwrap();
+    Model::load_stage(model_config(), &ckpt, CpuBackend::new(), None, range).unwrap()
 }
 
 fn image(enc: &ImageEncoder, path: &Path) -> PreparedImage {
@@ -103,8 +115,22 @@ fn request(id: &str, prompt: Vec<u32>, images: PromptImages, n: usize) -> Engine
 
 #[test]
 fn greedy_with_images_equals_transformers_and_images_key_the_prefix_cache() {
+    images_through(ModelExecutor::new(stage(0..4)));
+}
+
+#[test]
+fn two_pipeline_stages_give_the_same_tokens() {
+    let stages = vec![stage(0..2), stage(2..4)];
+    images_through(
+        PipelineExecutor::new(stages, PrefetchOptions::default(), Default::default()).unwrap(),
+    );
+}
+
+/// The fixture's two-image prompt through an engine on `exec`: transformers' greedy tokens, the
+/// same again from the prefix cache, and no hit past the text for another image.
+fn images_through(exec: impl Executor + 'static) {
     let r = reference();
-    let (model, enc) = load();
+    let enc = encoder();
     let full = ids(&r["input_ids"]);
     let want = ids(&r["greedy_ids"]);
     let image_token = r["image_token_id"].as_u64().unwrap() as u32;
@@ -133,7 +159,7 @@ fn greedy_with_images_equals_transformers_and_images_key_the_prefix_cache() {
         "the same tokens behind a different image"
     );
 
-    let engine = start(ModelExecutor::new(model), None, config()).unwrap();
+    let engine = start(exec, None, config()).unwrap();
     let run = |req: EngineRequest| -> (Vec<u32>, Usage) {
         let mut s = engine.submit(req).unwrap();
         let (mut out, mut usage) = (Vec::new(), None);
@@ -179,7 +205,7 @@ fn greedy_with_images_equals_transformers_and_images_key_the_prefix_cache() {
 
 #[test]
 fn a_prompt_must_hold_one_placeholder_per_image() {
-    let (_, enc) = load();
+    let enc = encoder();
     let img = image(&enc, &dir().join("image0.png"));
     let t = enc.image_token();
     let e = enc.encode(&[1, 2, 3], &[img.clone()]).unwrap_err();

@@ -227,19 +227,52 @@ impl<B: Backend> Model<B> {
     ) -> Result<StepOutput<B::Tensor>, StepError> {
         let mut layout = Layout::of(input.chunks);
         layout.mrope = self.mrope_rows(input.chunks, mm.positions)?;
-        if let Some(e) = &mm.embeds {
-            if !matches!(input.start, StepStart::Tokens) {
+        let ple = match input.start {
+            StepStart::Draft(_) => None,
+            _ => self.ple_rows(input.chunks, &layout)?,
+        };
+        self.run_prepared_multimodal(
+            Prepared { layout, ple },
+            input.start,
+            input.hidden,
+            mm.embeds.as_ref(),
+        )
+    }
+
+    /// [`Model::prepare`] for a step whose chunks turn at explicit MRoPE positions (see
+    /// [`StepMultimodal::positions`]); run it with [`Model::run_prepared_multimodal`].
+    pub fn prepare_multimodal<'a>(
+        &self,
+        chunks: &'a [StepChunk<'a>],
+        positions: &[Option<&[[u32; 3]]>],
+    ) -> Result<Prepared<'a, B::Tensor>, StepError> {
+        let mut prepared = self.prepare(chunks)?;
+        prepared.layout.mrope = self.mrope_rows(chunks, positions)?;
+        Ok(prepared)
+    }
+
+    /// [`Model::run_prepared`] with some rows' input embeddings given (on the first stage, from
+    /// tokens: see [`StepMultimodal::embeds`]).
+    pub fn run_prepared_multimodal(
+        &self,
+        prepared: Prepared<'_, B::Tensor>,
+        start: StepStart<B::Tensor>,
+        hidden: bool,
+        embeds: Option<&StepEmbeds<'_, B::Tensor>>,
+    ) -> Result<StepOutput<B::Tensor>, StepError> {
+        if let Some(e) = embeds {
+            if !matches!(start, StepStart::Tokens) {
                 return Err(StepError::Input(
                     "input embeddings replace token embeddings: only a step from tokens takes them"
                         .into(),
                 ));
             }
+            let n = prepared.layout.ids.len();
             let mut rows = e.rows.to_vec();
             rows.sort_unstable();
-            if let Some(&bad) = rows.last().filter(|&&r| r >= layout.ids.len()) {
+            if let Some(&bad) = rows.last().filter(|&&r| r >= n) {
                 return Err(StepError::Input(format!(
-                    "input embedding for row {bad} of a step of {} rows",
-                    layout.ids.len()
+                    "input embedding for row {bad} of a step of {n} rows"
                 )));
             }
             if let Some(w) = rows.windows(2).find(|w| w[0] == w[1]) {
@@ -249,16 +282,7 @@ impl<B: Backend> Model<B> {
                 )));
             }
         }
-        let ple = match input.start {
-            StepStart::Draft(_) => None,
-            _ => self.ple_rows(input.chunks, &layout)?,
-        };
-        self.run(
-            Prepared { layout, ple },
-            input.start,
-            input.hidden,
-            mm.embeds.as_ref(),
-        )
+        self.run(prepared, start, hidden, embeds)
     }
 
     /// Every row's MRoPE positions when a chunk has explicit ones (`None` when none has).

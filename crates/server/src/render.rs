@@ -59,7 +59,7 @@ pub async fn render_and_encode(
         (Some(p), None) => {
             return Err(ApiError::invalid(
                 p.at.clone(),
-                format!("{} is an image, but this model takes no images (it has no vision tower, it is served under pipeline stages, or --limit-mm-per-prompt turns images off)", p.at),
+                format!("{} is an image, but this model takes no images (it has no vision tower, or --limit-mm-per-prompt turns images off)", p.at),
             ))
         }
         (Some(_), Some(e)) => Some(e.clone()),

@@ -351,6 +351,13 @@ impl ModelArgs {
                     backends.into_iter(),
                     desc(device),
                 )?;
+                // The vision tower runs on stage 0's device.
+                if let Some(encoder) = loaded.images.take() {
+                    let gpu = loaded.stages[0].backend.gpu();
+                    let tower = sanmai_cuda::CudaTower::new(encoder.vision(), gpu)
+                        .context("loading the vision tower on the GPU")?;
+                    loaded.images = Some(encoder.with_tower(Box::new(tower)));
+                }
                 loaded.gpu = loaded
                     .stages
                     .iter()

@@ -66,6 +66,10 @@
 //!   the PLE mix (its conv state in the state slots) and hyper-connections (fused gated residual for
 //!   decode) on the device.
 //!
+//! - The vision tower ([`vision::CudaTower`]): a multimodal checkpoint's tower on the device (bf16
+//!   linears through cuBLAS, f32 residual stream, LayerNorm, 2-D rotary, bidirectional attention
+//!   per frame and the patch merger in `kernels/vision.cu`), a `sanmai_model::vision::Tower`.
+//!
 //! What is next: the faithful chunked (WY/UT) GDN prefill, a tiled prefill attention that shares K/V
 //! loads across query rows, a grouped GEMM for large prefill MoE (the tiled grouped GEMV reads each
 //! expert once per 8 routed tokens), MRoPE and f32 logits.
@@ -79,6 +83,7 @@ pub mod link;
 pub mod nvrtc;
 mod ops;
 pub mod registry;
+pub mod vision;
 
 pub use backend::{packed_device_bytes, packed_fits, PackedWeight, PACKED_WORKSPACE_BYTES};
 pub use backend::{
@@ -102,3 +107,4 @@ pub use ops::{PleGateWeights, PleGated, PleLin};
 pub use ops::{RowCache, RowCacheBufs, RowCacheState, ROW_CACHE_MAX_LINES};
 pub use ops::{SampleBatch, SampleBuffers};
 pub use ops::{SeqKv, StagingArena};
+pub use vision::CudaTower;

@@ -95,6 +95,7 @@ pub const SOURCES: &[Source] = &[
     source!("hc.cu"),
     source!("sample.cu"),
     source!("sample_draw.cu"),
+    source!("vision.cu"),
 ];
 
 /// The statements a kernel may open with to take part in programmatic dependent launch

@@ -124,9 +124,13 @@ impl MmArgs {
             )))?,
             None => self.preprocessor(None)?,
         };
-        let vision = Vision::load(cfg, src)
-            .context("loading the vision tower")?
-            .expect("the config has a vision tower");
+        let Some(vision) = Vision::load(cfg, src).context("loading the vision tower")? else {
+            tracing::warn!(
+                "the config has a vision_config but the checkpoint holds no vision tower \
+                 (model.visual.*): serving text only, requests with images get a 400"
+            );
+            return Ok(None);
+        };
         Ok(Some(ImageEncoder::new(vision, preprocessor, max_images)))
     }
 }

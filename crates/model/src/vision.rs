@@ -53,8 +53,9 @@ pub const VISION_PREFIX: &str = "model.visual.";
 
 impl Vision {
     /// The tower of `cfg` (its `vision_config`) with its weights from `src` (`model.visual.*`,
-    /// widened to f32); `None` when the config has no vision tower. A missing or mis-shaped tensor
-    /// is an error naming it.
+    /// widened to f32); `None` when the config has no vision tower or the checkpoint holds none of
+    /// its tensors (no `patch_embed`). A missing or mis-shaped tensor of a tower that is there is
+    /// an error naming it.
     pub fn load(cfg: &ModelConfig, src: &dyn TensorSource) -> Result<Option<Self>, ImageError> {
         let Some(spec) = &cfg.vision else {
             return Ok(None);
@@ -65,6 +66,10 @@ impl Vision {
                 "the vision tower's out_hidden_size {} is not the text model's hidden_size {}",
                 config.out_hidden_size, cfg.hidden_size
             )));
+        }
+        // A checkpoint of the multimodal layout may come without its tower (a text-only export).
+        if !src.contains(&format!("{VISION_PREFIX}patch_embed.proj.weight")) {
+            return Ok(None);
         }
         let mut failed: Option<WeightError> = None;
         let weights = VisionWeights::load(&config, |name| {

@@ -182,7 +182,7 @@ fn bad_requests_get_400s_naming_the_field() {
         c,
         json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}),
         Some("messages[0].content[1]"),
-        "vision",
+        "could not be decoded",
     );
     expect_400(
         &s,

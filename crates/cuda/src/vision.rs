@@ -11,8 +11,9 @@
 //! 1. patch embedding (one GEMM over the patch rows) + bias + the position table resampled
 //!    bilinearly (taps and weights from [`positions::interpolation`], computed on the host);
 //! 2. `depth` blocks: LayerNorm → qkv (+ bias, 2-D rotary on q and k, cos/sin per patch from the
-//!    host as the CPU computes them) → bidirectional attention within each frame (online softmax
-//!    in f32, one block per (query tile, head)) → proj → residual; LayerNorm → fc1 → the config's
+//!    host as the CPU computes them; q, k, v to bf16) → bidirectional attention within each frame
+//!    on tensor cores (flash-attention 2's forward: bf16 products, f32 accumulation and online
+//!    softmax, one block per (64-query tile, head)) → proj → residual; LayerNorm → fc1 → the config's
 //!    activation → fc2 → residual;
 //! 3. the merger: LayerNorm per patch, `merge²` consecutive rows read as one row, fc1, exact-erf
 //!    GELU, fc2 (+ bias) to the text model's width, downloaded as f32.
@@ -34,14 +35,21 @@ use sanmai_vision::tower::{Activation, LayerNorm, Linear, VisionConfig};
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 
-/// Query rows per attention block (`VIT_ATTN_ROWS` in `kernels/vision.cu`).
-const ATTN_ROWS: usize = 128;
+/// Query rows per attention block (4 warps of 16 in `vit_flash`).
+const ATTN_ROWS: usize = 64;
+/// Threads of an attention block: 4 warps.
+const ATTN_THREADS: u32 = 128;
 /// Threads of the row kernels and of the elementwise kernels' blocks.
 const THREADS: u32 = 256;
 /// The LayerNorm epsilon of the tower (transformers' `eps=1e-6`).
 const NORM_EPS: f32 = 1e-6;
-/// Head dimensions the attention kernel is instantiated for.
-pub const HEAD_DIMS: [usize; 6] = [16, 32, 64, 72, 80, 128];
+/// The largest head dimension the attention kernel takes (even, padded to a multiple of 16).
+pub const MAX_HEAD_DIM: usize = 128;
+
+/// The head dimension as the attention kernel holds it: padded with zeros to a multiple of 16.
+fn padded(dim: usize) -> usize {
+    dim.div_ceil(16) * 16
+}
 
 /// The activation code `kernels/vision.cu` reads.
 fn act_code(a: Activation) -> i32 {
@@ -114,9 +122,13 @@ impl CudaTower {
             op: "vision tower",
             msg,
         };
-        if !HEAD_DIMS.contains(&d) || d * cfg.num_heads != cfg.hidden_size {
+        if d == 0
+            || !d.is_multiple_of(2)
+            || d > MAX_HEAD_DIM
+            || d * cfg.num_heads != cfg.hidden_size
+        {
             return Err(shape(format!(
-                "head dimension {d} ({} / {} heads): the attention kernel takes {HEAD_DIMS:?}",
+                "head dimension {d} ({} / {} heads): the attention kernel takes even ones up to {MAX_HEAD_DIM}",
                 cfg.hidden_size, cfg.num_heads
             )));
         }
@@ -133,7 +145,7 @@ impl CudaTower {
             embed_pos: func("vit_embed_pos")?,
             layer_norm: func("vit_layer_norm")?,
             qkv_rope: func("vit_qkv_rope")?,
-            attention: func(&format!("vit_attention_d{d}"))?,
+            attention: func(&format!("vit_flash_dp{}", padded(d)))?,
             bias_act: func("vit_bias_act")?,
             bias_residual: func("vit_bias_residual")?,
             add_bias: func("vit_add_bias")?,
@@ -469,42 +481,56 @@ impl Inner {
 
         let mut xn = s.alloc_zeros::<bf16>(n * hid)?;
         let mut qkv = s.alloc_zeros::<f32>(n * 3 * hid)?;
+        // q, k and v in bf16, head-major, the head dimension padded with zeros.
+        let dp = padded(dim);
+        let mut qb = s.alloc_zeros::<bf16>(heads * n * dp)?;
+        let mut kb = s.alloc_zeros::<bf16>(heads * n * dp)?;
+        let mut vb = s.alloc_zeros::<bf16>(heads * n * dp)?;
         let mut att = s.alloc_zeros::<bf16>(n * hid)?;
         let mut y = s.alloc_zeros::<f32>(n * hid)?;
         let mut h1 = s.alloc_zeros::<f32>(n * inter)?;
         let mut h1b = s.alloc_zeros::<bf16>(n * inter)?;
         let scale_log2 = (1.0 / (dim as f64).sqrt() * std::f64::consts::LOG2_E) as f32;
         let (ni, hi, di) = (int("rows", n)?, int("hidden", hid)?, int("head_dim", dim)?);
+        let dpi = int("padded head_dim", dp)?;
         for blk in &self.blocks {
             self.layer_norm(&x, &blk.norm1, &mut xn, n, hid)?;
             self.gemm(&xn, &blk.qkv, &mut qkv, n)?;
             {
                 let mut b = s.launch_builder(&self.f.qkv_rope);
-                b.arg(&mut qkv)
+                b.arg(&qkv)
                     .arg(&blk.qkv.b)
                     .arg(&cos)
                     .arg(&sin)
+                    .arg(&mut qb)
+                    .arg(&mut kb)
+                    .arg(&mut vb)
                     .arg(&ni)
                     .arg(&hi)
-                    .arg(&di);
-                // SAFETY: qkv holds n rows of 3·hid, the bias 3·hid, cos and sin n·dim values; the
-                // block's shared memory holds 2·hid floats.
+                    .arg(&di)
+                    .arg(&dpi);
+                // SAFETY: qkv holds n rows of 3·hid, the bias 3·hid, cos and sin n·dim values, qb, kb
+                // and vb heads·n·dp; the block's shared memory holds 2·hid floats.
                 unsafe { b.launch(per_row(n, (8 * hid) as u32)) }?;
             }
             {
                 let mut b = s.launch_builder(&self.f.attention);
-                b.arg(&qkv)
+                b.arg(&qb)
+                    .arg(&kb)
+                    .arg(&vb)
                     .arg(&mut att)
                     .arg(&tiles)
+                    .arg(&ni)
                     .arg(&hi)
+                    .arg(&di)
                     .arg(&scale_log2);
                 let c = LaunchConfig {
                     grid_dim: (n_tiles as u32, heads as u32, 1),
-                    block_dim: (ATTN_ROWS as u32, 1, 1),
+                    block_dim: (ATTN_THREADS, 1, 1),
                     shared_mem_bytes: 0,
                 };
-                // SAFETY: every tile's frame lies within the n rows of qkv and att; the kernel's
-                // head dimension is the config's (chosen at construction).
+                // SAFETY: every tile's frame lies within the n rows of qb, kb, vb and att; the
+                // kernel's padded head dimension is dp (chosen at construction).
                 unsafe { b.launch(c) }?;
             }
             self.gemm(&att, &blk.proj, &mut y, n)?;

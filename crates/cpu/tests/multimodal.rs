@@ -19,7 +19,7 @@ use sanmai_model::vision::{Grid, PreprocessorConfig, Vision};
 use sanmai_model::{
     Backend, Model, OutRows, StepChunk, StepEmbeds, StepInput, StepMultimodal, StepStart,
 };
-use sanmai_weights::{Checkpoint, Dummy};
+use sanmai_weights::{Checkpoint, Dummy, HostTensor, Init, TensorSource, WeightError};
 use serde_json::Value;
 
 mod fixture_util;
@@ -399,6 +399,27 @@ fn vision_tower_loads_from_a_checkpoint_and_merges_the_fixture_images() {
     );
 }
 
+/// A tensor source without one tensor.
+struct Without(Dummy, &'static str);
+
+impl TensorSource for Without {
+    fn tensor(
+        &self,
+        name: &str,
+        shape: &[usize],
+        init: Init,
+    ) -> sanmai_weights::Result<HostTensor<'_>> {
+        match name == self.1 {
+            true => Err(WeightError::Missing { name: name.into() }),
+            false => self.0.tensor(name, shape, init),
+        }
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        name != self.1
+    }
+}
+
 #[test]
 fn vision_weights_from_a_random_source_and_a_checkpoint_without_them() {
     let dir = fixture("qwen3_5_vision_tiny");
@@ -406,16 +427,19 @@ fn vision_weights_from_a_random_source_and_a_checkpoint_without_them() {
     // A random source has every tensor at the shape asked for.
     let v = Vision::load(&cfg, &Dummy::new(7)).unwrap().unwrap();
     assert_eq!(v.weights.blocks.len(), 2);
-    // The text fixture has no `model.visual.*`: the first missing tensor is named.
+    // The text fixture has no `model.visual.*`: no tower (the model serves text).
+    let text_only = Checkpoint::open(&fixture("qwen3_5_moe_tiny")).unwrap();
+    assert!(Vision::load(&cfg, &text_only).unwrap().is_none());
+    // A tower with a tensor missing: it is named.
     let e = Vision::load(
         &cfg,
-        &Checkpoint::open(&fixture("qwen3_5_moe_tiny")).unwrap(),
+        &Without(Dummy::new(7), "model.visual.blocks.1.norm1.weight"),
     )
     .err()
     .unwrap()
     .to_string();
     assert!(
-        e.contains("patch_embed.proj.weight") && e.contains("missing"),
+        e.contains("blocks.1.norm1.weight") && e.contains("missing"),
         "{e}"
     );
     // No vision_config, no tower.

@@ -235,8 +235,28 @@ fn json_schemas_hold_for_100_generations_each() {
 #[test]
 fn json_object_mode_gives_an_object() {
     let grammar = compiler().compile(&Constraint::JsonObject).unwrap();
-    // An open object can go on for long; the answers that finish are objects.
-    let outs = generate(&grammar, 20, 200, "object", |_| {}, &[]);
+    // An open object can go on for long (random weights write long strings); a bias towards the
+    // tokens that close strings and objects lets some finish. The answers that finish are objects.
+    let close: Vec<(u32, f32)> = ["\"", "}", "\"}"]
+        .iter()
+        .flat_map(|t| tokenizer().encode(t, false).unwrap())
+        .map(|id| (id, 30.0))
+        .collect();
+    let outs = generate(
+        &grammar,
+        20,
+        200,
+        "object",
+        |r| {
+            r.sampling = SamplingParams {
+                logit_bias: close.clone(),
+                ..(*r.sampling).clone()
+            }
+            .validated(tokenizer().vocab_size())
+            .unwrap()
+        },
+        &[],
+    );
     let mut finished = 0;
     for o in outs {
         if o.reason == FinishReason::Stop {

@@ -200,6 +200,83 @@ __device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const flo
         gemv_q_body<BITS, M, OUT, false>(W, S, X, Y, n, k, group, rps, tpr_log2, block, red);
 }
 
+// ---- One row of X (M = 1), INT8 and INT4, on 16-byte chunks ----
+// The row-slot GEMV above works in 32-value units with two in flight a row; at M = 1 its per-thread work
+// is short and its loads are few. Here a thread streams 16-byte chunks (INT8: 16 values, INT4: 32) of up
+// to R rows of its slot, U chunks a row per round, so R·U = 8 loads of 16 bytes are in flight per
+// thread before the first FMA; X's matching values come through the read-only cache once a chunk for all
+// R rows. Per-row scales multiply the row's sum once at the end; group scales (group % chunk == 0: a
+// chunk lies inside one group) multiply each chunk's dot. The cut is the row-slot one (gemv_plan over
+// chunks: rps ≤ R rows a slot of 2^tpr_log2 threads), so gemv_slot_sum and gemv_slot_span apply as they
+// are. Requires k % (128 / BITS) == 0 and 16-byte aligned W and X.
+template <int BITS, int R, typename OUT>
+__device__ __forceinline__ void gemv_qv_impl(const u32* __restrict__ W, const float* __restrict__ S,
+                                             const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
+                                             int group, int rps, int tpr_log2, int block) {
+    constexpr int CV = 128 / BITS;  // values of a chunk
+    constexpr int U = 8 / R;        // chunks a row per round
+    __shared__ float red[8][R][1];
+    const int tpr = 1 << tpr_log2;
+    const int slot = threadIdx.x >> tpr_log2, p = threadIdx.x & (tpr - 1);
+    const long long row0 = ((long long)block * (256 >> tpr_log2) + slot) * rps;
+    const int nrows = (int)max(0LL, min((long long)rps, (long long)n - row0));
+    const int chunks = k / CV;
+    const int cend = nrows > 0 ? chunks : 0;
+    const bool per_row = group >= k;
+    const int scols = (k + group - 1) / group;
+    const uint4* wrow[R];
+    const float* srow[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const long long row = max(0LL, min(row0 + r, (long long)n - 1));
+        wrow[r] = (const uint4*)(W + row * (long long)(k / (32 / BITS)));
+        srow[r] = S + row * scols;
+    }
+    float acc[R][1];
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r][0] = 0.0f;
+    const uint4* xv = (const uint4*)X;
+#pragma unroll 1
+    for (int c0 = p; c0 < cend; c0 += U * tpr) {
+        uint4 w[R][U];
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int c = c0 + i * tpr;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                w[r][i] = (r < nrows && c < chunks) ? __ldcs(wrow[r] + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int c = c0 + i * tpr;
+            if (c >= chunks) break;
+            float d[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) d[r] = 0.0f;
+#pragma unroll
+            for (int h = 0; h < CV / 8; ++h) {
+                float xf[8];
+                unpack8(__ldg(xv + (size_t)c * (CV / 8) + h), xf);
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    const u32 ww[4] = {w[r][i].x, w[r][i].y, w[r][i].z, w[r][i].w};
+                    float q[8];
+                    decode8<BITS>(ww, h, q);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) d[r] = fmaf(q[e], xf[e], d[r]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                acc[r][0] = per_row ? acc[r][0] + d[r] : fmaf(d[r], __ldg(srow[r] + (c * CV) / group), acc[r][0]);
+        }
+    }
+    if (per_row)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][0] *= nrows > r ? __ldg(srow[r]) : 0.0f;
+    gemv_slot_sum<R, 1, OUT>(acc, red, Y, n, row0, nrows, rps, tpr_log2, p);
+}
+
 // ---- Batched decode (M = 2..8) on the tensor cores: INT8, INT4 and INT6 ----
 // The FMA GEMV above spends ~2 instructions per weight and row of X (the multiply and the x widening) on
 // top of the decode, so at M = 8 it is bound by issue, not by HBM. Here every weight is decoded once to a
@@ -497,6 +574,25 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(GEMV_Q_ARGS)
 // INT8 M = 1: held to four resident blocks, so that n = 8192's 512 blocks are resident at once.
 extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 1, bf16>(t, X, k, group); }
 extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 1, float>(t, X, k, group); }
+// M = 1 on 16-byte chunks (gemv_qv_impl): R rows a slot at most, 8 loads of 16 bytes in flight per thread.
+template <int BITS, int R, typename OUT>
+__device__ __forceinline__ void gemv_qv_segs(const GemvSegs& t, const bf16* X, int k, int group) {
+    const GemvSeg s = gemv_seg(t);
+    gemv_qv_impl<BITS, R, OUT>((const u32*)s.w, s.s, X, (OUT*)s.y, s.n, k, group, s.rps, s.tpr_log2,
+                               gemv_seg_block(s));
+}
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8v1_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_qv_segs<8, 1, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8v1_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_qv_segs<8, 1, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8v2_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_qv_segs<8, 2, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8v2_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_qv_segs<8, 2, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8v4_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_qv_segs<8, 4, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8v4_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_qv_segs<8, 4, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q4v1_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_qv_segs<4, 1, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q4v1_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_qv_segs<4, 1, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q4v2_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_qv_segs<4, 2, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q4v2_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_qv_segs<4, 2, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q4v4_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_qv_segs<4, 4, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q4v4_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_qv_segs<4, 4, float>(t, X, k, group); }
 // Batched decode on the tensor cores: 256 threads, ceil(n / 16) blocks a segment, 2 ≤ m ≤ 8 rows of X,
 // Y: [m, n] per segment. INT8: k % 64 == 0; INT4: k % 128 == 0; INT6: k % 8 == 0; group ≥ k (per row)
 // or group % KB == 0 (INT8: 64, INT4 and INT6: 128).

@@ -7,13 +7,17 @@
 //! - Decode: [`Gpu::gemv_packed`] / [`Gpu::gemv_packed_f32`], `y[m, :] = dequant(W) · x[m, :]` for
 //!   1 ≤ m ≤ 8, f32 accumulation, one rounding per output. Batches of 2..8 rows run on the tensor cores
 //!   at any n (each weight decoded once for every row of x); one row, and INT8/INT4 k or groups that
-//!   are not whole k-blocks (INT6: groups only), on the FMA GEMV. [`Gpu::gemv_packed_many`] runs up to
+//!   are not whole k-blocks (INT6: groups only), on the FMA GEMV; one row of INT8 or INT4 streams
+//!   16-byte chunks with 8 loads in flight a thread (`gemv_q{4,8}v{R}_m1`, chosen by
+//!   [`Gpu::set_packed_gemv_m1_rows`], off by default). [`Gpu::gemv_packed_many`] runs up to
 //!   `GEMV_SEGS` weights of one format that read the same x in one launch (see `gemv.rs`).
 //! - Prefill: [`Gpu::gemm_packed`] dequantises W tile by tile into a caller-owned bf16 workspace
 //!   ([`Gpu::dequant_packed`]) and multiplies each tile with cuBLAS; no dequantised copy outlives the call.
 //!
 //! Shape rules (errors, never panics): bits ∈ {4, 6, 8}; `k % 32 == 0` for INT4/INT8 and `k % 8 == 0`
 //! for INT6; `group_size % 8 == 0` (or 0); W, x 16-byte aligned.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::cublas::sys;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -28,6 +32,44 @@ use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 /// Most rows of W one row slot of the packed GEMV owns (`QROWS` in quant.cu).
 const QROWS: usize = 2;
+
+/// The one-row kernel choice when nothing else is asked for ([`Gpu::set_packed_gemv_m1_rows`]): 0,
+/// the 32-value unit GEMV. The 16-byte chunk GEMV reads the 80B model's INT8 projections 8-20% faster
+/// on a GPU host (docs/gpu/gemv-2026-12-04.md) but its end-to-end gain stayed inside the runs' spread,
+/// so it is opt-in (`SANMAI_GEMV_M1_ROWS=1|2|4`).
+const CHUNK_ROWS_DEFAULT: usize = 0;
+
+/// The kernel a one-row INT8 / INT4 packed GEMV runs ([`Gpu::set_packed_gemv_m1_rows`]): 0 the 32-value
+/// unit kernel (`gemv_q{4,8}_m1`), 1, 2 or 4 the 16-byte chunk kernel with that many rows a slot;
+/// `usize::MAX` until first read (then `$SANMAI_GEMV_M1_ROWS`, else [`CHUNK_ROWS_DEFAULT`]).
+static M1_ROWS: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// The current choice of [`M1_ROWS`], read from the environment on first use.
+fn m1_rows() -> usize {
+    let r = M1_ROWS.load(Ordering::Relaxed);
+    if r != usize::MAX {
+        return r;
+    }
+    let r = std::env::var("SANMAI_GEMV_M1_ROWS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .filter(|r| matches!(r, 0 | 1 | 2 | 4))
+        .unwrap_or(CHUNK_ROWS_DEFAULT);
+    M1_ROWS.store(r, Ordering::Relaxed);
+    r
+}
+
+/// Whether a one-row packed GEMV runs on 16-byte chunks (`gemv_q{4,8}v{R}_m1`): INT8 or INT4, m = 1,
+/// per-row scales or groups of whole chunks (16 values for INT8, 32 for INT4). `group` is the effective
+/// group (k for per-row scales).
+fn chunk_gemv(bits: u32, group: usize, m: usize, k: usize) -> bool {
+    let cv = match bits {
+        8 => 16,
+        4 => 32,
+        _ => return false,
+    };
+    m == 1 && k.is_multiple_of(cv) && (group >= k || group.is_multiple_of(cv))
+}
 
 /// u32 words of one packed row of `k` inputs.
 pub fn packed_words_per_row(bits: u32, k: usize) -> usize {
@@ -191,6 +233,22 @@ impl Gpu {
         self.gemv_q("", scheme, x, parts, m, k)
     }
 
+    /// Chooses the kernel of one-row INT8 and INT4 packed GEMVs (per-row scales or groups of whole
+    /// 16-byte chunks) for the whole process: `rows` 1, 2 or 4 runs the 16-byte chunk GEMV with that
+    /// many rows of W a slot (8 loads of 16 bytes in flight a thread), 0 the 32-value unit GEMV.
+    /// The default is `$SANMAI_GEMV_M1_ROWS` when it names one of those, else 0. Other values are
+    /// ignored. Set it before recording CUDA graphs: a recorded step keeps the kernels it recorded.
+    pub fn set_packed_gemv_m1_rows(&self, rows: usize) {
+        if matches!(rows, 0 | 1 | 2 | 4) {
+            M1_ROWS.store(rows, Ordering::Relaxed);
+        }
+    }
+
+    /// The current choice of [`Gpu::set_packed_gemv_m1_rows`].
+    pub fn packed_gemv_m1_rows(&self) -> usize {
+        m1_rows()
+    }
+
     fn gemv_q<O, W: DevicePtr<u32>, S: DevicePtr<f32>, Y: DevicePtrMut<O>>(
         &self,
         suffix: &str,
@@ -216,6 +274,13 @@ impl Gpu {
         check_len(OP, "x", x, m * k)?;
         let (ki, gi, mi) = (int(OP, "k", k)?, int(OP, "group", group)?, int(OP, "m", m)?);
         let tc = tensor_core_gemv(bits, group, m, k);
+        let rows = m1_rows();
+        // The 16-byte chunk GEMV's rows a slot (0: the unit GEMV or the tensor cores).
+        let chunk = if !tc && rows > 0 && chunk_gemv(bits, group, m, k) {
+            rows
+        } else {
+            0
+        };
         let sms = self.info().multiprocessors as usize;
         ensure(self.addr(x).is_multiple_of(16), OP, || {
             "x must be 16-byte aligned".into()
@@ -236,6 +301,15 @@ impl Gpu {
                     y: yp,
                 };
                 table.push(OP, addrs, *n, n.div_ceil(TC_ROWS), None)?;
+            } else if chunk > 0 {
+                // Work items of a row: 16-byte chunks.
+                let plan = gemv_plan(*n, k * bits as usize / 128, chunk, sms);
+                let addrs = SegAddrs {
+                    w: wp,
+                    s: sp,
+                    y: yp,
+                };
+                table.push(OP, addrs, *n, plan.blocks, Some(plan))?;
             } else {
                 // Work items of a row: units of 32 values.
                 let plan = gemv_plan(*n, k.div_ceil(32), QROWS, sms);
@@ -258,6 +332,13 @@ impl Gpu {
             // SAFETY: argument types match the kernel; every segment's lengths and alignment and the
             // kernel's k and group rules (tensor_core_gemv) checked above; 2 ≤ m ≤ 8, each segment's
             // blocks cover its n ≥ 1.
+            unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+        } else if chunk > 0 {
+            let mut b = self.launch(self.kernel(&format!("gemv_q{bits}v{chunk}{suffix}_m1"))?);
+            b.arg(segs).ptr(x).arg(&ki).arg(&gi);
+            // SAFETY: argument types match the kernel; lengths, alignment and the chunk kernel's k and
+            // group rules (chunk_gemv) checked above; each segment's plan has rps ≤ the kernel's R
+            // (`chunk`), slots of at most the block and blocks covering its n.
             unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
         } else {
             let mut b = self.launch(self.kernel(&format!("gemv_q{bits}{suffix}_m{m}"))?);

@@ -154,6 +154,46 @@ fn gemv_packed_matches_cpu() {
     gemv_case(g, &mut rng, &p, 1, true);
 }
 
+/// The one-row INT8 and INT4 GEMV under every kernel choice (`Gpu::set_packed_gemv_m1_rows`: the
+/// 32-value unit GEMV, and the 16-byte chunk GEMV with 1, 2 and 4 rows a slot): per-row scales and
+/// groups (INT8 groups of 16 and 32, INT4 of 32 and 128), n off every cut (1, odd, below and above a
+/// slot's rows), k from one chunk to a row wider than a slot's round, bf16 and f32 outputs. The choice
+/// is process-wide; every choice computes the same products, so tests running beside this one are
+/// unaffected.
+#[test]
+fn gemv_packed_m1_kernels_match_cpu() {
+    let Some(g) = gpu("gemv_packed_m1_kernels_match_cpu") else {
+        return;
+    };
+    let before = g.packed_gemv_m1_rows();
+    let mut rng = Rng::new(46);
+    let shapes = [
+        (8, 0, 12288, 2048),
+        (8, 0, 2048, 4096),
+        (8, 0, 515, 2048),
+        (8, 0, 1, 32),
+        (8, 0, 3, 96),
+        (8, 16, 77, 1024),
+        (8, 32, 300, 8192),
+        (4, 128, 1024, 2048),
+        (4, 128, 2048, 512),
+        (4, 32, 5, 4128),
+        (4, 0, 129, 64),
+    ];
+    let mats: Vec<Packed> = shapes
+        .iter()
+        .map(|&(bits, group, n, k)| make(&mut rng, bits, group, n, k))
+        .collect();
+    for rows in [0, 1, 2, 4] {
+        g.set_packed_gemv_m1_rows(rows);
+        assert_eq!(g.packed_gemv_m1_rows(), rows);
+        for p in &mats {
+            gemv_case(g, &mut rng, p, 1, true);
+        }
+    }
+    g.set_packed_gemv_m1_rows(before);
+}
+
 /// Several packed weights of one format that read one x in one launch (`gemv_packed_many`): each output
 /// against the CPU product with its own weight. INT4 (group 128), INT8 (per row, as in_proj_qkv /
 /// in_proj_z), INT6 (per row, k off the 32 grid), and INT8 groups of 32 (the row-slot GEMV at every m);

@@ -7,6 +7,7 @@ use sanmai_config::ModelConfig;
 use sanmai_engine::{
     start, EngineConfig, EngineHandle, ModelExecutor, PipelineExecutor, PipelineOptions,
 };
+use sanmai_model::vision::tower_device_bytes;
 use sanmai_model::{Backend, KvHost};
 
 use crate::bytes::ByteSize;
@@ -89,6 +90,7 @@ impl EngineArgs {
             utilization: self.gpu_memory_utilization,
             qsa_kv_offload: self.qsa_kv_offload,
             row_cache_rows: self.row_cache_rows(),
+            vision: None,
         }
     }
 
@@ -210,13 +212,17 @@ impl EngineArgs {
             default_max_tokens,
         )?;
         self.check_offload(&stages[0].cfg)?;
+        let mut flags = self.budget_flags();
+        flags.vision = images
+            .as_ref()
+            .and_then(|e| tower_device_bytes(&stages[0].cfg, e.preprocessor().max_pixels));
         let plan = memory_plan::plan_loaded(
             &stages,
             &devices,
             &gpu,
             &cfg,
             self.kv_cache_memory_bytes,
-            &self.budget_flags(),
+            &flags,
         )?;
         plan.log();
         cfg.kv_cache_memory_bytes = plan.kv_cache_memory_bytes();

@@ -10,7 +10,7 @@ use clap::Args;
 use sanmai_config::ModelConfig;
 use sanmai_engine::images::ImageEncoder;
 use sanmai_model::builtin;
-use sanmai_model::vision::{PreprocessorConfig, Vision};
+use sanmai_model::vision::{tower_device_bytes, PreprocessorConfig, Vision};
 use sanmai_weights::TensorSource;
 use serde_json::Value;
 
@@ -56,9 +56,45 @@ impl MmArgs {
         Ok(images)
     }
 
+    /// What the vision tower of `cfg` takes on a GPU: its weights and the activations of the
+    /// largest image the processor lets through ([`tower_device_bytes`]); `None` without a tower or
+    /// with images turned off. `dir` and `builtin` as for [`MmArgs::encoder`].
+    pub fn tower_bytes(
+        &self,
+        cfg: &ModelConfig,
+        dir: Option<&Path>,
+        builtin: bool,
+    ) -> Result<Option<(usize, usize)>> {
+        if cfg.vision.is_none() || self.images_per_prompt()? == 0 {
+            return Ok(None);
+        }
+        let max_pixels = self.processor_of(dir, builtin)?.max_pixels;
+        Ok(tower_device_bytes(cfg, max_pixels))
+    }
+
+    /// The processor's settings: `dir`'s `preprocessor_config.json` (the model directory's, when
+    /// it has one), the built-in model's when `builtin`, else Qwen3.5's; under the kwargs.
+    fn processor_of(&self, dir: Option<&Path>, builtin: bool) -> Result<PreprocessorConfig> {
+        let file = dir
+            .map(|d| d.join("preprocessor_config.json"))
+            .filter(|f| f.exists());
+        match file {
+            Some(f) => {
+                let text = std::fs::read_to_string(&f)
+                    .with_context(|| format!("reading {}", f.display()))?;
+                self.preprocessor(Some((&f.display().to_string(), &text)))
+            }
+            None if builtin => self.preprocessor(Some((
+                "configs/models/builtin_preprocessor_config.json",
+                builtin::PREPROCESSOR_JSON,
+            ))),
+            None => self.preprocessor(None),
+        }
+    }
+
     /// The image processor's settings: `file` (a `preprocessor_config.json`, by name and text;
     /// Qwen3.5's values without one) under `--mm-processor-kwargs`.
-    pub fn preprocessor(&self, file: Option<(&str, &str)>) -> Result<PreprocessorConfig> {
+    fn preprocessor(&self, file: Option<(&str, &str)>) -> Result<PreprocessorConfig> {
         let flag = "--mm-processor-kwargs";
         let kwargs: Option<Value> = self
             .mm_processor_kwargs
@@ -109,21 +145,7 @@ impl MmArgs {
         if cfg.vision.is_none() || max_images == 0 {
             return Ok(None);
         }
-        let file = dir
-            .map(|d| d.join("preprocessor_config.json"))
-            .filter(|f| f.exists());
-        let preprocessor = match file {
-            Some(f) => {
-                let text = std::fs::read_to_string(&f)
-                    .with_context(|| format!("reading {}", f.display()))?;
-                self.preprocessor(Some((&f.display().to_string(), &text)))?
-            }
-            None if builtin => self.preprocessor(Some((
-                "configs/models/builtin_preprocessor_config.json",
-                builtin::PREPROCESSOR_JSON,
-            )))?,
-            None => self.preprocessor(None)?,
-        };
+        let preprocessor = self.processor_of(dir, builtin)?;
         let Some(vision) = Vision::load(cfg, src).context("loading the vision tower")? else {
             tracing::warn!(
                 "the config has a vision_config but the checkpoint holds no vision tower \

@@ -44,6 +44,9 @@ pub struct BudgetFlags {
     pub qsa_kv_offload: bool,
     /// `--qsa-row-cache-rows` in force (0 without offload): each stage's VRAM row cache.
     pub row_cache_rows: usize,
+    /// The vision tower's weights and the activations of the largest image it takes, on the first
+    /// stage's GPU (`None`: no tower, or images turned off).
+    pub vision: Option<(usize, usize)>,
 }
 
 /// Default of `--gpu-memory-utilization`.
@@ -113,6 +116,8 @@ pub struct StageMemory {
     pub pinned_host: usize,
     /// The VRAM row cache of its QSA K/V rows in host memory (`--qsa-row-cache-rows`).
     pub row_cache: usize,
+    /// The vision tower's weights and activations (the first stage on a GPU, with images on).
+    pub vision: usize,
 }
 
 /// What a CUDA device's runtime takes besides the tensors (the context, the cuBLAS workspace, the
@@ -163,6 +168,7 @@ impl StageMemory {
                     kv_host_per_token: 0,
                     pinned_host: 0,
                     row_cache: 0,
+                    vision: 0,
                 }
             })
             .collect()
@@ -215,12 +221,14 @@ impl StageMemory {
             kv_host_per_token: m.kv_host_bytes_per_token(B::CACHE_ELEM_BYTES),
             pinned_host: 0,
             row_cache: 0,
+            vision: 0,
         }
     }
 
-    /// Weights, activations, the row cache and the live GDN state of `seqs` sequences.
+    /// Weights, activations, the row cache, the vision tower and the live GDN state of `seqs`
+    /// sequences.
     fn fixed(&self, seqs: usize) -> usize {
-        self.weights + self.activations + self.row_cache + seqs * self.state_per_seq
+        self.weights + self.activations + self.row_cache + self.vision + seqs * self.state_per_seq
     }
 
     /// What the K/V blocks and checkpoints `plan` takes on this stage.
@@ -289,6 +297,12 @@ impl MemoryPlan {
         kv_cache_memory_bytes: Option<usize>,
         flags: &BudgetFlags,
     ) -> Result<MemoryPlan> {
+        let mut stages = stages;
+        if let (Some((w, a)), Some(first)) = (flags.vision, stages.first_mut()) {
+            if matches!(first.device, Device::Cuda(_)) {
+                first.vision = w + a;
+            }
+        }
         let seqs = cfg.max_num_seqs;
         let drafting = cfg.num_speculative_tokens > 0;
         // A sequence that drafts keeps a second state: the one before its verify step.
@@ -305,10 +319,14 @@ impl MemoryPlan {
                 .enumerate()
                 .map(|(k, s)| {
                     format!(
-                        "{}: weights {} + activations {} + GDN state of {who} {} = {} of {}",
+                        "{}: weights {} + activations {}{} + GDN state of {who} {} = {} of {}",
                         s.name(k),
                         gib(s.weights),
                         gib(s.activations),
+                        match s.vision {
+                            0 => String::new(),
+                            b => format!(" + vision tower {}", gib(b)),
+                        },
                         gib(slots * s.state_per_seq),
                         gib(s.fixed(slots)),
                         s.budget.map_or("no budget".into(), gib)
@@ -321,9 +339,18 @@ impl MemoryPlan {
             .iter()
             .any(|s| s.budget.is_some_and(|b| s.fixed(slots) >= b))
         {
+            let images = match stages.first().map_or(0, |s| s.vision) {
+                0 => "",
+                _ => {
+                    "; the vision tower counts the largest image: lower its max_pixels with \
+                      --mm-processor-kwargs, or turn images off with --limit-mm-per-prompt \
+                      '{\"image\": 0}'"
+                }
+            };
             bail!(
                 "a pipeline stage does not fit {budget_flag}: {} (lower --max-num-seqs or \
-                 --max-num-batched-tokens, or give the stages other layers with --pp-layer-partition)",
+                 --max-num-batched-tokens, or give the stages other layers with \
+                 --pp-layer-partition{images})",
                 table(&stages)
             );
         }
@@ -419,7 +446,7 @@ impl MemoryPlan {
                 let (blocks, checkpoints) = s.cache_bytes(&self.cache);
                 let total = s.fixed(slots) + blocks + checkpoints;
                 format!(
-                    "{}: weights {}, activations {} ({} at {} tokens), GDN state {} ({who} \
+                    "{}: weights {}, activations {} ({} at {} tokens), {}GDN state {} ({who} \
                      of {} bytes), K/V blocks {} ({} bytes a token), state checkpoints {}, \
                      {}pinned host RAM {}; {} of {}",
                     s.name(k),
@@ -427,6 +454,10 @@ impl MemoryPlan {
                     gib(s.activations),
                     if s.profiled { "profiled" } else { "estimated" },
                     self.max_num_batched_tokens,
+                    match s.vision {
+                        0 => String::new(),
+                        b => format!("vision tower {} (weights and the largest image), ", gib(b)),
+                    },
                     gib(slots * s.state_per_seq),
                     s.state_per_seq,
                     gib(blocks),
@@ -510,6 +541,11 @@ pub fn plan_loaded<B: Backend>(
             .map(|&j| gpus[j].weights + gpus[j].workspace)
             .sum();
         other[k] = used.saturating_sub(ours);
+    }
+    // The tower's weights are on the first stage's card already; the plan counts them as the
+    // tower's.
+    if let Some((w, _)) = flags.vision {
+        other[0] = other[0].saturating_sub(w);
     }
     let mut mem = Vec::with_capacity(stages.len());
     for (k, m) in stages.iter().enumerate() {

@@ -152,7 +152,12 @@ pub fn make_plan(args: &PlanArgs) -> Result<(String, StageLayout, MemoryPlan)> {
         None,
     )?;
     engine.check_offload(&src.cfg)?;
-    let flags = engine.budget_flags();
+    let mut flags = engine.budget_flags();
+    flags.vision = model.mm.tower_bytes(
+        &src.cfg,
+        model.model.as_deref(),
+        model.model.is_none() && model.config.is_none(),
+    )?;
     let budgets = flags.stage_budgets(&layout.devices, &card_totals(&layout))?;
     let stages = StageMemory::estimate(
         &src.cfg,

@@ -111,6 +111,9 @@ pub struct Preset {
     pub host_memory_reserve: Option<String>,
     /// A JSON string, as on the command line.
     pub speculative_config: Option<String>,
+    /// JSON strings, as on the command line.
+    pub limit_mm_per_prompt: Option<String>,
+    pub mm_processor_kwargs: Option<String>,
 }
 
 impl Preset {
@@ -159,8 +162,8 @@ impl Preset {
         Ok(())
     }
 
-    /// Fills the pipeline stage flags (and the loader's view of `speculative-config`) not given on
-    /// the command line from the preset.
+    /// Fills the pipeline stage flags, the image flags (and the loader's view of
+    /// `speculative-config`) not given on the command line from the preset.
     pub fn apply_stages(&self, m: &mut ModelArgs) {
         m.pipeline_parallel_size = m.pipeline_parallel_size.or(self.pipeline_parallel_size);
         m.pp_layer_partition = m
@@ -168,6 +171,14 @@ impl Preset {
             .clone()
             .or(self.pp_layer_partition.clone());
         m.device = m.device.clone().or(self.device.clone());
+        m.mm.limit_mm_per_prompt =
+            m.mm.limit_mm_per_prompt
+                .clone()
+                .or(self.limit_mm_per_prompt.clone());
+        m.mm.mm_processor_kwargs =
+            m.mm.mm_processor_kwargs
+                .clone()
+                .or(self.mm_processor_kwargs.clone());
         // The loader keeps the MTP head for speculative decoding.
         m.speculative_config.0 = m
             .speculative_config

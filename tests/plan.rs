@@ -132,8 +132,31 @@ fn the_125b_config_on_three_3090s() {
         "256",
         "--max-model-len",
         "262144",
+        "--limit-mm-per-prompt",
+        r#"{"image": 0}"#,
     ]));
     assert!(e.contains("--max-model-len"), "{e}");
+    // With images on, the first card also holds the vision tower and its largest image: refused,
+    // naming the image flags.
+    let e = error_of(&sanmai(&[
+        "plan",
+        "--config",
+        &cfg,
+        "--pipeline-parallel-size",
+        "3",
+        "--gpu-memory-budget",
+        "23.5GiB",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "256",
+        "--max-model-len",
+        "32768",
+    ]));
+    assert!(
+        e.contains("vision tower") && e.contains("--limit-mm-per-prompt"),
+        "{e}"
+    );
     let arithmetic = &lines[3];
     assert!(arithmetic.starts_with("K/V cache: "), "{arithmetic}");
     for key in [

@@ -119,6 +119,40 @@ impl Vision {
     }
 }
 
+/// What the tower of `cfg` takes on a GPU (`crates/cuda`'s tower): its weights (every matrix in
+/// bf16; biases, norms and the position table in f32) and the activations of one forward over an
+/// image of `max_pixels` pixels (the largest the processor lets through), in bytes. `None` for a
+/// config without a vision tower.
+pub fn tower_device_bytes(cfg: &ModelConfig, max_pixels: usize) -> Option<(usize, usize)> {
+    let spec = cfg.vision.as_ref()?;
+    let v = VisionConfig::from_value(&spec.config, "config.json: vision_config").ok()?;
+    let (h, i, m2) = (v.hidden_size, v.intermediate_size, v.merge_unit());
+    let wide = h * m2;
+    let matrices = h * v.patch_len()
+        + v.depth * (4 * h * h + 2 * h * i)
+        + wide * wide
+        + v.out_hidden_size * wide;
+    let vectors = v.num_position_embeddings * h
+        + h
+        + v.depth * (3 * h + h + i + h + 4 * h)
+        + 2 * h
+        + wide
+        + v.out_hidden_size;
+    let weights = 2 * matrices + 4 * vectors;
+    let patches = max_pixels / (v.patch_size * v.patch_size);
+    // The head dimension padded to a multiple of 16 (the attention kernel's tiles).
+    let padded = v.head_dim().div_ceil(16) * 16;
+    let per_patch = 2 * v.patch_len()       // pixels, bf16
+        + 32                                // position taps and weights
+        + 8 * v.head_dim()                  // rotary cos and sin, f32
+        + (4 + 2 + 12 + 2 + 4) * h          // residual, normed, qkv, attention out, projection
+        + 6 * v.num_heads * padded          // q, k, v in bf16
+        + 6 * i                             // MLP hidden, f32 and bf16
+        + 6 * h                             // merger rows, f32 and bf16
+        + 4 * v.out_hidden_size / m2; // merged tokens
+    Some((weights, patches * per_patch))
+}
+
 /// A vision tower's forward over prepared patches: [`Vision`]'s CPU reference, or a device's copy
 /// of the same weights. Returns the merged tokens `[Σ tokens, out_hidden_size]`, row-major, of the
 /// images whose patch rows are `pixels` and whose grids are `grids` (see [`Vision::forward`]).
@@ -283,5 +317,34 @@ impl<B: Backend> Model<B> {
         }
         let merged = vision.forward(pixels, grids)?;
         Ok(self.backend.upload(merged.len() / h, h, merged)?)
+    }
+}
+
+#[cfg(test)]
+mod device_bytes_tests {
+    use super::*;
+
+    #[test]
+    fn the_tower_of_qwen3_5_takes_its_weights_and_grows_with_the_image() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../configs/models/qwen3.5-35b-a3b.json"
+        );
+        let cfg = ModelConfig::from_file(std::path::Path::new(path)).unwrap();
+        let (w, a1) = tower_device_bytes(&cfg, 1 << 20).unwrap();
+        let (w2, a4) = tower_device_bytes(&cfg, 4 << 20).unwrap();
+        // 27 blocks of width 1152 (MLP 4304) and the merger to 2048: 443.6 M bf16 matrix entries
+        // and 2.9 M f32 vectors, 857.6 MiB (what the device tower reports, rounded: 858 MiB).
+        assert_eq!(w, w2);
+        assert_eq!(w, 899_263_424);
+        // Activations scale with the patches (4096 of them at 1 MP).
+        assert_eq!(a4, 4 * a1);
+        assert!((200 << 20..300 << 20).contains(&a1), "{a1} bytes at 1 MP");
+        let text = ModelConfig::from_file(std::path::Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../configs/models/qwen3-next-80b-a3b.json"
+        )))
+        .unwrap();
+        assert!(tower_device_bytes(&text, 1 << 20).is_none());
     }
 }

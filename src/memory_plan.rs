@@ -118,6 +118,9 @@ pub struct StageMemory {
     pub row_cache: usize,
     /// The vision tower's weights and activations (the first stage on a GPU, with images on).
     pub vision: usize,
+    /// Host RAM (not pinned) of the MTP head's embedding copy on a last stage without the
+    /// embedding ([`sanmai_model::Model::mtp_embed`]).
+    pub host_embed: usize,
 }
 
 /// What a CUDA device's runtime takes besides the tensors (the context, the cuBLAS workspace, the
@@ -169,6 +172,17 @@ impl StageMemory {
                     pinned_host: 0,
                     row_cache: 0,
                     vision: 0,
+                    host_embed: match (r.start, r.end) {
+                        (s, e)
+                            if s > 0
+                                && e == cfg.num_layers
+                                && cfg.mtp_layers > 0
+                                && !cfg.tie_word_embeddings =>
+                        {
+                            4 * cfg.vocab_size * cfg.hidden_size
+                        }
+                        _ => 0,
+                    },
                 }
             })
             .collect()
@@ -222,6 +236,7 @@ impl StageMemory {
             pinned_host: 0,
             row_cache: 0,
             vision: 0,
+            host_embed: m.mtp_embed.as_ref().map_or(0, |t| 4 * t.len()),
         }
     }
 
@@ -448,7 +463,7 @@ impl MemoryPlan {
                 format!(
                     "{}: weights {}, activations {} ({} at {} tokens), {}GDN state {} ({who} \
                      of {} bytes), K/V blocks {} ({} bytes a token), state checkpoints {}, \
-                     {}pinned host RAM {}; {} of {}",
+                     {}pinned host RAM {}{}; {} of {}",
                     s.name(k),
                     gib(s.weights),
                     gib(s.activations),
@@ -468,6 +483,10 @@ impl MemoryPlan {
                         b => format!("QSA row cache {}, ", gib(b)),
                     },
                     gib(s.pinned_host),
+                    match s.host_embed {
+                        0 => String::new(),
+                        b => format!(", the MTP head's embedding in host RAM {}", gib(b)),
+                    },
                     gib(total),
                     s.budget.map_or_else(
                         || "no budget".into(),

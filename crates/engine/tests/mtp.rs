@@ -16,7 +16,7 @@ use sanmai_engine::api::{
 use sanmai_engine::forced_drafts::{ForcedDrafts, Spoil};
 use sanmai_engine::sampler::SamplingParams;
 use sanmai_engine::{start, EngineConfig, Executor, ModelExecutor, PipelineExecutor};
-use sanmai_model::{builtin, Model};
+use sanmai_model::{builtin, Backend, Model};
 use sanmai_ple::PrefetchOptions;
 use sanmai_structured::{Constraint, GrammarCompiler};
 use sanmai_tokenizer::Tokenizer;
@@ -497,4 +497,39 @@ fn json_schema_answers_under_drafts_and_two_stages_are_valid_and_unchanged() {
             assert!(acc > 0 && acc <= drafted, "{what}: {acc} of {drafted}");
         }
     }
+}
+
+#[test]
+fn the_last_stage_drafts_from_its_host_copy_of_the_embedding_as_one_stage_does() {
+    // qwen3_next_tiny's lm_head is not its embedding: its last stage keeps the MTP head's copy of
+    // the embedding in host memory, the whole model the device table.
+    let whole = load("qwen3_next_tiny", 0..4);
+    let last = load("qwen3_next_tiny", 2..4);
+    assert!(whole.mtp_embed.is_none() && whole.embed.is_some());
+    assert!(last.mtp_embed.is_some() && last.embed.is_none());
+    let ids = [0u32, 5, 517, VOCAB as u32 - 1];
+    let rows = |m: &Model<CpuBackend>| m.backend.to_host(m.draft_embed(&ids).unwrap()).unwrap();
+    assert_eq!(rows(&whole), rows(&last), "bit for bit");
+    assert!(last.draft_embed(&[VOCAB as u32]).is_err());
+
+    // The head's own drafts (random weights: mostly rejected) on one stage and on two: the same
+    // drafts, so the same acceptance, and the same tokens.
+    let waves = workload(&greedy(), &tokens(24));
+    let (one, m1) = run(one_stage("qwen3_next_tiny"), config(2), &waves);
+    let stages = vec![load("qwen3_next_tiny", 0..2), load("qwen3_next_tiny", 2..4)];
+    let pipe =
+        PipelineExecutor::new(stages, PrefetchOptions::default(), Default::default()).unwrap();
+    let (two, m2) = run(pipe, config(2), &waves);
+    assert_same(&two, &one, "two stages, the head's own drafts");
+    assert!(m1.spec_decode_num_draft_tokens_total > 0, "{m1:?}");
+    assert_eq!(
+        (
+            m1.spec_decode_num_draft_tokens_total,
+            m1.spec_decode_num_accepted_tokens_total
+        ),
+        (
+            m2.spec_decode_num_draft_tokens_total,
+            m2.spec_decode_num_accepted_tokens_total
+        )
+    );
 }

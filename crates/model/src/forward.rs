@@ -586,6 +586,27 @@ impl<B: Backend> Model<B> {
         )
     }
 
+    /// The embeddings of `ids` for the MTP head: the device table's rows, or the rows of its copy
+    /// in host memory ([`Model::mtp_embed`]) gathered and uploaded.
+    pub fn draft_embed(&self, ids: &[u32]) -> OpResult<B::Tensor> {
+        let Some(table) = &self.mtp_embed else {
+            return self.backend.embed(self.embedding(), ids);
+        };
+        let h = self.cfg.hidden_size;
+        let mut rows = Vec::with_capacity(ids.len() * h);
+        for &id in ids {
+            let at = id as usize * h;
+            let row = table.get(at..at + h).ok_or_else(|| {
+                BackendError::invalid(
+                    "draft_embed",
+                    format!("token id {id} is past the vocabulary"),
+                )
+            })?;
+            rows.extend_from_slice(row);
+        }
+        self.backend.upload(ids.len(), h, rows)
+    }
+
     /// The MTP draft head over every row: `fc(cat[norm_e(embed(next)), norm_h(h_prev)])`, its decoder
     /// layer (cache layer `num_layers`), then `mtp.norm`: the draft's final-normed hidden states.
     /// `None` without an MTP head.
@@ -597,7 +618,7 @@ impl<B: Backend> Model<B> {
         let eps = self.cfg.rms_norm_eps;
         let rows = self.rows_of(layout);
         let e = b.rms_norm(
-            &b.embed(self.embedding(), &layout.ids)?,
+            &self.draft_embed(&layout.ids)?,
             &mtp.pre_fc_norm_embedding,
             eps,
             1.0,

@@ -174,7 +174,8 @@ pub fn stage_weight_bytes(
     };
     let (h, v) = (cfg.hidden_size, cfg.vocab_size);
     let (first, last) = (stage.start == 0, stage.end == cfg.num_layers);
-    if first || (last && (cfg.tie_word_embeddings || cfg.mtp_layers > 0)) {
+    // The MTP head's embedding on a last stage without one stays in host memory.
+    if first || (last && cfg.tie_word_embeddings) {
         c.proj(&text_name(cfg, "embed_tokens.weight"), v, h);
     }
     if last && !cfg.tie_word_embeddings {

@@ -58,8 +58,12 @@ pub struct Model<B: Backend> {
     /// absolute ones.
     pub stage: Range<usize>,
     /// The token embedding: on the first stage, and on the last when it serves as the lm_head (tied)
-    /// or the MTP head embeds its next tokens ([`Model::embedding`]).
+    /// ([`Model::embedding`]).
     pub embed: Option<B::Weight>,
+    /// The MTP head's copy of the token embedding on a last stage that is not the first and whose
+    /// lm_head is not the embedding: in host memory, `[vocab, hidden]` f32, its few rows a step
+    /// gathered there and uploaded ([`Model::draft_embed`]). The device keeps its room for K/V.
+    pub mtp_embed: Option<Vec<f32>>,
     /// Not loaded when tied to the embedding, or on a stage other than the last.
     pub lm_head: Option<B::Weight>,
     /// The final norm, on the last stage ([`Model::final_norm`]).
@@ -677,10 +681,20 @@ impl<B: Backend> Model<B> {
         };
         // A quantized embedding table goes to the backend packed too (its lookup decodes rows).
         let embed_name = text_name(&cfg, "embed_tokens.weight");
-        let embed = if first || (last && (cfg.tie_word_embeddings || cfg.mtp_layers > 0)) {
+        let embed = if first || (last && cfg.tie_word_embeddings) {
             Some(match src.packed(&embed_name, &[v, h], Init::std(1.0))? {
                 Some(p) => l.packed_w(&p)?,
                 None => l.get(&top, &embed_name, &[v, h], Init::std(1.0))?,
+            })
+        } else {
+            None
+        };
+        // The MTP head's embedding where no device copy is at hand: the table's values as the
+        // backend's embedding would give them (a packed table dequantized).
+        let mtp_embed = if last && cfg.mtp_layers > 0 && embed.is_none() {
+            Some(match src.packed(&embed_name, &[v, h], Init::std(1.0))? {
+                Some(p) => p.dequantize(),
+                None => src.tensor(&embed_name, &[v, h], Init::std(1.0))?.into_f32(),
             })
         } else {
             None
@@ -795,6 +809,7 @@ impl<B: Backend> Model<B> {
             backend,
             stage,
             embed,
+            mtp_embed,
             lm_head,
             norm,
             layers,

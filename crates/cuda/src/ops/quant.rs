@@ -36,27 +36,16 @@ const QROWS: usize = 2;
 /// The one-row kernel choice when nothing else is asked for ([`Gpu::set_packed_gemv_m1_rows`]): 0,
 /// the 32-value unit GEMV. The 16-byte chunk GEMV reads the 80B model's INT8 projections 8-20% faster
 /// on a GPU host (docs/gpu/gemv-2026-12-04.md) but its end-to-end gain stayed inside the runs' spread,
-/// so it is opt-in (`SANMAI_GEMV_M1_ROWS=1|2|4`).
+/// so it is opt-in ([`Gpu::set_packed_gemv_m1_rows`]; `crates/cuda/benches/gemv.rs` compares them).
 const CHUNK_ROWS_DEFAULT: usize = 0;
 
 /// The kernel a one-row INT8 / INT4 packed GEMV runs ([`Gpu::set_packed_gemv_m1_rows`]): 0 the 32-value
-/// unit kernel (`gemv_q{4,8}_m1`), 1, 2 or 4 the 16-byte chunk kernel with that many rows a slot;
-/// `usize::MAX` until first read (then `$SANMAI_GEMV_M1_ROWS`, else [`CHUNK_ROWS_DEFAULT`]).
-static M1_ROWS: AtomicUsize = AtomicUsize::new(usize::MAX);
+/// unit kernel (`gemv_q{4,8}_m1`), 1, 2 or 4 the 16-byte chunk kernel with that many rows a slot.
+static M1_ROWS: AtomicUsize = AtomicUsize::new(CHUNK_ROWS_DEFAULT);
 
-/// The current choice of [`M1_ROWS`], read from the environment on first use.
+/// The current choice of [`M1_ROWS`].
 fn m1_rows() -> usize {
-    let r = M1_ROWS.load(Ordering::Relaxed);
-    if r != usize::MAX {
-        return r;
-    }
-    let r = std::env::var("SANMAI_GEMV_M1_ROWS")
-        .ok()
-        .and_then(|v| v.trim().parse::<usize>().ok())
-        .filter(|r| matches!(r, 0 | 1 | 2 | 4))
-        .unwrap_or(CHUNK_ROWS_DEFAULT);
-    M1_ROWS.store(r, Ordering::Relaxed);
-    r
+    M1_ROWS.load(Ordering::Relaxed)
 }
 
 /// Whether a one-row packed GEMV runs on 16-byte chunks (`gemv_q{4,8}v{R}_m1`): INT8 or INT4, m = 1,
@@ -236,8 +225,7 @@ impl Gpu {
     /// Chooses the kernel of one-row INT8 and INT4 packed GEMVs (per-row scales or groups of whole
     /// 16-byte chunks) for the whole process: `rows` 1, 2 or 4 runs the 16-byte chunk GEMV with that
     /// many rows of W a slot (8 loads of 16 bytes in flight a thread), 0 the 32-value unit GEMV.
-    /// The default is `$SANMAI_GEMV_M1_ROWS` when it names one of those, else 0. Other values are
-    /// ignored. Set it before recording CUDA graphs: a recorded step keeps the kernels it recorded.
+    /// The default is 0. Other values are ignored. Set it before recording CUDA graphs: a recorded step keeps the kernels it recorded.
     pub fn set_packed_gemv_m1_rows(&self, rows: usize) {
         if matches!(rows, 0 | 1 | 2 | 4) {
             M1_ROWS.store(rows, Ordering::Relaxed);

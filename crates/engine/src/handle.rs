@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::images::ImageEncoder;
 use crate::api::{
     EngineEvent, EngineRequest, MetricsSnapshot, OutputConstraint, StopParams, SubmitError,
 };
+use crate::images::ImageEncoder;
 
 /// Static facts about the served model.
 #[derive(Debug, Clone)]

@@ -307,7 +307,7 @@ impl MemoryPlan {
     /// given, else ignored). Refuses, with every stage's numbers, a stage whose weights,
     /// activations and live state leave no room, and a K/V budget some stage cannot hold.
     pub fn new(
-        stages: Vec<StageMemory>,
+        mut stages: Vec<StageMemory>,
         cfg: &EngineConfig,
         kv_cache_memory_bytes: Option<usize>,
         flags: &BudgetFlags,
@@ -429,7 +429,6 @@ impl MemoryPlan {
                 );
             }
         }
-        let mut stages = stages;
         for s in &mut stages {
             s.pinned_host = cache.num_blocks * cache.block_size * s.kv_host_per_token;
         }

@@ -312,7 +312,6 @@ impl MemoryPlan {
         kv_cache_memory_bytes: Option<usize>,
         flags: &BudgetFlags,
     ) -> Result<MemoryPlan> {
-        let mut stages = stages;
         if let (Some((w, a)), Some(first)) = (flags.vision, stages.first_mut()) {
             if matches!(first.device, Device::Cuda(_)) {
                 first.vision = w + a;

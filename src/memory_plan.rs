@@ -220,6 +220,7 @@ impl StageMemory {
         let form = WeightForm {
             quant: m.cfg.quantization.as_ref(),
             per_expert: false,
+            mtp: None,
         };
         StageMemory {
             layers: m.stage.clone(),
@@ -726,6 +727,7 @@ mod tests {
             let form = WeightForm {
                 quant: cfg.quantization.as_ref(),
                 per_expert: false,
+                mtp: None,
             };
             check(&format!("{name} (dummy)"), &cfg, &dummy, form);
         }
@@ -742,6 +744,7 @@ mod tests {
         let form = WeightForm {
             quant: cfg.quantization.as_ref(),
             per_expert: false,
+            mtp: None,
         };
         check("qwen4-exp-125b-a6b (shrunken)", &cfg, &dummy, form);
     }

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use sanmai_config::{FfnType, ModelConfig};
+use sanmai_config::{FfnType, ModelConfig, QuantConfig};
 use sanmai_model::builtin;
 use sanmai_model::weight_plan::WeightForm;
 use sanmai_weights::names::text_name;
@@ -20,6 +20,7 @@ use crate::engine_args::EngineArgs;
 use crate::load::{served, LoadFormat, ModelArgs};
 use crate::memory_plan::{MemoryPlan, StageMemory};
 use crate::serve::Preset;
+use crate::speculative::Speculative;
 use crate::stages::{Device, StageLayout};
 
 #[derive(Args, Debug, Clone)]
@@ -38,6 +39,8 @@ struct Source {
     name: String,
     cfg: ModelConfig,
     checkpoint: Option<Checkpoint>,
+    /// The quantization of the MTP head's own directory (`--speculative-config`'s `"model"`).
+    mtp_quant: Option<QuantConfig>,
 }
 
 impl Source {
@@ -63,30 +66,52 @@ impl Source {
                     name: dir.display().to_string(),
                     cfg,
                     checkpoint,
+                    mtp_quant: None,
                 }
             }
             (None, Some(file)) => Source {
                 name: file.display().to_string(),
                 cfg: served(ModelConfig::from_file(file)?),
                 checkpoint: None,
+                mtp_quant: None,
             },
             (None, None) => Source {
                 name: builtin::NAME.into(),
                 cfg: served(builtin::config()),
                 checkpoint: None,
+                mtp_quant: None,
             },
         })
+        .and_then(|s| s.with_mtp_dir(m))
+    }
+
+    /// The MTP head's own directory, when `--speculative-config` names one: its config's
+    /// quantization is the head's.
+    fn with_mtp_dir(mut self, m: &ModelArgs) -> Result<Source> {
+        let spec = Speculative::for_model(m.speculative_config.0.as_deref(), &self.cfg)?;
+        if let Some(dir) = spec.and_then(|s| s.model) {
+            let file = dir.join("config.json");
+            self.mtp_quant = ModelConfig::from_file(&file)
+                .with_context(|| format!("--speculative-config `model`: {}", file.display()))?
+                .quantization;
+        }
+        Ok(self)
     }
 
     /// The weights' form: a checkpoint's packed tensors and expert layout, or the config's
     /// quantization for random weights.
     fn form(&self) -> WeightForm<'_> {
-        match &self.checkpoint {
+        let form = match &self.checkpoint {
             Some(ckpt) => checkpoint_form(&self.cfg, ckpt),
             None => WeightForm {
                 quant: self.cfg.quantization.as_ref(),
                 per_expert: false,
+                mtp: None,
             },
+        };
+        WeightForm {
+            mtp: self.mtp_quant.as_ref(),
+            ..form
         }
     }
 }
@@ -103,6 +128,7 @@ pub fn checkpoint_form<'a>(cfg: &ModelConfig, ckpt: &'a Checkpoint) -> WeightFor
     WeightForm {
         quant: ckpt.quantization(),
         per_expert,
+        mtp: None,
     }
 }
 

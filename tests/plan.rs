@@ -288,3 +288,50 @@ fn same_plan_at_start(rel: &str, extra: &[&str], lines: usize) -> Vec<String> {
     assert_eq!(ram_aside(&planned), ram_aside(&started));
     planned
 }
+
+/// `--speculative-config` with a `"model"` directory: the MTP head is counted as that directory's
+/// config quantizes it. Qwen3.5-35B-A3B in bf16 with its head's 256 routed experts in INT4 groups
+/// of 128 (what `sanmai quantize --mtp-int4` writes): 256 · 3 · 2048 · 512 weights at half a byte
+/// instead of two, plus an f32 scale per 128 on the device: 1.102 GiB less on the last stage.
+#[test]
+fn an_mtp_directory_counts_its_own_quantization() {
+    let cfg = path("configs/models/qwen3.5-35b-a3b.json");
+    let dir = std::env::temp_dir().join(format!("sanmai-plan-mtp-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    config["quantization_config"] = serde_json::json!({
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"mtp_routed_experts": {
+            "targets": [r"re:mtp\.layers\.\d+\.mlp\.experts\.(\d+\.)?(gate|up|down|gate_up)_proj$"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": true, "strategy": "group", "group_size": 128}
+        }},
+        "ignore": ["mtp.fc"],
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let weights = |spec: &str| {
+        let out = sanmai(&[
+            "plan",
+            "--config",
+            &cfg,
+            "--gpu-memory-budget",
+            "200GiB",
+            "--max-model-len",
+            "8192",
+            "--speculative-config",
+            spec,
+        ]);
+        gib_after(&plan_lines(&ok_stdout(&out))[0], "weights")
+    };
+    let plain = weights(r#"{"method": "mtp", "num_speculative_tokens": 1}"#);
+    let int4 = weights(&format!(
+        r#"{{"method": "mtp", "num_speculative_tokens": 1, "model": "{}"}}"#,
+        dir.display()
+    ));
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(
+        (plain - int4 - 1.102).abs() < 0.011,
+        "{plain} GiB with the head in bf16, {int4} with its experts in INT4"
+    );
+}

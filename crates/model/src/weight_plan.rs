@@ -156,6 +156,10 @@ pub struct WeightForm<'a> {
     pub quant: Option<&'a QuantConfig>,
     /// The routed experts come as per-expert tensors (a checkpoint without the fused 3-D ones).
     pub per_expert: bool,
+    /// The MTP head's tensors come from a directory of their own (`--speculative-config`'s
+    /// `"model"`, e.g. `sanmai quantize --mtp-int4`'s output) whose quantization this is, its
+    /// experts one tensor per expert; `None`: the head is counted as the other weights are.
+    pub mtp: Option<&'a QuantConfig>,
 }
 
 /// The weights of layers `stage` of a `cfg` model in `storage`, with the embedding, final norm,
@@ -189,6 +193,13 @@ pub fn stage_weight_bytes(
         c.layer(&prefix, i, cfg.layer_types[i], cfg.ffn_types[i], true);
     }
     if cfg.mtp_layers > 0 && last {
+        if let Some(q) = form.mtp {
+            c.form = WeightForm {
+                quant: Some(q),
+                per_expert: true,
+                mtp: None,
+            };
+        }
         c.proj("mtp.fc.weight", h, 2 * h);
         c.dense(&[h]);
         c.dense(&[h]);

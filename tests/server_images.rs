@@ -131,6 +131,28 @@ fn images_are_prompt_tokens_and_hit_the_prefix_cache() {
         "the image's tokens come from the cache: {cached} cached"
     );
 
+    // The next turn of the conversation (the answer, then a new question) shares the image: its
+    // prompt comes from the cache past the image.
+    let mut next = with_image.clone();
+    next["messages"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role": "assistant", "content": first["choices"][0]["message"]["content"]}));
+    next["messages"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"role": "user", "content": "And the colours?"}));
+    let (status, turn) = s.post("/v1/chat/completions", &next);
+    assert_eq!(status, 200, "{turn}");
+    let cached = turn["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(
+        cached >= prompt_tokens(&plain) + 72 - 16,
+        "the next turn reuses the image's tokens: {cached} cached of {}",
+        prompt_tokens(&turn)
+    );
+
     // The same file through file:// and http:// gives the same answer.
     let file_url = format!("file://{}", dir.join("image0.png").display());
     let mut reply = format!(

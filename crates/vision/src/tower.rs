@@ -26,6 +26,7 @@ pub use weights::{Block, LayerNorm, Linear, Merger, Tensor, VisionWeights};
 
 use crate::positions::{self, Grid};
 use crate::{Result, VisionError};
+use rayon::prelude::*;
 
 /// A point of the forward pass that [`forward_observed`] shows, each `[patches, hidden]` row-major
 /// with patches in the model's (merge) order.
@@ -202,26 +203,34 @@ fn attention(
     let at =
         |p: usize, part: usize, h: usize| &qkv[p * 3 * hidden + part * hidden + h * dim..][..dim];
     let mut out = vec![0f32; x.len()];
-    let mut scores = Vec::new();
     for &(start, len) in frames {
-        for h in 0..heads {
-            for i in start..start + len {
-                let q = at(i, 0, h);
-                scores.clear();
-                scores.extend((start..start + len).map(|j| dot(q, at(j, 1, h)) * scale));
-                let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-                scores.iter_mut().for_each(|s| *s = (*s - max).exp());
-                let total: f64 = scores.iter().sum();
-                let o = &mut out[i * hidden + h * dim..][..dim];
-                for (d, od) in o.iter_mut().enumerate() {
-                    let v: f64 = (start..start + len)
-                        .zip(&scores)
-                        .map(|(j, s)| s * at(j, 2, h)[d] as f64)
-                        .sum();
-                    *od = (v / total) as f32;
+        // Each query row on its own thread; per row and head the same sums in the same order.
+        let rows = &mut out[start * hidden..(start + len) * hidden];
+        rows.par_chunks_mut(hidden)
+            .enumerate()
+            .for_each(|(r, orow)| {
+                let i = start + r;
+                let mut scores = Vec::with_capacity(len);
+                let mut acc = vec![0f64; dim];
+                for h in 0..heads {
+                    let q = at(i, 0, h);
+                    scores.clear();
+                    scores.extend((start..start + len).map(|j| dot(q, at(j, 1, h)) * scale));
+                    let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    scores.iter_mut().for_each(|s| *s = (*s - max).exp());
+                    let total: f64 = scores.iter().sum();
+                    // `Sum` of f64 starts from -0.0.
+                    acc.iter_mut().for_each(|a| *a = -0.0);
+                    for (j, s) in (start..start + len).zip(&scores) {
+                        for (a, &v) in acc.iter_mut().zip(at(j, 2, h)) {
+                            *a += s * v as f64;
+                        }
+                    }
+                    for (od, a) in orow[h * dim..][..dim].iter_mut().zip(&acc) {
+                        *od = (a / total) as f32;
+                    }
                 }
-            }
-        }
+            });
     }
     linear(&b.proj, &out)
 }
@@ -235,12 +244,18 @@ fn mlp(act: Activation, b: &Block, x: &[f32]) -> Vec<f32> {
 
 /// `x · Wᵀ + b` over rows of `l.inputs` values.
 fn linear(l: &Linear, x: &[f32]) -> Vec<f32> {
-    let mut y = Vec::with_capacity(x.len() / l.inputs * l.outputs);
-    for row in x.chunks_exact(l.inputs) {
-        for (w, b) in l.weight.chunks_exact(l.inputs).zip(&l.bias) {
-            y.push((*b as f64 + dot(w, row)) as f32);
-        }
-    }
+    let mut y = vec![0f32; x.len() / l.inputs * l.outputs];
+    y.par_chunks_mut(l.outputs)
+        .zip(x.par_chunks_exact(l.inputs))
+        .for_each(|(out, row)| {
+            for ((o, w), b) in out
+                .iter_mut()
+                .zip(l.weight.chunks_exact(l.inputs))
+                .zip(&l.bias)
+            {
+                *o = (*b as f64 + dot(w, row)) as f32;
+            }
+        });
     y
 }
 

@@ -2,12 +2,12 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use sanmai_model::{Backend, Model, OutRows, Probe, StepChunk, StepInput, StepStart};
 
 use crate::bench_mtp;
-use crate::load::{Loaded, ModelArgs, OnModel};
+use crate::load::{LoadFormat, Loaded, ModelArgs, OnModel};
 use crate::speculative::Speculative;
 
 #[derive(Args, Debug)]
@@ -115,6 +115,7 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
     let mut plain = Vec::new();
     let vocab = loaded.valid_vocab as u64;
     println!("model: {} on {}", loaded.name, loaded.device);
+    println!("{}", load_line(&args.model, loaded.load_seconds)?);
     let bandwidth = m.backend.copy_bandwidth()?;
     warm_up(&args, &loaded)?;
     for &batch in &args.batch {
@@ -296,4 +297,48 @@ fn argmax(row: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// How long the weights took to load and, for a checkpoint, how long its safetensors files take to
+/// read again (from the page cache, where the load left them): what of the load is the conversion
+/// (dequantizing, packing, uploading) rather than the reading.
+fn load_line(model: &ModelArgs, load_seconds: f64) -> Result<String> {
+    let Some(dir) = model
+        .model
+        .as_ref()
+        .filter(|_| model.load_format != LoadFormat::Dummy)
+    else {
+        return Ok(format!("load: {load_seconds:.2} s"));
+    };
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .with_context(|| format!("--model {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    let started = Instant::now();
+    let mut bytes = 0u64;
+    let mut buf = vec![0u8; 16 << 20];
+    for f in &files {
+        let mut file =
+            std::fs::File::open(f).with_context(|| format!("reading {}", f.display()))?;
+        loop {
+            let n = std::io::Read::read(&mut file, &mut buf)
+                .with_context(|| format!("reading {}", f.display()))?;
+            if n == 0 {
+                break;
+            }
+            bytes += n as u64;
+        }
+    }
+    let read = started.elapsed().as_secs_f64();
+    let size = match bytes {
+        b if b >= 1 << 30 => format!("{:.2} GiB", b as f64 / (1u64 << 30) as f64),
+        b => format!("{:.2} MiB", b as f64 / (1u64 << 20) as f64),
+    };
+    Ok(format!(
+        "load: {load_seconds:.2} s; reading the checkpoint's {size} again from the page cache: \
+         {read:.3} s ({:.1} GB/s)",
+        bytes as f64 / read.max(1e-9) / 1e9
+    ))
 }

@@ -182,6 +182,8 @@ pub struct Loaded<B: Backend> {
     pub default_max_tokens: Option<usize>,
     /// What prepares prompts with images (a model with a vision tower).
     pub images: Option<sanmai_engine::images::ImageEncoder>,
+    /// Seconds the weights took to load (the stages and the vision tower).
+    pub load_seconds: f64,
 }
 
 impl<B: Backend> Loaded<B> {
@@ -446,6 +448,7 @@ impl ModelArgs {
             eos_ids,
             default_max_tokens,
             images,
+            load_seconds: started.elapsed().as_secs_f64(),
         })
     }
 

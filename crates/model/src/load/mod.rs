@@ -597,16 +597,20 @@ impl<B: Backend> Model<B> {
         } else {
             None
         };
+        let progress = Progress::new(stage.len());
         let layers = stage
             .clone()
-            .map(|i| {
-                l.layer(
+            .enumerate()
+            .map(|(k, i)| {
+                let layer = l.layer(
                     &Scope::layer(src, &cfg, i),
                     i,
                     cfg.layer_types[i],
                     cfg.ffn_types[i],
                     true,
-                )
+                );
+                progress.layer_done(k + 1);
+                layer
             })
             .collect::<Result<Vec<_>>>()?;
         let mtp = if cfg.mtp_layers > 0 && last {
@@ -711,5 +715,37 @@ impl<B: Backend> Model<B> {
             packed,
             kv_host: None,
         })
+    }
+}
+
+/// Reports a long load's progress: a log line at each tenth of the layers, once the load has taken
+/// more than [`Progress::QUIET`] (a small model loads without a word).
+struct Progress {
+    layers: usize,
+    started: std::time::Instant,
+}
+
+impl Progress {
+    const QUIET: std::time::Duration = std::time::Duration::from_secs(2);
+
+    fn new(layers: usize) -> Self {
+        Progress {
+            layers,
+            started: std::time::Instant::now(),
+        }
+    }
+
+    /// `done` of the layers are loaded.
+    fn layer_done(&self, done: usize) {
+        let tenth = |d: usize| d * 10 / self.layers.max(1);
+        let elapsed = self.started.elapsed();
+        if tenth(done) > tenth(done - 1) && elapsed > Self::QUIET {
+            tracing::info!(
+                "loading the weights: {done} of {} layers ({}%), {:.1} s",
+                self.layers,
+                done * 100 / self.layers,
+                elapsed.as_secs_f64()
+            );
+        }
     }
 }

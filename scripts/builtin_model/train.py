@@ -1,0 +1,493 @@
+#!/usr/bin/env python3
+"""Train a tiny Qwen3.5-MoE on generated chat exchanges and export it in the layout the server loads.
+
+    python3 train.py OUT_DIR [--steps N] [--device cpu|cuda] [--seed S] [--int4-embed]
+
+The model is transformers' `Qwen3_5MoeForCausalLM` built from the `text_config` of
+`configs/models/builtin.json` (gated-delta-net and gated-attention layers, routed experts with a shared
+expert, tied embeddings, the 248,320-row vocabulary); `--hidden-size` and friends change its sizes.
+An MTP head (`mtp.*`: fc over [norm(embed(x[t+1])), norm(h[t])], one full-attention decoder layer, a
+norm, the shared LM head) is trained beside it to predict the token after next, so speculative decoding
+with it accepts drafts. Training data is `data.py`'s train split rendered with the repository's chat
+template and tokenized with `tokenization.py`; the loss is taken on the assistant reply only (its
+`<think>` block when thinking is on, its text or tool call, and the closing `<|im_end|>`), plus the
+routers' load-balancing loss.
+
+OUT_DIR receives:
+  config.json          builtin.json's wrapper config (`qwen3_5_moe`, vision tower included) with the
+                       trained text sizes; with --int4-embed a compressed-tensors quantization_config
+  model.safetensors    `model.language_model.*` (bf16; routed experts as fused 3-D tensors),
+                       `mtp.*`, and `model.visual.*` (the vision tower, random: it is not trained here);
+                       no `lm_head.weight` (tied). With --int4-embed the embedding is INT4
+                       pack-quantized (a scale per 32 inputs), the rest bf16.
+  generation_config.json, loss.csv (step, loss, mtp_loss, aux_loss, lr, tokens, seconds),
+  training.json        the arguments, data seed and final figures (eval.py reads the data seed).
+
+Serve it with `sanmai serve --model OUT_DIR`; score it with `eval.py OUT_DIR --base-url URL`.
+"""
+
+import argparse
+import copy
+import csv
+import json
+import math
+import os
+import random
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
+DEFAULT_CONFIG = os.path.join(REPO, "configs", "models", "builtin.json")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
+from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35  # noqa: E402
+
+import data  # noqa: E402
+from tokenization import EOS_IDS, IM_END_ID, Tokenizer  # noqa: E402
+
+# Text-config keys copied into transformers' Qwen3_5MoeTextConfig (the rest keep its defaults).
+TEXT_KEYS = [
+    "vocab_size", "hidden_size", "num_hidden_layers", "layer_types", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+    "mtp_num_hidden_layers", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+    "tie_word_embeddings", "bos_token_id", "eos_token_id",
+]
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------------
+
+
+def build_config(args):
+    with open(args.config) as f:
+        top = json.load(f)
+    text = copy.deepcopy(top.get("text_config", top))
+    overrides = {
+        "hidden_size": args.hidden_size,
+        "num_experts": args.num_experts,
+        "num_experts_per_tok": args.experts_per_tok,
+        "moe_intermediate_size": args.moe_intermediate_size,
+        "shared_expert_intermediate_size": args.shared_intermediate_size,
+    }
+    for k, v in overrides.items():
+        if v is not None:
+            text[k] = v
+    if args.layers:
+        types = args.layers.split(",")
+        bad = [t for t in types if t not in ("linear_attention", "full_attention")]
+        if bad or "full_attention" not in types:
+            raise SystemExit(f"--layers: linear_attention / full_attention, at least one full: {bad}")
+        text["layer_types"] = types
+        text["num_hidden_layers"] = len(types)
+    if text["vocab_size"] != 248_320 or not text.get("tie_word_embeddings", top.get("tie_word_embeddings")):
+        raise SystemExit("the built-in family has the 248,320-row vocabulary and tied embeddings")
+    if "out_hidden_size" in top.get("vision_config", {}):
+        top["vision_config"]["out_hidden_size"] = text["hidden_size"]
+    top["text_config"] = text if "text_config" in top else None
+    kwargs = {k: text[k] for k in TEXT_KEYS if k in text}
+    kwargs["tie_word_embeddings"] = True
+    cfg = Qwen3_5MoeTextConfig(**kwargs)
+    cfg.router_aux_loss_coef = args.aux_loss
+    return top, text, cfg
+
+
+# ------------------------------------------------------------------------------------------------
+# The MTP head (`mtp.*`; transformers has no module for it)
+# ------------------------------------------------------------------------------------------------
+
+
+class MtpHead(torch.nn.Module):
+    """fc(cat[norm_e(embed(x[t+1])), norm_h(h[t])]) -> one decoder layer -> norm; LM head shared."""
+
+    def __init__(self, config):
+        super().__init__()
+        h = config.hidden_size
+        full = config.layer_types.index("full_attention")
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = q35.Qwen3_5MoeRMSNorm(h, eps=config.rms_norm_eps)
+        self.pre_fc_norm_hidden = q35.Qwen3_5MoeRMSNorm(h, eps=config.rms_norm_eps)
+        self.layers = torch.nn.ModuleList([q35.Qwen3_5MoeDecoderLayer(config, full)])
+        self.norm = q35.Qwen3_5MoeRMSNorm(h, eps=config.rms_norm_eps)
+        std = config.initializer_range
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight") or "layernorm" in name or name.endswith("norm.weight"):
+                    p.zero_()
+                elif p.dim() >= 2:
+                    p.normal_(0.0, std)
+
+    def forward(self, model, ids, hidden):
+        """Draft hidden states for t = 0..T-2 (index t reads x[t+1] and h[t])."""
+        b, t = ids.shape
+        emb = model.model.embed_tokens(ids[:, 1:])
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden[:, : t - 1])], -1))
+        pos = torch.arange(t - 1, device=ids.device)
+        pe = model.model.rotary_emb(x, pos.view(1, 1, -1).expand(3, b, -1))
+        mask = torch.full((t - 1, t - 1), float("-inf"), device=ids.device, dtype=x.dtype).triu(1)[None, None]
+        x = self.layers[0](x, position_embeddings=pe, attention_mask=mask, position_ids=pos[None].expand(b, -1))
+        return self.norm(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data
+# ------------------------------------------------------------------------------------------------
+
+
+def encode_examples(examples, renderer, tok, max_len):
+    """(ids, loss mask) per example: the mask marks the reply's tokens (what the model generates)."""
+    out, skipped = [], 0
+    for ex in examples:
+        prompt, completion = renderer.prompt_and_completion(ex)
+        p, c = tok.encode(prompt), tok.encode(completion)
+        if c[-1] != IM_END_ID:
+            raise RuntimeError("a reply does not end with <|im_end|>")
+        ids = p + c
+        if len(ids) > max_len:
+            skipped += 1
+            continue
+        out.append((ids, [0] * len(p) + [1] * len(c)))
+    return out, skipped
+
+
+def batches(encoded, batch_size, rng):
+    """Endless batches of similar lengths (sorted within a window), right-padded."""
+    order = list(range(len(encoded)))
+    while True:
+        rng.shuffle(order)
+        window = batch_size * 32
+        for w in range(0, len(order), window):
+            chunk = sorted(order[w : w + window], key=lambda i: len(encoded[i][0]))
+            groups = [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+            rng.shuffle(groups)
+            for g in groups:
+                if len(g) < batch_size:
+                    continue
+                t = max(len(encoded[i][0]) for i in g)
+                ids = torch.full((len(g), t), EOS_IDS[1], dtype=torch.long)
+                mask = torch.zeros((len(g), t), dtype=torch.bool)
+                for r, i in enumerate(g):
+                    x, m = encoded[i]
+                    ids[r, : len(x)] = torch.tensor(x)
+                    mask[r, : len(m)] = torch.tensor(m, dtype=torch.bool)
+                yield ids, mask
+
+
+# ------------------------------------------------------------------------------------------------
+# Loss
+# ------------------------------------------------------------------------------------------------
+
+
+def head_loss(model, hidden, targets):
+    """Cross-entropy of the tied LM head on selected positions, in chunks (the vocabulary is wide)."""
+    w = model.lm_head.weight
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for s in range(0, hidden.shape[0], 4096):
+        logits = F.linear(hidden[s : s + 4096], w).float()
+        total = total + F.cross_entropy(logits, targets[s : s + 4096], reduction="sum")
+    return total / max(1, hidden.shape[0])
+
+
+def step_loss(model, mtp, ids, mask, args):
+    out = model.model(input_ids=ids, use_cache=False, output_router_logits=args.aux_loss > 0)
+    h = out.last_hidden_state
+    # Position t predicts ids[t+1]; counted where ids[t+1] belongs to the reply.
+    sel = mask[:, 1:]
+    loss = head_loss(model, h[:, :-1][sel], ids[:, 1:][sel])
+    mtp_loss = torch.zeros((), device=ids.device)
+    if mtp is not None and args.mtp_weight > 0 and ids.shape[1] > 2:
+        d = mtp(model, ids, h)  # [B, T-1, H]; index t predicts ids[t+2]
+        sel2 = mask[:, 2:]
+        mtp_loss = head_loss(model, d[:, :-1][sel2], ids[:, 2:][sel2])
+    aux = torch.zeros((), device=ids.device)
+    if args.aux_loss > 0 and getattr(out, "router_logits", None):
+        aux = q35.load_balancing_loss_func(
+            out.router_logits, model.config.num_experts, model.config.num_experts_per_tok
+        )
+    total = loss + args.mtp_weight * mtp_loss + args.aux_loss * aux
+    return total, loss, mtp_loss, aux
+
+
+# ------------------------------------------------------------------------------------------------
+# Export
+# ------------------------------------------------------------------------------------------------
+
+
+def pack_int4(w, group):
+    """compressed-tensors pack-quantized INT4 of a [rows, cols] matrix: symmetric, a scale per `group`
+    inputs, codes q + 8 packed 8 to an int32 word LSB first (crates/weights/src/quant.rs)."""
+    rows, cols = w.shape
+    w = w.float()
+    g = w.view(rows, cols // group, group)
+    best_s, best_err = None, None
+    amax = g.abs().amax(-1, keepdim=True).clamp_min(1e-8)
+    for clip in (1.0, 0.95, 0.9, 0.85, 0.8):
+        s = (amax * clip / 7).to(torch.bfloat16).float()
+        q = torch.round(g / s).clamp(-8, 7)
+        err = ((q * s - g) ** 2).sum(-1, keepdim=True)
+        if best_s is None:
+            best_s, best_err = s, err
+        else:
+            better = err < best_err
+            best_s = torch.where(better, s, best_s)
+            best_err = torch.where(better, err, best_err)
+    q = torch.round(g / best_s).clamp(-8, 7).view(rows, cols).to(torch.int64) + 8
+    q = q.view(rows, cols // 8, 8)
+    words = torch.zeros((rows, cols // 8), dtype=torch.int64)
+    for j in range(8):
+        words |= q[:, :, j] << (4 * j)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    scale = best_s.view(rows, cols // group).to(torch.bfloat16)
+    deq = (best_s * torch.round(g / best_s).clamp(-8, 7)).view(rows, cols)
+    return words, scale, torch.tensor([rows, cols], dtype=torch.int32), deq
+
+
+def export(out_dir, top, text, model, mtp, args):
+    os.makedirs(out_dir, exist_ok=True)
+    bf = lambda t: t.detach().to("cpu", torch.bfloat16).contiguous()  # noqa: E731
+    wrapper = "text_config" in top and top["text_config"] is not None
+    prefix = "model.language_model." if wrapper else "model."
+    tensors = {}
+    for k, v in model.model.state_dict().items():
+        tensors[prefix + k] = bf(v)
+    for k, v in mtp.state_dict().items():
+        tensors["mtp." + k] = bf(v)
+    cfg = copy.deepcopy(top) if wrapper else copy.deepcopy(text)
+    if wrapper:
+        cfg["text_config"] = text
+    if wrapper and "vision_config" in top and not args.no_vision:
+        vc = q35.Qwen3_5MoeVisionConfig(**top["vision_config"])
+        torch.manual_seed(args.seed + 1)
+        vision = q35.Qwen3_5MoeVisionModel._from_config(vc)
+        for k, v in vision.state_dict().items():
+            tensors["model.visual." + k] = bf(v)
+    elif wrapper and args.no_vision:
+        cfg.pop("vision_config", None)
+    if args.int4_embed:
+        name = prefix + "embed_tokens"
+        w = model.model.embed_tokens.weight.detach().to("cpu", torch.float32)
+        words, scale, shape, _ = pack_int4(w, args.int4_group)
+        del tensors[name + ".weight"]
+        tensors[name + ".weight_packed"] = words
+        tensors[name + ".weight_scale"] = scale
+        tensors[name + ".weight_shape"] = shape
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {
+                "embedding": {
+                    "targets": [name],
+                    "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                "strategy": "group", "group_size": args.int4_group},
+                }
+            },
+            "ignore": [],
+        }
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": EOS_IDS, "pad_token_id": EOS_IDS[1]}, f, indent=2)
+        f.write("\n")
+    size = os.path.getsize(os.path.join(out_dir, "model.safetensors"))
+    log(f"exported {len(tensors)} tensors, {size / 1e6:.1f} MB, to {out_dir}")
+    return size
+
+
+def check_export(out_dir, model, args):
+    """transformers reads the exported text weights back to the trained ones (bf16-rounded)."""
+    if args.int4_embed:
+        return {"skipped": "int4 embedding (transformers does not read it)"}
+    tensors = load_file(os.path.join(out_dir, "model.safetensors"))
+    prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in tensors) else "model."
+    sd = model.model.state_dict()
+    missing = [k for k in sd if prefix + k not in tensors]
+    worst = max(float((tensors[prefix + k].float() - v.detach().cpu().float()).abs().max()) for k, v in sd.items()
+                if prefix + k in tensors)
+    return {"missing": missing, "max_abs_diff_vs_trained": worst}
+
+
+@torch.no_grad()
+def greedy(model, tok, renderer, messages, enable_thinking, device, max_new=40):
+    prompt = renderer.render(messages, None, True, None if enable_thinking else False)
+    ids = tok.encode(prompt)
+    x = torch.tensor([ids], device=device)
+    out = []
+    for _ in range(max_new):
+        logits = model(input_ids=x, use_cache=False).logits[0, -1]
+        nxt = int(logits.argmax())
+        out.append(nxt)
+        if nxt in EOS_IDS:
+            break
+        x = torch.cat([x, torch.tensor([[nxt]], device=device)], 1)
+    return tok.decode(out)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out_dir")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="the wrapper (or text) config to start from")
+    p.add_argument("--hidden-size", type=int, default=None)
+    p.add_argument("--layers", default=None, help="comma-separated layer types, e.g. "
+                   "linear_attention,linear_attention,linear_attention,full_attention")
+    p.add_argument("--num-experts", type=int, default=None)
+    p.add_argument("--experts-per-tok", type=int, default=None)
+    p.add_argument("--moe-intermediate-size", type=int, default=None)
+    p.add_argument("--shared-intermediate-size", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=32, help="sequences a step")
+    p.add_argument("--examples", type=int, default=40000, help="distinct training exchanges generated")
+    p.add_argument("--max-len", type=int, default=640)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.05)
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--mtp-weight", type=float, default=0.3)
+    p.add_argument("--aux-loss", type=float, default=0.01, help="router load-balancing loss weight")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--int4-embed", action="store_true", help="export the embedding INT4 pack-quantized")
+    p.add_argument("--int4-group", type=int, default=32)
+    p.add_argument("--no-vision", action="store_true", help="export without the vision tower")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    args = p.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    os.makedirs(args.out_dir, exist_ok=True)
+
+    top, text, cfg = build_config(args)
+    cfg._attn_implementation = "sdpa"
+    model = Qwen3_5MoeForCausalLM(cfg).to(device)
+    model.tie_weights()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "embeddings not tied"
+    mtp = MtpHead(cfg).to(device) if text.get("mtp_num_hidden_layers", 0) else None
+    n_params = sum(p.numel() for p in model.parameters()) + (sum(p.numel() for p in mtp.parameters()) if mtp else 0)
+    n_embed = model.model.embed_tokens.weight.numel()
+    log(f"model: hidden {cfg.hidden_size}, layers {cfg.layer_types}, experts {cfg.num_experts} top-"
+        f"{cfg.num_experts_per_tok}; {n_params / 1e6:.2f} M parameters ({n_embed / 1e6:.2f} M embedding)")
+
+    t0 = time.time()
+    tok = Tokenizer()
+    renderer = data.Renderer()
+    examples = data.generate("train", args.examples, args.seed)
+    encoded, skipped = encode_examples(examples, renderer, tok, args.max_len)
+    n_tok = sum(len(x) for x, _ in encoded)
+    n_reply = sum(sum(m) for _, m in encoded)
+    log(f"data: {len(encoded)} exchanges ({skipped} over {args.max_len} tokens left out), {n_tok} tokens, "
+        f"{n_reply} reply tokens, {time.time() - t0:.1f}s")
+
+    params = list(model.parameters()) + (list(mtp.parameters()) if mtp else [])
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
+    )
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+
+    def lr_at(step):
+        if step < warmup:
+            return args.lr * (step + 1) / warmup
+        frac = (step - warmup) / max(1, args.steps - warmup)
+        return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
+        "cpu", enabled=False)
+    stream = batches(encoded, args.batch_size, random.Random(args.seed))
+    csv_path = os.path.join(args.out_dir, "loss.csv")
+    fcsv = open(csv_path, "w", newline="")
+    w = csv.writer(fcsv)
+    w.writerow(["step", "loss", "mtp_loss", "aux_loss", "lr", "tokens", "seconds"])
+    model.train()
+    if mtp:
+        mtp.train()
+    tokens, first, last = 0, None, None
+    acc = [0.0, 0.0, 0.0, 0]
+    start = time.time()
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        ids, mask = next(stream)
+        ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
+        with autocast:
+            total, loss, mtp_loss, aux = step_loss(model, mtp, ids, mask, args)
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        tokens += int(ids.numel())
+        acc[0] += loss.item()
+        acc[1] += mtp_loss.item()
+        acc[2] += aux.item()
+        acc[3] += 1
+        if first is None:
+            first = loss.item()
+        if (step + 1) % args.log_every == 0 or step == args.steps - 1:
+            row = [step + 1, acc[0] / acc[3], acc[1] / acc[3], acc[2] / acc[3], lr_at(step), tokens,
+                   round(time.time() - start, 2)]
+            w.writerow([row[0]] + [f"{v:.5g}" if isinstance(v, float) else v for v in row[1:]])
+            fcsv.flush()
+            last = row[1]
+            log(f"step {row[0]:6d}  loss {row[1]:.4f}  mtp {row[2]:.4f}  aux {row[3]:.4f}  lr {row[4]:.2e}  "
+                f"{tokens / max(1e-9, time.time() - start):.0f} tok/s")
+            acc = [0.0, 0.0, 0.0, 0]
+    fcsv.close()
+    train_s = time.time() - start
+
+    model.eval()
+    samples = {}
+    for label, msgs, think in [
+        ("hello_thinking", [{"role": "user", "content": "Hello!"}], True),
+        ("add_no_thinking", [{"role": "user", "content": "What is 7 + 5?"}], False),
+    ]:
+        samples[label] = greedy(model, tok, renderer, msgs, think, device)
+        log(f"sample {label}: {samples[label]!r}")
+
+    size = export(args.out_dir, top, text, model.float(), mtp.float() if mtp else None, args)
+    check = check_export(args.out_dir, model, args)
+    log(f"export check: {check}")
+    summary = {
+        "args": vars(args),
+        "data_seed": args.seed,
+        "parameters": n_params,
+        "exchanges": len(encoded),
+        "steps": args.steps,
+        "loss_first": first,
+        "loss_last": last,
+        "train_seconds": round(train_s, 1),
+        "safetensors_bytes": size,
+        "samples": samples,
+        "export_check": check,
+    }
+    with open(os.path.join(args.out_dir, "training.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+        f.write("\n")
+    log(json.dumps({k: summary[k] for k in ("steps", "loss_first", "loss_last", "safetensors_bytes")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

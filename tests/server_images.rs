@@ -116,6 +116,10 @@ fn images_are_prompt_tokens_and_hit_the_prefix_cache() {
     // to 224×320, 14×20 patches, 70 merged tokens, between <|vision_start|> and <|vision_end|>.
     assert_eq!(prompt_tokens(&first), prompt_tokens(&plain) + 72);
     assert_eq!(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // `/tokenize` expands the image as the chat does.
+    let (status, t) = s.post("/tokenize", &json!({"messages": with_image["messages"]}));
+    assert_eq!(status, 200, "{t}");
+    assert_eq!(t["count"].as_u64(), Some(prompt_tokens(&first)));
 
     let (status, again) = s.post("/v1/chat/completions", &with_image);
     assert_eq!(status, 200, "{again}");

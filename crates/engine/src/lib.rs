@@ -5,7 +5,8 @@
 //! of the engine thread started by [`start`] (where a request is admitted: its lengths checked against the
 //! context), [`executor`] the seam to the model, and [`sampler`] turns one row of logits per sequence into
 //! a token id plus the log-probabilities an OpenAI response reports (with the parameter type the model
-//! crate defines, re-exported there).
+//! crate defines, re-exported there). [`images`] prepares a prompt's images (the tower's tokens, their
+//! MRoPE positions and prefix-cache keys) for the steps that carry them.
 
 pub mod api;
 mod block_pool;

@@ -1,7 +1,8 @@
 //! The OpenAI-compatible HTTP API of sanmai: routes, request validation (OpenAI JSON → engine requests),
-//! chat-template rendering, structured output (JSON schema and mode, forced tool calls, regex, choice and
-//! Lark grammars, compiled with llguidance), reasoning and tool-call parsing of outputs, responses and
-//! server-sent events in OpenAI's shapes, Prometheus metrics, the API key, and graceful shutdown.
+//! chat-template rendering, image parts (fetched under the media policy: [`media`]), structured output
+//! (JSON schema and mode, forced tool calls, regex, choice and Lark grammars, compiled with llguidance),
+//! reasoning and tool-call parsing of outputs, responses and server-sent events in OpenAI's shapes,
+//! Prometheus metrics, the API key, and graceful shutdown.
 //!
 //! A [`Server`] answers as soon as it listens: `/health` and the model routes say 503 until
 //! [`Server::set_ready`] installs the engine (so a load balancer can watch a model load).

@@ -2,7 +2,7 @@
 //! merged tokens and places a prompt's tokens ([`PromptImages`]); the engine then gives each chunk
 //! of such a prompt its explicit MRoPE positions and the embeddings of its image rows
 //! ([`ChunkImages`]), and keys the prefix cache of image rows by the image's pixels
-//! ([`cache_tokens`]).
+//! (`cache_tokens`).
 //!
 //! A prompt shows an image as one placeholder token (`image_token_id`) where the chat template
 //! put it; [`ImageEncoder::encode`] expands it to the image's `t·h·w / merge²` placeholders, as

@@ -118,41 +118,33 @@ fn the_125b_config_on_three_3090s() {
     );
     // The same cards without the offload: the full 262,144-token context does not fit, refused with
     // the block arithmetic.
-    let e = error_of(&sanmai(&[
-        "plan",
-        "--config",
-        &cfg,
-        "--pipeline-parallel-size",
-        "3",
-        "--gpu-memory-budget",
-        "23.5GiB",
-        "--max-num-seqs",
-        "4",
-        "--max-num-batched-tokens",
-        "256",
+    let on_3090s = |more: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--config",
+            &cfg,
+            "--pipeline-parallel-size",
+            "3",
+            "--gpu-memory-budget",
+            "23.5GiB",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "256",
+        ];
+        args.extend_from_slice(more);
+        error_of(&sanmai(&args))
+    };
+    let e = on_3090s(&[
         "--max-model-len",
         "262144",
         "--limit-mm-per-prompt",
         r#"{"image": 0}"#,
-    ]));
+    ]);
     assert!(e.contains("--max-model-len"), "{e}");
     // With images on, the first card also holds the vision tower and its largest image: refused,
     // naming the image flags.
-    let e = error_of(&sanmai(&[
-        "plan",
-        "--config",
-        &cfg,
-        "--pipeline-parallel-size",
-        "3",
-        "--gpu-memory-budget",
-        "23.5GiB",
-        "--max-num-seqs",
-        "4",
-        "--max-num-batched-tokens",
-        "256",
-        "--max-model-len",
-        "32768",
-    ]));
+    let e = on_3090s(&["--max-model-len", "32768"]);
     assert!(
         e.contains("vision tower") && e.contains("--limit-mm-per-prompt"),
         "{e}"

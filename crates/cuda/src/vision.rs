@@ -30,7 +30,7 @@ use cudarc::driver::{
 use half::bf16;
 use sanmai_model::vision::{Grid, ImageError, Tower, Vision};
 use sanmai_vision::positions;
-use sanmai_vision::tower::{Activation, LayerNorm, Linear, VisionConfig};
+use sanmai_vision::tower::{self, Activation, LayerNorm, Linear, VisionConfig};
 
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
@@ -224,7 +224,7 @@ impl CudaTower {
     /// The merged tokens `[Σ t·h·w / merge², out_hidden_size]` of the images of `grids` whose patch
     /// rows are `pixels` (as [`Vision::forward`]).
     pub fn run(&self, pixels: &[f32], grids: &[Grid]) -> std::result::Result<Vec<f32>, ImageError> {
-        let frames = frames(&self.cfg, pixels, grids)?;
+        let frames = tower::frames(&self.cfg, pixels, grids)?;
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner
             .forward(&self.cfg, pixels, grids, &frames)
@@ -236,38 +236,6 @@ impl Tower for CudaTower {
     fn forward(&self, pixels: &[f32], grids: &[Grid]) -> std::result::Result<Vec<f32>, ImageError> {
         self.run(pixels, grids)
     }
-}
-
-/// The attention segments `(start, len)` (one per frame of each image), after checking the inputs
-/// as the CPU tower does.
-fn frames(
-    cfg: &VisionConfig,
-    pixels: &[f32],
-    grids: &[Grid],
-) -> std::result::Result<Vec<(usize, usize)>, ImageError> {
-    let merge = cfg.spatial_merge_size;
-    let mut frames = Vec::new();
-    let mut start = 0;
-    for (i, &[t, h, w]) in grids.iter().enumerate() {
-        if t == 0 || h == 0 || w == 0 || h % merge != 0 || w % merge != 0 {
-            return Err(ImageError::Input(format!(
-                "image {i}: grid {t}x{h}x{w} is empty or its sides are not multiples of the merge size {merge}"
-            )));
-        }
-        for _ in 0..t {
-            frames.push((start, h * w));
-            start += h * w;
-        }
-    }
-    if pixels.len() != start * cfg.patch_len() {
-        return Err(ImageError::Input(format!(
-            "{} pixel values, the grids' {start} patches of {} need {}",
-            pixels.len(),
-            cfg.patch_len(),
-            start * cfg.patch_len()
-        )));
-    }
-    Ok(frames)
 }
 
 /// Each patch's rotary cos and sin over the head dimension (`[patches, head_dim]` each), computed as

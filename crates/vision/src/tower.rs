@@ -113,6 +113,13 @@ fn check_inputs(
             "the weights were loaded for another vision config".into(),
         ));
     }
+    frames(cfg, pixels, grids)
+}
+
+/// The attention segments, `(start, len)` in patches (one per frame of each image), of patch rows
+/// `pixels` whose grids are `grids`: an error when a grid is empty, a side is not a multiple of the
+/// merge size, or the pixels are not the grids' patches.
+pub fn frames(cfg: &VisionConfig, pixels: &[f32], grids: &[Grid]) -> Result<Vec<(usize, usize)>> {
     let merge = cfg.spatial_merge_size;
     let mut frames = Vec::new();
     let mut start = 0;

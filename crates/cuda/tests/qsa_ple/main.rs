@@ -41,6 +41,7 @@ mod qsa_select_bench;
 mod qsa_staged;
 mod row_cache;
 mod row_cache_bench;
+mod row_cache_pools;
 
 /// xorshift64* with Box–Muller normals.
 struct Rng(u64);

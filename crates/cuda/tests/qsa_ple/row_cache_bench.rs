@@ -9,7 +9,8 @@ use sanmai_cuda::{Gpu, RowCache};
 
 use sanmai_cuda::cudarc::driver::DevicePtr;
 
-use super::row_cache::{HostRegistered, BS};
+use super::row_cache::BS;
+use super::row_cache_pools::HostRegistered;
 use super::*;
 
 /// `n` selections of `topk` of `ctx` positions (sorted), each keeping about `overlap` of the one

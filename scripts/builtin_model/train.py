@@ -164,19 +164,40 @@ def encode_examples(examples, renderer, tok, max_len):
     return out, skipped
 
 
-def batches(encoded, batch_size, rng):
-    """Endless batches of similar lengths (sorted within a window), right-padded."""
+def load_packed(path, max_len):
+    """(ids, loss mask) per exchange from `data.py --pack`'s arrays."""
+    import numpy as np
+
+    d = np.load(path)
+    ids, offsets, starts = d["ids"], d["offsets"], d["reply_start"]
+    out = []
+    for i in range(len(starts)):
+        x = ids[offsets[i] : offsets[i + 1]].tolist()
+        if len(x) <= max_len:
+            out.append((x, [0] * int(starts[i]) + [1] * (len(x) - int(starts[i]))))
+    return out, len(starts) - len(out)
+
+
+def batches(encoded, tokens_per_batch, rng, max_batch=512):
+    """Endless batches of similar lengths (sorted within a window) of about `tokens_per_batch` padded
+    tokens each, right-padded."""
     order = list(range(len(encoded)))
     while True:
         rng.shuffle(order)
-        window = batch_size * 32
+        window = 8192
         for w in range(0, len(order), window):
             chunk = sorted(order[w : w + window], key=lambda i: len(encoded[i][0]))
-            groups = [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+            groups, cur = [], []
+            for i in chunk:
+                t = len(encoded[i][0])
+                if cur and (t * (len(cur) + 1) > tokens_per_batch or len(cur) >= max_batch):
+                    groups.append(cur)
+                    cur = []
+                cur.append(i)
+            if cur:
+                groups.append(cur)
             rng.shuffle(groups)
             for g in groups:
-                if len(g) < batch_size:
-                    continue
                 t = max(len(encoded[i][0]) for i in g)
                 ids = torch.full((len(g), t), EOS_IDS[1], dtype=torch.long)
                 mask = torch.zeros((len(g), t), dtype=torch.bool)
@@ -323,19 +344,50 @@ def check_export(out_dir, model, args):
 
 
 @torch.no_grad()
-def greedy(model, tok, renderer, messages, enable_thinking, device, max_new=40):
-    prompt = renderer.render(messages, None, True, None if enable_thinking else False)
-    ids = tok.encode(prompt)
-    x = torch.tensor([ids], device=device)
-    out = []
-    for _ in range(max_new):
-        logits = model(input_ids=x, use_cache=False).logits[0, -1]
-        nxt = int(logits.argmax())
-        out.append(nxt)
-        if nxt in EOS_IDS:
-            break
-        x = torch.cat([x, torch.tensor([[nxt]], device=device)], 1)
-    return tok.decode(out)
+def generate_batch(model, prompts, device, max_new, tokens_per_batch=131072):
+    """Greedy continuations of token-id prompts, batched (right-padded, no cache: every step reads
+    the whole padded batch again, which is cheap at this size). Each stops at an EOS id or max_new."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    outs = [None] * len(prompts)
+    w = model.lm_head.weight
+    s = 0
+    while s < len(order):
+        e = s + 1
+        while e < len(order) and (len(prompts[order[e]]) + max_new) * (e - s + 1) <= tokens_per_batch:
+            e += 1
+        group = order[s:e]
+        s = e
+        lens = torch.tensor([len(prompts[i]) for i in group], device=device)
+        x = torch.full((len(group), int(lens.max()) + max_new), EOS_IDS[1], dtype=torch.long, device=device)
+        for r, i in enumerate(group):
+            x[r, : len(prompts[i])] = torch.tensor(prompts[i], device=device)
+        done = torch.zeros(len(group), dtype=torch.bool, device=device)
+        gen = []
+        rows = torch.arange(len(group), device=device)
+        eos = torch.tensor(EOS_IDS, device=device)
+        for _ in range(max_new):
+            h = model.model(input_ids=x[:, : int(lens.max())], use_cache=False).last_hidden_state
+            nxt = F.linear(h[rows, lens - 1], w).float().argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, -1), nxt)
+            gen.append(nxt)
+            x[rows, lens] = torch.where(done, x[rows, lens], nxt)
+            done = done | torch.isin(nxt, eos)
+            lens = torch.where(done, lens, lens + 1)
+            if bool(done.all()):
+                break
+        g = torch.stack(gen, 1).tolist()
+        for r, i in enumerate(group):
+            toks = [t for t in g[r] if t >= 0]
+            outs[i] = toks
+    return outs
+
+
+def load_prompts(path):
+    import numpy as np
+
+    d = np.load(path)
+    ids, offsets = d["ids"], d["offsets"]
+    return [ids[offsets[i] : offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -355,9 +407,18 @@ def main():
     p.add_argument("--experts-per-tok", type=int, default=None)
     p.add_argument("--moe-intermediate-size", type=int, default=None)
     p.add_argument("--shared-intermediate-size", type=int, default=None)
-    p.add_argument("--batch-size", type=int, default=32, help="sequences a step")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="a time budget: training ends and the learning-rate schedule completes when either "
+                   "--steps or this many seconds are reached")
+    p.add_argument("--tokens-per-batch", type=int, default=32768, help="padded tokens a step")
+    p.add_argument("--data", default=None, help="training exchanges packed by `data.py --pack` (default: "
+                   "generate --examples of them here)")
     p.add_argument("--examples", type=int, default=40000, help="distinct training exchanges generated")
-    p.add_argument("--max-len", type=int, default=640)
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--eval-prompts", default=None, help="held-out prompts packed by `eval.py --pack-prompts`: "
+                   "their greedy continuations are written to OUT_DIR/generated.json (score them with "
+                   "`eval.py --score-generated`)")
+    p.add_argument("--eval-max-new", type=int, default=96)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
@@ -390,10 +451,11 @@ def main():
         f"{cfg.num_experts_per_tok}; {n_params / 1e6:.2f} M parameters ({n_embed / 1e6:.2f} M embedding)")
 
     t0 = time.time()
-    tok = Tokenizer()
-    renderer = data.Renderer()
-    examples = data.generate("train", args.examples, args.seed)
-    encoded, skipped = encode_examples(examples, renderer, tok, args.max_len)
+    if args.data:
+        encoded, skipped = load_packed(args.data, args.max_len)
+    else:
+        examples = data.generate("train", args.examples, args.seed)
+        encoded, skipped = encode_examples(examples, data.Renderer(), Tokenizer(), args.max_len)
     n_tok = sum(len(x) for x, _ in encoded)
     n_reply = sum(sum(m) for _, m in encoded)
     log(f"data: {len(encoded)} exchanges ({skipped} over {args.max_len} tokens left out), {n_tok} tokens, "
@@ -408,15 +470,22 @@ def main():
     )
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
 
-    def lr_at(step):
+    def progress(step, elapsed):
+        """How far training is, 0..1: by steps, or by time with --max-seconds, whichever is further."""
+        p = step / args.steps
+        if args.max_seconds:
+            p = max(p, elapsed / args.max_seconds)
+        return p
+
+    def lr_at(step, elapsed):
         if step < warmup:
             return args.lr * (step + 1) / warmup
-        frac = (step - warmup) / max(1, args.steps - warmup)
+        frac = min(1.0, progress(step, elapsed))
         return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
         "cpu", enabled=False)
-    stream = batches(encoded, args.batch_size, random.Random(args.seed))
+    stream = batches(encoded, args.tokens_per_batch, random.Random(args.seed))
     csv_path = os.path.join(args.out_dir, "loss.csv")
     fcsv = open(csv_path, "w", newline="")
     w = csv.writer(fcsv)
@@ -424,12 +493,13 @@ def main():
     model.train()
     if mtp:
         mtp.train()
-    tokens, first, last = 0, None, None
-    acc = [0.0, 0.0, 0.0, 0]
+    tokens, first, last, step = 0, None, None, 0
+    acc = torch.zeros(4, device=device)
     start = time.time()
-    for step in range(args.steps):
+    while progress(step, time.time() - start) < 1:
+        lr = lr_at(step, time.time() - start)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = lr
         ids, mask = next(stream)
         ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
         with autocast:
@@ -439,32 +509,33 @@ def main():
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         tokens += int(ids.numel())
-        acc[0] += loss.item()
-        acc[1] += mtp_loss.item()
-        acc[2] += aux.item()
-        acc[3] += 1
+        acc += torch.stack([loss.detach().float(), mtp_loss.detach().float(), aux.detach().float(),
+                            torch.ones((), device=device)])
+        step += 1
         if first is None:
             first = loss.item()
-        if (step + 1) % args.log_every == 0 or step == args.steps - 1:
-            row = [step + 1, acc[0] / acc[3], acc[1] / acc[3], acc[2] / acc[3], lr_at(step), tokens,
-                   round(time.time() - start, 2)]
+        if step % args.log_every == 0 or progress(step, time.time() - start) >= 1:
+            a = (acc[:3] / acc[3]).tolist()
+            row = [step, a[0], a[1], a[2], lr, tokens, round(time.time() - start, 2)]
             w.writerow([row[0]] + [f"{v:.5g}" if isinstance(v, float) else v for v in row[1:]])
             fcsv.flush()
             last = row[1]
             log(f"step {row[0]:6d}  loss {row[1]:.4f}  mtp {row[2]:.4f}  aux {row[3]:.4f}  lr {row[4]:.2e}  "
                 f"{tokens / max(1e-9, time.time() - start):.0f} tok/s")
-            acc = [0.0, 0.0, 0.0, 0]
+            acc.zero_()
     fcsv.close()
     train_s = time.time() - start
 
     model.eval()
-    samples = {}
-    for label, msgs, think in [
-        ("hello_thinking", [{"role": "user", "content": "Hello!"}], True),
-        ("add_no_thinking", [{"role": "user", "content": "What is 7 + 5?"}], False),
-    ]:
-        samples[label] = greedy(model, tok, renderer, msgs, think, device)
-        log(f"sample {label}: {samples[label]!r}")
+    gen_info = None
+    if args.eval_prompts:
+        t1 = time.time()
+        prompts = load_prompts(args.eval_prompts)
+        gen = generate_batch(model, prompts, device, args.eval_max_new)
+        with open(os.path.join(args.out_dir, "generated.json"), "w") as f:
+            json.dump({"prompts": args.eval_prompts, "generated": gen}, f)
+        gen_info = {"prompts": len(prompts), "seconds": round(time.time() - t1, 1)}
+        log(f"generated continuations of {len(prompts)} held-out prompts in {gen_info['seconds']}s")
 
     size = export(args.out_dir, top, text, model.float(), mtp.float() if mtp else None, args)
     check = check_export(args.out_dir, model, args)
@@ -474,12 +545,13 @@ def main():
         "data_seed": args.seed,
         "parameters": n_params,
         "exchanges": len(encoded),
-        "steps": args.steps,
+        "steps": step,
+        "tokens": tokens,
         "loss_first": first,
         "loss_last": last,
         "train_seconds": round(train_s, 1),
         "safetensors_bytes": size,
-        "samples": samples,
+        "eval_generation": gen_info,
         "export_check": check,
     }
     with open(os.path.join(args.out_dir, "training.json"), "w") as f:

@@ -74,19 +74,19 @@ extern "C" __global__ void vit_layer_norm(const float* __restrict__ x, const flo
     for (int c = threadIdx.x; c < cols; c += blockDim.x) yr[c] = f2bf((xr[c] - mean) * inv * g[c] + b[c]);
 }
 
-// One block per row r of qkv ([rows, 3 · hidden], each row [q | k | v] with heads of `dim`): adds the
-// bias, turns every head of q and k (out[j] = x[j] · cos[j] + rot[j] · sin[j], rot[j] = −x[j + dim/2] for
+// One block per row of qkv ([chunk, 3 · hidden], each row [q | k | v] with heads of `dim`; row i is the
+// image's row r = row0 + i of `rows`): adds the bias, turns every head of q and k (out[j] = x[j] · cos[j] + rot[j] · sin[j], rot[j] = −x[j + dim/2] for
 // j < dim/2, else x[j − dim/2]) and writes q, k and v in bf16, head-major: qb[(head · rows + r) · dp + j]
 // (dp ≥ dim; the padding columns are left as they are, zero). Shared memory: 2 · hidden floats.
 extern "C" __global__ void vit_qkv_rope(const float* __restrict__ qkv, const float* __restrict__ bias,
                                         const float* __restrict__ cosv, const float* __restrict__ sinv,
                                         bf16* __restrict__ qb, bf16* __restrict__ kb, bf16* __restrict__ vb, int rows,
-                                        int hidden, int dim, int dp) {
+                                        int row0, int chunk, int hidden, int dim, int dp) {
     pdl_prologue();
     extern __shared__ float row[];
-    const int r = blockIdx.x;
-    if (r >= rows) return;
-    const float* q = qkv + (long long)r * 3 * hidden;
+    if ((int)blockIdx.x >= chunk) return;
+    const float* q = qkv + (long long)blockIdx.x * 3 * hidden;
+    const int r = row0 + blockIdx.x;
     for (int c = threadIdx.x; c < 3 * hidden; c += blockDim.x) {
         const float v = q[c] + bias[c];
         if (c < 2 * hidden) {

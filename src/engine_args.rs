@@ -213,9 +213,13 @@ impl EngineArgs {
         )?;
         self.check_offload(&stages[0].cfg)?;
         let mut flags = self.budget_flags();
-        flags.vision = images
-            .as_ref()
-            .and_then(|e| tower_device_bytes(&stages[0].cfg, e.preprocessor().max_pixels));
+        flags.vision = images.as_ref().and_then(|e| {
+            tower_device_bytes(
+                &stages[0].cfg,
+                e.preprocessor().max_pixels,
+                e.blocks_on_host(),
+            )
+        });
         let plan = memory_plan::plan_loaded(
             &stages,
             &devices,

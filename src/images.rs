@@ -10,7 +10,7 @@ use clap::Args;
 use sanmai_config::ModelConfig;
 use sanmai_engine::images::ImageEncoder;
 use sanmai_model::builtin;
-use sanmai_model::vision::{tower_device_bytes, PreprocessorConfig, Vision};
+use sanmai_model::vision::{tower_device_bytes, PreprocessorConfig, TowerBytes, Vision};
 use sanmai_weights::TensorSource;
 use serde_json::Value;
 
@@ -27,6 +27,11 @@ pub struct MmArgs {
     /// "min_pixels", or "size": {"shortest_edge": N, "longest_edge": N}).
     #[arg(long, value_name = "JSON")]
     pub mm_processor_kwargs: Option<String>,
+    /// Keep the vision tower's blocks in pinned host memory on a GPU: two device slots hold block i
+    /// and i + 1, the copy of i + 1 overlapping the compute of i (the same arithmetic as resident
+    /// weights, for about 58 MiB of VRAM instead of 0.8 GiB on Qwen3.5's tower).
+    #[arg(long)]
+    pub vit_on_host: bool,
 }
 
 impl MmArgs {
@@ -56,20 +61,21 @@ impl MmArgs {
         Ok(images)
     }
 
-    /// What the vision tower of `cfg` takes on a GPU: its weights and the activations of the
-    /// largest image the processor lets through ([`tower_device_bytes`]); `None` without a tower or
-    /// with images turned off. `dir` and `builtin` as for [`MmArgs::encoder`].
+    /// What the vision tower of `cfg` takes on a GPU: its weights (two blocks' slots of them with
+    /// `--vit-on-host`) and the activations of the largest image the processor lets through
+    /// ([`tower_device_bytes`]); `None` without a tower or with images turned off. `dir` and
+    /// `builtin` as for [`MmArgs::encoder`].
     pub fn tower_bytes(
         &self,
         cfg: &ModelConfig,
         dir: Option<&Path>,
         builtin: bool,
-    ) -> Result<Option<(usize, usize)>> {
+    ) -> Result<Option<TowerBytes>> {
         if cfg.vision.is_none() || self.images_per_prompt()? == 0 {
             return Ok(None);
         }
         let max_pixels = self.processor_of(dir, builtin)?.max_pixels;
-        Ok(tower_device_bytes(cfg, max_pixels))
+        Ok(tower_device_bytes(cfg, max_pixels, self.vit_on_host))
     }
 
     /// The processor's settings: `dir`'s `preprocessor_config.json` (the model directory's, when
@@ -165,6 +171,7 @@ mod tests {
         MmArgs {
             limit_mm_per_prompt: limit.map(String::from),
             mm_processor_kwargs: kwargs.map(String::from),
+            vit_on_host: false,
         }
     }
 

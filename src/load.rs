@@ -356,7 +356,8 @@ impl ModelArgs {
                 // The vision tower runs on stage 0's device.
                 if let Some(encoder) = loaded.images.take() {
                     let gpu = loaded.stages[0].backend.gpu();
-                    let tower = sanmai_cuda::CudaTower::new(encoder.vision(), gpu)
+                    let on_host = self.mm.vit_on_host;
+                    let tower = sanmai_cuda::CudaTower::new(encoder.vision(), gpu, on_host)
                         .context("loading the vision tower on the GPU")?;
                     loaded.images = Some(encoder.with_tower(Box::new(tower)));
                 }

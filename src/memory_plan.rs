@@ -15,11 +15,15 @@ use std::ops::Range;
 use anyhow::{bail, Result};
 use sanmai_config::ModelConfig;
 use sanmai_engine::{CacheGeometry, CachePlan, EngineConfig};
+use sanmai_model::vision::TowerBytes;
 use sanmai_model::weight_plan::{self, WeightForm, WeightStorage};
-use sanmai_model::{Backend, Model, OutRows, StepChunk, StepInput, StepStart};
+use sanmai_model::{Backend, Model};
 
 use crate::bytes::gib;
 use crate::stages::{Device, StageLayout};
+
+mod loaded;
+pub use loaded::plan_loaded;
 
 /// What a GPU stage's device tells the plan.
 pub struct GpuMemory {
@@ -45,8 +49,9 @@ pub struct BudgetFlags {
     /// `--qsa-row-cache-rows` in force (0 without offload): each stage's VRAM row cache.
     pub row_cache_rows: usize,
     /// The vision tower's weights and the activations of the largest image it takes, on the first
-    /// stage's GPU (`None`: no tower, or images turned off).
-    pub vision: Option<(usize, usize)>,
+    /// stage's GPU, and its blocks in pinned host memory with `--vit-on-host` (`None`: no tower, or
+    /// images turned off).
+    pub vision: Option<TowerBytes>,
 }
 
 /// Default of `--gpu-memory-utilization`.
@@ -301,6 +306,8 @@ pub struct MemoryPlan {
     pub max_num_batched_tokens: usize,
     /// The flag a stage's budget came from, for the refusals.
     budget_flag: &'static str,
+    /// The vision tower's blocks in pinned host memory (on the first stage).
+    tower_host: usize,
 }
 
 impl MemoryPlan {
@@ -313,9 +320,11 @@ impl MemoryPlan {
         kv_cache_memory_bytes: Option<usize>,
         flags: &BudgetFlags,
     ) -> Result<MemoryPlan> {
-        if let (Some((w, a)), Some(first)) = (flags.vision, stages.first_mut()) {
+        let mut tower_host = 0;
+        if let (Some(t), Some(first)) = (flags.vision, stages.first_mut()) {
             if matches!(first.device, Device::Cuda(_)) {
-                first.vision = w + a;
+                first.vision = t.weights + t.activations;
+                tower_host = t.host;
             }
         }
         let seqs = cfg.max_num_seqs;
@@ -358,8 +367,8 @@ impl MemoryPlan {
                 0 => "",
                 _ => {
                     "; the vision tower counts the largest image: lower its max_pixels with \
-                      --mm-processor-kwargs, or turn images off with --limit-mm-per-prompt \
-                      '{\"image\": 0}'"
+                      --mm-processor-kwargs, keep its blocks in host memory with --vit-on-host, \
+                      or turn images off with --limit-mm-per-prompt '{\"image\": 0}'"
                 }
             };
             bail!(
@@ -432,6 +441,9 @@ impl MemoryPlan {
         for s in &mut stages {
             s.pinned_host = cache.num_blocks * cache.block_size * s.kv_host_per_token;
         }
+        if let Some(first) = stages.first_mut() {
+            first.pinned_host += tower_host;
+        }
         Ok(MemoryPlan {
             stages,
             cache,
@@ -439,6 +451,7 @@ impl MemoryPlan {
             drafting,
             max_num_batched_tokens: cfg.max_num_batched_tokens,
             budget_flag,
+            tower_host,
         })
     }
 
@@ -503,10 +516,14 @@ impl MemoryPlan {
                 |b| format!("{} ({b} bytes)", gib(b)),
             );
             out.push(format!(
-                "pinned host RAM: {} ({pinned} bytes) for the QSA K/V rows of {} blocks; \
+                "pinned host RAM: {} ({pinned} bytes) for the QSA K/V rows of {} blocks{}; \
                  MemAvailable now {available}",
                 gib(pinned),
-                self.cache.num_blocks
+                self.cache.num_blocks,
+                match self.tower_host {
+                    0 => String::new(),
+                    b => format!(" and the vision tower's blocks ({})", gib(b)),
+                }
             ));
         }
         out
@@ -518,123 +535,6 @@ impl MemoryPlan {
             tracing::info!("memory plan: {line}");
         }
     }
-}
-
-/// The plan of the loaded stages. On GPUs (`gpus`, one per stage) each stage runs one profiling
-/// step of the largest size the engine schedules, in order, and its activations are the drop in its
-/// card's free memory over the step; what else the card holds (contexts, other processes) counts
-/// on the first stage on it. Without GPUs the numbers are the loaded stages' sizes and the
-/// activation estimate.
-pub fn plan_loaded<B: Backend>(
-    stages: &[Model<B>],
-    devices: &[Device],
-    gpus: &[GpuMemory],
-    cfg: &EngineConfig,
-    kv_cache_memory_bytes: Option<usize>,
-    flags: &BudgetFlags,
-) -> Result<MemoryPlan> {
-    let t = cfg.max_num_batched_tokens;
-    if gpus.is_empty() {
-        let budgets = flags.stage_budgets(devices, &vec![None; devices.len()])?;
-        let mem = stages
-            .iter()
-            .zip(devices)
-            .zip(budgets)
-            .map(|((m, &d), b)| StageMemory::loaded(m, d, t, b).offload_if(flags, &m.cfg))
-            .collect();
-        return MemoryPlan::new(mem, cfg, kv_cache_memory_bytes, flags);
-    }
-    let totals: Vec<Option<usize>> = gpus.iter().map(|g| Some(g.total)).collect();
-    let budgets = flags.stage_budgets(devices, &totals)?;
-    // Before any profiling: what each card holds besides the stages' weights and workspace.
-    let mut other = vec![0usize; stages.len()];
-    for (k, d) in devices.iter().enumerate() {
-        if devices[..k].contains(d) {
-            continue;
-        }
-        let on_card: Vec<usize> = (0..stages.len()).filter(|&j| devices[j] == *d).collect();
-        let used = gpus[k].total.saturating_sub((gpus[k].free)()?);
-        let ours: usize = on_card
-            .iter()
-            .map(|&j| gpus[j].weights + gpus[j].workspace)
-            .sum();
-        other[k] = used.saturating_sub(ours);
-    }
-    // The tower's weights are on the first stage's card already; the plan counts them as the
-    // tower's.
-    if let Some((w, _)) = flags.vision {
-        other[0] = other[0].saturating_sub(w);
-    }
-    let mut mem = Vec::with_capacity(stages.len());
-    for (k, m) in stages.iter().enumerate() {
-        let before = (gpus[k].free)()?;
-        profile(m, cfg)?;
-        let after = (gpus[k].free)()?;
-        let mut s = StageMemory::loaded(m, devices[k], t, budgets[k]).offload_if(flags, &m.cfg);
-        let mut step = before.saturating_sub(after);
-        if devices[..k].contains(&devices[k]) {
-            // The card's memory pool may hand this step what an earlier stage's step freed, but
-            // the stages run at once: count at least the estimate.
-            step = step.max(s.activations);
-        }
-        s.weights = gpus[k].weights;
-        s.activations = gpus[k].workspace + step + other[k];
-        s.profiled = true;
-        mem.push(s);
-    }
-    MemoryPlan::new(mem, cfg, kv_cache_memory_bytes, flags)
-}
-
-/// One step of the whole token budget on `m` (logits for every row on the last stage: a request
-/// asking for prompt log-probabilities), with one state slot and the blocks it needs; the caches
-/// are released after it.
-fn profile<B: Backend>(m: &Model<B>, cfg: &EngineConfig) -> Result<()> {
-    let t = cfg.max_num_batched_tokens;
-    let blocks: Vec<u32> = (0..t.div_ceil(cfg.block_size) as u32).collect();
-    m.init_cache(blocks.len(), cfg.block_size)?;
-    m.backend.reserve_states(1)?;
-    let slot = m.backend.alloc_state()?;
-    let ids: Vec<u32> = (0..t)
-        .map(|i| ((i * 7919 + 13) % cfg.valid_vocab.max(1)) as u32)
-        .collect();
-    let chunk = StepChunk {
-        tokens: &ids,
-        history: &[],
-        pos0: 0,
-        state: slot,
-        blocks: &blocks,
-        out: OutRows::All,
-    };
-    let start = if m.is_first_stage() {
-        StepStart::Tokens
-    } else {
-        // The residual streams the previous stage would hand over, small and varied.
-        let width = m
-            .cfg
-            .hyper_connections
-            .as_ref()
-            .map_or(1, |h| h.num_streams)
-            * m.cfg.hidden_size;
-        let x = (0..t * width)
-            .map(|i| ((i * 2654435761) % 2001) as f32 / 1000.0 - 1.0)
-            .collect();
-        StepStart::Streams(m.backend.upload(t, width, x)?)
-    };
-    let out = m.step(StepInput {
-        chunks: &[chunk],
-        start,
-        hidden: false,
-    })?;
-    if let Some(logits) = out.logits {
-        m.backend.to_host(logits)?;
-    }
-    if let Some(streams) = out.streams {
-        m.backend.to_host(streams)?;
-    }
-    m.backend.free_state(slot);
-    m.backend.reserve_states(0)?;
-    m.init_cache(0, cfg.block_size)?;
-    Ok(())
 }
 
 /// Who holds the live GDN states: the sequences, and with drafting their verify snapshots.

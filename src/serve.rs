@@ -114,6 +114,7 @@ pub struct Preset {
     /// JSON strings, as on the command line.
     pub limit_mm_per_prompt: Option<String>,
     pub mm_processor_kwargs: Option<String>,
+    pub vit_on_host: Option<bool>,
 }
 
 impl Preset {
@@ -179,6 +180,7 @@ impl Preset {
             m.mm.mm_processor_kwargs
                 .clone()
                 .or(self.mm_processor_kwargs.clone());
+        m.mm.vit_on_host |= self.vit_on_host.unwrap_or(false);
         // The loader keeps the MTP head for speculative decoding.
         m.speculative_config.0 = m
             .speculative_config

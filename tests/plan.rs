@@ -76,6 +76,15 @@ fn the_125b_config_on_three_3090s() {
         "three stages, the block arithmetic and the pinned bytes: {text}"
     );
     assert!(lines[4].starts_with("pinned host RAM: "), "{}", lines[4]);
+    // Images on, as the reference deployment takes them: the tower on the first card, its blocks
+    // in pinned host memory.
+    assert!(gib_after(&lines[0], "vision tower") < 0.5, "{}", lines[0]);
+    assert!(!lines[1].contains("vision tower"), "{}", lines[1]);
+    assert!(
+        lines[4].contains("and the vision tower's blocks (0.77 GiB)"),
+        "{}",
+        lines[4]
+    );
     for (k, (line, layers)) in lines.iter().zip(["0..16", "16..32", "32..48"]).enumerate() {
         assert!(
             line.starts_with(&format!("stage {k} (layers {layers} on cuda:{k})")),

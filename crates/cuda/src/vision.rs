@@ -20,17 +20,24 @@
 //!
 //! The tower has its own stream and cuBLAS handle on the device's context; one forward runs at a
 //! time (a mutex), so it may be shared between threads.
+//!
+//! Blocks on the host ([`CudaTower::new`] with `blocks_on_host`, the server's `--vit-on-host`):
+//! the blocks' weights stay in pinned host memory, in the same bf16/f32 forms, and two device slots
+//! hold block i and i + 1. The copy of block i + 1 runs on a second stream while block i computes;
+//! events order a slot's copy after the compute that last read it and its compute after its copy.
+//! The kernels and their inputs are the ones of resident weights, so the output is bit-identical.
 
 use std::sync::{Arc, Mutex};
 
 use cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 use half::bf16;
-use sanmai_model::vision::{Grid, ImageError, Tower, Vision};
+use sanmai_model::vision::{Grid, ImageError, Tower, Vision, TOWER_CHUNK_ROWS as CHUNK_ROWS};
 use sanmai_vision::positions;
-use sanmai_vision::tower::{self, Activation, LayerNorm, Linear, VisionConfig};
+use sanmai_vision::tower::{self, Activation, Block, LayerNorm, Linear, VisionConfig};
 
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
@@ -82,6 +89,104 @@ struct DevBlock {
     fc2: DevLinear,
 }
 
+impl DevBlock {
+    /// The block's matrices and vectors, in the order of [`host_parts`].
+    fn parts_mut(&mut self) -> ([&mut CudaSlice<bf16>; 4], [&mut CudaSlice<f32>; 8]) {
+        (
+            [
+                &mut self.qkv.w,
+                &mut self.proj.w,
+                &mut self.fc1.w,
+                &mut self.fc2.w,
+            ],
+            [
+                &mut self.qkv.b,
+                &mut self.proj.b,
+                &mut self.fc1.b,
+                &mut self.fc2.b,
+                &mut self.norm1.g,
+                &mut self.norm1.b,
+                &mut self.norm2.g,
+                &mut self.norm2.b,
+            ],
+        )
+    }
+}
+
+/// A block's matrices (bf16, as the device holds them) and vectors.
+fn host_parts(b: &Block) -> ([Vec<bf16>; 4], [&[f32]; 8]) {
+    let mat = |l: &Linear| {
+        l.weight
+            .iter()
+            .map(|&v| bf16::from_f32(v))
+            .collect::<Vec<_>>()
+    };
+    (
+        [mat(&b.qkv), mat(&b.proj), mat(&b.fc1), mat(&b.fc2)],
+        [
+            &b.qkv.bias,
+            &b.proj.bias,
+            &b.fc1.bias,
+            &b.fc2.bias,
+            &b.norm1.weight,
+            &b.norm1.bias,
+            &b.norm2.weight,
+            &b.norm2.bias,
+        ],
+    )
+}
+
+/// A block's weights in pinned host memory.
+struct HostBlock {
+    mats: Vec<PinnedHostSlice<bf16>>,
+    vecs: Vec<PinnedHostSlice<f32>>,
+}
+
+fn pinned_copy<T: DeviceRepr + ValidAsZeroBits + Copy>(
+    ctx: &Arc<CudaContext>,
+    v: &[T],
+) -> Result<PinnedHostSlice<T>> {
+    // SAFETY: every element is written below before any copy reads the buffer.
+    let mut p = unsafe { ctx.alloc_pinned::<T>(v.len().max(1)) }?;
+    p.as_mut_slice()?[..v.len()].copy_from_slice(v);
+    Ok(p)
+}
+
+/// The blocks streamed from the host: two device slots, the copy stream, and per slot the event
+/// of its last copy and of the last compute that read it.
+struct Streamed {
+    host: Vec<HostBlock>,
+    slots: [DevBlock; 2],
+    copy: Arc<CudaStream>,
+    loaded: [CudaEvent; 2],
+    freed: [CudaEvent; 2],
+}
+
+impl Streamed {
+    /// Copies block `i` into its slot (`i % 2`) on the copy stream, after the compute that last
+    /// read the slot.
+    fn prefetch(&mut self, i: usize) -> Result<()> {
+        let slot = i % 2;
+        self.copy.wait(&self.freed[slot])?;
+        let (mats, vecs) = self.slots[slot].parts_mut();
+        let h = &self.host[i];
+        for (src, dst) in h.mats.iter().zip(mats) {
+            self.copy.memcpy_htod(src, dst)?;
+        }
+        for (src, dst) in h.vecs.iter().zip(vecs) {
+            self.copy.memcpy_htod(src, dst)?;
+        }
+        self.loaded[slot].record(&self.copy)?;
+        Ok(())
+    }
+}
+
+/// Where the blocks' weights live.
+enum Blocks {
+    Resident(Vec<DevBlock>),
+    Streamed(Box<Streamed>),
+}
+
 struct Funcs {
     embed_pos: CudaFunction,
     layer_norm: CudaFunction,
@@ -92,14 +197,19 @@ struct Funcs {
     add_bias: CudaFunction,
 }
 
-/// What a forward uses exclusively: the stream, the cuBLAS handle, the kernels and the weights.
-struct Inner {
+/// The stream, the cuBLAS handle and the kernels a forward launches with.
+struct Ops {
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     f: Funcs,
+}
+
+/// What a forward uses exclusively: the launch state and the weights.
+struct Inner {
+    ops: Ops,
     patch: DevLinear,
     pos: CudaSlice<f32>,
-    blocks: Vec<DevBlock>,
+    blocks: Blocks,
     merger_norm: DevNorm,
     merger_fc1: DevLinear,
     merger_fc2: DevLinear,
@@ -108,13 +218,15 @@ struct Inner {
 /// A vision tower on a CUDA device (see the module docs).
 pub struct CudaTower {
     cfg: VisionConfig,
+    blocks_on_host: bool,
     inner: Mutex<Inner>,
 }
 
 impl CudaTower {
     /// Uploads `vision`'s weights to `gpu`'s device (its context; the tower gets its own stream and
-    /// cuBLAS handle) and takes the tower's kernels from `gpu`'s registry.
-    pub fn new(vision: &Vision, gpu: &Gpu) -> Result<Self> {
+    /// cuBLAS handle) and takes the tower's kernels from `gpu`'s registry. With `blocks_on_host`
+    /// the blocks' weights go to pinned host memory instead, streamed through two device slots.
+    pub fn new(vision: &Vision, gpu: &Gpu, blocks_on_host: bool) -> Result<Self> {
         let cfg = vision.config.clone();
         let w = &vision.weights;
         let d = cfg.head_dim();
@@ -132,7 +244,8 @@ impl CudaTower {
                 cfg.hidden_size, cfg.num_heads
             )));
         }
-        if w.blocks.len() != cfg.depth || w.patch_embed.inputs != cfg.patch_len() {
+        if w.blocks.len() != cfg.depth || cfg.depth == 0 || w.patch_embed.inputs != cfg.patch_len()
+        {
             return Err(shape(
                 "the weights were loaded for another vision config".into(),
             ));
@@ -165,20 +278,47 @@ impl CudaTower {
                 b: stream.clone_htod(&n.bias)?,
             })
         };
-        let blocks = w
-            .blocks
-            .iter()
-            .map(|b| {
-                Ok(DevBlock {
-                    norm1: norm(&b.norm1)?,
-                    qkv: linear(&b.qkv)?,
-                    proj: linear(&b.proj)?,
-                    norm2: norm(&b.norm2)?,
-                    fc1: linear(&b.fc1)?,
-                    fc2: linear(&b.fc2)?,
-                })
+        let block = |b: &Block| -> Result<DevBlock> {
+            Ok(DevBlock {
+                norm1: norm(&b.norm1)?,
+                qkv: linear(&b.qkv)?,
+                proj: linear(&b.proj)?,
+                norm2: norm(&b.norm2)?,
+                fc1: linear(&b.fc1)?,
+                fc2: linear(&b.fc2)?,
             })
-            .collect::<Result<Vec<_>>>()?;
+        };
+        let blocks = if blocks_on_host {
+            let ctx = gpu.context();
+            let host = w
+                .blocks
+                .iter()
+                .map(|b| {
+                    let (mats, vecs) = host_parts(b);
+                    Ok(HostBlock {
+                        mats: mats
+                            .iter()
+                            .map(|m| pinned_copy(ctx, m))
+                            .collect::<Result<_>>()?,
+                        vecs: vecs
+                            .iter()
+                            .map(|v| pinned_copy(ctx, v))
+                            .collect::<Result<_>>()?,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            // Every block has the first one's shapes (the config's).
+            let slots = [block(&w.blocks[0])?, block(&w.blocks[0])?];
+            Blocks::Streamed(Box::new(Streamed {
+                host,
+                slots,
+                copy: ctx.new_stream()?,
+                loaded: [ctx.new_event(None)?, ctx.new_event(None)?],
+                freed: [ctx.new_event(None)?, ctx.new_event(None)?],
+            }))
+        } else {
+            Blocks::Resident(w.blocks.iter().map(block).collect::<Result<Vec<_>>>()?)
+        };
         let inner = Inner {
             patch: linear(&w.patch_embed)?,
             pos: stream.clone_htod(&w.pos_embed)?,
@@ -186,46 +326,61 @@ impl CudaTower {
             merger_norm: norm(&w.merger.norm)?,
             merger_fc1: linear(&w.merger.fc1)?,
             merger_fc2: linear(&w.merger.fc2)?,
-            f,
-            blas,
-            stream: stream.clone(),
+            ops: Ops {
+                f,
+                blas,
+                stream: stream.clone(),
+            },
         };
         stream.synchronize()?;
         Ok(CudaTower {
             cfg,
+            blocks_on_host,
             inner: Mutex::new(inner),
         })
     }
 
-    /// Bytes of the tower's weights on the device.
+    /// Bytes of the tower's weights on the device (with the blocks on the host: the two slots).
     pub fn weight_bytes(&self) -> usize {
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let lin = |l: &DevLinear| 2 * l.w.len() + 4 * l.b.len();
         let norm = |n: &DevNorm| 4 * (n.g.len() + n.b.len());
+        let block = |b: &DevBlock| {
+            norm(&b.norm1) + lin(&b.qkv) + lin(&b.proj) + norm(&b.norm2) + lin(&b.fc1) + lin(&b.fc2)
+        };
+        let blocks: usize = match &inner.blocks {
+            Blocks::Resident(v) => v.iter().map(block).sum(),
+            Blocks::Streamed(st) => st.slots.iter().map(block).sum(),
+        };
         lin(&inner.patch)
             + 4 * inner.pos.len()
-            + inner
-                .blocks
-                .iter()
-                .map(|b| {
-                    norm(&b.norm1)
-                        + lin(&b.qkv)
-                        + lin(&b.proj)
-                        + norm(&b.norm2)
-                        + lin(&b.fc1)
-                        + lin(&b.fc2)
-                })
-                .sum::<usize>()
+            + blocks
             + norm(&inner.merger_norm)
             + lin(&inner.merger_fc1)
             + lin(&inner.merger_fc2)
+    }
+
+    /// Bytes of the blocks' weights in pinned host memory (0 when they are on the device).
+    pub fn host_bytes(&self) -> usize {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        match &inner.blocks {
+            Blocks::Resident(_) => 0,
+            Blocks::Streamed(st) => st
+                .host
+                .iter()
+                .map(|h| {
+                    h.mats.iter().map(|m| 2 * m.len()).sum::<usize>()
+                        + h.vecs.iter().map(|v| 4 * v.len()).sum::<usize>()
+                })
+                .sum(),
+        }
     }
 
     /// The merged tokens `[Σ t·h·w / merge², out_hidden_size]` of the images of `grids` whose patch
     /// rows are `pixels` (as [`Vision::forward`]).
     pub fn run(&self, pixels: &[f32], grids: &[Grid]) -> std::result::Result<Vec<f32>, ImageError> {
         let frames = tower::frames(&self.cfg, pixels, grids)?;
-        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         inner
             .forward(&self.cfg, pixels, grids, &frames)
             .map_err(|e| ImageError::Backend(e.at("vision tower")))
@@ -235,6 +390,10 @@ impl CudaTower {
 impl Tower for CudaTower {
     fn forward(&self, pixels: &[f32], grids: &[Grid]) -> std::result::Result<Vec<f32>, ImageError> {
         self.run(pixels, grids)
+    }
+
+    fn blocks_on_host(&self) -> bool {
+        self.blocks_on_host
     }
 }
 
@@ -285,13 +444,13 @@ fn int(what: &str, v: usize) -> Result<i32> {
     })
 }
 
-impl Inner {
+impl Ops {
     /// `y[m, outputs] = x[m, inputs] · Wᵀ` (no bias), bf16 in, f32 out.
     fn gemm(
         &self,
-        x: &CudaSlice<bf16>,
+        x: &CudaView<bf16>,
         l: &DevLinear,
-        y: &mut CudaSlice<f32>,
+        y: &mut CudaViewMut<f32>,
         m: usize,
     ) -> Result<()> {
         let (n, k) = (l.outputs, l.inputs);
@@ -332,9 +491,9 @@ impl Inner {
 
     fn layer_norm(
         &self,
-        x: &CudaSlice<f32>,
+        x: &CudaView<f32>,
         n: &DevNorm,
-        y: &mut CudaSlice<bf16>,
+        y: &mut CudaViewMut<bf16>,
         rows: usize,
         cols: usize,
     ) -> Result<()> {
@@ -355,9 +514,9 @@ impl Inner {
     /// y (f32 GEMM output) + bias, activated, into `out` (bf16).
     fn bias_act(
         &self,
-        y: &CudaSlice<f32>,
+        y: &CudaView<f32>,
         bias: &CudaSlice<f32>,
-        out: &mut CudaSlice<bf16>,
+        out: &mut CudaViewMut<bf16>,
         rows: usize,
         cols: usize,
         act: Activation,
@@ -373,8 +532,8 @@ impl Inner {
     /// x += y + bias.
     fn bias_residual(
         &self,
-        x: &mut CudaSlice<f32>,
-        y: &CudaSlice<f32>,
+        x: &mut CudaViewMut<f32>,
+        y: &CudaView<f32>,
         bias: &CudaSlice<f32>,
         rows: usize,
         cols: usize,
@@ -386,15 +545,25 @@ impl Inner {
         unsafe { b.launch(elementwise(rows * cols)) }?;
         Ok(())
     }
+}
 
+/// The row ranges of `n` rows in pieces of at most [`CHUNK_ROWS`].
+fn chunks(n: usize) -> impl Iterator<Item = (usize, usize)> {
+    (0..n)
+        .step_by(CHUNK_ROWS)
+        .map(move |r0| (r0, (r0 + CHUNK_ROWS).min(n)))
+}
+
+impl Inner {
     fn forward(
-        &self,
+        &mut self,
         cfg: &VisionConfig,
         pixels: &[f32],
         grids: &[Grid],
         frames: &[(usize, usize)],
     ) -> Result<Vec<f32>> {
-        let s = self.stream.clone();
+        let s = self.ops.stream.clone();
+        let ops = &self.ops;
         s.context().bind_to_thread()?;
         let n: usize = frames.iter().map(|&(_, len)| len).sum();
         let (hid, heads, dim) = (cfg.hidden_size, cfg.num_heads, cfg.head_dim());
@@ -422,7 +591,6 @@ impl Inner {
                 tiles.extend([int("start", start)?, int("len", len)?, int("q0", q0)?]);
             }
         }
-        let px = s.clone_htod(&px)?;
         let idx = s.clone_htod(&idx)?;
         let wts = s.clone_htod(&wts)?;
         let cos = s.clone_htod(&cos)?;
@@ -432,10 +600,11 @@ impl Inner {
 
         // Patch embedding + bias + positions.
         let mut x = s.alloc_zeros::<f32>(n * hid)?;
-        self.gemm(&px, &self.patch, &mut x, n)?;
         {
+            let px = s.clone_htod(&px)?;
+            ops.gemm(&px.as_view(), &self.patch, &mut x.as_view_mut(), n)?;
             let (r, c) = (int("rows", n)?, int("cols", hid)?);
-            let mut b = s.launch_builder(&self.f.embed_pos);
+            let mut b = s.launch_builder(&ops.f.embed_pos);
             b.arg(&mut x)
                 .arg(&self.patch.b)
                 .arg(&self.pos)
@@ -447,25 +616,44 @@ impl Inner {
             unsafe { b.launch(elementwise(n * hid)) }?;
         }
 
+        // Whole-image buffers: the normed rows, q, k and v in bf16 (head-major, the head dimension
+        // padded with zeros) and the attention output. The row-wise work in between (the qkv and
+        // MLP GEMMs and their epilogues) goes in pieces of CHUNK_ROWS rows through smaller buffers.
+        let c_rows = n.min(CHUNK_ROWS);
         let mut xn = s.alloc_zeros::<bf16>(n * hid)?;
-        let mut qkv = s.alloc_zeros::<f32>(n * 3 * hid)?;
-        // q, k and v in bf16, head-major, the head dimension padded with zeros.
         let dp = padded(dim);
         let mut qb = s.alloc_zeros::<bf16>(heads * n * dp)?;
         let mut kb = s.alloc_zeros::<bf16>(heads * n * dp)?;
         let mut vb = s.alloc_zeros::<bf16>(heads * n * dp)?;
         let mut att = s.alloc_zeros::<bf16>(n * hid)?;
-        let mut y = s.alloc_zeros::<f32>(n * hid)?;
-        let mut h1 = s.alloc_zeros::<f32>(n * inter)?;
-        let mut h1b = s.alloc_zeros::<bf16>(n * inter)?;
+        let mut qkv = s.alloc_zeros::<f32>(c_rows * 3 * hid)?;
+        let mut y = s.alloc_zeros::<f32>(c_rows * hid)?;
+        let mut h1 = s.alloc_zeros::<f32>(c_rows * inter)?;
+        let mut h1b = s.alloc_zeros::<bf16>(c_rows * inter)?;
         let scale_log2 = (1.0 / (dim as f64).sqrt() * std::f64::consts::LOG2_E) as f32;
         let (ni, hi, di) = (int("rows", n)?, int("hidden", hid)?, int("head_dim", dim)?);
         let dpi = int("padded head_dim", dp)?;
-        for blk in &self.blocks {
-            self.layer_norm(&x, &blk.norm1, &mut xn, n, hid)?;
-            self.gemm(&xn, &blk.qkv, &mut qkv, n)?;
-            {
-                let mut b = s.launch_builder(&self.f.qkv_rope);
+        if let Blocks::Streamed(st) = &mut self.blocks {
+            st.prefetch(0)?;
+        }
+        for i in 0..cfg.depth {
+            let blk = match &mut self.blocks {
+                Blocks::Resident(v) => &v[i],
+                Blocks::Streamed(st) => {
+                    if i + 1 < cfg.depth {
+                        st.prefetch(i + 1)?;
+                    }
+                    s.wait(&st.loaded[i % 2])?;
+                    &st.slots[i % 2]
+                }
+            };
+            ops.layer_norm(&x.as_view(), &blk.norm1, &mut xn.as_view_mut(), n, hid)?;
+            for (r0, r1) in chunks(n) {
+                let m = r1 - r0;
+                let xs = xn.slice(r0 * hid..r1 * hid);
+                ops.gemm(&xs, &blk.qkv, &mut qkv.as_view_mut(), m)?;
+                let (r0i, mi) = (int("row", r0)?, int("rows", m)?);
+                let mut b = s.launch_builder(&ops.f.qkv_rope);
                 b.arg(&qkv)
                     .arg(&blk.qkv.b)
                     .arg(&cos)
@@ -474,15 +662,18 @@ impl Inner {
                     .arg(&mut kb)
                     .arg(&mut vb)
                     .arg(&ni)
+                    .arg(&r0i)
+                    .arg(&mi)
                     .arg(&hi)
                     .arg(&di)
                     .arg(&dpi);
-                // SAFETY: qkv holds n rows of 3·hid, the bias 3·hid, cos and sin n·dim values, qb, kb
-                // and vb heads·n·dp; the block's shared memory holds 2·hid floats.
-                unsafe { b.launch(per_row(n, (8 * hid) as u32)) }?;
+                // SAFETY: qkv holds m rows of 3·hid, the bias 3·hid, cos and sin n·dim values, qb,
+                // kb and vb heads·n·dp, rows r0..r1 of which are written; the block's shared memory
+                // holds 2·hid floats.
+                unsafe { b.launch(per_row(m, (8 * hid) as u32)) }?;
             }
             {
-                let mut b = s.launch_builder(&self.f.attention);
+                let mut b = s.launch_builder(&ops.f.attention);
                 b.arg(&qb)
                     .arg(&kb)
                     .arg(&vb)
@@ -501,34 +692,57 @@ impl Inner {
                 // kernel's padded head dimension is dp (chosen at construction).
                 unsafe { b.launch(c) }?;
             }
-            self.gemm(&att, &blk.proj, &mut y, n)?;
-            self.bias_residual(&mut x, &y, &blk.proj.b, n, hid)?;
-            self.layer_norm(&x, &blk.norm2, &mut xn, n, hid)?;
-            self.gemm(&xn, &blk.fc1, &mut h1, n)?;
-            self.bias_act(&h1, &blk.fc1.b, &mut h1b, n, inter, cfg.hidden_act)?;
-            self.gemm(&h1b, &blk.fc2, &mut y, n)?;
-            self.bias_residual(&mut x, &y, &blk.fc2.b, n, hid)?;
+            for (r0, r1) in chunks(n) {
+                let (m, rows) = (r1 - r0, r0 * hid..r1 * hid);
+                ops.gemm(&att.slice(rows.clone()), &blk.proj, &mut y.as_view_mut(), m)?;
+                let mut xs = x.slice_mut(rows.clone());
+                ops.bias_residual(&mut xs, &y.as_view(), &blk.proj.b, m, hid)?;
+                let mut xns = xn.slice_mut(rows.clone());
+                ops.layer_norm(&xs.as_view(), &blk.norm2, &mut xns, m, hid)?;
+                ops.gemm(&xns.as_view(), &blk.fc1, &mut h1.as_view_mut(), m)?;
+                let act = cfg.hidden_act;
+                ops.bias_act(
+                    &h1.as_view(),
+                    &blk.fc1.b,
+                    &mut h1b.as_view_mut(),
+                    m,
+                    inter,
+                    act,
+                )?;
+                ops.gemm(&h1b.as_view(), &blk.fc2, &mut y.as_view_mut(), m)?;
+                ops.bias_residual(&mut xs, &y.as_view(), &blk.fc2.b, m, hid)?;
+            }
+            if let Blocks::Streamed(st) = &self.blocks {
+                st.freed[i % 2].record(&s)?;
+            }
         }
+        drop((qkv, y, h1, h1b, qb, kb, vb, att));
 
         // The merger: norm each patch, `merge²` consecutive rows as one row.
-        self.layer_norm(&x, &self.merger_norm, &mut xn, n, hid)?;
+        ops.layer_norm(
+            &x.as_view(),
+            &self.merger_norm,
+            &mut xn.as_view_mut(),
+            n,
+            hid,
+        )?;
         let wide = unit * hid;
         let mut g1 = s.alloc_zeros::<f32>(rows * wide)?;
         let mut g1b = s.alloc_zeros::<bf16>(rows * wide)?;
-        self.gemm(&xn, &self.merger_fc1, &mut g1, rows)?;
-        self.bias_act(
-            &g1,
-            &self.merger_fc1.b,
-            &mut g1b,
-            rows,
-            wide,
-            Activation::Gelu,
-        )?;
+        ops.gemm(&xn.as_view(), &self.merger_fc1, &mut g1.as_view_mut(), rows)?;
+        let gelu = Activation::Gelu;
+        let b1 = &self.merger_fc1.b;
+        ops.bias_act(&g1.as_view(), b1, &mut g1b.as_view_mut(), rows, wide, gelu)?;
         let mut out = s.alloc_zeros::<f32>(rows * out_w)?;
-        self.gemm(&g1b, &self.merger_fc2, &mut out, rows)?;
+        ops.gemm(
+            &g1b.as_view(),
+            &self.merger_fc2,
+            &mut out.as_view_mut(),
+            rows,
+        )?;
         {
             let (r, c) = (int("rows", rows)?, int("cols", out_w)?);
-            let mut b = s.launch_builder(&self.f.add_bias);
+            let mut b = s.launch_builder(&ops.f.add_bias);
             b.arg(&mut out).arg(&self.merger_fc2.b).arg(&r).arg(&c);
             // SAFETY: out holds rows·out_w values, the bias out_w.
             unsafe { b.launch(elementwise(rows * out_w)) }?;

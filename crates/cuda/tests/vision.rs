@@ -128,8 +128,21 @@ fn tiny_fixture_tower_matches_cpu_and_transformers() {
         let e: Vec<f64> = serde_json::from_value(im["embeds"].clone()).unwrap();
         theirs.extend(e);
     }
-    let tower = CudaTower::new(&vision, gpu).unwrap();
+    let tower = CudaTower::new(&vision, gpu, false).unwrap();
     let got = Tower::forward(&tower, &pixels, &grids).unwrap();
+    // Blocks streamed from pinned host memory: the same bits, twice (the slots are reused).
+    let streamed = CudaTower::new(&vision, gpu, true).unwrap();
+    assert!(Tower::blocks_on_host(&streamed) && !Tower::blocks_on_host(&tower));
+    for _ in 0..2 {
+        let again = streamed.run(&pixels, &grids).unwrap();
+        assert!(
+            again
+                .iter()
+                .zip(&got)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "the streamed tower differs from the resident one"
+        );
+    }
     let cpu = vision.forward(&pixels, &grids).unwrap();
     check("tiny fixture, 2 images, vs CPU", &got, &widen(&cpu));
     check("tiny fixture, 2 images, vs transformers", &got, &theirs);
@@ -236,7 +249,7 @@ fn real_shape_tower_matches_cpu() {
     let vision = dummy_vision(real_shape(2));
     let grid: Grid = [1, 24, 24];
     let pixels = random_pixels(&vision.config, grid, 1);
-    let tower = CudaTower::new(&vision, gpu).unwrap();
+    let tower = CudaTower::new(&vision, gpu, false).unwrap();
     let t0 = Instant::now();
     let got = tower.run(&pixels, &[grid]).unwrap();
     let gpu_s = t0.elapsed().as_secs_f64();
@@ -250,36 +263,62 @@ fn real_shape_tower_matches_cpu() {
     check("real shape, 2 blocks, vs CPU", &got, &widen(&cpu));
 }
 
+/// The full 27-block tower with its blocks resident and streamed from pinned host memory
+/// (`--vit-on-host`): outputs bit for bit equal, and each form's time per image size.
 #[test]
-fn full_tower_timings() {
-    let Some(gpu) = gpu("full_tower_timings") else {
+fn full_tower_timings_resident_and_streamed() {
+    let Some(gpu) = gpu("full_tower_timings_resident_and_streamed") else {
         return;
     };
     let vision = dummy_vision(real_shape(27));
-    let tower = CudaTower::new(&vision, gpu).unwrap();
+    let resident = CudaTower::new(&vision, gpu, false).unwrap();
+    let streamed = CudaTower::new(&vision, gpu, true).unwrap();
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
     println!(
-        "VISION full tower: 27 blocks, {:.1} MiB of weights on the device",
-        tower.weight_bytes() as f64 / (1 << 20) as f64
+        "VISION full tower: 27 blocks, {:.1} MiB of weights on the device; streamed: {:.1} MiB on \
+         the device, {:.1} MiB pinned on the host",
+        mib(resident.weight_bytes()),
+        mib(streamed.weight_bytes()),
+        mib(streamed.host_bytes())
     );
+    assert_eq!(resident.host_bytes(), 0);
+    assert_eq!(
+        streamed.weight_bytes() + streamed.host_bytes(),
+        resident.weight_bytes() + 2 * streamed.host_bytes() / 27
+    );
+    // 0.26, 1.05 and 2.07 MP.
     for grid in [[1, 32, 32], [1, 64, 64], [1, 90, 90]] {
         let pixels = random_pixels(&vision.config, grid, 2);
-        let out = tower.run(&pixels, &[grid]).unwrap();
+        let out = resident.run(&pixels, &[grid]).unwrap();
         assert!(out.iter().all(|v| v.is_finite()));
-        let runs = 3;
-        let mut times = Vec::new();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let runs = 5;
+        let mut times = [Vec::new(), Vec::new()];
         for _ in 0..runs {
-            let t0 = Instant::now();
-            tower.run(&pixels, &[grid]).unwrap();
-            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            for (k, tower) in [&resident, &streamed].into_iter().enumerate() {
+                let t0 = Instant::now();
+                let got = tower.run(&pixels, &[grid]).unwrap();
+                times[k].push(t0.elapsed().as_secs_f64() * 1e3);
+                assert!(
+                    bits(&got) == bits(&out),
+                    "grid {grid:?}: the {} tower's output differs from the first resident run",
+                    ["resident", "streamed"][k]
+                );
+            }
         }
-        times.sort_by(f64::total_cmp);
         let mp = (grid[1] * grid[2] * 16 * 16) as f64 / 1e6;
-        println!(
-            "VISION timing grid {grid:?} ({mp:.2} MP, {} patches, {} tokens): median {:.1} ms, min {:.1} ms over {runs} runs",
-            grid[1] * grid[2],
-            out.len() / 2048,
-            times[runs / 2],
-            times[0]
-        );
+        for (k, t) in times.iter_mut().enumerate() {
+            t.sort_by(f64::total_cmp);
+            println!(
+                "VISION timing grid {grid:?} ({mp:.2} MP, {} patches, {} tokens), {}: median {:.1} ms, \
+                 min {:.1} ms, max {:.1} ms over {runs} runs (bit-identical)",
+                grid[1] * grid[2],
+                out.len() / 2048,
+                ["resident", "streamed"][k],
+                t[runs / 2],
+                t[0],
+                t[runs - 1]
+            );
+        }
     }
 }

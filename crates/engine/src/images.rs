@@ -48,6 +48,11 @@ impl ImageEncoder {
         self
     }
 
+    /// Whether the tower runs on a device with its blocks in pinned host memory.
+    pub fn blocks_on_host(&self) -> bool {
+        self.tower.as_ref().is_some_and(|t| t.blocks_on_host())
+    }
+
     /// The tower's CPU reference (its config and weights).
     pub fn vision(&self) -> &Vision {
         &self.vision

@@ -119,38 +119,61 @@ impl Vision {
     }
 }
 
-/// What the tower of `cfg` takes on a GPU (`crates/cuda`'s tower): its weights (every matrix in
-/// bf16; biases, norms and the position table in f32) and the activations of one forward over an
-/// image of `max_pixels` pixels (the largest the processor lets through), in bytes. `None` for a
-/// config without a vision tower.
-pub fn tower_device_bytes(cfg: &ModelConfig, max_pixels: usize) -> Option<(usize, usize)> {
+/// Rows per piece of the device tower's row-wise work (its qkv and MLP GEMMs and their epilogues),
+/// whose buffers hold this many rows rather than every patch of the image.
+pub const TOWER_CHUNK_ROWS: usize = 1024;
+
+/// What the tower of a config takes on a GPU (`crates/cuda`'s tower), in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TowerBytes {
+    /// Weights on the device: every matrix in bf16; biases, norms and the position table in f32.
+    /// With the blocks on the host, only two blocks' slots of them.
+    pub weights: usize,
+    /// The activations of one forward over the largest image the processor lets through.
+    pub activations: usize,
+    /// The blocks' weights in pinned host memory (`0` unless they stay on the host).
+    pub host: usize,
+}
+
+/// What the tower of `cfg` takes on a GPU ([`TowerBytes`]) for images of up to `max_pixels` pixels,
+/// its blocks resident on the device or, with `blocks_on_host`, in pinned host memory streamed
+/// through two device slots. `None` for a config without a vision tower.
+pub fn tower_device_bytes(
+    cfg: &ModelConfig,
+    max_pixels: usize,
+    blocks_on_host: bool,
+) -> Option<TowerBytes> {
     let spec = cfg.vision.as_ref()?;
     let v = VisionConfig::from_value(&spec.config, "config.json: vision_config").ok()?;
     let (h, i, m2) = (v.hidden_size, v.intermediate_size, v.merge_unit());
     let wide = h * m2;
-    let matrices = h * v.patch_len()
-        + v.depth * (4 * h * h + 2 * h * i)
-        + wide * wide
-        + v.out_hidden_size * wide;
-    let vectors = v.num_position_embeddings * h
-        + h
-        + v.depth * (3 * h + h + i + h + 4 * h)
-        + 2 * h
-        + wide
-        + v.out_hidden_size;
-    let weights = 2 * matrices + 4 * vectors;
+    let block = 2 * (4 * h * h + 2 * h * i) + 4 * (3 * h + h + i + h + 4 * h);
+    let matrices = h * v.patch_len() + wide * wide + v.out_hidden_size * wide;
+    let vectors = v.num_position_embeddings * h + h + 2 * h + wide + v.out_hidden_size;
+    let rest = 2 * matrices + 4 * vectors;
     let patches = max_pixels / (v.patch_size * v.patch_size);
     // The head dimension padded to a multiple of 16 (the attention kernel's tiles).
     let padded = v.head_dim().div_ceil(16) * 16;
     let per_patch = 2 * v.patch_len()       // pixels, bf16
         + 32                                // position taps and weights
         + 8 * v.head_dim()                  // rotary cos and sin, f32
-        + (4 + 2 + 12 + 2 + 4) * h          // residual, normed, qkv, attention out, projection
+        + (4 + 2 + 2) * h                   // residual, normed, attention out
         + 6 * v.num_heads * padded          // q, k, v in bf16
-        + 6 * i                             // MLP hidden, f32 and bf16
         + 6 * h                             // merger rows, f32 and bf16
         + 4 * v.out_hidden_size / m2; // merged tokens
-    Some((weights, patches * per_patch))
+                                      // The row-wise work in pieces of TOWER_CHUNK_ROWS rows: qkv, projection, MLP hidden.
+    let per_chunk_row = (12 + 4) * h + 6 * i;
+    let activations = patches * per_patch + patches.min(TOWER_CHUNK_ROWS) * per_chunk_row;
+    let (on_device, host) = if blocks_on_host {
+        (v.depth.min(2), v.depth)
+    } else {
+        (v.depth, 0)
+    };
+    Some(TowerBytes {
+        weights: rest + on_device * block,
+        activations,
+        host: host * block,
+    })
 }
 
 /// A vision tower's forward over prepared patches: [`Vision`]'s CPU reference, or a device's copy
@@ -158,6 +181,12 @@ pub fn tower_device_bytes(cfg: &ModelConfig, max_pixels: usize) -> Option<(usize
 /// images whose patch rows are `pixels` and whose grids are `grids` (see [`Vision::forward`]).
 pub trait Tower: Send + Sync {
     fn forward(&self, pixels: &[f32], grids: &[Grid]) -> Result<Vec<f32>, ImageError>;
+
+    /// Whether the tower's blocks stay in pinned host memory, streamed to the device per forward
+    /// (see [`tower_device_bytes`]).
+    fn blocks_on_host(&self) -> bool {
+        false
+    }
 }
 
 impl Tower for Vision {
@@ -331,20 +360,30 @@ mod device_bytes_tests {
             "/../../configs/models/qwen3.5-35b-a3b.json"
         );
         let cfg = ModelConfig::from_file(std::path::Path::new(path)).unwrap();
-        let (w, a1) = tower_device_bytes(&cfg, 1 << 20).unwrap();
-        let (w2, a4) = tower_device_bytes(&cfg, 4 << 20).unwrap();
+        let one = tower_device_bytes(&cfg, 1 << 20, false).unwrap();
+        let four = tower_device_bytes(&cfg, 4 << 20, false).unwrap();
         // 27 blocks of width 1152 (MLP 4304) and the merger to 2048: 443.6 M bf16 matrix entries
         // and 2.9 M f32 vectors, 857.6 MiB (what the device tower reports, rounded: 858 MiB).
-        assert_eq!(w, w2);
-        assert_eq!(w, 899_263_424);
-        // Activations scale with the patches (4096 of them at 1 MP).
-        assert_eq!(a4, 4 * a1);
-        assert!((200 << 20..300 << 20).contains(&a1), "{a1} bytes at 1 MP");
+        assert_eq!(one.weights, four.weights);
+        assert_eq!(one.weights, 899_263_424);
+        assert_eq!(one.host, 0);
+        // Activations: whole-image buffers scale with the patches (4096 of them at 1 MP), the
+        // row-wise work's pieces do not.
+        let piece = TOWER_CHUNK_ROWS * ((12 + 4) * 1152 + 6 * 4304);
+        assert_eq!(four.activations - piece, 4 * (one.activations - piece));
+        let a1 = one.activations;
+        assert!((150 << 20..200 << 20).contains(&a1), "{a1} bytes at 1 MP");
+        // With the blocks on the host, two blocks' slots stay on the device (a block: 29.1 MiB).
+        let streamed = tower_device_bytes(&cfg, 1 << 20, true).unwrap();
+        let block = streamed.host / 27;
+        assert_eq!(block, 30_508_352);
+        assert_eq!(streamed.weights, one.weights - 25 * block);
+        assert_eq!(streamed.activations, one.activations);
         let text = ModelConfig::from_file(std::path::Path::new(concat!(
             env!("CARGO_MANIFEST_DIR"),
             "/../../configs/models/qwen3-next-80b-a3b.json"
         )))
         .unwrap();
-        assert!(tower_device_bytes(&text, 1 << 20).is_none());
+        assert!(tower_device_bytes(&text, 1 << 20, false).is_none());
     }
 }

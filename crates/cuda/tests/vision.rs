@@ -247,7 +247,8 @@ fn real_shape_tower_matches_cpu() {
         return;
     };
     let vision = dummy_vision(real_shape(2));
-    let grid: Grid = [1, 24, 24];
+    // 1,600 patches: the row-wise work in two pieces (TOWER_CHUNK_ROWS = 1024).
+    let grid: Grid = [1, 40, 40];
     let pixels = random_pixels(&vision.config, grid, 1);
     let tower = CudaTower::new(&vision, gpu, false).unwrap();
     let t0 = Instant::now();

@@ -56,6 +56,10 @@
 //!   GEMV up to 8 rows and the tiled dequantise + cuBLAS GEMM beyond, through one persistent
 //!   [`PACKED_WORKSPACE_BYTES`] workspace; routed experts run the packed grouped GEMV over tables of
 //!   word and scale addresses; a packed embedding table stays packed (its lookup decodes the rows).
+//! - Block-scaled FP8 weights (`quant_method: fp8`): `packed_weight` keeps an FP8 Linear as its bytes
+//!   and per-row block scales ([`CudaWeight::Fp8`], one byte a weight; shapes the FP8 kernels do not
+//!   take, see [`fp8_fits`], become bf16); `linear` runs the FP8 GEMV up to 8 rows and the tiled
+//!   dequantise + cuBLAS GEMM beyond; routed FP8 experts run the grouped FP8 GEMV.
 //!
 //! - The NCCL link between pipeline stages on two devices ([`link`]): [`link::connect`] joins two
 //!   backends with a two-rank communicator, [`link::LinkSender::send`] and
@@ -85,6 +89,7 @@ mod ops;
 pub mod registry;
 pub mod vision;
 
+pub use backend::{fp8_device_bytes, Fp8Weight};
 pub use backend::{packed_device_bytes, packed_fits, PackedWeight, PACKED_WORKSPACE_BYTES};
 pub use backend::{
     CudaBackend, CudaOptions, CudaTensor, CudaWeight, DenseBf16, GraphStats, MemoryReport,
@@ -94,6 +99,7 @@ pub use cudarc;
 pub use device::{device_count, driver_version, gpu_present, probe, DeviceInfo, DeviceSelection};
 pub use error::{CudaError, Result};
 pub use gpu::{device_memory, Gpu, GpuOptions};
+pub use ops::{fp8_fits, Fp8Experts, Fp8Mat, Fp8Part};
 pub use ops::{
     moe_max_tiles, AttnDims, ChunkRows, DecodeLens, GdnDecodeWeights, GdnDims, HeadLayout,
     HeadNorm, KvPools, MoeOut, MropeArgs, NormRows, PagedCache, PleDims, Queries, RopeArgs,

@@ -75,6 +75,7 @@ pub const SOURCES: &[Source] = &[
     source!("embed.cu"),
     source!("gemv.cu"),
     source!("quant.cu"),
+    source!("fp8.cu"),
     source!("embed_packed.cu"),
     source!("router.cu"),
     source!("moe_route.cu"),

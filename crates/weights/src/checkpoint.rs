@@ -152,8 +152,8 @@ impl Checkpoint {
         self.quant = quant;
     }
 
-    /// The f32 values of the FP8 weight `name` (entry `e`) from its bytes and `weight_scale_inv`.
-    fn fp8_values(&self, name: &str, e: &Entry) -> Result<Vec<f32>> {
+    /// The FP8 config and the block scales (`weight_scale_inv`) of the FP8 weight `name` (entry `e`).
+    fn fp8_scales(&self, name: &str, e: &Entry) -> Result<(&Fp8Config, Vec<f32>)> {
         let qerr = |message: String| WeightError::Quant {
             name: name.into(),
             message,
@@ -182,7 +182,12 @@ impl Checkpoint {
                 found: se.shape.clone(),
             });
         }
-        let scales = self.float_values(&scale_name, se)?;
+        Ok((cfg, self.float_values(&scale_name, se)?))
+    }
+
+    /// The f32 values of the FP8 weight `name` (entry `e`) from its bytes and `weight_scale_inv`.
+    fn fp8_values(&self, name: &str, e: &Entry) -> Result<Vec<f32>> {
+        let (cfg, scales) = self.fp8_scales(name, e)?;
         Ok(crate::fp8::dequantize(
             self.bytes(e),
             &scales,
@@ -332,7 +337,22 @@ impl TensorSource for Checkpoint {
         self.tensors.contains_key(name) || self.tensors.contains_key(&format!("{name}_packed"))
     }
 
+    /// A packed triplet, or an FP8 weight (its bytes and block scales, see [`crate::fp8::packed`]).
     fn packed(&self, name: &str, shape: &[usize], _init: Init) -> Result<Option<PackedTensor<'_>>> {
+        if let Some(e) = self.tensors.get(name) {
+            if e.dtype != StDtype::F8_E4M3 {
+                return Ok(None);
+            }
+            if squeeze(&e.shape) != squeeze(shape) {
+                return Err(WeightError::Shape {
+                    name: name.into(),
+                    expected: shape.to_vec(),
+                    found: e.shape.clone(),
+                });
+            }
+            let (cfg, scales) = self.fp8_scales(name, e)?;
+            return crate::fp8::packed(name, self.bytes(e), &scales, &e.shape, cfg).map(Some);
+        }
         self.load_packed(name, shape)
     }
 }

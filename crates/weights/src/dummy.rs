@@ -11,7 +11,8 @@ pub struct Dummy {
     seed: u64,
     /// Linears this config quantizes come out packed (and `tensor` returns their dequantised values).
     quant: Option<sanmai_config::QuantConfig>,
-    /// An FP8 config's converted Linears come out as FP8 blocks (their f32 values).
+    /// An FP8 config's converted Linears come out as FP8 weights ([`crate::fp8::random_packed`]; a
+    /// constant one as its values rounded to FP8 blocks).
     fp8: Option<sanmai_config::Fp8Config>,
 }
 
@@ -102,6 +103,11 @@ impl TensorSource for Dummy {
     }
 
     fn packed(&self, name: &str, shape: &[usize], init: Init) -> Result<Option<PackedTensor<'_>>> {
+        let fp8 = quant_module(name, shape)
+            .filter(|&(m, linear)| linear && self.fp8.as_ref().is_some_and(|f| f.converts(m)));
+        if let (Some(_), Some(f)) = (fp8, &self.fp8) {
+            return crate::fp8::random_packed(self.seed ^ fnv1a(name), name, shape, f, init);
+        }
         let scheme = quant_module(name, shape)
             .and_then(|(m, linear)| self.quant.as_ref()?.scheme_for_module(m, linear));
         scheme

@@ -9,7 +9,8 @@
 //! Quantized checkpoints (compressed-tensors `pack-quantized`, see [`quant`]) are read transparently:
 //! [`TensorSource::tensor`] dequantises a packed Linear to f32, and [`TensorSource::packed`] hands the
 //! packed words and scales to a backend that consumes them directly. Block-scaled FP8 checkpoints
-//! ([`fp8`]) are dequantised to f32 when a tensor is asked for.
+//! ([`fp8`]) are dequantised to f32 when a tensor is asked for, and [`TensorSource::packed`] hands
+//! their bytes and block scales over as a [`PackedTensor`] with `fp8` set.
 
 mod checkpoint;
 mod dummy;
@@ -75,7 +76,8 @@ pub trait TensorSource: Send + Sync {
     /// when its packed triplet does.
     fn contains(&self, name: &str) -> bool;
     /// The packed form of the quantized weight `name` (`X.weight`, or a fused 3-D expert tensor) of
-    /// `shape`, or `None` when the source holds it unquantized.
+    /// `shape` (packed integers, or FP8 bytes with their block scales), or `None` when the source
+    /// holds it unquantized.
     fn packed(&self, name: &str, shape: &[usize], init: Init) -> Result<Option<PackedTensor<'_>>> {
         let _ = (name, shape, init);
         Ok(None)

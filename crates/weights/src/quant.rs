@@ -41,6 +41,10 @@ pub struct PackedTensor<'a> {
     pub packed: PackedWords<'a>,
     /// `out_features · scale_cols(group_size, in_features)` scales, row-major.
     pub scales: Vec<f32>,
+    /// The codes are float8_e4m3fn bytes (`bits` 8, one byte a value in the INT8 word layout), the
+    /// value `fp8(code) · scale` (a block-scaled FP8 checkpoint's Linear, its block scales repeated
+    /// per row, see [`crate::fp8::packed`]); otherwise offset integers.
+    pub fp8: bool,
 }
 
 /// Int32 words of one packed row of `in_features` values.
@@ -152,6 +156,7 @@ impl<'a> PackedTensor<'a> {
             in_features,
             packed,
             scales,
+            fp8: false,
         };
         let words = match &t.packed {
             PackedWords::Owned(w) => w.len(),
@@ -234,7 +239,7 @@ impl<'a> PackedTensor<'a> {
         4 * (self.out_features * self.words_per_row() + self.scales.len())
     }
 
-    /// The signed integers `q`, `[out, in]` row-major.
+    /// The signed integers `q`, `[out, in]` row-major (for FP8 codes: the bytes as `i8`, not values).
     pub fn unpack(&self) -> Vec<i8> {
         let words = self.words();
         let (wpr, k) = (self.words_per_row(), self.in_features);
@@ -262,6 +267,7 @@ impl<'a> PackedTensor<'a> {
             self.group_len(),
         );
         let off = offset(self.bits);
+        let lut: Vec<f32> = (0..=255u8).map(crate::fp8::fp8_e4m3_to_f32).collect();
         let mut w = vec![0f32; self.out_features * k];
         if k == 0 {
             return w;
@@ -270,7 +276,13 @@ impl<'a> PackedTensor<'a> {
             let row = &words[r * wpr..(r + 1) * wpr];
             let scales = &self.scales[r * sc..(r + 1) * sc];
             for (j, v) in out.iter_mut().enumerate() {
-                *v = (code_at(row, self.bits, j) as i32 - off) as f32 * scales[j / g];
+                let code = code_at(row, self.bits, j);
+                let q = if self.fp8 {
+                    lut[code as usize]
+                } else {
+                    (code as i32 - off) as f32
+                };
+                *v = q * scales[j / g];
             }
         });
         w
@@ -348,7 +360,7 @@ pub fn quant_module<'n>(name: &'n str, shape: &[usize]) -> Option<(&'n str, bool
     }
 }
 
-fn splitmix(state: &mut u64) -> u64 {
+pub(crate) fn splitmix(state: &mut u64) -> u64 {
     *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
     let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

@@ -1,10 +1,10 @@
 //! `x · wᵀ` on the device: bf16 weights through the decode GEMV (up to [`GEMV_MAX_M`] rows) or
-//! cuBLAS, packed weights through `packed.rs`, and several projections of one input sharing decode
+//! cuBLAS, packed weights through `packed.rs`, FP8 weights through `fp8.rs`, and several projections of one input sharing decode
 //! GEMV launches ([`CudaBackend::linear_many_impl`]).
 
 use cudarc::driver::CudaSlice;
 
-use super::{CudaBackend, CudaTensor, CudaWeight, DenseBf16, PackedWeight};
+use super::{CudaBackend, CudaTensor, CudaWeight, DenseBf16, Fp8Weight, PackedWeight};
 use crate::error::{CudaError, Result};
 use crate::ops::{GEMV_MAX_M, GEMV_SEGS};
 
@@ -27,6 +27,7 @@ impl CudaBackend {
                 }
             }
             CudaWeight::Packed(p) => self.linear_packed(x, p, &mut y.buf)?,
+            CudaWeight::Fp8(f) => self.linear_fp8(x, f, &mut y.buf)?,
         }
         Ok(y)
     }
@@ -85,7 +86,7 @@ impl CudaBackend {
                     .iter()
                     .filter_map(|w| match w {
                         CudaWeight::Bf16(d) => Some(d),
-                        CudaWeight::Packed(_) => None,
+                        CudaWeight::Packed(_) | CudaWeight::Fp8(_) => None,
                     })
                     .collect();
                 ensure_one_kind(dense.len(), ws.len())?;
@@ -100,6 +101,11 @@ impl CudaBackend {
                 let packed: Vec<&PackedWeight> = ws.iter().filter_map(|w| w.packed()).collect();
                 ensure_one_kind(packed.len(), ws.len())?;
                 self.linear_packed_many(x, &packed, &mut ys)?;
+            }
+            GemvKind::Fp8 { .. } => {
+                let fp8: Vec<&Fp8Weight> = ws.iter().filter_map(|w| w.fp8()).collect();
+                ensure_one_kind(fp8.len(), ws.len())?;
+                self.linear_fp8_many(x, &fp8, &mut ys)?;
             }
         }
         Ok(ys)
@@ -124,17 +130,19 @@ impl CudaBackend {
                 }
             }
             CudaWeight::Packed(p) => self.linear_packed_f32(x, p, &mut y)?,
+            CudaWeight::Fp8(f) => self.linear_fp8_f32(x, f, &mut y)?,
         }
         Ok(y)
     }
 }
 
-/// Weights whose decode GEMVs can share a launch ([`CudaBackend::linear_many_impl`]): bf16, or packed
-/// of one format. With one input (so one `k` and `m`) that fixes the kernel.
+/// Weights whose decode GEMVs can share a launch ([`CudaBackend::linear_many_impl`]): bf16, packed
+/// of one format, or FP8 of one block size. With one input (so one `k` and `m`) that fixes the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum GemvKind {
     Bf16,
     Packed { bits: u32, group_size: usize },
+    Fp8 { group: usize },
 }
 
 impl GemvKind {
@@ -150,6 +158,7 @@ impl GemvKind {
                 bits: p.bits,
                 group_size: p.group_size,
             }),
+            CudaWeight::Fp8(f) => Some(Self::Fp8 { group: f.group }),
         }
     }
 }

@@ -19,6 +19,7 @@
 
 mod attn;
 mod cache;
+mod fp8;
 mod gdn;
 mod graph;
 mod handover;
@@ -50,9 +51,10 @@ use sanmai_model::sample::{RowError, Sampled};
 use crate::error::{At, CudaError, Result};
 use crate::gpu::{Gpu, GpuOptions};
 use crate::ops::NormRows;
+pub use fp8::fp8_device_bytes;
 pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, MIN_GRAPH_SPAN};
 pub use packed::{packed_device_bytes, packed_fits, PACKED_WORKSPACE_BYTES};
-pub use tensor::{CudaTensor, CudaWeight, DenseBf16, PackedWeight};
+pub use tensor::{CudaTensor, CudaWeight, DenseBf16, Fp8Weight, PackedWeight};
 
 /// Refuses explicit MRoPE positions (images in a prompt) in QSA attention, as the CPU backend
 /// does: its indexer's keys are turned at the sequence positions, with no MRoPE. Dense attention
@@ -89,7 +91,7 @@ pub(crate) struct State {
     pub kv: cache::KvPools,
     pub states: cache::StateSlots,
     pub experts: HashMap<u64, moe::ExpertTable>,
-    /// The packed GEMM's bf16 workspace, allocated with the first packed weight.
+    /// The packed and FP8 GEMMs' bf16 workspace, allocated with the first packed or FP8 weight.
     pub packed_ws: Option<CudaSlice<bf16>>,
     /// Device copies of RoPE inverse frequencies, by their host values.
     rope: Vec<(Vec<f32>, CudaSlice<f32>)>,
@@ -328,6 +330,12 @@ impl CudaBackend {
         let view = st.meta.view(at, ids.len());
         match table {
             CudaWeight::Packed(p) => self.embed_packed(p, &view, &mut out.buf, ids.len())?,
+            CudaWeight::Fp8(w) => {
+                return Err(CudaError::Shape {
+                    op: "embed",
+                    msg: format!("an FP8 {:?} embedding table (tables stay bf16)", w.shape),
+                })
+            }
             CudaWeight::Bf16(d) => {
                 self.gpu
                     .embed(&d.data, &view, &mut out.buf, vocab, hidden, ids.len())?

@@ -5,7 +5,8 @@
 //! except that a decode-sized step with a bf16 router does its routing (logits, top-k, grouping) in one
 //! launch ([`Gpu::moe_route_decode`]) where larger steps take several.
 //! Packed integer experts (each projection's experts all of one scheme) go through the packed grouped
-//! GEMV, with a second table of scale addresses; a layer whose experts mix formats is refused.
+//! GEMV, FP8 experts through the FP8 grouped GEMV (prefill-sized steps too), each with a second table of
+//! scale addresses; a layer whose experts mix formats is refused.
 
 use cudarc::driver::CudaSlice;
 use sanmai_model::backend::{MoeCall, MoeWeights, SharedExpert};
@@ -15,7 +16,8 @@ use super::CudaBackend;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::ops::{
-    moe_max_tiles, DecodeRouting, Experts, PackedScheme, PairGroups, PairRows, RouteDims, Routed,
+    moe_max_tiles, DecodeRouting, Experts, Fp8Experts, PackedScheme, PairGroups, PairRows,
+    RouteDims, Routed,
 };
 
 /// The device tables of one MoE layer's expert weight addresses (bf16 values or packed words) and,
@@ -57,6 +59,35 @@ impl ExpertTable {
         )
     }
 
+    /// The gate|up (`[2I, H]`) and down (`[H, I]`) projections of every expert as the FP8 grouped
+    /// GEMV takes them, with blocks of `gu` and `dn` columns.
+    fn fp8_experts(
+        &self,
+        (gu, dn): (usize, usize),
+        h: usize,
+        inter: usize,
+    ) -> (
+        Fp8Experts<'_, CudaSlice<u64>>,
+        Fp8Experts<'_, CudaSlice<u64>>,
+    ) {
+        (
+            Fp8Experts {
+                bytes: &self.gate_up,
+                scales: &self.gate_up_scales,
+                group: gu,
+                n: 2 * inter,
+                k: h,
+            },
+            Fp8Experts {
+                bytes: &self.down,
+                scales: &self.down_scales,
+                group: dn,
+                n: h,
+                k: inter,
+            },
+        )
+    }
+
     pub fn bytes(&self) -> usize {
         8 * (self.gate_up.len()
             + self.down.len()
@@ -79,14 +110,24 @@ fn addresses(gpu: &Gpu, w: &MoeWeights<CudaWeight>) -> Vec<u64> {
 pub(crate) enum ExpertFormat {
     Bf16,
     Packed { bits: u32, group_size: usize },
+    Fp8 { group: usize },
 }
 
 impl ExpertFormat {
-    /// The scheme as the grouped kernels take it: `None` for bf16.
+    /// The scheme as the bf16 and packed grouped kernels take it: `None` for bf16 (and FP8, which
+    /// takes its own kernels).
     fn scheme(self) -> Option<PackedScheme> {
         match self {
-            Self::Bf16 => None,
+            Self::Bf16 | Self::Fp8 { .. } => None,
             Self::Packed { bits, group_size } => Some(PackedScheme { bits, group_size }),
+        }
+    }
+
+    /// The block columns of FP8 experts.
+    fn fp8_group(self) -> Option<usize> {
+        match self {
+            Self::Fp8 { group } => Some(group),
+            Self::Bf16 | Self::Packed { .. } => None,
         }
     }
 
@@ -107,12 +148,13 @@ fn route_dims(t: usize, w: &MoeWeights<CudaWeight>) -> RouteDims {
 }
 
 fn format_of(w: &CudaWeight) -> ExpertFormat {
-    match w.packed() {
-        None => ExpertFormat::Bf16,
-        Some(p) => ExpertFormat::Packed {
+    match w {
+        CudaWeight::Bf16(_) => ExpertFormat::Bf16,
+        CudaWeight::Packed(p) => ExpertFormat::Packed {
             bits: p.bits,
             group_size: p.group_size,
         },
+        CudaWeight::Fp8(f) => ExpertFormat::Fp8 { group: f.group },
     }
 }
 
@@ -286,6 +328,16 @@ impl CudaBackend {
             return Ok(out);
         }
         let n = t * k;
+        match (gu_format.fp8_group(), dn_format.fp8_group()) {
+            (Some(gu), Some(dn)) => return self.moe_fp8(c, (gu, dn), shared, out),
+            (None, None) => {}
+            _ => {
+                return Err(bad(format!(
+                    "FP8 experts need both projections in FP8 (gate|up {gu_format:?}, down \
+                     {dn_format:?})"
+                )))
+            }
+        }
         // Prefill-sized steps take the tensor-core grouped GEMM (tiles of up to 64 pairs), decode steps
         // the grouped GEMV; the choice depends on the step's shape only.
         let gemm = Gpu::moe_gemm_wanted(t, n)
@@ -343,11 +395,10 @@ impl CudaBackend {
         let table = self.expert_table(&mut st.experts, w)?;
         let (gate_up, down) = table.experts(gu_format, dn_format, h, inter);
         let mut gu = self.alloc(n, 2 * inter)?;
-        match gu_format {
-            ExpertFormat::Bf16 => g.moe_gemv(&gate_up, &token_rows, &groups, &mut gu.buf)?,
-            ExpertFormat::Packed { .. } => {
-                g.moe_gemv_packed(&gate_up, &token_rows, &groups, &mut gu.buf)?
-            }
+        // FP8 experts took `moe_fp8` above: bf16 or packed here.
+        match gu_format.scheme() {
+            None => g.moe_gemv(&gate_up, &token_rows, &groups, &mut gu.buf)?,
+            Some(_) => g.moe_gemv_packed(&gate_up, &token_rows, &groups, &mut gu.buf)?,
         }
         let mut y = self.scratch::<f32>(n * h)?;
         if let ExpertFormat::Packed { bits, group_size } = dn_format {
@@ -370,10 +421,60 @@ impl CudaBackend {
             rows: n,
             div: 1,
         };
-        match dn_format {
-            ExpertFormat::Bf16 => g.moe_gemv(&down, &pair_rows, &groups, &mut y)?,
-            ExpertFormat::Packed { .. } => g.moe_gemv_packed(&down, &pair_rows, &groups, &mut y)?,
+        match dn_format.scheme() {
+            None => g.moe_gemv(&down, &pair_rows, &groups, &mut y)?,
+            Some(_) => g.moe_gemv_packed(&down, &pair_rows, &groups, &mut y)?,
         }
+        g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
+        Ok(out)
+    }
+
+    /// [`CudaBackend::moe_impl`] for FP8 experts (both projections): the grouped FP8 GEMV for gate|up
+    /// (token rows) and down (pair rows) at every step size, SwiGLU between them, then the combine.
+    fn moe_fp8(
+        &self,
+        c: &MoeCall<'_, CudaTensor, CudaWeight>,
+        groups_fp8: (usize, usize),
+        shared: Option<(&CudaSlice<half::bf16>, &CudaSlice<half::bf16>)>,
+        mut out: CudaTensor,
+    ) -> Result<CudaTensor> {
+        let g = &self.gpu;
+        let (x, w) = (c.x, c.w);
+        let (t, h, e, k) = (x.rows, x.cols, w.experts.len(), w.top_k);
+        let inter = w.experts[0].inter;
+        let n = t * k;
+        let Grouped {
+            ids,
+            wts,
+            perm,
+            tiles,
+        } = self.route_grouped(x, w)?;
+        self.log_routing(&ids, n, e)?;
+        let groups = PairGroups {
+            perm: &perm,
+            tiles: &tiles,
+            n_pairs: n,
+        };
+        let routed = routing_of(&ids, &wts, (t, e, k));
+        let mut st = self.lock();
+        let table = self.expert_table(&mut st.experts, w)?;
+        let (gate_up, down) = table.fp8_experts(groups_fp8, h, inter);
+        let token_rows = PairRows {
+            x: &x.buf,
+            rows: t,
+            div: k,
+        };
+        let mut gu = self.alloc(n, 2 * inter)?;
+        g.moe_gemv_fp8(&gate_up, &token_rows, &groups, &mut gu.buf)?;
+        let mut act = self.alloc(n, inter)?;
+        g.swiglu(&gu.buf, &mut act.buf, n, inter)?;
+        let pair_rows = PairRows {
+            x: &act.buf,
+            rows: n,
+            div: 1,
+        };
+        let mut y = self.scratch::<f32>(n * h)?;
+        g.moe_gemv_fp8(&down, &pair_rows, &groups, &mut y)?;
         g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
         Ok(out)
     }

@@ -40,6 +40,9 @@ pub fn packed_device_bytes(p: &PackedTensor<'_>) -> Option<usize> {
 
 impl CudaBackend {
     pub(crate) fn packed_weight_impl(&self, p: &PackedTensor<'_>) -> Result<CudaWeight> {
+        if p.fp8 {
+            return self.fp8_weight_impl(p);
+        }
         let shape = [p.out_features, p.in_features];
         if !packed_fits(p.bits, p.group_size, p.in_features) || p.out_features == 0 {
             return self.weight_impl(p.dequantize(), &shape);
@@ -206,6 +209,7 @@ mod tests {
             in_features: 256,
             packed: PackedWords::Owned(vec![0; 3 * 32]),
             scales: vec![1.0; 3 * 2],
+            fp8: false,
         };
         assert_eq!(packed_device_bytes(&p), Some(4 * (96 + 6)));
         assert_eq!(packed_device_bytes(&p), Some(p.nbytes()));

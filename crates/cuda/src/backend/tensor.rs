@@ -1,12 +1,13 @@
-//! The backend's activation and weight types: device bf16 tensors, and weights in bf16 or in packed
-//! integer form (compressed-tensors INT4/INT8, INT6 gapless; see `ops::quant`).
+//! The backend's activation and weight types: device bf16 tensors, and weights in bf16, in packed
+//! integer form (compressed-tensors INT4/INT8, INT6 gapless; see `ops::quant`) or as block-scaled FP8
+//! bytes (see `ops::fp8`).
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
-use crate::ops::{PackedMat, PackedScheme};
+use crate::ops::{Fp8Mat, PackedMat, PackedScheme};
 
 /// Activations `[rows, cols]`, row-major bf16 on the device (from the stream-ordered allocator).
 pub struct CudaTensor {
@@ -77,10 +78,45 @@ impl PackedWeight {
     }
 }
 
+/// A block-scaled FP8 `[out, in]` matrix kept as its bytes on the device: `out · in` float8_e4m3fn
+/// bytes and `out · ceil(in / group)` f32 scales (the checkpoint's block scales repeated per row), as
+/// `sanmai_weights::fp8::packed` lays them out. No dequantised copy is kept: `linear` reads one byte a
+/// weight in the GEMV and dequantises tile by tile in the GEMM.
+pub struct Fp8Weight {
+    /// `[out, in]`.
+    pub shape: Vec<usize>,
+    /// Inputs per scale (the block's columns).
+    pub group: usize,
+    pub(crate) bytes: CudaSlice<u8>,
+    pub(crate) scales: CudaSlice<f32>,
+}
+
+impl Fp8Weight {
+    pub fn out_features(&self) -> usize {
+        self.shape[0]
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.shape[1]
+    }
+
+    /// The weight as the FP8 kernels read it.
+    pub(crate) fn mat(&self) -> Fp8Mat<'_, CudaSlice<u8>, CudaSlice<f32>> {
+        Fp8Mat {
+            bytes: &self.bytes,
+            scales: &self.scales,
+            group: self.group,
+            n: self.out_features(),
+            k: self.in_features(),
+        }
+    }
+}
+
 /// A weight in the backend's storage. `linear` dispatches on the variant.
 pub enum CudaWeight {
     Bf16(DenseBf16),
     Packed(PackedWeight),
+    Fp8(Fp8Weight),
 }
 
 impl CudaWeight {
@@ -88,6 +124,7 @@ impl CudaWeight {
         match self {
             CudaWeight::Bf16(w) => &w.shape,
             CudaWeight::Packed(w) => &w.shape,
+            CudaWeight::Fp8(w) => &w.shape,
         }
     }
 
@@ -106,6 +143,7 @@ impl CudaWeight {
         match self {
             CudaWeight::Bf16(w) => 2 * w.data.len() + 4 * w.f32.as_ref().map_or(0, |f| f.len()),
             CudaWeight::Packed(w) => 4 * (w.words.len() + w.scales.len()),
+            CudaWeight::Fp8(w) => w.bytes.len() + 4 * w.scales.len(),
         }
     }
 
@@ -122,6 +160,13 @@ impl CudaWeight {
                     w.bits, w.shape
                 ),
             }),
+            CudaWeight::Fp8(w) => Err(CudaError::Shape {
+                op: "weight",
+                msg: format!(
+                    "an FP8 {:?} weight where dense bf16 values are needed",
+                    w.shape
+                ),
+            }),
         }
     }
 
@@ -129,7 +174,15 @@ impl CudaWeight {
     pub(crate) fn packed(&self) -> Option<&PackedWeight> {
         match self {
             CudaWeight::Packed(w) => Some(w),
-            CudaWeight::Bf16(_) => None,
+            CudaWeight::Bf16(_) | CudaWeight::Fp8(_) => None,
+        }
+    }
+
+    /// The FP8 form, if this weight is FP8.
+    pub(crate) fn fp8(&self) -> Option<&Fp8Weight> {
+        match self {
+            CudaWeight::Fp8(w) => Some(w),
+            CudaWeight::Bf16(_) | CudaWeight::Packed(_) => None,
         }
     }
 
@@ -137,24 +190,26 @@ impl CudaWeight {
     pub(crate) fn f32(&self) -> Option<&CudaSlice<f32>> {
         match self {
             CudaWeight::Bf16(w) => w.f32.as_ref(),
-            CudaWeight::Packed(_) => None,
+            CudaWeight::Packed(_) | CudaWeight::Fp8(_) => None,
         }
     }
 
-    /// The device address of the bf16 values, or of the packed words (for the expert pointer
-    /// tables).
+    /// The device address of the bf16 values, of the packed words or of the FP8 bytes (for the expert
+    /// pointer tables).
     pub(crate) fn address(&self, gpu: &Gpu) -> u64 {
         match self {
             CudaWeight::Bf16(w) => w.data.device_ptr(gpu.stream()).0,
             CudaWeight::Packed(w) => w.words.device_ptr(gpu.stream()).0,
+            CudaWeight::Fp8(w) => w.bytes.device_ptr(gpu.stream()).0,
         }
     }
 
-    /// The device address of the packed scales (0 for a bf16 weight).
+    /// The device address of the packed or FP8 scales (0 for a bf16 weight).
     pub(crate) fn scales_address(&self, gpu: &Gpu) -> u64 {
         match self {
             CudaWeight::Bf16(_) => 0,
             CudaWeight::Packed(w) => w.scales.device_ptr(gpu.stream()).0,
+            CudaWeight::Fp8(w) => w.scales.device_ptr(gpu.stream()).0,
         }
     }
 }

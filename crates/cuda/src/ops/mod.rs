@@ -5,13 +5,14 @@
 //! (an error, never a panic or an out-of-bounds access), and queues the kernel on the `Gpu`'s stream.
 //! Operands that belong together come as one struct: a shape ([`NormRows`], [`AttnDims`],
 //! [`GdnDims`], …), a layer's caches ([`KvPools`], [`PagedCache`], [`GdnPools`]), a step's
-//! sequences ([`DecodeLens`], [`SeqRows`], [`DecodeSlots`]), a packed weight ([`PackedMat`]) or the
-//! routed experts ([`Experts`], [`PairRows`], [`PairGroups`]).
+//! sequences ([`DecodeLens`], [`SeqRows`], [`DecodeSlots`]), a packed weight ([`PackedMat`]), an FP8
+//! one ([`Fp8Mat`]) or the routed experts ([`Experts`], [`PairRows`], [`PairGroups`]).
 //! Activations are bf16 with f32 arithmetic inside the kernels and one rounding per output.
 
 mod attention;
 mod conv;
 mod elementwise;
+mod fp8;
 mod gdn;
 mod gdn_chunk;
 mod gemm;
@@ -35,6 +36,7 @@ pub use attention::{
     AttnDims, ChunkRows, DecodeLens, PagedCache, Queries, ATTN_MAX_HEAD_DIM, ATTN_SPLIT,
 };
 pub use conv::ConvWeight;
+pub use fp8::{fp8_fits, Fp8Experts, Fp8Mat, Fp8Part};
 pub use gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnPools, GdnProj, SeqRows};
 pub use gdn_chunk::GdnGates;
 pub use gemv::GEMV_MAX_M;

@@ -122,6 +122,7 @@ fn packed_rows(
         in_features: p0.in_features,
         packed: PackedWords::Owned(w),
         scales,
+        fp8: p0.fp8,
     }
 }
 
@@ -131,7 +132,7 @@ fn packed_concat(
     a: &PackedTensor<'_>,
     b: &PackedTensor<'_>,
 ) -> Option<PackedTensor<'static>> {
-    if a.scheme() != b.scheme() || a.in_features != b.in_features {
+    if a.scheme() != b.scheme() || a.fp8 != b.fp8 || a.in_features != b.in_features {
         return None;
     }
     let rows: Vec<_> = (0..a.out_features)

@@ -1,0 +1,155 @@
+//! Block-scaled FP8 weights in the backend: uploaded as their bytes and per-row block scales
+//! ([`CudaWeight::Fp8`], no dequantised copy), multiplied by the FP8 GEMV for up to 8 rows (one byte a
+//! weight) and by the tiled dequantise + cuBLAS GEMM beyond, through the packed formats' persistent
+//! bf16 workspace (allocated with the first packed or FP8 weight). Routed FP8 experts take the grouped
+//! FP8 GEMV (`backend/moe.rs`).
+//!
+//! A matrix whose shape the FP8 kernels do not take ([`fp8_fits`]: `k` or the block's columns not a
+//! multiple of 16) is dequantised on the host and kept as bf16 instead.
+
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use sanmai_model::backend::PackedTensor;
+
+use super::tensor::{CudaTensor, CudaWeight, Fp8Weight};
+use super::CudaBackend;
+use crate::error::{ensure, CudaError, Result};
+use crate::ops::fp8_fits;
+use sanmai_weights::quant::PACKED_WORKSPACE_BYTES;
+
+/// Rows the FP8 GEMV takes per launch.
+const GEMV_ROWS: usize = 8;
+
+/// Device bytes `p` (an FP8 tensor, `p.fp8`) occupies when the backend keeps it as FP8 (one byte a
+/// weight plus the f32 scales), or `None` when it would be dequantised to bf16 instead.
+pub fn fp8_device_bytes(p: &PackedTensor<'_>) -> Option<usize> {
+    (p.fp8 && fp8_fits(p.group_size, p.in_features))
+        .then(|| p.out_features * p.in_features + 4 * p.scales.len())
+}
+
+impl CudaBackend {
+    /// Uploads an FP8 tensor (`p.fp8`): its code bytes row by row (padding of rows to whole words
+    /// dropped) and its per-row scales.
+    pub(crate) fn fp8_weight_impl(&self, p: &PackedTensor<'_>) -> Result<CudaWeight> {
+        let (n, k) = (p.out_features, p.in_features);
+        if !fp8_fits(p.group_size, k) || n == 0 {
+            return self.weight_impl(p.dequantize(), &[n, k]);
+        }
+        let raw = p.packed_bytes();
+        // k % 16 == 0, so rows hold no padding and the words' bytes are the codes in order.
+        let bytes = self.gpu.upload(&raw[..n * k])?;
+        let scales = self.gpu.upload(&p.scales)?;
+        {
+            let mut st = self.lock();
+            if st.packed_ws.is_none() {
+                st.packed_ws = Some(self.gpu.zeros::<bf16>(PACKED_WORKSPACE_BYTES / 2)?);
+            }
+        }
+        let w = CudaWeight::Fp8(Fp8Weight {
+            shape: vec![n, k],
+            group: p.group_size,
+            bytes,
+            scales,
+        });
+        self.weight_bytes.fetch_add(w.bytes(), Ordering::Relaxed);
+        self.epoch.fetch_add(1, Ordering::Relaxed);
+        Ok(w)
+    }
+
+    /// `y = x · wᵀ` into `y` (`[m, n]` bf16): the FP8 GEMV up to 8 rows, the tiled GEMM beyond.
+    pub(crate) fn linear_fp8(
+        &self,
+        x: &CudaTensor,
+        w: &Fp8Weight,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let m = x.rows;
+        let g = &self.gpu;
+        if (1..=GEMV_ROWS).contains(&m) {
+            return g.gemv_fp8(&w.mat(), &x.buf, y, m);
+        }
+        let mut st = self.lock();
+        let ws = st.packed_ws.as_mut().ok_or_else(|| CudaError::Shape {
+            op: "linear",
+            msg: "FP8 weight without the packed workspace".into(),
+        })?;
+        g.gemm_fp8(&x.buf, &w.mat(), y, ws, m)
+    }
+
+    /// `ys[i] = x · ws[i]ᵀ` in one FP8 GEMV launch: FP8 weights of one group, at most `GEMV_SEGS`,
+    /// `x` of 1..=8 rows, `ys[i]` `[m, n_i]`.
+    pub(crate) fn linear_fp8_many(
+        &self,
+        x: &CudaTensor,
+        ws: &[&Fp8Weight],
+        ys: &mut [CudaTensor],
+    ) -> Result<()> {
+        let Some(first) = ws.first() else {
+            return Ok(());
+        };
+        let group = first.group;
+        ensure(ws.iter().all(|w| w.group == group), "linear", || {
+            "FP8 weights of different block sizes in one GEMV launch".into()
+        })?;
+        let mut parts: Vec<_> = ws
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|(w, y)| (&w.bytes, &w.scales, &mut y.buf, y.cols))
+            .collect();
+        self.gpu
+            .gemv_fp8_many(group, &x.buf, &mut parts, x.rows, x.cols)
+    }
+
+    /// `y = x · wᵀ` with an f32 result (`[m, n]`): the FP8 GEMV over chunks of 8 rows, so every output
+    /// is one f32 accumulation with no bf16 rounding.
+    pub(crate) fn linear_fp8_f32(
+        &self,
+        x: &CudaTensor,
+        w: &Fp8Weight,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let (m, n, k) = (x.rows, w.out_features(), w.in_features());
+        let mat = w.mat();
+        let mut r0 = 0;
+        while r0 < m {
+            let rows = GEMV_ROWS.min(m - r0);
+            let xs = x.buf.slice(r0 * k..(r0 + rows) * k);
+            let mut ys = y.slice_mut(r0 * n..(r0 + rows) * n);
+            self.gpu.gemv_fp8_f32(&mat, &xs, &mut ys, rows)?;
+            r0 += rows;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sanmai_model::backend::PackedWords;
+
+    #[test]
+    fn device_bytes_are_one_a_weight_plus_scales() {
+        let p = PackedTensor {
+            name: "w".into(),
+            bits: 8,
+            group_size: 128,
+            out_features: 3,
+            in_features: 160,
+            packed: PackedWords::Owned(vec![0; 3 * 40]),
+            scales: vec![1.0; 3 * 2],
+            fp8: true,
+        };
+        assert_eq!(fp8_device_bytes(&p), Some(3 * 160 + 4 * 6));
+        let odd = PackedTensor {
+            in_features: 40,
+            packed: PackedWords::Owned(vec![0; 3 * 10]),
+            scales: vec![1.0; 3],
+            ..p.clone()
+        };
+        assert_eq!(fp8_device_bytes(&odd), None);
+        let int8 = PackedTensor { fp8: false, ..p };
+        assert_eq!(fp8_device_bytes(&int8), None);
+    }
+}

@@ -1,0 +1,317 @@
+// Block-scaled FP8 weights (the `quant_method: fp8` releases) consumed as their bytes: a weight [n, k] is
+// n rows of k float8_e4m3fn bytes (row-major, k % 16 == 0, rows 16-byte aligned) and f32 scales
+// [n, ceil(k / group)], the checkpoint's 128 x 128 block scales repeated per row (the weight is
+// fp8(q) · scale[row, j / group]; group % 16 == 0, so a 16-byte chunk of a row lies inside one group).
+//
+//   gemv_f8[_f32]_m{M}   decode, y[m, :] = W · x[m, :] for M = 1..8 rows of x, one byte a weight read
+//                        once for all M rows, the block scale applied in f32 to each chunk's dot product
+//                        (the row-slot cut of gemv_plan over 16-byte chunks; segment tables as the other
+//                        GEMVs, so one launch serves up to GEMV_SEGS weights that read the same x).
+//   dequant_f8           rows of W as bf16 (bf16(fp8 · scale), one rounding) for the prefill GEMM's tiles.
+//   moe_gemv_f8_*        the grouped GEMV of routed experts (moe.cu's tiles, address tables and cut),
+//                        FP8 experts.
+//
+// Decoding: an e4m3 byte S.EEEE.MMM is the f16 S.0EEEE.MMM0000000 times 2^8 (both biases and the
+// subnormals line up: code 1 = 2^-9 = f16 2^-17 · 2^8), so two bytes become an f16 pair with two masks and
+// shifts, and the f16 → f32 widening is exact. The 2^8 is folded into the scale (an exact product), so
+// every weight is exactly fp8(q) · scale as the CPU oracle computes it; only summation order differs. The
+// NaN codes (S.1111.111) decode as ±480 instead: checkpoints hold none.
+#include "common.cuh"
+#include <cuda_fp16.h>
+
+// Two e4m3 bytes in the 16-bit lanes of t (t = b0 | b1 << 16) as an f16 pair, each value · 2^-8.
+__device__ __forceinline__ float2 f8pair(u32 t) {
+    const u32 h = ((t & 0x00800080u) << 8) | ((t & 0x007f007fu) << 7);
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+}
+
+// The four e4m3 bytes of word w (LSB first) as f32 · 2^-8.
+__device__ __forceinline__ void f8x4(u32 w, float q[4]) {
+    const float2 lo = f8pair(__byte_perm(w, 0, 0x4140));
+    const float2 hi = f8pair(__byte_perm(w, 0, 0x4342));
+    q[0] = lo.x; q[1] = lo.y; q[2] = hi.x; q[3] = hi.y;
+}
+
+// 2^8: the factor the f16 decoding leaves out.
+#define F8_UNSCALE 256.0f
+
+// ---- Decode GEMV ----
+// Row-slot cut (as quant.cu's 16-byte chunk GEMV): slots of 2^tpr_log2 threads own rps ≤ R rows; a
+// thread streams chunks p, p + tpr, ... of its slot's rows, U = 8 / R chunks a row per round, so 8 loads
+// of 16 bytes are in flight per thread before the first FMA. Each chunk is decoded once and dotted with
+// the M rows of x (their 16 values through the read-only cache), times the chunk's group scale.
+template <int M, int R, typename OUT>
+__device__ __forceinline__ void gemv_f8_impl(const unsigned char* __restrict__ W, const float* __restrict__ S,
+                                             const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
+                                             int group, int rps, int tpr_log2, int block) {
+    constexpr int U = 8 / R;
+    __shared__ float red[8][R][M];
+    const int tpr = 1 << tpr_log2;
+    const int slot = threadIdx.x >> tpr_log2, p = threadIdx.x & (tpr - 1);
+    const long long row0 = ((long long)block * (256 >> tpr_log2) + slot) * rps;
+    const int nrows = (int)max(0LL, min((long long)rps, (long long)n - row0));
+    const int chunks = k >> 4;
+    const int cend = nrows > 0 ? chunks : 0;
+    const int scols = (k + group - 1) / group;
+    const uint4* wrow[R];
+    const float* srow[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const long long row = max(0LL, min(row0 + r, (long long)n - 1));
+        wrow[r] = (const uint4*)(W + row * (long long)k);
+        srow[r] = S + row * scols;
+    }
+    float acc[R][M];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+    const uint4* xv = (const uint4*)X;
+    const int xstride = k >> 3;  // uint4 per row of x
+#pragma unroll 1
+    for (int c0 = p; c0 < cend; c0 += U * tpr) {
+        uint4 w[R][U];
+        float s[R][U];
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int c = c0 + i * tpr;
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+                const bool live = r < nrows && c < chunks;
+                w[r][i] = live ? __ldcs(wrow[r] + c) : make_uint4(0, 0, 0, 0);
+                s[r][i] = live ? __ldg(srow[r] + (c << 4) / group) : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < U; ++i) {
+            const int c = c0 + i * tpr;
+            if (c >= chunks) break;
+            float d[R][M];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int m = 0; m < M; ++m) d[r][m] = 0.0f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float q[R][8];
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    f8x4(h == 0 ? w[r][i].x : w[r][i].z, q[r]);
+                    f8x4(h == 0 ? w[r][i].y : w[r][i].w, q[r] + 4);
+                }
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    float xf[8];
+                    unpack8(__ldg(xv + (size_t)m * xstride + 2 * c + h), xf);
+#pragma unroll
+                    for (int r = 0; r < R; ++r)
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) d[r][m] = fmaf(q[r][e], xf[e], d[r][m]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+#pragma unroll
+                for (int m = 0; m < M; ++m) acc[r][m] = fmaf(d[r][m], s[r][i] * F8_UNSCALE, acc[r][m]);
+        }
+    }
+    gemv_slot_sum<R, M, OUT>(acc, red, Y, n, row0, nrows, rps, tpr_log2, p);
+}
+
+template <int M, int R, typename OUT>
+__device__ __forceinline__ void gemv_f8_segs(const GemvSegs& t, const bf16* X, int k, int group) {
+    const GemvSeg s = gemv_seg(t);
+    gemv_f8_impl<M, R, OUT>((const unsigned char*)s.w, s.s, X, (OUT*)s.y, s.n, k, group, s.rps, s.tpr_log2,
+                            gemv_seg_block(s));
+}
+
+// Entry points: R = 2 rows a slot at most for M ≤ 4, 1 beyond (the registers of M accumulators a row;
+// the launcher's gemv_plan max_rows, f8_rows in ops/fp8.rs).
+// Grid: every segment's ceil(n / (rps · 256 / 2^tpr_log2)) blocks of 256 threads. The first statement asks
+// L2 for the block's weight rows before the PDL wait.
+#define GEMV_F8_ARGS const GemvSegs t, const bf16* X, int k, int group
+#define GEMV_F8(M, OUTN, OUT, MINB)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, MINB) gemv_f8##OUTN##_m##M(GEMV_F8_ARGS) {             \
+        pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k));                                    \
+        gemv_f8_segs<M, (M <= 4 ? 2 : 1), OUT>(t, X, k, group);                                              \
+    }
+GEMV_F8(1, , bf16, 3)
+GEMV_F8(2, , bf16, 2)
+GEMV_F8(3, , bf16, 2)
+GEMV_F8(4, , bf16, 2)
+GEMV_F8(5, , bf16, 1)
+GEMV_F8(6, , bf16, 1)
+GEMV_F8(7, , bf16, 1)
+GEMV_F8(8, , bf16, 1)
+GEMV_F8(1, _f32, float, 3)
+GEMV_F8(2, _f32, float, 2)
+GEMV_F8(3, _f32, float, 2)
+GEMV_F8(4, _f32, float, 2)
+GEMV_F8(5, _f32, float, 1)
+GEMV_F8(6, _f32, float, 1)
+GEMV_F8(7, _f32, float, 1)
+GEMV_F8(8, _f32, float, 1)
+
+// ---- Dequantisation for the prefill GEMM ----
+// Rows row0 .. row0 + rows of W as bf16 [rows, k]: one thread per 16-value chunk, bf16(fp8 · scale).
+extern "C" __global__ void dequant_f8(const unsigned char* __restrict__ W, const float* __restrict__ S,
+                                      bf16* __restrict__ out, int row0, int rows, int k, int group) {
+    pdl_prologue();
+    const int chunks = k >> 4;
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)rows * chunks) return;
+    const long long r = i / chunks;
+    const int c = (int)(i - r * chunks);
+    const long long row = row0 + r;
+    const uint4 w = __ldcs((const uint4*)(W + row * k) + c);
+    const float s = __ldg(S + row * ((k + group - 1) / group) + (c << 4) / group) * F8_UNSCALE;
+    const u32 ws[4] = {w.x, w.y, w.z, w.w};
+    u32 o[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        float q[4];
+        f8x4(ws[j], q);
+        o[2 * j] = pack_bf16x2(q[0] * s, q[1] * s);
+        o[2 * j + 1] = pack_bf16x2(q[2] * s, q[3] * s);
+    }
+    uint4* dst = (uint4*)(out + r * k) + 2 * c;
+    dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// ---- Grouped GEMV of FP8 routed experts ----
+// moe.cu's grouped GEMV with FP8 units: tile t = (expert x, start, count) of the grid's y; for each pair
+// p = perm[start + m], y[p, :] = W_x · X[p / x_div, :], W_x the bytes at w_ptrs[x] and its scales at
+// s_ptrs[x]. A row is cut into 16-value units (one 16-byte load); a lane group of `lanes` lanes shares a
+// row (lane `sub` taking units sub, sub + lanes, ...), each group owns RPG rows, and a lane issues the
+// loads of D units of each of its rows (and their scales) before using any. A tile's pairs are taken in
+// passes of at most MMAX; the pass's slots past its count repeat its first pair and are not stored. The
+// grid does not depend on the routing: every tile slot runs, empty ones return at once.
+template <int RPG, int D, int M, typename OUT>
+__device__ __forceinline__ void moe_f8_pass(const unsigned char* __restrict__ W, const float* __restrict__ S,
+                                            const bf16* __restrict__ X, int x_div, const u32* __restrict__ pp,
+                                            int mc, OUT* __restrict__ Y, int n, int k, int group, int lanes,
+                                            int sub, int row0, int rstep) {
+    const int units = k >> 4;
+    const int scols = (k + group - 1) / group;
+    const uint4* wrow[RPG];
+    const float* srow[RPG];
+#pragma unroll
+    for (int r = 0; r < RPG; ++r) {
+        const size_t row = (size_t)min(row0 + r * rstep, n - 1);
+        wrow[r] = (const uint4*)(W + row * (size_t)k);
+        srow[r] = S + row * scols;
+    }
+    u32 pr[M];
+    const uint4* xr[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        pr[m] = pp[m < mc ? m : 0];
+        xr[m] = (const uint4*)(X + (size_t)(pr[m] / x_div) * k);
+    }
+    float acc[RPG][M];
+#pragma unroll
+    for (int r = 0; r < RPG; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
+    const int step = lanes * D;
+#pragma unroll 1
+    for (int u0 = sub; u0 < units; u0 += step) {
+        uint4 w[D][RPG];
+        float su[D][RPG];
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            const int u = u0 + d * lanes;
+#pragma unroll
+            for (int r = 0; r < RPG; ++r) {
+                const bool live = u < units;
+                w[d][r] = live ? __ldg(wrow[r] + u) : make_uint4(0, 0, 0, 0);
+                su[d][r] = live ? __ldg(srow[r] + (u << 4) / group) * F8_UNSCALE : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            const int u = u0 + d * lanes;
+            if (u >= units) break;
+            float dd[RPG][M];
+#pragma unroll
+            for (int r = 0; r < RPG; ++r)
+#pragma unroll
+                for (int m = 0; m < M; ++m) dd[r][m] = 0.0f;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float q[RPG][8];
+#pragma unroll
+                for (int r = 0; r < RPG; ++r) {
+                    f8x4(h == 0 ? w[d][r].x : w[d][r].z, q[r]);
+                    f8x4(h == 0 ? w[d][r].y : w[d][r].w, q[r] + 4);
+                }
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    float xf[8];
+                    unpack8(__ldg(xr[m] + 2 * u + h), xf);
+#pragma unroll
+                    for (int r = 0; r < RPG; ++r)
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) dd[r][m] = fmaf(q[r][e], xf[e], dd[r][m]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RPG; ++r)
+#pragma unroll
+                for (int m = 0; m < M; ++m) acc[r][m] = fmaf(dd[r][m], su[d][r], acc[r][m]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < RPG; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+            for (int o = lanes >> 1; o > 0; o >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], o);
+    if (sub == 0) {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+            if (m < mc)
+#pragma unroll
+                for (int r = 0; r < RPG; ++r) {
+                    const int row = row0 + r * rstep;
+                    if (row < n) store_out<OUT>(Y, (size_t)pr[m] * n + row, acc[r][m]);
+                }
+    }
+}
+
+template <int RPG, int D, int MMAX, typename OUT>
+__device__ __forceinline__ void moe_f8_tile(const unsigned long long* __restrict__ w_ptrs,
+                                            const unsigned long long* __restrict__ s_ptrs,
+                                            const bf16* __restrict__ X, int x_div, const u32* __restrict__ perm,
+                                            const u32* __restrict__ tiles, OUT* __restrict__ Y, int n, int k,
+                                            int group, int lanes) {
+    const int cnt = (int)tiles[3 * blockIdx.y + 2];
+    if (cnt == 0) return;
+    const u32 x = tiles[3 * blockIdx.y], start = tiles[3 * blockIdx.y + 1];
+    const int groups = blockDim.x / lanes;
+    const int g = threadIdx.x / lanes, sub = threadIdx.x & (lanes - 1);
+    const unsigned char* W = (const unsigned char*)w_ptrs[x];
+    const float* S = (const float*)s_ptrs[x];
+    const u32* pp = perm + start;
+    for (int rb = blockIdx.x * groups * RPG; rb < n; rb += gridDim.x * groups * RPG) {
+        const int row0 = rb + g;
+        for (int base = 0; base < cnt; base += MMAX) {
+            const int mc = min(MMAX, cnt - base);
+            if (MMAX == 1 || mc == 1)
+                moe_f8_pass<RPG, D, 1, OUT>(W, S, X, x_div, pp + base, mc, Y, n, k, group, lanes, sub, row0, groups);
+            else
+                moe_f8_pass<RPG, D, MMAX, OUT>(W, S, X, x_div, pp + base, mc, Y, n, k, group, lanes, sub, row0,
+                                               groups);
+        }
+    }
+}
+
+// Entry points (moe.cu's argument list). The plain forms take a tile's pairs up to eight at a time
+// (RPG 2, D 1); the *_m1 forms (decode: a tile holds one pair or few) one at a time (RPG 2, D 2). The
+// launcher (ops/fp8.rs, moe_f8_plan) mirrors (RPG, D) to size the grid and pick `lanes`.
+#define MOE_F8_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles
+#define MOE_F8_PASS w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, lanes
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_f8_bf16(MOE_F8_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 1, 8, bf16>(MOE_F8_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_f8_f32(MOE_F8_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 1, 8, float>(MOE_F8_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f8_bf16_m1(MOE_F8_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 2, 1, bf16>(MOE_F8_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f8_f32_m1(MOE_F8_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 2, 1, float>(MOE_F8_PASS); }

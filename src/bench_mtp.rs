@@ -5,8 +5,10 @@
 //! plain decode step, the median time of the MTP head's draft (its catch-up over the K + 1 rows and
 //! K − 1 chained rows), and the tokens/s these give where each draft is accepted with probability
 //! 0.5, 0.7 and 0.9. Random weights accept almost nothing, so the engine then runs the same prompts
-//! with drafts forced to the plain decode's own greedy tokens (every draft accepted,
-//! [`ForcedDrafts`]): the all-accepted case end to end, its tokens checked against the plain ones.
+//! with drafts forced to the target's own greedy tokens ([`ForcedDrafts`]): the plain decode's
+//! first, then, where a verify row's greedy token differs from the plain decode's at a near-tie,
+//! the previous pass's output, until every draft is accepted: the all-accepted case end to end,
+//! its tokens compared with the plain ones.
 
 use std::collections::HashMap;
 use std::time::Instant;
@@ -193,8 +195,10 @@ pub fn verify_and_draft<B: Backend>(
 }
 
 /// Runs `known` prompts (each the prompt of `prompt_len` tokens and its plain greedy output)
-/// through the engine with `k` drafts forced to the known output, batch by batch; prints the decode
-/// speed, the acceptance and whether the tokens equal the plain ones.
+/// through the engine with `k` drafts forced to the known output, batch by batch, re-running a batch
+/// with its previous output as the known tokens until every draft is accepted (at most
+/// [`FORCED_PASSES`] runs); prints the last run's decode speed, the acceptance and whether the
+/// tokens equal the plain ones.
 pub fn forced_end_to_end<B: Probe + 'static>(
     model: Model<B>,
     valid_vocab: usize,
@@ -232,6 +236,7 @@ pub fn forced_end_to_end<B: Probe + 'static>(
         waves.push((*batch, wave));
     }
     let exec = ForcedDrafts::new(ModelExecutor::new(model), known, None);
+    let known = exec.known();
     let engine = start(
         exec,
         None,
@@ -253,56 +258,108 @@ pub fn forced_end_to_end<B: Probe + 'static>(
     )
     .map_err(|e| anyhow!(e))?;
     for (batch, wave) in waves {
-        let before = engine.metrics();
-        let started = Instant::now();
-        let streams: Vec<_> = wave
-            .iter()
-            .map(|(r, _)| engine.submit(r.clone()).map_err(|e| anyhow!("{e:?}")))
-            .collect::<Result<_>>()?;
-        // Each stream read on its own thread: when its first token came, and its tokens.
-        let got: Vec<(f64, Vec<u32>)> = std::thread::scope(|scope| {
-            let hs: Vec<_> = streams
-                .into_iter()
-                .map(|mut s| {
-                    scope.spawn(move || {
-                        let (mut first, mut ids) = (0.0, Vec::new());
-                        while let Some(ev) = s.blocking_recv() {
-                            if let EngineEvent::Tokens { ids: new, .. } = ev {
-                                if ids.is_empty() {
-                                    first = started.elapsed().as_secs_f64();
-                                }
-                                ids.extend(new);
-                            }
-                        }
-                        (first, ids)
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        let first = got.iter().map(|g| g.0).fold(0.0, f64::max);
-        let tokens: usize = got.iter().map(|g| g.1.len()).sum();
-        let equal = got
-            .iter()
-            .zip(&wave)
-            .filter(|(g, (_, want))| &g.1 == want)
-            .count();
-        let total = started.elapsed().as_secs_f64();
-        let m = engine.metrics();
-        let drafted =
-            m.spec_decode_num_draft_tokens_total - before.spec_decode_num_draft_tokens_total;
-        let accepted =
-            m.spec_decode_num_accepted_tokens_total - before.spec_decode_num_accepted_tokens_total;
-        let steps = m.steps_total - before.steps_total;
-        println!(
-            "batch {batch}, MTP K={k}, drafts forced to the plain greedy tokens: decode {:.1} tok/s after the last \
-             first token ({tokens} tokens in {steps} steps, {accepted} of {drafted} drafts accepted); tokens \
-             equal to the plain decode's in {equal} of {batch} sequences",
-            (tokens - batch) as f64 / (total - first).max(1e-9),
-        );
+        // Pass 0 drafts the plain decode's tokens. Where a verify row's greedy token differs from
+        // the plain decode's (bf16 rounding of other kernels, at near-ties), the next pass drafts
+        // the previous pass's own output: each pass agrees with the last one at least one token
+        // further, until every draft is the target's own greedy token and is accepted.
+        for pass in 0.. {
+            let r = run_wave(&engine, &wave)?;
+            let converged = r.accepted == r.drafted || pass + 1 == FORCED_PASSES;
+            if converged {
+                let equal = r
+                    .got
+                    .iter()
+                    .zip(&wave)
+                    .filter(|(g, (_, want))| *g == want)
+                    .count();
+                println!(
+                    "batch {batch}, MTP K={k}, drafts forced to the target's greedy tokens ({}): decode \
+                     {:.1} tok/s after the last first token ({} tokens in {} steps, {} of {} drafts \
+                     accepted); tokens equal to the plain decode's in {equal} of {batch} sequences",
+                    match pass {
+                        0 => "the plain decode's".to_string(),
+                        p => format!("the output of pass {p}, after {p} passes"),
+                    },
+                    r.tok_s,
+                    r.tokens,
+                    r.steps,
+                    r.accepted,
+                    r.drafted,
+                );
+                break;
+            }
+            let mut known = known.lock().unwrap_or_else(|e| e.into_inner());
+            for ((req, _), got) in wave.iter().zip(&r.got) {
+                let mut t = req.prompt.clone();
+                t.extend(got);
+                known.insert(req.key(), t);
+            }
+        }
     }
     engine.shutdown();
     Ok(())
+}
+
+/// Passes of [`forced_end_to_end`] at most, each drafting the previous pass's output.
+const FORCED_PASSES: usize = 64;
+
+/// What one wave of requests gave.
+struct WaveRun {
+    /// Each request's output tokens.
+    got: Vec<Vec<u32>>,
+    tokens: usize,
+    steps: u64,
+    drafted: u64,
+    accepted: u64,
+    /// Decode tokens/s after the last first token.
+    tok_s: f64,
+}
+
+/// Submits `wave` at once and reads every stream to its end.
+fn run_wave(
+    engine: &sanmai_engine::EngineHandle,
+    wave: &[(EngineRequest, Vec<u32>)],
+) -> Result<WaveRun> {
+    let before = engine.metrics();
+    let started = Instant::now();
+    let streams: Vec<_> = wave
+        .iter()
+        .map(|(r, _)| engine.submit(r.clone()).map_err(|e| anyhow!("{e:?}")))
+        .collect::<Result<_>>()?;
+    // Each stream read on its own thread: when its first token came, and its tokens.
+    let got: Vec<(f64, Vec<u32>)> = std::thread::scope(|scope| {
+        let hs: Vec<_> = streams
+            .into_iter()
+            .map(|mut s| {
+                scope.spawn(move || {
+                    let (mut first, mut ids) = (0.0, Vec::new());
+                    while let Some(ev) = s.blocking_recv() {
+                        if let EngineEvent::Tokens { ids: new, .. } = ev {
+                            if ids.is_empty() {
+                                first = started.elapsed().as_secs_f64();
+                            }
+                            ids.extend(new);
+                        }
+                    }
+                    (first, ids)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let first = got.iter().map(|g| g.0).fold(0.0, f64::max);
+    let tokens: usize = got.iter().map(|g| g.1.len()).sum();
+    let total = started.elapsed().as_secs_f64();
+    let m = engine.metrics();
+    Ok(WaveRun {
+        tokens,
+        steps: m.steps_total - before.steps_total,
+        drafted: m.spec_decode_num_draft_tokens_total - before.spec_decode_num_draft_tokens_total,
+        accepted: m.spec_decode_num_accepted_tokens_total
+            - before.spec_decode_num_accepted_tokens_total,
+        tok_s: (tokens - wave.len()) as f64 / (total - first).max(1e-9),
+        got: got.into_iter().map(|g| g.1).collect(),
+    })
 }
 
 fn median(v: &mut [f64]) -> f64 {

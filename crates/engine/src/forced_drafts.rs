@@ -6,6 +6,7 @@
 //! would; only its tokens are swapped, so the step and draft times are the real ones.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use crate::api::StageTimes;
 use crate::executor::{CacheGeometry, Executor};
@@ -15,11 +16,13 @@ use crate::step::{StepLogits, StepPlan};
 /// in its proposal (0: the first); a spoiled draft is the right token plus one.
 pub type Spoil = Box<dyn FnMut(u64, u64, usize) -> bool + Send>;
 
+/// Each request's known tokens (prompt and output), by request key.
+pub type Known = Arc<Mutex<HashMap<u64, Vec<u32>>>>;
+
 /// An executor whose MTP drafts are the tokens each request is known to produce.
 pub struct ForcedDrafts<E> {
     inner: E,
-    /// Each request's known tokens (prompt and output), by request key.
-    known: HashMap<u64, Vec<u32>>,
+    known: Known,
     spoil: Option<Spoil>,
     steps: u64,
 }
@@ -30,21 +33,29 @@ impl<E: Executor> ForcedDrafts<E> {
     pub fn new(inner: E, known: HashMap<u64, Vec<u32>>, spoil: Option<Spoil>) -> Self {
         ForcedDrafts {
             inner,
-            known,
+            known: Arc::new(Mutex::new(known)),
             spoil,
             steps: 0,
         }
     }
 
+    /// The known tokens, shared: what is put there after the engine started drafts the requests
+    /// submitted after it.
+    pub fn known(&self) -> Known {
+        self.known.clone()
+    }
+
     /// The drafts for the chunks of a step that returned `out`, where the head proposed some.
     fn force(&mut self, plan: &StepPlan, out: &mut StepLogits) {
         self.steps += 1;
+        let known_all = self.known.clone();
+        let known_all = known_all.lock().unwrap_or_else(|e| e.into_inner());
         let mut first_row = 0;
         for (ci, c) in plan.chunks.iter().enumerate() {
             let rows = c.logits.count(c.tokens.len());
             let start = first_row;
             first_row += rows;
-            let (Some(spec), Some(known)) = (c.spec, self.known.get(&c.request)) else {
+            let (Some(spec), Some(known)) = (c.spec, known_all.get(&c.request)) else {
                 continue;
             };
             let Some(proposed) = out.drafts.get_mut(ci).filter(|d| !d.is_empty()) else {

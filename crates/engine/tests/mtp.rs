@@ -248,6 +248,23 @@ fn greedy_tokens_equal_those_without_drafts() {
 }
 
 #[test]
+fn known_tokens_given_through_the_handle_are_drafted() {
+    // What `sanmai bench` does between its passes: the known tokens replaced through the shared
+    // handle, here from nothing, before the requests come.
+    let waves = workload(&greedy(), &tokens(40));
+    let (want, _) = run(one_stage("qwen3_next_tiny"), config(0), &waves);
+    let forced = ForcedDrafts::new(one_stage("qwen3_next_tiny"), HashMap::new(), None);
+    forced.known().lock().unwrap().extend(known(&waves, &want));
+    let (got, m) = run(forced, config(2), &waves);
+    assert_same(&got, &want, "known through the handle");
+    assert!(m.spec_decode_num_draft_tokens_total > 0);
+    assert_eq!(
+        m.spec_decode_num_accepted_tokens_total,
+        m.spec_decode_num_draft_tokens_total
+    );
+}
+
+#[test]
 fn seeded_sampling_with_penalties_is_the_same_with_drafts() {
     let sampling = SamplingParams {
         temperature: 1.0,

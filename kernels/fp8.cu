@@ -7,33 +7,47 @@
 //                        once for all M rows, the block scale applied in f32 to each chunk's dot product
 //                        (the row-slot cut of gemv_plan over 16-byte chunks; segment tables as the other
 //                        GEMVs, so one launch serves up to GEMV_SEGS weights that read the same x).
+//   gemv_f8_tc[_f32]     the same for M = 2..8 on the tensor cores (k % 64 == 0, group % 64 == 0).
 //   dequant_f8           rows of W as bf16 (bf16(fp8 · scale), one rounding) for the prefill GEMM's tiles.
 //   moe_gemv_f8_*        the grouped GEMV of routed experts (moe.cu's tiles, address tables and cut),
 //                        FP8 experts.
 //
-// Decoding: an e4m3 byte S.EEEE.MMM is the f16 S.0EEEE.MMM0000000 times 2^8 (both biases and the
-// subnormals line up: code 1 = 2^-9 = f16 2^-17 · 2^8), so two bytes become an f16 pair with two masks and
-// shifts, and the f16 → f32 widening is exact. The 2^8 is folded into the scale (an exact product), so
-// every weight is exactly fp8(q) · scale as the CPU oracle computes it; only summation order differs. The
-// NaN codes (S.1111.111) decode as ±480 instead: checkpoints hold none.
+// Decoding: sm_89 and later convert e4m3 pairs to f16 pairs in hardware (cvt.rn.f16x2.e4m3x2, exact).
+// Older chips (sm_86) use that an e4m3 byte S.EEEE.MMM is the f16 S.0EEEE.MMM0000000 times 2^8 (both
+// biases and the subnormals line up: code 1 = 2^-9 = f16 2^-17 · 2^8): two masks and shifts a pair, the 2^8
+// folded into the scale (an exact product); there the NaN codes (S.1111.111) decode as ±480 (checkpoints
+// hold none). Either way the f16 → f32 widening is exact and every weight is exactly fp8(q) · scale as the
+// CPU oracle computes it; only summation order differs.
 #include "common.cuh"
 #include <cuda_fp16.h>
 
-// Two e4m3 bytes in the 16-bit lanes of t (t = b0 | b1 << 16) as an f16 pair, each value · 2^-8.
-__device__ __forceinline__ float2 f8pair(u32 t) {
+// The e4m3 pair in half `hi` (0: bytes 0, 1; 1: bytes 2, 3) of word w as f32 (first byte in .x), each
+// value / F8_UNSCALE: sm_89 and later convert in hardware (the values); older chips place each byte's bits
+// in an f16 (value · 2^-8). Exact either way.
+__device__ __forceinline__ float2 f8two(u32 w, int hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    const unsigned short s = (unsigned short)(hi ? (w >> 16) : (w & 0xffffu));
+    u32 h;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(s));
+#else
+    const u32 t = __byte_perm(w, 0, hi ? 0x4342 : 0x4140);  // b0 | b1 << 16 of the half
     const u32 h = ((t & 0x00800080u) << 8) | ((t & 0x007f007fu) << 7);
+#endif
     return __half22float2(*reinterpret_cast<const __half2*>(&h));
 }
 
-// The four e4m3 bytes of word w (LSB first) as f32 · 2^-8.
+// The factor the decoding leaves out, applied to the scale (an exact product).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define F8_UNSCALE 1.0f
+#else
+#define F8_UNSCALE 256.0f
+#endif
+
+// The four e4m3 bytes of word w (LSB first) as f32, each value / F8_UNSCALE.
 __device__ __forceinline__ void f8x4(u32 w, float q[4]) {
-    const float2 lo = f8pair(__byte_perm(w, 0, 0x4140));
-    const float2 hi = f8pair(__byte_perm(w, 0, 0x4342));
+    const float2 lo = f8two(w, 0), hi = f8two(w, 1);
     q[0] = lo.x; q[1] = lo.y; q[2] = hi.x; q[3] = hi.y;
 }
-
-// 2^8: the factor the f16 decoding leaves out.
-#define F8_UNSCALE 256.0f
 
 // ---- Decode GEMV ----
 // Row-slot cut (as quant.cu's 16-byte chunk GEMV): slots of 2^tpr_log2 threads own rps ≤ R rows; a
@@ -151,6 +165,114 @@ GEMV_F8(5, _f32, float, 1)
 GEMV_F8(6, _f32, float, 1)
 GEMV_F8(7, _f32, float, 1)
 GEMV_F8(8, _f32, float, 1)
+
+// ---- Batched decode (M = 2..8) on the tensor cores ----
+// quant.cu's INT8 tensor-core GEMV with FP8 pieces: a block of 256 threads (8 warps) owns 16 rows of W;
+// warp w takes the k-blocks w, w + 8, ... of 64 values, and lane (g = lane / 4, t = lane % 4) streams one
+// 16-byte piece (16 values) of rows g and g + 8 per k-block, values 64b + 16t ... The pieces decode
+// exactly to bf16 pairs (e4m3 → f16 → f32 → bf16: every e4m3 value / F8_UNSCALE is a bf16), X^T (k x 8,
+// rows of X past m zero) is the mma's B with lane t of column g reading x[g, 64b + 16t ..], so A's and
+// B's k orders agree. Each k-block lies inside one group (group % 64 == 0): its partial product is scaled
+// by the rows' group scales; the 8 warps' fragments are summed in shared memory. Requires k % 64 == 0,
+// 16-byte aligned W and X.
+__device__ __forceinline__ void f8_mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Values 2h, 2h + 1 (h = 0..7) of a piece's words as a bf16 pair (low half first).
+__device__ __forceinline__ u32 f8_bf16x2(const uint4& w, int h) {
+    const u32 word = (h >> 1) == 0 ? w.x : (h >> 1) == 1 ? w.y : (h >> 1) == 2 ? w.z : w.w;
+    const float2 f = f8two(word, h & 1);
+    return pack_bf16x2(f.x, f.y);
+}
+
+#define F8_TC_U 4  // k-blocks in flight a warp
+
+template <typename OUT>
+__device__ __forceinline__ void gemv_f8_tc_impl(const unsigned char* __restrict__ W, const float* __restrict__ S,
+                                                const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
+                                                int group, int m, int block) {
+    __shared__ float red[8][32][4];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const long long tile0 = (long long)block * 16;
+    // Rows past n read row n - 1 (never stored).
+    const long long ra = min(tile0 + g, (long long)n - 1), rb = min(tile0 + g + 8, (long long)n - 1);
+    const int pieces = k >> 4, nblk = k >> 6;
+    const uint4* wa = (const uint4*)(W + ra * k);
+    const uint4* wb = (const uint4*)(W + rb * k);
+    const bool xon = g < m;
+    const uint4* xr = (const uint4*)(X + (size_t)(xon ? g : 0) * k);
+    const int scols = (k + group - 1) / group;
+    const float* sa = S + ra * scols;
+    const float* sb = S + rb * scols;
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+    for (int b0 = warp; b0 < nblk; b0 += 8 * F8_TC_U) {
+        uint4 pa[F8_TC_U], pb[F8_TC_U], px[F8_TC_U][2];
+#pragma unroll
+        for (int i = 0; i < F8_TC_U; ++i) {
+            const int p = 4 * (b0 + 8 * i) + t;
+            const bool on = p < pieces;
+            pa[i] = on ? __ldcs(wa + p) : make_uint4(0, 0, 0, 0);
+            pb[i] = on ? __ldcs(wb + p) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int v = 0; v < 2; ++v) px[i][v] = on && xon ? __ldg(xr + 2 * p + v) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int i = 0; i < F8_TC_U; ++i) {
+            const int b = b0 + 8 * i;
+            const u32 xw[8] = {px[i][0].x, px[i][0].y, px[i][0].z, px[i][0].w,
+                               px[i][1].x, px[i][1].y, px[i][1].z, px[i][1].w};
+            float cp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            // Step s pairs A values 4s .. 4s + 3 of the lane's piece with x words 2s, 2s + 1.
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                const u32 a[4] = {f8_bf16x2(pa[i], 2 * s), f8_bf16x2(pb[i], 2 * s), f8_bf16x2(pa[i], 2 * s + 1),
+                                  f8_bf16x2(pb[i], 2 * s + 1)};
+                f8_mma(cp, a, xw[2 * s], xw[2 * s + 1]);
+            }
+            if (b < nblk) {
+                const float s0 = __ldg(sa + (b << 6) / group) * F8_UNSCALE;
+                const float s1 = __ldg(sb + (b << 6) / group) * F8_UNSCALE;
+                c[0] = fmaf(cp[0], s0, c[0]);
+                c[1] = fmaf(cp[1], s0, c[1]);
+                c[2] = fmaf(cp[2], s1, c[2]);
+                c[3] = fmaf(cp[3], s1, c[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][lane][i] = c[i];
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        // Output (row r of the tile, column j of X): c[(r / 8) · 2 + j % 2] of lane (r % 8) · 4 + j / 2.
+        const int r = threadIdx.x >> 3, j = threadIdx.x & 7;
+        const int ln = (r & 7) * 4 + (j >> 1), ci = (r >> 3) * 2 + (j & 1);
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) v += red[w][ln][ci];
+        const long long row = tile0 + r;
+        if (row < n && j < m) store_out<OUT>(Y, (size_t)j * n + row, v);
+    }
+}
+
+// Entry points: grid = every segment's ceil(n / 16) blocks of 256 threads; m = 2..8 rows of X.
+template <typename OUT>
+__device__ __forceinline__ void gemv_f8_tc_segs(const GemvSegs& t, const bf16* X, int k, int group, int m) {
+    const GemvSeg s = gemv_seg(t);
+    gemv_f8_tc_impl<OUT>((const unsigned char*)s.w, s.s, X, (OUT*)s.y, s.n, k, group, m, gemv_seg_block(s));
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_f8_tc(GEMV_F8_ARGS, int m) {
+    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), (long long)k));
+    gemv_f8_tc_segs<bf16>(t, X, k, group, m);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_f8_tc_f32(GEMV_F8_ARGS, int m) {
+    pdl_prologue_prefetch(gemv_tile_span(gemv_seg(t), (long long)k));
+    gemv_f8_tc_segs<float>(t, X, k, group, m);
+}
 
 // ---- Dequantisation for the prefill GEMM ----
 // Rows row0 .. row0 + rows of W as bf16 [rows, k]: one thread per 16-value chunk, bf16(fp8 · scale).

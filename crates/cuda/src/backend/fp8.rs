@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use sanmai_model::backend::PackedTensor;
+use sanmai_model::backend::{PackedTensor, PackedWords};
 
 use super::tensor::{CudaTensor, CudaWeight, Fp8Weight};
 use super::CudaBackend;
@@ -37,8 +37,20 @@ impl CudaBackend {
         if !fp8_fits(p.group_size, k) || n == 0 {
             return self.weight_impl(p.dequantize(), &[n, k]);
         }
-        let raw = p.packed_bytes();
         // k % 16 == 0, so rows hold no padding and the words' bytes are the codes in order.
+        let raw: &[u8] = match &p.packed {
+            PackedWords::Bytes(b) => b,
+            // SAFETY: the bytes of an initialised [u32] (any bit pattern is a valid u8, u8 has
+            // alignment 1), in memory order: on a little-endian host the words' codes in order.
+            PackedWords::Owned(w) => unsafe {
+                std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), 4 * w.len())
+            },
+        };
+        ensure(
+            cfg!(target_endian = "little") && raw.len() >= n * k,
+            "fp8_weight",
+            || format!("{} FP8 bytes for [{n}, {k}]", raw.len()),
+        )?;
         let bytes = self.gpu.upload(&raw[..n * k])?;
         let scales = self.gpu.upload(&p.scales)?;
         {
@@ -127,7 +139,6 @@ impl CudaBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sanmai_model::backend::PackedWords;
 
     #[test]
     fn device_bytes_are_one_a_weight_plus_scales() {

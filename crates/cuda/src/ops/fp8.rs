@@ -5,7 +5,9 @@
 //!
 //! - Decode: [`Gpu::gemv_fp8`] / [`Gpu::gemv_fp8_f32`] / [`Gpu::gemv_fp8_many`],
 //!   `y[m, :] = W · x[m, :]` for 1 ≤ m ≤ 8: one byte a weight, read once for every row of x, each
-//!   16-value chunk's dot product times its block scale in f32, one rounding per output.
+//!   16-value chunk's dot product times its block scale in f32, one rounding per output. Batches of
+//!   2..8 rows with `k` and the group whole k-blocks of 64 run on the tensor cores (the weights decoded
+//!   exactly to bf16), others on the FMA GEMV.
 //! - Prefill: [`Gpu::gemm_fp8`] dequantises W tile by tile into a caller-owned bf16 workspace
 //!   ([`Gpu::dequant_fp8`], `bf16(fp8 · scale)`) and multiplies each tile with cuBLAS.
 //! - Routed experts: [`Gpu::moe_gemv_fp8`], the grouped GEMV of `ops::moe` over FP8 experts.
@@ -32,6 +34,15 @@ fn f8_rows(m: usize) -> usize {
         1
     }
 }
+/// Whether an FP8 GEMV of `m` rows of x runs on the tensor cores (`gemv_f8_tc*`): 2..=8 rows, `k` whole
+/// k-blocks of 64 values and groups of whole k-blocks. Depends on the shape alone.
+fn tensor_core_fp8(group: usize, m: usize, k: usize) -> bool {
+    (2..=8).contains(&m) && k.is_multiple_of(64) && group.is_multiple_of(64)
+}
+
+/// Rows of W a tensor-core FP8 GEMV block owns.
+const TC_ROWS: usize = 16;
+
 /// Threads per block of the grouped FP8 GEMV.
 const MOE_THREADS: usize = 256;
 
@@ -156,7 +167,8 @@ impl Gpu {
         ensure(self.addr(x).is_multiple_of(16), OP, || {
             "x must be 16-byte aligned".into()
         })?;
-        let (ki, gi) = (int(OP, "k", k)?, int(OP, "group", group)?);
+        let (ki, gi, mi) = (int(OP, "k", k)?, int(OP, "group", group)?, int(OP, "m", m)?);
+        let tc = tensor_core_fp8(group, m, k);
         let sms = self.info().multiprocessors as usize;
         let s = self.stream();
         let mut table = SegTable::new();
@@ -167,25 +179,38 @@ impl Gpu {
             let (yp, gy) = y.device_ptr_mut(s);
             guards.extend([gw, gs, gy]);
             ensure(wp % 16 == 0, OP, || "W must be 16-byte aligned".into())?;
-            // Work items of a row: 16-byte chunks.
-            let plan = gemv_plan(*n, k / 16, f8_rows(m), sms);
             let addrs = SegAddrs {
                 w: wp,
                 s: sp,
                 y: yp,
             };
-            table.push(OP, addrs, *n, plan.blocks, Some(plan))?;
+            if tc {
+                table.push(OP, addrs, *n, n.div_ceil(TC_ROWS), None)?;
+            } else {
+                // Work items of a row: 16-byte chunks.
+                let plan = gemv_plan(*n, k / 16, f8_rows(m), sms);
+                table.push(OP, addrs, *n, plan.blocks, Some(plan))?;
+            }
         }
         let grid = table.grid(OP)?;
         if grid == 0 {
             return Ok(());
         }
-        let mut b = self.launch(self.kernel(&format!("gemv_f8{suffix}_m{m}"))?);
-        b.arg(table.segs()).ptr(x).arg(&ki).arg(&gi);
-        // SAFETY: argument types match the kernel; every segment's lengths and alignment and the k and
-        // group rules checked above; each segment's plan has rps ≤ f8_rows(m), slots of at most the block
-        // and blocks covering its n.
-        unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+        if tc {
+            let mut b = self.launch(self.kernel(&format!("gemv_f8_tc{suffix}"))?);
+            b.arg(table.segs()).ptr(x).arg(&ki).arg(&gi).arg(&mi);
+            // SAFETY: argument types match the kernel; every segment's lengths and alignment and the
+            // tensor-core k and group rules (tensor_core_fp8) checked above; 2 ≤ m ≤ 8; each segment's
+            // blocks cover its n in tiles of 16 rows.
+            unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+        } else {
+            let mut b = self.launch(self.kernel(&format!("gemv_f8{suffix}_m{m}"))?);
+            b.arg(table.segs()).ptr(x).arg(&ki).arg(&gi);
+            // SAFETY: argument types match the kernel; every segment's lengths and alignment and the k
+            // and group rules checked above; each segment's plan has rps ≤ f8_rows(m), slots of at most
+            // the block and blocks covering its n.
+            unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+        }
         drop(guards);
         Ok(())
     }
@@ -362,6 +387,16 @@ mod tests {
         assert!(!fp8_fits(8, 64));
         assert!(!fp8_fits(0, 64));
         assert!(!fp8_fits(128, 0));
+    }
+
+    #[test]
+    fn batches_of_whole_k_blocks_take_the_tensor_cores() {
+        assert!(tensor_core_fp8(128, 2, 2048));
+        assert!(tensor_core_fp8(128, 8, 512));
+        assert!(!tensor_core_fp8(128, 1, 2048));
+        assert!(!tensor_core_fp8(128, 9, 2048));
+        assert!(!tensor_core_fp8(128, 4, 160));
+        assert!(!tensor_core_fp8(16, 4, 256));
     }
 
     #[test]

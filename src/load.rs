@@ -338,7 +338,13 @@ impl ModelArgs {
                     Ok(backend)
                 });
                 let backends: Vec<Result<_>> = backends.collect();
-                let info = info.expect("at least one stage");
+                let Some(info) = info else {
+                    // No device opened: the first one's error says why.
+                    return Err(backends
+                        .into_iter()
+                        .find_map(Result::err)
+                        .unwrap_or_else(|| anyhow!("no pipeline stage to load")));
+                };
                 let mut device = format!("cuda ({}", info.name);
                 if !options.cuda_graphs {
                     device.push_str(", CUDA graphs off");

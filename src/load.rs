@@ -343,7 +343,7 @@ impl ModelArgs {
                     return Err(backends
                         .into_iter()
                         .find_map(Result::err)
-                        .unwrap_or_else(|| anyhow!("no pipeline stage to load")));
+                        .unwrap_or_else(|| anyhow::anyhow!("no pipeline stage to load")));
                 };
                 let mut device = format!("cuda ({}", info.name);
                 if !options.cuda_graphs {

@@ -144,27 +144,22 @@ __device__ __forceinline__ void gemv_f8_segs(const GemvSegs& t, const bf16* X, i
 // Grid: every segment's ceil(n / (rps · 256 / 2^tpr_log2)) blocks of 256 threads. The first statement asks
 // L2 for the block's weight rows before the PDL wait.
 #define GEMV_F8_ARGS const GemvSegs t, const bf16* X, int k, int group
-#define GEMV_F8(M, OUTN, OUT, MINB)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, MINB) gemv_f8##OUTN##_m##M(GEMV_F8_ARGS) {             \
-        pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k));                                    \
-        gemv_f8_segs<M, (M <= 4 ? 2 : 1), OUT>(t, X, k, group);                                              \
-    }
-GEMV_F8(1, , bf16, 3)
-GEMV_F8(2, , bf16, 2)
-GEMV_F8(3, , bf16, 2)
-GEMV_F8(4, , bf16, 2)
-GEMV_F8(5, , bf16, 1)
-GEMV_F8(6, , bf16, 1)
-GEMV_F8(7, , bf16, 1)
-GEMV_F8(8, , bf16, 1)
-GEMV_F8(1, _f32, float, 3)
-GEMV_F8(2, _f32, float, 2)
-GEMV_F8(3, _f32, float, 2)
-GEMV_F8(4, _f32, float, 2)
-GEMV_F8(5, _f32, float, 1)
-GEMV_F8(6, _f32, float, 1)
-GEMV_F8(7, _f32, float, 1)
-GEMV_F8(8, _f32, float, 1)
+extern "C" __global__ void __launch_bounds__(256, 3) gemv_f8_m1(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<1, 2, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_f8_m2(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<2, 2, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_f8_m3(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<3, 2, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_f8_m4(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<4, 2, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_f8_m5(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<5, 1, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_f8_m6(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<6, 1, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_f8_m7(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<7, 1, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_f8_m8(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<8, 1, bf16>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 3) gemv_f8_f32_m1(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<1, 2, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_f8_f32_m2(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<2, 2, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_f8_f32_m3(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<3, 2, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 2) gemv_f8_f32_m4(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<4, 2, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_f8_f32_m5(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<5, 1, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_f8_f32_m6(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<6, 1, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_f8_f32_m7(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<7, 1, float>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 1) gemv_f8_f32_m8(GEMV_F8_ARGS) { pdl_prologue_prefetch(gemv_slot_span(gemv_seg(t), (long long)k)); gemv_f8_segs<8, 1, float>(t, X, k, group); }
 
 // ---- Batched decode (M = 2..8) on the tensor cores ----
 // quant.cu's INT8 tensor-core GEMV with FP8 pieces: a block of 256 threads (8 warps) owns 16 rows of W;

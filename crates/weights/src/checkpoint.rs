@@ -31,10 +31,27 @@ struct Entry {
     end: usize,
 }
 
+/// A safetensors file's bytes: mapped from disk, or embedded in the binary.
+enum FileBytes {
+    Mapped(Mmap),
+    Static(&'static [u8]),
+}
+
+impl std::ops::Deref for FileBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            FileBytes::Mapped(m) => m,
+            FileBytes::Static(b) => b,
+        }
+    }
+}
+
 /// An opened checkpoint directory.
 pub struct Checkpoint {
     dir: PathBuf,
-    files: Vec<(PathBuf, Mmap)>,
+    files: Vec<(PathBuf, FileBytes)>,
     tensors: HashMap<String, Entry>,
     quant: Option<QuantConfig>,
     fp8: Option<Fp8Config>,
@@ -105,34 +122,7 @@ impl Checkpoint {
             // SAFETY: the file is opened read-only; the engine never writes to checkpoint files and treats a
             // concurrent external modification as undefined, as every mmap-based loader does.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| file_err(&path, e.to_string()))?;
-            let (header_len, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| {
-                file_err(
-                    &path,
-                    format!("not a valid safetensors file (truncated?): {e}"),
-                )
-            })?;
-            let base = 8 + header_len;
-            let file_idx = ckpt.files.len();
-            for (name, info) in meta.tensors() {
-                let (s, e) = info.data_offsets;
-                if base + e > mmap.len() {
-                    return Err(file_err(
-                        &path,
-                        format!("tensor `{name}` runs past the end of the file (truncated)"),
-                    ));
-                }
-                ckpt.tensors.insert(
-                    name,
-                    Entry {
-                        file: file_idx,
-                        dtype: info.dtype,
-                        shape: info.shape.clone(),
-                        start: base + s,
-                        end: base + e,
-                    },
-                );
-            }
-            ckpt.files.push((path, mmap));
+            ckpt.add_file(path, FileBytes::Mapped(mmap))?;
         }
         let packed = ckpt.tensors.keys().any(|n| n.ends_with("_packed"));
         let fp8 = ckpt.tensors.values().any(|e| e.dtype == StDtype::F8_E4M3);
@@ -140,6 +130,55 @@ impl Checkpoint {
             (ckpt.quant, ckpt.fp8) = read_quant_config(&dir.join("config.json"))?;
         }
         Ok(ckpt)
+    }
+
+    /// A checkpoint of one safetensors file held in memory for the life of the program (embedded in
+    /// the binary), with its `config.json` text; `name` stands for its path in messages.
+    pub fn from_static(name: &str, bytes: &'static [u8], config_json: &str) -> Result<Self> {
+        let path = PathBuf::from(name);
+        let mut ckpt = Checkpoint {
+            dir: path.clone(),
+            files: Vec::new(),
+            tensors: HashMap::new(),
+            quant: None,
+            fp8: None,
+        };
+        ckpt.add_file(path.clone(), FileBytes::Static(bytes))?;
+        (ckpt.quant, ckpt.fp8) = quant_config_of(config_json, &path)?;
+        Ok(ckpt)
+    }
+
+    /// Reads the header of one safetensors file and records its tensors.
+    fn add_file(&mut self, path: PathBuf, bytes: FileBytes) -> Result<()> {
+        let (header_len, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| {
+            file_err(
+                &path,
+                format!("not a valid safetensors file (truncated?): {e}"),
+            )
+        })?;
+        let base = 8 + header_len;
+        let file_idx = self.files.len();
+        for (name, info) in meta.tensors() {
+            let (s, e) = info.data_offsets;
+            if base + e > bytes.len() {
+                return Err(file_err(
+                    &path,
+                    format!("tensor `{name}` runs past the end of the file (truncated)"),
+                ));
+            }
+            self.tensors.insert(
+                name,
+                Entry {
+                    file: file_idx,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    start: base + s,
+                    end: base + e,
+                },
+            );
+        }
+        self.files.push((path, bytes));
+        Ok(())
     }
 
     /// The quantization the packed tensors follow (read from `config.json` when the checkpoint has any).
@@ -379,8 +418,13 @@ fn read_quant_config(path: &Path) -> Result<(Option<QuantConfig>, Option<Fp8Conf
     let Ok(text) = std::fs::read_to_string(path) else {
         return Ok((None, None));
     };
+    quant_config_of(&text, path)
+}
+
+/// The `quantization_config` of the `config.json` text read from `path`.
+fn quant_config_of(text: &str, path: &Path) -> Result<(Option<QuantConfig>, Option<Fp8Config>)> {
     let v: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| file_err(path, format!("not valid JSON: {e}")))?;
+        serde_json::from_str(text).map_err(|e| file_err(path, format!("not valid JSON: {e}")))?;
     let q = v.get("quantization_config").or_else(|| {
         v.get("text_config")
             .and_then(|t| t.get("quantization_config"))

@@ -516,13 +516,16 @@ impl MemoryPlan {
                 |b| format!("{} ({b} bytes)", gib(b)),
             );
             out.push(format!(
-                "pinned host RAM: {} ({pinned} bytes) for the QSA K/V rows of {} blocks{}; \
-                 MemAvailable now {available}",
+                "pinned host RAM: {} ({pinned} bytes) for {}; MemAvailable now {available}",
                 gib(pinned),
-                self.cache.num_blocks,
-                match self.tower_host {
-                    0 => String::new(),
-                    b => format!(" and the vision tower's blocks ({})", gib(b)),
+                match (pinned - self.tower_host, self.tower_host) {
+                    (_, 0) => format!("the QSA K/V rows of {} blocks", self.cache.num_blocks),
+                    (0, t) => format!("the vision tower's blocks ({})", gib(t)),
+                    (_, t) => format!(
+                        "the QSA K/V rows of {} blocks and the vision tower's blocks ({})",
+                        self.cache.num_blocks,
+                        gib(t)
+                    ),
                 }
             ));
         }

@@ -336,3 +336,36 @@ fn an_mtp_directory_counts_its_own_quantization() {
         "{plain} GiB with the head in bf16, {int4} with its experts in INT4"
     );
 }
+
+#[test]
+fn the_vision_tower_streamed_from_host_memory_is_planned_there() {
+    let cfg = path("configs/models/qwen3.5-35b-a3b.json");
+    let plan = |more: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "--config",
+            &cfg,
+            "--device",
+            "cuda:0",
+            "--gpu-memory-budget",
+            "120GiB",
+        ];
+        args.extend_from_slice(more);
+        plan_lines(&ok_stdout(&sanmai(&args)))
+    };
+    let resident = plan(&[]);
+    let streamed = plan(&["--vit-on-host"]);
+    // 857.6 MiB of weights and a 16 MP image's activations against two block slots of 29.1 MiB.
+    let tower = |lines: &[String]| gib_after(&lines[0], "vision tower");
+    assert!(
+        tower(&resident) - tower(&streamed) > 0.7,
+        "{resident:?} {streamed:?}"
+    );
+    let last = streamed.last().unwrap();
+    assert!(
+        last.starts_with("pinned host RAM: 0.77 GiB")
+            && last.contains("for the vision tower's blocks (0.77 GiB)"),
+        "{last}"
+    );
+    assert!(!resident.iter().any(|l| l.starts_with("pinned host RAM")));
+}

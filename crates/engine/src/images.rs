@@ -215,9 +215,16 @@ impl PromptImages {
 
 /// What the prefix cache hashes of a sequence's `tokens`: the tokens, with each image row replaced
 /// by its key (the image's hash and the row's index in it), so that the same image hits the cache
-/// and another image behind the same placeholders does not.
-pub(crate) fn cache_tokens<'a>(images: Option<&PromptImages>, tokens: &'a [u32]) -> Cow<'a, [u32]> {
-    let Some(images) = images else {
+/// and another image behind the same placeholders does not. The caller reads positions from
+/// `reads_from` on only: when every image row lies before it (a decode step past the prompt), the
+/// tokens come back as they are, not copied.
+pub(crate) fn cache_tokens<'a>(
+    images: Option<&PromptImages>,
+    tokens: &'a [u32],
+    reads_from: usize,
+) -> Cow<'a, [u32]> {
+    let Some(images) = images.filter(|i| i.keys.last().is_some_and(|&(r, _)| r >= reads_from))
+    else {
         return Cow::Borrowed(tokens);
     };
     let mut out = tokens.to_vec();

@@ -45,6 +45,14 @@ pub struct SeqCache {
     root: BlockHash,
 }
 
+impl SeqCache {
+    /// Positions before this many are hashed already: [`CacheManager::after_step`] reads the tokens
+    /// from here on.
+    pub fn hashed_tokens(&self, block_size: usize) -> usize {
+        self.hashes.len() * block_size
+    }
+}
+
 struct Checkpoint {
     state: usize,
     /// The partial block a non-aligned checkpoint holds.

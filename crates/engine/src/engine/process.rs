@@ -86,7 +86,13 @@ impl<E: Executor> Engine<E> {
             seq.num_computed += c.tokens.len();
             let prompt_len = seq.prompt_len();
             let progress = Progress {
-                tokens: &cache_tokens(seq.req.images.as_deref(), &seq.tokens),
+                tokens: &cache_tokens(
+                    seq.req.images.as_deref(),
+                    &seq.tokens,
+                    seq.cache
+                        .as_ref()
+                        .map_or(0, |c| c.hashed_tokens(self.cfg.block_size)),
+                ),
                 before,
                 after: seq.num_computed,
                 prompt_len,
@@ -251,7 +257,11 @@ impl<E: Executor> Engine<E> {
         }
         seq.num_computed = c.pos0 + c.tokens.len();
         let progress = Progress {
-            tokens: &cache_tokens(seq.req.images.as_deref(), &seq.tokens),
+            tokens: &cache_tokens(
+                seq.req.images.as_deref(),
+                &seq.tokens,
+                cache.hashed_tokens(self.cfg.block_size),
+            ),
             before: c.pos0,
             after: seq.num_computed,
             prompt_len: seq.req.prompt.len(),

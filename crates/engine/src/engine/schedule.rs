@@ -101,7 +101,7 @@ impl<E: Executor> Engine<E> {
             let lookup = !(seq.req.prompt_logprobs && seq.num_output() == 0);
             let admitted = self.cache.admit(
                 &mut self.executor,
-                &cache_tokens(seq.req.images.as_deref(), &seq.tokens),
+                &cache_tokens(seq.req.images.as_deref(), &seq.tokens, 0),
                 &seq.req.cache_salt,
                 lookup,
             );

@@ -1,5 +1,6 @@
 //! Where a model comes from: a checkpoint directory, random weights for a config file, or the built-in
-//! default model (random weights from a fixed seed plus the real Qwen3.5/3.6 vocabulary).
+//! default model (its trained weights embedded in the binary, or with `--load-format dummy` random
+//! weights from a fixed seed; the real Qwen3.5/3.6 vocabulary either way).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -49,14 +50,15 @@ const BUILTIN_DEFAULT_MAX_TOKENS: usize = 512;
 pub enum LoadFormat {
     /// Read the weights from the checkpoint's safetensors files.
     Auto,
-    /// Random weights of the right shapes (needs a config: --model DIR or --config FILE).
+    /// Random weights of the right shapes (for --model DIR's or --config FILE's config; without either,
+    /// the built-in model's random form).
     Dummy,
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// A Hugging Face model directory (config.json, *.safetensors, tokenizer files). Without it (and without
-    /// --config) the built-in default model is used.
+    /// --config) the built-in default model is used (with --load-format dummy: its random form).
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// How to get the weights.
@@ -294,7 +296,13 @@ impl ModelArgs {
                     .with_fp8(cfg.fp8.clone());
                 (file.display().to_string(), cfg, Box::new(src))
             }
-            (None, None, _) => (
+            (None, None, LoadFormat::Auto) => (
+                builtin::NAME.to_string(),
+                builtin::trained_config(),
+                Box::new(builtin::trained_checkpoint()),
+            ),
+            // The random built-in model: shapes, not answers.
+            (None, None, LoadFormat::Dummy) => (
                 builtin::NAME.to_string(),
                 builtin::config(),
                 Box::new(Dummy::new(self.weight_seed)),

@@ -75,11 +75,19 @@ impl Source {
                 checkpoint: None,
                 mtp_quant: None,
             },
-            (None, None) => Source {
-                name: builtin::NAME.into(),
-                cfg: served(builtin::config()),
-                checkpoint: None,
-                mtp_quant: None,
+            (None, None) => match m.load_format {
+                LoadFormat::Auto => Source {
+                    name: builtin::NAME.into(),
+                    cfg: served(builtin::trained_config()),
+                    checkpoint: Some(builtin::trained_checkpoint()),
+                    mtp_quant: None,
+                },
+                LoadFormat::Dummy => Source {
+                    name: builtin::NAME.into(),
+                    cfg: served(builtin::config()),
+                    checkpoint: None,
+                    mtp_quant: None,
+                },
             },
         })
         .and_then(|s| s.with_mtp_dir(m))

@@ -254,8 +254,11 @@ fn bad_input_is_a_clear_error() {
 
 #[test]
 fn switch_flags_parse_and_cuda_ones_warn_on_the_cpu() {
+    // The random built-in model: two tokens whatever they are.
     let out = sanmai(&[
         "generate",
+        "--load-format",
+        "dummy",
         "--device",
         "cpu",
         "--prompt-ids",

@@ -31,8 +31,6 @@ import os
 import random
 import sys
 
-import numpy as np
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 REPO = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -157,6 +155,8 @@ def pack(path, n, seed, max_len, template):
     """Renders and tokenizes `n` training exchanges into `path` (.npz): `ids` (all exchanges' tokens,
     int32, one after the other), `offsets` (where each starts; one more than exchanges), `reply_start`
     (each exchange's first reply token, relative to its start), `kind` (index into `kinds`)."""
+    import numpy as np
+
     from tokenization import IM_END_ID, Tokenizer
 
     tok = Tokenizer()

@@ -213,6 +213,8 @@ def main():
                    "for `train.py --eval-prompts`, and exit")
     p.add_argument("--score-generated", default=None, help="score train.py's generated.json instead of a server")
     p.add_argument("--min-share", type=float, default=None, help="exit 1 when a kind scores below this")
+    p.add_argument("--require-stop", action="store_true", help="exit 1 unless every reply ended by itself "
+                   "(finish_reason stop or tool_calls) and the rendering matched the server's")
     p.add_argument("--out", default=None, help="also write the report (with every reply) here")
     args = p.parse_args()
 
@@ -256,6 +258,10 @@ def main():
     if args.min_share is not None and (report["min_kind"] is None or report["min_kind"] < args.min_share
                                        or report["render_mismatches"]):
         print(f"FAIL: a kind scored below {args.min_share} (or the rendering differs)", file=sys.stderr)
+        return 1
+    if args.require_stop and (report["stopped"] != report["n"] or report["render_mismatches"]):
+        print(f"FAIL: {report['n'] - report['stopped']} replies did not end by themselves, "
+              f"{report['render_mismatches']} renderings differ", file=sys.stderr)
         return 1
     return 0
 

@@ -178,7 +178,7 @@ def load_packed(path, max_len):
     return out, len(starts) - len(out)
 
 
-def batches(encoded, tokens_per_batch, rng, max_batch=512):
+def batches(encoded, tokens_per_batch, rng, max_batch=768):
     """Endless batches of similar lengths (sorted within a window) of about `tokens_per_batch` padded
     tokens each, right-padded."""
     order = list(range(len(encoded)))
@@ -213,9 +213,14 @@ def batches(encoded, tokens_per_batch, rng, max_batch=512):
 # ------------------------------------------------------------------------------------------------
 
 
-def head_loss(model, hidden, targets):
-    """Cross-entropy of the tied LM head on selected positions, in chunks (the vocabulary is wide)."""
+def head_loss(model, hidden, targets, active=None):
+    """Cross-entropy of the tied LM head on selected positions, in chunks (the vocabulary is wide).
+    With `active` (sorted token ids, those of the training data), the softmax runs over those rows
+    only: a CPU can afford that head."""
     w = model.lm_head.weight
+    if active is not None:
+        w = w[active]
+        targets = torch.searchsorted(active, targets)
     total = hidden.new_zeros((), dtype=torch.float32)
     for s in range(0, hidden.shape[0], 4096):
         logits = F.linear(hidden[s : s + 4096], w).float()
@@ -228,12 +233,12 @@ def step_loss(model, mtp, ids, mask, args):
     h = out.last_hidden_state
     # Position t predicts ids[t+1]; counted where ids[t+1] belongs to the reply.
     sel = mask[:, 1:]
-    loss = head_loss(model, h[:, :-1][sel], ids[:, 1:][sel])
+    loss = head_loss(model, h[:, :-1][sel], ids[:, 1:][sel], args.active)
     mtp_loss = torch.zeros((), device=ids.device)
     if mtp is not None and args.mtp_weight > 0 and ids.shape[1] > 2:
         d = mtp(model, ids, h)  # [B, T-1, H]; index t predicts ids[t+2]
         sel2 = mask[:, 2:]
-        mtp_loss = head_loss(model, d[:, :-1][sel2], ids[:, 2:][sel2])
+        mtp_loss = head_loss(model, d[:, :-1][sel2], ids[:, 2:][sel2], args.active)
     aux = torch.zeros((), device=ids.device)
     if args.aux_loss > 0 and getattr(out, "router_logits", None):
         aux = q35.load_balancing_loss_func(
@@ -275,6 +280,29 @@ def pack_int4(w, group):
     scale = best_s.view(rows, cols // group).to(torch.bfloat16)
     deq = (best_s * torch.round(g / best_s).clamp(-8, 7)).view(rows, cols)
     return words, scale, torch.tensor([rows, cols], dtype=torch.int32), deq
+
+
+def unpack_int4(words, scale, shape):
+    """The inverse of pack_int4: the dequantized [rows, cols] matrix."""
+    rows, cols = (int(v) for v in shape)
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    q = torch.stack([(w >> (4 * j)) & 0xF for j in range(8)], -1).view(rows, cols) - 8
+    group = cols // scale.shape[1]
+    return (q.float().view(rows, cols // group, group) * scale.float().unsqueeze(-1)).view(rows, cols)
+
+
+def load_init(path, model, mtp):
+    """Starts from an exported checkpoint (its INT4 embedding dequantized)."""
+    t = load_file(os.path.join(path, "model.safetensors"))
+    prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in t) else "model."
+    emb = prefix + "embed_tokens.weight"
+    if emb + "_packed" in t:
+        t[emb] = unpack_int4(t[emb + "_packed"], t[emb + "_scale"], t[emb + "_shape"])
+    sd = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix) and not k.startswith(emb + "_")}
+    model.model.load_state_dict(sd, strict=True)
+    if mtp is not None:
+        mtp.load_state_dict({k[4:]: v for k, v in t.items() if k.startswith("mtp.")}, strict=True)
+    log(f"started from {path} ({len(sd)} tensors)")
 
 
 def export(out_dir, top, text, model, mtp, args):
@@ -419,6 +447,9 @@ def main():
                    "their greedy continuations are written to OUT_DIR/generated.json (score them with "
                    "`eval.py --score-generated`)")
     p.add_argument("--eval-max-new", type=int, default=96)
+    p.add_argument("--active-vocab", action="store_true", help="softmax over the training data's tokens "
+                   "only (a cheap head for training on a CPU; other rows keep their weights)")
+    p.add_argument("--init", default=None, help="start from this exported checkpoint (same sizes)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
@@ -445,6 +476,8 @@ def main():
     model.tie_weights()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "embeddings not tied"
     mtp = MtpHead(cfg).to(device) if text.get("mtp_num_hidden_layers", 0) else None
+    if args.init:
+        load_init(args.init, model, mtp)
     n_params = sum(p.numel() for p in model.parameters()) + (sum(p.numel() for p in mtp.parameters()) if mtp else 0)
     n_embed = model.model.embed_tokens.weight.numel()
     log(f"model: hidden {cfg.hidden_size}, layers {cfg.layer_types}, experts {cfg.num_experts} top-"
@@ -461,6 +494,11 @@ def main():
     log(f"data: {len(encoded)} exchanges ({skipped} over {args.max_len} tokens left out), {n_tok} tokens, "
         f"{n_reply} reply tokens, {time.time() - t0:.1f}s")
 
+    args.active = None
+    if args.active_vocab:
+        ids_seen = sorted({t for x, _ in encoded for t in x} | set(EOS_IDS))
+        args.active = torch.tensor(ids_seen, dtype=torch.long, device=device)
+        log(f"softmax over the {len(ids_seen)} tokens of the training data")
     params = list(model.parameters()) + (list(mtp.parameters()) if mtp else [])
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -540,9 +578,11 @@ def main():
     size = export(args.out_dir, top, text, model.float(), mtp.float() if mtp else None, args)
     check = check_export(args.out_dir, model, args)
     log(f"export check: {check}")
+    args.active = None if args.active is None else int(args.active.numel())
     summary = {
         "args": vars(args),
         "data_seed": args.seed,
+        "data_pack_seed": int(__import__("numpy").load(args.data)["seed"]) if args.data else None,
         "parameters": n_params,
         "exchanges": len(encoded),
         "steps": step,

@@ -11,7 +11,7 @@
 # The agent talks to the server through tests/clients/logging_proxy.py, which records every request (full
 # bodies under the work directory, printed as a table at the end), so a request the server refuses is named
 # exactly. The agent runs with a throw-away HOME and working directory. QWEN_TIMEOUT (seconds, default 900)
-# bounds the run, QWEN_MAX_OUTPUT_TOKENS (default 64) each reply; QWEN_KEEP=1 keeps the work directory.
+# bounds the run, QWEN_MAX_OUTPUT_TOKENS (default: qwen-code's own, 8,000) each reply; QWEN_KEEP=1 keeps the work directory.
 set -euo pipefail
 
 port=${1:?usage: qwen_code.sh PORT [QWEN_BIN] [MODEL]}
@@ -44,10 +44,10 @@ status=0
 started=$(date +%s)
 (
     cd "$work/project"
-    # A model with random weights never ends a reply by itself: without a bound, qwen-code asks for 8,000
-    # tokens and, when they run out, asks again for 64,000. QWEN_CODE_MAX_OUTPUT_TOKENS is its own setting
-    # for the reply budget (it also turns that escalation off).
-    HOME="$work/home" NO_COLOR=1 CI=true QWEN_CODE_MAX_OUTPUT_TOKENS="${QWEN_MAX_OUTPUT_TOKENS:-64}" timeout "${QWEN_TIMEOUT:-900}" "$qwen" -p "say hi" --yolo \
+    # qwen-code's own settings: it asks for 8,000 output tokens a reply. The built-in model ends its replies
+    # by itself. QWEN_MAX_OUTPUT_TOKENS, when set, lowers that budget through qwen-code's
+    # QWEN_CODE_MAX_OUTPUT_TOKENS (a model that never ends a reply, e.g. random weights, needs it).
+    HOME="$work/home" NO_COLOR=1 CI=true env ${QWEN_MAX_OUTPUT_TOKENS:+QWEN_CODE_MAX_OUTPUT_TOKENS="$QWEN_MAX_OUTPUT_TOKENS"} timeout "${QWEN_TIMEOUT:-900}" "$qwen" -p "say hi" --yolo \
         --auth-type openai --openai-base-url "http://127.0.0.1:$proxy_port/v1" --openai-api-key x \
         -m "$model" </dev/null
 ) >"$work/qwen.out" 2>"$work/qwen.err" || status=$?

@@ -22,11 +22,23 @@ pub struct ServerProc {
 const READY_TIMEOUT: Duration = Duration::from_secs(120);
 
 impl ServerProc {
-    /// Starts `sanmai serve --port 0 ARGS` and waits for it to listen (not for the model).
+    /// Starts `sanmai serve --port 0 ARGS` and waits for it to listen (not for the model). Without a
+    /// model flag (`--model`, `--config`, `--load-format`) it serves the random built-in model
+    /// (`--load-format dummy`): these tests check shapes, not answers; `--load-format auto` serves the
+    /// trained one.
     pub fn spawn(args: &[&str]) -> ServerProc {
+        let random = if args
+            .iter()
+            .any(|a| matches!(*a, "--model" | "--config" | "--load-format"))
+        {
+            &[][..]
+        } else {
+            &["--load-format", "dummy"][..]
+        };
         let mut child = Command::new(env!("CARGO_BIN_EXE_sanmai"))
             .arg("serve")
             .args(["--port", "0"])
+            .args(random)
             .args(args)
             .env("RUST_LOG", "info")
             .env("NO_COLOR", "1")

@@ -143,6 +143,45 @@ fn what_is_wrong_with_an_fp8_weight_is_named() {
     );
 }
 
+/// A backend that consumes FP8 gets a converted Linear from `packed`: its bytes (here a row of 6 is
+/// not whole words, so copied into padded rows), the block scales repeated per row and column group,
+/// and the same values `tensor` gives; a module left unconverted is not packed.
+#[test]
+fn fp8_weights_come_packed_with_their_scales_per_row() {
+    let tmp = tempfile::tempdir().unwrap();
+    config(tmp.path(), block_config());
+    let (q, scales) = checkpoint(tmp.path(), vec![2, 2], true);
+    let ckpt = Checkpoint::open(tmp.path()).unwrap();
+    let name = "model.layers.0.mlp.up_proj.weight";
+    let p = ckpt
+        .packed(name, &[3, 6], Init::ZEROS)
+        .unwrap()
+        .expect("an FP8 Linear comes packed");
+    assert!(p.fp8 && p.bits == 8);
+    assert_eq!((p.out_features, p.in_features, p.group_size), (3, 6, 4));
+    // Row r, group g: scale_inv[r / 2, g].
+    assert_eq!(p.scales, [0.5, 2.0, 0.5, 2.0, -1.0, 4.0]);
+    let words = p.words();
+    for r in 0..3 {
+        for c in 0..6 {
+            let byte = (words[r * 2 + c / 4] >> (8 * (c % 4))) as u8;
+            assert_eq!(byte, q[r * 6 + c], "row {r} col {c}");
+        }
+    }
+    let dense = ckpt.tensor(name, &[3, 6], Init::ZEROS).unwrap().into_f32();
+    let same = p
+        .dequantize()
+        .iter()
+        .zip(&dense)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same, "packed values equal the dequantised tensor");
+    assert_eq!(dense[7], fp8_e4m3_to_f32(q[7]) * scales[0]);
+    assert!(ckpt
+        .packed("lm_head.weight", &[2, 2], Init::ZEROS)
+        .unwrap()
+        .is_none());
+}
+
 /// `--load-format dummy` with an FP8 config: every converted Linear is FP8 blocks (rounding it
 /// again changes nothing; it is not the plain random weight), of its shape; a module the config
 /// keeps and a norm come out as without FP8.

@@ -4,7 +4,7 @@
     python3 eval.py MODEL_DIR --base-url http://127.0.0.1:8000 [--n-per-kind 25] [--out FILE]
 
 Sends `data.py`'s eval split (values and phrasings training never saw; half with thinking on, half
-with `chat_template_kwargs: {"enable_thinking": false}`) to the server's /v1/chat/completions at
+off, through `chat_template_kwargs: {"enable_thinking": ...}`) to the server's /v1/chat/completions at
 temperature 0 and prints, as JSON, the share answered correctly per task kind:
   greeting     a greeting reply (starts with Hello / Hi)
   arithmetic, table (ages, scores)   the last number of the reply is the answer
@@ -282,8 +282,8 @@ def ask_server(args, model, examples):
         }
         if ex["tools"]:
             body["tools"] = ex["tools"]
-        if not ex["enable_thinking"]:
-            body["chat_template_kwargs"] = {"enable_thinking": False}
+        # Explicit either way: a server may default to either (the built-in model's to off).
+        body["chat_template_kwargs"] = {"enable_thinking": ex["enable_thinking"]}
         if renderer is not None:
             prompt, _ = renderer.prompt_and_completion(ex)
             tk = {k: body[k] for k in ("messages", "tools", "chat_template_kwargs") if k in body}

@@ -224,6 +224,7 @@ impl StageMemory {
         let storage = storage_of(device);
         let form = WeightForm {
             quant: m.cfg.quantization.as_ref(),
+            fp8: m.cfg.fp8.as_ref(),
             per_expert: false,
             mtp: None,
         };
@@ -626,9 +627,28 @@ mod tests {
             let form = crate::plan::checkpoint_form(&cfg, &ckpt);
             check(name, &cfg, &ckpt, form);
             // The same config with random weights, quantized as its config says.
-            let dummy = Dummy::new(3).with_quantization(cfg.quantization.clone());
+            let dummy = Dummy::new(3)
+                .with_quantization(cfg.quantization.clone())
+                .with_fp8(cfg.fp8.clone());
             let form = WeightForm {
                 quant: cfg.quantization.as_ref(),
+                fp8: cfg.fp8.as_ref(),
+                per_expert: false,
+                mtp: None,
+            };
+            check(&format!("{name} (dummy)"), &cfg, &dummy, form);
+        }
+        // FP8 configs with random weights: the converted Linears come as FP8 bytes with per-row
+        // scales. (Their checkpoints are counted from the config too, which can differ from the
+        // stored dtypes: transformers matched `modules_to_not_convert` as substrings, so
+        // qwen3_next_fp8_tiny's `layers.1.mlp.gate_proj` stayed bf16 beside `layers.1.mlp.gate`.)
+        for name in ["qwen3_next_fp8_tiny", "qwen3_5_moe_fp8_tiny"] {
+            let dir = repo("tests/fixtures").join(name);
+            let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+            let dummy = Dummy::new(3).with_fp8(cfg.fp8.clone());
+            let form = WeightForm {
+                quant: None,
+                fp8: cfg.fp8.as_ref(),
                 per_expert: false,
                 mtp: None,
             };
@@ -646,6 +666,7 @@ mod tests {
         let dummy = Dummy::new(3).with_quantization(cfg.quantization.clone());
         let form = WeightForm {
             quant: cfg.quantization.as_ref(),
+            fp8: None,
             per_expert: false,
             mtp: None,
         };

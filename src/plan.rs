@@ -113,6 +113,7 @@ impl Source {
             Some(ckpt) => checkpoint_form(&self.cfg, ckpt),
             None => WeightForm {
                 quant: self.cfg.quantization.as_ref(),
+                fp8: self.cfg.fp8.as_ref(),
                 per_expert: false,
                 mtp: None,
             },
@@ -124,7 +125,7 @@ impl Source {
     }
 }
 
-/// The form of a checkpoint's weights, from its headers: the quantization its packed tensors
+/// The form of a checkpoint's weights, from its headers: the quantization its packed (or FP8) tensors
 /// follow and whether its routed experts come one tensor per expert.
 pub fn checkpoint_form<'a>(cfg: &ModelConfig, ckpt: &'a Checkpoint) -> WeightForm<'a> {
     let moe_layer = (0..cfg.num_layers).find(|&i| cfg.ffn_types[i] == FfnType::Moe);
@@ -135,6 +136,7 @@ pub fn checkpoint_form<'a>(cfg: &ModelConfig, ckpt: &'a Checkpoint) -> WeightFor
     });
     WeightForm {
         quant: ckpt.quantization(),
+        fp8: ckpt.fp8(),
         per_expert,
         mtp: None,
     }

@@ -7,7 +7,8 @@
 
 use std::ops::Range;
 
-use sanmai_config::{FfnType, LayerType, ModelConfig, QuantConfig, QuantScheme};
+use sanmai_config::{FfnType, Fp8Config, LayerType, ModelConfig, QuantConfig, QuantScheme};
+use sanmai_weights::fp8::device_fits;
 use sanmai_weights::names::text_name;
 use sanmai_weights::quant::{
     packed_fits, quant_module, scale_cols, words_per_row, PACKED_WORKSPACE_BYTES,
@@ -17,7 +18,8 @@ use sanmai_weights::quant::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WeightStorage {
     /// The CUDA backend: dense weights bf16 (vectors also in f32), packed ones as packed words and
-    /// f32 scales when the packed kernels take their shape ([`packed_fits`]), else bf16.
+    /// f32 scales when the packed kernels take their shape ([`packed_fits`]), FP8 ones as their bytes
+    /// and f32 scales when the FP8 kernels do ([`device_fits`]), else bf16.
     Cuda,
     /// The CPU backend: every weight f32 (packed ones dequantised).
     Cpu,
@@ -121,7 +123,7 @@ pub fn stage_activation_bytes(
         0
     };
     let packed = match storage {
-        WeightStorage::Cuda if form.quant.is_some() => PACKED_WORKSPACE_BYTES,
+        WeightStorage::Cuda if form.quant.is_some() || form.fp8.is_some() => PACKED_WORKSPACE_BYTES,
         _ => 0,
     };
     2 * tokens * streams * h * 4 + 3 * tokens * widest * e + logits + packed
@@ -154,6 +156,9 @@ pub struct WeightForm<'a> {
     /// The quantization packed tensors follow (a dummy source's config, a checkpoint's packed
     /// tensors); `None`: every weight dense.
     pub quant: Option<&'a QuantConfig>,
+    /// The block-scaled FP8 config whose converted Linears the loader hands over as FP8 bytes with
+    /// their block scales repeated per row (a dummy source's config, a checkpoint's FP8 tensors).
+    pub fp8: Option<&'a Fp8Config>,
     /// The routed experts come as per-expert tensors (a checkpoint without the fused 3-D ones).
     pub per_expert: bool,
     /// The MTP head's tensors come from a directory of their own (`--speculative-config`'s
@@ -196,6 +201,7 @@ pub fn stage_weight_bytes(
         if let Some(q) = form.mtp {
             c.form = WeightForm {
                 quant: Some(q),
+                fp8: None,
                 per_expert: true,
                 mtp: None,
             };
@@ -223,6 +229,14 @@ pub fn stage_weight_bytes(
     c.out
 }
 
+/// How a Linear reaches the backend packed: compressed-tensors integers of scheme `s`, or FP8 (`s` then
+/// 8 bits with the block's columns as its group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Packed {
+    s: QuantScheme,
+    fp8: bool,
+}
+
 struct Counter<'a> {
     cfg: &'a ModelConfig,
     form: WeightForm<'a>,
@@ -231,9 +245,25 @@ struct Counter<'a> {
 }
 
 impl Counter<'_> {
-    fn scheme(&self, name: &str, shape: &[usize]) -> Option<QuantScheme> {
+    /// How the Linear `name` of `shape` reaches the backend packed: its compressed-tensors scheme,
+    /// or FP8 (8-bit codes, one scale per row and block of columns) when the FP8 config converts it.
+    fn scheme(&self, name: &str, shape: &[usize]) -> Option<Packed> {
         let (module, linear) = quant_module(name, shape)?;
-        self.form.quant?.scheme_for_module(module, linear)
+        if let Some(s) = self
+            .form
+            .quant
+            .and_then(|q| q.scheme_for_module(module, linear))
+        {
+            return Some(Packed { s, fp8: false });
+        }
+        let f = self.form.fp8?;
+        (linear && f.converts(module)).then_some(Packed {
+            s: QuantScheme {
+                bits: 8,
+                group_size: f.block[1],
+            },
+            fp8: true,
+        })
     }
 
     /// A dense weight of (stored) `shape`.
@@ -246,14 +276,21 @@ impl Counter<'_> {
         };
     }
 
-    /// A weight handed to the backend packed: `[out, inp]` in `s`.
-    fn packed(&mut self, s: QuantScheme, out: usize, inp: usize) {
+    /// A weight handed to the backend packed: `[out, inp]` in `p`. FP8 bytes are the INT8 words' (the
+    /// same layout, `inp % 4 == 0` where the device keeps them), its scales one per row and group.
+    fn packed(&mut self, p: Packed, out: usize, inp: usize) {
+        let s = p.s;
         let packed =
             4 * (out * (words_per_row(s.bits, inp) + scale_cols(s.group_size, inp))) as u64;
+        let fits = if p.fp8 {
+            device_fits(s.group_size, inp)
+        } else {
+            packed_fits(s.bits, s.group_size, inp)
+        };
         self.out.packed_tensors += 1;
         self.out.packed_bytes += packed;
         self.out.stored += match self.storage {
-            WeightStorage::Cuda if packed_fits(s.bits, s.group_size, inp) && out > 0 => packed,
+            WeightStorage::Cuda if fits && out > 0 => packed,
             WeightStorage::Cuda => 2 * (out * inp) as u64,
             WeightStorage::Cpu => 4 * (out * inp) as u64,
         };

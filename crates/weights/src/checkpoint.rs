@@ -186,6 +186,12 @@ impl Checkpoint {
         self.quant.as_ref()
     }
 
+    /// The FP8 quantization config its float8_e4m3fn tensors follow (read from `config.json` when the
+    /// checkpoint has any).
+    pub fn fp8(&self) -> Option<&Fp8Config> {
+        self.fp8.as_ref()
+    }
+
     /// Sets the quantization config, for a checkpoint whose `config.json` lives elsewhere.
     pub fn set_quantization(&mut self, quant: Option<QuantConfig>) {
         self.quant = quant;

@@ -125,6 +125,14 @@ pub fn scale_shape(shape: &[usize], cfg: &Fp8Config) -> Vec<usize> {
     s
 }
 
+/// Whether the CUDA backend's FP8 kernels take a `[_, k]` FP8 weight with blocks of `group` columns
+/// (whole 16-byte chunks of a row, each inside one group); one they do not take is dequantised to
+/// bf16 on the device. The rule lives with the format so a plan made without a GPU counts the same
+/// bytes.
+pub fn device_fits(group: usize, k: usize) -> bool {
+    k > 0 && k.is_multiple_of(16) && group > 0 && group.is_multiple_of(16)
+}
+
 /// The FP8 weight `name` (bytes `q`, shape `[.., rows, cols]`, leading dims stacked experts, with
 /// block scales `[.., ceil(rows / br), ceil(cols / bc)]`) in the packed form a backend consumes
 /// directly: `bits` 8 with `fp8` set, one code byte a value in rows of `cols` bytes (borrowed when

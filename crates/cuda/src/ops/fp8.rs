@@ -48,8 +48,10 @@ const MOE_THREADS: usize = 256;
 
 /// Whether the FP8 kernels take a `[_, k]` weight whose scales cover `group` inputs: whole 16-byte
 /// chunks of a row, each inside one group.
+/// The rule lives with the format (`sanmai_weights::fp8::device_fits`) so a plan made without a GPU
+/// counts the same bytes.
 pub fn fp8_fits(group: usize, k: usize) -> bool {
-    k > 0 && k.is_multiple_of(16) && group > 0 && group.is_multiple_of(16)
+    sanmai_weights::fp8::device_fits(group, k)
 }
 
 /// An FP8 weight `[n, k]` as the kernels read it: `n·k` bytes and `n · ceil(k / group)` scales.

@@ -504,8 +504,11 @@ mod tests {
         assert_eq!(s.model.pipeline_parallel_size, None);
         let mtp = repo_file("configs/deploy/3x3090-mtp.toml");
         let s = args(&["--preset", &mtp]).settings().unwrap();
-        assert_eq!(s.engine.max_num_seqs, Some(4));
+        assert_eq!(s.engine.max_num_seqs, Some(1));
         assert_eq!(s.model.pipeline_parallel_size, Some(3));
+        assert_eq!(s.model.pp_layer_partition.as_deref(), Some("16,17,15"));
+        let spec = s.engine.speculative_config.as_deref().unwrap();
+        assert!(spec.contains("\"num_speculative_tokens\": 1"), "{spec}");
 
         // A preset's kwargs table and its prefix-caching switch; the flag turns caching back on.
         let dir = std::env::temp_dir().join(format!("sanmai-preset-{}", std::process::id()));

@@ -14,6 +14,7 @@
 
 mod checkpoint;
 mod dummy;
+mod e4m3;
 pub mod fp8;
 pub mod names;
 pub mod overlay;

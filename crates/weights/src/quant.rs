@@ -267,7 +267,7 @@ impl<'a> PackedTensor<'a> {
             self.group_len(),
         );
         let off = offset(self.bits);
-        let lut: Vec<f32> = (0..=255u8).map(crate::fp8::fp8_e4m3_to_f32).collect();
+        let lut: Vec<f32> = (0..=255u8).map(crate::e4m3::fp8_e4m3_to_f32).collect();
         let mut w = vec![0f32; self.out_features * k];
         if k == 0 {
             return w;

@@ -55,24 +55,6 @@ fn codes(n: usize, mut s: u64) -> Vec<u8> {
         .collect()
 }
 
-/// Device-to-device copy bandwidth: the best of five 1 GiB copies, bytes read plus written per second.
-fn copy_bandwidth(g: &Gpu) -> f64 {
-    const BYTES: usize = 1 << 30;
-    let src = g.zeros::<u8>(BYTES).expect("copy source");
-    let mut dst = g.zeros::<u8>(BYTES).expect("copy destination");
-    let s = g.stream();
-    s.memcpy_dtod(&src, &mut dst).expect("copy");
-    let mut best = f32::INFINITY;
-    for _ in 0..5 {
-        let a = s.record_event(TIMED).expect("event");
-        s.memcpy_dtod(&src, &mut dst).expect("copy");
-        let b = s.record_event(TIMED).expect("event");
-        b.synchronize().expect("sync");
-        best = best.min(a.elapsed_ms(&b).expect("elapsed"));
-    }
-    2.0 * BYTES as f64 / (best as f64 * 1e-3)
-}
-
 /// One case's rotating weights (copies through the pool, 256-byte aligned), scales, x and y.
 struct Setup<'a> {
     pool: &'a CudaSlice<u8>,
@@ -159,7 +141,7 @@ fn main() {
             return;
         }
     };
-    let copy = copy_bandwidth(&g);
+    let copy = g.copy_bandwidth().expect("copy bandwidth");
     println!(
         "device: {}; copy bandwidth {:.0} GB/s (read + written); PDL {}",
         g.info().name,

@@ -133,24 +133,6 @@ fn words(n: usize, mut s: u64) -> Vec<u32> {
         .collect()
 }
 
-/// Device-to-device copy bandwidth: the best of five 1 GiB copies, bytes read plus written per second.
-fn copy_bandwidth(g: &Gpu) -> f64 {
-    const BYTES: usize = 1 << 30;
-    let src = g.zeros::<u8>(BYTES).expect("copy source");
-    let mut dst = g.zeros::<u8>(BYTES).expect("copy destination");
-    let s = g.stream();
-    s.memcpy_dtod(&src, &mut dst).expect("copy");
-    let mut best = f32::INFINITY;
-    for _ in 0..5 {
-        let a = s.record_event(TIMED).expect("event");
-        s.memcpy_dtod(&src, &mut dst).expect("copy");
-        let b = s.record_event(TIMED).expect("event");
-        b.synchronize().expect("sync");
-        best = best.min(a.elapsed_ms(&b).expect("elapsed"));
-    }
-    2.0 * BYTES as f64 / (best as f64 * 1e-3)
-}
-
 /// The weights of one case: `copies` rotations through the pool, their scales, x and y.
 struct Setup<'a> {
     case: &'a Case,
@@ -253,7 +235,7 @@ fn main() {
         }
     };
     let default_rows = g.packed_gemv_m1_rows();
-    let copy = copy_bandwidth(&g);
+    let copy = g.copy_bandwidth().expect("copy bandwidth");
     println!(
         "device: {}; copy bandwidth {:.0} GB/s (read + written); PDL {}",
         g.info().name,

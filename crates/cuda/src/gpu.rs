@@ -142,6 +142,27 @@ impl Gpu {
         Ok(self.stream.alloc_zeros(len)?)
     }
 
+    /// Device-to-device copy bandwidth: the best of five copies of 1 GiB timed by CUDA events, in
+    /// bytes moved (read + written) per second (what `sanmai bench`'s roofline and the GEMV benches
+    /// compare against).
+    pub fn copy_bandwidth(&self) -> Result<f64> {
+        const BYTES: usize = 1 << 30;
+        let timed = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let src = self.zeros::<u8>(BYTES)?;
+        let mut dst = self.zeros::<u8>(BYTES)?;
+        let s = &self.stream;
+        s.memcpy_dtod(&src, &mut dst)?;
+        let mut best = f32::INFINITY;
+        for _ in 0..5 {
+            let a = s.record_event(timed)?;
+            s.memcpy_dtod(&src, &mut dst)?;
+            let b = s.record_event(timed)?;
+            b.synchronize()?;
+            best = best.min(a.elapsed_ms(&b)?);
+        }
+        Ok(2.0 * BYTES as f64 / (best as f64 * 1e-3))
+    }
+
     /// Waits until every queued op has finished.
     pub fn synchronize(&self) -> Result<()> {
         Ok(self.stream.synchronize()?)

@@ -3,7 +3,6 @@
 //! call.
 
 use std::sync::Mutex;
-use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
 
@@ -29,9 +28,6 @@ impl RoutingLog {
     }
 }
 
-/// Bytes of each buffer of the copy measurement.
-const COPY_BYTES: usize = 1 << 30;
-
 impl CudaBackend {
     /// Records how many distinct experts the `n` routed ids in `ids` name, when recording is on
     /// (waits for the device to download them).
@@ -51,20 +47,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// The best of five device-to-device copies of 1 GiB, in bytes moved (read + written) per second.
+    /// Device-to-device copy bandwidth ([`crate::Gpu::copy_bandwidth`]).
     pub(crate) fn copy_bandwidth_impl(&self) -> Result<f64> {
-        let g = &self.gpu;
-        let src = g.zeros::<u8>(COPY_BYTES)?;
-        let mut dst = g.zeros::<u8>(COPY_BYTES)?;
-        g.stream().memcpy_dtod(&src, &mut dst)?;
-        g.synchronize()?;
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
-            let t0 = Instant::now();
-            g.stream().memcpy_dtod(&src, &mut dst)?;
-            g.synchronize()?;
-            best = best.min(t0.elapsed().as_secs_f64());
-        }
-        Ok(2.0 * COPY_BYTES as f64 / best)
+        self.gpu.copy_bandwidth()
     }
 }

@@ -13,8 +13,10 @@ extern "C" __global__ void add_bf16(bf16* __restrict__ acc, const bf16* __restri
 // The residual add fused with the next RMSNorm: acc[r, :] = bf16(acc[r, :] + y[r, :]), then out[r, :] =
 // acc[r, :] · rsqrt(mean(acc[r, :]²) + eps) · (offset + w) over the rounded sums, as add_bf16 followed by
 // rms_norm_bf16 with the same block size (each thread sums the same elements in the same order). One
-// block per row (row_threads(d) threads); a thread keeps up to ADD_NORM_REGS of its sums in registers
-// (all loads of a thread in flight at once), the rest of a longer row is re-read. acc, y, out: [rows, d].
+// block per row (row_threads(d) threads); a thread keeps up to ADD_NORM_REGS of its sums in registers,
+// the rest of a longer row is re-read. A thread issues every load of its register elements (acc, y and
+// w) before its first store: stores to acc between them would make each later load wait for the one
+// before (the compiler cannot tell the indices apart), one memory latency per element.
 #define ADD_NORM_REGS 8
 extern "C" __global__ void add_rms_norm_bf16(bf16* __restrict__ acc, const bf16* __restrict__ y,
                                              const bf16* __restrict__ w, bf16* __restrict__ out, int d,
@@ -24,14 +26,20 @@ extern "C" __global__ void add_rms_norm_bf16(bf16* __restrict__ acc, const bf16*
     const size_t row = blockIdx.x;
     bf16* ar = acc + row * d;
     const bf16* yr = y + row * d;
-    float v[ADD_NORM_REGS];
+    float v[ADD_NORM_REGS], wv[ADD_NORM_REGS];
+#pragma unroll
+    for (int j = 0; j < ADD_NORM_REGS; ++j) {
+        const int i = threadIdx.x + j * blockDim.x;
+        const bool ok = i < d;
+        v[j] = ok ? bf2f(ar[i]) + bf2f(yr[i]) : 0.0f;
+        wv[j] = ok ? bf2f(w[i]) : 0.0f;
+    }
     float ss = 0.0f;
 #pragma unroll
     for (int j = 0; j < ADD_NORM_REGS; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
-        v[j] = 0.0f;
         if (i < d) {
-            const bf16 s = f2bf(bf2f(ar[i]) + bf2f(yr[i]));
+            const bf16 s = f2bf(v[j]);
             ar[i] = s;
             v[j] = bf2f(s);
             ss += v[j] * v[j];
@@ -49,7 +57,7 @@ extern "C" __global__ void add_rms_norm_bf16(bf16* __restrict__ acc, const bf16*
 #pragma unroll
     for (int j = 0; j < ADD_NORM_REGS; ++j) {
         const int i = threadIdx.x + j * blockDim.x;
-        if (i < d) o[i] = f2bf((v[j] * r) * (offset + bf2f(w[i])));
+        if (i < d) o[i] = f2bf((v[j] * r) * (offset + wv[j]));
     }
     for (int i = threadIdx.x + ADD_NORM_REGS * blockDim.x; i < d; i += blockDim.x)
         o[i] = f2bf((bf2f(ar[i]) * r) * (offset + bf2f(w[i])));

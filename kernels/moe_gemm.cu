@@ -9,8 +9,10 @@
 // 4-stage pipeline); packed experts (INT4 / INT8 pack-quantized, INT6 gapless, quant.cu's layout) are
 // decoded from the shared words straight into MMA fragments as exact small integers q (bf16 holds
 // |q| <= 128 exactly), and each group's partial product is scaled in f32 on the accumulators, so the
-// only roundings are the MMA's f32 sums and the output's. Pairs are p = token·top_k + choice.
-#include "common.cuh"
+// only roundings are the MMA's f32 sums and the output's. FP8 experts (block-scaled e4m3 bytes, fp8.cu's
+// layout) decode exactly to bf16 the same way (value / F8_UNSCALE, folded into the block scale): on every
+// chip a bf16 tile path, no FP8 MMA and no quantised activations. Pairs are p = token·top_k + choice.
+#include "fp8.cuh"
 
 #define MG_TILE 64
 #define MG_BM 128
@@ -126,7 +128,8 @@ template <int FMT> struct MgFmt;
 // byte t of a word: byte t of w to bits 0..7, byte t of w >> 4 to bits 16..23, keep the low nibbles,
 // OR the bf16 exponent of 128: the pair 128 + code, minus 136 = q.
 template <> struct MgFmt<4> {
-    static constexpr int PIECES = 2, SROW = 32, STAGES = 4;
+    static constexpr int BITS = 4, PIECES = 2, SROW = 32, STAGES = 4;
+    static constexpr float UNSCALE = 1.0f;
     __device__ __forceinline__ static u32 pair(u32 w, int t) {
         const u32 x = __byte_perm(w, w >> 4, (u32)t | ((u32)(t + 4) << 8));
         return mg_fma2((x & 0x000F000Fu) | 0x43004300u, MG_ONE2, 0xC308C308u);  // - 136
@@ -145,7 +148,8 @@ template <> struct MgFmt<4> {
 // holds 128 + c exactly only for c < 128, so the low 7 bits go to the mantissa of 128 and the top bit
 // picks the subtrahend: (128 + c_lo) - (c_top ? 128 : 256) = c - 128 = q.
 template <> struct MgFmt<8> {
-    static constexpr int PIECES = 4, SROW = 80, STAGES = 3;
+    static constexpr int BITS = 8, PIECES = 4, SROW = 80, STAGES = 3;
+    static constexpr float UNSCALE = 1.0f;
     __device__ __forceinline__ static u32 pair(u32 w, int t) {
         const u32 b = 2 * (t & 1);
         const u32 x = __byte_perm(w, 0x43u, b | 0x40u | ((b + 1) << 8) | 0x4000u);  // [c0, 0x43, c1, 0x43]
@@ -166,7 +170,8 @@ template <> struct MgFmt<8> {
 // 12 words. The pair of codes j, j+1 (j even) is 12 bits at bit 6·(j % 32) of its unit (a funnel shift
 // when it straddles words); 128 + code minus 160 = q.
 template <> struct MgFmt<6> {
-    static constexpr int PIECES = 3, SROW = 48, STAGES = 4;
+    static constexpr int BITS = 6, PIECES = 3, SROW = 48, STAGES = 4;
+    static constexpr float UNSCALE = 1.0f;
     __device__ __forceinline__ static u32 pair(const u32* row, int j) {
         const int bit = 6 * (j & 31), wi = 6 * (j >> 5) + (bit >> 5);
         const u32 v = __funnelshift_r(row[wi], row[wi + 1], bit & 31);
@@ -185,7 +190,26 @@ template <> struct MgFmt<6> {
 
 // bf16 experts: the chunk rows as they are (64 bf16 + 16 bytes of padding), fragments by ldmatrix.
 template <> struct MgFmt<16> {
-    static constexpr int PIECES = 8, SROW = 144, STAGES = 3;
+    static constexpr int BITS = 16, PIECES = 8, SROW = 144, STAGES = 3;
+    static constexpr float UNSCALE = 1.0f;
+};
+
+// FP8 (tag MG_FP8): one e4m3 byte a value, in order, as INT8's codes; the pair of a k8 block's values 2t,
+// 2t + 1 is half t % 2 of word t / 2, decoded exactly to bf16 (value / F8_UNSCALE; the scale takes the
+// factor back).
+#define MG_FP8 88
+template <> struct MgFmt<MG_FP8> {
+    static constexpr int BITS = 8, PIECES = 4, SROW = 80, STAGES = 3;
+    static constexpr float UNSCALE = F8_UNSCALE;
+    __device__ __forceinline__ static void frag(const unsigned char* r0, const unsigned char* r1, int s, int t,
+                                                u32 a[4]) {
+        const u32* w0 = (const u32*)r0 + 4 * s + (t >> 1);
+        const u32* w1 = (const u32*)r1 + 4 * s + (t >> 1);
+        a[0] = f8_pair_bf16x2(w0[0], t & 1);
+        a[1] = f8_pair_bf16x2(w1[0], t & 1);
+        a[2] = f8_pair_bf16x2(w0[2], t & 1);
+        a[3] = f8_pair_bf16x2(w1[2], t & 1);
+    }
 };
 
 // Grid (ceil(n / 128), max_tiles); 256 threads (8 warps of 16 weight rows); dynamic shared memory
@@ -221,7 +245,7 @@ __device__ __forceinline__ void moe_gemm_impl(const unsigned long long* __restri
     const int scols = (k + group - 1) / group;
     const unsigned char* W = (const unsigned char*)w_ptrs[ex];
     const float* S = SCALED ? (const float*)s_ptrs[ex] : nullptr;
-    const size_t wrow_bytes = (size_t)k * FMT / 8;
+    const size_t wrow_bytes = (size_t)k * F::BITS / 8;
     const int w_bytes = MG_BM * F::SROW, x_bytes = MG_TILE * MG_XROW;
     const int stage_bytes = w_bytes + x_bytes + (SCALED ? MG_BM * 4 * spc : 0);
     unsigned char* smem = (unsigned char*)mg_dyn;
@@ -301,7 +325,7 @@ __device__ __forceinline__ void moe_gemm_impl(const unsigned long long* __restri
                 if (--left == 0 || (c == nk - 1 && s == MG_KC / 16 - 1)) {
                     left = gsteps;
                     const int slot = (s * spc) >> 2;
-                    const float s0 = ss[wr * spc + slot], s1 = ss[(wr + 8) * spc + slot];
+                    const float s0 = ss[wr * spc + slot] * F::UNSCALE, s1 = ss[(wr + 8) * spc + slot] * F::UNSCALE;
 #pragma unroll
                     for (int j = 0; j < 8; ++j) {
                         if (j < nch) {
@@ -335,7 +359,7 @@ __device__ __forceinline__ void moe_gemm_impl(const unsigned long long* __restri
     }
 }
 
-// Entry points moe_gemm_{q4 | q6 | q8 | bf16}_{bf16 | f32}: Y [n_pairs, n] bf16 (the experts' fused gate|up
+// Entry points moe_gemm_{q4 | q6 | q8 | f8 | bf16}_{bf16 | f32}: Y [n_pairs, n] bf16 (the experts' fused gate|up
 // rows) or f32 (their down projections, combined by moe_combine). s_ptrs is not read for bf16 experts.
 #define MOE_GEMM_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles
 #define MOE_GEMM_PASS w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, spc
@@ -345,6 +369,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q6_bf16(MOE_GEMM_A
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q6_f32(MOE_GEMM_ARGS, float* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<6, float>(MOE_GEMM_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q8_bf16(MOE_GEMM_ARGS, bf16* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<8, bf16>(MOE_GEMM_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q8_f32(MOE_GEMM_ARGS, float* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<8, float>(MOE_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_f8_bf16(MOE_GEMM_ARGS, bf16* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<MG_FP8, bf16>(MOE_GEMM_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_f8_f32(MOE_GEMM_ARGS, float* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<MG_FP8, float>(MOE_GEMM_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_bf16_bf16(MOE_GEMM_ARGS, bf16* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<16, bf16>(MOE_GEMM_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_bf16_f32(MOE_GEMM_ARGS, float* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<16, float>(MOE_GEMM_PASS); }
 #undef MOE_GEMM_ARGS

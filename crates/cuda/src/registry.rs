@@ -65,6 +65,7 @@ pub const HEADERS: &[Source] = &[
     source!("packed.cuh"),
     source!("sample.cuh"),
     source!("moe_route.cuh"),
+    source!("fp8.cuh"),
 ];
 
 /// The kernel sources, one file per op family.

@@ -5,8 +5,9 @@
 //! except that a decode-sized step with a bf16 router does its routing (logits, top-k, grouping) in one
 //! launch ([`Gpu::moe_route_decode`]) where larger steps take several.
 //! Packed integer experts (each projection's experts all of one scheme) go through the packed grouped
-//! GEMV, FP8 experts through the FP8 grouped GEMV (prefill-sized steps too), each with a second table of
-//! scale addresses; a layer whose experts mix formats is refused.
+//! GEMV, FP8 experts through the FP8 grouped GEMV, each with a second table of scale addresses;
+//! prefill-sized steps of every format take the tensor-core grouped GEMM. A layer whose experts mix
+//! formats is refused.
 
 use cudarc::driver::CudaSlice;
 use sanmai_model::backend::{MoeCall, MoeWeights, SharedExpert};
@@ -131,9 +132,12 @@ impl ExpertFormat {
         }
     }
 
-    /// The scheme as [`Gpu::moe_gemm_supports`] takes it: `None` for bf16, else `(bits, group_size)`.
-    fn gemm_scheme(self) -> Option<(u32, usize)> {
-        self.scheme().map(|s| (s.bits, s.group_size))
+    /// Whether the tensor-core grouped GEMM takes this projection with `k` inputs.
+    fn gemm_supports(self, k: usize) -> bool {
+        match self {
+            Self::Fp8 { group } => Gpu::moe_gemm_fp8_supports(group, k),
+            _ => Gpu::moe_gemm_supports(self.scheme().map(|s| (s.bits, s.group_size)), k),
+        }
     }
 }
 
@@ -328,21 +332,21 @@ impl CudaBackend {
             return Ok(out);
         }
         let n = t * k;
-        match (gu_format.fp8_group(), dn_format.fp8_group()) {
-            (Some(gu), Some(dn)) => return self.moe_fp8(c, (gu, dn), shared, out),
-            (None, None) => {}
+        let fp8 = match (gu_format.fp8_group(), dn_format.fp8_group()) {
+            (Some(gu), Some(dn)) => Some((gu, dn)),
+            (None, None) => None,
             _ => {
                 return Err(bad(format!(
                     "FP8 experts need both projections in FP8 (gate|up {gu_format:?}, down \
                      {dn_format:?})"
                 )))
             }
-        }
+        };
         // Prefill-sized steps take the tensor-core grouped GEMM (tiles of up to 64 pairs), decode steps
         // the grouped GEMV; the choice depends on the step's shape only.
         let gemm = Gpu::moe_gemm_wanted(t, n)
-            && Gpu::moe_gemm_supports(gu_format.gemm_scheme(), h)
-            && Gpu::moe_gemm_supports(dn_format.gemm_scheme(), inter);
+            && gu_format.gemm_supports(h)
+            && dn_format.gemm_supports(inter);
         // The gate|up projection reads token rows, the down projection pair rows.
         let token_rows = PairRows {
             x: &x.buf,
@@ -362,9 +366,17 @@ impl CudaBackend {
             };
             let mut st = self.lock();
             let table = self.expert_table(&mut st.experts, w)?;
-            let (gate_up, down) = table.experts(gu_format, dn_format, h, inter);
             let mut gu = self.alloc(n, 2 * inter)?;
-            g.moe_gemm(&gate_up, &token_rows, &groups, &mut gu.buf)?;
+            match fp8 {
+                Some(blocks) => {
+                    let gate_up = table.fp8_experts(blocks, h, inter).0;
+                    g.moe_gemm_fp8(&gate_up, &token_rows, &groups, &mut gu.buf)?
+                }
+                None => {
+                    let gate_up = table.experts(gu_format, dn_format, h, inter).0;
+                    g.moe_gemm(&gate_up, &token_rows, &groups, &mut gu.buf)?
+                }
+            }
             let mut act = self.alloc(n, inter)?;
             g.swiglu(&gu.buf, &mut act.buf, n, inter)?;
             let mut y = self.scratch::<f32>(n * h)?;
@@ -373,10 +385,22 @@ impl CudaBackend {
                 rows: n,
                 div: 1,
             };
-            g.moe_gemm(&down, &pair_rows, &groups, &mut y)?;
+            match fp8 {
+                Some(blocks) => {
+                    let down = table.fp8_experts(blocks, h, inter).1;
+                    g.moe_gemm_fp8(&down, &pair_rows, &groups, &mut y)?
+                }
+                None => {
+                    let down = table.experts(gu_format, dn_format, h, inter).1;
+                    g.moe_gemm(&down, &pair_rows, &groups, &mut y)?
+                }
+            }
             let routed = routing_of(&ids, &wts, (t, e, k));
             g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
             return Ok(out);
+        }
+        if let Some(blocks) = fp8 {
+            return self.moe_fp8(c, blocks, shared, out);
         }
         let Grouped {
             ids,
@@ -429,8 +453,9 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// [`CudaBackend::moe_impl`] for FP8 experts (both projections): the grouped FP8 GEMV for gate|up
-    /// (token rows) and down (pair rows) at every step size, SwiGLU between them, then the combine.
+    /// [`CudaBackend::moe_impl`] for FP8 experts (both projections) on steps that keep the grouped
+    /// GEMV: the grouped FP8 GEMV for gate|up (token rows) and down (pair rows), SwiGLU between them,
+    /// then the combine.
     fn moe_fp8(
         &self,
         c: &MoeCall<'_, CudaTensor, CudaWeight>,

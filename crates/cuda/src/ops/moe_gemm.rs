@@ -1,9 +1,9 @@
 //! Routed experts as a grouped GEMM on tensor cores (`kernels/moe_gemm.cu`), for steps with many
 //! (token, expert) pairs: [`Gpu::moe_gemm_plan`] groups the pairs by expert into tiles of at most
 //! [`Gpu::MOE_GEMM_TILE`] pairs, and [`Gpu::moe_gemm`] multiplies each tile's gathered input rows by
-//! its expert's weight (bf16 values or packed INT4/INT6/INT8 words with f32 scales, through the same
-//! address tables as the grouped GEMV) with `mma.sync`, f32 accumulation, each scale group's partial
-//! product scaled in f32. The outputs are the grouped GEMV's: `y[p, :]` for pair `p`.
+//! its expert's weight (bf16 values, packed INT4/INT6/INT8 words with f32 scales, or FP8 bytes with
+//! block scales ([`Gpu::moe_gemm_fp8`]), through the same address tables as the grouped GEMV) with
+//! `mma.sync`, f32 accumulation, each scale group's partial product scaled in f32. The outputs are the grouped GEMV's: `y[p, :]` for pair `p`.
 //!
 //! The grouped GEMV ([`Gpu::moe_gemv`], [`Gpu::moe_gemv_packed`]) decodes every weight on the CUDA
 //! cores once per tile of at most 8 pairs; the GEMM reads each chosen expert's weight once per 64 pairs
@@ -14,6 +14,7 @@ use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
+use super::fp8::Fp8Experts;
 use super::moe::{Experts, Grouping, MoeOut, PairGroups, PairRows};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
@@ -25,13 +26,55 @@ const KC: usize = 64;
 /// Shared bytes of one input row of a stage (`MG_XROW`).
 const XROW: usize = 144;
 
-/// `(shared bytes per weight row of a stage, stages)` of each format, as `MgFmt` in the kernel.
-fn layout(scheme: Option<(u32, usize)>) -> (usize, usize) {
-    match scheme {
-        None => (144, 3),
-        Some((4, _)) => (32, 4),
-        Some((6, _)) => (48, 4),
-        _ => (80, 3),
+/// The weights of one grouped-GEMM launch: bf16 values, packed words (`bits`, scale `group`: 0 per
+/// row), or FP8 bytes with block scales of `group` columns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GemmFormat {
+    Bf16,
+    Packed { bits: u32, group: usize },
+    Fp8 { group: usize },
+}
+
+impl GemmFormat {
+    /// `(shared bytes per weight row of a stage, stages)`, as `MgFmt` in the kernel.
+    fn layout(self) -> (usize, usize) {
+        match self {
+            Self::Bf16 => (144, 3),
+            Self::Packed { bits: 4, .. } => (32, 4),
+            Self::Packed { bits: 6, .. } => (48, 4),
+            Self::Packed { .. } | Self::Fp8 { .. } => (80, 3),
+        }
+    }
+
+    /// The scale group the kernel takes (`k` for per-row scales and bf16).
+    fn group(self, k: usize) -> usize {
+        match self {
+            Self::Packed { group, .. } | Self::Fp8 { group } if group > 0 => group,
+            _ => k,
+        }
+    }
+
+    fn kernel(self, suffix: &str) -> String {
+        match self {
+            Self::Bf16 => format!("moe_gemm_bf16_{suffix}"),
+            Self::Packed { bits, .. } => format!("moe_gemm_q{bits}_{suffix}"),
+            Self::Fp8 { .. } => format!("moe_gemm_f8_{suffix}"),
+        }
+    }
+
+    /// Whether the kernel takes this format with `k` inputs: `k % 64 == 0`, bits 4, 6 or 8, a scale
+    /// group of 16, 32, a multiple of 64, or per row (packed only).
+    fn supports(self, k: usize) -> bool {
+        let group_ok = |g: usize| g == 16 || g == 32 || g % KC == 0;
+        k > 0
+            && k.is_multiple_of(KC)
+            && match self {
+                Self::Bf16 => true,
+                Self::Packed { bits, group } => {
+                    matches!(bits, 4 | 6 | 8) && (group == 0 || group_ok(group))
+                }
+                Self::Fp8 { group } => group > 0 && group_ok(group),
+            }
     }
 }
 
@@ -58,13 +101,17 @@ impl Gpu {
     /// packed, `group_size` 0 for per-row scales) with `k` inputs: `k % 64 == 0`, bits 4, 6 or 8, and
     /// a group of 16, 32, a multiple of 64, or per row.
     pub fn moe_gemm_supports(scheme: Option<(u32, usize)>, k: usize) -> bool {
-        let k_ok = k > 0 && k.is_multiple_of(KC);
         match scheme {
-            None => k_ok,
-            Some((bits, g)) => {
-                k_ok && matches!(bits, 4 | 6 | 8) && (g == 0 || g == 16 || g == 32 || g % KC == 0)
-            }
+            None => GemmFormat::Bf16,
+            Some((bits, group)) => GemmFormat::Packed { bits, group },
         }
+        .supports(k)
+    }
+
+    /// Whether [`Gpu::moe_gemm_fp8`] serves FP8 experts with blocks of `group` columns and `k` inputs:
+    /// `k % 64 == 0` and a group of 16, 32 or a multiple of 64.
+    pub fn moe_gemm_fp8_supports(group: usize, k: usize) -> bool {
+        GemmFormat::Fp8 { group }.supports(k)
     }
 
     /// The most tiles `n_pairs` pairs over `e` experts can need: each non-empty expert adds at most one
@@ -115,14 +162,49 @@ impl Gpu {
         groups: &PairGroups<'_, impl DevicePtr<u32>>,
         y: &mut impl DevicePtrMut<O>,
     ) -> Result<()> {
+        let format = match experts.scheme {
+            None => GemmFormat::Bf16,
+            Some(s) => GemmFormat::Packed {
+                bits: s.bits,
+                group: s.group_size,
+            },
+        };
+        let w = (experts.weights, experts.scales, experts.n, experts.k);
+        self.moe_gemm_launch(format, w, input, groups, y)
+    }
+
+    /// [`Gpu::moe_gemm`] for FP8 experts (`Fp8Experts`: bytes and per-row block scales, the layout of
+    /// [`Gpu::moe_gemv_fp8`]): each weight decoded exactly to bf16 in shared memory, the block scale
+    /// applied in f32 to each group's partial product. Needs [`Gpu::moe_gemm_fp8_supports`]`(group, k)`.
+    pub fn moe_gemm_fp8<O: MoeOut>(
+        &self,
+        experts: &Fp8Experts<'_, impl DevicePtr<u64>>,
+        input: &PairRows<'_, impl DevicePtr<bf16>>,
+        groups: &PairGroups<'_, impl DevicePtr<u32>>,
+        y: &mut impl DevicePtrMut<O>,
+    ) -> Result<()> {
+        let format = GemmFormat::Fp8 {
+            group: experts.group,
+        };
+        let w = (experts.bytes, experts.scales, experts.n, experts.k);
+        self.moe_gemm_launch(format, w, input, groups, y)
+    }
+
+    /// One grouped-GEMM launch over the address tables `(weights, scales)` of `[n, k]` weights.
+    fn moe_gemm_launch<O: MoeOut, P: DevicePtr<u64>>(
+        &self,
+        format: GemmFormat,
+        (w_ptrs, s_ptrs, n, k): (&P, &P, usize, usize),
+        input: &PairRows<'_, impl DevicePtr<bf16>>,
+        groups: &PairGroups<'_, impl DevicePtr<u32>>,
+        y: &mut impl DevicePtrMut<O>,
+    ) -> Result<()> {
         const OP: &str = "moe_gemm";
-        let scheme = experts.scheme.map(|s| (s.bits, s.group_size));
-        let (w_ptrs, s_ptrs, n, k) = (experts.weights, experts.scales, experts.n, experts.k);
         let (x, x_rows, x_div) = (input.x, input.rows, input.div);
         let (perm, tiles, n_pairs) = (groups.perm, groups.tiles, groups.n_pairs);
-        ensure(Self::moe_gemm_supports(scheme, k), OP, || {
+        ensure(format.supports(k), OP, || {
             format!(
-                "weights {scheme:?} with k = {k}: need k % 64 == 0, bits 4, 6 or 8 and a group of \
+                "weights {format:?} with k = {k}: need k % 64 == 0, bits 4, 6 or 8 and a group of \
                  16, 32, a multiple of 64 or per row"
             )
         })?;
@@ -130,7 +212,8 @@ impl Gpu {
             format!("{n_pairs} pairs over x_div {x_div} need more than {x_rows} rows of x")
         })?;
         let e = w_ptrs.len();
-        if scheme.is_some() {
+        let scaled = format != GemmFormat::Bf16;
+        if scaled {
             check_len(OP, "s_ptrs", s_ptrs, e)?;
         }
         let max_tiles = Self::moe_gemm_max_tiles(n_pairs, e);
@@ -144,19 +227,12 @@ impl Gpu {
         ensure(max_tiles <= 65535, OP, || {
             format!("{max_tiles} tiles exceed the grid limit")
         })?;
-        let group = match scheme {
-            Some((_, g)) if g > 0 => g,
-            _ => k,
-        };
+        let group = format.group(k);
         let spc = if group < KC { KC / group } else { 1 };
-        let (srow, stages) = layout(scheme);
-        let scale_bytes = if scheme.is_some() { BM * 4 * spc } else { 0 };
+        let (srow, stages) = format.layout();
+        let scale_bytes = if scaled { BM * 4 * spc } else { 0 };
         let smem = stages * (BM * srow + Self::MOE_GEMM_TILE * XROW + scale_bytes);
-        let name = match scheme {
-            None => format!("moe_gemm_bf16_{}", O::SUFFIX),
-            Some((bits, _)) => format!("moe_gemm_q{bits}_{}", O::SUFFIX),
-        };
-        let f = self.kernel(&name)?;
+        let f = self.kernel(&format.kernel(O::SUFFIX))?;
         // Above the default 48 KiB of dynamic shared memory a kernel must opt in (a host-side attribute
         // of the function, no stream operation); every layout is below the 99 KiB of sm_86.
         f.set_attribute(

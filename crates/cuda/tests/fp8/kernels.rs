@@ -229,17 +229,18 @@ fn fp8_dequant_and_prefill_gemm_match_cpu() {
 }
 
 #[test]
-fn fp8_grouped_gemv_matches_cpu() {
-    let Some(g) = gpu("fp8_grouped_gemv_matches_cpu") else {
+fn fp8_grouped_gemv_and_gemm_match_cpu() {
+    let Some(g) = gpu("fp8_grouped_gemv_and_gemm_match_cpu") else {
         return;
     };
     let mut rng = Rng::new(804);
     // (hidden, inter, experts, top_k, tokens, pool): the 80B's decode at batch 1 and 8 (512 experts,
-    // top 10, gate|up n 1024 k 2048, down n 2048 k 512), prefill-sized tiles (plain kernels, every
+    // top 10, gate|up n 1024 k 2048, down n 2048 k 512) and a 64-token prefill, prefill-sized tiles (plain kernels, every
     // pass size), the tiny fixtures' shapes (k = 160 with a partial group, k = 32).
     let cases = [
         (2048, 512, 512, 10, 1, 10),
         (2048, 512, 512, 10, 8, 40),
+        (2048, 512, 512, 10, 64, 40),
         (256, 96, 16, 4, 20, 0),
         (160, 32, 8, 2, 40, 0),
         (160, 32, 8, 2, 1, 0),
@@ -361,6 +362,37 @@ fn fp8_grouped_gemv_matches_cpu() {
         );
         assert!(gmax <= 1e-2 && grms <= 4e-3, "gate|up {gmax} {grms}");
         assert!(dmax <= 1e-4, "down {dmax}");
+        if !(Gpu::moe_gemm_fp8_supports(128, h) && Gpu::moe_gemm_fp8_supports(128, i)) {
+            continue;
+        }
+        // The tensor-core grouped GEMM (prefill) on the same pairs, tables and inputs.
+        let mut tiles = g.zeros::<u32>(3 * Gpu::moe_gemm_max_tiles(n, e)).unwrap();
+        g.moe_gemm_plan(&di, n, e, &mut perm, &mut tiles).unwrap();
+        let groups = PairGroups {
+            perm: &perm,
+            tiles: &tiles,
+            n_pairs: n,
+        };
+        let mut y_gu = g.zeros::<bf16>(n * 2 * i).unwrap();
+        g.moe_gemm_fp8(&gate_up, &token_rows, &groups, &mut y_gu)
+            .unwrap();
+        let mut y_dn = g.zeros::<f32>(n * h).unwrap();
+        g.moe_gemm_fp8(&down, &pair_rows, &groups, &mut y_dn)
+            .unwrap();
+        let got_gu: Vec<f32> = g
+            .download(&y_gu)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_f32())
+            .collect();
+        let got_dn = g.download(&y_dn).unwrap();
+        let (gmax, grms) = rel_errors(&got_gu, &want_gu);
+        let (dmax, drms) = rel_errors(&got_dn, &want_dn);
+        println!(
+            "FP8 check=moe_gemm h={h} i={i} e={e} k={k} t={t} pool={pool} gate_up_max_rel={gmax:.3e} gate_up_rms_rel={grms:.3e} down_f32_max_rel={dmax:.3e} down_f32_rms_rel={drms:.3e} tol=bf16:1e-2/4e-3,f32:1e-4"
+        );
+        assert!(gmax <= 1e-2 && grms <= 4e-3, "GEMM gate|up {gmax} {grms}");
+        assert!(dmax <= 1e-4, "GEMM down {dmax}");
     }
 }
 

@@ -7,12 +7,13 @@
 //! x % pool), so full-size routing runs without gigabytes of random weights.
 
 use half::bf16;
-use sanmai_config::QuantScheme;
+use sanmai_config::{Fp8Config, QuantScheme};
 use sanmai_cpu::{ops, CpuBackend};
 use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
 use sanmai_cuda::{CudaBackend, Gpu};
 use sanmai_model::backend::{MlpWeights, MoeCall, MoeWeights};
 use sanmai_model::Backend;
+use sanmai_weights::fp8;
 use sanmai_weights::quant::{pack, quantize};
 
 use crate::common::{check_composite, check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
@@ -164,6 +165,7 @@ fn valid_rows(v: &[f32], ids: &[u32], e: usize, n: usize) -> Vec<f32> {
 fn scheme_name(s: Option<(u32, usize)>) -> String {
     match s {
         None => "bf16".into(),
+        Some((0, b)) => format!("fp8_b{b}"),
         Some((b, g)) => format!("int{b}_g{g}"),
     }
 }
@@ -378,6 +380,22 @@ fn moe_gemm_refuses_bad_shapes() {
     assert!(Gpu::moe_gemm_wanted(512, 5120));
 }
 
+/// Random e4m3 bytes of an `[n, k]` weight (no NaN codes) and its `block × block` scales, around
+/// 1 / (448 · sqrt(k)): values of a Linear's size.
+fn fp8_random(rng: &mut Rng, n: usize, k: usize, block: usize) -> (Vec<u8>, Vec<f32>) {
+    let q = (0..n * k)
+        .map(|_| match rng.below(256) as u8 {
+            b if b & 0x7f == 0x7f => b - 1,
+            b => b,
+        })
+        .collect();
+    let base = 1.0 / (448.0 * (k as f32).sqrt());
+    let scales = (0..n.div_ceil(block) * k.div_ceil(block))
+        .map(|_| base * (0.5 + rng.unit()))
+        .collect();
+    (q, scales)
+}
+
 /// The routed experts of `w` on backend `b` over `x` `[t, H]` (no shared expert), on the host.
 fn routed<B: Backend>(b: &B, (t, x): (usize, &[f32]), w: &MoeWeights<B::Weight>) -> Vec<f32> {
     let x = b.upload(t, x.len() / t, x.to_vec()).unwrap();
@@ -392,7 +410,7 @@ fn routed<B: Backend>(b: &B, (t, x): (usize, &[f32]), w: &MoeWeights<B::Weight>)
 }
 
 /// The backend's routed experts on a prefill-sized step (the grouped GEMM path) and a decode-sized
-/// one (the GEMV path) against the CPU backend, bf16 and INT4 experts.
+/// one (the GEMV path) against the CPU backend, bf16, INT4 and FP8 experts.
 #[test]
 fn backend_moe_prefill_matches_cpu() {
     let test = "backend_moe_prefill_matches_cpu";
@@ -406,7 +424,8 @@ fn backend_moe_prefill_matches_cpu() {
     let cpu = CpuBackend::default();
     let mut rng = Rng::new(62);
     let (h, i, e, k) = (256usize, 128usize, 32usize, 4usize);
-    for scheme in [None, Some((4u32, 32usize))] {
+    // bits 0: FP8 experts (random e4m3 bytes, 128 × 128 block scales).
+    for scheme in [None, Some((4u32, 32usize)), Some((0, 128))] {
         let router = rng.normals(e * h, 0.0, 0.3);
         let mut experts_g = vec![];
         let mut experts_c = vec![];
@@ -421,6 +440,22 @@ fn backend_moe_prefill_matches_cpu() {
                         cpu.weight(gu, &[2 * i, h]).unwrap(),
                         b.weight(dn.clone(), &[h, i]).unwrap(),
                         cpu.weight(dn, &[h, i]).unwrap(),
+                    )
+                }
+                Some((0, block)) => {
+                    let (qg, sg) = fp8_random(&mut rng, 2 * i, h, block);
+                    let (qd, sd) = fp8_random(&mut rng, h, i, block);
+                    let c = Fp8Config {
+                        block: [block, block],
+                        not_converted: Vec::new(),
+                    };
+                    let pg = fp8::packed("gu", &qg, &sg, &[2 * i, h], &c).unwrap();
+                    let pd = fp8::packed("dn", &qd, &sd, &[h, i], &c).unwrap();
+                    (
+                        b.packed_weight(&pg).unwrap(),
+                        cpu.packed_weight(&pg).unwrap(),
+                        b.packed_weight(&pd).unwrap(),
+                        cpu.packed_weight(&pd).unwrap(),
                     )
                 }
                 Some((bits, group_size)) => {

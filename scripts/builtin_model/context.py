@@ -123,7 +123,7 @@ def other_request(rng):
     return [{"role": "user", "content": user}], None, DECLINE, "This is not something I can do.", {"type": "decline"}
 
 
-def surround(rng, kind, messages, tools, agent_share=0.12):
+def surround(rng, kind, messages, tools, agent_share=0.07):
     """The request's messages and tools with a system prompt, earlier turns or an agent context."""
     r = rng.random()
     if r < agent_share:

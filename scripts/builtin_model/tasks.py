@@ -351,6 +351,6 @@ TASKS = {
     "tool_result": task_tool_result,
 }
 
-# Training mix: weights per kind (the harder kinds get more).
-MIX = {"greeting": 1.5, "arithmetic": 4, "counting": 2, "echo": 1.5, "reverse": 2.5, "table": 2.5,
-       "tool_call": 3, "tool_result": 2}
+# Training mix: weights per kind (the harder kinds get more: copying from the prompt and two-digit sums).
+MIX = {"greeting": 1.0, "arithmetic": 4.5, "counting": 2.5, "echo": 3, "reverse": 3.5, "table": 3,
+       "tool_call": 3.5, "tool_result": 1.5}

@@ -50,7 +50,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig  # noqa: E402
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as q35  # noqa: E402
 
+import batching  # noqa: E402
 import data  # noqa: E402
+import fast  # noqa: E402
 from tokenization import EOS_IDS, IM_END_ID, Tokenizer  # noqa: E402
 
 # Text-config keys copied into transformers' Qwen3_5MoeTextConfig (the rest keep its defaults).
@@ -164,48 +166,22 @@ def encode_examples(examples, renderer, tok, max_len):
     return out, skipped
 
 
-def load_packed(path, max_len):
-    """(ids, loss mask) per exchange from `data.py --pack`'s arrays."""
+def load_packed(path):
+    """`data.py --pack`'s arrays: (ids, offsets, reply_start)."""
     import numpy as np
 
     d = np.load(path)
-    ids, offsets, starts = d["ids"], d["offsets"], d["reply_start"]
-    out = []
-    for i in range(len(starts)):
-        x = ids[offsets[i] : offsets[i + 1]].tolist()
-        if len(x) <= max_len:
-            out.append((x, [0] * int(starts[i]) + [1] * (len(x) - int(starts[i]))))
-    return out, len(starts) - len(out)
+    return data.load_ids(d), d["offsets"], d["reply_start"]
 
 
-def batches(encoded, tokens_per_batch, rng, max_batch=768):
-    """Endless batches of similar lengths (sorted within a window) of about `tokens_per_batch` padded
-    tokens each, right-padded."""
-    order = list(range(len(encoded)))
-    while True:
-        rng.shuffle(order)
-        window = 8192
-        for w in range(0, len(order), window):
-            chunk = sorted(order[w : w + window], key=lambda i: len(encoded[i][0]))
-            groups, cur = [], []
-            for i in chunk:
-                t = len(encoded[i][0])
-                if cur and (t * (len(cur) + 1) > tokens_per_batch or len(cur) >= max_batch):
-                    groups.append(cur)
-                    cur = []
-                cur.append(i)
-            if cur:
-                groups.append(cur)
-            rng.shuffle(groups)
-            for g in groups:
-                t = max(len(encoded[i][0]) for i in g)
-                ids = torch.full((len(g), t), EOS_IDS[1], dtype=torch.long)
-                mask = torch.zeros((len(g), t), dtype=torch.bool)
-                for r, i in enumerate(g):
-                    x, m = encoded[i]
-                    ids[r, : len(x)] = torch.tensor(x)
-                    mask[r, : len(m)] = torch.tensor(m, dtype=torch.bool)
-                yield ids, mask
+def pack_encoded(encoded):
+    """(ids, loss mask) pairs as load_packed's arrays."""
+    import numpy as np
+
+    ids = np.asarray([t for x, _ in encoded for t in x], np.int32)
+    offsets = np.cumsum([0] + [len(x) for x, _ in encoded]).astype(np.int64)
+    starts = np.asarray([m.index(1) for _, m in encoded], np.int32)
+    return ids, offsets, starts
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,39 +189,89 @@ def batches(encoded, tokens_per_batch, rng, max_batch=768):
 # ------------------------------------------------------------------------------------------------
 
 
-def head_loss(model, hidden, targets, active=None):
-    """Cross-entropy of the tied LM head on selected positions, in chunks (the vocabulary is wide).
-    With `active` (sorted token ids, those of the training data), the softmax runs over those rows
-    only: a CPU can afford that head."""
-    w = model.lm_head.weight
-    if active is not None:
-        w = w[active]
-        targets = torch.searchsorted(active, targets)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for s in range(0, hidden.shape[0], 4096):
-        logits = F.linear(hidden[s : s + 4096], w).float()
-        total = total + F.cross_entropy(logits, targets[s : s + 4096], reduction="sum")
-    return total / max(1, hidden.shape[0])
-
-
-def step_loss(model, mtp, ids, mask, args):
-    out = model.model(input_ids=ids, use_cache=False, output_router_logits=args.aux_loss > 0)
+def step_loss(model, mtp, b, args):
+    """The reply tokens' cross-entropy (positions gathered by batching.py), the MTP head's, and the
+    routers' load-balancing loss."""
+    ids = b["ids"]
+    # Right-padded rows, one exchange each: causal attention needs no mask (and transformers' check for
+    # packed sequences would read a device value back to the host).
+    masks = {"full_attention": None, "linear_attention": None}
+    out = model.model(input_ids=ids, attention_mask=masks, use_cache=False, output_router_logits=args.aux_loss > 0)
     h = out.last_hidden_state
-    # Position t predicts ids[t+1]; counted where ids[t+1] belongs to the reply.
-    sel = mask[:, 1:]
-    loss = head_loss(model, h[:, :-1][sel], ids[:, 1:][sel], args.active)
+    hd = h.shape[-1]
+    w = model.lm_head.weight if args.active is None else model.lm_head.weight[args.active]
+    dtype = torch.bfloat16 if ids.is_cuda else None
+    loss = fast.head_loss(h.reshape(-1, hd).index_select(0, b["pos1"]), w, b["tgt1"], b["w1"], dtype=dtype)
     mtp_loss = torch.zeros((), device=ids.device)
     if mtp is not None and args.mtp_weight > 0 and ids.shape[1] > 2:
         d = mtp(model, ids, h)  # [B, T-1, H]; index t predicts ids[t+2]
-        sel2 = mask[:, 2:]
-        mtp_loss = head_loss(model, d[:, :-1][sel2], ids[:, 2:][sel2], args.active)
+        mtp_loss = fast.head_loss(d.reshape(-1, hd).index_select(0, b["pos2"]), w, b["tgt2"], b["w2"], dtype=dtype)
     aux = torch.zeros((), device=ids.device)
     if args.aux_loss > 0 and getattr(out, "router_logits", None):
-        aux = q35.load_balancing_loss_func(
-            out.router_logits, model.config.num_experts, model.config.num_experts_per_tok
-        )
+        aux = fast.load_balancing_loss(out.router_logits, model.config.num_experts, model.config.num_experts_per_tok)
     total = loss + args.mtp_weight * mtp_loss + args.aux_loss * aux
     return total, loss, mtp_loss, aux
+
+
+class Stepper:
+    """One optimizer step on a batch: run eagerly, or (with CUDA graphs) captured once per batch shape
+    after two eager warm-up steps, then replayed. Returns [loss, mtp_loss, aux] on the device."""
+
+    def __init__(self, model, mtp, opt, params, args, device, graphs):
+        self.model, self.mtp, self.opt, self.params, self.args, self.device = model, mtp, opt, params, args, device
+        self.graphs_on = graphs
+        self.graphs, self.warm, self.pool = {}, {}, None
+        self.ms = {}  # measured milliseconds a step: "eager" (the probe), "graphs" (the second half)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
+                         if device.type == "cuda" else torch.autocast("cpu", enabled=False))
+
+    def body(self, b):
+        with self.autocast:
+            total, loss, mtp_loss, aux = step_loss(self.model, self.mtp, b, self.args)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0, foreach=self.device.type == "cuda")
+        self.opt.step()
+        return torch.stack([loss.detach().float(), mtp_loss.detach().float(), aux.detach().float()])
+
+    def eager(self, b):
+        self.opt.zero_grad(set_to_none=True)
+        return self.body(b)
+
+    def __call__(self, batch):
+        key = tuple(batch["ids"].shape) + tuple(batch["pos1"].shape)
+        if key in self.graphs:
+            g, static, out = self.graphs[key]
+            for k, v in batch.items():
+                static[k].copy_(v, non_blocking=True)
+            g.replay()
+            return out
+        b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        if not self.graphs_on:
+            return self.eager(b)
+        if self.warm.get(key, 0) < 2:
+            self.warm[key] = self.warm.get(key, 0) + 1
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                out = self.eager(b)
+            torch.cuda.current_stream().wait_stream(s)
+            return out
+        try:
+            self.opt.zero_grad(set_to_none=True)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                out = self.body(b)
+            if self.pool is None:
+                self.pool = g.pool()
+            g.replay()  # capturing ran nothing: this is the step
+            self.graphs[key] = (g, b, out)
+            return out
+        except Exception as e:  # noqa: BLE001
+            log(f"CUDA graph capture failed ({type(e).__name__}: {e}); steps run eagerly from here")
+            self.graphs_on = False
+            self.graphs.clear()
+            torch.cuda.synchronize()
+            return self.eager(b)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -426,7 +452,9 @@ def main():
     p.add_argument("out_dir")
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the initialisation's and the data order's seed; also "
+                   "the eval split's (eval.py reads it from training.json)")
+    p.add_argument("--order-seed", type=int, default=None, help="the data order's seed (default: --seed)")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="the wrapper (or text) config to start from")
     p.add_argument("--hidden-size", type=int, default=None)
     p.add_argument("--layers", default=None, help="comma-separated layer types, e.g. "
@@ -438,11 +466,19 @@ def main():
     p.add_argument("--max-seconds", type=float, default=None,
                    help="a time budget: training ends and the learning-rate schedule completes when either "
                    "--steps or this many seconds are reached")
-    p.add_argument("--tokens-per-batch", type=int, default=32768, help="padded tokens a step")
-    p.add_argument("--data", default=None, help="training exchanges packed by `data.py --pack` (default: "
+    p.add_argument("--tokens-per-batch", type=int, default=32768, help="padded tokens a step (at most)")
+    p.add_argument("--max-rows", type=int, default=1024, help="exchanges a step (at most)")
+    p.add_argument("--reply-cap", type=int, default=16384, help="reply tokens a step (at most)")
+    p.add_argument("--cuda-graphs", action="store_true", help="after --probe-steps eager steps, capture each "
+                   "batch shape's whole step as a CUDA graph and replay it")
+    p.add_argument("--probe-steps", type=int, default=20)
+    p.add_argument("--data", default=None, help="training exchanges packed by `data.py --pack`, comma-separated "
+                   "files (default: "
                    "generate --examples of them here)")
     p.add_argument("--examples", type=int, default=40000, help="distinct training exchanges generated")
     p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--long-share", type=float, default=1.0, help="the share of the batches of exchanges of "
+                   "1,024 tokens or more used in each epoch")
     p.add_argument("--eval-prompts", default=None, help="held-out prompts packed by `eval.py --pack-prompts`: "
                    "their greedy continuations are written to OUT_DIR/generated.json (score them with "
                    "`eval.py --score-generated`)")
@@ -472,6 +508,7 @@ def main():
 
     top, text, cfg = build_config(args)
     cfg._attn_implementation = "sdpa"
+    cfg._experts_implementation = "dense"  # fast.py: no syncs, fixed shapes
     model = Qwen3_5MoeForCausalLM(cfg).to(device)
     model.tie_weights()
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "embeddings not tied"
@@ -483,28 +520,43 @@ def main():
     log(f"model: hidden {cfg.hidden_size}, layers {cfg.layer_types}, experts {cfg.num_experts} top-"
         f"{cfg.num_experts_per_tok}; {n_params / 1e6:.2f} M parameters ({n_embed / 1e6:.2f} M embedding)")
 
+    import numpy as np
+
     t0 = time.time()
     if args.data:
-        encoded, skipped = load_packed(args.data, args.max_len)
+        parts = [load_packed(p) for p in args.data.split(",")]
+        ids = np.concatenate([p[0] for p in parts])
+        bases = np.cumsum([0] + [len(p[0]) for p in parts])
+        offsets = np.concatenate([parts[0][1][:1]] + [p[1][1:] + base for p, base in zip(parts, bases)])
+        starts = np.concatenate([p[2] for p in parts])
     else:
         examples = data.generate("train", args.examples, args.seed)
-        encoded, skipped = encode_examples(examples, data.Renderer(), Tokenizer(), args.max_len)
-    n_tok = sum(len(x) for x, _ in encoded)
-    n_reply = sum(sum(m) for _, m in encoded)
-    log(f"data: {len(encoded)} exchanges ({skipped} over {args.max_len} tokens left out), {n_tok} tokens, "
-        f"{n_reply} reply tokens, {time.time() - t0:.1f}s")
-
+        encoded, _ = encode_examples(examples, data.Renderer(), Tokenizer(), args.max_len)
+        ids, offsets, starts = pack_encoded(encoded)
     args.active = None
     if args.active_vocab:
-        ids_seen = sorted({t for x, _ in encoded for t in x} | set(EOS_IDS))
+        ids_seen = np.union1d(np.unique(ids), EOS_IDS)
         args.active = torch.tensor(ids_seen, dtype=torch.long, device=device)
         log(f"softmax over the {len(ids_seen)} tokens of the training data")
+    data_batches = batching.Batches(ids, offsets, starts, args.tokens_per_batch, args.max_rows, args.reply_cap,
+                                    EOS_IDS[1], args.seed if args.order_seed is None else args.order_seed, args.max_len,
+                                    None if args.active is None else args.active.cpu().numpy(),
+                                    long_share=args.long_share)
+    n_ex = len(data_batches.lengths)
+    log(f"data: {n_ex} exchanges ({data_batches.dropped} over {args.max_len} tokens left out), "
+        f"{int(data_batches.lengths.sum())} tokens, {int(data_batches.replies.sum())} reply tokens, "
+        f"{time.time() - t0:.1f}s; buckets {json.dumps(data_batches.describe())}")
+
     params = list(model.parameters()) + (list(mtp.parameters()) if mtp else [])
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
+    cuda = device.type == "cuda"
+    # On a GPU the learning rate is a device tensor, so that a captured step reads the current one.
+    lr_t = torch.tensor(args.lr, device=device) if cuda else args.lr
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
+        [{"params": decay, "weight_decay": args.weight_decay, "lr": lr_t},
+         {"params": no_decay, "weight_decay": 0.0, "lr": lr_t}],
+        lr=lr_t, betas=(0.9, 0.95), eps=1e-8, fused=cuda, capturable=cuda,
     )
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
 
@@ -521,9 +573,8 @@ def main():
         frac = min(1.0, progress(step, elapsed))
         return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
-        "cpu", enabled=False)
-    stream = batches(encoded, args.tokens_per_batch, random.Random(args.seed))
+    stream = data_batches.stream(pin=cuda)
+    stepper = Stepper(model, mtp, opt, params, args, device, graphs=False)
     csv_path = os.path.join(args.out_dir, "loss.csv")
     fcsv = open(csv_path, "w", newline="")
     w = csv.writer(fcsv)
@@ -533,71 +584,92 @@ def main():
         mtp.train()
     tokens, first, last, step = 0, None, None, 0
     acc = torch.zeros(4, device=device)
+    one = torch.ones(1, device=device)
     start = time.time()
+    mark = (0, start)
+    marks = []
     while progress(step, time.time() - start) < 1:
         lr = lr_at(step, time.time() - start)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        ids, mask = next(stream)
-        ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
-        with autocast:
-            total, loss, mtp_loss, aux = step_loss(model, mtp, ids, mask, args)
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        tokens += int(ids.numel())
-        acc += torch.stack([loss.detach().float(), mtp_loss.detach().float(), aux.detach().float(),
-                            torch.ones((), device=device)])
+        if cuda:
+            lr_t.fill_(lr)
+        else:
+            for g in opt.param_groups:
+                g["lr"] = lr
+        batch = next(stream)
+        out = stepper(batch)
+        acc += torch.cat([out, one])
+        tokens += int(batch["ids"].numel())
         step += 1
         if first is None:
-            first = loss.item()
+            first = float(out[0])
+        if args.cuda_graphs and step == args.probe_steps:
+            # The probe: eager steps so far; CUDA graphs from here (timed in the next log lines).
+            if cuda:
+                torch.cuda.synchronize()
+            stepper.ms["eager"] = round((time.time() - start) / step * 1000, 2)
+            log(f"probe: {step} eager steps, {stepper.ms['eager']} ms a step; CUDA graphs from here")
+            stepper.graphs_on = cuda
         if step % args.log_every == 0 or progress(step, time.time() - start) >= 1:
             a = (acc[:3] / acc[3]).tolist()
-            row = [step, a[0], a[1], a[2], lr, tokens, round(time.time() - start, 2)]
+            now = time.time()
+            row = [step, a[0], a[1], a[2], lr, tokens, round(now - start, 2)]
             w.writerow([row[0]] + [f"{v:.5g}" if isinstance(v, float) else v for v in row[1:]])
             fcsv.flush()
             last = row[1]
             log(f"step {row[0]:6d}  loss {row[1]:.4f}  mtp {row[2]:.4f}  aux {row[3]:.4f}  lr {row[4]:.2e}  "
-                f"{tokens / max(1e-9, time.time() - start):.0f} tok/s")
+                f"{tokens / max(1e-9, now - start):.0f} tok/s  {(now - mark[1]) / (step - mark[0]) * 1000:.1f} "
+                f"ms/step  graphs {len(stepper.graphs)}")
+            mark = (step, now)
+            marks.append(mark)
             acc.zero_()
     fcsv.close()
+    if cuda:
+        torch.cuda.synchronize()
     train_s = time.time() - start
+    half = next((m for m in marks if m[1] - start >= train_s / 2), None)
+    if stepper.graphs and half and step > half[0]:
+        stepper.ms["graphs"] = round((time.time() - half[1]) / (step - half[0]) * 1000, 2)
+        log(f"CUDA graphs: {len(stepper.graphs)} captured; {stepper.ms['graphs']} ms a step over the second half")
 
     model.eval()
-    gen_info = None
+    size = export(args.out_dir, top, text, model, mtp, args)
+    check = check_export(args.out_dir, model, args)
+    log(f"export check: {check}")
+    active = None if args.active is None else int(args.active.numel())
+    summary = {
+        "args": dict(vars(args), active=active),
+        "data_seed": args.seed,
+        "data_pack_seeds": [int(np.load(p)["seed"]) for p in args.data.split(",")] if args.data else None,
+        "parameters": n_params,
+        "exchanges": n_ex,
+        "steps": step,
+        "tokens": tokens,
+        "loss_first": first,
+        "loss_last": last,
+        "train_seconds": round(train_s, 1),
+        "step_ms_eager": stepper.ms.get("eager"),
+        "step_ms_graphs": stepper.ms.get("graphs"),
+        "safetensors_bytes": size,
+        "eval_generation": None,
+        "export_check": check,
+    }
+
+    def write_summary():
+        with open(os.path.join(args.out_dir, "training.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+
+    write_summary()  # before generating, so that a run stopped while generating still has it
+    log(json.dumps({k: summary[k] for k in ("steps", "loss_first", "loss_last", "safetensors_bytes")}))
     if args.eval_prompts:
         t1 = time.time()
         prompts = load_prompts(args.eval_prompts)
         gen = generate_batch(model, prompts, device, args.eval_max_new)
         with open(os.path.join(args.out_dir, "generated.json"), "w") as f:
             json.dump({"prompts": args.eval_prompts, "generated": gen}, f)
-        gen_info = {"prompts": len(prompts), "seconds": round(time.time() - t1, 1)}
-        log(f"generated continuations of {len(prompts)} held-out prompts in {gen_info['seconds']}s")
-
-    size = export(args.out_dir, top, text, model.float(), mtp.float() if mtp else None, args)
-    check = check_export(args.out_dir, model, args)
-    log(f"export check: {check}")
-    args.active = None if args.active is None else int(args.active.numel())
-    summary = {
-        "args": vars(args),
-        "data_seed": args.seed,
-        "data_pack_seed": int(__import__("numpy").load(args.data)["seed"]) if args.data else None,
-        "parameters": n_params,
-        "exchanges": len(encoded),
-        "steps": step,
-        "tokens": tokens,
-        "loss_first": first,
-        "loss_last": last,
-        "train_seconds": round(train_s, 1),
-        "safetensors_bytes": size,
-        "eval_generation": gen_info,
-        "export_check": check,
-    }
-    with open(os.path.join(args.out_dir, "training.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
-    log(json.dumps({k: summary[k] for k in ("steps", "loss_first", "loss_last", "safetensors_bytes")}))
+        summary["eval_generation"] = {"prompts": len(prompts), "seconds": round(time.time() - t1, 1)}
+        write_summary()
+        log(f"generated continuations of {len(prompts)} held-out prompts in {summary['eval_generation']['seconds']}s")
     return 0
 
 

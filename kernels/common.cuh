@@ -226,3 +226,11 @@ __device__ __forceinline__ void gemv_slot_sum(float (&acc)[R][M], float (*red)[R
         if (r < nrows) store_out<OUT>(Y, (size_t)m * n + row0 + r, v);
     }
 }
+
+// The input row of pair p of a grouped expert launch: p / x_div (pair p = token·top_k + choice reads
+// its token's row when x_div is top_k, its own row when 1), or p - x_tail for the pairs at or past
+// x_tail (the shared expert's pairs, one a token after the routed ones, when the launch reads token
+// rows; x_tail is u32 max otherwise).
+__device__ __forceinline__ u32 moe_x_row(u32 p, int x_div, u32 x_tail) {
+    return p >= x_tail ? p - x_tail : p / (u32)x_div;
+}

@@ -263,7 +263,7 @@ extern "C" __global__ void dequant_f8(const unsigned char* __restrict__ W, const
 
 // ---- Grouped GEMV of FP8 routed experts ----
 // moe.cu's grouped GEMV with FP8 units: tile t = (expert x, start, count) of the grid's y; for each pair
-// p = perm[start + m], y[p, :] = W_x · X[p / x_div, :], W_x the bytes at w_ptrs[x] and its scales at
+// p = perm[start + m], y[p, :] = W_x · X[moe_x_row(p), :], W_x the bytes at w_ptrs[x] and its scales at
 // s_ptrs[x]. A row is cut into 16-value units (one 16-byte load); a lane group of `lanes` lanes shares a
 // row (lane `sub` taking units sub, sub + lanes, ...), each group owns RPG rows, and a lane issues the
 // loads of D units of each of its rows (and their scales) before using any. A tile's pairs are taken in
@@ -271,7 +271,7 @@ extern "C" __global__ void dequant_f8(const unsigned char* __restrict__ W, const
 // grid does not depend on the routing: every tile slot runs, empty ones return at once.
 template <int RPG, int D, int M, typename OUT>
 __device__ __forceinline__ void moe_f8_pass(const unsigned char* __restrict__ W, const float* __restrict__ S,
-                                            const bf16* __restrict__ X, int x_div, const u32* __restrict__ pp,
+                                            const bf16* __restrict__ X, int x_div, u32 x_tail, const u32* __restrict__ pp,
                                             int mc, OUT* __restrict__ Y, int n, int k, int group, int lanes,
                                             int sub, int row0, int rstep) {
     const int units = k >> 4;
@@ -289,7 +289,7 @@ __device__ __forceinline__ void moe_f8_pass(const unsigned char* __restrict__ W,
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         pr[m] = pp[m < mc ? m : 0];
-        xr[m] = (const uint4*)(X + (size_t)(pr[m] / x_div) * k);
+        xr[m] = (const uint4*)(X + (size_t)moe_x_row(pr[m], x_div, x_tail) * k);
     }
     float acc[RPG][M];
 #pragma unroll
@@ -364,7 +364,7 @@ __device__ __forceinline__ void moe_f8_pass(const unsigned char* __restrict__ W,
 template <int RPG, int D, int MMAX, typename OUT>
 __device__ __forceinline__ void moe_f8_tile(const unsigned long long* __restrict__ w_ptrs,
                                             const unsigned long long* __restrict__ s_ptrs,
-                                            const bf16* __restrict__ X, int x_div, const u32* __restrict__ perm,
+                                            const bf16* __restrict__ X, int x_div, u32 x_tail, const u32* __restrict__ perm,
                                             const u32* __restrict__ tiles, OUT* __restrict__ Y, int n, int k,
                                             int group, int lanes) {
     const int cnt = (int)tiles[3 * blockIdx.y + 2];
@@ -380,9 +380,9 @@ __device__ __forceinline__ void moe_f8_tile(const unsigned long long* __restrict
         for (int base = 0; base < cnt; base += MMAX) {
             const int mc = min(MMAX, cnt - base);
             if (MMAX == 1 || mc == 1)
-                moe_f8_pass<RPG, D, 1, OUT>(W, S, X, x_div, pp + base, mc, Y, n, k, group, lanes, sub, row0, groups);
+                moe_f8_pass<RPG, D, 1, OUT>(W, S, X, x_div, x_tail, pp + base, mc, Y, n, k, group, lanes, sub, row0, groups);
             else
-                moe_f8_pass<RPG, D, MMAX, OUT>(W, S, X, x_div, pp + base, mc, Y, n, k, group, lanes, sub, row0,
+                moe_f8_pass<RPG, D, MMAX, OUT>(W, S, X, x_div, x_tail, pp + base, mc, Y, n, k, group, lanes, sub, row0,
                                                groups);
         }
     }
@@ -391,8 +391,8 @@ __device__ __forceinline__ void moe_f8_tile(const unsigned long long* __restrict
 // Entry points (moe.cu's argument list). The plain forms take a tile's pairs up to eight at a time
 // (RPG 2, D 1); the *_m1 forms (decode: a tile holds one pair or few) one at a time (RPG 2, D 2). The
 // launcher (ops/fp8.rs, moe_f8_plan) mirrors (RPG, D) to size the grid and pick `lanes`.
-#define MOE_F8_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles
-#define MOE_F8_PASS w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, lanes
+#define MOE_F8_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, unsigned x_tail, const u32* perm, const u32* tiles
+#define MOE_F8_PASS w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group, lanes
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_f8_bf16(MOE_F8_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 1, 8, bf16>(MOE_F8_PASS); }
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_f8_f32(MOE_F8_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 1, 8, float>(MOE_F8_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f8_bf16_m1(MOE_F8_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 2, 1, bf16>(MOE_F8_PASS); }

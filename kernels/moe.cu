@@ -115,7 +115,7 @@ template <> struct MoeFmt<6> {
 // the lane group's RPG rows row0, row0 + rstep, ... (rows ≥ n re-read row n - 1, not stored).
 template <int BITS, int RPG, int D, int M, typename OUT>
 __device__ __forceinline__ void moe_pass(const u32* __restrict__ W, const float* __restrict__ S,
-                                         const bf16* __restrict__ X, int x_div, const u32* __restrict__ pp,
+                                         const bf16* __restrict__ X, int x_div, u32 x_tail, const u32* __restrict__ pp,
                                          int mc, OUT* __restrict__ Y, int n, int k, int group, int lanes,
                                          int sub, int row0, int rstep) {
     typedef MoeFmt<BITS> F;
@@ -137,7 +137,7 @@ __device__ __forceinline__ void moe_pass(const u32* __restrict__ W, const float*
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         p[m] = pp[m < mc ? m : 0];
-        xr[m] = X + (size_t)(p[m] / x_div) * k;
+        xr[m] = X + (size_t)moe_x_row(p[m], x_div, x_tail) * k;
     }
     float acc[RPG][M];
 #pragma unroll
@@ -249,7 +249,7 @@ __device__ __forceinline__ void moe_pass(const u32* __restrict__ W, const float*
 
 // The grouped GEMV. Grid (row blocks, max_tiles); block a multiple of 32 threads (the launcher uses
 // 256). Tile t = (expert x, start, count): for each of its pairs p = perm[start + m],
-// y[p, :] = W_x · X[p / x_div, :]. The block's blockDim / lanes lane groups cover row blocks of
+// y[p, :] = W_x · X[moe_x_row(p), :]. The block's blockDim / lanes lane groups cover row blocks of
 // (blockDim / lanes) · RPG rows, blockIdx.x, blockIdx.x + gridDim.x, ... (any grid.x is correct; the
 // launcher uses ceil(n / rows per block)); group g of row block b owns rows b · groups · RPG + g +
 // r · groups. Shape rules: bf16 k % 8 == 0, INT4/INT8 k % 32 == 0, INT6 k % 8 == 0, group % 8 == 0
@@ -257,7 +257,7 @@ __device__ __forceinline__ void moe_pass(const u32* __restrict__ W, const float*
 template <int BITS, int RPG, int D, int MMAX, typename OUT>
 __device__ __forceinline__ void moe_gemv_tile(const unsigned long long* __restrict__ w_ptrs,
                                               const unsigned long long* __restrict__ s_ptrs,
-                                              const bf16* __restrict__ X, int x_div, const u32* __restrict__ perm,
+                                              const bf16* __restrict__ X, int x_div, u32 x_tail, const u32* __restrict__ perm,
                                               const u32* __restrict__ tiles, OUT* __restrict__ Y, int n, int k,
                                               int group, int lanes) {
     const int cnt = (int)tiles[3 * blockIdx.y + 2];
@@ -273,9 +273,9 @@ __device__ __forceinline__ void moe_gemv_tile(const unsigned long long* __restri
         for (int base = 0; base < cnt; base += MMAX) {
             const int mc = min(MMAX, cnt - base);
             if (MMAX == 1 || mc == 1)
-                moe_pass<BITS, RPG, D, 1, OUT>(W, S, X, x_div, pp + base, mc, Y, n, k, group, lanes, sub, row0, groups);
+                moe_pass<BITS, RPG, D, 1, OUT>(W, S, X, x_div, x_tail, pp + base, mc, Y, n, k, group, lanes, sub, row0, groups);
             else
-                moe_pass<BITS, RPG, D, (MMAX > 1 ? MMAX : 1), OUT>(W, S, X, x_div, pp + base, mc, Y, n, k, group, lanes, sub, row0, groups);
+                moe_pass<BITS, RPG, D, (MMAX > 1 ? MMAX : 1), OUT>(W, S, X, x_div, x_tail, pp + base, mc, Y, n, k, group, lanes, sub, row0, groups);
         }
     }
 }
@@ -324,7 +324,7 @@ __device__ __forceinline__ void moe_mma_bf16(float c[4], u32 a0, u32 a1, u32 a2,
 template <bool SWIGLU, typename OUT>
 __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* __restrict__ w_ptrs,
                                                      const unsigned long long* __restrict__ s_ptrs,
-                                                     const bf16* __restrict__ X, int x_div,
+                                                     const bf16* __restrict__ X, int x_div, u32 x_tail,
                                                      const u32* __restrict__ perm, const u32* __restrict__ tiles,
                                                      OUT* __restrict__ Y, int n, int k, int group) {
     extern __shared__ uint4 sx[];
@@ -377,7 +377,7 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
             const u32 p = perm[start + m];
             if constexpr (SWIGLU) {
                 // X is the pairs' gate|up rows [., 2k]: x = bf16(silu(gate) · up), as swiglu_bf16.
-                const uint4* gu = (const uint4*)(X + (size_t)(p / x_div) * 2 * k);
+                const uint4* gu = (const uint4*)(X + (size_t)moe_x_row(p, x_div, x_tail) * 2 * k);
                 float gf[8], uf[8];
                 unpack8(__ldg(gu + u), gf);
                 unpack8(__ldg(gu + per + u), uf);
@@ -387,7 +387,7 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
                     o[i] = pack_bf16x2(silu_f(gf[2 * i]) * uf[2 * i], silu_f(gf[2 * i + 1]) * uf[2 * i + 1]);
                 sx[m * xrow + u] = make_uint4(o[0], o[1], o[2], o[3]);
             } else {
-                sx[m * xrow + u] = __ldg((const uint4*)(X + (size_t)(p / x_div) * k) + u);
+                sx[m * xrow + u] = __ldg((const uint4*)(X + (size_t)moe_x_row(p, x_div, x_tail) * k) + u);
             }
         }
     }
@@ -445,8 +445,8 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
 // where a tile holds one pair or few) one at a time with fewer registers (RPG 4, D 2 for bf16; RPG 2
 // and D 2 for INT4/INT6, D 1 for INT8), re-reading the rows from cache for a tile's further pairs.
 // The launcher mirrors these (RPG, D) to size the grid and pick `lanes`.
-#define MOE_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles
-#define MOE_PASS w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, lanes
+#define MOE_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, unsigned x_tail, const u32* perm, const u32* tiles
+#define MOE_PASS w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group, lanes
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<16, 4, 2, 8, bf16>(MOE_PASS); }
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<16, 4, 2, 8, float>(MOE_PASS); }
 extern "C" __global__ void __launch_bounds__(256) moe_gemv_q4_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<4, 4, 1, 8, bf16>(MOE_PASS); }
@@ -463,9 +463,9 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_bf16_m1(MOE_ARG
 extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<8, 2, 1, 1, float>(MOE_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<6, 2, 2, 1, bf16>(MOE_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<6, 2, 2, 1, float>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, bf16>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_swiglu_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<true, float>(w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, bf16>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, float>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_swiglu_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<true, float>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
 #undef MOE_ARGS
 #undef MOE_PASS
 
@@ -474,13 +474,15 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma
 // aligned), the loads of all choices independent of the kept flags, so they are in flight together
 // rather than one dependent round trip per choice. y: [tokens·top_k, h] f32; weights: [tokens, top_k] f32;
 // out: [tokens, h] bf16. Pairs whose expert id was dropped by moe_sort (id ≥ e) count as zero (their
-// y rows, never written, are loaded but not added). shared_y [tokens, h] and shared_gate [tokens] (bf16,
-// both or neither): the shared expert's output, added times sigmoid(gate) before the one rounding.
+// y rows, never written, are loaded but not added). shared_gate [tokens] (bf16) with the shared expert's
+// output, either shared_y [tokens, h] bf16 (computed apart) or shared_y32 [tokens, h] f32 (the rows the
+// grouped GEMV wrote after the routed pairs'), or none of the three: the shared expert's output times
+// sigmoid(gate), added before the one rounding.
 // Dynamic shared memory: 8·top_k bytes (the token's weights and kept flags).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights,
                                        const u32* __restrict__ ids, int e, const bf16* __restrict__ shared_y,
-                                       const bf16* __restrict__ shared_gate, bf16* __restrict__ out, int top_k,
-                                       int h) {
+                                       const float* __restrict__ shared_y32, const bf16* __restrict__ shared_gate,
+                                       bf16* __restrict__ out, int top_k, int h) {
     pdl_prologue();
     extern __shared__ float cw[];
     int* keep = (int*)(cw + top_k);
@@ -496,8 +498,9 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
     const float* yt = y + (size_t)t * top_k * h;
     bf16* o = out + (size_t)t * h + j;
     // The shared expert's row and weight (none: weight 0, its row never read).
-    const float sw = shared_y ? sigmoid_f(bf2f(shared_gate[t])) : 0.0f;
+    const float sw = shared_gate ? sigmoid_f(bf2f(shared_gate[t])) : 0.0f;
     const bf16* sy = shared_y ? shared_y + (size_t)t * h + j : nullptr;
+    const float* sy32 = shared_y32 ? shared_y32 + (size_t)t * h + j : nullptr;
     if ((h & 3) == 0 && ((size_t)y & 15) == 0) {
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
@@ -514,6 +517,10 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
         if (sy) {
 #pragma unroll
             for (int q = 0; q < 4; ++q) (&acc.x)[q] += sw * bf2f(sy[q]);
+        }
+        if (sy32) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) (&acc.x)[q] += sw * sy32[q];
         }
         __nv_bfloat162 lo, hi;
         lo.x = f2bf(acc.x);
@@ -545,6 +552,6 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
         }
 #pragma unroll
         for (int q = 0; q < 4; ++q)
-            if (q < cols) o[q] = f2bf(sy ? acc[q] + sw * bf2f(sy[q]) : acc[q]);
+            if (q < cols) o[q] = f2bf(sy ? acc[q] + sw * bf2f(sy[q]) : sy32 ? acc[q] + sw * sy32[q] : acc[q]);
     }
 }

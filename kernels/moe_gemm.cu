@@ -214,14 +214,14 @@ template <> struct MgFmt<MG_FP8> {
 
 // Grid (ceil(n / 128), max_tiles); 256 threads (8 warps of 16 weight rows); dynamic shared memory
 // STAGES·(128·SROW + 64·144 + (packed ? 512·spc : 0)) bytes. Tile t = (expert x, start, count): for each of
-// its pairs p = perm[start + m], Y[p, :] = W_x · X[p / x_div, :], W_x [n, k] at w_ptrs[x] (bf16 values,
+// its pairs p = perm[start + m], Y[p, :] = W_x · X[moe_x_row(p), :], W_x [n, k] at w_ptrs[x] (bf16 values,
 // or packed words with f32 scales at s_ptrs[x], [n, ceil(k / group)]). Needs k % 64 == 0, group (the
 // effective one: k for per-row scales) 16, 32 or a multiple of 64, spc = 64 / group for groups below 64
 // and 1 otherwise, 16-byte aligned weights and X. A block whose tile is unused (count 0) exits at once.
 template <int FMT, typename OUT>
 __device__ __forceinline__ void moe_gemm_impl(const unsigned long long* __restrict__ w_ptrs,
                                               const unsigned long long* __restrict__ s_ptrs,
-                                              const bf16* __restrict__ X, int x_div, const u32* __restrict__ perm,
+                                              const bf16* __restrict__ X, int x_div, u32 x_tail, const u32* __restrict__ perm,
                                               const u32* __restrict__ tiles, OUT* __restrict__ Y, int n, int k,
                                               int group, int spc) {
     typedef MgFmt<FMT> F;
@@ -237,7 +237,7 @@ __device__ __forceinline__ void moe_gemm_impl(const unsigned long long* __restri
     if (tid < (int)cnt) {
         const u32 p = perm[start + tid];
         s_pair[tid] = p;
-        s_xrow[tid] = p / (u32)x_div;
+        s_xrow[tid] = moe_x_row(p, x_div, x_tail);
     }
     __syncthreads();
     const int nch = (int)(cnt + 7) >> 3;  // active 8-pair column blocks
@@ -361,8 +361,8 @@ __device__ __forceinline__ void moe_gemm_impl(const unsigned long long* __restri
 
 // Entry points moe_gemm_{q4 | q6 | q8 | f8 | bf16}_{bf16 | f32}: Y [n_pairs, n] bf16 (the experts' fused gate|up
 // rows) or f32 (their down projections, combined by moe_combine). s_ptrs is not read for bf16 experts.
-#define MOE_GEMM_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, const u32* perm, const u32* tiles
-#define MOE_GEMM_PASS w_ptrs, s_ptrs, X, x_div, perm, tiles, Y, n, k, group, spc
+#define MOE_GEMM_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, unsigned x_tail, const u32* perm, const u32* tiles
+#define MOE_GEMM_PASS w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group, spc
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q4_bf16(MOE_GEMM_ARGS, bf16* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<4, bf16>(MOE_GEMM_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q4_f32(MOE_GEMM_ARGS, float* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<4, float>(MOE_GEMM_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_q6_bf16(MOE_GEMM_ARGS, bf16* Y, int n, int k, int group, int spc) { pdl_prologue(); moe_gemm_impl<6, bf16>(MOE_GEMM_PASS); }

@@ -17,6 +17,9 @@ const CUDA_GRAPHS_ENV: &str = "SANMAI_CUDA_GRAPHS";
 /// Programmatic dependent launch (sm_90 and later).
 #[cfg(feature = "cuda")]
 const PDL_ENV: &str = "SANMAI_PDL";
+/// The CUDA backend's fused decode launches (the shared expert with the routed experts).
+#[cfg(feature = "cuda")]
+const FUSED_DECODE_ENV: &str = "SANMAI_FUSED_DECODE";
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct SwitchArgs {
@@ -41,6 +44,14 @@ pub struct SwitchArgs {
     /// Launch every CUDA kernel the ordinary way [default: PDL, unless SANMAI_PDL=0].
     #[arg(long, overrides_with = "pdl")]
     pub no_pdl: bool,
+    /// Fused CUDA decode launches: a MoE layer's shared expert runs in its routed experts' grouped
+    /// GEMVs when the two share a format (the default; overrides SANMAI_FUSED_DECODE=0).
+    #[arg(long, overrides_with = "no_fused_decode")]
+    pub fused_decode: bool,
+    /// One launch per op in CUDA decode steps, for A/B runs [default: fused, unless
+    /// SANMAI_FUSED_DECODE=0].
+    #[arg(long, overrides_with = "fused_decode")]
+    pub no_fused_decode: bool,
     /// A pipeline stage prepares its next step (layout, PLE rows, device metadata) before it waits
     /// for the previous stage's streams (the default; overrides SANMAI_PP_DEFERRED_RECEIVE=0).
     #[arg(long, overrides_with = "no_pp_deferred_receive")]
@@ -103,6 +114,8 @@ impl SwitchArgs {
             (self.no_cuda_graphs, "--no-cuda-graphs"),
             (self.pdl, "--pdl"),
             (self.no_pdl, "--no-pdl"),
+            (self.fused_decode, "--fused-decode"),
+            (self.no_fused_decode, "--no-fused-decode"),
         ]
         .into_iter()
         .filter_map(|(given, name)| given.then_some(name))
@@ -118,6 +131,7 @@ impl SwitchArgs {
                 compile: cuda::compile_options(),
             },
             cuda_graphs: switch(self.cuda_graphs, self.no_cuda_graphs, CUDA_GRAPHS_ENV),
+            fused_decode: switch(self.fused_decode, self.no_fused_decode, FUSED_DECODE_ENV),
         }
     }
 }

@@ -165,6 +165,13 @@ struct Rows<'a> {
     mrope: Option<Mrope<'a>>,
 }
 
+impl Rows<'_> {
+    /// The rows of the step: every chunk's tokens.
+    fn count(&self) -> usize {
+        self.seqs.iter().map(|s| s.len).sum()
+    }
+}
+
 impl<'a> Layout<'a> {
     fn of(chunks: &'a [StepChunk<'a>]) -> Self {
         let mut ids = Vec::with_capacity(chunks.iter().map(|c| c.tokens.len()).sum());
@@ -567,31 +574,39 @@ impl<B: Backend> Model<B> {
                 self.residual(streams, x.as_ref(), &mixed, a)?;
                 let x = b.hc_premix(streams, &f.pre)?;
                 let hn = b.rms_norm(&x, &layer.post_attention_norm, eps, 1.0)?;
-                let out = self.ffn(layer, &hn)?;
+                let out = self.ffn(layer, &hn, rows.count())?;
                 self.residual(streams, Some(&x), &out, f)?;
                 return Ok(None);
             }
         };
-        Ok(Some(self.ffn(layer, &hn)?))
+        Ok(Some(self.ffn(layer, &hn, rows.count())?))
     }
 
     /// The FFN sublayer's output for normed input `hn`: the dense MLP, or the routed experts plus the
     /// sigmoid-gated shared expert.
-    fn ffn(&self, layer: &Layer<B::Weight>, hn: &B::Tensor) -> OpResult<B::Tensor> {
+    fn ffn(&self, layer: &Layer<B::Weight>, hn: &B::Tensor, rows: usize) -> OpResult<B::Tensor> {
         let b = &self.backend;
         match &layer.ffn {
             Ffn::Dense(m) => self.mlp(m, hn),
             Ffn::Moe(m) => {
                 let shared = match (&m.shared, &m.shared_gate) {
                     (Some(shared), Some(gate)) => {
-                        Some((self.mlp(shared, hn)?, b.linear(hn, gate)?))
+                        let y = if b.moe_fuses_shared(m, rows) {
+                            None
+                        } else {
+                            Some(self.mlp(shared, hn)?)
+                        };
+                        Some((y, b.linear(hn, gate)?))
                     }
                     _ => None,
                 };
                 b.moe_experts(&MoeCall {
                     x: hn,
                     w: m,
-                    shared: shared.as_ref().map(|(y, gate)| SharedExpert { y, gate }),
+                    shared: shared.as_ref().map(|(y, gate)| SharedExpert {
+                        y: y.as_ref(),
+                        gate,
+                    }),
                 })
             }
         }

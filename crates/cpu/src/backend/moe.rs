@@ -4,6 +4,7 @@
 
 use rayon::prelude::*;
 use sanmai_model::backend::{MoeCall, OpResult};
+use sanmai_model::Backend;
 
 use super::{ensure, matmul, CpuBackend, CpuTensor, CpuWeight};
 use crate::ops;
@@ -40,17 +41,20 @@ fn check(op: &'static str, c: &MoeCall<'_, CpuTensor, CpuWeight>) -> OpResult<()
         ));
     }
     if let Some(sh) = &c.shared {
+        let y = sh.y.map_or((x.rows, x.cols), |y| (y.rows, y.cols));
         ensure(
-            (sh.y.rows, sh.y.cols) == (x.rows, x.cols)
-                && (sh.gate.rows, sh.gate.cols) == (x.rows, 1),
+            y == (x.rows, x.cols) && (sh.gate.rows, sh.gate.cols) == (x.rows, 1),
             op,
             || {
                 format!(
-                    "a shared expert of [{}, {}] with gate [{}, {}] for inputs [{}, {}]",
-                    sh.y.rows, sh.y.cols, sh.gate.rows, sh.gate.cols, x.rows, x.cols
+                    "a shared expert of {y:?} with gate [{}, {}] for inputs [{}, {}]",
+                    sh.gate.rows, sh.gate.cols, x.rows, x.cols
                 )
             },
         )?;
+        ensure(sh.y.is_some() || c.w.shared.is_some(), op, || {
+            "no shared expert output and no shared expert weights".into()
+        })?;
     }
     Ok(())
 }
@@ -109,10 +113,20 @@ impl CpuBackend {
             }
         }
         if let Some(sh) = &c.shared {
+            // The shared expert's output, computed here when the call leaves it to the backend.
+            let own;
+            let y = match (sh.y, &c.w.shared) {
+                (Some(y), _) => y,
+                (None, Some(m)) => {
+                    own = self.linear(&self.swiglu(&self.linear(c.x, &m.gate_up)?)?, &m.down)?;
+                    &own
+                }
+                (None, None) => unreachable!("checked above"),
+            };
             for ((o, yr), g) in out
                 .data
                 .chunks_exact_mut(h)
-                .zip(sh.y.data.chunks_exact(h))
+                .zip(y.data.chunks_exact(h))
                 .zip(&sh.gate.data)
             {
                 let s = ops::sigmoid(*g);

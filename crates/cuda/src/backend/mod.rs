@@ -43,8 +43,8 @@ use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
     hc_residual_ops, AttnCall, Backend, BackendError, CacheSpec, DecodeStep, GdnCall, GdnShape,
-    Handover, HcWeights, KvHostStats, MoeCall, OpResult, PackedTensor, PleCall, Probe, QsaCall,
-    SampleCall, SeqChunk,
+    Handover, HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor, PleCall, Probe,
+    QsaCall, SampleCall, SeqChunk,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
@@ -91,6 +91,8 @@ pub(crate) struct State {
     pub kv: cache::KvPools,
     pub states: cache::StateSlots,
     pub experts: HashMap<u64, moe::ExpertTable>,
+    /// The fused MoE's pair buffers, by (tokens, top_k, experts) (`moe.rs`).
+    pub fused_pairs: HashMap<(usize, usize, usize), moe::FusedPairs>,
     /// The packed and FP8 GEMMs' bf16 workspace, allocated with the first packed or FP8 weight.
     pub packed_ws: Option<CudaSlice<bf16>>,
     /// Device copies of RoPE inverse frequencies, by their host values.
@@ -125,14 +127,18 @@ pub struct CudaOptions {
     /// Record decode steps of batch sizes [`DEFAULT_GRAPH_BATCH_SIZES`] as CUDA graphs; off: every
     /// step eager.
     pub cuda_graphs: bool,
+    /// Fused decode launches (a MoE layer's shared expert in its routed experts' grouped GEMVs,
+    /// `moe.rs`); off: one launch per op, for A/B runs.
+    pub fused_decode: bool,
 }
 
 impl Default for CudaOptions {
-    /// Graphs and PDL on, no kernel cache, the standard CUDA header folders.
+    /// Graphs, PDL and fused decode launches on, no kernel cache, the standard CUDA header folders.
     fn default() -> Self {
         CudaOptions {
             gpu: GpuOptions::default(),
             cuda_graphs: true,
+            fused_decode: true,
         }
     }
 }
@@ -152,6 +158,8 @@ pub struct CudaBackend {
     /// The ticket counter of the one-launch decode routing (`Gpu::moe_route_decode`, `moe.rs`): 0
     /// between launches, which the stream orders one after another.
     route_ticket: Mutex<CudaSlice<u32>>,
+    /// Whether decode steps take the fused launches ([`CudaOptions::fused_decode`]).
+    fused_decode: AtomicBool,
     /// Held while a CUDA graph captures this backend's stream, and by the cache operations another
     /// thread may call (a pipeline's engine thread): work queued on a capturing stream, from any
     /// thread, would join the graph instead of running.
@@ -197,6 +205,7 @@ impl CudaBackend {
         if !options.cuda_graphs {
             backend.set_graph_batch_sizes(&[]);
         }
+        backend.set_fused_decode(options.fused_decode);
         Ok(backend)
     }
 
@@ -212,6 +221,7 @@ impl CudaBackend {
                 kv: cache::KvPools::default(),
                 states: cache::StateSlots::default(),
                 experts: HashMap::new(),
+                fused_pairs: HashMap::new(),
                 packed_ws: None,
                 rope: Vec::new(),
                 decode_span: None,
@@ -227,7 +237,16 @@ impl CudaBackend {
             epoch: AtomicU64::new(0),
             ple_in: Mutex::new(None),
             route_ticket,
+            fused_decode: AtomicBool::new(true),
         })
+    }
+
+    /// Turns the fused decode launches on or off ([`CudaOptions::fused_decode`]); recorded steps
+    /// of the other kind are dropped.
+    pub fn set_fused_decode(&self, on: bool) {
+        if self.fused_decode.swap(on, Ordering::Relaxed) != on {
+            self.epoch.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -645,6 +664,10 @@ impl Backend for CudaBackend {
 
     fn moe_experts(&self, c: &MoeCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
         self.moe_impl(c).at("moe_experts")
+    }
+
+    fn moe_fuses_shared(&self, w: &MoeWeights<CudaWeight>, rows: usize) -> bool {
+        self.moe_fuses_shared_impl(w, rows)
     }
 
     fn decode_step(

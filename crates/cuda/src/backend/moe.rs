@@ -18,21 +18,30 @@ use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
 use crate::ops::{
     moe_max_tiles, DecodeRouting, Experts, Fp8Experts, PackedScheme, PairGroups, PairRows,
-    RouteDims, Routed,
+    RouteDims, Routed, SharedY, MOE_TILE,
 };
 
-/// The device tables of one MoE layer's expert weight addresses (bf16 values or packed words) and,
-/// for packed experts, their scale addresses.
-pub(crate) struct ExpertTable {
-    /// The addresses, as uploaded (to notice reloaded weights).
-    host: Vec<u64>,
+/// One set of device tables: each expert's gate|up and down address and, for packed and FP8
+/// experts, their scale addresses.
+pub(crate) struct Tables {
     pub gate_up: CudaSlice<u64>,
     pub down: CudaSlice<u64>,
     pub gate_up_scales: CudaSlice<u64>,
     pub down_scales: CudaSlice<u64>,
 }
 
-impl ExpertTable {
+impl Tables {
+    /// `addrs`: every expert's gate|up, then down, gate|up scales and down scales address.
+    fn upload(gpu: &Gpu, addrs: &[u64]) -> Result<Self> {
+        let e = addrs.len() / 4;
+        Ok(Tables {
+            gate_up: gpu.upload(&addrs[..e])?,
+            down: gpu.upload(&addrs[e..2 * e])?,
+            gate_up_scales: gpu.upload(&addrs[2 * e..3 * e])?,
+            down_scales: gpu.upload(&addrs[3 * e..])?,
+        })
+    }
+
     /// The gate|up (`[2I, H]`) and down (`[H, I]`) projections of every expert as the grouped
     /// kernels take them, of formats `gu` and `dn`.
     fn experts(
@@ -61,7 +70,7 @@ impl ExpertTable {
     }
 
     /// The gate|up (`[2I, H]`) and down (`[H, I]`) projections of every expert as the FP8 grouped
-    /// GEMV takes them, with blocks of `gu` and `dn` columns.
+    /// kernels take them, with blocks of `gu` and `dn` columns.
     fn fp8_experts(
         &self,
         (gu, dn): (usize, usize),
@@ -89,7 +98,7 @@ impl ExpertTable {
         )
     }
 
-    pub fn bytes(&self) -> usize {
+    fn bytes(&self) -> usize {
         8 * (self.gate_up.len()
             + self.down.len()
             + self.gate_up_scales.len()
@@ -97,12 +106,77 @@ impl ExpertTable {
     }
 }
 
-/// Every expert's gate|up, down, gate|up scales and down scales address (scales 0 for bf16).
-fn addresses(gpu: &Gpu, w: &MoeWeights<CudaWeight>) -> Vec<u64> {
-    let gu = w.experts.iter().map(|e| e.gate_up.address(gpu));
-    let dn = w.experts.iter().map(|e| e.down.address(gpu));
-    let gus = w.experts.iter().map(|e| e.gate_up.scales_address(gpu));
-    let dns = w.experts.iter().map(|e| e.down.scales_address(gpu));
+/// The device tables of one MoE layer: the routed experts', and, when the shared expert has their
+/// formats and shapes ([`shared_fits`]), the same with the shared expert appended as expert `e` (the
+/// fused decode launches, [`CudaBackend::moe_fuses_shared_impl`]).
+pub(crate) struct ExpertTable {
+    /// The addresses, as uploaded (to notice reloaded weights).
+    host: Vec<u64>,
+    routed: Tables,
+    with_shared: Option<Tables>,
+}
+
+impl ExpertTable {
+    pub fn bytes(&self) -> usize {
+        self.routed.bytes() + self.with_shared.as_ref().map_or(0, Tables::bytes)
+    }
+}
+
+/// The pair buffers of fused MoE steps of `t` tokens, `k` choices and `e` routed experts, kept from
+/// step to step (graph replays point at them): `perm` `[t·k + t]` and `tiles`
+/// `[moe_max_tiles(t·k + t, e + 1), 3]`. Their tails are written once: the shared expert's pairs
+/// `t·k + j` (`perm[t·k + j] = t·k + j`) as one tile `(e, t·k, t)` right after the routed tiles, then
+/// empty tiles; each step's routing rewrites the heads (`perm[..t·k]`, the first
+/// `moe_max_tiles(t·k, e)` tiles).
+pub(crate) struct FusedPairs {
+    perm: CudaSlice<u32>,
+    tiles: CudaSlice<u32>,
+}
+
+impl FusedPairs {
+    fn new(gpu: &Gpu, t: usize, k: usize, e: usize) -> Result<Self> {
+        let n = t * k;
+        let perm: Vec<u32> = (0..n + t)
+            .map(|p| if p < n { 0 } else { p as u32 })
+            .collect();
+        let mut tiles = vec![0u32; 3 * moe_max_tiles(n + t, e + 1)];
+        let at = 3 * moe_max_tiles(n, e);
+        tiles[at..at + 3].copy_from_slice(&[e as u32, n as u32, t as u32]);
+        Ok(FusedPairs {
+            perm: gpu.upload(&perm)?,
+            tiles: gpu.upload(&tiles)?,
+        })
+    }
+}
+
+/// Whether `w`'s shared expert can run as one more expert of its routed experts' grouped kernels:
+/// it and its gate exist, with the first routed expert's formats and shapes (the loader gives every
+/// routed expert of a layer one format).
+fn shared_fits(w: &MoeWeights<CudaWeight>) -> bool {
+    match (&w.shared, &w.shared_gate, w.experts.first()) {
+        (Some(s), Some(_), Some(x)) => {
+            s.inter == x.inter
+                && s.gate_up.shape() == x.gate_up.shape()
+                && s.down.shape() == x.down.shape()
+                && format_of(&s.gate_up) == format_of(&x.gate_up)
+                && format_of(&s.down) == format_of(&x.down)
+        }
+        _ => false,
+    }
+}
+
+/// Every expert's gate|up, down, gate|up scales and down scales address (scales 0 for bf16), the
+/// shared expert last when `shared`.
+fn addresses(gpu: &Gpu, w: &MoeWeights<CudaWeight>, shared: bool) -> Vec<u64> {
+    let all: Vec<_> = w
+        .experts
+        .iter()
+        .chain(w.shared.as_ref().filter(|_| shared))
+        .collect();
+    let gu = all.iter().map(|e| e.gate_up.address(gpu));
+    let dn = all.iter().map(|e| e.down.address(gpu));
+    let gus = all.iter().map(|e| e.gate_up.scales_address(gpu));
+    let dns = all.iter().map(|e| e.down.scales_address(gpu));
     gu.chain(dn).chain(gus).chain(dns).collect()
 }
 
@@ -234,11 +308,31 @@ impl CudaBackend {
     /// where the separate GEMV runs on tensor cores and one block routing eight tokens is the tail
     /// (`bench_moe_route_decode`).
     fn route_grouped(&self, x: &CudaTensor, w: &MoeWeights<CudaWeight>) -> Result<Grouped> {
+        let n = x.rows * w.top_k;
+        let mut perm = self.scratch::<u32>(n)?;
+        let mut tiles = self.scratch::<u32>(3 * moe_max_tiles(n, w.experts.len()))?;
+        let (ids, wts) = self.route_grouped_into(x, w, &mut perm, &mut tiles)?;
+        Ok(Grouped {
+            ids,
+            wts,
+            perm,
+            tiles,
+        })
+    }
+
+    /// [`CudaBackend::route_grouped`] into the caller's `perm` (at least `t·k`) and `tiles` (at least
+    /// `3 · moe_max_tiles(t·k, e)`), of which it writes exactly those heads; returns the ids and
+    /// weights.
+    fn route_grouped_into(
+        &self,
+        x: &CudaTensor,
+        w: &MoeWeights<CudaWeight>,
+        perm: &mut CudaSlice<u32>,
+        tiles: &mut CudaSlice<u32>,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<f32>)> {
         let g = &self.gpu;
         let (t, h, e, k) = (x.rows, x.cols, w.experts.len(), w.top_k);
         let n = t * k;
-        let mut perm = self.scratch::<u32>(n)?;
-        let mut tiles = self.scratch::<u32>(3 * moe_max_tiles(n, e))?;
         if let CudaWeight::Bf16(router) = &w.router {
             if Gpu::moe_route_decode_fits(t, h, e, k) && router.shape == [e, h] {
                 let mut logits = self.scratch::<f32>(t * e)?;
@@ -249,26 +343,16 @@ impl CudaBackend {
                     logits: &mut logits,
                     ids: &mut ids,
                     weights: &mut wts,
-                    perm: &mut perm,
-                    tiles: &mut tiles,
-                };
-                g.moe_route_decode(&router.data, &x.buf, h, route_dims(t, w), out, &mut *ticket)?;
-                return Ok(Grouped {
-                    ids,
-                    wts,
                     perm,
                     tiles,
-                });
+                };
+                g.moe_route_decode(&router.data, &x.buf, h, route_dims(t, w), out, &mut *ticket)?;
+                return Ok((ids, wts));
             }
         }
         let (ids, wts) = self.route(x, w)?;
-        g.moe_sort(&ids, n, e, &mut perm, &mut tiles)?;
-        Ok(Grouped {
-            ids,
-            wts,
-            perm,
-            tiles,
-        })
+        g.moe_sort(&ids, n, e, perm, tiles)?;
+        Ok((ids, wts))
     }
 
     /// The expert tables of `w`, built on first use (keyed by the first expert's address).
@@ -278,16 +362,22 @@ impl CudaBackend {
         w: &MoeWeights<CudaWeight>,
     ) -> Result<&'a ExpertTable> {
         let g = &self.gpu;
-        let addrs = addresses(g, w);
+        let fits = shared_fits(w);
+        let mut addrs = addresses(g, w, false);
+        if fits {
+            addrs.extend(addresses(g, w, true));
+        }
         let key = addrs[0];
         let fresh = tables.get(&key).is_none_or(|t| t.host != addrs);
         if fresh {
-            let e = w.experts.len();
+            let routed_len = 4 * w.experts.len();
             let t = ExpertTable {
-                gate_up: g.upload(&addrs[..e])?,
-                down: g.upload(&addrs[e..2 * e])?,
-                gate_up_scales: g.upload(&addrs[2 * e..3 * e])?,
-                down_scales: g.upload(&addrs[3 * e..])?,
+                routed: Tables::upload(g, &addrs[..routed_len])?,
+                with_shared: if fits {
+                    Some(Tables::upload(g, &addrs[routed_len..])?)
+                } else {
+                    None
+                },
                 host: addrs,
             };
             tables.insert(key, t);
@@ -306,14 +396,26 @@ impl CudaBackend {
             return Err(bad("no experts".into()));
         }
         if let Some(SharedExpert { y, gate }) = &c.shared {
-            if (y.rows, y.cols, gate.rows, gate.cols) != (t, h, t, 1) {
+            let ys = y.map_or((t, h), |y| (y.rows, y.cols));
+            if (ys.0, ys.1, gate.rows, gate.cols) != (t, h, t, 1) {
                 return Err(bad(format!(
-                    "shared expert output [{}, {}] and gate [{}, {}] for {t} rows of {h}",
-                    y.rows, y.cols, gate.rows, gate.cols
+                    "shared expert output {ys:?} and gate [{}, {}] for {t} rows of {h}",
+                    gate.rows, gate.cols
                 )));
             }
         }
-        let shared = c.shared.as_ref().map(|s| (&s.y.buf, &s.gate.buf));
+        // A call without the shared expert's output leaves it to the fused launches.
+        let fused = matches!(c.shared, Some(SharedExpert { y: None, .. }));
+        if fused && !self.moe_fuses_shared_impl(w, t) {
+            return Err(bad(format!(
+                "the shared expert is not fused for this layer at {t} rows: its output is needed"
+            )));
+        }
+        let shared = match &c.shared {
+            Some(SharedExpert { y: Some(y), gate }) => Some((SharedY::Apart(&y.buf), &gate.buf)),
+            Some(SharedExpert { y: None, gate }) => Some((SharedY::AfterRouted, &gate.buf)),
+            None => None,
+        };
         let inter = w.experts[0].inter;
         for ex in &w.experts {
             if ex.inter != inter
@@ -352,6 +454,7 @@ impl CudaBackend {
             x: &x.buf,
             rows: t,
             div: k,
+            tail: None,
         };
         if gemm {
             let (ids, wts) = self.route(x, w)?;
@@ -369,11 +472,11 @@ impl CudaBackend {
             let mut gu = self.alloc(n, 2 * inter)?;
             match fp8 {
                 Some(blocks) => {
-                    let gate_up = table.fp8_experts(blocks, h, inter).0;
+                    let gate_up = table.routed.fp8_experts(blocks, h, inter).0;
                     g.moe_gemm_fp8(&gate_up, &token_rows, &groups, &mut gu.buf)?
                 }
                 None => {
-                    let gate_up = table.experts(gu_format, dn_format, h, inter).0;
+                    let gate_up = table.routed.experts(gu_format, dn_format, h, inter).0;
                     g.moe_gemm(&gate_up, &token_rows, &groups, &mut gu.buf)?
                 }
             }
@@ -384,14 +487,15 @@ impl CudaBackend {
                 x: &act.buf,
                 rows: n,
                 div: 1,
+                tail: None,
             };
             match fp8 {
                 Some(blocks) => {
-                    let down = table.fp8_experts(blocks, h, inter).1;
+                    let down = table.routed.fp8_experts(blocks, h, inter).1;
                     g.moe_gemm_fp8(&down, &pair_rows, &groups, &mut y)?
                 }
                 None => {
-                    let down = table.experts(gu_format, dn_format, h, inter).1;
+                    let down = table.routed.experts(gu_format, dn_format, h, inter).1;
                     g.moe_gemm(&down, &pair_rows, &groups, &mut y)?
                 }
             }
@@ -399,108 +503,163 @@ impl CudaBackend {
             g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
             return Ok(out);
         }
-        if let Some(blocks) = fp8 {
-            return self.moe_fp8(c, blocks, shared, out);
-        }
-        let Grouped {
-            ids,
-            wts,
-            perm,
-            tiles,
-        } = self.route_grouped(x, w)?;
-        self.log_routing(&ids, n, e)?;
-        let groups = PairGroups {
-            perm: &perm,
-            tiles: &tiles,
-            n_pairs: n,
+        let step = GemvStep {
+            formats: (gu_format, dn_format, fp8),
+            fused,
+            shared,
         };
-        let routed = routing_of(&ids, &wts, (t, e, k));
-        let mut st = self.lock();
-        let table = self.expert_table(&mut st.experts, w)?;
-        let (gate_up, down) = table.experts(gu_format, dn_format, h, inter);
-        let mut gu = self.alloc(n, 2 * inter)?;
-        // FP8 experts took `moe_fp8` above: bf16 or packed here.
-        match gu_format.scheme() {
-            None => g.moe_gemv(&gate_up, &token_rows, &groups, &mut gu.buf)?,
-            Some(_) => g.moe_gemv_packed(&gate_up, &token_rows, &groups, &mut gu.buf)?,
+        if !fused {
+            return self.moe_gemv_step(c, &step, None, out);
         }
-        let mut y = self.scratch::<f32>(n * h)?;
-        if let ExpertFormat::Packed { bits, group_size } = dn_format {
-            if Gpu::moe_gemv_fuses_swiglu(bits, group_size, inter) {
-                // The down GEMV computes silu(g) · u while staging its input: no activation launch.
-                let gate_up_rows = PairRows {
-                    x: &gu.buf,
-                    rows: n,
-                    div: 1,
-                };
-                g.moe_gemv_packed_swiglu(&down, &gate_up_rows, &groups, &mut y)?;
-                g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
-                return Ok(out);
-            }
-        }
-        let mut act = self.alloc(n, inter)?;
-        g.swiglu(&gu.buf, &mut act.buf, n, inter)?;
-        let pair_rows = PairRows {
-            x: &act.buf,
-            rows: n,
-            div: 1,
+        // The fused step's pair buffers, taken out of the state for the step and put back after it.
+        let key = (t, k, e);
+        let kept = self.lock().fused_pairs.remove(&key);
+        let mut pairs = match kept {
+            Some(p) => p,
+            None => FusedPairs::new(g, t, k, e)?,
         };
-        match dn_format.scheme() {
-            None => g.moe_gemv(&down, &pair_rows, &groups, &mut y)?,
-            Some(_) => g.moe_gemv_packed(&down, &pair_rows, &groups, &mut y)?,
-        }
-        g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
-        Ok(out)
+        let res = self.moe_gemv_step(c, &step, Some(&mut pairs), out);
+        self.lock().fused_pairs.insert(key, pairs);
+        res
     }
 
-    /// [`CudaBackend::moe_impl`] for FP8 experts (both projections) on steps that keep the grouped
-    /// GEMV: the grouped FP8 GEMV for gate|up (token rows) and down (pair rows), SwiGLU between them,
-    /// then the combine.
-    fn moe_fp8(
+    /// Whether a call of `rows` rows on `w` takes the fused launches: they are on, the shared expert
+    /// fits the routed experts' kernels ([`shared_fits`]), and the step keeps the grouped GEMV with
+    /// the shared pairs in one tile (at most `MOE_TILE` rows).
+    pub(crate) fn moe_fuses_shared_impl(&self, w: &MoeWeights<CudaWeight>, rows: usize) -> bool {
+        self.fused_decode.load(std::sync::atomic::Ordering::Relaxed)
+            && (1..=MOE_TILE).contains(&rows)
+            && !Gpu::moe_gemm_wanted(rows, rows * w.top_k)
+            && shared_fits(w)
+    }
+
+    /// The grouped-GEMV part of [`CudaBackend::moe_impl`] (decode-sized steps): routing grouped by
+    /// expert, the gate|up GEMV over token rows, SwiGLU (fused into the INT4 down GEMV where it
+    /// can), the down GEMV over pair rows, the combine. A fused step (`pairs`) routes into the kept
+    /// pair buffers, whose shared tile makes both GEMVs compute the shared expert too (expert `e`
+    /// of the tables `with_shared`, pairs `t·k + j` reading token row `j`), and the combine adds
+    /// those rows times the gate's sigmoid.
+    fn moe_gemv_step(
         &self,
         c: &MoeCall<'_, CudaTensor, CudaWeight>,
-        groups_fp8: (usize, usize),
-        shared: Option<(&CudaSlice<half::bf16>, &CudaSlice<half::bf16>)>,
+        step: &GemvStep<'_>,
+        mut pairs: Option<&mut FusedPairs>,
         mut out: CudaTensor,
     ) -> Result<CudaTensor> {
         let g = &self.gpu;
         let (x, w) = (c.x, c.w);
         let (t, h, e, k) = (x.rows, x.cols, w.experts.len(), w.top_k);
+        let (gu_format, dn_format, fp8) = step.formats;
         let inter = w.experts[0].inter;
         let n = t * k;
-        let Grouped {
-            ids,
-            wts,
+        let np = if step.fused { n + t } else { n };
+        let (ids, wts, owned) = match pairs.as_deref_mut() {
+            Some(p) => {
+                let (ids, wts) = self.route_grouped_into(x, w, &mut p.perm, &mut p.tiles)?;
+                (ids, wts, None)
+            }
+            None => {
+                let gr = self.route_grouped(x, w)?;
+                (gr.ids, gr.wts, Some((gr.perm, gr.tiles)))
+            }
+        };
+        self.log_routing(&ids, n, e)?;
+        let (perm, tiles) = match (&owned, pairs.as_deref()) {
+            (Some((perm, tiles)), _) => (perm, tiles),
+            (None, Some(p)) => (&p.perm, &p.tiles),
+            (None, None) => unreachable!("a step routes into its own buffers or the kept ones"),
+        };
+        let groups = PairGroups {
             perm,
             tiles,
-        } = self.route_grouped(x, w)?;
-        self.log_routing(&ids, n, e)?;
-        let groups = PairGroups {
-            perm: &perm,
-            tiles: &tiles,
-            n_pairs: n,
+            n_pairs: np,
         };
         let routed = routing_of(&ids, &wts, (t, e, k));
         let mut st = self.lock();
         let table = self.expert_table(&mut st.experts, w)?;
-        let (gate_up, down) = table.fp8_experts(groups_fp8, h, inter);
+        let tables = if step.fused {
+            table.with_shared.as_ref().ok_or_else(|| CudaError::Shape {
+                op: "moe",
+                msg: "no shared-expert tables for a fused step".into(),
+            })?
+        } else {
+            &table.routed
+        };
         let token_rows = PairRows {
             x: &x.buf,
             rows: t,
             div: k,
+            tail: step.fused.then_some(n),
         };
-        let mut gu = self.alloc(n, 2 * inter)?;
-        g.moe_gemv_fp8(&gate_up, &token_rows, &groups, &mut gu.buf)?;
-        let mut act = self.alloc(n, inter)?;
-        g.swiglu(&gu.buf, &mut act.buf, n, inter)?;
+        let mut gu = self.alloc(np, 2 * inter)?;
+        let mut y = self.scratch::<f32>(np * h)?;
+        if let Some(blocks) = fp8 {
+            let (gate_up, down) = tables.fp8_experts(blocks, h, inter);
+            g.moe_gemv_fp8(&gate_up, &token_rows, &groups, &mut gu.buf)?;
+            let mut act = self.alloc(np, inter)?;
+            g.swiglu(&gu.buf, &mut act.buf, np, inter)?;
+            let pair_rows = PairRows {
+                x: &act.buf,
+                rows: np,
+                div: 1,
+                tail: None,
+            };
+            g.moe_gemv_fp8(&down, &pair_rows, &groups, &mut y)?;
+            g.moe_combine(&routed, &y, step.shared(), &mut out.buf, h)?;
+            return Ok(out);
+        }
+        let (gate_up, down) = tables.experts(gu_format, dn_format, h, inter);
+        match gu_format.scheme() {
+            None => g.moe_gemv(&gate_up, &token_rows, &groups, &mut gu.buf)?,
+            Some(_) => g.moe_gemv_packed(&gate_up, &token_rows, &groups, &mut gu.buf)?,
+        }
+        if let ExpertFormat::Packed { bits, group_size } = dn_format {
+            if Gpu::moe_gemv_fuses_swiglu(bits, group_size, inter) {
+                // The down GEMV computes silu(g) · u while staging its input: no activation launch.
+                let gate_up_rows = PairRows {
+                    x: &gu.buf,
+                    rows: np,
+                    div: 1,
+                    tail: None,
+                };
+                g.moe_gemv_packed_swiglu(&down, &gate_up_rows, &groups, &mut y)?;
+                g.moe_combine(&routed, &y, step.shared(), &mut out.buf, h)?;
+                return Ok(out);
+            }
+        }
+        let mut act = self.alloc(np, inter)?;
+        g.swiglu(&gu.buf, &mut act.buf, np, inter)?;
         let pair_rows = PairRows {
             x: &act.buf,
-            rows: n,
+            rows: np,
             div: 1,
+            tail: None,
         };
-        let mut y = self.scratch::<f32>(n * h)?;
-        g.moe_gemv_fp8(&down, &pair_rows, &groups, &mut y)?;
-        g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
+        match dn_format.scheme() {
+            None => g.moe_gemv(&down, &pair_rows, &groups, &mut y)?,
+            Some(_) => g.moe_gemv_packed(&down, &pair_rows, &groups, &mut y)?,
+        }
+        g.moe_combine(&routed, &y, step.shared(), &mut out.buf, h)?;
         Ok(out)
+    }
+}
+
+/// What [`CudaBackend::moe_gemv_step`] runs: the experts' formats (gate|up, down, and the FP8
+/// blocks when both are FP8), whether the shared expert is fused, and the combine's shared part.
+struct GemvStep<'a> {
+    formats: (ExpertFormat, ExpertFormat, Option<(usize, usize)>),
+    fused: bool,
+    shared: Option<(SharedY<'a>, &'a CudaSlice<half::bf16>)>,
+}
+
+impl GemvStep<'_> {
+    fn shared(&self) -> Option<(SharedY<'_>, &CudaSlice<half::bf16>)> {
+        self.shared.as_ref().map(|(y, gate)| {
+            let y = match y {
+                SharedY::Apart(b) => SharedY::Apart(b),
+                SharedY::AfterRouted => SharedY::AfterRouted,
+            };
+            (y, *gate)
+        })
     }
 }

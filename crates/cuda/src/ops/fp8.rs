@@ -331,9 +331,11 @@ impl Gpu {
         ensure(fp8_fits(group, k), OP, || {
             format!("k = {k}, group = {group}: FP8 weights need both multiples of 16")
         })?;
-        ensure(x_div >= 1 && n_pairs.div_ceil(x_div) <= x_rows, OP, || {
-            format!("{n_pairs} pairs over x_div {x_div} need more than {x_rows} rows of x")
-        })?;
+        ensure(
+            x_div >= 1 && input.rows_needed(n_pairs) <= x_rows,
+            OP,
+            || format!("{n_pairs} pairs over x_div {x_div} need more than {x_rows} rows of x"),
+        )?;
         let e = experts.bytes.len();
         check_len(OP, "scale table", experts.scales, e)?;
         let max_tiles = moe_max_tiles(n_pairs, e);
@@ -360,7 +362,8 @@ impl Gpu {
         );
         let kernel = self.kernel(&kernel)?;
         let tables = [experts.bytes, experts.scales];
-        let mut b = self.grouped_launch(kernel, tables, x, &xd, groups, y);
+        let xt = input.x_tail(OP)?;
+        let mut b = self.grouped_launch(kernel, tables, x, (&xd, &xt), groups, y);
         b.arg(&ni).arg(&ki).arg(&gi).arg(&li);
         let grid = (
             grid_u32(OP, n.div_ceil(rows_per_block))?,

@@ -125,11 +125,38 @@ pub struct PairGroups<'a, U: DevicePtr<u32>> {
 }
 
 /// The rows the pairs read: `x` `[rows, ·]` bf16, pair `p` reading row `p / div` (`div` = top_k
-/// reads token rows, the gate|up projection; 1 reads pair rows, the down projection).
+/// reads token rows, the gate|up projection; 1 reads pair rows, the down projection). With `tail`
+/// (token rows only), the pairs at or past it (the shared expert's, one a token after the routed
+/// pairs) read row `p - tail`.
 pub struct PairRows<'a, X: DevicePtr<bf16>> {
     pub x: &'a X,
     pub rows: usize,
     pub div: usize,
+    pub tail: Option<usize>,
+}
+
+impl<X: DevicePtr<bf16>> PairRows<'_, X> {
+    /// Rows of `x` that `n_pairs` pairs read.
+    pub fn rows_needed(&self, n_pairs: usize) -> usize {
+        match self.tail {
+            Some(t) if t < n_pairs => t.div_ceil(self.div.max(1)).max(n_pairs - t),
+            _ => n_pairs.div_ceil(self.div.max(1)),
+        }
+    }
+
+    /// The kernels' `x_tail` argument (`u32::MAX`: no tail).
+    pub(crate) fn x_tail(&self, op: &'static str) -> Result<u32> {
+        match self.tail {
+            None => Ok(u32::MAX),
+            Some(t) => u32::try_from(t)
+                .ok()
+                .filter(|&v| v < u32::MAX)
+                .ok_or_else(|| crate::error::CudaError::Shape {
+                    op,
+                    msg: format!("{t} routed pairs exceed the kernels' range"),
+                }),
+        }
+    }
 }
 
 /// One projection of every expert, an `[n, k]` matrix each, through device tables of addresses (one
@@ -142,6 +169,14 @@ pub struct Experts<'a, P: DevicePtr<u64>> {
     pub scheme: Option<PackedScheme>,
     pub n: usize,
     pub k: usize,
+}
+
+/// Where [`Gpu::moe_combine`] finds the shared expert's output.
+pub enum SharedY<'a> {
+    /// Its own `[tokens, h]` bf16 rows, computed apart.
+    Apart(&'a CudaSlice<bf16>),
+    /// The f32 rows of `y` after the routed pairs' (the grouped GEMV's shared pairs).
+    AfterRouted,
 }
 
 /// The router's choice for a combine: `ids` and `weights` `[tokens, top_k]`, ids at or beyond
@@ -246,9 +281,11 @@ impl Gpu {
         ensure(k.is_multiple_of(8) && k > 0, OP, || {
             format!("k = {k} must be a positive multiple of 8")
         })?;
-        ensure(x_div >= 1 && n_pairs.div_ceil(x_div) <= x_rows, OP, || {
-            format!("{n_pairs} pairs over x_div {x_div} need more than {x_rows} rows of x")
-        })?;
+        ensure(
+            x_div >= 1 && input.rows_needed(n_pairs) <= x_rows,
+            OP,
+            || format!("{n_pairs} pairs over x_div {x_div} need more than {x_rows} rows of x"),
+        )?;
         let e = w_ptrs.len();
         let max_tiles = moe_max_tiles(n_pairs, e);
         check_len(OP, "x", x, x_rows * k)?;
@@ -274,7 +311,8 @@ impl Gpu {
         );
         // The scale table is unused for bf16 experts: the word table stands in.
         let kernel = self.kernel(&plan.kernel)?;
-        let mut b = self.grouped_launch(kernel, [w_ptrs, w_ptrs], x, &xd, groups, y);
+        let xt = input.x_tail(OP)?;
+        let mut b = self.grouped_launch(kernel, [w_ptrs, w_ptrs], x, (&xd, &xt), groups, y);
         b.arg(&ni).arg(&ki).arg(&gi).arg(&li);
         let grid = (
             grid_u32(OP, n.div_ceil(plan.rows_per_block))?,
@@ -369,9 +407,11 @@ impl Gpu {
         ensure(group_size.is_multiple_of(8), OP, || {
             format!("group_size = {group_size} must be a multiple of 8")
         })?;
-        ensure(x_div >= 1 && n_pairs.div_ceil(x_div) <= x_rows, OP, || {
-            format!("{n_pairs} pairs over x_div {x_div} need more than {x_rows} rows of x")
-        })?;
+        ensure(
+            x_div >= 1 && input.rows_needed(n_pairs) <= x_rows,
+            OP,
+            || format!("{n_pairs} pairs over x_div {x_div} need more than {x_rows} rows of x"),
+        )?;
         let e = w_ptrs.len();
         check_len(OP, "s_ptrs", s_ptrs, e)?;
         let max_tiles = moe_max_tiles(n_pairs, e);
@@ -415,7 +455,8 @@ impl Gpu {
             plan.lanes as i32,
         );
         let kernel = self.kernel(&plan.kernel)?;
-        let mut b = self.grouped_launch(kernel, [w_ptrs, s_ptrs], x, &xd, groups, y);
+        let xt = input.x_tail(OP)?;
+        let mut b = self.grouped_launch(kernel, [w_ptrs, s_ptrs], x, (&xd, &xt), groups, y);
         b.arg(&ni).arg(&ki).arg(&gi).arg(&li);
         let grid = (
             grid_u32(OP, n.div_ceil(plan.rows_per_block))?,
@@ -439,7 +480,7 @@ impl Gpu {
         kernel: &'a Kernel,
         tables: [&'a impl DevicePtr<u64>; 2],
         x: &'a impl DevicePtr<bf16>,
-        x_div: &'a i32,
+        (x_div, x_tail): (&'a i32, &'a u32),
         groups: &'a PairGroups<'a, impl DevicePtr<u32>>,
         y: &'a mut impl DevicePtrMut<O>,
     ) -> Launch<'a> {
@@ -448,6 +489,7 @@ impl Gpu {
             .ptr(tables[1])
             .ptr(x)
             .arg(x_div)
+            .arg(x_tail)
             .ptr(groups.perm)
             .ptr(groups.tiles)
             .ptr_mut(y);
@@ -456,14 +498,16 @@ impl Gpu {
 
     /// `out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j]`, skipping pairs whose id is `≥ experts`,
     /// plus `sigmoid(gate[t]) · shared_y[t, j]` when `shared = (shared_y, gate)` is given (the shared
-    /// expert, added before the one rounding). `y`: `[tokens·top_k, h]` f32; `shared_y`, `out`:
-    /// `[tokens, h]`; `gate`: `[tokens]`. Grid `(tokens, ceil(h / 512))` of 128 threads, 4 columns a
-    /// thread.
+    /// expert, added before the one rounding): its rows apart (`SharedY::Apart`, `[tokens, h]` bf16)
+    /// or the f32 rows of `y` after the routed pairs' (`SharedY::AfterRouted`, pair
+    /// `tokens·top_k + t`, as the grouped GEMV writes the shared expert's pairs). `y`:
+    /// `[tokens·top_k, h]` f32 (`[tokens·(top_k + 1), h]` with `AfterRouted`); `out`: `[tokens, h]`;
+    /// `gate`: `[tokens]`. Grid `(tokens, ceil(h / 512))` of 128 threads, 4 columns a thread.
     pub fn moe_combine(
         &self,
         routed: &Routed<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
         y: &impl DevicePtr<f32>,
-        shared: Option<(&CudaSlice<bf16>, &CudaSlice<bf16>)>,
+        shared: Option<(SharedY<'_>, &CudaSlice<bf16>)>,
         out: &mut impl DevicePtrMut<bf16>,
         h: usize,
     ) -> Result<()> {
@@ -475,21 +519,39 @@ impl Gpu {
             top_k,
             tokens,
         } = *routed;
-        check_len(OP, "y", y, tokens * top_k * h)?;
+        let after = matches!(shared, Some((SharedY::AfterRouted, _)));
+        check_len(
+            OP,
+            "y",
+            y,
+            (tokens * top_k + if after { tokens } else { 0 }) * h,
+        )?;
         check_len(OP, "weights", weights, tokens * top_k)?;
         check_len(OP, "ids", ids, tokens * top_k)?;
         check_len(OP, "out", out, tokens * h)?;
-        if let Some((sy, sg)) = shared {
-            check_len(OP, "shared_y", sy, tokens * h)?;
-            check_len(OP, "shared_gate", sg, tokens)?;
+        if let Some((sy, sg)) = &shared {
+            if let SharedY::Apart(sy) = sy {
+                check_len(OP, "shared_y", *sy, tokens * h)?;
+            }
+            check_len(OP, "shared_gate", *sg, tokens)?;
         }
         if tokens == 0 || h == 0 {
             return Ok(());
         }
         let s = self.stream();
-        let (sy, _gsy) = shared.map(|(b, _)| b.device_ptr(s)).unzip();
-        let (sg, _gsg) = shared.map(|(_, b)| b.device_ptr(s)).unzip();
+        let (sy, _gsy) = match &shared {
+            Some((SharedY::Apart(b), _)) => Some(b.device_ptr(s)),
+            _ => None,
+        }
+        .unzip();
+        let (sg, _gsg) = shared.as_ref().map(|(_, b)| b.device_ptr(s)).unzip();
         let (syp, sgp) = (sy.unwrap_or(0), sg.unwrap_or(0));
+        // The f32 shared rows start after the routed pairs' rows of y.
+        let sy32 = if after {
+            self.addr(y) + (4 * tokens * top_k * h) as u64
+        } else {
+            0
+        };
         let (ei, ki, hi) = (int(OP, "e", e)?, int(OP, "top_k", top_k)?, int(OP, "h", h)?);
         let smem = 8 * top_k;
         ensure(smem <= 48 * 1024, OP, || {
@@ -501,6 +563,7 @@ impl Gpu {
             .ptr(ids)
             .arg(&ei)
             .arg(&syp)
+            .arg(&sy32)
             .arg(&sgp)
             .ptr_mut(out)
             .arg(&ki)

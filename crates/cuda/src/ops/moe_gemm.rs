@@ -208,9 +208,11 @@ impl Gpu {
                  16, 32, a multiple of 64 or per row"
             )
         })?;
-        ensure(x_div >= 1 && n_pairs.div_ceil(x_div) <= x_rows, OP, || {
-            format!("{n_pairs} pairs over x_div {x_div} need more than {x_rows} rows of x")
-        })?;
+        ensure(
+            x_div >= 1 && input.rows_needed(n_pairs) <= x_rows,
+            OP,
+            || format!("{n_pairs} pairs over x_div {x_div} need more than {x_rows} rows of x"),
+        )?;
         let e = w_ptrs.len();
         let scaled = format != GemmFormat::Bf16;
         if scaled {
@@ -249,7 +251,8 @@ impl Gpu {
             int(OP, "group", group)?,
             int(OP, "spc", spc)?,
         );
-        let mut b = self.grouped_launch(f, [w_ptrs, s_ptrs], x, &xd, groups, y);
+        let xt = input.x_tail(OP)?;
+        let mut b = self.grouped_launch(f, [w_ptrs, s_ptrs], x, (&xd, &xt), groups, y);
         b.arg(&ni).arg(&ki).arg(&gi).arg(&si);
         let grid = (grid_u32(OP, n.div_ceil(BM))?, max_tiles as u32, 1);
         // SAFETY: argument types match the kernel; x, perm, tiles, y and table lengths and the shape

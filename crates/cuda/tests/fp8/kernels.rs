@@ -329,6 +329,7 @@ fn fp8_grouped_gemv_and_gemm_match_cpu() {
             x: &dx,
             rows: t,
             div: k,
+            tail: None,
         };
         g.moe_gemv_fp8(&gate_up, &token_rows, &groups, &mut y_gu)
             .unwrap();
@@ -344,6 +345,7 @@ fn fp8_grouped_gemv_and_gemm_match_cpu() {
             x: &da,
             rows: n,
             div: 1,
+            tail: None,
         };
         g.moe_gemv_fp8(&down, &pair_rows, &groups, &mut y_dn)
             .unwrap();

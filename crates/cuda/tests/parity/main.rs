@@ -38,6 +38,7 @@ mod gdn_decode;
 mod hc;
 mod kv;
 mod moe;
+mod moe_fused;
 mod moe_gemm;
 mod norm;
 mod quant;

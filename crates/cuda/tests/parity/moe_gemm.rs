@@ -382,7 +382,7 @@ fn moe_gemm_refuses_bad_shapes() {
 
 /// Random e4m3 bytes of an `[n, k]` weight (no NaN codes) and its `block × block` scales, around
 /// 1 / (448 · sqrt(k)): values of a Linear's size.
-fn fp8_random(rng: &mut Rng, n: usize, k: usize, block: usize) -> (Vec<u8>, Vec<f32>) {
+pub fn fp8_random(rng: &mut Rng, n: usize, k: usize, block: usize) -> (Vec<u8>, Vec<f32>) {
     let q = (0..n * k)
         .map(|_| match rng.below(256) as u8 {
             b if b & 0x7f == 0x7f => b - 1,

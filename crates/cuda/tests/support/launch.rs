@@ -29,7 +29,12 @@ pub fn expert_proj<'a, P: DevicePtr<u64>>(
 
 /// The rows `x` `[rows, ·]` the pairs read, pair `p` reading row `p / div`.
 pub fn pair_rows<X: DevicePtr<bf16>>(x: &X, rows: usize, div: usize) -> PairRows<'_, X> {
-    PairRows { x, rows, div }
+    PairRows {
+        x,
+        rows,
+        div,
+        tail: None,
+    }
 }
 
 /// The pairs grouped by expert: the sort's `perm` and `tiles` over `n_pairs` pairs.

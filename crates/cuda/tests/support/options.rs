@@ -1,6 +1,6 @@
 //! How the CUDA tests open their device. The crate reads no environment variable; the tests read the
 //! ones the `sanmai` binary reads, so that `scripts/gpu_check.sh` and CI steer them the same way:
-//! `SANMAI_PDL` and `SANMAI_CUDA_GRAPHS` (`0`, `off` or `false` turn them off), the kernel cache
+//! `SANMAI_PDL`, `SANMAI_CUDA_GRAPHS` and `SANMAI_FUSED_DECODE` (`0`, `off` or `false` turn them off), the kernel cache
 //! `SANMAI_CACHE_DIR` (else `$XDG_CACHE_HOME/sanmai`, else `~/.cache/sanmai`) and the CUDA header
 //! folders `SANMAI_CUDA_INCLUDE` (`:`-separated), `$CUDA_HOME/include` and `$CUDA_PATH/include`.
 
@@ -34,5 +34,6 @@ pub fn cuda_options() -> CudaOptions {
     CudaOptions {
         gpu: gpu_options(),
         cuda_graphs: !switched_off("SANMAI_CUDA_GRAPHS"),
+        fused_decode: !switched_off("SANMAI_FUSED_DECODE"),
     }
 }

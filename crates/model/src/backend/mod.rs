@@ -245,9 +245,11 @@ pub struct GdnCall<'a, T, W> {
     pub seqs: &'a [SeqChunk<'a>],
 }
 
-/// The shared expert's part of a MoE call: its output `[rows, H]` and gate logit `[rows, 1]`.
+/// The shared expert's part of a MoE call: its output `[rows, H]` and gate logit `[rows, 1]`. The
+/// output is `None` when the backend runs the shared expert (`MoeWeights::shared`) together with the
+/// routed experts ([`Backend::moe_fuses_shared`]).
 pub struct SharedExpert<'a, T> {
-    pub y: &'a T,
+    pub y: Option<&'a T>,
     pub gate: &'a T,
 }
 
@@ -406,6 +408,13 @@ pub trait Backend: Send + Sync {
     /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts; plus
     /// `sigmoid(gate) · y` when the shared expert is given (a backend may add it in its combine).
     fn moe_experts(&self, c: &MoeCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;
+
+    /// Whether [`Backend::moe_experts`] runs layer `w`'s shared expert itself, in the same launches as
+    /// the routed experts, for a call of `rows` rows: the model then passes the shared expert's gate
+    /// logits only ([`SharedExpert::y`] `None`). Default: no.
+    fn moe_fuses_shared(&self, _w: &MoeWeights<Self::Weight>, _rows: usize) -> bool {
+        false
+    }
 
     /// Runs one decode step its own way: `step` says what the step is (every chunk one token) and `run`
     /// computes its outputs with this backend's ops. Each call of `run` that executes writes the

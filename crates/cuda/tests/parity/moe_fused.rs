@@ -1,0 +1,147 @@
+//! The fused decode MoE (`CudaBackend::moe_fuses_shared`): the shared expert as one more expert of the
+//! routed experts' grouped GEMVs, against the CPU backend running the same call (which computes the
+//! shared expert itself), and against the GPU's unfused launches (the shared expert's output computed
+//! apart, in bf16), for bf16, INT4 and FP8 experts at decode batch sizes.
+
+use sanmai_config::{Fp8Config, QuantScheme};
+use sanmai_cpu::CpuBackend;
+use sanmai_cuda::CudaBackend;
+use sanmai_model::backend::{MlpWeights, MoeCall, MoeWeights, SharedExpert};
+use sanmai_model::Backend;
+use sanmai_weights::fp8;
+use sanmai_weights::quant::quantize;
+
+use crate::common::{check_composite, to_bf16, Rng};
+use crate::moe_gemm::fp8_random;
+
+/// Experts' and the shared expert's format: bf16, packed `(bits, group)`, or FP8 with square blocks.
+#[derive(Clone, Copy, Debug)]
+enum Format {
+    Bf16,
+    Packed(u32, usize),
+    Fp8(usize),
+}
+
+/// One `[n, k]` weight of `format` on both backends (the same values).
+fn weight<B: Backend>(b: &B, rng: &mut Rng, format: Format, n: usize, k: usize) -> B::Weight {
+    let scale = (k as f32).powf(-0.5);
+    match format {
+        Format::Bf16 => b
+            .weight(to_bf16(&rng.normals(n * k, 0.0, scale)).1, &[n, k])
+            .unwrap(),
+        Format::Packed(bits, group_size) => {
+            let v = rng.normals(n * k, 0.0, scale);
+            let p = quantize("w", &v, n, k, QuantScheme { bits, group_size }).unwrap();
+            b.packed_weight(&p).unwrap()
+        }
+        Format::Fp8(block) => {
+            let (q, s) = fp8_random(rng, n, k, block);
+            let c = Fp8Config {
+                block: [block, block],
+                not_converted: Vec::new(),
+            };
+            b.packed_weight(&fp8::packed("w", &q, &s, &[n, k], &c).unwrap())
+                .unwrap()
+        }
+    }
+}
+
+/// A MoE layer of `e` experts (top `k`, hidden `h`, intermediate `i`) with a shared expert of the
+/// same format and a gate, built twice from the same seed: once per backend.
+fn layer<B: Backend>(
+    b: &B,
+    seed: u64,
+    f: Format,
+    (h, i, e, k): (usize, usize, usize, usize),
+) -> MoeWeights<B::Weight> {
+    let mut rng = Rng::new(seed);
+    let mlp = |rng: &mut Rng| MlpWeights {
+        gate_up: weight(b, rng, f, 2 * i, h),
+        down: weight(b, rng, f, h, i),
+        inter: i,
+    };
+    let experts = (0..e).map(|_| mlp(&mut rng)).collect();
+    let shared = Some(mlp(&mut rng));
+    let router = to_bf16(&rng.normals(e * h, 0.0, 0.3)).1;
+    let gate = to_bf16(&rng.normals(h, 0.0, 0.3)).1;
+    MoeWeights {
+        router: b.weight(router, &[e, h]).unwrap(),
+        experts,
+        top_k: k,
+        renormalize: true,
+        shared,
+        shared_gate: Some(b.weight(gate, &[1, h]).unwrap()),
+    }
+}
+
+/// `moe_experts` on `x` `[t, h]` with the shared expert: fused (its gate logits only) or with its
+/// output computed apart as the model computes it.
+fn run<B: Backend>(b: &B, w: &MoeWeights<B::Weight>, t: usize, x: &[f32], fused: bool) -> Vec<f32> {
+    let xt = b.upload(t, x.len() / t, x.to_vec()).unwrap();
+    let gate = b.linear(&xt, w.shared_gate.as_ref().unwrap()).unwrap();
+    let m = w.shared.as_ref().unwrap();
+    let apart = (!fused).then(|| {
+        b.linear(
+            &b.swiglu(&b.linear(&xt, &m.gate_up).unwrap()).unwrap(),
+            &m.down,
+        )
+        .unwrap()
+    });
+    let y = b
+        .moe_experts(&MoeCall {
+            x: &xt,
+            w,
+            shared: Some(SharedExpert {
+                y: apart.as_ref(),
+                gate: &gate,
+            }),
+        })
+        .unwrap();
+    b.to_host(y).unwrap().2
+}
+
+#[test]
+fn backend_moe_fused_shared_matches_cpu() {
+    let test = "backend_moe_fused_shared_matches_cpu";
+    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            return;
+        }
+    };
+    b.set_fused_decode(true);
+    let cpu = CpuBackend::default();
+    // (format, hidden, inter, experts, top_k): INT4 g128 takes the tensor-core GEMVs with the fused
+    // SwiGLU, INT8 per row and bf16 the plain ones, FP8 its own.
+    let cases = [
+        (Format::Packed(4, 128), 256, 128, 32, 4),
+        (Format::Packed(8, 0), 256, 128, 32, 4),
+        (Format::Bf16, 256, 128, 16, 2),
+        (Format::Fp8(128), 256, 128, 32, 4),
+    ];
+    let mut rng = Rng::new(71);
+    for (case, &(f, h, i, e, k)) in cases.iter().enumerate() {
+        let seed = 700 + case as u64;
+        let wg = layer(&b, seed, f, (h, i, e, k));
+        let wc = layer(&cpu, seed, f, (h, i, e, k));
+        for t in [1usize, 3, 8] {
+            assert!(b.moe_fuses_shared(&wg, t), "{f:?} t {t}: not fused");
+            assert!(!cpu.moe_fuses_shared(&wc, t));
+            let x = to_bf16(&rng.normals(t * h, 0.0, 1.0)).1;
+            let fused = run(&b, &wg, t, &x, true);
+            let want = run(&cpu, &wc, t, &x, true);
+            let apart = run(&b, &wg, t, &x, false);
+            let shape = format!("{f:?}_h{h}_i{i}_e{e}_k{k}_t{t}");
+            check_composite("moe_fused_shared", &shape, &fused, &want);
+            check_composite("moe_fused_vs_apart", &shape, &fused, &apart);
+        }
+        // Off, the backend asks for the shared expert's output.
+        b.set_fused_decode(false);
+        assert!(!b.moe_fuses_shared(&wg, 1));
+        b.set_fused_decode(true);
+    }
+    // A prefill-sized step keeps the shared expert apart.
+    let w = layer(&b, 1, Format::Packed(4, 128), (256, 128, 32, 4));
+    assert!(!b.moe_fuses_shared(&w, 9));
+}

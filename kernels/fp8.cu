@@ -269,11 +269,13 @@ extern "C" __global__ void dequant_f8(const unsigned char* __restrict__ W, const
 // loads of D units of each of its rows (and their scales) before using any. A tile's pairs are taken in
 // passes of at most MMAX; the pass's slots past its count repeat its first pair and are not stored. The
 // grid does not depend on the routing: every tile slot runs, empty ones return at once.
-template <int RPG, int D, int M, typename OUT>
+// STAGED (the fused SwiGLU of the down projection): the pass's x rows are the tile's staged rows in
+// shared memory, pair m of the pass at row m0 + m of XS, read with plain loads.
+template <int RPG, int D, int M, bool STAGED, typename OUT>
 __device__ __forceinline__ void moe_f8_pass(const unsigned char* __restrict__ W, const float* __restrict__ S,
                                             const bf16* __restrict__ X, int x_div, u32 x_tail, const u32* __restrict__ pp,
                                             int mc, OUT* __restrict__ Y, int n, int k, int group, int lanes,
-                                            int sub, int row0, int rstep) {
+                                            int sub, int row0, int rstep, const uint4* XS, int m0) {
     const int units = k >> 4;
     const int scols = (k + group - 1) / group;
     const uint4* wrow[RPG];
@@ -289,7 +291,8 @@ __device__ __forceinline__ void moe_f8_pass(const unsigned char* __restrict__ W,
 #pragma unroll
     for (int m = 0; m < M; ++m) {
         pr[m] = pp[m < mc ? m : 0];
-        xr[m] = (const uint4*)(X + (size_t)moe_x_row(pr[m], x_div, x_tail) * k);
+        xr[m] = STAGED ? XS + (size_t)(m0 + (m < mc ? m : 0)) * (k >> 3)
+                       : (const uint4*)(X + (size_t)moe_x_row(pr[m], x_div, x_tail) * k);
     }
     float acc[RPG][M];
 #pragma unroll
@@ -331,7 +334,7 @@ __device__ __forceinline__ void moe_f8_pass(const unsigned char* __restrict__ W,
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
                     float xf[8];
-                    unpack8(__ldg(xr[m] + 2 * u + h), xf);
+                    unpack8(STAGED ? xr[m][2 * u + h] : __ldg(xr[m] + 2 * u + h), xf);
 #pragma unroll
                     for (int r = 0; r < RPG; ++r)
 #pragma unroll
@@ -361,7 +364,10 @@ __device__ __forceinline__ void moe_f8_pass(const unsigned char* __restrict__ W,
     }
 }
 
-template <int RPG, int D, int MMAX, typename OUT>
+// SWIGLU (the down projection, f32 out): X holds the pairs' gate|up rows [., 2k]; the block first stages
+// its tile's x rows, bf16(silu(gate) · up) as swiglu_bf16 computes them, in dynamic shared memory
+// (MOE_TILE · k bf16), so no activation launch runs between the two projections.
+template <int RPG, int D, int MMAX, bool SWIGLU, typename OUT>
 __device__ __forceinline__ void moe_f8_tile(const unsigned long long* __restrict__ w_ptrs,
                                             const unsigned long long* __restrict__ s_ptrs,
                                             const bf16* __restrict__ X, int x_div, u32 x_tail, const u32* __restrict__ perm,
@@ -375,25 +381,48 @@ __device__ __forceinline__ void moe_f8_tile(const unsigned long long* __restrict
     const unsigned char* W = (const unsigned char*)w_ptrs[x];
     const float* S = (const float*)s_ptrs[x];
     const u32* pp = perm + start;
+    extern __shared__ uint4 f8_sx[];
+    const uint4* xs = nullptr;
+    if constexpr (SWIGLU) {
+        const int per = k >> 3;
+        for (int idx = threadIdx.x; idx < cnt * per; idx += blockDim.x) {
+            const int m = idx / per, u = idx - m * per;
+            const uint4* gu = (const uint4*)(X + (size_t)moe_x_row(pp[m], x_div, x_tail) * 2 * k);
+            float gf[8], uf[8];
+            unpack8(__ldg(gu + u), gf);
+            unpack8(__ldg(gu + per + u), uf);
+            u32 o[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                o[i] = pack_bf16x2(silu_f(gf[2 * i]) * uf[2 * i], silu_f(gf[2 * i + 1]) * uf[2 * i + 1]);
+            f8_sx[m * per + u] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+        __syncthreads();
+        xs = f8_sx;
+    }
     for (int rb = blockIdx.x * groups * RPG; rb < n; rb += gridDim.x * groups * RPG) {
         const int row0 = rb + g;
         for (int base = 0; base < cnt; base += MMAX) {
             const int mc = min(MMAX, cnt - base);
             if (MMAX == 1 || mc == 1)
-                moe_f8_pass<RPG, D, 1, OUT>(W, S, X, x_div, x_tail, pp + base, mc, Y, n, k, group, lanes, sub, row0, groups);
+                moe_f8_pass<RPG, D, 1, SWIGLU, OUT>(W, S, X, x_div, x_tail, pp + base, mc, Y, n, k, group, lanes, sub, row0, groups,
+                                            xs, base);
             else
-                moe_f8_pass<RPG, D, MMAX, OUT>(W, S, X, x_div, x_tail, pp + base, mc, Y, n, k, group, lanes, sub, row0,
-                                               groups);
+                moe_f8_pass<RPG, D, MMAX, SWIGLU, OUT>(W, S, X, x_div, x_tail, pp + base, mc, Y, n, k, group, lanes, sub, row0,
+                                               groups, xs, base);
         }
     }
 }
 
 // Entry points (moe.cu's argument list). The plain forms take a tile's pairs up to eight at a time
-// (RPG 2, D 1); the *_m1 forms (decode: a tile holds one pair or few) one at a time (RPG 2, D 2). The
+// (RPG 2, D 1); the *_m1 forms (decode: a tile holds one pair or few) one at a time (RPG 2, D 2); the
+// *_swiglu forms stage the SwiGLU of gate|up rows (dynamic shared memory MOE_TILE · k · 2 bytes). The
 // launcher (ops/fp8.rs, moe_f8_plan) mirrors (RPG, D) to size the grid and pick `lanes`.
 #define MOE_F8_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, unsigned x_tail, const u32* perm, const u32* tiles
 #define MOE_F8_PASS w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group, lanes
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_f8_bf16(MOE_F8_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 1, 8, bf16>(MOE_F8_PASS); }
-extern "C" __global__ void __launch_bounds__(256) moe_gemv_f8_f32(MOE_F8_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 1, 8, float>(MOE_F8_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f8_bf16_m1(MOE_F8_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 2, 1, bf16>(MOE_F8_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f8_f32_m1(MOE_F8_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 2, 1, float>(MOE_F8_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_f8_bf16(MOE_F8_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 1, 8, false, bf16>(MOE_F8_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_f8_f32(MOE_F8_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 1, 8, false, float>(MOE_F8_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f8_bf16_m1(MOE_F8_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 2, 1, false, bf16>(MOE_F8_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f8_f32_m1(MOE_F8_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 2, 1, false, float>(MOE_F8_PASS); }
+extern "C" __global__ void __launch_bounds__(256) moe_gemv_f8_f32_swiglu(MOE_F8_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 1, 8, true, float>(MOE_F8_PASS); }
+extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_f8_f32_m1_swiglu(MOE_F8_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_f8_tile<2, 2, 1, true, float>(MOE_F8_PASS); }

@@ -476,13 +476,15 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma
 // out: [tokens, h] bf16. Pairs whose expert id was dropped by moe_sort (id ≥ e) count as zero (their
 // y rows, never written, are loaded but not added). shared_gate [tokens] (bf16) with the shared expert's
 // output, either shared_y [tokens, h] bf16 (computed apart) or shared_y32 [tokens, h] f32 (the rows the
-// grouped GEMV wrote after the routed pairs'), or none of the three: the shared expert's output times
-// sigmoid(gate), added before the one rounding.
+// grouped GEMV wrote after the routed pairs'), or none of them: the shared expert's output times
+// sigmoid(gate), added before the one rounding. shared_gate32 [tokens] f32 (the gate logits the decode
+// routing computed with the router's) stands in for shared_gate when given.
 // Dynamic shared memory: 8·top_k bytes (the token's weights and kept flags).
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights,
                                        const u32* __restrict__ ids, int e, const bf16* __restrict__ shared_y,
                                        const float* __restrict__ shared_y32, const bf16* __restrict__ shared_gate,
-                                       bf16* __restrict__ out, int top_k, int h) {
+                                       const float* __restrict__ shared_gate32, bf16* __restrict__ out, int top_k,
+                                       int h) {
     pdl_prologue();
     extern __shared__ float cw[];
     int* keep = (int*)(cw + top_k);
@@ -498,7 +500,7 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
     const float* yt = y + (size_t)t * top_k * h;
     bf16* o = out + (size_t)t * h + j;
     // The shared expert's row and weight (none: weight 0, its row never read).
-    const float sw = shared_gate ? sigmoid_f(bf2f(shared_gate[t])) : 0.0f;
+    const float sw = shared_gate32 ? sigmoid_f(shared_gate32[t]) : shared_gate ? sigmoid_f(bf2f(shared_gate[t])) : 0.0f;
     const bf16* sy = shared_y ? shared_y + (size_t)t * h + j : nullptr;
     const float* sy32 = shared_y32 ? shared_y32 + (size_t)t * h + j : nullptr;
     if ((h & 3) == 0 && ((size_t)y & 15) == 0) {

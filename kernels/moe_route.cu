@@ -35,12 +35,15 @@ __device__ __forceinline__ RowSpan route_rows(const bf16* W, int e, int h, int t
     return RowSpan{W + r0 * h, rows * h * 2};
 }
 
-// W: [e, h] bf16; X: [M, h] bf16 (h % 8 == 0, both 16-byte aligned); logits: [M, e] f32 scratch; ids,
+// W: [e, h] bf16; Wg: null, or one more bf16 row [h] (a shared expert's gate, M = 1 only) whose logit
+// goes to logits[e]; X: [M, h] bf16 (h % 8 == 0, all 16-byte aligned); logits: [M, e] f32 scratch ([e + 1]
+// with Wg); ids,
 // weights: [M, k]; perm: [M·k]; tiles: [max_tiles, 3]; ticket: 1 u32, 0 at launch and left 0. Grid
-// ceil(e / (ROUTE_THREADS / 2^tpr_log2)) blocks of ROUTE_THREADS threads, 32 ≤ 2^tpr_log2 ≤ 256;
+// ceil((e + (Wg ? 1 : 0)) / (ROUTE_THREADS / 2^tpr_log2)) blocks of ROUTE_THREADS threads, 32 ≤ 2^tpr_log2 ≤ 256;
 // e ≤ 1024, 1 ≤ k ≤ 16, k ≤ e; dynamic shared memory (2·e + 2) u32 (moe_sort_block's).
 template <int M>
-__device__ __forceinline__ void moe_route_decode_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
+__device__ __forceinline__ void moe_route_decode_impl(const bf16* __restrict__ W, const bf16* __restrict__ Wg,
+                                                      const bf16* __restrict__ X,
                                                       float* logits, u32* ids, float* weights, u32* perm,
                                                       u32* tiles, u32* ticket, int e, int h, int k, int renorm,
                                                       int max_tiles, int tpr_log2) {
@@ -53,10 +56,10 @@ __device__ __forceinline__ void moe_route_decode_impl(const bf16* __restrict__ W
     // Router logits of this thread's slot's row, for every token.
     const int tpr = 1 << tpr_log2, slot = threadIdx.x >> tpr_log2, p = threadIdx.x & (tpr - 1);
     const long long row = (long long)blockIdx.x * (ROUTE_THREADS >> tpr_log2) + slot;
-    const int nrows = row < e ? 1 : 0;
+    const int nrows = row < e + (Wg ? 1 : 0) ? 1 : 0;
     const int kv = h >> 3;
     const int kend = nrows ? kv : 0;
-    const uint4* w4 = (const uint4*)W + (nrows ? row : 0) * kv;
+    const uint4* w4 = row < e ? (const uint4*)W + row * kv : (const uint4*)(nrows ? Wg : W);
     const uint4* x4 = (const uint4*)X;
     float acc[1][M];
 #pragma unroll
@@ -92,8 +95,8 @@ __device__ __forceinline__ void moe_route_decode_impl(const bf16* __restrict__ W
     if (threadIdx.x == 0) *ticket = 0u;
 }
 
-#define ROUTE_ARGS const bf16* W, const bf16* X, float* logits, u32* ids, float* weights, u32* perm, u32* tiles, u32* ticket, int e, int h, int k, int renorm, int max_tiles, int tpr_log2
-#define ROUTE_PASS W, X, logits, ids, weights, perm, tiles, ticket, e, h, k, renorm, max_tiles, tpr_log2
+#define ROUTE_ARGS const bf16* W, const bf16* Wg, const bf16* X, float* logits, u32* ids, float* weights, u32* perm, u32* tiles, u32* ticket, int e, int h, int k, int renorm, int max_tiles, int tpr_log2
+#define ROUTE_PASS W, Wg, X, logits, ids, weights, perm, tiles, ticket, e, h, k, renorm, max_tiles, tpr_log2
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS, 2) moe_route_decode_m1(ROUTE_ARGS) {
     pdl_prologue_prefetch(route_rows(W, e, h, tpr_log2));
     moe_route_decode_impl<1>(ROUTE_PASS);

@@ -106,7 +106,9 @@ pub use ops::{
     Selection, ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
 };
 pub use ops::{ConvWeight, DecodeSlots, GdnGates, GdnPools, GdnProj, SeqRows};
-pub use ops::{DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed, SharedY};
+pub use ops::{
+    DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed, SharedGate, SharedY,
+};
 pub use ops::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows};
 pub use ops::{PackedMat, PackedScheme};
 pub use ops::{PleGateWeights, PleGated, PleLin};

@@ -19,7 +19,7 @@ use thiserror::Error;
 
 use crate::backend::{
     AttnCall, Backend, BackendError, DecodeStep, GdnCall, HcWeights, MlpWeights, MoeCall, Mrope,
-    OpResult, QsaCall, SeqChunk, SharedExpert,
+    OpResult, QsaCall, SeqChunk, SharedExpert, SharedFusion,
 };
 use crate::load::{Ffn, Layer, Mixer, Model};
 
@@ -591,21 +591,25 @@ impl<B: Backend> Model<B> {
             Ffn::Moe(m) => {
                 let shared = match (&m.shared, &m.shared_gate) {
                     (Some(shared), Some(gate)) => {
-                        let y = if b.moe_fuses_shared(m, rows) {
-                            None
-                        } else {
-                            Some(self.mlp(shared, hn)?)
+                        let fusion = b.moe_fuses_shared(m, rows);
+                        let y = match fusion {
+                            SharedFusion::Apart => Some(self.mlp(shared, hn)?),
+                            _ => None,
                         };
-                        Some((y, b.linear(hn, gate)?))
+                        let g = match fusion {
+                            SharedFusion::ExpertAndGate => None,
+                            _ => Some(b.linear(hn, gate)?),
+                        };
+                        Some((y, g))
                     }
                     _ => None,
                 };
                 b.moe_experts(&MoeCall {
                     x: hn,
                     w: m,
-                    shared: shared.as_ref().map(|(y, gate)| SharedExpert {
+                    shared: shared.as_ref().map(|(y, g)| SharedExpert {
                         y: y.as_ref(),
-                        gate,
+                        gate: g.as_ref(),
                     }),
                 })
             }

@@ -24,7 +24,8 @@ pub use backend::{
     AttnCall, AttnShape, AttnWeights, Backend, BackendError, DecodeStep, GdnCall, GdnShape,
     GdnWeights, Handover, HcWeights, IndexerWeights, KvHost, KvHostStats, MlpWeights, MoeCall,
     MoeWeights, Mrope, OpResult, PleCall, PleShape, PleWeights, Probe, QsaCall, QsaShape, Rope,
-    RowCacheCounts, SampleCall, SeqChunk, SharedExpert, StageLink, StageRecv, StageSend,
+    RowCacheCounts, SampleCall, SeqChunk, SharedExpert, SharedFusion, StageLink, StageRecv,
+    StageSend,
 };
 pub use forward::{
     OutRows, Prepared, StepChunk, StepEmbeds, StepError, StepInput, StepMultimodal, StepOutput,

@@ -42,18 +42,18 @@ fn check(op: &'static str, c: &MoeCall<'_, CpuTensor, CpuWeight>) -> OpResult<()
     }
     if let Some(sh) = &c.shared {
         let y = sh.y.map_or((x.rows, x.cols), |y| (y.rows, y.cols));
-        ensure(
-            y == (x.rows, x.cols) && (sh.gate.rows, sh.gate.cols) == (x.rows, 1),
-            op,
-            || {
-                format!(
-                    "a shared expert of {y:?} with gate [{}, {}] for inputs [{}, {}]",
-                    sh.gate.rows, sh.gate.cols, x.rows, x.cols
-                )
-            },
-        )?;
+        let g = sh.gate.map_or((x.rows, 1), |g| (g.rows, g.cols));
+        ensure(y == (x.rows, x.cols) && g == (x.rows, 1), op, || {
+            format!(
+                "a shared expert of {y:?} with gate {g:?} for inputs [{}, {}]",
+                x.rows, x.cols
+            )
+        })?;
         ensure(sh.y.is_some() || c.w.shared.is_some(), op, || {
             "no shared expert output and no shared expert weights".into()
+        })?;
+        ensure(sh.gate.is_some() || c.w.shared_gate.is_some(), op, || {
+            "no shared expert gate logits and no gate weight".into()
         })?;
     }
     Ok(())
@@ -123,11 +123,20 @@ impl CpuBackend {
                 }
                 (None, None) => unreachable!("checked above"),
             };
+            let own_gate;
+            let gate = match (sh.gate, &c.w.shared_gate) {
+                (Some(g), _) => g,
+                (None, Some(w)) => {
+                    own_gate = self.linear(c.x, w)?;
+                    &own_gate
+                }
+                (None, None) => unreachable!("checked above"),
+            };
             for ((o, yr), g) in out
                 .data
                 .chunks_exact_mut(h)
                 .zip(y.data.chunks_exact(h))
-                .zip(&sh.gate.data)
+                .zip(&gate.data)
             {
                 let s = ops::sigmoid(*g);
                 o.iter_mut().zip(yr).for_each(|(o, y)| *o += s * y);

@@ -28,6 +28,8 @@ mod host_rows;
 mod linear;
 mod meta;
 mod moe;
+mod moe_decode;
+mod moe_tables;
 mod packed;
 mod ple;
 mod qsa;
@@ -44,7 +46,7 @@ use half::bf16;
 use sanmai_model::backend::{
     hc_residual_ops, AttnCall, Backend, BackendError, CacheSpec, DecodeStep, GdnCall, GdnShape,
     Handover, HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor, PleCall, Probe,
-    QsaCall, SampleCall, SeqChunk,
+    QsaCall, SampleCall, SeqChunk, SharedFusion,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
@@ -90,9 +92,9 @@ pub(crate) struct State {
     pub meta: meta::Meta,
     pub kv: cache::KvPools,
     pub states: cache::StateSlots,
-    pub experts: HashMap<u64, moe::ExpertTable>,
+    pub experts: HashMap<u64, moe_tables::ExpertTable>,
     /// The fused MoE's pair buffers, by (tokens, top_k, experts) (`moe.rs`).
-    pub fused_pairs: HashMap<(usize, usize, usize), moe::FusedPairs>,
+    pub fused_pairs: HashMap<(usize, usize, usize), moe_tables::FusedPairs>,
     /// The packed and FP8 GEMMs' bf16 workspace, allocated with the first packed or FP8 weight.
     pub packed_ws: Option<CudaSlice<bf16>>,
     /// Device copies of RoPE inverse frequencies, by their host values.
@@ -666,7 +668,7 @@ impl Backend for CudaBackend {
         self.moe_impl(c).at("moe_experts")
     }
 
-    fn moe_fuses_shared(&self, w: &MoeWeights<CudaWeight>, rows: usize) -> bool {
+    fn moe_fuses_shared(&self, w: &MoeWeights<CudaWeight>, rows: usize) -> SharedFusion {
         self.moe_fuses_shared_impl(w, rows)
     }
 

@@ -21,7 +21,7 @@ use half::bf16;
 
 use super::gemm::WxT;
 use super::gemv::{gemv_plan, SegAddrs, SegTable, GEMV_SEGS, GEMV_THREADS};
-use super::moe::{moe_max_tiles, MoeOut, PairGroups, PairRows};
+use super::moe::{moe_max_tiles, MoeOut, PairGroups, PairRows, MOE_TILE};
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -324,8 +324,51 @@ impl Gpu {
         groups: &PairGroups<'_, impl DevicePtr<u32>>,
         y: &mut impl DevicePtrMut<O>,
     ) -> Result<()> {
+        self.moe_gemv_fp8_with(experts, input, groups, y, false)
+    }
+
+    /// Whether [`Gpu::moe_gemv_fp8_swiglu`] takes FP8 experts with rows of `k` values: a tile's
+    /// SwiGLU rows (`MOE_TILE · k` bf16) fit the default 48 KiB of shared memory.
+    pub fn moe_gemv_fp8_fuses_swiglu(k: usize) -> bool {
+        MOE_TILE * k * 2 <= 48 * 1024
+    }
+
+    /// The down projection of FP8 experts with the SwiGLU activation fused into its input: as
+    /// [`Gpu::moe_gemv_fp8`] over pair rows (`div` 1) with input row `p` = `bf16(silu(g) · u)` of
+    /// `gate_up[p] = [g | u]` (`gate_up.x`: `[rows, 2k]` bf16, computed as `swiglu` computes it, so
+    /// the result is the unfused pair's), each block staging its tile's rows in shared memory. Only
+    /// where [`Gpu::moe_gemv_fp8_fuses_swiglu`] holds.
+    pub fn moe_gemv_fp8_swiglu(
+        &self,
+        experts: &Fp8Experts<'_, impl DevicePtr<u64>>,
+        gate_up: &PairRows<'_, impl DevicePtr<bf16>>,
+        groups: &PairGroups<'_, impl DevicePtr<u32>>,
+        y: &mut impl DevicePtrMut<f32>,
+    ) -> Result<()> {
+        let k = experts.k;
+        ensure(
+            Self::moe_gemv_fp8_fuses_swiglu(k),
+            "moe_gemv_fp8_swiglu",
+            || format!("k = {k}: a tile's SwiGLU rows do not fit shared memory"),
+        )?;
+        ensure(gate_up.div == 1, "moe_gemv_fp8_swiglu", || {
+            "the down projection reads pair rows (div 1)".into()
+        })?;
+        self.moe_gemv_fp8_with(experts, gate_up, groups, y, true)
+    }
+
+    fn moe_gemv_fp8_with<O: MoeOut>(
+        &self,
+        experts: &Fp8Experts<'_, impl DevicePtr<u64>>,
+        input: &PairRows<'_, impl DevicePtr<bf16>>,
+        groups: &PairGroups<'_, impl DevicePtr<u32>>,
+        y: &mut impl DevicePtrMut<O>,
+        swiglu: bool,
+    ) -> Result<()> {
         const OP: &str = "moe_gemv_fp8";
         let (n, k, group) = (experts.n, experts.k, experts.group);
+        // The SwiGLU form reads gate|up rows twice as wide as the weight's k.
+        let x_cols = if swiglu { 2 * k } else { k };
         let (x, x_rows, x_div) = (input.x, input.rows, input.div);
         let n_pairs = groups.n_pairs;
         ensure(fp8_fits(group, k), OP, || {
@@ -339,7 +382,7 @@ impl Gpu {
         let e = experts.bytes.len();
         check_len(OP, "scale table", experts.scales, e)?;
         let max_tiles = moe_max_tiles(n_pairs, e);
-        check_len(OP, "x", x, x_rows * k)?;
+        check_len(OP, "x", x, x_rows * x_cols)?;
         check_len(OP, "perm", groups.perm, n_pairs)?;
         check_len(OP, "tiles", groups.tiles, 3 * max_tiles)?;
         check_len(OP, "y", y, n_pairs * n)?;
@@ -352,7 +395,13 @@ impl Gpu {
         ensure(self.addr(x).is_multiple_of(16), OP, || {
             "x must be 16-byte aligned".into()
         })?;
-        let (kernel, lanes, rows_per_block) = moe_f8_plan(O::SUFFIX, n_pairs, e, k);
+        let (mut kernel, lanes, rows_per_block) = moe_f8_plan(O::SUFFIX, n_pairs, e, k);
+        let smem = if swiglu {
+            kernel.push_str("_swiglu");
+            MOE_TILE * k * 2
+        } else {
+            0
+        };
         let (xd, ni, ki, gi, li) = (
             int(OP, "x_div", x_div)?,
             int(OP, "n", n)?,
@@ -373,8 +422,9 @@ impl Gpu {
         // SAFETY: argument types match the kernel; x, perm, tiles, y and table lengths and the shape
         // rules checked above; perm holds pair numbers below n_pairs, so x rows p / x_div < x_rows and
         // y rows p < n_pairs; byte and scale addresses come from the caller's tables of live FP8
-        // [n, k] weights of this group.
-        unsafe { b.launch(cfg(grid, MOE_THREADS as u32, 0)) }?;
+        // [n, k] weights of this group; the SwiGLU form's shared memory holds MOE_TILE rows of k
+        // (a tile's most pairs).
+        unsafe { b.launch(cfg(grid, MOE_THREADS as u32, smem as u32)) }?;
         Ok(())
     }
 }

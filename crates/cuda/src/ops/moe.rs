@@ -171,6 +171,17 @@ pub struct Experts<'a, P: DevicePtr<u64>> {
     pub k: usize,
 }
 
+/// Where [`Gpu::moe_combine`] finds the shared expert's gate logits.
+pub enum SharedGate<'a> {
+    /// `[tokens]` bf16, computed apart.
+    Bf16(&'a CudaSlice<bf16>),
+    /// `[tokens]` f32 from index `at` of `logits` (the decode routing's, after the router's).
+    F32 {
+        logits: &'a CudaSlice<f32>,
+        at: usize,
+    },
+}
+
 /// Where [`Gpu::moe_combine`] finds the shared expert's output.
 pub enum SharedY<'a> {
     /// Its own `[tokens, h]` bf16 rows, computed apart.
@@ -498,7 +509,7 @@ impl Gpu {
 
     /// `out[t, j] = Σ_c weights[t, c] · y[t·top_k + c, j]`, skipping pairs whose id is `≥ experts`,
     /// plus `sigmoid(gate[t]) · shared_y[t, j]` when `shared = (shared_y, gate)` is given (the shared
-    /// expert, added before the one rounding): its rows apart (`SharedY::Apart`, `[tokens, h]` bf16)
+    /// expert, added before the one rounding; `gate` bf16 or the routing's f32 logits): its rows apart (`SharedY::Apart`, `[tokens, h]` bf16)
     /// or the f32 rows of `y` after the routed pairs' (`SharedY::AfterRouted`, pair
     /// `tokens·top_k + t`, as the grouped GEMV writes the shared expert's pairs). `y`:
     /// `[tokens·top_k, h]` f32 (`[tokens·(top_k + 1), h]` with `AfterRouted`); `out`: `[tokens, h]`;
@@ -507,7 +518,7 @@ impl Gpu {
         &self,
         routed: &Routed<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
         y: &impl DevicePtr<f32>,
-        shared: Option<(SharedY<'_>, &CudaSlice<bf16>)>,
+        shared: Option<(SharedY<'_>, SharedGate<'_>)>,
         out: &mut impl DevicePtrMut<bf16>,
         h: usize,
     ) -> Result<()> {
@@ -533,7 +544,12 @@ impl Gpu {
             if let SharedY::Apart(sy) = sy {
                 check_len(OP, "shared_y", *sy, tokens * h)?;
             }
-            check_len(OP, "shared_gate", *sg, tokens)?;
+            match sg {
+                SharedGate::Bf16(g) => check_len(OP, "shared_gate", *g, tokens)?,
+                SharedGate::F32 { logits, at } => {
+                    check_len(OP, "shared_gate logits", *logits, at + tokens)?
+                }
+            }
         }
         if tokens == 0 || h == 0 {
             return Ok(());
@@ -544,8 +560,16 @@ impl Gpu {
             _ => None,
         }
         .unzip();
-        let (sg, _gsg) = shared.as_ref().map(|(_, b)| b.device_ptr(s)).unzip();
+        let (sg, _gsg) = match &shared {
+            Some((_, SharedGate::Bf16(b))) => Some(b.device_ptr(s)),
+            _ => None,
+        }
+        .unzip();
         let (syp, sgp) = (sy.unwrap_or(0), sg.unwrap_or(0));
+        let sg32 = match &shared {
+            Some((_, SharedGate::F32 { logits, at })) => self.addr(*logits) + (4 * at) as u64,
+            _ => 0,
+        };
         // The f32 shared rows start after the routed pairs' rows of y.
         let sy32 = if after {
             self.addr(y) + (4 * tokens * top_k * h) as u64
@@ -565,6 +589,7 @@ impl Gpu {
             .arg(&syp)
             .arg(&sy32)
             .arg(&sgp)
+            .arg(&sg32)
             .ptr_mut(out)
             .arg(&ki)
             .arg(&hi);

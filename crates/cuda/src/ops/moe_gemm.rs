@@ -65,7 +65,7 @@ impl GemmFormat {
     /// Whether the kernel takes this format with `k` inputs: `k % 64 == 0`, bits 4, 6 or 8, a scale
     /// group of 16, 32, a multiple of 64, or per row (packed only).
     fn supports(self, k: usize) -> bool {
-        let group_ok = |g: usize| g == 16 || g == 32 || g % KC == 0;
+        let group_ok = |g: usize| g == 16 || g == 32 || g.is_multiple_of(KC);
         k > 0
             && k.is_multiple_of(KC)
             && match self {

@@ -8,7 +8,7 @@
 //! router GEMV, the sort-and-merge top-k of every token and the grouping of the pairs by expert that
 //! [`Gpu::moe_sort`] does, the last two in the block that finishes its logits last.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::moe::moe_max_tiles;
@@ -184,6 +184,23 @@ impl Gpu {
         out: DecodeRouting<'_, impl DevicePtrMut<f32>, impl DevicePtrMut<u32>>,
         ticket: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
+        self.moe_route_decode_gate(router, None, x, h, dims, out, ticket)
+    }
+
+    /// [`Gpu::moe_route_decode`] with one more bf16 row, `gate` `[h]` (a shared expert's gate): its
+    /// logit for the token lands at `logits[e]` (`logits` then holds `e + 1` values), in the same
+    /// launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_route_decode_gate(
+        &self,
+        router: &impl DevicePtr<bf16>,
+        gate: Option<&CudaSlice<bf16>>,
+        x: &impl DevicePtr<bf16>,
+        h: usize,
+        dims: RouteDims,
+        out: DecodeRouting<'_, impl DevicePtrMut<f32>, impl DevicePtrMut<u32>>,
+        ticket: &mut impl DevicePtrMut<u32>,
+    ) -> Result<()> {
         const OP: &str = "moe_route_decode";
         let RouteDims {
             tokens: t,
@@ -208,14 +225,18 @@ impl Gpu {
         let max_tiles = moe_max_tiles(n, e);
         check_len(OP, "router", router, e * h)?;
         check_len(OP, "x", x, t * h)?;
-        check_len(OP, "logits", logits, t * e)?;
+        let extra = usize::from(gate.is_some());
+        check_len(OP, "logits", logits, t * e + extra)?;
+        if let Some(gw) = gate {
+            check_len(OP, "gate", gw, h)?;
+        }
         check_len(OP, "ids", ids, n)?;
         check_len(OP, "weights", weights, n)?;
         check_len(OP, "perm", perm, n)?;
         check_len(OP, "tiles", tiles, 3 * max_tiles)?;
         check_len(OP, "ticket", ticket, 1)?;
         let slot_log2 = decode_slot_log2(h);
-        let blocks = e.div_ceil(DECODE_THREADS >> slot_log2);
+        let blocks = (e + extra).div_ceil(DECODE_THREADS >> slot_log2);
         let (ei, hi, ki, rn, mt, sl) = (
             int(OP, "e", e)?,
             int(OP, "h", h)?,
@@ -225,12 +246,16 @@ impl Gpu {
             slot_log2 as i32,
         );
         ensure(
-            self.addr(router).is_multiple_of(16) && self.addr(x).is_multiple_of(16),
+            self.addr(router).is_multiple_of(16)
+                && self.addr(x).is_multiple_of(16)
+                && gate.is_none_or(|gw| self.addr(gw).is_multiple_of(16)),
             OP,
-            || "router and x must be 16-byte aligned".into(),
+            || "router, gate and x must be 16-byte aligned".into(),
         )?;
+        let gp = gate.map_or(0, |gw| self.addr(gw));
         let mut b = self.launch(self.kernel("moe_route_decode_m1")?);
         b.ptr(router)
+            .arg(&gp)
             .ptr(x)
             .ptr_mut(logits)
             .ptr_mut(ids)

@@ -266,7 +266,7 @@ impl<'a> Lockstep<'a> {
                     m.backend.moe_experts(&MoeCall {
                         x: hn,
                         w: moe(m, i),
-                        shared: Some(SharedExpert { y: Some(y), gate: g }),
+                        shared: Some(SharedExpert { y: Some(y), gate: Some(g) }),
                     }))
                 } else {
                     both!(self, "moe_experts", [hn], m =>

@@ -364,6 +364,29 @@ fn fp8_grouped_gemv_and_gemm_match_cpu() {
         );
         assert!(gmax <= 1e-2 && grms <= 4e-3, "gate|up {gmax} {grms}");
         assert!(dmax <= 1e-4, "down {dmax}");
+        if Gpu::moe_gemv_fp8_fuses_swiglu(i) {
+            // The down GEMV with the SwiGLU staged in its blocks equals SwiGLU then the GEMV, bit for
+            // bit, on gate|up rows [n, 2i].
+            let gu_in = g.upload(&to_bf16(&rng.normals(n * 2 * i))).unwrap();
+            let mut act_buf = g.zeros::<bf16>(n * i).unwrap();
+            g.swiglu(&gu_in, &mut act_buf, n, i).unwrap();
+            let rows = |x| PairRows {
+                x,
+                rows: n,
+                div: 1,
+                tail: None,
+            };
+            let mut y_two = g.zeros::<f32>(n * h).unwrap();
+            g.moe_gemv_fp8(&down, &rows(&act_buf), &groups, &mut y_two)
+                .unwrap();
+            let mut y_one = g.zeros::<f32>(n * h).unwrap();
+            g.moe_gemv_fp8_swiglu(&down, &rows(&gu_in), &groups, &mut y_one)
+                .unwrap();
+            let (a, b) = (g.download(&y_one).unwrap(), g.download(&y_two).unwrap());
+            let same = a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits());
+            println!("FP8 check=moe_gemv_swiglu h={h} i={i} t={t} equal_to_unfused={same}");
+            assert!(same, "the fused SwiGLU changed the down projection");
+        }
         if !(Gpu::moe_gemm_fp8_supports(128, h) && Gpu::moe_gemm_fp8_supports(128, i)) {
             continue;
         }

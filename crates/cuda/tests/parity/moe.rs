@@ -4,7 +4,7 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::{DecodeRouting, Gpu, RouteDims, Routed, SharedY};
+use sanmai_cuda::{DecodeRouting, Gpu, RouteDims, Routed, SharedGate, SharedY};
 
 use crate::common::{check_reduction, from_bf16, gpu, to_bf16, Rng};
 use crate::launch::{expert_proj, pair_groups, pair_rows};
@@ -145,7 +145,7 @@ fn moe_combine_matches_cpu() {
             g.upload(&ids).unwrap(),
         );
         let (dsy, dsg) = (g.upload(&sy).unwrap(), g.upload(&sg).unwrap());
-        let shared = with_shared.then_some((SharedY::Apart(&dsy), &dsg));
+        let shared = with_shared.then_some((SharedY::Apart(&dsy), SharedGate::Bf16(&dsg)));
         let mut out = g.zeros::<bf16>(t * h).unwrap();
         g.moe_combine(
             &Routed {

@@ -1,12 +1,13 @@
 //! The fused decode MoE (`CudaBackend::moe_fuses_shared`): the shared expert as one more expert of the
-//! routed experts' grouped GEMVs, against the CPU backend running the same call (which computes the
-//! shared expert itself), and against the GPU's unfused launches (the shared expert's output computed
-//! apart, in bf16), for bf16, INT4 and FP8 experts at decode batch sizes.
+//! routed experts' grouped GEMVs (and at one row its gate as one more router row), against the CPU
+//! backend running the same call (which computes what the call leaves out itself), and against the
+//! GPU's unfused launches (the shared expert's output and gate computed apart, in bf16), for bf16,
+//! INT4, INT8 and FP8 experts at decode batch sizes.
 
 use sanmai_config::{Fp8Config, QuantScheme};
 use sanmai_cpu::CpuBackend;
 use sanmai_cuda::CudaBackend;
-use sanmai_model::backend::{MlpWeights, MoeCall, MoeWeights, SharedExpert};
+use sanmai_model::backend::{MlpWeights, MoeCall, MoeWeights, SharedExpert, SharedFusion};
 use sanmai_model::Backend;
 use sanmai_weights::fp8;
 use sanmai_weights::quant::quantize;
@@ -74,13 +75,20 @@ fn layer<B: Backend>(
     }
 }
 
-/// `moe_experts` on `x` `[t, h]` with the shared expert: fused (its gate logits only) or with its
-/// output computed apart as the model computes it.
-fn run<B: Backend>(b: &B, w: &MoeWeights<B::Weight>, t: usize, x: &[f32], fused: bool) -> Vec<f32> {
+/// `moe_experts` on `x` `[t, h]` with the shared expert, leaving to the backend what `fusion` says
+/// (the output, the gate logits) and computing the rest as the model does.
+fn run<B: Backend>(
+    b: &B,
+    w: &MoeWeights<B::Weight>,
+    t: usize,
+    x: &[f32],
+    fusion: SharedFusion,
+) -> Vec<f32> {
     let xt = b.upload(t, x.len() / t, x.to_vec()).unwrap();
-    let gate = b.linear(&xt, w.shared_gate.as_ref().unwrap()).unwrap();
     let m = w.shared.as_ref().unwrap();
-    let apart = (!fused).then(|| {
+    let gate = (fusion != SharedFusion::ExpertAndGate)
+        .then(|| b.linear(&xt, w.shared_gate.as_ref().unwrap()).unwrap());
+    let apart = (fusion == SharedFusion::Apart).then(|| {
         b.linear(
             &b.swiglu(&b.linear(&xt, &m.gate_up).unwrap()).unwrap(),
             &m.down,
@@ -93,7 +101,7 @@ fn run<B: Backend>(b: &B, w: &MoeWeights<B::Weight>, t: usize, x: &[f32], fused:
             w,
             shared: Some(SharedExpert {
                 y: apart.as_ref(),
-                gate: &gate,
+                gate: gate.as_ref(),
             }),
         })
         .unwrap();
@@ -125,23 +133,42 @@ fn backend_moe_fused_shared_matches_cpu() {
         let seed = 700 + case as u64;
         let wg = layer(&b, seed, f, (h, i, e, k));
         let wc = layer(&cpu, seed, f, (h, i, e, k));
-        for t in [1usize, 3, 8] {
-            assert!(b.moe_fuses_shared(&wg, t), "{f:?} t {t}: not fused");
-            assert!(!cpu.moe_fuses_shared(&wc, t));
+        for t in [1usize, 3, 4] {
+            // One row takes the one-launch decode routing, which computes the gate's logit too.
+            let fusion = b.moe_fuses_shared(&wg, t);
+            let expect = if t == 1 {
+                SharedFusion::ExpertAndGate
+            } else {
+                SharedFusion::Expert
+            };
+            assert_eq!(fusion, expect, "{f:?} t {t}");
+            assert_eq!(cpu.moe_fuses_shared(&wc, t), SharedFusion::Apart);
             let x = to_bf16(&rng.normals(t * h, 0.0, 1.0)).1;
-            let fused = run(&b, &wg, t, &x, true);
-            let want = run(&cpu, &wc, t, &x, true);
-            let apart = run(&b, &wg, t, &x, false);
+            let fused = run(&b, &wg, t, &x, fusion);
+            let want = run(&cpu, &wc, t, &x, fusion);
+            let apart = run(&b, &wg, t, &x, SharedFusion::Apart);
+            if t == 1 {
+                // The gate alone fused, the shared expert's output computed by the GEMVs.
+                let expert_only = run(&b, &wg, t, &x, SharedFusion::Expert);
+                let shape = format!("{f:?}_h{h}_i{i}_e{e}_k{k}_t{t}");
+                check_composite(
+                    "moe_fused_gate_vs_expert_only",
+                    &shape,
+                    &fused,
+                    &expert_only,
+                );
+            }
             let shape = format!("{f:?}_h{h}_i{i}_e{e}_k{k}_t{t}");
             check_composite("moe_fused_shared", &shape, &fused, &want);
             check_composite("moe_fused_vs_apart", &shape, &fused, &apart);
         }
         // Off, the backend asks for the shared expert's output.
         b.set_fused_decode(false);
-        assert!(!b.moe_fuses_shared(&wg, 1));
+        assert_eq!(b.moe_fuses_shared(&wg, 1), SharedFusion::Apart);
         b.set_fused_decode(true);
     }
-    // A prefill-sized step keeps the shared expert apart.
+    // Batches past 4 rows and prefill-sized steps keep the shared expert apart.
     let w = layer(&b, 1, Format::Packed(4, 128), (256, 128, 32, 4));
-    assert!(!b.moe_fuses_shared(&w, 9));
+    assert_eq!(b.moe_fuses_shared(&w, 5), SharedFusion::Apart);
+    assert_eq!(b.moe_fuses_shared(&w, 9), SharedFusion::Apart);
 }

@@ -245,12 +245,25 @@ pub struct GdnCall<'a, T, W> {
     pub seqs: &'a [SeqChunk<'a>],
 }
 
-/// The shared expert's part of a MoE call: its output `[rows, H]` and gate logit `[rows, 1]`. The
-/// output is `None` when the backend runs the shared expert (`MoeWeights::shared`) together with the
-/// routed experts ([`Backend::moe_fuses_shared`]).
+/// The shared expert's part of a MoE call: its output `[rows, H]` and gate logit `[rows, 1]`, each
+/// `None` when the backend computes it itself ([`Backend::moe_fuses_shared`]: the output from
+/// `MoeWeights::shared` with the routed experts, the gate logits from `MoeWeights::shared_gate`
+/// with the router's).
 pub struct SharedExpert<'a, T> {
     pub y: Option<&'a T>,
-    pub gate: &'a T,
+    pub gate: Option<&'a T>,
+}
+
+/// How a backend's [`Backend::moe_experts`] takes a layer's shared expert.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SharedFusion {
+    /// The model computes the shared expert's output and gate logits.
+    Apart,
+    /// The backend runs the shared expert with the routed experts; the model computes its gate
+    /// logits.
+    Expert,
+    /// The backend also computes the gate logits, with the router's.
+    ExpertAndGate,
 }
 
 /// One MoE call: the normed input `x` `[rows, H]`, the layer's experts and router, and the shared
@@ -409,11 +422,11 @@ pub trait Backend: Send + Sync {
     /// `sigmoid(gate) · y` when the shared expert is given (a backend may add it in its combine).
     fn moe_experts(&self, c: &MoeCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;
 
-    /// Whether [`Backend::moe_experts`] runs layer `w`'s shared expert itself, in the same launches as
-    /// the routed experts, for a call of `rows` rows: the model then passes the shared expert's gate
-    /// logits only ([`SharedExpert::y`] `None`). Default: no.
-    fn moe_fuses_shared(&self, _w: &MoeWeights<Self::Weight>, _rows: usize) -> bool {
-        false
+    /// How [`Backend::moe_experts`] takes layer `w`'s shared expert for a call of `rows` rows: what it
+    /// computes itself, in the same launches as the routed experts (the model then passes `None` for
+    /// it in [`SharedExpert`]). Default: [`SharedFusion::Apart`].
+    fn moe_fuses_shared(&self, _w: &MoeWeights<Self::Weight>, _rows: usize) -> SharedFusion {
+        SharedFusion::Apart
     }
 
     /// Runs one decode step its own way: `step` says what the step is (every chunk one token) and `run`

@@ -1,0 +1,264 @@
+//! The decode-sized half of the routed experts (`moe.rs` has the routing, the tables and the prefill
+//! GEMM): the grouped GEMVs, and the fused decode launches, in which a MoE layer's shared expert
+//! runs as one more expert of its routed experts' GEMVs (and, at one row, its gate as one more
+//! router row), so a decode step's shared expert takes no launch of its own.
+
+use cudarc::driver::CudaSlice;
+use sanmai_model::backend::{MoeCall, MoeWeights, SharedFusion};
+
+use super::moe_tables::{routing_of, shared_fits, ExpertFormat, FusedPairs};
+use super::tensor::{CudaTensor, CudaWeight};
+use super::CudaBackend;
+use crate::error::{CudaError, Result};
+use crate::gpu::Gpu;
+use crate::ops::{PairGroups, PairRows, SharedGate, SharedY};
+
+/// Most rows of a step whose shared expert runs in the routed experts' grouped GEMVs. The shared
+/// pairs form one tile, which one block walks pair after pair, while the unfused shared expert is a
+/// dense GEMV over all rows at once; measured on an H200 (80B FP8, `sanmai bench --fused-decode`
+/// against `--no-fused-decode`): 206.4 against 184.3 tok/s at batch 1, 489 against 477 at batch 4,
+/// but 634 against 668 at batch 8.
+const FUSED_MAX_ROWS: usize = 4;
+
+impl CudaBackend {
+    /// The decode-sized part of [`CudaBackend::moe_impl`]: [`CudaBackend::moe_gemv_step`], a fused
+    /// step with its kept pair buffers (taken out of the state for the step, put back after it).
+    pub(super) fn moe_decode(
+        &self,
+        c: &MoeCall<'_, CudaTensor, CudaWeight>,
+        step: &GemvStep<'_>,
+        out: CudaTensor,
+    ) -> Result<CudaTensor> {
+        if !step.fused {
+            return self.moe_gemv_step(c, step, None, out);
+        }
+        let key = (c.x.rows, c.w.top_k, c.w.experts.len());
+        let kept = self.lock().fused_pairs.remove(&key);
+        let mut pairs = match kept {
+            Some(p) => p,
+            None => FusedPairs::new(&self.gpu, key.0, key.1, key.2)?,
+        };
+        let res = self.moe_gemv_step(c, step, Some(&mut pairs), out);
+        self.lock().fused_pairs.insert(key, pairs);
+        res
+    }
+
+    /// What a call of `rows` rows on `w` fuses: nothing unless the fused launches are on, the shared
+    /// expert fits the routed experts' kernels ([`shared_fits`]) and the step is at most
+    /// [`FUSED_MAX_ROWS`] rows (so it keeps the grouped GEMV, the shared pairs in one tile); the gate
+    /// too where the step takes the one-launch decode routing (one row, a bf16 router) and the gate
+    /// is a bf16 row.
+    pub(crate) fn moe_fuses_shared_impl(
+        &self,
+        w: &MoeWeights<CudaWeight>,
+        rows: usize,
+    ) -> SharedFusion {
+        let on = self.fused_decode.load(std::sync::atomic::Ordering::Relaxed)
+            && (1..=FUSED_MAX_ROWS).contains(&rows)
+            && !Gpu::moe_gemm_wanted(rows, rows * w.top_k)
+            && shared_fits(w);
+        if !on {
+            return SharedFusion::Apart;
+        }
+        match (&w.router, &w.shared_gate) {
+            (CudaWeight::Bf16(r), Some(CudaWeight::Bf16(g)))
+                if rows == 1
+                    && r.shape.len() == 2
+                    && g.shape == [1, r.shape[1]]
+                    && r.shape[0] == w.experts.len()
+                    && Gpu::moe_route_decode_fits(1, r.shape[1], w.experts.len(), w.top_k) =>
+            {
+                SharedFusion::ExpertAndGate
+            }
+            _ => SharedFusion::Expert,
+        }
+    }
+
+    /// The grouped-GEMV part of [`CudaBackend::moe_impl`] (decode-sized steps): routing grouped by
+    /// expert, the gate|up GEMV over token rows, SwiGLU (fused into the INT4 down GEMV where it
+    /// can), the down GEMV over pair rows, the combine. A fused step (`pairs`) routes into the kept
+    /// pair buffers, whose shared tile makes both GEMVs compute the shared expert too (expert `e`
+    /// of the tables `with_shared`, pairs `t·k + j` reading token row `j`), and the combine adds
+    /// those rows times the gate's sigmoid.
+    pub(super) fn moe_gemv_step(
+        &self,
+        c: &MoeCall<'_, CudaTensor, CudaWeight>,
+        step: &GemvStep<'_>,
+        mut pairs: Option<&mut FusedPairs>,
+        mut out: CudaTensor,
+    ) -> Result<CudaTensor> {
+        let g = &self.gpu;
+        let (x, w) = (c.x, c.w);
+        let (t, h, e, k) = (x.rows, x.cols, w.experts.len(), w.top_k);
+        let (gu_format, dn_format, fp8) = step.formats;
+        let inter = w.experts[0].inter;
+        let n = t * k;
+        let np = if step.fused { n + t } else { n };
+        // The gate's row, when the routing computes its logits (`logits[e]`).
+        let gate_row = match (&step.shared, &w.shared_gate) {
+            (Some((_, None)), Some(CudaWeight::Bf16(gw))) => Some(&gw.data),
+            _ => None,
+        };
+        let (ids, wts, gate_logits, owned) = match pairs.as_deref_mut() {
+            Some(p) => {
+                let (ids, wts, logits) =
+                    self.route_grouped_into(x, w, gate_row, &mut p.perm, &mut p.tiles)?;
+                (ids, wts, logits, None)
+            }
+            None => {
+                let gr = self.route_grouped(x, w)?;
+                (gr.ids, gr.wts, None, Some((gr.perm, gr.tiles)))
+            }
+        };
+        if step.shared.as_ref().is_some_and(|(_, g)| g.is_none()) && gate_logits.is_none() {
+            return Err(CudaError::Shape {
+                op: "moe",
+                msg: "the routing did not compute the shared expert's gate".into(),
+            });
+        }
+        self.log_routing(&ids, n, e)?;
+        let (perm, tiles) = match (&owned, pairs.as_deref()) {
+            (Some((perm, tiles)), _) => (perm, tiles),
+            (None, Some(p)) => (&p.perm, &p.tiles),
+            (None, None) => unreachable!("a step routes into its own buffers or the kept ones"),
+        };
+        let groups = PairGroups {
+            perm,
+            tiles,
+            n_pairs: np,
+        };
+        let routed = routing_of(&ids, &wts, (t, e, k));
+        let mut st = self.lock();
+        let table = self.expert_table(&mut st.experts, w)?;
+        let tables = if step.fused {
+            table.with_shared.as_ref().ok_or_else(|| CudaError::Shape {
+                op: "moe",
+                msg: "no shared-expert tables for a fused step".into(),
+            })?
+        } else {
+            &table.routed
+        };
+        let token_rows = PairRows {
+            x: &x.buf,
+            rows: t,
+            div: k,
+            tail: step.fused.then_some(n),
+        };
+        let mut gu = self.alloc(np, 2 * inter)?;
+        let mut y = self.scratch::<f32>(np * h)?;
+        if let Some(blocks) = fp8 {
+            let (gate_up, down) = tables.fp8_experts(blocks, h, inter);
+            g.moe_gemv_fp8(&gate_up, &token_rows, &groups, &mut gu.buf)?;
+            if step.fused && Gpu::moe_gemv_fp8_fuses_swiglu(inter) {
+                // The down GEMV stages silu(g) · u itself: no activation launch.
+                let gate_up_rows = PairRows {
+                    x: &gu.buf,
+                    rows: np,
+                    div: 1,
+                    tail: None,
+                };
+                g.moe_gemv_fp8_swiglu(&down, &gate_up_rows, &groups, &mut y)?;
+                g.moe_combine(
+                    &routed,
+                    &y,
+                    step.shared(gate_logits.as_ref(), e),
+                    &mut out.buf,
+                    h,
+                )?;
+                return Ok(out);
+            }
+            let mut act = self.alloc(np, inter)?;
+            g.swiglu(&gu.buf, &mut act.buf, np, inter)?;
+            let pair_rows = PairRows {
+                x: &act.buf,
+                rows: np,
+                div: 1,
+                tail: None,
+            };
+            g.moe_gemv_fp8(&down, &pair_rows, &groups, &mut y)?;
+            g.moe_combine(
+                &routed,
+                &y,
+                step.shared(gate_logits.as_ref(), e),
+                &mut out.buf,
+                h,
+            )?;
+            return Ok(out);
+        }
+        let (gate_up, down) = tables.experts(gu_format, dn_format, h, inter);
+        match gu_format.scheme() {
+            None => g.moe_gemv(&gate_up, &token_rows, &groups, &mut gu.buf)?,
+            Some(_) => g.moe_gemv_packed(&gate_up, &token_rows, &groups, &mut gu.buf)?,
+        }
+        if let ExpertFormat::Packed { bits, group_size } = dn_format {
+            if Gpu::moe_gemv_fuses_swiglu(bits, group_size, inter) {
+                // The down GEMV computes silu(g) · u while staging its input: no activation launch.
+                let gate_up_rows = PairRows {
+                    x: &gu.buf,
+                    rows: np,
+                    div: 1,
+                    tail: None,
+                };
+                g.moe_gemv_packed_swiglu(&down, &gate_up_rows, &groups, &mut y)?;
+                g.moe_combine(
+                    &routed,
+                    &y,
+                    step.shared(gate_logits.as_ref(), e),
+                    &mut out.buf,
+                    h,
+                )?;
+                return Ok(out);
+            }
+        }
+        let mut act = self.alloc(np, inter)?;
+        g.swiglu(&gu.buf, &mut act.buf, np, inter)?;
+        let pair_rows = PairRows {
+            x: &act.buf,
+            rows: np,
+            div: 1,
+            tail: None,
+        };
+        match dn_format.scheme() {
+            None => g.moe_gemv(&down, &pair_rows, &groups, &mut y)?,
+            Some(_) => g.moe_gemv_packed(&down, &pair_rows, &groups, &mut y)?,
+        }
+        g.moe_combine(
+            &routed,
+            &y,
+            step.shared(gate_logits.as_ref(), e),
+            &mut out.buf,
+            h,
+        )?;
+        Ok(out)
+    }
+}
+
+/// What [`CudaBackend::moe_gemv_step`] runs: the experts' formats (gate|up, down, and the FP8
+/// blocks when both are FP8), whether the shared expert is fused, and the combine's shared part.
+pub(super) struct GemvStep<'a> {
+    pub formats: (ExpertFormat, ExpertFormat, Option<(usize, usize)>),
+    pub fused: bool,
+    /// The shared expert's output and gate logits (`None`: the routing computes them).
+    pub shared: Option<(SharedY<'a>, Option<&'a CudaSlice<half::bf16>>)>,
+}
+
+impl GemvStep<'_> {
+    /// The combine's shared part, the gate from `logits[at..]` when the routing computed it.
+    fn shared<'b>(
+        &'b self,
+        logits: Option<&'b CudaSlice<f32>>,
+        at: usize,
+    ) -> Option<(SharedY<'b>, SharedGate<'b>)> {
+        let (y, gate) = self.shared.as_ref()?;
+        let y = match y {
+            SharedY::Apart(b) => SharedY::Apart(b),
+            SharedY::AfterRouted => SharedY::AfterRouted,
+        };
+        let gate = match (gate, logits) {
+            (Some(g), _) => SharedGate::Bf16(g),
+            (None, Some(logits)) => SharedGate::F32 { logits, at },
+            (None, None) => return None,
+        };
+        Some((y, gate))
+    }
+}

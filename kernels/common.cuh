@@ -234,3 +234,17 @@ __device__ __forceinline__ void gemv_slot_sum(float (&acc)[R][M], float (*red)[R
 __device__ __forceinline__ u32 moe_x_row(u32 p, int x_div, u32 x_tail) {
     return p >= x_tail ? p - x_tail : p / (u32)x_div;
 }
+
+// Values 8u .. 8u + 7 of bf16(silu(gate) · up) for a gate|up row gu (gate then up, k values each, as
+// uint4 chunks of 8 bf16; per = k / 8), computed as swiglu_bf16 computes them: the down projections
+// that stage their own SwiGLU input.
+__device__ __forceinline__ uint4 swiglu8(const uint4* __restrict__ gu, int per, int u) {
+    float gf[8], uf[8];
+    unpack8(__ldg(gu + u), gf);
+    unpack8(__ldg(gu + per + u), uf);
+    u32 o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        o[i] = pack_bf16x2(silu_f(gf[2 * i]) * uf[2 * i], silu_f(gf[2 * i + 1]) * uf[2 * i + 1]);
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}

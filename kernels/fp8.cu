@@ -388,14 +388,7 @@ __device__ __forceinline__ void moe_f8_tile(const unsigned long long* __restrict
         for (int idx = threadIdx.x; idx < cnt * per; idx += blockDim.x) {
             const int m = idx / per, u = idx - m * per;
             const uint4* gu = (const uint4*)(X + (size_t)moe_x_row(pp[m], x_div, x_tail) * 2 * k);
-            float gf[8], uf[8];
-            unpack8(__ldg(gu + u), gf);
-            unpack8(__ldg(gu + per + u), uf);
-            u32 o[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                o[i] = pack_bf16x2(silu_f(gf[2 * i]) * uf[2 * i], silu_f(gf[2 * i + 1]) * uf[2 * i + 1]);
-            f8_sx[m * per + u] = make_uint4(o[0], o[1], o[2], o[3]);
+            f8_sx[m * per + u] = swiglu8(gu, per, u);
         }
         __syncthreads();
         xs = f8_sx;

@@ -378,14 +378,7 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
             if constexpr (SWIGLU) {
                 // X is the pairs' gate|up rows [., 2k]: x = bf16(silu(gate) · up), as swiglu_bf16.
                 const uint4* gu = (const uint4*)(X + (size_t)moe_x_row(p, x_div, x_tail) * 2 * k);
-                float gf[8], uf[8];
-                unpack8(__ldg(gu + u), gf);
-                unpack8(__ldg(gu + per + u), uf);
-                u32 o[4];
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    o[i] = pack_bf16x2(silu_f(gf[2 * i]) * uf[2 * i], silu_f(gf[2 * i + 1]) * uf[2 * i + 1]);
-                sx[m * xrow + u] = make_uint4(o[0], o[1], o[2], o[3]);
+                sx[m * xrow + u] = swiglu8(gu, per, u);
             } else {
                 sx[m * xrow + u] = __ldg((const uint4*)(X + (size_t)moe_x_row(p, x_div, x_tail) * k) + u);
             }

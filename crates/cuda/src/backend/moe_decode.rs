@@ -145,90 +145,65 @@ impl CudaBackend {
             tail: step.fused.then_some(n),
         };
         let mut gu = self.alloc(np, 2 * inter)?;
-        let mut y = self.scratch::<f32>(np * h)?;
-        if let Some(blocks) = fp8 {
-            let (gate_up, down) = tables.fp8_experts(blocks, h, inter);
-            g.moe_gemv_fp8(&gate_up, &token_rows, &groups, &mut gu.buf)?;
-            if step.fused && Gpu::moe_gemv_fp8_fuses_swiglu(inter) {
-                // The down GEMV stages silu(g) · u itself: no activation launch.
-                let gate_up_rows = PairRows {
-                    x: &gu.buf,
-                    rows: np,
-                    div: 1,
-                    tail: None,
-                };
-                g.moe_gemv_fp8_swiglu(&down, &gate_up_rows, &groups, &mut y)?;
-                g.moe_combine(
-                    &routed,
-                    &y,
-                    step.shared(gate_logits.as_ref(), e),
-                    &mut out.buf,
-                    h,
-                )?;
-                return Ok(out);
+        match fp8 {
+            Some(blocks) => {
+                let gate_up = tables.fp8_experts(blocks, h, inter).0;
+                g.moe_gemv_fp8(&gate_up, &token_rows, &groups, &mut gu.buf)?
             }
+            None => {
+                let gate_up = tables.experts(gu_format, dn_format, h, inter).0;
+                match gu_format.scheme() {
+                    None => g.moe_gemv(&gate_up, &token_rows, &groups, &mut gu.buf)?,
+                    Some(_) => g.moe_gemv_packed(&gate_up, &token_rows, &groups, &mut gu.buf)?,
+                }
+            }
+        }
+        // The down GEMV computes silu(g) · u while staging its input where it can (INT4 on tensor
+        // cores; FP8 in fused steps): no activation launch.
+        let fuse_swiglu = match (fp8, dn_format) {
+            (Some(_), _) => step.fused && Gpu::moe_gemv_fp8_fuses_swiglu(inter),
+            (None, ExpertFormat::Packed { bits, group_size }) => {
+                Gpu::moe_gemv_fuses_swiglu(bits, group_size, inter)
+            }
+            (None, _) => false,
+        };
+        let act = if fuse_swiglu {
+            None
+        } else {
             let mut act = self.alloc(np, inter)?;
             g.swiglu(&gu.buf, &mut act.buf, np, inter)?;
-            let pair_rows = PairRows {
-                x: &act.buf,
-                rows: np,
-                div: 1,
-                tail: None,
-            };
-            g.moe_gemv_fp8(&down, &pair_rows, &groups, &mut y)?;
-            g.moe_combine(
-                &routed,
-                &y,
-                step.shared(gate_logits.as_ref(), e),
-                &mut out.buf,
-                h,
-            )?;
-            return Ok(out);
-        }
-        let (gate_up, down) = tables.experts(gu_format, dn_format, h, inter);
-        match gu_format.scheme() {
-            None => g.moe_gemv(&gate_up, &token_rows, &groups, &mut gu.buf)?,
-            Some(_) => g.moe_gemv_packed(&gate_up, &token_rows, &groups, &mut gu.buf)?,
-        }
-        if let ExpertFormat::Packed { bits, group_size } = dn_format {
-            if Gpu::moe_gemv_fuses_swiglu(bits, group_size, inter) {
-                // The down GEMV computes silu(g) · u while staging its input: no activation launch.
-                let gate_up_rows = PairRows {
-                    x: &gu.buf,
-                    rows: np,
-                    div: 1,
-                    tail: None,
-                };
-                g.moe_gemv_packed_swiglu(&down, &gate_up_rows, &groups, &mut y)?;
-                g.moe_combine(
-                    &routed,
-                    &y,
-                    step.shared(gate_logits.as_ref(), e),
-                    &mut out.buf,
-                    h,
-                )?;
-                return Ok(out);
-            }
-        }
-        let mut act = self.alloc(np, inter)?;
-        g.swiglu(&gu.buf, &mut act.buf, np, inter)?;
-        let pair_rows = PairRows {
-            x: &act.buf,
+            Some(act)
+        };
+        let down_rows = PairRows {
+            x: act.as_ref().map_or(&gu.buf, |a| &a.buf),
             rows: np,
             div: 1,
             tail: None,
         };
-        match dn_format.scheme() {
-            None => g.moe_gemv(&down, &pair_rows, &groups, &mut y)?,
-            Some(_) => g.moe_gemv_packed(&down, &pair_rows, &groups, &mut y)?,
+        let mut y = self.scratch::<f32>(np * h)?;
+        match (fp8, fuse_swiglu) {
+            (Some(blocks), true) => {
+                let down = tables.fp8_experts(blocks, h, inter).1;
+                g.moe_gemv_fp8_swiglu(&down, &down_rows, &groups, &mut y)?
+            }
+            (Some(blocks), false) => {
+                let down = tables.fp8_experts(blocks, h, inter).1;
+                g.moe_gemv_fp8(&down, &down_rows, &groups, &mut y)?
+            }
+            (None, true) => {
+                let down = tables.experts(gu_format, dn_format, h, inter).1;
+                g.moe_gemv_packed_swiglu(&down, &down_rows, &groups, &mut y)?
+            }
+            (None, false) => {
+                let down = tables.experts(gu_format, dn_format, h, inter).1;
+                match dn_format.scheme() {
+                    None => g.moe_gemv(&down, &down_rows, &groups, &mut y)?,
+                    Some(_) => g.moe_gemv_packed(&down, &down_rows, &groups, &mut y)?,
+                }
+            }
         }
-        g.moe_combine(
-            &routed,
-            &y,
-            step.shared(gate_logits.as_ref(), e),
-            &mut out.buf,
-            h,
-        )?;
+        let shared = step.shared(gate_logits.as_ref(), e);
+        g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
         Ok(out)
     }
 }

@@ -349,21 +349,13 @@ fn fp8_grouped_gemv_and_gemm_match_cpu() {
         };
         g.moe_gemv_fp8(&down, &pair_rows, &groups, &mut y_dn)
             .unwrap();
-        let got_gu: Vec<f32> = g
-            .download(&y_gu)
-            .unwrap()
-            .iter()
-            .map(|v| v.to_f32())
-            .collect();
-        let got_dn = g.download(&y_dn).unwrap();
-        let (gmax, grms) = rel_errors(&got_gu, &want_gu);
-        let (dmax, drms) = rel_errors(&got_dn, &want_dn);
-        let kind = if n <= 4 * e { "m1" } else { "plain" };
-        println!(
-            "FP8 check=moe_gemv h={h} i={i} e={e} k={k} t={t} pool={pool} kernel={kind} gate_up_max_rel={gmax:.3e} gate_up_rms_rel={grms:.3e} down_f32_max_rel={dmax:.3e} down_f32_rms_rel={drms:.3e} tol=bf16:1e-2/4e-3,f32:1e-4"
-        );
-        assert!(gmax <= 1e-2 && grms <= 4e-3, "gate|up {gmax} {grms}");
-        assert!(dmax <= 1e-4, "down {dmax}");
+        let kind = if n <= 4 * e {
+            "moe_gemv_m1"
+        } else {
+            "moe_gemv"
+        };
+        let shape = format!("h={h} i={i} e={e} k={k} t={t} pool={pool}");
+        check_grouped(&g, (kind, &shape), (&y_gu, &y_dn), (&want_gu, &want_dn));
         if Gpu::moe_gemv_fp8_fuses_swiglu(i) {
             // The down GEMV with the SwiGLU staged in its blocks equals SwiGLU then the GEMV, bit for
             // bit, on gate|up rows [n, 2i].
@@ -404,21 +396,37 @@ fn fp8_grouped_gemv_and_gemm_match_cpu() {
         let mut y_dn = g.zeros::<f32>(n * h).unwrap();
         g.moe_gemm_fp8(&down, &pair_rows, &groups, &mut y_dn)
             .unwrap();
-        let got_gu: Vec<f32> = g
-            .download(&y_gu)
-            .unwrap()
-            .iter()
-            .map(|v| v.to_f32())
-            .collect();
-        let got_dn = g.download(&y_dn).unwrap();
-        let (gmax, grms) = rel_errors(&got_gu, &want_gu);
-        let (dmax, drms) = rel_errors(&got_dn, &want_dn);
-        println!(
-            "FP8 check=moe_gemm h={h} i={i} e={e} k={k} t={t} pool={pool} gate_up_max_rel={gmax:.3e} gate_up_rms_rel={grms:.3e} down_f32_max_rel={dmax:.3e} down_f32_rms_rel={drms:.3e} tol=bf16:1e-2/4e-3,f32:1e-4"
+        check_grouped(
+            &g,
+            ("moe_gemm", &shape),
+            (&y_gu, &y_dn),
+            (&want_gu, &want_dn),
         );
-        assert!(gmax <= 1e-2 && grms <= 4e-3, "GEMM gate|up {gmax} {grms}");
-        assert!(dmax <= 1e-4, "GEMM down {dmax}");
     }
+}
+
+/// A grouped kernel's gate|up (bf16) and down (f32) outputs against the CPU's, within the packed
+/// formats' bounds, with one `FP8` line.
+fn check_grouped(
+    g: &Gpu,
+    (kind, shape): (&str, &str),
+    (y_gu, y_dn): (&CudaSlice<bf16>, &CudaSlice<f32>),
+    (want_gu, want_dn): (&[f32], &[f32]),
+) {
+    let got_gu: Vec<f32> = g
+        .download(y_gu)
+        .unwrap()
+        .iter()
+        .map(|v| v.to_f32())
+        .collect();
+    let got_dn = g.download(y_dn).unwrap();
+    let (gmax, grms) = rel_errors(&got_gu, want_gu);
+    let (dmax, drms) = rel_errors(&got_dn, want_dn);
+    println!(
+        "FP8 check={kind} {shape} gate_up_max_rel={gmax:.3e} gate_up_rms_rel={grms:.3e} down_f32_max_rel={dmax:.3e} down_f32_rms_rel={drms:.3e} tol=bf16:1e-2/4e-3,f32:1e-4"
+    );
+    assert!(gmax <= 1e-2 && grms <= 4e-3, "{kind} gate|up {gmax} {grms}");
+    assert!(dmax <= 1e-4, "{kind} down {dmax}");
 }
 
 impl Rng {

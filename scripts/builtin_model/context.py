@@ -6,6 +6,7 @@ Agent contexts teach the model that the last user message decides the reply, wha
 it, and that a tool is called only when the request asks for what the tool does.
 """
 
+import phrasings
 import tasks
 
 SYSTEMS = ["You are a helpful assistant.", "You are a concise assistant.", "Answer briefly.",
@@ -114,12 +115,19 @@ def setup_turns(rng):
     return [{"role": "user", "content": user}, {"role": "assistant", "content": "Got it. Thanks for the context!"}]
 
 
+def other_pool():
+    """The declined requests' phrasings: the list above and the composed ones (phrasings.py: the task
+    kinds' openers, tails and ends around requests none of the kinds serves)."""
+    return phrasings.training("other", legacy=OTHER_REQUESTS)
+
+
 def other_request(rng):
     """A request none of the task kinds serves, answered by a one-sentence decline."""
+    pool = OTHER_REQUESTS if rng.random() < tasks.LEGACY_SHARE else other_pool()
     if rng.random() < 0.5:
-        user = rng.choice(OTHER_REQUESTS)
+        user = rng.choice(pool)
     else:
-        user = rng.choice(OTHER_REQUESTS) + " " + long_system(rng, rng.randint(2, 30))
+        user = rng.choice(pool) + " " + long_system(rng, rng.randint(2, 30))
     return [{"role": "user", "content": user}], None, DECLINE, "This is not something I can do.", {"type": "decline"}
 
 

@@ -8,10 +8,20 @@ about, the tool's arguments) never occur as that kind's values in training, and 
 exchanges also use a phrasing training never saw. The words, names and cities themselves are shared
 by all kinds: a model with a 64-wide tied embedding cannot write a token it has never seen, so what is
 held out is the request, not the vocabulary.
+
+Phrasings: each request pool's list below is (text, eval_only) pairs, and the eval split draws from
+these lists only, exactly as it always has. Training phrases a request with one of a list's training
+phrasings (LEGACY_SHARE of the time) or one of thousands composed by phrasings.py, none of which
+contains an eval-only phrasing. `python3 tasks.py check` asserts that, that no held-out value comes out
+of the training generator, and that the eval split is unchanged (EVAL_DIGEST).
 """
 
 import hashlib
 import json
+import random
+import sys
+
+import phrasings as phrasings_mod
 
 KINDS = [
     "greeting",
@@ -71,18 +81,42 @@ def draw(rng, split, make, key, tries=500):
     raise RuntimeError("no value of this kind in the split")
 
 
+# The share of training requests phrased as one of the pool's earlier training phrasings (tasks.py's
+# lists); the others take one of the composed phrasings (phrasings.py).
+LEGACY_SHARE = 0.25
+
+
 class Phrasing:
-    """Picks phrasings: (text, eval_only). Training never sees the eval-only ones; an eval exchange
-    takes one of them half the time (the other half a training phrasing, still with held-out values)."""
+    """Picks a request's phrasing from pool `name` of PHRASINGS. An eval exchange takes one of the pool's
+    eval-only phrasings half the time, the other half one of its training phrasings of the list (still
+    with held-out values): the same draws as when the lists were all training had. A training exchange
+    takes one of the lists' training phrasings (LEGACY_SHARE) or one of the composed ones
+    (`training_pool`), never an eval-only one."""
 
     def __init__(self, rng, split):
-        self.rng, self.split, self.held = rng, split, False
+        self.rng, self.split, self.held, self.used = rng, split, False, []
 
-    def __call__(self, phrasings):
-        held = self.split == "eval" and self.rng.random() < 0.5
-        pool = [p for p, e in phrasings if e == held]
-        self.held = self.held or held
-        return self.rng.choice(pool)
+    def __call__(self, name):
+        phrasings = PHRASINGS[name]
+        if self.split == "eval":
+            held = self.rng.random() < 0.5
+            pool = [p for p, e in phrasings if e == held]
+            self.held = self.held or held
+        elif self.rng.random() < LEGACY_SHARE:
+            pool = [p for p, e in phrasings if not e]
+        else:
+            pool = training_pool(name)
+        text = self.rng.choice(pool)
+        self.used.append((name, text))
+        return text
+
+
+def training_pool(name):
+    """Pool `name`'s training phrasings: composed (phrasings.py) without the eval-only ones, plus the
+    list's own training phrasings."""
+    phrasings = PHRASINGS[name]
+    return phrasings_mod.training(name, legacy=[p for p, e in phrasings if not e],
+                                  held=[p for p, e in phrasings if e])
 
 
 def _digits_spelled(a, b, op):
@@ -106,7 +140,7 @@ WHO_REPLY = "Hello! I am sanmai's small built-in assistant. How can I help you t
 
 
 def task_greeting(rng, split, ph):
-    user = ph(GREETINGS)
+    user = ph("greeting")
     reply = WHO_REPLY if "who are you" in user.lower() else GREETING_REPLY
     reasoning = "The user greets me. I greet them back."
     return [{"role": "user", "content": user}], None, reply, reasoning, {"type": "greeting"}
@@ -133,7 +167,7 @@ def task_arithmetic(rng, split, ph):
 
     op, a, b = draw(rng, split, make, lambda v: ("arithmetic",) + v)
     r = a + b if op == "+" else a - b
-    user = ph(ARITH[op]).format(a=a, b=b)
+    user = ph("add" if op == "+" else "sub").format(a=a, b=b)
     reply = f"{a} {op} {b} = {r}"
     reasoning = f"{_digits_spelled(a, b, op)} {a} {op} {b} = {r}."
     return [{"role": "user", "content": user}], None, reply, reasoning, {"type": "number", "answer": r}
@@ -149,11 +183,11 @@ COUNT_RANGE = [("Count from {a} to {b}.", False), ("List the numbers from {a} to
 def task_counting(rng, split, ph):
     if rng.random() < 0.4:
         a, b = 1, draw(rng, split, lambda r: r.randint(2, 15), lambda n: ("count_to", n))
-        user = ph(COUNT_TO).format(n=b)
+        user = ph("count_to").format(n=b)
     else:
         a, b = draw(rng, split, lambda r: (lambda x: (x, x + r.randint(2, 8)))(r.randint(1, 25)),
                     lambda v: ("count_range",) + v)
-        user = ph(COUNT_RANGE).format(a=a, b=b)
+        user = ph("count_range").format(a=a, b=b)
     reply = ", ".join(str(i) for i in range(a, b + 1))
     reasoning = f"I count from {a} to {b}."
     return [{"role": "user", "content": user}], None, reply, reasoning, {"type": "exact", "answer": reply}
@@ -171,7 +205,7 @@ def task_echo(rng, split, ph):
     n = rng.choice([1, 1, 2, 3])
     words = draw(rng, split, lambda r: tuple(r.sample(WORDS, n)), lambda v: ("echo",) + v)
     w = " ".join(words)
-    user = ph(ECHO_WORD if n == 1 else ECHO_PHRASE).format(w=w)
+    user = ph("echo_word" if n == 1 else "echo_phrase").format(w=w)
     reasoning = f"The user wants me to repeat: {w}."
     return [{"role": "user", "content": user}], None, w, reasoning, {"type": "exact", "answer": w}
 
@@ -185,7 +219,7 @@ def task_reverse(rng, split, ph):
     n = rng.randint(2, 5)
     words = draw(rng, split, lambda r: tuple(r.sample(WORDS, n)), lambda v: ("reverse",) + v)
     w = " ".join(words)
-    user = ph(REVERSE).format(w=w)
+    user = ph("reverse").format(w=w)
     r = " ".join(reversed(words))
     reasoning = f"The words are {w}. From the last to the first: {r}."
     return [{"role": "user", "content": user}], None, r, reasoning, {"type": "exact", "answer": r}
@@ -214,7 +248,7 @@ def task_table(rng, split, ph):
 
     names, vals, i = draw(rng, split, make, lambda v: ("table", attr, v[0][v[2]], v[1][v[2]]))
     table = ", ".join(f"{n} {v}" for n, v in zip(names, vals))
-    user = ph(TABLE_Q[attr]).format(table=table, name=names[i])
+    user = ph("table_" + attr).format(table=table, name=names[i])
     reply = {"age": f"{names[i]} is {vals[i]}.", "score": f"{names[i]} scored {vals[i]}.",
              "city": f"{names[i]} lives in {vals[i]}."}[attr]
     reasoning = f"The table says {names[i]} {vals[i]}."
@@ -270,6 +304,19 @@ TOOL_ASKS = {
 }
 
 
+# The phrasing pools by name: each list's (text, eval_only) pairs. Eval draws from these lists only.
+PHRASINGS = {
+    "greeting": GREETINGS, "add": ARITH["+"], "sub": ARITH["-"], "count_to": COUNT_TO,
+    "count_range": COUNT_RANGE, "echo_word": ECHO_WORD, "echo_phrase": ECHO_PHRASE, "reverse": REVERSE,
+    **{f"table_{a}": q for a, q in TABLE_Q.items()}, **{f"tool_{n}": q for n, q in TOOL_ASKS.items()},
+}
+# The pools each kind's requests are phrased from.
+KIND_POOLS = {"greeting": ["greeting"], "arithmetic": ["add", "sub"], "counting": ["count_to", "count_range"],
+              "echo": ["echo_word", "echo_phrase"], "reverse": ["reverse"],
+              "table": [f"table_{a}" for a in sorted(TABLE_Q)],
+              "tool_call": [f"tool_{n}" for n in sorted(TOOL_ASKS)],
+              "tool_result": [f"tool_{n}" for n in sorted(TOOL_ASKS)]}
+
 def _tool_args(r, name):
     if name in ("get_weather", "get_time"):
         city = r.choice(CITIES)
@@ -292,7 +339,7 @@ def _tool_request(rng, split, ph, kind):
     name = rng.choice(sorted(TOOLS))
     args, slots = draw(rng, split, lambda r: _tool_args(r, name),
                        lambda v: (kind, name, json.dumps(v[0], sort_keys=True)))
-    user = ph(TOOL_ASKS[name]).format(**slots)
+    user = ph("tool_" + name).format(**slots)
     others = [t for t in sorted(TOOLS) if t != name]
     chosen = [name] + rng.sample(others, rng.randint(0, 3))
     rng.shuffle(chosen)
@@ -354,3 +401,90 @@ TASKS = {
 # Training mix: weights per kind (the harder kinds get more: copying from the prompt and two-digit sums).
 MIX = {"greeting": 1.0, "arithmetic": 4.5, "counting": 2.5, "echo": 3, "reverse": 3.5, "table": 3,
        "tool_call": 3.5, "tool_result": 1.5}
+
+
+# --------------------------------------------------------------------------------------------------
+# Leak check: python3 tasks.py check
+# --------------------------------------------------------------------------------------------------
+
+# sha256 of the eval split of 50 exchanges a kind (seed 0, as eval.py draws it) as JSON with sorted
+# keys: the held-out prompts the committed model was scored on. More training phrasings must not move it.
+EVAL_DIGEST = "bb588c7ca1fea4b78b3d768f77ebed7e975d151e84c6146b7b27b5377a10f79d"
+
+
+def check(samples_per_kind=3000):
+    """Asserts that the training generator can produce no held-out phrasing and no held-out value, and
+    that the eval split is unchanged; returns the figures (distinct training phrasings per kind)."""
+    import data
+
+    normalize, leaks = phrasings_mod.normalize, phrasings_mod.leaks
+    problems, pools = [], {}
+    for name, lst in PHRASINGS.items():
+        held = sorted({normalize(p) for p, e in lst if e})
+        pool = training_pool(name)
+        dropped = [p for p in phrasings_mod._compose_pool(name) if leaks(p, held)]
+        problems += [f"{name}: training phrasing {p!r} contains a held-out one" for p in pool if leaks(p, held)]
+        problems += [f"{name}: list phrasing {p!r} missing" for p, e in lst if not e and p not in pool]
+        pools[name] = {"training": len(pool), "eval_only": len(held), "composed_dropped": len(dropped)}
+
+    # The generator itself: every phrasing a training request used is one of its pool's, no value it drew
+    # is held out; every eval value is.
+    global draw
+    plain_draw, drawn = draw, []
+
+    def recording(rng, split, make, key, tries=500):
+        v = plain_draw(rng, split, make, key, tries)
+        drawn.append((split, key(v)))
+        return v
+
+    draw = recording
+    try:
+        rng = random.Random("leak check")
+        seen = {}
+        for kind in KINDS:
+            for _ in range(samples_per_kind):
+                ph = Phrasing(rng, "train")
+                TASKS[kind](rng, "train", ph)
+                for name, text in ph.used:
+                    held = [normalize(p) for p, e in PHRASINGS[name] if e]
+                    if text not in training_pool(name) or leaks(text, held):
+                        problems.append(f"{kind}: training request phrased {text!r}")
+                    seen.setdefault(kind, set()).add(text)
+        train_keys = {k for s, k in drawn}
+        drawn.clear()
+        examples = data.generate("eval", 50 * len(KINDS), 0, KINDS)
+        eval_keys = {k for s, k in drawn}
+    finally:
+        draw = plain_draw
+    problems += [f"training value {k!r} is held out" for k in train_keys if held_out(k)]
+    problems += [f"eval value {k!r} is not held out" for k in eval_keys if not held_out(k)]
+    problems += [f"eval value {k!r} drawn in training" for k in eval_keys & train_keys]
+    digest = hashlib.sha256(json.dumps(examples, sort_keys=True).encode()).hexdigest()
+    if digest != EVAL_DIGEST:
+        problems.append(f"the eval split changed: {digest}")
+
+    per_kind = {}
+    for kind, names in KIND_POOLS.items():
+        before = {p for n in names for p, e in PHRASINGS[n] if not e}
+        after = set().union(*(training_pool(n) for n in names))
+        per_kind[kind] = {"before": len(before), "after": len(after), "sampled": len(seen[kind])}
+    import context
+    per_kind["other"] = {"before": len(context.OTHER_REQUESTS), "after": len(context.other_pool())}
+    return {"ok": not problems, "problems": problems[:20], "distinct_training_phrasings": per_kind,
+            "pools": pools, "training_samples": samples_per_kind * len(KINDS),
+            "training_values": len(train_keys), "eval_values": len(eval_keys), "eval_digest": digest}
+
+
+def main(argv):
+    if argv[1:] != ["check"]:
+        print("usage: python3 tasks.py check", file=sys.stderr)
+        return 2
+    report = check()
+    print(json.dumps(report, indent=2))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    import tasks  # the module data.py and context.py use, not a second copy
+
+    sys.exit(tasks.main(sys.argv))

@@ -358,18 +358,26 @@ pub(crate) struct FusedPairs {
 
 impl FusedPairs {
     pub(super) fn new(gpu: &Gpu, t: usize, k: usize, e: usize) -> Result<Self> {
-        let n = t * k;
-        let perm: Vec<u32> = (0..n + t)
-            .map(|p| if p < n { 0 } else { p as u32 })
-            .collect();
-        let mut tiles = vec![0u32; 3 * moe_max_tiles(n + t, e + 1)];
-        let at = 3 * moe_max_tiles(n, e);
-        tiles[at..at + 3].copy_from_slice(&[e as u32, n as u32, t as u32]);
+        let (perm, tiles) = fused_pair_layout(t, k, e);
         Ok(FusedPairs {
             perm: gpu.upload(&perm)?,
             tiles: gpu.upload(&tiles)?,
         })
     }
+}
+
+/// The initial contents of [`FusedPairs`]: `perm` with the shared pairs' numbers in its tail, `tiles`
+/// with the shared tile right after the routed tiles' `moe_max_tiles(t·k, e)` rows and empty tiles
+/// after it; the grouped kernels' grid, `moe_max_tiles(t·k + t, e + 1)` rows, covers it.
+fn fused_pair_layout(t: usize, k: usize, e: usize) -> (Vec<u32>, Vec<u32>) {
+    let n = t * k;
+    let perm = (0..n + t)
+        .map(|p| if p < n { 0 } else { p as u32 })
+        .collect();
+    let mut tiles = vec![0u32; 3 * moe_max_tiles(n + t, e + 1)];
+    let at = 3 * moe_max_tiles(n, e);
+    tiles[at..at + 3].copy_from_slice(&[e as u32, n as u32, t as u32]);
+    (perm, tiles)
 }
 
 /// Whether `w`'s shared expert can run as one more expert of its routed experts' grouped kernels:
@@ -385,5 +393,31 @@ pub(super) fn shared_fits(w: &MoeWeights<CudaWeight>) -> bool {
                 && format_of(&s.down) == format_of(&x.down)
         }
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::MOE_TILE;
+
+    #[test]
+    fn the_shared_tile_follows_the_routed_tiles_inside_the_grid() {
+        for (k, e) in [(10usize, 512usize), (8, 64), (2, 8), (1, 4), (4, 3)] {
+            for t in 1..=MOE_TILE {
+                let n = t * k;
+                let (perm, tiles) = fused_pair_layout(t, k, e);
+                assert_eq!(perm.len(), n + t);
+                let shared: Vec<u32> = (n..n + t).map(|p| p as u32).collect();
+                assert_eq!(perm[n..], shared[..], "t {t} k {k} e {e}");
+                // The routing writes the first moe_max_tiles(n, e) tiles; the shared one comes next,
+                // inside the grid of moe_max_tiles(n + t, e + 1) tiles, then only empty tiles.
+                let at = moe_max_tiles(n, e);
+                assert!(at < moe_max_tiles(n + t, e + 1), "t {t} k {k} e {e}");
+                assert_eq!(tiles.len(), 3 * moe_max_tiles(n + t, e + 1));
+                assert_eq!(tiles[3 * at..3 * at + 3], [e as u32, n as u32, t as u32]);
+                assert!(tiles[3 * at + 3..].iter().all(|&v| v == 0));
+            }
+        }
     }
 }

@@ -11,7 +11,7 @@ their own.
 
 The held-out phrasings (tasks.py's eval-only ones) never come out of it: `training(name)` drops every
 composed phrasing that contains a held-out one of its pool, compared without case, punctuation or
-spacing (`normalize`), and `python3 tasks.py check` verifies that the training generator can produce
+spacing (`normalize`), and `python3 leak_check.py` verifies that the training generator can produce
 none of them. A pool also keeps its earlier training phrasings (tasks.py's lists, not eval-only),
 which a quarter of the training requests still use.
 """

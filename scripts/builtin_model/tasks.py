@@ -12,14 +12,12 @@ held out is the request, not the vocabulary.
 Phrasings: each request pool's list below is (text, eval_only) pairs, and the eval split draws from
 these lists only, exactly as it always has. Training phrases a request with one of a list's training
 phrasings (LEGACY_SHARE of the time) or one of thousands composed by phrasings.py, none of which
-contains an eval-only phrasing. `python3 tasks.py check` asserts that, that no held-out value comes out
-of the training generator, and that the eval split is unchanged (EVAL_DIGEST).
+contains an eval-only phrasing. `python3 leak_check.py` asserts that, that no held-out value comes out
+of the training generator, and that the eval split is unchanged (its digest).
 """
 
 import hashlib
 import json
-import random
-import sys
 
 import phrasings as phrasings_mod
 
@@ -401,90 +399,3 @@ TASKS = {
 # Training mix: weights per kind (the harder kinds get more: copying from the prompt and two-digit sums).
 MIX = {"greeting": 1.0, "arithmetic": 4.5, "counting": 2.5, "echo": 3, "reverse": 3.5, "table": 3,
        "tool_call": 3.5, "tool_result": 1.5}
-
-
-# --------------------------------------------------------------------------------------------------
-# Leak check: python3 tasks.py check
-# --------------------------------------------------------------------------------------------------
-
-# sha256 of the eval split of 50 exchanges a kind (seed 0, as eval.py draws it) as JSON with sorted
-# keys: the held-out prompts the committed model was scored on. More training phrasings must not move it.
-EVAL_DIGEST = "bb588c7ca1fea4b78b3d768f77ebed7e975d151e84c6146b7b27b5377a10f79d"
-
-
-def check(samples_per_kind=3000):
-    """Asserts that the training generator can produce no held-out phrasing and no held-out value, and
-    that the eval split is unchanged; returns the figures (distinct training phrasings per kind)."""
-    import data
-
-    normalize, leaks = phrasings_mod.normalize, phrasings_mod.leaks
-    problems, pools = [], {}
-    for name, lst in PHRASINGS.items():
-        held = sorted({normalize(p) for p, e in lst if e})
-        pool = training_pool(name)
-        dropped = [p for p in phrasings_mod._compose_pool(name) if leaks(p, held)]
-        problems += [f"{name}: training phrasing {p!r} contains a held-out one" for p in pool if leaks(p, held)]
-        problems += [f"{name}: list phrasing {p!r} missing" for p, e in lst if not e and p not in pool]
-        pools[name] = {"training": len(pool), "eval_only": len(held), "composed_dropped": len(dropped)}
-
-    # The generator itself: every phrasing a training request used is one of its pool's, no value it drew
-    # is held out; every eval value is.
-    global draw
-    plain_draw, drawn = draw, []
-
-    def recording(rng, split, make, key, tries=500):
-        v = plain_draw(rng, split, make, key, tries)
-        drawn.append((split, key(v)))
-        return v
-
-    draw = recording
-    try:
-        rng = random.Random("leak check")
-        seen = {}
-        for kind in KINDS:
-            for _ in range(samples_per_kind):
-                ph = Phrasing(rng, "train")
-                TASKS[kind](rng, "train", ph)
-                for name, text in ph.used:
-                    held = [normalize(p) for p, e in PHRASINGS[name] if e]
-                    if text not in training_pool(name) or leaks(text, held):
-                        problems.append(f"{kind}: training request phrased {text!r}")
-                    seen.setdefault(kind, set()).add(text)
-        train_keys = {k for s, k in drawn}
-        drawn.clear()
-        examples = data.generate("eval", 50 * len(KINDS), 0, KINDS)
-        eval_keys = {k for s, k in drawn}
-    finally:
-        draw = plain_draw
-    problems += [f"training value {k!r} is held out" for k in train_keys if held_out(k)]
-    problems += [f"eval value {k!r} is not held out" for k in eval_keys if not held_out(k)]
-    problems += [f"eval value {k!r} drawn in training" for k in eval_keys & train_keys]
-    digest = hashlib.sha256(json.dumps(examples, sort_keys=True).encode()).hexdigest()
-    if digest != EVAL_DIGEST:
-        problems.append(f"the eval split changed: {digest}")
-
-    per_kind = {}
-    for kind, names in KIND_POOLS.items():
-        before = {p for n in names for p, e in PHRASINGS[n] if not e}
-        after = set().union(*(training_pool(n) for n in names))
-        per_kind[kind] = {"before": len(before), "after": len(after), "sampled": len(seen[kind])}
-    import context
-    per_kind["other"] = {"before": len(context.OTHER_REQUESTS), "after": len(context.other_pool())}
-    return {"ok": not problems, "problems": problems[:20], "distinct_training_phrasings": per_kind,
-            "pools": pools, "training_samples": samples_per_kind * len(KINDS),
-            "training_values": len(train_keys), "eval_values": len(eval_keys), "eval_digest": digest}
-
-
-def main(argv):
-    if argv[1:] != ["check"]:
-        print("usage: python3 tasks.py check", file=sys.stderr)
-        return 2
-    report = check()
-    print(json.dumps(report, indent=2))
-    return 0 if report["ok"] else 1
-
-
-if __name__ == "__main__":
-    import tasks  # the module data.py and context.py use, not a second copy
-
-    sys.exit(tasks.main(sys.argv))

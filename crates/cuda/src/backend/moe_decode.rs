@@ -15,9 +15,10 @@ use crate::ops::{PairGroups, PairRows, SharedGate, SharedY};
 
 /// Most rows of a step whose shared expert runs in the routed experts' grouped GEMVs. The shared
 /// pairs form one tile, which one block walks pair after pair, while the unfused shared expert is a
-/// dense GEMV over all rows at once; measured on an H200 (80B FP8, `sanmai bench --fused-decode`
-/// against `--no-fused-decode`): 206.4 against 184.3 tok/s at batch 1, 489 against 477 at batch 4,
-/// but 634 against 668 at batch 8.
+/// dense GEMV over all rows at once; measured on an H200 with the shared expert fused up to 8 rows
+/// (80B FP8, `sanmai bench --fused-decode` against `--no-fused-decode`, before the gate and the FP8
+/// SwiGLU were fused too): 206.4 against 184.3 tok/s at batch 1, 489 against 477 at batch 4, but 634
+/// against 668 at batch 8.
 const FUSED_MAX_ROWS: usize = 4;
 
 impl CudaBackend {

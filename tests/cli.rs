@@ -120,7 +120,7 @@ fn builtin_model_generates_text_with_the_real_vocabulary() {
         "--json",
     ]));
     assert_eq!(again["ids"], got["ids"]);
-    let sampled = |seed: &str| {
+    let sampled = |seed: u64| {
         json_of(&sanmai(&[
             "generate",
             "--prompt",
@@ -128,16 +128,21 @@ fn builtin_model_generates_text_with_the_real_vocabulary() {
             "--max-tokens",
             "16",
             "--temperature",
-            "1.0",
+            "1.5",
             "--seed",
-            seed,
+            &seed.to_string(),
             "--json",
             "--ignore-eos",
         ]))["ids"]
             .clone()
     };
-    assert_eq!(sampled("5"), sampled("5"));
-    assert_ne!(sampled("5"), sampled("6"));
+    assert_eq!(sampled(5), sampled(5));
+    // The trained model is confident: a seed changes the draw somewhere among a few seeds.
+    let first = sampled(5);
+    assert!(
+        (6..12).any(|seed| sampled(seed) != first),
+        "six other seeds drew the same 16 tokens"
+    );
 }
 
 /// The qwen4_exp fixture with every block on (QSA, PLE with its table, hyper-connections) through the

@@ -13,7 +13,9 @@
 //!
 //! Without a CUDA device it prints a note and exits.
 
-use cudarc::driver::sys::CUevent_flags;
+#[path = "support/timing.rs"]
+mod timing;
+
 use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
 use sanmai_cuda::registry::CompileOptions;
@@ -21,8 +23,6 @@ use sanmai_cuda::{gpu_present, Fp8Mat, Gpu, GpuOptions};
 
 /// Bytes of the rotating weight pool.
 const POOL_BYTES: usize = 512 << 20;
-/// Events that record time.
-const TIMED: Option<CUevent_flags> = Some(CUevent_flags::CU_EVENT_DEFAULT);
 /// Launches per timing.
 const LAUNCHES: usize = 400;
 /// Columns a scale covers (the releases' 128 x 128 blocks, repeated per row).
@@ -111,17 +111,7 @@ impl<'a> Setup<'a> {
 
     /// Seconds per launch over `launches` back-to-back launches (CUDA events).
     fn time(&mut self, g: &Gpu, launches: usize) -> f64 {
-        for i in 0..8 {
-            self.launch(g, i);
-        }
-        let s = g.stream().clone();
-        let a = s.record_event(TIMED).expect("event");
-        for i in 0..launches {
-            self.launch(g, i);
-        }
-        let b = s.record_event(TIMED).expect("event");
-        b.synchronize().expect("sync");
-        a.elapsed_ms(&b).expect("elapsed") as f64 * 1e-3 / launches as f64
+        timing::seconds_per_launch(g, launches, |i| self.launch(g, i))
     }
 }
 

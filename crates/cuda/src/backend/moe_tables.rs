@@ -322,18 +322,22 @@ impl CudaBackend {
     ) -> Result<&'a ExpertTable> {
         let g = &self.gpu;
         let fits = shared_fits(w);
-        let mut addrs = addresses(g, w, false);
-        if fits {
-            addrs.extend(addresses(g, w, true));
-        }
+        // One address list (the shared expert last in each of its four parts when it fits); the
+        // routed tables are the same parts without it.
+        let addrs = addresses(g, w, fits);
         let key = addrs[0];
         let fresh = tables.get(&key).is_none_or(|t| t.host != addrs);
         if fresh {
-            let routed_len = 4 * w.experts.len();
+            let per = addrs.len() / 4;
+            let routed: Vec<u64> = addrs
+                .chunks_exact(per)
+                .flat_map(|part| &part[..w.experts.len()])
+                .copied()
+                .collect();
             let t = ExpertTable {
-                routed: Tables::upload(g, &addrs[..routed_len])?,
+                routed: Tables::upload(g, &routed)?,
                 with_shared: if fits {
-                    Some(Tables::upload(g, &addrs[routed_len..])?)
+                    Some(Tables::upload(g, &addrs)?)
                 } else {
                     None
                 },

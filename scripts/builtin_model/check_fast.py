@@ -100,6 +100,15 @@ def check_head():
     fh, fw = torch.autograd.grad(got, (h, w))
     diff("head loss", ref, got)
     diff("head loss gradients", torch.cat([gh.flatten(), gw.flatten()]), torch.cat([fh.flatten(), fw.flatten()]))
+    # With a per-column correction (the sampled softmax of --negatives).
+    bias = torch.randn(300, dtype=torch.float64)
+    ref = (F.cross_entropy(h @ w.t() + bias, t, reduction="none") * wt).sum() / wt.sum()
+    gh, gw = torch.autograd.grad(ref, (h, w))
+    got = fast.head_loss(h, w, t, wt, chunk=7, bias=bias)
+    fh, fw = torch.autograd.grad(got, (h, w))
+    diff("head loss with a column correction", ref, got)
+    diff("head loss with a column correction, gradients", torch.cat([gh.flatten(), gw.flatten()]),
+         torch.cat([fh.flatten(), fw.flatten()]))
 
 
 def check_aux():

@@ -57,46 +57,53 @@ def load_balancing_loss(gate_logits, num_experts, top_k):
 
 
 class HeadLoss(torch.autograd.Function):
-    """sum_i w_i * CE(h_i @ W^T, t_i), the logits in `dtype` (bf16 on a GPU), softmax in float32, in
-    chunks of `chunk` rows; the backward pass recomputes each chunk's logits."""
+    """sum_i w_i * CE(h_i @ W^T + bias, t_i), the logits in `dtype` (bf16 on a GPU), softmax in float32,
+    in chunks of `chunk` rows; the backward pass recomputes each chunk's logits. `bias` (a constant per
+    column, or None) is the log-correction of sampled columns."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, weights, chunk, dtype):
+    def forward(ctx, hidden, weight, targets, weights, chunk, dtype, bias):
         w = weight.to(dtype)
         acc = torch.promote_types(hidden.dtype, torch.float32)
         lses = []
         total = hidden.new_zeros((), dtype=acc)
         for s in range(0, hidden.shape[0], chunk):
             logits = (hidden[s : s + chunk].to(dtype) @ w.t()).to(acc)
+            if bias is not None:
+                logits = logits + bias
             lse = torch.logsumexp(logits, dim=-1)
             tgt = logits.gather(1, targets[s : s + chunk, None]).squeeze(1)
             total = total + ((lse - tgt) * weights[s : s + chunk]).sum()
             lses.append(lse)
         ctx.save_for_backward(hidden, weight, targets, weights, torch.cat(lses))
-        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.chunk, ctx.dtype, ctx.bias = chunk, dtype, bias
         return total
 
     @staticmethod
     def backward(ctx, grad):
         hidden, weight, targets, weights, lse = ctx.saved_tensors
-        chunk, dtype = ctx.chunk, ctx.dtype
+        chunk, dtype, bias = ctx.chunk, ctx.dtype, ctx.bias
         w = weight.to(dtype)
         acc = lse.dtype
         grad_h = torch.empty_like(hidden)
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(dtype)
-            p = torch.exp((h @ w.t()).to(acc) - lse[s : s + chunk, None])
+            logits = (h @ w.t()).to(acc)
+            if bias is not None:
+                logits = logits + bias
+            p = torch.exp(logits - lse[s : s + chunk, None])
             p.scatter_add_(1, targets[s : s + chunk, None], -torch.ones_like(p[:, :1]))
             p = (p * (weights[s : s + chunk] * grad)[:, None]).to(dtype)
             grad_h[s : s + chunk] = (p @ w).to(hidden.dtype)
             grad_w += (p.t() @ h).to(acc)
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
 
 
-def head_loss(hidden, weight, targets, weights, chunk=4096, dtype=None):
-    """Mean over the weighted positions of the tied head's cross-entropy (weights 0 or 1)."""
+def head_loss(hidden, weight, targets, weights, chunk=4096, dtype=None, bias=None):
+    """Mean over the weighted positions of the tied head's cross-entropy (weights 0 or 1); `bias` is
+    added to every row's logits (the sampled columns' log-correction)."""
     dtype = dtype or hidden.dtype
     weights = weights.to(torch.promote_types(hidden.dtype, torch.float32))
-    total = HeadLoss.apply(hidden, weight, targets, weights, chunk, dtype)
+    total = HeadLoss.apply(hidden, weight, targets, weights, chunk, dtype, bias)
     return total / weights.sum().clamp_min(1.0)

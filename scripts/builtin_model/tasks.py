@@ -59,6 +59,42 @@ TOPICS = ["cats", "dogs", "pizza recipes", "chess rules", "jazz music", "electri
 SUBJECTS = ["the meeting", "lunch", "the report", "the trip", "the party", "the budget", "the dinner",
             "the plan", "the music", "the garden"]
 
+# Training-only values: never drawn for the eval split, so the held-out prompts stay byte for byte the
+# same (`leak_check.py`'s digest). They widen what training copies, so that copying, not recalling one
+# of a few dozen values, is what a reply learns:
+# - echo and reverse also copy these words, the cities' names and the topics' words. A tool call writes
+#   its argument at the start of a line, where a word is spelled with other tokens than after a space
+#   (" Mumbai" is one token, "Mumbai" at a line start is "M" "umbai"); echo and reverse replies start
+#   a line too, so that spelling of a city or topic word is trained in some kind.
+# - tool calls also take cities of EXTRA_CITIES and queries of one to three random words;
+# - counting to N goes up to TRAIN_COUNT_TO (the eval asks up to 15).
+EXTRA_WORDS = """acorn badge beach bell berry blade board brick brush cabin canal canvas cargo chalk chess
+clock coast comet coral cotton crane crown dawn diary drum dune ember fabric fence field flame flute
+forge glacier globe grain gravel hatch hazel hill hive holly ink ivory jar kayak kite knot lake leaf lemonade
+linen maple mask meadowlark melon mint moss nest nut oak orbit oven paddle palace peach pearl pine plum
+pond poppy quill quartz rain reed ridge ring rope sail sand scarf shell shore silk skate sled smoke
+snow sock spark spoon star straw stream sugar swan table tent tide tile tower trail tree tunnel vase
+wagon wave wheat whale wind wing wool yarn""".split()
+EXTRA_CITIES = """Porto Kyoto Osaka Hamburg Cologne Lyon Marseille Naples Venice Florence Seville Valencia Bergen
+Krakow Budapest Bucharest Sofia Riga Tallinn Vilnius Edinburgh Glasgow Manchester Liverpool Cork Montreal
+Vancouver Calgary Seattle Portland Houston Dallas Atlanta Phoenix Austin Havana Bogota Quito Santiago
+Caracas Lagos Accra Dakar Tunis Casablanca Beirut Doha Muscat Karachi Lahore Dhaka Hanoi Busan Taipei
+Perth Auckland Wellington Brisbane Adelaide""".split()
+TRAIN_COUNT_TO = 30
+# Share of the training draws of echo, reverse and tool arguments taken from the wider pools.
+WIDE_SHARE = 0.5
+TOPIC_WORDS = sorted({w for t in TOPICS for w in t.split()})
+QUERY_WORDS = sorted(set(WORDS + EXTRA_WORDS + TOPIC_WORDS))
+WIDE_WORDS = sorted(set(QUERY_WORDS + CITIES))
+
+
+def copy_words(r, split):
+    """The words an echo or reverse request copies: WORDS, and in training (half the time) also
+    EXTRA_WORDS, the cities and the topics' words."""
+    if split == "eval" or r.random() >= WIDE_SHARE:
+        return WORDS
+    return WIDE_WORDS
+
 
 def held_out(key, share=0.2):
     """Whether `key` (a kind and its values) belongs to the evaluation split, stably everywhere."""
@@ -180,7 +216,8 @@ COUNT_RANGE = [("Count from {a} to {b}.", False), ("List the numbers from {a} to
 
 def task_counting(rng, split, ph):
     if rng.random() < 0.4:
-        a, b = 1, draw(rng, split, lambda r: r.randint(2, 15), lambda n: ("count_to", n))
+        top = 15 if split == "eval" else TRAIN_COUNT_TO
+        a, b = 1, draw(rng, split, lambda r: r.randint(2, top), lambda n: ("count_to", n))
         user = ph("count_to").format(n=b)
     else:
         a, b = draw(rng, split, lambda r: (lambda x: (x, x + r.randint(2, 8)))(r.randint(1, 25)),
@@ -201,7 +238,7 @@ ECHO_PHRASE = [("Repeat after me: {w}", False), ("Echo: {w}", False), ("Say this
 
 def task_echo(rng, split, ph):
     n = rng.choice([1, 1, 2, 3])
-    words = draw(rng, split, lambda r: tuple(r.sample(WORDS, n)), lambda v: ("echo",) + v)
+    words = draw(rng, split, lambda r: tuple(r.sample(copy_words(r, split), n)), lambda v: ("echo",) + v)
     w = " ".join(words)
     user = ph("echo_word" if n == 1 else "echo_phrase").format(w=w)
     reasoning = f"The user wants me to repeat: {w}."
@@ -215,7 +252,7 @@ REVERSE = [("Reverse the order of these words: {w}", False), ("Reverse: {w}", Fa
 
 def task_reverse(rng, split, ph):
     n = rng.randint(2, 5)
-    words = draw(rng, split, lambda r: tuple(r.sample(WORDS, n)), lambda v: ("reverse",) + v)
+    words = draw(rng, split, lambda r: tuple(r.sample(copy_words(r, split), n)), lambda v: ("reverse",) + v)
     w = " ".join(words)
     user = ph("reverse").format(w=w)
     r = " ".join(reversed(words))
@@ -315,12 +352,13 @@ KIND_POOLS = {"greeting": ["greeting"], "arithmetic": ["add", "sub"], "counting"
               "tool_call": [f"tool_{n}" for n in sorted(TOOL_ASKS)],
               "tool_result": [f"tool_{n}" for n in sorted(TOOL_ASKS)]}
 
-def _tool_args(r, name):
+def _tool_args(r, name, split):
+    wide = split == "train" and name in ("get_weather", "get_time", "search_web") and r.random() < WIDE_SHARE
     if name in ("get_weather", "get_time"):
-        city = r.choice(CITIES)
+        city = r.choice(EXTRA_CITIES + CITIES if wide else CITIES)
         return {"city": city}, {"city": city}
     if name == "search_web":
-        topic = r.choice(TOPICS)
+        topic = " ".join(r.sample(QUERY_WORDS, r.randint(1, 3))) if wide else r.choice(TOPICS)
         return {"query": topic}, {"topic": topic}
     if name == "set_timer":
         m = r.randint(1, 90)
@@ -335,7 +373,7 @@ def _tool_args(r, name):
 
 def _tool_request(rng, split, ph, kind):
     name = rng.choice(sorted(TOOLS))
-    args, slots = draw(rng, split, lambda r: _tool_args(r, name),
+    args, slots = draw(rng, split, lambda r: _tool_args(r, name, split),
                        lambda v: (kind, name, json.dumps(v[0], sort_keys=True)))
     user = ph("tool_" + name).format(**slots)
     others = [t for t in sorted(TOOLS) if t != name]
@@ -397,5 +435,5 @@ TASKS = {
 }
 
 # Training mix: weights per kind (the harder kinds get more: copying from the prompt and two-digit sums).
-MIX = {"greeting": 1.0, "arithmetic": 4.5, "counting": 2.5, "echo": 3, "reverse": 3.5, "table": 3,
-       "tool_call": 3.5, "tool_result": 1.5}
+MIX = {"greeting": 1.0, "arithmetic": 6, "counting": 2.5, "echo": 3, "reverse": 4.5, "table": 3,
+       "tool_call": 5, "tool_result": 1.5}

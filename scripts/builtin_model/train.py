@@ -189,6 +189,23 @@ def pack_encoded(encoded):
 # ------------------------------------------------------------------------------------------------
 
 
+def head_columns(model, args):
+    """The head's rows the softmax runs over, and their logits' correction (or None): every row; or the
+    training data's tokens (`--active-vocab`), plus with `--negatives K` K rows drawn afresh each step
+    from the others, each corrected by log(others / K), so that the sampled softmax estimates the full
+    one and the tokens the data never uses are still pushed down."""
+    weight = model.lm_head.weight
+    if args.active is None:
+        return weight, None
+    if not args.negatives:
+        return weight[args.active], None
+    others = args.inactive
+    neg = others[torch.randint(others.numel(), (args.negatives,), device=others.device)]
+    bias = torch.cat([torch.zeros(args.active.numel(), device=others.device),
+                      torch.full((args.negatives,), math.log(others.numel() / args.negatives), device=others.device)])
+    return weight[torch.cat([args.active, neg])], bias
+
+
 def step_loss(model, mtp, b, args):
     """The reply tokens' cross-entropy (positions gathered by batching.py), the MTP head's, and the
     routers' load-balancing loss."""
@@ -199,13 +216,15 @@ def step_loss(model, mtp, b, args):
     out = model.model(input_ids=ids, attention_mask=masks, use_cache=False, output_router_logits=args.aux_loss > 0)
     h = out.last_hidden_state
     hd = h.shape[-1]
-    w = model.lm_head.weight if args.active is None else model.lm_head.weight[args.active]
+    w, bias = head_columns(model, args)
     dtype = torch.bfloat16 if ids.is_cuda else None
-    loss = fast.head_loss(h.reshape(-1, hd).index_select(0, b["pos1"]), w, b["tgt1"], b["w1"], dtype=dtype)
+    loss = fast.head_loss(h.reshape(-1, hd).index_select(0, b["pos1"]), w, b["tgt1"], b["w1"], dtype=dtype,
+                          bias=bias)
     mtp_loss = torch.zeros((), device=ids.device)
     if mtp is not None and args.mtp_weight > 0 and ids.shape[1] > 2:
         d = mtp(model, ids, h)  # [B, T-1, H]; index t predicts ids[t+2]
-        mtp_loss = fast.head_loss(d.reshape(-1, hd).index_select(0, b["pos2"]), w, b["tgt2"], b["w2"], dtype=dtype)
+        mtp_loss = fast.head_loss(d.reshape(-1, hd).index_select(0, b["pos2"]), w, b["tgt2"], b["w2"], dtype=dtype,
+                                  bias=bias)
     aux = torch.zeros((), device=ids.device)
     if args.aux_loss > 0 and getattr(out, "router_logits", None):
         aux = fast.load_balancing_loss(out.router_logits, model.config.num_experts, model.config.num_experts_per_tok)
@@ -485,6 +504,8 @@ def main():
     p.add_argument("--eval-max-new", type=int, default=96)
     p.add_argument("--active-vocab", action="store_true", help="softmax over the training data's tokens "
                    "only (a cheap head for training on a CPU; other rows keep their weights)")
+    p.add_argument("--negatives", type=int, default=0, help="with --active-vocab: also this many of the other "
+                   "tokens' rows, drawn afresh each step (a sampled softmax, corrected)")
     p.add_argument("--init", default=None, help="start from this exported checkpoint (same sizes)")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.05)
@@ -537,6 +558,8 @@ def main():
     if args.active_vocab:
         ids_seen = np.union1d(np.unique(ids), EOS_IDS)
         args.active = torch.tensor(ids_seen, dtype=torch.long, device=device)
+        args.inactive = torch.tensor(np.setdiff1d(np.arange(model.lm_head.weight.shape[0]), ids_seen),
+                                     dtype=torch.long, device=device)
         log(f"softmax over the {len(ids_seen)} tokens of the training data")
     data_batches = batching.Batches(ids, offsets, starts, args.tokens_per_batch, args.max_rows, args.reply_cap,
                                     EOS_IDS[1], args.seed if args.order_seed is None else args.order_seed, args.max_len,
@@ -637,7 +660,7 @@ def main():
     log(f"export check: {check}")
     active = None if args.active is None else int(args.active.numel())
     summary = {
-        "args": dict(vars(args), active=active),
+        "args": dict(vars(args), active=active, inactive=None),
         "data_seed": args.seed,
         "data_pack_seeds": [int(np.load(p)["seed"]) for p in args.data.split(",")] if args.data else None,
         "parameters": n_params,

@@ -56,6 +56,12 @@ def load_balancing_loss(gate_logits, num_experts, top_k):
     return torch.sum((tokens / rows) * (probs / rows)) * num_experts
 
 
+def _logits(h, w, bias, acc):
+    """One chunk's logits in `acc`, with the columns' correction when there is one."""
+    logits = (h @ w.t()).to(acc)
+    return logits if bias is None else logits + bias
+
+
 class HeadLoss(torch.autograd.Function):
     """sum_i w_i * CE(h_i @ W^T + bias, t_i), the logits in `dtype` (bf16 on a GPU), softmax in float32,
     in chunks of `chunk` rows; the backward pass recomputes each chunk's logits. `bias` (a constant per
@@ -68,9 +74,7 @@ class HeadLoss(torch.autograd.Function):
         lses = []
         total = hidden.new_zeros((), dtype=acc)
         for s in range(0, hidden.shape[0], chunk):
-            logits = (hidden[s : s + chunk].to(dtype) @ w.t()).to(acc)
-            if bias is not None:
-                logits = logits + bias
+            logits = _logits(hidden[s : s + chunk].to(dtype), w, bias, acc)
             lse = torch.logsumexp(logits, dim=-1)
             tgt = logits.gather(1, targets[s : s + chunk, None]).squeeze(1)
             total = total + ((lse - tgt) * weights[s : s + chunk]).sum()
@@ -89,10 +93,7 @@ class HeadLoss(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk].to(dtype)
-            logits = (h @ w.t()).to(acc)
-            if bias is not None:
-                logits = logits + bias
-            p = torch.exp(logits - lse[s : s + chunk, None])
+            p = torch.exp(_logits(h, w, bias, acc) - lse[s : s + chunk, None])
             p.scatter_add_(1, targets[s : s + chunk, None], -torch.ones_like(p[:, :1]))
             p = (p * (weights[s : s + chunk] * grad)[:, None]).to(dtype)
             grad_h[s : s + chunk] = (p @ w).to(hidden.dtype)

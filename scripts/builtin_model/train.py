@@ -201,9 +201,7 @@ def head_columns(model, args):
         return weight[args.active], None
     others = args.inactive
     neg = others[torch.randint(others.numel(), (args.negatives,), device=others.device)]
-    bias = torch.cat([torch.zeros(args.active.numel(), device=others.device),
-                      torch.full((args.negatives,), math.log(others.numel() / args.negatives), device=others.device)])
-    return weight[torch.cat([args.active, neg])], bias
+    return weight[torch.cat([args.active, neg])], args.column_bias
 
 
 def step_loss(model, mtp, b, args):
@@ -519,6 +517,8 @@ def main():
     p.add_argument("--no-vision", action="store_true", help="export without the vision tower")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
     args = p.parse_args()
+    if args.negatives and not args.active_vocab:
+        p.error("--negatives K needs --active-vocab (without it the softmax already covers every token)")
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -560,6 +560,10 @@ def main():
         args.active = torch.tensor(ids_seen, dtype=torch.long, device=device)
         args.inactive = torch.tensor(np.setdiff1d(np.arange(model.lm_head.weight.shape[0]), ids_seen),
                                      dtype=torch.long, device=device)
+        # The sampled columns' correction, log(others / K); none on the data's own tokens.
+        args.column_bias = torch.cat([torch.zeros(args.active.numel(), device=device),
+                                      torch.full((args.negatives,), math.log(args.inactive.numel() / max(args.negatives, 1)),
+                                                 device=device)])
         log(f"softmax over the {len(ids_seen)} tokens of the training data")
     data_batches = batching.Batches(ids, offsets, starts, args.tokens_per_batch, args.max_rows, args.reply_cap,
                                     EOS_IDS[1], args.seed if args.order_seed is None else args.order_seed, args.max_len,
@@ -660,7 +664,7 @@ def main():
     log(f"export check: {check}")
     active = None if args.active is None else int(args.active.numel())
     summary = {
-        "args": dict(vars(args), active=active, inactive=None),
+        "args": dict(vars(args), active=active, inactive=None, column_bias=None),
         "data_seed": args.seed,
         "data_pack_seeds": [int(np.load(p)["seed"]) for p in args.data.split(",")] if args.data else None,
         "parameters": n_params,

@@ -334,14 +334,51 @@ def unpack_int4(words, scale, shape):
     return (q.float().view(rows, cols // group, group) * scale.float().unsqueeze(-1)).view(rows, cols)
 
 
-def load_init(path, model, mtp):
-    """Starts from an exported checkpoint (its INT4 embedding dequantized)."""
+# A grown layer's output projections: zero, so that the layer starts as the identity (its residual adds
+# nothing) while its gradients are not (they are the projection's input times the output's gradient).
+GROWN_ZERO = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "mlp.experts.down_proj",
+              "mlp.shared_expert.down_proj.weight")
+
+
+def grow_layers(sd, old_types, model, spec):
+    """Renumbers the checkpoint's layers by `spec` (for each of the model's layers: the checkpoint's
+    layer index, or `new`). A new layer keeps its fresh initialisation with GROWN_ZERO zeroed, so the
+    grown model computes exactly what the checkpoint did."""
+    plan = spec.split(",")
+    types = model.config.layer_types
+    if len(plan) != len(types):
+        raise SystemExit(f"--grow: {len(plan)} entries for a {len(types)}-layer model")
+    fresh = model.model.state_dict()
+    out = {k: v for k, v in sd.items() if not k.startswith("layers.")}
+    for i, src in enumerate(plan):
+        mine = f"layers.{i}."
+        if src == "new":
+            for k, v in fresh.items():
+                if k.startswith(mine):
+                    out[k] = torch.zeros_like(v) if k[len(mine):] in GROWN_ZERO else v
+            continue
+        j = int(src)
+        if old_types[j] != types[i]:
+            raise SystemExit(f"--grow: layer {i} is {types[i]}, the checkpoint's layer {j} is {old_types[j]}")
+        for k, v in sd.items():
+            if k.startswith(f"layers.{j}."):
+                out[mine + k[len(f"layers.{j}."):]] = v
+    return out
+
+
+def load_init(path, model, mtp, grow=None):
+    """Starts from an exported checkpoint (its INT4 embedding dequantized), its layers renumbered by
+    `grow` if given."""
     t = load_file(os.path.join(path, "model.safetensors"))
     prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in t) else "model."
     emb = prefix + "embed_tokens.weight"
     if emb + "_packed" in t:
         t[emb] = unpack_int4(t[emb + "_packed"], t[emb + "_scale"], t[emb + "_shape"])
     sd = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix) and not k.startswith(emb + "_")}
+    if grow:
+        with open(os.path.join(path, "config.json")) as f:
+            cfg = json.load(f)
+        sd = grow_layers(sd, cfg.get("text_config", cfg)["layer_types"], model, grow)
     model.model.load_state_dict(sd, strict=True)
     if mtp is not None:
         mtp.load_state_dict({k[4:]: v for k, v in t.items() if k.startswith("mtp.")}, strict=True)
@@ -505,6 +542,8 @@ def main():
     p.add_argument("--negatives", type=int, default=0, help="with --active-vocab: also this many of the other "
                    "tokens' rows, drawn afresh each step (a sampled softmax, corrected)")
     p.add_argument("--init", default=None, help="start from this exported checkpoint (same sizes)")
+    p.add_argument("--grow", default=None, help="with --init and --layers: for each layer, the checkpoint's "
+                   "layer it starts from or `new` (an identity layer), e.g. 0,1,new,2,3")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.05)
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 5%% of --steps)")
@@ -535,7 +574,7 @@ def main():
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "embeddings not tied"
     mtp = MtpHead(cfg).to(device) if text.get("mtp_num_hidden_layers", 0) else None
     if args.init:
-        load_init(args.init, model, mtp)
+        load_init(args.init, model, mtp, args.grow)
     n_params = sum(p.numel() for p in model.parameters()) + (sum(p.numel() for p in mtp.parameters()) if mtp else 0)
     n_embed = model.model.embed_tokens.weight.numel()
     log(f"model: hidden {cfg.hidden_size}, layers {cfg.layer_types}, experts {cfg.num_experts} top-"

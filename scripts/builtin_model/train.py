@@ -558,6 +558,8 @@ def main():
     args = p.parse_args()
     if args.negatives and not args.active_vocab:
         p.error("--negatives K needs --active-vocab (without it the softmax already covers every token)")
+    if args.grow and not args.init:
+        p.error("--grow needs --init (the checkpoint whose layers it renumbers)")
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -276,7 +276,8 @@ class Stepper:
         try:
             self.opt.zero_grad(set_to_none=True)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
+            # thread_local: the batch thread pins host memory (cudaHostAlloc) while a step is captured
+            with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
                 out = self.body(b)
             if self.pool is None:
                 self.pool = g.pool()

@@ -6,6 +6,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use sanmai_model::{Backend, Model, OutRows, Probe, StepChunk, StepInput, StepStart};
 
+use crate::bench_kernels;
 use crate::bench_mtp;
 use crate::load::{LoadFormat, Loaded, ModelArgs, OnModel};
 use crate::speculative::Speculative;
@@ -28,6 +29,11 @@ pub struct BenchArgs {
     /// forced to the plain decode's tokens.
     #[arg(long, value_name = "JSON")]
     pub speculative_config: Option<String>,
+    /// After each batch size's decode, time each kernel of a decode step replayed from a CUDA graph
+    /// (timed events between its kernels, in a recording of their own: the figures above stay
+    /// untimed) and print the step by kernel. CUDA only.
+    #[arg(long)]
+    pub kernel_times: bool,
 }
 
 /// Block size of the benchmark's caches.
@@ -111,6 +117,17 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
         }
         None => 0,
     };
+    if args.kernel_times {
+        if k > 0 {
+            bail!("--kernel-times and --speculative-config measure apart: run one, then the other");
+        }
+        if !m.backend.time_kernels(false) {
+            bail!(
+                "--kernel-times: the {} backend launches no kernels to time (use --device cuda)",
+                loaded.device
+            );
+        }
+    }
     // Each batch size's sequences (prompt, plain greedy output and the token after it).
     let mut plain = Vec::new();
     let vocab = loaded.valid_vocab as u64;
@@ -131,6 +148,8 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
         // that records the routing).
         let extra = if k > 0 {
             bench_mtp::extra_positions(k)
+        } else if args.kernel_times {
+            bench_kernels::STEPS
         } else {
             0
         };
@@ -162,35 +181,20 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
         let mut steps = Vec::with_capacity(args.gen_len);
         // Each sequence's tokens from position 0 (what a PLE model hashes).
         let mut hist: Vec<Vec<u32>> = prompts.clone();
-        for step in 0..args.gen_len {
+        let mut decode = Decode {
+            seqs: &seqs_cache,
+            hist: &mut hist,
+            next: &mut next,
+            vocab: loaded.valid_vocab,
+        };
+        for _ in 0..args.gen_len {
             let t0 = Instant::now();
-            for (h, &n) in hist.iter_mut().zip(&next) {
-                h.push(n);
-            }
-            let pos0 = args.prompt_len + step;
-            let chunks: Vec<StepChunk> = seqs_cache
-                .iter()
-                .zip(&hist)
-                .map(|((state, blocks), h)| chunk(h, pos0, 1, *state, blocks))
-                .collect();
-            let (c, logits) = step_logits(m, &chunks)?;
-            for (i, n) in next.iter_mut().enumerate() {
-                *n = argmax(&logits[i * c..i * c + loaded.valid_vocab]);
-            }
+            decode.step(m)?;
             steps.push(t0.elapsed().as_secs_f64());
         }
         // One more step, untimed, recording how many distinct experts each MoE layer routed to.
         m.backend.record_routing(true);
-        for (h, &n) in hist.iter_mut().zip(&next) {
-            h.push(n);
-        }
-        let pos0 = args.prompt_len + args.gen_len;
-        let chunks: Vec<StepChunk> = seqs_cache
-            .iter()
-            .zip(&hist)
-            .map(|((state, blocks), h)| chunk(h, pos0, 1, *state, blocks))
-            .collect();
-        step_logits(m, &chunks)?;
+        decode.step(m)?;
         let routed = m.backend.take_routing();
         m.backend.record_routing(false);
         let total: f64 = steps.iter().sum();
@@ -207,6 +211,9 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
             total / args.gen_len as f64 * 1e3,
             args.gen_len
         );
+        if args.kernel_times {
+            bench_kernels::run(m, &mut decode, itl)?;
+        }
         let context = args.prompt_len + args.gen_len / 2;
         let bytes = m.decode_step_bytes(batch, context, &routed);
         let ceiling = batch as f64 * bandwidth / bytes.total() as f64;
@@ -287,6 +294,36 @@ fn warm_up<B: Backend>(args: &BenchArgs, loaded: &Loaded<B>) -> Result<()> {
     }
     m.backend.free_state(state);
     Ok(())
+}
+
+/// The benchmark's sequences mid-decode: each one's cache (state slot, blocks), tokens from
+/// position 0 and greedy next token.
+pub(crate) struct Decode<'a> {
+    seqs: &'a [(usize, Vec<u32>)],
+    hist: &'a mut Vec<Vec<u32>>,
+    next: &'a mut Vec<u32>,
+    vocab: usize,
+}
+
+impl Decode<'_> {
+    /// One decode step of every sequence: its next token appended and run, the greedy token after
+    /// it taken.
+    pub(crate) fn step<B: Backend>(&mut self, m: &Model<B>) -> Result<()> {
+        for (h, &n) in self.hist.iter_mut().zip(self.next.iter()) {
+            h.push(n);
+        }
+        let chunks: Vec<StepChunk> = self
+            .seqs
+            .iter()
+            .zip(self.hist.iter())
+            .map(|((state, blocks), h)| chunk(h, h.len() - 1, 1, *state, blocks))
+            .collect();
+        let (c, logits) = step_logits(m, &chunks)?;
+        for (i, n) in self.next.iter_mut().enumerate() {
+            *n = argmax(&logits[i * c..i * c + self.vocab]);
+        }
+        Ok(())
+    }
 }
 
 fn argmax(row: &[f32]) -> u32 {

@@ -2,6 +2,7 @@
 //! weights for a config, or the built-in default model) and run it.
 
 mod bench;
+mod bench_kernels;
 mod bench_mtp;
 mod bench_prompts;
 mod bench_serve;

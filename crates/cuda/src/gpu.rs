@@ -14,6 +14,7 @@ use cudarc::driver::{
 use crate::device::{self, guarded, DeviceInfo};
 use crate::error::{CudaError, Result};
 use crate::registry::{CompileOptions, Kernel, Kernels};
+use crate::timer::KernelTimer;
 
 /// One CUDA device ready to run the kernels: context, a stream, every kernel compiled and loaded.
 /// Every op and transfer is queued on [`Gpu::stream`]; buffers must not be used from another stream.
@@ -25,6 +26,8 @@ pub struct Gpu {
     blas: CudaBlas,
     /// Kernels that open with the PDL prologue are launched with programmatic stream serialization.
     pdl: bool,
+    /// Times each launch while a timed capture is in progress.
+    timer: KernelTimer,
 }
 
 /// How a [`Gpu`] opens. This crate reads no environment variable: its caller decides (the `sanmai`
@@ -74,6 +77,7 @@ impl Gpu {
             kernels,
             blas,
             pdl,
+            timer: KernelTimer::default(),
         })
     }
 
@@ -98,6 +102,11 @@ impl Gpu {
         &self.blas
     }
 
+    /// The timer of the kernels launched under a timed capture.
+    pub fn timer(&self) -> &KernelTimer {
+        &self.timer
+    }
+
     pub(crate) fn kernel(&self, name: &str) -> Result<&Kernel> {
         self.kernels.get(name)
     }
@@ -108,6 +117,7 @@ impl Gpu {
     pub(crate) fn launch<'a>(&'a self, kernel: &'a Kernel) -> Launch<'a> {
         Launch {
             stream: &self.stream,
+            timer: &self.timer,
             kernel,
             pdl: self.pdl && kernel.pdl,
             args: Vec::with_capacity(16),
@@ -201,7 +211,8 @@ pub fn device_memory(ctx: &CudaContext) -> Result<(usize, usize)> {
 /// while the kernel ahead of it finishes, and its prologue waits for that kernel's results. Under
 /// stream capture this becomes a programmatic edge of the graph.
 pub(crate) struct Launch<'a> {
-    stream: &'a CudaStream,
+    stream: &'a Arc<CudaStream>,
+    timer: &'a KernelTimer,
     kernel: &'a Kernel,
     pdl: bool,
     /// One pointer per kernel parameter, to its value; the slots of the buffer arguments are filled
@@ -280,7 +291,7 @@ impl<'a> Launch<'a> {
             )
         }
         .result()?;
-        Ok(())
+        self.timer.mark(self.stream, &self.kernel.name)
     }
 }
 

@@ -45,7 +45,9 @@
 //!   attention sizes its split grid by it and splits past a sequence's length exit early): one eager
 //!   warm-up step, a stream capture at the next, replays after, outputs copied out of persistent
 //!   per-graph buffers. A failed capture logs a warning and leaves that key eager;
-//!   [`CudaBackend::graph_stats`] counts what ran how.
+//!   [`CudaBackend::graph_stats`] counts what ran how. With kernel timing on ([`timer`], through
+//!   `Probe::time_kernels`), captures put a timed event after each kernel and the last replay's
+//!   per-kernel times are read back (`sanmai bench --kernel-times`).
 //! - Errors: every op returns `sanmai_model::OpResult`; a [`CudaError`] becomes the op's
 //!   `BackendError` ([`CudaError::at`]: shape and contract errors `Invalid`, driver, cuBLAS and NVRTC
 //!   failures `Device`). The backend also implements `sanmai_model::Probe` (copy bandwidth, routed
@@ -87,6 +89,7 @@ pub mod link;
 pub mod nvrtc;
 mod ops;
 pub mod registry;
+pub mod timer;
 pub mod vision;
 
 pub use backend::{fp8_device_bytes, Fp8Weight};

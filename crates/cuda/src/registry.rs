@@ -209,6 +209,8 @@ pub fn compile_all(
 pub struct Kernel {
     pub func: CudaFunction,
     pub pdl: bool,
+    /// The entry point's name (what [`crate::timer`] reports).
+    pub name: Arc<str>,
 }
 
 impl std::ops::Deref for Kernel {
@@ -243,7 +245,8 @@ impl Kernels {
                     CudaError::Nvrtc(format!("{name}: kernel {f} not in the module: {e}"))
                 })?;
                 let pdl = opens_with_pdl_prologue(src, &f);
-                functions.insert(f, Kernel { func, pdl });
+                let name = Arc::from(f.as_str());
+                functions.insert(f, Kernel { func, pdl, name });
             }
             modules.push(module);
         }

@@ -26,6 +26,10 @@
 //! device), and PLE layers read the step's rows from the persistent buffer that
 //! [`Backend::ple_step_rows`](sanmai_model::Backend::ple_step_rows) fills before the step.
 //!
+//! With kernel timing on ([`CudaBackend::time_kernels`], `sanmai bench --kernel-times`) a capture puts a
+//! timed event after each kernel ([`crate::timer`]) and [`CudaBackend::kernel_times`] reads the last
+//! timed replay's intervals.
+//!
 //! Recordings hold device addresses: uploading a weight, re-initialising the caches, growing the
 //! state slot pools, the metadata buffer or the PLE rows buffer drops every recording (the next step
 //! warms up again). While routed experts or QSA selections are recorded (a host round trip per MoE
@@ -39,6 +43,7 @@ use sanmai_model::{DecodeStep, OpResult, SeqChunk};
 
 use super::{all_decode, CudaBackend, CudaTensor};
 use crate::error::{At, Result};
+use crate::timer::{intervals, Mark};
 
 /// The batch sizes recorded by default.
 pub const DEFAULT_GRAPH_BATCH_SIZES: [usize; 4] = [1, 2, 4, 8];
@@ -54,10 +59,12 @@ struct Key {
     span: usize,
 }
 
-/// A recorded step: the graph and the persistent buffers its last nodes copy the outputs into.
+/// A recorded step: the graph and the persistent buffers its last nodes copy the outputs into, and
+/// with kernel timing on, the timed events after its kernels.
 struct Recorded {
     graph: CudaGraph,
     outs: Vec<CudaTensor>,
+    marks: Vec<Mark>,
 }
 
 // SAFETY: a CudaGraph holds raw driver handles that must not be used from two threads at once;
@@ -95,6 +102,8 @@ pub(crate) struct Graphs {
     stats: GraphStats,
     /// Why the last failed capture failed.
     failure: Option<String>,
+    /// The last recording replayed with timed kernels.
+    timed: Option<Key>,
 }
 
 impl Graphs {
@@ -106,6 +115,7 @@ impl Graphs {
             epoch: (0, 0),
             stats: GraphStats::default(),
             failure: None,
+            timed: None,
         }
     }
 }
@@ -226,6 +236,25 @@ impl CudaBackend {
         self.graphs().failure.clone()
     }
 
+    /// Turns kernel timing of the decode steps recorded from now on on or off; drops the
+    /// recordings made so far (the next steps warm up and capture again).
+    pub fn time_kernels(&self, on: bool) {
+        self.gpu.timer().set(on);
+        let mut g = self.graphs();
+        g.entries.clear();
+        g.timed = None;
+    }
+
+    /// Each kernel of the last decode step replayed from a timed recording, in launch order, with
+    /// its microseconds ([`crate::timer::intervals`]); empty when none was replayed.
+    pub fn kernel_times(&self) -> Result<Vec<(String, f64)>> {
+        let g = self.graphs();
+        match g.timed.and_then(|k| g.entries.get(&k)) {
+            Some(Entry::Ready(rec)) => intervals(&rec.marks),
+            _ => Ok(Vec::new()),
+        }
+    }
+
     fn graphs(&self) -> std::sync::MutexGuard<'_, Graphs> {
         self.graphs.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -276,7 +305,11 @@ impl CudaBackend {
             Some(Entry::Ready(rec)) => {
                 g.stats.replays += 1;
                 self.count_replayed_host_reads(step.seqs);
-                self.replay(rec).at("decode_step")
+                let out = self.replay(rec).at("decode_step");
+                if !rec.marks.is_empty() {
+                    g.timed = Some(key);
+                }
+                out
             }
             Some(Entry::Warm(sh)) => {
                 let sh = sh.clone();
@@ -285,6 +318,9 @@ impl CudaBackend {
                         g.stats.captures += 1;
                         g.stats.replays += 1;
                         let out = self.replay(&rec).at("decode_step");
+                        if !rec.marks.is_empty() {
+                            g.timed = Some(key);
+                        }
                         g.entries.insert(key, Entry::Ready(rec));
                         out
                     }
@@ -357,9 +393,16 @@ impl CudaBackend {
             .map_err(|e| e.to_string())?;
         let s = self.gpu.stream();
         let _capturing = self.no_capture();
-        s.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| e.to_string())?;
+        // A timed capture creates its events while capturing: relaxed mode lets it (a measurement,
+        // not the serving path, whose captures stay thread-local and strict).
+        let mode = if self.gpu.timer().is_on() {
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED
+        } else {
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        };
+        s.begin_capture(mode).map_err(|e| e.to_string())?;
         let body = (|| {
+            self.gpu.timer().arm(s).map_err(|e| e.to_string())?;
             let _span = SpanGuard::set(self, span);
             let ts = run().map_err(|e| e.to_string())?;
             if shapes(&ts) != sh {
@@ -375,6 +418,7 @@ impl CudaBackend {
             drop(ts);
             Ok(())
         })();
+        let marks = self.gpu.timer().disarm();
         let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
         // Errors recorded by buffers freed under a failed capture.
         let _ = self.gpu.context().check_err();
@@ -382,7 +426,7 @@ impl CudaBackend {
         match graph {
             Ok(Some(graph)) => {
                 graph.upload().map_err(|e| e.to_string())?;
-                Ok(Recorded { graph, outs })
+                Ok(Recorded { graph, outs, marks })
             }
             Ok(None) => Err("the capture recorded nothing".into()),
             Err(e) => Err(e.to_string()),

@@ -14,8 +14,8 @@
 //! `BackendError::Invalid`, a device failure (out of memory, a launch or copy error) is
 //! `BackendError::Device`. Nothing on a step's path panics.
 //!
-//! The backend also implements [`Probe`] (`roofline.rs`): the copy bandwidth and the routed-expert
-//! record `sanmai bench` reads.
+//! The backend also implements [`sanmai_model::Probe`] (`roofline.rs`): the copy bandwidth, the
+//! routed-expert record and the kernel times `sanmai bench` reads.
 
 mod attn;
 mod cache;
@@ -45,7 +45,7 @@ use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
     hc_residual_ops, AttnCall, Backend, BackendError, CacheSpec, DecodeStep, GdnCall, GdnShape,
-    Handover, HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor, PleCall, Probe,
+    Handover, HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor, PleCall,
     QsaCall, SampleCall, SeqChunk, SharedFusion,
 };
 use sanmai_model::sample::{RowError, Sampled};
@@ -781,20 +781,5 @@ impl Backend for CudaBackend {
         c: &PleCall<'_, CudaTensor, CudaWeight>,
     ) -> OpResult<()> {
         self.ple_impl(streams, c).at("ple_mix")
-    }
-}
-
-impl Probe for CudaBackend {
-    fn copy_bandwidth(&self) -> OpResult<f64> {
-        self.copy_bandwidth_impl().at("copy_bandwidth")
-    }
-
-    fn record_routing(&self, on: bool) {
-        self.routing.set(on);
-        self.routing_on.store(on, Ordering::Relaxed);
-    }
-
-    fn take_routing(&self) -> Vec<usize> {
-        self.routing.take()
     }
 }

@@ -1,13 +1,15 @@
-//! Measurements behind the roofline of `sanmai bench` (the backend's [`sanmai_model::Probe`]): the
-//! device's copy bandwidth, measured in the process, and the log of distinct routed experts per MoE
-//! call.
+//! Measurements behind the roofline of `sanmai bench` (the backend's [`Probe`]): the device's copy
+//! bandwidth, measured in the process, and the log of distinct routed experts per MoE call; and the
+//! kernel times of recorded decode steps (`graph.rs`, [`crate::timer`]).
 
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
 use cudarc::driver::CudaSlice;
+use sanmai_model::{OpResult, Probe};
 
 use super::CudaBackend;
-use crate::error::Result;
+use crate::error::{At, Result};
 
 /// Distinct experts per MoE call while recording is on.
 #[derive(Default)]
@@ -50,5 +52,30 @@ impl CudaBackend {
     /// Device-to-device copy bandwidth ([`crate::Gpu::copy_bandwidth`]).
     pub(crate) fn copy_bandwidth_impl(&self) -> Result<f64> {
         self.gpu.copy_bandwidth()
+    }
+}
+
+impl Probe for CudaBackend {
+    fn copy_bandwidth(&self) -> OpResult<f64> {
+        self.copy_bandwidth_impl().at("copy_bandwidth")
+    }
+
+    fn record_routing(&self, on: bool) {
+        self.routing.set(on);
+        self.routing_on.store(on, Ordering::Relaxed);
+    }
+
+    fn take_routing(&self) -> Vec<usize> {
+        self.routing.take()
+    }
+
+    /// Times the kernels of decode steps recorded as CUDA graphs (steps run eagerly are not timed).
+    fn time_kernels(&self, on: bool) -> bool {
+        CudaBackend::time_kernels(self, on);
+        true
+    }
+
+    fn kernel_times(&self) -> OpResult<Vec<(String, f64)>> {
+        CudaBackend::kernel_times(self).at("kernel_times")
     }
 }

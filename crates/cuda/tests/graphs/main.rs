@@ -17,6 +17,8 @@
 //! selections (a traced backend runs eagerly): every decode row selects `min(topk, context)` distinct
 //! positions of its context, all of them while the context fits topk.
 //!
+//! With kernel timing on, the timed recordings equal eager too and read back a time per kernel.
+//!
 //! The ignored tests print decode step times eager against graph (`GRAPH_BENCH` lines) on the fixtures
 //! and on `configs/models/qwen3.5-35b-a3b.json` with dummy weights and fewer layers
 //! (`SANMAI_GRAPH_BENCH_LAYERS`, default 4). Without a GPU every test prints `skipped:` and passes.
@@ -349,6 +351,54 @@ fn graph_replay_equals_eager() {
             }
         }
     }
+}
+
+/// Kernel timing on ([`CudaBackend::time_kernels`]): the timed recordings (an event node after each
+/// kernel) compute what eager steps do, and the last replay reads back one positive time per kernel
+/// launch, each named after a loaded kernel.
+#[test]
+fn timed_graph_replay_equals_eager() {
+    let name = "qwen3_5_moe_text_tiny";
+    let Some(ms) = trio(name, "timed_graph_replay_equals_eager") else {
+        return;
+    };
+    ms[0].backend.time_kernels(true);
+    let vocab = ms[0].cfg.vocab_size;
+    let mut allocs = [0, 1, 2].map(|i| Alloc::new(&ms[i], 4));
+    let prompts: Vec<Vec<u32>> = (0..2).map(|i| prompt(7 + 5 * i, i, vocab)).collect();
+    let mut seqs = [0, 1, 2].map(|k| {
+        prompts
+            .iter()
+            .map(|p| allocs[k].seq(p.len() + STEPS + 1))
+            .collect::<Vec<_>>()
+    });
+    for (m, s) in ms.iter().zip(seqs.iter_mut()) {
+        prefill(m, s, &prompts);
+    }
+    let before = ms[0].backend.graph_stats();
+    let (dg, dc) = lockstep(&ms, &mut seqs, STEPS, true, &[1, 2]);
+    let d = delta(ms[0].backend.graph_stats(), before);
+    check_equal(&format!("{name} timed"), dg, dc);
+    assert_eq!(
+        (d.captures, d.replays, d.failures),
+        (1, STEPS as u64 - 1, 0)
+    );
+    let times = ms[0].backend.kernel_times().unwrap();
+    let known = ms[0].backend.gpu().kernels().names();
+    let sum: f64 = times.iter().map(|t| t.1).sum();
+    println!(
+        "GRAPH_KERNELS fixture={name} batch=2 launches={} sum_us={sum:.1} max_abs_graph_vs_eager={dg:e}",
+        times.len()
+    );
+    assert!(times.len() > 10, "{} kernels timed", times.len());
+    for (k, us) in &times {
+        assert!(known.contains(&k.as_str()), "{k} is not a loaded kernel");
+        assert!(us.is_finite() && *us >= 0.0, "{k}: {us} us");
+    }
+    assert!(sum > 0.0);
+    // Off again: the recordings are dropped and nothing is timed.
+    ms[0].backend.time_kernels(false);
+    assert!(ms[0].backend.kernel_times().unwrap().is_empty());
 }
 
 /// A sequence past [`MIN_GRAPH_SPAN`] next to a short one: a recording of the larger span (more

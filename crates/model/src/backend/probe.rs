@@ -1,6 +1,6 @@
 //! Measurements `sanmai bench` takes through a backend, kept off the [`Backend`] trait the forward
-//! pass uses: the device's copy bandwidth (the roofline's ceiling) and the routed-expert record (the
-//! roofline's expert bytes).
+//! pass uses: the device's copy bandwidth (the roofline's ceiling), the routed-expert record (the
+//! roofline's expert bytes) and, where a backend launches kernels, their times in a decode step.
 
 use super::{Backend, OpResult};
 
@@ -18,4 +18,17 @@ pub trait Probe: Backend {
     /// The distinct-expert counts recorded so far, one per `moe_experts` call in call order; clears
     /// them.
     fn take_routing(&self) -> Vec<usize>;
+
+    /// Turns timing of each kernel of the decode steps on or off; `false` where the backend has
+    /// no kernels to time (the CPU). Drops what was recorded for decode steps so far.
+    fn time_kernels(&self, on: bool) -> bool {
+        let _ = on;
+        false
+    }
+
+    /// With timing on: each kernel of the last timed decode step in launch order, with its
+    /// microseconds (the time since the kernel before it ended); empty when no step was timed.
+    fn kernel_times(&self) -> OpResult<Vec<(String, f64)>> {
+        Ok(Vec::new())
+    }
 }

@@ -1,0 +1,98 @@
+//! `sanmai bench --kernel-times`: one decode step's time by kernel, measured inside a CUDA graph replay
+//! (timed events between the kernels; see `sanmai_cuda::timer` for what an interval holds).
+
+use std::collections::HashMap;
+
+use anyhow::{bail, Result};
+use sanmai_model::{Model, Probe};
+
+use crate::bench::Decode;
+
+/// Decode steps run with timing on: the warm-up of the timed recording, its capture (and first
+/// replay), and the replay that is read.
+pub const STEPS: usize = 3;
+
+/// Runs [`STEPS`] decode steps with kernel timing on and prints the last one by kernel, beside the
+/// untimed median step `itl` (seconds).
+pub fn run<B: Probe>(m: &Model<B>, decode: &mut Decode<'_>, itl: f64) -> Result<()> {
+    m.backend.time_kernels(true);
+    let steps = (0..STEPS).try_for_each(|_| decode.step(m));
+    let times = m.backend.kernel_times();
+    m.backend.time_kernels(false);
+    steps?;
+    let times = times?;
+    if times.is_empty() {
+        bail!(
+            "--kernel-times: no decode step of this batch size was replayed from a CUDA graph \
+             (graphs off, a batch size not recorded, or a failed capture: see the log)"
+        );
+    }
+    print!("{}", table(&times, itl));
+    Ok(())
+}
+
+/// The step's kernels grouped by name, largest total first: launches, µs per step, µs a launch,
+/// share of the sum.
+fn table(times: &[(String, f64)], itl: f64) -> String {
+    let mut order: Vec<&str> = Vec::new();
+    let mut by: HashMap<&str, (usize, f64)> = HashMap::new();
+    for (name, us) in times {
+        let e = by.entry(name).or_insert_with(|| {
+            order.push(name);
+            (0, 0.0)
+        });
+        e.0 += 1;
+        e.1 += us;
+    }
+    order.sort_by(|a, b| by[b].1.total_cmp(&by[a].1));
+    let sum: f64 = times.iter().map(|t| t.1).sum();
+    let mut out = format!(
+        "  kernel times (one decode step replayed from a CUDA graph with timed events between its \
+         kernels): {} launches, {:.1} us in all against the untimed median step of {:.1} us\n",
+        times.len(),
+        sum,
+        itl * 1e6
+    );
+    out += &format!(
+        "    {:<40} {:>8} {:>10} {:>9} {:>7}\n",
+        "kernel", "launches", "us/step", "us each", "share"
+    );
+    for name in order {
+        let (n, us) = by[name];
+        out += &format!(
+            "    {:<40} {:>8} {:>10.1} {:>9.2} {:>6.1}%\n",
+            name,
+            n,
+            us,
+            us / n as f64,
+            100.0 * us / sum.max(1e-9)
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_groups_kernels_by_name_largest_first() {
+        let times = vec![
+            ("gemv".to_string(), 10.0),
+            ("norm".to_string(), 3.0),
+            ("gemv".to_string(), 12.0),
+            ("attn".to_string(), 15.0),
+        ];
+        let t = table(&times, 50e-6);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].contains("4 launches, 40.0 us in all"), "{t}");
+        assert!(lines[0].contains("median step of 50.0 us"), "{t}");
+        let rows: Vec<Vec<&str>> = lines[2..]
+            .iter()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(rows[0], ["gemv", "2", "22.0", "11.00", "55.0%"]);
+        assert_eq!(rows[1], ["attn", "1", "15.0", "15.00", "37.5%"]);
+        assert_eq!(rows[2], ["norm", "1", "3.0", "3.00", "7.5%"]);
+    }
+}

@@ -9,7 +9,8 @@
 #   and on dummy weights of the full-size configs in $SANMAI_BENCH_CONFIGS (default: Qwen3-Next-80B-A3B
 #   and qwen4_exp-125B-A6B, both with their quantization mix); a config with a `ple` block gets a table made
 #   with `sanmai ple create --rows-scale $SANMAI_PLE_ROWS_SCALE` (default 0.05, about 4.8 GB) in a
-#   temporary directory;
+#   temporary directory; with --kernel-times, each batch size's decode step by kernel (timed inside
+#   the graph replay, after the untimed figures);
 # - `sanmai serve --device cuda` on the built-in model: the memory plan line, a chat completion through
 #   curl, a streamed one, and the server's shutdown.
 set -uo pipefail
@@ -41,7 +42,7 @@ for c in $configs; do
     extra=(--ple-table "$table")
   fi
   run "$sanmai" bench --device cuda --load-format dummy --config "$c" "${extra[@]}" --batch "$batches" \
-    --prompt-len 512 --gen-len 32
+    --prompt-len 512 --gen-len 32 --kernel-times
   [ -n "${table:-}" ] && rm -rf "$table" && table=
 done
 

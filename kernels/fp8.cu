@@ -261,6 +261,59 @@ extern "C" __global__ void dequant_f8(const unsigned char* __restrict__ W, const
     dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
+// ---- Activations quantised per token group, for the FP8 tensor-core prefill GEMM ----
+// The float8_e4m3fn code nearest |a| (ties to the even code, past 448 saturated): sm_89 and later convert
+// in hardware (cvt.rn.satfinite), older chips search the increasing codes 0x00..0x7e (the CPU twin's
+// rule, sanmai_weights::e4m3).
+__device__ __forceinline__ unsigned char e4m3_code(float a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short two;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(two) : "f"(0.0f), "f"(a));
+    return (unsigned char)(two & 0xffu);
+#else
+    int lo = 0, hi = 0x7e;
+    auto val = [](int c) {
+        const int e = (c >> 3) & 15, m = c & 7;
+        return e == 0 ? (float)m * 0.001953125f : ldexpf(1.0f + (float)m * 0.125f, e - 7);
+    };
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (val(mid) <= a) lo = mid; else hi = mid - 1;
+    }
+    if (lo == 0x7e) return 0x7e;
+    const float dl = a - val(lo), dh = val(lo + 1) - a;
+    return (unsigned char)((dl < dh || (dl == dh && (lo & 1) == 0)) ? lo : lo + 1);
+#endif
+}
+
+// X bf16 [m, k] (k a multiple of 128) -> Q e4m3 [m, k] and S f32 [k / 128, m] (rows contiguous): one warp a
+// (row, 128-column group); s = max|x| / 448 over the group (1 for an all-zero group), q = e4m3(x / s).
+// Grid (k / 128, m), 32 threads, 4 values a lane.
+extern "C" __global__ void __launch_bounds__(32) quant_f8_tokens(const bf16* __restrict__ X,
+                                                                  unsigned char* __restrict__ Q,
+                                                                  float* __restrict__ S, int m, int k) {
+    pdl_prologue();
+    const int g = blockIdx.x, row = blockIdx.y, lane = threadIdx.x;
+    const long long at = (long long)row * k + g * 128 + lane * 4;
+    const uint2 raw = *(const uint2*)(X + at);
+    const __nv_bfloat162 p0 = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+    const __nv_bfloat162 p1 = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+    const float v[4] = {__low2float(p0), __high2float(p0), __low2float(p1), __high2float(p1)};
+    float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    u32 word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float t = v[j] / s;
+        const unsigned char c = e4m3_code(fabsf(t));
+        word |= (u32)(c | ((t < 0.0f && c != 0) ? 0x80u : 0u)) << (8 * j);
+    }
+    *(u32*)(Q + at) = word;
+    if (lane == 0) S[(long long)g * m + row] = s;
+}
+
 // ---- Grouped GEMV of FP8 routed experts ----
 // moe.cu's grouped GEMV with FP8 units: tile t = (expert x, start, count) of the grid's y; for each pair
 // p = perm[start + m], y[p, :] = W_x · X[moe_x_row(p), :], W_x the bytes at w_ptrs[x] and its scales at

@@ -19,6 +19,9 @@ pub enum CudaError {
     /// A call into cuBLAS failed.
     #[error("cuBLAS: {0}")]
     Blas(#[from] cudarc::cublas::result::CublasError),
+    /// A call into cuBLASLt failed (the FP8 tensor-core GEMM).
+    #[error("cuBLASLt: {0}")]
+    BlasLt(String),
     /// NVRTC is not available (library not found) or failed outside compilation proper.
     #[error("NVRTC: {0}")]
     Nvrtc(String),

@@ -28,6 +28,8 @@ pub struct Gpu {
     pdl: bool,
     /// Times each launch while a timed capture is in progress.
     timer: KernelTimer,
+    /// cuBLASLt for the FP8 tensor-core GEMM, opened at its first use (`None`: not available).
+    pub(crate) fp8_lt: std::sync::OnceLock<Option<crate::ops::Fp8Lt>>,
 }
 
 /// How a [`Gpu`] opens. This crate reads no environment variable: its caller decides (the `sanmai`
@@ -78,6 +80,7 @@ impl Gpu {
             blas,
             pdl,
             timer: KernelTimer::default(),
+            fp8_lt: std::sync::OnceLock::new(),
         })
     }
 

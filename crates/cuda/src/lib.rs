@@ -60,8 +60,10 @@
 //!   word and scale addresses; a packed embedding table stays packed (its lookup decodes the rows).
 //! - Block-scaled FP8 weights (`quant_method: fp8`): `packed_weight` keeps an FP8 Linear as its bytes
 //!   and per-row block scales ([`CudaWeight::Fp8`], one byte a weight; shapes the FP8 kernels do not
-//!   take, see [`fp8_fits`], become bf16); `linear` runs the FP8 GEMV up to 8 rows and the tiled
-//!   dequantise + cuBLAS GEMM beyond; routed FP8 experts run the grouped FP8 GEMV.
+//!   take, see [`fp8_fits`], become bf16); `linear` runs the FP8 GEMV up to 8 rows and beyond, on a
+//!   Hopper with 128×128 blocks, the FP8 tensor-core GEMM through cuBLASLt (activations quantised per
+//!   token group, [`Gpu::quant_f8_tokens`], [`Gpu::gemm_fp8_lt`]; checked once against the bf16
+//!   tiles), else the tiled dequantise + cuBLAS GEMM; routed FP8 experts run the grouped FP8 GEMV.
 //!
 //! - The NCCL link between pipeline stages on two devices ([`link`]): [`link::connect`] joins two
 //!   backends with a two-rank communicator, [`link::LinkSender::send`] and
@@ -103,6 +105,7 @@ pub use device::{device_count, driver_version, gpu_present, probe, DeviceInfo, D
 pub use error::{CudaError, Result};
 pub use gpu::{device_memory, Gpu, GpuOptions};
 pub use ops::{fp8_fits, Fp8Experts, Fp8Mat, Fp8Part};
+pub use ops::{lt_block_scales, Fp8Lt, LtCheck, LT_BLOCK};
 pub use ops::{
     moe_max_tiles, AttnDims, ChunkRows, DecodeLens, GdnDecodeWeights, GdnDims, HeadLayout,
     HeadNorm, KvPools, MoeOut, MropeArgs, NormRows, PagedCache, PleDims, Queries, RopeArgs,

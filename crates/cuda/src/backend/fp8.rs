@@ -1,8 +1,13 @@
 //! Block-scaled FP8 weights in the backend: uploaded as their bytes and per-row block scales
 //! ([`CudaWeight::Fp8`], no dequantised copy), multiplied by the FP8 GEMV for up to 8 rows (one byte a
-//! weight) and by the tiled dequantise + cuBLAS GEMM beyond, through the packed formats' persistent
-//! bf16 workspace (allocated with the first packed or FP8 weight). Routed FP8 experts take the grouped
-//! FP8 GEMV (`backend/moe.rs`).
+//! weight) and beyond by the FP8 tensor-core GEMM (Hopper, 128×128 blocks: the activations quantised
+//! per token group, `ops::fp8_lt`) or else the tiled dequantise + cuBLAS GEMM, through the packed
+//! formats' persistent bf16 workspace (allocated with the first packed or FP8 weight). Routed FP8
+//! experts take the grouped FP8 GEMV (`backend/moe.rs`).
+//!
+//! The tensor-core GEMM is checked once, at its first product outside a graph capture, against the
+//! bf16 tiles on the same input: within [`LT_CHECK_RMS`] it serves every later product; otherwise
+//! (a cuBLASLt that reads the scales otherwise, an error) the bf16 tiles do, with a warning.
 //!
 //! A matrix whose shape the FP8 kernels do not take ([`fp8_fits`]: `k` or the block's columns not a
 //! multiple of 16) is dequantised on the host and kept as bf16 instead.
@@ -16,11 +21,16 @@ use sanmai_model::backend::{PackedTensor, PackedWords};
 use super::tensor::{CudaTensor, CudaWeight, Fp8Weight};
 use super::CudaBackend;
 use crate::error::{ensure, CudaError, Result};
-use crate::ops::fp8_fits;
+use crate::ops::{fp8_fits, lt_block_scales, Fp8Lt, LtCheck, LT_BLOCK};
 use sanmai_weights::quant::PACKED_WORKSPACE_BYTES;
 
 /// Rows the FP8 GEMV takes per launch.
 const GEMV_ROWS: usize = 8;
+
+/// The largest relative RMS difference between the FP8 tensor-core GEMM (activations in e4m3, about
+/// 2–3% apart from bf16 on their own) and the bf16 tiles at which the first check passes; a misread
+/// scale layout is several times larger.
+pub const LT_CHECK_RMS: f64 = 0.1;
 
 /// Device bytes `p` (an FP8 tensor, `p.fp8`) occupies when the backend keeps it as FP8 (one byte a
 /// weight plus the f32 scales), or `None` when it would be dequantised to bf16 instead.
@@ -53,6 +63,12 @@ impl CudaBackend {
         )?;
         let bytes = self.gpu.upload(&raw[..n * k])?;
         let scales = self.gpu.upload(&p.scales)?;
+        let blk = match self.gpu.info().compute_capability.0 {
+            9 => lt_block_scales(&p.scales, n, k, p.group_size)
+                .map(|b| self.gpu.upload(&b))
+                .transpose()?,
+            _ => None,
+        };
         {
             let mut st = self.lock();
             if st.packed_ws.is_none() {
@@ -64,6 +80,7 @@ impl CudaBackend {
             group: p.group_size,
             bytes,
             scales,
+            blk,
         });
         self.weight_bytes.fetch_add(w.bytes(), Ordering::Relaxed);
         self.epoch.fetch_add(1, Ordering::Relaxed);
@@ -82,12 +99,97 @@ impl CudaBackend {
         if (1..=GEMV_ROWS).contains(&m) {
             return g.gemv_fp8(&w.mat(), &x.buf, y, m);
         }
+        if let (Some(blk), Some(lt)) = (&w.blk, g.fp8_lt()) {
+            match lt.check.get() {
+                LtCheck::Passed => return self.gemm_fp8_tc(x, w, blk, lt, y),
+                LtCheck::Unchecked => {
+                    // Not under a graph capture (the check reads both products back).
+                    if let Ok(_free) = self.capture.try_lock() {
+                        return self.check_fp8_tc(x, w, blk, lt, y);
+                    }
+                }
+                LtCheck::Failed => {}
+            }
+        }
+        self.gemm_fp8_tiles(x, w, y)
+    }
+
+    /// `y = x · wᵀ` by the tiled dequantise + cuBLAS GEMM.
+    fn gemm_fp8_tiles(&self, x: &CudaTensor, w: &Fp8Weight, y: &mut CudaSlice<bf16>) -> Result<()> {
         let mut st = self.lock();
         let ws = st.packed_ws.as_mut().ok_or_else(|| CudaError::Shape {
             op: "linear",
             msg: "FP8 weight without the packed workspace".into(),
         })?;
-        g.gemm_fp8(&x.buf, &w.mat(), y, ws, m)
+        self.gpu.gemm_fp8(&x.buf, &w.mat(), y, ws, x.rows)
+    }
+
+    /// `y = x · wᵀ` on the FP8 tensor cores: x quantised per token group into step-local buffers,
+    /// then cuBLASLt.
+    fn gemm_fp8_tc(
+        &self,
+        x: &CudaTensor,
+        w: &Fp8Weight,
+        blk: &CudaSlice<f32>,
+        lt: &Fp8Lt,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let (m, k) = (x.rows, w.in_features());
+        let s = self.gpu.stream();
+        // SAFETY: quant_f8_tokens writes every element of both before the GEMM reads them.
+        let (mut xq, mut xs) = unsafe {
+            (
+                s.alloc::<u8>((m * k).max(1))?,
+                s.alloc::<f32>((m * k / LT_BLOCK).max(1))?,
+            )
+        };
+        self.gpu.quant_f8_tokens(&x.buf, &mut xq, &mut xs, m, k)?;
+        self.gpu.gemm_fp8_lt(lt, &xq, &xs, &w.mat(), blk, y, m)
+    }
+
+    /// The first tensor-core product: computed both ways, compared, the verdict kept in `lt`; `y`
+    /// gets the bf16 tiles' product.
+    fn check_fp8_tc(
+        &self,
+        x: &CudaTensor,
+        w: &Fp8Weight,
+        blk: &CudaSlice<f32>,
+        lt: &Fp8Lt,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        self.gemm_fp8_tiles(x, w, y)?;
+        // SAFETY: gemm_fp8_tc writes every element.
+        let mut tc = unsafe { self.gpu.stream().alloc::<bf16>(y.len()) }?;
+        let verdict = match self.gemm_fp8_tc(x, w, blk, lt, &mut tc) {
+            Ok(()) => {
+                let (a, b) = (self.gpu.download(&tc)?, self.gpu.download(&*y)?);
+                let rms = rel_rms(&a, &b);
+                if rms <= LT_CHECK_RMS {
+                    tracing::info!(
+                        "FP8 prefill GEMMs on the FP8 tensor cores (the first product, [{}, {}] ×                          [{}, {}]ᵀ, is {:.2}% RMS from the bf16 tiles)",
+                        x.rows,
+                        x.cols,
+                        w.out_features(),
+                        w.in_features(),
+                        100.0 * rms
+                    );
+                    LtCheck::Passed
+                } else {
+                    tracing::warn!(
+                        "FP8 prefill GEMMs dequantise to bf16 tiles: the tensor-core product is                          {:.1}% RMS from them (above {:.0}%)",
+                        100.0 * rms,
+                        100.0 * LT_CHECK_RMS
+                    );
+                    LtCheck::Failed
+                }
+            }
+            Err(e) => {
+                tracing::warn!("FP8 prefill GEMMs dequantise to bf16 tiles: {e}");
+                LtCheck::Failed
+            }
+        };
+        lt.check.set(verdict);
+        Ok(())
     }
 
     /// `ys[i] = x · ws[i]ᵀ` in one FP8 GEMV launch: FP8 weights of one group, at most `GEMV_SEGS`,
@@ -136,9 +238,35 @@ impl CudaBackend {
     }
 }
 
+/// `‖a − b‖ / ‖b‖` over bf16 values (0 for an all-zero `b` equal to `a`).
+fn rel_rms(a: &[bf16], b: &[bf16]) -> f64 {
+    let (mut d, mut r) = (0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        let (x, y) = (f64::from(x.to_f32()), f64::from(y.to_f32()));
+        d += (x - y) * (x - y);
+        r += y * y;
+    }
+    if d == 0.0 {
+        0.0
+    } else if r == 0.0 {
+        f64::INFINITY
+    } else {
+        (d / r).sqrt()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn relative_rms_of_bf16_rows() {
+        let b: Vec<bf16> = [3.0f32, 4.0].map(bf16::from_f32).to_vec();
+        let a: Vec<bf16> = [3.0f32, 4.5].map(bf16::from_f32).to_vec();
+        assert_eq!(rel_rms(&b, &b), 0.0);
+        assert!((rel_rms(&a, &b) - 0.1).abs() < 1e-12);
+        assert_eq!(rel_rms(&a, &[bf16::ZERO; 2]), f64::INFINITY);
+    }
 
     #[test]
     fn device_bytes_are_one_a_weight_plus_scales() {

@@ -89,6 +89,10 @@ pub struct Fp8Weight {
     pub group: usize,
     pub(crate) bytes: CudaSlice<u8>,
     pub(crate) scales: CudaSlice<f32>,
+    /// The 128×128 block scales in cuBLASLt's layout, for the FP8 tensor-core prefill GEMM: on a
+    /// Hopper, for a weight of 128×128 blocks (`ops::lt_block_scales`); a few KB, not counted in
+    /// [`CudaWeight::bytes`] (the plan made without a GPU counts the same bytes).
+    pub(crate) blk: Option<CudaSlice<f32>>,
 }
 
 impl Fp8Weight {

@@ -13,6 +13,7 @@ mod attention;
 mod conv;
 mod elementwise;
 mod fp8;
+mod fp8_lt;
 mod gdn;
 mod gdn_chunk;
 mod gemm;
@@ -37,6 +38,7 @@ pub use attention::{
 };
 pub use conv::ConvWeight;
 pub use fp8::{fp8_fits, Fp8Experts, Fp8Mat, Fp8Part};
+pub use fp8_lt::{lt_block_scales, Fp8Lt, LtCheck, LT_BLOCK};
 pub use gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnPools, GdnProj, SeqRows};
 pub use gdn_chunk::GdnGates;
 pub use gemv::GEMV_MAX_M;

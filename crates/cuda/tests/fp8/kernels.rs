@@ -10,7 +10,7 @@ use sanmai_weights::fp8;
 
 use crate::{bf16_round, rel_errors, Rng};
 
-fn gpu(test: &str) -> Option<Gpu> {
+pub(crate) fn gpu(test: &str) -> Option<Gpu> {
     match Gpu::new(0, &crate::options::gpu_options()) {
         Ok(g) => Some(g),
         Err(e) => {
@@ -20,7 +20,7 @@ fn gpu(test: &str) -> Option<Gpu> {
     }
 }
 
-fn cfg(block: [usize; 2]) -> Fp8Config {
+pub(crate) fn cfg(block: [usize; 2]) -> Fp8Config {
     Fp8Config {
         block,
         not_converted: Vec::new(),
@@ -29,17 +29,17 @@ fn cfg(block: [usize; 2]) -> Fp8Config {
 
 /// A random FP8 weight `[n, k]`: its bytes (no NaN codes), its block scales (varied, so every block
 /// has its own) and the CPU oracle's f32 values.
-struct Weight {
-    bytes: Vec<u8>,
-    block_scales: Vec<f32>,
-    dense: Vec<f32>,
-    n: usize,
-    k: usize,
-    block: [usize; 2],
+pub(crate) struct Weight {
+    pub bytes: Vec<u8>,
+    pub block_scales: Vec<f32>,
+    pub dense: Vec<f32>,
+    pub n: usize,
+    pub k: usize,
+    pub block: [usize; 2],
 }
 
 impl Weight {
-    fn new(rng: &mut Rng, n: usize, k: usize, block: [usize; 2]) -> Self {
+    pub fn new(rng: &mut Rng, n: usize, k: usize, block: [usize; 2]) -> Self {
         let c = cfg(block);
         let bytes: Vec<u8> = (0..n * k)
             .map(|_| {
@@ -68,7 +68,7 @@ impl Weight {
 
     /// The weight on the device as the backend keeps it: its bytes and per-row scales (through
     /// `fp8::packed`, whose dequantisation must equal the oracle's bit for bit).
-    fn upload(&self, g: &Gpu) -> (CudaSlice<u8>, CudaSlice<f32>) {
+    pub fn upload(&self, g: &Gpu) -> (CudaSlice<u8>, CudaSlice<f32>) {
         let p = fp8::packed(
             "w",
             &self.bytes,
@@ -92,7 +92,7 @@ impl Weight {
     }
 }
 
-fn to_bf16(x: &[f32]) -> Vec<bf16> {
+pub(crate) fn to_bf16(x: &[f32]) -> Vec<bf16> {
     x.iter().map(|&v| bf16::from_f32(v)).collect()
 }
 
@@ -431,7 +431,7 @@ fn check_grouped(
 
 impl Rng {
     /// `n` standard normals.
-    fn normals(&mut self, n: usize) -> Vec<f32> {
+    pub(crate) fn normals(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.normal()).collect()
     }
 }

@@ -100,12 +100,13 @@ impl CudaBackend {
             return g.gemv_fp8(&w.mat(), &x.buf, y, m);
         }
         if let (Some(blk), Some(lt)) = (&w.blk, g.fp8_lt()) {
+            let tc = TcWeight { w, blk, lt };
             match lt.check.get() {
-                LtCheck::Passed => return self.gemm_fp8_tc(x, w, blk, lt, y),
+                LtCheck::Passed => return self.gemm_fp8_tc(x, &tc, y),
                 LtCheck::Unchecked => {
                     // Not under a graph capture (the check reads both products back).
                     if let Ok(_free) = self.capture.try_lock() {
-                        return self.check_fp8_tc(x, w, blk, lt, y);
+                        return self.check_fp8_tc(x, &tc, y);
                     }
                 }
                 LtCheck::Failed => {}
@@ -129,12 +130,10 @@ impl CudaBackend {
     fn gemm_fp8_tc(
         &self,
         x: &CudaTensor,
-        w: &Fp8Weight,
-        blk: &CudaSlice<f32>,
-        lt: &Fp8Lt,
+        tc: &TcWeight<'_>,
         y: &mut CudaSlice<bf16>,
     ) -> Result<()> {
-        let (m, k) = (x.rows, w.in_features());
+        let (m, k) = (x.rows, tc.w.in_features());
         let s = self.gpu.stream();
         // SAFETY: quant_f8_tokens writes every element of both before the GEMM reads them.
         let (mut xq, mut xs) = unsafe {
@@ -144,7 +143,8 @@ impl CudaBackend {
             )
         };
         self.gpu.quant_f8_tokens(&x.buf, &mut xq, &mut xs, m, k)?;
-        self.gpu.gemm_fp8_lt(lt, &xq, &xs, &w.mat(), blk, y, m)
+        let mat = tc.w.mat();
+        self.gpu.gemm_fp8_lt(tc.lt, &xq, &xs, &mat, tc.blk, y, m)
     }
 
     /// The first tensor-core product: computed both ways, compared, the verdict kept in `lt`; `y`
@@ -152,17 +152,16 @@ impl CudaBackend {
     fn check_fp8_tc(
         &self,
         x: &CudaTensor,
-        w: &Fp8Weight,
-        blk: &CudaSlice<f32>,
-        lt: &Fp8Lt,
+        tc: &TcWeight<'_>,
         y: &mut CudaSlice<bf16>,
     ) -> Result<()> {
+        let (w, lt) = (tc.w, tc.lt);
         self.gemm_fp8_tiles(x, w, y)?;
         // SAFETY: gemm_fp8_tc writes every element.
-        let mut tc = unsafe { self.gpu.stream().alloc::<bf16>(y.len()) }?;
-        let verdict = match self.gemm_fp8_tc(x, w, blk, lt, &mut tc) {
+        let mut out = unsafe { self.gpu.stream().alloc::<bf16>(y.len()) }?;
+        let verdict = match self.gemm_fp8_tc(x, tc, &mut out) {
             Ok(()) => {
-                let (a, b) = (self.gpu.download(&tc)?, self.gpu.download(&*y)?);
+                let (a, b) = (self.gpu.download(&out)?, self.gpu.download(&*y)?);
                 let rms = rel_rms(&a, &b);
                 if rms <= LT_CHECK_RMS {
                     tracing::info!(
@@ -236,6 +235,13 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// An FP8 weight on the tensor-core path: its cuBLASLt block scales and the library.
+struct TcWeight<'a> {
+    w: &'a Fp8Weight,
+    blk: &'a CudaSlice<f32>,
+    lt: &'a Fp8Lt,
 }
 
 /// `‖a − b‖ / ‖b‖` over bf16 values (0 for an all-zero `b` equal to `a`).

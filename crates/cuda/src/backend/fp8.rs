@@ -102,7 +102,14 @@ impl CudaBackend {
         if let (Some(blk), Some(lt)) = (&w.blk, g.fp8_lt()) {
             let tc = TcWeight { w, blk, lt };
             match lt.check.get() {
-                LtCheck::Passed => return self.gemm_fp8_tc(x, &tc, y),
+                LtCheck::Passed => match self.gemm_fp8_tc(x, &tc, y) {
+                    Ok(()) => return Ok(()),
+                    // A shape cuBLASLt takes no algorithm for: the tiles from now on.
+                    Err(e) => {
+                        tracing::warn!("FP8 prefill GEMMs dequantise to bf16 tiles from now: {e}");
+                        lt.check.set(LtCheck::Failed);
+                    }
+                },
                 LtCheck::Unchecked => {
                     // Not under a graph capture (the check reads both products back).
                     if let Ok(_free) = self.capture.try_lock() {

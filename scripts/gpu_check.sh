@@ -26,6 +26,8 @@
 # Optional: BIN_DIR/packed (target/release/deps/packed-<hash>), the packed-weight tests (grouped packed
 # GEMV and packed linear parity, the quantized tiny fixture GPU against CPU), run when present into
 # OUT_DIR/packed.log (its failure fails the check).
+# Optional: BIN_DIR/fp8, BIN_DIR/mrope and BIN_DIR/vision (their test binaries), each into OUT_DIR/NAME.log
+# (their `FP8` lines include the FP8 tensor-core GEMM against its CPU twin; a failure fails the check).
 set -uo pipefail
 
 report_only=0
@@ -48,16 +50,20 @@ render() {
     echo "- parity $(grep -E '^test result:' "$out/parity.log" | head -1)"
     echo "- e2e $(grep -E '^test result:' "$out/e2e.log" 2>/dev/null | head -1)"
     echo "- graphs $(grep -E '^test result:' "$out/graphs.log" 2>/dev/null | head -1)"
+    for b in fp8 mrope vision; do
+      [ -f "$out/$b.log" ] && echo "- $b $(grep -E '^test result:' "$out/$b.log" | head -1)"
+    done
     if tagged 'skipped:' "$out/parity.log" | grep -q .; then
       echo "- skipped:"
       tagged 'skipped:' "$out/parity.log" | sed 's/^/  - /'
     fi
-    if grep -q 'panicked' "$out/parity.log" "$out/e2e.log" "$out/graphs.log" "$out/packed.log" 2>/dev/null; then
+    fails=("$out/parity.log" "$out/e2e.log" "$out/graphs.log" "$out/packed.log" "$out/fp8.log" "$out/mrope.log" "$out/vision.log")
+    if grep -q 'panicked' "${fails[@]}" 2>/dev/null; then
       echo
       echo "## Failures"
       echo
       echo '```'
-      grep -h -A3 'panicked' "$out/parity.log" "$out/e2e.log" "$out/graphs.log" "$out/packed.log" 2>/dev/null | head -60
+      grep -h -A3 'panicked' "${fails[@]}" 2>/dev/null | head -60
       echo '```'
     fi
     echo
@@ -125,6 +131,14 @@ render() {
     tagged PACKED "$out/packed.log"
     tagged 'skipped:' "$out/packed.log"
     grep -E '^test result:' "$out/packed.log" 2>/dev/null
+    echo '```'
+    echo
+    echo "## FP8 weights (GEMV, grouped GEMV, dequantised tiles, tensor-core GEMM, fixtures)"
+    echo
+    echo '```'
+    tagged FP8 "$out/fp8.log"
+    tagged 'skipped:' "$out/fp8.log"
+    grep -E '^test result:' "$out/fp8.log" 2>/dev/null
     echo '```'
     echo
     echo "## Models (scripts/gpu_models.sh: sanmai bench with the roofline, sanmai serve)"
@@ -195,6 +209,12 @@ packed_rc=0
 if [ -x "$bin_dir/packed" ]; then
   "$bin_dir/packed" --test-threads=1 --nocapture >"$out/packed.log" 2>&1 || packed_rc=$?
 fi
+extra_rc=0
+for b in fp8 mrope vision; do
+  if [ -x "$bin_dir/$b" ]; then
+    "$bin_dir/$b" --test-threads=1 --nocapture >"$out/$b.log" 2>&1 || extra_rc=$?
+  fi
+done
 
 {
   echo "- date: $(date -u +%Y-%m-%dT%H:%MZ)"
@@ -213,4 +233,4 @@ if [ -x "$bin_dir/sanmai" ]; then
 fi
 render
 [ "$parity_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] && [ "$e2e_rc" -eq 0 ] && [ "$graphs_rc" -eq 0 ] &&
-  [ "$qsa_rc" -eq 0 ] && [ "$packed_rc" -eq 0 ] && [ "$models_rc" -eq 0 ]
+  [ "$qsa_rc" -eq 0 ] && [ "$packed_rc" -eq 0 ] && [ "$extra_rc" -eq 0 ] && [ "$models_rc" -eq 0 ]

@@ -152,20 +152,41 @@ def generate(split, n, seed, kinds=None):
     return out
 
 
-def pack(path, n, seed, max_len, template):
+def _tokenize(args):
+    """The (prompt, completion) token ids of `examples` rendered with `template` (a worker's share)."""
+    from tokenization import Tokenizer
+
+    examples, template = args
+    tok, renderer = Tokenizer(), Renderer(template)
+    return [tuple(map(tok.encode, renderer.prompt_and_completion(ex))) for ex in examples]
+
+
+def _compress(raw):
+    return lzma.compress(raw, preset=6)
+
+
+def pack(path, n, seed, max_len, template, workers=1):
     """Renders and tokenizes `n` training exchanges into `path` (.npz): `ids_xz` (all exchanges' tokens,
     int32, one after the other, LZMA-compressed; `load_ids` reads them), `offsets` (where each starts; one more than exchanges), `reply_start`
-    (each exchange's first reply token, relative to its start), `kind` (index into `kinds`)."""
+    (each exchange's first reply token, relative to its start), `kind` (index into `kinds`).
+    With `workers` > 1 the rendering, tokenizing and compression run in that many processes: the same
+    exchanges and token ids (the examples are drawn in one sequence either way), the ids compressed as
+    consecutive LZMA streams, which `load_ids` reads alike."""
+    import multiprocessing
     import numpy as np
 
-    from tokenization import IM_END_ID, Tokenizer
+    from tokenization import IM_END_ID
 
-    tok = Tokenizer()
-    renderer = Renderer(template)
+    examples = generate("train", n, seed)
+    if workers > 1:
+        share = -(-len(examples) // (4 * workers))
+        parts = [(examples[i:i + share], template) for i in range(0, len(examples), share)]
+        pool = multiprocessing.get_context("spawn").Pool(workers)
+        tokenized = [pc for part in pool.map(_tokenize, parts) for pc in part]
+    else:
+        pool, tokenized = None, _tokenize((examples, template))
     ids, offsets, starts, kind_ix, skipped = [], [0], [], [], 0
-    for ex in generate("train", n, seed):
-        prompt, completion = renderer.prompt_and_completion(ex)
-        p, c = tok.encode(prompt), tok.encode(completion)
+    for ex, (p, c) in zip(examples, tokenized):
         if c[-1] != IM_END_ID:
             raise RuntimeError("a reply does not end with <|im_end|>")
         if len(p) + len(c) > max_len:
@@ -176,7 +197,14 @@ def pack(path, n, seed, max_len, template):
         starts.append(len(p))
         kind_ix.append(TRAIN_KINDS.index(ex["kind"]))
     # The token ids LZMA-compressed (a third of zlib's size: the contexts repeat a lot).
-    xz = np.frombuffer(lzma.compress(np.asarray(ids, np.int32).tobytes(), preset=6), np.uint8)
+    raw = np.asarray(ids, np.int32).tobytes()
+    if pool is None:
+        xz = np.frombuffer(_compress(raw), np.uint8)
+    else:
+        step = -(-len(raw) // (4 * workers * 4)) * 4
+        with pool:
+            streams = pool.map(_compress, [raw[i:i + step] for i in range(0, len(raw), step)])
+        xz = np.frombuffer(b"".join(streams), np.uint8)
     np.savez_compressed(path, ids_xz=xz, offsets=np.asarray(offsets, np.int64),
                         reply_start=np.asarray(starts, np.int32), kind=np.asarray(kind_ix, np.int8),
                         kinds=np.asarray(TRAIN_KINDS), seed=np.asarray(seed))
@@ -201,9 +229,13 @@ def main():
     p.add_argument("--json", action="store_true", help="print the examples as JSON lines")
     p.add_argument("--pack", default=None, help="write --n training exchanges as token arrays (.npz) here")
     p.add_argument("--max-len", type=int, default=4096, help="with --pack: longer exchanges are left out")
+    p.add_argument("--workers", type=int, default=1, help="with --pack: processes that render, tokenize "
+                   "and compress (the same exchanges and ids; the compressed bytes differ from one's)")
     args = p.parse_args()
+    if args.workers < 1:
+        p.error("--workers must be at least 1")
     if args.pack:
-        print(json.dumps(pack(args.pack, args.n, args.seed, args.max_len, args.template)))
+        print(json.dumps(pack(args.pack, args.n, args.seed, args.max_len, args.template, args.workers)))
         return 0
     r = Renderer(args.template)
     for ex in generate(args.split, args.n, args.seed):

@@ -21,7 +21,8 @@ OUT_DIR receives:
                        no `lm_head.weight` (tied). With --int4-embed the embedding is INT4
                        pack-quantized (a scale per 32 inputs), the rest bf16.
   generation_config.json, loss.csv (step, loss, mtp_loss, aux_loss, lr, tokens, seconds),
-  training.json        the arguments, data seed and final figures (eval.py reads the data seed).
+  training.json        the arguments, data seed and final figures (eval.py reads the data seed); with
+                       --save-every, interim exports write the model files and a `partial` one.
 
 Serve it with `sanmai serve --model OUT_DIR`; score it with `eval.py OUT_DIR --base-url URL`.
 """
@@ -552,6 +553,9 @@ def main():
     p.add_argument("--mtp-weight", type=float, default=0.3)
     p.add_argument("--aux-loss", type=float, default=0.01, help="router load-balancing loss weight")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--save-every", type=float, default=0, metavar="SECONDS",
+                   help="also export the model every SECONDS of training (each file replaced whole), so "
+                        "that a run stopped early leaves its last export; 0: at the end only")
     p.add_argument("--int4-embed", action="store_true", help="export the embedding INT4 pack-quantized")
     p.add_argument("--int4-group", type=int, default=32)
     p.add_argument("--no-vision", action="store_true", help="export without the vision tower")
@@ -657,6 +661,23 @@ def main():
     start = time.time()
     mark = (0, start)
     marks = []
+    saved = start
+
+    def save_now(step):
+        """An interim export, written beside and then moved over the previous one file by file."""
+        if cuda:
+            torch.cuda.synchronize()
+        tmp = args.out_dir.rstrip("/") + ".saving"
+        export(tmp, top, text, model, mtp, args)
+        for name in os.listdir(tmp):
+            os.replace(os.path.join(tmp, name), os.path.join(args.out_dir, name))
+        os.rmdir(tmp)
+        with open(os.path.join(args.out_dir, "training.json"), "w") as f:
+            json.dump({"args": dict(vars(args), active=None, inactive=None, column_bias=None),
+                       "partial": True, "steps": step, "train_seconds": round(time.time() - start, 1)},
+                      f, indent=2)
+            f.write("\n")
+        log(f"saved the model at step {step}")
     while progress(step, time.time() - start) < 1:
         lr = lr_at(step, time.time() - start)
         if cuda:
@@ -691,6 +712,9 @@ def main():
             mark = (step, now)
             marks.append(mark)
             acc.zero_()
+            if args.save_every and now - saved >= args.save_every and progress(step, now - start) < 1:
+                save_now(step)
+                saved = time.time()
     fcsv.close()
     if cuda:
         torch.cuda.synchronize()

@@ -19,6 +19,7 @@ use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::fp8::Fp8Mat;
+use crate::device::guarded;
 use crate::error::{ensure, CudaError, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
@@ -182,11 +183,15 @@ impl Gpu {
     pub fn fp8_lt(&self) -> Option<&Fp8Lt> {
         self.fp8_lt
             .get_or_init(|| {
-                Fp8Lt::open(self.stream(), self.info().compute_capability)
-                    .inspect_err(|why| {
-                        tracing::info!("FP8 prefill GEMMs dequantise to bf16 tiles: {why}")
-                    })
-                    .ok()
+                // A missing libcublasLt panics inside cudarc's loader: an error here.
+                let compute = self.info().compute_capability;
+                guarded("cuBLASLt", || {
+                    Fp8Lt::open(self.stream(), compute).map_err(CudaError::BlasLt)
+                })
+                .inspect_err(|why| {
+                    tracing::info!("FP8 prefill GEMMs dequantise to bf16 tiles: {why}")
+                })
+                .ok()
             })
             .as_ref()
     }

@@ -168,7 +168,9 @@ impl Drop for Descs {
     fn drop(&mut self) {
         // SAFETY: every handle was created once by the functions of `lt` and is destroyed once.
         unsafe {
-            let _ = lt::destroy_matmul_pref(self.pref);
+            if !self.pref.is_null() {
+                let _ = lt::destroy_matmul_pref(self.pref);
+            }
             for l in &self.layouts {
                 let _ = lt::destroy_matrix_layout(*l);
             }

@@ -212,7 +212,7 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
             args.gen_len
         );
         if args.kernel_times {
-            bench_kernels::run(m, &mut decode, itl)?;
+            bench_kernels::run(m, || decode.step(m), itl)?;
         }
         let context = args.prompt_len + args.gen_len / 2;
         let bytes = m.decode_step_bytes(batch, context, &routed);
@@ -298,7 +298,7 @@ fn warm_up<B: Backend>(args: &BenchArgs, loaded: &Loaded<B>) -> Result<()> {
 
 /// The benchmark's sequences mid-decode: each one's cache (state slot, blocks), tokens from
 /// position 0 and greedy next token.
-pub(crate) struct Decode<'a> {
+struct Decode<'a> {
     seqs: &'a [(usize, Vec<u32>)],
     hist: &'a mut Vec<Vec<u32>>,
     next: &'a mut Vec<u32>,
@@ -308,7 +308,7 @@ pub(crate) struct Decode<'a> {
 impl Decode<'_> {
     /// One decode step of every sequence: its next token appended and run, the greedy token after
     /// it taken.
-    pub(crate) fn step<B: Backend>(&mut self, m: &Model<B>) -> Result<()> {
+    fn step<B: Backend>(&mut self, m: &Model<B>) -> Result<()> {
         for (h, &n) in self.hist.iter_mut().zip(self.next.iter()) {
             h.push(n);
         }

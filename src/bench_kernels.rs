@@ -6,17 +6,15 @@ use std::collections::HashMap;
 use anyhow::Result;
 use sanmai_model::{Model, Probe};
 
-use crate::bench::Decode;
-
 /// Decode steps run with timing on: the warm-up of the timed recording, its capture (and first
 /// replay), and the replay that is read.
 pub const STEPS: usize = 3;
 
-/// Runs [`STEPS`] decode steps with kernel timing on and prints the last one by kernel, beside the
-/// untimed median step `itl` (seconds).
-pub fn run<B: Probe>(m: &Model<B>, decode: &mut Decode<'_>, itl: f64) -> Result<()> {
+/// Runs [`STEPS`] decode steps (`step`, one each call) with kernel timing on and prints the last one
+/// by kernel, beside the untimed median step `itl` (seconds).
+pub fn run<B: Probe>(m: &Model<B>, mut step: impl FnMut() -> Result<()>, itl: f64) -> Result<()> {
     m.backend.time_kernels(true);
-    let steps = (0..STEPS).try_for_each(|_| decode.step(m));
+    let steps = (0..STEPS).try_for_each(|_| step());
     let times = m.backend.kernel_times();
     m.backend.time_kernels(false);
     steps?;

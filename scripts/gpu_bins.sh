@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what scripts/gpu_check.sh runs on a GPU host and copies it, stripped, into BIN_DIR:
 # `sanmai` (release, --features cuda) and the sanmai-cuda test binaries (parity, e2e, graphs, packed,
-# qsa_ple, qsa_ple_e2e, mrope, vision, fp8). Run from the repository root on the build machine (no GPU needed).
+# qsa_ple, qsa_ple_e2e, mrope, vision, fp8, and nccl_link for scripts/gpu_multi.sh). Run from the repository root on the build machine (no GPU needed).
 #
 #   scripts/gpu_bins.sh BIN_DIR
 set -euo pipefail
@@ -21,7 +21,7 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])
 ' | while read -r name exe; do
   case "$name" in
-    parity | e2e | graphs | packed | qsa_ple | qsa_ple_e2e | mrope | vision | fp8) install -m 755 "$exe" "$dir/$name" ;;
+    parity | e2e | graphs | packed | qsa_ple | qsa_ple_e2e | mrope | vision | fp8 | nccl_link) install -m 755 "$exe" "$dir/$name" ;;
   esac
 done
 strip "$dir"/*

@@ -111,40 +111,21 @@ sys.exit(0 if len(ok) == len(kept) and idle_after is not None and after else 1)
 PY
 }
 
-serve_case() {
-  local name=$1 stages=$2; shift 2
-  local port=$((18500 + RANDOM % 1000))
-  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 >"$out/$name.mem" 2>/dev/null &
-  local smi=$!
-  local t0=$(date +%s)
-  RUST_LOG=info NO_COLOR=1 "$sanmai" serve --port "$port" --served-model-name m "$@" >"$out/$name.serve.log" 2>&1 &
-  local pid=$!
-  local ready=0
-  wait_ready "$port" "$pid" && ready=1
-  echo "$name: ready=$ready after $(($(date +%s) - t0)) s" | tee -a "$out/summary.txt"
-  if [ $ready = 1 ]; then
-    greedy_requests "http://127.0.0.1:$port" 40 300 1000 4000 >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
-    for c in 1 "$stages"; do
-      "$sanmai" bench serve --url "http://127.0.0.1:$port" --concurrency "$c" --num-prompts $((3 * c)) \
-        --prompt-len 512 --gen-len 64 >>"$out/$name.bench.log" 2>&1 || rc=1
-    done
-    if [ "$stages" -gt 1 ]; then
-      storm "http://127.0.0.1:$port" >"$out/$name.storm.json" 2>>"$out/$name.err" || rc=1
-      python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); r.pop("results"); print(sys.argv[2], "storm:", r)' \
-        "$out/$name.storm.json" "$name" >>"$out/summary.txt" 2>&1
-    fi
-    curl -sS "http://127.0.0.1:$port/metrics" >"$out/$name.metrics" 2>/dev/null
-  else
-    rc=1
+# The requests of a case (serve_run's BODY); `stages` is the case's number of stages.
+multi_requests() {
+  local name=$1 url=$2
+  greedy_requests "$url" 40 300 1000 4000 >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
+  for c in 1 "$stages"; do
+    "$sanmai" bench serve --url "$url" --concurrency "$c" --num-prompts $((3 * c)) \
+      --prompt-len 512 --gen-len 64 >>"$out/$name.bench.log" 2>&1 || rc=1
+  done
+  if [ "$stages" -gt 1 ]; then
+    storm "$url" >"$out/$name.storm.json" 2>>"$out/$name.err" || rc=1
+    python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); r.pop("results"); print(sys.argv[2], "storm:", r)' \
+      "$out/$name.storm.json" "$name" >>"$out/summary.txt" 2>&1
   fi
-  kill -TERM "$pid" 2>/dev/null
-  wait "$pid"
-  echo "$name: serve exit $?" >>"$out/summary.txt"
-  kill "$smi" 2>/dev/null
-  wait "$smi" 2>/dev/null
-  grep -h 'memory plan\|stage\|NCCL' "$out/$name.serve.log" | sed 's/\x1b\[[0-9;]*m//g' | head -40 >>"$out/summary.txt"
-  grep -q panicked "$out/$name.serve.log" && rc=1
 }
+serve_case() { local name=$1; stages=$2; shift 2; serve_run "$name" multi_requests "$@"; }
 
 flags=(--max-model-len 32768 --max-num-seqs 4 --max-num-batched-tokens 256)
 n125=$(( ngpu >= 3 ? 3 : 2 ))

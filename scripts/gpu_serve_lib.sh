@@ -1,4 +1,4 @@
-# Shell functions the GPU-host serve scripts share (sourced by gpu_stages.sh, gpu_offload.sh and
+# Shell functions the GPU-host serve scripts share (sourced by gpu_stages.sh, gpu_multi.sh, gpu_offload.sh and
 # gpu_long_context.sh).
 
 # serve_setup NAME OUT_DIR [BIN_DIR]: the scripts' common start. Sets out (OUT_DIR, created), sanmai
@@ -76,4 +76,40 @@ for one, other in pairs:
         bad += not (same_text and same_lp)
 sys.exit(1 if bad else 0)
 PY
+}
+
+# serve_run NAME BODY SERVE_ARGS...: `sanmai serve SERVE_ARGS` on a free port as model `m`, its log in
+# OUT_DIR/NAME.serve.log and the driver's used memory of every GPU sampled every 200 ms
+# (OUT_DIR/NAME.mem: index, MiB); once it answers, `BODY NAME URL` (a function of the calling script)
+# sends the case's requests; then /metrics goes to OUT_DIR/NAME.metrics, the server is stopped, and
+# its readiness, exit, memory (before start and peak, per GPU) and plan lines go to
+# OUT_DIR/summary.txt. Sets rc=1 when it does not start, panics, or BODY sets it.
+serve_run() {
+  local name=$1 body=$2
+  shift 2
+  local port=$((18500 + RANDOM % 1000))
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 200 >"$out/$name.mem" 2>/dev/null &
+  local smi=$!
+  local t0=$(date +%s)
+  RUST_LOG=info NO_COLOR=1 "$sanmai" serve --port "$port" --served-model-name m "$@" >"$out/$name.serve.log" 2>&1 &
+  local pid=$!
+  local ready=0
+  wait_ready "$port" "$pid" && ready=1
+  echo "$name: ready=$ready after $(($(date +%s) - t0)) s" | tee -a "$out/summary.txt"
+  if [ $ready = 1 ]; then
+    "$body" "$name" "http://127.0.0.1:$port"
+    curl -sS "http://127.0.0.1:$port/metrics" >"$out/$name.metrics" 2>/dev/null
+  else
+    rc=1
+  fi
+  kill -TERM "$pid" 2>/dev/null
+  wait "$pid"
+  echo "$name: serve exit $?" >>"$out/summary.txt"
+  kill "$smi" 2>/dev/null
+  wait "$smi" 2>/dev/null
+  awk -F', *' -v n="$name" '{ if (!($1 in b)) b[$1] = $2; if ($2 + 0 > p[$1] + 0) p[$1] = $2 }
+    END { for (i in b) printf "%s: gpu %s driver used MiB before start %s, peak %s\n", n, i, b[i], p[i] }' \
+    "$out/$name.mem" | sort | tee -a "$out/summary.txt"
+  grep -h 'memory plan\|stage\|NCCL' "$out/$name.serve.log" | sed 's/\x1b\[[0-9;]*m//g' | head -40 >>"$out/summary.txt"
+  if grep -q panicked "$out/$name.serve.log"; then rc=1; fi
 }

@@ -31,43 +31,21 @@ cases=${SANMAI_STAGE_CASES:-q125-1 q125-3 q125-3-nodefer q80-1 q80-2}
 "$sanmai" plan --config "$q125" --preset configs/deploy/3x3090.toml --device cuda:0,cuda:0,cuda:0 \
   >"$out/plan.txt" 2>&1 || rc=1
 
-serve_case() {
-  local name=$1; shift
-  local port=$((18500 + RANDOM % 1000))
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$out/$name.mem" 2>/dev/null &
-  local smi=$!
-  local t0=$(date +%s)
-  RUST_LOG=info NO_COLOR=1 "$sanmai" serve --port "$port" --served-model-name m "$@" >"$out/$name.serve.log" 2>&1 &
-  local pid=$!
-  local ready=0
-  wait_ready "$port" "$pid" && ready=1
-  echo "$name: ready=$ready after $(($(date +%s) - t0)) s" | tee -a "$out/summary.txt"
-  if [ $ready = 1 ]; then
-    greedy_requests "http://127.0.0.1:$port" 40 300 1000 4000 >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
-    curl -sS "http://127.0.0.1:$port/v1/chat/completions" -H 'content-type: application/json' \
-      -d '{"model":"m","messages":[{"role":"user","content":"Hello!"}],"max_tokens":16,"temperature":0}' \
-      >"$out/$name.chat.json" 2>>"$out/$name.err" || rc=1
-    for c in 1 3; do
-      "$sanmai" bench serve --url "http://127.0.0.1:$port" --concurrency $c --num-prompts $((3 * c)) \
-        --prompt-len 512 --gen-len 64 >>"$out/$name.bench.log" 2>&1 || rc=1
-    done
-    "$sanmai" bench serve --url "http://127.0.0.1:$port" --concurrency 1 --num-prompts 2 \
-      --prompt-len 8192 --gen-len 64 >>"$out/$name.bench.log" 2>&1 || rc=1
-    curl -sS "http://127.0.0.1:$port/metrics" >"$out/$name.metrics" 2>/dev/null
-  else
-    rc=1
-  fi
-  kill -TERM "$pid" 2>/dev/null
-  wait "$pid"
-  echo "$name: serve exit $?" >>"$out/summary.txt"
-  kill "$smi" 2>/dev/null
-  wait "$smi" 2>/dev/null
-  local base=$(head -1 "$out/$name.mem")
-  local peak=$(sort -n "$out/$name.mem" | tail -1)
-  echo "$name: driver used MiB before start $base, peak $peak" | tee -a "$out/summary.txt"
-  grep -h 'memory plan\|stage' "$out/$name.serve.log" | sed 's/\x1b\[[0-9;]*m//g' | head -40 >>"$out/summary.txt"
-  grep -q panicked "$out/$name.serve.log" && rc=1
+# The requests of a case (serve_run's BODY).
+stage_requests() {
+  local name=$1 url=$2
+  greedy_requests "$url" 40 300 1000 4000 >"$out/$name.seq.json" 2>>"$out/$name.err" || rc=1
+  curl -sS "$url/v1/chat/completions" -H 'content-type: application/json' \
+    -d '{"model":"m","messages":[{"role":"user","content":"Hello!"}],"max_tokens":16,"temperature":0}' \
+    >"$out/$name.chat.json" 2>>"$out/$name.err" || rc=1
+  for c in 1 3; do
+    "$sanmai" bench serve --url "$url" --concurrency $c --num-prompts $((3 * c)) \
+      --prompt-len 512 --gen-len 64 >>"$out/$name.bench.log" 2>&1 || rc=1
+  done
+  "$sanmai" bench serve --url "$url" --concurrency 1 --num-prompts 2 \
+    --prompt-len 8192 --gen-len 64 >>"$out/$name.bench.log" 2>&1 || rc=1
 }
+serve_case() { local name=$1; shift; serve_run "$name" stage_requests "$@"; }
 
 # The one-stage runs get the budget one card would need for the whole model.
 flags=(--max-model-len 32768 --max-num-seqs 4 --max-num-batched-tokens 256)

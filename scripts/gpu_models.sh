@@ -11,6 +11,8 @@
 #   with `sanmai ple create --rows-scale $SANMAI_PLE_ROWS_SCALE` (default 0.05, about 4.8 GB) in a
 #   temporary directory; with --kernel-times, each batch size's decode step by kernel (timed inside
 #   the graph replay, after the untimed figures);
+# - decode at batch 1 after prompts of each length in $SANMAI_BENCH_CONTEXTS (default "1024 16384") on
+#   the first of those configs: the roofline share at a long context beside a short one;
 # - `sanmai serve --device cuda` on the built-in model: the memory plan line, a chat completion through
 #   curl, a streamed one, and the server's shutdown.
 set -uo pipefail
@@ -44,6 +46,10 @@ for c in $configs; do
   run "$sanmai" bench --device cuda --load-format dummy --config "$c" "${extra[@]}" --batch "$batches" \
     --prompt-len 512 --gen-len 32 --kernel-times
   [ -n "${table:-}" ] && rm -rf "$table" && table=
+done
+first=${configs%% *}
+for ctx in ${SANMAI_BENCH_CONTEXTS:-1024 16384}; do
+  run "$sanmai" bench --device cuda --load-format dummy --config "$first" --batch 1 --prompt-len "$ctx" --gen-len 32
 done
 
 port=18431

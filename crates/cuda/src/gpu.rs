@@ -30,6 +30,8 @@ pub struct Gpu {
     timer: KernelTimer,
     /// cuBLASLt for the FP8 tensor-core GEMM, opened at its first use (`None`: not available).
     pub(crate) fp8_lt: std::sync::OnceLock<Option<crate::ops::Fp8Lt>>,
+    /// Whether the routed FP8 experts' tensor-core GEMM passed its first-use check.
+    pub(crate) fp8_mma_check: crate::ops::LtVerdict,
 }
 
 /// How a [`Gpu`] opens. This crate reads no environment variable: its caller decides (the `sanmai`
@@ -81,6 +83,7 @@ impl Gpu {
             pdl,
             timer: KernelTimer::default(),
             fp8_lt: std::sync::OnceLock::new(),
+            fp8_mma_check: crate::ops::LtVerdict::default(),
         })
     }
 

@@ -7,7 +7,10 @@
 //!
 //! The tensor-core GEMM is checked once, at its first product outside a graph capture, against the
 //! bf16 tiles on the same input: within [`LT_CHECK_RMS`] it serves every later product; otherwise
-//! (a cuBLASLt that reads the scales otherwise, an error) the bf16 tiles do, with a warning.
+//! (a cuBLASLt that reads the scales otherwise, an error) the bf16 tiles do, with a warning. The
+//! routed experts' grouped GEMM of a prefill step takes the FP8 tensor cores the same way
+//! (`mma.sync` e4m3 on sm_89 and later, the pairs' input rows quantised per row and 128 columns;
+//! checked on its first gate|up product).
 //!
 //! A matrix whose shape the FP8 kernels do not take ([`fp8_fits`]: `k` or the block's columns not a
 //! multiple of 16) is dequantised on the host and kept as bf16 instead.
@@ -21,7 +24,9 @@ use sanmai_model::backend::{PackedTensor, PackedWords};
 use super::tensor::{CudaTensor, CudaWeight, Fp8Weight};
 use super::CudaBackend;
 use crate::error::{ensure, CudaError, Result};
-use crate::ops::{fp8_fits, lt_block_scales, Fp8Lt, LtCheck, LT_BLOCK};
+use crate::ops::{
+    fp8_fits, lt_block_scales, Fp8Experts, Fp8Lt, LtCheck, MoeOut, PairGroups, PairRows, LT_BLOCK,
+};
 use sanmai_weights::quant::PACKED_WORKSPACE_BYTES;
 
 /// Rows the FP8 GEMV takes per launch.
@@ -196,6 +201,103 @@ impl CudaBackend {
         };
         lt.check.set(verdict);
         Ok(())
+    }
+
+    /// The routed FP8 experts' gate|up grouped GEMM of a prefill step: on the FP8 tensor cores
+    /// ([`Gpu::moe_gemm_fp8_mma`](crate::Gpu::moe_gemm_fp8_mma)) once their first product, outside a
+    /// graph capture, is within [`LT_CHECK_RMS`] of the bf16 tiles' ([`Gpu::moe_gemm_fp8`](crate::Gpu::moe_gemm_fp8)),
+    /// which serve otherwise (and that first time).
+    pub(crate) fn moe_gemm_fp8_gate_up(
+        &self,
+        experts: &Fp8Experts<'_, CudaSlice<u64>>,
+        input: &PairRows<'_, CudaSlice<bf16>>,
+        groups: &PairGroups<'_, CudaSlice<u32>>,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<()> {
+        let g = &self.gpu;
+        if !g.moe_gemm_fp8_mma_supports(experts.group, experts.k) {
+            return g.moe_gemm_fp8(experts, input, groups, y);
+        }
+        match g.fp8_mma_check.get() {
+            LtCheck::Passed => return self.moe_gemm_fp8_quantised(experts, input, groups, y),
+            LtCheck::Failed => return g.moe_gemm_fp8(experts, input, groups, y),
+            LtCheck::Unchecked => {}
+        }
+        g.moe_gemm_fp8(experts, input, groups, y)?;
+        // Not under a graph capture (the check reads both products back).
+        let Ok(_free) = self.capture.try_lock() else {
+            return Ok(());
+        };
+        let mut out = self.scratch::<bf16>(y.len())?;
+        let verdict = match self.moe_gemm_fp8_quantised(experts, input, groups, &mut out) {
+            Ok(()) => {
+                let rms = rel_rms(&g.download(&out)?, &g.download(&*y)?);
+                if rms <= LT_CHECK_RMS {
+                    tracing::info!(
+                        "FP8 expert prefill GEMMs on the FP8 tensor cores (the first gate|up product, \
+                         {} pairs, is {:.2}% RMS from the bf16 tiles)",
+                        groups.n_pairs,
+                        100.0 * rms
+                    );
+                    LtCheck::Passed
+                } else {
+                    tracing::warn!(
+                        "FP8 expert prefill GEMMs decode to bf16 tiles: the tensor-core product is \
+                         {:.1}% RMS from them (above {:.0}%)",
+                        100.0 * rms,
+                        100.0 * LT_CHECK_RMS
+                    );
+                    LtCheck::Failed
+                }
+            }
+            Err(e) => {
+                tracing::warn!("FP8 expert prefill GEMMs decode to bf16 tiles: {e}");
+                LtCheck::Failed
+            }
+        };
+        g.fp8_mma_check.set(verdict);
+        Ok(())
+    }
+
+    /// The routed FP8 experts' down grouped GEMM of a prefill step (f32 out): on the FP8 tensor cores
+    /// once the gate|up check passed, the bf16 tiles otherwise.
+    pub(crate) fn moe_gemm_fp8_down(
+        &self,
+        experts: &Fp8Experts<'_, CudaSlice<u64>>,
+        input: &PairRows<'_, CudaSlice<bf16>>,
+        groups: &PairGroups<'_, CudaSlice<u32>>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let g = &self.gpu;
+        if g.moe_gemm_fp8_mma_supports(experts.group, experts.k)
+            && g.fp8_mma_check.get() == LtCheck::Passed
+        {
+            return self.moe_gemm_fp8_quantised(experts, input, groups, y);
+        }
+        g.moe_gemm_fp8(experts, input, groups, y)
+    }
+
+    /// The pairs' input rows quantised per row and 128 columns into step-local buffers, then the FP8
+    /// tensor-core grouped GEMM.
+    fn moe_gemm_fp8_quantised<O: MoeOut>(
+        &self,
+        experts: &Fp8Experts<'_, CudaSlice<u64>>,
+        input: &PairRows<'_, CudaSlice<bf16>>,
+        groups: &PairGroups<'_, CudaSlice<u32>>,
+        y: &mut CudaSlice<O>,
+    ) -> Result<()> {
+        let (rows, k) = (input.rows, experts.k);
+        let mut xq = self.scratch::<u8>(rows * k)?;
+        let mut xs = self.scratch::<f32>(rows * k / LT_BLOCK)?;
+        self.gpu
+            .quant_f8_tokens(input.x, &mut xq, &mut xs, rows, k)?;
+        let q = PairRows {
+            x: &xq,
+            rows,
+            div: input.div,
+            tail: input.tail,
+        };
+        self.gpu.moe_gemm_fp8_mma(experts, (&q, &xs), groups, y)
     }
 
     /// `ys[i] = x · ws[i]ᵀ` in one FP8 GEMV launch: FP8 weights of one group, at most `GEMV_SEGS`,

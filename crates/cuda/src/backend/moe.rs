@@ -120,7 +120,7 @@ impl CudaBackend {
             match fp8 {
                 Some(blocks) => {
                     let gate_up = table.routed.fp8_experts(blocks, h, inter).0;
-                    g.moe_gemm_fp8(&gate_up, &token_rows, &groups, &mut gu.buf)?
+                    self.moe_gemm_fp8_gate_up(&gate_up, &token_rows, &groups, &mut gu.buf)?
                 }
                 None => {
                     let gate_up = table.routed.experts(gu_format, dn_format, h, inter).0;
@@ -139,7 +139,7 @@ impl CudaBackend {
             match fp8 {
                 Some(blocks) => {
                     let down = table.routed.fp8_experts(blocks, h, inter).1;
-                    g.moe_gemm_fp8(&down, &pair_rows, &groups, &mut y)?
+                    self.moe_gemm_fp8_down(&down, &pair_rows, &groups, &mut y)?
                 }
                 None => {
                     let down = table.routed.experts(gu_format, dn_format, h, inter).1;

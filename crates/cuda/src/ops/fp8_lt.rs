@@ -30,7 +30,8 @@ const LT_MIN_VERSION: usize = 120_900;
 /// cuBLASLt's workspace on Hopper (its recommendation).
 const LT_WORKSPACE: usize = 32 << 20;
 
-/// Whether the tensor-core GEMM has been checked against the bf16 tiles (`backend/fp8.rs`).
+/// Whether a tensor-core GEMM (cuBLASLt's, or the routed experts' FP8 MMA) has been checked against the
+/// bf16 tiles (`backend/fp8.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LtCheck {
     Unchecked,
@@ -39,7 +40,7 @@ pub enum LtCheck {
 }
 
 /// The check's verdict, shared by the backend's calls.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct LtVerdict(AtomicU8);
 
 impl LtVerdict {

@@ -124,18 +124,19 @@ pub struct PairGroups<'a, U: DevicePtr<u32>> {
     pub n_pairs: usize,
 }
 
-/// The rows the pairs read: `x` `[rows, ·]` bf16, pair `p` reading row `p / div` (`div` = top_k
+/// The rows the pairs read: `x` `[rows, ·]` (bf16; e4m3 bytes for the FP8 tensor-core GEMM), pair `p`
+/// reading row `p / div` (`div` = top_k
 /// reads token rows, the gate|up projection; 1 reads pair rows, the down projection). With `tail`
 /// (token rows only), the pairs at or past it (the shared expert's, one a token after the routed
 /// pairs) read row `p - tail`.
-pub struct PairRows<'a, X: DevicePtr<bf16>> {
+pub struct PairRows<'a, X> {
     pub x: &'a X,
     pub rows: usize,
     pub div: usize,
     pub tail: Option<usize>,
 }
 
-impl<X: DevicePtr<bf16>> PairRows<'_, X> {
+impl<X> PairRows<'_, X> {
     /// Rows of `x` that `n_pairs` pairs read.
     pub fn rows_needed(&self, n_pairs: usize) -> usize {
         match self.tail {

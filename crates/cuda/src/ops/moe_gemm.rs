@@ -4,6 +4,8 @@
 //! its expert's weight (bf16 values, packed INT4/INT6/INT8 words with f32 scales, or FP8 bytes with
 //! block scales ([`Gpu::moe_gemm_fp8`]), through the same address tables as the grouped GEMV) with
 //! `mma.sync`, f32 accumulation, each scale group's partial product scaled in f32. The outputs are the grouped GEMV's: `y[p, :]` for pair `p`.
+//! FP8 experts also run on the FP8 tensor cores ([`Gpu::moe_gemm_fp8_mma`], sm_89 and later): the
+//! input rows quantised per row and 128 columns, e4m3 times e4m3, as the format's dynamic scheme does.
 //!
 //! The grouped GEMV ([`Gpu::moe_gemv`], [`Gpu::moe_gemv_packed`]) decodes every weight on the CUDA
 //! cores once per tile of at most 8 pairs; the GEMM reads each chosen expert's weight once per 64 pairs
@@ -25,6 +27,11 @@ const BM: usize = 128;
 const KC: usize = 64;
 /// Shared bytes of one input row of a stage (`MG_XROW`).
 const XROW: usize = 144;
+/// The FP8 tensor-core kernels' shared bytes of one 64-byte row (weights or quantised inputs) of a
+/// stage (`MG_QROW`), their stages (`MG_QSTAGES`) and the columns of a scale block.
+const QROW: usize = 80;
+const QSTAGES: usize = 4;
+const QBLOCK: usize = 128;
 
 /// The weights of one grouped-GEMM launch: bf16 values, packed words (`bits`, scale `group`: 0 per
 /// row), or FP8 bytes with block scales of `group` columns.
@@ -188,6 +195,102 @@ impl Gpu {
         };
         let w = (experts.bytes, experts.scales, experts.n, experts.k);
         self.moe_gemm_launch(format, w, input, groups, y)
+    }
+
+    /// Whether [`Gpu::moe_gemm_fp8_mma`] runs here for FP8 experts of `group`-column blocks and `k`
+    /// inputs: FP8 `mma.sync` (compute capability 8.9 or later), blocks of 128 columns, `k % 128 == 0`.
+    pub fn moe_gemm_fp8_mma_supports(&self, group: usize, k: usize) -> bool {
+        self.info().compute_capability >= (8, 9)
+            && group == QBLOCK
+            && k > 0
+            && k.is_multiple_of(QBLOCK)
+    }
+
+    /// [`Gpu::moe_gemm_fp8`] on the FP8 tensor cores, as the format's dynamic scheme computes it: the
+    /// input rows quantised per row and 128 columns (`input.x` the e4m3 bytes `[rows, k]` and `scales`
+    /// `[k / 128][rows]`, as [`Gpu::quant_f8_tokens`] writes them), multiplied as e4m3 with f32
+    /// accumulation, each 128-column block's partial product scaled by its weight row's block scale
+    /// times its input row's scale. Needs [`Gpu::moe_gemm_fp8_mma_supports`]`(group, k)`.
+    pub fn moe_gemm_fp8_mma<O: MoeOut>(
+        &self,
+        experts: &Fp8Experts<'_, impl DevicePtr<u64>>,
+        (input, scales): (&PairRows<'_, impl DevicePtr<u8>>, &impl DevicePtr<f32>),
+        groups: &PairGroups<'_, impl DevicePtr<u32>>,
+        y: &mut impl DevicePtrMut<O>,
+    ) -> Result<()> {
+        const OP: &str = "moe_gemm_fp8_mma";
+        let (n, k, x_rows) = (experts.n, experts.k, input.rows);
+        let (perm, tiles, n_pairs) = (groups.perm, groups.tiles, groups.n_pairs);
+        ensure(self.moe_gemm_fp8_mma_supports(experts.group, k), OP, || {
+            let (major, minor) = self.info().compute_capability;
+            format!(
+                "FP8 experts of {}-column blocks with k = {k} on sm_{major}{minor}: need sm_89 or \
+                 later, blocks of 128 columns and k % 128 == 0",
+                experts.group
+            )
+        })?;
+        ensure(
+            input.div >= 1 && input.rows_needed(n_pairs) <= x_rows,
+            OP,
+            || {
+                format!(
+                    "{n_pairs} pairs over x_div {} need more than {x_rows} rows of x",
+                    input.div
+                )
+            },
+        )?;
+        let e = experts.bytes.len();
+        check_len(OP, "s_ptrs", experts.scales, e)?;
+        let max_tiles = Self::moe_gemm_max_tiles(n_pairs, e);
+        check_len(OP, "x", input.x, x_rows * k)?;
+        check_len(OP, "scales", scales, x_rows * (k / QBLOCK))?;
+        check_len(OP, "perm", perm, n_pairs)?;
+        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
+        check_len(OP, "y", y, n_pairs * n)?;
+        if n_pairs == 0 || n == 0 {
+            return Ok(());
+        }
+        ensure(max_tiles <= 65535, OP, || {
+            format!("{max_tiles} tiles exceed the grid limit")
+        })?;
+        ensure(self.addr(input.x).is_multiple_of(16), OP, || {
+            "x must be 16-byte aligned".into()
+        })?;
+        let smem = QSTAGES * (BM * QROW + Self::MOE_GEMM_TILE * QROW + BM * 4);
+        let f = self.kernel(&format!("moe_gemm_f8q_{}", O::SUFFIX))?;
+        // Above the default 48 KiB of dynamic shared memory (opted in, as moe_gemm_launch does).
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+        let (xr, xd, ni, ki) = (
+            int(OP, "x rows", x_rows)?,
+            int(OP, "x_div", input.div)?,
+            int(OP, "n", n)?,
+            int(OP, "k", k)?,
+        );
+        let xt = input.x_tail(OP)?;
+        let mut b = self.launch(f);
+        b.ptr(experts.bytes)
+            .ptr(experts.scales)
+            .ptr(input.x)
+            .ptr(scales)
+            .arg(&xr)
+            .arg(&xd)
+            .arg(&xt)
+            .ptr(perm)
+            .ptr(tiles)
+            .ptr_mut(y)
+            .arg(&ni)
+            .arg(&ki);
+        let grid = (grid_u32(OP, n.div_ceil(BM))?, max_tiles as u32, 1);
+        // SAFETY: argument types match the kernel; x, scales, perm, tiles, y and table lengths and the
+        // shape rules checked above (the device has FP8 MMA); perm holds pair numbers below n_pairs
+        // (written by moe_gemm_plan), so x rows stay below x_rows and y rows below n_pairs; weight and
+        // scale addresses come from the caller's tables of live FP8 [n, k] weights with [n, k / 128]
+        // scales; shared memory opted in above.
+        unsafe { b.launch(cfg(grid, 256, smem as u32)) }?;
+        Ok(())
     }
 
     /// One grouped-GEMM launch over the address tables `(weights, scales)` of `[n, k]` weights.

@@ -297,15 +297,8 @@ fn fp8_grouped_gemv_and_gemm_match_cpu() {
                 &mut want_dn[p * h..(p + 1) * h],
             );
         }
-        let table = |ws: &[Weight]| {
-            let up: Vec<_> = ws.iter().map(|w| w.upload(&g)).collect();
-            let s = g.stream();
-            let bp: Vec<u64> = slot.iter().map(|&j| up[j].0.device_ptr(s).0).collect();
-            let sp: Vec<u64> = slot.iter().map(|&j| up[j].1.device_ptr(s).0).collect();
-            (up, g.upload(&bp).unwrap(), g.upload(&sp).unwrap())
-        };
-        let (_gu_bufs, gu_b, gu_s) = table(&gus);
-        let (_dn_bufs, dn_b, dn_s) = table(&dns);
+        let (_gu_bufs, gu_b, gu_s) = expert_tables(&g, &gus, &slot);
+        let (_dn_bufs, dn_b, dn_s) = expert_tables(&g, &dns, &slot);
         let dx = g.upload(&to_bf16(&x)).unwrap();
         let da = g.upload(&to_bf16(&act)).unwrap();
         let di = g.upload(&ids).unwrap();
@@ -405,9 +398,26 @@ fn fp8_grouped_gemv_and_gemm_match_cpu() {
     }
 }
 
+/// Device copies of FP8 weights (bytes, per-row scales) and their bytes' and scales' address tables.
+pub(crate) type ExpertTables = (
+    Vec<(CudaSlice<u8>, CudaSlice<f32>)>,
+    CudaSlice<u64>,
+    CudaSlice<u64>,
+);
+
+/// The device copies of `ws` (bytes and per-row scales) and the address tables of the experts, expert
+/// `x` taking `ws[slot[x]]`.
+pub(crate) fn expert_tables(g: &Gpu, ws: &[Weight], slot: &[usize]) -> ExpertTables {
+    let up: Vec<_> = ws.iter().map(|w| w.upload(g)).collect();
+    let s = g.stream();
+    let bp: Vec<u64> = slot.iter().map(|&j| up[j].0.device_ptr(s).0).collect();
+    let sp: Vec<u64> = slot.iter().map(|&j| up[j].1.device_ptr(s).0).collect();
+    (up, g.upload(&bp).unwrap(), g.upload(&sp).unwrap())
+}
+
 /// A grouped kernel's gate|up (bf16) and down (f32) outputs against the CPU's, within the packed
 /// formats' bounds, with one `FP8` line.
-fn check_grouped(
+pub(crate) fn check_grouped(
     g: &Gpu,
     (kind, shape): (&str, &str),
     (y_gu, y_dn): (&CudaSlice<bf16>, &CudaSlice<f32>),

@@ -4,9 +4,10 @@
 //!   dequantised exactly as `sanmai_weights::fp8::dequantize` does, then `matmul_t`): the decode GEMV
 //!   (m = 1..8, bf16 and f32 out, several weights a launch), the tile dequantisation (bit for bit),
 //!   the prefill GEMM, the grouped expert GEMV (decode and prefill tile counts, the 80B's shapes).
-//! - [`tensor_cores`]: the FP8 tensor-core prefill GEMM (Hopper, cuBLASLt): the per-token-group
-//!   activation quantisation against its CPU twin (exact), and the GEMM against the CPU product of
-//!   the same quantised activations and the dequantised weight.
+//! - [`tensor_cores`]: the FP8 tensor-core prefill GEMMs: the per-token-group activation
+//!   quantisation against its CPU twin (exact), and the dense GEMM (Hopper, cuBLASLt) and the routed
+//!   experts' grouped GEMM (`mma.sync` e4m3, sm_89 and later) against the CPU product of the same
+//!   quantised activations and the dequantised weights.
 //! - [`e2e`]: the tiny FP8 fixtures (`qwen3_next_fp8_tiny`, `qwen3_5_moe_fp8_tiny`) loaded on the GPU
 //!   (FP8 kept as bytes) and on the CPU (dequantised to f32): prompt log-probs through a prefill chunk
 //!   and decode steps, within the bounds of the packed formats' end-to-end test.

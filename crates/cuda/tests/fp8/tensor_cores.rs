@@ -1,13 +1,14 @@
-//! The FP8 tensor-core prefill GEMM against its CPU twin: the activations quantised per token and
-//! 128-column group as `quant_f8_tokens` does (`s = max|x| / 448` in f32, `q = e4m3(x / s)` rounded to
-//! the nearest even code), dequantised (`fp8(q) · s`) and multiplied in f32 by the oracle's weight.
+//! The FP8 tensor-core prefill GEMMs (cuBLASLt's dense one, the routed experts' grouped one) against
+//! their CPU twin: the activations quantised per token and 128-column group as `quant_f8_tokens` does
+//! (`s = max|x| / 448` in f32, `q = e4m3(x / s)` rounded to the nearest even code), dequantised
+//! (`fp8(q) · s`) and multiplied in f32 by the oracle's weight.
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::{lt_block_scales, Fp8Mat, LT_BLOCK};
+use sanmai_cuda::{lt_block_scales, Fp8Experts, Fp8Mat, Gpu, PairGroups, PairRows, LT_BLOCK};
 use sanmai_weights::fp8::{self, f32_to_fp8_e4m3, fp8_e4m3_to_f32};
 
-use crate::kernels::{cfg, gpu, to_bf16, Weight};
+use crate::kernels::{cfg, check_grouped, expert_tables, gpu, to_bf16, Weight};
 use crate::{bf16_round, rel_errors, Rng};
 
 /// `x` (`[m, k]`, bf16 values) quantised as the kernel does: the codes' values `[m, k]` and the
@@ -30,6 +31,14 @@ fn quantise(x: &[f32], m: usize, k: usize) -> (Vec<f32>, Vec<f32>) {
         }
     }
     (q, s)
+}
+
+/// `x` as its quantised values times their scales (what the tensor cores multiply).
+fn dequantised(x: &[f32], m: usize, k: usize) -> Vec<f32> {
+    let (q, s) = quantise(x, m, k);
+    (0..m * k)
+        .map(|i| q[i] * s[(i % k) / LT_BLOCK * m + i / k])
+        .collect()
 }
 
 /// Activations with rows of very different sizes and one all-zero group.
@@ -120,10 +129,7 @@ fn fp8_tensor_core_gemm_matches_cpu_twin() {
             .unwrap();
         let got: Vec<f32> = g.download(&y).unwrap().iter().map(|v| v.to_f32()).collect();
         // The twin: the quantised activations' values times their scales, then the oracle's product.
-        let (q, s) = quantise(&x, m, k);
-        let xd: Vec<f32> = (0..m * k)
-            .map(|i| q[i] * s[(i % k) / LT_BLOCK * m + i / k])
-            .collect();
+        let xd = dequantised(&x, m, k);
         let mut want = vec![0f32; m * n];
         ops::matmul_t(&xd, &w.dense, m, k, n, &mut want);
         let (max, rms) = rel_errors(&got, &want);
@@ -136,5 +142,109 @@ fn fp8_tensor_core_gemm_matches_cpu_twin() {
              activation_quantisation_rms={scheme:.3e} tol=1e-2/4e-3"
         );
         assert!(max <= 1e-2 && rms <= 4e-3, "n {n} k {k} m {m}: {max} {rms}");
+    }
+}
+
+#[test]
+fn fp8_tensor_core_grouped_gemm_matches_cpu_twin() {
+    const TEST: &str = "fp8_tensor_core_grouped_gemm_matches_cpu_twin";
+    let Some(g) = gpu(TEST) else {
+        return;
+    };
+    if !g.moe_gemm_fp8_mma_supports(LT_BLOCK, LT_BLOCK) {
+        eprintln!("skipped: {TEST}: no FP8 MMA on this device (sm_89 and later)");
+        return;
+    }
+    let mut rng = Rng::new(913);
+    // (hidden, inter, experts, top_k, tokens): the 80B's expert shapes (gate|up n 1024 k 2048, down n
+    // 2048 k 512) at a 64-token prefill over 64 experts (partial tiles), and full 64-pair tiles.
+    for (h, i, e, k, t) in [(2048, 512, 64, 10, 64), (256, 128, 8, 4, 300)] {
+        let n = t * k;
+        let ids: Vec<u32> = (0..n).map(|_| rng.below(e as u32)).collect();
+        let gus: Vec<Weight> = (0..e)
+            .map(|_| Weight::new(&mut rng, 2 * i, h, [128, 128]))
+            .collect();
+        let dns: Vec<Weight> = (0..e)
+            .map(|_| Weight::new(&mut rng, h, i, [128, 128]))
+            .collect();
+        let x = activations(&mut rng, t, h);
+        let act = activations(&mut rng, n, i);
+        // The twin: each pair's quantised input row by its expert's dequantised weight.
+        let (xd, ad) = (dequantised(&x, t, h), dequantised(&act, n, i));
+        let mut want_gu = vec![0f32; n * 2 * i];
+        let mut want_dn = vec![0f32; n * h];
+        for (p, &ex) in ids.iter().enumerate() {
+            let (gu, dn) = (&gus[ex as usize].dense, &dns[ex as usize].dense);
+            let row = &xd[(p / k) * h..(p / k + 1) * h];
+            ops::matmul_t(
+                row,
+                gu,
+                1,
+                h,
+                2 * i,
+                &mut want_gu[p * 2 * i..(p + 1) * 2 * i],
+            );
+            ops::matmul_t(
+                &ad[p * i..(p + 1) * i],
+                dn,
+                1,
+                i,
+                h,
+                &mut want_dn[p * h..(p + 1) * h],
+            );
+        }
+        let slot: Vec<usize> = (0..e).collect();
+        let (_gu_bufs, gu_b, gu_s) = expert_tables(&g, &gus, &slot);
+        let (_dn_bufs, dn_b, dn_s) = expert_tables(&g, &dns, &slot);
+        let quant = |v: &[f32], m: usize, kk: usize| {
+            let dv = g.upload(&to_bf16(v)).unwrap();
+            let mut q = g.zeros::<u8>(m * kk).unwrap();
+            let mut s = g.zeros::<f32>(m * kk / LT_BLOCK).unwrap();
+            g.quant_f8_tokens(&dv, &mut q, &mut s, m, kk).unwrap();
+            (q, s)
+        };
+        let ((xq, xs), (aq, a_s)) = (quant(&x, t, h), quant(&act, n, i));
+        let di = g.upload(&ids).unwrap();
+        let mut perm = g.zeros::<u32>(n).unwrap();
+        let mut tiles = g.zeros::<u32>(3 * Gpu::moe_gemm_max_tiles(n, e)).unwrap();
+        g.moe_gemm_plan(&di, n, e, &mut perm, &mut tiles).unwrap();
+        let groups = PairGroups {
+            perm: &perm,
+            tiles: &tiles,
+            n_pairs: n,
+        };
+        let rows = |x, rows, div| PairRows {
+            x,
+            rows,
+            div,
+            tail: None,
+        };
+        let gate_up = Fp8Experts {
+            bytes: &gu_b,
+            scales: &gu_s,
+            group: 128,
+            n: 2 * i,
+            k: h,
+        };
+        let down = Fp8Experts {
+            bytes: &dn_b,
+            scales: &dn_s,
+            group: 128,
+            n: h,
+            k: i,
+        };
+        let mut y_gu = g.zeros::<bf16>(n * 2 * i).unwrap();
+        g.moe_gemm_fp8_mma(&gate_up, (&rows(&xq, t, k), &xs), &groups, &mut y_gu)
+            .unwrap();
+        let mut y_dn = g.zeros::<f32>(n * h).unwrap();
+        g.moe_gemm_fp8_mma(&down, (&rows(&aq, n, 1), &a_s), &groups, &mut y_dn)
+            .unwrap();
+        let shape = format!("h={h} i={i} e={e} k={k} t={t}");
+        check_grouped(
+            &g,
+            ("moe_gemm_tensor_cores", &shape),
+            (&y_gu, &y_dn),
+            (&want_gu, &want_dn),
+        );
     }
 }

@@ -20,6 +20,9 @@ const PDL_ENV: &str = "SANMAI_PDL";
 /// The CUDA backend's fused decode launches (the shared expert with the routed experts).
 #[cfg(feature = "cuda")]
 const FUSED_DECODE_ENV: &str = "SANMAI_FUSED_DECODE";
+/// FP8 prefill GEMMs on the FP8 tensor cores.
+#[cfg(feature = "cuda")]
+const FP8_TENSOR_CORES_ENV: &str = "SANMAI_FP8_TENSOR_CORES";
 
 #[derive(Args, Debug, Clone, Default)]
 pub struct SwitchArgs {
@@ -52,6 +55,14 @@ pub struct SwitchArgs {
     /// SANMAI_FUSED_DECODE=0].
     #[arg(long, overrides_with = "fused_decode")]
     pub no_fused_decode: bool,
+    /// FP8 prefill GEMMs on the FP8 tensor cores where the GPU has them, the activations quantised
+    /// per token and 128 columns (the default; overrides SANMAI_FP8_TENSOR_CORES=0).
+    #[arg(long, overrides_with = "no_fp8_tensor_cores")]
+    pub fp8_tensor_cores: bool,
+    /// FP8 prefill GEMMs on weights decoded to bf16 tiles, for A/B runs [default: tensor cores,
+    /// unless SANMAI_FP8_TENSOR_CORES=0].
+    #[arg(long, overrides_with = "fp8_tensor_cores")]
+    pub no_fp8_tensor_cores: bool,
     /// A pipeline stage prepares its next step (layout, PLE rows, device metadata) before it waits
     /// for the previous stage's streams (the default; overrides SANMAI_PP_DEFERRED_RECEIVE=0).
     #[arg(long, overrides_with = "no_pp_deferred_receive")]
@@ -116,6 +127,8 @@ impl SwitchArgs {
             (self.no_pdl, "--no-pdl"),
             (self.fused_decode, "--fused-decode"),
             (self.no_fused_decode, "--no-fused-decode"),
+            (self.fp8_tensor_cores, "--fp8-tensor-cores"),
+            (self.no_fp8_tensor_cores, "--no-fp8-tensor-cores"),
         ]
         .into_iter()
         .filter_map(|(given, name)| given.then_some(name))
@@ -128,6 +141,11 @@ impl SwitchArgs {
         sanmai_cuda::CudaOptions {
             gpu: sanmai_cuda::GpuOptions {
                 pdl: switch(self.pdl, self.no_pdl, PDL_ENV),
+                fp8_tensor_cores: switch(
+                    self.fp8_tensor_cores,
+                    self.no_fp8_tensor_cores,
+                    FP8_TENSOR_CORES_ENV,
+                ),
                 compile: cuda::compile_options(),
             },
             cuda_graphs: switch(self.cuda_graphs, self.no_cuda_graphs, CUDA_GRAPHS_ENV),

@@ -26,6 +26,8 @@ pub struct Gpu {
     blas: CudaBlas,
     /// Kernels that open with the PDL prologue are launched with programmatic stream serialization.
     pdl: bool,
+    /// [`GpuOptions::fp8_tensor_cores`].
+    pub(crate) fp8_tc: bool,
     /// Times each launch while a timed capture is in progress.
     timer: KernelTimer,
     /// cuBLASLt for the FP8 tensor-core GEMM, opened at its first use (`None`: not available).
@@ -41,15 +43,19 @@ pub struct GpuOptions {
     /// Programmatic dependent launch on devices that have it (sm_90 and later); off: every kernel
     /// is launched the ordinary way.
     pub pdl: bool,
+    /// FP8 prefill GEMMs on the FP8 tensor cores where the device has them (cuBLASLt's block-scaled
+    /// GEMM on sm_90, the routed experts' `mma.sync` e4m3 on sm_89 and later); off: the bf16 tiles.
+    pub fp8_tensor_cores: bool,
     /// Where the kernels' CUDA headers and cache are.
     pub compile: CompileOptions,
 }
 
 impl Default for GpuOptions {
-    /// PDL on, no kernel cache, the standard header folders only.
+    /// PDL and the FP8 tensor cores on, no kernel cache, the standard header folders only.
     fn default() -> Self {
         GpuOptions {
             pdl: true,
+            fp8_tensor_cores: true,
             compile: CompileOptions::default(),
         }
     }
@@ -81,6 +87,7 @@ impl Gpu {
             kernels,
             blas,
             pdl,
+            fp8_tc: options.fp8_tensor_cores,
             timer: KernelTimer::default(),
             fp8_lt: std::sync::OnceLock::new(),
             fp8_mma_check: crate::ops::LtVerdict::default(),

@@ -186,6 +186,12 @@ impl Gpu {
     pub fn fp8_lt(&self) -> Option<&Fp8Lt> {
         self.fp8_lt
             .get_or_init(|| {
+                if !self.fp8_tc {
+                    tracing::info!(
+                        "FP8 prefill GEMMs dequantise to bf16 tiles: FP8 tensor cores off"
+                    );
+                    return None;
+                }
                 // A missing libcublasLt panics inside cudarc's loader: an error here.
                 let compute = self.info().compute_capability;
                 guarded("cuBLASLt", || {

@@ -198,9 +198,11 @@ impl Gpu {
     }
 
     /// Whether [`Gpu::moe_gemm_fp8_mma`] runs here for FP8 experts of `group`-column blocks and `k`
-    /// inputs: FP8 `mma.sync` (compute capability 8.9 or later), blocks of 128 columns, `k % 128 == 0`.
+    /// inputs: FP8 `mma.sync` (compute capability 8.9 or later, [`GpuOptions::fp8_tensor_cores`](crate::GpuOptions::fp8_tensor_cores)
+    /// on), blocks of 128 columns, `k % 128 == 0`.
     pub fn moe_gemm_fp8_mma_supports(&self, group: usize, k: usize) -> bool {
-        self.info().compute_capability >= (8, 9)
+        self.fp8_tc
+            && self.info().compute_capability >= (8, 9)
             && group == QBLOCK
             && k > 0
             && k.is_multiple_of(QBLOCK)
@@ -225,7 +227,7 @@ impl Gpu {
             let (major, minor) = self.info().compute_capability;
             format!(
                 "FP8 experts of {}-column blocks with k = {k} on sm_{major}{minor}: need sm_89 or \
-                 later, blocks of 128 columns and k % 128 == 0",
+                 later (FP8 tensor cores on), blocks of 128 columns and k % 128 == 0",
                 experts.group
             )
         })?;

@@ -25,6 +25,7 @@ pub fn compile_options() -> CompileOptions {
 pub fn gpu_options() -> GpuOptions {
     GpuOptions {
         pdl: !switched_off("SANMAI_PDL"),
+        fp8_tensor_cores: !switched_off("SANMAI_FP8_TENSOR_CORES"),
         compile: compile_options(),
     }
 }

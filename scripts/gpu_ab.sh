@@ -9,7 +9,9 @@
 #
 # ROUNDS (default 2) runs of each arm per config. Configs: $SANMAI_BENCH_CONFIGS (default: the
 # Qwen3-Next-80B-A3B and qwen4_exp-125B-A6B configs with their quantization mix); batch sizes
-# $SANMAI_BENCH_BATCH (default 1,4,8). A config with a `ple` block gets one table, made by SANMAI_B with
+# $SANMAI_BENCH_BATCH (default 1,4,8); prompt length $SANMAI_AB_PROMPT_LEN (default 512). An arm may be a
+# wrapper that sets a switch's variable, e.g. a script running `SANMAI_FP8_TENSOR_CORES=0 exec
+# BIN_DIR/sanmai "$@"`, to compare the two sides of a switch in one build. A config with a `ple` block gets one table, made by SANMAI_B with
 # `sanmai ple create --rows-scale $SANMAI_PLE_ROWS_SCALE` (default 0.05) in a temporary directory and
 # read by both arms. Writes OUT_DIR/ab.log (every run's output) and OUT_DIR/ab.md (the summary), and
 # prints the summary. Exits non-zero when a run fails.
@@ -39,7 +41,7 @@ for c in $configs; do
       [ "$arm" = B ] && bin=$b
       echo "=== config=$c arm=$arm round=$r" >>"$log"
       "$bin" bench --device cuda --load-format dummy --config "$c" "${extra[@]}" --batch "$batches" \
-        --prompt-len 512 --gen-len 32 >>"$log" 2>"$out/last.err" || { rc=1; tail -20 "$out/last.err" >>"$log"; }
+        --prompt-len "${SANMAI_AB_PROMPT_LEN:-512}" --gen-len 32 >>"$log" 2>"$out/last.err" || { rc=1; tail -20 "$out/last.err" >>"$log"; }
     done
   done
   [ -n "$table" ] && rm -rf "$table"

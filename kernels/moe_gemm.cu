@@ -10,13 +10,12 @@
 // decoded from the shared words straight into MMA fragments as exact small integers q (bf16 holds
 // |q| <= 128 exactly), and each group's partial product is scaled in f32 on the accumulators, so the
 // only roundings are the MMA's f32 sums and the output's. FP8 experts (block-scaled e4m3 bytes, fp8.cu's
-// layout) decode exactly to bf16 the same way (value / F8_UNSCALE, folded into the block scale): on every
-// chip a bf16 tile path, no FP8 MMA and no quantised activations. Pairs are p = token·top_k + choice.
+// layout) decode exactly to bf16 the same way (value / F8_UNSCALE, folded into the block scale): a bf16
+// tile path that runs on every chip (moe_gemm_f8.cu multiplies them on the FP8 tensor cores from sm_89,
+// with quantised activations). Pairs are p = token·top_k + choice.
 #include "fp8.cuh"
+#include "moe_gemm.cuh"
 
-#define MG_TILE 64
-#define MG_BM 128
-#define MG_KC 64
 // Shared bytes of one input row of a k-chunk: 64 bf16 + 16 bytes of padding (ldmatrix without conflicts).
 #define MG_XROW 144
 
@@ -83,18 +82,6 @@ extern "C" __global__ void moe_gemm_plan(const u32* __restrict__ ids, int n_pair
     }
 }
 
-// ---- PTX helpers (sm_80+) ----
-__device__ __forceinline__ u32 mg_smem(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-// 16 bytes global -> shared, bypassing L1; src_bytes 0 fills zeros (src must still be a valid address).
-__device__ __forceinline__ void mg_cp16(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void mg_cp4(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void mg_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void mg_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void mg_ldsm4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -359,156 +346,6 @@ __device__ __forceinline__ void moe_gemm_impl(const unsigned long long* __restri
     }
 }
 
-// ---- FP8 experts on the FP8 tensor cores (sm_89 and later) ----
-// moe_gemm_f8q_*: the grouped GEMM of FP8 experts with the input rows quantised as the format's dynamic
-// scheme does (quant_f8_tokens: Xq e4m3 bytes [x_rows, k] and Xs [k / 128][x_rows] f32, one scale per row
-// and 128 columns), the e4m3 operands multiplied by mma.sync m16n8k32 with f32 accumulation; at the end of
-// each 128-column block the partial product is scaled by its weight row's block scale times its input
-// row's scale. Tiles, grid (ceil(n / 128), max_tiles), 256 threads and the cp.async pipeline as
-// moe_gemm_impl; a stage holds 128 weight rows and 64 input rows of a 64-byte k-chunk (MG_QROW = 80 shared
-// bytes a row: the fragments' 32-bit loads, 8 rows by 4 lanes, fall on 32 distinct banks) and the weight
-// rows' scales of its chunk: MG_QSTAGES·(128·80 + 64·80 + 512) bytes of dynamic shared memory. Needs
-// k % 128 == 0 and one weight scale per row and 128 columns ([n, k / 128]), 16-byte aligned Xq and weights.
-// Fragments of m16n8k32 with 8-bit types: a[0] = weight row g, bytes 4t..4t+3 of the k32 step; a[1] = row
-// g + 8; a[2], a[3] the same 16 bytes on; b[0] = pair g, bytes 4t..4t+3; b[1] 16 bytes on; accumulators as
-// m16n8k16's. Below sm_89 (no FP8 MMA) the kernels trap; the host launches them on sm_89 and later only.
-#define MG_QROW 80
-#define MG_QSTAGES 4
-__device__ __forceinline__ void mg_mma_f8(float c[4], const u32 a[4], u32 b0, u32 b1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
-template <typename OUT>
-__device__ __forceinline__ void moe_gemm_f8q_impl(const unsigned long long* __restrict__ w_ptrs,
-                                                  const unsigned long long* __restrict__ s_ptrs,
-                                                  const unsigned char* __restrict__ Xq, const float* __restrict__ Xs,
-                                                  int x_rows, int x_div, u32 x_tail, const u32* __restrict__ perm,
-                                                  const u32* __restrict__ tiles, OUT* __restrict__ Y, int n, int k) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    __shared__ u32 s_pair[MG_TILE], s_xrow[MG_TILE];
-    extern __shared__ uint4 mg_dyn[];
-    const u32 cnt = tiles[3 * blockIdx.y + 2];
-    if (cnt == 0) return;
-    const u32 ex = tiles[3 * blockIdx.y], start = tiles[3 * blockIdx.y + 1];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * MG_BM;
-    if (tid < (int)cnt) {
-        const u32 p = perm[start + tid];
-        s_pair[tid] = p;
-        s_xrow[tid] = moe_x_row(p, x_div, x_tail);
-    }
-    __syncthreads();
-    const int nch = (int)(cnt + 7) >> 3;  // active 8-pair column blocks
-    const int nk = k / MG_KC;             // even: k % 128 == 0
-    const int scols = k / 128;
-    const unsigned char* W = (const unsigned char*)w_ptrs[ex];
-    const float* S = (const float*)s_ptrs[ex];
-    const int w_bytes = MG_BM * MG_QROW, x_bytes = MG_TILE * MG_QROW;
-    const int stage_bytes = w_bytes + x_bytes + MG_BM * 4;
-    unsigned char* smem = (unsigned char*)mg_dyn;
-    const u32 smem0 = mg_smem(smem);
-
-    // Queue the copies of k-chunk c (bytes c·64 .. c·64 + 63 of every row) into stage st.
-    auto load = [&](int c, int st) {
-        const u32 base = smem0 + st * stage_bytes;
-        for (int i = tid; i < MG_BM * 4; i += blockDim.x) {
-            const int r = i >> 2, pc = i & 3;
-            const bool ok = row0 + r < n;
-            const unsigned char* src = W + (ok ? (size_t)(row0 + r) * k + (size_t)c * MG_KC + pc * 16 : 0);
-            mg_cp16(base + r * MG_QROW + pc * 16, src, ok ? 16 : 0);
-        }
-        for (int i = tid; i < nch * 8 * 4; i += blockDim.x) {
-            const int m = i >> 2, pc = i & 3;
-            const bool ok = m < (int)cnt;
-            const unsigned char* src = Xq + (size_t)s_xrow[ok ? m : 0] * k + (size_t)c * MG_KC + pc * 16;
-            mg_cp16(base + w_bytes + m * MG_QROW + pc * 16, src, ok ? 16 : 0);
-        }
-        for (int r = tid; r < MG_BM; r += blockDim.x) {
-            const bool ok = row0 + r < n;
-            const float* src = S + (ok ? (size_t)(row0 + r) * scols + (c >> 1) : 0);
-            mg_cp4(base + w_bytes + x_bytes + 4 * r, src, ok ? 4 : 0);
-        }
-    };
-
-    float acc[8][4], tot[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][i] = tot[j][i] = 0.0f;
-
-#pragma unroll
-    for (int st = 0; st < MG_QSTAGES - 1; ++st) {
-        if (st < nk) load(st, st);
-        mg_commit();
-    }
-    const int wr = 16 * warp + g;  // the thread's first weight row in the block
-#pragma unroll 1
-    for (int c = 0; c < nk; ++c) {
-        mg_wait<MG_QSTAGES - 2>();
-        __syncthreads();
-        if (c + MG_QSTAGES - 1 < nk) load(c + MG_QSTAGES - 1, (c + MG_QSTAGES - 1) % MG_QSTAGES);
-        mg_commit();
-        const unsigned char* ws = smem + (c % MG_QSTAGES) * stage_bytes;
-        const unsigned char* xs = ws + w_bytes;
-#pragma unroll
-        for (int s = 0; s < MG_KC / 32; ++s) {
-            const unsigned char* r0 = ws + wr * MG_QROW + 32 * s + 4 * t;
-            const unsigned char* r1 = r0 + 8 * MG_QROW;
-            const u32 a[4] = {*(const u32*)r0, *(const u32*)r1, *(const u32*)(r0 + 16), *(const u32*)(r1 + 16)};
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if (j < nch) {
-                    const unsigned char* xr = xs + (8 * j + g) * MG_QROW + 32 * s + 4 * t;
-                    mg_mma_f8(acc[j], a, *(const u32*)xr, *(const u32*)(xr + 16));
-                }
-            }
-        }
-        if (c & 1) {  // the end of 128-column block c / 2: scale and add its partial products
-            const float* ss = (const float*)(xs + x_bytes);
-            const float w0 = ss[wr], w1 = ss[wr + 8];
-            const float* xsc = Xs + (size_t)(c >> 1) * x_rows;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                if (j < nch) {
-                    const int m0 = 8 * j + 2 * t, m1 = m0 + 1;
-                    const float x0 = m0 < (int)cnt ? xsc[s_xrow[m0]] : 0.0f;
-                    const float x1 = m1 < (int)cnt ? xsc[s_xrow[m1]] : 0.0f;
-                    tot[j][0] = fmaf(w0 * x0, acc[j][0], tot[j][0]);
-                    tot[j][1] = fmaf(w0 * x1, acc[j][1], tot[j][1]);
-                    tot[j][2] = fmaf(w1 * x0, acc[j][2], tot[j][2]);
-                    tot[j][3] = fmaf(w1 * x1, acc[j][3], tot[j][3]);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
-                }
-            }
-        }
-    }
-    // Accumulator (j, i): weight row wr + 8·(i / 2), pair 8j + 2t + i % 2.
-    const int r_a = row0 + wr, r_b = r_a + 8;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        if (j < nch) {
-#pragma unroll
-            for (int e2 = 0; e2 < 2; ++e2) {
-                const int m = 8 * j + 2 * t + e2;
-                if (m < (int)cnt) {
-                    const size_t yrow = (size_t)s_pair[m] * n;
-                    if (r_a < n) store_out<OUT>(Y, yrow + r_a, tot[j][e2]);
-                    if (r_b < n) store_out<OUT>(Y, yrow + r_b, tot[j][2 + e2]);
-                }
-            }
-        }
-    }
-#else
-    __trap();
-#endif
-}
-
 // Entry points moe_gemm_{q4 | q6 | q8 | f8 | bf16}_{bf16 | f32}: Y [n_pairs, n] bf16 (the experts' fused gate|up
 // rows) or f32 (their down projections, combined by moe_combine). s_ptrs is not read for bf16 experts.
 #define MOE_GEMM_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const bf16* X, int x_div, unsigned x_tail, const u32* perm, const u32* tiles
@@ -526,9 +363,3 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_bf16_f32(MOE_GEMM_
 #undef MOE_GEMM_ARGS
 #undef MOE_GEMM_PASS
 
-// Entry points moe_gemm_f8q_{bf16 | f32}: moe_gemm_f8's outputs from quantised input rows (see
-// moe_gemm_f8q_impl).
-#define MOE_GEMM_F8Q_ARGS const unsigned long long* w_ptrs, const unsigned long long* s_ptrs, const unsigned char* Xq, const float* Xs, int x_rows, int x_div, unsigned x_tail, const u32* perm, const u32* tiles
-#define MOE_GEMM_F8Q_PASS w_ptrs, s_ptrs, Xq, Xs, x_rows, x_div, x_tail, perm, tiles, Y, n, k
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_f8q_bf16(MOE_GEMM_F8Q_ARGS, bf16* Y, int n, int k) { pdl_prologue(); moe_gemm_f8q_impl<bf16>(MOE_GEMM_F8Q_PASS); }
-extern "C" __global__ void __launch_bounds__(256, 2) moe_gemm_f8q_f32(MOE_GEMM_F8Q_ARGS, float* Y, int n, int k) { pdl_prologue(); moe_gemm_f8q_impl<float>(MOE_GEMM_F8Q_PASS); }

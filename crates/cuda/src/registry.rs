@@ -66,6 +66,7 @@ pub const HEADERS: &[Source] = &[
     source!("sample.cuh"),
     source!("moe_route.cuh"),
     source!("fp8.cuh"),
+    source!("moe_gemm.cuh"),
 ];
 
 /// The kernel sources, one file per op family.
@@ -88,6 +89,7 @@ pub const SOURCES: &[Source] = &[
     source!("kv.cu"),
     source!("moe.cu"),
     source!("moe_gemm.cu"),
+    source!("moe_gemm_f8.cu"),
     source!("elementwise.cu"),
     source!("qsa.cu"),
     source!("qsa_topk.cu"),

@@ -96,7 +96,10 @@ def _greetings():
     hellos = ["hello", "hi", "hey", "hiya", "hi there", "hey there", "hello there", "hello again",
               "good morning", "good evening", "good afternoon", "good day", "morning", "hey hey",
               "hello hello", "hi friend", "hey friend", "hello assistant", "hi assistant", "hello sanmai",
-              "hi sanmai", "hey buddy", "yo", "hi all", "hello everyone"]
+              "hi sanmai", "hey buddy", "yo", "hi all", "hello everyone", "heya", "hullo", "hallo", "hey hi",
+              "oh hi", "well hello", "ahoy", "aloha", "hola", "bonjour", "ciao", "salut", "salutations",
+              "g'day", "sup", "hey yo", "yo yo", "hi hi", "morning all", "evening all", "hey folks",
+              "hello folks", "hi team", "hey pal", "hello mate", "hiya pal", "welcome back", "hey stranger"]
     follow = ["", ", how are you", ", how is it going", ", how are you doing", ", what's up",
               ", nice to see you", ", nice to meet you", ", who are you", " and welcome", ", are you there"]
     out = set()
@@ -121,6 +124,8 @@ ADD = dict(
                  "give me {a} + {b}", "find the total of {a} and {b}", "sum up {a} and {b}",
                  "figure out {a} plus {b}", "do {a} + {b}", "add {b} onto {a}", "total {a} and {b}",
                  "take {a} and add {b}", "start with {a} and add {b}", "sum {a} and {b}",
+                 "add {b} onto {a} and tell me the result", "put {b} on top of {a}", "top {a} up by {b}",
+                 "take {a}, then add {b}", "take {a} plus {b}", "give me {a} and {b} added up",
                  "add together {a} and {b}", "combine {a} and {b}", "give me the sum: {a} + {b}",
                  "put {a} and {b} together", "increase {a} by {b}"],
     questions=["what is {a} + {b}", "what is {a} plus {b}", "what's {a} + {b}", "what's {a} plus {b}",
@@ -139,7 +144,10 @@ SUB = dict(
                  "tell me {a} minus {b}", "give me {a} - {b}", "deduct {b} from {a}", "remove {b} from {a}",
                  "figure out {a} minus {b}", "do {a} - {b}", "start with {a} and subtract {b}",
                  "take {a} and subtract {b}", "from {a}, subtract {b}", "find the difference of {a} and {b}",
-                 "compute {a} take away {b}", "decrease {a} by {b}", "reduce {a} by {b}"],
+                 "compute {a} take away {b}", "decrease {a} by {b}", "reduce {a} by {b}",
+                 "take {b} off {a}", "take {b} off of {a}", "knock {b} off {a}", "take {a}, then subtract {b}",
+                 "take {a} minus {b}", "take {a} and remove {b}", "from {a}, take away {b}",
+                 "from {a}, take {b}", "cut {a} by {b}"],
     questions=["what is {a} - {b}", "what is {a} minus {b}", "what's {a} - {b}", "what's {a} minus {b}",
                "what is {a}-{b}", "what does {a} minus {b} equal", "what does {a} - {b} make",
                "how much does {a} minus {b} make", "what do you get if you subtract {b} from {a}",
@@ -148,6 +156,8 @@ SUB = dict(
                "what number is {a} minus {b}", "how much is left after removing {b} from {a}",
                "what is {a} take away {b}", "{a} take away {b}", "what is {b} less than {a}",
                "what is {a} decreased by {b}", "what remains of {a} after removing {b}",
+               "what is {a} with {b} taken off", "what do you get if you take {b} off {a}",
+               "how much is {a} once {b} is taken off", "what is {a} less {b}", "how much remains if {b} is removed from {a}",
                "what is left after subtracting {b} from {a}"],
 )
 COUNT_TO = dict(
@@ -199,7 +209,8 @@ REVERSE = dict(
                  "reverse the order of {w}", "say the words {w} in reverse order"],
     questions=["what is {w} reversed", "what is {w} backwards", "what are these words in reverse order: {w}",
                "how do these words read backwards: {w}", "what does {w} look like reversed",
-               "what is the reverse of {w}"],
+               "what is the reverse of {w}", "what would {w} be in reverse order", "what are {w} in reverse order",
+               "what is the backward order of these words: {w}", "what order do {w} have when reversed"],
 )
 REVERSE_PLAIN = ["{w}. Reverse them.", "{w} - reverse that.", "Words: {w}. Now say them backwards.",
                  "Here are some words: {w}. Reverse their order.", "{w}. Say them from last to first.",
@@ -270,7 +281,8 @@ TOOLS = {
                      "search the internet for {topic}", "find me pages about {topic}", "look for {topic} on the web",
                      "browse the web for {topic}", "get me search results for {topic}", "run a search on {topic}",
                      "do a google search for {topic}", "search google for {topic}", "use google to look up {topic}",
-                     "search for {topic} online"],
+                     "search for {topic} online", "do a quick google on {topic}", "find {topic} on google",
+                     "check google for {topic}", "use the web to find {topic}"],
         questions=["web search: {topic}", "what does the web say about {topic}", "any news about {topic}",
                    "what can you find online about {topic}", "google search: {topic}"]),
     "set_timer": dict(
@@ -279,7 +291,8 @@ TOOLS = {
                      "count down {minutes} minutes", "set an alarm for {minutes} minutes from now",
                      "wake me in {minutes} minutes", "put a timer on for {minutes} minutes",
                      "set the timer to {minutes} minutes", "make a timer for {minutes} minutes",
-                     "ping me in {minutes} minutes", "alert me after {minutes} minutes"],
+                     "ping me in {minutes} minutes", "alert me after {minutes} minutes", "time me for {minutes} minutes",
+                     "clock {minutes} minutes", "keep time for {minutes} minutes", "run a timer of {minutes} minutes"],
         questions=["timer for {minutes} minutes", "{minutes} minute timer", "I want a {minutes} minute timer"]),
     "convert_currency": dict(
         imperatives=["convert {amount} {src} to {dst}", "change {amount} {src} into {dst}",

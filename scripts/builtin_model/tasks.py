@@ -435,5 +435,5 @@ TASKS = {
 }
 
 # Training mix: weights per kind (the harder kinds get more: copying from the prompt and two-digit sums).
-MIX = {"greeting": 1.0, "arithmetic": 6, "counting": 2.5, "echo": 3, "reverse": 4.5, "table": 3,
+MIX = {"greeting": 1.5, "arithmetic": 6, "counting": 2.5, "echo": 3, "reverse": 4.5, "table": 3,
        "tool_call": 5, "tool_result": 1.5}

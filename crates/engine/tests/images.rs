@@ -208,7 +208,9 @@ fn a_prompt_must_hold_one_placeholder_per_image() {
     let enc = encoder();
     let img = image(&enc, &dir().join("image0.png"));
     let t = enc.image_token();
-    let e = enc.encode(&[1, 2, 3], &[img.clone()]).unwrap_err();
+    let e = enc
+        .encode(&[1, 2, 3], std::slice::from_ref(&img))
+        .unwrap_err();
     assert!(
         e.to_string()
             .contains("0 image placeholder tokens for 1 images"),

@@ -216,17 +216,11 @@ __device__ __forceinline__ void moe_gemm_impl(const unsigned long long* __restri
     constexpr int STAGES = F::STAGES;
     __shared__ u32 s_pair[MG_TILE], s_xrow[MG_TILE];
     extern __shared__ uint4 mg_dyn[];
-    const u32 cnt = tiles[3 * blockIdx.y + 2];
+    u32 ex;
+    const u32 cnt = mg_tile(tiles, perm, x_div, x_tail, s_pair, s_xrow, ex);
     if (cnt == 0) return;
-    const u32 ex = tiles[3 * blockIdx.y], start = tiles[3 * blockIdx.y + 1];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * MG_BM;
-    if (tid < (int)cnt) {
-        const u32 p = perm[start + tid];
-        s_pair[tid] = p;
-        s_xrow[tid] = moe_x_row(p, x_div, x_tail);
-    }
-    __syncthreads();
     const int nch = (int)(cnt + 7) >> 3;  // active 8-pair column blocks
     const int nk = k / MG_KC;
     const int scols = (k + group - 1) / group;
@@ -328,22 +322,7 @@ __device__ __forceinline__ void moe_gemm_impl(const unsigned long long* __restri
             }
         }
     }
-    // Accumulator (j, i): weight row wr + 8·(i / 2), pair 8j + 2t + i % 2.
-    const int r_a = row0 + wr, r_b = r_a + 8;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        if (j < nch) {
-#pragma unroll
-            for (int e2 = 0; e2 < 2; ++e2) {
-                const int m = 8 * j + 2 * t + e2;
-                if (m < (int)cnt) {
-                    const size_t yrow = (size_t)s_pair[m] * n;
-                    if (r_a < n) store_out<OUT>(Y, yrow + r_a, tot[j][e2]);
-                    if (r_b < n) store_out<OUT>(Y, yrow + r_b, tot[j][2 + e2]);
-                }
-            }
-        }
-    }
+    mg_store<OUT>(Y, tot, s_pair, cnt, nch, row0 + wr, t, n);
 }
 
 // Entry points moe_gemm_{q4 | q6 | q8 | f8 | bf16}_{bf16 | f32}: Y [n_pairs, n] bf16 (the experts' fused gate|up

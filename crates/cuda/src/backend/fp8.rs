@@ -173,26 +173,17 @@ impl CudaBackend {
         let mut out = unsafe { self.gpu.stream().alloc::<bf16>(y.len()) }?;
         let verdict = match self.gemm_fp8_tc(x, tc, &mut out) {
             Ok(()) => {
-                let (a, b) = (self.gpu.download(&out)?, self.gpu.download(&*y)?);
-                let rms = rel_rms(&a, &b);
-                if rms <= LT_CHECK_RMS {
-                    tracing::info!(
-                        "FP8 prefill GEMMs on the FP8 tensor cores (the first product, [{}, {}] ×                          [{}, {}]ᵀ, is {:.2}% RMS from the bf16 tiles)",
-                        x.rows,
-                        x.cols,
-                        w.out_features(),
-                        w.in_features(),
-                        100.0 * rms
-                    );
-                    LtCheck::Passed
-                } else {
-                    tracing::warn!(
-                        "FP8 prefill GEMMs dequantise to bf16 tiles: the tensor-core product is                          {:.1}% RMS from them (above {:.0}%)",
-                        100.0 * rms,
-                        100.0 * LT_CHECK_RMS
-                    );
-                    LtCheck::Failed
-                }
+                let what = format!(
+                    "FP8 prefill GEMMs (the first product: [{}, {}] × [{}, {}]ᵀ)",
+                    x.rows,
+                    x.cols,
+                    w.out_features(),
+                    w.in_features()
+                );
+                verdict(
+                    &what,
+                    rel_rms(&self.gpu.download(&out)?, &self.gpu.download(&*y)?),
+                )
             }
             Err(e) => {
                 tracing::warn!("FP8 prefill GEMMs dequantise to bf16 tiles: {e}");
@@ -231,24 +222,11 @@ impl CudaBackend {
         let mut out = self.scratch::<bf16>(y.len())?;
         let verdict = match self.moe_gemm_fp8_quantised(experts, input, groups, &mut out) {
             Ok(()) => {
-                let rms = rel_rms(&g.download(&out)?, &g.download(&*y)?);
-                if rms <= LT_CHECK_RMS {
-                    tracing::info!(
-                        "FP8 expert prefill GEMMs on the FP8 tensor cores (the first gate|up product, \
-                         {} pairs, is {:.2}% RMS from the bf16 tiles)",
-                        groups.n_pairs,
-                        100.0 * rms
-                    );
-                    LtCheck::Passed
-                } else {
-                    tracing::warn!(
-                        "FP8 expert prefill GEMMs decode to bf16 tiles: the tensor-core product is \
-                         {:.1}% RMS from them (above {:.0}%)",
-                        100.0 * rms,
-                        100.0 * LT_CHECK_RMS
-                    );
-                    LtCheck::Failed
-                }
+                let what = format!(
+                    "FP8 expert prefill GEMMs (the first gate|up product: {} pairs)",
+                    groups.n_pairs
+                );
+                verdict(&what, rel_rms(&g.download(&out)?, &g.download(&*y)?))
             }
             Err(e) => {
                 tracing::warn!("FP8 expert prefill GEMMs decode to bf16 tiles: {e}");
@@ -351,6 +329,25 @@ struct TcWeight<'a> {
     w: &'a Fp8Weight,
     blk: &'a CudaSlice<f32>,
     lt: &'a Fp8Lt,
+}
+
+/// The first-use check's verdict on a tensor-core product `rms` (relative RMS) from the bf16 tiles'
+/// product, said in the log with `what` it was.
+fn verdict(what: &str, rms: f64) -> LtCheck {
+    if rms <= LT_CHECK_RMS {
+        tracing::info!(
+            "{what} on the FP8 tensor cores: {:.2}% RMS from the bf16 tiles",
+            100.0 * rms
+        );
+        LtCheck::Passed
+    } else {
+        tracing::warn!(
+            "{what} on the bf16 tiles: the tensor-core product is {:.1}% RMS from them (above {:.0}%)",
+            100.0 * rms,
+            100.0 * LT_CHECK_RMS
+        );
+        LtCheck::Failed
+    }
 }
 
 /// `‖a − b‖ / ‖b‖` over bf16 values (0 for an all-zero `b` equal to `a`).

@@ -383,15 +383,9 @@ impl Gpu {
         check_len(OP, "scale table", experts.scales, e)?;
         let max_tiles = moe_max_tiles(n_pairs, e);
         check_len(OP, "x", x, x_rows * x_cols)?;
-        check_len(OP, "perm", groups.perm, n_pairs)?;
-        check_len(OP, "tiles", groups.tiles, 3 * max_tiles)?;
-        check_len(OP, "y", y, n_pairs * n)?;
-        if n_pairs == 0 || n == 0 {
+        if !groups.check_launch(OP, max_tiles, y, n)? {
             return Ok(());
         }
-        ensure(max_tiles <= 65535, OP, || {
-            format!("{max_tiles} tiles exceed the grid limit")
-        })?;
         ensure(self.addr(x).is_multiple_of(16), OP, || {
             "x must be 16-byte aligned".into()
         })?;

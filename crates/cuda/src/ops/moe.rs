@@ -6,7 +6,7 @@
 //! [`Gpu::moe_gemv_packed`] is the same grouped GEMV over packed integer experts (INT4/INT8
 //! pack-quantized, INT6 gapless; see `ops::quant`), through tables of word and scale addresses.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
 use half::bf16;
 
 use super::PackedScheme;
@@ -122,6 +122,29 @@ pub struct PairGroups<'a, U: DevicePtr<u32>> {
     pub perm: &'a U,
     pub tiles: &'a U,
     pub n_pairs: usize,
+}
+
+impl<U: DevicePtr<u32>> PairGroups<'_, U> {
+    /// Checks a grouped launch's `perm`, `tiles` (`max_tiles` triples) and `y` (`[n_pairs, n]`)
+    /// lengths and the grid limit; `false` when there is nothing to compute (no pairs or no rows).
+    pub(crate) fn check_launch<O>(
+        &self,
+        op: &'static str,
+        max_tiles: usize,
+        y: &impl DeviceSlice<O>,
+        n: usize,
+    ) -> Result<bool> {
+        check_len(op, "perm", self.perm, self.n_pairs)?;
+        check_len(op, "tiles", self.tiles, 3 * max_tiles)?;
+        check_len(op, "y", y, self.n_pairs * n)?;
+        if self.n_pairs == 0 || n == 0 {
+            return Ok(false);
+        }
+        ensure(max_tiles <= 65535, op, || {
+            format!("{max_tiles} tiles exceed the grid limit")
+        })?;
+        Ok(true)
+    }
 }
 
 /// The rows the pairs read: `x` `[rows, ·]` (bf16; e4m3 bytes for the FP8 tensor-core GEMM), pair `p`
@@ -289,7 +312,7 @@ impl Gpu {
         })?;
         let (w_ptrs, n, k) = (experts.weights, experts.n, experts.k);
         let (x, x_rows, x_div) = (input.x, input.rows, input.div);
-        let (perm, tiles, n_pairs) = (groups.perm, groups.tiles, groups.n_pairs);
+        let n_pairs = groups.n_pairs;
         ensure(k.is_multiple_of(8) && k > 0, OP, || {
             format!("k = {k} must be a positive multiple of 8")
         })?;
@@ -301,15 +324,9 @@ impl Gpu {
         let e = w_ptrs.len();
         let max_tiles = moe_max_tiles(n_pairs, e);
         check_len(OP, "x", x, x_rows * k)?;
-        check_len(OP, "perm", perm, n_pairs)?;
-        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
-        check_len(OP, "y", y, n_pairs * n)?;
-        if n_pairs == 0 || n == 0 {
+        if !groups.check_launch(OP, max_tiles, y, n)? {
             return Ok(());
         }
-        ensure(max_tiles <= 65535, OP, || {
-            format!("{max_tiles} tiles exceed the grid limit")
-        })?;
         ensure(self.addr(x).is_multiple_of(16), OP, || {
             "x must be 16-byte aligned".into()
         })?;
@@ -408,7 +425,7 @@ impl Gpu {
         })?;
         let (w_ptrs, s_ptrs, n, k) = (experts.weights, experts.scales, experts.n, experts.k);
         let (x, x_rows, x_div) = (input.x, input.rows, input.div);
-        let (perm, tiles, n_pairs) = (groups.perm, groups.tiles, groups.n_pairs);
+        let n_pairs = groups.n_pairs;
         ensure(matches!(bits, 4 | 6 | 8), OP, || {
             format!("{bits}-bit weights: expected 4, 6 or 8")
         })?;
@@ -428,15 +445,9 @@ impl Gpu {
         check_len(OP, "s_ptrs", s_ptrs, e)?;
         let max_tiles = moe_max_tiles(n_pairs, e);
         check_len(OP, "x", x, x_rows * if swiglu { 2 * k } else { k })?;
-        check_len(OP, "perm", perm, n_pairs)?;
-        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
-        check_len(OP, "y", y, n_pairs * n)?;
-        if n_pairs == 0 || n == 0 {
+        if !groups.check_launch(OP, max_tiles, y, n)? {
             return Ok(());
         }
-        ensure(max_tiles <= 65535, OP, || {
-            format!("{max_tiles} tiles exceed the grid limit")
-        })?;
         let group = if group_size == 0 { k } else { group_size };
         ensure(self.addr(x).is_multiple_of(16), OP, || {
             "x must be 16-byte aligned".into()

@@ -246,15 +246,9 @@ impl Gpu {
         let max_tiles = Self::moe_gemm_max_tiles(n_pairs, e);
         check_len(OP, "x", input.x, x_rows * k)?;
         check_len(OP, "scales", scales, x_rows * (k / QBLOCK))?;
-        check_len(OP, "perm", perm, n_pairs)?;
-        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
-        check_len(OP, "y", y, n_pairs * n)?;
-        if n_pairs == 0 || n == 0 {
+        if !groups.check_launch(OP, max_tiles, y, n)? {
             return Ok(());
         }
-        ensure(max_tiles <= 65535, OP, || {
-            format!("{max_tiles} tiles exceed the grid limit")
-        })?;
         ensure(self.addr(input.x).is_multiple_of(16), OP, || {
             "x must be 16-byte aligned".into()
         })?;
@@ -306,7 +300,7 @@ impl Gpu {
     ) -> Result<()> {
         const OP: &str = "moe_gemm";
         let (x, x_rows, x_div) = (input.x, input.rows, input.div);
-        let (perm, tiles, n_pairs) = (groups.perm, groups.tiles, groups.n_pairs);
+        let n_pairs = groups.n_pairs;
         ensure(format.supports(k), OP, || {
             format!(
                 "weights {format:?} with k = {k}: need k % 64 == 0, bits 4, 6 or 8 and a group of \
@@ -325,15 +319,9 @@ impl Gpu {
         }
         let max_tiles = Self::moe_gemm_max_tiles(n_pairs, e);
         check_len(OP, "x", x, x_rows * k)?;
-        check_len(OP, "perm", perm, n_pairs)?;
-        check_len(OP, "tiles", tiles, 3 * max_tiles)?;
-        check_len(OP, "y", y, n_pairs * n)?;
-        if n_pairs == 0 || n == 0 {
+        if !groups.check_launch(OP, max_tiles, y, n)? {
             return Ok(());
         }
-        ensure(max_tiles <= 65535, OP, || {
-            format!("{max_tiles} tiles exceed the grid limit")
-        })?;
         let group = format.group(k);
         let spc = if group < KC { KC / group } else { 1 };
         let (srow, stages) = format.layout();

@@ -9,7 +9,8 @@
 #
 # ROUNDS (default 2) runs of each arm per config. Configs: $SANMAI_BENCH_CONFIGS (default: the
 # Qwen3-Next-80B-A3B and qwen4_exp-125B-A6B configs with their quantization mix); batch sizes
-# $SANMAI_BENCH_BATCH (default 1,4,8); prompt length $SANMAI_AB_PROMPT_LEN (default 512). An arm may be a
+# $SANMAI_BENCH_BATCH (default 1,4,8); prompt lengths $SANMAI_AB_PROMPT_LEN (default 512; a list such as
+# 512,4096 measures each with every batch size in one process). An arm may be a
 # wrapper that sets a switch's variable, e.g. a script running `SANMAI_FP8_TENSOR_CORES=0 exec
 # BIN_DIR/sanmai "$@"`, to compare the two sides of a switch in one build. A config with a `ple` block gets one table, made by SANMAI_B with
 # `sanmai ple create --rows-scale $SANMAI_PLE_ROWS_SCALE` (default 0.05) in a temporary directory and
@@ -55,16 +56,17 @@ for line in open(sys.argv[1]):
     if m:
         cur = (m[1].split("/")[-1], m[2])
         continue
-    m = re.match(r"batch (\d+): prefill ([\d.]+) tok/s.*decode ([\d.]+) tok/s", line)
+    m = re.match(r"batch (\d+): prefill ([\d.]+) tok/s \(TTFT median [\d.]+ ms, prompt (\d+) tokens\).*decode ([\d.]+) tok/s", line)
     if m and cur:
-        runs.setdefault(cur + (int(m[1]),), []).append((float(m[2]), float(m[3])))
-print("| config | batch | arm | decode tok/s (runs) | decode median | spread | prefill median |")
-print("| --- | --- | --- | --- | --- | --- | --- |")
-for key in sorted(runs, key=lambda k: (k[0], k[2], k[1])):
+        runs.setdefault(cur + (int(m[3]), int(m[1])), []).append((float(m[2]), float(m[4])))
+print("| config | prompt | batch | arm | decode tok/s (runs) | decode median | spread | prefill tok/s (runs) | prefill median |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+for key in sorted(runs, key=lambda k: (k[0], k[2], k[3], k[1])):
     pre = [p for p, _ in runs[key]]
     dec = [d for _, d in runs[key]]
-    print(f"| {key[0]} | {key[2]} | {key[1]} | {' / '.join(f'{d:.1f}' for d in dec)} | "
-          f"{statistics.median(dec):.1f} | {max(dec) - min(dec):.1f} | {statistics.median(pre):.0f} |")
+    print(f"| {key[0]} | {key[2]} | {key[3]} | {key[1]} | {' / '.join(f'{d:.1f}' for d in dec)} | "
+          f"{statistics.median(dec):.1f} | {max(dec) - min(dec):.1f} | {' / '.join(f'{p:.0f}' for p in pre)} | "
+          f"{statistics.median(pre):.0f} |")
 PY
 cat "$out/ab.md"
 exit $rc

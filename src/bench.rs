@@ -18,9 +18,9 @@ pub struct BenchArgs {
     /// Decode batch sizes to measure.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     pub batch: Vec<usize>,
-    /// Prompt length of each sequence.
-    #[arg(long, default_value_t = 512)]
-    pub prompt_len: usize,
+    /// Prompt lengths of each sequence to measure (each with every batch size).
+    #[arg(long, value_delimiter = ',', default_value = "512")]
+    pub prompt_len: Vec<usize>,
     /// Tokens decoded per sequence.
     #[arg(long, default_value_t = 128)]
     pub gen_len: usize,
@@ -104,7 +104,7 @@ fn chunk<'a>(
 
 fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<()> {
     let m = loaded.single("sanmai bench")?;
-    if args.prompt_len == 0 || args.gen_len == 0 || args.batch.contains(&0) {
+    if args.prompt_len.contains(&0) || args.gen_len == 0 || args.batch.contains(&0) {
         bail!("--prompt-len, --gen-len and --batch must be positive");
     }
     let k = match &args.speculative_config {
@@ -112,6 +112,9 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
             let k = Speculative::parse(json)?.num_speculative_tokens;
             if m.mtp.is_none() {
                 bail!("--speculative-config: the model has no MTP head");
+            }
+            if args.prompt_len.len() > 1 {
+                bail!("--speculative-config measures one --prompt-len at a time");
             }
             k
         }
@@ -135,11 +138,15 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
     println!("{}", load_line(&args.model, loaded.load_seconds)?);
     let bandwidth = m.backend.copy_bandwidth()?;
     warm_up(&args, &loaded)?;
-    for &batch in &args.batch {
+    let runs = args
+        .prompt_len
+        .iter()
+        .flat_map(|&p| args.batch.iter().map(move |&b| (p, b)));
+    for (prompt_len, batch) in runs {
         // Deterministic pseudo-random prompts, distinct per sequence.
         let prompts: Vec<Vec<u32>> = (0..batch as u64)
             .map(|s| {
-                (0..args.prompt_len as u64)
+                (0..prompt_len as u64)
                     .map(|i| ((i * 7919 + s * 104_729 + 13) % vocab) as u32)
                     .collect()
             })
@@ -153,7 +160,7 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
         } else {
             0
         };
-        let per_seq = (args.prompt_len + args.gen_len + 1 + extra).div_ceil(BLOCK) as u32;
+        let per_seq = (prompt_len + args.gen_len + 1 + extra).div_ceil(BLOCK) as u32;
         m.init_cache(per_seq as usize * batch, BLOCK)?;
         let seqs_cache: Vec<(usize, Vec<u32>)> = (0..batch as u32)
             .map(|i| {
@@ -203,9 +210,9 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
         println!(
             "batch {batch}: prefill {:.1} tok/s (TTFT median {:.1} ms, prompt {} tokens) | decode {:.1} tok/s, \
              inter-token latency median {:.2} ms, mean {:.2} ms ({} steps)",
-            (batch * args.prompt_len) as f64 / prefill_s,
+            (batch * prompt_len) as f64 / prefill_s,
             median(&mut ttft) * 1e3,
-            args.prompt_len,
+            prompt_len,
             decode_tok_s,
             itl * 1e3,
             total / args.gen_len as f64 * 1e3,
@@ -214,7 +221,7 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
         if args.kernel_times {
             bench_kernels::run(m, || decode.step(m), itl)?;
         }
-        let context = args.prompt_len + args.gen_len / 2;
+        let context = prompt_len + args.gen_len / 2;
         let bytes = m.decode_step_bytes(batch, context, &routed);
         let ceiling = batch as f64 * bandwidth / bytes.total() as f64;
         let experts = if routed.is_empty() {
@@ -264,7 +271,7 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
             model,
             loaded.valid_vocab,
             &plain,
-            args.prompt_len,
+            args.prompt_len[0],
             args.gen_len,
             k,
         )?;
@@ -272,13 +279,14 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
     Ok(())
 }
 
-/// One untimed prefill of a prompt of the benchmark's length and one decode step, so that what a
+/// One untimed prefill of a prompt of the benchmark's longest length and one decode step, so that what a
 /// backend does once (lazy uploads, expert address tables, library heuristics) stays out of the
 /// first batch size's figures.
 fn warm_up<B: Backend>(args: &BenchArgs, loaded: &Loaded<B>) -> Result<()> {
     let m = loaded.single("sanmai bench")?;
     let vocab = loaded.valid_vocab as u64;
-    let prompt: Vec<u32> = (0..args.prompt_len as u64 + 1)
+    let prompt_len = args.prompt_len.iter().copied().max().unwrap_or(1);
+    let prompt: Vec<u32> = (0..prompt_len as u64 + 1)
         .map(|i| ((i * 7919 + 13) % vocab) as u32)
         .collect();
     let per_seq = (prompt.len()).div_ceil(BLOCK);
@@ -286,7 +294,7 @@ fn warm_up<B: Backend>(args: &BenchArgs, loaded: &Loaded<B>) -> Result<()> {
     let state = m.backend.alloc_state()?;
     let blocks: Vec<u32> = (0..per_seq as u32).collect();
     let mut pos = 0;
-    for part in [&prompt[..args.prompt_len], &prompt[args.prompt_len..]] {
+    for part in [&prompt[..prompt_len], &prompt[prompt_len..]] {
         for piece in part.chunks(PREFILL_CHUNK) {
             step_logits(m, &[chunk(&prompt, pos, piece.len(), state, &blocks)])?;
             pos += piece.len();

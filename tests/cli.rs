@@ -176,7 +176,7 @@ fn qwen4_exp_with_every_block_generates_the_reference_tokens() {
 }
 
 /// `sanmai bench` on dummy weights of the tiny qwen4_exp config (every block on, PLE rows zero without a
-/// table) prints its figures and the roofline line for each batch size.
+/// table) prints its figures and the roofline line for each prompt length and batch size.
 #[test]
 fn bench_prints_speeds_and_the_roofline() {
     let cfg = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen4-exp-tiny.json");
@@ -189,7 +189,7 @@ fn bench_prints_speeds_and_the_roofline() {
         "--batch",
         "1,3",
         "--prompt-len",
-        "40",
+        "40,24",
         "--gen-len",
         "4",
     ]);
@@ -199,10 +199,21 @@ fn bench_prints_speeds_and_the_roofline() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    for b in ["batch 1:", "batch 3:"] {
-        assert!(text.contains(b), "{text}");
-    }
-    assert_eq!(text.matches("roofline:").count(), 2, "{text}");
+    let runs: Vec<(&str, &str)> = text
+        .lines()
+        .filter_map(|l| Some((l.split(':').next()?, l.split("prompt ").nth(1)?)))
+        .filter(|(b, _)| b.starts_with("batch "))
+        .collect();
+    let order: Vec<String> = runs
+        .iter()
+        .map(|(b, p)| format!("{b} {}", p.split(' ').next().unwrap()))
+        .collect();
+    assert_eq!(
+        order,
+        ["batch 1 40", "batch 3 40", "batch 1 24", "batch 3 24"],
+        "{text}"
+    );
+    assert_eq!(text.matches("roofline:").count(), 4, "{text}");
     assert!(text.contains("distinct experts per MoE layer"), "{text}");
     // Pipeline stages are measured through the server.
     let err = stderr(&sanmai(&[

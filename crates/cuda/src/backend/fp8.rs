@@ -5,9 +5,12 @@
 //! formats' persistent bf16 workspace (allocated with the first packed or FP8 weight). Routed FP8
 //! experts take the grouped FP8 GEMV (`backend/moe.rs`).
 //!
-//! The tensor-core GEMM is checked once, at its first product outside a graph capture, against the
-//! bf16 tiles on the same input: within [`LT_CHECK_RMS`] it serves every later product; otherwise
-//! (a cuBLASLt that reads the scales otherwise, an error) the bf16 tiles do, with a warning. The
+//! The FP8 tensor cores are off unless [`GpuOptions::fp8_tensor_cores`](crate::GpuOptions) turns
+//! them on (on an H100 the bf16 tiles prefilled faster, `docs/gpu/fp8-2026-12-05.md`). When on, the
+//! tensor-core GEMM is checked once, at its first product outside a graph capture, against the
+//! bf16 tiles on the same input: within [`LT_CHECK_RMS`] it serves every later product (a shape
+//! cuBLASLt refuses takes the tiles, said once); otherwise (a cuBLASLt that reads the scales
+//! otherwise, an error) the bf16 tiles do, with a warning. The
 //! routed experts' grouped GEMM of a prefill step takes the FP8 tensor cores the same way
 //! (`mma.sync` e4m3 on sm_89 and later, the pairs' input rows quantised per row and 128 columns;
 //! checked on its first gate|up product).
@@ -109,10 +112,18 @@ impl CudaBackend {
             match lt.check.get() {
                 LtCheck::Passed => match self.gemm_fp8_tc(x, &tc, y) {
                     Ok(()) => return Ok(()),
-                    // A shape cuBLASLt takes no algorithm for: the tiles from now on.
+                    // A shape cuBLASLt takes no algorithm for: this product on the tiles.
                     Err(e) => {
-                        tracing::warn!("FP8 prefill GEMMs dequantise to bf16 tiles from now: {e}");
-                        lt.check.set(LtCheck::Failed);
+                        if !lt.refused.swap(true, Ordering::Relaxed) {
+                            tracing::warn!(
+                                "FP8 prefill GEMM [{}, {}] × [{}, {}]ᵀ on the bf16 tiles (and any \
+                                 other shape cuBLASLt refuses): {e}",
+                                m,
+                                x.cols,
+                                w.out_features(),
+                                w.in_features()
+                            );
+                        }
                     }
                 },
                 LtCheck::Unchecked => {

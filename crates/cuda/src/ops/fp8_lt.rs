@@ -11,7 +11,7 @@
 //! [`lt_block_scales`]).
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use cudarc::cublaslt::{result as lt, sys};
@@ -62,11 +62,13 @@ impl LtVerdict {
     }
 }
 
-/// A cuBLASLt handle and its workspace on a [`Gpu`]'s stream, and whether its product was checked.
+/// A cuBLASLt handle and its workspace on a [`Gpu`]'s stream, whether its product was checked, and
+/// whether it has refused a shape yet (said once in the log).
 pub struct Fp8Lt {
     handle: sys::cublasLtHandle_t,
     workspace: CudaSlice<u8>,
     pub check: LtVerdict,
+    pub refused: AtomicBool,
 }
 
 // SAFETY: the handle is used on the Gpu's one stream, under the backend's calls that own the step.
@@ -108,6 +110,7 @@ impl Fp8Lt {
             handle,
             workspace,
             check: LtVerdict(AtomicU8::new(0)),
+            refused: AtomicBool::new(false),
         })
     }
 }

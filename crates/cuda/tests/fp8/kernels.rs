@@ -5,13 +5,19 @@ use half::bf16;
 use sanmai_config::Fp8Config;
 use sanmai_cpu::ops;
 use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
-use sanmai_cuda::{moe_max_tiles, Fp8Experts, Fp8Mat, Gpu, PairGroups, PairRows};
+use sanmai_cuda::{moe_max_tiles, Fp8Experts, Fp8Mat, Gpu, GpuOptions, PairGroups, PairRows};
 use sanmai_weights::fp8;
 
 use crate::{bf16_round, rel_errors, Rng};
 
+/// The device, with the FP8 tensor cores on whatever the run's default: these tests are the
+/// tensor-core kernels' own.
 pub(crate) fn gpu(test: &str) -> Option<Gpu> {
-    match Gpu::new(0, &crate::options::gpu_options()) {
+    let options = GpuOptions {
+        fp8_tensor_cores: true,
+        ..crate::options::gpu_options()
+    };
+    match Gpu::new(0, &options) {
         Ok(g) => Some(g),
         Err(e) => {
             eprintln!("skipped: {test}: {e}");

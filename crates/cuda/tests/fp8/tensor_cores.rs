@@ -5,7 +5,9 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::{lt_block_scales, Fp8Experts, Fp8Mat, Gpu, PairGroups, PairRows, LT_BLOCK};
+use sanmai_cuda::{
+    lt_block_scales, CudaError, Fp8Experts, Fp8Mat, Gpu, PairGroups, PairRows, LT_BLOCK,
+};
 use sanmai_weights::fp8::{self, f32_to_fp8_e4m3, fp8_e4m3_to_f32};
 
 use crate::kernels::{cfg, check_grouped, expert_tables, gpu, to_bf16, Weight};
@@ -101,11 +103,14 @@ fn fp8_tensor_core_gemm_matches_cpu_twin() {
     };
     let mut rng = Rng::new(911);
     // n past whole row blocks (1000, 200), k of the 80B's projections, m from a short prefill up.
-    for (n, k, m) in [
-        (1000, 2048, 300),
-        (2048, 4096, 64),
-        (200, 256, 17),
-        (512, 512, 1024),
+    // cuBLASLt on the H100 of docs/gpu/fp8-2026-12-05.md took no algorithm for the odd (200, 256, 17)
+    // (CUBLAS_STATUS_NOT_SUPPORTED); the backend multiplies such a shape on the bf16 tiles, so it may
+    // be refused; the others may not.
+    for (n, k, m, may_refuse) in [
+        (1000, 2048, 300, false),
+        (2048, 4096, 64, false),
+        (200, 256, 17, true),
+        (512, 512, 1024, false),
     ] {
         let w = Weight::new(&mut rng, n, k, [128, 128]);
         let (db, ds) = w.upload(&g);
@@ -125,8 +130,14 @@ fn fp8_tensor_core_gemm_matches_cpu_twin() {
         let mut dxs = g.zeros::<f32>(m * k / LT_BLOCK).unwrap();
         g.quant_f8_tokens(&dx, &mut dq, &mut dxs, m, k).unwrap();
         let mut y = g.zeros::<bf16>(m * n).unwrap();
-        g.gemm_fp8_lt(lt, &dq, &dxs, &mat, &dblk, &mut y, m)
-            .unwrap();
+        match g.gemm_fp8_lt(lt, &dq, &dxs, &mat, &dblk, &mut y, m) {
+            Ok(()) => {}
+            Err(CudaError::BlasLt(e)) if may_refuse && e.contains("NOT_SUPPORTED") => {
+                println!("FP8 check=gemm_tensor_cores n={n} k={k} m={m} refused by cuBLASLt: {e}");
+                continue;
+            }
+            Err(e) => panic!("n {n} k {k} m {m}: {e}"),
+        }
         let got: Vec<f32> = g.download(&y).unwrap().iter().map(|v| v.to_f32()).collect();
         // The twin: the quantised activations' values times their scales, then the oracle's product.
         let xd = dequantised(&x, m, k);

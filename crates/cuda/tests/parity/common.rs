@@ -124,6 +124,20 @@ pub fn check_composite(op: &str, shape: &str, got: &[f32], want: &[f32]) {
     );
 }
 
+/// A composite op whose GEMMs take their inputs in e4m3 (the FP8 format's dynamic scheme on the FP8
+/// tensor cores: each quantised input about 2.5% RMS from bf16, two in a row for the experts'
+/// gate|up then down): max-norm relative ≤ 1e-1, rms relative ≤ 5e-2.
+pub fn check_composite_e4m3(op: &str, shape: &str, got: &[f32], want: &[f32]) {
+    let s = stats(got, want);
+    report(op, shape, &s, "max_rel<=1e-1,rms_rel<=5e-2");
+    assert!(
+        s.max_rel <= 1e-1 && s.rms_rel <= 5e-2,
+        "{op} {shape}: max_rel {:.3e}, rms_rel {:.3e}",
+        s.max_rel,
+        s.rms_rel
+    );
+}
+
 /// An f32 result: max-norm relative ≤ 1e-4.
 pub fn check_f32(op: &str, shape: &str, got: &[f32], want: &[f32]) {
     let s = stats(got, want);

@@ -16,7 +16,9 @@ use sanmai_model::Backend;
 use sanmai_weights::fp8;
 use sanmai_weights::quant::{pack, quantize};
 
-use crate::common::{check_composite, check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
+use crate::common::{
+    check_composite, check_composite_e4m3, check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng,
+};
 use crate::launch::{expert_proj, packed_scheme, pair_groups, pair_rows};
 
 /// A pool of expert weights `[n, k]` of one scheme on the device, with the f32 values they stand for.
@@ -504,7 +506,13 @@ fn backend_moe_prefill_matches_cpu() {
             let got = routed(&b, (t, &x), &wg);
             let want = routed(&cpu, (t, &x), &wc);
             let shape = format!("{}_h{h}_i{i}_e{e}_k{k}_t{t}", scheme_name(scheme));
-            check_composite("backend_moe", &shape, &got, &want);
+            // The grouped GEMM of FP8 experts on the FP8 tensor cores (SANMAI_FP8_TENSOR_CORES=1)
+            // quantises its inputs to e4m3; the CPU oracle keeps them in f32.
+            if scheme == Some((0, 128)) && t == 1024 && crate::options::fp8_tensor_cores() {
+                check_composite_e4m3("backend_moe", &shape, &got, &want);
+            } else {
+                check_composite("backend_moe", &shape, &got, &want);
+            }
         }
     }
 }

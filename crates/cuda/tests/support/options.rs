@@ -1,19 +1,25 @@
 //! How the CUDA tests open their device. The crate reads no environment variable; the tests read the
 //! ones the `sanmai` binary reads, so that `scripts/gpu_check.sh` and CI steer them the same way:
-//! `SANMAI_PDL`, `SANMAI_CUDA_GRAPHS` and `SANMAI_FUSED_DECODE` (`0`, `off` or `false` turn them off), the kernel cache
+//! `SANMAI_PDL`, `SANMAI_CUDA_GRAPHS` and `SANMAI_FUSED_DECODE` (`0`, `off` or `false` turn them off),
+//! `SANMAI_FP8_TENSOR_CORES` (`1`, `on` or `true` turn the backend's FP8 tensor cores on), the kernel cache
 //! `SANMAI_CACHE_DIR` (else `$XDG_CACHE_HOME/sanmai`, else `~/.cache/sanmai`) and the CUDA header
 //! folders `SANMAI_CUDA_INCLUDE` (`:`-separated), `$CUDA_HOME/include` and `$CUDA_PATH/include`.
 
 use sanmai_cuda::registry::CompileOptions;
 use sanmai_cuda::{CudaOptions, GpuOptions};
 
+fn switched(var: &str, values: [&str; 3]) -> bool {
+    std::env::var(var).is_ok_and(|v| values.contains(&v.trim().to_ascii_lowercase().as_str()))
+}
+
 fn switched_off(var: &str) -> bool {
-    std::env::var(var).is_ok_and(|v| {
-        matches!(
-            v.trim().to_ascii_lowercase().as_str(),
-            "0" | "off" | "false"
-        )
-    })
+    switched(var, ["0", "off", "false"])
+}
+
+/// Whether the run asks for the FP8 tensor cores (`SANMAI_FP8_TENSOR_CORES=1`; off by default, as
+/// in the `sanmai` binary).
+pub fn fp8_tensor_cores() -> bool {
+    switched("SANMAI_FP8_TENSOR_CORES", ["1", "on", "true"])
 }
 
 /// The kernel cache and CUDA header folders the environment names.
@@ -25,7 +31,7 @@ pub fn compile_options() -> CompileOptions {
 pub fn gpu_options() -> GpuOptions {
     GpuOptions {
         pdl: !switched_off("SANMAI_PDL"),
-        fp8_tensor_cores: !switched_off("SANMAI_FP8_TENSOR_CORES"),
+        fp8_tensor_cores: fp8_tensor_cores(),
         compile: compile_options(),
     }
 }

@@ -593,12 +593,12 @@ impl<B: Backend> Model<B> {
                     (Some(shared), Some(gate)) => {
                         let fusion = b.moe_fuses_shared(m, rows);
                         let y = match fusion {
-                            SharedFusion::Apart => Some(self.mlp(shared, hn)?),
-                            _ => None,
+                            SharedFusion::Apart | SharedFusion::Gate => Some(self.mlp(shared, hn)?),
+                            SharedFusion::Expert | SharedFusion::ExpertAndGate => None,
                         };
                         let g = match fusion {
-                            SharedFusion::ExpertAndGate => None,
-                            _ => Some(b.linear(hn, gate)?),
+                            SharedFusion::ExpertAndGate | SharedFusion::Gate => None,
+                            SharedFusion::Apart | SharedFusion::Expert => Some(b.linear(hn, gate)?),
                         };
                         Some((y, g))
                     }

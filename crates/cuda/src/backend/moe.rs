@@ -48,7 +48,7 @@ impl CudaBackend {
             (false, false) => true,
             (true, false) => fusion != SharedFusion::Apart,
             (true, true) => fusion == SharedFusion::ExpertAndGate,
-            (false, true) => false,
+            (false, true) => fusion == SharedFusion::Gate,
         };
         if !takes {
             return Err(bad(format!(

@@ -1,7 +1,9 @@
 //! The decode-sized half of the routed experts (`moe.rs` has the routing, the tables and the prefill
 //! GEMM): the grouped GEMVs, and the fused decode launches, in which a MoE layer's shared expert
 //! runs as one more expert of its routed experts' GEMVs (and, at one row, its gate as one more
-//! router row), so a decode step's shared expert takes no launch of its own.
+//! router row), so a decode step's shared expert takes no launch of its own. A shared expert of
+//! another format than the routed experts' (the INT6 shared expert beside INT4 experts) still has
+//! its gate computed as one more router row at one row.
 
 use cudarc::driver::CudaSlice;
 use sanmai_model::backend::{MoeCall, MoeWeights, SharedFusion};
@@ -44,34 +46,37 @@ impl CudaBackend {
         res
     }
 
-    /// What a call of `rows` rows on `w` fuses: nothing unless the fused launches are on, the shared
-    /// expert fits the routed experts' kernels ([`shared_fits`]) and the step is at most
+    /// What a call of `rows` rows on `w` fuses, with the fused launches on: the shared expert where
+    /// it fits the routed experts' kernels ([`shared_fits`]) and the step is at most
     /// [`FUSED_MAX_ROWS`] rows (so it keeps the grouped GEMV, the shared pairs in one tile); the gate
-    /// too where the step takes the one-launch decode routing (one row, a bf16 router) and the gate
-    /// is a bf16 row.
+    /// where the step takes the one-launch decode routing (one row, a bf16 router) and the gate is a
+    /// bf16 row, whether or not the shared expert is fused.
     pub(crate) fn moe_fuses_shared_impl(
         &self,
         w: &MoeWeights<CudaWeight>,
         rows: usize,
     ) -> SharedFusion {
-        let on = self.fused_decode.load(std::sync::atomic::Ordering::Relaxed)
-            && (1..=FUSED_MAX_ROWS).contains(&rows)
-            && !Gpu::moe_gemm_wanted(rows, rows * w.top_k)
-            && shared_fits(w);
-        if !on {
+        if !self.fused_decode.load(std::sync::atomic::Ordering::Relaxed)
+            || Gpu::moe_gemm_wanted(rows, rows * w.top_k)
+        {
             return SharedFusion::Apart;
         }
-        match (&w.router, &w.shared_gate) {
-            (CudaWeight::Bf16(r), Some(CudaWeight::Bf16(g)))
-                if rows == 1
+        let expert = (1..=FUSED_MAX_ROWS).contains(&rows) && shared_fits(w);
+        let gate = match (&w.router, &w.shared_gate) {
+            (CudaWeight::Bf16(r), Some(CudaWeight::Bf16(g))) => {
+                rows == 1
                     && r.shape.len() == 2
                     && g.shape == [1, r.shape[1]]
                     && r.shape[0] == w.experts.len()
-                    && Gpu::moe_route_decode_fits(1, r.shape[1], w.experts.len(), w.top_k) =>
-            {
-                SharedFusion::ExpertAndGate
+                    && Gpu::moe_route_decode_fits(1, r.shape[1], w.experts.len(), w.top_k)
             }
-            _ => SharedFusion::Expert,
+            _ => false,
+        };
+        match (expert, gate) {
+            (true, true) => SharedFusion::ExpertAndGate,
+            (true, false) => SharedFusion::Expert,
+            (false, true) => SharedFusion::Gate,
+            (false, false) => SharedFusion::Apart,
         }
     }
 
@@ -107,8 +112,8 @@ impl CudaBackend {
                 (ids, wts, logits, None)
             }
             None => {
-                let gr = self.route_grouped(x, w)?;
-                (gr.ids, gr.wts, None, Some((gr.perm, gr.tiles)))
+                let gr = self.route_grouped(x, w, gate_row)?;
+                (gr.ids, gr.wts, gr.gate_logits, Some((gr.perm, gr.tiles)))
             }
         };
         if step.shared.as_ref().is_some_and(|(_, g)| g.is_none()) && gate_logits.is_none() {

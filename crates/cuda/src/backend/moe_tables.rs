@@ -232,6 +232,8 @@ pub(super) struct Grouped {
     pub wts: CudaSlice<f32>,
     pub perm: CudaSlice<u32>,
     pub tiles: CudaSlice<u32>,
+    /// The logits with the shared expert's gate at `[e]`, when it was asked for and computed.
+    pub gate_logits: Option<CudaSlice<f32>>,
 }
 
 impl CudaBackend {
@@ -260,20 +262,23 @@ impl CudaBackend {
     /// 9.1 µs against the separate launches' 12.2 µs at t = 1, but 27.7 µs against 12.6 µs at t = 8,
     /// where the separate GEMV runs on tensor cores and one block routing eight tokens is the tail
     /// (`bench_moe_route_decode`).
+    /// With `gate` (the shared expert's gate row) the one launch computes its logit too.
     pub(super) fn route_grouped(
         &self,
         x: &CudaTensor,
         w: &MoeWeights<CudaWeight>,
+        gate: Option<&CudaSlice<half::bf16>>,
     ) -> Result<Grouped> {
         let n = x.rows * w.top_k;
         let mut perm = self.scratch::<u32>(n)?;
         let mut tiles = self.scratch::<u32>(3 * moe_max_tiles(n, w.experts.len()))?;
-        let (ids, wts, _) = self.route_grouped_into(x, w, None, &mut perm, &mut tiles)?;
+        let (ids, wts, gate_logits) = self.route_grouped_into(x, w, gate, &mut perm, &mut tiles)?;
         Ok(Grouped {
             ids,
             wts,
             perm,
             tiles,
+            gate_logits,
         })
     }
 

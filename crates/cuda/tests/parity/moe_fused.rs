@@ -2,7 +2,8 @@
 //! routed experts' grouped GEMVs (and at one row its gate as one more router row), against the CPU
 //! backend running the same call (which computes what the call leaves out itself), and against the
 //! GPU's unfused launches (the shared expert's output and gate computed apart, in bf16), for bf16,
-//! INT4, INT8 and FP8 experts at decode batch sizes.
+//! INT4, INT8 and FP8 experts at decode batch sizes; and the gate alone as a router row beside a
+//! shared expert of another format (INT4 experts, an INT6 shared expert: the 80B dummy mix).
 
 use sanmai_config::{Fp8Config, QuantScheme};
 use sanmai_cpu::CpuBackend;
@@ -47,22 +48,22 @@ fn weight<B: Backend>(b: &B, rng: &mut Rng, format: Format, n: usize, k: usize) 
     }
 }
 
-/// A MoE layer of `e` experts (top `k`, hidden `h`, intermediate `i`) with a shared expert of the
-/// same format and a gate, built twice from the same seed: once per backend.
+/// A MoE layer of `e` experts (top `k`, hidden `h`, intermediate `i`) of format `f` with a shared
+/// expert of format `fs` and a gate, built twice from the same seed: once per backend.
 fn layer<B: Backend>(
     b: &B,
     seed: u64,
-    f: Format,
+    (f, fs): (Format, Format),
     (h, i, e, k): (usize, usize, usize, usize),
 ) -> MoeWeights<B::Weight> {
     let mut rng = Rng::new(seed);
-    let mlp = |rng: &mut Rng| MlpWeights {
+    let mlp = |rng: &mut Rng, f| MlpWeights {
         gate_up: weight(b, rng, f, 2 * i, h),
         down: weight(b, rng, f, h, i),
         inter: i,
     };
-    let experts = (0..e).map(|_| mlp(&mut rng)).collect();
-    let shared = Some(mlp(&mut rng));
+    let experts = (0..e).map(|_| mlp(&mut rng, f)).collect();
+    let shared = Some(mlp(&mut rng, fs));
     let router = to_bf16(&rng.normals(e * h, 0.0, 0.3)).1;
     let gate = to_bf16(&rng.normals(h, 0.0, 0.3)).1;
     MoeWeights {
@@ -86,9 +87,9 @@ fn run<B: Backend>(
 ) -> Vec<f32> {
     let xt = b.upload(t, x.len() / t, x.to_vec()).unwrap();
     let m = w.shared.as_ref().unwrap();
-    let gate = (fusion != SharedFusion::ExpertAndGate)
+    let gate = matches!(fusion, SharedFusion::Apart | SharedFusion::Expert)
         .then(|| b.linear(&xt, w.shared_gate.as_ref().unwrap()).unwrap());
-    let apart = (fusion == SharedFusion::Apart).then(|| {
+    let apart = matches!(fusion, SharedFusion::Apart | SharedFusion::Gate).then(|| {
         b.linear(
             &b.swiglu(&b.linear(&xt, &m.gate_up).unwrap()).unwrap(),
             &m.down,
@@ -131,8 +132,8 @@ fn backend_moe_fused_shared_matches_cpu() {
     let mut rng = Rng::new(71);
     for (case, &(f, h, i, e, k)) in cases.iter().enumerate() {
         let seed = 700 + case as u64;
-        let wg = layer(&b, seed, f, (h, i, e, k));
-        let wc = layer(&cpu, seed, f, (h, i, e, k));
+        let wg = layer(&b, seed, (f, f), (h, i, e, k));
+        let wc = layer(&cpu, seed, (f, f), (h, i, e, k));
         for t in [1usize, 3, 4] {
             // One row takes the one-launch decode routing, which computes the gate's logit too.
             let fusion = b.moe_fuses_shared(&wg, t);
@@ -168,7 +169,44 @@ fn backend_moe_fused_shared_matches_cpu() {
         b.set_fused_decode(true);
     }
     // Batches past 4 rows and prefill-sized steps keep the shared expert apart.
-    let w = layer(&b, 1, Format::Packed(4, 128), (256, 128, 32, 4));
+    let f = Format::Packed(4, 128);
+    let w = layer(&b, 1, (f, f), (256, 128, 32, 4));
     assert_eq!(b.moe_fuses_shared(&w, 5), SharedFusion::Apart);
     assert_eq!(b.moe_fuses_shared(&w, 9), SharedFusion::Apart);
+}
+
+/// A shared expert the routed experts' launches do not take (INT6 per row beside INT4 g128 experts,
+/// as in the 80B dummy mix): at one row its gate is one more row of the one-launch decode routing
+/// (its logit in f32, not rounded to bf16 as the gate's own GEMV rounds it), its output computed
+/// apart; past one row everything is apart.
+#[test]
+fn backend_moe_gate_fused_beside_an_apart_shared_expert_matches_cpu() {
+    let test = "backend_moe_gate_fused_beside_an_apart_shared_expert_matches_cpu";
+    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            return;
+        }
+    };
+    b.set_fused_decode(true);
+    let cpu = CpuBackend::default();
+    let formats = (Format::Packed(4, 128), Format::Packed(6, 0));
+    let dims = (256, 128, 32, 4);
+    let wg = layer(&b, 801, formats, dims);
+    let wc = layer(&cpu, 801, formats, dims);
+    assert_eq!(b.moe_fuses_shared(&wg, 1), SharedFusion::Gate);
+    assert_eq!(b.moe_fuses_shared(&wg, 2), SharedFusion::Apart);
+    let mut rng = Rng::new(81);
+    for _ in 0..3 {
+        let x = to_bf16(&rng.normals(256, 0.0, 1.0)).1;
+        let fused = run(&b, &wg, 1, &x, SharedFusion::Gate);
+        let want = run(&cpu, &wc, 1, &x, SharedFusion::Gate);
+        let apart = run(&b, &wg, 1, &x, SharedFusion::Apart);
+        let shape = "int4_g128_experts_int6_shared_h256_i128_e32_k4_t1";
+        check_composite("moe_gate_fused", shape, &fused, &want);
+        check_composite("moe_gate_fused_vs_apart", shape, &fused, &apart);
+    }
+    b.set_fused_decode(false);
+    assert_eq!(b.moe_fuses_shared(&wg, 1), SharedFusion::Apart);
 }

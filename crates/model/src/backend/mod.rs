@@ -264,6 +264,9 @@ pub enum SharedFusion {
     Expert,
     /// The backend also computes the gate logits, with the router's.
     ExpertAndGate,
+    /// The model computes the shared expert's output; the backend computes its gate logits with
+    /// the router's (a shared expert the routed experts' launches do not take).
+    Gate,
 }
 
 /// One MoE call: the normed input `x` `[rows, H]`, the layer's experts and router, and the shared

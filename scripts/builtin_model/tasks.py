@@ -66,7 +66,9 @@ SUBJECTS = ["the meeting", "lunch", "the report", "the trip", "the party", "the 
 #   its argument at the start of a line, where a word is spelled with other tokens than after a space
 #   (" Mumbai" is one token, "Mumbai" at a line start is "M" "umbai"); echo and reverse replies start
 #   a line too, so that spelling of a city or topic word is trained in some kind.
-# - tool calls also take cities of EXTRA_CITIES and queries of one to three random words;
+# - tool calls also take cities of EXTRA_CITIES (about 330, so that a city is copied from the request
+#   rather than recalled: phase 9 wrote held-out cities as trained ones, Helsinki as Havana) and queries
+#   of one to three random words;
 # - counting to N goes up to TRAIN_COUNT_TO (the eval asks up to 15).
 EXTRA_WORDS = """acorn badge beach bell berry blade board brick brush cabin canal canvas cargo chalk chess
 clock coast comet coral cotton crane crown dawn diary drum dune ember fabric fence field flame flute
@@ -79,7 +81,29 @@ EXTRA_CITIES = """Porto Kyoto Osaka Hamburg Cologne Lyon Marseille Naples Venice
 Krakow Budapest Bucharest Sofia Riga Tallinn Vilnius Edinburgh Glasgow Manchester Liverpool Cork Montreal
 Vancouver Calgary Seattle Portland Houston Dallas Atlanta Phoenix Austin Havana Bogota Quito Santiago
 Caracas Lagos Accra Dakar Tunis Casablanca Beirut Doha Muscat Karachi Lahore Dhaka Hanoi Busan Taipei
-Perth Auckland Wellington Brisbane Adelaide""".split()
+Perth Auckland Wellington Brisbane Adelaide
+Nagoya Sapporo Fukuoka Shanghai Beijing Shenzhen Chengdu Wuhan Xian Nanjing Hangzhou Harbin Macau
+Kolkata Chennai Bangalore Hyderabad Pune Jaipur Kathmandu Colombo Yangon Vientiane Penang Cebu Davao
+Surabaya Bandung Medan Darwin Hobart Cairns Christchurch Dunedin Suva Apia Honolulu Anchorage Juneau
+Boise Omaha Tulsa Memphis Nashville Louisville Detroit Cleveland Pittsburgh Baltimore Richmond
+Raleigh Charlotte Orlando Tampa Savannah Tucson Albuquerque Sacramento Fresno Reno Spokane Tacoma
+Winnipeg Regina Edmonton Halifax Quebec Ottawa Hamilton Windsor Monterrey Guadalajara Tijuana Cancun
+Merida Oaxaca Panama Managua Tegucigalpa Kingston Nassau Recife Salvador Fortaleza Manaus Belem
+Curitiba Cordoba Rosario Mendoza Montevideo Asuncion Arequipa Cusco Cali Medellin Cartagena
+Maracaibo Guayaquil Cuenca Valparaiso Antofagasta Reykjavik Tromso Aarhus Malmo Gothenburg Uppsala
+Turku Tampere Gdansk Poznan Wroclaw Brno Bratislava Ljubljana Zagreb Belgrade Sarajevo Skopje Tirana
+Thessaloniki Patras Izmir Ankara Antalya Tbilisi Yerevan Baku Almaty Tashkent Bishkek Kazan Samara
+Omsk Irkutsk Vladivostok Minsk Kyiv Odesa Lviv Kharkiv Chisinau Plovdiv Varna Constanta Cluj
+Timisoara Graz Linz Salzburg Innsbruck Basel Bern Lausanne Lugano Bologna Turin Genoa Palermo
+Catania Bari Verona Bilbao Malaga Granada Zaragoza Murcia Alicante Toulouse Nantes Bordeaux Lille
+Strasbourg Nice Rennes Bremen Dresden Leipzig Hanover Stuttgart Nuremberg Frankfurt Dortmund Essen
+Antwerp Ghent Bruges Rotterdam Utrecht Eindhoven Groningen Luxembourg Cardiff Belfast Bristol Leeds
+Sheffield Newcastle Aberdeen Dundee Galway Limerick Alexandria Luxor Aswan Khartoum Mombasa Kampala
+Kigali Dodoma Lusaka Harare Maputo Windhoek Gaborone Durban Pretoria Luanda Kinshasa Douala Abuja
+Kano Bamako Niamey Rabat Fez Marrakesh Tangier Algiers Oran Tripoli Benghazi Amman Damascus Aleppo
+Riyadh Jeddah Mecca Medina Kuwait Manama Sharjah Tehran Isfahan Shiraz Tabriz Mashhad Kabul Herat
+Peshawar Islamabad Quetta Multan Chittagong Sylhet Mandalay Pattaya Hue Danang Haiphong Ulaanbaatar
+Pyongyang Incheon Daegu Gwangju Kaohsiung Taichung Tainan""".split()
 TRAIN_COUNT_TO = 30
 # Share of the training draws of echo, reverse and tool arguments taken from the wider pools.
 WIDE_SHARE = 0.5

@@ -73,8 +73,9 @@ __device__ __forceinline__ void fetch_unit(const u32* const wrow[QROWS], const f
 // acc[r][m] += unit u of row r · x[m, 32u .. 32u + 32) for the slot's rows (words cw, scales cs as
 // fetch_unit leaves them). Per 8-value chunk: decode the chunk of every row once, then for each m one x
 // chunk (read-only cache, shared by the block) and the dot, times the chunk's scale (with UNIT_SCALE the
-// unit's one scale, and for M ≤ 4 the unit's 32-value dot is summed before the one multiply).
-template <int BITS, int M, bool UNIT_SCALE>
+// unit's one scale, and for M ≤ 4 the unit's 32-value dot is summed before the one multiply). With SW,
+// X is a gate|up buffer [M, 2k] and x = bf16(silu(gate) · up), computed as swiglu_bf16 computes it.
+template <int BITS, int M, bool UNIT_SCALE, bool SW>
 __device__ __forceinline__ void unit_dot(const u32 cw[QROWS][Unit<BITS>::WORDS], const float cs[QROWS][4],
                                          const bf16* __restrict__ X, int k, int u, float acc[QROWS][M]) {
     // Up to M = 4 the unit's dot is summed first (one scale multiply per unit); past that the extra
@@ -97,7 +98,9 @@ __device__ __forceinline__ void unit_dot(const u32 cw[QROWS][Unit<BITS>::WORDS],
 #pragma unroll
         for (int m = 0; m < M; ++m) {
             float xf[8];
-            unpack8(__ldg((const uint4*)(X + (size_t)m * k + j0)), xf);
+            unpack8(SW ? swiglu8((const uint4*)(X + (size_t)m * 2 * k), k >> 3, j0 >> 3)
+                       : __ldg((const uint4*)(X + (size_t)m * k + j0)),
+                    xf);
 #pragma unroll
             for (int r = 0; r < QROWS; ++r) {
                 if (SUM_UNIT) {
@@ -127,7 +130,7 @@ __device__ __forceinline__ void unit_dot(const u32 cw[QROWS][Unit<BITS>::WORDS],
 // shared memory across the warps of a slot wider than 32. The host picks rps and tpr per shape so that
 // small n still fills the GPU (see the launcher). The two variants are separate functions so that the
 // rare one's registers do not weigh on the common one.
-template <int BITS, int M, typename OUT, bool UNIT_SCALE>
+template <int BITS, int M, typename OUT, bool UNIT_SCALE, bool SW>
 __device__ __noinline__ void gemv_q_body(const u32* __restrict__ W, const float* __restrict__ S,
                                          const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
                                          int group, int rps, int tpr_log2, int block, float (*red)[QROWS][M]) {
@@ -172,7 +175,7 @@ __device__ __noinline__ void gemv_q_body(const u32* __restrict__ W, const float*
             }
             const int un = u + tpr;
             if (un < uend) fetch_unit<BITS, true>(wrow, srow, nrows, un, k, group, w, sc);
-            unit_dot<BITS, M, true>(cw, cs, X, k, u, acc);
+            unit_dot<BITS, M, true, SW>(cw, cs, X, k, u, acc);
             u = un;
         }
     } else {
@@ -183,21 +186,21 @@ __device__ __noinline__ void gemv_q_body(const u32* __restrict__ W, const float*
             u32 w[QROWS][U::WORDS];
             float sc[QROWS][4];
             fetch_unit<BITS, false>(wrow, srow, nrows, u, k, group, w, sc);
-            unit_dot<BITS, M, false>(w, sc, X, k, u, acc);
+            unit_dot<BITS, M, false, SW>(w, sc, X, k, u, acc);
         }
     }
     gemv_slot_sum<QROWS, M, OUT>(acc, red, Y, n, row0, nrows, rps, tpr_log2, p);
 }
 
-template <int BITS, int M, typename OUT>
+template <int BITS, int M, typename OUT, bool SW = false>
 __device__ __forceinline__ void gemv_q_impl(const u32* __restrict__ W, const float* __restrict__ S,
                                             const bf16* __restrict__ X, OUT* __restrict__ Y, int n, int k,
                                             int group, int rps, int tpr_log2, int block) {
     __shared__ float red[8][QROWS][M];
     if (group % 32 == 0)
-        gemv_q_body<BITS, M, OUT, true>(W, S, X, Y, n, k, group, rps, tpr_log2, block, red);
+        gemv_q_body<BITS, M, OUT, true, SW>(W, S, X, Y, n, k, group, rps, tpr_log2, block, red);
     else
-        gemv_q_body<BITS, M, OUT, false>(W, S, X, Y, n, k, group, rps, tpr_log2, block, red);
+        gemv_q_body<BITS, M, OUT, false, SW>(W, S, X, Y, n, k, group, rps, tpr_log2, block, red);
 }
 
 // ---- One row of X (M = 1), INT8 and INT4, on 16-byte chunks ----
@@ -508,12 +511,13 @@ __device__ __forceinline__ RowSpan q_tile_span(const GemvSegs& t, int k) {
     return gemv_tile_span(gemv_seg(t), 4 * q_row_words<BITS>(k));
 }
 
-// The row-slot (gemv_q_impl) and tensor-core (gemv_tc_impl) GEMVs on this block's segment of t.
-template <int BITS, int M, typename OUT>
+// The row-slot (gemv_q_impl; SW: X the gate|up rows, see unit_dot) and tensor-core (gemv_tc_impl)
+// GEMVs on this block's segment of t.
+template <int BITS, int M, typename OUT, bool SW = false>
 __device__ __forceinline__ void gemv_q_segs(const GemvSegs& t, const bf16* X, int k, int group) {
     const GemvSeg s = gemv_seg(t);
-    gemv_q_impl<BITS, M, OUT>((const u32*)s.w, s.s, X, (OUT*)s.y, s.n, k, group, s.rps, s.tpr_log2,
-                              gemv_seg_block(s));
+    gemv_q_impl<BITS, M, OUT, SW>((const u32*)s.w, s.s, X, (OUT*)s.y, s.n, k, group, s.rps, s.tpr_log2,
+                                  gemv_seg_block(s));
 }
 template <int BITS, typename OUT>
 __device__ __forceinline__ void gemv_tc_segs(const GemvSegs& t, const bf16* X, int k, int group, int m) {
@@ -574,6 +578,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(GEMV_Q_ARGS)
 // INT8 M = 1: held to four resident blocks, so that n = 8192's 512 blocks are resident at once.
 extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 1, bf16>(t, X, k, group); }
 extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 1, float>(t, X, k, group); }
+// M = 1 with the SwiGLU staged: X is a gate|up row [2k], x = bf16(silu(gate) · up) (an MLP's down
+// projection without the activation launch); the same cut and sums as gemv_q{4,6,8}_m1.
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_sw_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 1, bf16, true>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_sw_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_segs<6, 1, bf16, true>(t, X, k, group); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_sw_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 1, bf16, true>(t, X, k, group); }
 // M = 1 on 16-byte chunks (gemv_qv_impl): R rows a slot at most, 8 loads of 16 bytes in flight per thread.
 template <int BITS, int R, typename OUT>
 __device__ __forceinline__ void gemv_qv_segs(const GemvSegs& t, const bf16* X, int k, int group) {

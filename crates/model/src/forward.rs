@@ -710,7 +710,7 @@ impl<B: Backend> Model<B> {
 
     fn mlp(&self, m: &MlpWeights<B::Weight>, x: &B::Tensor) -> OpResult<B::Tensor> {
         let b = &self.backend;
-        b.linear(&b.swiglu(&b.linear(x, &m.gate_up)?)?, &m.down)
+        b.swiglu_linear(&b.linear(x, &m.gate_up)?, &m.down)
     }
 }
 

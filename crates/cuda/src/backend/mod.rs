@@ -652,6 +652,10 @@ impl Backend for CudaBackend {
         self.swiglu_impl(gate_up).at("swiglu")
     }
 
+    fn swiglu_linear(&self, gate_up: &CudaTensor, w: &CudaWeight) -> OpResult<CudaTensor> {
+        self.swiglu_linear_impl(gate_up, w).at("swiglu_linear")
+    }
+
     fn silu(&self, x: &CudaTensor) -> OpResult<CudaTensor> {
         self.silu_impl(x).at("silu")
     }

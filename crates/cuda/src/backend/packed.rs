@@ -87,6 +87,29 @@ impl CudaBackend {
         g.gemm_packed(&x.buf, &w.mat(), y, ws, m)
     }
 
+    /// [`Backend::swiglu_linear`](sanmai_model::Backend::swiglu_linear): at one row with fused
+    /// decode launches on, a packed `w` takes the GEMV that stages the SwiGLU
+    /// ([`Gpu::gemv_packed_swiglu`](crate::Gpu::gemv_packed_swiglu): the same values, one launch
+    /// less); otherwise [`CudaBackend::swiglu_impl`] then [`CudaBackend::linear_impl`].
+    pub(crate) fn swiglu_linear_impl(
+        &self,
+        gate_up: &CudaTensor,
+        w: &CudaWeight,
+    ) -> Result<CudaTensor> {
+        let staged = self.fused_decode.load(Ordering::Relaxed)
+            && gate_up.rows == 1
+            && gate_up.cols == 2 * w.cols();
+        match w {
+            CudaWeight::Packed(p) if staged => {
+                let mut y = self.alloc(1, w.rows())?;
+                self.gpu
+                    .gemv_packed_swiglu(&p.mat(), &gate_up.buf, &mut y.buf)?;
+                Ok(y)
+            }
+            _ => self.linear_impl(&self.swiglu_impl(gate_up)?, w),
+        }
+    }
+
     /// `ys[i] = x · dequant(ws[i])ᵀ` in one packed GEMV launch: weights of one format (bits and
     /// group size), at most `GEMV_SEGS`, `x` of 1..=8 rows, `ys[i]` `[m, n_i]`.
     pub(crate) fn linear_packed_many(

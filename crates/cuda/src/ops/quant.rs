@@ -60,6 +60,14 @@ fn chunk_gemv(bits: u32, group: usize, m: usize, k: usize) -> bool {
     m == 1 && k.is_multiple_of(cv) && (group >= k || group.is_multiple_of(cv))
 }
 
+/// What a packed GEMV reads as its input: `x` (`[m, k]`) with the kernel name's output suffix
+/// (`""` bf16, `"_f32"`), or one gate|up row (`[1, 2k]`) whose SwiGLU the kernel stages.
+#[derive(Debug, Clone, Copy)]
+enum GemvInput {
+    X(&'static str),
+    GateUp,
+}
+
 /// u32 words of one packed row of `k` inputs.
 pub fn packed_words_per_row(bits: u32, k: usize) -> usize {
     match bits {
@@ -193,7 +201,21 @@ impl Gpu {
         m: usize,
     ) -> Result<()> {
         let part = (w.words, w.scales, y, w.n);
-        self.gemv_q("", w.scheme, x, &mut [part], m, w.k)
+        self.gemv_q(GemvInput::X(""), w.scheme, x, &mut [part], m, w.k)
+    }
+
+    /// An MLP's down projection of one row without the activation launch: `y[0, :] = dequant(W) ·
+    /// swiglu(gu)` for a gate|up row `gu` (`[1, 2k]`), `swiglu(gu)[j] = bf16(silu(gu[j]) ·
+    /// gu[k + j])` computed inside the GEMV as [`Gpu::swiglu`] computes it, so `y` equals
+    /// [`Gpu::swiglu`] then [`Gpu::gemv_packed`] bit for bit.
+    pub fn gemv_packed_swiglu(
+        &self,
+        w: &PackedMat<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
+        gu: &impl DevicePtr<bf16>,
+        y: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<()> {
+        let part = (w.words, w.scales, y, w.n);
+        self.gemv_q(GemvInput::GateUp, w.scheme, gu, &mut [part], 1, w.k)
     }
 
     /// As [`Gpu::gemv_packed`] with an f32 output (an INT8 lm_head's logits).
@@ -205,7 +227,7 @@ impl Gpu {
         m: usize,
     ) -> Result<()> {
         let part = (w.words, w.scales, y, w.n);
-        self.gemv_q("_f32", w.scheme, x, &mut [part], m, w.k)
+        self.gemv_q(GemvInput::X("_f32"), w.scheme, x, &mut [part], m, w.k)
     }
 
     /// [`Gpu::gemv_packed`] for up to `GEMV_SEGS` (4) weights of one scheme that read the same `x`
@@ -219,7 +241,7 @@ impl Gpu {
         m: usize,
         k: usize,
     ) -> Result<()> {
-        self.gemv_q("", scheme, x, parts, m, k)
+        self.gemv_q(GemvInput::X(""), scheme, x, parts, m, k)
     }
 
     /// Chooses the kernel of one-row INT8 and INT4 packed GEMVs (per-row scales or groups of whole
@@ -239,7 +261,7 @@ impl Gpu {
 
     fn gemv_q<O, W: DevicePtr<u32>, S: DevicePtr<f32>, Y: DevicePtrMut<O>>(
         &self,
-        suffix: &str,
+        input: GemvInput,
         scheme: PackedScheme,
         x: &impl DevicePtr<bf16>,
         parts: &mut [PackedPart<'_, W, S, Y>],
@@ -259,12 +281,22 @@ impl Gpu {
             check_packed(OP, (*w, *sc), scheme, *n, k)?;
             check_len(OP, "y", &**y, m * n)?;
         }
-        check_len(OP, "x", x, m * k)?;
+        let (suffix, x_cols) = match input {
+            GemvInput::X(suffix) => (suffix, k),
+            GemvInput::GateUp => {
+                ensure(m == 1, OP, || {
+                    format!("m = {m}: the staged SwiGLU takes one row")
+                })?;
+                ("_sw", 2 * k)
+            }
+        };
+        check_len(OP, "x", x, m * x_cols)?;
         let (ki, gi, mi) = (int(OP, "k", k)?, int(OP, "group", group)?, int(OP, "m", m)?);
-        let tc = tensor_core_gemv(bits, group, m, k);
+        let staged = matches!(input, GemvInput::GateUp);
+        let tc = !staged && tensor_core_gemv(bits, group, m, k);
         let rows = m1_rows();
         // The 16-byte chunk GEMV's rows a slot (0: the unit GEMV or the tensor cores).
-        let chunk = if !tc && rows > 0 && chunk_gemv(bits, group, m, k) {
+        let chunk = if !tc && !staged && rows > 0 && chunk_gemv(bits, group, m, k) {
             rows
         } else {
             0

@@ -194,6 +194,61 @@ fn gemv_packed_m1_kernels_match_cpu() {
     g.set_packed_gemv_m1_rows(before);
 }
 
+/// The one-row GEMV with the SwiGLU staged (`gemv_packed_swiglu`: an MLP's down projection of a
+/// gate|up row) against `swiglu` then `gemv_packed`, bit for bit (while the one-row kernel choice is
+/// the unit GEMV, as `gemv_packed_m1_kernels_match_cpu` leaves it), and against the CPU oracle: INT6,
+/// INT4 g128 and INT8 per row at the 80B shared expert's down shape (2048 x 512), INT6 with a partial
+/// last unit (k = 520), INT8 groups of 32.
+#[test]
+fn gemv_packed_swiglu_equals_swiglu_then_gemv() {
+    let Some(g) = gpu("gemv_packed_swiglu_equals_swiglu_then_gemv") else {
+        return;
+    };
+    let mut rng = Rng::new(48);
+    for (bits, group, n, k) in [
+        (6u32, 0usize, 2048usize, 512usize),
+        (4, 128, 2048, 512),
+        (8, 0, 2048, 512),
+        (6, 0, 300, 520),
+        (8, 32, 257, 1024),
+    ] {
+        let p = make(&mut rng, bits, group, n, k);
+        let (gub, guf) = to_bf16(&rng.normals(2 * k, 0.0, 1.0));
+        let (w, s, gu) = (
+            g.upload(&p.words).unwrap(),
+            g.upload(&p.scales).unwrap(),
+            g.upload(&gub).unwrap(),
+        );
+        let mat = packed_mat(&w, &s, (bits, group), (n, k));
+        let mut act = g.zeros::<bf16>(k).unwrap();
+        g.swiglu(&gu, &mut act, 1, k).unwrap();
+        let mut apart = g.zeros::<bf16>(n).unwrap();
+        g.gemv_packed(&mat, &act, &mut apart, 1).unwrap();
+        let mut staged = g.zeros::<bf16>(n).unwrap();
+        g.gemv_packed_swiglu(&mat, &gu, &mut staged).unwrap();
+        let (apart, staged) = (g.download(&apart).unwrap(), g.download(&staged).unwrap());
+        let shape = name(&p, 1);
+        if bits == 6 || g.packed_gemv_m1_rows() == 0 {
+            let differ = apart
+                .iter()
+                .zip(&staged)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            println!("PARITY op=gemv_packed_swiglu_vs_apart shape={shape} differing={differ}");
+            assert_eq!(
+                differ, 0,
+                "{shape}: {differ} outputs differ from swiglu then gemv"
+            );
+        }
+        let mut x = vec![0f32; k];
+        ops::swiglu(&guf, 1, k, &mut x);
+        let x = to_bf16(&x).1;
+        let mut want = vec![0f32; n];
+        ops::matmul_t(&x, &p.dense, 1, k, n, &mut want);
+        check_reduction("gemv_packed_swiglu", &shape, &from_bf16(&staged), &want);
+    }
+}
+
 /// Several packed weights of one format that read one x in one launch (`gemv_packed_many`): each output
 /// against the CPU product with its own weight. INT4 (group 128), INT8 (per row, as in_proj_qkv /
 /// in_proj_z), INT6 (per row, k off the 32 grid), and INT8 groups of 32 (the row-slot GEMV at every m);

@@ -405,6 +405,11 @@ pub trait Backend: Send + Sync {
     }
     /// `silu(gate) · up` on a fused `[rows, 2I]` gate|up tensor.
     fn swiglu(&self, gate_up: &Self::Tensor) -> OpResult<Self::Tensor>;
+    /// An MLP's down projection: [`Backend::linear`] of [`Backend::swiglu`]`(gate_up)` (a backend
+    /// may stage the activation inside the projection's launch, with the same values).
+    fn swiglu_linear(&self, gate_up: &Self::Tensor, w: &Self::Weight) -> OpResult<Self::Tensor> {
+        self.linear(&self.swiglu(gate_up)?, w)
+    }
     /// `silu(x)` elementwise.
     fn silu(&self, x: &Self::Tensor) -> OpResult<Self::Tensor>;
 

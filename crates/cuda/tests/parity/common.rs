@@ -98,44 +98,40 @@ pub fn check_elementwise(op: &str, shape: &str, got: &[f32], want: &[f32]) {
     );
 }
 
-/// A reduction with a bf16 output: max-norm relative ≤ 1e-2, rms relative ≤ 4e-3.
-pub fn check_reduction(op: &str, shape: &str, got: &[f32], want: &[f32]) {
+/// `got` within max-norm relative `max_rel` and rms relative `rms_rel` of `want`.
+fn check_within(op: &str, shape: &str, got: &[f32], want: &[f32], (max_rel, rms_rel): (f32, f32)) {
     let s = stats(got, want);
-    report(op, shape, &s, "max_rel<=1e-2,rms_rel<=4e-3");
+    report(
+        op,
+        shape,
+        &s,
+        &format!("max_rel<={max_rel:e},rms_rel<={rms_rel:e}"),
+    );
     assert!(
-        s.max_rel <= 1e-2 && s.rms_rel <= 4e-3,
+        s.max_rel <= max_rel && s.rms_rel <= rms_rel,
         "{op} {shape}: max_rel {:.3e}, rms_rel {:.3e}",
         s.max_rel,
         s.rms_rel
     );
+}
+
+/// A reduction with a bf16 output: max-norm relative ≤ 1e-2, rms relative ≤ 4e-3.
+pub fn check_reduction(op: &str, shape: &str, got: &[f32], want: &[f32]) {
+    check_within(op, shape, got, want, (1e-2, 4e-3));
 }
 
 /// A backend op made of several kernels, each rounding its output to bf16, against the CPU backend's
 /// f32 pipeline (e.g. the whole routed-expert op: gate|up, SwiGLU and the combine each round): the
 /// bounds of the end-to-end lockstep test, max-norm relative ≤ 5e-2, rms relative ≤ 2e-2.
 pub fn check_composite(op: &str, shape: &str, got: &[f32], want: &[f32]) {
-    let s = stats(got, want);
-    report(op, shape, &s, "max_rel<=5e-2,rms_rel<=2e-2");
-    assert!(
-        s.max_rel <= 5e-2 && s.rms_rel <= 2e-2,
-        "{op} {shape}: max_rel {:.3e}, rms_rel {:.3e}",
-        s.max_rel,
-        s.rms_rel
-    );
+    check_within(op, shape, got, want, (5e-2, 2e-2));
 }
 
 /// A composite op whose GEMMs take their inputs in e4m3 (the FP8 format's dynamic scheme on the FP8
 /// tensor cores: each quantised input about 2.5% RMS from bf16, two in a row for the experts'
 /// gate|up then down): max-norm relative ≤ 1e-1, rms relative ≤ 5e-2.
 pub fn check_composite_e4m3(op: &str, shape: &str, got: &[f32], want: &[f32]) {
-    let s = stats(got, want);
-    report(op, shape, &s, "max_rel<=1e-1,rms_rel<=5e-2");
-    assert!(
-        s.max_rel <= 1e-1 && s.rms_rel <= 5e-2,
-        "{op} {shape}: max_rel {:.3e}, rms_rel {:.3e}",
-        s.max_rel,
-        s.rms_rel
-    );
+    check_within(op, shape, got, want, (1e-1, 5e-2));
 }
 
 /// An f32 result: max-norm relative ≤ 1e-4.

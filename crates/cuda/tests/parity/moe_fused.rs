@@ -109,17 +109,26 @@ fn run<B: Backend>(
     b.to_host(y).unwrap().2
 }
 
+/// The CUDA backend with the fused decode launches on (`None`, said, without a GPU).
+fn fused_backend(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0, &crate::options::cuda_options()) {
+        Ok(b) => {
+            b.set_fused_decode(true);
+            Some(b)
+        }
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            None
+        }
+    }
+}
+
 #[test]
 fn backend_moe_fused_shared_matches_cpu() {
     let test = "backend_moe_fused_shared_matches_cpu";
-    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            return;
-        }
+    let Some(b) = fused_backend(test) else {
+        return;
     };
-    b.set_fused_decode(true);
     let cpu = CpuBackend::default();
     // (format, hidden, inter, experts, top_k): INT4 g128 takes the tensor-core GEMVs with the fused
     // SwiGLU, INT8 per row and bf16 the plain ones, FP8 its own.
@@ -182,14 +191,9 @@ fn backend_moe_fused_shared_matches_cpu() {
 #[test]
 fn backend_moe_gate_fused_beside_an_apart_shared_expert_matches_cpu() {
     let test = "backend_moe_gate_fused_beside_an_apart_shared_expert_matches_cpu";
-    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            return;
-        }
+    let Some(b) = fused_backend(test) else {
+        return;
     };
-    b.set_fused_decode(true);
     let cpu = CpuBackend::default();
     let formats = (Format::Packed(4, 128), Format::Packed(6, 0));
     let dims = (256, 128, 32, 4);

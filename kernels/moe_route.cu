@@ -36,7 +36,7 @@ __device__ __forceinline__ RowSpan route_rows(const bf16* W, int e, int h, int t
 }
 
 // W: [e, h] bf16; Wg: null, or one more bf16 row [h] (a shared expert's gate, M = 1 only) whose logit
-// goes to logits[e]; X: [M, h] bf16 (h % 8 == 0, all 16-byte aligned); logits: [M, e] f32 scratch ([e + 1]
+// goes to logits[e], rounded to bf16 as the gate's own GEMV (a bf16 output) rounds it; X: [M, h] bf16 (h % 8 == 0, all 16-byte aligned); logits: [M, e] f32 scratch ([e + 1]
 // with Wg); ids,
 // weights: [M, k]; perm: [M·k]; tiles: [max_tiles, 3]; ticket: 1 u32, 0 at launch and left 0. Grid
 // ceil((e + (Wg ? 1 : 0)) / (ROUTE_THREADS / 2^tpr_log2)) blocks of ROUTE_THREADS threads, 32 ≤ 2^tpr_log2 ≤ 256;
@@ -90,6 +90,7 @@ __device__ __forceinline__ void moe_route_decode_impl(const bf16* __restrict__ W
     }
     __syncthreads();
     if (!last) return;
+    if (Wg != nullptr && threadIdx.x == 0) logits[e] = bf2f(f2bf(__ldcg(logits + e)));  // M = 1
     router_topk_rows(logits, M, e, k, renorm, ids, weights, pair_ids, sm);
     moe_sort_block(pair_ids, M * k, e, perm, tiles, max_tiles, sort_sh, true);
     if (threadIdx.x == 0) *ticket = 0u;

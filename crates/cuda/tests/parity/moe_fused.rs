@@ -186,8 +186,8 @@ fn backend_moe_fused_shared_matches_cpu() {
 
 /// A shared expert the routed experts' launches do not take (INT6 per row beside INT4 g128 experts,
 /// as in the 80B dummy mix): at one row its gate is one more row of the one-launch decode routing
-/// (its logit in f32, not rounded to bf16 as the gate's own GEMV rounds it), its output computed
-/// apart; past one row everything is apart.
+/// (its logit rounded to bf16 as the gate's own GEMV rounds it, its sum taken in the routing's
+/// order), its output computed apart; past one row everything is apart.
 #[test]
 fn backend_moe_gate_fused_beside_an_apart_shared_expert_matches_cpu() {
     let test = "backend_moe_gate_fused_beside_an_apart_shared_expert_matches_cpu";

@@ -13,7 +13,7 @@
 // S ← S·exp(g); δ = β(v − Sᵀk); S ← S + k⊗δ; o = Sᵀq.
 // Norm: y = w · (o · rsqrt(mean(o²) + eps)) · silu(z) over the dv values of the head (plain weight),
 // rounded once to bf16.
-#include "common.cuh"
+#include "gemv.cuh"
 
 #define GDN_MAX_DK 256
 // The head's conv outputs and o are kept in shared memory (the norm needs all of o).
@@ -97,18 +97,19 @@ __device__ __forceinline__ float gdn_conv_channel(const bf16* __restrict__ ring,
     return silu_f(acc);
 }
 
-// One block per (value head h = blockIdx.x, sequence b = blockIdx.y), WARPS warps. Thread (warp, lane)
+// One block per (value head h = blockIdx.x, sequence b = blockIdx.y), WARPS warps; a_in, b_in are the
+// head's raw gate projections a and b. Thread (warp, lane)
 // keeps state rows warp + WARPS·n (n < NR, so dk ≤ WARPS·NR) of the value columns c0 + 4·lane … + 3 of
 // the current tile in registers, read once and written once. One pass gives both column reductions,
 // since with S' = S·decay + k⊗δ the output is o = S'ᵀq = decay·Sᵀq + δ·(k·q): mem = Sᵀk, sq = Sᵀq per
 // thread, then across the warps through shared memory, δ = β(v − decay·mem), o = decay·sq + δ·(k·q).
 template <int WARPS, int NR>
 __device__ __forceinline__ void gdn_decode_impl(
-    const bf16* __restrict__ qkv, const bf16* __restrict__ z, const bf16* __restrict__ a,
-    const bf16* __restrict__ b_gate, const bf16* __restrict__ conv_w, const float* __restrict__ A_log,
-    const float* __restrict__ dt_bias, const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool,
-    float* __restrict__ state_pool, const u32* __restrict__ slots, const u32* __restrict__ positions,
-    bf16* __restrict__ out, int hk, int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots) {
+    const bf16* __restrict__ qkv, const bf16* __restrict__ z, float a_in, float b_in,
+    const bf16* __restrict__ conv_w, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+    const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool, float* __restrict__ state_pool,
+    const u32* __restrict__ slots, const u32* __restrict__ positions, bf16* __restrict__ out, int hk, int hv,
+    int dk, int dv, int K, float q_scale, float eps, u32 num_slots) {
     __shared__ float xs[2 * GDN_MAX_DK + GDN_MAX_DV];  // conv outputs q | k | v of this head
     __shared__ float os[GDN_MAX_DV];                    // o of this head, before the norm
     __shared__ __align__(16) float part[2][WARPS][GDN_TILE];
@@ -173,10 +174,9 @@ __device__ __forceinline__ void gdn_decode_impl(
     }
     const float rq = 1.0f / sqrtf(sq + 1e-6f), rk = 1.0f / sqrtf(sk + 1e-6f);
     const float kq = sqk * rk * rq * q_scale;  // k·q of the normalised, scaled vectors
-    const size_t ab = (size_t)b * hv + h;
-    const float g = -expf(A_log[h]) * softplus_f(bf2f(a[ab]) + dt_bias[h]);
+    const float g = -expf(A_log[h]) * softplus_f(a_in + dt_bias[h]);
     const float decay = expf(g);
-    const float beta = sigmoid_f(bf2f(b_gate[ab]));
+    const float beta = sigmoid_f(b_in);
 
     for (int c0 = 0;;) {
         const int j0 = c0 + 4 * lane;
@@ -259,8 +259,33 @@ extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused(
     bf16* __restrict__ out, int hk, int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots) {
     pdl_prologue();
     if (blockDim.x != 256 || dk > 128 || dv > GDN_MAX_DV || K < 1 || hk < 1 || hv % hk != 0) return;
-    gdn_decode_impl<8, 16>(qkv, z, a, b_gate, conv_w, A_log, dt_bias, norm_w, conv_pool, state_pool, slots,
-                           positions, out, hk, hv, dk, dv, K, q_scale, eps, num_slots);
+    const size_t ab = (size_t)blockIdx.y * hv + blockIdx.x;
+    gdn_decode_impl<8, 16>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), conv_w, A_log, dt_bias, norm_w, conv_pool,
+                           state_pool, slots, positions, out, hk, hv, dk, dv, K, q_scale, eps, num_slots);
+}
+
+// gdn_decode_fused for one sequence (grid (hv, 1)) that first projects its own head's gates from the
+// layer's normed row x [1, k]: b_gate[h] = W_b[h] · x and a[h] = W_a[h] · x (W_b, W_a [hv, k] bf16),
+// written to b_gate and a ([1, hv]) by gemv_impl with one row a block and 256 threads a row (rps = 1,
+// tpr = 256), the cut gemv_bf16_m1 takes for these rows (the host checks it): the same values as the
+// GEMV launch it replaces. The block then reads them back (after a barrier: its own writes).
+extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused_gates(
+    const bf16* __restrict__ qkv, const bf16* __restrict__ z, bf16* a, bf16* b_gate,
+    const bf16* __restrict__ conv_w, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+    const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool, float* __restrict__ state_pool,
+    const u32* __restrict__ slots, const u32* __restrict__ positions, bf16* __restrict__ out, int hk, int hv,
+    int dk, int dv, int K, float q_scale, float eps, u32 num_slots, const bf16* __restrict__ x,
+    const bf16* __restrict__ w_b, const bf16* __restrict__ w_a, int k) {
+    pdl_prologue();
+    if (blockDim.x != 256 || gridDim.y != 1 || dk > 128 || dv > GDN_MAX_DV || K < 1 || hk < 1 || hv % hk != 0)
+        return;
+    gemv_impl<1, bf16>(w_b, x, b_gate, hv, k, 1, 8, blockIdx.x);
+    __syncthreads();  // gemv_impl's reduction buffer is read before the second GEMV writes it
+    gemv_impl<1, bf16>(w_a, x, a, hv, k, 1, 8, blockIdx.x);
+    __syncthreads();  // this block's a[h], b_gate[h] written; read back from L2 (not the read-only path)
+    gdn_decode_impl<8, 16>(qkv, z, bf2f(__ldcg(a + blockIdx.x)), bf2f(__ldcg(b_gate + blockIdx.x)), conv_w,
+                           A_log, dt_bias, norm_w, conv_pool, state_pool, slots, positions, out, hk, hv, dk, dv,
+                           K, q_scale, eps, num_slots);
 }
 extern "C" __global__ void __launch_bounds__(512) gdn_decode_fused_dk256(
     const bf16* __restrict__ qkv, const bf16* __restrict__ z, const bf16* __restrict__ a,
@@ -270,6 +295,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_decode_fused_dk256(
     bf16* __restrict__ out, int hk, int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots) {
     pdl_prologue();
     if (blockDim.x != 512 || dk > GDN_MAX_DK || dv > GDN_MAX_DV || K < 1 || hk < 1 || hv % hk != 0) return;
-    gdn_decode_impl<16, 16>(qkv, z, a, b_gate, conv_w, A_log, dt_bias, norm_w, conv_pool, state_pool, slots,
-                            positions, out, hk, hv, dk, dv, K, q_scale, eps, num_slots);
+    const size_t ab = (size_t)blockIdx.y * hv + blockIdx.x;
+    gdn_decode_impl<16, 16>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), conv_w, A_log, dt_bias, norm_w, conv_pool,
+                            state_pool, slots, positions, out, hk, hv, dk, dv, K, q_scale, eps, num_slots);
 }

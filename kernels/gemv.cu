@@ -8,54 +8,9 @@
 // memory. The host picks rps and tpr per shape: 4 rows per 32-thread slot on large n (the lm_head), wider
 // slots and fewer rows when n is small, so that even n = 1 spreads k over a block and n = 512 fills the
 // GPU. Requires k % 8 == 0 and 16-byte aligned W, X.
-#include "common.cuh"
+#include "gemv.cuh"
 
-#define GEMV_ROWS 4
-#define GEMV_THREADS 256
-
-template <int M, typename OUT>
-__device__ __forceinline__ void gemv_impl(const bf16* __restrict__ W, const bf16* __restrict__ X,
-                                          OUT* __restrict__ Y, int n, int k, int rps, int tpr_log2, int block) {
-    __shared__ float red[GEMV_THREADS / 32][GEMV_ROWS][M];
-    const int tpr = 1 << tpr_log2;
-    const int slot = threadIdx.x >> tpr_log2, p = threadIdx.x & (tpr - 1);
-    const int slots = GEMV_THREADS >> tpr_log2;
-    const long long row0 = ((long long)block * slots + slot) * rps;
-    const int nrows = (int)max(0LL, min((long long)rps, (long long)n - row0));
-    const int kv = k >> 3;
-    const int kend = nrows > 0 ? kv : 0;
-    const uint4* w4 = (const uint4*)W + (nrows > 0 ? row0 : 0) * kv;
-    const uint4* x4 = (const uint4*)X;
-    float acc[GEMV_ROWS][M];
-#pragma unroll
-    for (int r = 0; r < GEMV_ROWS; ++r)
-#pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] = 0.0f;
-
-#pragma unroll 2
-    for (int c = p; c < kend; c += tpr) {
-        uint4 wv[GEMV_ROWS];
-#pragma unroll
-        for (int r = 0; r < GEMV_ROWS; ++r)
-            wv[r] = r < nrows ? __ldcs(w4 + (size_t)r * kv + c) : make_uint4(0, 0, 0, 0);
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            float xf[8];
-            unpack8(__ldg(x4 + (size_t)m * kv + c), xf);
-#pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) {
-                if (r >= rps) continue;  // uniform: no work for rows a slot never owns (small n)
-                float wf[8];
-                unpack8(wv[r], wf);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[r][m] = fmaf(wf[e], xf[e], acc[r][m]);
-            }
-        }
-    }
-    gemv_slot_sum<GEMV_ROWS, M, OUT>(acc, red, Y, n, row0, nrows, rps, tpr_log2, p);
-}
-
-// Batched decode (m = 2..8) on the tensor cores: the FMA loop above issues an FMA and a widening per
+// Batched decode (m = 2..8) on the tensor cores: the FMA loop of gemv_impl (gemv.cuh) issues an FMA and a widening per
 // weight and row of X, so at m = 8 it is bound by issue; here mma.sync m16n8k16 (bf16 in, f32
 // accumulation) multiplies each weight with every row of X at once. A block of 256 threads (8 warps)
 // owns 16 rows of W (the A tile; X^T, zero past row m, is B); warp w takes the 32-value k-blocks

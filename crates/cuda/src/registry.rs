@@ -67,6 +67,7 @@ pub const HEADERS: &[Source] = &[
     source!("moe_route.cuh"),
     source!("fp8.cuh"),
     source!("moe_gemm.cuh"),
+    source!("gemv.cuh"),
 ];
 
 /// The kernel sources, one file per op family.

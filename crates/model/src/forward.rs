@@ -18,8 +18,8 @@ use sanmai_ple::PleError;
 use thiserror::Error;
 
 use crate::backend::{
-    AttnCall, Backend, BackendError, DecodeStep, GdnCall, HcWeights, MlpWeights, MoeCall, Mrope,
-    OpResult, QsaCall, SeqChunk, SharedExpert, SharedFusion,
+    AttnCall, Backend, BackendError, DecodeStep, GdnCall, GdnGates, HcWeights, MlpWeights, MoeCall,
+    Mrope, OpResult, QsaCall, SeqChunk, SharedExpert, SharedFusion,
 };
 use crate::load::{Ffn, Layer, Mixer, Model};
 
@@ -669,18 +669,26 @@ impl<B: Backend> Model<B> {
                 b.linear(&o, &w.o_proj)
             }
             Mixer::Gdn(w) => {
-                let [qkv, z, bb, a] = linear_n(
-                    b,
-                    hn,
-                    [&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a],
-                )?;
+                let (qkv, z, ba) = if b.gdn_projects_gates(w, &self.gdn_shape, rows.count()) {
+                    let [qkv, z] = linear_n(b, hn, [&w.in_proj_qkv, &w.in_proj_z])?;
+                    (qkv, z, None)
+                } else {
+                    let [qkv, z, bb, a] = linear_n(
+                        b,
+                        hn,
+                        [&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a],
+                    )?;
+                    (qkv, z, Some((bb, a)))
+                };
                 let o = b.gdn(&GdnCall {
                     layer: index,
                     shape: &self.gdn_shape,
                     qkv: &qkv,
                     z: &z,
-                    b: &bb,
-                    a: &a,
+                    gates: match &ba {
+                        Some((bb, a)) => GdnGates::Given { b: bb, a },
+                        None => GdnGates::FromInput(hn),
+                    },
                     w,
                     eps: self.cfg.rms_norm_eps,
                     seqs,

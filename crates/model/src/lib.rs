@@ -21,10 +21,10 @@ pub mod vision;
 pub mod weight_plan;
 
 pub use backend::{
-    AttnCall, AttnShape, AttnWeights, Backend, BackendError, DecodeStep, GdnCall, GdnShape,
-    GdnWeights, Handover, HcWeights, IndexerWeights, KvHost, KvHostStats, MlpWeights, MoeCall,
-    MoeWeights, Mrope, OpResult, PleCall, PleShape, PleWeights, Probe, QsaCall, QsaShape, Rope,
-    RowCacheCounts, SampleCall, SeqChunk, SharedExpert, SharedFusion, StageLink, StageRecv,
+    AttnCall, AttnShape, AttnWeights, Backend, BackendError, DecodeStep, GdnCall, GdnGates,
+    GdnShape, GdnWeights, Handover, HcWeights, IndexerWeights, KvHost, KvHostStats, MlpWeights,
+    MoeCall, MoeWeights, Mrope, OpResult, PleCall, PleShape, PleWeights, Probe, QsaCall, QsaShape,
+    Rope, RowCacheCounts, SampleCall, SeqChunk, SharedExpert, SharedFusion, StageLink, StageRecv,
     StageSend,
 };
 pub use forward::{

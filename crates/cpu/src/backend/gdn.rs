@@ -3,7 +3,7 @@
 //! prefill, recurrent for decode), the gated RMSNorm.
 
 use rayon::prelude::*;
-use sanmai_model::backend::{GdnCall, OpResult, SeqChunk};
+use sanmai_model::backend::{Backend, GdnCall, GdnGates, OpResult, SeqChunk};
 
 use super::cache::GdnState;
 use super::{ensure, CpuBackend, CpuTensor, CpuWeight};
@@ -12,8 +12,15 @@ use crate::ops::{self, GdnInputs, GdnSizes};
 /// Tokens per chunk of the chunked delta rule (transformers' and FLA's).
 const CHUNK: usize = 64;
 
+/// A call's gate projections `b`, `a` `[rows, hv]`.
+type Gates<'a> = (&'a CpuTensor, &'a CpuTensor);
+
 /// `Err` unless the call's projections and weights fit its shape and the step.
-fn check(op: &'static str, c: &GdnCall<'_, CpuTensor, CpuWeight>) -> OpResult<()> {
+fn check(
+    op: &'static str,
+    c: &GdnCall<'_, CpuTensor, CpuWeight>,
+    (b, a): Gates<'_>,
+) -> OpResult<()> {
     let sh = c.shape;
     let (hk, hv, dk, dv) = (sh.num_k_heads, sh.num_v_heads, sh.k_head_dim, sh.v_head_dim);
     ensure(
@@ -29,8 +36,8 @@ fn check(op: &'static str, c: &GdnCall<'_, CpuTensor, CpuWeight>) -> OpResult<()
     let conv_dim = 2 * hk * dk + hv * dv;
     c.qkv.check_step(op, "qkv", conv_dim, c.seqs)?;
     c.z.check_step(op, "z", hv * dv, c.seqs)?;
-    c.b.check_step(op, "b", hv, c.seqs)?;
-    c.a.check_step(op, "a", hv, c.seqs)?;
+    b.check_step(op, "b", hv, c.seqs)?;
+    a.check_step(op, "a", hv, c.seqs)?;
     let w = c.w;
     ensure(
         w.conv.data.len() == conv_dim * sh.conv_kernel
@@ -43,7 +50,12 @@ fn check(op: &'static str, c: &GdnCall<'_, CpuTensor, CpuWeight>) -> OpResult<()
 }
 
 /// One sequence's GDN output `[len, hv·dv]`, advancing its state.
-fn run(s: &SeqChunk<'_>, c: &GdnCall<'_, CpuTensor, CpuWeight>, state: &mut GdnState) -> Vec<f32> {
+fn run(
+    s: &SeqChunk<'_>,
+    c: &GdnCall<'_, CpuTensor, CpuWeight>,
+    (b, a): Gates<'_>,
+    state: &mut GdnState,
+) -> Vec<f32> {
     let sh = c.shape;
     let (hk, hv, dk, dv, kk) = (
         sh.num_k_heads,
@@ -74,9 +86,9 @@ fn run(s: &SeqChunk<'_>, c: &GdnCall<'_, CpuTensor, CpuWeight>, state: &mut GdnS
         k.extend_from_slice(&row[key_dim..2 * key_dim]);
         v.extend_from_slice(&row[2 * key_dim..]);
     }
-    let mut beta = c.b.row_range(s.start, t).to_vec();
+    let mut beta = b.row_range(s.start, t).to_vec();
     beta.iter_mut().for_each(|x| *x = ops::sigmoid(*x));
-    let mut g = c.a.row_range(s.start, t).to_vec();
+    let mut g = a.row_range(s.start, t).to_vec();
     for row in g.chunks_exact_mut(hv) {
         for (h, x) in row.iter_mut().enumerate() {
             *x = -w.a_log.data[h].exp() * ops::softplus(*x + w.dt_bias.data[h]);
@@ -103,7 +115,15 @@ fn run(s: &SeqChunk<'_>, c: &GdnCall<'_, CpuTensor, CpuWeight>, state: &mut GdnS
 impl CpuBackend {
     pub(super) fn gdn_impl(&self, c: &GdnCall<'_, CpuTensor, CpuWeight>) -> OpResult<CpuTensor> {
         const OP: &str = "gdn";
-        check(OP, c)?;
+        let projected;
+        let gates = match c.gates {
+            GdnGates::Given { b, a } => (b, a),
+            GdnGates::FromInput(x) => {
+                projected = self.linear_many(x, &[&c.w.in_proj_b, &c.w.in_proj_a])?;
+                (&projected[0], &projected[1])
+            }
+        };
+        check(OP, c, gates)?;
         let layer = c.layer;
         let what = format!("GDN state for layer {layer}");
         let outs = self.with_states(
@@ -115,7 +135,7 @@ impl CpuBackend {
                 c.seqs
                     .par_iter()
                     .zip(states.par_iter_mut())
-                    .map(|(s, st)| run(s, c, st))
+                    .map(|(s, st)| run(s, c, gates, st))
                     .collect()
             },
         )?;

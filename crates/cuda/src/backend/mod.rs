@@ -45,8 +45,8 @@ use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
     hc_residual_ops, AttnCall, Backend, BackendError, CacheSpec, DecodeStep, GdnCall, GdnShape,
-    Handover, HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor, PleCall,
-    QsaCall, SampleCall, SeqChunk, SharedFusion,
+    GdnWeights, Handover, HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor,
+    PleCall, QsaCall, SampleCall, SeqChunk, SharedFusion,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
@@ -670,6 +670,10 @@ impl Backend for CudaBackend {
 
     fn moe_experts(&self, c: &MoeCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
         self.moe_impl(c).at("moe_experts")
+    }
+
+    fn gdn_projects_gates(&self, w: &GdnWeights<CudaWeight>, sh: &GdnShape, rows: usize) -> bool {
+        self.gdn_projects_gates_impl(w, sh, rows)
     }
 
     fn moe_fuses_shared(&self, w: &MoeWeights<CudaWeight>, rows: usize) -> SharedFusion {

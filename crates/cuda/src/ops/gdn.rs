@@ -1,11 +1,12 @@
 //! The gated delta rule on the GPU, state f32: the fused decode step of a GDN layer (conv update,
 //! delta rule and gated RMSNorm in one launch); the chunked prefill is in `gdn_chunk.rs`.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, int, Gpu};
+use crate::ops::gemv::gemv_bf16_plan;
 
 /// Head counts and sizes of a GDN layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +65,30 @@ pub struct GdnProj<'a, B: DevicePtr<bf16>> {
     pub b: &'a B,
 }
 
+/// The gate projections a decode step of one sequence computes inside its launch
+/// ([`Gpu::gdn_decode_projecting_gates`]): `b = w_b · x`, `a = w_a · x` for the layer's normed row `x`
+/// `[1, k]` and the projections' weights `w_b`, `w_a` `[hv, k]` bf16.
+pub struct GdnGateProj<'a, B: DevicePtr<bf16>> {
+    pub x: &'a B,
+    pub w_b: &'a B,
+    pub w_a: &'a B,
+    pub k: usize,
+}
+
+/// Where a decode launch reads its gates: given rows `a`, `b` `[batch, hv]`, or projected inside
+/// the launch and written to `a`, `b` `[1, hv]`.
+enum GateRows<'a, B: DevicePtr<bf16>, M: DevicePtrMut<bf16>> {
+    Given {
+        a: &'a B,
+        b: &'a B,
+    },
+    Projected {
+        proj: &'a GdnGateProj<'a, B>,
+        a: &'a mut M,
+        b: &'a mut M,
+    },
+}
+
 /// A GDN layer's state pools: the conv rings `[num_slots, kernel, conv_dim]` bf16 (input `x_q` at
 /// entry `q mod kernel`) and the recurrent states `[num_slots, hv, dk, dv]` f32.
 pub struct GdnPools<'a, C: DevicePtrMut<bf16>, S: DevicePtrMut<f32>> {
@@ -111,8 +136,82 @@ impl Gpu {
         seqs: &DecodeSlots<'_, impl DevicePtr<u32>>,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> Result<()> {
-        const OP: &str = "gdn_decode";
         let GdnProj { qkv, z, a, b } = *proj;
+        let gates: GateRows<'_, _, CudaSlice<bf16>> = GateRows::Given { a, b };
+        self.gdn_decode_launch(dims, qkv, z, gates, w, pools, seqs, out)
+    }
+
+    /// Whether [`Gpu::gdn_decode_projecting_gates`] takes a layer of `dims` whose gate projections
+    /// read `k` inputs: `dk ≤ 128` (the 256-thread kernel) and the one-row bf16 GEMV of the `hv`
+    /// gate rows cut one row a block, 256 threads a row, which is the cut the launch computes each
+    /// head's gates with (so that they are the values of [`Gpu::gemv_bf16`]).
+    pub fn gdn_gates_inside_fit(&self, dims: GdnDims, k: usize) -> bool {
+        let plan = gemv_bf16_plan(dims.hv, k, self.info().multiprocessors as usize);
+        dims.dk <= SMALL_DK
+            && k.is_multiple_of(8)
+            && (plan.rps, plan.tpr_log2, plan.blocks) == (1, 8, dims.hv)
+    }
+
+    /// [`Gpu::gdn_decode`] of one sequence whose gates the launch projects itself (one launch
+    /// instead of a GEMV and the step): each head's block first computes its `b` and `a` from
+    /// `gates` with the arithmetic of [`Gpu::gemv_bf16`] at one row, writing them to `b`, `a`
+    /// (`[1, hv]`), then runs the step on them. Needs [`Gpu::gdn_gates_inside_fit`] and
+    /// `seqs.batch == 1`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gdn_decode_projecting_gates<B: DevicePtr<bf16>, M: DevicePtrMut<bf16>>(
+        &self,
+        dims: GdnDims,
+        qkv: &B,
+        z: &B,
+        gates: &GdnGateProj<'_, B>,
+        (a, b): (&mut M, &mut M),
+        w: &GdnDecodeWeights<'_, impl DevicePtr<bf16>, impl DevicePtr<f32>>,
+        pools: GdnPools<'_, impl DevicePtrMut<bf16>, impl DevicePtrMut<f32>>,
+        seqs: &DecodeSlots<'_, impl DevicePtr<u32>>,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<()> {
+        const OP: &str = "gdn_decode";
+        ensure(seqs.batch == 1, OP, || {
+            format!(
+                "projecting the gates takes one sequence, not {}",
+                seqs.batch
+            )
+        })?;
+        ensure(self.gdn_gates_inside_fit(dims, gates.k), OP, || {
+            format!(
+                "gates of {} rows of {} inputs (dk = {}) do not fit the projecting launch",
+                dims.hv, gates.k, dims.dk
+            )
+        })?;
+        check_len(OP, "x", gates.x, gates.k)?;
+        check_len(OP, "w_b", gates.w_b, dims.hv * gates.k)?;
+        check_len(OP, "w_a", gates.w_a, dims.hv * gates.k)?;
+        for (what, p) in [
+            ("x", self.addr(gates.x)),
+            ("w_b", self.addr(gates.w_b)),
+            ("w_a", self.addr(gates.w_a)),
+        ] {
+            ensure(p.is_multiple_of(16), OP, || {
+                format!("{what} must be 16-byte aligned")
+            })?;
+        }
+        let gates = GateRows::Projected { proj: gates, a, b };
+        self.gdn_decode_launch(dims, qkv, z, gates, w, pools, seqs, out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_decode_launch<B: DevicePtr<bf16>, M: DevicePtrMut<bf16>>(
+        &self,
+        dims: GdnDims,
+        qkv: &B,
+        z: &B,
+        gates: GateRows<'_, B, M>,
+        w: &GdnDecodeWeights<'_, impl DevicePtr<bf16>, impl DevicePtr<f32>>,
+        pools: GdnPools<'_, impl DevicePtrMut<bf16>, impl DevicePtrMut<f32>>,
+        seqs: &DecodeSlots<'_, impl DevicePtr<u32>>,
+        out: &mut impl DevicePtrMut<bf16>,
+    ) -> Result<()> {
+        const OP: &str = "gdn_decode";
         let GdnPools {
             conv: conv_pool,
             ssm: ssm_pool,
@@ -137,8 +236,16 @@ impl Gpu {
         let cd = dims.conv_dim();
         check_len(OP, "qkv", qkv, batch * cd)?;
         check_len(OP, "z", z, batch * hv * dv)?;
-        check_len(OP, "a", a, batch * hv)?;
-        check_len(OP, "b", b, batch * hv)?;
+        match &gates {
+            GateRows::Given { a, b } => {
+                check_len(OP, "a", *a, batch * hv)?;
+                check_len(OP, "b", *b, batch * hv)?;
+            }
+            GateRows::Projected { a, b, .. } => {
+                check_len(OP, "a", &**a, batch * hv)?;
+                check_len(OP, "b", &**b, batch * hv)?;
+            }
+        }
         check_len(OP, "conv weight", w.conv, cd * kernel)?;
         check_len(OP, "a_log", w.a_log, hv)?;
         check_len(OP, "dt_bias", w.dt_bias, hv)?;
@@ -160,18 +267,25 @@ impl Gpu {
             dv as i32,
             int(OP, "kernel", kernel)?,
         );
-        let (name, threads) = if dk <= SMALL_DK {
+        let (name, threads) = if matches!(gates, GateRows::Projected { .. }) {
+            ("gdn_decode_fused_gates", THREADS)
+        } else if dk <= SMALL_DK {
             ("gdn_decode_fused", THREADS)
         } else {
             ("gdn_decode_fused_dk256", THREADS_DK256)
         };
+        let proj = match &gates {
+            GateRows::Given { .. } => None,
+            GateRows::Projected { proj, .. } => Some((*proj, int(OP, "k", proj.k)?)),
+        };
         let grid = (hvi as u32, batch as u32, 1);
         let mut l = self.launch(self.kernel(name)?);
-        l.ptr(qkv)
-            .ptr(z)
-            .ptr(a)
-            .ptr(b)
-            .ptr(w.conv)
+        l.ptr(qkv).ptr(z);
+        match gates {
+            GateRows::Given { a, b } => l.ptr(a).ptr(b),
+            GateRows::Projected { a, b, .. } => l.ptr_mut(a).ptr_mut(b),
+        };
+        l.ptr(w.conv)
             .ptr(w.a_log)
             .ptr(w.dt_bias)
             .ptr(w.norm)
@@ -188,9 +302,13 @@ impl Gpu {
             .arg(&q_scale)
             .arg(&eps)
             .arg(&num_slots);
+        if let Some((p, k)) = &proj {
+            l.ptr(p.x).ptr(p.w_b).ptr(p.w_a).arg(k);
+        }
         // SAFETY: argument types match the kernel; lengths checked above; slot ids at or beyond
         // `num_slots` (which both pools hold) are skipped by the kernel; the block size is the one the
-        // chosen kernel requires and dk, dv are within its limits.
+        // chosen kernel requires and dk, dv are within its limits; a projecting launch has one
+        // sequence, x and the gate weights checked (lengths, alignment, the GEMV cut) by its caller.
         unsafe { l.launch(cfg(grid, threads, 0)) }?;
         Ok(())
     }

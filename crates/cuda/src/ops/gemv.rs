@@ -178,6 +178,11 @@ pub(crate) struct GemvPlan {
 /// while that gives fewer than two blocks per multiprocessor, first widens the slot (each thread keeps at
 /// least one chunk of every row: fewer serial loads per thread), then gives each slot fewer rows. Depends
 /// on the shape alone, so a captured decode step replays the same launches.
+/// The row-slot cut of a one-to-eight-row bf16 GEMV (`gemv_bf16_m1` …) of `n` rows of `k`.
+pub(crate) fn gemv_bf16_plan(n: usize, k: usize, sms: usize) -> GemvPlan {
+    gemv_plan(n, k / 8, GEMV_ROWS, sms)
+}
+
 pub(crate) fn gemv_plan(n: usize, chunks: usize, max_rows: usize, sms: usize) -> GemvPlan {
     let target = 2 * sms.max(1);
     let c = chunks.clamp(1, GEMV_THREADS);
@@ -278,7 +283,7 @@ impl Gpu {
                 let addrs = SegAddrs { w: wp, s: 0, y: yp };
                 table.push(OP, addrs, *n, n.div_ceil(TC_ROWS), None)?;
             } else {
-                let plan = gemv_plan(*n, k / 8, GEMV_ROWS, sms);
+                let plan = gemv_bf16_plan(*n, k, sms);
                 let addrs = SegAddrs { w: wp, s: 0, y: yp };
                 table.push(OP, addrs, *n, plan.blocks, Some(plan))?;
             }

@@ -16,8 +16,8 @@ use std::collections::BTreeMap;
 use sanmai_cpu::{CpuBackend, CpuTensor};
 use sanmai_cuda::{CudaBackend, CudaTensor};
 use sanmai_model::{
-    AttnCall, AttnWeights, Backend, Ffn, GdnCall, GdnWeights, Layer, Mixer, Model, MoeCall,
-    MoeWeights, OpResult, SeqChunk, SharedExpert,
+    AttnCall, AttnWeights, Backend, Ffn, GdnCall, GdnGates, GdnWeights, Layer, Mixer, Model,
+    MoeCall, MoeWeights, OpResult, SeqChunk, SharedExpert,
 };
 
 /// Per-op bounds: `max|gpu − cpu| / max|cpu|` and `‖gpu − cpu‖ / ‖cpu‖`.
@@ -234,8 +234,7 @@ impl<'a> Lockstep<'a> {
                 shape: &m.gdn_shape,
                 qkv,
                 z,
-                b,
-                a,
+                gates: GdnGates::Given { b, a },
                 w: gdn(m, i),
                 eps,
                 seqs,

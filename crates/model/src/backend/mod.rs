@@ -230,20 +230,36 @@ pub struct AttnCall<'a, T, W> {
     pub mrope: Option<Mrope<'a>>,
 }
 
-/// One GDN layer call over GDN layer `layer`'s state in each chunk's state slot: the `qkv`, `z`, `b`
-/// and `a` projections of the step's rows.
+/// One GDN layer call over GDN layer `layer`'s state in each chunk's state slot: the `qkv` and `z`
+/// projections of the step's rows and its gates.
 pub struct GdnCall<'a, T, W> {
     pub layer: usize,
     pub shape: &'a GdnShape,
     pub qkv: &'a T,
     pub z: &'a T,
-    pub b: &'a T,
-    pub a: &'a T,
+    pub gates: GdnGates<'a, T>,
     pub w: &'a GdnWeights<W>,
     /// The gated RMSNorm's epsilon.
     pub eps: f32,
     pub seqs: &'a [SeqChunk<'a>],
 }
+
+/// A GDN call's gate projections `b`, `a` (`[rows, Hv]`, before the sigmoid and softplus).
+pub enum GdnGates<'a, T> {
+    /// Projected by the model.
+    Given { b: &'a T, a: &'a T },
+    /// Projected by the backend from the layer's normed input `[rows, H]` with `in_proj_b` and
+    /// `in_proj_a` ([`Backend::gdn_projects_gates`]).
+    FromInput(&'a T),
+}
+
+impl<T> Clone for GdnGates<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for GdnGates<'_, T> {}
 
 /// The shared expert's part of a MoE call: its output `[rows, H]` and gate logit `[rows, 1]`, each
 /// `None` when the backend computes it itself ([`Backend::moe_fuses_shared`]: the output from
@@ -425,6 +441,17 @@ pub trait Backend: Send + Sync {
     /// recurrent for decode), then the gated RMSNorm with `z`. Returns `[rows, Hv·dv]` (before
     /// `out_proj`).
     fn gdn(&self, c: &GdnCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;
+
+    /// Whether [`Backend::gdn`] projects layer `w`'s gates itself for a call of `rows` rows (the model
+    /// then passes [`GdnGates::FromInput`]). Default: no.
+    fn gdn_projects_gates(
+        &self,
+        _w: &GdnWeights<Self::Weight>,
+        _shape: &GdnShape,
+        _rows: usize,
+    ) -> bool {
+        false
+    }
 
     /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts; plus
     /// `sigmoid(gate) · y` when the shared expert is given (a backend may add it in its combine).

@@ -3,7 +3,8 @@
 # on one GPU host: `sanmai bench --device cuda` on dummy weights of each full-size config, the two
 # binaries alternated back to back (A, B, A, B, ...) so that both see the same machine state, then a
 # summary of decode and prefill tok/s per config, arm and batch size: every run's figure, the median
-# and the spread (max − min). Builds nothing.
+# and the spread (max − min), and the median inter-token latency of each run (steadier than the mean
+# rate the tok/s come from, which a few slow steps move). Builds nothing.
 #
 #   scripts/gpu_ab.sh OUT_DIR SANMAI_A SANMAI_B [ROUNDS]
 #
@@ -56,17 +57,21 @@ for line in open(sys.argv[1]):
     if m:
         cur = (m[1].split("/")[-1], m[2])
         continue
-    m = re.match(r"batch (\d+): prefill ([\d.]+) tok/s \(TTFT median [\d.]+ ms, prompt (\d+) tokens\).*decode ([\d.]+) tok/s", line)
+    m = re.match(r"batch (\d+): prefill ([\d.]+) tok/s \(TTFT median [\d.]+ ms, prompt (\d+) tokens\).*decode ([\d.]+) tok/s"
+                 r"(?:, inter-token latency median ([\d.]+) ms)?", line)
     if m and cur:
-        runs.setdefault(cur + (int(m[3]), int(m[1])), []).append((float(m[2]), float(m[4])))
-print("| config | prompt | batch | arm | decode tok/s (runs) | decode median | spread | prefill tok/s (runs) | prefill median |")
-print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        itl = float(m[5]) if m[5] else float("nan")
+        runs.setdefault(cur + (int(m[3]), int(m[1])), []).append((float(m[2]), float(m[4]), itl))
+print("| config | prompt | batch | arm | decode tok/s (runs) | decode median | spread | ITL median ms (runs) | "
+      "ITL median | prefill tok/s (runs) | prefill median |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 for key in sorted(runs, key=lambda k: (k[0], k[2], k[3], k[1])):
-    pre = [p for p, _ in runs[key]]
-    dec = [d for _, d in runs[key]]
+    pre = [p for p, _, _ in runs[key]]
+    dec = [d for _, d, _ in runs[key]]
+    itl = [i for _, _, i in runs[key]]
     print(f"| {key[0]} | {key[2]} | {key[3]} | {key[1]} | {' / '.join(f'{d:.1f}' for d in dec)} | "
-          f"{statistics.median(dec):.1f} | {max(dec) - min(dec):.1f} | {' / '.join(f'{p:.0f}' for p in pre)} | "
-          f"{statistics.median(pre):.0f} |")
+          f"{statistics.median(dec):.1f} | {max(dec) - min(dec):.1f} | {' / '.join(f'{i:.2f}' for i in itl)} | "
+          f"{statistics.median(itl):.2f} | {' / '.join(f'{p:.0f}' for p in pre)} | {statistics.median(pre):.0f} |")
 PY
 cat "$out/ab.md"
 exit $rc

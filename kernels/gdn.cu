@@ -22,10 +22,11 @@
 #define GDN_TILE 128
 
 // Loads this thread's part of the state tile starting at value column c0: 4 columns (c0 + 4·lane …)
-// of rows warp + WARPS·n, n < NR; zeros outside [dk, dv).
+// of rows warp + WARPS·n, n < NR; zeros outside rows [0, dk) and columns [0, ce) (ce ≤ dv, the row
+// length; ce % 4 == 0 where dv % 4 == 0).
 template <int WARPS, int NR>
 __device__ __forceinline__ void gdn_load_tile(float4 (&st)[NR], const float* __restrict__ S, int c0, int dk,
-                                              int dv) {
+                                              int dv, int ce) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j0 = c0 + 4 * lane;
     const bool vec = (dv & 3) == 0;  // rows of S are 16-byte aligned
@@ -33,39 +34,39 @@ __device__ __forceinline__ void gdn_load_tile(float4 (&st)[NR], const float* __r
     for (int n = 0; n < NR; ++n) {
         const int i = warp + WARPS * n;
         st[n] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (i < dk && j0 < dv) {
+        if (i < dk && j0 < ce) {
             const float* src = S + (size_t)i * dv + j0;
             if (vec) {
                 st[n] = *reinterpret_cast<const float4*>(src);
             } else {
                 st[n].x = src[0];
-                if (j0 + 1 < dv) st[n].y = src[1];
-                if (j0 + 2 < dv) st[n].z = src[2];
-                if (j0 + 3 < dv) st[n].w = src[3];
+                if (j0 + 1 < ce) st[n].y = src[1];
+                if (j0 + 2 < ce) st[n].z = src[2];
+                if (j0 + 3 < ce) st[n].w = src[3];
             }
         }
     }
 }
 
-// Stores what gdn_load_tile loaded (same columns and rows, nothing outside [dk, dv)).
+// Stores what gdn_load_tile loaded (same columns and rows, nothing outside [0, dk) × [0, ce)).
 template <int WARPS, int NR>
 __device__ __forceinline__ void gdn_store_tile(const float4 (&st)[NR], float* __restrict__ S, int c0, int dk,
-                                               int dv) {
+                                               int dv, int ce) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j0 = c0 + 4 * lane;
     const bool vec = (dv & 3) == 0;
 #pragma unroll
     for (int n = 0; n < NR; ++n) {
         const int i = warp + WARPS * n;
-        if (i >= dk || j0 >= dv) break;
+        if (i >= dk || j0 >= ce) break;
         float* dst = S + (size_t)i * dv + j0;
         if (vec) {
             *reinterpret_cast<float4*>(dst) = st[n];
         } else {
             dst[0] = st[n].x;
-            if (j0 + 1 < dv) dst[1] = st[n].y;
-            if (j0 + 2 < dv) dst[2] = st[n].z;
-            if (j0 + 3 < dv) dst[3] = st[n].w;
+            if (j0 + 1 < ce) dst[1] = st[n].y;
+            if (j0 + 2 < ce) dst[2] = st[n].z;
+            if (j0 + 3 < ce) dst[3] = st[n].w;
         }
     }
 }
@@ -103,42 +104,55 @@ __device__ __forceinline__ float gdn_conv_channel(const bf16* __restrict__ ring,
 // the current tile in registers, read once and written once. One pass gives both column reductions,
 // since with S' = S·decay + k⊗δ the output is o = S'ᵀq = decay·Sᵀq + δ·(k·q): mem = Sᵀk, sq = Sᵀq per
 // thread, then across the warps through shared memory, δ = β(v − decay·mem), o = decay·sq + δ·(k·q).
-template <int WARPS, int NR>
+// SPLIT: the head's value columns are cut over gridDim.z blocks (blockIdx.z takes columns
+// [GDN_SPLIT_COLS·z, GDN_SPLIT_COLS·(z + 1)), so four blocks instead of one read a dv = 128 head's state):
+// each block runs the same code on its columns only (lanes past them hold zeros), writes its o columns
+// to os_g [B, hv, dv] and counts itself in on counters[b·hv + h]; the last block of the head reads all
+// of o back and runs the gated norm as the whole-head block does, then resets the counter. Every value
+// is computed by the same operations in the same order as without SPLIT: the same bits.
+#define GDN_SPLIT_COLS 32
+template <int WARPS, int NR, bool SPLIT>
 __device__ __forceinline__ void gdn_decode_impl(
     const bf16* __restrict__ qkv, const bf16* __restrict__ z, float a_in, float b_in,
     const bf16* __restrict__ conv_w, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
     const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool, float* __restrict__ state_pool,
     const u32* __restrict__ slots, const u32* __restrict__ positions, bf16* __restrict__ out, int hk, int hv,
-    int dk, int dv, int K, float q_scale, float eps, u32 num_slots) {
+    int dk, int dv, int K, float q_scale, float eps, u32 num_slots, float* os_g, u32* counters) {
     __shared__ float xs[2 * GDN_MAX_DK + GDN_MAX_DV];  // conv outputs q | k | v of this head
     __shared__ float os[GDN_MAX_DV];                    // o of this head, before the norm
     __shared__ __align__(16) float part[2][WARPS][GDN_TILE];
     __shared__ float sums[3][WARPS];
     __shared__ float scratch[32];
+    __shared__ int last;
     const int h = blockIdx.x, b = blockIdx.y;
+    // This block's value columns [cb, ce).
+    const int cb = SPLIT ? (int)blockIdx.z * GDN_SPLIT_COLS : 0;
+    const int ce = SPLIT ? min(dv, cb + GDN_SPLIT_COLS) : dv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ratio = hv / hk, kh = h / ratio;
     const int c = 2 * hk * dk + hv * dv;
     bf16* orow = out + ((size_t)b * hv + h) * dv;
     const u32 slot = slots[b];
     if (slot >= num_slots) {  // a bad slot id: zeros, no state touched
-        for (int j = threadIdx.x; j < dv; j += blockDim.x) orow[j] = f2bf(0.0f);
+        for (int j = cb + threadIdx.x; j < ce; j += blockDim.x) orow[j] = f2bf(0.0f);
         return;
     }
     const u32 pos = positions[b];
     float* S = state_pool + ((size_t)slot * hv + h) * (size_t)dk * dv;
     // The first state tile is requested before the conv, so its loads overlap the conv's.
     float4 st[NR];
-    gdn_load_tile<WARPS, NR>(st, S, 0, dk, dv);
+    gdn_load_tile<WARPS, NR>(st, S, cb, dk, dv, ce);
 
     // Conv of this head's channels: local t < dk is q of key head kh, dk ≤ t < 2dk its k, then v of
     // head h. The first value head of a key group stores the q/k inputs, every head its own v (with
-    // K = 1 no token reads the ring: nothing is stored).
+    // K = 1 no token reads the ring: nothing is stored); split, a block convolves the v of its columns
+    // only, and the first block of the head stores the q/k inputs.
     bf16* ring = conv_pool + (size_t)slot * K * c;
     const bf16* xrow = qkv + (size_t)b * c;
-    const bool store_qk = K > 1 && h % ratio == 0, store_v = K > 1;
+    const bool store_qk = K > 1 && h % ratio == 0 && (!SPLIT || blockIdx.z == 0), store_v = K > 1;
     const size_t wr = (size_t)(pos % (u32)K) * c;
     for (int t = threadIdx.x; t < 2 * dk + dv; t += blockDim.x) {
+        if (SPLIT && t >= 2 * dk && (t - 2 * dk < cb || t - 2 * dk >= ce)) continue;
         const int ch = t < dk       ? kh * dk + t
                        : t < 2 * dk ? (hk + kh) * dk + (t - dk)
                                     : 2 * hk * dk + h * dv + (t - 2 * dk);
@@ -178,7 +192,7 @@ __device__ __forceinline__ void gdn_decode_impl(
     const float decay = expf(g);
     const float beta = sigmoid_f(b_in);
 
-    for (int c0 = 0;;) {
+    for (int c0 = cb;;) {
         const int j0 = c0 + 4 * lane;
         // Partial Sᵀk and Sᵀq over this thread's rows.
         float mem[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sqp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -204,7 +218,7 @@ __device__ __forceinline__ void gdn_decode_impl(
             const float mm[4] = {m.x, m.y, m.z, m.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float v = j0 + e < dv ? xs[2 * dk + j0 + e] : 0.0f;
+                const float v = j0 + e < ce ? xs[2 * dk + j0 + e] : 0.0f;
                 delta[e] = (v - decay * mm[e]) * beta;
             }
         }
@@ -213,7 +227,7 @@ __device__ __forceinline__ void gdn_decode_impl(
             const float tt[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                if (j0 + e < dv) os[j0 + e] = decay * tt[e] + delta[e] * kq;
+                if (j0 + e < ce) os[j0 + e] = decay * tt[e] + delta[e] * kq;
         }
         // S ← S·decay + k⊗δ.
 #pragma unroll
@@ -226,13 +240,33 @@ __device__ __forceinline__ void gdn_decode_impl(
             st[n].z = st[n].z * decay + kn * delta[2];
             st[n].w = st[n].w * decay + kn * delta[3];
         }
-        gdn_store_tile<WARPS, NR>(st, S, c0, dk, dv);
+        gdn_store_tile<WARPS, NR>(st, S, c0, dk, dv, ce);
         c0 += GDN_TILE;
-        if (c0 >= dv) break;
+        if (c0 >= ce) break;
         __syncthreads();  // every warp has read `part` before the next tile rewrites it
-        gdn_load_tile<WARPS, NR>(st, S, c0, dk, dv);
+        gdn_load_tile<WARPS, NR>(st, S, c0, dk, dv, ce);
     }
     __syncthreads();  // os complete
+
+    if (SPLIT) {
+        // Publish this block's o columns (each writer's fence, then thread 0's after the barrier), then
+        // count in; thread 0's fence after the count orders every block's columns before the last
+        // block's reads, which go through L2 (__ldcg).
+        float* og = os_g + ((size_t)b * hv + h) * dv;
+        for (int j = cb + threadIdx.x; j < ce; j += blockDim.x) og[j] = os[j];
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            last = atomicAdd(counters + (size_t)b * hv + h, 1u) == gridDim.z - 1;
+            __threadfence();
+        }
+        __syncthreads();
+        if (!last) return;
+        for (int j = threadIdx.x; j < dv; j += blockDim.x) os[j] = __ldcg(og + j);
+        if (threadIdx.x == 0) counters[(size_t)b * hv + h] = 0u;
+        __syncthreads();
+    }
 
     // The gated RMSNorm over the head's dv values.
     float ss = 0.0f;
@@ -251,51 +285,74 @@ __device__ __forceinline__ void gdn_decode_impl(
 // state_pool [num_slots, hv, dk, dv] (out of range: zero output, nothing touched); out: [B, hv·dv];
 // q_scale = dk^-0.5 as the host rounds it. dv ≤ GDN_MAX_DV, hk divides hv; gdn_decode_fused takes
 // dk ≤ 128, gdn_decode_fused_dk256 dk ≤ 256.
-extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused(
-    const bf16* __restrict__ qkv, const bf16* __restrict__ z, const bf16* __restrict__ a,
-    const bf16* __restrict__ b_gate, const bf16* __restrict__ conv_w, const float* __restrict__ A_log,
-    const float* __restrict__ dt_bias, const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool,
-    float* __restrict__ state_pool, const u32* __restrict__ slots, const u32* __restrict__ positions,
-    bf16* __restrict__ out, int hk, int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots) {
+// The _split entries (dk ≤ 128) cut each head's value columns over gridDim.z = ⌈dv / GDN_SPLIT_COLS⌉
+// blocks (grid (hv, B, that)): os_g [B, hv, dv] f32 scratch, counters [B·hv] u32, 0 at launch and left
+// 0 (one set per stream: the PDL prologue waits for the kernel ahead, so two launches never share it).
+// The arguments after a and b_gate (the gates, read-only except in the _gates entries, which write them).
+#define GDN_TAIL                                                                                              \
+    const bf16 *__restrict__ conv_w, const float *__restrict__ A_log, const float *__restrict__ dt_bias,      \
+        const bf16 *__restrict__ norm_w, bf16 *__restrict__ conv_pool, float *__restrict__ state_pool,        \
+        const u32 *__restrict__ slots, const u32 *__restrict__ positions, bf16 *__restrict__ out, int hk,     \
+        int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots
+#define GDN_ARGS                                                                                              \
+    const bf16 *__restrict__ qkv, const bf16 *__restrict__ z, const bf16 *__restrict__ a,                     \
+        const bf16 *__restrict__ b_gate, GDN_TAIL
+#define GDN_GATES_ARGS                                                                                        \
+    const bf16 *__restrict__ qkv, const bf16 *__restrict__ z, bf16 *a, bf16 *b_gate, GDN_TAIL,              \
+        const bf16 *__restrict__ x, const bf16 *__restrict__ w_b, const bf16 *__restrict__ w_a, int k
+#define GDN_REST conv_w, A_log, dt_bias, norm_w, conv_pool, state_pool, slots, positions, out, hk, hv, dk, dv, K, \
+                 q_scale, eps, num_slots
+// Whether the launch fits a 256-thread entry (and, split, covers every column).
+#define GDN_FITS(split) \
+    (blockDim.x == 256 && dk <= 128 && dv <= GDN_MAX_DV && K >= 1 && hk >= 1 && hv % hk == 0 && \
+     (!(split) || (int)gridDim.z * GDN_SPLIT_COLS >= dv))
+
+extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused(GDN_ARGS) {
     pdl_prologue();
-    if (blockDim.x != 256 || dk > 128 || dv > GDN_MAX_DV || K < 1 || hk < 1 || hv % hk != 0) return;
+    if (!GDN_FITS(false)) return;
     const size_t ab = (size_t)blockIdx.y * hv + blockIdx.x;
-    gdn_decode_impl<8, 16>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), conv_w, A_log, dt_bias, norm_w, conv_pool,
-                           state_pool, slots, positions, out, hk, hv, dk, dv, K, q_scale, eps, num_slots);
+    gdn_decode_impl<8, 16, false>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, nullptr, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused_split(GDN_ARGS, float* os_g, u32* counters) {
+    pdl_prologue();
+    if (!GDN_FITS(true)) return;
+    const size_t ab = (size_t)blockIdx.y * hv + blockIdx.x;
+    gdn_decode_impl<8, 16, true>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, os_g, counters);
 }
 
-// gdn_decode_fused for one sequence (grid (hv, 1)) that first projects its own head's gates from the
-// layer's normed row x [1, k]: b_gate[h] = W_b[h] · x and a[h] = W_a[h] · x (W_b, W_a [hv, k] bf16),
-// written to b_gate and a ([1, hv]) by gemv_impl with one row a block and 256 threads a row (rps = 1,
-// tpr = 256), the cut gemv_bf16_m1 takes for these rows (the host checks it): the same values as the
-// GEMV launch it replaces. The block then reads them back (after a barrier: its own writes).
-extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused_gates(
-    const bf16* __restrict__ qkv, const bf16* __restrict__ z, bf16* a, bf16* b_gate,
-    const bf16* __restrict__ conv_w, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-    const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool, float* __restrict__ state_pool,
-    const u32* __restrict__ slots, const u32* __restrict__ positions, bf16* __restrict__ out, int hk, int hv,
-    int dk, int dv, int K, float q_scale, float eps, u32 num_slots, const bf16* __restrict__ x,
-    const bf16* __restrict__ w_b, const bf16* __restrict__ w_a, int k) {
-    pdl_prologue();
-    if (blockDim.x != 256 || gridDim.y != 1 || dk > 128 || dv > GDN_MAX_DV || K < 1 || hk < 1 || hv % hk != 0)
-        return;
+// gdn_decode_fused for one sequence (grid (hv, 1), split: (hv, 1, splits)) that first projects its own
+// head's gates from the layer's normed row x [1, k]: b_gate[h] = W_b[h] · x and a[h] = W_a[h] · x (W_b,
+// W_a [hv, k] bf16), written to b_gate and a ([1, hv]; a split head's blocks each write the same values)
+// by gemv_impl with one row a block and 256 threads a row (rps = 1, tpr = 256), the cut gemv_bf16_m1
+// takes for these rows (the host checks it): the same values as the GEMV launch it replaces. The block
+// then reads them back (after a barrier: its own writes) from L2, not the read-only path.
+template <bool SPLIT>
+__device__ __forceinline__ void gdn_decode_gates_body(GDN_GATES_ARGS, float* os_g, u32* counters) {
+    if (gridDim.y != 1 || !GDN_FITS(SPLIT)) return;
     gemv_impl<1, bf16>(w_b, x, b_gate, hv, k, 1, 8, blockIdx.x);
     __syncthreads();  // gemv_impl's reduction buffer is read before the second GEMV writes it
     gemv_impl<1, bf16>(w_a, x, a, hv, k, 1, 8, blockIdx.x);
-    __syncthreads();  // this block's a[h], b_gate[h] written; read back from L2 (not the read-only path)
-    gdn_decode_impl<8, 16>(qkv, z, bf2f(__ldcg(a + blockIdx.x)), bf2f(__ldcg(b_gate + blockIdx.x)), conv_w,
-                           A_log, dt_bias, norm_w, conv_pool, state_pool, slots, positions, out, hk, hv, dk, dv,
-                           K, q_scale, eps, num_slots);
+    __syncthreads();  // this block's a[h], b_gate[h] written
+    gdn_decode_impl<8, 16, SPLIT>(qkv, z, bf2f(__ldcg(a + blockIdx.x)), bf2f(__ldcg(b_gate + blockIdx.x)),
+                                  GDN_REST, os_g, counters);
 }
-extern "C" __global__ void __launch_bounds__(512) gdn_decode_fused_dk256(
-    const bf16* __restrict__ qkv, const bf16* __restrict__ z, const bf16* __restrict__ a,
-    const bf16* __restrict__ b_gate, const bf16* __restrict__ conv_w, const float* __restrict__ A_log,
-    const float* __restrict__ dt_bias, const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool,
-    float* __restrict__ state_pool, const u32* __restrict__ slots, const u32* __restrict__ positions,
-    bf16* __restrict__ out, int hk, int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots) {
+extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused_gates(GDN_GATES_ARGS) {
+    pdl_prologue();
+    gdn_decode_gates_body<false>(qkv, z, a, b_gate, GDN_REST, x, w_b, w_a, k, nullptr, nullptr);
+}
+extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused_gates_split(GDN_GATES_ARGS, float* os_g, u32* counters) {
+    pdl_prologue();
+    gdn_decode_gates_body<true>(qkv, z, a, b_gate, GDN_REST, x, w_b, w_a, k, os_g, counters);
+}
+
+extern "C" __global__ void __launch_bounds__(512) gdn_decode_fused_dk256(GDN_ARGS) {
     pdl_prologue();
     if (blockDim.x != 512 || dk > GDN_MAX_DK || dv > GDN_MAX_DV || K < 1 || hk < 1 || hv % hk != 0) return;
     const size_t ab = (size_t)blockIdx.y * hv + blockIdx.x;
-    gdn_decode_impl<16, 16>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), conv_w, A_log, dt_bias, norm_w, conv_pool,
-                            state_pool, slots, positions, out, hk, hv, dk, dv, K, q_scale, eps, num_slots);
+    gdn_decode_impl<16, 16, false>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, nullptr, nullptr);
 }
+#undef GDN_TAIL
+#undef GDN_ARGS
+#undef GDN_GATES_ARGS
+#undef GDN_REST
+#undef GDN_FITS

@@ -111,7 +111,9 @@ pub use ops::{
     HeadNorm, KvPools, MoeOut, MropeArgs, NormRows, PagedCache, PleDims, Queries, RopeArgs,
     Selection, ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
 };
-pub use ops::{ConvWeight, DecodeSlots, GdnGateProj, GdnGates, GdnPools, GdnProj, SeqRows};
+pub use ops::{
+    ConvWeight, DecodeSlots, GdnGateProj, GdnGates, GdnPools, GdnProj, GdnSplit, SeqRows,
+};
 pub use ops::{
     DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed, SharedGate, SharedY,
 };

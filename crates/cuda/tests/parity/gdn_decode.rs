@@ -9,7 +9,7 @@ use sanmai_cpu::ops;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
     ConvWeight, DecodeSlots, GdnDecodeWeights, GdnDims, GdnGateProj, GdnGates, GdnPools, GdnProj,
-    NormRows, SeqRows,
+    GdnSplit, NormRows, SeqRows,
 };
 
 use crate::common::{check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
@@ -196,14 +196,15 @@ impl DevPools {
 }
 
 /// The fused decode on the device: row `i` of `x` is sequence `i`, at position `positions[i]` in
-/// slot `slots[i]`. Returns the output `[rows, hv·dv]`.
+/// slot `slots[i]`; `split`: each head's value columns over several blocks ([`GdnSplit`], whose
+/// counters must be back at 0 after the launch). Returns the output `[rows, hv·dv]`.
 fn gpu_decode(
     g: &sanmai_cuda::Gpu,
     l: &DevLayer,
     x: &Proj,
     pools: &mut DevPools,
-    slots: &[u32],
-    positions: &[u32],
+    (slots, positions): (&[u32], &[u32]),
+    split: bool,
 ) -> Vec<f32> {
     let (hv, dv) = (l.dims.hv, l.dims.dv);
     let n = x.rows;
@@ -226,9 +227,32 @@ fn gpu_decode(
         positions: &pd,
         batch: n,
     };
-    g.gdn_decode(l.dims, &proj, &l.weights(), state, &seqs, &mut out)
+    let (mut os, mut counters) = (
+        g.zeros::<f32>(n * hv * dv).unwrap(),
+        g.zeros::<u32>(n * hv).unwrap(),
+    );
+    let sp = split.then(|| GdnSplit {
+        os: &mut os,
+        counters: &mut counters,
+    });
+    g.gdn_decode(l.dims, &proj, &l.weights(), state, &seqs, sp, &mut out)
         .unwrap();
+    assert!(
+        g.download(&counters).unwrap().iter().all(|&c| c == 0),
+        "the split launch leaves its counters at 0"
+    );
     from_bf16(&g.download(&out).unwrap())
+}
+
+/// `a` and `b` hold the same bits.
+fn same_bits(what: &str, a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let differ = a
+        .iter()
+        .zip(b)
+        .filter(|(x, y)| x.to_bits() != y.to_bits())
+        .count();
+    assert_eq!(differ, 0, "{what}: {differ} of {} values differ", a.len());
 }
 
 /// The backend's prefill path on the device (conv prefill, chunked delta rule, gated RMSNorm) over
@@ -337,12 +361,31 @@ fn decode_case(
     }
 
     let w = DevLayer::new(g, l);
-    let mut pools = DevPools {
+    let pools_at_start = || DevPools {
         conv: g.upload(&ringb).unwrap(),
         ssm: g.upload(&ssm0).unwrap(),
     };
-    let got = gpu_decode(g, &w, &x, &mut pools, slots, positions);
+    let mut pools = pools_at_start();
+    let got = gpu_decode(g, &w, &x, &mut pools, (slots, positions), false);
     let shape = format!("b{b}_{}", l.shape());
+    if g.gdn_split_fits(l.dims) {
+        // The split launch: the same bits as the whole-head one, output, states and rings.
+        let mut split = pools_at_start();
+        let got_split = gpu_decode(g, &w, &x, &mut split, (slots, positions), true);
+        same_bits(&format!("{shape}: split output"), &got_split, &got);
+        let ssm = |p: &DevPools| g.download(&p.ssm).unwrap();
+        same_bits(
+            &format!("{shape}: split states"),
+            &ssm(&split),
+            &ssm(&pools),
+        );
+        let ring = |p: &DevPools| from_bf16(&g.download(&p.conv).unwrap());
+        same_bits(
+            &format!("{shape}: split rings"),
+            &ring(&split),
+            &ring(&pools),
+        );
+    }
     check_reduction("gdn_decode_out", &shape, &got, &want);
     for (i, &s) in slots.iter().enumerate() {
         if s as usize >= num_slots {
@@ -464,7 +507,9 @@ fn prefill_then_decode_case(
         for (i, st) in cpu.iter_mut().enumerate() {
             want.extend(cpu_layer(l, &x.rows(i, 1), st, 0));
         }
-        let got = gpu_decode(g, &w, &x, &mut pools, slots, &pos);
+        // Every other step through the split launch, which carries the state on as the whole one.
+        let split = step % 2 == 1 && g.gdn_split_fits(l.dims);
+        let got = gpu_decode(g, &w, &x, &mut pools, (slots, &pos), split);
         check_reduction(
             "gdn_decode_after_prefill",
             &format!("{shape}_step{step}"),
@@ -560,8 +605,8 @@ fn chunks_then_decode_case(
             &w,
             &x.rows(p, 1),
             &mut pools,
-            &[1],
-            &[p as u32],
+            (&[1], &[p as u32]),
+            false,
         ));
         p += 1;
     }
@@ -619,8 +664,8 @@ fn gdn_short_chunks_then_decode_match_one_pass() {
 
 /// The decode launch that projects its own gates (one sequence) against the bf16 GEMV of the gates
 /// then the plain decode launch, which it replaces: the same bits (the output, `a` and `b`, both state
-/// pools), at the 80B's GDN shape (hidden 2,048; 16 key and 32 value heads of 128) over a few steps;
-/// a batch of two is refused.
+/// pools), at the 80B's GDN shape (hidden 2,048; 16 key and 32 value heads of 128) over a few steps,
+/// every other one also split over column blocks; a batch of two is refused.
 #[test]
 fn gdn_decode_projecting_gates_equals_gemv_then_step() {
     let Some(g) = gpu("gdn_decode_projecting_gates_equals_gemv_then_step") else {
@@ -645,6 +690,10 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
         .unwrap();
     let (mut apart, mut fused) = (DevPools::zeros(g, &l, 2), DevPools::zeros(g, &l, 2));
     let slots = g.upload(&[1u32]).unwrap();
+    let (mut os, mut counters) = (
+        g.zeros::<f32>(hv * dv).unwrap(),
+        g.zeros::<u32>(hv).unwrap(),
+    );
     let bits = |x: &CudaSlice<bf16>| -> Vec<u16> {
         g.download(x).unwrap().iter().map(|v| v.to_bits()).collect()
     };
@@ -672,7 +721,7 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
             conv: &mut apart.conv,
             ssm: &mut apart.ssm,
         };
-        g.gdn_decode(dims, &proj, &dl.weights(), pools, &seqs, &mut out1)
+        g.gdn_decode(dims, &proj, &dl.weights(), pools, &seqs, None, &mut out1)
             .unwrap();
         let (mut b2, mut a2) = (g.zeros::<bf16>(hv).unwrap(), g.zeros::<bf16>(hv).unwrap());
         let mut out2 = g.zeros::<bf16>(hv * dv).unwrap();
@@ -687,6 +736,11 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
             ssm: &mut fused.ssm,
         };
         let ab = (&mut a2, &mut b2);
+        // Every other step also splits each head's columns over blocks.
+        let split = (step % 2 == 1).then(|| GdnSplit {
+            os: &mut os,
+            counters: &mut counters,
+        });
         g.gdn_decode_projecting_gates(
             dims,
             &qkv,
@@ -696,6 +750,7 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
             &dl.weights(),
             pools,
             &seqs,
+            split,
             &mut out2,
         )
         .unwrap();
@@ -708,6 +763,7 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
         g.download(s).unwrap().iter().map(|v| v.to_bits()).collect()
     };
     assert_eq!(ssm(&apart.ssm), ssm(&fused.ssm), "recurrent states");
+    assert!(g.download(&counters).unwrap().iter().all(|&c| c == 0));
 
     let two = g.upload(&[0u32, 1]).unwrap();
     let seqs = DecodeSlots {
@@ -745,6 +801,7 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
             &dl.weights(),
             pools,
             &seqs,
+            None,
             &mut out,
         )
         .unwrap_err();

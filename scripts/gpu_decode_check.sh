@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The decode-kernel check of one GPU host, in one run, with prebuilt binaries (scripts/gpu_bins.sh
+# BIN_DIR): the parity suite, the GDN decode timings (a block a head against split column blocks), and,
+# on dummy weights of each config, the fused decode launches on against off (`SANMAI_FUSED_DECODE=0`):
+# greedy tokens and log-probs of one prompt compared bit for bit, the alternated A/B of
+# scripts/gpu_ab.sh (its median inter-token latencies), and a per-kernel table of each arm. Builds
+# nothing; run from the repository root.
+#
+#   scripts/gpu_decode_check.sh OUT_DIR BIN_DIR [CONFIG...]
+#
+# CONFIG defaults to configs/models/qwen3-next-80b-a3b.json. ROUNDS (default 3) runs of each arm in the
+# A/B. Writes OUT_DIR/summary.md (what passed, the greedy comparison, the A/B table) and the logs beside
+# it. Exits non-zero when a parity test fails, a run fails, or the greedy tokens differ.
+set -uo pipefail
+out=${1:?usage: gpu_decode_check.sh OUT_DIR BIN_DIR [CONFIG...]}
+bin=${2:?usage: gpu_decode_check.sh OUT_DIR BIN_DIR [CONFIG...]}
+shift 2
+configs=("$@")
+[ ${#configs[@]} -gt 0 ] || configs=(configs/models/qwen3-next-80b-a3b.json)
+mkdir -p "$out"
+bin=$(cd "$bin" && pwd)
+if [ -d "${CUDA_HOME:-/usr/local/cuda}/lib64" ]; then
+  export LD_LIBRARY_PATH="${CUDA_HOME:-/usr/local/cuda}/lib64:${LD_LIBRARY_PATH:-}"
+fi
+summary="$out/summary.md"
+rc=0
+note() { echo "$*" | tee -a "$summary"; }
+: >"$summary"
+
+"$bin/parity" --test-threads=1 >"$out/parity.log" 2>&1 || rc=1
+note "- parity: $(grep -h '^test result' "$out/parity.log" | head -1)"
+grep -h 'FAILED\|panicked' "$out/parity.log" | head -5 | sed 's/^/  /' | tee -a "$summary"
+"$bin/parity" --ignored --test-threads=1 bench_gdn::bench_gdn_decode >"$out/bench_gdn.log" 2>&1 || rc=1
+grep -h '^BENCH' "$out/bench_gdn.log" | sed 's/^/  - /' | tee -a "$summary"
+
+off="$out/sanmai-fused-off"
+printf '#!/bin/sh\nSANMAI_FUSED_DECODE=0 exec "%s/sanmai" "$@"\n' "$bin" >"$off"
+chmod +x "$off"
+for c in "${configs[@]}"; do
+  name=$(basename "$c" .json)
+  for arm in on off; do
+    exe="$bin/sanmai"
+    [ "$arm" = off ] && exe=$off
+    "$exe" generate --device cuda --load-format dummy --config "$c" \
+      --prompt-ids 785,3974,13876,38835,34208,916,279,15678,5562,323,1221 --max-tokens 48 --logprobs 1 \
+      --json >"$out/greedy-$name-$arm.json" 2>"$out/greedy-$name-$arm.err"
+    status=$?
+    [ $status -eq 0 ] || { rc=1; note "- $name: generate ($arm) exited $status"; }
+  done
+  python3 - "$out/greedy-$name-on.json" "$out/greedy-$name-off.json" "$name" >>"$summary" <<'PY' || rc=1
+import json, sys
+try:
+    a, b = (json.load(open(p)) for p in sys.argv[1:3])
+except (OSError, ValueError) as e:
+    print(f"- {sys.argv[3]}: greedy outputs missing ({e})")
+    sys.exit(1)
+same = a["ids"] == b["ids"]
+dl = max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0)
+first = next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), None)
+print(f"- {sys.argv[3]}: greedy tokens fused on/off " + ("identical" if same else f"differ from token {first}")
+      + f" ({len(a['ids'])} tokens), largest log-prob difference {dl:.3g}")
+sys.exit(0 if same else 1)
+PY
+  tail -1 "$summary"
+done
+
+SANMAI_BENCH_CONFIGS="${configs[*]}" scripts/gpu_ab.sh "$out/ab" "$bin/sanmai" "$off" "${ROUNDS:-3}" >/dev/null 2>&1 || rc=1
+cat "$out/ab/ab.md" >>"$summary"
+for c in "${configs[@]}"; do
+  name=$(basename "$c" .json)
+  for arm in on off; do
+    exe="$bin/sanmai"
+    [ "$arm" = off ] && exe=$off
+    "$exe" bench --device cuda --load-format dummy --config "$c" --batch 1,8 --prompt-len 512 --gen-len 32 \
+      --kernel-times >"$out/kernels-$name-$arm.log" 2>&1 || rc=1
+    note "- $name kernels ($arm): $(grep -h 'launches,' "$out/kernels-$name-$arm.log" | head -1 | sed 's/^ *//')"
+  done
+done
+exit $rc

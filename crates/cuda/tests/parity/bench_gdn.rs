@@ -141,7 +141,7 @@ fn bench_gdn_decode() {
                     positions: &positions,
                     batch,
                 };
-                let sp = split.then(|| GdnSplit {
+                let sp = split.then_some(GdnSplit {
                     os: &mut os,
                     counters: &mut counters,
                 });

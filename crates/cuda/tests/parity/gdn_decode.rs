@@ -8,8 +8,8 @@ use half::bf16;
 use sanmai_cpu::ops;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
-    ConvWeight, DecodeSlots, GdnDecodeWeights, GdnDims, GdnGateProj, GdnGates, GdnPools, GdnProj,
-    GdnSplit, NormRows, SeqRows,
+    ConvWeight, DecodeSlots, GdnDecodeWeights, GdnDims, GdnGates, GdnPools, GdnProj, GdnSplit,
+    NormRows, SeqRows,
 };
 
 use crate::common::{check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
@@ -21,7 +21,7 @@ const EPS: f32 = 1e-6;
 
 /// A random GDN layer: its shape, conv kernel size and weights (bf16 ones as the device gets them and
 /// as f32).
-struct Layer {
+pub(crate) struct Layer {
     dims: GdnDims,
     kk: usize,
     conv: (Vec<bf16>, Vec<f32>),
@@ -31,7 +31,7 @@ struct Layer {
 }
 
 impl Layer {
-    fn random(rng: &mut Rng, dims: GdnDims, kk: usize) -> Self {
+    pub(crate) fn random(rng: &mut Rng, dims: GdnDims, kk: usize) -> Self {
         Layer {
             dims,
             kk,
@@ -49,7 +49,7 @@ impl Layer {
 }
 
 /// A layer's shape, conv kernel size and weights on the device.
-struct DevLayer {
+pub(crate) struct DevLayer {
     dims: GdnDims,
     kk: usize,
     conv: CudaSlice<bf16>,
@@ -59,7 +59,7 @@ struct DevLayer {
 }
 
 impl DevLayer {
-    fn new(g: &sanmai_cuda::Gpu, l: &Layer) -> Self {
+    pub(crate) fn new(g: &sanmai_cuda::Gpu, l: &Layer) -> Self {
         DevLayer {
             dims: l.dims,
             kk: l.kk,
@@ -70,7 +70,7 @@ impl DevLayer {
         }
     }
 
-    fn weights(&self) -> GdnDecodeWeights<'_, CudaSlice<bf16>, CudaSlice<f32>> {
+    pub(crate) fn weights(&self) -> GdnDecodeWeights<'_, CudaSlice<bf16>, CudaSlice<f32>> {
         GdnDecodeWeights {
             conv: &self.conv,
             kernel: self.kk,
@@ -84,16 +84,16 @@ impl DevLayer {
 
 /// A step's projections of `rows` rows: `qkv` `[rows, conv_dim]`, `z` `[rows, hv·dv]`, `a`, `b`
 /// `[rows, hv]` (bf16 as uploaded, and f32).
-struct Proj {
+pub(crate) struct Proj {
     rows: usize,
-    qkv: (Vec<bf16>, Vec<f32>),
-    z: (Vec<bf16>, Vec<f32>),
+    pub(crate) qkv: (Vec<bf16>, Vec<f32>),
+    pub(crate) z: (Vec<bf16>, Vec<f32>),
     a: (Vec<bf16>, Vec<f32>),
     b: (Vec<bf16>, Vec<f32>),
 }
 
 impl Proj {
-    fn random(rng: &mut Rng, dims: GdnDims, rows: usize) -> Self {
+    pub(crate) fn random(rng: &mut Rng, dims: GdnDims, rows: usize) -> Self {
         let hv = dims.hv;
         Proj {
             rows,
@@ -181,13 +181,13 @@ fn cpu_layer(l: &Layer, x: &Proj, st: &mut CpuState, rounded: usize) -> Vec<f32>
 
 /// A layer's state pools on the device: conv rings `[slots, kernel, conv_dim]` and recurrent states
 /// `[slots, hv, dk, dv]`.
-struct DevPools {
-    conv: CudaSlice<bf16>,
-    ssm: CudaSlice<f32>,
+pub(crate) struct DevPools {
+    pub(crate) conv: CudaSlice<bf16>,
+    pub(crate) ssm: CudaSlice<f32>,
 }
 
 impl DevPools {
-    fn zeros(g: &sanmai_cuda::Gpu, l: &Layer, slots: usize) -> Self {
+    pub(crate) fn zeros(g: &sanmai_cuda::Gpu, l: &Layer, slots: usize) -> Self {
         DevPools {
             conv: g.zeros(slots * l.kk * l.dims.conv_dim()).unwrap(),
             ssm: g.zeros(slots * l.dims.state_len()).unwrap(),
@@ -231,7 +231,7 @@ fn gpu_decode(
         g.zeros::<f32>(n * hv * dv).unwrap(),
         g.zeros::<u32>(n * hv).unwrap(),
     );
-    let sp = split.then(|| GdnSplit {
+    let sp = split.then_some(GdnSplit {
         os: &mut os,
         counters: &mut counters,
     });
@@ -660,150 +660,4 @@ fn gdn_short_chunks_then_decode_match_one_pass() {
         let l = Layer::random(&mut rng, dims, 4);
         chunks_then_decode_case(g, &mut rng, &l, &[2, 1, 2, 1], 5);
     }
-}
-
-/// The decode launch that projects its own gates (one sequence) against the bf16 GEMV of the gates
-/// then the plain decode launch, which it replaces: the same bits (the output, `a` and `b`, both state
-/// pools), at the 80B's GDN shape (hidden 2,048; 16 key and 32 value heads of 128) over a few steps,
-/// every other one also split over column blocks; a batch of two is refused.
-#[test]
-fn gdn_decode_projecting_gates_equals_gemv_then_step() {
-    let Some(g) = gpu("gdn_decode_projecting_gates_equals_gemv_then_step") else {
-        return;
-    };
-    let mut rng = Rng::new(0x9a7e5);
-    let dims = GdnDims {
-        hk: 16,
-        hv: 32,
-        dk: 128,
-        dv: 128,
-    };
-    let (k, hv, dv) = (2048, dims.hv, dims.dv);
-    assert!(g.gdn_gates_inside_fit(dims, k), "the 80B's gates fit");
-    let l = Layer::random(&mut rng, dims, 4);
-    let dl = DevLayer::new(g, &l);
-    let w_b = g
-        .upload(&to_bf16(&rng.normals(hv * k, 0.0, 0.05)).0)
-        .unwrap();
-    let w_a = g
-        .upload(&to_bf16(&rng.normals(hv * k, 0.0, 0.05)).0)
-        .unwrap();
-    let (mut apart, mut fused) = (DevPools::zeros(g, &l, 2), DevPools::zeros(g, &l, 2));
-    let slots = g.upload(&[1u32]).unwrap();
-    let (mut os, mut counters) = (
-        g.zeros::<f32>(hv * dv).unwrap(),
-        g.zeros::<u32>(hv).unwrap(),
-    );
-    let bits = |x: &CudaSlice<bf16>| -> Vec<u16> {
-        g.download(x).unwrap().iter().map(|v| v.to_bits()).collect()
-    };
-    for step in 0..5u32 {
-        let x = g.upload(&to_bf16(&rng.normals(k, 0.0, 1.0)).0).unwrap();
-        let p = Proj::random(&mut rng, dims, 1);
-        let (qkv, z) = (g.upload(&p.qkv.0).unwrap(), g.upload(&p.z.0).unwrap());
-        let positions = g.upload(&[step]).unwrap();
-        let seqs = DecodeSlots {
-            slots: &slots,
-            positions: &positions,
-            batch: 1,
-        };
-        let (mut b1, mut a1) = (g.zeros::<bf16>(hv).unwrap(), g.zeros::<bf16>(hv).unwrap());
-        g.gemv_bf16(&w_b, &x, &mut b1, 1, hv, k).unwrap();
-        g.gemv_bf16(&w_a, &x, &mut a1, 1, hv, k).unwrap();
-        let mut out1 = g.zeros::<bf16>(hv * dv).unwrap();
-        let proj = GdnProj {
-            qkv: &qkv,
-            z: &z,
-            a: &a1,
-            b: &b1,
-        };
-        let pools = GdnPools {
-            conv: &mut apart.conv,
-            ssm: &mut apart.ssm,
-        };
-        g.gdn_decode(dims, &proj, &dl.weights(), pools, &seqs, None, &mut out1)
-            .unwrap();
-        let (mut b2, mut a2) = (g.zeros::<bf16>(hv).unwrap(), g.zeros::<bf16>(hv).unwrap());
-        let mut out2 = g.zeros::<bf16>(hv * dv).unwrap();
-        let gates = GdnGateProj {
-            x: &x,
-            w_b: &w_b,
-            w_a: &w_a,
-            k,
-        };
-        let pools = GdnPools {
-            conv: &mut fused.conv,
-            ssm: &mut fused.ssm,
-        };
-        let ab = (&mut a2, &mut b2);
-        // Every other step also splits each head's columns over blocks.
-        let split = (step % 2 == 1).then(|| GdnSplit {
-            os: &mut os,
-            counters: &mut counters,
-        });
-        g.gdn_decode_projecting_gates(
-            dims,
-            &qkv,
-            &z,
-            &gates,
-            ab,
-            &dl.weights(),
-            pools,
-            &seqs,
-            split,
-            &mut out2,
-        )
-        .unwrap();
-        assert_eq!(bits(&b1), bits(&b2), "step {step}: b");
-        assert_eq!(bits(&a1), bits(&a2), "step {step}: a");
-        assert_eq!(bits(&out1), bits(&out2), "step {step}: output");
-    }
-    assert_eq!(bits(&apart.conv), bits(&fused.conv), "conv rings");
-    let ssm = |s: &CudaSlice<f32>| -> Vec<u32> {
-        g.download(s).unwrap().iter().map(|v| v.to_bits()).collect()
-    };
-    assert_eq!(ssm(&apart.ssm), ssm(&fused.ssm), "recurrent states");
-    assert!(g.download(&counters).unwrap().iter().all(|&c| c == 0));
-
-    let two = g.upload(&[0u32, 1]).unwrap();
-    let seqs = DecodeSlots {
-        slots: &two,
-        positions: &two,
-        batch: 2,
-    };
-    let x = g.zeros::<bf16>(k).unwrap();
-    let (qkv, z) = (
-        g.zeros::<bf16>(2 * dims.conv_dim()).unwrap(),
-        g.zeros::<bf16>(2 * hv * dv).unwrap(),
-    );
-    let (mut b, mut a, mut out) = (
-        g.zeros::<bf16>(2 * hv).unwrap(),
-        g.zeros::<bf16>(2 * hv).unwrap(),
-        g.zeros::<bf16>(2 * hv * dv).unwrap(),
-    );
-    let gates = GdnGateProj {
-        x: &x,
-        w_b: &w_b,
-        w_a: &w_a,
-        k,
-    };
-    let pools = GdnPools {
-        conv: &mut fused.conv,
-        ssm: &mut fused.ssm,
-    };
-    let err = g
-        .gdn_decode_projecting_gates(
-            dims,
-            &qkv,
-            &z,
-            &gates,
-            (&mut a, &mut b),
-            &dl.weights(),
-            pools,
-            &seqs,
-            None,
-            &mut out,
-        )
-        .unwrap_err();
-    assert!(err.to_string().contains("one sequence"), "{err}");
 }

@@ -35,6 +35,7 @@ mod dense;
 mod elementwise;
 mod gdn;
 mod gdn_decode;
+mod gdn_gates;
 mod hc;
 mod kv;
 mod moe;

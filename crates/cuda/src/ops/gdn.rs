@@ -156,7 +156,7 @@ impl Gpu {
 
     /// Whether a decode launch of a layer of `dims` can cut each head's value columns over blocks of
     /// 32 ([`GdnSplit`]): the 256-thread kernel (`dk ≤ 128`) and more than one block a head. Each block
-    /// reads its columns of the head's state, so a head of 128 is read by four blocks instead of one;
+    /// reads its columns of the head's state, so a head of 128 is spread over four blocks instead of one;
     /// the values are those of the whole-head launch, bit for bit (the same operations in the same
     /// order: the last block of a head runs the gated norm over the head's gathered output).
     pub fn gdn_split_fits(&self, dims: GdnDims) -> bool {

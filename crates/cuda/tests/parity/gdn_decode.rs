@@ -193,6 +193,14 @@ impl DevPools {
             ssm: g.zeros(slots * l.dims.state_len()).unwrap(),
         }
     }
+
+    /// The pools as a decode launch takes them.
+    pub(crate) fn launch(&mut self) -> GdnPools<'_, CudaSlice<bf16>, CudaSlice<f32>> {
+        GdnPools {
+            conv: &mut self.conv,
+            ssm: &mut self.ssm,
+        }
+    }
 }
 
 /// The fused decode on the device: row `i` of `x` is sequence `i`, at position `positions[i]` in
@@ -218,10 +226,7 @@ fn gpu_decode(
         a: &a,
         b: &b,
     };
-    let state = GdnPools {
-        conv: &mut pools.conv,
-        ssm: &mut pools.ssm,
-    };
+    let state = pools.launch();
     let seqs = DecodeSlots {
         slots: &sd,
         positions: &pd,

@@ -3,7 +3,7 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::{DecodeSlots, GdnDims, GdnGateProj, GdnPools, GdnProj, GdnSplit};
+use sanmai_cuda::{DecodeSlots, GdnDims, GdnGateProj, GdnProj, GdnSplit};
 
 use crate::common::{gpu, to_bf16, Rng};
 use crate::gdn_decode::{DevLayer, DevPools, Layer, Proj};
@@ -63,24 +63,13 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
             a: &a1,
             b: &b1,
         };
-        let pools = GdnPools {
-            conv: &mut apart.conv,
-            ssm: &mut apart.ssm,
-        };
+        let pools = apart.launch();
         g.gdn_decode(dims, &proj, &dl.weights(), pools, &seqs, None, &mut out1)
             .unwrap();
         let (mut b2, mut a2) = (g.zeros::<bf16>(hv).unwrap(), g.zeros::<bf16>(hv).unwrap());
         let mut out2 = g.zeros::<bf16>(hv * dv).unwrap();
-        let gates = GdnGateProj {
-            x: &x,
-            w_b: &w_b,
-            w_a: &w_a,
-            k,
-        };
-        let pools = GdnPools {
-            conv: &mut fused.conv,
-            ssm: &mut fused.ssm,
-        };
+        let gates = gate_proj(&x, (&w_b, &w_a));
+        let pools = fused.launch();
         let ab = (&mut a2, &mut b2);
         // Every other step also splits each head's columns over blocks.
         let split = (step % 2 == 1).then_some(GdnSplit {
@@ -127,16 +116,8 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
         g.zeros::<bf16>(2 * hv).unwrap(),
         g.zeros::<bf16>(2 * hv * dv).unwrap(),
     );
-    let gates = GdnGateProj {
-        x: &x,
-        w_b: &w_b,
-        w_a: &w_a,
-        k,
-    };
-    let pools = GdnPools {
-        conv: &mut fused.conv,
-        ssm: &mut fused.ssm,
-    };
+    let gates = gate_proj(&x, (&w_b, &w_a));
+    let pools = fused.launch();
     let err = g
         .gdn_decode_projecting_gates(
             dims,
@@ -152,4 +133,17 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("one sequence"), "{err}");
+}
+
+/// The gate projections of the normed row `x` with weights `(w_b, w_a)`.
+fn gate_proj<'a>(
+    x: &'a CudaSlice<bf16>,
+    (w_b, w_a): (&'a CudaSlice<bf16>, &'a CudaSlice<bf16>),
+) -> GdnGateProj<'a, CudaSlice<bf16>> {
+    GdnGateProj {
+        x,
+        w_b,
+        w_a,
+        k: x.len(),
+    }
 }

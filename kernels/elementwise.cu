@@ -1,6 +1,6 @@
 // Elementwise and row-shuffling ops on bf16 activations, f32 arithmetic, one rounding per output:
 // residual add (alone or fused with the next RMSNorm), the sigmoid-gated add of the shared expert, row gather and column concatenation.
-#include "common.cuh"
+#include "add_norm.cuh"
 
 // acc[i] = acc[i] + y[i] for i < n.
 extern "C" __global__ void add_bf16(bf16* __restrict__ acc, const bf16* __restrict__ y, long long n) {
@@ -13,54 +13,14 @@ extern "C" __global__ void add_bf16(bf16* __restrict__ acc, const bf16* __restri
 // The residual add fused with the next RMSNorm: acc[r, :] = bf16(acc[r, :] + y[r, :]), then out[r, :] =
 // acc[r, :] · rsqrt(mean(acc[r, :]²) + eps) · (offset + w) over the rounded sums, as add_bf16 followed by
 // rms_norm_bf16 with the same block size (each thread sums the same elements in the same order). One
-// block per row (row_threads(d) threads); a thread keeps up to ADD_NORM_REGS of its sums in registers,
-// the rest of a longer row is re-read. A thread issues every load of its register elements (acc, y and
-// w) before its first store: stores to acc between them would make each later load wait for the one
-// before (the compiler cannot tell the indices apart), one memory latency per element.
-#define ADD_NORM_REGS 8
+// block per row (row_threads(d) threads); the row's work is add_rms_norm_row (add_norm.cuh).
 extern "C" __global__ void add_rms_norm_bf16(bf16* __restrict__ acc, const bf16* __restrict__ y,
                                              const bf16* __restrict__ w, bf16* __restrict__ out, int d,
                                              float eps, float offset) {
     pdl_prologue();
     __shared__ float scratch[32];
     const size_t row = blockIdx.x;
-    bf16* ar = acc + row * d;
-    const bf16* yr = y + row * d;
-    float v[ADD_NORM_REGS], wv[ADD_NORM_REGS];
-#pragma unroll
-    for (int j = 0; j < ADD_NORM_REGS; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        const bool ok = i < d;
-        v[j] = ok ? bf2f(ar[i]) + bf2f(yr[i]) : 0.0f;
-        wv[j] = ok ? bf2f(w[i]) : 0.0f;
-    }
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < ADD_NORM_REGS; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i < d) {
-            const bf16 s = f2bf(v[j]);
-            ar[i] = s;
-            v[j] = bf2f(s);
-            ss += v[j] * v[j];
-        }
-    }
-    for (int i = threadIdx.x + ADD_NORM_REGS * blockDim.x; i < d; i += blockDim.x) {
-        const bf16 s = f2bf(bf2f(ar[i]) + bf2f(yr[i]));
-        ar[i] = s;
-        const float f = bf2f(s);
-        ss += f * f;
-    }
-    ss = block_sum(ss, scratch);
-    const float r = 1.0f / sqrtf(ss / (float)d + eps);
-    bf16* o = out + row * d;
-#pragma unroll
-    for (int j = 0; j < ADD_NORM_REGS; ++j) {
-        const int i = threadIdx.x + j * blockDim.x;
-        if (i < d) o[i] = f2bf((v[j] * r) * (offset + wv[j]));
-    }
-    for (int i = threadIdx.x + ADD_NORM_REGS * blockDim.x; i < d; i += blockDim.x)
-        o[i] = f2bf((bf2f(ar[i]) * r) * (offset + bf2f(w[i])));
+    add_rms_norm_row(acc + row * d, y + row * d, w, out + row * d, d, eps, offset, scratch);
 }
 
 // out[r, :] = x[idx[r], :] (zeros when idx[r] ≥ x_rows). Grid (rows); out: [rows, cols].

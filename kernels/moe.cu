@@ -12,6 +12,7 @@
 // Pairs are numbered p = token·top_k + choice, as the router writes ids and weights.
 #include "packed.cuh"
 #include "moe_route.cuh"
+#include "add_norm.cuh"
 
 // One block of blockDim threads (a multiple of 32, at most 1024): moe_sort_block (moe_route.cuh) with
 // atomic scatter cursors. ids: [n_pairs] expert ids (< e; others are dropped); perm: [n_pairs] pair
@@ -473,30 +474,16 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma
 // sigmoid(gate), added before the one rounding. shared_gate32 [tokens] f32 (the gate logits the decode
 // routing computed with the router's) stands in for shared_gate when given.
 // Dynamic shared memory: 8·top_k bytes (the token's weights and kept flags).
-extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights,
-                                       const u32* __restrict__ ids, int e, const bf16* __restrict__ shared_y,
-                                       const float* __restrict__ shared_y32, const bf16* __restrict__ shared_gate,
-                                       const float* __restrict__ shared_gate32, bf16* __restrict__ out, int top_k,
-                                       int h) {
-    pdl_prologue();
-    extern __shared__ float cw[];
-    int* keep = (int*)(cw + top_k);
-    const int t = blockIdx.x;
-    for (int c = threadIdx.x; c < top_k; c += blockDim.x) {
-        const size_t p = (size_t)t * top_k + c;
-        keep[c] = ids[p] < (u32)e;
-        cw[c] = weights[p];
-    }
-    __syncthreads();
-    const int j = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
-    if (j >= h) return;
-    const float* yt = y + (size_t)t * top_k * h;
-    bf16* o = out + (size_t)t * h + j;
-    // The shared expert's row and weight (none: weight 0, its row never read).
-    const float sw = shared_gate32 ? sigmoid_f(shared_gate32[t]) : shared_gate ? sigmoid_f(bf2f(shared_gate[t])) : 0.0f;
-    const bf16* sy = shared_y ? shared_y + (size_t)t * h + j : nullptr;
-    const float* sy32 = shared_y32 ? shared_y32 + (size_t)t * h + j : nullptr;
-    if ((h & 3) == 0 && ((size_t)y & 15) == 0) {
+//
+// moe_combine_cols is one thread's 4 columns j .. j + 3 (fewer at the row's end) of token t's sum,
+// rounded once to bf16 into o[0..4]: every kernel that combines (moe_combine, and
+// moe_combine_add_rms_norm below) goes through it, so that they give the same bits. yt: the token's
+// first pair row; cw, keep: its weights and kept flags; sw, sy, sy32: the shared expert's weight and
+// the token's row at column j (null when absent); vec: h % 4 == 0 and y 16-byte aligned.
+__device__ __forceinline__ void moe_combine_cols(const float* __restrict__ yt, const float* cw, const int* keep,
+                                                 float sw, const bf16* sy, const float* sy32, bf16* o,
+                                                 int top_k, int h, int j, bool vec) {
+    if (vec) {
         float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll 8
         for (int c = 0; c < top_k; ++c) {
@@ -549,4 +536,71 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
         for (int q = 0; q < 4; ++q)
             if (q < cols) o[q] = f2bf(sy ? acc[q] + sw * bf2f(sy[q]) : sy32 ? acc[q] + sw * sy32[q] : acc[q]);
     }
+}
+
+// Loads token t's routing weights and kept flags into cw and keep (shared memory) and returns the
+// shared expert's weight: sigmoid of its gate logit (f32 from the routing or bf16), 0 without one.
+__device__ __forceinline__ float moe_combine_weights(const float* __restrict__ weights, const u32* __restrict__ ids,
+                                                     int e, const bf16* shared_gate, const float* shared_gate32,
+                                                     float* cw, int* keep, int t, int top_k) {
+    for (int c = threadIdx.x; c < top_k; c += blockDim.x) {
+        const size_t p = (size_t)t * top_k + c;
+        keep[c] = ids[p] < (u32)e;
+        cw[c] = weights[p];
+    }
+    return shared_gate32 ? sigmoid_f(shared_gate32[t]) : shared_gate ? sigmoid_f(bf2f(shared_gate[t])) : 0.0f;
+}
+
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ weights,
+                                       const u32* __restrict__ ids, int e, const bf16* __restrict__ shared_y,
+                                       const float* __restrict__ shared_y32, const bf16* __restrict__ shared_gate,
+                                       const float* __restrict__ shared_gate32, bf16* __restrict__ out, int top_k,
+                                       int h) {
+    pdl_prologue();
+    extern __shared__ float cw[];
+    int* keep = (int*)(cw + top_k);
+    const int t = blockIdx.x;
+    const float sw = moe_combine_weights(weights, ids, e, shared_gate, shared_gate32, cw, keep, t, top_k);
+    __syncthreads();
+    const int j = (blockIdx.y * blockDim.x + threadIdx.x) * 4;
+    if (j >= h) return;
+    const size_t at = (size_t)t * h + j;
+    moe_combine_cols(y + (size_t)t * top_k * h, cw, keep, sw, shared_y ? shared_y + at : nullptr,
+                     shared_y32 ? shared_y32 + at : nullptr, out + at, top_k, h, j,
+                     (h & 3) == 0 && ((size_t)y & 15) == 0);
+}
+
+// The combine of the MoE sublayer fused with the residual add and the next sublayer's RMSNorm: one
+// launch where moe_combine and add_rms_norm_bf16 took two. Token t's
+// combined row (moe_combine_cols, the same columns a thread as in moe_combine, so the same bits) goes
+// to shared memory, then add_rms_norm_row (add_norm.cuh, as add_rms_norm_bf16 with the same block
+// size) adds it to acc[t, :] and writes normed[t, :] = rms_norm(acc[t, :]) · (offset + w). The
+// combined row itself is not written. Arguments as moe_combine, plus acc, normed: [tokens, h] bf16; w:
+// [h] bf16. Grid (tokens); block row_threads(h) threads (32 to 256, a multiple of 32); dynamic shared
+// memory 16·ceil(top_k / 2) bytes of weights and flags, then h bf16.
+extern "C" __global__ void moe_combine_add_rms_norm(const float* __restrict__ y, const float* __restrict__ weights,
+                                                    const u32* __restrict__ ids, int e,
+                                                    const bf16* __restrict__ shared_y,
+                                                    const float* __restrict__ shared_y32,
+                                                    const bf16* __restrict__ shared_gate,
+                                                    const float* __restrict__ shared_gate32, bf16* __restrict__ acc,
+                                                    const bf16* __restrict__ w, bf16* __restrict__ normed, int top_k,
+                                                    int h, float eps, float offset) {
+    pdl_prologue();
+    extern __shared__ float cw[];
+    __shared__ float scratch[32];
+    int* keep = (int*)(cw + top_k);
+    bf16* row = (bf16*)(cw + 4 * ((2 * top_k + 3) / 4));  // 16-byte aligned
+    const int t = blockIdx.x;
+    const float sw = moe_combine_weights(weights, ids, e, shared_gate, shared_gate32, cw, keep, t, top_k);
+    __syncthreads();
+    const float* yt = y + (size_t)t * top_k * h;
+    const bool vec = (h & 3) == 0 && ((size_t)y & 15) == 0;
+    for (int j = threadIdx.x * 4; j < h; j += blockDim.x * 4) {
+        const size_t at = (size_t)t * h + j;
+        moe_combine_cols(yt, cw, keep, sw, shared_y ? shared_y + at : nullptr, shared_y32 ? shared_y32 + at : nullptr,
+                         row + j, top_k, h, j, vec);
+    }
+    __syncthreads();
+    add_rms_norm_row(acc + (size_t)t * h, row, w, normed + (size_t)t * h, h, eps, offset, scratch);
 }

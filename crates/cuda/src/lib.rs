@@ -115,7 +115,8 @@ pub use ops::{
     ConvWeight, DecodeSlots, GdnGateProj, GdnGates, GdnPools, GdnProj, GdnSplit, SeqRows,
 };
 pub use ops::{
-    DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed, SharedGate, SharedY,
+    CombineInto, DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed, SharedGate,
+    SharedY,
 };
 pub use ops::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows};
 pub use ops::{PackedMat, PackedScheme};

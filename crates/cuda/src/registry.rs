@@ -68,6 +68,7 @@ pub const HEADERS: &[Source] = &[
     source!("fp8.cuh"),
     source!("moe_gemm.cuh"),
     source!("gemv.cuh"),
+    source!("add_norm.cuh"),
 ];
 
 /// The kernel sources, one file per op family.

@@ -18,12 +18,15 @@ use sanmai_ple::PleError;
 use thiserror::Error;
 
 use crate::backend::{
-    AttnCall, Backend, BackendError, DecodeStep, GdnCall, GdnGates, HcWeights, MlpWeights, MoeCall,
-    Mrope, OpResult, QsaCall, SeqChunk, SharedExpert, SharedFusion,
+    AttnCall, Backend, BackendError, DecodeStep, GdnCall, GdnGates, HcWeights, MlpWeights, Mrope,
+    OpResult, QsaCall, SeqChunk,
 };
-use crate::load::{Ffn, Layer, Mixer, Model};
+use crate::load::{Layer, Mixer, Model};
 
 mod multimodal;
+mod pending;
+
+use pending::Pending;
 
 /// [`DecodeStep::region`] of decode steps that return hidden states only.
 const REGION_HIDDEN: u32 = 0;
@@ -464,18 +467,18 @@ impl<B: Backend> Model<B> {
             }
         };
         // The last sublayer's output, not yet added to the residual: the next norm adds it.
-        let mut pending = None;
+        let mut pending: Option<Pending<'_, B::Tensor, B::Weight>> = None;
         for (i, layer) in self.stage.clone().zip(&self.layers) {
             if let Some(w) = &layer.ple {
                 if let Some(y) = pending.take() {
-                    b.add(&mut streams, &y)?;
+                    y.add_to(b, &mut streams)?;
                 }
                 self.ple_mix(i, w, &mut streams, ple_rows, rows.seqs)?;
             }
             pending = self.layer_forward(i, layer, &mut streams, pending, rows)?;
         }
         if let Some(y) = pending {
-            b.add(&mut streams, &y)?;
+            y.add_to(b, &mut streams)?;
         }
         Ok(streams)
     }
@@ -528,35 +531,36 @@ impl<B: Backend> Model<B> {
         let h = b.rms_norm(h_prev, &mtp.pre_fc_norm_hidden, eps, 1.0)?;
         let mut x = b.linear(&b.concat_cols(&e, &h)?, &mtp.fc)?;
         let h = match self.layer_forward(self.cfg.num_layers, &mtp.layer, &mut x, None, rows)? {
-            Some(y) => b.add_rms_norm(&mut x, &y, &mtp.norm, eps, 1.0)?,
+            Some(y) => y.add_rms_norm(b, &mut x, &mtp.norm, eps, 1.0)?,
             None => b.rms_norm(&x, &mtp.norm, eps, 1.0)?,
         };
         Ok(Some(h))
     }
 
     /// One decoder layer on the residual `streams`. `pending` is the previous sublayer's output not
-    /// yet added (plain residual only): its add is fused with this layer's input norm. Returns this
+    /// yet added (plain residual only): its add is fused with this layer's input norm (and a MoE
+    /// output's combine with both, where the backend does so). Returns this
     /// layer's FFN output, not yet added, for the next norm to take (`None` with hyper-connections,
     /// whose gated residual is applied here).
-    fn layer_forward(
+    fn layer_forward<'l>(
         &self,
         index: usize,
-        layer: &Layer<B::Weight>,
+        layer: &'l Layer<B::Weight>,
         streams: &mut B::Tensor,
-        pending: Option<B::Tensor>,
+        pending: Option<Pending<'_, B::Tensor, B::Weight>>,
         rows: Rows<'_>,
-    ) -> OpResult<Option<B::Tensor>> {
+    ) -> OpResult<Option<Pending<'l, B::Tensor, B::Weight>>> {
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
         let hc = layer.hc.as_ref();
         let (hn, x) = match (hc, pending) {
             (None, Some(y)) => (
-                b.add_rms_norm(streams, &y, &layer.input_norm, eps, 1.0)?,
+                y.add_rms_norm(b, streams, &layer.input_norm, eps, 1.0)?,
                 None,
             ),
             (_, pending) => {
                 if let Some(y) = pending {
-                    b.add(streams, &y)?;
+                    y.add_to(b, streams)?;
                 }
                 let x = match hc {
                     Some((a, _)) => Some(b.hc_premix(streams, &a.pre)?),
@@ -574,46 +578,12 @@ impl<B: Backend> Model<B> {
                 self.residual(streams, x.as_ref(), &mixed, a)?;
                 let x = b.hc_premix(streams, &f.pre)?;
                 let hn = b.rms_norm(&x, &layer.post_attention_norm, eps, 1.0)?;
-                let out = self.ffn(layer, &hn, rows.count())?;
+                let out = self.ffn(layer, hn, rows.count())?.rows(b)?;
                 self.residual(streams, Some(&x), &out, f)?;
                 return Ok(None);
             }
         };
-        Ok(Some(self.ffn(layer, &hn, rows.count())?))
-    }
-
-    /// The FFN sublayer's output for normed input `hn`: the dense MLP, or the routed experts plus the
-    /// sigmoid-gated shared expert.
-    fn ffn(&self, layer: &Layer<B::Weight>, hn: &B::Tensor, rows: usize) -> OpResult<B::Tensor> {
-        let b = &self.backend;
-        match &layer.ffn {
-            Ffn::Dense(m) => self.mlp(m, hn),
-            Ffn::Moe(m) => {
-                let shared = match (&m.shared, &m.shared_gate) {
-                    (Some(shared), Some(gate)) => {
-                        let fusion = b.moe_fuses_shared(m, rows);
-                        let y = match fusion {
-                            SharedFusion::Apart | SharedFusion::Gate => Some(self.mlp(shared, hn)?),
-                            SharedFusion::Expert | SharedFusion::ExpertAndGate => None,
-                        };
-                        let g = match fusion {
-                            SharedFusion::ExpertAndGate | SharedFusion::Gate => None,
-                            SharedFusion::Apart | SharedFusion::Expert => Some(b.linear(hn, gate)?),
-                        };
-                        Some((y, g))
-                    }
-                    _ => None,
-                };
-                b.moe_experts(&MoeCall {
-                    x: hn,
-                    w: m,
-                    shared: shared.as_ref().map(|(y, g)| SharedExpert {
-                        y: y.as_ref(),
-                        gate: g.as_ref(),
-                    }),
-                })
-            }
-        }
+        Ok(Some(self.ffn(layer, hn, rows.count())?))
     }
 
     fn mixer(

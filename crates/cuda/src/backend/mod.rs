@@ -669,7 +669,19 @@ impl Backend for CudaBackend {
     }
 
     fn moe_experts(&self, c: &MoeCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
-        self.moe_impl(c).at("moe_experts")
+        self.moe_impl(c, None).at("moe_experts")
+    }
+
+    fn moe_experts_add_rms_norm(
+        &self,
+        c: &MoeCall<'_, CudaTensor, CudaWeight>,
+        acc: &mut CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<CudaTensor> {
+        self.moe_add_rms_norm_impl(c, acc, w, eps, offset)
+            .at("moe_experts_add_rms_norm")
     }
 
     fn gdn_projects_gates(&self, w: &GdnWeights<CudaWeight>, sh: &GdnShape, rows: usize) -> bool {

@@ -7,6 +7,10 @@
 //! ones (`moe_decode.rs`). Packed integer experts (each projection's experts all of one scheme) and
 //! FP8 experts carry a second table of scale addresses; a layer whose experts mix formats is refused.
 
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::CudaSlice;
+use half::bf16;
 use sanmai_model::backend::{MoeCall, SharedExpert, SharedFusion};
 
 use super::moe_decode::GemvStep;
@@ -15,12 +19,74 @@ use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
-use crate::ops::{PairGroups, PairRows, SharedGate, SharedY};
+use crate::ops::{CombineInto, PairGroups, PairRows, SharedGate, SharedY};
+
+/// The residual add and the next norm that a MoE call's combine also does
+/// ([`CombineInto::AddNorm`]): the residual `[rows, H]`, the norm's weight `[H]`, eps and offset.
+pub(super) struct NormAfter<'a> {
+    pub acc: &'a mut CudaTensor,
+    pub w: &'a CudaSlice<bf16>,
+    pub eps: f32,
+    pub offset: f32,
+}
+
+/// Where a combine writes: the rows into `out`, or (`after`) their add to the residual and the
+/// norm into `out`.
+pub(super) fn combine_into<'b>(
+    after: Option<&'b mut NormAfter<'_>>,
+    out: &'b mut CudaSlice<bf16>,
+) -> CombineInto<'b, CudaSlice<bf16>> {
+    match after {
+        None => CombineInto::Rows(out),
+        Some(n) => CombineInto::AddNorm {
+            acc: &mut n.acc.buf,
+            w: n.w,
+            normed: out,
+            eps: n.eps,
+            offset: n.offset,
+        },
+    }
+}
 
 impl CudaBackend {
+    /// [`Backend::moe_experts_add_rms_norm`](sanmai_model::Backend::moe_experts_add_rms_norm): with
+    /// the fused decode launches on, the combine adds to the residual and norms in its own launch
+    /// (the same bits as the combine, then `add_rms_norm`).
+    pub(crate) fn moe_add_rms_norm_impl(
+        &self,
+        c: &MoeCall<'_, CudaTensor, CudaWeight>,
+        acc: &mut CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> Result<CudaTensor> {
+        if !self.fused_decode.load(Ordering::Relaxed) {
+            let y = self.moe_impl(c, None)?;
+            return self.add_rms_norm_impl(acc, &y, w, eps, offset);
+        }
+        if (acc.rows, acc.cols) != (c.x.rows, c.x.cols) {
+            return Err(CudaError::Shape {
+                op: "add_rms_norm",
+                msg: format!("[{}, {}] plus [{}, {}]", acc.rows, acc.cols, c.x.rows, c.x.cols),
+            });
+        }
+        let after = NormAfter {
+            acc,
+            w: w.bf16()?,
+            eps,
+            offset,
+        };
+        self.moe_impl(c, Some(after))
+    }
+
     /// [`Backend::moe_experts`](sanmai_model::Backend::moe_experts): the shared expert's output and
-    /// gate, when given, are added in the combine.
-    pub(crate) fn moe_impl(&self, c: &MoeCall<'_, CudaTensor, CudaWeight>) -> Result<CudaTensor> {
+    /// gate, when given, are added in the combine; with `after`, the combine's rows are added to the
+    /// residual and the norm of it is returned instead.
+    pub(super) fn moe_impl(
+        &self,
+        c: &MoeCall<'_, CudaTensor, CudaWeight>,
+        mut after: Option<NormAfter<'_>>,
+    ) -> Result<CudaTensor> {
         let g = &self.gpu;
         let (x, w) = (c.x, c.w);
         let (t, h, e, k) = (x.rows, x.cols, w.experts.len(), w.top_k);
@@ -153,7 +219,7 @@ impl CudaBackend {
                 Some((_, None)) => return Err(bad("a prefill step without the gate".into())),
                 None => None,
             };
-            g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
+            g.moe_combine(&routed, &y, shared, combine_into(after.as_mut(), &mut out.buf), h)?;
             return Ok(out);
         }
         let step = GemvStep {
@@ -161,6 +227,6 @@ impl CudaBackend {
             fused,
             shared,
         };
-        self.moe_decode(c, &step, out)
+        self.moe_decode(c, &step, out, after)
     }
 }

@@ -8,6 +8,7 @@
 use cudarc::driver::CudaSlice;
 use sanmai_model::backend::{MoeCall, MoeWeights, SharedFusion};
 
+use super::moe::{combine_into, NormAfter};
 use super::moe_tables::{routing_of, shared_fits, ExpertFormat, FusedPairs};
 use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
@@ -31,9 +32,10 @@ impl CudaBackend {
         c: &MoeCall<'_, CudaTensor, CudaWeight>,
         step: &GemvStep<'_>,
         out: CudaTensor,
+        after: Option<NormAfter<'_>>,
     ) -> Result<CudaTensor> {
         if !step.fused {
-            return self.moe_gemv_step(c, step, None, out);
+            return self.moe_gemv_step(c, step, None, out, after);
         }
         let key = (c.x.rows, c.w.top_k, c.w.experts.len());
         let kept = self.lock().fused_pairs.remove(&key);
@@ -41,7 +43,7 @@ impl CudaBackend {
             Some(p) => p,
             None => FusedPairs::new(&self.gpu, key.0, key.1, key.2)?,
         };
-        let res = self.moe_gemv_step(c, step, Some(&mut pairs), out);
+        let res = self.moe_gemv_step(c, step, Some(&mut pairs), out, after);
         self.lock().fused_pairs.insert(key, pairs);
         res
     }
@@ -92,6 +94,7 @@ impl CudaBackend {
         step: &GemvStep<'_>,
         mut pairs: Option<&mut FusedPairs>,
         mut out: CudaTensor,
+        mut after: Option<NormAfter<'_>>,
     ) -> Result<CudaTensor> {
         let g = &self.gpu;
         let (x, w) = (c.x, c.w);
@@ -209,7 +212,7 @@ impl CudaBackend {
             }
         }
         let shared = step.shared(gate_logits.as_ref(), e);
-        g.moe_combine(&routed, &y, shared, &mut out.buf, h)?;
+        g.moe_combine(&routed, &y, shared, combine_into(after.as_mut(), &mut out.buf), h)?;
         Ok(out)
     }
 }

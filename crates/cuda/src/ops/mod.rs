@@ -47,7 +47,8 @@ pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;
 pub use kv::{HeadLayout, HeadNorm, MropeArgs, RopeArgs, QK_MAX_HEAD_DIM};
 pub use moe::{
-    moe_max_tiles, Experts, MoeOut, PairGroups, PairRows, Routed, SharedGate, SharedY, MOE_TILE,
+    moe_max_tiles, CombineInto, Experts, MoeOut, PairGroups, PairRows, Routed, SharedGate, SharedY,
+    MOE_TILE,
 };
 pub use norm::NormRows;
 pub use ple::{PleDims, PleGateWeights, PleGated, PleLin};

@@ -9,7 +9,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice};
 use half::bf16;
 
-use super::PackedScheme;
+use super::{row_threads, PackedScheme};
 use crate::error::{ensure, CudaError, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu, Launch};
 use crate::registry::Kernel;
@@ -203,6 +203,22 @@ pub enum SharedGate<'a> {
     F32 {
         logits: &'a CudaSlice<f32>,
         at: usize,
+    },
+}
+
+/// Where [`Gpu::moe_combine`] puts the combined rows.
+pub enum CombineInto<'a, T: DevicePtrMut<bf16>> {
+    /// The rows, `[tokens, h]`.
+    Rows(&'a mut T),
+    /// Added to the residual `acc` (`[tokens, h]`), whose RMSNorm with weight `w` (`[h]`; `eps`,
+    /// `offset` as [`Gpu::rms_norm`]) goes to `normed` (`[tokens, h]`): what [`Gpu::add_rms_norm`]
+    /// of the rows gives, bit for bit, in the combine's launch. The rows themselves are not kept.
+    AddNorm {
+        acc: &'a mut T,
+        w: &'a CudaSlice<bf16>,
+        normed: &'a mut T,
+        eps: f32,
+        offset: f32,
     },
 }
 
@@ -524,17 +540,22 @@ impl Gpu {
     /// expert, added before the one rounding; `gate` bf16 or the routing's f32 logits): its rows apart (`SharedY::Apart`, `[tokens, h]` bf16)
     /// or the f32 rows of `y` after the routed pairs' (`SharedY::AfterRouted`, pair
     /// `tokens·top_k + t`, as the grouped GEMV writes the shared expert's pairs). `y`:
-    /// `[tokens·top_k, h]` f32 (`[tokens·(top_k + 1), h]` with `AfterRouted`); `out`: `[tokens, h]`;
-    /// `gate`: `[tokens]`. Grid `(tokens, ceil(h / 512))` of 128 threads, 4 columns a thread.
-    pub fn moe_combine(
+    /// `[tokens·top_k, h]` f32 (`[tokens·(top_k + 1), h]` with `AfterRouted`); `gate`: `[tokens]`.
+    /// `into`: the rows `out` (`[tokens, h]`; grid `(tokens, ceil(h / 512))` of 128 threads, 4
+    /// columns a thread), or their residual add and the next norm in the same launch
+    /// ([`CombineInto::AddNorm`]: a block a token).
+    pub fn moe_combine<T: DevicePtrMut<bf16>>(
         &self,
         routed: &Routed<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
         y: &impl DevicePtr<f32>,
         shared: Option<(SharedY<'_>, SharedGate<'_>)>,
-        out: &mut impl DevicePtrMut<bf16>,
+        into: CombineInto<'_, T>,
         h: usize,
     ) -> Result<()> {
-        const OP: &str = "moe_combine";
+        let op = match into {
+            CombineInto::Rows(_) => "moe_combine",
+            CombineInto::AddNorm { .. } => "moe_combine_add_rms_norm",
+        };
         let Routed {
             ids,
             weights,
@@ -544,22 +565,29 @@ impl Gpu {
         } = *routed;
         let after = matches!(shared, Some((SharedY::AfterRouted, _)));
         check_len(
-            OP,
+            op,
             "y",
             y,
             (tokens * top_k + if after { tokens } else { 0 }) * h,
         )?;
-        check_len(OP, "weights", weights, tokens * top_k)?;
-        check_len(OP, "ids", ids, tokens * top_k)?;
-        check_len(OP, "out", out, tokens * h)?;
+        check_len(op, "weights", weights, tokens * top_k)?;
+        check_len(op, "ids", ids, tokens * top_k)?;
+        match &into {
+            CombineInto::Rows(out) => check_len(op, "out", *out, tokens * h)?,
+            CombineInto::AddNorm { acc, w, normed, .. } => {
+                check_len(op, "acc", *acc, tokens * h)?;
+                check_len(op, "w", *w, h)?;
+                check_len(op, "normed", *normed, tokens * h)?;
+            }
+        }
         if let Some((sy, sg)) = &shared {
             if let SharedY::Apart(sy) = sy {
-                check_len(OP, "shared_y", *sy, tokens * h)?;
+                check_len(op, "shared_y", *sy, tokens * h)?;
             }
             match sg {
-                SharedGate::Bf16(g) => check_len(OP, "shared_gate", *g, tokens)?,
+                SharedGate::Bf16(g) => check_len(op, "shared_gate", *g, tokens)?,
                 SharedGate::F32 { logits, at } => {
-                    check_len(OP, "shared_gate logits", *logits, at + tokens)?
+                    check_len(op, "shared_gate logits", *logits, at + tokens)?
                 }
             }
         }
@@ -588,12 +616,20 @@ impl Gpu {
         } else {
             0
         };
-        let (ei, ki, hi) = (int(OP, "e", e)?, int(OP, "top_k", top_k)?, int(OP, "h", h)?);
-        let smem = 8 * top_k;
-        ensure(smem <= 48 * 1024, OP, || {
-            format!("top_k = {top_k} exceeds shared memory")
+        let (ei, ki, hi) = (int(op, "e", e)?, int(op, "top_k", top_k)?, int(op, "h", h)?);
+        // The token's weights and kept flags (then, fused, its combined row from a 16-byte boundary).
+        let smem = match into {
+            CombineInto::Rows(_) => 8 * top_k,
+            CombineInto::AddNorm { .. } => 16 * top_k.div_ceil(2) + 2 * h,
+        };
+        ensure(smem <= 48 * 1024, op, || {
+            format!("top_k = {top_k} and h = {h} exceed shared memory")
         })?;
-        let mut b = self.launch(self.kernel("moe_combine")?);
+        let (eps, offset) = match &into {
+            CombineInto::AddNorm { eps, offset, .. } => (*eps, *offset),
+            CombineInto::Rows(_) => (0.0, 0.0),
+        };
+        let mut b = self.launch(self.kernel(op)?);
         b.ptr(y)
             .ptr(weights)
             .ptr(ids)
@@ -601,18 +637,27 @@ impl Gpu {
             .arg(&syp)
             .arg(&sy32)
             .arg(&sgp)
-            .arg(&sg32)
-            .ptr_mut(out)
-            .arg(&ki)
-            .arg(&hi);
-        let grid = (
-            grid_u32(OP, tokens)?,
-            grid_u32(OP, h.div_ceil(4 * COMBINE_THREADS))?,
-            1,
-        );
-        // SAFETY: argument types match the kernel; lengths and shared memory (8·top_k bytes) checked
-        // above.
-        unsafe { b.launch(cfg(grid, COMBINE_THREADS as u32, smem as u32)) }?;
+            .arg(&sg32);
+        let (grid, threads) = match into {
+            CombineInto::Rows(out) => {
+                b.ptr_mut(out).arg(&ki).arg(&hi);
+                let blocks = grid_u32(op, h.div_ceil(4 * COMBINE_THREADS))?;
+                ((grid_u32(op, tokens)?, blocks, 1), COMBINE_THREADS as u32)
+            }
+            CombineInto::AddNorm { acc, w, normed, .. } => {
+                b.ptr_mut(acc)
+                    .ptr(w)
+                    .ptr_mut(normed)
+                    .arg(&ki)
+                    .arg(&hi)
+                    .arg(&eps)
+                    .arg(&offset);
+                ((grid_u32(op, tokens)?, 1, 1), row_threads(h))
+            }
+        };
+        // SAFETY: argument types match the kernel; lengths and shared memory checked above (the
+        // fused kernel's block size is add_rms_norm_bf16's, as its sums' order needs).
+        unsafe { b.launch(cfg(grid, threads, smem as u32)) }?;
         Ok(())
     }
 }

@@ -11,7 +11,7 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
-use sanmai_cuda::{DecodeRouting, Gpu, RouteDims, Routed};
+use sanmai_cuda::{CombineInto, DecodeRouting, Gpu, NormRows, RouteDims, Routed};
 
 use crate::bench::{pattern, time};
 use crate::common::{gpu, Rng};
@@ -155,36 +155,55 @@ fn bench_moe_decode() {
         );
     }
 
-    // Combine: each token's 10 f32 expert rows times their weights, to bf16.
-    for (h, t) in [(2048usize, 1usize), (2560, 1)] {
+    // Combine: each token's 10 f32 expert rows times their weights, to bf16; then the residual add
+    // and the next norm in a launch of their own, against both in the combine's launch.
+    for (h, t) in [(2048usize, 1usize), (2560, 1), (2048, 8)] {
         let n = t * TOP_K;
         let y = g.upload(&rng.normals(n * h, 0.0, 1.0)).unwrap();
         let w = g.upload(&rng.normals(n, 0.1, 0.01)).unwrap();
         let ids = g
             .upload(&route(&mut rng, Routing::Uniform, t, TOP_K, E))
             .unwrap();
+        let routed = Routed {
+            ids: &ids,
+            weights: &w,
+            experts: E,
+            top_k: TOP_K,
+            tokens: t,
+        };
         let mut out = g.zeros::<bf16>(t * h).unwrap();
+        let mut acc = g.zeros::<bf16>(t * h).unwrap();
+        let mut normed = g.zeros::<bf16>(t * h).unwrap();
+        let nw = g.zeros::<bf16>(h).unwrap();
+        let rows = NormRows { rows: t, d: h, eps: 1e-6 };
         let tc = time(g, 5, 200, || {
-            g.moe_combine(
-                &Routed {
-                    ids: &ids,
-                    weights: &w,
-                    experts: E,
-                    top_k: TOP_K,
-                    tokens: t,
-                },
-                &y,
-                None,
-                &mut out,
-                h,
-            )
-            .unwrap()
+            g.moe_combine(&routed, &y, None, CombineInto::Rows(&mut out), h)
+                .unwrap()
+        });
+        let tn = time(g, 5, 200, || {
+            g.moe_combine(&routed, &y, None, CombineInto::Rows(&mut out), h)
+                .unwrap();
+            g.add_rms_norm(&mut acc, &out, &nw, &mut normed, rows, 1.0)
+                .unwrap()
+        });
+        let tf = time(g, 5, 200, || {
+            let into = CombineInto::AddNorm {
+                acc: &mut acc,
+                w: &nw,
+                normed: &mut normed,
+                eps: 1e-6,
+                offset: 1.0,
+            };
+            g.moe_combine(&routed, &y, None, into, h).unwrap()
         });
         let bytes = n * h * 4 + t * h * 2 + n * 8;
         println!(
-            "BENCH moe_combine t={t} k={TOP_K} h={h} bytes={bytes} time_us={:.2} GB/s={:.0}",
+            "BENCH moe_combine t={t} k={TOP_K} h={h} bytes={bytes} time_us={:.2} GB/s={:.0} \
+             then_add_rms_norm_us={:.2} fused_add_rms_norm_us={:.2}",
             tc * 1e6,
-            bytes as f64 / tc / 1e9
+            bytes as f64 / tc / 1e9,
+            tn * 1e6,
+            tf * 1e6
         );
     }
 

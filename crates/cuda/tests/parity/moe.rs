@@ -4,7 +4,9 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::{DecodeRouting, Gpu, RouteDims, Routed, SharedGate, SharedY};
+use sanmai_cuda::{
+    CombineInto, DecodeRouting, Gpu, NormRows, RouteDims, Routed, SharedGate, SharedY,
+};
 
 use crate::common::{check_reduction, from_bf16, gpu, to_bf16, Rng};
 use crate::launch::{expert_proj, pair_groups, pair_rows};
@@ -145,28 +147,53 @@ fn moe_combine_matches_cpu() {
             g.upload(&ids).unwrap(),
         );
         let (dsy, dsg) = (g.upload(&sy).unwrap(), g.upload(&sg).unwrap());
-        let shared = with_shared.then_some((SharedY::Apart(&dsy), SharedGate::Bf16(&dsg)));
+        let shared = || with_shared.then_some((SharedY::Apart(&dsy), SharedGate::Bf16(&dsg)));
+        let routed = Routed {
+            ids: &di,
+            weights: &dw,
+            experts: e as usize,
+            top_k: k,
+            tokens: t,
+        };
         let mut out = g.zeros::<bf16>(t * h).unwrap();
-        g.moe_combine(
-            &Routed {
-                ids: &di,
-                weights: &dw,
-                experts: e as usize,
-                top_k: k,
-                tokens: t,
-            },
-            &dy,
-            shared,
-            &mut out,
-            h,
-        )
-        .unwrap();
+        g.moe_combine(&routed, &dy, shared(), CombineInto::Rows(&mut out), h)
+            .unwrap();
+        let shape = format!("t{t}_k{k}_h{h}_dropped{dropped}_shared{with_shared}");
         check_reduction(
             "moe_combine",
-            &format!("t{t}_k{k}_h{h}_dropped{dropped}_shared{with_shared}"),
+            &shape,
             &from_bf16(&g.download(&out).unwrap()),
             &want,
         );
+
+        // Fused with the residual add and the next norm: the same bits as the combine's rows
+        // through add_rms_norm.
+        let offset = if t % 2 == 0 { 0.0 } else { 1.0 };
+        let eps = 1e-6;
+        let (acc0, _) = to_bf16(&rng.normals(t * h, 0.0, 1.0));
+        let (nw, _) = to_bf16(&rng.normals(h, 0.0, 0.2));
+        let nw = g.upload(&nw).unwrap();
+        let mut acc_want = g.upload(&acc0).unwrap();
+        let mut normed_want = g.zeros::<bf16>(t * h).unwrap();
+        let rows = NormRows { rows: t, d: h, eps };
+        g.add_rms_norm(&mut acc_want, &out, &nw, &mut normed_want, rows, offset)
+            .unwrap();
+        let mut acc = g.upload(&acc0).unwrap();
+        let mut normed = g.zeros::<bf16>(t * h).unwrap();
+        let into = CombineInto::AddNorm {
+            acc: &mut acc,
+            w: &nw,
+            normed: &mut normed,
+            eps,
+            offset,
+        };
+        g.moe_combine(&routed, &dy, shared(), into, h).unwrap();
+        let bits = |b: &cudarc::driver::CudaSlice<bf16>| -> Vec<u16> {
+            g.download(b).unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        assert_eq!(bits(&acc), bits(&acc_want), "moe_combine_add_rms_norm residual {shape}");
+        assert_eq!(bits(&normed), bits(&normed_want), "moe_combine_add_rms_norm norm {shape}");
+        println!("PARITY op=moe_combine_add_rms_norm shape={shape} exact=true");
     }
 }
 
@@ -322,7 +349,7 @@ fn moe_experts_match_cpu() {
             },
             &y,
             None,
-            &mut out,
+            CombineInto::Rows(&mut out),
             h,
         )
         .unwrap();

@@ -457,6 +457,21 @@ pub trait Backend: Send + Sync {
     /// `sigmoid(gate) · y` when the shared expert is given (a backend may add it in its combine).
     fn moe_experts(&self, c: &MoeCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;
 
+    /// [`Backend::moe_experts`] whose output is added to the residual `acc` and normed
+    /// ([`Backend::add_rms_norm`]): the next sublayer's normed input, the same values (a backend may
+    /// combine the experts, add and norm in one pass).
+    fn moe_experts_add_rms_norm(
+        &self,
+        c: &MoeCall<'_, Self::Tensor, Self::Weight>,
+        acc: &mut Self::Tensor,
+        w: &Self::Weight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<Self::Tensor> {
+        let y = self.moe_experts(c)?;
+        self.add_rms_norm(acc, &y, w, eps, offset)
+    }
+
     /// How [`Backend::moe_experts`] takes layer `w`'s shared expert for a call of `rows` rows: what it
     /// computes itself, in the same launches as the routed experts (the model then passes `None` for
     /// it in [`SharedExpert`]). Default: [`SharedFusion::Apart`].

@@ -1,0 +1,110 @@
+//! A sublayer's output not yet added to the residual ([`Pending`]): the FFN of a layer hands it to
+//! the next norm, which adds it first. A MoE FFN is handed over before its experts run, so that the
+//! add can ask the backend for the experts, their combine, the add and the norm in one call
+//! ([`Backend::moe_experts_add_rms_norm`]).
+
+use crate::backend::{Backend, MoeCall, MoeWeights, OpResult, SharedExpert, SharedFusion};
+use crate::load::{Ffn, Layer, Model};
+
+/// A sublayer's output not yet added to the residual.
+pub(super) enum Pending<'l, T, W> {
+    /// Its rows.
+    Rows(T),
+    /// A MoE FFN on the normed input `x`, with the shared expert's output and gate logits the model
+    /// computed (`None` where the backend computes them: [`Backend::moe_fuses_shared`]).
+    Moe {
+        w: &'l MoeWeights<W>,
+        x: T,
+        shared: Option<(Option<T>, Option<T>)>,
+    },
+}
+
+/// The MoE call of a pending MoE output.
+fn call<'a, T, W>(
+    w: &'a MoeWeights<W>,
+    x: &'a T,
+    shared: &'a Option<(Option<T>, Option<T>)>,
+) -> MoeCall<'a, T, W> {
+    MoeCall {
+        x,
+        w,
+        shared: shared.as_ref().map(|(y, g)| SharedExpert {
+            y: y.as_ref(),
+            gate: g.as_ref(),
+        }),
+    }
+}
+
+impl<T, W> Pending<'_, T, W> {
+    /// The output's rows.
+    pub(super) fn rows<B: Backend<Tensor = T, Weight = W>>(self, b: &B) -> OpResult<T> {
+        match self {
+            Pending::Rows(y) => Ok(y),
+            Pending::Moe { w, x, shared } => b.moe_experts(&call(w, &x, &shared)),
+        }
+    }
+
+    /// `acc += output`.
+    pub(super) fn add_to<B: Backend<Tensor = T, Weight = W>>(self, b: &B, acc: &mut T) -> OpResult<()> {
+        b.add(acc, &self.rows(b)?)
+    }
+
+    /// `acc += output`, then [`Backend::rms_norm`] of the new `acc` (weight `norm`).
+    pub(super) fn add_rms_norm<B: Backend<Tensor = T, Weight = W>>(
+        self,
+        b: &B,
+        acc: &mut T,
+        norm: &W,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<T> {
+        match self {
+            Pending::Rows(y) => b.add_rms_norm(acc, &y, norm, eps, offset),
+            Pending::Moe { w, x, shared } => {
+                b.moe_experts_add_rms_norm(&call(w, &x, &shared), acc, norm, eps, offset)
+            }
+        }
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// The FFN sublayer's output for normed input `hn`: the dense MLP, or the routed experts plus the
+    /// sigmoid-gated shared expert (left pending: see [`Pending`]).
+    pub(super) fn ffn<'l>(
+        &self,
+        layer: &'l Layer<B::Weight>,
+        hn: B::Tensor,
+        rows: usize,
+    ) -> OpResult<Pending<'l, B::Tensor, B::Weight>> {
+        let b = &self.backend;
+        match &layer.ffn {
+            Ffn::Dense(m) => Ok(Pending::Rows(self.mlp(m, &hn)?)),
+            Ffn::Moe(m) => {
+                let shared = match (&m.shared, &m.shared_gate) {
+                    (Some(shared), Some(gate)) => {
+                        let fusion = b.moe_fuses_shared(m, rows);
+                        let y = match fusion {
+                            SharedFusion::Apart | SharedFusion::Gate => {
+                                Some(self.mlp(shared, &hn)?)
+                            }
+                            SharedFusion::Expert | SharedFusion::ExpertAndGate => None,
+                        };
+                        let g = match fusion {
+                            SharedFusion::ExpertAndGate | SharedFusion::Gate => None,
+                            SharedFusion::Apart | SharedFusion::Expert => {
+                                Some(b.linear(&hn, gate)?)
+                            }
+                        };
+                        Some((y, g))
+                    }
+                    _ => None,
+                };
+                Ok(Pending::Moe {
+                    w: m,
+                    x: hn,
+                    shared,
+                })
+            }
+        }
+    }
+}

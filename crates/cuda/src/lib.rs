@@ -112,11 +112,11 @@ pub use ops::{
     Selection, ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
 };
 pub use ops::{
-    ConvWeight, DecodeSlots, GdnGateProj, GdnGates, GdnPools, GdnProj, GdnSplit, SeqRows,
-};
-pub use ops::{
     CombineInto, DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed, SharedGate,
     SharedY,
+};
+pub use ops::{
+    ConvWeight, DecodeSlots, GdnGateProj, GdnGates, GdnPools, GdnProj, GdnSplit, SeqRows,
 };
 pub use ops::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows};
 pub use ops::{PackedMat, PackedScheme};

@@ -67,7 +67,10 @@ impl CudaBackend {
         if (acc.rows, acc.cols) != (c.x.rows, c.x.cols) {
             return Err(CudaError::Shape {
                 op: "add_rms_norm",
-                msg: format!("[{}, {}] plus [{}, {}]", acc.rows, acc.cols, c.x.rows, c.x.cols),
+                msg: format!(
+                    "[{}, {}] plus [{}, {}]",
+                    acc.rows, acc.cols, c.x.rows, c.x.cols
+                ),
             });
         }
         let after = NormAfter {
@@ -219,7 +222,13 @@ impl CudaBackend {
                 Some((_, None)) => return Err(bad("a prefill step without the gate".into())),
                 None => None,
             };
-            g.moe_combine(&routed, &y, shared, combine_into(after.as_mut(), &mut out.buf), h)?;
+            g.moe_combine(
+                &routed,
+                &y,
+                shared,
+                combine_into(after.as_mut(), &mut out.buf),
+                h,
+            )?;
             return Ok(out);
         }
         let step = GemvStep {

@@ -212,7 +212,13 @@ impl CudaBackend {
             }
         }
         let shared = step.shared(gate_logits.as_ref(), e);
-        g.moe_combine(&routed, &y, shared, combine_into(after.as_mut(), &mut out.buf), h)?;
+        g.moe_combine(
+            &routed,
+            &y,
+            shared,
+            combine_into(after.as_mut(), &mut out.buf),
+            h,
+        )?;
         Ok(out)
     }
 }

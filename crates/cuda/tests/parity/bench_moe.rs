@@ -175,7 +175,11 @@ fn bench_moe_decode() {
         let mut acc = g.zeros::<bf16>(t * h).unwrap();
         let mut normed = g.zeros::<bf16>(t * h).unwrap();
         let nw = g.zeros::<bf16>(h).unwrap();
-        let rows = NormRows { rows: t, d: h, eps: 1e-6 };
+        let rows = NormRows {
+            rows: t,
+            d: h,
+            eps: 1e-6,
+        };
         let tc = time(g, 5, 200, || {
             g.moe_combine(&routed, &y, None, CombineInto::Rows(&mut out), h)
                 .unwrap()

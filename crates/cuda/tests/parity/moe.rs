@@ -191,8 +191,16 @@ fn moe_combine_matches_cpu() {
         let bits = |b: &cudarc::driver::CudaSlice<bf16>| -> Vec<u16> {
             g.download(b).unwrap().iter().map(|v| v.to_bits()).collect()
         };
-        assert_eq!(bits(&acc), bits(&acc_want), "moe_combine_add_rms_norm residual {shape}");
-        assert_eq!(bits(&normed), bits(&normed_want), "moe_combine_add_rms_norm norm {shape}");
+        assert_eq!(
+            bits(&acc),
+            bits(&acc_want),
+            "moe_combine_add_rms_norm residual {shape}"
+        );
+        assert_eq!(
+            bits(&normed),
+            bits(&normed_want),
+            "moe_combine_add_rms_norm norm {shape}"
+        );
         println!("PARITY op=moe_combine_add_rms_norm shape={shape} exact=true");
     }
 }

@@ -45,7 +45,11 @@ impl<T, W> Pending<'_, T, W> {
     }
 
     /// `acc += output`.
-    pub(super) fn add_to<B: Backend<Tensor = T, Weight = W>>(self, b: &B, acc: &mut T) -> OpResult<()> {
+    pub(super) fn add_to<B: Backend<Tensor = T, Weight = W>>(
+        self,
+        b: &B,
+        acc: &mut T,
+    ) -> OpResult<()> {
         b.add(acc, &self.rows(b)?)
     }
 

@@ -44,9 +44,9 @@ use std::sync::{Mutex, MutexGuard};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
-    hc_residual_ops, AttnCall, Backend, BackendError, CacheSpec, DecodeStep, GdnCall, GdnShape,
-    GdnWeights, Handover, HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor,
-    PleCall, QsaCall, SampleCall, SeqChunk, SharedFusion,
+    hc_residual_ops, AttnCall, Backend, CacheSpec, DecodeStep, GdnCall, GdnShape, GdnWeights,
+    Handover, HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor, PleCall,
+    QsaCall, SampleCall, SeqChunk, SharedFusion,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
@@ -57,20 +57,6 @@ pub use fp8::fp8_device_bytes;
 pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, MIN_GRAPH_SPAN};
 pub use packed::{packed_device_bytes, packed_fits, PACKED_WORKSPACE_BYTES};
 pub use tensor::{CudaTensor, CudaWeight, DenseBf16, Fp8Weight, PackedWeight};
-
-/// Refuses explicit MRoPE positions (images in a prompt) in QSA attention, as the CPU backend
-/// does: its indexer's keys are turned at the sequence positions, with no MRoPE. Dense attention
-/// takes them (`attn.rs`).
-fn refuse_mrope(op: &'static str, c: &AttnCall<'_, CudaTensor, CudaWeight>) -> OpResult<()> {
-    match c.mrope {
-        None => Ok(()),
-        Some(_) => Err(BackendError::invalid(
-            op,
-            "explicit MRoPE positions (image tokens) are not supported by QSA attention: \
-             its indexer's keys have no MRoPE",
-        )),
-    }
-}
 
 /// Default step limits the metadata buffers are first sized for (larger steps grow them).
 pub const DEFAULT_MAX_TOKENS: usize = 8192;
@@ -791,7 +777,7 @@ impl Backend for CudaBackend {
     }
 
     fn qsa_attention(&self, c: &QsaCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
-        refuse_mrope("qsa_attention", &c.attn)?;
+        qsa::refuse_mrope("qsa_attention", &c.attn)?;
         self.qsa_impl(c).at("qsa_attention")
     }
 

@@ -13,7 +13,7 @@
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 use half::bf16;
-use sanmai_model::backend::{QsaCall, SeqChunk, MAX_CACHED_ROWS};
+use sanmai_model::backend::{AttnCall, BackendError, OpResult, QsaCall, SeqChunk, MAX_CACHED_ROWS};
 
 use super::attn::{attn_dims, Prepared};
 use super::cache::{Arena, QsaPick};
@@ -33,6 +33,23 @@ const INDEX_NORM_EPS: f32 = 1e-6;
 const SCORE_BUDGET: usize = 32 << 20;
 /// Query rows per score / select / attend launch at most (the grid's y limit).
 const MAX_GROUP_ROWS: usize = 65535;
+
+/// Refuses explicit MRoPE positions (images in a prompt) in QSA attention, as the CPU backend
+/// does: its indexer's keys are turned at the sequence positions, with no MRoPE. Dense attention
+/// takes them (`attn.rs`).
+pub(super) fn refuse_mrope(
+    op: &'static str,
+    c: &AttnCall<'_, CudaTensor, CudaWeight>,
+) -> OpResult<()> {
+    match c.mrope {
+        None => Ok(()),
+        Some(_) => Err(BackendError::invalid(
+            op,
+            "explicit MRoPE positions (image tokens) are not supported by QSA attention: \
+             its indexer's keys have no MRoPE",
+        )),
+    }
+}
 
 impl CudaBackend {
     /// Starts (`true`) or stops recording QSA selections (each query row's selected positions; a

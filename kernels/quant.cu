@@ -10,6 +10,7 @@
 // A "unit" is 32 consecutive values of a row; each thread decodes whole units. Requirements (checked on
 // the host): k % 32 == 0 for INT4/INT8, k % 8 == 0 for INT6 (its last unit is partial when k % 32 != 0),
 // group % 8 == 0, 16-byte aligned W, X.
+#include "add_norm.cuh"
 #include "packed.cuh"
 
 #define QROWS 2
@@ -578,6 +579,23 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemv_q6_f32_m8(GEMV_Q_ARGS)
 // INT8 M = 1: held to four resident blocks, so that n = 8192's 512 blocks are resident at once.
 extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 1, bf16>(t, X, k, group); }
 extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_f32_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_segs<8, 1, float>(t, X, k, group); }
+// M = 1 followed by the residual add and the next RMSNorm of the output row (a mixer's output
+// projection): the same cut and sums as gemv_q{4,6,8}_m1, y written as there, then the last block to
+// finish adds y to acc and writes normed (last_block_add_rms_norm, add_norm.cuh: add_rms_norm_bf16's
+// bits, its block size being this one's 256 threads). One segment; n = the row's d. Dynamic shared
+// memory: n bf16.
+#define GEMV_Q_NORM_ARGS GEMV_Q_ARGS, bf16* acc, const bf16* nw, bf16* normed, u32* ticket, float eps, float offset
+template <int BITS>
+__device__ __forceinline__ void gemv_q_norm(const GemvSegs& t, const bf16* X, int k, int group, bf16* acc,
+                                            const bf16* nw, bf16* normed, u32* ticket, float eps, float offset) {
+    extern __shared__ __align__(16) unsigned short gemv_norm_row[];
+    gemv_q_segs<BITS, 1, bf16>(t, X, k, group);
+    last_block_add_rms_norm((const bf16*)t.seg[0].y, acc, nw, normed, t.seg[0].n, eps, offset, ticket,
+                            gemv_norm_row);
+}
+extern "C" __global__ void __launch_bounds__(256) gemv_q4_m1_norm(GEMV_Q_NORM_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_norm<4>(t, X, k, group, acc, nw, normed, ticket, eps, offset); }
+extern "C" __global__ void __launch_bounds__(256) gemv_q6_m1_norm(GEMV_Q_NORM_ARGS) { pdl_prologue_prefetch(q_slot_span<6>(t, k)); gemv_q_norm<6>(t, X, k, group, acc, nw, normed, ticket, eps, offset); }
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_q8_m1_norm(GEMV_Q_NORM_ARGS) { pdl_prologue_prefetch(q_slot_span<8>(t, k)); gemv_q_norm<8>(t, X, k, group, acc, nw, normed, ticket, eps, offset); }
 // M = 1 with the SwiGLU staged: X is a gate|up row [2k], x = bf16(silu(gate) · up) (an MLP's down
 // projection without the activation launch); the same cut and sums as gemv_q{4,6,8}_m1.
 extern "C" __global__ void __launch_bounds__(256) gemv_q4_sw_m1(GEMV_Q_ARGS) { pdl_prologue_prefetch(q_slot_span<4>(t, k)); gemv_q_segs<4, 1, bf16, true>(t, X, k, group); }

@@ -573,9 +573,9 @@ impl<B: Backend> Model<B> {
         let mixed = self.mixer(index, layer, &hn, rows)?;
 
         let hn = match hc {
-            None => b.add_rms_norm(streams, &mixed, &layer.post_attention_norm, eps, 1.0)?,
+            None => mixed.add_rms_norm(b, streams, &layer.post_attention_norm, eps, 1.0)?,
             Some((a, f)) => {
-                self.residual(streams, x.as_ref(), &mixed, a)?;
+                self.residual(streams, x.as_ref(), &mixed.rows(b)?, a)?;
                 let x = b.hc_premix(streams, &f.pre)?;
                 let hn = b.rms_norm(&x, &layer.post_attention_norm, eps, 1.0)?;
                 let out = self.ffn(layer, hn, rows.count())?.rows(b)?;
@@ -586,13 +586,15 @@ impl<B: Backend> Model<B> {
         Ok(Some(self.ffn(layer, hn, rows.count())?))
     }
 
-    fn mixer(
+    /// The mixer sublayer's output for normed input `hn`, its output projection left pending (see
+    /// [`Pending`]).
+    fn mixer<'l>(
         &self,
         index: usize,
-        layer: &Layer<B::Weight>,
+        layer: &'l Layer<B::Weight>,
         hn: &B::Tensor,
         rows: Rows<'_>,
-    ) -> OpResult<B::Tensor> {
+    ) -> OpResult<Pending<'l, B::Tensor, B::Weight>> {
         let b = &self.backend;
         let seqs = rows.seqs;
         let attn = |w, q_gate, k, v| AttnCall {
@@ -610,7 +612,7 @@ impl<B: Backend> Model<B> {
             Mixer::Attention(w) => {
                 let [q, k, v] = linear_n(b, hn, [&w.q_proj, &w.k_proj, &w.v_proj])?;
                 let o = b.attention(&attn(w, &q, &k, &v))?;
-                b.linear(&o, &w.o_proj)
+                Ok(Pending::Linear { x: o, w: &w.o_proj })
             }
             Mixer::Qsa(w, iw) => {
                 let qsa = self.qsa.as_ref().ok_or_else(|| {
@@ -636,7 +638,7 @@ impl<B: Backend> Model<B> {
                     iw: &ig,
                     indexer: iw,
                 })?;
-                b.linear(&o, &w.o_proj)
+                Ok(Pending::Linear { x: o, w: &w.o_proj })
             }
             Mixer::Gdn(w) => {
                 let (qkv, z, ba) = if b.gdn_projects_gates(w, &self.gdn_shape, rows.count()) {
@@ -663,7 +665,10 @@ impl<B: Backend> Model<B> {
                     eps: self.cfg.rms_norm_eps,
                     seqs,
                 })?;
-                b.linear(&o, &w.out_proj)
+                Ok(Pending::Linear {
+                    x: o,
+                    w: &w.out_proj,
+                })
             }
         }
     }

@@ -143,9 +143,10 @@ pub struct CudaBackend {
     epoch: AtomicU64,
     /// The PLE rows of the coming decode step (`ple.rs`).
     ple_in: Mutex<Option<ple::StagedRows>>,
-    /// The ticket counter of the one-launch decode routing (`Gpu::moe_route_decode`, `moe.rs`): 0
-    /// between launches, which the stream orders one after another.
-    route_ticket: Mutex<CudaSlice<u32>>,
+    /// The last-block counter of the launches whose last block to finish does their final part (the
+    /// one-launch decode routing, `moe_tables.rs`; a GEMV's add and norm, `packed.rs`): 0 between
+    /// launches, which the stream orders one after another.
+    ticket: Mutex<CudaSlice<u32>>,
     /// Whether decode steps take the fused launches ([`CudaOptions::fused_decode`]).
     fused_decode: AtomicBool,
     /// Held while a CUDA graph captures this backend's stream, and by the cache operations another
@@ -201,7 +202,7 @@ impl CudaBackend {
     /// ([`CudaBackend::set_graph_batch_sizes`] changes them).
     pub fn from_gpu(gpu: Gpu, max_tokens: usize, max_seqs: usize) -> Result<Self> {
         let meta = meta::Meta::new(&gpu, max_tokens, max_seqs, 64)?;
-        let route_ticket = Mutex::new(gpu.zeros::<u32>(1)?);
+        let ticket = Mutex::new(gpu.zeros::<u32>(1)?);
         Ok(Self {
             gpu,
             state: Mutex::new(State {
@@ -224,7 +225,7 @@ impl CudaBackend {
             kept: Mutex::new(graph::KeptStreams::default()),
             epoch: AtomicU64::new(0),
             ple_in: Mutex::new(None),
-            route_ticket,
+            ticket,
             fused_decode: AtomicBool::new(true),
         })
     }
@@ -636,6 +637,19 @@ impl Backend for CudaBackend {
 
     fn swiglu(&self, gate_up: &CudaTensor) -> OpResult<CudaTensor> {
         self.swiglu_impl(gate_up).at("swiglu")
+    }
+
+    fn linear_add_rms_norm(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        acc: &mut CudaTensor,
+        norm: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<CudaTensor> {
+        self.linear_add_rms_norm_impl(x, w, acc, norm, eps, offset)
+            .at("linear_add_rms_norm")
     }
 
     fn swiglu_linear(&self, gate_up: &CudaTensor, w: &CudaWeight) -> OpResult<CudaTensor> {

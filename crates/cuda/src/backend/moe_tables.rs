@@ -301,7 +301,7 @@ impl CudaBackend {
                 let mut logits = self.scratch::<f32>(t * e + usize::from(gate.is_some()))?;
                 let mut ids = self.scratch::<u32>(n)?;
                 let mut wts = self.scratch::<f32>(n)?;
-                let mut ticket = self.route_ticket.lock().unwrap_or_else(|p| p.into_inner());
+                let mut ticket = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
                 let out = DecodeRouting {
                     logits: &mut logits,
                     ids: &mut ids,

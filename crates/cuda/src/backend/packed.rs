@@ -20,6 +20,7 @@ use super::tensor::{CudaTensor, CudaWeight, PackedWeight};
 use super::CudaBackend;
 use crate::error::{ensure, CudaError, Result};
 use crate::gpu::{cfg, check_len, grid_u32, int};
+use crate::ops::RowAddNorm;
 
 /// Bytes of the bf16 workspace the prefill GEMM dequantises weight tiles into.
 pub use sanmai_weights::quant::PACKED_WORKSPACE_BYTES;
@@ -85,6 +86,53 @@ impl CudaBackend {
             msg: "packed weight without the packed workspace".into(),
         })?;
         g.gemm_packed(&x.buf, &w.mat(), y, ws, m)
+    }
+
+    /// [`Backend::linear_add_rms_norm`](sanmai_model::Backend::linear_add_rms_norm): at one row with
+    /// fused decode launches on, a packed `w` that
+    /// [`Gpu::gemv_packed_norm_fits`](crate::Gpu::gemv_packed_norm_fits) takes its GEMV
+    /// with the add and the norm in the same launch
+    /// ([`Gpu::gemv_packed_add_rms_norm`](crate::Gpu::gemv_packed_add_rms_norm): the same values);
+    /// otherwise [`CudaBackend::linear_impl`] then [`CudaBackend::add_rms_norm_impl`].
+    pub(crate) fn linear_add_rms_norm_impl(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        acc: &mut CudaTensor,
+        norm: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> Result<CudaTensor> {
+        let n = w.rows();
+        let fused = self.fused_decode.load(Ordering::Relaxed)
+            && x.rows == 1
+            && x.cols == w.cols()
+            && (acc.rows, acc.cols) == (1, n);
+        match (w, norm) {
+            (CudaWeight::Packed(p), CudaWeight::Bf16(nw))
+                if fused && self.gpu.gemv_packed_norm_fits(p.scheme(), n, x.cols) =>
+            {
+                // The GEMV's own output row is scratch here: the add and the norm read it.
+                let mut y = self.scratch::<bf16>(n)?;
+                let mut normed = self.alloc(1, n)?;
+                let mut ticket = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
+                let then = RowAddNorm {
+                    acc: &mut acc.buf,
+                    w: &nw.data,
+                    normed: &mut normed.buf,
+                    eps,
+                    offset,
+                    ticket: &mut ticket,
+                };
+                self.gpu
+                    .gemv_packed_add_rms_norm(&p.mat(), &x.buf, &mut y, then)?;
+                Ok(normed)
+            }
+            _ => {
+                let y = self.linear_impl(x, w)?;
+                self.add_rms_norm_impl(acc, &y, norm, eps, offset)
+            }
+        }
     }
 
     /// [`Backend::swiglu_linear`](sanmai_model::Backend::swiglu_linear): at one row with fused

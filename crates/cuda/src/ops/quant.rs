@@ -20,7 +20,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::cublas::sys;
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::gemm::WxT;
@@ -186,6 +186,22 @@ struct TileOut {
 /// `y[m, :] = dequant(W) · x[m, :]` with `W` packed `[n, k]` and `y` `[m, n]`.
 pub type PackedPart<'a, W, S, Y> = (&'a W, &'a S, &'a mut Y, usize);
 
+/// The residual add and the next RMSNorm a one-row packed GEMV also does
+/// ([`Gpu::gemv_packed_add_rms_norm`]): `acc` (`[1, n]`) plus the output row, then `normed` (`[1,
+/// n]`) its RMSNorm with weight `w` (`[n]`; `eps`, `offset` as [`Gpu::rms_norm`]). `ticket`: one
+/// `u32`, 0 and left 0, which the launch's blocks count themselves on.
+pub struct RowAddNorm<'a> {
+    pub acc: &'a mut CudaSlice<bf16>,
+    pub w: &'a CudaSlice<bf16>,
+    pub normed: &'a mut CudaSlice<bf16>,
+    pub eps: f32,
+    pub offset: f32,
+    pub ticket: &'a mut CudaSlice<u32>,
+}
+
+/// The longest row [`Gpu::gemv_packed_add_rms_norm`] norms (its shared memory holds the row).
+pub const NORM_MAX_D: usize = 16384;
+
 /// The most f32 values the per-row-scale prefill GEMM keeps between cuBLAS and its scale kernel
 /// (64 MiB).
 pub const PER_ROW_SCRATCH: usize = 16 << 20;
@@ -201,7 +217,7 @@ impl Gpu {
         m: usize,
     ) -> Result<()> {
         let part = (w.words, w.scales, y, w.n);
-        self.gemv_q(GemvInput::X(""), w.scheme, x, &mut [part], m, w.k)
+        self.gemv_q(GemvInput::X(""), w.scheme, x, &mut [part], m, w.k, None)
     }
 
     /// An MLP's down projection of one row without the activation launch: `y[0, :] = dequant(W) ·
@@ -215,7 +231,46 @@ impl Gpu {
         y: &mut impl DevicePtrMut<bf16>,
     ) -> Result<()> {
         let part = (w.words, w.scales, y, w.n);
-        self.gemv_q(GemvInput::GateUp, w.scheme, gu, &mut [part], 1, w.k)
+        self.gemv_q(GemvInput::GateUp, w.scheme, gu, &mut [part], 1, w.k, None)
+    }
+
+    /// [`Gpu::gemv_packed`] of one row followed by the residual add and the next RMSNorm of the
+    /// output `y` (`[1, n]`): `then.acc += y`, `then.normed = rms_norm(then.acc)`, the values
+    /// [`Gpu::add_rms_norm`] gives, bit for bit, in the GEMV's launch (its last block to finish does
+    /// them). `y` is written as [`Gpu::gemv_packed`] writes it. Only where
+    /// [`Gpu::gemv_packed_norm_fits`].
+    pub fn gemv_packed_add_rms_norm(
+        &self,
+        w: &PackedMat<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
+        x: &impl DevicePtr<bf16>,
+        y: &mut impl DevicePtrMut<bf16>,
+        then: RowAddNorm<'_>,
+    ) -> Result<()> {
+        let part = (w.words, w.scales, y, w.n);
+        self.gemv_q(
+            GemvInput::X(""),
+            w.scheme,
+            x,
+            &mut [part],
+            1,
+            w.k,
+            Some(then),
+        )
+    }
+
+    /// Whether [`Gpu::gemv_packed_add_rms_norm`] takes a weight of `scheme` with `k` inputs and `n`
+    /// outputs: the one-row GEMV of 32-value units (not the 16-byte chunk one that
+    /// [`Gpu::set_packed_gemv_m1_rows`] may choose), and the row fits shared memory.
+    pub fn gemv_packed_norm_fits(&self, scheme: PackedScheme, n: usize, k: usize) -> bool {
+        let group = if scheme.group_size == 0 {
+            k
+        } else {
+            scheme.group_size
+        };
+        matches!(scheme.bits, 4 | 6 | 8)
+            && !tensor_core_gemv(scheme.bits, group, 1, k)
+            && !(m1_rows() > 0 && chunk_gemv(scheme.bits, group, 1, k))
+            && (1..=NORM_MAX_D).contains(&n)
     }
 
     /// As [`Gpu::gemv_packed`] with an f32 output (an INT8 lm_head's logits).
@@ -227,7 +282,7 @@ impl Gpu {
         m: usize,
     ) -> Result<()> {
         let part = (w.words, w.scales, y, w.n);
-        self.gemv_q(GemvInput::X("_f32"), w.scheme, x, &mut [part], m, w.k)
+        self.gemv_q(GemvInput::X("_f32"), w.scheme, x, &mut [part], m, w.k, None)
     }
 
     /// [`Gpu::gemv_packed`] for up to `GEMV_SEGS` (4) weights of one scheme that read the same `x`
@@ -241,7 +296,7 @@ impl Gpu {
         m: usize,
         k: usize,
     ) -> Result<()> {
-        self.gemv_q(GemvInput::X(""), scheme, x, parts, m, k)
+        self.gemv_q(GemvInput::X(""), scheme, x, parts, m, k, None)
     }
 
     /// Chooses the kernel of one-row INT8 and INT4 packed GEMVs (per-row scales or groups of whole
@@ -267,6 +322,7 @@ impl Gpu {
         parts: &mut [PackedPart<'_, W, S, Y>],
         m: usize,
         k: usize,
+        then: Option<RowAddNorm<'_>>,
     ) -> Result<()> {
         const OP: &str = "gemv_packed";
         let PackedScheme { bits, group_size } = scheme;
@@ -301,6 +357,22 @@ impl Gpu {
         } else {
             0
         };
+        // The row a following add and norm takes (one part).
+        let n = parts.first().map_or(0, |p| p.3);
+        if let Some(t) = &then {
+            ensure(
+                m == 1 && parts.len() == 1 && suffix.is_empty() && !tc && chunk == 0,
+                OP,
+                || "the add and norm follow one bf16 row of the 32-value unit GEMV".into(),
+            )?;
+            ensure((1..=NORM_MAX_D).contains(&n), OP, || {
+                format!("a row of {n} values to norm, at most {NORM_MAX_D}")
+            })?;
+            check_len(OP, "acc", &*t.acc, n)?;
+            check_len(OP, "norm weight", t.w, n)?;
+            check_len(OP, "normed", &*t.normed, n)?;
+            check_len(OP, "ticket", &*t.ticket, 1)?;
+        }
         let sms = self.info().multiprocessors as usize;
         ensure(self.addr(x).is_multiple_of(16), OP, || {
             "x must be 16-byte aligned".into()
@@ -360,6 +432,22 @@ impl Gpu {
             // group rules (chunk_gemv) checked above; each segment's plan has rps ≤ the kernel's R
             // (`chunk`), slots of at most the block and blocks covering its n.
             unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+        } else if let Some(t) = then {
+            let mut b = self.launch(self.kernel(&format!("gemv_q{bits}_m1_norm"))?);
+            b.arg(segs)
+                .ptr(x)
+                .arg(&ki)
+                .arg(&gi)
+                .ptr_mut(t.acc)
+                .ptr(t.w)
+                .ptr_mut(t.normed)
+                .ptr_mut(t.ticket)
+                .arg(&t.eps)
+                .arg(&t.offset);
+            // SAFETY: as the plain launch below, m = 1 and one segment; acc, w and normed hold the
+            // segment's n values, the ticket one u32 (checked above); the dynamic shared memory
+            // holds the row of n bf16 (n ≤ NORM_MAX_D).
+            unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 2 * n as u32)) }?;
         } else {
             let mut b = self.launch(self.kernel(&format!("gemv_q{bits}{suffix}_m{m}"))?);
             b.arg(segs).ptr(x).arg(&ki).arg(&gi);

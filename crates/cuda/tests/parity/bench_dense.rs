@@ -7,7 +7,7 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::{Gpu, NormRows, PackedScheme};
+use sanmai_cuda::{Gpu, NormRows, PackedScheme, RowAddNorm};
 
 use crate::bench::{pattern, time};
 use crate::common::{gpu, packed_mat};
@@ -103,6 +103,70 @@ fn bench_packed(g: &Gpu, bits: u32, group: usize, m: usize, n: usize, k: usize, 
         });
         line("gemv_packed", &shape, wb + m * k * 2 + m * n * 2, t);
     }
+}
+
+/// A mixer's output projection and the next norm at one row: the INT8 GEMV (80B out_proj, 2048 x
+/// 4096) then `add_rms_norm`, against both in the GEMV's launch (`gemv_packed_add_rms_norm`).
+#[test]
+#[ignore = "timing; run with --ignored on a GPU host"]
+fn bench_gemv_add_norm() {
+    let Some(g) = gpu("bench_gemv_add_norm") else {
+        return;
+    };
+    let (bits, n, k) = (8u32, 2048usize, 4096usize);
+    let scheme = PackedScheme {
+        bits,
+        group_size: 0,
+    };
+    if !g.gemv_packed_norm_fits(scheme, n, k) {
+        println!("BENCH gemv_add_norm skipped: the one-row chunk GEMV is chosen");
+        return;
+    }
+    let wpr = k / 4;
+    let wb = n * wpr * 4 + n * 4;
+    let c = copies(wb);
+    let ws: Vec<CudaSlice<u32>> = (0..c)
+        .map(|i| g.upload(&words(n * wpr, 11 + i as u32)).unwrap())
+        .collect();
+    let s = g.upload(&vec![0.01f32; n]).unwrap();
+    let x = g.upload(&pattern(k, 12)).unwrap();
+    let nw = g.upload(&pattern(n, 13)).unwrap();
+    let mut y = g.zeros::<bf16>(n).unwrap();
+    let mut acc = g.zeros::<bf16>(n).unwrap();
+    let mut normed = g.zeros::<bf16>(n).unwrap();
+    let mut ticket = g.zeros::<u32>(1).unwrap();
+    let rows = NormRows {
+        rows: 1,
+        d: n,
+        eps: 1e-6,
+    };
+    let mut i = 0;
+    let apart = time(g, c, 4 * c.max(25), || {
+        i += 1;
+        let mat = packed_mat(&ws[i % c], &s, (bits, 0), (n, k));
+        g.gemv_packed(&mat, &x, &mut y, 1).unwrap();
+        g.add_rms_norm(&mut acc, &y, &nw, &mut normed, rows, 1.0)
+            .unwrap()
+    });
+    let fused = time(g, c, 4 * c.max(25), || {
+        i += 1;
+        let then = RowAddNorm {
+            acc: &mut acc,
+            w: &nw,
+            normed: &mut normed,
+            eps: 1e-6,
+            offset: 1.0,
+            ticket: &mut ticket,
+        };
+        let mat = packed_mat(&ws[i % c], &s, (bits, 0), (n, k));
+        g.gemv_packed_add_rms_norm(&mat, &x, &mut y, then).unwrap()
+    });
+    println!(
+        "BENCH gemv_add_norm bits={bits} n={n} k={k} gemv_then_add_rms_norm_us={:.2} \
+         fused_us={:.2}",
+        apart * 1e6,
+        fused * 1e6
+    );
 }
 
 #[test]

@@ -7,7 +7,7 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::{Gpu, PackedScheme};
+use sanmai_cuda::{Gpu, NormRows, PackedScheme, RowAddNorm};
 
 use crate::common::{check_reduction, from_bf16, gpu, packed_mat, stats, to_bf16, Rng};
 
@@ -246,6 +246,75 @@ fn gemv_packed_swiglu_equals_swiglu_then_gemv() {
         let mut want = vec![0f32; n];
         ops::matmul_t(&x, &p.dense, 1, k, n, &mut want);
         check_reduction("gemv_packed_swiglu", &shape, &from_bf16(&staged), &want);
+    }
+}
+
+/// The one-row GEMV with the residual add and the next norm in its launch
+/// (`gemv_packed_add_rms_norm`, a mixer's output projection) against `gemv_packed` then
+/// `add_rms_norm`, bit for bit: the output row, the residual and the normed row. The 80B's INT8
+/// out_proj (2048 x 4096), INT4 g128 and INT6, a row of 200 (fewer blocks than a GEMV of 2048), and
+/// each launch twice in a row (the last-block counter left at 0).
+#[test]
+fn gemv_packed_add_rms_norm_equals_gemv_then_add_rms_norm() {
+    let Some(g) = gpu("gemv_packed_add_rms_norm_equals_gemv_then_add_rms_norm") else {
+        return;
+    };
+    let mut rng = Rng::new(49);
+    let mut ticket = g.zeros::<u32>(1).unwrap();
+    for (bits, group, n, k) in [
+        (8u32, 0usize, 2048usize, 4096usize),
+        (4, 128, 2048, 512),
+        (6, 0, 2048, 512),
+        (8, 0, 200, 1024),
+    ] {
+        let p = make(&mut rng, bits, group, n, k);
+        let scheme = PackedScheme {
+            bits,
+            group_size: group,
+        };
+        if !g.gemv_packed_norm_fits(scheme, n, k) {
+            println!(
+                "PARITY op=gemv_packed_add_rms_norm shape={} skipped=chunk_gemv",
+                name(&p, 1)
+            );
+            continue;
+        }
+        let (w, s) = (g.upload(&p.words).unwrap(), g.upload(&p.scales).unwrap());
+        let mat = packed_mat(&w, &s, (bits, group), (n, k));
+        let (eps, offset) = (1e-6, if bits == 8 { 1.0 } else { 0.0 });
+        let nw = g.upload(&to_bf16(&rng.normals(n, 0.0, 0.2)).0).unwrap();
+        let bits_of = |b: &sanmai_cuda::cudarc::driver::CudaSlice<bf16>| -> Vec<u16> {
+            g.download(b).unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        for round in 0..2 {
+            let x = g.upload(&to_bf16(&rng.normals(k, 0.0, 1.0)).0).unwrap();
+            let acc0 = to_bf16(&rng.normals(n, 0.0, 1.0)).0;
+            let mut y_want = g.zeros::<bf16>(n).unwrap();
+            g.gemv_packed(&mat, &x, &mut y_want, 1).unwrap();
+            let mut acc_want = g.upload(&acc0).unwrap();
+            let mut normed_want = g.zeros::<bf16>(n).unwrap();
+            let rows = NormRows { rows: 1, d: n, eps };
+            g.add_rms_norm(&mut acc_want, &y_want, &nw, &mut normed_want, rows, offset)
+                .unwrap();
+            let mut y = g.zeros::<bf16>(n).unwrap();
+            let mut acc = g.upload(&acc0).unwrap();
+            let mut normed = g.zeros::<bf16>(n).unwrap();
+            let then = RowAddNorm {
+                acc: &mut acc,
+                w: &nw,
+                normed: &mut normed,
+                eps,
+                offset,
+                ticket: &mut ticket,
+            };
+            g.gemv_packed_add_rms_norm(&mat, &x, &mut y, then).unwrap();
+            let shape = format!("{}_round{round}", name(&p, 1));
+            assert_eq!(bits_of(&y), bits_of(&y_want), "{shape}: the GEMV's row");
+            assert_eq!(bits_of(&acc), bits_of(&acc_want), "{shape}: the residual");
+            assert_eq!(bits_of(&normed), bits_of(&normed_want), "{shape}: the norm");
+            assert_eq!(g.download(&ticket).unwrap(), [0], "{shape}: the counter");
+            println!("PARITY op=gemv_packed_add_rms_norm shape={shape} exact=true");
+        }
     }
 }
 

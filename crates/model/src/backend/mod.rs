@@ -419,6 +419,21 @@ pub trait Backend: Send + Sync {
         self.add(acc, y)?;
         self.rms_norm(acc, w, eps, offset)
     }
+    /// [`Backend::linear`] whose output is added to the residual `acc` and normed
+    /// ([`Backend::add_rms_norm`]): a mixer's output projection and the next sublayer's norm, the
+    /// same values (a backend may run them in one pass).
+    fn linear_add_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        acc: &mut Self::Tensor,
+        norm: &Self::Weight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<Self::Tensor> {
+        let y = self.linear(x, w)?;
+        self.add_rms_norm(acc, &y, norm, eps, offset)
+    }
     /// `silu(gate) · up` on a fused `[rows, 2I]` gate|up tensor.
     fn swiglu(&self, gate_up: &Self::Tensor) -> OpResult<Self::Tensor>;
     /// An MLP's down projection: [`Backend::linear`] of [`Backend::swiglu`]`(gate_up)` (a backend

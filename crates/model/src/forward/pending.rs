@@ -1,7 +1,7 @@
-//! A sublayer's output not yet added to the residual ([`Pending`]): the FFN of a layer hands it to
-//! the next norm, which adds it first. A MoE FFN is handed over before its experts run, so that the
-//! add can ask the backend for the experts, their combine, the add and the norm in one call
-//! ([`Backend::moe_experts_add_rms_norm`]).
+//! A sublayer's output not yet added to the residual ([`Pending`]): a sublayer hands it to the next
+//! norm, which adds it first. A mixer hands over its output projection before it runs, a MoE FFN
+//! its experts, so that the add can ask the backend for the last op, the add and the norm in one
+//! call ([`Backend::linear_add_rms_norm`], [`Backend::moe_experts_add_rms_norm`]).
 
 use crate::backend::{Backend, MoeCall, MoeWeights, OpResult, SharedExpert, SharedFusion};
 use crate::load::{Ffn, Layer, Model};
@@ -10,6 +10,8 @@ use crate::load::{Ffn, Layer, Model};
 pub(super) enum Pending<'l, T, W> {
     /// Its rows.
     Rows(T),
+    /// The projection `x · wᵀ` (a mixer's output projection).
+    Linear { x: T, w: &'l W },
     /// A MoE FFN on the normed input `x`, with the shared expert's output and gate logits the model
     /// computed (`None` where the backend computes them: [`Backend::moe_fuses_shared`]).
     Moe {
@@ -40,6 +42,7 @@ impl<T, W> Pending<'_, T, W> {
     pub(super) fn rows<B: Backend<Tensor = T, Weight = W>>(self, b: &B) -> OpResult<T> {
         match self {
             Pending::Rows(y) => Ok(y),
+            Pending::Linear { x, w } => b.linear(&x, w),
             Pending::Moe { w, x, shared } => b.moe_experts(&call(w, &x, &shared)),
         }
     }
@@ -64,6 +67,7 @@ impl<T, W> Pending<'_, T, W> {
     ) -> OpResult<T> {
         match self {
             Pending::Rows(y) => b.add_rms_norm(acc, &y, norm, eps, offset),
+            Pending::Linear { x, w } => b.linear_add_rms_norm(&x, w, acc, norm, eps, offset),
             Pending::Moe { w, x, shared } => {
                 b.moe_experts_add_rms_norm(&call(w, &x, &shared), acc, norm, eps, offset)
             }

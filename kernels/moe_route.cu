@@ -50,7 +50,6 @@ __device__ __forceinline__ void moe_route_decode_impl(const bf16* __restrict__ W
     __shared__ float red[ROUTE_THREADS / 32][1][M];
     __shared__ RouterSortSmem sm;
     __shared__ u32 pair_ids[ROUTE_MAX_PAIRS];
-    __shared__ int last;
     extern __shared__ u32 sort_sh[];
 
     // Router logits of this thread's slot's row, for every token.
@@ -78,18 +77,8 @@ __device__ __forceinline__ void moe_route_decode_impl(const bf16* __restrict__ W
     }
     gemv_slot_sum<1, M, float>(acc, red, logits, e, row, nrows, 1, tpr_log2, p);
 
-    // Publish this block's logits (each writer's fence, then thread 0's after the barrier), then draw a
-    // ticket; thread 0's fence after the draw orders the logits of every block before the last block's
-    // reads (which go through L2, __ldcg, never a stale L1 line). The last block routes every token.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
-        __threadfence();
-    }
-    __syncthreads();
-    if (!last) return;
+    // The last block to finish (every block's logits then visible to it) routes every token.
+    if (!last_block_of_launch(ticket)) return;
     if (Wg != nullptr && threadIdx.x == 0) logits[e] = bf2f(f2bf(__ldcg(logits + e)));  // M = 1
     router_topk_rows(logits, M, e, k, renorm, ids, weights, pair_ids, sm);
     moe_sort_block(pair_ids, M * k, e, perm, tiles, max_tiles, sort_sh, true);

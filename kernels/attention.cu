@@ -18,6 +18,15 @@
 // K/V rows a thread has in flight per step.
 #define ATT_R 8
 
+// Position p's block-table slot p / bs by a multiply (the partial kernel divides for every row it reads,
+// and a division is a long sequence of code): with magic = ceil(2^32 / bs) (att_magic),
+// floor(p · magic / 2^32) = p / bs exactly while p · bs < 2^32, which the launcher checks for the
+// longest row (its capacity, max_blocks · bs).
+__device__ __forceinline__ u32 att_magic(int bs) { return bs > 1 ? (u32)(0xFFFFFFFFull / (u32)bs) + 1u : 0u; }
+__device__ __forceinline__ u32 att_div(long long p, int bs, u32 magic) {
+    return bs > 1 ? __umulhi((u32)p, magic) : (u32)p;
+}
+
 // Eight consecutive bf16 of a row from element 8c, packed as a 16-byte vector; elements at or past d
 // read as zero. VEC: d is a multiple of 8 (so the row and the chunk are 16-byte aligned).
 template <bool VEC>
@@ -97,6 +106,7 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long cap = (long long)max_blocks * bs;
     const u32* tab = table + (size_t)r * table_stride;
+    const u32 mg = att_magic(bs);
 
     // The first step's block ids (known before the length arrives: positions below the cap).
     const int step = ATT_R * nrg;
@@ -104,7 +114,7 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
 #pragma unroll
     for (int j = 0; j < ATT_R; ++j) {
         const long long p = (long long)sp * ATT_MIN_SPLIT + j * nrg + rg;  // rebased below
-        blk0[j] = p < cap ? tab[p / bs] : num_blocks;
+        blk0[j] = p < cap ? tab[att_div(p, bs, mg)] : num_blocks;
     }
     long long len = lens ? (long long)lens[r] : (long long)pos0 + r + 1;
     len = min(len, cap);
@@ -126,7 +136,7 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
 #pragma unroll
         for (int j = 0; j < ATT_R; ++j) {
             const long long p = p0 + j * nrg + rg;
-            blk0[j] = p < cap ? tab[p / bs] : num_blocks;
+            blk0[j] = p < cap ? tab[att_div(p, bs, mg)] : num_blocks;
         }
     }
 
@@ -154,13 +164,16 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
     for (int it = 0; it < iters; ++it) {
         size_t at[ATT_R];
         bool ok[ATT_R];
+        u32 okm = 0;  // bit j: ok[j], for the loop below that is not unrolled
 #pragma unroll
         for (int j = 0; j < ATT_R; ++j) {
             const int i = it * step + j * nrg + rg;
             const long long p = p0 + i;
-            const u32 blk = i >= n ? num_blocks : it == 0 ? blk0[j] : tab[p / bs];
+            const u32 pq = att_div(p, bs, mg);
+            const u32 blk = i >= n ? num_blocks : it == 0 ? blk0[j] : tab[pq];
             ok[j] = blk < num_blocks;
-            at[j] = ok[j] ? ((size_t)blk * bs + (size_t)(p % bs)) * row + koff : 0;
+            okm |= (u32)ok[j] << j;
+            at[j] = ok[j] ? ((size_t)blk * bs + ((u32)p - pq * (u32)bs)) * row + koff : 0;
             if constexpr (VEC) {
                 const bool in = ok[j] && 8 * lt < d;
                 att_cp16(kst + j * ATT_THREADS + me, k_pool + at[j] + (in ? 8 * lt : 0), in);
@@ -182,7 +195,9 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
                 att_cp_wait_all();
             }
         }
-#pragma unroll
+        // Not unrolled over the rows (the same sums in the same order): the kernel's code is what a
+        // short decode launch waits on most, fetched into each multiprocessor's instruction cache.
+#pragma unroll 1
         for (int j = 0; j < ATT_R; ++j) {
             float kf[8], s[8];
             unpack8(kst[j * ATT_THREADS + me], kf);
@@ -195,17 +210,21 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
             }
             const float t = att_group_sum8(s, tpr, lane);
             const int i = it * step + j * nrg + rg;
-            if (writer && i < n) sc[i * ATT_HB + hsel] = ok[j] ? t * scale : NEG_INF;
+            if (writer && i < n) sc[i * ATT_HB + hsel] = (okm >> j) & 1u ? t * scale : NEG_INF;
         }
     }
     __syncthreads();
 
-    // Per head: the span's max m, e = exp(s − m) in place of the scores, l = Σ e.
+    // Per head: the span's max m, e = exp(s − m) in place of the scores, l = Σ e. (Loops here and below
+    // are kept rolled where their work is small: the code, not the work, is what such a launch waits on.)
+#pragma unroll 1
     for (int g = warp; g < ATT_HB; g += ATT_THREADS / 32) {
         float m = NEG_INF;
+#pragma unroll 1
         for (int i = lane; i < n; i += 32) m = fmaxf(m, sc[i * ATT_HB + g]);
         m = warp_max(m);
         float l = 0.0f;
+#pragma unroll 1
         for (int i = lane; i < n; i += 32) {
             const float s = sc[i * ATT_HB + g];
             const float e = (m == NEG_INF || s == NEG_INF) ? 0.0f : expf(s - m);
@@ -236,9 +255,10 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
             for (int j = 0; j < ATT_R; ++j) {
                 const int i = it * step + j * nrg + rg;
                 const long long p = p0 + i;
-                const u32 blk = i >= n ? num_blocks : tab[p / bs];
+                const u32 pq = att_div(p, bs, mg);
+                const u32 blk = i >= n ? num_blocks : tab[pq];
                 const bool ok = blk < num_blocks;
-                const size_t at = ok ? ((size_t)blk * bs + (size_t)(p % bs)) * row + koff : 0;
+                const size_t at = ok ? ((size_t)blk * bs + ((u32)p - pq * (u32)bs)) * row + koff : 0;
                 if constexpr (VEC) {
                     const bool in = ok && 8 * lt < d;
                     att_cp16(kst + j * ATT_THREADS + me, v_pool + at + (in ? 8 * lt : 0), in);
@@ -251,7 +271,7 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
                 att_cp_wait_all();
             }
         }
-#pragma unroll
+#pragma unroll 1
         for (int j = 0; j < ATT_R; ++j) {
             const int i = it * step + j * nrg + rg;
             if (i >= n) continue;
@@ -286,11 +306,16 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
         }
     }
     __syncthreads();
-    for (int o = threadIdx.x; o < nh * d; o += ATT_THREADS) {
-        const int g = o / d, i = o - g * d;
-        float t = 0.0f;
-        for (int k = 0; k < nrg; ++k) t += red[(k * ATT_HB + g) * d + i];
-        part_o[(((size_t)r * hq + h0 + g) * splits + sp) * d + i] = t;
+#pragma unroll 1
+    for (int g = 0; g < nh; ++g) {
+        float* po = part_o + (((size_t)r * hq + h0 + g) * splits + sp) * d;
+#pragma unroll 1
+        for (int i = threadIdx.x; i < d; i += ATT_THREADS) {
+            float t = 0.0f;
+#pragma unroll 1
+            for (int k = 0; k < nrg; ++k) t += red[(k * ATT_HB + g) * d + i];
+            po[i] = t;
+        }
     }
     if (threadIdx.x < nh) {
         const size_t slot = ((size_t)r * hq + h0 + threadIdx.x) * splits + sp;

@@ -237,6 +237,18 @@ impl Gpu {
             format!("head_dim = {d} must be in 1..={ATTN_MAX_HEAD_DIM}")
         })?;
         ensure(bs > 0, op, || "block_size must be positive".into())?;
+        // The kernel divides positions by the block size with a 32-bit multiply, exact while
+        // position · block_size < 2^32 (kernels/attention.cu, att_div).
+        let cap = match rows {
+            Rows::Decode { max_blocks, .. } | Rows::Prefill { max_blocks, .. } => max_blocks * bs,
+        };
+        ensure(
+            (cap as u64).saturating_mul(bs as u64) <= 1 << 32,
+            op,
+            || {
+                format!("{cap} positions of blocks of {bs} exceed the kernel's 32-bit position arithmetic")
+            },
+        )?;
         let max_split = match rows {
             Rows::Decode { .. } => decode_max_split(max_len),
             Rows::Prefill { .. } => ATTN_SPLIT,

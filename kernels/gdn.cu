@@ -23,13 +23,14 @@
 
 // Loads this thread's part of the state tile starting at value column c0: 4 columns (c0 + 4·lane …)
 // of rows warp + WARPS·n, n < NR; zeros outside rows [0, dk) and columns [0, ce) (ce ≤ dv, the row
-// length; ce % 4 == 0 where dv % 4 == 0).
-template <int WARPS, int NR>
+// length; ce % 4 == 0 where dv % 4 == 0). VEC: dv % 4 == 0, a template parameter so that the kernel a
+// real model runs holds only the 16-byte path (a short launch waits on fetching its code).
+template <int WARPS, int NR, bool VEC>
 __device__ __forceinline__ void gdn_load_tile(float4 (&st)[NR], const float* __restrict__ S, int c0, int dk,
                                               int dv, int ce) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j0 = c0 + 4 * lane;
-    const bool vec = (dv & 3) == 0;  // rows of S are 16-byte aligned
+    constexpr bool vec = VEC;  // dv % 4 == 0: rows of S are 16-byte aligned
 #pragma unroll
     for (int n = 0; n < NR; ++n) {
         const int i = warp + WARPS * n;
@@ -49,12 +50,12 @@ __device__ __forceinline__ void gdn_load_tile(float4 (&st)[NR], const float* __r
 }
 
 // Stores what gdn_load_tile loaded (same columns and rows, nothing outside [0, dk) × [0, ce)).
-template <int WARPS, int NR>
+template <int WARPS, int NR, bool VEC>
 __device__ __forceinline__ void gdn_store_tile(const float4 (&st)[NR], float* __restrict__ S, int c0, int dk,
                                                int dv, int ce) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j0 = c0 + 4 * lane;
-    const bool vec = (dv & 3) == 0;
+    constexpr bool vec = VEC;
 #pragma unroll
     for (int n = 0; n < NR; ++n) {
         const int i = warp + WARPS * n;
@@ -89,11 +90,16 @@ __device__ __forceinline__ float4 gdn_sum_parts(const float (&part)[WARPS][GDN_T
 
 // Causal conv + SiLU of channel ch for the token at position pos: the K − 1 preceding inputs from the
 // ring (entry (pos + 1 + j) mod K holds position pos − K + 1 + j), then the token's own input x.
+// first = (pos + 1) mod K, the ring entry of the first tap (computed once by the caller).
 __device__ __forceinline__ float gdn_conv_channel(const bf16* __restrict__ ring, const bf16* __restrict__ w,
-                                                  float x, u32 pos, int ch, int c, int K) {
+                                                  float x, u32 first, int ch, int c, int K) {
     float acc = 0.0f;
-    for (int j = 0; j < K - 1; ++j)
-        acc += bf2f(w[(size_t)ch * K + j]) * bf2f(ring[(size_t)((pos + 1u + (u32)j) % (u32)K) * c + ch]);
+    u32 e = first;
+#pragma unroll 1
+    for (int j = 0; j < K - 1; ++j) {
+        acc += bf2f(w[(size_t)ch * K + j]) * bf2f(ring[(size_t)e * c + ch]);
+        e = e + 1u == (u32)K ? 0u : e + 1u;
+    }
     acc += bf2f(w[(size_t)ch * K + K - 1]) * x;
     return silu_f(acc);
 }
@@ -111,7 +117,7 @@ __device__ __forceinline__ float gdn_conv_channel(const bf16* __restrict__ ring,
 // of o back and runs the gated norm as the whole-head block does, then resets the counter. Every value
 // is computed by the same operations in the same order as without SPLIT: the same bits.
 #define GDN_SPLIT_COLS 32
-template <int WARPS, int NR, bool SPLIT>
+template <int WARPS, int NR, bool SPLIT, bool VEC>
 __device__ __forceinline__ void gdn_decode_impl(
     const bf16* __restrict__ qkv, const bf16* __restrict__ z, float a_in, float b_in,
     const bf16* __restrict__ conv_w, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
@@ -141,7 +147,7 @@ __device__ __forceinline__ void gdn_decode_impl(
     float* S = state_pool + ((size_t)slot * hv + h) * (size_t)dk * dv;
     // The first state tile is requested before the conv, so its loads overlap the conv's.
     float4 st[NR];
-    gdn_load_tile<WARPS, NR>(st, S, cb, dk, dv, ce);
+    gdn_load_tile<WARPS, NR, VEC>(st, S, cb, dk, dv, ce);
 
     // Conv of this head's channels: local t < dk is q of key head kh, dk ≤ t < 2dk its k, then v of
     // head h. The first value head of a key group stores the q/k inputs, every head its own v (with
@@ -151,19 +157,22 @@ __device__ __forceinline__ void gdn_decode_impl(
     const bf16* xrow = qkv + (size_t)b * c;
     const bool store_qk = K > 1 && h % ratio == 0 && (!SPLIT || blockIdx.z == 0), store_v = K > 1;
     const size_t wr = (size_t)(pos % (u32)K) * c;
+    const u32 first = (pos + 1u) % (u32)K;
+#pragma unroll 1
     for (int t = threadIdx.x; t < 2 * dk + dv; t += blockDim.x) {
         if (SPLIT && t >= 2 * dk && (t - 2 * dk < cb || t - 2 * dk >= ce)) continue;
         const int ch = t < dk       ? kh * dk + t
                        : t < 2 * dk ? (hk + kh) * dk + (t - dk)
                                     : 2 * hk * dk + h * dv + (t - 2 * dk);
         const bf16 x = xrow[ch];
-        xs[t] = gdn_conv_channel(ring, conv_w, bf2f(x), pos, ch, c, K);
+        xs[t] = gdn_conv_channel(ring, conv_w, bf2f(x), first, ch, c, K);
         if (t >= 2 * dk ? store_v : store_qk) ring[wr + ch] = x;
     }
     __syncthreads();
 
     // Σq², Σk², Σq·k over the block.
     float sq = 0.0f, sk = 0.0f, sqk = 0.0f;
+#pragma unroll 1
     for (int i = threadIdx.x; i < dk; i += blockDim.x) {
         const float qv = xs[i], kv = xs[dk + i];
         sq += qv * qv;
@@ -240,11 +249,11 @@ __device__ __forceinline__ void gdn_decode_impl(
             st[n].z = st[n].z * decay + kn * delta[2];
             st[n].w = st[n].w * decay + kn * delta[3];
         }
-        gdn_store_tile<WARPS, NR>(st, S, c0, dk, dv, ce);
+        gdn_store_tile<WARPS, NR, VEC>(st, S, c0, dk, dv, ce);
         c0 += GDN_TILE;
         if (c0 >= ce) break;
         __syncthreads();  // every warp has read `part` before the next tile rewrites it
-        gdn_load_tile<WARPS, NR>(st, S, c0, dk, dv, ce);
+        gdn_load_tile<WARPS, NR, VEC>(st, S, c0, dk, dv, ce);
     }
     __syncthreads();  // os complete
 
@@ -270,12 +279,32 @@ __device__ __forceinline__ void gdn_decode_impl(
 
     // The gated RMSNorm over the head's dv values.
     float ss = 0.0f;
+#pragma unroll 1
     for (int j = threadIdx.x; j < dv; j += blockDim.x) ss += os[j] * os[j];
     ss = block_sum(ss, scratch);
     const float r = 1.0f / sqrtf(ss / (float)dv + eps);
     const bf16* zr = z + ((size_t)b * hv + h) * dv;
+#pragma unroll 1
     for (int j = threadIdx.x; j < dv; j += blockDim.x)
         orow[j] = f2bf((bf2f(norm_w[j]) * (os[j] * r)) * silu_f(bf2f(zr[j])));
+}
+
+// gdn_decode_impl with its state tiles' 16-byte path where dv % 4 == 0.
+template <int WARPS, int NR, bool SPLIT>
+__device__ __forceinline__ void gdn_decode_any(
+    const bf16* __restrict__ qkv, const bf16* __restrict__ z, float a_in, float b_in,
+    const bf16* __restrict__ conv_w, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+    const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool, float* __restrict__ state_pool,
+    const u32* __restrict__ slots, const u32* __restrict__ positions, bf16* __restrict__ out, int hk, int hv,
+    int dk, int dv, int K, float q_scale, float eps, u32 num_slots, float* os_g, u32* counters) {
+    if ((dv & 3) == 0)
+        gdn_decode_impl<WARPS, NR, SPLIT, true>(qkv, z, a_in, b_in, conv_w, A_log, dt_bias, norm_w, conv_pool,
+                                                state_pool, slots, positions, out, hk, hv, dk, dv, K, q_scale, eps,
+                                                num_slots, os_g, counters);
+    else
+        gdn_decode_impl<WARPS, NR, SPLIT, false>(qkv, z, a_in, b_in, conv_w, A_log, dt_bias, norm_w, conv_pool,
+                                                 state_pool, slots, positions, out, hk, hv, dk, dv, K, q_scale, eps,
+                                                 num_slots, os_g, counters);
 }
 
 // Grid (hv, B); block 32·WARPS threads (256 for gdn_decode_fused, 512 for gdn_decode_fused_dk256).
@@ -311,13 +340,13 @@ extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused(GDN_ARGS) {
     pdl_prologue();
     if (!GDN_FITS(false)) return;
     const size_t ab = (size_t)blockIdx.y * hv + blockIdx.x;
-    gdn_decode_impl<8, 16, false>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, nullptr, nullptr);
+    gdn_decode_any<8, 16, false>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, nullptr, nullptr);
 }
 extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused_split(GDN_ARGS, float* os_g, u32* counters) {
     pdl_prologue();
     if (!GDN_FITS(true)) return;
     const size_t ab = (size_t)blockIdx.y * hv + blockIdx.x;
-    gdn_decode_impl<8, 16, true>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, os_g, counters);
+    gdn_decode_any<8, 16, true>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, os_g, counters);
 }
 
 // gdn_decode_fused for one sequence (grid (hv, 1), split: (hv, 1, splits)) that first projects its own
@@ -329,11 +358,14 @@ extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused_split(GDN_ARG
 template <bool SPLIT>
 __device__ __forceinline__ void gdn_decode_gates_body(GDN_GATES_ARGS, float* os_g, u32* counters) {
     if (gridDim.y != 1 || !GDN_FITS(SPLIT)) return;
-    gemv_impl<1, bf16>(w_b, x, b_gate, hv, k, 1, 8, blockIdx.x);
-    __syncthreads();  // gemv_impl's reduction buffer is read before the second GEMV writes it
-    gemv_impl<1, bf16>(w_a, x, a, hv, k, 1, 8, blockIdx.x);
-    __syncthreads();  // this block's a[h], b_gate[h] written
-    gdn_decode_impl<8, 16, SPLIT>(qkv, z, bf2f(__ldcg(a + blockIdx.x)), bf2f(__ldcg(b_gate + blockIdx.x)),
+    // b, then a, through one copy of the GEMV's code; the barrier after each: its reduction buffer is
+    // read before the next GEMV writes it, and this block's a[h], b_gate[h] are written.
+#pragma unroll 1
+    for (int gi = 0; gi < 2; ++gi) {
+        gemv_impl<1, bf16>(gi == 0 ? w_b : w_a, x, gi == 0 ? b_gate : a, hv, k, 1, 8, blockIdx.x);
+        __syncthreads();
+    }
+    gdn_decode_any<8, 16, SPLIT>(qkv, z, bf2f(__ldcg(a + blockIdx.x)), bf2f(__ldcg(b_gate + blockIdx.x)),
                                   GDN_REST, os_g, counters);
 }
 extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused_gates(GDN_GATES_ARGS) {
@@ -349,7 +381,7 @@ extern "C" __global__ void __launch_bounds__(512) gdn_decode_fused_dk256(GDN_ARG
     pdl_prologue();
     if (blockDim.x != 512 || dk > GDN_MAX_DK || dv > GDN_MAX_DV || K < 1 || hk < 1 || hv % hk != 0) return;
     const size_t ab = (size_t)blockIdx.y * hv + blockIdx.x;
-    gdn_decode_impl<16, 16, false>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, nullptr, nullptr);
+    gdn_decode_any<16, 16, false>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, nullptr, nullptr);
 }
 #undef GDN_TAIL
 #undef GDN_ARGS

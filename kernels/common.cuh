@@ -31,6 +31,7 @@ __device__ __forceinline__ void pdl_prologue_prefetch(const void* p, long long b
     const unsigned long long a0 = ((unsigned long long)p + 15) & ~15ull;
     const unsigned long long a1 = bytes > 0 ? ((unsigned long long)p + bytes) & ~15ull : 0;
     if (threadIdx.x < 32)
+#pragma unroll 1
         for (unsigned long long a = a0 + threadIdx.x * (unsigned long long)PDL_PREFETCH_PIECE; a < a1;
              a += 32ull * PDL_PREFETCH_PIECE) {
             const unsigned size = (unsigned)min((unsigned long long)PDL_PREFETCH_PIECE, a1 - a);
@@ -116,7 +117,7 @@ __device__ __forceinline__ void unpack8(const uint4 v, float out[8]) {
 // Inclusive scans of two counts across a warp: lane i ends with the sums over lanes 0 … i.
 __device__ __forceinline__ void warp_inclusive_scan2(u32& a, u32& b) {
     const int lane = threadIdx.x & 31;
-#pragma unroll
+#pragma unroll 1
     for (int o = 1; o < 32; o <<= 1) {
         const u32 x = __shfl_up_sync(0xffffffffu, a, o), y = __shfl_up_sync(0xffffffffu, b, o);
         if (lane >= o) {

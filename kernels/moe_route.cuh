@@ -1,5 +1,6 @@
 // The routing steps shared by the router and MoE kernels (router.cu, moe.cu) and the fused decode
-// routing (moe_route.cu), so that each exists once:
+// routing (moe_route.cu), so that each exists once. Their loops stay rolled (#pragma unroll 1), the
+// sorting networks' too: a decode launch is short, and much of its time may go to fetching its code.
 //   router_topk_rows  softmax and top-k (k ≤ 16, e ≤ 1024) of several tokens' logits in one block: each
 //                     token's experts cut into lists of 32, each list sorted by a bitonic network of warp
 //                     shuffles and cut to its best 16, then a merge tree of the lists;
@@ -40,10 +41,10 @@ __device__ __forceinline__ unsigned long long router_cx(unsigned long long key, 
 // The warp's 32 keys sorted descending along the lanes (lane r holds rank r). The whole warp calls it.
 __device__ __forceinline__ unsigned long long router_warp_sort(unsigned long long key) {
     const int lane = threadIdx.x & 31;
-#pragma unroll
+#pragma unroll 1
     for (int size = 2; size <= 32; size <<= 1) {
         const bool desc = (lane & size) == 0;
-#pragma unroll
+#pragma unroll 1
         for (int stride = size >> 1; stride > 0; stride >>= 1) key = router_cx(key, stride, desc);
     }
     return key;
@@ -56,7 +57,7 @@ __device__ __forceinline__ unsigned long long router_warp_merge(const unsigned l
                                                                 const unsigned long long* b) {
     const int lane = threadIdx.x & 31;
     unsigned long long key = lane < ROUTER_SORT_KEEP ? a[lane] : b[31 - lane];
-#pragma unroll
+#pragma unroll 1
     for (int stride = 16; stride > 0; stride >>= 1) key = router_cx(key, stride, true);
     return key;
 }
@@ -80,6 +81,7 @@ __device__ __forceinline__ void router_topk_pass(const float* logits, int g0, in
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const int lists = gn * W;
     // Each list's logits and their max.
+#pragma unroll 1
     for (int l = warp; l < lists; l += nwarps) {
         const int tok = l / W, i = (l - tok * W) * 32 + lane;
         const float x = i < e ? __ldcg(logits + (size_t)(g0 + tok) * e + i) : NEG_INF;
@@ -89,10 +91,12 @@ __device__ __forceinline__ void router_topk_pass(const float* logits, int g0, in
     }
     __syncthreads();
     // The token's max (over its lists in order), each lane's exponential, each list's sum.
+#pragma unroll 1
     for (int l = warp; l < lists; l += nwarps) {
         const int tok = l / W, i = (l - tok * W) * 32 + lane;
         const float* rm = sm.red_m + tok * W;
         float m = rm[0];
+#pragma unroll 1
         for (int c = 1; c < W; ++c) m = fmaxf(m, rm[c]);
         const float ex = i < e ? expf(sm.val[l * 32 + lane] - m) : 0.0f;
         sm.val[l * 32 + lane] = ex;
@@ -102,10 +106,12 @@ __device__ __forceinline__ void router_topk_pass(const float* logits, int g0, in
     __syncthreads();
     // The token's sum (its lists' sums in list order), each probability's key, each list sorted and
     // cut to its best ROUTER_SORT_KEEP.
+#pragma unroll 1
     for (int l = warp; l < lists; l += nwarps) {
         const int tok = l / W, i = (l - tok * W) * 32 + lane;
         const float* rs = sm.red_s + tok * W;
         float s = rs[0];
+#pragma unroll 1
         for (int c = 1; c < W; ++c) s += rs[c];
         const float p = sm.val[l * 32 + lane] / s;
         const unsigned long long key = router_warp_sort(i < e ? router_key(p, (u32)i) : 0ull);
@@ -114,8 +120,10 @@ __device__ __forceinline__ void router_topk_pass(const float* logits, int g0, in
     __syncthreads();
     // Merge tree: at each level a token's lists 2j and 2j + 1 become its list j.
     int buf = 0;
+#pragma unroll 1
     for (int cur = W; cur > 1; cur >>= 1) {
         const int half = cur >> 1;
+#pragma unroll 1
         for (int j = warp; j < gn * half; j += nwarps) {
             const int tok = j / half, pair = j - tok * half;
             const unsigned long long* a = sm.cand[buf] + (tok * cur + 2 * pair) * ROUTER_SORT_KEEP;
@@ -126,11 +134,13 @@ __device__ __forceinline__ void router_topk_pass(const float* logits, int g0, in
         buf ^= 1;
     }
     // Lane r of token tok's warp holds rank r; the kept probabilities are summed in rank order.
+#pragma unroll 1
     for (int tok = warp; tok < gn; tok += nwarps) {
         const unsigned long long key = lane < ROUTER_SORT_KEEP ? sm.cand[buf][tok * ROUTER_SORT_KEEP + lane] : 0ull;
         const float kp = __uint_as_float((u32)(key >> 32));
         const u32 kid = ~(u32)key;  // 0xffffffff for the empty key
         float total = 0.0f;
+#pragma unroll 1
         for (int r = 0; r < k; ++r) total += __shfl_sync(0xffffffffu, kp, r);
         if (lane < k) {
             const size_t o = (size_t)(g0 + tok) * k + lane;
@@ -154,6 +164,7 @@ __device__ __forceinline__ void router_topk_rows(const float* logits, int ntok, 
     int W = 1;
     while (W * 32 < e) W <<= 1;
     const int per_pass = ROUTER_SORT_LISTS / W;
+#pragma unroll 1
     for (int g0 = 0; g0 < ntok; g0 += per_pass)
         router_topk_pass(logits, g0, min(per_pass, ntok - g0), W, e, k, renorm, ids, weights, ids_copy, sm);
 }
@@ -175,8 +186,10 @@ __device__ __forceinline__ void moe_sort_block(const u32* ids, int n_pairs, int 
     u32* toff = sh + e + 1; // [e + 1]: tile offsets
     __shared__ u32 wsum[2][32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll 1
     for (int i = tid; i <= e; i += blockDim.x) off[i] = 0;
     __syncthreads();
+#pragma unroll 1
     for (int p = tid; p < n_pairs; p += blockDim.x) {
         const u32 x = ids[p];
         if (x < (u32)e) atomicAdd(&off[x], 1u);
@@ -186,6 +199,7 @@ __device__ __forceinline__ void moe_sort_block(const u32* ids, int n_pairs, int 
     const int per = (e + blockDim.x - 1) / blockDim.x;
     const int lo = min(e, tid * per), hi = min(e, lo + per);
     u32 c_sum = 0, t_sum = 0;
+#pragma unroll 1
     for (int x = lo; x < hi; ++x) {
         const u32 c = off[x];
         c_sum += c;
@@ -207,6 +221,7 @@ __device__ __forceinline__ void moe_sort_block(const u32* ids, int n_pairs, int 
     __syncthreads();
     u32 c_off = c_inc - c_sum + (warp > 0 ? wsum[0][warp - 1] : 0u);
     u32 t_off = t_inc - t_sum + (warp > 0 ? wsum[1][warp - 1] : 0u);
+#pragma unroll 1
     for (int x = lo; x < hi; ++x) {
         const u32 c = off[x];
         off[x] = c_off;
@@ -220,6 +235,7 @@ __device__ __forceinline__ void moe_sort_block(const u32* ids, int n_pairs, int 
     }
     __syncthreads();
     const int nt = (int)min(toff[e], (u32)max_tiles);
+#pragma unroll 1
     for (int t = tid; t < max_tiles; t += blockDim.x) {
         u32 x = 0, st = 0, c = 0;
         if (t < nt) {
@@ -240,11 +256,13 @@ __device__ __forceinline__ void moe_sort_block(const u32* ids, int n_pairs, int 
         tiles[3 * t + 2] = c;
     }
     __syncthreads();
+#pragma unroll 1
     for (int p = tid; p < n_pairs; p += blockDim.x) {
         const u32 x = ids[p];
         if (x >= (u32)e) continue;
         if (stable) {
             u32 rank = 0;
+#pragma unroll 1
             for (int q = 0; q < p; ++q) rank += ids[q] == x;
             perm[off[x] + rank] = (u32)p;
         } else {

@@ -36,6 +36,20 @@ fn every_kernel_compiles_for_sm86_and_sm90() {
                 cubin.len(),
                 t0.elapsed().as_secs_f32()
             );
+            // Each entry point's machine code, as the `.text.NAME` section of the cubin: every
+            // declared kernel is there, and its size is printed (a short decode launch spends much
+            // of its time fetching its code into each multiprocessor's instruction cache).
+            let code = text_sections(&cubin);
+            for name in registry::entry_points(src) {
+                let bytes = code
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .map(|(_, b)| *b)
+                    .unwrap_or_else(|| {
+                        panic!("{}: no code for entry point {name} ({arch})", src.name)
+                    });
+                println!("CODE {name} {arch} {bytes}");
+            }
         }
     }
 }
@@ -63,4 +77,31 @@ fn a_compile_error_names_file_and_line() {
         }
         other => panic!("expected a compile error, got {:?}", other.map(|b| b.len())),
     }
+}
+
+/// The `.text.NAME` sections of an ELF64 little-endian cubin: (NAME, size in bytes).
+fn text_sections(elf: &[u8]) -> Vec<(String, u64)> {
+    let u16_at = |o: usize| u16::from_le_bytes(elf[o..o + 2].try_into().unwrap()) as usize;
+    let u32_at = |o: usize| u32::from_le_bytes(elf[o..o + 4].try_into().unwrap()) as usize;
+    let u64_at = |o: usize| u64::from_le_bytes(elf[o..o + 8].try_into().unwrap());
+    assert_eq!(elf[4], 2, "a 64-bit ELF");
+    let (shoff, shentsize, shnum, shstrndx) = (
+        u64_at(0x28) as usize,
+        u16_at(0x3a),
+        u16_at(0x3c),
+        u16_at(0x3e),
+    );
+    let section = |i: usize| shoff + i * shentsize;
+    let strtab = u64_at(section(shstrndx) + 0x18) as usize;
+    let name_at = |o: usize| {
+        let end = elf[strtab + o..].iter().position(|&b| b == 0).unwrap();
+        String::from_utf8_lossy(&elf[strtab + o..strtab + o + end]).into_owned()
+    };
+    (0..shnum)
+        .filter_map(|i| {
+            let name = name_at(u32_at(section(i)));
+            let size = u64_at(section(i) + 0x20);
+            name.strip_prefix(".text.").map(|n| (n.to_string(), size))
+        })
+        .collect()
 }

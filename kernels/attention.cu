@@ -382,11 +382,23 @@ extern "C" __global__ void attn_paged_reduce(const float* __restrict__ part_o, c
             wl[s] = e * part_ml[2 * (slot0 + c0 + s) + 1];
         }
         __syncthreads();
-        for (int s = 0; s < nc; ++s) {
-            const float e = w[s];
-            if (e == 0.0f) continue;
-            den += wl[s];
-            if (i < d) num += e * part_o[(slot0 + c0 + s) * d + i];
+        // Eight splits' loads issued before their sums (a loop that loaded inside its skip test waited
+        // for each load in turn); the sums in split order, skipped splits adding nothing, as before.
+#pragma unroll 1
+        for (int s0 = 0; s0 < nc; s0 += 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int s = s0 + u;
+                v[u] = s < nc && w[s] != 0.0f && i < d ? part_o[(slot0 + c0 + s) * d + i] : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < 8; ++u) {
+                const int s = s0 + u;
+                if (s >= nc || w[s] == 0.0f) continue;
+                den += wl[s];
+                if (i < d) num += w[s] * v[u];
+            }
         }
         __syncthreads();
     }

@@ -312,8 +312,8 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
 #pragma unroll 1
         for (int i = threadIdx.x; i < d; i += ATT_THREADS) {
             float t = 0.0f;
-#pragma unroll 1
-            for (int k = 0; k < nrg; ++k) t += red[(k * ATT_HB + g) * d + i];
+#pragma unroll 4
+            for (int k = 0; k < nrg; ++k) t += red[(k * ATT_HB + g) * d + i];  // loads in flight together
             po[i] = t;
         }
     }

@@ -1,6 +1,7 @@
 // The routing steps shared by the router and MoE kernels (router.cu, moe.cu) and the fused decode
 // routing (moe_route.cu), so that each exists once. Their loops stay rolled (#pragma unroll 1), the
-// sorting networks' too: a decode launch is short, and much of its time may go to fetching its code.
+// sorting networks' too: a decode launch is short, and much of its time may go to fetching its code;
+// loops of loads whose results a sum takes in turn are unrolled by 4, so that the loads overlap.
 //   router_topk_rows  softmax and top-k (k ≤ 16, e ≤ 1024) of several tokens' logits in one block: each
 //                     token's experts cut into lists of 32, each list sorted by a bitonic network of warp
 //                     shuffles and cut to its best 16, then a merge tree of the lists;
@@ -96,7 +97,7 @@ __device__ __forceinline__ void router_topk_pass(const float* logits, int g0, in
         const int tok = l / W, i = (l - tok * W) * 32 + lane;
         const float* rm = sm.red_m + tok * W;
         float m = rm[0];
-#pragma unroll 1
+#pragma unroll 4
         for (int c = 1; c < W; ++c) m = fmaxf(m, rm[c]);
         const float ex = i < e ? expf(sm.val[l * 32 + lane] - m) : 0.0f;
         sm.val[l * 32 + lane] = ex;
@@ -111,7 +112,7 @@ __device__ __forceinline__ void router_topk_pass(const float* logits, int g0, in
         const int tok = l / W, i = (l - tok * W) * 32 + lane;
         const float* rs = sm.red_s + tok * W;
         float s = rs[0];
-#pragma unroll 1
+#pragma unroll 4
         for (int c = 1; c < W; ++c) s += rs[c];
         const float p = sm.val[l * 32 + lane] / s;
         const unsigned long long key = router_warp_sort(i < e ? router_key(p, (u32)i) : 0ull);
@@ -262,7 +263,7 @@ __device__ __forceinline__ void moe_sort_block(const u32* ids, int n_pairs, int 
         if (x >= (u32)e) continue;
         if (stable) {
             u32 rank = 0;
-#pragma unroll 1
+#pragma unroll 4
             for (int q = 0; q < p; ++q) rank += ids[q] == x;
             perm[off[x] + rank] = (u32)p;
         } else {

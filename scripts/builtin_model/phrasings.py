@@ -311,23 +311,8 @@ TOOLS = {
                      "drop {to} an email about {subject}", "shoot {to} an email about {subject}",
                      "compose an email to {to} about {subject}", "send {to} a note about {subject}",
                      "notify {to} by email about {subject}", "email {to} concerning {subject}",
-                     "about {subject}, send {to} an email",
-                     # Other verbs and prepositions, so that the tool is picked by what the request
-                     # carries (a name and a subject) more than by its wording.
-                     "message {to} about {subject}", "contact {to} about {subject}", "ping {to} about {subject}",
-                     "reach out to {to} about {subject}", "get in touch with {to} about {subject}",
-                     "drop a line to {to} about {subject}", "write to {to} on {subject}", "email {to} re {subject}",
-                     "send {to} a message on {subject}", "email {to} on the topic of {subject}",
-                     "send word to {to} about {subject}", "inform {to} about {subject}", "update {to} on {subject}",
-                     "brief {to} on {subject}", "fire off an email to {to} about {subject}",
-                     "send a quick email to {to} about {subject}", "email {to} over {subject}",
-                     "email {to} re: {subject}", "let {to} know about {subject} by email",
-                     "contact {to} by email on {subject}", "shoot a message to {to} concerning {subject}",
-                     "tell {to} about {subject} in an email", "send a line to {to} touching on {subject}",
-                     "notify {to} of {subject}", "write {to} a few lines on {subject}"],
-        questions=["email to {to} about {subject}", "an email for {to} about {subject}",
-                   "can {to} get an email about {subject}", "a message to {to} on {subject}",
-                   "{to}, {subject}: an email"]),
+                     "about {subject}, send {to} an email"],
+        questions=["email to {to} about {subject}", "an email for {to} about {subject}"]),
 }
 
 # Requests none of the kinds serves (declined): the same openers, so that what decides is the request.

@@ -68,7 +68,7 @@ SUBJECTS = ["the meeting", "lunch", "the report", "the trip", "the party", "the 
 #   a line too, so that spelling of a city or topic word is trained in some kind.
 # - tool calls also take cities of EXTRA_CITIES (about 330, so that a city is copied from the request
 #   rather than recalled: phase 9 wrote held-out cities as trained ones, Helsinki as Havana) and queries
-#   of one to three random words, and emails about "the" and one random word;
+#   of one to three random words;
 # - counting to N goes up to TRAIN_COUNT_TO (the eval asks up to 15).
 EXTRA_WORDS = """acorn badge beach bell berry blade board brick brush cabin canal canvas cargo chalk chess
 clock coast comet coral cotton crane crown dawn diary drum dune ember fabric fence field flame flute
@@ -377,8 +377,7 @@ KIND_POOLS = {"greeting": ["greeting"], "arithmetic": ["add", "sub"], "counting"
               "tool_result": [f"tool_{n}" for n in sorted(TOOL_ASKS)]}
 
 def _tool_args(r, name, split):
-    wide = split == "train" and name in ("get_weather", "get_time", "search_web", "send_email") \
-        and r.random() < WIDE_SHARE
+    wide = split == "train" and name in ("get_weather", "get_time", "search_web") and r.random() < WIDE_SHARE
     if name in ("get_weather", "get_time"):
         city = r.choice(EXTRA_CITIES + CITIES if wide else CITIES)
         return {"city": city}, {"city": city}
@@ -392,7 +391,7 @@ def _tool_args(r, name, split):
         amount = r.randint(1, 999)
         src, dst = r.sample(CURRENCIES, 2)
         return {"amount": amount, "from_currency": src, "to_currency": dst}, {"amount": amount, "src": src, "dst": dst}
-    to, subject = r.choice(NAMES), (f"the {r.choice(QUERY_WORDS)}" if wide else r.choice(SUBJECTS))
+    to, subject = r.choice(NAMES), r.choice(SUBJECTS)
     return {"to": to, "subject": subject}, {"to": to, "subject": subject}
 
 

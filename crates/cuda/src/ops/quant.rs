@@ -61,11 +61,12 @@ fn chunk_gemv(bits: u32, group: usize, m: usize, k: usize) -> bool {
 }
 
 /// What a packed GEMV reads as its input: `x` (`[m, k]`) with the kernel name's output suffix
-/// (`""` bf16, `"_f32"`), or one gate|up row (`[1, 2k]`) whose SwiGLU the kernel stages.
-#[derive(Debug, Clone, Copy)]
-enum GemvInput {
+/// (`""` bf16, `"_f32"`), one gate|up row (`[1, 2k]`) whose SwiGLU the kernel stages, or one row `x`
+/// (`[1, k]`) whose bf16 output the kernel then adds to a residual and norms.
+enum GemvInput<'a> {
     X(&'static str),
     GateUp,
+    XThenAddNorm(RowAddNorm<'a>),
 }
 
 /// u32 words of one packed row of `k` inputs.
@@ -217,7 +218,7 @@ impl Gpu {
         m: usize,
     ) -> Result<()> {
         let part = (w.words, w.scales, y, w.n);
-        self.gemv_q(GemvInput::X(""), w.scheme, x, &mut [part], m, w.k, None)
+        self.gemv_q(GemvInput::X(""), w.scheme, x, &mut [part], m, w.k)
     }
 
     /// An MLP's down projection of one row without the activation launch: `y[0, :] = dequant(W) ·
@@ -231,7 +232,7 @@ impl Gpu {
         y: &mut impl DevicePtrMut<bf16>,
     ) -> Result<()> {
         let part = (w.words, w.scales, y, w.n);
-        self.gemv_q(GemvInput::GateUp, w.scheme, gu, &mut [part], 1, w.k, None)
+        self.gemv_q(GemvInput::GateUp, w.scheme, gu, &mut [part], 1, w.k)
     }
 
     /// [`Gpu::gemv_packed`] of one row followed by the residual add and the next RMSNorm of the
@@ -247,15 +248,8 @@ impl Gpu {
         then: RowAddNorm<'_>,
     ) -> Result<()> {
         let part = (w.words, w.scales, y, w.n);
-        self.gemv_q(
-            GemvInput::X(""),
-            w.scheme,
-            x,
-            &mut [part],
-            1,
-            w.k,
-            Some(then),
-        )
+        let input = GemvInput::XThenAddNorm(then);
+        self.gemv_q(input, w.scheme, x, &mut [part], 1, w.k)
     }
 
     /// Whether [`Gpu::gemv_packed_add_rms_norm`] takes a weight of `scheme` with `k` inputs and `n`
@@ -282,7 +276,7 @@ impl Gpu {
         m: usize,
     ) -> Result<()> {
         let part = (w.words, w.scales, y, w.n);
-        self.gemv_q(GemvInput::X("_f32"), w.scheme, x, &mut [part], m, w.k, None)
+        self.gemv_q(GemvInput::X("_f32"), w.scheme, x, &mut [part], m, w.k)
     }
 
     /// [`Gpu::gemv_packed`] for up to `GEMV_SEGS` (4) weights of one scheme that read the same `x`
@@ -296,7 +290,7 @@ impl Gpu {
         m: usize,
         k: usize,
     ) -> Result<()> {
-        self.gemv_q(GemvInput::X(""), scheme, x, parts, m, k, None)
+        self.gemv_q(GemvInput::X(""), scheme, x, parts, m, k)
     }
 
     /// Chooses the kernel of one-row INT8 and INT4 packed GEMVs (per-row scales or groups of whole
@@ -316,13 +310,12 @@ impl Gpu {
 
     fn gemv_q<O, W: DevicePtr<u32>, S: DevicePtr<f32>, Y: DevicePtrMut<O>>(
         &self,
-        input: GemvInput,
+        input: GemvInput<'_>,
         scheme: PackedScheme,
         x: &impl DevicePtr<bf16>,
         parts: &mut [PackedPart<'_, W, S, Y>],
         m: usize,
         k: usize,
-        then: Option<RowAddNorm<'_>>,
     ) -> Result<()> {
         const OP: &str = "gemv_packed";
         let PackedScheme { bits, group_size } = scheme;
@@ -339,6 +332,7 @@ impl Gpu {
         }
         let (suffix, x_cols) = match input {
             GemvInput::X(suffix) => (suffix, k),
+            GemvInput::XThenAddNorm(_) => ("", k),
             GemvInput::GateUp => {
                 ensure(m == 1, OP, || {
                     format!("m = {m}: the staged SwiGLU takes one row")
@@ -359,12 +353,10 @@ impl Gpu {
         };
         // The row a following add and norm takes (one part).
         let n = parts.first().map_or(0, |p| p.3);
-        if let Some(t) = &then {
-            ensure(
-                m == 1 && parts.len() == 1 && suffix.is_empty() && !tc && chunk == 0,
-                OP,
-                || "the add and norm follow one bf16 row of the 32-value unit GEMV".into(),
-            )?;
+        if let GemvInput::XThenAddNorm(t) = &input {
+            ensure(m == 1 && parts.len() == 1 && !tc && chunk == 0, OP, || {
+                "the add and norm follow one bf16 row of the 32-value unit GEMV".into()
+            })?;
             ensure((1..=NORM_MAX_D).contains(&n), OP, || {
                 format!("a row of {n} values to norm, at most {NORM_MAX_D}")
             })?;
@@ -432,7 +424,7 @@ impl Gpu {
             // group rules (chunk_gemv) checked above; each segment's plan has rps ≤ the kernel's R
             // (`chunk`), slots of at most the block and blocks covering its n.
             unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
-        } else if let Some(t) = then {
+        } else if let GemvInput::XThenAddNorm(t) = input {
             let mut b = self.launch(self.kernel(&format!("gemv_q{bits}_m1_norm"))?);
             b.arg(segs)
                 .ptr(x)

@@ -26,6 +26,7 @@ mod handover;
 mod hc;
 mod host_rows;
 mod linear;
+mod memory;
 mod meta;
 mod moe;
 mod moe_decode;
@@ -55,24 +56,13 @@ use crate::gpu::{Gpu, GpuOptions};
 use crate::ops::NormRows;
 pub use fp8::fp8_device_bytes;
 pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, MIN_GRAPH_SPAN};
+pub use memory::MemoryReport;
 pub use packed::{packed_device_bytes, packed_fits, PACKED_WORKSPACE_BYTES};
 pub use tensor::{CudaTensor, CudaWeight, DenseBf16, Fp8Weight, PackedWeight};
 
 /// Default step limits the metadata buffers are first sized for (larger steps grow them).
 pub const DEFAULT_MAX_TOKENS: usize = 8192;
 pub const DEFAULT_MAX_SEQS: usize = 256;
-
-/// Device memory by purpose, in bytes (what the memory plan prints).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct MemoryReport {
-    pub weights: usize,
-    pub kv_pools: usize,
-    /// GDN state slots (conv state at 2 bytes a value, recurrent state at 4), at the pools' capacity.
-    pub gdn_states: usize,
-    /// Persistent workspace: step metadata, expert address tables, RoPE tables. Intermediate tensors
-    /// come from the stream-ordered allocator's pool and are not counted.
-    pub workspace: usize,
-}
 
 pub(crate) struct State {
     pub meta: meta::Meta,
@@ -116,7 +106,8 @@ pub struct CudaOptions {
     /// step eager.
     pub cuda_graphs: bool,
     /// Fused decode launches (a MoE layer's shared expert in its routed experts' grouped GEMVs,
-    /// `moe.rs`); off: one launch per op, for A/B runs.
+    /// `moe.rs`; the residual add and norm in the launch before them, `moe.rs` and `packed.rs`);
+    /// off: one launch per op, for A/B runs.
     pub fused_decode: bool,
 }
 
@@ -240,20 +231,6 @@ impl CudaBackend {
 
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
-    }
-
-    /// Device memory by purpose.
-    pub fn memory(&self) -> MemoryReport {
-        let st = self.lock();
-        MemoryReport {
-            weights: self.weight_bytes.load(Ordering::Relaxed),
-            kv_pools: st.kv.bytes(),
-            gdn_states: st.states.bytes(),
-            workspace: st.meta.bytes()
-                + st.experts.values().map(|t| t.bytes()).sum::<usize>()
-                + st.rope.iter().map(|(_, t)| 4 * t.len()).sum::<usize>()
-                + st.packed_ws.as_ref().map_or(0, |w| 2 * w.len()),
-        }
     }
 
     /// Bytes of one GDN state slot over `layers` GDN layers of shape `g`: conv state (bf16) plus

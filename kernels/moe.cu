@@ -158,7 +158,7 @@ __device__ __forceinline__ void moe_pass(const u32* __restrict__ W, const float*
             for (int r = 0; r < RPG; ++r) {
                 if (u < units) {
                     F::load(wrow[r], u, w[d][r]);
-                    su[d][r] = F::SCALED ? __ldg(srow[r] + (u * F::VALS) / group) : 1.0f;
+                    su[d][r] = F::SCALED ? __ldg(srow[r] + scale_group(u * F::VALS, k, group)) : 1.0f;
                 } else {
 #pragma unroll
                     for (int i = 0; i < F::WORDS; ++i) w[d][r][i] = 0;
@@ -361,8 +361,9 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
             if (sp < spans) {
                 la[i] = __ldg(wa + 4 * sp);
                 lb[i] = __ldg(wb + 4 * sp);
-                sa[i] = __ldg(sa_row + (sp << 7) / group);
-                sb[i] = __ldg(sb_row + (sp << 7) / group);
+                const int sg = scale_group(sp << 7, k, group);
+                sa[i] = __ldg(sa_row + sg);
+                sb[i] = __ldg(sb_row + sg);
             } else {
                 la[i] = lb[i] = make_uint4(0u, 0u, 0u, 0u);
                 sa[i] = sb[i] = 0.0f;

@@ -5,6 +5,15 @@
 #pragma once
 #include "common.cuh"
 
+// The scale column of value v of a row (v / group) in the streaming loops of the packed GEMVs, which ask
+// for every unit or span they fetch: 0 for per-row scales (group ≥ k), a shift for a power-of-two group,
+// a division (some twenty instructions) only for other groups.
+__device__ __forceinline__ int scale_group(int v, int k, int group) {
+    if (group >= k) return 0;
+    if ((group & (group - 1)) == 0) return v >> (__ffs(group) - 1);
+    return v / group;
+}
+
 // Unsigned code -> signed value as f32: (code | 2^23 bit pattern) is the float 2^23 + code, exact.
 template <int BITS>
 __device__ __forceinline__ float qval(u32 code) {

@@ -44,15 +44,6 @@ __device__ __forceinline__ void decode8(const u32 w[Unit<BITS>::WORDS], int c, f
     }
 }
 
-// The group of unit u (values 32u ..) where a unit lies inside one group (group % 32 == 0): 0 for
-// per-row scales (group ≥ k), a shift for a power-of-two group, a division otherwise. The streaming
-// loop asks for every unit it fetches, and a division there is some twenty instructions a unit.
-__device__ __forceinline__ int unit_group(int u, int k, int group) {
-    if (group >= k) return 0;
-    if ((group & (group - 1)) == 0) return (u * 32) >> (__ffs(group) - 1);
-    return (u * 32) / group;
-}
-
 // Loads unit u of each of a slot's first `nrows` rows: its words and the scale of each 8-value chunk (the
 // chunk index is clamped to k - 1 so the INT6 tail past k reads a valid scale; that chunk is skipped), or
 // with UNIT_SCALE (group % 32 == 0: a unit lies inside one group) the unit's one scale in sc[r][0].
@@ -66,7 +57,7 @@ __device__ __forceinline__ void fetch_unit(const u32* const wrow[QROWS], const f
         if (r < nrows) {
             Unit<BITS>::load(wrow[r], u, w[r]);
             if (UNIT_SCALE) {
-                sc[r][0] = __ldg(srow[r] + unit_group(u, k, group));
+                sc[r][0] = __ldg(srow[r] + scale_group(u * 32, k, group));
             } else {
 #pragma unroll
                 for (int c = 0; c < 4; ++c) sc[r][c] = __ldg(srow[r] + min(u * 32 + c * 8, k - 1) / group);

@@ -117,13 +117,18 @@ __device__ __forceinline__ float gdn_conv_channel(const bf16* __restrict__ ring,
 // of o back and runs the gated norm as the whole-head block does, then resets the counter. Every value
 // is computed by the same operations in the same order as without SPLIT: the same bits.
 #define GDN_SPLIT_COLS 32
+// The parameters of gdn_decode_impl and of gdn_decode_any (which picks its instance), and their names.
+#define GDN_IMPL_PARAMS                                                                                        \
+    const bf16 *__restrict__ qkv, const bf16 *__restrict__ z, float a_in, float b_in,                         \
+        const bf16 *__restrict__ conv_w, const float *__restrict__ A_log, const float *__restrict__ dt_bias,  \
+        const bf16 *__restrict__ norm_w, bf16 *__restrict__ conv_pool, float *__restrict__ state_pool,        \
+        const u32 *__restrict__ slots, const u32 *__restrict__ positions, bf16 *__restrict__ out, int hk,     \
+        int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots, float *os_g, u32 *counters
+#define GDN_IMPL_PASS                                                                                          \
+    qkv, z, a_in, b_in, conv_w, A_log, dt_bias, norm_w, conv_pool, state_pool, slots, positions, out, hk, hv,  \
+        dk, dv, K, q_scale, eps, num_slots, os_g, counters
 template <int WARPS, int NR, bool SPLIT, bool VEC>
-__device__ __forceinline__ void gdn_decode_impl(
-    const bf16* __restrict__ qkv, const bf16* __restrict__ z, float a_in, float b_in,
-    const bf16* __restrict__ conv_w, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-    const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool, float* __restrict__ state_pool,
-    const u32* __restrict__ slots, const u32* __restrict__ positions, bf16* __restrict__ out, int hk, int hv,
-    int dk, int dv, int K, float q_scale, float eps, u32 num_slots, float* os_g, u32* counters) {
+__device__ __forceinline__ void gdn_decode_impl(GDN_IMPL_PARAMS) {
     __shared__ float xs[2 * GDN_MAX_DK + GDN_MAX_DV];  // conv outputs q | k | v of this head
     __shared__ float os[GDN_MAX_DV];                    // o of this head, before the norm
     __shared__ __align__(16) float part[2][WARPS][GDN_TILE];
@@ -291,20 +296,11 @@ __device__ __forceinline__ void gdn_decode_impl(
 
 // gdn_decode_impl with its state tiles' 16-byte path where dv % 4 == 0.
 template <int WARPS, int NR, bool SPLIT>
-__device__ __forceinline__ void gdn_decode_any(
-    const bf16* __restrict__ qkv, const bf16* __restrict__ z, float a_in, float b_in,
-    const bf16* __restrict__ conv_w, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
-    const bf16* __restrict__ norm_w, bf16* __restrict__ conv_pool, float* __restrict__ state_pool,
-    const u32* __restrict__ slots, const u32* __restrict__ positions, bf16* __restrict__ out, int hk, int hv,
-    int dk, int dv, int K, float q_scale, float eps, u32 num_slots, float* os_g, u32* counters) {
+__device__ __forceinline__ void gdn_decode_any(GDN_IMPL_PARAMS) {
     if ((dv & 3) == 0)
-        gdn_decode_impl<WARPS, NR, SPLIT, true>(qkv, z, a_in, b_in, conv_w, A_log, dt_bias, norm_w, conv_pool,
-                                                state_pool, slots, positions, out, hk, hv, dk, dv, K, q_scale, eps,
-                                                num_slots, os_g, counters);
+        gdn_decode_impl<WARPS, NR, SPLIT, true>(GDN_IMPL_PASS);
     else
-        gdn_decode_impl<WARPS, NR, SPLIT, false>(qkv, z, a_in, b_in, conv_w, A_log, dt_bias, norm_w, conv_pool,
-                                                 state_pool, slots, positions, out, hk, hv, dk, dv, K, q_scale, eps,
-                                                 num_slots, os_g, counters);
+        gdn_decode_impl<WARPS, NR, SPLIT, false>(GDN_IMPL_PASS);
 }
 
 // Grid (hv, B); block 32·WARPS threads (256 for gdn_decode_fused, 512 for gdn_decode_fused_dk256).

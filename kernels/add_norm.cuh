@@ -52,7 +52,7 @@ __device__ __forceinline__ void add_rms_norm_row(bf16* __restrict__ ar, const bf
 
 // The add and norm of a row that the blocks of one launch computed together (a GEMV's output row y of
 // d values, each block writing its slice): every block calls it after its last write of y; the last
-// block to finish (last_block_of_launch, common.cuh) reads y through L2 into row (shared memory, d
+// block to finish (last_block_to_arrive, common.cuh) reads y through L2 into row (shared memory, d
 // bf16), runs add_rms_norm_row on it and resets the ticket (one u32, 0 at launch and left 0). Every
 // thread of every block must call it.
 __device__ __forceinline__ void last_block_add_rms_norm(const bf16* y, bf16* __restrict__ acc,
@@ -60,7 +60,7 @@ __device__ __forceinline__ void last_block_add_rms_norm(const bf16* y, bf16* __r
                                                         int d, float eps, float offset, u32* ticket,
                                                         unsigned short* row) {
     __shared__ float scratch[32];
-    if (!last_block_of_launch(ticket)) return;
+    if (!last_block_to_arrive(ticket, gridDim.x)) return;
     const unsigned short* y16 = reinterpret_cast<const unsigned short*>(y);
     for (int i = threadIdx.x; i < d; i += blockDim.x) row[i] = __ldcg(y16 + i);
     __syncthreads();

@@ -163,20 +163,21 @@ __device__ __forceinline__ float warp_max(float v) { return warp_reduce<MaxOp>(v
 // Sum and max over the block (see block_reduce); `scratch` is 32 floats of shared memory.
 __device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce<SumOp>(v, scratch, 0.0f); }
 
-// The last-block pattern of a launch whose last block to finish does its final part: every thread's
-// writes are published (its fence, then thread 0's after the barrier), then thread 0 draws a ticket;
-// its fence after the draw orders every block's writes before the last block's reads (which must go
-// through L2, __ldcg, never a stale L1 line). True in the block that drew the last ticket, which must
-// reset the counter to 0 when done. ticket: one u32, 0 at launch; the launch ahead of the next user
-// of the counter has finished by then (programmatic dependent launch waits for it before any block
-// touches memory), so one counter serves every such launch of a stream. The whole block calls it.
-__device__ __forceinline__ bool last_block_of_launch(u32* ticket) {
+// The last-block pattern: `blocks` blocks that count themselves in on one counter, the last of them to
+// arrive doing the final part. Every thread's writes are published (its fence, then thread 0's after
+// the barrier), then thread 0 draws a ticket; its fence after the draw orders every block's writes
+// before the last block's reads (which must go through L2, __ldcg, never a stale L1 line). True in the
+// block that drew the last ticket, which must reset the counter to 0 when done. counter: 0 at launch;
+// the launch ahead of the next user of the counter has finished by then (programmatic dependent launch
+// waits for it before any block touches memory), so one counter serves every such launch of a stream.
+// The whole block calls it.
+__device__ __forceinline__ bool last_block_to_arrive(u32* counter, u32 blocks) {
     __shared__ int last;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
         __threadfence();
-        last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+        last = atomicAdd(counter, 1u) == blocks - 1;
         __threadfence();
     }
     __syncthreads();

@@ -134,7 +134,6 @@ __device__ __forceinline__ void gdn_decode_impl(GDN_IMPL_PARAMS) {
     __shared__ __align__(16) float part[2][WARPS][GDN_TILE];
     __shared__ float sums[3][WARPS];
     __shared__ float scratch[32];
-    __shared__ int last;
     const int h = blockIdx.x, b = blockIdx.y;
     // This block's value columns [cb, ce).
     const int cb = SPLIT ? (int)blockIdx.z * GDN_SPLIT_COLS : 0;
@@ -263,20 +262,11 @@ __device__ __forceinline__ void gdn_decode_impl(GDN_IMPL_PARAMS) {
     __syncthreads();  // os complete
 
     if (SPLIT) {
-        // Publish this block's o columns (each writer's fence, then thread 0's after the barrier), then
-        // count in; thread 0's fence after the count orders every block's columns before the last
-        // block's reads, which go through L2 (__ldcg).
+        // This block's o columns to os_g; the head's last block to arrive (last_block_to_arrive) reads
+        // them all back through L2 (__ldcg).
         float* og = os_g + ((size_t)b * hv + h) * dv;
         for (int j = cb + threadIdx.x; j < ce; j += blockDim.x) og[j] = os[j];
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            last = atomicAdd(counters + (size_t)b * hv + h, 1u) == gridDim.z - 1;
-            __threadfence();
-        }
-        __syncthreads();
-        if (!last) return;
+        if (!last_block_to_arrive(counters + (size_t)b * hv + h, gridDim.z)) return;
         for (int j = threadIdx.x; j < dv; j += blockDim.x) os[j] = __ldcg(og + j);
         if (threadIdx.x == 0) counters[(size_t)b * hv + h] = 0u;
         __syncthreads();

@@ -78,7 +78,7 @@ __device__ __forceinline__ void moe_route_decode_impl(const bf16* __restrict__ W
     gemv_slot_sum<1, M, float>(acc, red, logits, e, row, nrows, 1, tpr_log2, p);
 
     // The last block to finish (every block's logits then visible to it) routes every token.
-    if (!last_block_of_launch(ticket)) return;
+    if (!last_block_to_arrive(ticket, gridDim.x)) return;
     if (Wg != nullptr && threadIdx.x == 0) logits[e] = bf2f(f2bf(__ldcg(logits + e)));  // M = 1
     router_topk_rows(logits, M, e, k, renorm, ids, weights, pair_ids, sm);
     moe_sort_block(pair_ids, M * k, e, perm, tiles, max_tiles, sort_sh, true);

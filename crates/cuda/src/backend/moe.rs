@@ -19,7 +19,7 @@ use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
-use crate::ops::{CombineInto, PairGroups, PairRows, SharedGate, SharedY};
+use crate::ops::{CombineInto, PairGroups, PairRows, Routed, SharedGate, SharedY};
 
 /// The residual add and the next norm that a MoE call's combine also does
 /// ([`CombineInto::AddNorm`]): the residual `[rows, H]`, the norm's weight `[H]`, eps and offset.
@@ -30,25 +30,32 @@ pub(super) struct NormAfter<'a> {
     pub offset: f32,
 }
 
-/// Where a combine writes: the rows into `out`, or (`after`) their add to the residual and the
-/// norm into `out`.
-pub(super) fn combine_into<'b>(
-    after: Option<&'b mut NormAfter<'_>>,
-    out: &'b mut CudaSlice<bf16>,
-) -> CombineInto<'b, CudaSlice<bf16>> {
-    match after {
-        None => CombineInto::Rows(out),
-        Some(n) => CombineInto::AddNorm {
-            acc: &mut n.acc.buf,
-            w: n.w,
-            normed: out,
-            eps: n.eps,
-            offset: n.offset,
-        },
-    }
-}
-
 impl CudaBackend {
+    /// The combine that ends a MoE call: the rows into `out`, or (`after`) their add to the residual
+    /// and the norm into `out`; returns `out`.
+    pub(super) fn combine(
+        &self,
+        routed: &Routed<'_, CudaSlice<u32>, CudaSlice<f32>>,
+        y: &CudaSlice<f32>,
+        shared: Option<(SharedY<'_>, SharedGate<'_>)>,
+        after: Option<NormAfter<'_>>,
+        mut out: CudaTensor,
+    ) -> Result<CudaTensor> {
+        let h = out.cols;
+        let into = match after {
+            None => CombineInto::Rows(&mut out.buf),
+            Some(n) => CombineInto::AddNorm {
+                acc: &mut n.acc.buf,
+                w: n.w,
+                normed: &mut out.buf,
+                eps: n.eps,
+                offset: n.offset,
+            },
+        };
+        self.gpu.moe_combine(routed, y, shared, into, h)?;
+        Ok(out)
+    }
+
     /// [`Backend::moe_experts_add_rms_norm`](sanmai_model::Backend::moe_experts_add_rms_norm): with
     /// the fused decode launches on, the combine adds to the residual and norms in its own launch
     /// (the same bits as the combine, then `add_rms_norm`).
@@ -88,7 +95,7 @@ impl CudaBackend {
     pub(super) fn moe_impl(
         &self,
         c: &MoeCall<'_, CudaTensor, CudaWeight>,
-        mut after: Option<NormAfter<'_>>,
+        after: Option<NormAfter<'_>>,
     ) -> Result<CudaTensor> {
         let g = &self.gpu;
         let (x, w) = (c.x, c.w);
@@ -145,7 +152,7 @@ impl CudaBackend {
         }
         let gu_format = expert_format("gate|up", w.experts.iter().map(|x| &x.gate_up))?;
         let dn_format = expert_format("down", w.experts.iter().map(|x| &x.down))?;
-        let mut out = self.alloc(t, h)?;
+        let out = self.alloc(t, h)?;
         if t == 0 {
             return Ok(out);
         }
@@ -222,14 +229,7 @@ impl CudaBackend {
                 Some((_, None)) => return Err(bad("a prefill step without the gate".into())),
                 None => None,
             };
-            g.moe_combine(
-                &routed,
-                &y,
-                shared,
-                combine_into(after.as_mut(), &mut out.buf),
-                h,
-            )?;
-            return Ok(out);
+            return self.combine(&routed, &y, shared, after, out);
         }
         let step = GemvStep {
             formats: (gu_format, dn_format, fp8),

@@ -8,7 +8,7 @@
 use cudarc::driver::CudaSlice;
 use sanmai_model::backend::{MoeCall, MoeWeights, SharedFusion};
 
-use super::moe::{combine_into, NormAfter};
+use super::moe::NormAfter;
 use super::moe_tables::{routing_of, shared_fits, ExpertFormat, FusedPairs};
 use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
@@ -93,8 +93,8 @@ impl CudaBackend {
         c: &MoeCall<'_, CudaTensor, CudaWeight>,
         step: &GemvStep<'_>,
         mut pairs: Option<&mut FusedPairs>,
-        mut out: CudaTensor,
-        mut after: Option<NormAfter<'_>>,
+        out: CudaTensor,
+        after: Option<NormAfter<'_>>,
     ) -> Result<CudaTensor> {
         let g = &self.gpu;
         let (x, w) = (c.x, c.w);
@@ -212,14 +212,7 @@ impl CudaBackend {
             }
         }
         let shared = step.shared(gate_logits.as_ref(), e);
-        g.moe_combine(
-            &routed,
-            &y,
-            shared,
-            combine_into(after.as_mut(), &mut out.buf),
-            h,
-        )?;
-        Ok(out)
+        self.combine(&routed, &y, shared, after, out)
     }
 }
 

@@ -25,6 +25,16 @@ pub enum Mixer<W> {
     Gdn(GdnWeights<W>),
 }
 
+impl<W> Mixer<W> {
+    /// The projections of the sublayer's input, in the order the forward pass reads them.
+    pub fn input_weights(&self) -> Vec<&W> {
+        match self {
+            Mixer::Attention(w) | Mixer::Qsa(w, _) => vec![&w.q_proj, &w.k_proj, &w.v_proj],
+            Mixer::Gdn(w) => vec![&w.in_proj_qkv, &w.in_proj_z],
+        }
+    }
+}
+
 pub enum Ffn<W> {
     Dense(MlpWeights<W>),
     Moe(MoeWeights<W>),

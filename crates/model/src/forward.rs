@@ -477,7 +477,9 @@ impl<B: Backend> Model<B> {
             }
             if pending.is_some() {
                 // The layer's input projections, fetched while the last one's experts run.
-                b.prefetch(&layer.mixer.input_weights(), rows.count())?;
+                layer
+                    .mixer
+                    .with_input_weights(|ws| b.prefetch(ws, rows.count()))?;
             }
             pending = self.layer_forward(i, layer, &mut streams, pending, rows)?;
         }

@@ -13,10 +13,7 @@ impl CudaBackend {
     /// Turns the L2 prefetch hints of decode steps on or off ([`super::CudaOptions::l2_prefetch_ahead`]);
     /// recorded steps of the other kind are dropped.
     pub fn set_l2_prefetch_ahead(&self, on: bool) {
-        if self.l2_ahead.swap(on, std::sync::atomic::Ordering::Relaxed) != on {
-            self.epoch
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        }
+        self.set_step_switch(&self.l2_ahead, on);
     }
 
     /// [`sanmai_model::Backend::prefetch`]: at decode sizes (up to [`GEMV_MAX_M`] rows) and with

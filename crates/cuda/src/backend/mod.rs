@@ -232,7 +232,13 @@ impl CudaBackend {
     /// Turns the fused decode launches on or off ([`CudaOptions::fused_decode`]); recorded steps
     /// of the other kind are dropped.
     pub fn set_fused_decode(&self, on: bool) {
-        if self.fused_decode.swap(on, Ordering::Relaxed) != on {
+        self.set_step_switch(&self.fused_decode, on);
+    }
+
+    /// Sets a switch that changes what a decode step launches, dropping the recorded steps when it
+    /// changes.
+    fn set_step_switch(&self, switch: &AtomicBool, on: bool) {
+        if switch.swap(on, Ordering::Relaxed) != on {
             self.epoch.fetch_add(1, Ordering::Relaxed);
         }
     }

@@ -26,11 +26,12 @@ pub enum Mixer<W> {
 }
 
 impl<W> Mixer<W> {
-    /// The projections of the sublayer's input, in the order the forward pass reads them.
-    pub fn input_weights(&self) -> Vec<&W> {
+    /// `f` of the projections of the sublayer's input, in the order the forward pass reads them
+    /// (a slice without an allocation a layer and step).
+    pub fn with_input_weights<R>(&self, f: impl FnOnce(&[&W]) -> R) -> R {
         match self {
-            Mixer::Attention(w) | Mixer::Qsa(w, _) => vec![&w.q_proj, &w.k_proj, &w.v_proj],
-            Mixer::Gdn(w) => vec![&w.in_proj_qkv, &w.in_proj_z],
+            Mixer::Attention(w) | Mixer::Qsa(w, _) => f(&[&w.q_proj, &w.k_proj, &w.v_proj]),
+            Mixer::Gdn(w) => f(&[&w.in_proj_qkv, &w.in_proj_z]),
         }
     }
 }

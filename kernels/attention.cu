@@ -12,11 +12,19 @@
 // Query heads one partial block attends at most (their q slices and output sums live in registers).
 #define ATT_HB 8
 #define ATT_THREADS 128
-// Context positions one partial block attends at most, and the granule of its span.
-#define ATT_MAX_SPLIT 256
+// The granule of a block's span of context positions.
 #define ATT_MIN_SPLIT 32
-// K/V rows a thread has in flight per step.
-#define ATT_R 8
+// Rows of one K/V tile a thread copies (its row group's share), and the tiles in flight: a tile is
+// ATT_R·nrg consecutive positions; while one is summed the next is on its way.
+#define ATT_R 4
+#define ATT_STAGES 2
+// The shared buffer of a partial block, in floats: the tiles in flight (ATT_STAGES · 2 (K, V) · ATT_R ·
+// ATT_THREADS 16-byte slots), reused at the end for the row groups' sums (ATT_HB · nrg · d ≤ ATT_HB ·
+// 8 · ATT_THREADS floats, since 8·tpr ≥ d).
+#define ATT_BUF (ATT_HB * 8 * ATT_THREADS)
+static_assert(ATT_STAGES * 2 * ATT_R * ATT_THREADS * 4 <= ATT_BUF, "the tiles in flight fit the shared buffer");
+// Row groups of a block at most (tpr ≥ 8).
+#define ATT_MAX_RG (ATT_THREADS / 8)
 
 // Position p's block-table slot p / bs by a multiply (the partial kernel divides for every row it reads,
 // and a division is a long sequence of code): with magic = ceil(2^32 / bs) (att_magic),
@@ -86,14 +94,20 @@ __device__ __forceinline__ int att_head_of(int lt, int tpr) {
     return ((lt & (tpr >> 1)) ? 4 : 0) | ((lt & (tpr >> 2)) ? 2 : 0) | ((lt & (tpr >> 3)) ? 1 : 0);
 }
 
+// One pass over the span, flash-decoding style: each row group (tpr lanes sharing a K/V row) keeps,
+// per head, a running max and sum (in lane g for head g) and Σ e·v (its lanes' 8 elements each) over the
+// rows it reads, rescaled when the max grows; the row groups are merged (log-sum-exp) at the end. K and V rows of a tile arrive together by cp.async, the
+// next tile's already in flight while one is summed. A thread reads back only the 16-byte slots it
+// copied, so the tiles need no barrier; the scores of a tile pass between the lanes of a row group
+// (one warp or part of one) through shared memory.
 template <bool VEC>
 __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_pool,
                                                   const bf16* __restrict__ v_pool, const u32* __restrict__ table,
                                                   int table_stride, int max_blocks, const u32* __restrict__ lens,
                                                   int pos0, float* __restrict__ part_o, float* __restrict__ part_ml,
                                                   int hq, int hkv, int d, int bs, u32 num_blocks, int splits,
-                                                  int max_split, int hb, float scale, float* sc, float* red,
-                                                  float* ml) {
+                                                  int max_split, int hb, float scale, float* buf, float* scr,
+                                                  float* alp, float* mlr) {
     const int group = hq / hkv, nchunk = (group + hb - 1) / hb;
     const int kh = blockIdx.x / nchunk, g0 = (blockIdx.x % nchunk) * hb;
     const int nh = min(hb, group - g0);
@@ -103,19 +117,10 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
     int tpr = 8;
     while (8 * tpr < d) tpr <<= 1;
     const int lt = threadIdx.x & (tpr - 1), rg = threadIdx.x / tpr, nrg = ATT_THREADS / tpr;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const long long cap = (long long)max_blocks * bs;
     const u32* tab = table + (size_t)r * table_stride;
     const u32 mg = att_magic(bs);
 
-    // The first step's block ids (known before the length arrives: positions below the cap).
-    const int step = ATT_R * nrg;
-    u32 blk0[ATT_R];
-#pragma unroll
-    for (int j = 0; j < ATT_R; ++j) {
-        const long long p = (long long)sp * ATT_MIN_SPLIT + j * nrg + rg;  // rebased below
-        blk0[j] = p < cap ? tab[att_div(p, bs, mg)] : num_blocks;
-    }
     long long len = lens ? (long long)lens[r] : (long long)pos0 + r + 1;
     len = min(len, cap);
     // This row's span size: len spread over the splits, a multiple of ATT_MIN_SPLIT, at most max_split.
@@ -132,13 +137,39 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
         return;
     }
     const int n = (int)min((long long)split, len - p0);
-    if (split != ATT_MIN_SPLIT) {  // the prefetched ids assumed the smallest span
+    const size_t row = (size_t)hkv * d;
+    const size_t koff = (size_t)kh * d;
+    const int tile = ATT_R * nrg, ntiles = (n + tile - 1) / tile;
+    uint4* slots = reinterpret_cast<uint4*>(buf);  // [stage][K, V][j][thread]
+    const int me = threadIdx.x;
+
+    // Copies this thread's chunks of tile t's rows (j·nrg + rg) into stage s; returns the rows' mask bits.
+    auto issue = [&](int t, int s) -> u32 {
+        u32 okm = 0;
+        uint4* ks = slots + (size_t)(2 * s) * ATT_R * ATT_THREADS;
+        uint4* vs = ks + ATT_R * ATT_THREADS;
 #pragma unroll
         for (int j = 0; j < ATT_R; ++j) {
-            const long long p = p0 + j * nrg + rg;
-            blk0[j] = p < cap ? tab[att_div(p, bs, mg)] : num_blocks;
+            const int i = t * tile + j * nrg + rg;
+            const long long p = p0 + i;
+            const u32 pq = att_div(p, bs, mg);
+            const u32 blk = i < n ? tab[pq] : num_blocks;
+            const bool ok = blk < num_blocks;
+            okm |= (u32)ok << j;
+            const size_t at = ok ? ((size_t)blk * bs + ((u32)p - pq * (u32)bs)) * row + koff : 0;
+            if constexpr (VEC) {
+                const bool in = ok && 8 * lt < d;
+                att_cp16(ks + j * ATT_THREADS + me, k_pool + at + (in ? 8 * lt : 0), in);
+                att_cp16(vs + j * ATT_THREADS + me, v_pool + at + (in ? 8 * lt : 0), in);
+            } else {
+                ks[j * ATT_THREADS + me] = ok ? att_ld8<false>(k_pool + at, lt, d) : make_uint4(0u, 0u, 0u, 0u);
+                vs[j * ATT_THREADS + me] = ok ? att_ld8<false>(v_pool + at, lt, d) : make_uint4(0u, 0u, 0u, 0u);
+            }
         }
-    }
+        if constexpr (VEC) att_cp_commit();
+        return okm;
+    };
+    u32 okm = issue(0, 0);
 
     // q of the block's heads, this thread's 8 elements, in registers (heads past nh: zero).
     float qf[ATT_HB][8];
@@ -148,138 +179,88 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
         unpack8(raw, qf[g]);
     }
 
-    const size_t row = (size_t)hkv * d;
-    const size_t koff = (size_t)kh * d;
-    const int iters = (n + step - 1) / step;
     const int hsel = att_head_of(lt, tpr);
     const bool writer = (lt & ((tpr >> 3) - 1)) == 0;
-    // K/V rows pass through shared memory (red, unused before the final sum): thread t's row j of a
-    // step lies at slot j·ATT_THREADS + t of kst (16 bytes); with VEC, cp.async copies them without a
-    // register round trip, and the first step's V rows go to vst while the scores are computed.
-    uint4* kst = reinterpret_cast<uint4*>(red);
-    uint4* vst = kst + ATT_R * ATT_THREADS;
-    const int me = threadIdx.x;
-
-    // Scores: sc[i·ATT_HB + g] = q_g·k_(p0+i)·scale (NEG_INF where the block id masks the position).
-    for (int it = 0; it < iters; ++it) {
-        size_t at[ATT_R];
-        bool ok[ATT_R];
-        u32 okm = 0;  // bit j: ok[j], for the loop below that is not unrolled
-#pragma unroll
-        for (int j = 0; j < ATT_R; ++j) {
-            const int i = it * step + j * nrg + rg;
-            const long long p = p0 + i;
-            const u32 pq = att_div(p, bs, mg);
-            const u32 blk = i >= n ? num_blocks : it == 0 ? blk0[j] : tab[pq];
-            ok[j] = blk < num_blocks;
-            okm |= (u32)ok[j] << j;
-            at[j] = ok[j] ? ((size_t)blk * bs + ((u32)p - pq * (u32)bs)) * row + koff : 0;
-            if constexpr (VEC) {
-                const bool in = ok[j] && 8 * lt < d;
-                att_cp16(kst + j * ATT_THREADS + me, k_pool + at[j] + (in ? 8 * lt : 0), in);
-            } else {
-                kst[j * ATT_THREADS + me] = ok[j] ? att_ld8<false>(k_pool + at[j], lt, d) : make_uint4(0u, 0u, 0u, 0u);
-            }
-        }
-        if constexpr (VEC) {
-            att_cp_commit();
-            if (it == 0) {
-#pragma unroll
-                for (int j = 0; j < ATT_R; ++j) {
-                    const bool in = ok[j] && 8 * lt < d;
-                    att_cp16(vst + j * ATT_THREADS + me, v_pool + at[j] + (in ? 8 * lt : 0), in);
-                }
-                att_cp_commit();
-                att_cp_wait_all_but_one();  // the K rows; the V rows stay in flight
-            } else {
-                att_cp_wait_all();
-            }
-        }
-        // Not unrolled over the rows (the same sums in the same order): the kernel's code is what a
-        // short decode launch waits on most, fetched into each multiprocessor's instruction cache.
-#pragma unroll 1
-        for (int j = 0; j < ATT_R; ++j) {
-            float kf[8], s[8];
-            unpack8(kst[j * ATT_THREADS + me], kf);
-#pragma unroll
-            for (int g = 0; g < ATT_HB; ++g) {
-                float a = 0.0f;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) a += qf[g][e] * kf[e];
-                s[g] = a;
-            }
-            const float t = att_group_sum8(s, tpr, lane);
-            const int i = it * step + j * nrg + rg;
-            if (writer && i < n) sc[i * ATT_HB + hsel] = (okm >> j) & 1u ? t * scale : NEG_INF;
-        }
-    }
-    __syncthreads();
-
-    // Per head: the span's max m, e = exp(s − m) in place of the scores, l = Σ e. (Loops here and below
-    // are kept rolled where their work is small: the code, not the work, is what such a launch waits on.)
-#pragma unroll 1
-    for (int g = warp; g < ATT_HB; g += ATT_THREADS / 32) {
-        float m = NEG_INF;
-#pragma unroll 1
-        for (int i = lane; i < n; i += 32) m = fmaxf(m, sc[i * ATT_HB + g]);
-        m = warp_max(m);
-        float l = 0.0f;
-#pragma unroll 1
-        for (int i = lane; i < n; i += 32) {
-            const float s = sc[i * ATT_HB + g];
-            const float e = (m == NEG_INF || s == NEG_INF) ? 0.0f : expf(s - m);
-            sc[i * ATT_HB + g] = e;
-            l += e;
-        }
-        l = warp_sum(l);
-        if (lane == 0) {
-            ml[g] = m;
-            ml[ATT_HB + g] = l;
-        }
-    }
-    __syncthreads();
-
-    // Σ e·v per head over this thread's rows and 8 elements.
+    float* my = scr + rg * (ATT_R * ATT_HB);  // this row group's scores of a tile, then their weights [j][head]
+    float* al = alp + rg * ATT_HB;            // and each head's rescale factor
+    float mh = NEG_INF, lh = 0.0f;            // lane lt < ATT_HB: head lt's running max and sum
     float acc[ATT_HB][8];
 #pragma unroll
     for (int g = 0; g < ATT_HB; ++g)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
-    for (int it = 0; it < iters; ++it) {
-        const uint4* src = kst;
-        if (VEC && it == 0) {
+
+#pragma unroll 1
+    for (int t = 0; t < ntiles; ++t) {
+        const int s = t % ATT_STAGES;
+        if (t + 1 < ntiles) {
+            okm |= issue(t + 1, (t + 1) % ATT_STAGES) << (ATT_R * ((t + 1) % ATT_STAGES));
+            if constexpr (VEC) att_cp_wait_all_but_one();
+        } else if constexpr (VEC) {
             att_cp_wait_all();
-            src = vst;
-        } else {
+        }
+        const uint4* ks = slots + (size_t)(2 * s) * ATT_R * ATT_THREADS;
+        const uint4* vs = ks + ATT_R * ATT_THREADS;
+        const u32 rows_ok = (okm >> (ATT_R * s)) & ((1u << ATT_R) - 1u);
+        okm &= ~(((1u << ATT_R) - 1u) << (ATT_R * s));
+
+        // Scores of the tile's rows: my[j·ATT_HB + g] = q_g·k·scale (NEG_INF for a masked row).
+        __syncwarp();  // the lanes are done reading the last tile's weights
+#pragma unroll 1
+        for (int j = 0; j < ATT_R; ++j) {
+            float kf[8], sc[8];
+            unpack8(ks[j * ATT_THREADS + me], kf);
+#pragma unroll
+            for (int g = 0; g < ATT_HB; ++g) {
+                float a = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) a += qf[g][e] * kf[e];
+                sc[g] = a;
+            }
+            const float v = att_group_sum8(sc, tpr, threadIdx.x & 31);
+            if (writer) my[j * ATT_HB + hsel] = (rows_ok >> j) & 1u ? v * scale : NEG_INF;
+        }
+        __syncwarp();
+        // Lane g: head g's new max, the factor its sums are rescaled by (0 when the max was −inf, 1
+        // when it did not grow), and the tile's weights e = exp(s − max) in place of the scores.
+        if (lt < ATT_HB) {
+            float x[ATT_R], mt = mh;
 #pragma unroll
             for (int j = 0; j < ATT_R; ++j) {
-                const int i = it * step + j * nrg + rg;
-                const long long p = p0 + i;
-                const u32 pq = att_div(p, bs, mg);
-                const u32 blk = i >= n ? num_blocks : tab[pq];
-                const bool ok = blk < num_blocks;
-                const size_t at = ok ? ((size_t)blk * bs + ((u32)p - pq * (u32)bs)) * row + koff : 0;
-                if constexpr (VEC) {
-                    const bool in = ok && 8 * lt < d;
-                    att_cp16(kst + j * ATT_THREADS + me, v_pool + at + (in ? 8 * lt : 0), in);
-                } else {
-                    kst[j * ATT_THREADS + me] = ok ? att_ld8<false>(v_pool + at, lt, d) : make_uint4(0u, 0u, 0u, 0u);
-                }
+                x[j] = my[j * ATT_HB + lt];
+                mt = fmaxf(mt, x[j]);
             }
-            if constexpr (VEC) {
-                att_cp_commit();
-                att_cp_wait_all();
+            float a = 1.0f;
+            if (mt != mh) {
+                a = expf(mh - mt);
+                mh = mt;
+                lh *= a;
             }
+#pragma unroll 1
+            for (int j = 0; j < ATT_R; ++j) {
+                const float e = x[j] == NEG_INF ? 0.0f : expf(x[j] - mt);  // x finite ⇒ mt finite
+                my[j * ATT_HB + lt] = e;
+                lh += e;
+            }
+            al[lt] = a;
+        }
+        __syncwarp();
+        {
+            const float4 a0 = *reinterpret_cast<const float4*>(al), a1 = *reinterpret_cast<const float4*>(al + 4);
+            const float a[ATT_HB] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+#pragma unroll
+            for (int g = 0; g < ATT_HB; ++g)
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[g][e] *= a[g];
         }
 #pragma unroll 1
         for (int j = 0; j < ATT_R; ++j) {
-            const int i = it * step + j * nrg + rg;
-            if (i >= n) continue;
-            const float4 ea = *reinterpret_cast<const float4*>(sc + i * ATT_HB);
-            const float4 eb = *reinterpret_cast<const float4*>(sc + i * ATT_HB + 4);
+            if (!((rows_ok >> j) & 1u)) continue;
+            const float4 ea = *reinterpret_cast<const float4*>(my + j * ATT_HB);
+            const float4 eb = *reinterpret_cast<const float4*>(my + j * ATT_HB + 4);
             const float ev[ATT_HB] = {ea.x, ea.y, ea.z, ea.w, eb.x, eb.y, eb.z, eb.w};
             float vf[8];
-            unpack8(src[j * ATT_THREADS + me], vf);
+            unpack8(vs[j * ATT_THREADS + me], vf);
 #pragma unroll
             for (int g = 0; g < ATT_HB; ++g)
 #pragma unroll
@@ -287,21 +268,34 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
         }
     }
 
-    // Sum the row groups: red[(rg·ATT_HB + g)·d + i] (once every thread is done with its V rows in
-    // red), then one thread per output element.
+    // Merge the row groups: M = max over them, each one's sums scaled by exp(m − M) into the buffer
+    // (free once every tile is read), then one thread per output element sums them.
     __syncthreads();
+    if (lt < ATT_HB) {
+        mlr[rg * ATT_HB + lt] = mh;
+        mlr[(ATT_MAX_RG + rg) * ATT_HB + lt] = lh;
+    }
+    __syncthreads();
+    float* red = buf;
     if (8 * lt < d) {
 #pragma unroll
         for (int g = 0; g < ATT_HB; ++g) {
             if (g >= nh) break;
+            float mm = NEG_INF;
+#pragma unroll 1
+            for (int k = 0; k < nrg; ++k) mm = fmaxf(mm, mlr[k * ATT_HB + g]);
+            const float mine = mlr[rg * ATT_HB + g];
+            const float f = mine == NEG_INF ? 0.0f : expf(mine - mm);
             float* dst = red + ((size_t)rg * ATT_HB + g) * d + 8 * lt;
             if constexpr (VEC) {
-                reinterpret_cast<float4*>(dst)[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-                reinterpret_cast<float4*>(dst)[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+                reinterpret_cast<float4*>(dst)[0] =
+                    make_float4(acc[g][0] * f, acc[g][1] * f, acc[g][2] * f, acc[g][3] * f);
+                reinterpret_cast<float4*>(dst)[1] =
+                    make_float4(acc[g][4] * f, acc[g][5] * f, acc[g][6] * f, acc[g][7] * f);
             } else {
 #pragma unroll
                 for (int e = 0; e < 8; ++e)
-                    if (8 * lt + e < d) dst[e] = acc[g][e];
+                    if (8 * lt + e < d) dst[e] = acc[g][e] * f;
             }
         }
     }
@@ -318,9 +312,16 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
         }
     }
     if (threadIdx.x < nh) {
-        const size_t slot = ((size_t)r * hq + h0 + threadIdx.x) * splits + sp;
-        part_ml[2 * slot] = ml[threadIdx.x];
-        part_ml[2 * slot + 1] = ml[ATT_HB + threadIdx.x];
+        const int g = threadIdx.x;
+        float mm = NEG_INF, ll = 0.0f;
+        for (int k = 0; k < nrg; ++k) mm = fmaxf(mm, mlr[k * ATT_HB + g]);
+        for (int k = 0; k < nrg; ++k) {
+            const float mk = mlr[k * ATT_HB + g];
+            if (mk != NEG_INF) ll += mlr[(ATT_MAX_RG + k) * ATT_HB + g] * expf(mk - mm);
+        }
+        const size_t slot = ((size_t)r * hq + h0 + g) * splits + sp;
+        part_ml[2 * slot] = mm;
+        part_ml[2 * slot + 1] = ll;
     }
 }
 
@@ -332,25 +333,26 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
 // pos0 + r + 1 (causal prefill of one sequence, lens null), capped at max_blocks·bs; its block table is
 // table + r·table_stride (table_stride 0: every row shares row 0). A block id ≥ num_blocks masks the
 // position. The row's span size is ⌈len / splits⌉ rounded up to ATT_MIN_SPLIT, at most max_split
-// (≤ ATT_MAX_SPLIT; splits·max_split covers the longest row); spans starting at or past len write
-// only (−inf, 0) to part_ml and exit. Writes part_o [rows, hq, splits, d] (unnormalised Σ e·v) and
-// part_ml [.., 2] (max, Σ e). d ≤ ATT_MAX_D; d a multiple of 8 takes 16-byte loads.
+// (splits·max_split covers the longest row); spans starting at or past len write only (−inf, 0) to
+// part_ml and exit. Writes part_o [rows, hq, splits, d] (unnormalised Σ e·v) and part_ml [.., 2]
+// (max, Σ e). d ≤ ATT_MAX_D; d a multiple of 8 takes 16-byte loads.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_paged_partial(
     const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
     const u32* __restrict__ table, int table_stride, int max_blocks, const u32* __restrict__ lens, int pos0,
     float* __restrict__ part_o, float* __restrict__ part_ml, int hq, int hkv, int d, int bs, u32 num_blocks,
     int splits, int max_split, int hb, float scale) {
     pdl_prologue();
-    __shared__ __align__(16) float sc[ATT_MAX_SPLIT * ATT_HB];
-    __shared__ __align__(16) float red[ATT_HB * ATT_THREADS * 8];
-    __shared__ float ml[2 * ATT_HB];
-    if (d > ATT_MAX_D || hb > ATT_HB || max_split > ATT_MAX_SPLIT || blockDim.x != ATT_THREADS) return;
+    __shared__ __align__(16) float buf[ATT_BUF];
+    __shared__ __align__(16) float scr[ATT_MAX_RG * ATT_R * ATT_HB];
+    __shared__ __align__(16) float alp[ATT_MAX_RG * ATT_HB];
+    __shared__ float mlr[2 * ATT_MAX_RG * ATT_HB];
+    if (d > ATT_MAX_D || hb > ATT_HB || blockDim.x != ATT_THREADS) return;
     if (d % 8 == 0)
         attn_partial_impl<true>(q, k_pool, v_pool, table, table_stride, max_blocks, lens, pos0, part_o, part_ml, hq,
-                                hkv, d, bs, num_blocks, splits, max_split, hb, scale, sc, red, ml);
+                                hkv, d, bs, num_blocks, splits, max_split, hb, scale, buf, scr, alp, mlr);
     else
         attn_partial_impl<false>(q, k_pool, v_pool, table, table_stride, max_blocks, lens, pos0, part_o, part_ml, hq,
-                                 hkv, d, bs, num_blocks, splits, max_split, hb, scale, sc, red, ml);
+                                 hkv, d, bs, num_blocks, splits, max_split, hb, scale, buf, scr, alp, mlr);
 }
 
 #define ATT_RED_CHUNK 256

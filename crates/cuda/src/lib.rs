@@ -109,7 +109,7 @@ pub use ops::{lt_block_scales, Fp8Lt, LtCheck, LT_BLOCK};
 pub use ops::{
     moe_max_tiles, AttnDims, ChunkRows, DecodeLens, GdnDecodeWeights, GdnDims, HeadLayout,
     HeadNorm, KvPools, MoeOut, MropeArgs, NormRows, PagedCache, PleDims, Queries, RopeArgs,
-    Selection, ATTN_MAX_HEAD_DIM, ATTN_SPLIT, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
+    Selection, ATTN_MAX_HEAD_DIM, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
 };
 pub use ops::{
     CombineInto, DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed, SharedGate,

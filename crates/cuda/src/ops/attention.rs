@@ -8,10 +8,12 @@
 //! is fused into the reduce).
 //!
 //! The number of spans per row is fixed by the host from `max_len` (for a recorded decode step, its
-//! span): at most [`ATTN_SPLIT`] positions each, and for decode about 64 spans of the longest context
-//! so a short context still spreads over many blocks. Each row divides its own length over those
-//! spans on the device (spans of at least 32 positions), so the spans past a row's
-//! length exit at once.
+//! span) and the rows: for decode, enough spans that the grid holds [`DECODE_BLOCKS_PER_SM`] blocks
+//! per multiprocessor (fewer where the longest context has fewer 32-position spans), so a short
+//! context still spreads over many blocks and a long one over all of them; prefill takes spans of
+//! [`PREFILL_SPLIT`]. Each row divides its own length over those spans on the device (spans of at
+//! least 32 positions), so the spans past a row's length exit at once. A partial block reads its
+//! span in one pass, K and V tiles together, the next tile in flight while one is summed.
 //!
 //! Prefill at head sizes 32, 64, 128 and 256 runs on the tensor cores (`attention_prefill.cu`,
 //! flash-attention 2's forward pass): a block owns 64 (query, head) rows of one KV head's group and
@@ -34,14 +36,15 @@ use crate::gpu::{cfg, check_len, int, Gpu};
 
 /// The largest head size the kernels take.
 pub const ATTN_MAX_HEAD_DIM: usize = 256;
-/// Context positions one split (one block of the partial kernel) attends at most (`ATT_MAX_SPLIT`
-/// in `attention.cu`); prefill uses splits of this size.
-pub const ATTN_SPLIT: usize = 256;
-/// The smallest split a row's length is divided into (`ATT_MIN_SPLIT` in `attention.cu`).
+/// Context positions of one split of a prefill launch of the partial kernel.
+const PREFILL_SPLIT: usize = 256;
+/// The granule of a split (`ATT_MIN_SPLIT` in `attention.cu`): a row's length is divided into splits
+/// of a multiple of it.
 const ATTN_MIN_SPLIT: usize = 32;
-/// Decode divides its longest context into about this many splits (fewer when they would be
-/// shorter than [`ATTN_MIN_SPLIT`]).
-const DECODE_SPLITS: usize = 64;
+/// Partial-kernel blocks per multiprocessor a decode launch aims at (about what one holds at once:
+/// ~35 KiB of shared memory, 128 threads of up to 255 registers), the context split until the grid
+/// has them.
+const DECODE_BLOCKS_PER_SM: usize = 2;
 /// Query heads of one partial block at most (`ATT_HB` in `attention.cu`).
 const HEADS_PER_BLOCK: usize = 8;
 /// Threads of a partial-kernel block (`ATT_THREADS` in `attention.cu`).
@@ -249,11 +252,15 @@ impl Gpu {
                 format!("{cap} positions of blocks of {bs} exceed the kernel's 32-bit position arithmetic")
             },
         )?;
-        let max_split = match rows {
-            Rows::Decode { .. } => decode_max_split(max_len),
-            Rows::Prefill { .. } => ATTN_SPLIT,
+        let group = hq / hkv;
+        let chunks = group.div_ceil(HEADS_PER_BLOCK);
+        let (splits, max_split) = match rows {
+            Rows::Decode { .. } => {
+                let sms = self.info().multiprocessors as usize;
+                decode_splits(max_len, hkv * chunks * n, sms)
+            }
+            Rows::Prefill { .. } => (max_len.div_ceil(PREFILL_SPLIT).max(1), PREFILL_SPLIT),
         };
-        let splits = max_len.div_ceil(max_split).max(1);
         ensure(n <= GRID_YZ_MAX && splits <= GRID_YZ_MAX, op, || {
             format!("{n} rows or {splits} splits exceed {GRID_YZ_MAX}")
         })?;
@@ -280,8 +287,6 @@ impl Gpu {
             splits as i32,
         );
         let scale = (d as f64).powf(-0.5) as f32;
-        let group = hq / hkv;
-        let chunks = group.div_ceil(HEADS_PER_BLOCK);
         let hb = group.div_ceil(chunks);
         let (max_split_i, hb_i) = (max_split as i32, hb as i32);
         let s = self.stream();
@@ -360,13 +365,21 @@ fn check_paged(
     Ok(u32::try_from(k_pool.len() / pool_rows).unwrap_or(u32::MAX))
 }
 
-/// The largest split of a decode launch whose longest context is `max_len`: about
-/// [`DECODE_SPLITS`] splits, a power of two in `ATTN_MIN_SPLIT..=ATTN_SPLIT`.
-fn decode_max_split(max_len: usize) -> usize {
-    max_len
-        .div_ceil(DECODE_SPLITS)
-        .next_power_of_two()
-        .clamp(ATTN_MIN_SPLIT, ATTN_SPLIT)
+/// `(splits, max_split)` of a decode launch whose longest context is `max_len` and whose grid has
+/// `blocks` blocks per split: splits until the grid holds [`DECODE_BLOCKS_PER_SM`] blocks per
+/// multiprocessor, but no more than the context has [`ATTN_MIN_SPLIT`]-position spans; `max_split`,
+/// a multiple of [`ATTN_MIN_SPLIT`], so that the splits cover `max_len` with none idle there.
+fn decode_splits(max_len: usize, blocks: usize, sms: usize) -> (usize, usize) {
+    let spans = max_len.div_ceil(ATTN_MIN_SPLIT).max(1);
+    let splits = (DECODE_BLOCKS_PER_SM * sms)
+        .div_ceil(blocks.max(1))
+        .clamp(1, spans);
+    let max_split = max_len
+        .div_ceil(splits)
+        .next_multiple_of(ATTN_MIN_SPLIT)
+        .max(ATTN_MIN_SPLIT);
+    // Rounding the span up may leave the last splits idle at the longest context: drop them.
+    (max_len.div_ceil(max_split).max(1), max_split)
 }
 
 /// The tensor-core prefill kernel of head size `d` and its key tile (keys per step of a block), or
@@ -567,5 +580,36 @@ impl Gpu {
             unsafe { l.launch(cfg((hq as u32, t as u32, 1), row_threads(d), 0)) }?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The splits cover the longest context in spans of whole granules, fill the grid where the
+    /// context has enough granules, and never give a split nothing to do at the longest context.
+    #[test]
+    fn decode_splits_cover_the_context_and_fill_the_grid() {
+        for sms in [82, 132] {
+            for blocks in [1, 2, 16, 64, 300] {
+                for max_len in [1, 31, 32, 33, 576, 4096, 16_384, 262_144] {
+                    let (splits, max_split) = decode_splits(max_len, blocks, sms);
+                    assert!(splits >= 1 && max_split % ATTN_MIN_SPLIT == 0);
+                    assert!(splits * max_split >= max_len, "{max_len} {blocks} {sms}");
+                    assert!(
+                        (splits - 1) * max_split < max_len,
+                        "an idle split at {max_len}"
+                    );
+                    assert!(
+                        max_split == ATTN_MIN_SPLIT
+                            || 2 * splits * blocks >= DECODE_BLOCKS_PER_SM * sms,
+                        "{max_len} {blocks} {sms}: {splits}"
+                    );
+                }
+            }
+        }
+        assert_eq!(decode_splits(576, 2, 132), (18, 32));
+        assert_eq!(decode_splits(16_384, 2, 132), (128, 128));
     }
 }

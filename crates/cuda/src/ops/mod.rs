@@ -33,9 +33,7 @@ mod row_cache;
 mod sample;
 mod tensor;
 
-pub use attention::{
-    AttnDims, ChunkRows, DecodeLens, PagedCache, Queries, ATTN_MAX_HEAD_DIM, ATTN_SPLIT,
-};
+pub use attention::{AttnDims, ChunkRows, DecodeLens, PagedCache, Queries, ATTN_MAX_HEAD_DIM};
 pub use conv::ConvWeight;
 pub use fp8::{fp8_fits, Fp8Experts, Fp8Mat, Fp8Part};
 pub use fp8_lt::{lt_block_scales, Fp8Lt, LtCheck, LtVerdict, LT_BLOCK};

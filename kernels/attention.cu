@@ -224,12 +224,9 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
         // Lane g: head g's new max, the factor its sums are rescaled by (0 when the max was −inf, 1
         // when it did not grow), and the tile's weights e = exp(s − max) in place of the scores.
         if (lt < ATT_HB) {
-            float x[ATT_R], mt = mh;
+            float mt = mh;
 #pragma unroll
-            for (int j = 0; j < ATT_R; ++j) {
-                x[j] = my[j * ATT_HB + lt];
-                mt = fmaxf(mt, x[j]);
-            }
+            for (int j = 0; j < ATT_R; ++j) mt = fmaxf(mt, my[j * ATT_HB + lt]);
             float a = 1.0f;
             if (mt != mh) {
                 a = expf(mh - mt);
@@ -238,7 +235,8 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
             }
 #pragma unroll 1
             for (int j = 0; j < ATT_R; ++j) {
-                const float e = x[j] == NEG_INF ? 0.0f : expf(x[j] - mt);  // x finite ⇒ mt finite
+                const float x = my[j * ATT_HB + lt];
+                const float e = x == NEG_INF ? 0.0f : expf(x - mt);  // x finite ⇒ mt finite
                 my[j * ATT_HB + lt] = e;
                 lh += e;
             }

@@ -354,24 +354,31 @@ extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_paged_partial(
 }
 
 #define ATT_RED_CHUNK 256
+// Thread groups of a reduce block at most: each sums every ATT_RED_GROUPS-th split.
+#define ATT_RED_GROUPS 4
 
-// Grid (hq, rows); block a multiple of 32 threads, at least d. Merges the splits of
-// attn_paged_partial: o = Σ_s exp(m_s − M)·o_s / Σ_s exp(m_s − M)·l_s (zero when nothing was visible;
-// splits with m_s = −inf are skipped, their part_o never read), times sigmoid(gate) when gate is
-// non-null (gate and out: [rows, hq·d]), rounded once to bf16.
+// Grid (hq, rows); block ng·dp threads with dp a multiple of 32, at least d, and ng ≤ ATT_RED_GROUPS.
+// Merges the splits of attn_paged_partial: o = Σ_s exp(m_s − M)·o_s / Σ_s exp(m_s − M)·l_s (zero when
+// nothing was visible; splits with m_s = −inf are skipped, their part_o never read), times
+// sigmoid(gate) when gate is non-null (gate and out: [rows, hq·d]), rounded once to bf16. Thread
+// (group k, i) sums element i over splits k, k + ng, … (eight loads in flight), the groups' sums then
+// added in group order.
 extern "C" __global__ void attn_paged_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                              const bf16* __restrict__ gate, bf16* __restrict__ out, int hq, int d,
                                              int splits) {
     pdl_prologue();
     __shared__ float w[ATT_RED_CHUNK], wl[ATT_RED_CHUNK];
     __shared__ float scratch[32];
+    __shared__ float part[2 * ATT_RED_GROUPS * ATT_MAX_D];
     const int h = blockIdx.x, r = blockIdx.y;
+    const int dp = (d + 31) / 32 * 32, ng = min(ATT_RED_GROUPS, (int)blockDim.x / dp);
+    if (d > ATT_MAX_D || ng < 1) return;
     const size_t slot0 = ((size_t)r * hq + h) * splits;
     float M = NEG_INF;
     for (int s = threadIdx.x; s < splits; s += blockDim.x) M = fmaxf(M, part_ml[2 * (slot0 + s)]);
     M = block_max(M, scratch);
-    // Thread i sums output element i over the splits, a chunk of split weights at a time.
-    const int i = threadIdx.x;
+    const int k = threadIdx.x / dp, i = threadIdx.x - k * dp;
+    const bool mine = k < ng && i < d;
     float num = 0.0f, den = 0.0f;
     for (int c0 = 0; c0 < splits; c0 += ATT_RED_CHUNK) {
         const int nc = min(ATT_RED_CHUNK, splits - c0);
@@ -382,29 +389,38 @@ extern "C" __global__ void attn_paged_reduce(const float* __restrict__ part_o, c
             wl[s] = e * part_ml[2 * (slot0 + c0 + s) + 1];
         }
         __syncthreads();
-        // Eight splits' loads issued before their sums (a loop that loaded inside its skip test waited
-        // for each load in turn); the sums in split order, skipped splits adding nothing, as before.
+        // Eight of the group's splits' loads issued before their sums; skipped splits add nothing.
 #pragma unroll 1
-        for (int s0 = 0; s0 < nc; s0 += 8) {
+        for (int s0 = k; s0 < nc; s0 += 8 * ng) {
             float v[8];
 #pragma unroll
             for (int u = 0; u < 8; ++u) {
-                const int s = s0 + u;
-                v[u] = s < nc && w[s] != 0.0f && i < d ? part_o[(slot0 + c0 + s) * d + i] : 0.0f;
+                const int s = s0 + u * ng;
+                v[u] = mine && s < nc && w[s] != 0.0f ? part_o[(slot0 + c0 + s) * d + i] : 0.0f;
             }
 #pragma unroll
             for (int u = 0; u < 8; ++u) {
-                const int s = s0 + u;
+                const int s = s0 + u * ng;
                 if (s >= nc || w[s] == 0.0f) continue;
                 den += wl[s];
-                if (i < d) num += w[s] * v[u];
+                num += w[s] * v[u];
             }
         }
         __syncthreads();
     }
-    if (i < d) {
+    if (mine) {
+        part[k * ATT_MAX_D + i] = num;
+        part[(ATT_RED_GROUPS + k) * ATT_MAX_D + i] = den;
+    }
+    __syncthreads();
+    if (k == 0 && i < d) {
+        float nn = 0.0f, dd = 0.0f;
+        for (int g = 0; g < ng; ++g) {
+            nn += part[g * ATT_MAX_D + i];
+            dd += part[(ATT_RED_GROUPS + g) * ATT_MAX_D + i];
+        }
         const size_t at = ((size_t)r * hq + h) * d + i;
-        float o = den > 0.0f ? num / den : 0.0f;
+        float o = dd > 0.0f ? nn / dd : 0.0f;
         if (gate) o *= sigmoid_f(bf2f(gate[at]));
         out[at] = f2bf(o);
     }

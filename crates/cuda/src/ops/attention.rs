@@ -49,6 +49,8 @@ const DECODE_BLOCKS_PER_SM: usize = 2;
 const HEADS_PER_BLOCK: usize = 8;
 /// Threads of a partial-kernel block (`ATT_THREADS` in `attention.cu`).
 const PARTIAL_THREADS: u32 = 128;
+/// Thread groups of a reduce block, each over a share of the splits (`ATT_RED_GROUPS`).
+const REDUCE_GROUPS: u32 = 4;
 /// The hardware limit of grid dimensions y and z.
 const GRID_YZ_MAX: usize = 65535;
 /// (query, head) rows of one tensor-core prefill block (`AP_BM` in `attention_prefill.cu`).
@@ -330,8 +332,8 @@ impl Gpu {
             .arg(&di)
             .arg(&splits_i);
         // SAFETY: argument types match the kernel; gate and out hold n·hq·head_dim elements; the
-        // block has at least head_dim threads.
-        unsafe { l.launch(cfg((hq as u32, n as u32, 1), row_threads(d), 0)) }?;
+        // block has at least head_dim threads in each of its groups.
+        unsafe { l.launch(cfg((hq as u32, n as u32, 1), reduce_threads(d), 0)) }?;
         Ok(())
     }
 }
@@ -363,6 +365,12 @@ fn check_paged(
     check_len(op, "gate", queries.gate, rows * dims.q_row())?;
     check_len(op, "out", out, rows * dims.q_row())?;
     Ok(u32::try_from(k_pool.len() / pool_rows).unwrap_or(u32::MAX))
+}
+
+/// Threads of a reduce block: [`REDUCE_GROUPS`] groups of `row_threads(d)`, each summing every
+/// [`REDUCE_GROUPS`]-th split (`ATT_RED_GROUPS` in `attention.cu`).
+fn reduce_threads(d: usize) -> u32 {
+    row_threads(d) * REDUCE_GROUPS
 }
 
 /// `(splits, max_split)` of a decode launch whose longest context is `max_len` and whose grid has
@@ -576,8 +584,8 @@ impl Gpu {
                 .arg(&d_i)
                 .arg(&splits_i);
             // SAFETY: argument types match the kernel; gate and out hold t·hq·head_dim elements; the
-            // block has at least head_dim threads.
-            unsafe { l.launch(cfg((hq as u32, t as u32, 1), row_threads(d), 0)) }?;
+            // block has at least head_dim threads in each of its groups.
+            unsafe { l.launch(cfg((hq as u32, t as u32, 1), reduce_threads(d), 0)) }?;
         }
         Ok(())
     }

@@ -14,15 +14,19 @@
 #define ATT_THREADS 128
 // The granule of a block's span of context positions.
 #define ATT_MIN_SPLIT 32
-// Rows of one K/V tile a thread copies (its row group's share), and the tiles in flight: a tile is
-// ATT_R·nrg consecutive positions; while one is summed the next is on its way.
+// Rows of one K/V tile a thread copies (its row group's share), and the tiles a block holds: a tile is
+// ATT_R·nrg consecutive positions; while one is summed the next ATT_STAGES − 1 are on their way.
 #define ATT_R 4
-#define ATT_STAGES 2
-// The shared buffer of a partial block, in floats: the tiles in flight (ATT_STAGES · 2 (K, V) · ATT_R ·
-// ATT_THREADS 16-byte slots), reused at the end for the row groups' sums (ATT_HB · nrg · d ≤ ATT_HB ·
-// 8 · ATT_THREADS floats, since 8·tpr ≥ d).
-#define ATT_BUF (ATT_HB * 8 * ATT_THREADS)
-static_assert(ATT_STAGES * 2 * ATT_R * ATT_THREADS * 4 <= ATT_BUF, "the tiles in flight fit the shared buffer");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define ATT_STAGES 4  // 64 KiB: two blocks in a Hopper multiprocessor's 228 KiB
+#else
+#define ATT_STAGES 2  // 32 KiB: two blocks in the 100 KiB of sm_86 / sm_89
+#endif
+// The dynamic shared buffer of a partial block (attn_paged_partial's launch passes its size), in
+// floats: the tiles (ATT_STAGES · 2 (K, V) · ATT_R · ATT_THREADS 16-byte slots), reused at the end for
+// the row groups' sums (ATT_HB · nrg · d ≤ ATT_HB · 8 · ATT_THREADS floats, since 8·tpr ≥ d).
+#define ATT_BUF (ATT_STAGES * 2 * ATT_R * ATT_THREADS * 4)
+static_assert(ATT_HB * 8 * ATT_THREADS <= ATT_BUF, "the row groups' sums fit the tile buffer");
 // Row groups of a block at most (tpr ≥ 8).
 #define ATT_MAX_RG (ATT_THREADS / 8)
 
@@ -63,7 +67,10 @@ __device__ __forceinline__ void att_cp16(void* dst, const void* src, bool ok) {
 
 __device__ __forceinline__ void att_cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void att_cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void att_cp_wait_all_but_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+// Waits until at most the newest ATT_STAGES − 1 groups of this thread's copies are in flight.
+__device__ __forceinline__ void att_cp_wait_stages() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(ATT_STAGES - 1) : "memory");
+}
 
 // Sums v[0..7] over the tpr lanes (8, 16 or 32, aligned) that share a row, transposed: afterwards
 // lane lt of the group holds the full sum of value att_head_of(lt, tpr) (9 shuffles for tpr = 32
@@ -97,7 +104,7 @@ __device__ __forceinline__ int att_head_of(int lt, int tpr) {
 // One pass over the span, flash-decoding style: each row group (tpr lanes sharing a K/V row) keeps,
 // per head, a running max and sum (in lane g for head g) and Σ e·v (its lanes' 8 elements each) over the
 // rows it reads, rescaled when the max grows; the row groups are merged (log-sum-exp) at the end. K and V rows of a tile arrive together by cp.async, the
-// next tile's already in flight while one is summed. A thread reads back only the 16-byte slots it
+// next ATT_STAGES − 1 tiles already in flight while one is summed. A thread reads back only the 16-byte slots it
 // copied, so the tiles need no barrier; the scores of a tile pass between the lanes of a row group
 // (one warp or part of one) through shared memory.
 template <bool VEC>
@@ -166,10 +173,8 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
                 vs[j * ATT_THREADS + me] = ok ? att_ld8<false>(v_pool + at, lt, d) : make_uint4(0u, 0u, 0u, 0u);
             }
         }
-        if constexpr (VEC) att_cp_commit();
         return okm;
     };
-    u32 okm = issue(0, 0);
 
     // q of the block's heads, this thread's 8 elements, in registers (heads past nh: zero).
     float qf[ATT_HB][8];
@@ -190,19 +195,24 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] = 0.0f;
 
+    // Tile t is summed at step t, issued at step t − (ATT_STAGES − 1) into stage t mod ATT_STAGES (the
+    // stage tile t − ATT_STAGES left at the step before); a step past the last tile commits an empty
+    // group, so that "all but the newest ATT_STAGES − 1 groups" is always tile t.
+    u32 okm = 0;  // bit ATT_R·s + j: row j of the tile in stage s is visible
 #pragma unroll 1
-    for (int t = 0; t < ntiles; ++t) {
-        const int s = t % ATT_STAGES;
-        if (t + 1 < ntiles) {
-            okm |= issue(t + 1, (t + 1) % ATT_STAGES) << (ATT_R * ((t + 1) % ATT_STAGES));
-            if constexpr (VEC) att_cp_wait_all_but_one();
-        } else if constexpr (VEC) {
-            att_cp_wait_all();
+    for (int t = 1 - ATT_STAGES; t < ntiles; ++t) {
+        const int ti = t + ATT_STAGES - 1;
+        if (ti < ntiles) {
+            const int si = ti % ATT_STAGES;
+            okm = (okm & ~(((1u << ATT_R) - 1u) << (ATT_R * si))) | issue(ti, si) << (ATT_R * si);
         }
+        if constexpr (VEC) att_cp_commit();
+        if (t < 0) continue;
+        if constexpr (VEC) att_cp_wait_stages();
+        const int s = t % ATT_STAGES;
         const uint4* ks = slots + (size_t)(2 * s) * ATT_R * ATT_THREADS;
         const uint4* vs = ks + ATT_R * ATT_THREADS;
         const u32 rows_ok = (okm >> (ATT_R * s)) & ((1u << ATT_R) - 1u);
-        okm &= ~(((1u << ATT_R) - 1u) << (ATT_R * s));
 
         // Scores of the tile's rows: my[j·ATT_HB + g] = q_g·k·scale (NEG_INF for a masked row).
         __syncwarp();  // the lanes are done reading the last tile's weights
@@ -268,6 +278,7 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
 
     // Merge the row groups: M = max over them, each one's sums scaled by exp(m − M) into the buffer
     // (free once every tile is read), then one thread per output element sums them.
+    if constexpr (VEC) att_cp_wait_all();  // only empty groups are left
     __syncthreads();
     if (lt < ATT_HB) {
         mlr[rg * ATT_HB + lt] = mh;
@@ -333,14 +344,15 @@ __device__ __forceinline__ void attn_partial_impl(const bf16* __restrict__ q, co
 // position. The row's span size is ⌈len / splits⌉ rounded up to ATT_MIN_SPLIT, at most max_split
 // (splits·max_split covers the longest row); spans starting at or past len write only (−inf, 0) to
 // part_ml and exit. Writes part_o [rows, hq, splits, d] (unnormalised Σ e·v) and part_ml [.., 2]
-// (max, Σ e). d ≤ ATT_MAX_D; d a multiple of 8 takes 16-byte loads.
+// (max, Σ e). d ≤ ATT_MAX_D; d a multiple of 8 takes 16-byte loads. Dynamic shared memory: ATT_BUF
+// floats.
 extern "C" __global__ void __launch_bounds__(ATT_THREADS) attn_paged_partial(
     const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
     const u32* __restrict__ table, int table_stride, int max_blocks, const u32* __restrict__ lens, int pos0,
     float* __restrict__ part_o, float* __restrict__ part_ml, int hq, int hkv, int d, int bs, u32 num_blocks,
     int splits, int max_split, int hb, float scale) {
     pdl_prologue();
-    __shared__ __align__(16) float buf[ATT_BUF];
+    extern __shared__ __align__(16) float buf[];  // ATT_BUF floats
     __shared__ __align__(16) float scr[ATT_MAX_RG * ATT_R * ATT_HB];
     __shared__ __align__(16) float alp[ATT_MAX_RG * ATT_HB];
     __shared__ float mlr[2 * ATT_MAX_RG * ATT_HB];

@@ -41,14 +41,20 @@ const PREFILL_SPLIT: usize = 256;
 /// The granule of a split (`ATT_MIN_SPLIT` in `attention.cu`): a row's length is divided into splits
 /// of a multiple of it.
 const ATTN_MIN_SPLIT: usize = 32;
-/// Partial-kernel blocks per multiprocessor a decode launch aims at (about what one holds at once:
-/// ~35 KiB of shared memory, 128 threads of up to 255 registers), the context split until the grid
-/// has them.
+/// Partial-kernel blocks one multiprocessor holds at once (128 threads of about 220 registers; 68 KiB
+/// of shared memory on sm_90, 36 KiB on sm_86): a decode launch splits the context until the grid
+/// has this many per multiprocessor.
 const DECODE_BLOCKS_PER_SM: usize = 2;
 /// Query heads of one partial block at most (`ATT_HB` in `attention.cu`).
 const HEADS_PER_BLOCK: usize = 8;
 /// Threads of a partial-kernel block (`ATT_THREADS` in `attention.cu`).
 const PARTIAL_THREADS: u32 = 128;
+/// The dynamic shared memory of a partial-kernel block (`ATT_BUF` floats in `attention.cu`): the
+/// K/V tiles it holds, four from compute capability 9.0 on, else two, of 16 KiB each.
+fn partial_smem(compute_capability: (u32, u32)) -> usize {
+    let stages = if compute_capability.0 >= 9 { 4 } else { 2 };
+    stages * 2 * 4 * PARTIAL_THREADS as usize * 16
+}
 /// Thread groups of a reduce block, each over a share of the splits (`ATT_RED_GROUPS`).
 const REDUCE_GROUPS: u32 = 4;
 /// The hardware limit of grid dimensions y and z.
@@ -296,7 +302,14 @@ impl Gpu {
         // part_o slots of every split whose max is finite, the only ones the reduce reads.
         let mut part_o = unsafe { s.alloc::<f32>(n * hq * splits * d) }?;
         let mut part_ml = unsafe { s.alloc::<f32>(n * hq * splits * 2) }?;
-        let mut l = self.launch(self.kernel("attn_paged_partial")?);
+        let smem = partial_smem(self.info().compute_capability);
+        let f = self.kernel("attn_paged_partial")?;
+        // Above 48 KiB of dynamic shared memory a kernel must opt in (a host-side attribute).
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+        let mut l = self.launch(f);
         l.ptr(q)
             .ptr(k_pool)
             .ptr(v_pool)
@@ -321,7 +334,7 @@ impl Gpu {
         // holds `n` rows of `max_blocks` ids (decode, checked by the caller) or one row (prefill,
         // stride 0); the kernel caps every length at max_blocks·block_size and masks block ids at or
         // beyond num_blocks; the workspace holds n·hq·splits slots.
-        unsafe { l.launch(cfg(grid, PARTIAL_THREADS, 0)) }?;
+        unsafe { l.launch(cfg(grid, PARTIAL_THREADS, smem as u32)) }?;
         drop(l);
         let mut l = self.launch(self.kernel("attn_paged_reduce")?);
         l.ptr(&part_o)
@@ -374,14 +387,14 @@ fn reduce_threads(d: usize) -> u32 {
 }
 
 /// `(splits, max_split)` of a decode launch whose longest context is `max_len` and whose grid has
-/// `blocks` blocks per split: splits until the grid holds [`DECODE_BLOCKS_PER_SM`] blocks per
-/// multiprocessor, but no more than the context has [`ATTN_MIN_SPLIT`]-position spans; `max_split`,
+/// `blocks` blocks per split: as many splits as the multiprocessors hold at once
+/// ([`DECODE_BLOCKS_PER_SM`] blocks each; at least one), but no more than the context has
+/// [`ATTN_MIN_SPLIT`]-position spans; `max_split`,
 /// a multiple of [`ATTN_MIN_SPLIT`], so that the splits cover `max_len` with none idle there.
 fn decode_splits(max_len: usize, blocks: usize, sms: usize) -> (usize, usize) {
     let spans = max_len.div_ceil(ATTN_MIN_SPLIT).max(1);
-    let splits = (DECODE_BLOCKS_PER_SM * sms)
-        .div_ceil(blocks.max(1))
-        .clamp(1, spans);
+    // Rounded down: one block past what the multiprocessors hold at once would run as a second wave.
+    let splits = ((DECODE_BLOCKS_PER_SM * sms) / blocks.max(1)).clamp(1, spans);
     let max_split = max_len
         .div_ceil(splits)
         .next_multiple_of(ATTN_MIN_SPLIT)
@@ -595,8 +608,9 @@ impl Gpu {
 mod tests {
     use super::*;
 
-    /// The splits cover the longest context in spans of whole granules, fill the grid where the
-    /// context has enough granules, and never give a split nothing to do at the longest context.
+    /// The splits cover the longest context in spans of whole granules, fill the multiprocessors
+    /// (in one wave) where the context has enough granules, and never give a split nothing to do at
+    /// the longest context.
     #[test]
     fn decode_splits_cover_the_context_and_fill_the_grid() {
         for sms in [82, 132] {
@@ -609,9 +623,12 @@ mod tests {
                         (splits - 1) * max_split < max_len,
                         "an idle split at {max_len}"
                     );
+                    let slots = DECODE_BLOCKS_PER_SM * sms;
+                    assert!(splits == 1 || splits * blocks <= slots, "a second wave");
                     assert!(
                         max_split == ATTN_MIN_SPLIT
-                            || 2 * splits * blocks >= DECODE_BLOCKS_PER_SM * sms,
+                            || blocks > slots
+                            || 2 * splits * blocks >= slots,
                         "{max_len} {blocks} {sms}: {splits}"
                     );
                 }

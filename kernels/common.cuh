@@ -23,27 +23,21 @@ __device__ __forceinline__ void pdl_prologue() {
 // Bytes of an L2 prefetch request (one per thread of a block's first warp, as many rounds as needed).
 #define PDL_PREFETCH_PIECE 32768
 
-// Asks L2 for bytes [p, p + bytes) (whole 16-byte units inside the range; nothing when bytes ≤ 0) in
-// requests of PDL_PREFETCH_PIECE bytes, request i by lane i % lanes: data no kernel of the step writes
-// (weights), fetched ahead of the launch that reads it. sm_90 and later (bulk prefetch); a no-op before.
-__device__ __forceinline__ void l2_prefetch_range(const void* p, long long bytes, unsigned lane, unsigned lanes) {
+// pdl_prologue, first asking L2 for bytes [p, p + bytes) of data no kernel writes (the weight rows a GEMV
+// block reads): the fetch overlaps the kernel ahead instead of following it. Whole 16-byte units inside
+// the range only; nothing when bytes ≤ 0.
+__device__ __forceinline__ void pdl_prologue_prefetch(const void* p, long long bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const unsigned long long a0 = ((unsigned long long)p + 15) & ~15ull;
     const unsigned long long a1 = bytes > 0 ? ((unsigned long long)p + bytes) & ~15ull : 0;
+    if (threadIdx.x < 32)
 #pragma unroll 1
-    for (unsigned long long a = a0 + lane * (unsigned long long)PDL_PREFETCH_PIECE; a < a1;
-         a += lanes * (unsigned long long)PDL_PREFETCH_PIECE) {
-        const unsigned size = (unsigned)min((unsigned long long)PDL_PREFETCH_PIECE, a1 - a);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(size) : "memory");
-    }
+        for (unsigned long long a = a0 + threadIdx.x * (unsigned long long)PDL_PREFETCH_PIECE; a < a1;
+             a += 32ull * PDL_PREFETCH_PIECE) {
+            const unsigned size = (unsigned)min((unsigned long long)PDL_PREFETCH_PIECE, a1 - a);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(size) : "memory");
+        }
 #endif
-}
-
-// pdl_prologue, first asking L2 for bytes [p, p + bytes) of data no kernel writes (the weight rows a GEMV
-// block reads; the block's first warp issues the requests): the fetch overlaps the kernel ahead instead
-// of following it.
-__device__ __forceinline__ void pdl_prologue_prefetch(const void* p, long long bytes) {
-    if (threadIdx.x < 32) l2_prefetch_range(p, bytes, threadIdx.x, 32);
     pdl_prologue();
 }
 

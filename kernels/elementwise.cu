@@ -84,18 +84,3 @@ extern "C" __global__ void hc_gated_residual_bf16(bf16* __restrict__ streams, co
         streams[i] = f2bf(bf2f(streams[i]) + sigmoid_f(bf2f(u[i])) * bf2f(y[r * h + j]));
     }
 }
-
-// Asks L2 for up to four byte ranges (weights a later launch of the decode step reads), spread over the
-// grid's threads, and exits: launched in a step's chain just before a latency-bound kernel, it has the
-// next projection's weights fetched while that kernel runs (its prologue waits for the kernel ahead as
-// every kernel's does, so the fetch does not compete with that one's reads). An unused range has
-// bytes 0. No output; a no-op before sm_90.
-extern "C" __global__ void l2_prefetch(const char* p0, long long b0, const char* p1, long long b1,
-                                       const char* p2, long long b2, const char* p3, long long b3) {
-    pdl_prologue();
-    const unsigned lane = blockIdx.x * blockDim.x + threadIdx.x, lanes = gridDim.x * blockDim.x;
-    l2_prefetch_range(p0, b0, lane, lanes);
-    l2_prefetch_range(p1, b1, lane, lanes);
-    l2_prefetch_range(p2, b2, lane, lanes);
-    l2_prefetch_range(p3, b3, lane, lanes);
-}

@@ -3,9 +3,8 @@
 # BIN_DIR): the parity suite, the GDN decode timings (a block a head against split column blocks), the
 # MoE combine's and the INT8 output projection's (alone, then the add and norm, and both in one
 # launch), and,
-# on dummy weights of each config, the fused decode launches on against off (`SANMAI_FUSED_DECODE=0`)
-# and the L2 prefetch launches off against on (`SANMAI_L2_PREFETCH_AHEAD=1`): greedy tokens and
-# log-probs of one prompt compared bit for bit, the alternated A/B of
+# on dummy weights of each config, the fused decode launches on against off (`SANMAI_FUSED_DECODE=0`):
+# greedy tokens and log-probs of one prompt compared bit for bit, the alternated A/B of
 # scripts/gpu_ab.sh (its median inter-token latencies), and a per-kernel table of each arm. Builds
 # nothing; run from the repository root.
 #
@@ -42,23 +41,19 @@ grep -h '^BENCH' "$out/bench_gemv_norm.log" | sed 's/^/  - /' | tee -a "$summary
 
 off="$out/sanmai-fused-off"
 printf '#!/bin/sh\nSANMAI_FUSED_DECODE=0 exec "%s/sanmai" "$@"\n' "$bin" >"$off"
-l2="$out/sanmai-l2-ahead"
-printf '#!/bin/sh\nSANMAI_L2_PREFETCH_AHEAD=1 exec "%s/sanmai" "$@"\n' "$bin" >"$l2"
-chmod +x "$off" "$l2"
+chmod +x "$off"
 for c in "${configs[@]}"; do
   name=$(basename "$c" .json)
-  for arm in on off l2; do
+  for arm in on off; do
     exe="$bin/sanmai"
     [ "$arm" = off ] && exe=$off
-    [ "$arm" = l2 ] && exe=$l2
     "$exe" generate --device cuda --load-format dummy --config "$c" \
       --prompt-ids 785,3974,13876,38835,34208,916,279,15678,5562,323,1221 --max-tokens 48 --logprobs 1 \
       --json >"$out/greedy-$name-$arm.json" 2>"$out/greedy-$name-$arm.err"
     status=$?
     [ $status -eq 0 ] || { rc=1; note "- $name: generate ($arm) exited $status"; }
   done
-  for other in off l2; do
-  python3 - "$out/greedy-$name-on.json" "$out/greedy-$name-$other.json" "$name ($other)" >>"$summary" <<'PY' || rc=1
+  python3 - "$out/greedy-$name-on.json" "$out/greedy-$name-off.json" "$name" >>"$summary" <<'PY' || rc=1
 import json, sys
 try:
     a, b = (json.load(open(p)) for p in sys.argv[1:3])
@@ -68,19 +63,15 @@ except (OSError, ValueError) as e:
 same = a["ids"] == b["ids"]
 dl = max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0)
 first = next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), None)
-print(f"- {sys.argv[3]}: greedy tokens against the default " + ("identical" if same else f"differ from token {first}")
+print(f"- {sys.argv[3]}: greedy tokens fused on/off " + ("identical" if same else f"differ from token {first}")
       + f" ({len(a['ids'])} tokens), largest log-prob difference {dl:.3g}")
 sys.exit(0 if same else 1)
 PY
   tail -1 "$summary"
-  done
 done
 
 SANMAI_BENCH_CONFIGS="${configs[*]}" scripts/gpu_ab.sh "$out/ab" "$bin/sanmai" "$off" "${ROUNDS:-3}" >/dev/null 2>&1 || rc=1
 cat "$out/ab/ab.md" >>"$summary"
-SANMAI_BENCH_CONFIGS="${configs[*]}" scripts/gpu_ab.sh "$out/ab-l2" "$bin/sanmai" "$l2" "${ROUNDS:-3}" >/dev/null 2>&1 || rc=1
-note "L2 prefetch ahead: arm A default, arm B SANMAI_L2_PREFETCH_AHEAD=1"
-cat "$out/ab-l2/ab.md" >>"$summary"
 for c in "${configs[@]}"; do
   name=$(basename "$c" .json)
   for arm in on off; do

@@ -20,9 +20,6 @@ const PDL_ENV: &str = "SANMAI_PDL";
 /// The CUDA backend's fused decode launches (the shared expert with the routed experts).
 #[cfg(feature = "cuda")]
 const FUSED_DECODE_ENV: &str = "SANMAI_FUSED_DECODE";
-/// Decode steps' L2 prefetch of a projection's weights ahead of its launch.
-#[cfg(feature = "cuda")]
-const L2_PREFETCH_AHEAD_ENV: &str = "SANMAI_L2_PREFETCH_AHEAD";
 /// FP8 prefill GEMMs on the FP8 tensor cores.
 #[cfg(feature = "cuda")]
 const FP8_TENSOR_CORES_ENV: &str = "SANMAI_FP8_TENSOR_CORES";
@@ -66,14 +63,6 @@ pub struct SwitchArgs {
     /// activations' e4m3 rounding [default: bf16 tiles, unless SANMAI_FP8_TENSOR_CORES=1].
     #[arg(long, overrides_with = "fp8_tensor_cores")]
     pub no_fp8_tensor_cores: bool,
-    /// CUDA decode steps ask L2 for a projection's weights while the latency-bound kernel ahead of
-    /// it runs, for A/B runs (overrides SANMAI_L2_PREFETCH_AHEAD=0).
-    #[arg(long, overrides_with = "no_l2_prefetch_ahead")]
-    pub l2_prefetch_ahead: bool,
-    /// No L2 prefetch launches in CUDA decode steps [default: none, unless
-    /// SANMAI_L2_PREFETCH_AHEAD=1].
-    #[arg(long, overrides_with = "l2_prefetch_ahead")]
-    pub no_l2_prefetch_ahead: bool,
     /// A pipeline stage prepares its next step (layout, PLE rows, device metadata) before it waits
     /// for the previous stage's streams (the default; overrides SANMAI_PP_DEFERRED_RECEIVE=0).
     #[arg(long, overrides_with = "no_pp_deferred_receive")]
@@ -146,8 +135,6 @@ impl SwitchArgs {
             (self.no_fused_decode, "--no-fused-decode"),
             (self.fp8_tensor_cores, "--fp8-tensor-cores"),
             (self.no_fp8_tensor_cores, "--no-fp8-tensor-cores"),
-            (self.l2_prefetch_ahead, "--l2-prefetch-ahead"),
-            (self.no_l2_prefetch_ahead, "--no-l2-prefetch-ahead"),
         ]
         .into_iter()
         .filter_map(|(given, name)| given.then_some(name))
@@ -169,11 +156,6 @@ impl SwitchArgs {
             },
             cuda_graphs: switch(self.cuda_graphs, self.no_cuda_graphs, CUDA_GRAPHS_ENV),
             fused_decode: switch(self.fused_decode, self.no_fused_decode, FUSED_DECODE_ENV),
-            l2_prefetch_ahead: switch_default_off(
-                self.l2_prefetch_ahead,
-                self.no_l2_prefetch_ahead,
-                L2_PREFETCH_AHEAD_ENV,
-            ),
         }
     }
 }

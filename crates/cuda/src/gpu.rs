@@ -109,12 +109,6 @@ impl Gpu {
         &self.stream
     }
 
-    /// Whether kernels are launched with programmatic dependent launch (sm_90 and later, unless
-    /// turned off).
-    pub fn pdl(&self) -> bool {
-        self.pdl
-    }
-
     pub fn kernels(&self) -> &Kernels {
         &self.kernels
     }

@@ -475,12 +475,6 @@ impl<B: Backend> Model<B> {
                 }
                 self.ple_mix(i, w, &mut streams, ple_rows, rows.seqs)?;
             }
-            if pending.is_some() {
-                // The layer's input projections, fetched while the last one's experts run.
-                layer
-                    .mixer
-                    .with_input_weights(|ws| b.prefetch(ws, rows.count()))?;
-            }
             pending = self.layer_forward(i, layer, &mut streams, pending, rows)?;
         }
         if let Some(y) = pending {
@@ -617,7 +611,6 @@ impl<B: Backend> Model<B> {
         match &layer.mixer {
             Mixer::Attention(w) => {
                 let [q, k, v] = linear_n(b, hn, [&w.q_proj, &w.k_proj, &w.v_proj])?;
-                b.prefetch(&[&w.o_proj], rows.count())?;
                 let o = b.attention(&attn(w, &q, &k, &v))?;
                 Ok(Pending::Linear { x: o, w: &w.o_proj })
             }
@@ -637,7 +630,6 @@ impl<B: Backend> Model<B> {
                         &iw.weights_proj,
                     ],
                 )?;
-                b.prefetch(&[&w.o_proj], rows.count())?;
                 let o = b.qsa_attention(&QsaCall {
                     attn: attn(w, &q, &k, &v),
                     qsa,
@@ -660,7 +652,6 @@ impl<B: Backend> Model<B> {
                     )?;
                     (qkv, z, Some((bb, a)))
                 };
-                b.prefetch(&[&w.out_proj], rows.count())?;
                 let o = b.gdn(&GdnCall {
                     layer: index,
                     shape: &self.gdn_shape,

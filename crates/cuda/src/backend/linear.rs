@@ -1,7 +1,6 @@
 //! `x · wᵀ` on the device: bf16 weights through the decode GEMV (up to [`GEMV_MAX_M`] rows) or
 //! cuBLAS, packed weights through `packed.rs`, FP8 weights through `fp8.rs`, and several projections of one input sharing decode
-//! GEMV launches ([`CudaBackend::linear_many_impl`]); the L2 prefetch of weights a later launch reads
-//! ([`CudaBackend::prefetch_impl`]).
+//! GEMV launches ([`CudaBackend::linear_many_impl`]).
 
 use cudarc::driver::CudaSlice;
 
@@ -10,32 +9,6 @@ use crate::error::{CudaError, Result};
 use crate::ops::{GEMV_MAX_M, GEMV_SEGS};
 
 impl CudaBackend {
-    /// Turns the L2 prefetch hints of decode steps on or off ([`super::CudaOptions::l2_prefetch_ahead`]);
-    /// recorded steps of the other kind are dropped.
-    pub fn set_l2_prefetch_ahead(&self, on: bool) {
-        self.set_step_switch(&self.l2_ahead, on);
-    }
-
-    /// [`sanmai_model::Backend::prefetch`]: at decode sizes (up to [`GEMV_MAX_M`] rows) and with
-    /// [`super::CudaOptions::l2_prefetch_ahead`], one `l2_prefetch` launch asks L2 for the weights'
-    /// values (bf16 values, packed words or FP8 bytes; the first four weights).
-    pub(super) fn prefetch_impl(&self, ws: &[&CudaWeight], rows: usize) -> Result<()> {
-        if !self.l2_ahead.load(std::sync::atomic::Ordering::Relaxed) || rows > GEMV_MAX_M {
-            return Ok(());
-        }
-        let g = &self.gpu;
-        let ranges: Vec<(u64, usize)> = ws
-            .iter()
-            .take(4)
-            .map(|w| match w {
-                CudaWeight::Bf16(d) => (g.addr(&d.data), 2 * d.data.len()),
-                CudaWeight::Packed(p) => (g.addr(&p.words), 4 * p.words.len()),
-                CudaWeight::Fp8(f) => (g.addr(&f.bytes), f.bytes.len()),
-            })
-            .collect();
-        g.l2_prefetch(&ranges)
-    }
-
     pub(super) fn linear_impl(&self, x: &CudaTensor, w: &CudaWeight) -> Result<CudaTensor> {
         let (m, n, k) = (x.rows, w.rows(), w.cols());
         if x.cols != k {

@@ -109,9 +109,6 @@ pub struct CudaOptions {
     /// `moe.rs`; the residual add and norm in the launch before them, `moe.rs` and `packed.rs`);
     /// off: one launch per op, for A/B runs.
     pub fused_decode: bool,
-    /// Decode steps ask L2 for a projection's weights while the latency-bound kernel ahead of it runs
-    /// ([`Backend::prefetch`]); off by default until measured.
-    pub l2_prefetch_ahead: bool,
 }
 
 impl Default for CudaOptions {
@@ -121,7 +118,6 @@ impl Default for CudaOptions {
             gpu: GpuOptions::default(),
             cuda_graphs: true,
             fused_decode: true,
-            l2_prefetch_ahead: false,
         }
     }
 }
@@ -144,8 +140,6 @@ pub struct CudaBackend {
     ticket: Mutex<CudaSlice<u32>>,
     /// Whether decode steps take the fused launches ([`CudaOptions::fused_decode`]).
     fused_decode: AtomicBool,
-    /// Whether decode steps take the L2 prefetch hints ([`CudaOptions::l2_prefetch_ahead`]).
-    l2_ahead: AtomicBool,
     /// Held while a CUDA graph captures this backend's stream, and by the cache operations another
     /// thread may call (a pipeline's engine thread): work queued on a capturing stream, from any
     /// thread, would join the graph instead of running.
@@ -192,7 +186,6 @@ impl CudaBackend {
             backend.set_graph_batch_sizes(&[]);
         }
         backend.set_fused_decode(options.fused_decode);
-        backend.set_l2_prefetch_ahead(options.l2_prefetch_ahead);
         Ok(backend)
     }
 
@@ -225,20 +218,13 @@ impl CudaBackend {
             ple_in: Mutex::new(None),
             ticket,
             fused_decode: AtomicBool::new(true),
-            l2_ahead: AtomicBool::new(false),
         })
     }
 
     /// Turns the fused decode launches on or off ([`CudaOptions::fused_decode`]); recorded steps
     /// of the other kind are dropped.
     pub fn set_fused_decode(&self, on: bool) {
-        self.set_step_switch(&self.fused_decode, on);
-    }
-
-    /// Sets a switch that changes what a decode step launches, dropping the recorded steps when it
-    /// changes.
-    fn set_step_switch(&self, switch: &AtomicBool, on: bool) {
-        if switch.swap(on, Ordering::Relaxed) != on {
+        if self.fused_decode.swap(on, Ordering::Relaxed) != on {
             self.epoch.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -641,10 +627,6 @@ impl Backend for CudaBackend {
     ) -> OpResult<CudaTensor> {
         self.linear_add_rms_norm_impl(x, w, acc, norm, eps, offset)
             .at("linear_add_rms_norm")
-    }
-
-    fn prefetch(&self, ws: &[&CudaWeight], rows: usize) -> OpResult<()> {
-        self.prefetch_impl(ws, rows).at("prefetch")
     }
 
     fn swiglu_linear(&self, gate_up: &CudaTensor, w: &CudaWeight) -> OpResult<CudaTensor> {

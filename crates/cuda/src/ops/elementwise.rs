@@ -1,9 +1,9 @@
-//! SwiGLU on a fused gate|up buffer, the embedding gather, and the L2 prefetch of weights ahead of use.
+//! SwiGLU on a fused gate|up buffer, and the embedding gather.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut};
 use half::bf16;
 
-use crate::error::{CudaError, Result};
+use crate::error::Result;
 use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 impl Gpu {
@@ -69,38 +69,6 @@ impl Gpu {
         // SAFETY: argument types match the kernel; lengths checked above; the kernel reads table rows
         // only for ids below `vocab`.
         unsafe { b.launch(cfg((grid_u32(OP, t)?, 1, 1), threads, 0)) }?;
-        Ok(())
-    }
-
-    /// Asks L2 for up to four device byte ranges `(address, bytes)` that no op of the step writes
-    /// (the weights of a later launch), in a launch of its own (`l2_prefetch`) that exits once the
-    /// requests are issued: a hint, no value changes. Nothing is launched without PDL (sm_90 and
-    /// later, whose bulk prefetch it issues) or when no range has bytes.
-    pub fn l2_prefetch(&self, ranges: &[(u64, usize)]) -> Result<()> {
-        const OP: &str = "l2_prefetch";
-        if ranges.len() > 4 {
-            return Err(CudaError::Shape {
-                op: OP,
-                msg: format!("{} ranges; at most 4", ranges.len()),
-            });
-        }
-        let total: usize = ranges.iter().map(|r| r.1).sum();
-        if !self.pdl() || total == 0 {
-            return Ok(());
-        }
-        let mut args = [(0u64, 0i64); 4];
-        for (slot, &(addr, bytes)) in args.iter_mut().zip(ranges) {
-            *slot = (addr, i64::try_from(bytes).unwrap_or(i64::MAX));
-        }
-        // One 32 KB request a thread (PDL_PREFETCH_PIECE), 128 threads a block, at most 8 blocks.
-        let blocks = total.div_ceil(32768).div_ceil(128).clamp(1, 8) as u32;
-        let mut b = self.launch(self.kernel(OP)?);
-        for (addr, bytes) in &args {
-            b.arg(addr).arg(bytes);
-        }
-        // SAFETY: four (pointer, i64) pairs as the kernel takes them; it only issues L2 prefetches of
-        // the ranges, which read nothing into the kernel and write nothing.
-        unsafe { b.launch(cfg((blocks, 1, 1), 128, 0)) }?;
         Ok(())
     }
 }

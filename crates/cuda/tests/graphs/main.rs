@@ -232,13 +232,10 @@ fn delta(after: GraphStats, before: GraphStats) -> GraphStats {
     }
 }
 
-/// Three copies of a fixture: graphs on, eager, eager (the control). The graph copy also takes the
-/// L2 prefetch launches of decode steps (`set_l2_prefetch_ahead`): a hint, so its values must still
-/// be the eager copy's.
+/// Three copies of a fixture: graphs on, eager, eager (the control).
 fn trio(name: &str, test: &str) -> Option<[Model<CudaBackend>; 3]> {
     let bs = [backend(test)?, backend(test)?, backend(test)?];
     let [g, e, c] = bs.map(|b| load_fixture(name, b));
-    g.backend.set_l2_prefetch_ahead(true);
     e.backend.set_graph_batch_sizes(&[]);
     c.backend.set_graph_batch_sizes(&[]);
     Some([g, e, c])

@@ -434,13 +434,6 @@ pub trait Backend: Send + Sync {
         let y = self.linear(x, w)?;
         self.add_rms_norm(acc, &y, norm, eps, offset)
     }
-    /// A hint that a later op of this step, of `rows` rows, reads `ws`: a backend may start fetching
-    /// them now (the CUDA backend can ask L2 for them while a latency-bound kernel runs). No value
-    /// changes; the default does nothing.
-    fn prefetch(&self, ws: &[&Self::Weight], rows: usize) -> OpResult<()> {
-        let _ = (ws, rows);
-        Ok(())
-    }
     /// `silu(gate) · up` on a fused `[rows, 2I]` gate|up tensor.
     fn swiglu(&self, gate_up: &Self::Tensor) -> OpResult<Self::Tensor>;
     /// An MLP's down projection: [`Backend::linear`] of [`Backend::swiglu`]`(gate_up)` (a backend

@@ -25,17 +25,6 @@ pub enum Mixer<W> {
     Gdn(GdnWeights<W>),
 }
 
-impl<W> Mixer<W> {
-    /// `f` of the projections of the sublayer's input, in the order the forward pass reads them
-    /// (a slice without an allocation a layer and step).
-    pub fn with_input_weights<R>(&self, f: impl FnOnce(&[&W]) -> R) -> R {
-        match self {
-            Mixer::Attention(w) | Mixer::Qsa(w, _) => f(&[&w.q_proj, &w.k_proj, &w.v_proj]),
-            Mixer::Gdn(w) => f(&[&w.in_proj_qkv, &w.in_proj_z]),
-        }
-    }
-}
-
 pub enum Ffn<W> {
     Dense(MlpWeights<W>),
     Moe(MoeWeights<W>),

@@ -22,12 +22,12 @@
 #define GDN_TILE 128
 
 // Loads this thread's part of the state tile starting at value column c0: 4 columns (c0 + 4·lane …)
-// of rows warp + WARPS·n, n < NR; zeros outside rows [0, dk) and columns [0, ce) (ce ≤ dv, the row
-// length; ce % 4 == 0 where dv % 4 == 0). VEC: dv % 4 == 0, a template parameter so that the kernel a
+// of rows warp + WARPS·n, n < NR; zeros outside rows [0, dk) and columns [0, dv) (dv, the row
+// length). VEC: dv % 4 == 0, a template parameter so that the kernel a
 // real model runs holds only the 16-byte path (a short launch waits on fetching its code).
 template <int WARPS, int NR, bool VEC>
 __device__ __forceinline__ void gdn_load_tile(float4 (&st)[NR], const float* __restrict__ S, int c0, int dk,
-                                              int dv, int ce) {
+                                              int dv) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j0 = c0 + 4 * lane;
     constexpr bool vec = VEC;  // dv % 4 == 0: rows of S are 16-byte aligned
@@ -35,39 +35,39 @@ __device__ __forceinline__ void gdn_load_tile(float4 (&st)[NR], const float* __r
     for (int n = 0; n < NR; ++n) {
         const int i = warp + WARPS * n;
         st[n] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (i < dk && j0 < ce) {
+        if (i < dk && j0 < dv) {
             const float* src = S + (size_t)i * dv + j0;
             if (vec) {
                 st[n] = *reinterpret_cast<const float4*>(src);
             } else {
                 st[n].x = src[0];
-                if (j0 + 1 < ce) st[n].y = src[1];
-                if (j0 + 2 < ce) st[n].z = src[2];
-                if (j0 + 3 < ce) st[n].w = src[3];
+                if (j0 + 1 < dv) st[n].y = src[1];
+                if (j0 + 2 < dv) st[n].z = src[2];
+                if (j0 + 3 < dv) st[n].w = src[3];
             }
         }
     }
 }
 
-// Stores what gdn_load_tile loaded (same columns and rows, nothing outside [0, dk) × [0, ce)).
+// Stores what gdn_load_tile loaded (same columns and rows, nothing outside [0, dk) × [0, dv)).
 template <int WARPS, int NR, bool VEC>
 __device__ __forceinline__ void gdn_store_tile(const float4 (&st)[NR], float* __restrict__ S, int c0, int dk,
-                                               int dv, int ce) {
+                                               int dv) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int j0 = c0 + 4 * lane;
     constexpr bool vec = VEC;
 #pragma unroll
     for (int n = 0; n < NR; ++n) {
         const int i = warp + WARPS * n;
-        if (i >= dk || j0 >= ce) break;
+        if (i >= dk || j0 >= dv) break;
         float* dst = S + (size_t)i * dv + j0;
         if (vec) {
             *reinterpret_cast<float4*>(dst) = st[n];
         } else {
             dst[0] = st[n].x;
-            if (j0 + 1 < ce) dst[1] = st[n].y;
-            if (j0 + 2 < ce) dst[2] = st[n].z;
-            if (j0 + 3 < ce) dst[3] = st[n].w;
+            if (j0 + 1 < dv) dst[1] = st[n].y;
+            if (j0 + 2 < dv) dst[2] = st[n].z;
+            if (j0 + 3 < dv) dst[3] = st[n].w;
         }
     }
 }
@@ -110,24 +110,17 @@ __device__ __forceinline__ float gdn_conv_channel(const bf16* __restrict__ ring,
 // the current tile in registers, read once and written once. One pass gives both column reductions,
 // since with S' = S·decay + k⊗δ the output is o = S'ᵀq = decay·Sᵀq + δ·(k·q): mem = Sᵀk, sq = Sᵀq per
 // thread, then across the warps through shared memory, δ = β(v − decay·mem), o = decay·sq + δ·(k·q).
-// SPLIT: the head's value columns are cut over gridDim.z blocks (blockIdx.z takes columns
-// [GDN_SPLIT_COLS·z, GDN_SPLIT_COLS·(z + 1)), so four blocks instead of one read a dv = 128 head's state):
-// each block runs the same code on its columns only (lanes past them hold zeros), writes its o columns
-// to os_g [B, hv, dv] and counts itself in on counters[b·hv + h]; the last block of the head reads all
-// of o back and runs the gated norm as the whole-head block does, then resets the counter. Every value
-// is computed by the same operations in the same order as without SPLIT: the same bits.
-#define GDN_SPLIT_COLS 32
 // The parameters of gdn_decode_impl and of gdn_decode_any (which picks its instance), and their names.
 #define GDN_IMPL_PARAMS                                                                                        \
     const bf16 *__restrict__ qkv, const bf16 *__restrict__ z, float a_in, float b_in,                         \
         const bf16 *__restrict__ conv_w, const float *__restrict__ A_log, const float *__restrict__ dt_bias,  \
         const bf16 *__restrict__ norm_w, bf16 *__restrict__ conv_pool, float *__restrict__ state_pool,        \
         const u32 *__restrict__ slots, const u32 *__restrict__ positions, bf16 *__restrict__ out, int hk,     \
-        int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots, float *os_g, u32 *counters
+        int hv, int dk, int dv, int K, float q_scale, float eps, u32 num_slots
 #define GDN_IMPL_PASS                                                                                          \
     qkv, z, a_in, b_in, conv_w, A_log, dt_bias, norm_w, conv_pool, state_pool, slots, positions, out, hk, hv,  \
-        dk, dv, K, q_scale, eps, num_slots, os_g, counters
-template <int WARPS, int NR, bool SPLIT, bool VEC>
+        dk, dv, K, q_scale, eps, num_slots
+template <int WARPS, int NR, bool VEC>
 __device__ __forceinline__ void gdn_decode_impl(GDN_IMPL_PARAMS) {
     __shared__ float xs[2 * GDN_MAX_DK + GDN_MAX_DV];  // conv outputs q | k | v of this head
     __shared__ float os[GDN_MAX_DV];                    // o of this head, before the norm
@@ -135,36 +128,31 @@ __device__ __forceinline__ void gdn_decode_impl(GDN_IMPL_PARAMS) {
     __shared__ float sums[3][WARPS];
     __shared__ float scratch[32];
     const int h = blockIdx.x, b = blockIdx.y;
-    // This block's value columns [cb, ce).
-    const int cb = SPLIT ? (int)blockIdx.z * GDN_SPLIT_COLS : 0;
-    const int ce = SPLIT ? min(dv, cb + GDN_SPLIT_COLS) : dv;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int ratio = hv / hk, kh = h / ratio;
     const int c = 2 * hk * dk + hv * dv;
     bf16* orow = out + ((size_t)b * hv + h) * dv;
     const u32 slot = slots[b];
     if (slot >= num_slots) {  // a bad slot id: zeros, no state touched
-        for (int j = cb + threadIdx.x; j < ce; j += blockDim.x) orow[j] = f2bf(0.0f);
+        for (int j = threadIdx.x; j < dv; j += blockDim.x) orow[j] = f2bf(0.0f);
         return;
     }
     const u32 pos = positions[b];
     float* S = state_pool + ((size_t)slot * hv + h) * (size_t)dk * dv;
     // The first state tile is requested before the conv, so its loads overlap the conv's.
     float4 st[NR];
-    gdn_load_tile<WARPS, NR, VEC>(st, S, cb, dk, dv, ce);
+    gdn_load_tile<WARPS, NR, VEC>(st, S, 0, dk, dv);
 
     // Conv of this head's channels: local t < dk is q of key head kh, dk ≤ t < 2dk its k, then v of
     // head h. The first value head of a key group stores the q/k inputs, every head its own v (with
-    // K = 1 no token reads the ring: nothing is stored); split, a block convolves the v of its columns
-    // only, and the first block of the head stores the q/k inputs.
+    // K = 1 no token reads the ring: nothing is stored).
     bf16* ring = conv_pool + (size_t)slot * K * c;
     const bf16* xrow = qkv + (size_t)b * c;
-    const bool store_qk = K > 1 && h % ratio == 0 && (!SPLIT || blockIdx.z == 0), store_v = K > 1;
+    const bool store_qk = K > 1 && h % ratio == 0, store_v = K > 1;
     const size_t wr = (size_t)(pos % (u32)K) * c;
     const u32 first = (pos + 1u) % (u32)K;
 #pragma unroll 1
     for (int t = threadIdx.x; t < 2 * dk + dv; t += blockDim.x) {
-        if (SPLIT && t >= 2 * dk && (t - 2 * dk < cb || t - 2 * dk >= ce)) continue;
         const int ch = t < dk       ? kh * dk + t
                        : t < 2 * dk ? (hk + kh) * dk + (t - dk)
                                     : 2 * hk * dk + h * dv + (t - 2 * dk);
@@ -205,7 +193,7 @@ __device__ __forceinline__ void gdn_decode_impl(GDN_IMPL_PARAMS) {
     const float decay = expf(g);
     const float beta = sigmoid_f(b_in);
 
-    for (int c0 = cb;;) {
+    for (int c0 = 0;;) {
         const int j0 = c0 + 4 * lane;
         // Partial Sᵀk and Sᵀq over this thread's rows.
         float mem[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sqp[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -231,7 +219,7 @@ __device__ __forceinline__ void gdn_decode_impl(GDN_IMPL_PARAMS) {
             const float mm[4] = {m.x, m.y, m.z, m.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const float v = j0 + e < ce ? xs[2 * dk + j0 + e] : 0.0f;
+                const float v = j0 + e < dv ? xs[2 * dk + j0 + e] : 0.0f;
                 delta[e] = (v - decay * mm[e]) * beta;
             }
         }
@@ -240,7 +228,7 @@ __device__ __forceinline__ void gdn_decode_impl(GDN_IMPL_PARAMS) {
             const float tt[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
             for (int e = 0; e < 4; ++e)
-                if (j0 + e < ce) os[j0 + e] = decay * tt[e] + delta[e] * kq;
+                if (j0 + e < dv) os[j0 + e] = decay * tt[e] + delta[e] * kq;
         }
         // S ← S·decay + k⊗δ.
 #pragma unroll
@@ -253,24 +241,13 @@ __device__ __forceinline__ void gdn_decode_impl(GDN_IMPL_PARAMS) {
             st[n].z = st[n].z * decay + kn * delta[2];
             st[n].w = st[n].w * decay + kn * delta[3];
         }
-        gdn_store_tile<WARPS, NR, VEC>(st, S, c0, dk, dv, ce);
+        gdn_store_tile<WARPS, NR, VEC>(st, S, c0, dk, dv);
         c0 += GDN_TILE;
-        if (c0 >= ce) break;
+        if (c0 >= dv) break;
         __syncthreads();  // every warp has read `part` before the next tile rewrites it
-        gdn_load_tile<WARPS, NR, VEC>(st, S, c0, dk, dv, ce);
+        gdn_load_tile<WARPS, NR, VEC>(st, S, c0, dk, dv);
     }
     __syncthreads();  // os complete
-
-    if (SPLIT) {
-        // This block's o columns to os_g; the head's last block to arrive (last_block_to_arrive) reads
-        // them all back through L2 (__ldcg).
-        float* og = os_g + ((size_t)b * hv + h) * dv;
-        for (int j = cb + threadIdx.x; j < ce; j += blockDim.x) og[j] = os[j];
-        if (!last_block_to_arrive(counters + (size_t)b * hv + h, gridDim.z)) return;
-        for (int j = threadIdx.x; j < dv; j += blockDim.x) os[j] = __ldcg(og + j);
-        if (threadIdx.x == 0) counters[(size_t)b * hv + h] = 0u;
-        __syncthreads();
-    }
 
     // The gated RMSNorm over the head's dv values.
     float ss = 0.0f;
@@ -285,12 +262,12 @@ __device__ __forceinline__ void gdn_decode_impl(GDN_IMPL_PARAMS) {
 }
 
 // gdn_decode_impl with its state tiles' 16-byte path where dv % 4 == 0.
-template <int WARPS, int NR, bool SPLIT>
+template <int WARPS, int NR>
 __device__ __forceinline__ void gdn_decode_any(GDN_IMPL_PARAMS) {
     if ((dv & 3) == 0)
-        gdn_decode_impl<WARPS, NR, SPLIT, true>(GDN_IMPL_PASS);
+        gdn_decode_impl<WARPS, NR, true>(GDN_IMPL_PASS);
     else
-        gdn_decode_impl<WARPS, NR, SPLIT, false>(GDN_IMPL_PASS);
+        gdn_decode_impl<WARPS, NR, false>(GDN_IMPL_PASS);
 }
 
 // Grid (hv, B); block 32·WARPS threads (256 for gdn_decode_fused, 512 for gdn_decode_fused_dk256).
@@ -300,9 +277,6 @@ __device__ __forceinline__ void gdn_decode_any(GDN_IMPL_PARAMS) {
 // state_pool [num_slots, hv, dk, dv] (out of range: zero output, nothing touched); out: [B, hv·dv];
 // q_scale = dk^-0.5 as the host rounds it. dv ≤ GDN_MAX_DV, hk divides hv; gdn_decode_fused takes
 // dk ≤ 128, gdn_decode_fused_dk256 dk ≤ 256.
-// The _split entries (dk ≤ 128) cut each head's value columns over gridDim.z = ⌈dv / GDN_SPLIT_COLS⌉
-// blocks (grid (hv, B, that)): os_g [B, hv, dv] f32 scratch, counters [B·hv] u32, 0 at launch and left
-// 0 (one set per stream: the PDL prologue waits for the kernel ahead, so two launches never share it).
 // The arguments after a and b_gate (the gates, read-only except in the _gates entries, which write them).
 #define GDN_TAIL                                                                                              \
     const bf16 *__restrict__ conv_w, const float *__restrict__ A_log, const float *__restrict__ dt_bias,      \
@@ -317,33 +291,24 @@ __device__ __forceinline__ void gdn_decode_any(GDN_IMPL_PARAMS) {
         const bf16 *__restrict__ x, const bf16 *__restrict__ w_b, const bf16 *__restrict__ w_a, int k
 #define GDN_REST conv_w, A_log, dt_bias, norm_w, conv_pool, state_pool, slots, positions, out, hk, hv, dk, dv, K, \
                  q_scale, eps, num_slots
-// Whether the launch fits a 256-thread entry (and, split, covers every column).
-#define GDN_FITS(split) \
-    (blockDim.x == 256 && dk <= 128 && dv <= GDN_MAX_DV && K >= 1 && hk >= 1 && hv % hk == 0 && \
-     (!(split) || (int)gridDim.z * GDN_SPLIT_COLS >= dv))
+// Whether the launch fits a 256-thread entry.
+#define GDN_FITS (blockDim.x == 256 && dk <= 128 && dv <= GDN_MAX_DV && K >= 1 && hk >= 1 && hv % hk == 0)
 
 extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused(GDN_ARGS) {
     pdl_prologue();
-    if (!GDN_FITS(false)) return;
+    if (!GDN_FITS) return;
     const size_t ab = (size_t)blockIdx.y * hv + blockIdx.x;
-    gdn_decode_any<8, 16, false>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, nullptr, nullptr);
-}
-extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused_split(GDN_ARGS, float* os_g, u32* counters) {
-    pdl_prologue();
-    if (!GDN_FITS(true)) return;
-    const size_t ab = (size_t)blockIdx.y * hv + blockIdx.x;
-    gdn_decode_any<8, 16, true>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, os_g, counters);
+    gdn_decode_any<8, 16>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST);
 }
 
-// gdn_decode_fused for one sequence (grid (hv, 1), split: (hv, 1, splits)) that first projects its own
-// head's gates from the layer's normed row x [1, k]: b_gate[h] = W_b[h] · x and a[h] = W_a[h] · x (W_b,
-// W_a [hv, k] bf16), written to b_gate and a ([1, hv]; a split head's blocks each write the same values)
+// gdn_decode_fused for one sequence (grid (hv, 1)) that first projects its own head's gates from the
+// layer's normed row x [1, k]: b_gate[h] = W_b[h] · x and a[h] = W_a[h] · x (W_b, W_a [hv, k] bf16),
+// written to b_gate and a ([1, hv])
 // by gemv_impl with one row a block and 256 threads a row (rps = 1, tpr = 256), the cut gemv_bf16_m1
 // takes for these rows (the host checks it): the same values as the GEMV launch it replaces. The block
 // then reads them back (after a barrier: its own writes) from L2, not the read-only path.
-template <bool SPLIT>
-__device__ __forceinline__ void gdn_decode_gates_body(GDN_GATES_ARGS, float* os_g, u32* counters) {
-    if (gridDim.y != 1 || !GDN_FITS(SPLIT)) return;
+__device__ __forceinline__ void gdn_decode_gates_body(GDN_GATES_ARGS) {
+    if (gridDim.y != 1 || !GDN_FITS) return;
     // b, then a, through one copy of the GEMV's code; the barrier after each: its reduction buffer is
     // read before the next GEMV writes it, and this block's a[h], b_gate[h] are written.
 #pragma unroll 1
@@ -351,23 +316,18 @@ __device__ __forceinline__ void gdn_decode_gates_body(GDN_GATES_ARGS, float* os_
         gemv_impl<1, bf16>(gi == 0 ? w_b : w_a, x, gi == 0 ? b_gate : a, hv, k, 1, 8, blockIdx.x);
         __syncthreads();
     }
-    gdn_decode_any<8, 16, SPLIT>(qkv, z, bf2f(__ldcg(a + blockIdx.x)), bf2f(__ldcg(b_gate + blockIdx.x)),
-                                  GDN_REST, os_g, counters);
+    gdn_decode_any<8, 16>(qkv, z, bf2f(__ldcg(a + blockIdx.x)), bf2f(__ldcg(b_gate + blockIdx.x)), GDN_REST);
 }
 extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused_gates(GDN_GATES_ARGS) {
     pdl_prologue();
-    gdn_decode_gates_body<false>(qkv, z, a, b_gate, GDN_REST, x, w_b, w_a, k, nullptr, nullptr);
-}
-extern "C" __global__ void __launch_bounds__(256) gdn_decode_fused_gates_split(GDN_GATES_ARGS, float* os_g, u32* counters) {
-    pdl_prologue();
-    gdn_decode_gates_body<true>(qkv, z, a, b_gate, GDN_REST, x, w_b, w_a, k, os_g, counters);
+    gdn_decode_gates_body(qkv, z, a, b_gate, GDN_REST, x, w_b, w_a, k);
 }
 
 extern "C" __global__ void __launch_bounds__(512) gdn_decode_fused_dk256(GDN_ARGS) {
     pdl_prologue();
     if (blockDim.x != 512 || dk > GDN_MAX_DK || dv > GDN_MAX_DV || K < 1 || hk < 1 || hv % hk != 0) return;
     const size_t ab = (size_t)blockIdx.y * hv + blockIdx.x;
-    gdn_decode_any<16, 16, false>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST, nullptr, nullptr);
+    gdn_decode_any<16, 16>(qkv, z, bf2f(a[ab]), bf2f(b_gate[ab]), GDN_REST);
 }
 #undef GDN_TAIL
 #undef GDN_ARGS

@@ -23,7 +23,6 @@ pairs=(
   "attn_paged_partial bench_attn::bench_attention_decode"
   "attn_paged_reduce bench_attn::bench_attention_decode"
   "gdn_decode_fused bench_gdn::bench_gdn_decode"
-  "gdn_decode_fused_split bench_gdn::bench_gdn_decode"
   "moe_route_decode_m1 bench_moe::bench_moe_route_decode"
   "moe_combine bench_moe::bench_moe_decode"
   "moe_combine_add_rms_norm bench_moe::bench_moe_decode"

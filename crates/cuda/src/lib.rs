@@ -115,9 +115,7 @@ pub use ops::{
     CombineInto, DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed, SharedGate,
     SharedY,
 };
-pub use ops::{
-    ConvWeight, DecodeSlots, GdnGateProj, GdnGates, GdnPools, GdnProj, GdnSplit, SeqRows,
-};
+pub use ops::{ConvWeight, DecodeSlots, GdnGateProj, GdnGates, GdnPools, GdnProj, SeqRows};
 pub use ops::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows};
 pub use ops::{PackedMat, PackedScheme, RowAddNorm, NORM_MAX_D};
 pub use ops::{PleGateWeights, PleGated, PleLin};

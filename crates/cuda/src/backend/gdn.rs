@@ -130,7 +130,7 @@ impl CudaBackend {
                         a: &a.buf,
                         b: &b.buf,
                     };
-                    g.gdn_decode(dims, &proj, &dw, pools, &seqs, None, &mut out.buf)?;
+                    g.gdn_decode(dims, &proj, &dw, pools, &seqs, &mut out.buf)?;
                 }
                 GdnGates::FromInput(x) => {
                     let (mut b, mut a) = (self.alloc(1, hv)?, self.alloc(1, hv)?);
@@ -150,7 +150,6 @@ impl CudaBackend {
                         &dw,
                         pools,
                         &seqs,
-                        None,
                         &mut out.buf,
                     )?;
                 }

@@ -39,18 +39,6 @@ const SMALL_DK: usize = 128;
 const THREADS: u32 = 256;
 /// Threads of a `gdn_decode_fused_dk256` block (16 warps × 16 state rows each).
 const THREADS_DK256: u32 = 512;
-/// Value columns of one block of a split decode launch (`GDN_SPLIT_COLS` in `gdn.cu`).
-const SPLIT_COLS: usize = 32;
-
-/// The scratch of a decode launch that cuts each head's value columns over several blocks
-/// ([`Gpu::gdn_split_fits`]): `os` `[batch, hv, dv]` f32 (each block's part of the head's output before
-/// the gated norm) and `counters` `[batch · hv]` u32, all 0 before the first launch and left 0 by each
-/// (keep one per stream).
-pub struct GdnSplit<'a> {
-    pub os: &'a mut CudaSlice<f32>,
-    pub counters: &'a mut CudaSlice<u32>,
-}
-
 /// The weights of one GDN layer that the decode step reads besides its projections, with the conv's
 /// width and the norm's epsilon.
 pub struct GdnDecodeWeights<'a, B: DevicePtr<bf16>, F: DevicePtr<f32>> {
@@ -146,21 +134,11 @@ impl Gpu {
         w: &GdnDecodeWeights<'_, impl DevicePtr<bf16>, impl DevicePtr<f32>>,
         pools: GdnPools<'_, impl DevicePtrMut<bf16>, impl DevicePtrMut<f32>>,
         seqs: &DecodeSlots<'_, impl DevicePtr<u32>>,
-        split: Option<GdnSplit<'_>>,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> Result<()> {
         let GdnProj { qkv, z, a, b } = *proj;
         let gates: GateRows<'_, _, CudaSlice<bf16>> = GateRows::Given { a, b };
-        self.gdn_decode_launch(dims, qkv, z, gates, w, pools, seqs, split, out)
-    }
-
-    /// Whether a decode launch of a layer of `dims` can cut each head's value columns over blocks of
-    /// 32 ([`GdnSplit`]): the 256-thread kernel (`dk ≤ 128`) and more than one block a head. Each block
-    /// reads its columns of the head's state, so a head of 128 is spread over four blocks instead of one;
-    /// the values are those of the whole-head launch, bit for bit (the same operations in the same
-    /// order: the last block of a head runs the gated norm over the head's gathered output).
-    pub fn gdn_split_fits(&self, dims: GdnDims) -> bool {
-        dims.dk <= SMALL_DK && dims.dv > SPLIT_COLS
+        self.gdn_decode_launch(dims, qkv, z, gates, w, pools, seqs, out)
     }
 
     /// Whether [`Gpu::gdn_decode_projecting_gates`] takes a layer of `dims` whose gate projections
@@ -190,7 +168,6 @@ impl Gpu {
         w: &GdnDecodeWeights<'_, impl DevicePtr<bf16>, impl DevicePtr<f32>>,
         pools: GdnPools<'_, impl DevicePtrMut<bf16>, impl DevicePtrMut<f32>>,
         seqs: &DecodeSlots<'_, impl DevicePtr<u32>>,
-        split: Option<GdnSplit<'_>>,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> Result<()> {
         const OP: &str = "gdn_decode";
@@ -219,7 +196,7 @@ impl Gpu {
             })?;
         }
         let gates = GateRows::Projected { proj: gates, a, b };
-        self.gdn_decode_launch(dims, qkv, z, gates, w, pools, seqs, split, out)
+        self.gdn_decode_launch(dims, qkv, z, gates, w, pools, seqs, out)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -232,7 +209,6 @@ impl Gpu {
         w: &GdnDecodeWeights<'_, impl DevicePtr<bf16>, impl DevicePtr<f32>>,
         pools: GdnPools<'_, impl DevicePtrMut<bf16>, impl DevicePtrMut<f32>>,
         seqs: &DecodeSlots<'_, impl DevicePtr<u32>>,
-        split: Option<GdnSplit<'_>>,
         out: &mut impl DevicePtrMut<bf16>,
     ) -> Result<()> {
         const OP: &str = "gdn_decode";
@@ -291,30 +267,17 @@ impl Gpu {
             dv as i32,
             int(OP, "kernel", kernel)?,
         );
-        let splits = match &split {
-            Some(sp) => {
-                ensure(self.gdn_split_fits(dims), OP, || {
-                    format!("a head of dk = {dk}, dv = {dv} does not take the split launch")
-                })?;
-                check_len(OP, "split os", &*sp.os, batch * hv * dv)?;
-                check_len(OP, "split counters", &*sp.counters, batch * hv)?;
-                dv.div_ceil(SPLIT_COLS)
-            }
-            None => 1,
-        };
         let projected = matches!(gates, GateRows::Projected { .. });
-        let (name, threads) = match (projected, split.is_some()) {
-            (true, false) => ("gdn_decode_fused_gates", THREADS),
-            (true, true) => ("gdn_decode_fused_gates_split", THREADS),
-            (false, true) => ("gdn_decode_fused_split", THREADS),
-            (false, false) if dk <= SMALL_DK => ("gdn_decode_fused", THREADS),
-            (false, false) => ("gdn_decode_fused_dk256", THREADS_DK256),
+        let (name, threads) = match projected {
+            true => ("gdn_decode_fused_gates", THREADS),
+            false if dk <= SMALL_DK => ("gdn_decode_fused", THREADS),
+            false => ("gdn_decode_fused_dk256", THREADS_DK256),
         };
         let proj = match &gates {
             GateRows::Given { .. } => None,
             GateRows::Projected { proj, .. } => Some((*proj, int(OP, "k", proj.k)?)),
         };
-        let grid = (hvi as u32, batch as u32, splits as u32);
+        let grid = (hvi as u32, batch as u32, 1);
         let mut l = self.launch(self.kernel(name)?);
         l.ptr(qkv).ptr(z);
         match gates {
@@ -341,14 +304,10 @@ impl Gpu {
         if let Some((p, k)) = &proj {
             l.ptr(p.x).ptr(p.w_b).ptr(p.w_a).arg(k);
         }
-        if let Some(sp) = split {
-            l.ptr_mut(sp.os).ptr_mut(sp.counters);
-        }
         // SAFETY: argument types match the kernel; lengths checked above; slot ids at or beyond
         // `num_slots` (which both pools hold) are skipped by the kernel; the block size is the one the
         // chosen kernel requires and dk, dv are within its limits; a projecting launch has one
-        // sequence, x and the gate weights checked (lengths, alignment, the GEMV cut) by its caller;
-        // a split launch's scratch holds every head of the batch and its grid covers dv.
+        // sequence, x and the gate weights checked (lengths, alignment, the GEMV cut) by its caller.
         unsafe { l.launch(cfg(grid, threads, 0)) }?;
         Ok(())
     }

@@ -37,9 +37,7 @@ pub use attention::{AttnDims, ChunkRows, DecodeLens, PagedCache, Queries, ATTN_M
 pub use conv::ConvWeight;
 pub use fp8::{fp8_fits, Fp8Experts, Fp8Mat, Fp8Part};
 pub use fp8_lt::{lt_block_scales, Fp8Lt, LtCheck, LtVerdict, LT_BLOCK};
-pub use gdn::{
-    DecodeSlots, GdnDecodeWeights, GdnDims, GdnGateProj, GdnPools, GdnProj, GdnSplit, SeqRows,
-};
+pub use gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnGateProj, GdnPools, GdnProj, SeqRows};
 pub use gdn_chunk::GdnGates;
 pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;

@@ -1,12 +1,11 @@
 //! Timing (ignored by default; `--ignored` runs it) of one GDN layer at Qwen3-Next-80B's shape: the
 //! prefill (the multi-sequence causal conv and the chunked delta rule over 1 × 512 and 8 × 512 prompt
 //! tokens) and the fused decode step (conv update, delta rule and gated RMSNorm in one launch) at
-//! batch 1 and 8, a block a head and split over blocks of 32 value columns. Prints `BENCH` lines.
+//! batch 1 and 8, a block a head. Prints `BENCH` lines.
 
 use half::bf16;
 use sanmai_cuda::{
-    ConvWeight, DecodeSlots, GdnDecodeWeights, GdnDims, GdnGates, GdnPools, GdnProj, GdnSplit,
-    SeqRows,
+    ConvWeight, DecodeSlots, GdnDecodeWeights, GdnDims, GdnGates, GdnPools, GdnProj, SeqRows,
 };
 
 use crate::bench::{pattern, time};
@@ -127,37 +126,28 @@ fn bench_gdn_decode() {
         let slots = g.upload(&(0..batch as u32).collect::<Vec<_>>()).unwrap();
         let positions = g.upload(&vec![1000u32; batch]).unwrap();
         let mut out = g.zeros::<bf16>(batch * hv * dv).unwrap();
-        let mut os = g.zeros::<f32>(batch * hv * dv).unwrap();
-        let mut counters = g.zeros::<u32>(batch * hv).unwrap();
-        // The whole head a block, then its value columns over blocks of 32 (`GdnSplit`).
-        for split in [false, true] {
-            let secs = time(g, 3, 50, || {
-                let pools = GdnPools {
-                    conv: &mut conv_pool,
-                    ssm: &mut ssm_pool,
-                };
-                let seqs = DecodeSlots {
-                    slots: &slots,
-                    positions: &positions,
-                    batch,
-                };
-                let sp = split.then_some(GdnSplit {
-                    os: &mut os,
-                    counters: &mut counters,
-                });
-                g.gdn_decode(dims, &proj, &w, pools, &seqs, sp, &mut out)
-                    .unwrap()
-            });
-            // The recurrent state read and written once; the conv ring's K − 1 entries read and one
-            // written, the projection rows, z and the output.
-            let bytes = 2 * batch * dims.state_len() * 4 + batch * (kk * cd + cd + 2 * hv * dv) * 2;
-            println!(
-                "BENCH gdn_decode b={batch} split={split} hk={} hv={hv} dk={} dv={dv} k={kk} bytes={bytes} time_us={:.1} GB/s={:.0}",
-                dims.hk,
-                dims.dk,
-                secs * 1e6,
-                bytes as f64 / secs / 1e9
-            );
-        }
+        let secs = time(g, 3, 50, || {
+            let pools = GdnPools {
+                conv: &mut conv_pool,
+                ssm: &mut ssm_pool,
+            };
+            let seqs = DecodeSlots {
+                slots: &slots,
+                positions: &positions,
+                batch,
+            };
+            g.gdn_decode(dims, &proj, &w, pools, &seqs, &mut out)
+                .unwrap()
+        });
+        // The recurrent state read and written once; the conv ring's K − 1 entries read and one
+        // written, the projection rows, z and the output.
+        let bytes = 2 * batch * dims.state_len() * 4 + batch * (kk * cd + cd + 2 * hv * dv) * 2;
+        println!(
+            "BENCH gdn_decode b={batch} hk={} hv={hv} dk={} dv={dv} k={kk} bytes={bytes} time_us={:.1} GB/s={:.0}",
+            dims.hk,
+            dims.dk,
+            secs * 1e6,
+            bytes as f64 / secs / 1e9
+        );
     }
 }

@@ -8,8 +8,8 @@ use half::bf16;
 use sanmai_cpu::ops;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
-    ConvWeight, DecodeSlots, GdnDecodeWeights, GdnDims, GdnGates, GdnPools, GdnProj, GdnSplit,
-    NormRows, SeqRows,
+    ConvWeight, DecodeSlots, GdnDecodeWeights, GdnDims, GdnGates, GdnPools, GdnProj, NormRows,
+    SeqRows,
 };
 
 use crate::common::{check_f32, check_reduction, from_bf16, gpu, to_bf16, Rng};
@@ -204,15 +204,13 @@ impl DevPools {
 }
 
 /// The fused decode on the device: row `i` of `x` is sequence `i`, at position `positions[i]` in
-/// slot `slots[i]`; `split`: each head's value columns over several blocks ([`GdnSplit`], whose
-/// counters must be back at 0 after the launch). Returns the output `[rows, hv·dv]`.
+/// slot `slots[i]`. Returns the output `[rows, hv·dv]`.
 fn gpu_decode(
     g: &sanmai_cuda::Gpu,
     l: &DevLayer,
     x: &Proj,
     pools: &mut DevPools,
     (slots, positions): (&[u32], &[u32]),
-    split: bool,
 ) -> Vec<f32> {
     let (hv, dv) = (l.dims.hv, l.dims.dv);
     let n = x.rows;
@@ -232,32 +230,9 @@ fn gpu_decode(
         positions: &pd,
         batch: n,
     };
-    let (mut os, mut counters) = (
-        g.zeros::<f32>(n * hv * dv).unwrap(),
-        g.zeros::<u32>(n * hv).unwrap(),
-    );
-    let sp = split.then_some(GdnSplit {
-        os: &mut os,
-        counters: &mut counters,
-    });
-    g.gdn_decode(l.dims, &proj, &l.weights(), state, &seqs, sp, &mut out)
+    g.gdn_decode(l.dims, &proj, &l.weights(), state, &seqs, &mut out)
         .unwrap();
-    assert!(
-        g.download(&counters).unwrap().iter().all(|&c| c == 0),
-        "the split launch leaves its counters at 0"
-    );
     from_bf16(&g.download(&out).unwrap())
-}
-
-/// `a` and `b` hold the same bits.
-fn same_bits(what: &str, a: &[f32], b: &[f32]) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let differ = a
-        .iter()
-        .zip(b)
-        .filter(|(x, y)| x.to_bits() != y.to_bits())
-        .count();
-    assert_eq!(differ, 0, "{what}: {differ} of {} values differ", a.len());
 }
 
 /// The backend's prefill path on the device (conv prefill, chunked delta rule, gated RMSNorm) over
@@ -366,31 +341,12 @@ fn decode_case(
     }
 
     let w = DevLayer::new(g, l);
-    let pools_at_start = || DevPools {
+    let mut pools = DevPools {
         conv: g.upload(&ringb).unwrap(),
         ssm: g.upload(&ssm0).unwrap(),
     };
-    let mut pools = pools_at_start();
-    let got = gpu_decode(g, &w, &x, &mut pools, (slots, positions), false);
+    let got = gpu_decode(g, &w, &x, &mut pools, (slots, positions));
     let shape = format!("b{b}_{}", l.shape());
-    if g.gdn_split_fits(l.dims) {
-        // The split launch: the same bits as the whole-head one, output, states and rings.
-        let mut split = pools_at_start();
-        let got_split = gpu_decode(g, &w, &x, &mut split, (slots, positions), true);
-        same_bits(&format!("{shape}: split output"), &got_split, &got);
-        let ssm = |p: &DevPools| g.download(&p.ssm).unwrap();
-        same_bits(
-            &format!("{shape}: split states"),
-            &ssm(&split),
-            &ssm(&pools),
-        );
-        let ring = |p: &DevPools| from_bf16(&g.download(&p.conv).unwrap());
-        same_bits(
-            &format!("{shape}: split rings"),
-            &ring(&split),
-            &ring(&pools),
-        );
-    }
     check_reduction("gdn_decode_out", &shape, &got, &want);
     for (i, &s) in slots.iter().enumerate() {
         if s as usize >= num_slots {
@@ -512,9 +468,7 @@ fn prefill_then_decode_case(
         for (i, st) in cpu.iter_mut().enumerate() {
             want.extend(cpu_layer(l, &x.rows(i, 1), st, 0));
         }
-        // Every other step through the split launch, which carries the state on as the whole one.
-        let split = step % 2 == 1 && g.gdn_split_fits(l.dims);
-        let got = gpu_decode(g, &w, &x, &mut pools, (slots, &pos), split);
+        let got = gpu_decode(g, &w, &x, &mut pools, (slots, &pos));
         check_reduction(
             "gdn_decode_after_prefill",
             &format!("{shape}_step{step}"),
@@ -611,7 +565,6 @@ fn chunks_then_decode_case(
             &x.rows(p, 1),
             &mut pools,
             (&[1], &[p as u32]),
-            false,
         ));
         p += 1;
     }

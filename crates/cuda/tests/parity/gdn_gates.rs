@@ -3,15 +3,15 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::{DecodeSlots, GdnDims, GdnGateProj, GdnProj, GdnSplit};
+use sanmai_cuda::{DecodeSlots, GdnDims, GdnGateProj, GdnProj};
 
 use crate::common::{gpu, to_bf16, Rng};
 use crate::gdn_decode::{DevLayer, DevPools, Layer, Proj};
 
 /// The decode launch that projects its own gates (one sequence) against the bf16 GEMV of the gates
 /// then the plain decode launch, which it replaces: the same bits (the output, `a` and `b`, both state
-/// pools), at the 80B's GDN shape (hidden 2,048; 16 key and 32 value heads of 128) over a few steps,
-/// every other one also split over column blocks; a batch of two is refused.
+/// pools), at the 80B's GDN shape (hidden 2,048; 16 key and 32 value heads of 128) over a few steps;
+/// a batch of two is refused.
 #[test]
 fn gdn_decode_projecting_gates_equals_gemv_then_step() {
     let Some(g) = gpu("gdn_decode_projecting_gates_equals_gemv_then_step") else {
@@ -36,10 +36,6 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
         .unwrap();
     let (mut apart, mut fused) = (DevPools::zeros(g, &l, 2), DevPools::zeros(g, &l, 2));
     let slots = g.upload(&[1u32]).unwrap();
-    let (mut os, mut counters) = (
-        g.zeros::<f32>(hv * dv).unwrap(),
-        g.zeros::<u32>(hv).unwrap(),
-    );
     let bits = |x: &CudaSlice<bf16>| -> Vec<u16> {
         g.download(x).unwrap().iter().map(|v| v.to_bits()).collect()
     };
@@ -64,18 +60,13 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
             b: &b1,
         };
         let pools = apart.launch();
-        g.gdn_decode(dims, &proj, &dl.weights(), pools, &seqs, None, &mut out1)
+        g.gdn_decode(dims, &proj, &dl.weights(), pools, &seqs, &mut out1)
             .unwrap();
         let (mut b2, mut a2) = (g.zeros::<bf16>(hv).unwrap(), g.zeros::<bf16>(hv).unwrap());
         let mut out2 = g.zeros::<bf16>(hv * dv).unwrap();
         let gates = gate_proj(&x, (&w_b, &w_a));
         let pools = fused.launch();
         let ab = (&mut a2, &mut b2);
-        // Every other step also splits each head's columns over blocks.
-        let split = (step % 2 == 1).then_some(GdnSplit {
-            os: &mut os,
-            counters: &mut counters,
-        });
         g.gdn_decode_projecting_gates(
             dims,
             &qkv,
@@ -85,7 +76,6 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
             &dl.weights(),
             pools,
             &seqs,
-            split,
             &mut out2,
         )
         .unwrap();
@@ -98,7 +88,6 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
         g.download(s).unwrap().iter().map(|v| v.to_bits()).collect()
     };
     assert_eq!(ssm(&apart.ssm), ssm(&fused.ssm), "recurrent states");
-    assert!(g.download(&counters).unwrap().iter().all(|&c| c == 0));
 
     let two = g.upload(&[0u32, 1]).unwrap();
     let seqs = DecodeSlots {
@@ -128,7 +117,6 @@ fn gdn_decode_projecting_gates_equals_gemv_then_step() {
             &dl.weights(),
             pools,
             &seqs,
-            None,
             &mut out,
         )
         .unwrap_err();

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The decode-kernel check of one GPU host, in one run, with prebuilt binaries (scripts/gpu_bins.sh
-# BIN_DIR): the parity suite, the GDN decode timings (a block a head against split column blocks), the
-# MoE combine's and the INT8 output projection's (alone, then the add and norm, and both in one
-# launch), and,
+# BIN_DIR): the parity suite, the GDN decode timings, the MoE combine's and the INT8 output
+# projection's (alone, then the add and norm, and both in one launch), the decode attention's (batch 1
+# and 8, 576 to 32,768 positions), and,
 # on dummy weights of each config, the fused decode launches on against off (`SANMAI_FUSED_DECODE=0`):
 # greedy tokens and log-probs of one prompt compared bit for bit, the alternated A/B of
 # scripts/gpu_ab.sh (its median inter-token latencies), and a per-kernel table of each arm. Builds
@@ -32,12 +32,14 @@ note() { echo "$*" | tee -a "$summary"; }
 "$bin/parity" --test-threads=1 >"$out/parity.log" 2>&1 || rc=1
 note "- parity: $(grep -h '^test result' "$out/parity.log" | head -1)"
 grep -h 'FAILED\|panicked' "$out/parity.log" | head -5 | sed 's/^/  /' | tee -a "$summary"
-"$bin/parity" --ignored --test-threads=1 bench_gdn::bench_gdn_decode >"$out/bench_gdn.log" 2>&1 || rc=1
-grep -h '^BENCH' "$out/bench_gdn.log" | sed 's/^/  - /' | tee -a "$summary"
-"$bin/parity" --ignored --test-threads=1 bench_moe::bench_moe_decode >"$out/bench_moe.log" 2>&1 || rc=1
-grep -h '^BENCH moe_combine' "$out/bench_moe.log" | sed 's/^/  - /' | tee -a "$summary"
-"$bin/parity" --ignored --test-threads=1 bench_dense::bench_gemv_add_norm >"$out/bench_gemv_norm.log" 2>&1 || rc=1
-grep -h '^BENCH' "$out/bench_gemv_norm.log" | sed 's/^/  - /' | tee -a "$summary"
+"$bin/parity" --ignored --test-threads=1 --nocapture bench_gdn::bench_gdn_decode >"$out/bench_gdn.log" 2>&1 || rc=1
+grep -h 'BENCH' "$out/bench_gdn.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
+"$bin/parity" --ignored --test-threads=1 --nocapture bench_moe::bench_moe_decode >"$out/bench_moe.log" 2>&1 || rc=1
+grep -h 'BENCH moe_combine' "$out/bench_moe.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
+"$bin/parity" --ignored --test-threads=1 --nocapture bench_dense::bench_gemv_add_norm >"$out/bench_gemv_norm.log" 2>&1 || rc=1
+grep -h 'BENCH' "$out/bench_gemv_norm.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
+"$bin/parity" --ignored --test-threads=1 --nocapture bench_attn::bench_attention_decode >"$out/bench_attn.log" 2>&1 || rc=1
+grep -h 'BENCH' "$out/bench_attn.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
 
 off="$out/sanmai-fused-off"
 printf '#!/bin/sh\nSANMAI_FUSED_DECODE=0 exec "%s/sanmai" "$@"\n' "$bin" >"$off"

@@ -67,3 +67,25 @@ __device__ __forceinline__ void dequant8_bf16(const u32* w, int c, float s, u32 
     for (int e = 0; e < 4; ++e)
         o[e] = pack_bf16x2(qval<BITS>(U::code(w, c * 8 + 2 * e)) * s, qval<BITS>(U::code(w, c * 8 + 2 * e + 1)) * s);
 }
+
+// Values 8c .. 8c + 7 of a unit as f32 (the GEMV's decode). INT8 and INT4 place each code in the low byte
+// of the float 2^23 (one byte permute, then the offset subtracted: 2 instructions a value); INT6 shifts.
+template <int BITS>
+__device__ __forceinline__ void decode8(const u32 w[PackedUnit<BITS, true>::WORDS], int c, float q[8]) {
+    const float base = 8388608.0f + (float)(1 << (BITS - 1));
+    if (BITS == 8) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            q[e] = __uint_as_float(__byte_perm(w[2 * c + (e >> 2)], 0x4B000000u, 0x7540u | (e & 3))) - base;
+    } else if (BITS == 4) {
+        const u32 lo = w[c] & 0x0F0F0F0Fu, hi = (w[c] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            q[2 * i] = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7540u | i)) - base;
+            q[2 * i + 1] = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7540u | i)) - base;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) q[e] = qval<BITS>(PackedUnit<BITS, true>::code(w, c * 8 + e));
+    }
+}

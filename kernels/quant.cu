@@ -22,28 +22,6 @@ __device__ __forceinline__ long long q_row_words(int k) { return (long long)((k 
 // Words of one unit, streamed (the weights are read once).
 template <int BITS> using Unit = PackedUnit<BITS, true>;
 
-// Values 8c .. 8c + 7 of a unit as f32 (the GEMV's decode). INT8 and INT4 place each code in the low byte
-// of the float 2^23 (one byte permute, then the offset subtracted: 2 instructions a value); INT6 shifts.
-template <int BITS>
-__device__ __forceinline__ void decode8(const u32 w[Unit<BITS>::WORDS], int c, float q[8]) {
-    const float base = 8388608.0f + (float)(1 << (BITS - 1));
-    if (BITS == 8) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-            q[e] = __uint_as_float(__byte_perm(w[2 * c + (e >> 2)], 0x4B000000u, 0x7540u | (e & 3))) - base;
-    } else if (BITS == 4) {
-        const u32 lo = w[c] & 0x0F0F0F0Fu, hi = (w[c] >> 4) & 0x0F0F0F0Fu;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            q[2 * i] = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7540u | i)) - base;
-            q[2 * i + 1] = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7540u | i)) - base;
-        }
-    } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) q[e] = qval<BITS>(Unit<BITS>::code(w, c * 8 + e));
-    }
-}
-
 // Loads unit u of each of a slot's first `nrows` rows: its words and the scale of each 8-value chunk (the
 // chunk index is clamped to k - 1 so the INT6 tail past k reads a valid scale; that chunk is skipped), or
 // with UNIT_SCALE (group % 32 == 0: a unit lies inside one group) the unit's one scale in sc[r][0].

@@ -20,6 +20,9 @@ const PDL_ENV: &str = "SANMAI_PDL";
 /// The CUDA backend's fused decode launches (the shared expert with the routed experts).
 #[cfg(feature = "cuda")]
 const FUSED_DECODE_ENV: &str = "SANMAI_FUSED_DECODE";
+/// A MoE layer's one-token CUDA decode step in one persistent launch.
+#[cfg(feature = "cuda")]
+const MOE_LAYER_ENV: &str = "SANMAI_MOE_LAYER";
 /// FP8 prefill GEMMs on the FP8 tensor cores.
 #[cfg(feature = "cuda")]
 const FP8_TENSOR_CORES_ENV: &str = "SANMAI_FP8_TENSOR_CORES";
@@ -55,6 +58,14 @@ pub struct SwitchArgs {
     /// SANMAI_FUSED_DECODE=0].
     #[arg(long, overrides_with = "fused_decode")]
     pub no_fused_decode: bool,
+    /// A MoE layer's one-token CUDA decode step in one persistent launch, with the fused launches
+    /// (the default; overrides SANMAI_MOE_LAYER=0).
+    #[arg(long, overrides_with = "no_moe_layer")]
+    pub moe_layer: bool,
+    /// The one-token MoE step in its separate launches, for A/B runs [default: one launch, unless
+    /// SANMAI_MOE_LAYER=0].
+    #[arg(long, overrides_with = "moe_layer")]
+    pub no_moe_layer: bool,
     /// FP8 prefill GEMMs on the FP8 tensor cores where the GPU has them, the activations quantised
     /// per token and 128 columns, for A/B runs (overrides SANMAI_FP8_TENSOR_CORES=0).
     #[arg(long, overrides_with = "no_fp8_tensor_cores")]
@@ -133,6 +144,8 @@ impl SwitchArgs {
             (self.no_pdl, "--no-pdl"),
             (self.fused_decode, "--fused-decode"),
             (self.no_fused_decode, "--no-fused-decode"),
+            (self.moe_layer, "--moe-layer"),
+            (self.no_moe_layer, "--no-moe-layer"),
             (self.fp8_tensor_cores, "--fp8-tensor-cores"),
             (self.no_fp8_tensor_cores, "--no-fp8-tensor-cores"),
         ]
@@ -156,6 +169,7 @@ impl SwitchArgs {
             },
             cuda_graphs: switch(self.cuda_graphs, self.no_cuda_graphs, CUDA_GRAPHS_ENV),
             fused_decode: switch(self.fused_decode, self.no_fused_decode, FUSED_DECODE_ENV),
+            moe_layer: switch(self.moe_layer, self.no_moe_layer, MOE_LAYER_ENV),
         }
     }
 }

@@ -65,6 +65,8 @@ pub struct DeviceInfo {
     pub compute_capability: (u32, u32),
     pub total_memory: usize,
     pub multiprocessors: u32,
+    /// Whether the device runs cooperative launches (every block of a grid resident at once).
+    pub cooperative_launch: bool,
     /// Driver version as the driver reports it (e.g. 13000 for 13.0).
     pub driver_version: i32,
 }
@@ -147,6 +149,7 @@ pub fn probe() -> Result<Vec<DeviceInfo>> {
                 // SAFETY: as above.
                 total_memory: unsafe { result::device::total_mem(dev) }?,
                 multiprocessors: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+                cooperative_launch: attr(A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)? != 0,
                 driver_version: driver,
             });
         }

@@ -135,6 +135,7 @@ impl Gpu {
             timer: &self.timer,
             kernel,
             pdl: self.pdl && kernel.pdl,
+            cooperative: false,
             args: Vec::with_capacity(16),
             ptrs: Vec::with_capacity(12),
             guards: Vec::with_capacity(12),
@@ -230,6 +231,8 @@ pub(crate) struct Launch<'a> {
     timer: &'a KernelTimer,
     kernel: &'a Kernel,
     pdl: bool,
+    /// Launched cooperatively: every block resident at once (a kernel with grid-wide barriers).
+    cooperative: bool,
     /// One pointer per kernel parameter, to its value; the slots of the buffer arguments are filled
     /// in from `ptrs` at the launch.
     args: Vec<*mut c_void>,
@@ -258,6 +261,13 @@ impl<'a> Launch<'a> {
         self.push_ptr(p, guard)
     }
 
+    /// Launches the kernel cooperatively: the driver runs its blocks only all at once, as a kernel
+    /// whose blocks wait for each other needs (the grid must fit what the multiprocessors hold).
+    pub fn cooperative(&mut self) -> &mut Self {
+        self.cooperative = true;
+        self
+    }
+
     fn push_ptr(&mut self, p: sys::CUdeviceptr, guard: SyncOnDrop<'a>) -> &mut Self {
         self.ptrs.push((self.args.len(), p));
         self.args.push(std::ptr::null_mut());
@@ -272,9 +282,19 @@ impl<'a> Launch<'a> {
     /// must hold what the kernel reads and writes under `c`.
     pub unsafe fn launch(&mut self, c: LaunchConfig) -> Result<()> {
         // SAFETY: an all-zero attribute is a valid value of this plain C struct.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n = 0;
+        if self.pdl {
+            attrs[n].id =
+                sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        if self.cooperative {
+            attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attrs[n].value.cooperative = 1;
+            n += 1;
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: c.grid_dim.0,
             gridDimY: c.grid_dim.1,
@@ -284,12 +304,12 @@ impl<'a> Launch<'a> {
             blockDimZ: c.block_dim.2,
             sharedMemBytes: c.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: if self.pdl {
-                &mut attr
+            attrs: if n > 0 {
+                attrs.as_mut_ptr()
             } else {
                 std::ptr::null_mut()
             },
-            numAttrs: u32::from(self.pdl),
+            numAttrs: n as u32,
         };
         for (slot, p) in &self.ptrs {
             self.args[*slot] = p as *const sys::CUdeviceptr as *mut c_void;

@@ -90,6 +90,7 @@ pub const SOURCES: &[Source] = &[
     source!("attention_prefill.cu"),
     source!("kv.cu"),
     source!("moe.cu"),
+    source!("moe_layer.cu"),
     source!("moe_gemm.cu"),
     source!("moe_gemm_f8.cu"),
     source!("elementwise.cu"),

@@ -30,6 +30,7 @@ mod memory;
 mod meta;
 mod moe;
 mod moe_decode;
+mod moe_layer;
 mod moe_tables;
 mod packed;
 mod ple;
@@ -109,6 +110,9 @@ pub struct CudaOptions {
     /// `moe.rs`; the residual add and norm in the launch before them, `moe.rs` and `packed.rs`);
     /// off: one launch per op, for A/B runs.
     pub fused_decode: bool,
+    /// A MoE layer's one-token decode step in one persistent launch (`moe_layer.rs`; with
+    /// `fused_decode`); off: its six launches, for A/B runs.
+    pub moe_layer: bool,
 }
 
 impl Default for CudaOptions {
@@ -118,6 +122,7 @@ impl Default for CudaOptions {
             gpu: GpuOptions::default(),
             cuda_graphs: true,
             fused_decode: true,
+            moe_layer: true,
         }
     }
 }
@@ -134,12 +139,15 @@ pub struct CudaBackend {
     epoch: AtomicU64,
     /// The PLE rows of the coming decode step (`ple.rs`).
     ple_in: Mutex<Option<ple::StagedRows>>,
-    /// The last-block counter of the launches whose last block to finish does their final part (the
-    /// one-launch decode routing, `moe_tables.rs`; a GEMV's add and norm, `packed.rs`): 0 between
+    /// The last-block counters of the launches whose last block to finish does their final part (the
+    /// one-launch decode routing, `moe_tables.rs`; a GEMV's add and norm, `packed.rs`; the one-launch
+    /// MoE layer, which also counts its grid barriers in the second, `moe_layer.rs`): 0 between
     /// launches, which the stream orders one after another.
     ticket: Mutex<CudaSlice<u32>>,
     /// Whether decode steps take the fused launches ([`CudaOptions::fused_decode`]).
     fused_decode: AtomicBool,
+    /// Whether one-token MoE steps take the one-launch layer ([`CudaOptions::moe_layer`]).
+    moe_layer: AtomicBool,
     /// Held while a CUDA graph captures this backend's stream, and by the cache operations another
     /// thread may call (a pipeline's engine thread): work queued on a capturing stream, from any
     /// thread, would join the graph instead of running.
@@ -186,6 +194,7 @@ impl CudaBackend {
             backend.set_graph_batch_sizes(&[]);
         }
         backend.set_fused_decode(options.fused_decode);
+        backend.set_moe_layer(options.moe_layer);
         Ok(backend)
     }
 
@@ -193,7 +202,7 @@ impl CudaBackend {
     /// ([`CudaBackend::set_graph_batch_sizes`] changes them).
     pub fn from_gpu(gpu: Gpu, max_tokens: usize, max_seqs: usize) -> Result<Self> {
         let meta = meta::Meta::new(&gpu, max_tokens, max_seqs, 64)?;
-        let ticket = Mutex::new(gpu.zeros::<u32>(1)?);
+        let ticket = Mutex::new(gpu.zeros::<u32>(2)?);
         Ok(Self {
             gpu,
             state: Mutex::new(State {
@@ -218,6 +227,7 @@ impl CudaBackend {
             ple_in: Mutex::new(None),
             ticket,
             fused_decode: AtomicBool::new(true),
+            moe_layer: AtomicBool::new(true),
         })
     }
 
@@ -225,6 +235,14 @@ impl CudaBackend {
     /// of the other kind are dropped.
     pub fn set_fused_decode(&self, on: bool) {
         if self.fused_decode.swap(on, Ordering::Relaxed) != on {
+            self.epoch.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Turns the one-launch MoE layer on or off ([`CudaOptions::moe_layer`]); recorded steps of
+    /// the other kind are dropped.
+    pub fn set_moe_layer(&self, on: bool) {
+        if self.moe_layer.swap(on, Ordering::Relaxed) != on {
             self.epoch.fetch_add(1, Ordering::Relaxed);
         }
     }

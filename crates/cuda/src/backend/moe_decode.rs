@@ -63,6 +63,9 @@ impl CudaBackend {
         {
             return SharedFusion::Apart;
         }
+        if w.shared.is_some() && self.moe_layer_takes(w, rows) {
+            return SharedFusion::ExpertAndGate;
+        }
         let expert = (1..=FUSED_MAX_ROWS).contains(&rows) && shared_fits(w);
         let gate = match (&w.router, &w.shared_gate) {
             (CudaWeight::Bf16(r), Some(CudaWeight::Bf16(g))) => {

@@ -22,6 +22,7 @@ pub(crate) mod hc;
 mod kv;
 mod moe;
 mod moe_gemm;
+mod moe_layer;
 mod norm;
 mod ple;
 mod qsa;
@@ -46,6 +47,7 @@ pub use moe::{
     moe_max_tiles, CombineInto, Experts, MoeOut, PairGroups, PairRows, Routed, SharedGate, SharedY,
     MOE_TILE,
 };
+pub use moe_layer::{MoeLayer, MoeLayerBufs, MoeLayerShared};
 pub use norm::NormRows;
 pub use ple::{PleDims, PleGateWeights, PleGated, PleLin};
 pub use qsa::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows, Selection};

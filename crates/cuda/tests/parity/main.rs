@@ -41,6 +41,7 @@ mod kv;
 mod moe;
 mod moe_fused;
 mod moe_gemm;
+mod moe_layer;
 mod norm;
 mod quant;
 mod router;

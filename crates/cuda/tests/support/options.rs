@@ -1,6 +1,6 @@
 //! How the CUDA tests open their device. The crate reads no environment variable; the tests read the
 //! ones the `sanmai` binary reads, so that `scripts/gpu_check.sh` and CI steer them the same way:
-//! `SANMAI_PDL`, `SANMAI_CUDA_GRAPHS` and `SANMAI_FUSED_DECODE` (`0`, `off` or `false` turn them off),
+//! `SANMAI_PDL`, `SANMAI_CUDA_GRAPHS`, `SANMAI_FUSED_DECODE` and `SANMAI_MOE_LAYER` (`0`, `off` or `false` turn them off),
 //! `SANMAI_FP8_TENSOR_CORES` (`1`, `on` or `true` turn the backend's FP8 tensor cores on), the kernel cache
 //! `SANMAI_CACHE_DIR` (else `$XDG_CACHE_HOME/sanmai`, else `~/.cache/sanmai`) and the CUDA header
 //! folders `SANMAI_CUDA_INCLUDE` (`:`-separated), `$CUDA_HOME/include` and `$CUDA_PATH/include`.
@@ -42,5 +42,6 @@ pub fn cuda_options() -> CudaOptions {
         gpu: gpu_options(),
         cuda_graphs: !switched_off("SANMAI_CUDA_GRAPHS"),
         fused_decode: !switched_off("SANMAI_FUSED_DECODE"),
+        moe_layer: !switched_off("SANMAI_MOE_LAYER"),
     }
 }

@@ -4,44 +4,48 @@
 // and the next norm. Each of those is a few microseconds of ramp-up and drain around a small amount of
 // work; here every block of one grid works through the phases, separated by grid-wide barriers:
 //   1. the router logits (bf16 rows, the shared expert's gate as one more row) and the shared expert's
-//      gate|up rows (packed), a warp a row over every warp of the grid;
-//   2. every block takes the softmax top-k of the logits itself (router_topk_rows: the same keys, tie
-//      rule and sums as router_topk_sort; block 0 writes the ids and weights out), then the chosen
-//      experts' gate|up rows (packed), a warp a row, rounded to bf16 as the grouped GEMV writes them;
-//   3. every block stages the SwiGLU of each chosen expert's and of the shared expert's gate|up rows in
-//      shared memory (bf16(silu(gate) · up), as swiglu_bf16), then a warp takes one output row for
-//      every expert: the two half-warps each dot one expert's down row at a time, and the warp sums
-//      Σ_c weight_c · y_c + sigmoid(gate) · shared, rounded once to bf16, into the combined row;
-//   4. the last block to finish adds the combined row to the residual and writes its RMSNorm
-//      (add_rms_norm_row with this launch's 256 threads: add_rms_norm_bf16's bits for that row), when
-//      the launch is given a residual, and resets the counters.
-// The dots sum in another order than the separate launches (each lane's units, then the warp), so the
-// results match theirs to rounding, not bit for bit; the parity suite checks them against the CPU.
+//      gate|up rows (packed), a warp a row over every warp of the grid (the prologue asks L2 for a
+//      slice of the router while the kernel ahead finishes);
+//   2. every block's first warp takes the softmax top-k of the logits (ml_topk_warp: the keys and tie
+//      rule of router_topk_sort; block 0 writes the ids and weights out) and the chosen experts'
+//      addresses, while its other warps compute the shared expert's down rows (its SwiGLU taken where
+//      it is read); then the chosen experts' gate|up rows (packed), a warp a row, four rows' loads in
+//      flight, rounded to bf16 as the grouped GEMV writes them;
+//   3. a warp takes one output row for every expert: it asks for the chosen experts' down rows, then
+//      the block stages their SwiGLU rows in shared memory (bf16(silu(gate) · up), as swiglu_bf16),
+//      then the two half-warps each dot one expert's down row at a time and the warp sums
+//      Σ_c weight_c · y_c + sigmoid(gate) · shared, rounded once to bf16, and adds it to the residual
+//      (rounded, as add_rms_norm_row) or writes it out;
+//   4. with a residual: each block's sum of the rounded sums' squares, a third barrier, then every
+//      block sums those in block order and writes the RMSNorm of its rows.
+// The dots and the norm's sum run in another order than the separate launches', so the results match
+// theirs to rounding, not bit for bit (deterministically: no float atomics); the parity suite checks
+// them against the CPU.
 //
 // The grid barriers need every block resident at once: the launcher sizes the grid to what the
 // multiprocessors hold (blocks_per_sm from the occupancy API, at most two a multiprocessor) and the
 // launch is cooperative. Data a phase writes is read by other blocks only after a barrier and only
 // through L2 (__ldcg), never the non-coherent read-only path.
 //
-// Counters: sync[0] counts the blocks through the barriers (phase p waits for p · gridDim.x arrivals),
-// sync[1] is the last-block ticket; both are 0 at launch and left 0 (the kernel ahead on the stream has
-// finished before any block touches them: the PDL prologue waits for it).
+// Counters: sync[0] counts the blocks through the barriers (barrier p waits for p · gridDim.x
+// arrivals), sync[1] counts the blocks past their last barrier, the last of which resets both; both
+// are 0 at launch and left 0 (the kernel ahead on the stream has finished before any block touches
+// them: the PDL prologue waits for it).
 #include "add_norm.cuh"
-#include "moe_route.cuh"
+#include "moe_route.cuh"  // router_key
 #include "packed.cuh"
 
 #define ML_THREADS 256
 #define ML_WARPS (ML_THREADS / 32)
-// Most 16-byte chunks of a bf16 router row a lane holds (rows of at most 32 · 8 · ML_CHUNKS values).
-#define ML_CHUNKS 12
-// Most 32-value units of a packed row a lane takes in the full-warp dots (rows of ≤ 1024 · ML_UNITS
-// values) and in the half-warp down dots (rows of ≤ 512 · ML_DUNITS values).
-#define ML_UNITS 3
+// Most 32-value units of a packed row a lane takes in the half-warp down dots (rows of ≤ 512 ·
+// ML_DUNITS values); the h-wide dots take GU units (a template parameter) and the router's bf16 rows
+// 4 · GU chunks of 8 values.
 #define ML_DUNITS 2
-// Most routed experts a token takes.
+// Most routed experts a token takes, and experts a lane of the top-k holds (e ≤ 32 · ML_TOPK_PER).
 #define ML_MAX_K 16
+#define ML_TOPK_PER 16
 // Down rows of routed experts a half-warp loads before it computes (ML_ROUND of them a round).
-#define ML_ROUND 4
+#define ML_ROUND 5
 
 // The kernel's arguments (`MoeLayerArgs` in crates/cuda/src/ops/moe_layer.rs, field for field).
 // Packed weights are words [n, k / 32 · BITS] u32 and scales [n, ceil(k / group)] f32 (group = k: one
@@ -63,7 +67,9 @@ struct MoeLayerArgs {
     bf16* gu;                 // [k, 2 inter] scratch
     u32* ids;                 // [k]
     float* weights;           // [k]
-    bf16* y;                  // [h] the combined row
+    float* sdn;               // [h] scratch: the shared expert's down row
+    float* partials;          // [gridDim.x] scratch: each block's sum of squares (with acc)
+    bf16* y;                  // [h] the combined row (without acc)
     bf16* acc;                // [h] the residual, or null (no add and norm)
     const bf16* norm_w;       // [h]
     bf16* normed;             // [h]
@@ -71,7 +77,17 @@ struct MoeLayerArgs {
     int e, h, k, renorm, inter, si;
     int gu_group, dn_group, sgu_group, sdn_group;
     float eps, offset;
+    unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns), for the bench
 };
+
+// Phase time `i` of block 0 into a.trace (when given).
+__device__ __forceinline__ void ml_mark(const MoeLayerArgs& a, int i) {
+    if (a.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        a.trace[i] = t;
+    }
+}
 
 // A grid-wide barrier: every block's writes before it are visible to every block after it (through
 // L2). `target`: the arrivals that complete this barrier (phase · gridDim.x).
@@ -138,22 +154,22 @@ __device__ __forceinline__ float ml_dot(const MlRow<BITS, MAXU>& r, const bf16* 
 }
 
 // Phase 1, one item: router row i < e (+ the gate row at e), else shared gate|up row i - e - gate.
-template <int SB>
+template <int SB, int GU>
 __device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, int i, int lane) {
     const int gate_rows = a.shared_gate ? 1 : 0;
     if (i < a.e + gate_rows) {
         const uint4* wr = i < a.e ? (const uint4*)(a.router + (size_t)i * a.h) : (const uint4*)a.shared_gate;
         const uint4* x4 = (const uint4*)a.x;
         const int chunks = a.h >> 3;
-        uint4 wv[ML_CHUNKS];
+        uint4 wv[4 * GU];
 #pragma unroll
-        for (int j = 0; j < ML_CHUNKS; ++j) {
+        for (int j = 0; j < 4 * GU; ++j) {
             const int c = lane + 32 * j;
             if (c < chunks) wv[j] = __ldcs(wr + c);
         }
         float s = 0.0f;
 #pragma unroll
-        for (int j = 0; j < ML_CHUNKS; ++j) {
+        for (int j = 0; j < 4 * GU; ++j) {
             const int c = lane + 32 * j;
             if (c < chunks) {
                 float wf[8], xf[8];
@@ -170,18 +186,81 @@ __device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, int i, int
         const int r = i - a.e - gate_rows;
         const size_t wpr = (size_t)(a.h >> 5) * SB;
         const int scols = (a.h + a.sgu_group - 1) / a.sgu_group;
-        MlRow<SB, ML_UNITS> row;
-        ml_load<SB, 32, ML_UNITS>(row, a.sgu_w + r * wpr, a.sgu_s + (size_t)r * scols, a.h, a.sgu_group, lane);
-        const float s = warp_sum(ml_dot<SB, 32, ML_UNITS, false>(row, a.x, a.h, lane));
+        MlRow<SB, GU> row;
+        ml_load<SB, 32, GU>(row, a.sgu_w + r * wpr, a.sgu_s + (size_t)r * scols, a.h, a.sgu_group, lane);
+        const float s = warp_sum(ml_dot<SB, 32, GU, false>(row, a.x, a.h, lane));
         if (lane == 0) a.sgu[r] = f2bf(s);
     }
 }
 
-// bf16(silu(g) · u) of 8 values from a gate|up row written in this launch (through L2), as swiglu_bf16.
-__device__ __forceinline__ uint4 ml_swiglu8(const bf16* gu_row, int inter, int v) {
+// The softmax top-k of the e ≤ 32 · ML_TOPK_PER logits (written in this launch: read through L2) by
+// one warp, into ids and wts (shared memory, [k]): lane i holds experts i, i + 32, ...; p = exp(x -
+// max) / sum, each candidate's key router_key(p, id) (larger probability first, the lower id among
+// equal ones), k rounds of a warp-wide arg-max (two redux operations: the largest probability, then
+// the lowest id holding it), lane r keeping rank r; with renorm the kept
+// probabilities are divided by their sum taken in rank order (as router_topk_rows).
+__device__ __forceinline__ void ml_topk_warp(const float* logits, int e, int k, int renorm, u32* ids, float* wts) {
+    const int lane = threadIdx.x & 31;
+    float p[ML_TOPK_PER];
+    float m = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < ML_TOPK_PER; ++j) {
+        const int i = lane + 32 * j;
+        p[j] = i < e ? __ldcg(logits + i) : NEG_INF;
+        m = fmaxf(m, p[j]);
+    }
+    m = warp_max(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ML_TOPK_PER; ++j) {
+        p[j] = lane + 32 * j < e ? expf(p[j] - m) : 0.0f;
+        s += p[j];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int j = 0; j < ML_TOPK_PER; ++j) p[j] /= s;
+    // Each candidate's key, 0 once taken (and for the slots past e).
+    unsigned long long key[ML_TOPK_PER];
+#pragma unroll
+    for (int j = 0; j < ML_TOPK_PER; ++j) {
+        const int i = lane + 32 * j;
+        key[j] = i < e ? router_key(p[j], (u32)i) : 0ull;
+    }
+    u32 my_id = 0xffffffffu;
+    float my_p = 0.0f;
+#pragma unroll 1
+    for (int r = 0; r < k; ++r) {
+        // The lane's best key (a tree over its candidates), then the warp's: the largest probability
+        // bits, and among the lanes that hold it the lowest id.
+        unsigned long long best = key[0];
+#pragma unroll
+        for (int j = 1; j < ML_TOPK_PER; ++j) best = key[j] > best ? key[j] : best;
+        const u32 hi = (u32)(best >> 32);
+        const u32 top = __reduce_max_sync(0xffffffffu, hi);
+        const u32 id = __reduce_min_sync(0xffffffffu, hi == top ? ~(u32)best : 0xffffffffu);
+        // The owner clears the winner's key.
+#pragma unroll
+        for (int j = 0; j < ML_TOPK_PER; ++j)
+            if (key[j] != 0ull && ~(u32)key[j] == id) key[j] = 0ull;
+        if (lane == r) {
+            my_id = id;
+            my_p = __uint_as_float(top);
+        }
+    }
+    float total = 0.0f;
+#pragma unroll 1
+    for (int r = 0; r < k; ++r) total += __shfl_sync(0xffffffffu, my_p, r);
+    if (lane < k) {
+        ids[lane] = my_id;
+        wts[lane] = renorm ? my_p / total : my_p;
+    }
+}
+
+// bf16(silu(g) · u) of 8 gate values g and up values u, as swiglu_bf16.
+__device__ __forceinline__ uint4 ml_swiglu8(uint4 g, uint4 u) {
     float gf[8], uf[8];
-    unpack8(__ldcg((const uint4*)gu_row + v), gf);
-    unpack8(__ldcg((const uint4*)(gu_row + inter) + v), uf);
+    unpack8(g, gf);
+    unpack8(u, uf);
     u32 o[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
@@ -189,138 +268,261 @@ __device__ __forceinline__ uint4 ml_swiglu8(const bf16* gu_row, int inter, int v
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-template <int EB, int SB>
+// The shared expert's down rows (phase 2, by warps 1.. of every block while warp 0 takes the top-k):
+// a half-warp a row, x = bf16(silu(gate) · up) of the shared gate|up row (written in this launch,
+// through L2) computed for each unit where it is used; f32 sums into a.sdn.
+template <int SB>
+__device__ __forceinline__ void ml_shared_down(const MoeLayerArgs& a, int warp, int lane) {
+    const int half = lane >> 4, sub = lane & 15;
+    const int hw = (blockIdx.x * (ML_WARPS - 1) + warp - 1) * 2 + half, nhw = gridDim.x * (ML_WARPS - 1) * 2;
+    const size_t swpr = (size_t)(a.si >> 5) * SB;
+    const int sscols = (a.si + a.sdn_group - 1) / a.sdn_group;
+    const int units = a.si >> 5;
+    const uint4* g4 = (const uint4*)a.sgu;
+    const uint4* u4 = (const uint4*)(a.sgu + a.si);
+#pragma unroll 1
+    for (int r0 = hw - half; r0 < a.h; r0 += nhw) {
+        const int r = r0 + half;  // both halves run the loop's shuffles
+        MlRow<SB, ML_DUNITS> row;
+        if (r < a.h) ml_load<SB, 16, ML_DUNITS>(row, a.sdn_w + r * swpr, a.sdn_s + (size_t)r * sscols, a.si, a.sdn_group, sub);
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ML_DUNITS; ++i) {
+            const int u = sub + 16 * i;
+            if (r < a.h && u < units) {
+                float d = 0.0f;
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    float q[8], xf[8];
+                    const uint4 x8 = ml_swiglu8(__ldcg(g4 + 4 * u + c), __ldcg(u4 + 4 * u + c));
+                    unpack8(x8, xf);
+                    decode8<SB>(row.w[i], c, q);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) d = fmaf(q[j], xf[j], d);
+                }
+                acc = fmaf(d, row.s[i], acc);
+            }
+        }
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (r < a.h && sub == 0) a.sdn[r] = acc;
+    }
+}
+
+// Rows a warp takes in phase 3 at most (h ≤ ML_MAXROWS · the grid's warps; the launcher checks).
+#define ML_MAXROWS 4
+// Gate|up rows a warp loads before it computes in phase 2.
+#define ML_GU_BATCH 4
+
+template <int EB, int SB, int GU>
 __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     extern __shared__ uint4 ml_smem[];
     __shared__ u32 s_ids[ML_MAX_K];
     __shared__ float s_wts[ML_MAX_K];
+    __shared__ const u32* s_gw[2][ML_MAX_K];   // the chosen experts' gate|up and down words
+    __shared__ const float* s_gs[2][ML_MAX_K]; // and scales
+    __shared__ float s_res[ML_WARPS][ML_MAXROWS];
+    __shared__ float s_sq[ML_WARPS];
     __shared__ float scratch[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gw = blockIdx.x * ML_WARPS + warp, nw = gridDim.x * ML_WARPS;
     const bool shared = a.shared_gate != nullptr;
+    const bool norm = a.acc != nullptr;
+    ml_mark(a, 0);
 
     // 1. Router logits and the shared expert's gate|up rows.
     const int items1 = a.e + (shared ? 1 + 2 * a.si : 0);
 #pragma unroll 1
-    for (int i = gw; i < items1; i += nw) ml_phase1_item<SB>(a, i, lane);
+    for (int i = gw; i < items1; i += nw) ml_phase1_item<SB, GU>(a, i, lane);
+    ml_mark(a, 1);
     ml_grid_sync(a.sync, gridDim.x);
+    ml_mark(a, 2);
 
-    // 2. Top-k in every block, then the chosen experts' gate|up rows.
-    router_topk_rows(a.logits, 1, a.e, a.k, a.renorm, s_ids, s_wts, nullptr,
-                     *reinterpret_cast<RouterSortSmem*>(ml_smem));
-    if (blockIdx.x == 0 && threadIdx.x < a.k) {
-        a.ids[threadIdx.x] = s_ids[threadIdx.x];
-        a.weights[threadIdx.x] = s_wts[threadIdx.x];
+    // 2. Top-k in every block's first warp (then the chosen experts' addresses), the shared expert's
+    // down rows in the others; then the chosen experts' gate|up rows.
+    if (warp == 0) {
+        ml_topk_warp(a.logits, a.e, a.k, a.renorm, s_ids, s_wts);
+        __syncwarp();
+        if (lane < a.k) {
+            const u32 x = s_ids[lane];
+            s_gw[0][lane] = (const u32*)a.gu_w[x];
+            s_gs[0][lane] = (const float*)a.gu_s[x];
+            s_gw[1][lane] = (const u32*)a.dn_w[x];
+            s_gs[1][lane] = (const float*)a.dn_s[x];
+            if (blockIdx.x == 0) {
+                a.ids[lane] = x;
+                a.weights[lane] = s_wts[lane];
+            }
+        }
+    } else if (shared) {
+        ml_shared_down<SB>(a, warp, lane);
     }
+    __syncthreads();
+    ml_mark(a, 3);
     {
         const int n2 = 2 * a.inter;
         const size_t wpr = (size_t)(a.h >> 5) * EB;
         const int scols = (a.h + a.gu_group - 1) / a.gu_group;
         const int items2 = a.k * n2;
-        // Two rows a warp in flight: the second's loads go out before the first's dot.
+        // ML_GU_BATCH rows a warp in flight: every load of a batch goes out before its first dot.
 #pragma unroll 1
-        for (int i = gw; i < items2; i += 2 * nw) {
-            MlRow<EB, ML_UNITS> r0, r1;
-            const int i1 = i + nw;
-            {
-                const int c = i / n2, r = i - c * n2;
-                const u32 x = s_ids[c];
-                ml_load<EB, 32, ML_UNITS>(r0, (const u32*)a.gu_w[x] + r * wpr, (const float*)a.gu_s[x] + (size_t)r * scols,
-                                          a.h, a.gu_group, lane);
+        for (int i0 = gw; i0 < items2; i0 += ML_GU_BATCH * nw) {
+            MlRow<EB, GU> rows[ML_GU_BATCH];
+#pragma unroll
+            for (int b = 0; b < ML_GU_BATCH; ++b) {
+                const int i = i0 + b * nw;
+                if (i < items2) {
+                    const int c = i / n2, r = i - c * n2;
+                    ml_load<EB, 32, GU>(rows[b], s_gw[0][c] + r * wpr, s_gs[0][c] + (size_t)r * scols, a.h, a.gu_group, lane);
+                }
             }
-            if (i1 < items2) {
-                const int c = i1 / n2, r = i1 - c * n2;
-                const u32 x = s_ids[c];
-                ml_load<EB, 32, ML_UNITS>(r1, (const u32*)a.gu_w[x] + r * wpr, (const float*)a.gu_s[x] + (size_t)r * scols,
-                                          a.h, a.gu_group, lane);
-            }
-            const float s0 = warp_sum(ml_dot<EB, 32, ML_UNITS, false>(r0, a.x, a.h, lane));
-            if (lane == 0) a.gu[i] = f2bf(s0);
-            if (i1 < items2) {
-                const float s1 = warp_sum(ml_dot<EB, 32, ML_UNITS, false>(r1, a.x, a.h, lane));
-                if (lane == 0) a.gu[i1] = f2bf(s1);
+#pragma unroll
+            for (int b = 0; b < ML_GU_BATCH; ++b) {
+                const int i = i0 + b * nw;
+                if (i < items2) {
+                    const float d = warp_sum(ml_dot<EB, 32, GU, false>(rows[b], a.x, a.h, lane));
+                    if (lane == 0) a.gu[i] = f2bf(d);
+                }
             }
         }
     }
+    ml_mark(a, 4);
     ml_grid_sync(a.sync, 2 * gridDim.x);
+    ml_mark(a, 5);
 
-    // 3. The SwiGLU rows in shared memory, then the down rows and the combine, a warp an output row.
-    bf16* act = reinterpret_cast<bf16*>(ml_smem);  // [k, inter], then the shared expert's [si]
-    bf16* sact = act + (size_t)a.k * a.inter;
+    // 3. A warp an output row: its chosen experts' down rows are asked for first, then the block
+    // stages the SwiGLU rows in shared memory, then the dots, the combine and the residual add.
+    bf16* act = reinterpret_cast<bf16*>(ml_smem);  // [k, inter]
+    const int half = lane >> 4, sub = lane & 15;
+    const size_t dwpr = (size_t)(a.inter >> 5) * EB;
+    const int dscols = (a.inter + a.dn_group - 1) / a.dn_group;
+    MlRow<EB, ML_DUNITS> rows[ML_ROUND];
+    auto load_round = [&](int r, int c0) {
+#pragma unroll
+        for (int j = 0; j < ML_ROUND; ++j) {
+            const int c = c0 + 2 * j + half;
+            if (c < a.k) ml_load<EB, 16, ML_DUNITS>(rows[j], s_gw[1][c] + r * dwpr, s_gs[1][c] + (size_t)r * dscols, a.inter, a.dn_group, sub);
+        }
+    };
+    if (gw < a.h) load_round(gw, 0);
     {
-        const int per = a.inter >> 3, sper = a.si >> 3;
-        const int vecs = a.k * per + (shared ? sper : 0);
+        const int per = a.inter >> 3;
+        const int vecs = a.k * per;
 #pragma unroll 1
-        for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
-            if (v < a.k * per) {
-                const int c = v / per, u = v - c * per;
-                ((uint4*)act)[v] = ml_swiglu8(a.gu + (size_t)c * 2 * a.inter, a.inter, u);
-            } else {
-                const int u = v - a.k * per;
-                ((uint4*)sact)[u] = ml_swiglu8(a.sgu, a.si, u);
+        for (int v0 = threadIdx.x; v0 < vecs; v0 += 2 * blockDim.x) {
+            uint4 g[2], u[2];
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int v = v0 + q * blockDim.x;
+                if (v < vecs) {
+                    const int c = v / per, j = v - c * per;
+                    const uint4* row = (const uint4*)(a.gu + (size_t)c * 2 * a.inter);
+                    g[q] = __ldcg(row + j);
+                    u[q] = __ldcg(row + per + j);
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {
+                const int v = v0 + q * blockDim.x;
+                if (v < vecs) ((uint4*)act)[v] = ml_swiglu8(g[q], u[q]);
             }
         }
     }
     __syncthreads();
-    {
-        const int half = lane >> 4, sub = lane & 15;
-        const float sw = shared ? sigmoid_f(__ldcg(a.logits + a.e)) : 0.0f;
-        const size_t wpr = (size_t)(a.inter >> 5) * EB, swpr = (size_t)(a.si >> 5) * SB;
-        const int scols = (a.inter + a.dn_group - 1) / a.dn_group;
-        const int sscols = (a.si + a.sdn_group - 1) / a.sdn_group;
+    ml_mark(a, 6);
+    const float sw = shared ? sigmoid_f(__ldcg(a.logits + a.e)) : 0.0f;
+    float sq = 0.0f;
 #pragma unroll 1
-        for (int r = gw; r < a.h; r += nw) {
-            float routed = 0.0f, sh = 0.0f;
-            // The shared expert's down row goes to the second half-warp, whose share of the routed
-            // rows is the smaller one for an even k.
-            const bool sown = shared && half == 1;
-            MlRow<SB, ML_DUNITS> srow;
-            if (sown) ml_load<SB, 16, ML_DUNITS>(srow, a.sdn_w + r * swpr, a.sdn_s + (size_t)r * sscols, a.si, a.sdn_group, sub);
+    for (int j = 0; j < ML_MAXROWS; ++j) {
+        const int r = gw + j * nw;
+        if (r >= a.h) break;
+        // Lane 0's operands of the row: the shared expert's sum, the residual.
+        const float sd = shared && lane == 0 ? __ldcg(a.sdn + r) : 0.0f;
+        const float res = norm && lane == 0 ? bf2f(a.acc[r]) : 0.0f;
+        float routed = 0.0f;
 #pragma unroll 1
-            for (int c0 = 0; c0 < a.k; c0 += 2 * ML_ROUND) {
-                MlRow<EB, ML_DUNITS> rows[ML_ROUND];
+        for (int c0 = 0; c0 < a.k; c0 += 2 * ML_ROUND) {
+            if (j > 0 || c0 > 0) load_round(r, c0);
 #pragma unroll
-                for (int j = 0; j < ML_ROUND; ++j) {
-                    const int c = c0 + 2 * j + half;
-                    if (c < a.k) {
-                        const u32 x = s_ids[c];
-                        ml_load<EB, 16, ML_DUNITS>(rows[j], (const u32*)a.dn_w[x] + r * wpr,
-                                                   (const float*)a.dn_s[x] + (size_t)r * scols, a.inter, a.dn_group, sub);
-                    }
-                }
-#pragma unroll
-                for (int j = 0; j < ML_ROUND; ++j) {
-                    const int c = c0 + 2 * j + half;
-                    if (c < a.k)
-                        routed = fmaf(s_wts[c], ml_dot<EB, 16, ML_DUNITS, true>(rows[j], act + (size_t)c * a.inter, a.inter, sub),
-                                      routed);
-                }
+            for (int q = 0; q < ML_ROUND; ++q) {
+                const int c = c0 + 2 * q + half;
+                if (c < a.k)
+                    routed = fmaf(s_wts[c], ml_dot<EB, 16, ML_DUNITS, true>(rows[q], act + (size_t)c * a.inter, a.inter, sub),
+                                  routed);
             }
-            if (sown) sh = ml_dot<SB, 16, ML_DUNITS, true>(srow, sact, a.si, sub);
-            routed = warp_sum(routed);
-            sh = warp_sum(sh);
-            if (lane == 0) a.y[r] = f2bf(routed + sw * sh);
+        }
+        routed = warp_sum(routed);
+        if (lane == 0) {
+            const bf16 v = f2bf(routed + sw * sd);
+            if (norm) {
+                // add_rms_norm_row's arithmetic: the sum rounded, its square summed.
+                const bf16 t = f2bf(res + bf2f(v));
+                a.acc[r] = t;
+                const float f = bf2f(t);
+                s_res[warp][j] = f;
+                sq += f * f;
+            } else {
+                a.y[r] = v;
+            }
         }
     }
+    ml_mark(a, 7);
 
-    // 4. The residual add and the norm in the last block; the counters back to 0.
-    if (!last_block_to_arrive(a.sync + 1, gridDim.x)) return;
-    if (a.acc != nullptr) {
-        unsigned short* row = reinterpret_cast<unsigned short*>(ml_smem);
-        const unsigned short* y16 = reinterpret_cast<const unsigned short*>(a.y);
-        for (int i = threadIdx.x; i < a.h; i += blockDim.x) row[i] = __ldcg(y16 + i);
+    // 4. The norm: each block's sum of squares, a barrier, then every block sums them in block order
+    // and writes its rows.
+    if (norm) {
+        if (lane == 0) s_sq[warp] = sq;
         __syncthreads();
-        add_rms_norm_row(a.acc, reinterpret_cast<const bf16*>(row), a.norm_w, a.normed, a.h, a.eps, a.offset, scratch);
+        if (threadIdx.x == 0) {
+            float t = 0.0f;
+#pragma unroll
+            for (int w = 0; w < ML_WARPS; ++w) t += s_sq[w];
+            a.partials[blockIdx.x] = t;
+        }
+        ml_grid_sync(a.sync, 3 * gridDim.x);
+        float ss = 0.0f;
+        for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) ss += __ldcg(a.partials + b);
+        ss = block_sum(ss, scratch);
+        const float rn = 1.0f / sqrtf(ss / (float)a.h + a.eps);
+        if (lane == 0) {
+#pragma unroll 1
+            for (int j = 0; j < ML_MAXROWS; ++j) {
+                const int r = gw + j * nw;
+                if (r >= a.h) break;
+                a.normed[r] = f2bf((s_res[warp][j] * rn) * (a.offset + bf2f(a.norm_w[r])));
+            }
+        }
     }
-    if (threadIdx.x == 0) {
+    ml_mark(a, 8);
+
+    // The counters back to 0 once every block is past its last barrier.
+    if (threadIdx.x == 0 && atomicAdd(a.sync + 1, 1u) == gridDim.x - 1) {
         a.sync[0] = 0u;
         a.sync[1] = 0u;
+        if (a.trace != nullptr) {
+            unsigned long long t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+            a.trace[9] = t;
+        }
     }
 }
 
-// Entry points: routed experts of EB bits (INT4), the shared expert of SB bits (INT4, INT6, INT8).
-// Grid: blocks_per_sm · multiprocessors blocks of ML_THREADS threads, launched cooperatively; dynamic
-// shared memory: max(sizeof(RouterSortSmem), 2 · (k · inter + si), 2 · h) bytes, rounded up to 16.
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s4(const MoeLayerArgs a) { pdl_prologue(); moe_layer_m1<4, 4>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s6(const MoeLayerArgs a) { pdl_prologue(); moe_layer_m1<4, 6>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s8(const MoeLayerArgs a) { pdl_prologue(); moe_layer_m1<4, 8>(a); }
+// The router rows of this block's share (a contiguous slice of the router, for the prologue's L2
+// prefetch).
+__device__ __forceinline__ RowSpan ml_router_span(const MoeLayerArgs& a) {
+    const long long bytes = (long long)a.e * a.h * 2;
+    const long long per = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~15ll;
+    const long long b0 = (long long)blockIdx.x * per;
+    return RowSpan{(const char*)a.router + b0, b0 < bytes ? min(per, bytes - b0) : 0};
+}
+
+// Entry points: routed experts of EB bits (INT4), the shared expert of SB bits (INT4, INT6, INT8), GU
+// units of 32 values a lane in the h-wide dots (h ≤ 1024 · GU). Grid: blocks_per_sm · multiprocessors
+// blocks of ML_THREADS threads, launched cooperatively; dynamic shared memory 2 · k · inter bytes
+// (rounded up to 16).
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s4_u2(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 4, 2>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s6_u2(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 6, 2>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s8_u2(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 8, 2>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s4_u3(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 4, 3>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s6_u3(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 6, 3>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s8_u3(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 8, 3>(a); }

@@ -114,40 +114,34 @@ impl CudaBackend {
         let mut logits = self.scratch::<f32>(e + 1)?;
         let mut sgu = self.scratch(2 * si)?;
         let mut gu = self.scratch(k * 2 * inter)?;
+        let mut sdn = self.scratch::<f32>(if si > 0 { h } else { 0 })?;
+        let mut partials = self.scratch::<f32>(self.gpu.moe_layer_max_blocks())?;
         let mut ids = self.scratch::<u32>(k)?;
         let mut wts = self.scratch::<f32>(k)?;
         let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
         let bufs = MoeLayerBufs {
             logits: &mut logits,
             shared_gate_up: &mut sgu,
+            shared_down: &mut sdn,
             gate_up: &mut gu,
             ids: &mut ids,
             weights: &mut wts,
+            partials: &mut partials,
             sync: &mut sync,
+            trace: None,
         };
         let mut out = self.alloc(1, h)?;
-        match after {
-            None => self.gpu.moe_layer_decode(
-                &layer,
-                &x.buf,
-                h,
-                bufs,
-                None,
-                CombineInto::Rows(&mut out.buf),
-            )?,
-            Some(n) => {
-                let mut y = self.scratch(h)?;
-                let into = CombineInto::AddNorm {
-                    acc: &mut n.acc.buf,
-                    w: n.w,
-                    normed: &mut out.buf,
-                    eps: n.eps,
-                    offset: n.offset,
-                };
-                self.gpu
-                    .moe_layer_decode(&layer, &x.buf, h, bufs, Some(&mut y), into)?
-            }
-        }
+        let into = match after {
+            None => CombineInto::Rows(&mut out.buf),
+            Some(n) => CombineInto::AddNorm {
+                acc: &mut n.acc.buf,
+                w: n.w,
+                normed: &mut out.buf,
+                eps: n.eps,
+                offset: n.offset,
+            },
+        };
+        self.gpu.moe_layer_decode(&layer, &x.buf, h, bufs, into)?;
         drop(sync);
         drop(st);
         self.log_routing(&ids, k, e)?;

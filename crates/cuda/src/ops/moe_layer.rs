@@ -21,9 +21,10 @@ const MAX_BLOCKS_PER_SM: u32 = 2;
 const MAX_H: usize = 3072;
 const MAX_INTER: usize = 1024;
 const MAX_K: usize = 16;
-/// Bytes of `RouterSortSmem` (moe_route.cuh): 64 lists of 32 logits, two reduction rows and two
-/// candidate buffers of 64 · 16 keys.
-const SORT_SMEM: usize = 64 * 32 * 4 + 2 * 64 * 4 + 2 * 64 * 16 * 8;
+/// Output rows a warp takes at most (`ML_MAXROWS`).
+const MAX_ROWS_PER_WARP: usize = 4;
+/// Most experts of a layer (`32 · ML_TOPK_PER`: the one-warp top-k's registers).
+const MAX_E: usize = 512;
 
 /// The kernel's arguments (`MoeLayerArgs` in moe_layer.cu, field for field).
 #[repr(C)]
@@ -45,6 +46,8 @@ struct MoeLayerArgs {
     gu: u64,
     ids: u64,
     weights: u64,
+    sdn: u64,
+    partials: u64,
     y: u64,
     acc: u64,
     norm_w: u64,
@@ -62,10 +65,12 @@ struct MoeLayerArgs {
     sdn_group: i32,
     eps: f32,
     offset: f32,
+    trace: u64,
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 8-byte addresses and 4-byte numbers, laid out as the
-// kernel's `MoeLayerArgs` (21 pointers, 10 ints, 2 floats; 216 bytes, 8-byte aligned).
+// kernel's `MoeLayerArgs` (23 pointers, 10 ints, 2 floats, the trace pointer; 240 bytes, 8-byte
+// aligned).
 unsafe impl DeviceRepr for MoeLayerArgs {}
 
 /// A layer's shared expert as [`Gpu::moe_layer_decode`] takes it: its gate row `[h]` (bf16), its
@@ -90,18 +95,22 @@ pub struct MoeLayer<'a> {
 }
 
 /// The buffers [`Gpu::moe_layer_decode`] writes besides its output: `logits` `[e + 1]` (f32),
-/// `shared_gate_up` `[2·si]` (or any length without a shared expert), `gate_up` `[k, 2·inter]`, the
-/// routed `ids` and `weights` `[k]`, the combined row `y` `[h]` (the output itself with
-/// [`CombineInto::Rows`]; a scratch with [`CombineInto::AddNorm`]), and `sync`: two `u32` that are 0
-/// before the launch and are left 0 (allocate them zeroed once and pass the same buffer to every
-/// launch of the stream).
+/// `shared_gate_up` `[2·si]` and `shared_down` `[h]` (f32; any length without a shared expert),
+/// `gate_up` `[k, 2·inter]`, the routed `ids` and `weights` `[k]`, `partials` (f32, one a block of
+/// the grid: [`Gpu::moe_layer_max_blocks`]), and `sync`: two `u32` that are 0 before the launch and are
+/// left 0 (allocate them zeroed once and pass the same buffer to every launch of the stream).
 pub struct MoeLayerBufs<'a> {
     pub logits: &'a mut CudaSlice<f32>,
     pub shared_gate_up: &'a mut CudaSlice<bf16>,
+    pub shared_down: &'a mut CudaSlice<f32>,
     pub gate_up: &'a mut CudaSlice<bf16>,
     pub ids: &'a mut CudaSlice<u32>,
     pub weights: &'a mut CudaSlice<f32>,
+    pub partials: &'a mut CudaSlice<f32>,
     pub sync: &'a mut CudaSlice<u32>,
+    /// `[16]` u64 or `None`: block 0's phase times (the device's global timer, ns) for the bench;
+    /// slots 0..=8 and, from the last block, 9.
+    pub trace: Option<&'a mut CudaSlice<u64>>,
 }
 
 /// The effective group of a packed scheme over `k` inputs when the kernel takes it: 4, 6 or 8 bits,
@@ -116,7 +125,7 @@ impl Gpu {
     /// Whether [`Gpu::moe_layer_decode`] takes a layer of width `h`, `e` experts of which `k` are
     /// chosen, routed experts of scheme `experts` (INT4) and intermediate size `inter`, and a shared
     /// expert of scheme and intermediate size `shared` (any packed width): `h % 32 == 0` up to 3072,
-    /// `inter` and the shared size multiples of 32 up to 1024, `1 ≤ k ≤ 16`, `k ≤ e ≤ 1024`, per-row
+    /// `inter` and the shared size multiples of 32 up to 1024, `1 ≤ k ≤ 16`, `k ≤ e ≤ 512`, per-row
     /// scales or groups of a multiple of 32, and a device that runs cooperative launches.
     pub fn moe_layer_fits(
         &self,
@@ -129,7 +138,8 @@ impl Gpu {
             && (32..=MAX_INTER).contains(&inter)
             && inter.is_multiple_of(32)
             && (1..=MAX_K).contains(&k)
-            && Self::moe_route_decode_fits(1, h, e, k);
+            && k <= e
+            && e <= MAX_E;
         let experts = experts.is_some_and(|s| {
             s.bits == 4 && unit_group(s, h).is_some() && unit_group(s, inter).is_some()
         });
@@ -146,8 +156,7 @@ impl Gpu {
     /// (when `layer` has one) and the chosen experts (SwiGLU between their gate|up and down
     /// projections), and their combine `Σ_c weight_c · y_c + sigmoid(gate) · shared` rounded once to
     /// bf16, into `into` (the row itself, or its add to the residual and the norm of that, as
-    /// [`Gpu::add_rms_norm`] gives them). `y`: the combined row's buffer (`[h]`; with
-    /// [`CombineInto::Rows`] pass the output there and `y` is not read). Needs
+    /// [`Gpu::add_rms_norm`] gives them, to rounding: the norm's sum runs in another order). Needs
     /// [`Gpu::moe_layer_fits`].
     pub fn moe_layer_decode(
         &self,
@@ -155,7 +164,6 @@ impl Gpu {
         x: &CudaSlice<bf16>,
         h: usize,
         bufs: MoeLayerBufs<'_>,
-        y: Option<&mut CudaSlice<bf16>>,
         into: CombineInto<'_, CudaSlice<bf16>>,
     ) -> Result<()> {
         const OP: &str = "moe_layer_decode";
@@ -187,9 +195,18 @@ impl Gpu {
         check_len(OP, "logits", &*bufs.logits, e + 1)?;
         check_len(OP, "shared gate|up", &*bufs.shared_gate_up, 2 * si)?;
         check_len(OP, "gate|up", &*bufs.gate_up, k * 2 * inter)?;
+        check_len(
+            OP,
+            "shared down",
+            &*bufs.shared_down,
+            if si > 0 { h } else { 0 },
+        )?;
         check_len(OP, "ids", &*bufs.ids, k)?;
         check_len(OP, "weights", &*bufs.weights, k)?;
         check_len(OP, "sync", &*bufs.sync, 2)?;
+        if let Some(t) = &bufs.trace {
+            check_len(OP, "trace", &**t, 16)?;
+        }
         let mut a = MoeLayerArgs {
             x: self.addr(x),
             router: self.addr(layer.router),
@@ -199,10 +216,12 @@ impl Gpu {
             dn_s: self.addr(layer.down.scales),
             logits: self.addr_mut(bufs.logits),
             sgu: self.addr_mut(bufs.shared_gate_up),
+            sdn: self.addr_mut(bufs.shared_down),
             gu: self.addr_mut(bufs.gate_up),
             ids: self.addr_mut(bufs.ids),
             weights: self.addr_mut(bufs.weights),
             sync: self.addr_mut(bufs.sync),
+            trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
             e: e as i32,
             h: h as i32,
             k: k as i32,
@@ -268,17 +287,9 @@ impl Gpu {
                 eps,
                 offset,
             } => {
-                let y = y.ok_or_else(|| crate::error::CudaError::Shape {
-                    op: OP,
-                    msg: "the add and norm need the combined row's buffer".into(),
-                })?;
-                for (what, len) in [("y", y.len()), ("acc", acc.len()), ("normed", normed.len())] {
-                    ensure(len >= h, OP, || {
-                        format!("{what} holds {len} values, needs {h}")
-                    })?;
-                }
+                check_len(OP, "acc", &*acc, h)?;
+                check_len(OP, "normed", &*normed, h)?;
                 check_len(OP, "norm weight", w, h)?;
-                a.y = self.addr_mut(y);
                 a.acc = self.addr_mut(acc);
                 a.norm_w = self.addr(w);
                 a.normed = self.addr_mut(normed);
@@ -286,16 +297,10 @@ impl Gpu {
                 a.offset = offset;
             }
         }
-        let name = match shared_bits {
-            4 => "moe_layer_m1_q4_s4",
-            6 => "moe_layer_m1_q4_s6",
-            _ => "moe_layer_m1_q4_s8",
-        };
-        let kernel = self.kernel(name)?;
-        let smem = SORT_SMEM
-            .max(2 * (k * inter + si))
-            .max(2 * h)
-            .next_multiple_of(16);
+        let units = if h <= 2048 { 2 } else { 3 };
+        let name = format!("moe_layer_m1_q4_s{shared_bits}_u{units}");
+        let kernel = self.kernel(&name)?;
+        let smem = (2 * k * inter).next_multiple_of(16);
         let per_sm = kernel
             .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)?
             .min(MAX_BLOCKS_PER_SM);
@@ -303,14 +308,25 @@ impl Gpu {
             format!("{smem} bytes of shared memory leave no block resident")
         })?;
         let blocks = per_sm as usize * self.info().multiprocessors as usize;
+        check_len(OP, "partials", &*bufs.partials, blocks)?;
+        a.partials = self.addr_mut(bufs.partials);
+        ensure(h <= MAX_ROWS_PER_WARP * 8 * blocks, OP, || {
+            format!("h = {h} exceeds {MAX_ROWS_PER_WARP} rows a warp of {blocks} blocks")
+        })?;
         let mut b = self.launch(kernel);
         b.arg(&a).cooperative();
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
         // and the kernel's shape limits are checked above; the grid is what the multiprocessors
         // hold at once (the occupancy API for this block size and shared memory), launched
         // cooperatively, as the kernel's grid barriers need; the dynamic shared memory holds the
-        // top-k's sort buffers, the staged SwiGLU rows and the norm's row.
+        // staged SwiGLU rows.
         unsafe { b.launch(cfg((grid_u32(OP, blocks)?, 1, 1), THREADS, smem as u32)) }?;
         Ok(())
+    }
+
+    /// The most blocks [`Gpu::moe_layer_decode`]'s grid takes (two a multiprocessor): what
+    /// `partials` must hold.
+    pub fn moe_layer_max_blocks(&self) -> usize {
+        MAX_BLOCKS_PER_SM as usize * self.info().multiprocessors as usize
     }
 }

@@ -28,6 +28,7 @@ mod bench_dense;
 mod bench_gdn;
 mod bench_moe;
 mod bench_moe_gemm;
+mod bench_moe_layer;
 mod common;
 mod compile;
 mod conv;

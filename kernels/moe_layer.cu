@@ -9,11 +9,12 @@
 //   2. every block's first warp takes the softmax top-k of the logits (ml_topk_warp: the keys and tie
 //      rule of router_topk_sort; block 0 writes the ids and weights out) and the chosen experts'
 //      addresses, while its other warps compute the shared expert's down rows (its SwiGLU taken where
-//      it is read); then the chosen experts' gate|up rows (packed), a warp a row, four rows' loads in
-//      flight, rounded to bf16 as the grouped GEMV writes them;
+//      it is read); then the chosen experts' gate and up rows (packed), a warp a row j of gate and
+//      of up together, several rows' loads in flight, each rounded to bf16 as the grouped GEMV writes
+//      them and their SwiGLU bf16(silu(gate) · up) written out as swiglu_bf16 computes it;
 //   3. a warp takes one output row for every expert: it asks for the chosen experts' down rows, then
-//      the block stages their SwiGLU rows in shared memory (bf16(silu(gate) · up), as swiglu_bf16),
-//      then the two half-warps each dot one expert's down row at a time and the warp sums
+//      the block copies the SwiGLU rows into shared memory, then the two half-warps each dot one
+//      expert's down row at a time and the warp sums
 //      Σ_c weight_c · y_c + sigmoid(gate) · shared, rounded once to bf16, and adds it to the residual
 //      (rounded, as add_rms_norm_row) or writes it out;
 //   4. with a residual: each block's sum of the rounded sums' squares, a third barrier, then every
@@ -64,7 +65,7 @@ struct MoeLayerArgs {
     const unsigned long long* dn_s;
     float* logits;            // [e + 1] scratch
     bf16* sgu;                // [2 si] scratch
-    bf16* gu;                 // [k, 2 inter] scratch
+    bf16* act;                // [k, inter] scratch: the chosen experts' SwiGLU rows
     u32* ids;                 // [k]
     float* weights;           // [k]
     float* sdn;               // [h] scratch: the shared expert's down row
@@ -127,9 +128,14 @@ __device__ __forceinline__ void ml_load(MlRow<BITS, MAXU>& r, const u32* __restr
     }
 }
 
-// The lane's part of row · x: per unit the codes' dot with x (f32), times the unit's scale. x: bf16,
-// global memory written before this launch (XS false, read-only path) or shared memory (XS true).
-template <int BITS, int G, int MAXU, bool XS>
+// The lane's part of row · x: per unit the codes' dot with x (f32), times the unit's scale. x: bf16 in
+// shared memory, in ml_xs_chunk's order when SWZ.
+// Where 16-byte chunk q (values 8q .. 8q + 7) of the block's copy of x lies: the chunks of each unit
+// of 32 values permuted by a XOR with bits 3..4 of q, so that the 8 lanes of a quarter-warp reading
+// chunk c of units u .. u + 7 (64 bytes apart) hit 8 distinct 16-byte bank groups.
+__device__ __forceinline__ int ml_xs_chunk(int q) { return (q & ~3) | ((q & 3) ^ ((q >> 3) & 3)); }
+
+template <int BITS, int G, int MAXU, bool SWZ>
 __device__ __forceinline__ float ml_dot(const MlRow<BITS, MAXU>& r, const bf16* x, int k, int sub) {
     const int units = k >> 5;
     float acc = 0.0f;
@@ -142,8 +148,8 @@ __device__ __forceinline__ float ml_dot(const MlRow<BITS, MAXU>& r, const bf16* 
             for (int c = 0; c < 4; ++c) {
                 float q[8], xf[8];
                 decode8<BITS>(r.w[i], c, q);
-                const uint4* xp = (const uint4*)(x + (u << 5) + 8 * c);
-                unpack8(XS ? *xp : __ldg(xp), xf);
+                const int q8 = 4 * u + c;
+                unpack8(((const uint4*)x)[SWZ ? ml_xs_chunk(q8) : q8], xf);
 #pragma unroll
                 for (int j = 0; j < 8; ++j) d = fmaf(q[j], xf[j], d);
             }
@@ -155,11 +161,11 @@ __device__ __forceinline__ float ml_dot(const MlRow<BITS, MAXU>& r, const bf16* 
 
 // Phase 1, one item: router row i < e (+ the gate row at e), else shared gate|up row i - e - gate.
 template <int SB, int GU>
-__device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, int i, int lane) {
+__device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, const bf16* xs, int i, int lane) {
     const int gate_rows = a.shared_gate ? 1 : 0;
     if (i < a.e + gate_rows) {
         const uint4* wr = i < a.e ? (const uint4*)(a.router + (size_t)i * a.h) : (const uint4*)a.shared_gate;
-        const uint4* x4 = (const uint4*)a.x;
+        const uint4* x4 = (const uint4*)xs;
         const int chunks = a.h >> 3;
         uint4 wv[4 * GU];
 #pragma unroll
@@ -174,7 +180,7 @@ __device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, int i, int
             if (c < chunks) {
                 float wf[8], xf[8];
                 unpack8(wv[j], wf);
-                unpack8(__ldg(x4 + c), xf);
+                unpack8(x4[ml_xs_chunk(c)], xf);
 #pragma unroll
                 for (int q = 0; q < 8; ++q) s = fmaf(wf[q], xf[q], s);
             }
@@ -188,7 +194,7 @@ __device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, int i, int
         const int scols = (a.h + a.sgu_group - 1) / a.sgu_group;
         MlRow<SB, GU> row;
         ml_load<SB, 32, GU>(row, a.sgu_w + r * wpr, a.sgu_s + (size_t)r * scols, a.h, a.sgu_group, lane);
-        const float s = warp_sum(ml_dot<SB, 32, GU, false>(row, a.x, a.h, lane));
+        const float s = warp_sum(ml_dot<SB, 32, GU, true>(row, xs, a.h, lane));
         if (lane == 0) a.sgu[r] = f2bf(s);
     }
 }
@@ -269,40 +275,30 @@ __device__ __forceinline__ uint4 ml_swiglu8(uint4 g, uint4 u) {
 }
 
 // The shared expert's down rows (phase 2, by warps 1.. of every block while warp 0 takes the top-k):
-// a half-warp a row, x = bf16(silu(gate) · up) of the shared gate|up row (written in this launch,
-// through L2) computed for each unit where it is used; f32 sums into a.sdn.
+// a half-warp a row, x = bf16(silu(gate) · up) of the shared gate|up row (written in this launch:
+// through L2), staged in sact (shared memory, [si]) by these warps; f32 sums into a.sdn.
 template <int SB>
-__device__ __forceinline__ void ml_shared_down(const MoeLayerArgs& a, int warp, int lane) {
+__device__ __forceinline__ void ml_shared_down(const MoeLayerArgs& a, bf16* sact, int warp, int lane) {
     const int half = lane >> 4, sub = lane & 15;
     const int hw = (blockIdx.x * (ML_WARPS - 1) + warp - 1) * 2 + half, nhw = gridDim.x * (ML_WARPS - 1) * 2;
     const size_t swpr = (size_t)(a.si >> 5) * SB;
     const int sscols = (a.si + a.sdn_group - 1) / a.sdn_group;
-    const int units = a.si >> 5;
+    // The first row's loads go out before the SwiGLU row is staged (by these warps' threads, then
+    // their own barrier: warp 0 is taking the top-k).
+    MlRow<SB, ML_DUNITS> row;
+    if (hw < a.h) ml_load<SB, 16, ML_DUNITS>(row, a.sdn_w + hw * swpr, a.sdn_s + (size_t)hw * sscols, a.si, a.sdn_group, sub);
     const uint4* g4 = (const uint4*)a.sgu;
     const uint4* u4 = (const uint4*)(a.sgu + a.si);
 #pragma unroll 1
+    for (int v = threadIdx.x - 32; v < (a.si >> 3); v += blockDim.x - 32)
+        ((uint4*)sact)[v] = ml_swiglu8(__ldcg(g4 + v), __ldcg(u4 + v));
+    asm volatile("bar.sync 1, %0;" ::"r"(blockDim.x - 32) : "memory");
+#pragma unroll 1
     for (int r0 = hw - half; r0 < a.h; r0 += nhw) {
         const int r = r0 + half;  // both halves run the loop's shuffles
-        MlRow<SB, ML_DUNITS> row;
-        if (r < a.h) ml_load<SB, 16, ML_DUNITS>(row, a.sdn_w + r * swpr, a.sdn_s + (size_t)r * sscols, a.si, a.sdn_group, sub);
-        float acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < ML_DUNITS; ++i) {
-            const int u = sub + 16 * i;
-            if (r < a.h && u < units) {
-                float d = 0.0f;
-#pragma unroll
-                for (int c = 0; c < 4; ++c) {
-                    float q[8], xf[8];
-                    const uint4 x8 = ml_swiglu8(__ldcg(g4 + 4 * u + c), __ldcg(u4 + 4 * u + c));
-                    unpack8(x8, xf);
-                    decode8<SB>(row.w[i], c, q);
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) d = fmaf(q[j], xf[j], d);
-                }
-                acc = fmaf(d, row.s[i], acc);
-            }
-        }
+        if (r0 != hw - half && r < a.h)
+            ml_load<SB, 16, ML_DUNITS>(row, a.sdn_w + r * swpr, a.sdn_s + (size_t)r * sscols, a.si, a.sdn_group, sub);
+        float acc = r < a.h ? ml_dot<SB, 16, ML_DUNITS, false>(row, sact, a.si, sub) : 0.0f;
 #pragma unroll
         for (int o = 8; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
         if (r < a.h && sub == 0) a.sdn[r] = acc;
@@ -324,16 +320,20 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     __shared__ float s_res[ML_WARPS][ML_MAXROWS];
     __shared__ float s_sq[ML_WARPS];
     __shared__ float scratch[32];
+    __shared__ __align__(16) bf16 s_x[1024 * GU];      // x, chunks in ml_xs_chunk's order
+    __shared__ __align__(16) bf16 s_sact[32 * 16 * ML_DUNITS];  // the shared expert's SwiGLU row
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gw = blockIdx.x * ML_WARPS + warp, nw = gridDim.x * ML_WARPS;
     const bool shared = a.shared_gate != nullptr;
     const bool norm = a.acc != nullptr;
     ml_mark(a, 0);
+    for (int q = threadIdx.x; q < (a.h >> 3); q += blockDim.x) ((uint4*)s_x)[ml_xs_chunk(q)] = ((const uint4*)a.x)[q];
+    __syncthreads();
 
     // 1. Router logits and the shared expert's gate|up rows.
     const int items1 = a.e + (shared ? 1 + 2 * a.si : 0);
 #pragma unroll 1
-    for (int i = gw; i < items1; i += nw) ml_phase1_item<SB, GU>(a, i, lane);
+    for (int i = gw; i < items1; i += nw) ml_phase1_item<SB, GU>(a, s_x, i, lane);
     ml_mark(a, 1);
     ml_grid_sync(a.sync, gridDim.x);
     ml_mark(a, 2);
@@ -355,33 +355,41 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
             }
         }
     } else if (shared) {
-        ml_shared_down<SB>(a, warp, lane);
+        ml_shared_down<SB>(a, s_sact, warp, lane);
     }
     __syncthreads();
     ml_mark(a, 3);
     {
-        const int n2 = 2 * a.inter;
+        // An item is row j of expert slot c's gate and its row j of up: both dots, each rounded to
+        // bf16 as the grouped GEMV writes them, then bf16(silu(gate) · up) as swiglu_bf16. Every load
+        // of a warp's batch of items goes out before its first dot.
+        constexpr int B = GU == 2 ? 3 : 2;
         const size_t wpr = (size_t)(a.h >> 5) * EB;
         const int scols = (a.h + a.gu_group - 1) / a.gu_group;
-        const int items2 = a.k * n2;
-        // ML_GU_BATCH rows a warp in flight: every load of a batch goes out before its first dot.
+        const int items2 = a.k * a.inter;
 #pragma unroll 1
-        for (int i0 = gw; i0 < items2; i0 += ML_GU_BATCH * nw) {
-            MlRow<EB, GU> rows[ML_GU_BATCH];
+        for (int i0 = gw; i0 < items2; i0 += B * nw) {
+            MlRow<EB, GU> rows[2 * B];
 #pragma unroll
-            for (int b = 0; b < ML_GU_BATCH; ++b) {
+            for (int b = 0; b < B; ++b) {
                 const int i = i0 + b * nw;
                 if (i < items2) {
-                    const int c = i / n2, r = i - c * n2;
-                    ml_load<EB, 32, GU>(rows[b], s_gw[0][c] + r * wpr, s_gs[0][c] + (size_t)r * scols, a.h, a.gu_group, lane);
+                    const int c = i / a.inter, j = i - c * a.inter;
+#pragma unroll
+                    for (int gu = 0; gu < 2; ++gu) {
+                        const int r = j + gu * a.inter;
+                        ml_load<EB, 32, GU>(rows[2 * b + gu], s_gw[0][c] + r * wpr, s_gs[0][c] + (size_t)r * scols, a.h,
+                                            a.gu_group, lane);
+                    }
                 }
             }
 #pragma unroll
-            for (int b = 0; b < ML_GU_BATCH; ++b) {
+            for (int b = 0; b < B; ++b) {
                 const int i = i0 + b * nw;
                 if (i < items2) {
-                    const float d = warp_sum(ml_dot<EB, 32, GU, false>(rows[b], a.x, a.h, lane));
-                    if (lane == 0) a.gu[i] = f2bf(d);
+                    const float g = warp_sum(ml_dot<EB, 32, GU, true>(rows[2 * b], s_x, a.h, lane));
+                    const float u = warp_sum(ml_dot<EB, 32, GU, true>(rows[2 * b + 1], s_x, a.h, lane));
+                    if (lane == 0) a.act[i] = f2bf(silu_f(bf2f(f2bf(g))) * bf2f(f2bf(u)));
                 }
             }
         }
@@ -391,7 +399,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     ml_mark(a, 5);
 
     // 3. A warp an output row: its chosen experts' down rows are asked for first, then the block
-    // stages the SwiGLU rows in shared memory, then the dots, the combine and the residual add.
+    // copies the SwiGLU rows into shared memory, then the dots, the combine and the residual add.
     bf16* act = reinterpret_cast<bf16*>(ml_smem);  // [k, inter]
     const int half = lane >> 4, sub = lane & 15;
     const size_t dwpr = (size_t)(a.inter >> 5) * EB;
@@ -406,25 +414,22 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     };
     if (gw < a.h) load_round(gw, 0);
     {
-        const int per = a.inter >> 3;
-        const int vecs = a.k * per;
+        // The SwiGLU rows (written by other blocks: through L2) into shared memory, four vectors a
+        // thread in flight.
+        const int vecs = (a.k * a.inter) >> 3;
+        const uint4* src = (const uint4*)a.act;
 #pragma unroll 1
-        for (int v0 = threadIdx.x; v0 < vecs; v0 += 2 * blockDim.x) {
-            uint4 g[2], u[2];
+        for (int v0 = threadIdx.x; v0 < vecs; v0 += 4 * blockDim.x) {
+            uint4 t[4];
 #pragma unroll
-            for (int q = 0; q < 2; ++q) {
+            for (int q = 0; q < 4; ++q) {
                 const int v = v0 + q * blockDim.x;
-                if (v < vecs) {
-                    const int c = v / per, j = v - c * per;
-                    const uint4* row = (const uint4*)(a.gu + (size_t)c * 2 * a.inter);
-                    g[q] = __ldcg(row + j);
-                    u[q] = __ldcg(row + per + j);
-                }
+                if (v < vecs) t[q] = __ldcg(src + v);
             }
 #pragma unroll
-            for (int q = 0; q < 2; ++q) {
+            for (int q = 0; q < 4; ++q) {
                 const int v = v0 + q * blockDim.x;
-                if (v < vecs) ((uint4*)act)[v] = ml_swiglu8(g[q], u[q]);
+                if (v < vecs) ((uint4*)act)[v] = t[q];
             }
         }
     }
@@ -447,7 +452,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
             for (int q = 0; q < ML_ROUND; ++q) {
                 const int c = c0 + 2 * q + half;
                 if (c < a.k)
-                    routed = fmaf(s_wts[c], ml_dot<EB, 16, ML_DUNITS, true>(rows[q], act + (size_t)c * a.inter, a.inter, sub),
+                    routed = fmaf(s_wts[c], ml_dot<EB, 16, ML_DUNITS, false>(rows[q], act + (size_t)c * a.inter, a.inter, sub),
                                   routed);
             }
         }

@@ -113,7 +113,7 @@ impl CudaBackend {
         };
         let mut logits = self.scratch::<f32>(e + 1)?;
         let mut sgu = self.scratch(2 * si)?;
-        let mut gu = self.scratch(k * 2 * inter)?;
+        let mut act = self.scratch(k * inter)?;
         let mut sdn = self.scratch::<f32>(if si > 0 { h } else { 0 })?;
         let mut partials = self.scratch::<f32>(self.gpu.moe_layer_max_blocks())?;
         let mut ids = self.scratch::<u32>(k)?;
@@ -123,7 +123,7 @@ impl CudaBackend {
             logits: &mut logits,
             shared_gate_up: &mut sgu,
             shared_down: &mut sdn,
-            gate_up: &mut gu,
+            act: &mut act,
             ids: &mut ids,
             weights: &mut wts,
             partials: &mut partials,

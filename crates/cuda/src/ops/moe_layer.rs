@@ -43,7 +43,7 @@ struct MoeLayerArgs {
     dn_s: u64,
     logits: u64,
     sgu: u64,
-    gu: u64,
+    act: u64,
     ids: u64,
     weights: u64,
     sdn: u64,
@@ -96,14 +96,14 @@ pub struct MoeLayer<'a> {
 
 /// The buffers [`Gpu::moe_layer_decode`] writes besides its output: `logits` `[e + 1]` (f32),
 /// `shared_gate_up` `[2·si]` and `shared_down` `[h]` (f32; any length without a shared expert),
-/// `gate_up` `[k, 2·inter]`, the routed `ids` and `weights` `[k]`, `partials` (f32, one a block of
+/// `act` `[k, inter]` (the chosen experts' SwiGLU rows), the routed `ids` and `weights` `[k]`, `partials` (f32, one a block of
 /// the grid: [`Gpu::moe_layer_max_blocks`]), and `sync`: two `u32` that are 0 before the launch and are
 /// left 0 (allocate them zeroed once and pass the same buffer to every launch of the stream).
 pub struct MoeLayerBufs<'a> {
     pub logits: &'a mut CudaSlice<f32>,
     pub shared_gate_up: &'a mut CudaSlice<bf16>,
     pub shared_down: &'a mut CudaSlice<f32>,
-    pub gate_up: &'a mut CudaSlice<bf16>,
+    pub act: &'a mut CudaSlice<bf16>,
     pub ids: &'a mut CudaSlice<u32>,
     pub weights: &'a mut CudaSlice<f32>,
     pub partials: &'a mut CudaSlice<f32>,
@@ -194,7 +194,7 @@ impl Gpu {
         let si = layer.shared.as_ref().map_or(0, |s| s.down.k);
         check_len(OP, "logits", &*bufs.logits, e + 1)?;
         check_len(OP, "shared gate|up", &*bufs.shared_gate_up, 2 * si)?;
-        check_len(OP, "gate|up", &*bufs.gate_up, k * 2 * inter)?;
+        check_len(OP, "act", &*bufs.act, k * inter)?;
         check_len(
             OP,
             "shared down",
@@ -217,7 +217,7 @@ impl Gpu {
             logits: self.addr_mut(bufs.logits),
             sgu: self.addr_mut(bufs.shared_gate_up),
             sdn: self.addr_mut(bufs.shared_down),
-            gu: self.addr_mut(bufs.gate_up),
+            act: self.addr_mut(bufs.act),
             ids: self.addr_mut(bufs.ids),
             weights: self.addr_mut(bufs.weights),
             sync: self.addr_mut(bufs.sync),

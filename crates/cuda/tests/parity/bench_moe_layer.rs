@@ -52,7 +52,7 @@ fn shared_proj(
 struct Bufs {
     logits: CudaSlice<f32>,
     sgu: CudaSlice<bf16>,
-    gu: CudaSlice<bf16>,
+    act: CudaSlice<bf16>,
     sdn: CudaSlice<f32>,
     partials: CudaSlice<f32>,
     ids: CudaSlice<u32>,
@@ -109,7 +109,7 @@ fn bench_moe_layer() {
         let mut b = Bufs {
             logits: g.zeros(E + 1).unwrap(),
             sgu: g.zeros(2 * si).unwrap(),
-            gu: g.zeros(TOP_K * 2 * inter).unwrap(),
+            act: g.zeros(TOP_K * inter).unwrap(),
             sdn: g.zeros(h).unwrap(),
             partials: g.zeros(g.moe_layer_max_blocks()).unwrap(),
             ids: g.zeros(TOP_K).unwrap(),
@@ -125,7 +125,7 @@ fn bench_moe_layer() {
                 logits: &mut b.logits,
                 shared_gate_up: &mut b.sgu,
                 shared_down: &mut b.sdn,
-                gate_up: &mut b.gu,
+                act: &mut b.act,
                 ids: &mut b.ids,
                 weights: &mut b.wts,
                 partials: &mut b.partials,

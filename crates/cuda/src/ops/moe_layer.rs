@@ -330,3 +330,31 @@ impl Gpu {
         MAX_BLOCKS_PER_SM as usize * self.info().multiprocessors as usize
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_argument_struct_has_the_kernels_layout() {
+        // 23 pointers, 10 ints, 2 floats, the trace pointer (moe_layer.cu's MoeLayerArgs).
+        assert_eq!(
+            std::mem::size_of::<MoeLayerArgs>(),
+            23 * 8 + 10 * 4 + 2 * 4 + 8
+        );
+        assert_eq!(std::mem::align_of::<MoeLayerArgs>(), 8);
+    }
+
+    #[test]
+    fn unit_groups_are_per_row_or_multiples_of_32() {
+        let s = |bits, group_size| PackedScheme { bits, group_size };
+        assert_eq!(unit_group(s(4, 128), 2048), Some(128));
+        assert_eq!(unit_group(s(6, 0), 512), Some(512));
+        assert_eq!(unit_group(s(8, 0), 2560), Some(2560));
+        // Groups of 16 values, k not a multiple of 32, other widths: not taken.
+        assert_eq!(unit_group(s(4, 16), 2048), None);
+        assert_eq!(unit_group(s(6, 0), 520), None);
+        assert_eq!(unit_group(s(5, 0), 512), None);
+        assert_eq!(unit_group(s(4, 128), 0), None);
+    }
+}

@@ -30,6 +30,26 @@ pub(super) struct NormAfter<'a> {
     pub offset: f32,
 }
 
+impl<'a> NormAfter<'a> {
+    /// Where a combine puts its rows: `out`, or (`after`) their add to the residual, the norm into
+    /// `out`.
+    pub(super) fn combine_into(
+        after: Option<Self>,
+        out: &'a mut CudaTensor,
+    ) -> CombineInto<'a, CudaSlice<bf16>> {
+        match after {
+            None => CombineInto::Rows(&mut out.buf),
+            Some(n) => CombineInto::AddNorm {
+                acc: &mut n.acc.buf,
+                w: n.w,
+                normed: &mut out.buf,
+                eps: n.eps,
+                offset: n.offset,
+            },
+        }
+    }
+}
+
 impl CudaBackend {
     /// The combine that ends a MoE call: the rows into `out`, or (`after`) their add to the residual
     /// and the norm into `out`; returns `out`.
@@ -42,17 +62,13 @@ impl CudaBackend {
         mut out: CudaTensor,
     ) -> Result<CudaTensor> {
         let h = out.cols;
-        let into = match after {
-            None => CombineInto::Rows(&mut out.buf),
-            Some(n) => CombineInto::AddNorm {
-                acc: &mut n.acc.buf,
-                w: n.w,
-                normed: &mut out.buf,
-                eps: n.eps,
-                offset: n.offset,
-            },
-        };
-        self.gpu.moe_combine(routed, y, shared, into, h)?;
+        self.gpu.moe_combine(
+            routed,
+            y,
+            shared,
+            NormAfter::combine_into(after, &mut out),
+            h,
+        )?;
         Ok(out)
     }
 

@@ -13,7 +13,7 @@ use super::moe_tables::expert_format;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};
-use crate::ops::{CombineInto, MoeLayer, MoeLayerBufs, MoeLayerShared};
+use crate::ops::{MoeLayer, MoeLayerBufs, MoeLayerShared};
 
 impl CudaBackend {
     /// Whether a step of `rows` rows on `w` takes [`CudaBackend::moe_layer_step`]: both switches on,
@@ -131,16 +131,7 @@ impl CudaBackend {
             trace: None,
         };
         let mut out = self.alloc(1, h)?;
-        let into = match after {
-            None => CombineInto::Rows(&mut out.buf),
-            Some(n) => CombineInto::AddNorm {
-                acc: &mut n.acc.buf,
-                w: n.w,
-                normed: &mut out.buf,
-                eps: n.eps,
-                offset: n.offset,
-            },
-        };
+        let into = NormAfter::combine_into(after, &mut out);
         self.gpu.moe_layer_decode(&layer, &x.buf, h, bufs, into)?;
         drop(sync);
         drop(st);

@@ -2,10 +2,13 @@
 # The decode-kernel check of one GPU host, in one run, with prebuilt binaries (scripts/gpu_bins.sh
 # BIN_DIR): the parity suite, the GDN decode timings, the MoE combine's and the INT8 output
 # projection's (alone, then the add and norm, and both in one launch), the decode attention's (batch 1
-# and 8, 576 to 32,768 positions), and,
-# on dummy weights of each config, the fused decode launches on against off (`SANMAI_FUSED_DECODE=0`):
-# greedy tokens and log-probs of one prompt compared bit for bit, the alternated A/B of
-# scripts/gpu_ab.sh (its median inter-token latencies), and a per-kernel table of each arm. Builds
+# and 8, 576 to 32,768 positions), the one-launch MoE layer's (with its phases), and, on dummy weights
+# of each config, three arms: the default (`on`), the fused launches without the one-launch MoE layer
+# (`launches`, `SANMAI_MOE_LAYER=0`) and no fused launches (`off`, `SANMAI_FUSED_DECODE=0`). Greedy
+# tokens and log-probs of one prompt: `launches` against `off` bit for bit (the same arithmetic), `on`
+# against `launches` to its first differing token and the top two log-probs there (the layer sums in
+# another order: a near-tie may flip); the alternated A/B of scripts/gpu_ab.sh, `on` against
+# `launches` (its median inter-token latencies); a per-kernel table of each of those two. Builds
 # nothing; run from the repository root.
 #
 #   scripts/gpu_decode_check.sh OUT_DIR BIN_DIR [CONFIG...]
@@ -40,45 +43,60 @@ grep -h 'BENCH moe_combine' "$out/bench_moe.log" | sed 's/.*BENCH/  - BENCH/' | 
 grep -h 'BENCH' "$out/bench_gemv_norm.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
 "$bin/parity" --ignored --test-threads=1 --nocapture bench_attn::bench_attention_decode >"$out/bench_attn.log" 2>&1 || rc=1
 grep -h 'BENCH' "$out/bench_attn.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
+"$bin/parity" --ignored --test-threads=1 --nocapture bench_moe_layer::bench_moe_layer >"$out/bench_moe_layer.log" 2>&1 || rc=1
+grep -h 'BENCH' "$out/bench_moe_layer.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
 
 off="$out/sanmai-fused-off"
 printf '#!/bin/sh\nSANMAI_FUSED_DECODE=0 exec "%s/sanmai" "$@"\n' "$bin" >"$off"
-chmod +x "$off"
+launches="$out/sanmai-moe-layer-off"
+printf '#!/bin/sh\nSANMAI_MOE_LAYER=0 exec "%s/sanmai" "$@"\n' "$bin" >"$launches"
+chmod +x "$off" "$launches"
 for c in "${configs[@]}"; do
   name=$(basename "$c" .json)
-  for arm in on off; do
+  for arm in on launches off; do
     exe="$bin/sanmai"
     [ "$arm" = off ] && exe=$off
+    [ "$arm" = launches ] && exe=$launches
     "$exe" generate --device cuda --load-format dummy --config "$c" \
-      --prompt-ids 785,3974,13876,38835,34208,916,279,15678,5562,323,1221 --max-tokens 48 --logprobs 1 \
+      --prompt-ids 785,3974,13876,38835,34208,916,279,15678,5562,323,1221 --max-tokens 48 --logprobs 2 \
       --json >"$out/greedy-$name-$arm.json" 2>"$out/greedy-$name-$arm.err"
     status=$?
     [ $status -eq 0 ] || { rc=1; note "- $name: generate ($arm) exited $status"; }
   done
-  python3 - "$out/greedy-$name-on.json" "$out/greedy-$name-off.json" "$name" >>"$summary" <<'PY' || rc=1
+  python3 - "$out" "$name" >>"$summary" <<'PY' || rc=1
 import json, sys
+out, name = sys.argv[1:3]
 try:
-    a, b = (json.load(open(p)) for p in sys.argv[1:3])
+    on, launches, off = (json.load(open(f"{out}/greedy-{name}-{arm}.json")) for arm in ("on", "launches", "off"))
 except (OSError, ValueError) as e:
-    print(f"- {sys.argv[3]}: greedy outputs missing ({e})")
+    print(f"- {name}: greedy outputs missing ({e})")
     sys.exit(1)
-same = a["ids"] == b["ids"]
-dl = max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0)
-first = next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), None)
-print(f"- {sys.argv[3]}: greedy tokens fused on/off " + ("identical" if same else f"differ from token {first}")
-      + f" ({len(a['ids'])} tokens), largest log-prob difference {dl:.3g}")
+def first_diff(a, b):
+    return next((i for i, (x, y) in enumerate(zip(a["ids"], b["ids"])) if x != y), None)
+same = launches["ids"] == off["ids"]
+dl = max((abs(x - y) for x, y in zip(launches["logprobs"], off["logprobs"])), default=0.0)
+first = first_diff(launches, off)
+print(f"- {name}: greedy tokens fused launches on/off " + ("identical" if same else f"differ from token {first}")
+      + f" ({len(off['ids'])} tokens), largest log-prob difference {dl:.3g}")
+i = first_diff(on, launches)
+if i is None:
+    print(f"- {name}: greedy tokens with the one-launch MoE layer identical to the launches'")
+else:
+    top = lambda g: ", ".join(f"{t['id']}: {t['logprob']:.4f}" for t in g["top_logprobs"][i])
+    print(f"- {name}: with the one-launch MoE layer the greedy tokens differ from token {i}; "
+          f"top two there: layer [{top(on)}], launches [{top(launches)}]")
 sys.exit(0 if same else 1)
 PY
-  tail -1 "$summary"
+  tail -2 "$summary"
 done
 
-SANMAI_BENCH_CONFIGS="${configs[*]}" scripts/gpu_ab.sh "$out/ab" "$bin/sanmai" "$off" "${ROUNDS:-3}" >/dev/null 2>&1 || rc=1
+SANMAI_BENCH_CONFIGS="${configs[*]}" scripts/gpu_ab.sh "$out/ab" "$bin/sanmai" "$launches" "${ROUNDS:-3}" >/dev/null 2>&1 || rc=1
 cat "$out/ab/ab.md" >>"$summary"
 for c in "${configs[@]}"; do
   name=$(basename "$c" .json)
-  for arm in on off; do
+  for arm in on launches; do
     exe="$bin/sanmai"
-    [ "$arm" = off ] && exe=$off
+    [ "$arm" = launches ] && exe=$launches
     "$exe" bench --device cuda --load-format dummy --config "$c" --batch 1,8 --prompt-len 512 --gen-len 32 \
       --kernel-times >"$out/kernels-$name-$arm.log" 2>&1 || rc=1
     note "- $name kernels ($arm): $(grep -h 'launches,' "$out/kernels-$name-$arm.log" | head -1 | sed 's/^ *//')"

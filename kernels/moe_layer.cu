@@ -32,12 +32,9 @@
 // arrivals), sync[1] counts the blocks past their last barrier, the last of which resets both; both
 // are 0 at launch and left 0 (the kernel ahead on the stream has finished before any block touches
 // them: the PDL prologue waits for it).
-#include "add_norm.cuh"
+#include "layer.cuh"
 #include "moe_route.cuh"  // router_key
-#include "packed.cuh"
 
-#define ML_THREADS 256
-#define ML_WARPS (ML_THREADS / 32)
 // Most 32-value units of a packed row a lane takes in the half-warp down dots (rows of ≤ 512 ·
 // ML_DUNITS values); the h-wide dots take GU units (a template parameter) and the router's bf16 rows
 // 4 · GU chunks of 8 values.
@@ -80,84 +77,6 @@ struct MoeLayerArgs {
     float eps, offset;
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns), for the bench
 };
-
-// Phase time `i` of block 0 into a.trace (when given).
-__device__ __forceinline__ void ml_mark(const MoeLayerArgs& a, int i) {
-    if (a.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        a.trace[i] = t;
-    }
-}
-
-// A grid-wide barrier: every block's writes before it are visible to every block after it (through
-// L2). `target`: the arrivals that complete this barrier (phase · gridDim.x).
-__device__ __forceinline__ void ml_grid_sync(u32* count, u32 target) {
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(count, 1u);
-        u32 seen;
-        do {
-            asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
-        } while (seen < target);
-        __threadfence();
-    }
-    __syncthreads();
-}
-
-// One packed row's units a lane takes (units sub, sub + G, ... below MAXU · G) and their scales.
-template <int BITS, int MAXU>
-struct MlRow {
-    u32 w[MAXU][PackedUnit<BITS, true>::WORDS];
-    float s[MAXU];
-};
-
-template <int BITS, int G, int MAXU>
-__device__ __forceinline__ void ml_load(MlRow<BITS, MAXU>& r, const u32* __restrict__ wr, const float* __restrict__ sr,
-                                        int k, int group, int sub) {
-    const int units = k >> 5;
-#pragma unroll
-    for (int i = 0; i < MAXU; ++i) {
-        const int u = sub + i * G;
-        if (u < units) {
-            PackedUnit<BITS, true>::load(wr, u, r.w[i]);
-            r.s[i] = __ldg(sr + scale_group(u << 5, k, group));
-        }
-    }
-}
-
-// The lane's part of row · x: per unit the codes' dot with x (f32), times the unit's scale. x: bf16 in
-// shared memory, in ml_xs_chunk's order when SWZ.
-// Where 16-byte chunk q (values 8q .. 8q + 7) of the block's copy of x lies: the chunks of each unit
-// of 32 values permuted by a XOR with bits 3..4 of q, so that the 8 lanes of a quarter-warp reading
-// chunk c of units u .. u + 7 (64 bytes apart) hit 8 distinct 16-byte bank groups.
-__device__ __forceinline__ int ml_xs_chunk(int q) { return (q & ~3) | ((q & 3) ^ ((q >> 3) & 3)); }
-
-template <int BITS, int G, int MAXU, bool SWZ>
-__device__ __forceinline__ float ml_dot(const MlRow<BITS, MAXU>& r, const bf16* x, int k, int sub) {
-    const int units = k >> 5;
-    float acc = 0.0f;
-#pragma unroll
-    for (int i = 0; i < MAXU; ++i) {
-        const int u = sub + i * G;
-        if (u < units) {
-            float d = 0.0f;
-#pragma unroll
-            for (int c = 0; c < 4; ++c) {
-                float q[8], xf[8];
-                decode8<BITS>(r.w[i], c, q);
-                const int q8 = 4 * u + c;
-                unpack8(((const uint4*)x)[SWZ ? ml_xs_chunk(q8) : q8], xf);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) d = fmaf(q[j], xf[j], d);
-            }
-            acc = fmaf(d, r.s[i], acc);
-        }
-    }
-    return acc;
-}
 
 // Phase 1, one item: router row i < e (+ the gate row at e), else shared gate|up row i - e - gate.
 template <int SB, int GU>
@@ -305,8 +224,6 @@ __device__ __forceinline__ void ml_shared_down(const MoeLayerArgs& a, bf16* sact
     }
 }
 
-// Rows a warp takes in phase 3 at most (h ≤ ML_MAXROWS · the grid's warps; the launcher checks).
-#define ML_MAXROWS 4
 // Gate|up rows a warp loads before it computes in phase 2.
 #define ML_GU_BATCH 4
 
@@ -318,25 +235,23 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     __shared__ const u32* s_gw[2][ML_MAX_K];   // the chosen experts' gate|up and down words
     __shared__ const float* s_gs[2][ML_MAX_K]; // and scales
     __shared__ float s_res[ML_WARPS][ML_MAXROWS];
-    __shared__ float s_sq[ML_WARPS];
-    __shared__ float scratch[32];
     __shared__ __align__(16) bf16 s_x[1024 * GU];      // x, chunks in ml_xs_chunk's order
     __shared__ __align__(16) bf16 s_sact[32 * 16 * ML_DUNITS];  // the shared expert's SwiGLU row
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gw = blockIdx.x * ML_WARPS + warp, nw = gridDim.x * ML_WARPS;
     const bool shared = a.shared_gate != nullptr;
     const bool norm = a.acc != nullptr;
-    ml_mark(a, 0);
-    for (int q = threadIdx.x; q < (a.h >> 3); q += blockDim.x) ((uint4*)s_x)[ml_xs_chunk(q)] = ((const uint4*)a.x)[q];
+    ml_mark(a.trace, 0);
+    ml_stage_x(s_x, a.x, a.h);
     __syncthreads();
 
     // 1. Router logits and the shared expert's gate|up rows.
     const int items1 = a.e + (shared ? 1 + 2 * a.si : 0);
 #pragma unroll 1
     for (int i = gw; i < items1; i += nw) ml_phase1_item<SB, GU>(a, s_x, i, lane);
-    ml_mark(a, 1);
+    ml_mark(a.trace, 1);
     ml_grid_sync(a.sync, gridDim.x);
-    ml_mark(a, 2);
+    ml_mark(a.trace, 2);
 
     // 2. Top-k in every block's first warp (then the chosen experts' addresses), the shared expert's
     // down rows in the others; then the chosen experts' gate|up rows.
@@ -358,7 +273,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
         ml_shared_down<SB>(a, s_sact, warp, lane);
     }
     __syncthreads();
-    ml_mark(a, 3);
+    ml_mark(a.trace, 3);
     {
         // An item is row j of expert slot c's gate and its row j of up: both dots, each rounded to
         // bf16 as the grouped GEMV writes them, then bf16(silu(gate) · up) as swiglu_bf16. Every load
@@ -394,9 +309,9 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
             }
         }
     }
-    ml_mark(a, 4);
+    ml_mark(a.trace, 4);
     ml_grid_sync(a.sync, 2 * gridDim.x);
-    ml_mark(a, 5);
+    ml_mark(a.trace, 5);
 
     // 3. A warp an output row: its chosen experts' down rows are asked for first, then the block
     // copies the SwiGLU rows into shared memory, then the dots, the combine and the residual add.
@@ -434,7 +349,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
         }
     }
     __syncthreads();
-    ml_mark(a, 6);
+    ml_mark(a.trace, 6);
     const float sw = shared ? sigmoid_f(__ldcg(a.logits + a.e)) : 0.0f;
     float sq = 0.0f;
 #pragma unroll 1
@@ -459,57 +374,19 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
         routed = warp_sum(routed);
         if (lane == 0) {
             const bf16 v = f2bf(routed + sw * sd);
-            if (norm) {
-                // add_rms_norm_row's arithmetic: the sum rounded, its square summed.
-                const bf16 t = f2bf(res + bf2f(v));
-                a.acc[r] = t;
-                const float f = bf2f(t);
-                s_res[warp][j] = f;
-                sq += f * f;
-            } else {
+            if (norm)
+                sq += ml_add_row(a.acc, r, res, v, s_res[warp][j]);
+            else
                 a.y[r] = v;
-            }
         }
     }
-    ml_mark(a, 7);
+    ml_mark(a.trace, 7);
 
     // 4. The norm: each block's sum of squares, a barrier, then every block sums them in block order
     // and writes its rows.
-    if (norm) {
-        if (lane == 0) s_sq[warp] = sq;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float t = 0.0f;
-#pragma unroll
-            for (int w = 0; w < ML_WARPS; ++w) t += s_sq[w];
-            a.partials[blockIdx.x] = t;
-        }
-        ml_grid_sync(a.sync, 3 * gridDim.x);
-        float ss = 0.0f;
-        for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) ss += __ldcg(a.partials + b);
-        ss = block_sum(ss, scratch);
-        const float rn = 1.0f / sqrtf(ss / (float)a.h + a.eps);
-        if (lane == 0) {
-#pragma unroll 1
-            for (int j = 0; j < ML_MAXROWS; ++j) {
-                const int r = gw + j * nw;
-                if (r >= a.h) break;
-                a.normed[r] = f2bf((s_res[warp][j] * rn) * (a.offset + bf2f(a.norm_w[r])));
-            }
-        }
-    }
-    ml_mark(a, 8);
-
-    // The counters back to 0 once every block is past its last barrier.
-    if (threadIdx.x == 0 && atomicAdd(a.sync + 1, 1u) == gridDim.x - 1) {
-        a.sync[0] = 0u;
-        a.sync[1] = 0u;
-        if (a.trace != nullptr) {
-            unsigned long long t;
-            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-            a.trace[9] = t;
-        }
-    }
+    if (norm) ml_norm_rows(sq, s_res, a.partials, a.sync, 3 * gridDim.x, a.h, a.eps, a.offset, a.norm_w, a.normed, gw, nw);
+    ml_mark(a.trace, 8);
+    ml_finish(a.sync, a.trace);
 }
 
 // The router rows of this block's share (a contiguous slice of the router, for the prologue's L2

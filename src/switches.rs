@@ -23,6 +23,9 @@ const FUSED_DECODE_ENV: &str = "SANMAI_FUSED_DECODE";
 /// A MoE layer's one-token CUDA decode step in one persistent launch.
 #[cfg(feature = "cuda")]
 const MOE_LAYER_ENV: &str = "SANMAI_MOE_LAYER";
+/// A GDN mixer's one-token CUDA decode step in one persistent launch.
+#[cfg(feature = "cuda")]
+const GDN_LAYER_ENV: &str = "SANMAI_GDN_LAYER";
 /// FP8 prefill GEMMs on the FP8 tensor cores.
 #[cfg(feature = "cuda")]
 const FP8_TENSOR_CORES_ENV: &str = "SANMAI_FP8_TENSOR_CORES";
@@ -66,6 +69,15 @@ pub struct SwitchArgs {
     /// SANMAI_MOE_LAYER=0].
     #[arg(long, overrides_with = "moe_layer")]
     pub no_moe_layer: bool,
+    /// A GDN mixer's one-token CUDA decode step (input projections, GDN step, output projection)
+    /// in one persistent launch, with the fused launches (the default; overrides
+    /// SANMAI_GDN_LAYER=0).
+    #[arg(long, overrides_with = "no_gdn_layer")]
+    pub gdn_layer: bool,
+    /// The one-token GDN mixer in its separate launches, for A/B runs [default: one launch, unless
+    /// SANMAI_GDN_LAYER=0].
+    #[arg(long, overrides_with = "gdn_layer")]
+    pub no_gdn_layer: bool,
     /// FP8 prefill GEMMs on the FP8 tensor cores where the GPU has them, the activations quantised
     /// per token and 128 columns, for A/B runs (overrides SANMAI_FP8_TENSOR_CORES=0).
     #[arg(long, overrides_with = "no_fp8_tensor_cores")]
@@ -146,6 +158,8 @@ impl SwitchArgs {
             (self.no_fused_decode, "--no-fused-decode"),
             (self.moe_layer, "--moe-layer"),
             (self.no_moe_layer, "--no-moe-layer"),
+            (self.gdn_layer, "--gdn-layer"),
+            (self.no_gdn_layer, "--no-gdn-layer"),
             (self.fp8_tensor_cores, "--fp8-tensor-cores"),
             (self.no_fp8_tensor_cores, "--no-fp8-tensor-cores"),
         ]
@@ -170,6 +184,7 @@ impl SwitchArgs {
             cuda_graphs: switch(self.cuda_graphs, self.no_cuda_graphs, CUDA_GRAPHS_ENV),
             fused_decode: switch(self.fused_decode, self.no_fused_decode, FUSED_DECODE_ENV),
             moe_layer: switch(self.moe_layer, self.no_moe_layer, MOE_LAYER_ENV),
+            gdn_layer: switch(self.gdn_layer, self.no_gdn_layer, GDN_LAYER_ENV),
         }
     }
 }

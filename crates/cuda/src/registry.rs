@@ -69,6 +69,7 @@ pub const HEADERS: &[Source] = &[
     source!("moe_gemm.cuh"),
     source!("gemv.cuh"),
     source!("add_norm.cuh"),
+    source!("layer.cuh"),
 ];
 
 /// The kernel sources, one file per op family.
@@ -86,6 +87,7 @@ pub const SOURCES: &[Source] = &[
     source!("conv.cu"),
     source!("gdn.cu"),
     source!("gdn_chunk.cu"),
+    source!("gdn_layer.cu"),
     source!("attention.cu"),
     source!("attention_prefill.cu"),
     source!("kv.cu"),

@@ -18,8 +18,8 @@ use sanmai_ple::PleError;
 use thiserror::Error;
 
 use crate::backend::{
-    AttnCall, Backend, BackendError, DecodeStep, GdnCall, GdnGates, HcWeights, MlpWeights, Mrope,
-    OpResult, QsaCall, SeqChunk,
+    AttnCall, Backend, BackendError, DecodeStep, GdnMixerCall, GdnWeights, HcWeights, MlpWeights,
+    Mrope, OpResult, QsaCall, SeqChunk,
 };
 use crate::load::{Layer, Mixer, Model};
 
@@ -570,12 +570,26 @@ impl<B: Backend> Model<B> {
                 (hn, x)
             }
         };
-        let mixed = self.mixer(index, layer, &hn, rows)?;
-
-        let hn = match hc {
-            None => mixed.add_rms_norm(b, streams, &layer.post_attention_norm, eps, 1.0)?,
-            Some((a, f)) => {
-                self.residual(streams, x.as_ref(), &mixed.rows(b)?, a)?;
+        // A GDN mixer the backend runs whole (one launch on a GPU), else the mixer's ops.
+        let whole = match &layer.mixer {
+            Mixer::Gdn(w) if b.gdn_mixer_whole(w, &self.gdn_shape, rows.count()) => {
+                Some(self.gdn_call(index, w, &hn, rows))
+            }
+            _ => None,
+        };
+        let post = &layer.post_attention_norm;
+        let hn = match (hc, whole) {
+            (None, Some(c)) => b.gdn_mixer_add_rms_norm(&c, streams, post, eps, 1.0)?,
+            (None, None) => {
+                let mixed = self.mixer(index, layer, &hn, rows)?;
+                mixed.add_rms_norm(b, streams, post, eps, 1.0)?
+            }
+            (Some((a, f)), whole) => {
+                let mixed = match whole {
+                    Some(c) => b.gdn_mixer(&c)?,
+                    None => self.mixer(index, layer, &hn, rows)?.rows(b)?,
+                };
+                self.residual(streams, x.as_ref(), &mixed, a)?;
                 let x = b.hc_premix(streams, &f.pre)?;
                 let hn = b.rms_norm(&x, &layer.post_attention_norm, eps, 1.0)?;
                 let out = self.ffn(layer, hn, rows.count())?.rows(b)?;
@@ -640,36 +654,28 @@ impl<B: Backend> Model<B> {
                 })?;
                 Ok(Pending::Linear { x: o, w: &w.o_proj })
             }
-            Mixer::Gdn(w) => {
-                let (qkv, z, ba) = if b.gdn_projects_gates(w, &self.gdn_shape, rows.count()) {
-                    let [qkv, z] = linear_n(b, hn, [&w.in_proj_qkv, &w.in_proj_z])?;
-                    (qkv, z, None)
-                } else {
-                    let [qkv, z, bb, a] = linear_n(
-                        b,
-                        hn,
-                        [&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a],
-                    )?;
-                    (qkv, z, Some((bb, a)))
-                };
-                let o = b.gdn(&GdnCall {
-                    layer: index,
-                    shape: &self.gdn_shape,
-                    qkv: &qkv,
-                    z: &z,
-                    gates: match &ba {
-                        Some((bb, a)) => GdnGates::Given { b: bb, a },
-                        None => GdnGates::FromInput(hn),
-                    },
-                    w,
-                    eps: self.cfg.rms_norm_eps,
-                    seqs,
-                })?;
-                Ok(Pending::Linear {
-                    x: o,
-                    w: &w.out_proj,
-                })
-            }
+            Mixer::Gdn(w) => Ok(Pending::Linear {
+                x: b.gdn_from_input(&self.gdn_call(index, w, hn, rows))?,
+                w: &w.out_proj,
+            }),
+        }
+    }
+
+    /// The GDN mixer call of layer `index` (weights `w`) on normed input `hn`.
+    fn gdn_call<'a>(
+        &'a self,
+        index: usize,
+        w: &'a GdnWeights<B::Weight>,
+        hn: &'a B::Tensor,
+        rows: Rows<'a>,
+    ) -> GdnMixerCall<'a, B::Tensor, B::Weight> {
+        GdnMixerCall {
+            layer: index,
+            shape: &self.gdn_shape,
+            x: hn,
+            w,
+            eps: self.cfg.rms_norm_eps,
+            seqs: rows.seqs,
         }
     }
 

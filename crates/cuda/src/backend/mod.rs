@@ -21,6 +21,7 @@ mod attn;
 mod cache;
 mod fp8;
 mod gdn;
+mod gdn_layer;
 mod graph;
 mod handover;
 mod hc;
@@ -32,6 +33,7 @@ mod moe;
 mod moe_decode;
 mod moe_layer;
 mod moe_tables;
+mod options;
 mod packed;
 mod ple;
 mod qsa;
@@ -46,18 +48,19 @@ use std::sync::{Mutex, MutexGuard};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
-    hc_residual_ops, AttnCall, Backend, CacheSpec, DecodeStep, GdnCall, GdnShape, GdnWeights,
-    Handover, HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor, PleCall,
-    QsaCall, SampleCall, SeqChunk, SharedFusion,
+    hc_residual_ops, AttnCall, Backend, CacheSpec, DecodeStep, GdnCall, GdnMixerCall, GdnShape,
+    GdnWeights, Handover, HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor,
+    PleCall, QsaCall, SampleCall, SeqChunk, SharedFusion,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
 use crate::error::{At, CudaError, Result};
-use crate::gpu::{Gpu, GpuOptions};
+use crate::gpu::Gpu;
 use crate::ops::NormRows;
 pub use fp8::fp8_device_bytes;
 pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, MIN_GRAPH_SPAN};
 pub use memory::MemoryReport;
+pub use options::CudaOptions;
 pub use packed::{packed_device_bytes, packed_fits, PACKED_WORKSPACE_BYTES};
 pub use tensor::{CudaTensor, CudaWeight, DenseBf16, Fp8Weight, PackedWeight};
 
@@ -99,34 +102,6 @@ impl State {
     }
 }
 
-/// How a [`CudaBackend`] opens (the `sanmai` binary fills it from its flags).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CudaOptions {
-    pub gpu: GpuOptions,
-    /// Record decode steps of batch sizes [`DEFAULT_GRAPH_BATCH_SIZES`] as CUDA graphs; off: every
-    /// step eager.
-    pub cuda_graphs: bool,
-    /// Fused decode launches (a MoE layer's shared expert in its routed experts' grouped GEMVs,
-    /// `moe.rs`; the residual add and norm in the launch before them, `moe.rs` and `packed.rs`);
-    /// off: one launch per op, for A/B runs.
-    pub fused_decode: bool,
-    /// A MoE layer's one-token decode step in one persistent launch (`moe_layer.rs`; with
-    /// `fused_decode`); off: its six launches, for A/B runs.
-    pub moe_layer: bool,
-}
-
-impl Default for CudaOptions {
-    /// Graphs, PDL and fused decode launches on, no kernel cache, the standard CUDA header folders.
-    fn default() -> Self {
-        CudaOptions {
-            gpu: GpuOptions::default(),
-            cuda_graphs: true,
-            fused_decode: true,
-            moe_layer: true,
-        }
-    }
-}
-
 /// The CUDA backend: one device, one stream.
 pub struct CudaBackend {
     pub(crate) gpu: Gpu,
@@ -148,6 +123,8 @@ pub struct CudaBackend {
     fused_decode: AtomicBool,
     /// Whether one-token MoE steps take the one-launch layer ([`CudaOptions::moe_layer`]).
     moe_layer: AtomicBool,
+    /// Whether one-token GDN mixers take the one-launch mixer ([`CudaOptions::gdn_layer`]).
+    gdn_layer: AtomicBool,
     /// Held while a CUDA graph captures this backend's stream, and by the cache operations another
     /// thread may call (a pipeline's engine thread): work queued on a capturing stream, from any
     /// thread, would join the graph instead of running.
@@ -195,6 +172,7 @@ impl CudaBackend {
         }
         backend.set_fused_decode(options.fused_decode);
         backend.set_moe_layer(options.moe_layer);
+        backend.set_gdn_layer(options.gdn_layer);
         Ok(backend)
     }
 
@@ -228,23 +206,8 @@ impl CudaBackend {
             ticket,
             fused_decode: AtomicBool::new(true),
             moe_layer: AtomicBool::new(true),
+            gdn_layer: AtomicBool::new(true),
         })
-    }
-
-    /// Turns the fused decode launches on or off ([`CudaOptions::fused_decode`]); recorded steps
-    /// of the other kind are dropped.
-    pub fn set_fused_decode(&self, on: bool) {
-        if self.fused_decode.swap(on, Ordering::Relaxed) != on {
-            self.epoch.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-
-    /// Turns the one-launch MoE layer on or off ([`CudaOptions::moe_layer`]); recorded steps of
-    /// the other kind are dropped.
-    pub fn set_moe_layer(&self, on: bool) {
-        if self.moe_layer.swap(on, Ordering::Relaxed) != on {
-            self.epoch.fetch_add(1, Ordering::Relaxed);
-        }
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -681,6 +644,33 @@ impl Backend for CudaBackend {
 
     fn gdn_projects_gates(&self, w: &GdnWeights<CudaWeight>, sh: &GdnShape, rows: usize) -> bool {
         self.gdn_projects_gates_impl(w, sh, rows)
+    }
+
+    fn gdn_mixer_whole(&self, w: &GdnWeights<CudaWeight>, sh: &GdnShape, rows: usize) -> bool {
+        self.gdn_layer_takes(w, sh, rows)
+    }
+
+    fn gdn_mixer(&self, c: &GdnMixerCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        if !self.gdn_layer_takes(c.w, c.shape, c.x.rows) {
+            return self.linear(&self.gdn_from_input(c)?, &c.w.out_proj);
+        }
+        self.gdn_layer_step(c, None).at("gdn_mixer")
+    }
+
+    fn gdn_mixer_add_rms_norm(
+        &self,
+        c: &GdnMixerCall<'_, CudaTensor, CudaWeight>,
+        acc: &mut CudaTensor,
+        norm: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<CudaTensor> {
+        if !self.gdn_layer_takes(c.w, c.shape, c.x.rows) {
+            let o = self.gdn_from_input(c)?;
+            return self.linear_add_rms_norm(&o, &c.w.out_proj, acc, norm, eps, offset);
+        }
+        self.gdn_mixer_add_rms_norm_impl(c, acc, norm, eps, offset)
+            .at("gdn_mixer_add_rms_norm")
     }
 
     fn moe_fuses_shared(&self, w: &MoeWeights<CudaWeight>, rows: usize) -> SharedFusion {

@@ -43,5 +43,6 @@ pub fn cuda_options() -> CudaOptions {
         cuda_graphs: !switched_off("SANMAI_CUDA_GRAPHS"),
         fused_decode: !switched_off("SANMAI_FUSED_DECODE"),
         moe_layer: !switched_off("SANMAI_MOE_LAYER"),
+        gdn_layer: !switched_off("SANMAI_GDN_LAYER"),
     }
 }

@@ -244,6 +244,18 @@ pub struct GdnCall<'a, T, W> {
     pub seqs: &'a [SeqChunk<'a>],
 }
 
+/// A GDN mixer from the layer's normed input `x` `[rows, H]` ([`Backend::gdn_from_input`],
+/// [`Backend::gdn_mixer`]): GDN layer `layer` of shape `shape` and weights `w`, the gated RMSNorm's
+/// `eps`, the step's chunks.
+pub struct GdnMixerCall<'a, T, W> {
+    pub layer: usize,
+    pub shape: &'a GdnShape,
+    pub x: &'a T,
+    pub w: &'a GdnWeights<W>,
+    pub eps: f32,
+    pub seqs: &'a [SeqChunk<'a>],
+}
+
 /// A GDN call's gate projections `b`, `a` (`[rows, Hv]`, before the sigmoid and softplus).
 pub enum GdnGates<'a, T> {
     /// Projected by the model.
@@ -466,6 +478,79 @@ pub trait Backend: Send + Sync {
         _rows: usize,
     ) -> bool {
         false
+    }
+
+    /// The GDN mixer's core for the normed input `c.x`: the input projections (`in_proj_qkv`,
+    /// `in_proj_z`, and the gates `in_proj_b`, `in_proj_a` unless [`Backend::gdn_projects_gates`])
+    /// and [`Backend::gdn`], before `out_proj`.
+    fn gdn_from_input(
+        &self,
+        c: &GdnMixerCall<'_, Self::Tensor, Self::Weight>,
+    ) -> OpResult<Self::Tensor> {
+        let w = c.w;
+        let rows = c.seqs.iter().map(|s| s.len).sum();
+        let inside = self.gdn_projects_gates(w, c.shape, rows);
+        let mut ws = vec![&w.in_proj_qkv, &w.in_proj_z];
+        if !inside {
+            ws.extend([&w.in_proj_b, &w.in_proj_a]);
+        }
+        let ys = self.linear_many(c.x, &ws)?;
+        let (qkv, z) = match ys.as_slice() {
+            [qkv, z, ..] if ys.len() == ws.len() => (qkv, z),
+            _ => {
+                return Err(BackendError::invalid(
+                    "linear_many",
+                    format!("{} results for {} weights", ys.len(), ws.len()),
+                ))
+            }
+        };
+        let gates = match &ys[2..] {
+            [b, a] => GdnGates::Given { b, a },
+            _ => GdnGates::FromInput(c.x),
+        };
+        self.gdn(&GdnCall {
+            layer: c.layer,
+            shape: c.shape,
+            qkv,
+            z,
+            gates,
+            w,
+            eps: c.eps,
+            seqs: c.seqs,
+        })
+    }
+
+    /// Whether [`Backend::gdn_mixer`] and [`Backend::gdn_mixer_add_rms_norm`] run a call of `rows`
+    /// rows on `w` their own way (one launch on a GPU); the model then calls them in place of the
+    /// mixer's ops. Default: no.
+    fn gdn_mixer_whole(
+        &self,
+        _w: &GdnWeights<Self::Weight>,
+        _shape: &GdnShape,
+        _rows: usize,
+    ) -> bool {
+        false
+    }
+
+    /// The whole GDN mixer: [`Backend::gdn_from_input`], then `out_proj`.
+    fn gdn_mixer(
+        &self,
+        c: &GdnMixerCall<'_, Self::Tensor, Self::Weight>,
+    ) -> OpResult<Self::Tensor> {
+        self.linear(&self.gdn_from_input(c)?, &c.w.out_proj)
+    }
+
+    /// [`Backend::gdn_mixer`] added to `acc`, then [`Backend::rms_norm`] of the new `acc`.
+    fn gdn_mixer_add_rms_norm(
+        &self,
+        c: &GdnMixerCall<'_, Self::Tensor, Self::Weight>,
+        acc: &mut Self::Tensor,
+        norm: &Self::Weight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<Self::Tensor> {
+        let o = self.gdn_from_input(c)?;
+        self.linear_add_rms_norm(&o, &c.w.out_proj, acc, norm, eps, offset)
     }
 
     /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts; plus

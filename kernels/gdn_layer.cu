@@ -376,7 +376,7 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     GlPre pre = {};
     if ((int)blockIdx.x < items2) gl_prefetch(a, blockIdx.x, slot, pos, pre);
     ml_mark(a.trace, 1);
-    ml_grid_sync(a.sync, gridDim.x);
+    ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
 
     // 2. The GDN step, an item a block (a bad slot: o = 0, nothing touched).
@@ -397,7 +397,7 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     GlStage stage;
     gl_stage_prefetch(a, stage);
     ml_mark(a.trace, 3);
-    ml_grid_sync(a.sync, 2 * gridDim.x);
+    ml_grid_sync(a.sync, 2 * gridDim.x, ml_last(a.trace, 1));
     ml_mark(a.trace, 4);
 
     // 3. The gated norm of o into shared memory, then a warp an out_proj row.
@@ -421,7 +421,7 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
         }
     }
     ml_mark(a.trace, 6);
-    if (norm) ml_norm_rows(sq, s_res, a.partials, a.sync, 3 * gridDim.x, a.h, a.eps, a.offset, a.norm_w, a.normed, gw, nw);
+    if (norm) ml_norm_rows(sq, s_res, a.partials, a.sync, 3 * gridDim.x, a.h, a.eps, a.offset, a.norm_w, a.normed, gw, nw, ml_last(a.trace, 2));
     ml_mark(a.trace, 7);
     ml_finish(a.sync, a.trace);
 }

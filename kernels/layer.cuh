@@ -24,20 +24,31 @@ __device__ __forceinline__ void ml_mark(unsigned long long* trace, int i) {
 }
 
 // A grid-wide barrier: every block's writes before it are visible to every block after it (through
-// L2). `target`: the arrivals that complete this barrier (phase · gridDim.x).
-__device__ __forceinline__ void ml_grid_sync(u32* count, u32 target) {
-    __threadfence();
+// L2). `target`: the arrivals that complete this barrier (phase · gridDim.x). The block's barrier
+// orders its threads' writes before thread 0's release-add, whose acquire loads see the others'
+// (the pattern of CUTLASS's grid barrier: no fence beside the release and acquire). `last`, when
+// given: the global time at which the last block arrived (the phase trace).
+__device__ __forceinline__ void ml_grid_sync(u32* count, u32 target, unsigned long long* last = nullptr) {
     __syncthreads();
     if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(count, 1u);
+        u32 old;
+        asm volatile("atom.add.release.gpu.global.u32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
+        if (last != nullptr && old == target - 1) {
+            unsigned long long t;
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+            *last = t;
+        }
         u32 seen;
         do {
             asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(count) : "memory");
         } while (seen < target);
-        __threadfence();
     }
     __syncthreads();
+}
+
+// Trace slot 10 + p: when the last block arrived at barrier p (0-based), or null without a trace.
+__device__ __forceinline__ unsigned long long* ml_last(unsigned long long* trace, int p) {
+    return trace != nullptr ? trace + 10 + p : nullptr;
 }
 
 // Once every block is past its last barrier, the counters back to 0 (the last block's thread 0; trace
@@ -128,7 +139,7 @@ __device__ __forceinline__ float ml_add_row(bf16* acc, int r, float res, bf16 v,
 // normed[r] = bf16(res · rsqrt(mean + eps) · (offset + w[r])) for its rows. Every thread calls it.
 __device__ __forceinline__ void ml_norm_rows(float sq, const float (*s_res)[ML_MAXROWS], float* partials, u32* sync,
                                              u32 target, int h, float eps, float offset, const bf16* norm_w,
-                                             bf16* normed, int gw, int nw) {
+                                             bf16* normed, int gw, int nw, unsigned long long* last) {
     __shared__ float s_sq[ML_WARPS];
     __shared__ float scratch[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -140,7 +151,7 @@ __device__ __forceinline__ void ml_norm_rows(float sq, const float (*s_res)[ML_M
         for (int w = 0; w < ML_WARPS; ++w) t += s_sq[w];
         partials[blockIdx.x] = t;
     }
-    ml_grid_sync(sync, target);
+    ml_grid_sync(sync, target, last);
     float ss = 0.0f;
     for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) ss += __ldcg(partials + b);
     ss = block_sum(ss, scratch);

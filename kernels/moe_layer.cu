@@ -250,7 +250,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
 #pragma unroll 1
     for (int i = gw; i < items1; i += nw) ml_phase1_item<SB, GU>(a, s_x, i, lane);
     ml_mark(a.trace, 1);
-    ml_grid_sync(a.sync, gridDim.x);
+    ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
 
     // 2. Top-k in every block's first warp (then the chosen experts' addresses), the shared expert's
@@ -310,7 +310,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
         }
     }
     ml_mark(a.trace, 4);
-    ml_grid_sync(a.sync, 2 * gridDim.x);
+    ml_grid_sync(a.sync, 2 * gridDim.x, ml_last(a.trace, 1));
     ml_mark(a.trace, 5);
 
     // 3. A warp an output row: its chosen experts' down rows are asked for first, then the block
@@ -384,7 +384,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
 
     // 4. The norm: each block's sum of squares, a barrier, then every block sums them in block order
     // and writes its rows.
-    if (norm) ml_norm_rows(sq, s_res, a.partials, a.sync, 3 * gridDim.x, a.h, a.eps, a.offset, a.norm_w, a.normed, gw, nw);
+    if (norm) ml_norm_rows(sq, s_res, a.partials, a.sync, 3 * gridDim.x, a.h, a.eps, a.offset, a.norm_w, a.normed, gw, nw, ml_last(a.trace, 2));
     ml_mark(a.trace, 8);
     ml_finish(a.sync, a.trace);
 }

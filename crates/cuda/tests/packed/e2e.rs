@@ -19,14 +19,14 @@ const BASE_FIXTURE: &str = "qwen3_5_moe_text_tiny";
 /// Bound on the mean |GPU − CPU| prompt log-prob: the integers and scales are the same on both, so
 /// the difference is bf16 activations and accumulation order only: at most this, or three times the
 /// bf16 checkpoint's own distance on the same prompt (these tiny random models amplify rounding).
-const MEAN_TOL: f64 = 0.1;
+pub(crate) const MEAN_TOL: f64 = 0.1;
 /// Bound on the largest single |GPU − CPU| prompt log-prob: that of the end-to-end tests on the same
 /// random fixtures (`tests/e2e`), where one position near a top-2 tie moves by more than 1.
-const MAX_TOL: f64 = 2.5;
-const PREFILL: usize = 40;
+pub(crate) const MAX_TOL: f64 = 2.5;
+pub(crate) const PREFILL: usize = 40;
 const DECODE: usize = 12;
-const BLOCK: usize = 16;
-const BLOCKS: usize = 8;
+pub(crate) const BLOCK: usize = 16;
+pub(crate) const BLOCKS: usize = 8;
 
 fn fixture() -> PathBuf {
     fixture_dir(FIXTURE)
@@ -59,7 +59,7 @@ fn load_dir<B: Backend>(b: B, dir: &Path) -> Model<B> {
 
 /// Log-prob rows of every position of `prompt`: one prefill chunk of `PREFILL` tokens, then one
 /// decode step per token.
-fn prompt_logprobs<B: Backend>(m: &Model<B>, prompt: &[u32]) -> Vec<Vec<f64>> {
+pub(crate) fn prompt_logprobs<B: Backend>(m: &Model<B>, prompt: &[u32]) -> Vec<Vec<f64>> {
     let state = m.backend.alloc_state().unwrap();
     let blocks: Vec<u32> = (0..BLOCKS as u32).collect();
     let mut rows = Vec::new();
@@ -204,7 +204,7 @@ fn quant_fixture_gpu_matches_cpu() {
     assert!(worst <= MAX_TOL, "max |GPU − CPU| log-prob {worst}");
 }
 
-fn argmax(row: &[f64]) -> usize {
+pub(crate) fn argmax(row: &[f64]) -> usize {
     let mut best = 0;
     for (i, &x) in row.iter().enumerate() {
         if x > row[best] {

@@ -26,6 +26,7 @@ mod rng;
 
 mod e2e;
 mod grouped;
+mod layers;
 mod plan;
 
 use half::bf16;

@@ -27,7 +27,7 @@ fn config_path(name: &str) -> std::path::PathBuf {
         .join(rel)
 }
 
-fn shrunken_80b() -> ModelConfig {
+pub(crate) fn shrunken_80b() -> ModelConfig {
     let path = config_path("qwen3-next-80b-a3b");
     let mut cfg = ModelConfig::from_file(&path).unwrap();
     cfg.num_layers = 4;

@@ -18,17 +18,22 @@ use crate::common::gpu;
 const INPUTS: usize = 8;
 /// Conv taps.
 const CONV: usize = 4;
-/// The trace's phases: slot i to i + 1 for the first seven, then slot 7 to the last block's exit
-/// (slot 9).
-const PHASES: [&str; 8] = [
-    "projections",
-    "barrier1",
-    "gdn_step",
-    "barrier2",
-    "stage_o",
-    "out_proj_add",
-    "norm",
-    "exit",
+/// The trace's spans (name, from slot, to slot): block 0's phases, the last block's exit (slot 9),
+/// and around barriers 1 and 2 the last block's arrival (slots 10, 11): from block 0's arrival to it
+/// (the blocks' imbalance), and from it to block 0's exit (the barrier itself).
+const PHASES: [(&str, usize, usize); 12] = [
+    ("projections", 0, 1),
+    ("barrier1", 1, 2),
+    ("gdn_step", 2, 3),
+    ("barrier2", 3, 4),
+    ("stage_o", 4, 5),
+    ("out_proj_add", 5, 6),
+    ("norm", 6, 7),
+    ("exit", 7, 9),
+    ("b1_skew", 1, 10),
+    ("b1_release", 10, 2),
+    ("b2_skew", 3, 11),
+    ("b2_release", 11, 4),
 ];
 
 /// A packed INT8 `[n, k]` weight with per-row scales, random words.
@@ -150,19 +155,21 @@ fn bench_gdn_layer() {
         for i in 0..40 {
             launch(i, Some(&mut trace));
             let t = g.download(&trace).unwrap();
-            for (p, s) in spans.iter_mut().enumerate() {
-                let (a, b) = if p + 1 < PHASES.len() {
-                    (p, p + 1)
-                } else {
-                    (7, 9)
-                };
+            for (s, &(_, a, b)) in spans.iter_mut().zip(&PHASES) {
                 s.push((t[b] as f64 - t[a] as f64) / 1e3);
             }
         }
+        // The counters are back at 0 after the launches.
+        let sync_after = g.download(&sync).unwrap();
+        assert_eq!(
+            sync_after,
+            [0, 0],
+            "the grid barrier counters after the launches"
+        );
         let phases: Vec<String> = spans
             .iter_mut()
             .zip(PHASES)
-            .map(|(s, name)| {
+            .map(|(s, (name, _, _))| {
                 s.sort_by(f64::total_cmp);
                 format!("{name}={:.2}", s[s.len() / 2])
             })

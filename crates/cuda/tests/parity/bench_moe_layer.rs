@@ -19,17 +19,23 @@ use crate::launch::{expert_proj, packed_scheme};
 const TOP_K: usize = 10;
 /// Inputs the timed launches rotate through.
 const INPUTS: usize = 8;
-/// The trace's phases, in order (what each slot of the kernel's trace marks the end of).
-const PHASES: [&str; 9] = [
-    "router_shared_gu",
-    "barrier1",
-    "topk_shared_down",
-    "experts_gu",
-    "barrier2",
-    "stage_swiglu",
-    "down_combine",
-    "norm",
-    "exit",
+/// The trace's spans (name, from slot, to slot): block 0's phases, the last block's exit (slot 9),
+/// and around barriers 1 and 2 the last block's arrival (slots 10, 11): from block 0's arrival to it
+/// (the blocks' imbalance), and from it to block 0's exit (the barrier itself).
+const PHASES: [(&str, usize, usize); 13] = [
+    ("router_shared_gu", 0, 1),
+    ("barrier1", 1, 2),
+    ("topk_shared_down", 2, 3),
+    ("experts_gu", 3, 4),
+    ("barrier2", 4, 5),
+    ("stage_swiglu", 5, 6),
+    ("down_combine", 6, 7),
+    ("norm", 7, 8),
+    ("exit", 8, 9),
+    ("b1_skew", 1, 10),
+    ("b1_release", 10, 2),
+    ("b2_skew", 4, 11),
+    ("b2_release", 11, 5),
 ];
 
 /// A packed `[n, k]` weight of `bits` with per-row scales, random words.
@@ -158,14 +164,21 @@ fn bench_moe_layer() {
         for i in 0..40 {
             launch(&mut b, &xs[i % INPUTS], true);
             let t = g.download(&b.trace).unwrap();
-            for (p, s) in spans.iter_mut().enumerate() {
-                s.push((t[p + 1] as f64 - t[p] as f64) / 1e3);
+            for (s, &(_, a, b)) in spans.iter_mut().zip(&PHASES) {
+                s.push((t[b] as f64 - t[a] as f64) / 1e3);
             }
         }
+        // The counters are back at 0 after the launches.
+        let sync_after = g.download(&b.sync).unwrap();
+        assert_eq!(
+            sync_after,
+            [0, 0],
+            "the grid barrier counters after the launches"
+        );
         let phases: Vec<String> = spans
             .iter_mut()
             .zip(PHASES)
-            .map(|(s, name)| {
+            .map(|(s, (name, _, _))| {
                 s.sort_by(f64::total_cmp);
                 format!("{name}={:.2}", s[s.len() / 2])
             })

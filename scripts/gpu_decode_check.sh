@@ -2,9 +2,9 @@
 # The decode-kernel check of one GPU host, in one run, with prebuilt binaries (scripts/gpu_bins.sh
 # BIN_DIR): the parity suite, the GDN decode timings, the MoE combine's and the INT8 output
 # projection's (alone, then the add and norm, and both in one launch), the decode attention's (batch 1
-# and 8, 576 to 32,768 positions), the one-launch MoE layer's (with its phases), and, on dummy weights
-# of each config, three arms: the default (`on`), the fused launches without the one-launch MoE layer
-# (`launches`, `SANMAI_MOE_LAYER=0`) and no fused launches (`off`, `SANMAI_FUSED_DECODE=0`). Greedy
+# and 8, 576 to 32,768 positions), the one-launch MoE and GDN layers' (with their phases), and, on dummy weights
+# of each config, three arms: the default (`on`), the fused launches without the one-launch MoE and GDN
+# layers (`launches`, `SANMAI_MOE_LAYER=0 SANMAI_GDN_LAYER=0`) and no fused launches (`off`, `SANMAI_FUSED_DECODE=0`). Greedy
 # tokens and log-probs of one prompt: `launches` against `off` bit for bit (the same arithmetic), `on`
 # against `launches` to its first differing token and the top two log-probs there (the layer sums in
 # another order: a near-tie may flip); the alternated A/B of scripts/gpu_ab.sh, `on` against
@@ -43,13 +43,15 @@ grep -h 'BENCH moe_combine' "$out/bench_moe.log" | sed 's/.*BENCH/  - BENCH/' | 
 grep -h 'BENCH' "$out/bench_gemv_norm.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
 "$bin/parity" --ignored --test-threads=1 --nocapture bench_attn::bench_attention_decode >"$out/bench_attn.log" 2>&1 || rc=1
 grep -h 'BENCH' "$out/bench_attn.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
-"$bin/parity" --ignored --test-threads=1 --nocapture bench_moe_layer::bench_moe_layer >"$out/bench_moe_layer.log" 2>&1 || rc=1
-grep -h 'BENCH' "$out/bench_moe_layer.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
+for b in bench_moe_layer bench_gdn_layer; do
+  "$bin/parity" --ignored --test-threads=1 --nocapture "$b::$b" >"$out/$b.log" 2>&1 || rc=1
+  grep -h 'BENCH' "$out/$b.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
+done
 
 off="$out/sanmai-fused-off"
 printf '#!/bin/sh\nSANMAI_FUSED_DECODE=0 exec "%s/sanmai" "$@"\n' "$bin" >"$off"
-launches="$out/sanmai-moe-layer-off"
-printf '#!/bin/sh\nSANMAI_MOE_LAYER=0 exec "%s/sanmai" "$@"\n' "$bin" >"$launches"
+launches="$out/sanmai-layers-off"
+printf '#!/bin/sh\nSANMAI_MOE_LAYER=0 SANMAI_GDN_LAYER=0 exec "%s/sanmai" "$@"\n' "$bin" >"$launches"
 chmod +x "$off" "$launches"
 for c in "${configs[@]}"; do
   name=$(basename "$c" .json)
@@ -80,10 +82,10 @@ print(f"- {name}: greedy tokens fused launches on/off " + ("identical" if same e
       + f" ({len(off['ids'])} tokens), largest log-prob difference {dl:.3g}")
 i = first_diff(on, launches)
 if i is None:
-    print(f"- {name}: greedy tokens with the one-launch MoE layer identical to the launches'")
+    print(f"- {name}: greedy tokens with the one-launch layers identical to the launches'")
 else:
     top = lambda g: ", ".join(f"{t['id']}: {t['logprob']:.4f}" for t in g["top_logprobs"][i])
-    print(f"- {name}: with the one-launch MoE layer the greedy tokens differ from token {i}; "
+    print(f"- {name}: with the one-launch layers the greedy tokens differ from token {i}; "
           f"top two there: layer [{top(on)}], launches [{top(launches)}]")
 sys.exit(0 if same else 1)
 PY

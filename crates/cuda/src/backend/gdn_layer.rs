@@ -152,21 +152,7 @@ impl CudaBackend {
         eps: f32,
         offset: f32,
     ) -> Result<CudaTensor> {
-        if (acc.rows, acc.cols) != (c.x.rows, c.x.cols) {
-            return Err(CudaError::Shape {
-                op: "add_rms_norm",
-                msg: format!(
-                    "[{}, {}] plus [{}, {}]",
-                    acc.rows, acc.cols, c.x.rows, c.x.cols
-                ),
-            });
-        }
-        let after = NormAfter {
-            acc,
-            w: norm.bf16()?,
-            eps,
-            offset,
-        };
+        let after = NormAfter::for_rows(acc, c.x, norm, eps, offset)?;
         self.gdn_layer_step(c, Some(after))
     }
 }

@@ -31,6 +31,29 @@ pub(super) struct NormAfter<'a> {
 }
 
 impl<'a> NormAfter<'a> {
+    /// The add to the residual `acc` and its norm (weight `w`) of rows shaped as `x`, which `acc`
+    /// must be.
+    pub(super) fn for_rows(
+        acc: &'a mut CudaTensor,
+        x: &CudaTensor,
+        w: &'a CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> Result<Self> {
+        if (acc.rows, acc.cols) != (x.rows, x.cols) {
+            return Err(CudaError::Shape {
+                op: "add_rms_norm",
+                msg: format!("[{}, {}] plus [{}, {}]", acc.rows, acc.cols, x.rows, x.cols),
+            });
+        }
+        Ok(NormAfter {
+            acc,
+            w: w.bf16()?,
+            eps,
+            offset,
+        })
+    }
+
     /// Where a combine puts its rows: `out`, or (`after`) their add to the residual, the norm into
     /// `out`.
     pub(super) fn combine_into(
@@ -87,21 +110,7 @@ impl CudaBackend {
             let y = self.moe_impl(c, None)?;
             return self.add_rms_norm_impl(acc, &y, w, eps, offset);
         }
-        if (acc.rows, acc.cols) != (c.x.rows, c.x.cols) {
-            return Err(CudaError::Shape {
-                op: "add_rms_norm",
-                msg: format!(
-                    "[{}, {}] plus [{}, {}]",
-                    acc.rows, acc.cols, c.x.rows, c.x.cols
-                ),
-            });
-        }
-        let after = NormAfter {
-            acc,
-            w: w.bf16()?,
-            eps,
-            offset,
-        };
+        let after = NormAfter::for_rows(acc, c.x, w, eps, offset)?;
         self.moe_impl(c, Some(after))
     }
 

@@ -8,15 +8,12 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnPools};
+use super::layer::THREADS;
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
-use crate::gpu::{cfg, check_len, grid_u32, Gpu};
+use crate::gpu::{cfg, check_len, Gpu};
 
-/// Threads per block (`ML_THREADS` in layer.cuh).
-const THREADS: u32 = 256;
-/// Most blocks a multiprocessor runs (the kernel's `__launch_bounds__`).
-const MAX_BLOCKS_PER_SM: u32 = 2;
 /// The kernel's shape limits (gdn_layer.cu): value columns of an item (`GL_TC`), key and value head
 /// sizes (`GL_MAX_DK`, `GL_MAX_DV`), conv taps (`GL_MAX_CONV`), all heads' values (`GL_MAX_O`),
 /// the h-wide dots' and out_proj dots' widths of its two instances (`u2_o4`, `u3_o6`).
@@ -26,8 +23,6 @@ const MAX_DV: usize = 128;
 const MAX_CONV: usize = 4;
 const MAX_O: usize = 6144;
 const MAX_H: usize = 3072;
-/// Output rows a warp takes at most (`ML_MAXROWS`).
-const MAX_ROWS_PER_WARP: usize = 4;
 
 /// The kernel's arguments (`GdnLayerArgs` in gdn_layer.cu, field for field).
 #[repr(C)]
@@ -270,50 +265,21 @@ impl Gpu {
             OP,
             || "x and the gate weights must be 16-byte aligned".into(),
         )?;
-        match into {
-            CombineInto::Rows(out) => {
-                check_len(OP, "out", &*out, h)?;
-                a.y = self.addr_mut(out);
-            }
-            CombineInto::AddNorm {
-                acc,
-                w,
-                normed,
-                eps,
-                offset,
-            } => {
-                check_len(OP, "acc", &*acc, h)?;
-                check_len(OP, "normed", &*normed, h)?;
-                check_len(OP, "norm weight", w, h)?;
-                a.acc = self.addr_mut(acc);
-                a.norm_w = self.addr(w);
-                a.normed = self.addr_mut(normed);
-                a.eps = eps;
-                a.offset = offset;
-            }
-        }
+        let out = self.layer_row_out(OP, into, h)?;
+        (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
+        (a.eps, a.offset) = (out.eps, out.offset);
         let (u, o) = instance(h, ko).expect("checked by gdn_layer_fits");
         let bits = layer.qkv.scheme.bits;
         let kernel = self.kernel(&format!("gdn_layer_m1_p{bits}_u{u}_o{o}"))?;
-        let per_sm = kernel
-            .occupancy_max_active_blocks_per_multiprocessor(THREADS, 0, None)?
-            .min(MAX_BLOCKS_PER_SM);
-        ensure(per_sm > 0, OP, || {
-            "no block of the kernel is resident".into()
-        })?;
-        let blocks = per_sm as usize * self.info().multiprocessors as usize;
-        check_len(OP, "partials", &*bufs.partials, blocks)?;
+        let grid = self.layer_grid(OP, kernel, 0, bufs.partials, h)?;
         a.partials = self.addr_mut(bufs.partials);
-        ensure(h <= MAX_ROWS_PER_WARP * 8 * blocks, OP, || {
-            format!("h = {h} exceeds {MAX_ROWS_PER_WARP} rows a warp of {blocks} blocks")
-        })?;
         let mut b = self.launch(kernel);
         b.arg(&a).cooperative();
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
         // and the kernel's shape limits are checked above; slot ids at or past `num_slots` (which
         // both pools hold) touch no state; the grid is what the multiprocessors hold at once (the
         // occupancy API for this block size), launched cooperatively, as the grid barriers need.
-        unsafe { b.launch(cfg((grid_u32(OP, blocks)?, 1, 1), THREADS, 0)) }?;
+        unsafe { b.launch(cfg((grid, 1, 1), THREADS, 0)) }?;
         Ok(())
     }
 }

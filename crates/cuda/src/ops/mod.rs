@@ -21,6 +21,7 @@ mod gemm;
 mod gemv;
 pub(crate) mod hc;
 mod kv;
+mod layer;
 mod moe;
 mod moe_gemm;
 mod moe_layer;

@@ -6,23 +6,18 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
+use super::layer::THREADS;
 use super::moe::{CombineInto, Experts};
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
-use crate::gpu::{cfg, check_len, grid_u32, Gpu};
+use crate::gpu::{cfg, check_len, Gpu};
 
-/// Threads per block (`ML_THREADS` in moe_layer.cu).
-const THREADS: u32 = 256;
-/// Most blocks a multiprocessor runs (the kernel's `__launch_bounds__`).
-const MAX_BLOCKS_PER_SM: u32 = 2;
 /// The kernel's shape limits: rows of at most `MAX_H` values in the full-warp dots (`ML_CHUNKS`,
 /// `ML_UNITS`), down rows of at most `MAX_INTER` (`ML_DUNITS`), at most `MAX_K` experts a token
 /// (`ML_MAX_K`).
 const MAX_H: usize = 3072;
 const MAX_INTER: usize = 1024;
 const MAX_K: usize = 16;
-/// Output rows a warp takes at most (`ML_MAXROWS`).
-const MAX_ROWS_PER_WARP: usize = 4;
 /// Most experts of a layer (`32 · ML_TOPK_PER`: the one-warp top-k's registers).
 const MAX_E: usize = 512;
 
@@ -275,44 +270,15 @@ impl Gpu {
                 "the shared gate must be 16-byte aligned".into()
             })?;
         }
-        match into {
-            CombineInto::Rows(out) => {
-                check_len(OP, "out", &*out, h)?;
-                a.y = self.addr_mut(out);
-            }
-            CombineInto::AddNorm {
-                acc,
-                w,
-                normed,
-                eps,
-                offset,
-            } => {
-                check_len(OP, "acc", &*acc, h)?;
-                check_len(OP, "normed", &*normed, h)?;
-                check_len(OP, "norm weight", w, h)?;
-                a.acc = self.addr_mut(acc);
-                a.norm_w = self.addr(w);
-                a.normed = self.addr_mut(normed);
-                a.eps = eps;
-                a.offset = offset;
-            }
-        }
+        let out = self.layer_row_out(OP, into, h)?;
+        (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
+        (a.eps, a.offset) = (out.eps, out.offset);
         let units = if h <= 2048 { 2 } else { 3 };
         let name = format!("moe_layer_m1_q4_s{shared_bits}_u{units}");
         let kernel = self.kernel(&name)?;
         let smem = (2 * k * inter).next_multiple_of(16);
-        let per_sm = kernel
-            .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)?
-            .min(MAX_BLOCKS_PER_SM);
-        ensure(per_sm > 0, OP, || {
-            format!("{smem} bytes of shared memory leave no block resident")
-        })?;
-        let blocks = per_sm as usize * self.info().multiprocessors as usize;
-        check_len(OP, "partials", &*bufs.partials, blocks)?;
+        let grid = self.layer_grid(OP, kernel, smem, bufs.partials, h)?;
         a.partials = self.addr_mut(bufs.partials);
-        ensure(h <= MAX_ROWS_PER_WARP * 8 * blocks, OP, || {
-            format!("h = {h} exceeds {MAX_ROWS_PER_WARP} rows a warp of {blocks} blocks")
-        })?;
         let mut b = self.launch(kernel);
         b.arg(&a).cooperative();
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
@@ -320,14 +286,8 @@ impl Gpu {
         // hold at once (the occupancy API for this block size and shared memory), launched
         // cooperatively, as the kernel's grid barriers need; the dynamic shared memory holds the
         // staged SwiGLU rows.
-        unsafe { b.launch(cfg((grid_u32(OP, blocks)?, 1, 1), THREADS, smem as u32)) }?;
+        unsafe { b.launch(cfg((grid, 1, 1), THREADS, smem as u32)) }?;
         Ok(())
-    }
-
-    /// The most blocks [`Gpu::moe_layer_decode`]'s grid takes (two a multiprocessor): what
-    /// `partials` must hold.
-    pub fn moe_layer_max_blocks(&self) -> usize {
-        MAX_BLOCKS_PER_SM as usize * self.info().multiprocessors as usize
     }
 }
 

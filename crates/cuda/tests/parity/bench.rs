@@ -39,6 +39,31 @@ pub fn pattern(n: usize, salt: u32) -> Vec<bf16> {
         .collect()
 }
 
+/// The medians over `n` traced launches of a persistent kernel's trace spans (name, from slot, to
+/// slot; the device's global timer in ns), as `name=µs` words: `traced(i)` runs launch `i` and returns
+/// its trace.
+pub fn trace_medians(
+    n: usize,
+    spans: &[(&str, usize, usize)],
+    mut traced: impl FnMut(usize) -> Vec<u64>,
+) -> String {
+    let mut us: Vec<Vec<f64>> = vec![Vec::new(); spans.len()];
+    for i in 0..n {
+        let t = traced(i);
+        for (s, &(_, a, b)) in us.iter_mut().zip(spans) {
+            s.push((t[b] as f64 - t[a] as f64) / 1e3);
+        }
+    }
+    us.iter_mut()
+        .zip(spans)
+        .map(|(s, (name, _, _))| {
+            s.sort_by(f64::total_cmp);
+            format!("{name}={:.2}", s[s.len() / 2])
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 #[test]
 #[ignore = "timing; run with --ignored on a GPU host"]
 fn bench_gemv_gemm_copy() {

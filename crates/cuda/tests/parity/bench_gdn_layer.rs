@@ -11,7 +11,7 @@ use sanmai_cuda::{
     PackedMat, PackedScheme,
 };
 
-use crate::bench::{pattern, time};
+use crate::bench::{pattern, time, trace_medians};
 use crate::common::gpu;
 
 /// Inputs the timed launches rotate through.
@@ -151,14 +151,11 @@ fn bench_gdn_layer() {
             });
         // The three projections (words and scales), the gates, the state read and written.
         let bytes = (cd + ko) * (h + 4) + h * (ko + 4) + 2 * hv * h * 2 + 2 * 4 * dims.state_len();
-        let mut spans: Vec<Vec<f64>> = vec![Vec::new(); PHASES.len()];
-        for i in 0..40 {
+        // Block 0's phases over single launches.
+        let phases = trace_medians(40, &PHASES, |i| {
             launch(i, Some(&mut trace));
-            let t = g.download(&trace).unwrap();
-            for (s, &(_, a, b)) in spans.iter_mut().zip(&PHASES) {
-                s.push((t[b] as f64 - t[a] as f64) / 1e3);
-            }
-        }
+            g.download(&trace).unwrap()
+        });
         // The counters are back at 0 after the launches.
         let sync_after = g.download(&sync).unwrap();
         assert_eq!(
@@ -166,18 +163,10 @@ fn bench_gdn_layer() {
             [0, 0],
             "the grid barrier counters after the launches"
         );
-        let phases: Vec<String> = spans
-            .iter_mut()
-            .zip(PHASES)
-            .map(|(s, (name, _, _))| {
-                s.sort_by(f64::total_cmp);
-                format!("{name}={:.2}", s[s.len() / 2])
-            })
-            .collect();
         println!(
             "BENCH gdn_layer h={h} hv={hv} bytes={bytes} us={us:.2} GB/s={:.0} phases_us: {}",
             bytes as f64 / us / 1e3,
-            phases.join(" ")
+            phases
         );
     }
 }

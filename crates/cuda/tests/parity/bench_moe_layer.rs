@@ -11,7 +11,7 @@ use sanmai_cuda::{
     CombineInto, Gpu, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
 };
 
-use crate::bench::{pattern, time};
+use crate::bench::{pattern, time, trace_medians};
 use crate::bench_moe::{experts, E};
 use crate::common::gpu;
 use crate::launch::{expert_proj, packed_scheme};
@@ -160,14 +160,10 @@ fn bench_moe_layer() {
             + 3 * h * 4
             + TOP_K * (gu.bytes + dn.bytes);
         // Block 0's phases over single launches.
-        let mut spans: Vec<Vec<f64>> = vec![Vec::new(); PHASES.len()];
-        for i in 0..40 {
+        let phases = trace_medians(40, &PHASES, |i| {
             launch(&mut b, &xs[i % INPUTS], true);
-            let t = g.download(&b.trace).unwrap();
-            for (s, &(_, a, b)) in spans.iter_mut().zip(&PHASES) {
-                s.push((t[b] as f64 - t[a] as f64) / 1e3);
-            }
-        }
+            g.download(&b.trace).unwrap()
+        });
         // The counters are back at 0 after the launches.
         let sync_after = g.download(&b.sync).unwrap();
         assert_eq!(
@@ -175,18 +171,10 @@ fn bench_moe_layer() {
             [0, 0],
             "the grid barrier counters after the launches"
         );
-        let phases: Vec<String> = spans
-            .iter_mut()
-            .zip(PHASES)
-            .map(|(s, (name, _, _))| {
-                s.sort_by(f64::total_cmp);
-                format!("{name}={:.2}", s[s.len() / 2])
-            })
-            .collect();
         println!(
             "BENCH moe_layer h={h} inter={inter} e={E} k={TOP_K} bytes={bytes} us={us:.2} GB/s={:.0} phases_us: {}",
             bytes as f64 / us / 1e3,
-            phases.join(" ")
+            phases
         );
     }
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 
 use sanmai_model::backend::{GdnMixerCall, GdnShape, GdnWeights};
 
-use super::moe::NormAfter;
+use super::norm_after::NormAfter;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{CudaError, Result};

@@ -33,6 +33,7 @@ mod moe;
 mod moe_decode;
 mod moe_layer;
 mod moe_tables;
+mod norm_after;
 mod options;
 mod packed;
 mod ple;

@@ -10,68 +10,16 @@
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::CudaSlice;
-use half::bf16;
 use sanmai_model::backend::{MoeCall, SharedExpert, SharedFusion};
 
 use super::moe_decode::GemvStep;
 use super::moe_tables::{expert_format, routing_of};
+use super::norm_after::NormAfter;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
-use crate::ops::{CombineInto, PairGroups, PairRows, Routed, SharedGate, SharedY};
-
-/// The residual add and the next norm that a MoE call's combine also does
-/// ([`CombineInto::AddNorm`]): the residual `[rows, H]`, the norm's weight `[H]`, eps and offset.
-pub(super) struct NormAfter<'a> {
-    pub acc: &'a mut CudaTensor,
-    pub w: &'a CudaSlice<bf16>,
-    pub eps: f32,
-    pub offset: f32,
-}
-
-impl<'a> NormAfter<'a> {
-    /// The add to the residual `acc` and its norm (weight `w`) of rows shaped as `x`, which `acc`
-    /// must be.
-    pub(super) fn for_rows(
-        acc: &'a mut CudaTensor,
-        x: &CudaTensor,
-        w: &'a CudaWeight,
-        eps: f32,
-        offset: f32,
-    ) -> Result<Self> {
-        if (acc.rows, acc.cols) != (x.rows, x.cols) {
-            return Err(CudaError::Shape {
-                op: "add_rms_norm",
-                msg: format!("[{}, {}] plus [{}, {}]", acc.rows, acc.cols, x.rows, x.cols),
-            });
-        }
-        Ok(NormAfter {
-            acc,
-            w: w.bf16()?,
-            eps,
-            offset,
-        })
-    }
-
-    /// Where a combine puts its rows: `out`, or (`after`) their add to the residual, the norm into
-    /// `out`.
-    pub(super) fn combine_into(
-        after: Option<Self>,
-        out: &'a mut CudaTensor,
-    ) -> CombineInto<'a, CudaSlice<bf16>> {
-        match after {
-            None => CombineInto::Rows(&mut out.buf),
-            Some(n) => CombineInto::AddNorm {
-                acc: &mut n.acc.buf,
-                w: n.w,
-                normed: &mut out.buf,
-                eps: n.eps,
-                offset: n.offset,
-            },
-        }
-    }
-}
+use crate::ops::{PairGroups, PairRows, Routed, SharedGate, SharedY};
 
 impl CudaBackend {
     /// The combine that ends a MoE call: the rows into `out`, or (`after`) their add to the residual

@@ -8,8 +8,8 @@
 use cudarc::driver::CudaSlice;
 use sanmai_model::backend::{MoeCall, MoeWeights, SharedFusion};
 
-use super::moe::NormAfter;
 use super::moe_tables::{routing_of, shared_fits, ExpertFormat, FusedPairs};
+use super::norm_after::NormAfter;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};

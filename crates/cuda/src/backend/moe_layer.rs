@@ -8,8 +8,8 @@ use std::sync::atomic::Ordering;
 
 use sanmai_model::backend::{MoeCall, MoeWeights};
 
-use super::moe::NormAfter;
 use super::moe_tables::expert_format;
+use super::norm_after::NormAfter;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};

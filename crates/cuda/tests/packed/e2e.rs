@@ -57,6 +57,19 @@ fn load_dir<B: Backend>(b: B, dir: &Path) -> Model<B> {
     m
 }
 
+/// A deterministic prompt of `n` tokens below `vocab` (a linear congruential sequence from `seed`).
+pub(crate) fn lcg_prompt(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
 /// Log-prob rows of every position of `prompt`: one prefill chunk of `PREFILL` tokens, then one
 /// decode step per token.
 pub(crate) fn prompt_logprobs<B: Backend>(m: &Model<B>, prompt: &[u32]) -> Vec<Vec<f64>> {
@@ -152,17 +165,7 @@ fn quant_fixture_gpu_matches_cpu() {
         "embedding table packed"
     );
 
-    // A deterministic prompt over the vocabulary.
-    let vocab = g.cfg.vocab_size as u64;
-    let mut s = 12345u64;
-    let prompt: Vec<u32> = (0..PREFILL + DECODE)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab) as u32
-        })
-        .collect();
+    let prompt = lcg_prompt(12345, PREFILL + DECODE, g.cfg.vocab_size);
     let lg = prompt_logprobs(&g, &prompt);
     let lc = prompt_logprobs(&c, &prompt);
     let distance = |a: &[Vec<f64>], b: &[Vec<f64>]| -> Vec<f64> {

@@ -9,7 +9,7 @@ use sanmai_cuda::CudaBackend;
 use sanmai_model::{Backend, Ffn, Mixer, Model};
 use sanmai_weights::Dummy;
 
-use crate::e2e::{argmax, prompt_logprobs, BLOCK, BLOCKS, MAX_TOL, MEAN_TOL, PREFILL};
+use crate::e2e::{argmax, lcg_prompt, prompt_logprobs, BLOCK, BLOCKS, MAX_TOL, MEAN_TOL, PREFILL};
 use crate::plan::shrunken_80b;
 
 const DECODE: usize = 16;
@@ -53,16 +53,7 @@ fn shrunken_80b_one_launch_layers_match_cpu() {
         "the MoE layer launch takes layer 0"
     );
 
-    let vocab = g.cfg.vocab_size as u64;
-    let mut s = 777u64;
-    let prompt: Vec<u32> = (0..PREFILL + DECODE)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab) as u32
-        })
-        .collect();
+    let prompt = lcg_prompt(777, PREFILL + DECODE, g.cfg.vocab_size);
     let on = prompt_logprobs(&g, &prompt);
     g.backend.set_gdn_layer(false);
     g.backend.set_moe_layer(false);

@@ -26,6 +26,9 @@ const MOE_LAYER_ENV: &str = "SANMAI_MOE_LAYER";
 /// A GDN mixer's one-token CUDA decode step in one persistent launch.
 #[cfg(feature = "cuda")]
 const GDN_LAYER_ENV: &str = "SANMAI_GDN_LAYER";
+/// An attention mixer's one-token CUDA decode step in one persistent launch.
+#[cfg(feature = "cuda")]
+const ATTN_LAYER_ENV: &str = "SANMAI_ATTN_LAYER";
 /// FP8 prefill GEMMs on the FP8 tensor cores.
 #[cfg(feature = "cuda")]
 const FP8_TENSOR_CORES_ENV: &str = "SANMAI_FP8_TENSOR_CORES";
@@ -78,6 +81,15 @@ pub struct SwitchArgs {
     /// SANMAI_GDN_LAYER=0].
     #[arg(long, overrides_with = "gdn_layer")]
     pub no_gdn_layer: bool,
+    /// An attention mixer's one-token CUDA decode step (projections, head norms and RoPE, K/V
+    /// write, attention, o_proj) in one persistent launch, with the fused launches (the default;
+    /// overrides SANMAI_ATTN_LAYER=0).
+    #[arg(long, overrides_with = "no_attn_layer")]
+    pub attn_layer: bool,
+    /// The one-token attention mixer in its separate launches, for A/B runs [default: one launch,
+    /// unless SANMAI_ATTN_LAYER=0].
+    #[arg(long, overrides_with = "attn_layer")]
+    pub no_attn_layer: bool,
     /// FP8 prefill GEMMs on the FP8 tensor cores where the GPU has them, the activations quantised
     /// per token and 128 columns, for A/B runs (overrides SANMAI_FP8_TENSOR_CORES=0).
     #[arg(long, overrides_with = "no_fp8_tensor_cores")]
@@ -160,6 +172,8 @@ impl SwitchArgs {
             (self.no_moe_layer, "--no-moe-layer"),
             (self.gdn_layer, "--gdn-layer"),
             (self.no_gdn_layer, "--no-gdn-layer"),
+            (self.attn_layer, "--attn-layer"),
+            (self.no_attn_layer, "--no-attn-layer"),
             (self.fp8_tensor_cores, "--fp8-tensor-cores"),
             (self.no_fp8_tensor_cores, "--no-fp8-tensor-cores"),
         ]
@@ -185,6 +199,7 @@ impl SwitchArgs {
             fused_decode: switch(self.fused_decode, self.no_fused_decode, FUSED_DECODE_ENV),
             moe_layer: switch(self.moe_layer, self.no_moe_layer, MOE_LAYER_ENV),
             gdn_layer: switch(self.gdn_layer, self.no_gdn_layer, GDN_LAYER_ENV),
+            attn_layer: switch(self.attn_layer, self.no_attn_layer, ATTN_LAYER_ENV),
         }
     }
 }

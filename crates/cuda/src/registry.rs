@@ -88,6 +88,7 @@ pub const SOURCES: &[Source] = &[
     source!("gdn.cu"),
     source!("gdn_chunk.cu"),
     source!("gdn_layer.cu"),
+    source!("attn_layer.cu"),
     source!("attention.cu"),
     source!("attention_prefill.cu"),
     source!("kv.cu"),

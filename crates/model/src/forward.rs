@@ -18,8 +18,8 @@ use sanmai_ple::PleError;
 use thiserror::Error;
 
 use crate::backend::{
-    AttnCall, Backend, BackendError, DecodeStep, GdnMixerCall, GdnWeights, HcWeights, MlpWeights,
-    Mrope, OpResult, QsaCall, SeqChunk,
+    AttnCall, AttnMixerCall, AttnWeights, Backend, BackendError, DecodeStep, GdnMixerCall,
+    GdnWeights, HcWeights, MlpWeights, Mrope, OpResult, QsaCall, SeqChunk,
 };
 use crate::load::{Layer, Mixer, Model};
 
@@ -570,7 +570,8 @@ impl<B: Backend> Model<B> {
                 (hn, x)
             }
         };
-        // A GDN mixer the backend runs whole (one launch on a GPU), else the mixer's ops.
+        // A GDN mixer the backend runs whole (one launch on a GPU), else the mixer's ops; an
+        // attention mixer likewise where no hyper-connections take its rows.
         let whole = match &layer.mixer {
             Mixer::Gdn(w) if b.gdn_mixer_whole(w, &self.gdn_shape, rows.count()) => {
                 Some(self.gdn_call(index, w, &hn, rows))
@@ -578,6 +579,13 @@ impl<B: Backend> Model<B> {
             _ => None,
         };
         let post = &layer.post_attention_norm;
+        if let (None, Mixer::Attention(w)) = (hc, &layer.mixer) {
+            if b.attn_mixer_whole(w, &self.attn_shape, rows.count()) {
+                let c = self.attn_call(index, w, &hn, rows);
+                let hn = b.attn_mixer_add_rms_norm(&c, streams, post, eps, 1.0)?;
+                return Ok(Some(self.ffn(layer, hn, rows.count())?));
+            }
+        }
         let hn = match (hc, whole) {
             (None, Some(c)) => b.gdn_mixer_add_rms_norm(&c, streams, post, eps, 1.0)?,
             (None, None) => {
@@ -623,11 +631,10 @@ impl<B: Backend> Model<B> {
             mrope: rows.mrope,
         };
         match &layer.mixer {
-            Mixer::Attention(w) => {
-                let [q, k, v] = linear_n(b, hn, [&w.q_proj, &w.k_proj, &w.v_proj])?;
-                let o = b.attention(&attn(w, &q, &k, &v))?;
-                Ok(Pending::Linear { x: o, w: &w.o_proj })
-            }
+            Mixer::Attention(w) => Ok(Pending::Linear {
+                x: b.attn_from_input(&self.attn_call(index, w, hn, rows))?,
+                w: &w.o_proj,
+            }),
             Mixer::Qsa(w, iw) => {
                 let qsa = self.qsa.as_ref().ok_or_else(|| {
                     BackendError::invalid("qsa_attention", "QSA weights without a QSA shape")
@@ -676,6 +683,25 @@ impl<B: Backend> Model<B> {
             w,
             eps: self.cfg.rms_norm_eps,
             seqs: rows.seqs,
+        }
+    }
+
+    /// The attention mixer call of layer `index` (weights `w`) on normed input `hn`.
+    fn attn_call<'a>(
+        &'a self,
+        index: usize,
+        w: &'a AttnWeights<B::Weight>,
+        hn: &'a B::Tensor,
+        rows: Rows<'a>,
+    ) -> AttnMixerCall<'a, B::Tensor, B::Weight> {
+        AttnMixerCall {
+            layer: index,
+            shape: &self.attn_shape,
+            rope: &self.rope,
+            x: hn,
+            w,
+            seqs: rows.seqs,
+            mrope: rows.mrope,
         }
     }
 

@@ -37,7 +37,7 @@ impl CudaBackend {
         let dims = dims_of(sh);
         let k = w.in_proj_b.cols();
         let fits = |p: &CudaWeight| matches!(p, CudaWeight::Bf16(d) if d.shape == [dims.hv, k]);
-        self.fused_decode.load(Ordering::Relaxed)
+        self.switches.fused_decode.load(Ordering::Relaxed)
             && rows == 1
             && fits(&w.in_proj_b)
             && fits(&w.in_proj_a)

@@ -6,12 +6,12 @@
 
 use std::sync::atomic::Ordering;
 
-use sanmai_model::backend::{GdnMixerCall, GdnShape, GdnWeights};
+use sanmai_model::backend::{Backend, GdnMixerCall, GdnShape, GdnWeights, OpResult};
 
 use super::norm_after::NormAfter;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
-use crate::error::{CudaError, Result};
+use crate::error::{At, CudaError, Result};
 use crate::ops::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools};
 use crate::Gpu;
 
@@ -69,8 +69,8 @@ impl CudaBackend {
     /// switches on, one row, and weights the launch takes ([`crate::Gpu::gdn_layer_fits`]).
     pub fn gdn_layer_takes(&self, w: &GdnWeights<CudaWeight>, sh: &GdnShape, rows: usize) -> bool {
         rows == 1
-            && self.fused_decode.load(Ordering::Relaxed)
-            && self.gdn_layer.load(Ordering::Relaxed)
+            && self.switches.fused_decode.load(Ordering::Relaxed)
+            && self.switches.gdn_layer.load(Ordering::Relaxed)
             && layer_of(&self.gpu, w, sh).is_some()
     }
 
@@ -142,8 +142,20 @@ impl CudaBackend {
         Ok(out)
     }
 
-    /// [`Backend::gdn_mixer_add_rms_norm`](sanmai_model::Backend::gdn_mixer_add_rms_norm) on the
-    /// one launch (the caller checked [`CudaBackend::gdn_layer_takes`]).
+    /// [`Backend::gdn_mixer`](sanmai_model::Backend::gdn_mixer): the one launch where it takes the
+    /// call, else the mixer's ops and `out_proj`.
+    pub(super) fn gdn_mixer_impl(
+        &self,
+        c: &GdnMixerCall<'_, CudaTensor, CudaWeight>,
+    ) -> OpResult<CudaTensor> {
+        if !self.gdn_layer_takes(c.w, c.shape, c.x.rows) {
+            return self.linear(&self.gdn_from_input(c)?, &c.w.out_proj);
+        }
+        self.gdn_layer_step(c, None).at("gdn_mixer")
+    }
+
+    /// [`Backend::gdn_mixer_add_rms_norm`](sanmai_model::Backend::gdn_mixer_add_rms_norm): the one
+    /// launch where it takes the call, else the mixer's ops and `out_proj` with the add and norm.
     pub(super) fn gdn_mixer_add_rms_norm_impl(
         &self,
         c: &GdnMixerCall<'_, CudaTensor, CudaWeight>,
@@ -151,8 +163,13 @@ impl CudaBackend {
         norm: &CudaWeight,
         eps: f32,
         offset: f32,
-    ) -> Result<CudaTensor> {
-        let after = NormAfter::for_rows(acc, c.x, norm, eps, offset)?;
-        self.gdn_layer_step(c, Some(after))
+    ) -> OpResult<CudaTensor> {
+        if !self.gdn_layer_takes(c.w, c.shape, c.x.rows) {
+            let o = self.gdn_from_input(c)?;
+            return self.linear_add_rms_norm(&o, &c.w.out_proj, acc, norm, eps, offset);
+        }
+        NormAfter::for_rows(acc, c.x, norm, eps, offset)
+            .and_then(|after| self.gdn_layer_step(c, Some(after)))
+            .at("gdn_mixer_add_rms_norm")
     }
 }

@@ -18,6 +18,7 @@
 //! routed-expert record and the kernel times `sanmai bench` reads.
 
 mod attn;
+mod attn_layer;
 mod cache;
 mod fp8;
 mod gdn;
@@ -49,9 +50,10 @@ use std::sync::{Mutex, MutexGuard};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
-    hc_residual_ops, AttnCall, Backend, CacheSpec, DecodeStep, GdnCall, GdnMixerCall, GdnShape,
-    GdnWeights, Handover, HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor,
-    PleCall, QsaCall, SampleCall, SeqChunk, SharedFusion,
+    hc_residual_ops, AttnCall, AttnMixerCall, AttnShape, AttnWeights, Backend, CacheSpec,
+    DecodeStep, GdnCall, GdnMixerCall, GdnShape, GdnWeights, Handover, HcWeights, KvHostStats,
+    MoeCall, MoeWeights, OpResult, PackedTensor, PleCall, QsaCall, SampleCall, SeqChunk,
+    SharedFusion,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
@@ -120,12 +122,8 @@ pub struct CudaBackend {
     /// MoE layer, which also counts its grid barriers in the second, `moe_layer.rs`): 0 between
     /// launches, which the stream orders one after another.
     ticket: Mutex<CudaSlice<u32>>,
-    /// Whether decode steps take the fused launches ([`CudaOptions::fused_decode`]).
-    fused_decode: AtomicBool,
-    /// Whether one-token MoE steps take the one-launch layer ([`CudaOptions::moe_layer`]).
-    moe_layer: AtomicBool,
-    /// Whether one-token GDN mixers take the one-launch mixer ([`CudaOptions::gdn_layer`]).
-    gdn_layer: AtomicBool,
+    /// Which decode launches the steps take ([`CudaOptions`]' switches).
+    switches: options::Switches,
     /// Held while a CUDA graph captures this backend's stream, and by the cache operations another
     /// thread may call (a pipeline's engine thread): work queued on a capturing stream, from any
     /// thread, would join the graph instead of running.
@@ -171,9 +169,7 @@ impl CudaBackend {
         if !options.cuda_graphs {
             backend.set_graph_batch_sizes(&[]);
         }
-        backend.set_fused_decode(options.fused_decode);
-        backend.set_moe_layer(options.moe_layer);
-        backend.set_gdn_layer(options.gdn_layer);
+        backend.set_switches(options);
         Ok(backend)
     }
 
@@ -205,9 +201,7 @@ impl CudaBackend {
             epoch: AtomicU64::new(0),
             ple_in: Mutex::new(None),
             ticket,
-            fused_decode: AtomicBool::new(true),
-            moe_layer: AtomicBool::new(true),
-            gdn_layer: AtomicBool::new(true),
+            switches: options::Switches::default(),
         })
     }
 
@@ -652,10 +646,7 @@ impl Backend for CudaBackend {
     }
 
     fn gdn_mixer(&self, c: &GdnMixerCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
-        if !self.gdn_layer_takes(c.w, c.shape, c.x.rows) {
-            return self.linear(&self.gdn_from_input(c)?, &c.w.out_proj);
-        }
-        self.gdn_layer_step(c, None).at("gdn_mixer")
+        self.gdn_mixer_impl(c)
     }
 
     fn gdn_mixer_add_rms_norm(
@@ -666,12 +657,22 @@ impl Backend for CudaBackend {
         eps: f32,
         offset: f32,
     ) -> OpResult<CudaTensor> {
-        if !self.gdn_layer_takes(c.w, c.shape, c.x.rows) {
-            let o = self.gdn_from_input(c)?;
-            return self.linear_add_rms_norm(&o, &c.w.out_proj, acc, norm, eps, offset);
-        }
         self.gdn_mixer_add_rms_norm_impl(c, acc, norm, eps, offset)
-            .at("gdn_mixer_add_rms_norm")
+    }
+
+    fn attn_mixer_whole(&self, w: &AttnWeights<CudaWeight>, sh: &AttnShape, rows: usize) -> bool {
+        self.attn_layer_takes(w, sh, rows)
+    }
+
+    fn attn_mixer_add_rms_norm(
+        &self,
+        c: &AttnMixerCall<'_, CudaTensor, CudaWeight>,
+        acc: &mut CudaTensor,
+        norm: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<CudaTensor> {
+        self.attn_mixer_add_rms_norm_impl(c, acc, norm, eps, offset)
     }
 
     fn moe_fuses_shared(&self, w: &MoeWeights<CudaWeight>, rows: usize) -> SharedFusion {

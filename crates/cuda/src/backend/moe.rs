@@ -54,7 +54,7 @@ impl CudaBackend {
         eps: f32,
         offset: f32,
     ) -> Result<CudaTensor> {
-        if !self.fused_decode.load(Ordering::Relaxed) {
+        if !self.switches.fused_decode.load(Ordering::Relaxed) {
             let y = self.moe_impl(c, None)?;
             return self.add_rms_norm_impl(acc, &y, w, eps, offset);
         }

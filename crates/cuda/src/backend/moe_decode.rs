@@ -58,7 +58,10 @@ impl CudaBackend {
         w: &MoeWeights<CudaWeight>,
         rows: usize,
     ) -> SharedFusion {
-        if !self.fused_decode.load(std::sync::atomic::Ordering::Relaxed)
+        if !self
+            .switches
+            .fused_decode
+            .load(std::sync::atomic::Ordering::Relaxed)
             || Gpu::moe_gemm_wanted(rows, rows * w.top_k)
         {
             return SharedFusion::Apart;

@@ -21,8 +21,8 @@ impl CudaBackend {
     /// bf16 gate row (or none of either) and the kernel's shapes ([`crate::Gpu::moe_layer_fits`]).
     pub fn moe_layer_takes(&self, w: &MoeWeights<CudaWeight>, rows: usize) -> bool {
         if rows != 1
-            || !self.fused_decode.load(Ordering::Relaxed)
-            || !self.moe_layer.load(Ordering::Relaxed)
+            || !self.switches.fused_decode.load(Ordering::Relaxed)
+            || !self.switches.moe_layer.load(Ordering::Relaxed)
         {
             return false;
         }

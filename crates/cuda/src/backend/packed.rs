@@ -104,7 +104,7 @@ impl CudaBackend {
         offset: f32,
     ) -> Result<CudaTensor> {
         let n = w.rows();
-        let fused = self.fused_decode.load(Ordering::Relaxed)
+        let fused = self.switches.fused_decode.load(Ordering::Relaxed)
             && x.rows == 1
             && x.cols == w.cols()
             && (acc.rows, acc.cols) == (1, n);
@@ -144,7 +144,7 @@ impl CudaBackend {
         gate_up: &CudaTensor,
         w: &CudaWeight,
     ) -> Result<CudaTensor> {
-        let staged = self.fused_decode.load(Ordering::Relaxed)
+        let staged = self.switches.fused_decode.load(Ordering::Relaxed)
             && gate_up.rows == 1
             && gate_up.cols == 2 * w.cols();
         match w {

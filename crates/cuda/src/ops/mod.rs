@@ -10,6 +10,7 @@
 //! Activations are bf16 with f32 arithmetic inside the kernels and one rounding per output.
 
 mod attention;
+mod attn_layer;
 mod conv;
 mod elementwise;
 mod fp8;
@@ -37,6 +38,7 @@ mod sample;
 mod tensor;
 
 pub use attention::{AttnDims, ChunkRows, DecodeLens, PagedCache, Queries, ATTN_MAX_HEAD_DIM};
+pub use attn_layer::{AttnLayer, AttnLayerBufs, LayerRope, LayerSeq};
 pub use conv::ConvWeight;
 pub use fp8::{fp8_fits, Fp8Experts, Fp8Mat, Fp8Part};
 pub use fp8_lt::{lt_block_scales, Fp8Lt, LtCheck, LtVerdict, LT_BLOCK};

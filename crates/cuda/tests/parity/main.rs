@@ -22,8 +22,10 @@ mod options;
 mod rng;
 
 mod attention;
+mod attn_layer;
 mod bench;
 mod bench_attn;
+mod bench_attn_layer;
 mod bench_dense;
 mod bench_gdn;
 mod bench_gdn_layer;

@@ -44,5 +44,6 @@ pub fn cuda_options() -> CudaOptions {
         fused_decode: !switched_off("SANMAI_FUSED_DECODE"),
         moe_layer: !switched_off("SANMAI_MOE_LAYER"),
         gdn_layer: !switched_off("SANMAI_GDN_LAYER"),
+        attn_layer: !switched_off("SANMAI_ATTN_LAYER"),
     }
 }

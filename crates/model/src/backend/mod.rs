@@ -201,12 +201,14 @@ pub struct DecodeStep<'a> {
 
 mod error;
 mod hc;
+mod mixer;
 mod ple;
 mod probe;
 mod qsa;
 
 pub use error::{BackendError, OpResult};
 pub use hc::{hc_residual_ops, HcWeights};
+pub use mixer::{AttnMixerCall, GdnMixerCall};
 pub use ple::{PleCall, PleShape, PleWeights};
 pub use probe::Probe;
 pub use qsa::{IndexerWeights, QsaCall, QsaShape};
@@ -240,18 +242,6 @@ pub struct GdnCall<'a, T, W> {
     pub gates: GdnGates<'a, T>,
     pub w: &'a GdnWeights<W>,
     /// The gated RMSNorm's epsilon.
-    pub eps: f32,
-    pub seqs: &'a [SeqChunk<'a>],
-}
-
-/// A GDN mixer from the layer's normed input `x` `[rows, H]` ([`Backend::gdn_from_input`],
-/// [`Backend::gdn_mixer`]): GDN layer `layer` of shape `shape` and weights `w`, the gated RMSNorm's
-/// `eps`, the step's chunks.
-pub struct GdnMixerCall<'a, T, W> {
-    pub layer: usize,
-    pub shape: &'a GdnShape,
-    pub x: &'a T,
-    pub w: &'a GdnWeights<W>,
     pub eps: f32,
     pub seqs: &'a [SeqChunk<'a>],
 }
@@ -487,37 +477,7 @@ pub trait Backend: Send + Sync {
         &self,
         c: &GdnMixerCall<'_, Self::Tensor, Self::Weight>,
     ) -> OpResult<Self::Tensor> {
-        let w = c.w;
-        let rows = c.seqs.iter().map(|s| s.len).sum();
-        let inside = self.gdn_projects_gates(w, c.shape, rows);
-        let mut ws = vec![&w.in_proj_qkv, &w.in_proj_z];
-        if !inside {
-            ws.extend([&w.in_proj_b, &w.in_proj_a]);
-        }
-        let ys = self.linear_many(c.x, &ws)?;
-        let (qkv, z) = match ys.as_slice() {
-            [qkv, z, ..] if ys.len() == ws.len() => (qkv, z),
-            _ => {
-                return Err(BackendError::invalid(
-                    "linear_many",
-                    format!("{} results for {} weights", ys.len(), ws.len()),
-                ))
-            }
-        };
-        let gates = match &ys[2..] {
-            [b, a] => GdnGates::Given { b, a },
-            _ => GdnGates::FromInput(c.x),
-        };
-        self.gdn(&GdnCall {
-            layer: c.layer,
-            shape: c.shape,
-            qkv,
-            z,
-            gates,
-            w,
-            eps: c.eps,
-            seqs: c.seqs,
-        })
+        mixer::gdn_from_input(self, c)
     }
 
     /// Whether [`Backend::gdn_mixer`] and [`Backend::gdn_mixer_add_rms_norm`] run a call of `rows`
@@ -551,6 +511,40 @@ pub trait Backend: Send + Sync {
     ) -> OpResult<Self::Tensor> {
         let o = self.gdn_from_input(c)?;
         self.linear_add_rms_norm(&o, &c.w.out_proj, acc, norm, eps, offset)
+    }
+
+    /// The attention mixer's core for the normed input `c.x`: the q|gate, k and v projections and
+    /// [`Backend::attention`], before `o_proj`.
+    fn attn_from_input(
+        &self,
+        c: &AttnMixerCall<'_, Self::Tensor, Self::Weight>,
+    ) -> OpResult<Self::Tensor> {
+        mixer::attn_from_input(self, c)
+    }
+
+    /// Whether [`Backend::attn_mixer_add_rms_norm`] runs a call of `rows` rows on `w` its own way
+    /// (one launch on a GPU); the model then calls it in place of the mixer's ops. Default: no.
+    fn attn_mixer_whole(
+        &self,
+        _w: &AttnWeights<Self::Weight>,
+        _shape: &AttnShape,
+        _rows: usize,
+    ) -> bool {
+        false
+    }
+
+    /// The attention mixer ([`Backend::attn_from_input`], then `o_proj`) added to `acc`, then
+    /// [`Backend::rms_norm`] of the new `acc`.
+    fn attn_mixer_add_rms_norm(
+        &self,
+        c: &AttnMixerCall<'_, Self::Tensor, Self::Weight>,
+        acc: &mut Self::Tensor,
+        norm: &Self::Weight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<Self::Tensor> {
+        let o = self.attn_from_input(c)?;
+        self.linear_add_rms_norm(&o, &c.w.o_proj, acc, norm, eps, offset)
     }
 
     /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts; plus

@@ -1,0 +1,174 @@
+//! An attention mixer's one-token decode step in one launch ([`Gpu::attn_layer_decode`]): with the
+//! fused decode launches and the one-launch attention mixer on, a layer whose q|gate, k, v and o
+//! projections are packed in one width, with head size 256 and plain RoPE, takes its projections,
+//! head norms and RoPE, K/V write, attention and o_proj (with the residual add and the next norm) in
+//! one persistent launch instead of seven.
+
+use sanmai_model::backend::{AttnMixerCall, AttnShape, AttnWeights, Backend, OpResult};
+
+use super::attn::attn_dims;
+use super::host_rows::Rows;
+use super::norm_after::NormAfter;
+use super::tensor::{CudaTensor, CudaWeight};
+use super::{all_decode, CudaBackend};
+use crate::error::{At, CudaError, Result};
+use crate::ops::{AttnLayer, AttnLayerBufs, KvPools, LayerRope, LayerSeq};
+use crate::Gpu;
+use std::sync::atomic::Ordering;
+
+/// The layer's weights as the one launch takes them for RoPE over `rot_dim` values, or `None` where
+/// their formats or shapes do not suit it (packed q `[2·hq·d, h]`, k and v `[hkv·d, h]`, o
+/// `[h, hq·d]`, bf16 head norms `[d]`). The block size only enters the launch, not the check.
+fn layer_of<'a>(
+    gpu: &Gpu,
+    w: &'a AttnWeights<CudaWeight>,
+    sh: &AttnShape,
+    rot_dim: usize,
+) -> Option<AttnLayer<'a>> {
+    let dims = attn_dims(sh, 1);
+    let (
+        CudaWeight::Packed(q),
+        CudaWeight::Packed(k),
+        CudaWeight::Packed(v),
+        CudaWeight::Packed(o),
+    ) = (&w.q_proj, &w.k_proj, &w.v_proj, &w.o_proj)
+    else {
+        return None;
+    };
+    let (h, d) = (q.in_features(), sh.head_dim);
+    let shaped = q.shape == [2 * dims.q_row(), h]
+        && k.shape == [dims.kv_row(), h]
+        && v.shape == [dims.kv_row(), h]
+        && o.shape == [h, dims.q_row()];
+    let schemes = [q.scheme(), k.scheme(), v.scheme(), o.scheme()];
+    if !(shaped && gpu.attn_layer_fits(h, dims, rot_dim, schemes)) {
+        return None;
+    }
+    let (q_norm, k_norm) = (w.q_norm.bf16().ok()?, w.k_norm.bf16().ok()?);
+    if q_norm.len() != d || k_norm.len() != d {
+        return None;
+    }
+    Some(AttnLayer {
+        dims,
+        q: q.mat(),
+        k: k.mat(),
+        v: v.mat(),
+        o: o.mat(),
+        q_norm,
+        k_norm,
+        head_eps: sh.eps,
+    })
+}
+
+impl CudaBackend {
+    /// Whether a mixer call of `rows` rows on `w` may take the one launch: both switches on, one
+    /// row, and weights it takes with RoPE over any rotary width it allows (the call's own RoPE and
+    /// MRoPE are checked by [`CudaBackend::attn_mixer_add_rms_norm_impl`]).
+    pub fn attn_layer_takes(
+        &self,
+        w: &AttnWeights<CudaWeight>,
+        sh: &AttnShape,
+        rows: usize,
+    ) -> bool {
+        rows == 1
+            && self.switches.fused_decode.load(Ordering::Relaxed)
+            && self.switches.attn_layer.load(Ordering::Relaxed)
+            && layer_of(&self.gpu, w, sh, 16).is_some()
+    }
+
+    /// [`Backend::attn_mixer_add_rms_norm`]: the one launch where it takes the call (one decoding
+    /// row, plain RoPE of a width it takes, K/V pools on the device), else the mixer's ops and
+    /// `o_proj` with the add and norm.
+    pub(super) fn attn_mixer_add_rms_norm_impl(
+        &self,
+        c: &AttnMixerCall<'_, CudaTensor, CudaWeight>,
+        acc: &mut CudaTensor,
+        norm: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<CudaTensor> {
+        let one = c.x.rows == 1 && c.seqs.len() == 1 && all_decode(c.seqs) && c.mrope.is_none();
+        let layer = if one && self.attn_layer_takes(c.w, c.shape, 1) {
+            layer_of(&self.gpu, c.w, c.shape, c.rope.rot_dim)
+        } else {
+            None
+        };
+        let Some(layer) = layer else {
+            let o = self.attn_from_input(c)?;
+            return self.linear_add_rms_norm(&o, &c.w.o_proj, acc, norm, eps, offset);
+        };
+        NormAfter::for_rows(acc, c.x, norm, eps, offset)
+            .and_then(|after| self.attn_layer_step(c, layer, after))
+            .at("attn_mixer_add_rms_norm")
+    }
+
+    /// The one launch for a decoding row whose layer `layer` took ([`layer_of`]).
+    fn attn_layer_step(
+        &self,
+        c: &AttnMixerCall<'_, CudaTensor, CudaWeight>,
+        mut layer: AttnLayer<'_>,
+        after: NormAfter<'_>,
+    ) -> Result<CudaTensor> {
+        let g = &self.gpu;
+        let bad = |msg: String| CudaError::Shape {
+            op: "attn_mixer",
+            msg,
+        };
+        let h = layer.q.k;
+        if c.x.cols != h {
+            return Err(bad(format!("input of {} columns for h = {h}", c.x.cols)));
+        }
+        let mut st = self.lock();
+        let st = &mut *st;
+        let bs = st.kv.block_size;
+        layer.dims.block_size = bs;
+        let dims = layer.dims;
+        let m = st.meta.seqs(g, c.seqs, 1, bs)?;
+        let ri = st.rope_table(g, &c.rope.inv_freq)?;
+        let pool = st.kv.pool_mut(c.layer)?;
+        let (Rows::Device(k_pool), Rows::Device(v_pool)) = (&mut pool.k, &mut pool.v) else {
+            return Err(bad(
+                "the one-launch attention mixer reads K/V pools on the device".into(),
+            ));
+        };
+        let (lens, positions) = (st.meta.view(m.lens, 1), st.meta.view(m.positions, 1));
+        let (kv_dst, table) = (st.meta.view(m.kv_dst, 1), st.meta.view(m.tables, m.stride));
+        let seq = LayerSeq {
+            pools: KvPools {
+                k: k_pool,
+                v: v_pool,
+            },
+            lens: &lens,
+            positions: &positions,
+            kv_dst: &kv_dst,
+            table: &table,
+            max_blocks: m.stride,
+        };
+        let rope = LayerRope {
+            inv_freq: &st.rope[ri].1,
+            rot_dim: c.rope.rot_dim,
+            mscale: c.rope.mscale,
+        };
+        let splits = g.attn_layer_max_splits(dims.hkv);
+        let (nq, d) = (dims.q_row(), dims.head_dim);
+        let mut qkv = self.scratch(2 * nq + 2 * dims.kv_row())?;
+        let mut attn = self.scratch(nq)?;
+        let mut part_o = self.scratch::<f32>(dims.hq * splits * d)?;
+        let mut part_ml = self.scratch::<f32>(dims.hq * splits * 2)?;
+        let mut partials = self.scratch::<f32>(g.moe_layer_max_blocks())?;
+        let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
+        let bufs = AttnLayerBufs {
+            qkv: &mut qkv,
+            attn: &mut attn,
+            part_o: &mut part_o,
+            part_ml: &mut part_ml,
+            partials: &mut partials,
+            sync: &mut sync,
+            trace: None,
+        };
+        let mut out = self.alloc(1, h)?;
+        let into = NormAfter::combine_into(Some(after), &mut out);
+        g.attn_layer_decode(&layer, &c.x.buf, &rope, seq, bufs, into)?;
+        Ok(out)
+    }
+}

@@ -5,14 +5,16 @@
 // work; here every block of one grid works through the phases, separated by grid-wide barriers:
 //   1. the router logits (bf16 rows, the shared expert's gate as one more row) and the shared expert's
 //      gate|up rows (packed), a warp a row over every warp of the grid (the prologue asks L2 for a
-//      slice of the router while the kernel ahead finishes);
+//      slice of the router while the kernel ahead finishes); each half-warp that computes shared
+//      down rows in phase 2 asks for its first one before the barrier;
 //   2. every block's first warp takes the softmax top-k of the logits (ml_topk_warp: the keys and tie
 //      rule of router_topk_sort; block 0 writes the ids and weights out) and the chosen experts'
-//      addresses, while its other warps compute the shared expert's down rows (its SwiGLU taken where
+//      addresses (each asked for as soon as its rank is decided), while its other warps compute the shared expert's down rows (its SwiGLU taken where
 //      it is read); then the chosen experts' gate and up rows (packed), a warp a row j of gate and
 //      of up together, several rows' loads in flight, each rounded to bf16 as the grouped GEMV writes
 //      them and their SwiGLU bf16(silu(gate) · up) written out as swiglu_bf16 computes it;
-//   3. a warp takes one output row for every expert: it asks for the chosen experts' down rows, then
+//   3. a warp takes one output row for every expert: it asks for the chosen experts' down rows (the
+//      first round before barrier 2), then
 //      the block copies the SwiGLU rows into shared memory, then the two half-warps each dot one
 //      expert's down row at a time and the warp sums
 //      Σ_c weight_c · y_c + sigmoid(gate) · shared, rounded once to bf16, and adds it to the residual
@@ -124,7 +126,10 @@ __device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, const bf16
 // equal ones), k rounds of a warp-wide arg-max (two redux operations: the largest probability, then
 // the lowest id holding it), lane r keeping rank r; with renorm the kept
 // probabilities are divided by their sum taken in rank order (as router_topk_rows).
-__device__ __forceinline__ void ml_topk_warp(const float* logits, int e, int k, int renorm, u32* ids, float* wts) {
+__device__ __forceinline__ void ml_topk_warp(const MoeLayerArgs& a, u32* ids, float* wts, const u32* (*gw)[ML_MAX_K],
+                                             const float* (*gs)[ML_MAX_K]) {
+    const float* logits = a.logits;
+    const int e = a.e, k = a.k, renorm = a.renorm;
     const int lane = threadIdx.x & 31;
     float p[ML_TOPK_PER];
     float m = NEG_INF;
@@ -153,6 +158,8 @@ __device__ __forceinline__ void ml_topk_warp(const float* logits, int e, int k, 
     }
     u32 my_id = 0xffffffffu;
     float my_p = 0.0f;
+    // Lane r's expert's table entries, asked for as soon as rank r is decided.
+    unsigned long long tab[4] = {0ull, 0ull, 0ull, 0ull};
 #pragma unroll 1
     for (int r = 0; r < k; ++r) {
         // The lane's best key (a tree over its candidates), then the warp's: the largest probability
@@ -170,6 +177,10 @@ __device__ __forceinline__ void ml_topk_warp(const float* logits, int e, int k, 
         if (lane == r) {
             my_id = id;
             my_p = __uint_as_float(top);
+            tab[0] = a.gu_w[id];
+            tab[1] = a.gu_s[id];
+            tab[2] = a.dn_w[id];
+            tab[3] = a.dn_s[id];
         }
     }
     float total = 0.0f;
@@ -178,6 +189,10 @@ __device__ __forceinline__ void ml_topk_warp(const float* logits, int e, int k, 
     if (lane < k) {
         ids[lane] = my_id;
         wts[lane] = renorm ? my_p / total : my_p;
+        gw[0][lane] = (const u32*)tab[0];
+        gs[0][lane] = (const float*)tab[1];
+        gw[1][lane] = (const u32*)tab[2];
+        gs[1][lane] = (const float*)tab[3];
     }
 }
 
@@ -196,16 +211,26 @@ __device__ __forceinline__ uint4 ml_swiglu8(uint4 g, uint4 u) {
 // The shared expert's down rows (phase 2, by warps 1.. of every block while warp 0 takes the top-k):
 // a half-warp a row, x = bf16(silu(gate) · up) of the shared gate|up row (written in this launch:
 // through L2), staged in sact (shared memory, [si]) by these warps; f32 sums into a.sdn.
+// The half-warp's first shared down row (ml_shared_down's hw), loaded into row.
 template <int SB>
-__device__ __forceinline__ void ml_shared_down(const MoeLayerArgs& a, bf16* sact, int warp, int lane) {
+__device__ __forceinline__ void ml_shared_first(const MoeLayerArgs& a, MlRow<SB, ML_DUNITS>& row, int warp, int lane) {
+    const int half = lane >> 4, sub = lane & 15;
+    const int hw = (blockIdx.x * (ML_WARPS - 1) + warp - 1) * 2 + half;
+    const size_t swpr = (size_t)(a.si >> 5) * SB;
+    const int sscols = (a.si + a.sdn_group - 1) / a.sdn_group;
+    if (hw < a.h) ml_load<SB, 16, ML_DUNITS>(row, a.sdn_w + hw * swpr, a.sdn_s + (size_t)hw * sscols, a.si, a.sdn_group, sub);
+}
+
+// row: the half-warp's first row (ml_shared_first, asked for before barrier 1: no phase writes the
+// weights); the SwiGLU row is staged by these warps' threads, then their own barrier (warp 0 is taking
+// the top-k).
+template <int SB>
+__device__ __forceinline__ void ml_shared_down(const MoeLayerArgs& a, bf16* sact, MlRow<SB, ML_DUNITS>& row, int warp,
+                                               int lane) {
     const int half = lane >> 4, sub = lane & 15;
     const int hw = (blockIdx.x * (ML_WARPS - 1) + warp - 1) * 2 + half, nhw = gridDim.x * (ML_WARPS - 1) * 2;
     const size_t swpr = (size_t)(a.si >> 5) * SB;
     const int sscols = (a.si + a.sdn_group - 1) / a.sdn_group;
-    // The first row's loads go out before the SwiGLU row is staged (by these warps' threads, then
-    // their own barrier: warp 0 is taking the top-k).
-    MlRow<SB, ML_DUNITS> row;
-    if (hw < a.h) ml_load<SB, 16, ML_DUNITS>(row, a.sdn_w + hw * swpr, a.sdn_s + (size_t)hw * sscols, a.si, a.sdn_group, sub);
     const uint4* g4 = (const uint4*)a.sgu;
     const uint4* u4 = (const uint4*)(a.sgu + a.si);
 #pragma unroll 1
@@ -249,6 +274,8 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     const int items1 = a.e + (shared ? 1 + 2 * a.si : 0);
 #pragma unroll 1
     for (int i = gw; i < items1; i += nw) ml_phase1_item<SB, GU>(a, s_x, i, lane);
+    MlRow<SB, ML_DUNITS> srow;
+    if (warp > 0 && shared) ml_shared_first<SB>(a, srow, warp, lane);
     ml_mark(a.trace, 1);
     ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
@@ -256,21 +283,14 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     // 2. Top-k in every block's first warp (then the chosen experts' addresses), the shared expert's
     // down rows in the others; then the chosen experts' gate|up rows.
     if (warp == 0) {
-        ml_topk_warp(a.logits, a.e, a.k, a.renorm, s_ids, s_wts);
+        ml_topk_warp(a, s_ids, s_wts, s_gw, s_gs);
         __syncwarp();
-        if (lane < a.k) {
-            const u32 x = s_ids[lane];
-            s_gw[0][lane] = (const u32*)a.gu_w[x];
-            s_gs[0][lane] = (const float*)a.gu_s[x];
-            s_gw[1][lane] = (const u32*)a.dn_w[x];
-            s_gs[1][lane] = (const float*)a.dn_s[x];
-            if (blockIdx.x == 0) {
-                a.ids[lane] = x;
-                a.weights[lane] = s_wts[lane];
-            }
+        if (lane < a.k && blockIdx.x == 0) {
+            a.ids[lane] = s_ids[lane];
+            a.weights[lane] = s_wts[lane];
         }
     } else if (shared) {
-        ml_shared_down<SB>(a, s_sact, warp, lane);
+        ml_shared_down<SB>(a, s_sact, srow, warp, lane);
     }
     __syncthreads();
     ml_mark(a.trace, 3);
@@ -309,12 +329,9 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
             }
         }
     }
-    ml_mark(a.trace, 4);
-    ml_grid_sync(a.sync, 2 * gridDim.x, ml_last(a.trace, 1));
-    ml_mark(a.trace, 5);
-
-    // 3. A warp an output row: its chosen experts' down rows are asked for first, then the block
-    // copies the SwiGLU rows into shared memory, then the dots, the combine and the residual add.
+    // 3. A warp an output row: its chosen experts' down rows are asked for first (before barrier 2:
+    // no phase writes them), then the block copies the SwiGLU rows into shared memory, then the dots,
+    // the combine and the residual add.
     bf16* act = reinterpret_cast<bf16*>(ml_smem);  // [k, inter]
     const int half = lane >> 4, sub = lane & 15;
     const size_t dwpr = (size_t)(a.inter >> 5) * EB;
@@ -328,6 +345,9 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
         }
     };
     if (gw < a.h) load_round(gw, 0);
+    ml_mark(a.trace, 4);
+    ml_grid_sync(a.sync, 2 * gridDim.x, ml_last(a.trace, 1));
+    ml_mark(a.trace, 5);
     {
         // The SwiGLU rows (written by other blocks: through L2) into shared memory, four vectors a
         // thread in flight.

@@ -2,9 +2,9 @@
 # The decode-kernel check of one GPU host, in one run, with prebuilt binaries (scripts/gpu_bins.sh
 # BIN_DIR): the parity suite, the GDN decode timings, the MoE combine's and the INT8 output
 # projection's (alone, then the add and norm, and both in one launch), the decode attention's (batch 1
-# and 8, 576 to 32,768 positions), the one-launch MoE and GDN layers' (with their phases), and, on dummy weights
-# of each config, three arms: the default (`on`), the fused launches without the one-launch MoE and GDN
-# layers (`launches`, `SANMAI_MOE_LAYER=0 SANMAI_GDN_LAYER=0`) and no fused launches (`off`, `SANMAI_FUSED_DECODE=0`). Greedy
+# and 8, 576 to 32,768 positions), the one-launch MoE, GDN and attention layers' (with their phases), and, on dummy weights
+# of each config, three arms: the default (`on`), the fused launches without the one-launch MoE, GDN and
+# attention layers (`launches`, `SANMAI_MOE_LAYER=0 SANMAI_GDN_LAYER=0 SANMAI_ATTN_LAYER=0`) and no fused launches (`off`, `SANMAI_FUSED_DECODE=0`). Greedy
 # tokens and log-probs of one prompt: `launches` against `off` bit for bit (the same arithmetic), `on`
 # against `launches` to its first differing token and the top two log-probs there (the layer sums in
 # another order: a near-tie may flip); the alternated A/B of scripts/gpu_ab.sh, `on` against
@@ -43,7 +43,7 @@ grep -h 'BENCH moe_combine' "$out/bench_moe.log" | sed 's/.*BENCH/  - BENCH/' | 
 grep -h 'BENCH' "$out/bench_gemv_norm.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
 "$bin/parity" --ignored --test-threads=1 --nocapture bench_attn::bench_attention_decode >"$out/bench_attn.log" 2>&1 || rc=1
 grep -h 'BENCH' "$out/bench_attn.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
-for b in bench_moe_layer bench_gdn_layer; do
+for b in bench_moe_layer bench_gdn_layer bench_attn_layer; do
   "$bin/parity" --ignored --test-threads=1 --nocapture "$b::$b" >"$out/$b.log" 2>&1 || rc=1
   grep -h 'BENCH' "$out/$b.log" | sed 's/.*BENCH/  - BENCH/' | tee -a "$summary"
 done
@@ -51,7 +51,7 @@ done
 off="$out/sanmai-fused-off"
 printf '#!/bin/sh\nSANMAI_FUSED_DECODE=0 exec "%s/sanmai" "$@"\n' "$bin" >"$off"
 launches="$out/sanmai-layers-off"
-printf '#!/bin/sh\nSANMAI_MOE_LAYER=0 SANMAI_GDN_LAYER=0 exec "%s/sanmai" "$@"\n' "$bin" >"$launches"
+printf '#!/bin/sh\nSANMAI_MOE_LAYER=0 SANMAI_GDN_LAYER=0 SANMAI_ATTN_LAYER=0 exec "%s/sanmai" "$@"\n' "$bin" >"$launches"
 chmod +x "$off" "$launches"
 for c in "${configs[@]}"; do
   name=$(basename "$c" .json)

@@ -9,9 +9,10 @@
 //      asks for the first K/V tile of its phase-2 item (cached positions, which no phase writes);
 //   2. an item is one KV head's span of AL_TILE-position tiles (the context split over the grid): each
 //      warp takes one query head of the KV head's group, its q normed (1 + w), roped and rounded to bf16
-//      as qk_norm_rope_bf16 writes it; per tile the scores (a warp_sum a position), an online softmax
-//      and Σ e·v (lane: 8 of the head's d = 256 values); the tiles stream through a two-stage cp.async
-//      ring. The item holding the new position normes and ropes its k (the first warp), writes k and v
+//      as qk_norm_rope_bf16 writes it (the norm weights and the rotation's cos and sin read once a
+//      block before barrier 1); per tile the scores (a warp_sum a position), an online softmax
+//      and Σ e·v (lane: 8 of the head's d = 256 values); the tiles stream through a cp.async ring
+//      (AL_STAGES tiles). The item holding the new position norms and ropes its k (the last warp), writes k and v
 //      into the pools at kv_dst (kv_write_bf16's bytes) and puts them into its tile. Each item writes
 //      its heads' (max, Σ e) and unnormalised Σ e·v, as attn_paged_partial;
 //   3. an item is one query head's 32 values: the merge of the splits (log-sum-exp), times
@@ -35,6 +36,14 @@
 // 16-byte chunks of one K (or V) tile, and those a thread copies.
 #define AL_CHUNKS (AL_TILE * AL_D / 8)
 #define AL_PER_T (AL_CHUNKS / ML_THREADS)
+// Tiles in the ring (16 KiB each, dynamic shared memory: the launcher passes AL_STAGES · 16 KiB): while
+// one is summed the next AL_STAGES − 1 are on their way.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define AL_STAGES 4
+#else
+#define AL_STAGES 2  // two blocks in the 100 KiB of sm_86 / sm_89
+#endif
+#define AL_STAGE_ELEMS (2 * AL_TILE * AL_D)
 
 // The kernel's arguments (`AttnLayerArgs` in crates/cuda/src/ops/attn_layer.rs, field for field).
 // Packed weights are words [n, k / 32 · BITS] u32 and scales [n, ceil(k / group)] f32.
@@ -95,7 +104,8 @@ __device__ __forceinline__ void al_cp16(void* dst, const void* src, bool ok) {
 }
 __device__ __forceinline__ void al_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void al_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-__device__ __forceinline__ void al_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+// Waits until at most the newest AL_STAGES − 1 groups of this thread's copies are in flight.
+__device__ __forceinline__ void al_wait_stages() { asm volatile("cp.async.wait_group %0;\n" ::"n"(AL_STAGES - 1) : "memory"); }
 
 // Whether position p of the sequence is visible (inside its context and a pool block), and its pool row.
 __device__ __forceinline__ bool al_row(const AttnLayerArgs& a, int p, int len, size_t& row) {
@@ -106,8 +116,8 @@ __device__ __forceinline__ bool al_row(const AttnLayerArgs& a, int p, int len, s
 }
 
 // This thread's chunks of tile t (positions t·AL_TILE ..) of KV head kh into one stage of the ring
-// (K rows then V rows, [AL_TILE][AL_D] bf16 each; an invisible position's rows read as zeros), committed
-// as one group.
+// (K rows then V rows, [AL_TILE][AL_D] bf16 each; an invisible position's rows read as zeros); the
+// caller commits the group.
 __device__ __forceinline__ void al_issue(const AttnLayerArgs& a, bf16* stage, int kh, int t, int len) {
     const size_t rs = (size_t)a.hkv * AL_D;
 #pragma unroll
@@ -119,12 +129,53 @@ __device__ __forceinline__ void al_issue(const AttnLayerArgs& a, bf16* stage, in
         al_cp16(stage + 8 * c, a.k_pool + at, ok);
         al_cp16(stage + AL_TILE * AL_D + 8 * c, a.v_pool + at, ok);
     }
-    al_commit();
+}
+
+// The item's first AL_STAGES − 1 tiles (from t0, none past t1) into stages 0 .., a group each (empty
+// past t1), so that al_item always finds tile t complete once all but AL_STAGES − 1 groups are.
+__device__ __forceinline__ void al_prime(const AttnLayerArgs& a, bf16* ring, int kh, int t0, int t1, int len) {
+#pragma unroll
+    for (int u = 0; u < AL_STAGES - 1; ++u) {
+        if (t0 + u < t1) al_issue(a, ring + (size_t)u * AL_STAGE_ELEMS, kh, t0 + u, len);
+        al_commit();
+    }
+}
+
+// Item it's KV head and its tiles [t0, t1).
+__device__ __forceinline__ void al_span(const AlSplit& s, int it, int& kh, int& sp, int& t0, int& t1) {
+    kh = it / s.splits;
+    sp = it - kh * s.splits;
+    t0 = sp * s.per;
+    t1 = min(t0 + s.per, s.tiles);
+}
+
+// What every item's head norms and RoPE read, loaded once a block before barrier 1 (none depends on
+// phase 1): the q and k norm weights, and the scaled cos and sin of each rotary frequency at the new
+// token's position (qk_norm_rope_bf16's sincosf and mscale).
+struct AlConst {
+    bf16 qw[AL_D];
+    bf16 kw[AL_D];
+    float cs[AL_D / 2];
+    float sn[AL_D / 2];
+};
+__device__ __forceinline__ void al_consts(const AttnLayerArgs& a, AlConst& c) {
+    const float pos = (float)__ldg(a.positions);
+    for (int i = threadIdx.x; i < AL_D; i += blockDim.x) {
+        c.qw[i] = a.q_norm[i];
+        c.kw[i] = a.k_norm[i];
+    }
+    for (int j = threadIdx.x; j < a.half; j += blockDim.x) {
+        float sn, cs;
+        sincosf(pos * __ldg(a.inv_freq + j), &sn, &cs);
+        c.cs[j] = cs * a.mscale;
+        c.sn[j] = sn * a.mscale;
+    }
 }
 
 // The head norm (1 + w) and RoPE of one head's d values, lane holding values 8·lane .. 8·lane + 7 (x,
-// in place), each rounded to bf16 as qk_norm_rope_bf16 writes it. Every lane of the warp calls it.
-__device__ __forceinline__ void al_norm_rope(const AttnLayerArgs& a, float x[8], const bf16* w, float pos) {
+// in place), each rounded to bf16 as qk_norm_rope_bf16 writes it; w and the rotation from AlConst.
+// Every lane of the warp calls it.
+__device__ __forceinline__ void al_norm_rope(const AttnLayerArgs& a, float x[8], const bf16* w, const AlConst& c) {
     const int lane = threadIdx.x & 31;
     float ss = 0.0f;
 #pragma unroll
@@ -132,7 +183,7 @@ __device__ __forceinline__ void al_norm_rope(const AttnLayerArgs& a, float x[8],
     ss = warp_sum(ss);
     const float rr = 1.0f / sqrtf(ss / (float)AL_D + a.head_eps);
     float wf[8];
-    unpack8(__ldg((const uint4*)w + lane), wf);
+    unpack8(((const uint4*)w)[lane], wf);
 #pragma unroll
     for (int e = 0; e < 8; ++e) x[e] = (x[e] * rr) * (1.0f + wf[e]);
     // Value i < half pairs with i + half, which lies half / 8 lanes on (half a multiple of 8).
@@ -144,10 +195,7 @@ __device__ __forceinline__ void al_norm_rope(const AttnLayerArgs& a, float x[8],
         const float other = __shfl_sync(0xffffffffu, x[e], src);
         if (rot) {
             const int j = lo ? base + e : base + e - a.half;
-            float sn, cs;
-            sincosf(pos * __ldg(a.inv_freq + j), &sn, &cs);
-            cs *= a.mscale;
-            sn *= a.mscale;
+            const float cs = c.cs[j], sn = c.sn[j];
             const float av = lo ? x[e] : other, bv = lo ? other : x[e];
             x[e] = lo ? av * cs + (-bv) * sn : bv * cs + av * sn;
         }
@@ -157,12 +205,13 @@ __device__ __forceinline__ void al_norm_rope(const AttnLayerArgs& a, float x[8],
 }
 
 // Phase 2, item `it` of the split: warp g attends query head kh·group + g over the item's tiles. The
-// item's first tile was issued into stage 0 (al_issue) before the call.
-__device__ __forceinline__ void al_item(const AttnLayerArgs& a, const AlSplit& s, int it, bf16* ring, bf16* kv_new) {
+// item's first tiles were issued (al_prime) before the call.
+__device__ __forceinline__ void al_item(const AttnLayerArgs& a, const AlSplit& s, int it, bf16* ring, bf16* kv_new,
+                                        const AlConst& c) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int group = a.hq / a.hkv, kh = it / s.splits, sp = it - kh * s.splits;
-    const int t0 = sp * s.per, t1 = min(t0 + s.per, s.tiles);
-    const float pos = (float)__ldg(a.positions);
+    const int group = a.hq / a.hkv;
+    int kh, sp, t0, t1;
+    al_span(s, it, kh, sp, t0, t1);
     const int qrow = 2 * a.hq * AL_D, krow = qrow + kh * AL_D, vrow = qrow + a.hkv * AL_D + kh * AL_D;
     const int newp = s.len - 1, newt = newp / AL_TILE;
     const bool has_new = newt >= t0 && newt < t1;
@@ -172,14 +221,14 @@ __device__ __forceinline__ void al_item(const AttnLayerArgs& a, const AlSplit& s
     {
         const int hq_i = kh * group + (head ? warp : 0);
         unpack8(__ldcg((const uint4*)(a.qkv + (size_t)hq_i * 2 * AL_D) + lane), q);
-        al_norm_rope(a, q, a.q_norm, pos);
+        al_norm_rope(a, q, c.qw, c);
     }
     // The new position's k (normed, roped, rounded) and v, by the last warp of the item that holds it,
     // into the pools and kv_new ([2][AL_D], which the same warp copies into the tile).
     if (has_new && warp == ML_WARPS - 1) {
         float k[8];
         unpack8(__ldcg((const uint4*)(a.qkv + krow) + lane), k);
-        al_norm_rope(a, k, a.k_norm, pos);
+        al_norm_rope(a, k, c.kw, c);
         const uint4 kn = make_uint4(pack_bf16x2(k[0], k[1]), pack_bf16x2(k[2], k[3]), pack_bf16x2(k[4], k[5]),
                                     pack_bf16x2(k[6], k[7]));
         const uint4 vn = __ldcg((const uint4*)(a.qkv + vrow) + lane);
@@ -197,13 +246,11 @@ __device__ __forceinline__ void al_item(const AttnLayerArgs& a, const AlSplit& s
     for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
 #pragma unroll 1
     for (int t = t0; t < t1; ++t) {
-        bf16* st = ring + (size_t)((t - t0) & 1) * 2 * AL_TILE * AL_D;
-        if (t + 1 < t1) {
-            al_issue(a, ring + (size_t)((t + 1 - t0) & 1) * 2 * AL_TILE * AL_D, kh, t + 1, s.len);
-            al_wait_one();
-        } else {
-            al_wait_all();
-        }
+        bf16* st = ring + (size_t)((t - t0) % AL_STAGES) * AL_STAGE_ELEMS;
+        const int ahead = t + AL_STAGES - 1;  // into the stage tile t − 1 left
+        if (ahead < t1) al_issue(a, ring + (size_t)((ahead - t0) % AL_STAGES) * AL_STAGE_ELEMS, kh, ahead, s.len);
+        al_commit();
+        al_wait_stages();
         __syncthreads();
         if (has_new && t == newt && warp == ML_WARPS - 1) {
             const int j = newp - t * AL_TILE;
@@ -249,6 +296,7 @@ __device__ __forceinline__ void al_item(const AttnLayerArgs& a, const AlSplit& s
         }
         __syncthreads();  // the stage is read before the next tile is issued into it
     }
+    al_wait_all();  // only empty groups are left
     if (head) {
         const size_t slot = (size_t)(kh * group + warp) * a.max_splits + sp;
         float4* po = (float4*)(a.part_o + slot * AL_D) + 2 * lane;
@@ -267,6 +315,7 @@ __device__ __forceinline__ void al_reduce(const AttnLayerArgs& a, int splits, in
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int h = item / (AL_D / 32), i = (item % (AL_D / 32)) * 32 + lane;
     const size_t slot0 = (size_t)h * a.max_splits;
+    const float gate = warp == 0 ? bf2f(__ldcg(a.qkv + (size_t)h * 2 * AL_D + AL_D + i)) : 0.0f;
     float M = NEG_INF, num = 0.0f, den = 0.0f;
 #pragma unroll 1
     for (int s0 = warp; s0 < splits; s0 += 4 * ML_WARPS) {
@@ -310,7 +359,7 @@ __device__ __forceinline__ void al_reduce(const AttnLayerArgs& a, int splits, in
             dd += f * red[w][lane][2];
         }
         float o = dd > 0.0f ? nn / dd : 0.0f;
-        o *= sigmoid_f(bf2f(__ldcg(a.qkv + (size_t)h * 2 * AL_D + AL_D + i)));
+        o *= sigmoid_f(gate);
         a.attn[(size_t)h * AL_D + i] = f2bf(o);
     }
     __syncthreads();  // red is read before the next item writes it
@@ -319,8 +368,9 @@ __device__ __forceinline__ void al_reduce(const AttnLayerArgs& a, int splits, in
 template <int BITS, int GU, int OU>
 __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
     __shared__ __align__(16) bf16 s_buf[AL_MAX_O];  // x (phase 1), then the attention output (phase 4)
-    __shared__ __align__(16) bf16 ring[2 * 2 * AL_TILE * AL_D];  // phase 2's K/V tiles; phase 3's sums
+    extern __shared__ __align__(16) bf16 ring[];  // AL_STAGES K/V tiles in phase 2; phase 3's sums
     __shared__ __align__(16) bf16 kv_new[2 * AL_D];                // the new position's k and v
+    __shared__ __align__(16) AlConst consts;
     __shared__ float s_res[ML_WARPS][ML_MAXROWS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gw = blockIdx.x * ML_WARPS + warp, nw = gridDim.x * ML_WARPS;
@@ -363,9 +413,11 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
     // The first tile of the block's first item: cached positions only, which no phase writes (the new
     // position's rows are replaced in phase 2).
     if ((int)blockIdx.x < items2) {
-        const int kh = blockIdx.x / sp.splits, s0 = blockIdx.x - kh * sp.splits;
-        al_issue(a, ring, kh, s0 * sp.per, sp.len);
+        int kh, s0, t0, t1;
+        al_span(sp, blockIdx.x, kh, s0, t0, t1);
+        al_prime(a, ring, kh, t0, t1, sp.len);
     }
+    al_consts(a, consts);  // read after barrier 1's __syncthreads
     ml_mark(a.trace, 1);
     ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
@@ -374,10 +426,11 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
 #pragma unroll 1
     for (int it = blockIdx.x; it < items2; it += gridDim.x) {
         if (it != (int)blockIdx.x) {
-            const int kh = it / sp.splits, s0 = it - kh * sp.splits;
-            al_issue(a, ring, kh, s0 * sp.per, sp.len);
+            int kh, s0, t0, t1;
+            al_span(sp, it, kh, s0, t0, t1);
+            al_prime(a, ring, kh, t0, t1, sp.len);
         }
-        al_item(a, sp, it, ring, kv_new);
+        al_item(a, sp, it, ring, kv_new, consts);
     }
     ml_mark(a.trace, 3);
     ml_grid_sync(a.sync, 2 * gridDim.x, ml_last(a.trace, 1));
@@ -435,7 +488,8 @@ __device__ __forceinline__ RowSpan al_first_rows(const AttnLayerArgs& a) {
 
 // Entry points: projections of BITS bits (q|gate, k, v and o_proj of one width), 2 units of 32 values
 // a lane in the h-wide dots (h ≤ 2048), 4 in the o_proj dots (hq · d ≤ 4096). Grid: blocks_per_sm ·
-// multiprocessors blocks of ML_THREADS threads, launched cooperatively.
+// multiprocessors blocks of ML_THREADS threads, launched cooperatively; dynamic shared memory
+// AL_STAGES · 16 KiB (4 stages from sm_90 on, else 2).
 extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p8_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<8>(a)); attn_layer_m1<8, 2, 4>(a); }
 extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p6_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<6>(a)); attn_layer_m1<6, 2, 4>(a); }
 extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p4_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<4>(a)); attn_layer_m1<4, 2, 4>(a); }

@@ -123,8 +123,9 @@ __device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, const bf16
 // The softmax top-k of the e ≤ 32 · ML_TOPK_PER logits (written in this launch: read through L2) by
 // one warp, into ids and wts (shared memory, [k]): lane i holds experts i, i + 32, ...; p = exp(x -
 // max) / sum, each candidate's key router_key(p, id) (larger probability first, the lower id among
-// equal ones), k rounds of a warp-wide arg-max (two redux operations: the largest probability, then
-// the lowest id holding it), lane r keeping rank r; with renorm the kept
+// equal ones), each lane's candidates sorted by key, then k rounds of a warp-wide arg-max over the
+// lanes' heads (two redux operations: the largest probability, then the lowest id holding it), lane r
+// keeping rank r; with renorm the kept
 // probabilities are divided by their sum taken in rank order (as router_topk_rows).
 __device__ __forceinline__ void ml_topk_warp(const MoeLayerArgs& a, u32* ids, float* wts, const u32* (*gw)[ML_MAX_K],
                                              const float* (*gs)[ML_MAX_K]) {
@@ -156,24 +157,40 @@ __device__ __forceinline__ void ml_topk_warp(const MoeLayerArgs& a, u32* ids, fl
         const int i = lane + 32 * j;
         key[j] = i < e ? router_key(p[j], (u32)i) : 0ull;
     }
+    // The lane's candidates sorted once, largest key first (a bitonic network over registers), so a
+    // round compares only the lanes' heads and the winner's list moves up by one.
+#pragma unroll
+    for (int kk = 2; kk <= ML_TOPK_PER; kk <<= 1)
+#pragma unroll
+        for (int jj = kk >> 1; jj > 0; jj >>= 1)
+#pragma unroll
+            for (int i = 0; i < ML_TOPK_PER; ++i) {
+                const int l = i ^ jj;
+                if (l > i) {
+                    const unsigned long long x = key[i], y = key[l];
+                    const bool sw = (i & kk) == 0 ? x < y : x > y;
+                    key[i] = sw ? y : x;
+                    key[l] = sw ? x : y;
+                }
+            }
     u32 my_id = 0xffffffffu;
     float my_p = 0.0f;
     // Lane r's expert's table entries, asked for as soon as rank r is decided.
     unsigned long long tab[4] = {0ull, 0ull, 0ull, 0ull};
 #pragma unroll 1
     for (int r = 0; r < k; ++r) {
-        // The lane's best key (a tree over its candidates), then the warp's: the largest probability
-        // bits, and among the lanes that hold it the lowest id.
-        unsigned long long best = key[0];
-#pragma unroll
-        for (int j = 1; j < ML_TOPK_PER; ++j) best = key[j] > best ? key[j] : best;
+        // The lane's best key (its list's head), then the warp's: the largest probability bits, and
+        // among the lanes that hold it the lowest id.
+        const unsigned long long best = key[0];
         const u32 hi = (u32)(best >> 32);
         const u32 top = __reduce_max_sync(0xffffffffu, hi);
         const u32 id = __reduce_min_sync(0xffffffffu, hi == top ? ~(u32)best : 0xffffffffu);
-        // The owner clears the winner's key.
+        // The owner's list moves up past the winner (keys of distinct experts differ: one owner).
+        if (best != 0ull && ~(u32)best == id && hi == top) {
 #pragma unroll
-        for (int j = 0; j < ML_TOPK_PER; ++j)
-            if (key[j] != 0ull && ~(u32)key[j] == id) key[j] = 0ull;
+            for (int j = 0; j + 1 < ML_TOPK_PER; ++j) key[j] = key[j + 1];
+            key[ML_TOPK_PER - 1] = 0ull;
+        }
         if (lane == r) {
             my_id = id;
             my_p = __uint_as_float(top);

@@ -4,6 +4,7 @@
 //! o_proj (with the residual add and the next norm) in phases of one cooperative grid, where the
 //! separate launches take seven.
 
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
@@ -22,6 +23,12 @@ const HEAD_DIM: usize = 256;
 const MAX_GROUP: usize = 8;
 const MAX_O: usize = 4096;
 const MAX_H: usize = 2048;
+/// The K/V tile ring's dynamic shared memory (`AL_STAGES` tiles of 16 KiB in attn_layer.cu): four
+/// from compute capability 9.0 on, else two (two blocks in an sm_86 multiprocessor).
+fn ring_smem(compute_capability: (u32, u32)) -> usize {
+    let stages = if compute_capability.0 >= 9 { 4 } else { 2 };
+    stages * 2 * 16 * HEAD_DIM * 2
+}
 
 /// The kernel's arguments (`AttnLayerArgs` in attn_layer.cu, field for field).
 #[repr(C)]
@@ -327,7 +334,13 @@ impl Gpu {
         (a.eps, a.offset) = (out.eps, out.offset);
         let bits = layer.q.scheme.bits;
         let kernel = self.kernel(&format!("attn_layer_m1_p{bits}_u2_o4"))?;
-        let grid = self.layer_grid(OP, kernel, 0, bufs.partials, h)?;
+        let smem = ring_smem(self.info().compute_capability);
+        // Above 48 KiB of dynamic shared memory a kernel must opt in (a host-side attribute).
+        kernel.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )?;
+        let grid = self.layer_grid(OP, kernel, smem, bufs.partials, h)?;
         a.partials = self.addr_mut(bufs.partials);
         let mut b = self.launch(kernel);
         b.arg(&a).cooperative();
@@ -338,7 +351,7 @@ impl Gpu {
         // rows; the part buffers hold the splits of any grid up to `moe_layer_max_blocks`; the grid
         // is what the multiprocessors hold at once, launched cooperatively, as the grid barriers
         // need.
-        unsafe { b.launch(cfg((grid, 1, 1), THREADS, 0)) }?;
+        unsafe { b.launch(cfg((grid, 1, 1), THREADS, smem as u32)) }?;
         Ok(())
     }
 }

@@ -8,7 +8,9 @@
 
 use sanmai_cpu::CpuBackend;
 use sanmai_cuda::CudaBackend;
-use sanmai_model::backend::{AttnMixerCall, AttnShape, AttnWeights, CacheSpec, Rope, SeqChunk};
+use sanmai_model::backend::{
+    AttnMixerCall, AttnShape, AttnWeights, CacheSpec, GdnShape, Rope, SeqChunk,
+};
 use sanmai_model::Backend;
 use sanmai_weights::quant::quantize;
 
@@ -75,7 +77,13 @@ fn spec(sh: &AttnShape, num_blocks: usize) -> CacheSpec {
         head_dim: D,
         index_head_dim: 0,
         gdn_layers: vec![],
-        gdn: Default::default(),
+        gdn: GdnShape {
+            num_k_heads: 1,
+            num_v_heads: 1,
+            k_head_dim: 8,
+            v_head_dim: 8,
+            conv_kernel: 4,
+        },
         ple_layers: vec![],
         ple: None,
         kv_host: None,

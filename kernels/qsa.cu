@@ -8,7 +8,12 @@
 #include "common.cuh"
 
 #define QSA_MAX_DI 256
-#define QSA_SPLIT 256
+// Selection entries a block of qsa_attn_partial reduces (its span): small for decode rows, so a row's
+// topk spreads over many blocks (2048 entries: 32 spans a head group); qsa_attn_partial_wide's (the
+// prefill form, whose split workspace grows with its many rows) four times that, which qsa_staged.cu's
+// QSA_SPLIT must equal.
+#define QSA_SPLIT_DECODE 64
+#define QSA_SPLIT_WIDE 256
 #define QSA_MAX_D 256
 
 // fp8 e4m3 ("fn": max 448, 0x7F NaN) of x, nearest even, saturating; the CPU's fp8_e4m3_encode.
@@ -387,19 +392,64 @@ __device__ __forceinline__ QsaHeads qsa_heads(int x, int hq, int hkv) {
     return QsaHeads{kh, kh * g + grp * per, min(per, g - grp * per)};
 }
 
-// Copies the d bf16 values at src[j] (j < cn; a null src[j] is skipped) into rows[j·d ..] and, where
-// fill[j] is not null, into fill[j] too: 16-byte loads when `vec` (d a multiple of 8, every pointer
-// 16-byte aligned), so a whole chunk's loads are in flight at once.
+// 16 bytes global → shared without a register round trip (cp.async, as attention.cu's att_cp16).
+__device__ __forceinline__ void qsa_cp16(void* dst, const void* src) {
+    const u32 s = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+}
+
+// Copies the d bf16 values at src[j] (j < cn ≤ QSA_CHUNK; a null src[j] is skipped) into rows[j·d ..]
+// and, where fill[j] is not null, into fill[j] too; every thread of the block (QSA_THREADS of them).
+// With `vec` (d a multiple of 8, every pointer 16-byte aligned) each thread first issues all its
+// 16-byte copies into rows (cp.async: no registers held), waits for them, then writes the fills from
+// its own copies in shared memory: a whole chunk's loads are in flight at once. (A load into a
+// register followed by its fill store in one loop would serialise them: the compiler cannot move the
+// next load above a global store, one memory latency per load.) The bytes are the same either way.
 __device__ __forceinline__ void qsa_stage_chunk(bf16* rows, const bf16* const* src, bf16* const* fill, int cn,
                                                 int d, bool vec) {
     if (vec) {
-        const int per = d >> 3;
-        for (int t = threadIdx.x; t < cn * per; t += blockDim.x) {
-            const int j = t / per, c = t - j * per;
-            if (!src[j]) continue;
-            const uint4 x = reinterpret_cast<const uint4*>(src[j])[c];
-            reinterpret_cast<uint4*>(rows + (size_t)j * d)[c] = x;
-            if (fill[j]) reinterpret_cast<uint4*>(fill[j])[c] = x;
+        constexpr int LOADS = QSA_CHUNK * QSA_MAX_D / 8 / QSA_THREADS;
+        const int per = d >> 3, total = cn * per;
+        if (total <= 0) return;
+        // Thread t's k-th 16 bytes: unit u = t + k·QSA_THREADS of rows ([cn, d] contiguous), row j =
+        // u / per, column c = u % per, stepped without a division.
+        const int dj = QSA_THREADS / per, dc = QSA_THREADS - dj * per;
+        const int j0 = (int)threadIdx.x / per, c0 = (int)threadIdx.x - j0 * per;
+        uint4* const rows16 = reinterpret_cast<uint4*>(rows) + threadIdx.x;
+        unsigned got = 0;  // bit k: unit k was copied
+        int j = j0, c = c0;
+#pragma unroll
+        for (int k = 0; k < LOADS; ++k) {
+            if ((int)threadIdx.x + k * QSA_THREADS < total) {
+                const bf16* s = src[j];
+                if (s) {
+                    qsa_cp16(rows16 + k * QSA_THREADS, reinterpret_cast<const uint4*>(s) + c);
+                    got |= 1u << k;
+                }
+            }
+            j += dj;
+            c += dc;
+            if (c >= per) {
+                c -= per;
+                ++j;
+            }
+        }
+        asm volatile("cp.async.commit_group;\n" ::: "memory");
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+        j = j0;
+        c = c0;
+#pragma unroll
+        for (int k = 0; k < LOADS; ++k) {
+            if (got & (1u << k)) {
+                bf16* f = fill[j];
+                if (f) reinterpret_cast<uint4*>(f)[c] = rows16[k * QSA_THREADS];
+            }
+            j += dj;
+            c += dc;
+            if (c >= per) {
+                c -= per;
+                ++j;
+            }
         }
     } else {
         for (int t = threadIdx.x; t < cn * d; t += blockDim.x) {
@@ -414,7 +464,7 @@ __device__ __forceinline__ void qsa_stage_chunk(bf16* rows, const bf16* const* s
 
 // Grid (hkv·groups, splits, rows) (qsa_heads); block QSA_THREADS threads. Row r (q normed and roped)
 // attends to its counts[r] (at most sel_stride) selected positions sel[r·sel_stride ..], span sp of
-// QSA_SPLIT of them; K/V rows are gathered through block table table + r·table_stride (stride 0: the
+// SPLIT of them; K/V rows are gathered through block table table + r·table_stride (stride 0: the
 // rows of one sequence share its table; the decode form passes one table row per sequence). A block
 // serves a group of the query heads of one KV head, so each selected row crosses the bus once for the
 // group (not once a query head), QSA_CHUNK rows at a time staged in shared memory with every load of
@@ -440,7 +490,8 @@ __device__ __forceinline__ void qsa_stage_chunk(bf16* rows, const bf16* const* s
 // ends. Blocks that fill one line write the same bytes (its claim names one slot), and no reader of
 // this step trusts that line (its hitmark is not e), while lines that can hit are never written: the
 // decisions do not depend on the order of the blocks.
-extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial(const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
+template <int SPLIT>
+__device__ __forceinline__ void qsa_attn_partial_impl(const bf16* __restrict__ q, const bf16* __restrict__ k_pool, const bf16* __restrict__ v_pool,
                      const u32* __restrict__ tables, long long table_stride, const u32* __restrict__ sel,
                      int sel_stride, const u32* __restrict__ counts, float* __restrict__ part_o,
                      float* __restrict__ part_ml, int hq, int hkv, int d, int bs, int splits, float scale,
@@ -449,12 +500,13 @@ extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial(const
                      bf16* rc_v, long long rc_lines) {
     pdl_prologue();
     __shared__ float qs[QSA_GROUP][QSA_MAX_D];
-    __shared__ float sc[QSA_GROUP][QSA_SPLIT];
+    __shared__ float sc[QSA_GROUP][SPLIT];
     __shared__ __align__(16) bf16 rows[QSA_CHUNK * QSA_MAX_D];
     __shared__ const bf16* src[QSA_CHUNK];
     __shared__ bf16* fill[QSA_CHUNK];
     __shared__ float scratch[32];
-    __shared__ unsigned char rc_st[QSA_SPLIT];
+    __shared__ unsigned char rc_st[SPLIT];
+    __shared__ size_t span_at[SPLIT];
     const QsaHeads hd = qsa_heads(blockIdx.x, hq, hkv);
     const int sp = blockIdx.y, r = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -463,8 +515,8 @@ extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial(const
     const int n = (int)min(counts[r], (u32)sel_stride);
     const u32* ps = sel + (size_t)r * sel_stride;
     const u32* table = tables + (size_t)r * table_stride;
-    const int i0 = sp * QSA_SPLIT;
-    const int i1 = min(i0 + QSA_SPLIT, n);
+    const int i0 = sp * SPLIT;
+    const int i1 = min(i0 + SPLIT, n);
     const size_t slot0 = ((size_t)r * hq + hd.h0) * splits + sp;  // head h0 + hh: slot0 + hh·splits
     if (i0 >= i1) {
         for (int hh = 0; hh < ng; ++hh) {
@@ -485,14 +537,47 @@ extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial(const
                      ((reinterpret_cast<size_t>(k_pool) | reinterpret_cast<size_t>(v_pool) |
                        reinterpret_cast<size_t>(rc_k) | reinterpret_cast<size_t>(rc_v)) &
                       15) == 0;
-    for (int t = threadIdx.x; t < ng * d; t += blockDim.x) {
-        const int hh = t / d, i = t - hh * d;
-        qs[hh][i] = bf2f(q[((size_t)r * hq + hd.h0 + hh) * d + i]);
+    // The span's entries, PER a thread (entry i0 + t + k·QSA_THREADS): each entry's position is asked
+    // for first, its latency overlapping the query's loads; its slot (through the block table) is
+    // kept for the span, so every chunk's row addresses come from shared memory rather than from two
+    // dependent global loads a chunk.
+    constexpr int PER = (SPLIT + QSA_THREADS - 1) / QSA_THREADS;
+    u32 pe[PER];
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const int je = i0 + (int)threadIdx.x + k * QSA_THREADS;
+        pe[k] = je < i1 ? ps[je] : 0u;
     }
-    if (cached) {
-        for (int j = i0 + threadIdx.x; j < i1; j += blockDim.x) {
-            const u32 p = ps[j];
-            const u32 s = (u32)((size_t)table[p / bs] * bs + p % bs);
+    // The group's query heads (ng·d contiguous values), every load issued before the first store;
+    // the register array is indexed only by unrolled loop counters.
+    const bf16* qr = q + ((size_t)r * hq + hd.h0) * d;
+    const int qn = ng * d;
+    constexpr int QLOADS = QSA_GROUP * QSA_MAX_D / QSA_THREADS;
+    bf16 qv[QLOADS];
+#pragma unroll
+    for (int k = 0; k < QLOADS; ++k)
+        if ((int)threadIdx.x + k * QSA_THREADS < qn) qv[k] = qr[threadIdx.x + k * QSA_THREADS];
+    // Value t = threadIdx.x + k·QSA_THREADS is head t / d, index t % d: stepped without a division.
+    const int dh = QSA_THREADS / d, dt = QSA_THREADS - dh * d;
+    int qh = (int)threadIdx.x / d, qc = (int)threadIdx.x - qh * d;
+#pragma unroll
+    for (int k = 0; k < QLOADS; ++k) {
+        if ((int)threadIdx.x + k * QSA_THREADS < qn) qs[qh][qc] = bf2f(qv[k]);
+        qh += dh;
+        qc += dt;
+        if (qc >= d) {
+            qc -= d;
+            ++qh;
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < PER; ++k) {
+        const int je = i0 + (int)threadIdx.x + k * QSA_THREADS;
+        if (je >= i1) break;
+        const size_t at = (size_t)table[pe[k] / bs] * bs + pe[k] % bs;
+        span_at[je - i0] = at;
+        if (cached) {
+            const u32 s = (u32)at;
             const u32 line = s % rc_l;
             // The claim is loaded beside the hitmark (no kernel of this step writes either); the tag
             // only when the line was hit this step (a fill may be writing it otherwise).
@@ -504,14 +589,13 @@ extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial(const
             } else if (cl == (((unsigned long long)rc_e << 32) | s)) {
                 st = RC_FILL;
             }
-            rc_st[j - i0] = (unsigned char)st;
+            rc_st[je - i0] = (unsigned char)st;
         }
     }
     __syncthreads();
     // Where entry j's KV-head part of K (or V) comes from, and the line it fills (null: none).
     auto source = [&](int j, const bf16* pool, bf16* line_rows, bool want, const bf16** from, bf16** to) {
-        const u32 p = ps[j];
-        const size_t at = (size_t)table[p / bs] * bs + p % bs;
+        const size_t at = span_at[j - i0];
         const int st = cached ? rc_st[j - i0] : RC_HOST;
         const size_t at_line = st == RC_HOST ? 0 : (size_t)((u32)at % rc_l) * row + (size_t)kh * d;
         *to = st == RC_FILL ? line_rows + at_line : nullptr;
@@ -613,6 +697,25 @@ extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial(const
         for (int hh = 0; hh < QSA_GROUP; ++hh)
             if (hh < ng) part_o[(slot0 + (size_t)hh * splits) * d + i] = acc[k][hh];
     }
+}
+
+// The entry points: decode rows (spans of QSA_SPLIT_DECODE entries) and the prefill form
+// (QSA_SPLIT_WIDE).
+#define QSA_PARTIAL_PARAMS                                                                                        \
+    const bf16 *__restrict__ q, const bf16 *__restrict__ k_pool, const bf16 *__restrict__ v_pool,                \
+        const u32 *__restrict__ tables, long long table_stride, const u32 *__restrict__ sel, int sel_stride,     \
+        const u32 *__restrict__ counts, float *__restrict__ part_o, float *__restrict__ part_ml, int hq, int hkv, \
+        int d, int bs, int splits, float scale, unsigned long long *rc_tags, const u32 *__restrict__ rc_hitmark, \
+        const unsigned long long *__restrict__ rc_claim, const u32 *__restrict__ rc_epoch, bf16 *rc_k, bf16 *rc_v, \
+        long long rc_lines
+#define QSA_PARTIAL_ARGS                                                                                          \
+    q, k_pool, v_pool, tables, table_stride, sel, sel_stride, counts, part_o, part_ml, hq, hkv, d, bs, splits,    \
+        scale, rc_tags, rc_hitmark, rc_claim, rc_epoch, rc_k, rc_v, rc_lines
+extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial(QSA_PARTIAL_PARAMS) {
+    qsa_attn_partial_impl<QSA_SPLIT_DECODE>(QSA_PARTIAL_ARGS);
+}
+extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial_wide(QSA_PARTIAL_PARAMS) {
+    qsa_attn_partial_impl<QSA_SPLIT_WIDE>(QSA_PARTIAL_ARGS);
 }
 
 // Grid (hq, rows). Merges the splits of qsa_attn_partial and multiplies by sigmoid(gate) (gate, out:

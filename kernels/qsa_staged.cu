@@ -22,7 +22,8 @@
 // and block_sum reduce in an order that depends on it.
 #include "common.cuh"
 
-// qsa.cu's values (a module per file: each file defines its own).
+// qsa.cu's values (a module per file: each file defines its own): QSA_SPLIT is QSA_SPLIT_WIDE, the span
+// of qsa_attn_partial_wide, whose arithmetic these kernels repeat.
 #define QSA_SPLIT 256
 #define QSA_MAX_D 256
 

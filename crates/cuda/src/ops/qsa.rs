@@ -17,8 +17,13 @@ use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 
 /// The largest indexer head size `dI` the kernels take.
 pub const QSA_MAX_INDEX_DIM: usize = 256;
-/// Selected positions per block of the gathered attention's partial kernel.
+/// Selected positions per block of the gathered attention's partial kernel in its prefill form
+/// (`QSA_SPLIT_WIDE` in qsa.cu, `qsa_attn_partial_wide`; `QSA_SPLIT` in qsa_staged.cu, whose passes
+/// must equal it).
 pub const QSA_SPLIT: usize = 256;
+/// The same in the decode form (`QSA_SPLIT_DECODE`, `qsa_attn_partial`): a decode row's selection
+/// spread over more blocks.
+const QSA_SPLIT_DECODE: usize = 64;
 /// Query heads (of one KV head) a block of `qsa_attn_partial` serves at most (`QSA_GROUP` in qsa.cu).
 const QSA_GROUP: usize = 8;
 /// The largest attention head size of the gathered attention.
@@ -649,9 +654,20 @@ impl Gpu {
         ensure(n_rows <= GRID_YZ_MAX, op, || {
             "too many rows in one call".into()
         })?;
-        let splits = max_count.div_ceil(QSA_SPLIT).max(1);
+        // The prefill form (one sequence's rows on one table, stride 0) takes wide spans, the decode
+        // form (a table a row) narrow ones.
+        let (kernel, span) = match cache.stride {
+            0 => ("qsa_attn_partial_wide", QSA_SPLIT),
+            _ => ("qsa_attn_partial", QSA_SPLIT_DECODE),
+        };
+        let splits = max_count.div_ceil(span).max(1);
         ensure(splits <= GRID_YZ_MAX, op, || "too many splits".into())?;
-        let slots = n_rows * hq * splits;
+        // Rows a launch pair takes: their split workspace stays within PART_BUDGET bytes (a prefill
+        // chunk of many rows over a long selection would otherwise ask for gigabytes of it); rows are
+        // independent, so the chunks' outputs are those of one launch.
+        let per_row = hq * splits * (d + 2) * 4;
+        let chunk = (PART_BUDGET / per_row).clamp(1, n_rows);
+        let slots = chunk * hq * splits;
         let mut part_o = self.stream().alloc_zeros::<f32>(slots * d)?;
         let mut part_ml = self.stream().alloc_zeros::<f32>(slots * 2)?;
         let (hqi, hkvi, di, bsi, spi, ss) = (
@@ -665,62 +681,82 @@ impl Gpu {
         let scale = (d as f32).powf(-0.5);
         let ts = cache.stride as i64;
         let rc_lines = rc.as_ref().map_or(0, |rc| rc.lines as i64);
-        let mut l = self.launch(self.kernel("qsa_attn_partial")?);
-        l.ptr(q)
-            .ptr(k_pool)
-            .ptr(v_pool)
-            .ptr(cache.tables)
-            .arg(&ts)
-            .ptr(sel)
-            .arg(&ss)
-            .ptr(counts)
-            .ptr_mut(&mut part_o)
-            .ptr_mut(&mut part_ml)
-            .arg(&hqi)
-            .arg(&hkvi)
-            .arg(&di)
-            .arg(&bsi)
-            .arg(&spi)
-            .arg(&scale);
-        match rc {
-            Some(rc) => l
-                .ptr_mut(&mut *rc.tags)
-                .ptr_mut(&mut *rc.hitmark)
-                .ptr_mut(&mut *rc.claim)
-                .ptr_mut(&mut *rc.epoch)
-                .ptr_mut(&mut *rc.k)
-                .ptr_mut(&mut *rc.v),
-            None => l
-                .arg(&NULL_PTR)
-                .arg(&NULL_PTR)
-                .arg(&NULL_PTR)
-                .arg(&NULL_PTR)
-                .arg(&NULL_PTR)
-                .arg(&NULL_PTR),
-        }
-        .arg(&rc_lines);
+        let mut rc = rc;
+        // Row r0's place in each per-row buffer (bytes from its start).
+        let (qa, ga, sa, ca, ta) = (
+            self.addr(q),
+            self.addr(gate),
+            self.addr(sel),
+            self.addr(counts),
+            self.addr(cache.tables),
+        );
+        let oa = self.addr_mut(out);
         // A block a group of at most QSA_GROUP query heads of one KV head (`qsa_heads` in qsa.cu).
         let groups = (hq / hkv).div_ceil(QSA_GROUP);
-        let grid = ((hkv * groups) as u32, splits as u32, n_rows as u32);
-        // SAFETY: argument types match the kernel; lengths checked; the selected positions come from
-        // qsa_topk (each below its row's context, which the table covers); with a row cache, its
-        // buffers hold `lines` entries and rows of hkv·d (checked by the caller) and every line
-        // index is a slot modulo lines.
-        unsafe { l.launch(cfg(grid, 128, 0)) }?;
-        drop(l);
-        let mut l = self.launch(self.kernel("qsa_attn_reduce")?);
-        l.ptr(&part_o)
-            .ptr(&part_ml)
-            .ptr(gate)
-            .ptr_mut(out)
-            .arg(&hqi)
-            .arg(&di)
-            .arg(&spi);
-        // SAFETY: as above.
-        unsafe { l.launch(cfg((hq as u32, n_rows as u32, 1), 128, 0)) }?;
+        for r0 in (0..n_rows).step_by(chunk) {
+            let rows = chunk.min(n_rows - r0);
+            let at = |base: u64, per_row_bytes: usize| base + (r0 * per_row_bytes) as u64;
+            let (qr, gr, or) = (at(qa, hq * d * 2), at(ga, hq * d * 2), at(oa, hq * d * 2));
+            let (sr, cr, tr) = (at(sa, sel_stride * 4), at(ca, 4), at(ta, cache.stride * 4));
+            let mut l = self.launch(self.kernel(kernel)?);
+            l.arg(&qr)
+                .ptr(k_pool)
+                .ptr(v_pool)
+                .arg(&tr)
+                .arg(&ts)
+                .arg(&sr)
+                .arg(&ss)
+                .arg(&cr)
+                .ptr_mut(&mut part_o)
+                .ptr_mut(&mut part_ml)
+                .arg(&hqi)
+                .arg(&hkvi)
+                .arg(&di)
+                .arg(&bsi)
+                .arg(&spi)
+                .arg(&scale);
+            match rc.as_mut() {
+                Some(rc) => l
+                    .ptr_mut(&mut *rc.tags)
+                    .ptr_mut(&mut *rc.hitmark)
+                    .ptr_mut(&mut *rc.claim)
+                    .ptr_mut(&mut *rc.epoch)
+                    .ptr_mut(&mut *rc.k)
+                    .ptr_mut(&mut *rc.v),
+                None => l
+                    .arg(&NULL_PTR)
+                    .arg(&NULL_PTR)
+                    .arg(&NULL_PTR)
+                    .arg(&NULL_PTR)
+                    .arg(&NULL_PTR)
+                    .arg(&NULL_PTR),
+            }
+            .arg(&rc_lines);
+            let grid = ((hkv * groups) as u32, splits as u32, rows as u32);
+            // SAFETY: argument types match the kernel; lengths checked (rows r0 .. r0 + rows of every
+            // per-row buffer lie inside it; the workspace holds `chunk` rows); the selected positions
+            // come from qsa_topk (each below its row's context, which the table covers); with a row
+            // cache, its buffers hold `lines` entries and rows of hkv·d (checked by the caller) and
+            // every line index is a slot modulo lines.
+            unsafe { l.launch(cfg(grid, 128, 0)) }?;
+            drop(l);
+            let mut l = self.launch(self.kernel("qsa_attn_reduce")?);
+            l.ptr(&part_o)
+                .ptr(&part_ml)
+                .arg(&gr)
+                .arg(&or)
+                .arg(&hqi)
+                .arg(&di)
+                .arg(&spi);
+            // SAFETY: as above.
+            unsafe { l.launch(cfg((hq as u32, rows as u32, 1), 128, 0)) }?;
+        }
         Ok(())
     }
 }
+
+/// Bytes of split workspace (`part_o`, `part_ml`) one launch of the gathered attention takes at most.
+const PART_BUDGET: usize = 256 << 20;
 
 /// A null device pointer: the row-cache arguments of the uncached attention.
 static NULL_PTR: u64 = 0;

@@ -79,6 +79,8 @@ pub struct EngineHandle {
     pub(crate) metrics: Arc<Mutex<MetricsSnapshot>>,
     pub(crate) limits: Arc<Limits>,
     pub(crate) images: Option<Arc<ImageEncoder>>,
+    /// The engine's thread, joined by the first [`EngineHandle::shutdown`].
+    pub(crate) thread: Arc<Mutex<Option<std::thread::JoinHandle<()>>>>,
 }
 
 pub(crate) struct Limits {
@@ -160,9 +162,17 @@ impl EngineHandle {
         self.metrics.lock().unwrap().clone()
     }
 
-    /// Stops the engine: queued and running requests finish with `Abort`.
+    /// Stops the engine: queued and running requests finish with `Abort`; returns once its thread has
+    /// ended and released the model (its device memory and contexts), so that a process may exit
+    /// right after without tearing the device down under it.
     pub fn shutdown(&self) {
         let _ = self.tx.send(Command::Shutdown);
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = thread {
+            if t.join().is_err() {
+                tracing::error!("the engine thread panicked");
+            }
+        }
     }
 }
 

@@ -152,7 +152,9 @@ impl Server {
                 shutdown.await;
                 tracing::info!("shutting down: no new connections, aborting running requests");
                 if let Some(ready) = state.try_ready() {
-                    ready.engine.shutdown();
+                    // The engine's thread is joined off the runtime's workers.
+                    let engine = ready.engine.clone();
+                    let _ = tokio::task::spawn_blocking(move || engine.shutdown()).await;
                 }
             })
             .await?;

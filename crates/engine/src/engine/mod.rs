@@ -270,7 +270,7 @@ pub fn start<E: Executor + 'static>(
         masks: MaskWorkers::new(2),
         history_tokens: g.history_tokens,
     };
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("sanmai-engine".into())
         .spawn(move || engine.run())
         .expect("spawning the engine thread");
@@ -280,6 +280,7 @@ pub fn start<E: Executor + 'static>(
         metrics,
         limits,
         images: None,
+        thread: Arc::new(Mutex::new(Some(thread))),
     })
 }
 

@@ -498,7 +498,6 @@ __device__ __forceinline__ void qsa_attn_partial_impl(const bf16* __restrict__ q
                      unsigned long long* rc_tags, const u32* __restrict__ rc_hitmark,
                      const unsigned long long* __restrict__ rc_claim, const u32* __restrict__ rc_epoch, bf16* rc_k,
                      bf16* rc_v, long long rc_lines) {
-    pdl_prologue();
     __shared__ float qs[QSA_GROUP][QSA_MAX_D];
     __shared__ float sc[QSA_GROUP][SPLIT];
     __shared__ __align__(16) bf16 rows[QSA_CHUNK * QSA_MAX_D];
@@ -712,9 +711,11 @@ __device__ __forceinline__ void qsa_attn_partial_impl(const bf16* __restrict__ q
     q, k_pool, v_pool, tables, table_stride, sel, sel_stride, counts, part_o, part_ml, hq, hkv, d, bs, splits,    \
         scale, rc_tags, rc_hitmark, rc_claim, rc_epoch, rc_k, rc_v, rc_lines
 extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial(QSA_PARTIAL_PARAMS) {
+    pdl_prologue();
     qsa_attn_partial_impl<QSA_SPLIT_DECODE>(QSA_PARTIAL_ARGS);
 }
 extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial_wide(QSA_PARTIAL_PARAMS) {
+    pdl_prologue();
     qsa_attn_partial_impl<QSA_SPLIT_WIDE>(QSA_PARTIAL_ARGS);
 }
 

@@ -9,7 +9,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::attention::AttnDims;
-use super::layer::THREADS;
+use super::layer::{check_packed, unit_scheme, THREADS};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use super::KvPools;
@@ -139,12 +139,6 @@ pub struct AttnLayerBufs<'a> {
     pub trace: Option<&'a mut CudaSlice<u64>>,
 }
 
-/// Whether a packed scheme of `bits` over `k` inputs suits the kernel's unit dots: `k % 32 == 0`,
-/// per-row scales or groups of a multiple of 32.
-fn unit_scheme(s: PackedScheme, bits: u32, k: usize) -> bool {
-    s.bits == bits && k > 0 && k.is_multiple_of(32) && s.group(k).is_multiple_of(32)
-}
-
 impl Gpu {
     /// Whether [`Gpu::attn_layer_decode`] takes a layer of width `h`, heads `dims` and RoPE over
     /// `rot_dim` values whose projections are packed as `q`, `k`, `v` and `o`: head size 256, at most
@@ -238,19 +232,13 @@ impl Gpu {
             OP,
             || "projections must be q [2·hq·d, h], k and v [hkv·d, h], o [h, hq·d]".into(),
         )?;
-        for m in [&layer.q, &layer.k, &layer.v, &layer.o] {
-            check_len(
-                OP,
-                "words",
-                m.words,
-                m.n * m.k / 32 * m.scheme.bits as usize,
-            )?;
-            check_len(
-                OP,
-                "scales",
-                m.scales,
-                m.n * m.k.div_ceil(m.scheme.group(m.k)),
-            )?;
+        for (name, m) in [
+            ("q", &layer.q),
+            ("k", &layer.k),
+            ("v", &layer.v),
+            ("o", &layer.o),
+        ] {
+            check_packed(OP, name, m)?;
         }
         check_len(OP, "x", x, h)?;
         check_len(OP, "q_norm", layer.q_norm, d)?;
@@ -368,14 +356,5 @@ mod tests {
             28 * 8 + 10 * 4 + 5 * 4 + 4 + 8
         );
         assert_eq!(std::mem::align_of::<AttnLayerArgs>(), 8);
-    }
-
-    #[test]
-    fn unit_schemes_are_one_width_per_row_or_groups_of_32() {
-        let s = |bits, group_size| PackedScheme { bits, group_size };
-        assert!(unit_scheme(s(8, 0), 8, 2048));
-        assert!(unit_scheme(s(4, 128), 4, 4096));
-        assert!(!unit_scheme(s(6, 128), 8, 4096));
-        assert!(!unit_scheme(s(8, 16), 8, 2048));
     }
 }

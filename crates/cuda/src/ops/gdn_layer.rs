@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnPools};
-use super::layer::THREADS;
+use super::layer::{check_packed, unit_scheme, THREADS};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
@@ -119,12 +119,6 @@ fn instance(h: usize, ko: usize) -> Option<(usize, usize)> {
     }
 }
 
-/// Whether a packed scheme of `bits` over `k` inputs suits the kernel's unit dots: `k % 32 == 0`,
-/// per-row scales or groups of a multiple of 32.
-fn unit_scheme(s: PackedScheme, bits: u32, k: usize) -> bool {
-    s.bits == bits && k > 0 && k.is_multiple_of(32) && s.group(k).is_multiple_of(32)
-}
-
 impl Gpu {
     /// Whether [`Gpu::gdn_layer_decode`] takes a layer of width `h`, GDN `dims` and conv `kernel`
     /// taps whose projections are packed as `qkv`, `z` and `out`: one width of 4, 6 or 8 bits with
@@ -188,19 +182,8 @@ impl Gpu {
         ensure(seq.batch == 1, OP, || {
             format!("one sequence a launch, not {}", seq.batch)
         })?;
-        for m in [&layer.qkv, &layer.z, &layer.out] {
-            check_len(
-                OP,
-                "words",
-                m.words,
-                m.n * m.k / 32 * m.scheme.bits as usize,
-            )?;
-            check_len(
-                OP,
-                "scales",
-                m.scales,
-                m.n * m.k.div_ceil(m.scheme.group(m.k)),
-            )?;
+        for (name, m) in [("qkv", &layer.qkv), ("z", &layer.z), ("out", &layer.out)] {
+            check_packed(OP, name, m)?;
         }
         check_len(OP, "x", x, h)?;
         check_len(OP, "w_b", layer.w_b, hv * h)?;
@@ -306,15 +289,5 @@ mod tests {
         assert_eq!(instance(2048, 6144), Some((3, 6)));
         assert_eq!(instance(4096, 4096), None);
         assert_eq!(instance(2048, 8192), None);
-    }
-
-    #[test]
-    fn unit_schemes_are_one_width_per_row_or_groups_of_32() {
-        let s = |bits, group_size| PackedScheme { bits, group_size };
-        assert!(unit_scheme(s(8, 0), 8, 2048));
-        assert!(unit_scheme(s(4, 128), 4, 4096));
-        assert!(!unit_scheme(s(4, 128), 8, 4096));
-        assert!(!unit_scheme(s(8, 16), 8, 2048));
-        assert!(!unit_scheme(s(8, 0), 8, 2040));
     }
 }

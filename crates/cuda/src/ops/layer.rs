@@ -6,6 +6,7 @@ use cudarc::driver::CudaSlice;
 use half::bf16;
 
 use super::moe::CombineInto;
+use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
 use crate::gpu::{check_len, grid_u32, Gpu};
 use crate::registry::Kernel;
@@ -16,6 +17,29 @@ pub(super) const THREADS: u32 = 256;
 const MAX_BLOCKS_PER_SM: u32 = 2;
 /// Output rows a warp takes at most (`ML_MAXROWS`).
 const MAX_ROWS_PER_WARP: usize = 4;
+
+/// Whether a packed scheme of `bits` over `k` inputs suits the layer launches' unit dots (`ml_dot`):
+/// `k % 32 == 0`, per-row scales or groups of a multiple of 32.
+pub(super) fn unit_scheme(s: PackedScheme, bits: u32, k: usize) -> bool {
+    s.bits == bits && k > 0 && k.is_multiple_of(32) && s.group(k).is_multiple_of(32)
+}
+
+/// Checks that a packed weight's buffers hold its `[n, k]` words and scales (`what`: its name in the
+/// error).
+pub(super) fn check_packed(
+    op: &'static str,
+    what: &str,
+    m: &PackedMat<'_, CudaSlice<u32>, CudaSlice<f32>>,
+) -> Result<()> {
+    let words = m.n * m.k / 32 * m.scheme.bits as usize;
+    check_len(op, &format!("{what} words"), m.words, words)?;
+    check_len(
+        op,
+        &format!("{what} scales"),
+        m.scales,
+        m.n * m.k.div_ceil(m.scheme.group(m.k)),
+    )
+}
 
 /// The output fields of a launch's argument struct: `y` (the row), or `acc`, `norm_w`, `normed`, `eps`
 /// and `offset` (its add to the residual and the norm); the others 0.
@@ -92,5 +116,20 @@ impl Gpu {
     /// `partials` must hold.
     pub fn moe_layer_max_blocks(&self) -> usize {
         MAX_BLOCKS_PER_SM as usize * self.info().multiprocessors as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unit_schemes_are_one_width_per_row_or_groups_of_32() {
+        let s = |bits, group_size| PackedScheme { bits, group_size };
+        assert!(unit_scheme(s(8, 0), 8, 2048));
+        assert!(unit_scheme(s(4, 128), 4, 4096));
+        assert!(!unit_scheme(s(4, 128), 8, 4096));
+        assert!(!unit_scheme(s(8, 16), 8, 2048));
+        assert!(!unit_scheme(s(8, 0), 8, 2040));
     }
 }

@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::layer::THREADS;
+use super::layer::{check_packed, THREADS};
 use super::moe::{CombineInto, Experts};
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
@@ -243,19 +243,8 @@ impl Gpu {
                 },
             )?;
             check_len(OP, "shared gate", s.gate, h)?;
-            for m in [&s.gate_up, &s.down] {
-                check_len(
-                    OP,
-                    "shared words",
-                    m.words,
-                    m.n * m.k / 32 * m.scheme.bits as usize,
-                )?;
-                check_len(
-                    OP,
-                    "shared scales",
-                    m.scales,
-                    m.n * m.k.div_ceil(m.scheme.group(m.k)),
-                )?;
+            for (name, m) in [("shared gate|up", &s.gate_up), ("shared down", &s.down)] {
+                check_packed(OP, name, m)?;
             }
             shared_bits = s.gate_up.scheme.bits;
             a.shared_gate = self.addr(s.gate);

@@ -24,7 +24,8 @@
 //!   RMSNorm), `gdn_chunk_prefill` (every sequence of a prefill step in one launch, chunked), `attention_paged_decode` / `attention_paged_prefill` (gated GQA attention
 //!   over the paged K/V cache, split-K with a reduce kernel that applies `sigmoid(gate)`), and the
 //!   elementwise `add_bf16`, `gather_rows`, `concat_cols`, `hc_premix`,
-//!   `hc_gated_residual`.
+//!   `hc_gated_residual`; and a one-row decoding layer's mixer or MoE block in one persistent
+//!   cooperative launch (`moe_layer_decode`, `gdn_layer_decode`, `attn_layer_decode`).
 //! - Options, not environment: [`CudaOptions`] (CUDA graphs on or off, and the [`GpuOptions`]: PDL on
 //!   or off, the kernel cache and CUDA header folders) says how a backend opens; this crate reads no
 //!   environment variable, its caller (the `sanmai` binary, the tests' own helper) decides.

@@ -5,7 +5,9 @@
 //!
 //! Every op returns an [`OpResult`]: a device failure or a call outside the op's contract is a
 //! [`BackendError`], never a panic. Ops with many inputs take one call struct ([`AttnCall`],
-//! [`QsaCall`], [`GdnCall`], [`MoeCall`], [`PleCall`], [`SampleCall`]).
+//! [`QsaCall`], [`GdnCall`], [`MoeCall`], [`PleCall`], [`SampleCall`]); a whole mixer sublayer from
+//! its normed input is a [`GdnMixerCall`] or an [`AttnMixerCall`] (`mixer.rs`), which a backend may
+//! run its own way (one launch on a GPU).
 //!
 //! qwen4_exp adds (shapes and weights in `qsa.rs`, `ple.rs`, `hc.rs`): QSA's fp8 index-key cache next to the
 //! K/V of every attention layer (one entry of `dI` fp8 e4m3 values and a bf16 scale per position, in

@@ -6,15 +6,16 @@
 // barriers:
 //   1. the projections' rows, a warp a row, several rows' loads in flight a warp (x staged once a block
 //      in shared memory), each rounded to bf16 as the projection launch writes them; meanwhile each block
-//      asks for the first K/V tile of its phase-2 item (cached positions, which no phase writes);
+//      asks for the first AL_STAGES − 1 K/V tiles of its phase-2 item (cached positions, which no phase
+//      writes);
 //   2. an item is one KV head's span of AL_TILE-position tiles (the context split over the grid): each
 //      warp takes one query head of the KV head's group, its q normed (1 + w), roped and rounded to bf16
 //      as qk_norm_rope_bf16 writes it (the norm weights and the rotation's cos and sin read once a
 //      block before barrier 1); per tile the scores (a warp_sum a position), an online softmax
 //      and Σ e·v (lane: 8 of the head's d = 256 values); the tiles stream through a cp.async ring
-//      (AL_STAGES tiles). The item holding the new position norms and ropes its k (the last warp), writes k and v
-//      into the pools at kv_dst (kv_write_bf16's bytes) and puts them into its tile. Each item writes
-//      its heads' (max, Σ e) and unnormalised Σ e·v, as attn_paged_partial;
+//      (AL_STAGES tiles). The item holding the new position norms and ropes its k (the last warp),
+//      writes k and v into the pools at kv_dst (kv_write_bf16's bytes) and puts them into its tile.
+//      Each item writes its heads' (max, Σ e) and unnormalised Σ e·v, as attn_paged_partial;
 //   3. an item is one query head's 32 values: the merge of the splits (log-sum-exp), times
 //      sigmoid(gate), rounded to bf16 (attn_paged_reduce's result); each warp's first o_proj row is asked
 //      for before the barrier;

@@ -70,10 +70,13 @@ impl CudaBackend {
         sh: &AttnShape,
         rows: usize,
     ) -> bool {
-        rows == 1
-            && self.switches.fused_decode.load(Ordering::Relaxed)
+        rows == 1 && self.attn_layer_on() && layer_of(&self.gpu, w, sh, 16).is_some()
+    }
+
+    /// Both switches the one launch needs are on.
+    fn attn_layer_on(&self) -> bool {
+        self.switches.fused_decode.load(Ordering::Relaxed)
             && self.switches.attn_layer.load(Ordering::Relaxed)
-            && layer_of(&self.gpu, w, sh, 16).is_some()
     }
 
     /// [`Backend::attn_mixer_add_rms_norm`]: the one launch where it takes the call (one decoding
@@ -88,7 +91,7 @@ impl CudaBackend {
         offset: f32,
     ) -> OpResult<CudaTensor> {
         let one = c.x.rows == 1 && c.seqs.len() == 1 && all_decode(c.seqs) && c.mrope.is_none();
-        let layer = if one && self.attn_layer_takes(c.w, c.shape, 1) {
+        let layer = if one && self.attn_layer_on() {
             layer_of(&self.gpu, c.w, c.shape, c.rope.rot_dim)
         } else {
             None

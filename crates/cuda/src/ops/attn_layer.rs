@@ -4,17 +4,16 @@
 //! o_proj (with the residual add and the next norm) in phases of one cooperative grid, where the
 //! separate launches take seven.
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::attention::AttnDims;
-use super::layer::{check_packed, unit_scheme, THREADS};
+use super::layer::{check_packed, unit_scheme};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use super::KvPools;
 use crate::error::{ensure, Result};
-use crate::gpu::{cfg, check_len, Gpu};
+use crate::gpu::{check_len, Gpu};
 
 /// The kernel's shape limits (attn_layer.cu): the head size (`AL_D`), query heads of a KV head (a
 /// warp each, `AL_MAX_GROUP`), the attention output it stages (`AL_MAX_O`) and the input width of its
@@ -323,24 +322,16 @@ impl Gpu {
         let bits = layer.q.scheme.bits;
         let kernel = self.kernel(&format!("attn_layer_m1_p{bits}_u2_o4"))?;
         let smem = ring_smem(self.info().compute_capability);
-        // Above 48 KiB of dynamic shared memory a kernel must opt in (a host-side attribute).
-        kernel.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem as i32,
-        )?;
-        let grid = self.layer_grid(OP, kernel, smem, bufs.partials, h)?;
-        a.partials = self.addr_mut(bufs.partials);
-        let mut b = self.launch(kernel);
-        b.arg(&a).cooperative();
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
         // and the kernel's shape limits are checked above; the kernel reads block ids from the
         // `max_blocks` of the table only for positions below min(lens[0], max_blocks·bs), masks
         // ids at or past the pools' blocks and writes pool row kv_dst[0] only below the pools'
-        // rows; the part buffers hold the splits of any grid up to `moe_layer_max_blocks`; the grid
-        // is what the multiprocessors hold at once, launched cooperatively, as the grid barriers
-        // need.
-        unsafe { b.launch(cfg((grid, 1, 1), THREADS, smem as u32)) }?;
-        Ok(())
+        // rows; the part buffers hold the splits of any grid up to `moe_layer_max_blocks`.
+        unsafe {
+            self.launch_layer(OP, (kernel, smem, h), bufs.partials, |partials| {
+                AttnLayerArgs { partials, ..a }
+            })
+        }
     }
 }
 

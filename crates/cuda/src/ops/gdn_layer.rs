@@ -8,11 +8,11 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnPools};
-use super::layer::{check_packed, unit_scheme, THREADS};
+use super::layer::{check_packed, unit_scheme};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
-use crate::gpu::{cfg, check_len, Gpu};
+use crate::gpu::{check_len, Gpu};
 
 /// The kernel's shape limits (gdn_layer.cu): value columns of an item (`GL_TC`), key and value head
 /// sizes (`GL_MAX_DK`, `GL_MAX_DV`), conv taps (`GL_MAX_CONV`), all heads' values (`GL_MAX_O`),
@@ -254,16 +254,15 @@ impl Gpu {
         let (u, o) = instance(h, ko).expect("checked by gdn_layer_fits");
         let bits = layer.qkv.scheme.bits;
         let kernel = self.kernel(&format!("gdn_layer_m1_p{bits}_u{u}_o{o}"))?;
-        let grid = self.layer_grid(OP, kernel, 0, bufs.partials, h)?;
-        a.partials = self.addr_mut(bufs.partials);
-        let mut b = self.launch(kernel);
-        b.arg(&a).cooperative();
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
         // and the kernel's shape limits are checked above; slot ids at or past `num_slots` (which
-        // both pools hold) touch no state; the grid is what the multiprocessors hold at once (the
-        // occupancy API for this block size), launched cooperatively, as the grid barriers need.
-        unsafe { b.launch(cfg((grid, 1, 1), THREADS, 0)) }?;
-        Ok(())
+        // both pools hold) touch no state.
+        unsafe {
+            self.launch_layer(OP, (kernel, 0, h), bufs.partials, |partials| GdnLayerArgs {
+                partials,
+                ..a
+            })
+        }
     }
 }
 

@@ -2,13 +2,14 @@
 //! the host: where a launch writes its output row (the row itself, or its add to the residual and the
 //! norm of that), and its grid (as many blocks as the multiprocessors hold at once).
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
-use crate::gpu::{check_len, grid_u32, Gpu};
+use crate::gpu::{cfg, check_len, grid_u32, Gpu};
 use crate::registry::Kernel;
 
 /// Threads per block (`ML_THREADS` in layer.cuh).
@@ -110,6 +111,37 @@ impl Gpu {
             format!("h = {h} exceeds {MAX_ROWS_PER_WARP} rows a warp of {blocks} blocks")
         })?;
         grid_u32(op, blocks)
+    }
+
+    /// Launches the persistent layer `kernel` cooperatively over [`Gpu::layer_grid`]'s grid with
+    /// `smem` bytes of dynamic shared memory (opting in above 48 KiB) and the argument struct
+    /// `args(partials)` (given the address of `partials`, one f32 a block).
+    ///
+    /// # Safety
+    /// `args` must build the kernel's argument struct with buffers and shapes it may read and write,
+    /// as the caller checked.
+    pub(super) unsafe fn launch_layer<A: DeviceRepr>(
+        &self,
+        op: &'static str,
+        (kernel, smem, h): (&Kernel, usize, usize),
+        partials: &mut CudaSlice<f32>,
+        args: impl FnOnce(u64) -> A,
+    ) -> Result<()> {
+        if smem > 48 << 10 {
+            kernel.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+        }
+        let grid = self.layer_grid(op, kernel, smem, partials, h)?;
+        let a = args(self.addr_mut(partials));
+        let mut b = self.launch(kernel);
+        b.arg(&a).cooperative();
+        // SAFETY: the caller vouches for the arguments; the grid is what the multiprocessors hold
+        // at once (the occupancy API for this block size and shared memory), launched
+        // cooperatively, as the kernels' grid barriers need.
+        unsafe { b.launch(cfg((grid, 1, 1), THREADS, smem as u32)) }?;
+        Ok(())
     }
 
     /// The most blocks a persistent layer launch's grid takes (two a multiprocessor): what its

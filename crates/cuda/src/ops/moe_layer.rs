@@ -6,11 +6,11 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::layer::{check_packed, THREADS};
+use super::layer::check_packed;
 use super::moe::{CombineInto, Experts};
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
-use crate::gpu::{cfg, check_len, Gpu};
+use crate::gpu::{check_len, Gpu};
 
 /// The kernel's shape limits: rows of at most `MAX_H` values in the full-warp dots (`ML_CHUNKS`,
 /// `ML_UNITS`), down rows of at most `MAX_INTER` (`ML_DUNITS`), at most `MAX_K` experts a token
@@ -266,17 +266,14 @@ impl Gpu {
         let name = format!("moe_layer_m1_q4_s{shared_bits}_u{units}");
         let kernel = self.kernel(&name)?;
         let smem = (2 * k * inter).next_multiple_of(16);
-        let grid = self.layer_grid(OP, kernel, smem, bufs.partials, h)?;
-        a.partials = self.addr_mut(bufs.partials);
-        let mut b = self.launch(kernel);
-        b.arg(&a).cooperative();
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
-        // and the kernel's shape limits are checked above; the grid is what the multiprocessors
-        // hold at once (the occupancy API for this block size and shared memory), launched
-        // cooperatively, as the kernel's grid barriers need; the dynamic shared memory holds the
+        // and the kernel's shape limits are checked above; the dynamic shared memory holds the
         // staged SwiGLU rows.
-        unsafe { b.launch(cfg((grid, 1, 1), THREADS, smem as u32)) }?;
-        Ok(())
+        unsafe {
+            self.launch_layer(OP, (kernel, smem, h), bufs.partials, |partials| {
+                MoeLayerArgs { partials, ..a }
+            })
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 
 use cudarc::driver::sys::CUevent_flags;
 use half::bf16;
+use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{cudarc, Gpu};
 
 use crate::common::gpu;
@@ -158,4 +159,13 @@ fn bench_gemv_gemm_copy() {
             2.0 * (m * n * k) as f64 / t / 1e12
         );
     }
+}
+
+/// A packed INT8 `[n, k]` weight with per-row scales, random words (the persistent layers' benches).
+pub fn int8_proj(g: &Gpu, n: usize, k: usize, salt: u32) -> (CudaSlice<u32>, CudaSlice<f32>) {
+    let words: Vec<u32> = (0..n * k / 4)
+        .map(|i| (i as u32 ^ salt).wrapping_mul(2_654_435_761))
+        .collect();
+    let scales: Vec<f32> = (0..n).map(|i| 1e-3 * (1.0 + (i % 7) as f32)).collect();
+    (g.upload(&words).unwrap(), g.upload(&scales).unwrap())
 }

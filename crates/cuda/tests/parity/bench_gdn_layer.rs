@@ -11,7 +11,7 @@ use sanmai_cuda::{
     PackedMat, PackedScheme,
 };
 
-use crate::bench::{pattern, time, trace_medians};
+use crate::bench::{int8_proj as proj, pattern, time, trace_medians};
 use crate::common::gpu;
 
 /// Inputs the timed launches rotate through.
@@ -35,15 +35,6 @@ const PHASES: [(&str, usize, usize); 12] = [
     ("b2_skew", 3, 11),
     ("b2_release", 11, 4),
 ];
-
-/// A packed INT8 `[n, k]` weight with per-row scales, random words.
-fn proj(g: &Gpu, n: usize, k: usize, salt: u32) -> (CudaSlice<u32>, CudaSlice<f32>) {
-    let words: Vec<u32> = (0..n * k / 4)
-        .map(|i| (i as u32 ^ salt).wrapping_mul(2_654_435_761))
-        .collect();
-    let scales: Vec<f32> = (0..n).map(|i| 1e-3 * (1.0 + (i % 7) as f32)).collect();
-    (g.upload(&words).unwrap(), g.upload(&scales).unwrap())
-}
 
 #[test]
 #[ignore = "timing; run with --ignored on a GPU host"]

@@ -291,26 +291,22 @@ __device__ __forceinline__ void moe_gemv_tile(const unsigned long long* __restri
 // one 16-byte run of rows g and g + 8 per 128-value span, values 32q .. 32q + 31, and word j of it
 // feeds two mmas with x values 32q + 8j .. 32q + 8j + 7 of the same span, permuted to the code pairs by
 // byte permutes. Each span's f32 partial sums are scaled by the rows' group scales (one per span, as
-// group % 128 == 0) and added to one of four accumulators, span s to accumulator s % 4 in span order,
-// and a row group's result is ((a0 + a1) + a2) + a3.
-//
-// Work split: a block takes `rgs` row groups of its tile's expert (blockIdx.x) and its MOE_MMA_WARPS
-// warps take them in turn (warp w: row groups w, w + MOE_MMA_WARPS, ...), each warp every span of its
-// row groups, so no sums cross warps. A warp's (row group, span) units form one stream read in chunks
-// of MOE_MMA_D units, two chunks in flight: the next chunk's loads are issued as soon as a chunk is
-// used, so a warp keeps its memory busy across its row groups instead of one round trip a group (a
-// block of one row group per tile, as decode steps once launched, spent most of its life waiting on
-// the tile table, the expert's address and its x rows). The tile's x rows are staged in shared memory
-// once per block while the first weight loads are in flight. The host sizes `rgs` from the tile slots
-// so that the grid fills the multiprocessors.
-// Grid (ceil(n / (16 · rgs)), max_tiles); block 32 · MOE_MMA_WARPS threads; dynamic shared memory
+// group % 128 == 0) and added to the lane's accumulators. The block's MOE_MMA_WARPS warps split the
+// spans (warp w: spans w, w + MOE_MMA_WARPS, ...), each loading MOE_MMA_SPW spans of both rows (and
+// their scales) before use, and the x rows of the tile's pairs are staged in shared memory once per
+// block (the weight loads already in flight); the warps' sums are added in warp order in shared memory.
+// A block takes R = MOE_MMA_SPW / ceil(spans / MOE_MMA_WARPS) row groups (at least one) of 16 rows:
+// where a warp's spans of a row group are fewer than its load slots (short rows: the down projection,
+// k = 512, one span a warp), its slots hold the spans of R row groups, so a block reads R times the
+// weights for one x staging and one wait on the tile table (a block of 4 KB spent most of its life
+// there). Grid (ceil(n / (16 · R)), max_tiles); block 32 · MOE_MMA_WARPS threads; dynamic shared memory
 // MOE_TILE · (k / 8 + 1) · 16 bytes (each pair's x row, padded by 16 bytes against bank conflicts).
 // Shape rules: k % 128 == 0, group % 128 == 0, words and x 16-byte aligned. Lanes of pair slots past
 // the tile's count feed zeros; rows ≥ n re-read row n - 1 and are not stored. SWIGLU (the down
 // projection of decode steps): X holds the pairs' gate|up rows [., 2k] and the staged x is
 // bf16(silu(gate) · up), computed as swiglu_bf16 computes it, so no separate activation launch.
 #define MOE_MMA_WARPS 4
-#define MOE_MMA_D 4
+#define MOE_MMA_SPW 4
 
 // Codes 0..7 of word w (LSB first) as four bf16x2 values (c0, c4), (c1, c5), (c2, c6), (c3, c7), each
 // code c as the exact bf16 c - 8.
@@ -330,24 +326,21 @@ __device__ __forceinline__ void moe_mma_bf16(float c[4], u32 a0, u32 a1, u32 a2,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// A cursor over a warp's (row group, span) units: row group j (the warp's j-th), span sp.
-struct MoeMmaCursor {
-    int j, sp;
-    __device__ __forceinline__ void next(int spans) {
-        if (++sp == spans) {
-            sp = 0;
-            ++j;
-        }
-    }
-};
+// Row groups a block of the tensor-core grouped GEMV takes for rows of `spans` 128-value spans (the
+// launcher mirrors this).
+__device__ __forceinline__ int moe_mma_groups(int spans) {
+    const int c = (spans + MOE_MMA_WARPS - 1) / MOE_MMA_WARPS;
+    return c >= MOE_MMA_SPW ? 1 : MOE_MMA_SPW / c;
+}
 
 template <bool SWIGLU, typename OUT>
 __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* __restrict__ w_ptrs,
                                                      const unsigned long long* __restrict__ s_ptrs,
                                                      const bf16* __restrict__ X, int x_div, u32 x_tail,
                                                      const u32* __restrict__ perm, const u32* __restrict__ tiles,
-                                                     OUT* __restrict__ Y, int n, int k, int group, int rgs) {
+                                                     OUT* __restrict__ Y, int n, int k, int group) {
     extern __shared__ uint4 sx[];
+    __shared__ float red[MOE_MMA_SPW][MOE_MMA_WARPS - 1][4][32];
     const int cnt = (int)tiles[3 * blockIdx.y + 2];
     if (cnt == 0) return;
     const u32 ex = tiles[3 * blockIdx.y], start = tiles[3 * blockIdx.y + 1];
@@ -356,40 +349,54 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
     const size_t wpr = (size_t)(k >> 3);
     const int scols = (k + group - 1) / group;
     const int spans = k >> 7;
-    // The block's row groups rg0 .. rg0 + n_rg - 1; the warp's mine of them, `units` units in all.
-    const int rg0 = blockIdx.x * rgs;
-    const int n_rg = min(rgs, (n + 15) / 16 - rg0);
-    const int mine = n_rg > warp ? (n_rg - warp + MOE_MMA_WARPS - 1) / MOE_MMA_WARPS : 0;
-    const int units = mine * spans;
+    // A warp's spans of a row group (at most), the block's row groups: with R > 1 a warp's load
+    // slot i holds span warp + MOE_MMA_WARPS · (i % C) of row group i / C, in one round; with R = 1
+    // slot i of round r holds span warp + MOE_MMA_WARPS · (r · MOE_MMA_SPW + i).
+    const int C = (spans + MOE_MMA_WARPS - 1) / MOE_MMA_WARPS;
+    const int R = moe_mma_groups(spans);
+    const int rb0 = blockIdx.x * 16 * R;
     const u32* W = (const u32*)w_ptrs[ex];
     const float* S = (const float*)s_ptrs[ex];
-    const int xrow = (k >> 3) + 1; // uint4s per staged x row
+    const int xrow = (k >> 3) + 1; // uint4 per staged x row
     const bool has_x = g < cnt;
     const uint4* xs = sx + g * xrow + 4 * q;
 
-    // Chunk buffers: both rows' 16-byte runs and scales of MOE_MMA_D units each.
-    uint4 la[2][MOE_MMA_D], lb[2][MOE_MMA_D];
-    float sa[2][MOE_MMA_D], sb[2][MOE_MMA_D];
-    MoeMmaCursor lc{0, 0}; // the next unit to load
-    int loaded = 0;
-    auto load = [&](uint4 (&a)[MOE_MMA_D], uint4 (&b)[MOE_MMA_D], float (&s0)[MOE_MMA_D], float (&s1)[MOE_MMA_D]) {
+    float acc[MOE_MMA_SPW][4];
 #pragma unroll
-        for (int i = 0; i < MOE_MMA_D; ++i) {
-            if (loaded < units) {
-                const int rb = (rg0 + warp + MOE_MMA_WARPS * lc.j) * 16;
+    for (int j = 0; j < MOE_MMA_SPW; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    uint4 la[MOE_MMA_SPW], lb[MOE_MMA_SPW];
+    float sa[MOE_MMA_SPW], sb[MOE_MMA_SPW];
+    // Slot i of round r: its row group and span (spans past the row's are none).
+    auto slot = [&](int r, int i, int& j, int& sp) {
+        if (R == 1) {
+            j = 0;
+            sp = warp + MOE_MMA_WARPS * (r * MOE_MMA_SPW + i);
+        } else {
+            j = i / C;
+            sp = j < R ? warp + MOE_MMA_WARPS * (i - j * C) : spans;
+        }
+    };
+    // Every load of a round first: its slots' spans of both rows and their scales.
+    auto load = [&](int r) {
+#pragma unroll
+        for (int i = 0; i < MOE_MMA_SPW; ++i) {
+            int j, sp;
+            slot(r, i, j, sp);
+            if (sp < spans) {
+                const int rb = rb0 + 16 * j;
                 const int ra = min(rb + g, n - 1), rbb = min(rb + g + 8, n - 1);
-                a[i] = __ldg((const uint4*)(W + (size_t)ra * wpr) + q + 4 * lc.sp);
-                b[i] = __ldg((const uint4*)(W + (size_t)rbb * wpr) + q + 4 * lc.sp);
-                const int sg = scale_group(lc.sp << 7, k, group);
-                s0[i] = __ldg(S + (size_t)ra * scols + sg);
-                s1[i] = __ldg(S + (size_t)rbb * scols + sg);
-                lc.next(spans);
-                ++loaded;
+                la[i] = __ldg((const uint4*)(W + (size_t)ra * wpr) + q + 4 * sp);
+                lb[i] = __ldg((const uint4*)(W + (size_t)rbb * wpr) + q + 4 * sp);
+                const int sg = scale_group(sp << 7, k, group);
+                sa[i] = __ldg(S + (size_t)ra * scols + sg);
+                sb[i] = __ldg(S + (size_t)rbb * scols + sg);
+            } else {
+                la[i] = lb[i] = make_uint4(0u, 0u, 0u, 0u);
+                sa[i] = sb[i] = 0.0f;
             }
         }
     };
-    load(la[0], lb[0], sa[0], sb[0]);
-    load(la[1], lb[1], sa[1], sb[1]);
+    load(0);
     {
         // The tile's x rows into shared memory while the first weight loads are in flight.
         const int per = k >> 3;
@@ -406,67 +413,64 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
         }
     }
     __syncthreads();
-
-    float acc[4][4];
+    const int rounds = R == 1 ? (C + MOE_MMA_SPW - 1) / MOE_MMA_SPW : 1;
+    for (int r = 0; r < rounds; ++r) {
+        if (r > 0) load(r);
 #pragma unroll
-    for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = 0.0f;
-    MoeMmaCursor uc{0, 0}; // the next unit to use
-    int used = 0;
-    auto use = [&](const uint4 (&a)[MOE_MMA_D], const uint4 (&b)[MOE_MMA_D], const float (&s0)[MOE_MMA_D],
-                   const float (&s1)[MOE_MMA_D]) {
+        for (int i = 0; i < MOE_MMA_SPW; ++i) {
+            int j, sp;
+            slot(r, i, j, sp);
+            if (sp >= spans) continue;
+            float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const u32 wA[4] = {la[i].x, la[i].y, la[i].z, la[i].w};
+            const u32 wB[4] = {lb[i].x, lb[i].y, lb[i].z, lb[i].w};
 #pragma unroll
-        for (int i = 0; i < MOE_MMA_D; ++i) {
-            if (used < units) {
-                const int sp = uc.sp;
-                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                const u32 wA[4] = {a[i].x, a[i].y, a[i].z, a[i].w};
-                const u32 wB[4] = {b[i].x, b[i].y, b[i].z, b[i].w};
+            for (int jj = 0; jj < 4; ++jj) {
+                const uint4 xv = has_x ? xs[16 * sp + jj] : make_uint4(0u, 0u, 0u, 0u);
+                // x pairs matching the code pairs (c0, c4), (c1, c5), (c2, c6), (c3, c7).
+                const u32 b0 = __byte_perm(xv.x, xv.z, 0x5410), b1 = __byte_perm(xv.x, xv.z, 0x7632);
+                const u32 b2 = __byte_perm(xv.y, xv.w, 0x5410), b3 = __byte_perm(xv.y, xv.w, 0x7632);
+                u32 pa[4], pb[4];
+                moe_q4_bf16x2(wA[jj], pa);
+                moe_q4_bf16x2(wB[jj], pb);
+                moe_mma_bf16(t, pa[0], pb[0], pa[1], pb[1], b0, b1);
+                moe_mma_bf16(t, pa[2], pb[2], pa[3], pb[3], b2, b3);
+            }
+            // Into row group j's accumulators (selected without indexing registers).
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const uint4 xv = has_x ? xs[16 * sp + j] : make_uint4(0u, 0u, 0u, 0u);
-                    // x pairs matching the code pairs (c0, c4), (c1, c5), (c2, c6), (c3, c7).
-                    const u32 b0 = __byte_perm(xv.x, xv.z, 0x5410), b1 = __byte_perm(xv.x, xv.z, 0x7632);
-                    const u32 b2 = __byte_perm(xv.y, xv.w, 0x5410), b3 = __byte_perm(xv.y, xv.w, 0x7632);
-                    u32 pa[4], pb[4];
-                    moe_q4_bf16x2(wA[j], pa);
-                    moe_q4_bf16x2(wB[j], pb);
-                    moe_mma_bf16(t, pa[0], pb[0], pa[1], pb[1], b0, b1);
-                    moe_mma_bf16(t, pa[2], pb[2], pa[3], pb[3], b2, b3);
+            for (int jj = 0; jj < MOE_MMA_SPW; ++jj) {
+                if (jj == j) {
+                    acc[jj][0] = fmaf(sa[i], t[0], acc[jj][0]);
+                    acc[jj][1] = fmaf(sa[i], t[1], acc[jj][1]);
+                    acc[jj][2] = fmaf(sb[i], t[2], acc[jj][2]);
+                    acc[jj][3] = fmaf(sb[i], t[3], acc[jj][3]);
                 }
-                // Span sp into accumulator sp % 4 (selected without indexing registers).
-#pragma unroll
-                for (int r = 0; r < 4; ++r) {
-                    if ((sp & 3) == r) {
-                        acc[r][0] = fmaf(s0[i], t[0], acc[r][0]);
-                        acc[r][1] = fmaf(s0[i], t[1], acc[r][1]);
-                        acc[r][2] = fmaf(s1[i], t[2], acc[r][2]);
-                        acc[r][3] = fmaf(s1[i], t[3], acc[r][3]);
-                    }
-                }
-                if (sp == spans - 1) {
-                    // The row group is done: acc[.][0], [1]: row rb + g, pair slots 2q, 2q + 1;
-                    // acc[.][2], [3]: row rb + g + 8.
-                    const int rb = (rg0 + warp + MOE_MMA_WARPS * uc.j) * 16;
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) {
-                        const float v = ((acc[0][c] + acc[1][c]) + acc[2][c]) + acc[3][c];
-                        const int m = 2 * q + (c & 1);
-                        const int row = rb + g + (c >> 1) * 8;
-                        if (m < cnt && row < n) store_out<OUT>(Y, (size_t)perm[start + m] * n + row, v);
-                        acc[0][c] = acc[1][c] = acc[2][c] = acc[3][c] = 0.0f;
-                    }
-                }
-                uc.next(spans);
-                ++used;
             }
         }
-    };
-    while (used < units) {
-        use(la[0], lb[0], sa[0], sb[0]);
-        load(la[0], lb[0], sa[0], sb[0]);
-        if (used >= units) break;
-        use(la[1], lb[1], sa[1], sb[1]);
-        load(la[1], lb[1], sa[1], sb[1]);
+    }
+    if (warp > 0) {
+#pragma unroll
+        for (int j = 0; j < MOE_MMA_SPW; ++j)
+            if (j < R)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) red[j][warp - 1][c][lane] = acc[j][c];
+    }
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int j = 0; j < MOE_MMA_SPW; ++j) {
+        if (j >= R) break;
+#pragma unroll
+        for (int w = 1; w < MOE_MMA_WARPS; ++w)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[j][c] += red[j][w - 1][c][lane];
+        // acc[j][0], [1]: row rb + g, pair slots 2q, 2q + 1; acc[j][2], [3]: row rb + g + 8.
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int m = 2 * q + (c & 1);
+            const int row = rb0 + 16 * j + g + (c >> 1) * 8;
+            if (m < cnt && row < n) store_out<OUT>(Y, (size_t)perm[start + m] * n + row, acc[j][c]);
+        }
     }
 }
 
@@ -495,9 +499,9 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_bf16_m1(MOE_ARG
 extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<8, 2, 1, 1, float>(MOE_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<6, 2, 2, 1, bf16>(MOE_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<6, 2, 2, 1, float>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, bf16>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group, lanes); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, float>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group, lanes); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_swiglu_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<true, float>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group, lanes); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, bf16>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, float>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_swiglu_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<true, float>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
 #undef MOE_ARGS
 #undef MOE_PASS
 

@@ -18,14 +18,11 @@ use crate::registry::Kernel;
 pub const MOE_TILE: usize = 8;
 /// Threads per block of the grouped GEMV.
 const GEMV_THREADS: usize = 256;
-/// Warps per block of the INT4 tensor-core grouped GEMV (`moe_gemv_q4_mma_*`: `MOE_MMA_WARPS` warps
-/// take a block's row groups of 16 rows in turn).
+/// Warps per block, rows per row group and load slots per warp of the INT4 tensor-core grouped GEMV
+/// (`moe_gemv_q4_mma_*`: `MOE_MMA_WARPS` warps split a 16-row group's k, `MOE_MMA_SPW` slots).
 const MMA_WARPS: usize = 4;
-/// Rows of a row group of the tensor-core grouped GEMV (the mma's 16 rows).
-const MMA_GROUP_ROWS: usize = 16;
-/// Blocks per multiprocessor the tensor-core grouped GEMV's grid aims at (three are resident at
-/// once: 128 threads of about 160 registers).
-const MMA_BLOCKS_PER_SM: usize = 2;
+const MMA_ROWS: usize = 16;
+const MMA_SLOTS: usize = 4;
 /// Threads per block of `moe_combine` (each sums 4 columns).
 const COMBINE_THREADS: usize = 128;
 
@@ -51,18 +48,15 @@ fn mma_smem(k: usize) -> usize {
     MOE_TILE * (k / 8 + 1) * 16
 }
 
-/// Row groups per block of the tensor-core grouped GEMV over `n` rows and `max_tiles` tile slots on
-/// `sms` multiprocessors: the most (a power of two from `MMA_WARPS`, one a warp, to 64) that still
-/// gives the grid `MMA_BLOCKS_PER_SM` blocks a multiprocessor, so a warp streams several row groups
-/// of its expert where the tiles are many (decode at batch 8: 75 experts) and one where few.
-fn mma_row_groups(n: usize, max_tiles: usize, sms: usize) -> usize {
-    let groups = n.div_ceil(MMA_GROUP_ROWS);
-    let target = MMA_BLOCKS_PER_SM * sms.max(1);
-    let mut rgs = MMA_WARPS;
-    while rgs < 64 && rgs < groups && max_tiles * groups.div_ceil(2 * rgs) >= target {
-        rgs *= 2;
+/// Row groups of 16 rows a block of the tensor-core grouped GEMV takes for rows of `k` values
+/// (`moe_mma_groups`): as many as a warp's load slots hold its spans of (one where they fill them).
+fn mma_groups(k: usize) -> usize {
+    let per_warp = (k / 128).div_ceil(MMA_WARPS).max(1);
+    if per_warp >= MMA_SLOTS {
+        1
+    } else {
+        MMA_SLOTS / per_warp
     }
-    rgs
 }
 
 /// Output element types of [`Gpu::moe_gemv`].
@@ -88,8 +82,7 @@ impl MoeOut for f32 {
 pub(crate) struct MoeGemvPlan {
     /// The entry point in `moe.cu`.
     pub(crate) kernel: String,
-    /// The kernel's last argument: lanes per weight row (a power of two, 8..=32), or for the
-    /// tensor-core kernel its row groups per block.
+    /// Lanes per weight row (a power of two, 8..=32).
     pub(crate) lanes: usize,
     /// Weight rows per block.
     pub(crate) rows_per_block: usize,
@@ -397,8 +390,7 @@ impl Gpu {
     /// kernels' shape rules (`k % 32 == 0` for INT4/INT8, `k % 8 == 0` for INT6, `group_size % 8 ==
     /// 0`), 16-byte aligned words and `x`; the caller builds the tables from live weights. INT4 with
     /// `k % 128 == 0`, groups of a multiple of 128 values and `k ≤ 3064` runs on tensor cores
-    /// (`moe_gemv_q4_mma_*`: a warp 16 rows at a time, the tile's pairs as the mma's columns, f32
-    /// sums).
+    /// (`moe_gemv_q4_mma_*`: rows in groups of 16, the tile's pairs as the mma's columns, f32 sums).
     pub fn moe_gemv_packed<O: MoeOut>(
         &self,
         experts: &Experts<'_, impl DevicePtr<u64>>,
@@ -493,15 +485,14 @@ impl Gpu {
         let mma = Self::moe_gemv_fuses_swiglu(bits, group_size, k);
         let mut plan = moe_gemv_plan(bits, O::SUFFIX, n_pairs, e, k);
         let (threads, smem) = if mma {
-            let rgs = mma_row_groups(n, max_tiles, self.info().multiprocessors as usize);
             plan = MoeGemvPlan {
                 kernel: if swiglu {
                     format!("moe_gemv_q4_mma_swiglu_{}", O::SUFFIX)
                 } else {
                     format!("moe_gemv_q4_mma_{}", O::SUFFIX)
                 },
-                lanes: rgs,
-                rows_per_block: MMA_GROUP_ROWS * rgs,
+                lanes: 32,
+                rows_per_block: MMA_ROWS * mma_groups(k),
             };
             ((32 * MMA_WARPS) as u32, mma_smem(k) as u32)
         } else {
@@ -685,21 +676,18 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::mma_row_groups;
+    use super::mma_groups;
 
     #[test]
-    fn mma_row_groups_fill_the_grid() {
-        // The 80B's experts on 132 multiprocessors: batch 8 (80 tile slots) streams 16 row groups
-        // a block of gate|up (n 1024) and 32 of down (n 2048), 320 blocks each; batch 1 (10 slots)
-        // keeps one row group a warp.
-        assert_eq!(mma_row_groups(1024, 80, 132), 16);
-        assert_eq!(mma_row_groups(2048, 80, 132), 32);
-        assert_eq!(mma_row_groups(1024, 10, 132), 4);
-        assert_eq!(mma_row_groups(2048, 10, 132), 4);
-        // Never past the expert's row groups, nor past 64.
-        assert_eq!(mma_row_groups(128, 1000, 1), 8);
-        assert_eq!(mma_row_groups(1 << 16, 1000, 1), 64);
-        // Fewer rows than one group a warp: still one block of four warps.
-        assert_eq!(mma_row_groups(16, 1, 132), 4);
+    fn short_rows_give_a_block_several_row_groups() {
+        // The 80B's down projection (k 512: a span a warp) 4 row groups, the 125B's (k 768) 2,
+        // gate|up rows (k 2048, 2560) one.
+        assert_eq!(mma_groups(512), 4);
+        assert_eq!(mma_groups(768), 2);
+        assert_eq!(mma_groups(2048), 1);
+        assert_eq!(mma_groups(2560), 1);
+        assert_eq!(mma_groups(128), 4);
+        assert_eq!(mma_groups(1536), 1);
+        assert_eq!(mma_groups(1024), 2);
     }
 }

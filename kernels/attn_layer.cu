@@ -81,7 +81,6 @@ struct AttnLayerArgs {
     int qkv_group, o_group;
     float head_eps, mscale, scale, eps, offset;
     int pad;
-    L2Spans prefetch;         // the next launch's weights, asked of L2 once this launch's own loads are out
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns)
 };
 
@@ -423,7 +422,6 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
     ml_mark(a.trace, 1);
     ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
-    ml_prefetch(a.prefetch);  // the projections' loads are done; the next launch's weights
 
     // 2. The attention partials, an item a block.
 #pragma unroll 1

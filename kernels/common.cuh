@@ -23,10 +23,10 @@ __device__ __forceinline__ void pdl_prologue() {
 // Bytes of an L2 prefetch request (one per thread of a block's first warp, as many rounds as needed).
 #define PDL_PREFETCH_PIECE 32768
 
-// Asks L2 for bytes [p, p + bytes) of data no kernel writes (weight rows): one request a thread of the
-// block's first warp, as many rounds as needed. Whole 16-byte units inside the range only; nothing when
-// bytes ≤ 0.
-__device__ __forceinline__ void l2_prefetch(const void* p, long long bytes) {
+// pdl_prologue, first asking L2 for bytes [p, p + bytes) of data no kernel writes (the weight rows a GEMV
+// block reads): the fetch overlaps the kernel ahead instead of following it. Whole 16-byte units inside
+// the range only; nothing when bytes ≤ 0.
+__device__ __forceinline__ void pdl_prologue_prefetch(const void* p, long long bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const unsigned long long a0 = ((unsigned long long)p + 15) & ~15ull;
     const unsigned long long a1 = bytes > 0 ? ((unsigned long long)p + bytes) & ~15ull : 0;
@@ -38,12 +38,6 @@ __device__ __forceinline__ void l2_prefetch(const void* p, long long bytes) {
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(size) : "memory");
         }
 #endif
-}
-
-// pdl_prologue, first asking L2 for bytes [p, p + bytes) of data no kernel writes (the weight rows a GEMV
-// block reads): the fetch overlaps the kernel ahead instead of following it.
-__device__ __forceinline__ void pdl_prologue_prefetch(const void* p, long long bytes) {
-    l2_prefetch(p, bytes);
     pdl_prologue();
 }
 

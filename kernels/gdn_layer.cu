@@ -73,7 +73,6 @@ struct GdnLayerArgs {
     int h, hk, hv, dk, dv, K, num_slots;
     int qkv_group, z_group, out_group;
     float q_scale, geps, eps, offset;
-    L2Spans prefetch;         // the next launch's weights, asked of L2 once this launch's own loads are out
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns)
 };
 
@@ -379,7 +378,6 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     ml_mark(a.trace, 1);
     ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
-    ml_prefetch(a.prefetch);  // the projections' loads are done; the next launch's weights
 
     // 2. The GDN step, an item a block (a bad slot: o = 0, nothing touched).
     if (!live) {

@@ -14,26 +14,6 @@
 // launchers check).
 #define ML_MAXROWS 4
 
-// Ranges of device memory a launch asks L2 for while it works: the next launch's first weights
-// (`L2Spans` in crates/cuda/src/ops/layer.rs, field for field; a span of 0 bytes is none).
-#define L2_SPANS 4
-struct L2Spans {
-    const char* p[L2_SPANS];
-    long long bytes[L2_SPANS];
-};
-
-// This block's share of the spans (a contiguous slice of each, in 16-byte units) asked of L2.
-__device__ __forceinline__ void ml_prefetch(const L2Spans& s) {
-#pragma unroll
-    for (int i = 0; i < L2_SPANS; ++i) {
-        const long long n = s.bytes[i];
-        if (n <= 0) continue;
-        const long long per = ((n + gridDim.x - 1) / gridDim.x + 15) & ~15ll;
-        const long long b0 = per * blockIdx.x;
-        if (b0 < n) l2_prefetch(s.p[i] + b0, min(per, n - b0));
-    }
-}
-
 // Phase time `i` of block 0 into trace (when given: the device's global timer, ns).
 __device__ __forceinline__ void ml_mark(unsigned long long* trace, int i) {
     if (trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {

@@ -77,7 +77,6 @@ struct MoeLayerArgs {
     int e, h, k, renorm, inter, si;
     int gu_group, dn_group, sgu_group, sdn_group;
     float eps, offset;
-    L2Spans prefetch;         // the next launch's weights, asked of L2 once this launch's own loads are out
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns), for the bench
 };
 
@@ -418,8 +417,6 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
                 a.y[r] = v;
         }
     }
-    // Every weight load of this launch is out: the next launch's weights.
-    ml_prefetch(a.prefetch);
     ml_mark(a.trace, 7);
 
     // 4. The norm: each block's sum of squares, a barrier, then every block sums them in block order

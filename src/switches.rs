@@ -29,9 +29,6 @@ const GDN_LAYER_ENV: &str = "SANMAI_GDN_LAYER";
 /// An attention mixer's one-token CUDA decode step in one persistent launch.
 #[cfg(feature = "cuda")]
 const ATTN_LAYER_ENV: &str = "SANMAI_ATTN_LAYER";
-/// The CUDA layer launches' L2 prefetch of the next launch's weights.
-#[cfg(feature = "cuda")]
-const L2_PREFETCH_ENV: &str = "SANMAI_L2_PREFETCH";
 /// FP8 prefill GEMMs on the FP8 tensor cores.
 #[cfg(feature = "cuda")]
 const FP8_TENSOR_CORES_ENV: &str = "SANMAI_FP8_TENSOR_CORES";
@@ -93,14 +90,6 @@ pub struct SwitchArgs {
     /// unless SANMAI_ATTN_LAYER=0].
     #[arg(long, overrides_with = "attn_layer")]
     pub no_attn_layer: bool,
-    /// A persistent CUDA layer launch asks L2 for the next launch's first weights once its own
-    /// loads are out (the default; overrides SANMAI_L2_PREFETCH=0).
-    #[arg(long, overrides_with = "no_l2_prefetch")]
-    pub l2_prefetch: bool,
-    /// No L2 prefetch of the next launch's weights, for A/B runs [default: prefetch, unless
-    /// SANMAI_L2_PREFETCH=0].
-    #[arg(long, overrides_with = "l2_prefetch")]
-    pub no_l2_prefetch: bool,
     /// FP8 prefill GEMMs on the FP8 tensor cores where the GPU has them, the activations quantised
     /// per token and 128 columns, for A/B runs (overrides SANMAI_FP8_TENSOR_CORES=0).
     #[arg(long, overrides_with = "no_fp8_tensor_cores")]
@@ -185,8 +174,6 @@ impl SwitchArgs {
             (self.no_gdn_layer, "--no-gdn-layer"),
             (self.attn_layer, "--attn-layer"),
             (self.no_attn_layer, "--no-attn-layer"),
-            (self.l2_prefetch, "--l2-prefetch"),
-            (self.no_l2_prefetch, "--no-l2-prefetch"),
             (self.fp8_tensor_cores, "--fp8-tensor-cores"),
             (self.no_fp8_tensor_cores, "--no-fp8-tensor-cores"),
         ]
@@ -213,7 +200,6 @@ impl SwitchArgs {
             moe_layer: switch(self.moe_layer, self.no_moe_layer, MOE_LAYER_ENV),
             gdn_layer: switch(self.gdn_layer, self.no_gdn_layer, GDN_LAYER_ENV),
             attn_layer: switch(self.attn_layer, self.no_attn_layer, ATTN_LAYER_ENV),
-            l2_prefetch: switch(self.l2_prefetch, self.no_l2_prefetch, L2_PREFETCH_ENV),
         }
     }
 }

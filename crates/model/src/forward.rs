@@ -553,8 +553,6 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
         let hc = layer.hc.as_ref();
-        // The launch ahead of each sublayer may ask for its first weights (a hint to the backend).
-        b.prefetch_hint(&layer.mixer.first_weights());
         let (hn, x) = match (hc, pending) {
             (None, Some(y)) => (
                 y.add_rms_norm(b, streams, &layer.input_norm, eps, 1.0)?,
@@ -581,7 +579,6 @@ impl<B: Backend> Model<B> {
             _ => None,
         };
         let post = &layer.post_attention_norm;
-        b.prefetch_hint(&layer.ffn.first_weights());
         if let (None, Mixer::Attention(w)) = (hc, &layer.mixer) {
             if b.attn_mixer_whole(w, &self.attn_shape, rows.count()) {
                 let c = self.attn_call(index, w, &hn, rows);

@@ -167,7 +167,6 @@ impl CudaBackend {
             part_ml: &mut part_ml,
             partials: &mut partials,
             sync: &mut sync,
-            prefetch: self.take_prefetch(),
             trace: None,
         };
         let mut out = self.alloc(1, h)?;

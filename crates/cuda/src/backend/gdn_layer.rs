@@ -125,7 +125,6 @@ impl CudaBackend {
             o: &mut o,
             partials: &mut partials,
             sync: &mut sync,
-            prefetch: self.take_prefetch(),
             trace: None,
         };
         let pools = GdnPools {

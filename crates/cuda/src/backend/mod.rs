@@ -38,7 +38,6 @@ mod norm_after;
 mod options;
 mod packed;
 mod ple;
-mod prefetch;
 mod qsa;
 mod roofline;
 mod sample;
@@ -125,8 +124,6 @@ pub struct CudaBackend {
     ticket: Mutex<CudaSlice<u32>>,
     /// Which decode launches the steps take ([`CudaOptions`]' switches).
     switches: options::Switches,
-    /// The model's last prefetch hint (`prefetch.rs`).
-    hint: prefetch::Hint,
     /// Held while a CUDA graph captures this backend's stream, and by the cache operations another
     /// thread may call (a pipeline's engine thread): work queued on a capturing stream, from any
     /// thread, would join the graph instead of running.
@@ -205,7 +202,6 @@ impl CudaBackend {
             ple_in: Mutex::new(None),
             ticket,
             switches: options::Switches::default(),
-            hint: prefetch::Hint::default(),
         })
     }
 
@@ -662,10 +658,6 @@ impl Backend for CudaBackend {
         offset: f32,
     ) -> OpResult<CudaTensor> {
         self.gdn_mixer_add_rms_norm_impl(c, acc, norm, eps, offset)
-    }
-
-    fn prefetch_hint(&self, weights: &[&CudaWeight]) {
-        self.hint_prefetch(weights)
     }
 
     fn attn_mixer_whole(&self, w: &AttnWeights<CudaWeight>, sh: &AttnShape, rows: usize) -> bool {

@@ -128,7 +128,6 @@ impl CudaBackend {
             weights: &mut wts,
             partials: &mut partials,
             sync: &mut sync,
-            prefetch: self.take_prefetch(),
             trace: None,
         };
         let mut out = self.alloc(1, h)?;

@@ -26,9 +26,6 @@ pub struct CudaOptions {
     /// An attention mixer's one-token decode step in one persistent launch (`attn_layer.rs`; with
     /// `fused_decode`); off: its seven launches, for A/B runs.
     pub attn_layer: bool,
-    /// A persistent layer launch asks L2 for the next launch's weights once its own loads are out
-    /// (the model's [`prefetch_hint`](sanmai_model::Backend::prefetch_hint)); off: for A/B runs.
-    pub l2_prefetch: bool,
 }
 
 impl Default for CudaOptions {
@@ -41,7 +38,6 @@ impl Default for CudaOptions {
             moe_layer: true,
             gdn_layer: true,
             attn_layer: true,
-            l2_prefetch: true,
         }
     }
 }
@@ -52,7 +48,6 @@ pub(super) struct Switches {
     pub moe_layer: AtomicBool,
     pub gdn_layer: AtomicBool,
     pub attn_layer: AtomicBool,
-    pub l2_prefetch: AtomicBool,
 }
 
 impl Default for Switches {
@@ -62,7 +57,6 @@ impl Default for Switches {
             moe_layer: AtomicBool::new(true),
             gdn_layer: AtomicBool::new(true),
             attn_layer: AtomicBool::new(true),
-            l2_prefetch: AtomicBool::new(true),
         }
     }
 }
@@ -74,7 +68,6 @@ impl CudaBackend {
         self.set_moe_layer(options.moe_layer);
         self.set_gdn_layer(options.gdn_layer);
         self.set_attn_layer(options.attn_layer);
-        self.set_l2_prefetch(options.l2_prefetch);
     }
 
     /// Turns switch `s` to `on`; recorded steps of the other kind are dropped.
@@ -106,11 +99,5 @@ impl CudaBackend {
     /// steps of the other kind are dropped.
     pub fn set_attn_layer(&self, on: bool) {
         self.set(&self.switches.attn_layer, on);
-    }
-
-    /// Turns the layer launches' L2 prefetch of the next launch's weights on or off
-    /// ([`CudaOptions::l2_prefetch`]); recorded steps of the other kind are dropped.
-    pub fn set_l2_prefetch(&self, on: bool) {
-        self.set(&self.switches.l2_prefetch, on);
     }
 }

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::attention::AttnDims;
-use super::layer::{check_packed, unit_scheme, L2Spans};
+use super::layer::{check_packed, unit_scheme};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use super::KvPools;
@@ -77,7 +77,6 @@ struct AttnLayerArgs {
     eps: f32,
     offset: f32,
     pad: i32,
-    prefetch: L2Spans,
     trace: u64,
 }
 
@@ -134,9 +133,6 @@ pub struct AttnLayerBufs<'a> {
     pub part_ml: &'a mut CudaSlice<f32>,
     pub partials: &'a mut CudaSlice<f32>,
     pub sync: &'a mut CudaSlice<u32>,
-    /// What the launch asks L2 for once its own weight loads are out (the next launch's weights;
-    /// [`L2Spans::default`]: nothing).
-    pub prefetch: L2Spans,
     /// `[16]` u64 or `None`: block 0's phase times (the device's global timer, ns) for the bench;
     /// slots 0..=8 and, from the last block, 9 and 10..=13 (the barriers' last arrivals).
     pub trace: Option<&'a mut CudaSlice<u64>>,
@@ -297,7 +293,6 @@ impl Gpu {
             part_ml: self.addr_mut(bufs.part_ml),
             attn: self.addr_mut(bufs.attn),
             sync: self.addr_mut(bufs.sync),
-            prefetch: bufs.prefetch,
             trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
             h: h as i32,
             hq: hq as i32,
@@ -349,7 +344,7 @@ mod tests {
         // 28 pointers, 10 ints, 5 floats, a padding int, the trace pointer (attn_layer.cu).
         assert_eq!(
             std::mem::size_of::<AttnLayerArgs>(),
-            28 * 8 + 10 * 4 + 5 * 4 + 4 + 8 * 8 + 8
+            28 * 8 + 10 * 4 + 5 * 4 + 4 + 8
         );
         assert_eq!(std::mem::align_of::<AttnLayerArgs>(), 8);
     }

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnPools};
-use super::layer::{check_packed, unit_scheme, L2Spans};
+use super::layer::{check_packed, unit_scheme};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
@@ -69,7 +69,6 @@ struct GdnLayerArgs {
     geps: f32,
     eps: f32,
     offset: f32,
-    prefetch: L2Spans,
     trace: u64,
 }
 
@@ -103,9 +102,6 @@ pub struct GdnLayerBufs<'a> {
     pub o: &'a mut CudaSlice<f32>,
     pub partials: &'a mut CudaSlice<f32>,
     pub sync: &'a mut CudaSlice<u32>,
-    /// What the launch asks L2 for once its own weight loads are out (the next launch's weights;
-    /// [`L2Spans::default`]: nothing).
-    pub prefetch: L2Spans,
     /// `[16]` u64 or `None`: block 0's phase times (the device's global timer, ns) for the bench;
     /// slots 0..=7 and, from the last block, 9.
     pub trace: Option<&'a mut CudaSlice<u64>>,
@@ -232,7 +228,6 @@ impl Gpu {
             ab: self.addr_mut(bufs.ab),
             o: self.addr_mut(bufs.o),
             sync: self.addr_mut(bufs.sync),
-            prefetch: bufs.prefetch,
             trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
             h: h as i32,
             hk: hk as i32,
@@ -280,7 +275,7 @@ mod tests {
         // 27 pointers, 10 ints, 4 floats, the trace pointer (gdn_layer.cu's GdnLayerArgs).
         assert_eq!(
             std::mem::size_of::<GdnLayerArgs>(),
-            27 * 8 + 10 * 4 + 4 * 4 + 8 * 8 + 8
+            27 * 8 + 10 * 4 + 4 * 4 + 8
         );
         assert_eq!(std::mem::align_of::<GdnLayerArgs>(), 8);
     }

@@ -12,34 +12,6 @@ use crate::error::{ensure, Result};
 use crate::gpu::{cfg, check_len, grid_u32, Gpu};
 use crate::registry::Kernel;
 
-/// Spans of device memory a persistent layer launch asks L2 for once its own weight loads are out
-/// (`L2Spans` in layer.cuh, field for field): the next launch's first weights, which the kernel ahead
-/// would otherwise leave for it to fetch after a launch gap. A hint only: no result depends on it.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct L2Spans {
-    /// Each span's device address (0: none).
-    pub p: [u64; L2_SPANS],
-    /// Each span's length in bytes.
-    pub bytes: [i64; L2_SPANS],
-}
-
-/// Spans an [`L2Spans`] holds (`L2_SPANS`).
-pub const L2_SPANS: usize = 4;
-
-impl L2Spans {
-    /// The spans of `ranges` (address, bytes), the first [`L2_SPANS`] non-empty ones.
-    pub fn of(ranges: impl IntoIterator<Item = (u64, usize)>) -> Self {
-        let mut s = L2Spans::default();
-        let live = ranges.into_iter().filter(|&(p, n)| p != 0 && n > 0);
-        for (i, (p, n)) in live.take(L2_SPANS).enumerate() {
-            s.p[i] = p;
-            s.bytes[i] = n as i64;
-        }
-        s
-    }
-}
-
 /// Threads per block (`ML_THREADS` in layer.cuh).
 pub(super) const THREADS: u32 = 256;
 /// Most blocks a multiprocessor runs (the kernels' `__launch_bounds__`).
@@ -191,22 +163,5 @@ mod tests {
         assert!(!unit_scheme(s(4, 128), 8, 4096));
         assert!(!unit_scheme(s(8, 16), 8, 2048));
         assert!(!unit_scheme(s(8, 0), 8, 2040));
-    }
-
-    #[test]
-    fn l2_spans_keep_the_first_four_live_ranges() {
-        assert_eq!(std::mem::size_of::<L2Spans>(), 8 * L2_SPANS * 2);
-        let s = L2Spans::of([
-            (16, 32),
-            (0, 64),
-            (48, 0),
-            (64, 8),
-            (80, 8),
-            (96, 8),
-            (112, 8),
-        ]);
-        assert_eq!(s.p, [16, 64, 80, 96]);
-        assert_eq!(s.bytes, [32, 8, 8, 8]);
-        assert_eq!(L2Spans::of([]), L2Spans::default());
     }
 }

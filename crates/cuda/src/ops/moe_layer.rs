@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::layer::{check_packed, L2Spans};
+use super::layer::check_packed;
 use super::moe::{CombineInto, Experts};
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
@@ -60,7 +60,6 @@ struct MoeLayerArgs {
     sdn_group: i32,
     eps: f32,
     offset: f32,
-    prefetch: L2Spans,
     trace: u64,
 }
 
@@ -104,9 +103,6 @@ pub struct MoeLayerBufs<'a> {
     pub weights: &'a mut CudaSlice<f32>,
     pub partials: &'a mut CudaSlice<f32>,
     pub sync: &'a mut CudaSlice<u32>,
-    /// What the launch asks L2 for once its own weight loads are out (the next launch's weights;
-    /// [`L2Spans::default`]: nothing).
-    pub prefetch: L2Spans,
     /// `[16]` u64 or `None`: block 0's phase times (the device's global timer, ns) for the bench;
     /// slots 0..=8 and, from the last block, 9.
     pub trace: Option<&'a mut CudaSlice<u64>>,
@@ -220,7 +216,6 @@ impl Gpu {
             ids: self.addr_mut(bufs.ids),
             weights: self.addr_mut(bufs.weights),
             sync: self.addr_mut(bufs.sync),
-            prefetch: bufs.prefetch,
             trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
             e: e as i32,
             h: h as i32,
@@ -291,7 +286,7 @@ mod tests {
         // 23 pointers, 10 ints, 2 floats, the trace pointer (moe_layer.cu's MoeLayerArgs).
         assert_eq!(
             std::mem::size_of::<MoeLayerArgs>(),
-            23 * 8 + 10 * 4 + 2 * 4 + 8 * 8 + 8
+            23 * 8 + 10 * 4 + 2 * 4 + 8
         );
         assert_eq!(std::mem::align_of::<MoeLayerArgs>(), 8);
     }

@@ -7,8 +7,8 @@
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
-    AttnDims, AttnLayer, AttnLayerBufs, CombineInto, KvPools, L2Spans, LayerRope, LayerSeq,
-    PackedMat, PackedScheme,
+    AttnDims, AttnLayer, AttnLayerBufs, CombineInto, KvPools, LayerRope, LayerSeq, PackedMat,
+    PackedScheme,
 };
 
 use crate::bench::{int8_proj as proj, pattern, time, trace_medians};
@@ -115,7 +115,6 @@ fn bench_attn_layer() {
                 part_ml: &mut part_ml,
                 partials: &mut partials,
                 sync: &mut sync,
-                prefetch: L2Spans::default(),
                 trace,
             };
             let seq = LayerSeq {

@@ -7,7 +7,7 @@
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
-    CombineInto, DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools, L2Spans,
+    CombineInto, DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools,
     PackedMat, PackedScheme,
 };
 
@@ -113,7 +113,6 @@ fn bench_gdn_layer() {
                 o: &mut o,
                 partials: &mut partials,
                 sync: &mut sync,
-                prefetch: L2Spans::default(),
                 trace,
             };
             let pools = GdnPools {

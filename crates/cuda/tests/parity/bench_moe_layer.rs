@@ -8,7 +8,7 @@
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
-    CombineInto, Gpu, L2Spans, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
+    CombineInto, Gpu, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
 };
 
 use crate::bench::{pattern, time, trace_medians};
@@ -136,7 +136,6 @@ fn bench_moe_layer() {
                 weights: &mut b.wts,
                 partials: &mut b.partials,
                 sync: &mut b.sync,
-                prefetch: L2Spans::default(),
                 trace: traced.then_some(&mut b.trace),
             };
             let into = CombineInto::AddNorm {

@@ -45,6 +45,5 @@ pub fn cuda_options() -> CudaOptions {
         moe_layer: !switched_off("SANMAI_MOE_LAYER"),
         gdn_layer: !switched_off("SANMAI_GDN_LAYER"),
         attn_layer: !switched_off("SANMAI_ATTN_LAYER"),
-        l2_prefetch: !switched_off("SANMAI_L2_PREFETCH"),
     }
 }

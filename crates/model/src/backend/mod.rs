@@ -535,11 +535,6 @@ pub trait Backend: Send + Sync {
         false
     }
 
-    /// Weights the next launches read (the next sublayer's first projections): a backend may ask
-    /// its memory for them while the launches ahead run (a GPU's L2). A hint only: no result
-    /// depends on it. Default: nothing.
-    fn prefetch_hint(&self, _weights: &[&Self::Weight]) {}
-
     /// The attention mixer ([`Backend::attn_from_input`], then `o_proj`) added to `acc`, then
     /// [`Backend::rms_norm`] of the new `acc`.
     fn attn_mixer_add_rms_norm(

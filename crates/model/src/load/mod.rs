@@ -30,29 +30,6 @@ pub enum Ffn<W> {
     Moe(MoeWeights<W>),
 }
 
-impl<W> Mixer<W> {
-    /// The weights a mixer reads first: its input projections.
-    pub fn first_weights(&self) -> Vec<&W> {
-        match self {
-            Mixer::Attention(w) | Mixer::Qsa(w, _) => vec![&w.q_proj, &w.k_proj, &w.v_proj],
-            Mixer::Gdn(w) => vec![&w.in_proj_qkv, &w.in_proj_z, &w.in_proj_b, &w.in_proj_a],
-        }
-    }
-}
-
-impl<W> Ffn<W> {
-    /// The weights an FFN reads first: a MoE's router and shared expert, an MLP's gate|up.
-    pub fn first_weights(&self) -> Vec<&W> {
-        match self {
-            Ffn::Dense(m) => vec![&m.gate_up, &m.down],
-            Ffn::Moe(m) => {
-                let shared = m.shared.iter().flat_map(|s| [&s.gate_up, &s.down]);
-                std::iter::once(&m.router).chain(shared).collect()
-            }
-        }
-    }
-}
-
 pub struct Layer<W> {
     pub input_norm: W,
     pub post_attention_norm: W,

@@ -14,7 +14,7 @@ use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};
 use crate::gpu::Gpu;
-use crate::ops::{PairGroups, PairRows, SharedGate, SharedY};
+use crate::ops::{PairGroups, PairRows, SharedGate, SharedY, SWIGLU_FUSED_MAX_PAIRS};
 
 /// Most rows of a step whose shared expert runs in the routed experts' grouped GEMVs. The shared
 /// pairs form one tile, which one block walks pair after pair, while the unfused shared expert is a
@@ -174,11 +174,11 @@ impl CudaBackend {
             }
         }
         // The down GEMV computes silu(g) · u while staging its input where it can (INT4 on tensor
-        // cores; FP8 in fused steps): no activation launch.
+        // cores up to SWIGLU_FUSED_MAX_PAIRS pairs; FP8 in fused steps): no activation launch.
         let fuse_swiglu = match (fp8, dn_format) {
             (Some(_), _) => step.fused && Gpu::moe_gemv_fp8_fuses_swiglu(inter),
             (None, ExpertFormat::Packed { bits, group_size }) => {
-                Gpu::moe_gemv_fuses_swiglu(bits, group_size, inter)
+                np <= SWIGLU_FUSED_MAX_PAIRS && Gpu::moe_gemv_fuses_swiglu(bits, group_size, inter)
             }
             (None, _) => false,
         };

@@ -50,7 +50,7 @@ pub(crate) use gemv::GEMV_SEGS;
 pub use kv::{HeadLayout, HeadNorm, MropeArgs, RopeArgs, QK_MAX_HEAD_DIM};
 pub use moe::{
     moe_max_tiles, CombineInto, Experts, MoeOut, PairGroups, PairRows, Routed, SharedGate, SharedY,
-    MOE_TILE,
+    MOE_TILE, SWIGLU_FUSED_MAX_PAIRS,
 };
 pub use moe_layer::{MoeLayer, MoeLayerBufs, MoeLayerShared};
 pub use norm::NormRows;

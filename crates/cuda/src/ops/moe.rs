@@ -22,6 +22,13 @@ const GEMV_THREADS: usize = 256;
 /// (`moe_gemv_q4_mma_*`: `MOE_MMA_WARPS` warps split a 16-row block's k).
 const MMA_WARPS: usize = 4;
 const MMA_ROWS: usize = 16;
+/// Most pairs for which a decode step's INT4 down projection stages its SwiGLU itself
+/// ([`Gpu::moe_gemv_packed_swiglu`]); past them a `swiglu` launch first. Each 16-row block of the
+/// fused kernel computes its tile's activations again, which at 80 pairs (batch 8, top 10; 76 tiles)
+/// cost more than the launch: on an H100 the 80B's down projection alone took 45.6 µs fused against
+/// 33.8 µs plus a 4.6 µs `swiglu` launch, and 7.7 against 6.6 + 4.6 µs at 10 pairs
+/// (`docs/gpu/decode-experiments-2026-12-06.md`). The two give the same bits.
+pub const SWIGLU_FUSED_MAX_PAIRS: usize = 32;
 /// Threads per block of `moe_combine` (each sums 4 columns).
 const COMBINE_THREADS: usize = 128;
 

@@ -224,7 +224,8 @@ fn bench_moe_decode() {
     for (label, bits, group, h, i) in formats {
         let gu = experts(g, bits, group, 2 * i, h, 1);
         let dn = experts(g, bits, group, h, i, 2);
-        for t in [1usize, 8] {
+        // Batch 1, 2, 4, 8: where the fused SwiGLU stops paying (SWIGLU_FUSED_MAX_PAIRS).
+        for t in [1usize, 2, 4, 8] {
             let n = t * TOP_K;
             let st = steps(g, &mut rng, t);
             let chosen = st.iter().map(|s| s.chosen).sum::<usize>() as f64 / ROUTINGS as f64;

@@ -320,11 +320,27 @@ fn bench_moe_decode() {
                     )
                     .unwrap()
                 });
+                // What it replaces: the swiglu launch, then the down GEMV on its output.
+                let mut act_s = g.zeros::<bf16>(n * i).unwrap();
+                let mut call = 0usize;
+                let tu = time(g, ROUTINGS, 25 * ROUTINGS, || {
+                    let s = &st[call % ROUTINGS];
+                    call += 1;
+                    g.swiglu(&y_gu, &mut act_s, n, i).unwrap();
+                    g.moe_gemv_packed(
+                        &expert_proj(&dn.w_ptrs, &dn.s_ptrs, packed_scheme(bits, group), h, i),
+                        &pair_rows(&act_s, n, 1),
+                        &pair_groups(&s.perm, &s.tiles, n),
+                        &mut y_dn,
+                    )
+                    .unwrap()
+                });
                 let bytes = chosen * dn.bytes as f64 + (n * 2 * i * 2 + n * h * 4) as f64;
                 println!(
-                    "BENCH moe_gemv down_swiglu {shape} n={h} k={i} out=f32 experts={chosen:.1} bytes={bytes:.0} time_us={:.2} GB/s={:.0}",
+                    "BENCH moe_gemv down_swiglu {shape} n={h} k={i} out=f32 experts={chosen:.1} bytes={bytes:.0} time_us={:.2} GB/s={:.0} swiglu_then_down_us={:.2}",
                     tv * 1e6,
-                    bytes / tv / 1e9
+                    bytes / tv / 1e9,
+                    tu * 1e6
                 );
             }
         }

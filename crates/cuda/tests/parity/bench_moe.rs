@@ -308,33 +308,31 @@ fn bench_moe_decode() {
             // The decode step's down projection with SwiGLU fused into its input (reads the gate|up
             // rows; replaces the swiglu launch plus the down GEMV).
             if bits != 16 && Gpu::moe_gemv_fuses_swiglu(bits, group, i) {
-                let mut call = 0usize;
-                let tv = time(g, ROUTINGS, 25 * ROUTINGS, || {
-                    let s = &st[call % ROUTINGS];
-                    call += 1;
-                    g.moe_gemv_packed_swiglu(
-                        &expert_proj(&dn.w_ptrs, &dn.s_ptrs, packed_scheme(bits, group), h, i),
-                        &pair_rows(&y_gu, n, 1),
-                        &pair_groups(&s.perm, &s.tiles, n),
-                        &mut y_dn,
-                    )
-                    .unwrap()
-                });
-                // What it replaces: the swiglu launch, then the down GEMV on its output.
+                let down = expert_proj(&dn.w_ptrs, &dn.s_ptrs, packed_scheme(bits, group), h, i);
                 let mut act_s = g.zeros::<bf16>(n * i).unwrap();
-                let mut call = 0usize;
-                let tu = time(g, ROUTINGS, 25 * ROUTINGS, || {
-                    let s = &st[call % ROUTINGS];
-                    call += 1;
-                    g.swiglu(&y_gu, &mut act_s, n, i).unwrap();
-                    g.moe_gemv_packed(
-                        &expert_proj(&dn.w_ptrs, &dn.s_ptrs, packed_scheme(bits, group), h, i),
-                        &pair_rows(&act_s, n, 1),
-                        &pair_groups(&s.perm, &s.tiles, n),
-                        &mut y_dn,
-                    )
-                    .unwrap()
-                });
+                // `fused`: the kernel staging silu(g) · u itself; else what it replaces, the swiglu
+                // launch, then the down GEMV on its output.
+                let mut timed = |fused: bool| {
+                    let mut call = 0usize;
+                    time(g, ROUTINGS, 25 * ROUTINGS, || {
+                        let s = &st[call % ROUTINGS];
+                        call += 1;
+                        let groups = pair_groups(&s.perm, &s.tiles, n);
+                        if fused {
+                            g.moe_gemv_packed_swiglu(
+                                &down,
+                                &pair_rows(&y_gu, n, 1),
+                                &groups,
+                                &mut y_dn,
+                            )
+                        } else {
+                            g.swiglu(&y_gu, &mut act_s, n, i).unwrap();
+                            g.moe_gemv_packed(&down, &pair_rows(&act_s, n, 1), &groups, &mut y_dn)
+                        }
+                        .unwrap()
+                    })
+                };
+                let (tv, tu) = (timed(true), timed(false));
                 let bytes = chosen * dn.bytes as f64 + (n * 2 * i * 2 + n * h * 4) as f64;
                 println!(
                     "BENCH moe_gemv down_swiglu {shape} n={h} k={i} out=f32 experts={chosen:.1} bytes={bytes:.0} time_us={:.2} GB/s={:.0} swiglu_then_down_us={:.2}",

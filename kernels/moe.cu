@@ -282,7 +282,7 @@ __device__ __forceinline__ void moe_gemv_tile(const unsigned long long* __restri
 }
 
 // ---- INT4 grouped GEMV on tensor cores (groups of a multiple of 128 values, k % 128 == 0) ----
-// A warp multiplies 16 rows of its tile's expert (row block blockIdx.x) by the tile's ≤ 8 pairs with
+// A warp multiplies 16 rows of its tile's expert (a row group) by the tile's ≤ 8 pairs with
 // mma.m16n8k16 (bf16 in, f32 accumulate): the INT4 codes decode exactly to bf16 integers -8..7 (code
 // pairs (c_i, c_(i+4)) of a word masked into 0x4300|c bf16 halves = 128 + c, minus 136 by one bf16x2
 // fma: about 1.4 instructions a value instead of a shift, mask, or and subtract each plus an FMA), the
@@ -295,7 +295,11 @@ __device__ __forceinline__ void moe_gemv_tile(const unsigned long long* __restri
 // spans (warp w: spans w, w + MOE_MMA_WARPS, ...), each loading MOE_MMA_SPW spans of both rows (and
 // their scales) before use, and the x rows of the tile's pairs are staged in shared memory once per
 // block (the weight loads already in flight); the warps' sums are added in warp order in shared memory.
-// Grid (ceil(n / 16), max_tiles); block 32 · MOE_MMA_WARPS threads; dynamic shared memory
+// A block takes R = MOE_MMA_SPW / ceil(spans / MOE_MMA_WARPS) row groups (at least one) of 16 rows:
+// where a warp's spans of a row group are fewer than its load slots (short rows: the down projection,
+// k = 512, one span a warp), its slots hold the spans of R row groups, so a block reads R times the
+// weights for one x staging and one wait on the tile table (a block of 4 KB spent most of its life
+// there). Grid (ceil(n / (16 · R)), max_tiles); block 32 · MOE_MMA_WARPS threads; dynamic shared memory
 // MOE_TILE · (k / 8 + 1) · 16 bytes (each pair's x row, padded by 16 bytes against bank conflicts).
 // Shape rules: k % 128 == 0, group % 128 == 0, words and x 16-byte aligned. Lanes of pair slots past
 // the tile's count feed zeros; rows ≥ n re-read row n - 1 and are not stored. SWIGLU (the down
@@ -322,6 +326,13 @@ __device__ __forceinline__ void moe_mma_bf16(float c[4], u32 a0, u32 a1, u32 a2,
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Row groups a block of the tensor-core grouped GEMV takes for rows of `spans` 128-value spans (the
+// launcher mirrors this).
+__device__ __forceinline__ int moe_mma_groups(int spans) {
+    const int c = (spans + MOE_MMA_WARPS - 1) / MOE_MMA_WARPS;
+    return c >= MOE_MMA_SPW ? 1 : MOE_MMA_SPW / c;
+}
+
 template <bool SWIGLU, typename OUT>
 __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* __restrict__ w_ptrs,
                                                      const unsigned long long* __restrict__ s_ptrs,
@@ -329,48 +340,63 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
                                                      const u32* __restrict__ perm, const u32* __restrict__ tiles,
                                                      OUT* __restrict__ Y, int n, int k, int group) {
     extern __shared__ uint4 sx[];
-    __shared__ float red[MOE_MMA_WARPS - 1][4][32];
+    __shared__ float red[MOE_MMA_SPW][MOE_MMA_WARPS - 1][4][32];
     const int cnt = (int)tiles[3 * blockIdx.y + 2];
     if (cnt == 0) return;
     const u32 ex = tiles[3 * blockIdx.y], start = tiles[3 * blockIdx.y + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, q = lane & 3;
-    const int rb = blockIdx.x * 16;
     const size_t wpr = (size_t)(k >> 3);
     const int scols = (k + group - 1) / group;
     const int spans = k >> 7;
+    // A warp's spans of a row group (at most), the block's row groups: with R > 1 a warp's load
+    // slot i holds span warp + MOE_MMA_WARPS · (i % C) of row group i / C, in one round; with R = 1
+    // slot i of round r holds span warp + MOE_MMA_WARPS · (r · MOE_MMA_SPW + i).
+    const int C = (spans + MOE_MMA_WARPS - 1) / MOE_MMA_WARPS;
+    const int R = moe_mma_groups(spans);
+    const int rb0 = blockIdx.x * 16 * R;
     const u32* W = (const u32*)w_ptrs[ex];
     const float* S = (const float*)s_ptrs[ex];
-    const int ra = min(rb + g, n - 1), rbb = min(rb + g + 8, n - 1);
-    const uint4* wa = (const uint4*)(W + (size_t)ra * wpr) + q;
-    const uint4* wb = (const uint4*)(W + (size_t)rbb * wpr) + q;
-    const float* sa_row = S + (size_t)ra * scols;
-    const float* sb_row = S + (size_t)rbb * scols;
-    const int xrow = (k >> 3) + 1; // uint4s per staged x row
+    const int xrow = (k >> 3) + 1; // uint4 per staged x row
     const bool has_x = g < cnt;
     const uint4* xs = sx + g * xrow + 4 * q;
 
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc[MOE_MMA_SPW][4];
+#pragma unroll
+    for (int j = 0; j < MOE_MMA_SPW; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     uint4 la[MOE_MMA_SPW], lb[MOE_MMA_SPW];
     float sa[MOE_MMA_SPW], sb[MOE_MMA_SPW];
-    // Every load of a step first: MOE_MMA_SPW spans of both rows and their scales.
-    auto load = [&](int s0) {
+    // Slot i of round r: its row group and span (spans past the row's are none).
+    auto slot = [&](int r, int i, int& j, int& sp) {
+        if (R == 1) {
+            j = 0;
+            sp = warp + MOE_MMA_WARPS * (r * MOE_MMA_SPW + i);
+        } else {
+            j = i / C;
+            sp = j < R ? warp + MOE_MMA_WARPS * (i - j * C) : spans;
+        }
+    };
+    // Every load of a round first: its slots' spans of both rows and their scales.
+    auto load = [&](int r) {
 #pragma unroll
         for (int i = 0; i < MOE_MMA_SPW; ++i) {
-            const int sp = s0 + i * MOE_MMA_WARPS;
+            int j, sp;
+            slot(r, i, j, sp);
             if (sp < spans) {
-                la[i] = __ldg(wa + 4 * sp);
-                lb[i] = __ldg(wb + 4 * sp);
+                const int rb = rb0 + 16 * j;
+                const int ra = min(rb + g, n - 1), rbb = min(rb + g + 8, n - 1);
+                la[i] = __ldg((const uint4*)(W + (size_t)ra * wpr) + q + 4 * sp);
+                lb[i] = __ldg((const uint4*)(W + (size_t)rbb * wpr) + q + 4 * sp);
                 const int sg = scale_group(sp << 7, k, group);
-                sa[i] = __ldg(sa_row + sg);
-                sb[i] = __ldg(sb_row + sg);
+                sa[i] = __ldg(S + (size_t)ra * scols + sg);
+                sb[i] = __ldg(S + (size_t)rbb * scols + sg);
             } else {
                 la[i] = lb[i] = make_uint4(0u, 0u, 0u, 0u);
                 sa[i] = sb[i] = 0.0f;
             }
         }
     };
-    load(warp);
+    load(0);
     {
         // The tile's x rows into shared memory while the first weight loads are in flight.
         const int per = k >> 3;
@@ -387,49 +413,64 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
         }
     }
     __syncthreads();
-    for (int s0 = warp; s0 < spans; s0 += MOE_MMA_WARPS * MOE_MMA_SPW) {
-        if (s0 != warp) load(s0);
+    const int rounds = R == 1 ? (C + MOE_MMA_SPW - 1) / MOE_MMA_SPW : 1;
+    for (int r = 0; r < rounds; ++r) {
+        if (r > 0) load(r);
 #pragma unroll
         for (int i = 0; i < MOE_MMA_SPW; ++i) {
-            const int sp = s0 + i * MOE_MMA_WARPS;
-            if (sp >= spans) break;
+            int j, sp;
+            slot(r, i, j, sp);
+            if (sp >= spans) continue;
             float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
             const u32 wA[4] = {la[i].x, la[i].y, la[i].z, la[i].w};
             const u32 wB[4] = {lb[i].x, lb[i].y, lb[i].z, lb[i].w};
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const uint4 xv = has_x ? xs[16 * sp + j] : make_uint4(0u, 0u, 0u, 0u);
+            for (int jj = 0; jj < 4; ++jj) {
+                const uint4 xv = has_x ? xs[16 * sp + jj] : make_uint4(0u, 0u, 0u, 0u);
                 // x pairs matching the code pairs (c0, c4), (c1, c5), (c2, c6), (c3, c7).
                 const u32 b0 = __byte_perm(xv.x, xv.z, 0x5410), b1 = __byte_perm(xv.x, xv.z, 0x7632);
                 const u32 b2 = __byte_perm(xv.y, xv.w, 0x5410), b3 = __byte_perm(xv.y, xv.w, 0x7632);
                 u32 pa[4], pb[4];
-                moe_q4_bf16x2(wA[j], pa);
-                moe_q4_bf16x2(wB[j], pb);
+                moe_q4_bf16x2(wA[jj], pa);
+                moe_q4_bf16x2(wB[jj], pb);
                 moe_mma_bf16(t, pa[0], pb[0], pa[1], pb[1], b0, b1);
                 moe_mma_bf16(t, pa[2], pb[2], pa[3], pb[3], b2, b3);
             }
-            acc[0] = fmaf(sa[i], t[0], acc[0]);
-            acc[1] = fmaf(sa[i], t[1], acc[1]);
-            acc[2] = fmaf(sb[i], t[2], acc[2]);
-            acc[3] = fmaf(sb[i], t[3], acc[3]);
+            // Into row group j's accumulators (selected without indexing registers).
+#pragma unroll
+            for (int jj = 0; jj < MOE_MMA_SPW; ++jj) {
+                if (jj == j) {
+                    acc[jj][0] = fmaf(sa[i], t[0], acc[jj][0]);
+                    acc[jj][1] = fmaf(sa[i], t[1], acc[jj][1]);
+                    acc[jj][2] = fmaf(sb[i], t[2], acc[jj][2]);
+                    acc[jj][3] = fmaf(sb[i], t[3], acc[jj][3]);
+                }
+            }
         }
     }
     if (warp > 0) {
 #pragma unroll
-        for (int c = 0; c < 4; ++c) red[warp - 1][c][lane] = acc[c];
+        for (int j = 0; j < MOE_MMA_SPW; ++j)
+            if (j < R)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) red[j][warp - 1][c][lane] = acc[j][c];
     }
     __syncthreads();
     if (warp != 0) return;
 #pragma unroll
-    for (int w = 1; w < MOE_MMA_WARPS; ++w)
+    for (int j = 0; j < MOE_MMA_SPW; ++j) {
+        if (j >= R) break;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) acc[c] += red[w - 1][c][lane];
-    // acc[0], acc[1]: row rb + g, pair slots 2q, 2q + 1; acc[2], acc[3]: row rb + g + 8.
+        for (int w = 1; w < MOE_MMA_WARPS; ++w)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-        const int m = 2 * q + (c & 1);
-        const int row = rb + g + (c >> 1) * 8;
-        if (m < cnt && row < n) store_out<OUT>(Y, (size_t)perm[start + m] * n + row, acc[c]);
+            for (int c = 0; c < 4; ++c) acc[j][c] += red[j][w - 1][c][lane];
+        // acc[j][0], [1]: row rb + g, pair slots 2q, 2q + 1; acc[j][2], [3]: row rb + g + 8.
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            const int m = 2 * q + (c & 1);
+            const int row = rb0 + 16 * j + g + (c >> 1) * 8;
+            if (m < cnt && row < n) store_out<OUT>(Y, (size_t)perm[start + m] * n + row, acc[j][c]);
+        }
     }
 }
 

@@ -18,16 +18,17 @@ use crate::registry::Kernel;
 pub const MOE_TILE: usize = 8;
 /// Threads per block of the grouped GEMV.
 const GEMV_THREADS: usize = 256;
-/// Warps per block and weight rows per block of the INT4 tensor-core grouped GEMV
-/// (`moe_gemv_q4_mma_*`: `MOE_MMA_WARPS` warps split a 16-row block's k).
+/// Warps per block, rows per row group and load slots per warp of the INT4 tensor-core grouped GEMV
+/// (`moe_gemv_q4_mma_*`: `MOE_MMA_WARPS` warps split a 16-row group's k, `MOE_MMA_SPW` slots).
 const MMA_WARPS: usize = 4;
 const MMA_ROWS: usize = 16;
+const MMA_SLOTS: usize = 4;
 /// Most pairs for which a decode step's INT4 down projection stages its SwiGLU itself
-/// ([`Gpu::moe_gemv_packed_swiglu`]); past them a `swiglu` launch first. Each 16-row block of the
-/// fused kernel computes its tile's activations again, which at 80 pairs (batch 8, top 10; 76 tiles)
-/// cost more than the launch: on an H100 the 80B's down projection alone took 45.6 µs fused against
-/// 33.8 µs plus a 4.6 µs `swiglu` launch, and 7.7 against 6.6 + 4.6 µs at 10 pairs
-/// (`docs/gpu/decode-experiments-2026-12-06.md`). The two give the same bits.
+/// ([`Gpu::moe_gemv_packed_swiglu`]); past them a `swiglu` launch first. A block of the fused kernel
+/// computes its tile's activations for the rows it takes. On an H100 (the 80B's down projection
+/// alone, `docs/gpu/grouped-gemv-stream-2026-12-06.md`) fused against a `swiglu` launch plus the
+/// plain kernel: 7.7 against 8.5 µs at 10 pairs, 18.4 against 19.4 at 40, 31.4 against 31.1 at 80
+/// (batch 8, top 10). The two give the same bits.
 pub const SWIGLU_FUSED_MAX_PAIRS: usize = 32;
 /// Threads per block of `moe_combine` (each sums 4 columns).
 const COMBINE_THREADS: usize = 128;
@@ -52,6 +53,17 @@ pub fn moe_max_tiles(n_pairs: usize, e: usize) -> usize {
 /// bf16, each padded by 16 bytes.
 fn mma_smem(k: usize) -> usize {
     MOE_TILE * (k / 8 + 1) * 16
+}
+
+/// Row groups of 16 rows a block of the tensor-core grouped GEMV takes for rows of `k` values
+/// (`moe_mma_groups`): as many as a warp's load slots hold its spans of (one where they fill them).
+fn mma_groups(k: usize) -> usize {
+    let per_warp = (k / 128).div_ceil(MMA_WARPS).max(1);
+    if per_warp >= MMA_SLOTS {
+        1
+    } else {
+        MMA_SLOTS / per_warp
+    }
 }
 
 /// Output element types of [`Gpu::moe_gemv`].
@@ -385,7 +397,7 @@ impl Gpu {
     /// kernels' shape rules (`k % 32 == 0` for INT4/INT8, `k % 8 == 0` for INT6, `group_size % 8 ==
     /// 0`), 16-byte aligned words and `x`; the caller builds the tables from live weights. INT4 with
     /// `k % 128 == 0`, groups of a multiple of 128 values and `k ≤ 3064` runs on tensor cores
-    /// (`moe_gemv_q4_mma_*`: 16 rows a block, the tile's pairs as the mma's columns, f32 sums).
+    /// (`moe_gemv_q4_mma_*`: rows in groups of 16, the tile's pairs as the mma's columns, f32 sums).
     pub fn moe_gemv_packed<O: MoeOut>(
         &self,
         experts: &Experts<'_, impl DevicePtr<u64>>,
@@ -487,7 +499,7 @@ impl Gpu {
                     format!("moe_gemv_q4_mma_{}", O::SUFFIX)
                 },
                 lanes: 32,
-                rows_per_block: MMA_ROWS,
+                rows_per_block: MMA_ROWS * mma_groups(k),
             };
             ((32 * MMA_WARPS) as u32, mma_smem(k) as u32)
         } else {
@@ -666,5 +678,23 @@ impl Gpu {
         // fused kernel's block size is add_rms_norm_bf16's, as its sums' order needs).
         unsafe { b.launch(cfg(grid, threads, smem as u32)) }?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mma_groups;
+
+    #[test]
+    fn short_rows_give_a_block_several_row_groups() {
+        // The 80B's down projection (k 512: a span a warp) 4 row groups, the 125B's (k 768) 2,
+        // gate|up rows (k 2048, 2560) one.
+        assert_eq!(mma_groups(512), 4);
+        assert_eq!(mma_groups(768), 2);
+        assert_eq!(mma_groups(2048), 1);
+        assert_eq!(mma_groups(2560), 1);
+        assert_eq!(mma_groups(128), 4);
+        assert_eq!(mma_groups(1536), 1);
+        assert_eq!(mma_groups(1024), 2);
     }
 }

@@ -23,10 +23,10 @@ __device__ __forceinline__ void pdl_prologue() {
 // Bytes of an L2 prefetch request (one per thread of a block's first warp, as many rounds as needed).
 #define PDL_PREFETCH_PIECE 32768
 
-// pdl_prologue, first asking L2 for bytes [p, p + bytes) of data no kernel writes (the weight rows a GEMV
-// block reads): the fetch overlaps the kernel ahead instead of following it. Whole 16-byte units inside
-// the range only; nothing when bytes ≤ 0.
-__device__ __forceinline__ void pdl_prologue_prefetch(const void* p, long long bytes) {
+// L2 asked for bytes [p, p + bytes) (whole 16-byte units inside the range; nothing when bytes ≤ 0) by the
+// block's first warp, one request of PDL_PREFETCH_PIECE bytes a thread a round. sm_90 and later (a
+// no-op before).
+__device__ __forceinline__ void l2_prefetch(const void* p, long long bytes) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const unsigned long long a0 = ((unsigned long long)p + 15) & ~15ull;
     const unsigned long long a1 = bytes > 0 ? ((unsigned long long)p + bytes) & ~15ull : 0;
@@ -38,6 +38,12 @@ __device__ __forceinline__ void pdl_prologue_prefetch(const void* p, long long b
             asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(size) : "memory");
         }
 #endif
+}
+
+// pdl_prologue, first asking L2 for bytes [p, p + bytes) of data no kernel writes (the weight rows a GEMV
+// block reads): the fetch overlaps the kernel ahead instead of following it.
+__device__ __forceinline__ void pdl_prologue_prefetch(const void* p, long long bytes) {
+    l2_prefetch(p, bytes);
     pdl_prologue();
 }
 
@@ -80,6 +86,16 @@ struct RowSpan {
 
 // pdl_prologue_prefetch of a block's weight rows.
 __device__ __forceinline__ void pdl_prologue_prefetch(RowSpan r) { pdl_prologue_prefetch(r.p, r.bytes); }
+
+// The 128-byte line i of a table of n u64 at t (lines counted from the one holding t[0]), clipped to
+// the table; empty past its last entry. For asking L2 for a small table a block a line.
+__device__ __forceinline__ RowSpan table_line(const unsigned long long* t, int n, int i) {
+    const unsigned long long a = (unsigned long long)t, line = (a & ~127ull) + 128ull * (unsigned long long)i;
+    const unsigned long long lo = max(a, line), hi = min(a + 8ull * (unsigned long long)n, line + 128ull);
+    return RowSpan{(const void*)lo, lo < hi ? (long long)(hi - lo) : 0};
+}
+// 128-byte lines table_line numbers for a table of n u64 (one more where it does not start a line).
+__device__ __forceinline__ int table_lines(int n) { return (n * 8 + 127) / 128 + 1; }
 
 // The weight rows of row-slot GEMV block `block` of a segment (256 threads in slots of 2^tpr_log2
 // threads, rps rows a slot, row_bytes a row): none for a block past n.

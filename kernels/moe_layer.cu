@@ -269,6 +269,18 @@ __device__ __forceinline__ void ml_shared_down(const MoeLayerArgs& a, bf16* sact
 // Gate|up rows a warp loads before it computes in phase 2.
 #define ML_GU_BATCH 4
 
+// The experts' four address tables into L2, a 128-byte line a block (table_line; lines past the grid's
+// blocks are left to the top-k's loads): phase 2 reads the chosen experts' entries right after the
+// top-k, where a miss to DRAM would wait before every expert's first weight load.
+__device__ __forceinline__ void ml_prefetch_tables(const MoeLayerArgs& a) {
+    const int lines = table_lines(a.e);
+    if ((int)blockIdx.x >= 4 * lines) return;
+    const int which = blockIdx.x / lines, line = blockIdx.x - which * lines;
+    const unsigned long long* t = which == 0 ? a.gu_w : which == 1 ? a.gu_s : which == 2 ? a.dn_w : a.dn_s;
+    const RowSpan r = table_line(t, a.e, line);
+    l2_prefetch(r.p, r.bytes);
+}
+
 template <int EB, int SB, int GU>
 __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     extern __shared__ uint4 ml_smem[];
@@ -284,6 +296,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     const bool shared = a.shared_gate != nullptr;
     const bool norm = a.acc != nullptr;
     ml_mark(a.trace, 0);
+    ml_prefetch_tables(a);
     ml_stage_x(s_x, a.x, a.h);
     __syncthreads();
 

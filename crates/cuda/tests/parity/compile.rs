@@ -19,37 +19,66 @@ fn every_kernel_compiles_for_sm86_and_sm90() {
             return;
         }
     };
-    for arch in ["sm_86", "sm_90"] {
-        for src in registry::SOURCES {
-            let t0 = std::time::Instant::now();
-            let cubin =
-                nvrtc::compile_cubin(src, registry::HEADERS, arch, std::slice::from_ref(&include))
-                    .unwrap_or_else(|e| panic!("{} for {arch}: {e}", src.name));
-            assert!(
-                cubin.starts_with(b"\x7fELF"),
-                "{}: not an ELF cubin",
-                src.name
-            );
-            println!(
-                "COMPILE {} {arch} {} bytes in {:.2}s",
-                src.name,
-                cubin.len(),
-                t0.elapsed().as_secs_f32()
-            );
-            // Each entry point's machine code, as the `.text.NAME` section of the cubin: every
-            // declared kernel is there, and its size is printed (a short decode launch spends much
-            // of its time fetching its code into each multiprocessor's instruction cache).
-            let code = text_sections(&cubin);
-            for name in registry::entry_points(src) {
-                let bytes = code
-                    .iter()
-                    .find(|(n, _)| *n == name)
-                    .map(|(_, b)| *b)
-                    .unwrap_or_else(|| {
-                        panic!("{}: no code for entry point {name} ({arch})", src.name)
-                    });
-                println!("CODE {name} {arch} {bytes}");
-            }
+    // Every (architecture, source) pair, compiled by as many workers as the machine has cores (NVRTC
+    // compiles programs concurrently, as `registry::compile_all` does), then checked in order.
+    let jobs: Vec<(&str, &nvrtc::Source)> = ["sm_86", "sm_90"]
+        .into_iter()
+        .flat_map(|arch| registry::SOURCES.iter().map(move |src| (arch, src)))
+        .collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let workers = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut done: Vec<(usize, Vec<u8>, f32)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..workers.min(jobs.len()))
+            .map(|_| {
+                s.spawn(|| {
+                    let mut out = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(arch, src)) = jobs.get(i) else {
+                            return out;
+                        };
+                        let t0 = std::time::Instant::now();
+                        let cubin = nvrtc::compile_cubin(
+                            src,
+                            registry::HEADERS,
+                            arch,
+                            std::slice::from_ref(&include),
+                        )
+                        .unwrap_or_else(|e| panic!("{} for {arch}: {e}", src.name));
+                        out.push((i, cubin, t0.elapsed().as_secs_f32()));
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("a compile worker panicked"))
+            .collect()
+    });
+    done.sort_by_key(|(i, _, _)| *i);
+    assert_eq!(done.len(), jobs.len());
+    for ((arch, src), (_, cubin, secs)) in jobs.iter().zip(&done) {
+        assert!(
+            cubin.starts_with(b"\x7fELF"),
+            "{}: not an ELF cubin",
+            src.name
+        );
+        println!(
+            "COMPILE {} {arch} {} bytes in {secs:.2}s",
+            src.name,
+            cubin.len()
+        );
+        // Each entry point's machine code, as the `.text.NAME` section of the cubin: every declared
+        // kernel is there, and its size is printed (a short decode launch spends much of its time
+        // fetching its code into each multiprocessor's instruction cache).
+        let code = text_sections(cubin);
+        for name in registry::entry_points(src) {
+            let bytes = code
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, b)| *b)
+                .unwrap_or_else(|| panic!("{}: no code for entry point {name} ({arch})", src.name));
+            println!("CODE {name} {arch} {bytes}");
         }
     }
 }

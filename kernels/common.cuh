@@ -87,16 +87,6 @@ struct RowSpan {
 // pdl_prologue_prefetch of a block's weight rows.
 __device__ __forceinline__ void pdl_prologue_prefetch(RowSpan r) { pdl_prologue_prefetch(r.p, r.bytes); }
 
-// The 128-byte line i of a table of n u64 at t (lines counted from the one holding t[0]), clipped to
-// the table; empty past its last entry. For asking L2 for a small table a block a line.
-__device__ __forceinline__ RowSpan table_line(const unsigned long long* t, int n, int i) {
-    const unsigned long long a = (unsigned long long)t, line = (a & ~127ull) + 128ull * (unsigned long long)i;
-    const unsigned long long lo = max(a, line), hi = min(a + 8ull * (unsigned long long)n, line + 128ull);
-    return RowSpan{(const void*)lo, lo < hi ? (long long)(hi - lo) : 0};
-}
-// 128-byte lines table_line numbers for a table of n u64 (one more where it does not start a line).
-__device__ __forceinline__ int table_lines(int n) { return (n * 8 + 127) / 128 + 1; }
-
 // The weight rows of row-slot GEMV block `block` of a segment (256 threads in slots of 2^tpr_log2
 // threads, rps rows a slot, row_bytes a row): none for a block past n.
 __device__ __forceinline__ RowSpan gemv_slot_span(const GemvSeg& s, long long row_bytes) {

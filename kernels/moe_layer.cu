@@ -269,16 +269,18 @@ __device__ __forceinline__ void ml_shared_down(const MoeLayerArgs& a, bf16* sact
 // Gate|up rows a warp loads before it computes in phase 2.
 #define ML_GU_BATCH 4
 
-// The experts' four address tables into L2, a 128-byte line a block (table_line; lines past the grid's
-// blocks are left to the top-k's loads): phase 2 reads the chosen experts' entries right after the
-// top-k, where a miss to DRAM would wait before every expert's first weight load.
+// The experts' four address tables into L2, a 128-byte line a block (lines counted from the one
+// holding a table's first entry, clipped to the table; lines past the grid's blocks are left to the
+// top-k's loads): phase 2 reads the chosen experts' entries right after the top-k, where a miss to
+// DRAM would wait before every expert's first weight load.
 __device__ __forceinline__ void ml_prefetch_tables(const MoeLayerArgs& a) {
-    const int lines = table_lines(a.e);
+    const int lines = (a.e * 8 + 127) / 128 + 1;  // one more where a table does not start a line
     if ((int)blockIdx.x >= 4 * lines) return;
     const int which = blockIdx.x / lines, line = blockIdx.x - which * lines;
     const unsigned long long* t = which == 0 ? a.gu_w : which == 1 ? a.gu_s : which == 2 ? a.dn_w : a.dn_s;
-    const RowSpan r = table_line(t, a.e, line);
-    l2_prefetch(r.p, r.bytes);
+    const unsigned long long p = (unsigned long long)t, start = (p & ~127ull) + 128ull * (unsigned long long)line;
+    const unsigned long long lo = max(p, start), hi = min(p + 8ull * (unsigned long long)a.e, start + 128ull);
+    if (lo < hi) l2_prefetch((const void*)lo, (long long)(hi - lo));
 }
 
 template <int EB, int SB, int GU>

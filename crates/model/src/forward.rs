@@ -553,6 +553,34 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
         let hc = layer.hc.as_ref();
+        let post = &layer.post_attention_norm;
+        // A pending MoE output before a GDN mixer the backend runs whole: the MoE step, this
+        // layer's input norm and its mixer in one call (the mixer call's input is the norm's
+        // output, not `mx`).
+        if let (
+            None,
+            Mixer::Gdn(w),
+            Some(Pending::Moe {
+                w: mw,
+                x: mx,
+                shared,
+            }),
+        ) = (hc, &layer.mixer, &pending)
+        {
+            if b.gdn_mixer_whole(w, &self.gdn_shape, rows.count()) {
+                let moe = pending::call(mw, mx, shared);
+                let hn = b.moe_gdn_mixer_add_rms_norm(
+                    &moe,
+                    streams,
+                    &layer.input_norm,
+                    &self.gdn_call(index, w, mx, rows),
+                    post,
+                    eps,
+                    1.0,
+                )?;
+                return Ok(Some(self.ffn(layer, hn, rows.count())?));
+            }
+        }
         let (hn, x) = match (hc, pending) {
             (None, Some(y)) => (
                 y.add_rms_norm(b, streams, &layer.input_norm, eps, 1.0)?,
@@ -578,7 +606,6 @@ impl<B: Backend> Model<B> {
             }
             _ => None,
         };
-        let post = &layer.post_attention_norm;
         if let (None, Mixer::Attention(w)) = (hc, &layer.mixer) {
             if b.attn_mixer_whole(w, &self.attn_shape, rows.count()) {
                 let c = self.attn_call(index, w, &hn, rows);

@@ -12,7 +12,7 @@ use super::norm_after::NormAfter;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{At, CudaError, Result};
-use crate::ops::{AttnLayer, AttnLayerBufs, KvPools, LayerRope, LayerSeq};
+use crate::ops::{AttnLayer, AttnLayerBufs, KvPools, LayerRope, LayerSeq, LayerSync};
 use crate::Gpu;
 use std::sync::atomic::Ordering;
 
@@ -165,13 +165,15 @@ impl CudaBackend {
             attn: &mut attn,
             part_o: &mut part_o,
             part_ml: &mut part_ml,
+            trace: None,
+        };
+        let sync = LayerSync {
             partials: &mut partials,
             sync: &mut sync,
-            trace: None,
         };
         let mut out = self.alloc(1, h)?;
         let into = NormAfter::combine_into(Some(after), &mut out);
-        g.attn_layer_decode(&layer, &c.x.buf, &rope, seq, bufs, into)?;
+        g.attn_layer_decode(&layer, &c.x.buf, &rope, seq, bufs, sync, into)?;
         Ok(out)
     }
 }

@@ -21,6 +21,23 @@ pub struct GdnMixerCall<'a, T, W> {
     pub seqs: &'a [SeqChunk<'a>],
 }
 
+impl<'a, T, W> GdnMixerCall<'a, T, W> {
+    /// The same call on the normed input `x`.
+    pub fn on<'b>(&self, x: &'b T) -> GdnMixerCall<'b, T, W>
+    where
+        'a: 'b,
+    {
+        GdnMixerCall {
+            layer: self.layer,
+            shape: self.shape,
+            x,
+            w: self.w,
+            eps: self.eps,
+            seqs: self.seqs,
+        }
+    }
+}
+
 /// An attention mixer from the layer's normed input `x` `[rows, H]` ([`Backend::attn_from_input`],
 /// [`Backend::attn_mixer_add_rms_norm`]): attention layer `layer` of shape `shape`, RoPE `rope` and
 /// weights `w`, the step's chunks and their explicit MRoPE positions if any ([`AttnCall::mrope`]).

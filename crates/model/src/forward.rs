@@ -554,31 +554,33 @@ impl<B: Backend> Model<B> {
         let eps = self.cfg.rms_norm_eps;
         let hc = layer.hc.as_ref();
         let post = &layer.post_attention_norm;
-        // A pending MoE output before a GDN mixer the backend runs whole: the MoE step, this
-        // layer's input norm and its mixer in one call (the mixer call's input is the norm's
-        // output, not `mx`).
+        // A pending MoE output before a mixer the backend runs whole: the MoE step, this layer's
+        // input norm and its mixer in one call (the mixer call's input is the norm's output, not
+        // `mx`).
         if let (
             None,
-            Mixer::Gdn(w),
             Some(Pending::Moe {
                 w: mw,
                 x: mx,
                 shared,
             }),
-        ) = (hc, &layer.mixer, &pending)
+        ) = (hc, &pending)
         {
-            if b.gdn_mixer_whole(w, &self.gdn_shape, rows.count()) {
-                let moe = pending::call(mw, mx, shared);
-                let hn = b.moe_gdn_mixer_add_rms_norm(
-                    &moe,
-                    streams,
-                    &layer.input_norm,
-                    &self.gdn_call(index, w, mx, rows),
-                    post,
-                    eps,
-                    1.0,
-                )?;
-                return Ok(Some(self.ffn(layer, hn, rows.count())?));
+            let moe = pending::call(mw, mx, shared);
+            let (n, norm) = (rows.count(), &layer.input_norm);
+            let hn = match &layer.mixer {
+                Mixer::Gdn(w) if b.gdn_mixer_whole(w, &self.gdn_shape, n) => {
+                    let c = self.gdn_call(index, w, mx, rows);
+                    Some(b.moe_gdn_mixer_add_rms_norm(&moe, streams, norm, &c, post, eps, 1.0)?)
+                }
+                Mixer::Attention(w) if b.attn_mixer_whole(w, &self.attn_shape, n) => {
+                    let c = self.attn_call(index, w, mx, rows);
+                    Some(b.moe_attn_mixer_add_rms_norm(&moe, streams, norm, &c, post, eps, 1.0)?)
+                }
+                _ => None,
+            };
+            if let Some(hn) = hn {
+                return Ok(Some(self.ffn(layer, hn, n)?));
             }
         }
         let (hn, x) = match (hc, pending) {

@@ -674,6 +674,19 @@ impl Backend for CudaBackend {
         self.moe_gdn_mixer_impl(moe, acc, norm, mixer, post, eps, offset)
     }
 
+    fn moe_attn_mixer_add_rms_norm(
+        &self,
+        moe: &MoeCall<'_, CudaTensor, CudaWeight>,
+        acc: &mut CudaTensor,
+        norm: &CudaWeight,
+        mixer: &AttnMixerCall<'_, CudaTensor, CudaWeight>,
+        post: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<CudaTensor> {
+        self.moe_attn_mixer_impl(moe, acc, norm, mixer, post, eps, offset)
+    }
+
     fn attn_mixer_whole(&self, w: &AttnWeights<CudaWeight>, sh: &AttnShape, rows: usize) -> bool {
         self.attn_layer_takes(w, sh, rows)
     }

@@ -1,23 +1,24 @@
-//! A MoE layer's one-token decode step and the next layer's GDN mixer in one persistent launch
-//! ([`Gpu::moe_gdn_layer_decode`], `kernels/layer_pair.cu`): the launches of
-//! [`Gpu::moe_layer_decode`] (its output added to the residual and normed) and of
-//! [`Gpu::gdn_layer_decode`] on that normed row, in one cooperative grid, the same arithmetic bit
-//! for bit.
+//! A MoE layer's one-token decode step and the next layer's mixer in one persistent launch
+//! ([`Gpu::moe_gdn_layer_decode`], [`Gpu::moe_attn_layer_decode`]; `kernels/layer_pair.cu`): the
+//! launches of [`Gpu::moe_layer_decode`] (its output added to the residual and normed) and of
+//! [`Gpu::gdn_layer_decode`] or [`Gpu::attn_layer_decode`] on that normed row, in one cooperative
+//! grid, the same arithmetic bit for bit.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
+use super::attn_layer::{AttnLayerArgs, LayerRope, LayerSeq};
 use super::gdn::{DecodeSlots, GdnPools};
 use super::gdn_layer::GdnLayerArgs;
 use super::layer::{LayerArgs, LayerLaunch, LayerSync, RowOut};
 use super::moe::CombineInto;
 use super::moe_layer::MoeLayerArgs;
-use super::{GdnLayer, GdnLayerBufs, MoeLayer, MoeLayerBufs};
+use super::{AttnLayer, AttnLayerBufs, GdnLayer, GdnLayerBufs, MoeLayer, MoeLayerBufs};
 use crate::error::{ensure, Result};
 use crate::gpu::{check_len, Gpu};
 
-/// The kernels' arguments (`MoeGdnArgs` in layer_pair.cu): the two launches' argument structs, both
-/// naming the launch's partials and counters.
+/// The kernels' arguments (`MoeGdnArgs`, `MoeAttnArgs` in layer_pair.cu): the two launches'
+/// argument structs, both naming the launch's partials and counters.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 struct PairArgs<M> {
@@ -25,9 +26,11 @@ struct PairArgs<M> {
     mixer: M,
 }
 
-// SAFETY: a `#[repr(C)]` pair of the plain argument structs (8-byte aligned, sizes multiples of 8),
-// laid out as the kernel's struct of the same two members.
+// SAFETY: `#[repr(C)]` pairs of the plain argument structs (8-byte aligned, sizes multiples of 8),
+// laid out as the kernels' structs of the same two members.
 unsafe impl DeviceRepr for PairArgs<GdnLayerArgs> {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for PairArgs<AttnLayerArgs> {}
 
 impl<M: LayerArgs> LayerArgs for PairArgs<M> {
     fn set_sync(&mut self, partials: u64, sync: u64) {
@@ -36,14 +39,25 @@ impl<M: LayerArgs> LayerArgs for PairArgs<M> {
     }
 }
 
-/// The pair kernel of a MoE launch and a GDN launch, from their kernels' names
-/// (`moe_layer_m1_q4_s{S}_u{U}`, `gdn_layer_m1_p{P}_u{U}_o{O}`): the same units in the h-wide dots,
-/// projections of 8 bits (the instances layer_pair.cu has).
+/// The mixer a pair launch runs after the MoE step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PairMixer {
+    Gdn,
+    Attention,
+}
+
+/// The pair kernel of a MoE launch and a mixer launch, from their kernels' names
+/// (`moe_layer_m1_q4_s{S}_u{U}`, `gdn_layer_m1_p{P}_u{U}_o{O}`, `attn_layer_m1_p{P}_u{U}_o{O}`): the
+/// same units in the h-wide dots, projections of 8 bits (the instances layer_pair.cu has).
 fn pair_kernel(moe: &str, mixer: &str) -> Option<String> {
     let (s, u) = moe.strip_prefix("moe_layer_m1_q4_")?.split_once('_')?;
-    let (p, uo) = mixer.strip_prefix("gdn_layer_m1_")?.split_once('_')?;
+    let (kind, rest) = match mixer.strip_prefix("gdn_layer_m1_") {
+        Some(rest) => ("gdn", rest),
+        None => ("attn", mixer.strip_prefix("attn_layer_m1_")?),
+    };
+    let (p, uo) = rest.split_once('_')?;
     (p == "p8" && uo.starts_with(u) && uo.as_bytes().get(u.len()) == Some(&b'_'))
-        .then(|| format!("moe_gdn_m1_{s}_{p}_{uo}"))
+        .then(|| format!("moe_{kind}_m1_{s}_{p}_{uo}"))
 }
 
 /// The residual both halves add to, the MoE step's norm weight (its normed row is not written: the
@@ -60,20 +74,22 @@ pub struct PairOut<'a> {
 
 impl Gpu {
     /// Whether a pair launch exists for a MoE step whose shared expert has `shared_bits` (4
-    /// without one) and a GDN mixer whose projections have `mixer_bits`, at width `h` and value
-    /// width `ko`, given that each half alone fits its launch.
+    /// without one) and a mixer of `kind` whose projections have `mixer_bits`, at width `h` and
+    /// (GDN) value width `ko`, given that each half alone fits its launch.
     pub fn layer_pair_fits(
         &self,
-        shared_bits: u32,
-        mixer_bits: u32,
+        kind: PairMixer,
+        (shared_bits, mixer_bits): (u32, u32),
         (h, ko): (usize, usize),
     ) -> bool {
         let units = if h <= 2048 { 2 } else { 3 };
         let moe = format!("moe_layer_m1_q4_s{shared_bits}_u{units}");
-        let mixer = if h <= 2048 && ko <= 4096 {
-            format!("gdn_layer_m1_p{mixer_bits}_u2_o4")
-        } else {
-            format!("gdn_layer_m1_p{mixer_bits}_u3_o6")
+        let mixer = match kind {
+            PairMixer::Gdn if h <= 2048 && ko <= 4096 => {
+                format!("gdn_layer_m1_p{mixer_bits}_u2_o4")
+            }
+            PairMixer::Gdn => format!("gdn_layer_m1_p{mixer_bits}_u3_o6"),
+            PairMixer::Attention => format!("attn_layer_m1_p{mixer_bits}_u2_o4"),
         };
         pair_kernel(&moe, &mixer).is_some_and(|k| self.kernel(&k).is_ok())
     }
@@ -162,6 +178,33 @@ impl Gpu {
         // SAFETY: both launches come from their checked builders.
         unsafe { self.launch_pair(m, g, sync) }
     }
+
+    /// [`Gpu::moe_layer_decode`] then [`Gpu::attn_layer_decode`] in one launch, as
+    /// [`Gpu::moe_gdn_layer_decode`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_attn_layer_decode(
+        &self,
+        moe: (&MoeLayer<'_>, &CudaSlice<bf16>, usize, MoeLayerBufs<'_>),
+        layer: &AttnLayer<'_>,
+        rope: &LayerRope<'_>,
+        seq: LayerSeq<'_, impl DevicePtr<u32>>,
+        bufs: AttnLayerBufs<'_>,
+        mut out: PairOut<'_>,
+        sync: LayerSync<'_>,
+    ) -> Result<()> {
+        let m = self.pair_moe(moe, &mut out)?;
+        let into = CombineInto::AddNorm {
+            acc: out.acc,
+            w: out.mixer_norm,
+            normed: out.normed,
+            eps: out.eps,
+            offset: out.offset,
+        };
+        let row = self.layer_row_out("layer_pair", into, m.h)?;
+        let a = self.attn_layer_args(layer, None, rope, seq, bufs, row)?;
+        // SAFETY: both launches come from their checked builders.
+        unsafe { self.launch_pair(m, a, sync) }
+    }
 }
 
 #[cfg(test)]
@@ -174,6 +217,10 @@ mod tests {
         assert_eq!(
             std::mem::size_of::<PairArgs<GdnLayerArgs>>(),
             m + std::mem::size_of::<GdnLayerArgs>()
+        );
+        assert_eq!(
+            std::mem::size_of::<PairArgs<AttnLayerArgs>>(),
+            m + std::mem::size_of::<AttnLayerArgs>()
         );
         assert_eq!(std::mem::offset_of!(PairArgs<GdnLayerArgs>, mixer), m);
     }
@@ -189,6 +236,10 @@ mod tests {
             k("moe_layer_m1_q4_s4_u3", "gdn_layer_m1_p8_u3_o6").as_deref(),
             Some("moe_gdn_m1_s4_p8_u3_o6")
         );
+        assert_eq!(
+            k("moe_layer_m1_q4_s8_u2", "attn_layer_m1_p8_u2_o4").as_deref(),
+            Some("moe_attn_m1_s8_p8_u2_o4")
+        );
         // Other units on the two sides, other projection widths, other kernels: none.
         assert_eq!(k("moe_layer_m1_q4_s6_u2", "gdn_layer_m1_p8_u3_o6"), None);
         assert_eq!(k("moe_layer_m1_q4_s6_u2", "gdn_layer_m1_p6_u2_o4"), None);
@@ -203,11 +254,15 @@ mod tests {
             .expect("layer_pair.cu is registered");
         let entries = crate::registry::entry_points(src);
         for s in [4, 6, 8] {
-            for (moe_u, mixer) in [(2, "gdn_layer_m1_p8_u2_o4"), (3, "gdn_layer_m1_p8_u3_o6")] {
+            for (moe_u, mixer) in [
+                (2, "gdn_layer_m1_p8_u2_o4"),
+                (3, "gdn_layer_m1_p8_u3_o6"),
+                (2, "attn_layer_m1_p8_u2_o4"),
+            ] {
                 let name = pair_kernel(&format!("moe_layer_m1_q4_s{s}_u{moe_u}"), mixer).unwrap();
                 assert!(entries.contains(&name), "{name} missing");
             }
         }
-        assert_eq!(entries.len(), 6);
+        assert_eq!(entries.len(), 9);
     }
 }

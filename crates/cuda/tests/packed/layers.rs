@@ -2,8 +2,8 @@
 //! Qwen3-Next-80B config (four layers at the 80B's widths: three GDN mixers and one attention layer,
 //! eight INT4 experts top 2, an INT6 shared expert, INT8 projections) with dummy weights, on the GPU
 //! with the one-launch layers on and off, against the CPU: prompt log-probs through a prefill chunk
-//! and one-token decode steps (where the layers run); and a MoE step with the next GDN mixer in one
-//! launch against their two launches, bit for bit.
+//! and one-token decode steps (where the layers run); and a MoE step with the next mixer (GDN at
+//! layers 1 and 2, attention at layer 3) in one launch against their two launches, bit for bit.
 
 use sanmai_cpu::CpuBackend;
 use sanmai_cuda::CudaBackend;

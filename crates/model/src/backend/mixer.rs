@@ -51,6 +51,24 @@ pub struct AttnMixerCall<'a, T, W> {
     pub mrope: Option<Mrope<'a>>,
 }
 
+impl<'a, T, W> AttnMixerCall<'a, T, W> {
+    /// The same call on the normed input `x`.
+    pub fn on<'b>(&self, x: &'b T) -> AttnMixerCall<'b, T, W>
+    where
+        'a: 'b,
+    {
+        AttnMixerCall {
+            layer: self.layer,
+            shape: self.shape,
+            rope: self.rope,
+            x,
+            w: self.w,
+            seqs: self.seqs,
+            mrope: self.mrope,
+        }
+    }
+}
+
 /// The results of [`Backend::linear_many`] of `n` weights as a slice of `n`.
 fn projections<T>(ys: &[T], n: usize) -> OpResult<&[T]> {
     if ys.len() == n {

@@ -570,6 +570,24 @@ pub trait Backend: Send + Sync {
         self.linear_add_rms_norm(&o, &c.w.o_proj, acc, norm, eps, offset)
     }
 
+    /// [`Backend::moe_gdn_mixer_add_rms_norm`] with a whole attention mixer
+    /// ([`Backend::attn_mixer_add_rms_norm`]; the model asks for it where
+    /// [`Backend::attn_mixer_whole`] holds): `mixer`'s `x` is not read.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_attn_mixer_add_rms_norm(
+        &self,
+        moe: &MoeCall<'_, Self::Tensor, Self::Weight>,
+        acc: &mut Self::Tensor,
+        norm: &Self::Weight,
+        mixer: &AttnMixerCall<'_, Self::Tensor, Self::Weight>,
+        post: &Self::Weight,
+        eps: f32,
+        offset: f32,
+    ) -> OpResult<Self::Tensor> {
+        let hn = self.moe_experts_add_rms_norm(moe, acc, norm, eps, offset)?;
+        self.attn_mixer_add_rms_norm(&mixer.on(&hn), acc, post, eps, offset)
+    }
+
     /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts; plus
     /// `sigmoid(gate) · y` when the shared expert is given (a backend may add it in its combine).
     fn moe_experts(&self, c: &MoeCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;

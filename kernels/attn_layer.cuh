@@ -465,22 +465,7 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a, int bar, c
         ((uint4*)s_buf)[ml_xs_chunk(q)] = __ldcg((const uint4*)a.attn + q);
     __syncthreads();
     ml_mark(a.trace, 7);
-    float sq = 0.0f;
-#pragma unroll 1
-    for (int j = 0; j < ML_MAXROWS; ++j) {
-        const int r = gw + j * nw;
-        if (r >= a.h) break;
-        const float res = norm && lane == 0 ? bf2f(a.acc[r]) : 0.0f;
-        if (j > 0) ml_load<BITS, 32, OU>(orow, a.o_w + r * owpr, a.o_s + (size_t)r * ocols, ko, a.o_group, lane);
-        const float s = warp_sum(ml_dot<BITS, 32, OU, true>(orow, s_buf, ko, lane));
-        if (lane == 0) {
-            const bf16 v = f2bf(s);
-            if (norm)
-                sq += ml_add_row(a.acc, r, res, v, s_res[warp][j]);
-            else
-                a.y[r] = v;
-        }
-    }
+    const float sq = ml_out_rows<BITS, OU>(orow, a.o_w, a.o_s, a.o_group, ko, s_buf, a.h, a.acc, a.y, s_res, gw, nw);
     ml_mark(a.trace, 8);
     if (norm) ml_norm_rows(sq, s_res, a.partials, a.sync, (bar + 4) * gridDim.x, a.h, a.eps, a.offset, a.norm_w, a.normed, gw, nw, ml_last(a.trace, 3));
 }

@@ -411,22 +411,7 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a, int bar, con
     gl_stage_o(a, stage, s_buf);
     __syncthreads();
     ml_mark(a.trace, 5);
-    float sq = 0.0f;
-#pragma unroll 1
-    for (int j = 0; j < ML_MAXROWS; ++j) {
-        const int r = gw + j * nw;
-        if (r >= a.h) break;
-        const float res = norm && lane == 0 ? bf2f(a.acc[r]) : 0.0f;
-        if (j > 0) ml_load<BITS, 32, OU>(orow, a.out_w + r * owpr, a.out_s + (size_t)r * ocols, kout, a.out_group, lane);
-        const float s = warp_sum(ml_dot<BITS, 32, OU, true>(orow, s_buf, kout, lane));
-        if (lane == 0) {
-            const bf16 v = f2bf(s);
-            if (norm)
-                sq += ml_add_row(a.acc, r, res, v, s_res[warp][j]);
-            else
-                a.y[r] = v;
-        }
-    }
+    const float sq = ml_out_rows<BITS, OU>(orow, a.out_w, a.out_s, a.out_group, kout, s_buf, a.h, a.acc, a.y, s_res, gw, nw);
     ml_mark(a.trace, 6);
     if (norm) ml_norm_rows(sq, s_res, a.partials, a.sync, (bar + 3) * gridDim.x, a.h, a.eps, a.offset, a.norm_w, a.normed, gw, nw, ml_last(a.trace, 2));
     ml_mark(a.trace, 7);

@@ -144,6 +144,36 @@ __device__ __forceinline__ float ml_norm_rn(const float* partials, int h, float 
     return 1.0f / sqrtf(ss / (float)h + eps);
 }
 
+// A warp an output row r = gw + j·nw < h of the packed [h, k] projection (words w, scales s of `group`
+// inputs) of the row xs staged in ml_xs_chunk's order, the warp's first row's units already in `row`:
+// each rounded to bf16, then added to the residual (ml_add_row into acc, kept in s_res for
+// ml_norm_rows) or, without acc, written to y. Returns lane 0's sum of the new residual's squares.
+template <int BITS, int OU>
+__device__ __forceinline__ float ml_out_rows(MlRow<BITS, OU>& row, const u32* w, const float* s, int group, int k,
+                                            const bf16* xs, int h, bf16* acc, bf16* y,
+                                            float (*s_res)[ML_MAXROWS], int gw, int nw) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const size_t wpr = (size_t)(k >> 5) * BITS;
+    const int cols = (k + group - 1) / group;
+    float sq = 0.0f;
+#pragma unroll 1
+    for (int j = 0; j < ML_MAXROWS; ++j) {
+        const int r = gw + j * nw;
+        if (r >= h) break;
+        const float res = acc != nullptr && lane == 0 ? bf2f(acc[r]) : 0.0f;
+        if (j > 0) ml_load<BITS, 32, OU>(row, w + r * wpr, s + (size_t)r * cols, k, group, lane);
+        const float d = warp_sum(ml_dot<BITS, 32, OU, true>(row, xs, k, lane));
+        if (lane == 0) {
+            const bf16 v = f2bf(d);
+            if (acc != nullptr)
+                sq += ml_add_row(acc, r, res, v, s_res[warp][j]);
+            else
+                y[r] = v;
+        }
+    }
+    return sq;
+}
+
 // The RMSNorm of the h-value row the grid's warps added (ml_add_row: warp gw of nw holds rows gw + j·nw
 // in s_res[warp][j], lane 0's sq their squares): each block's sum into partials[blockIdx.x], the grid
 // barrier `target`, then every block sums the partials in block order (deterministic) and writes

@@ -94,6 +94,25 @@ impl Gpu {
         pair_kernel(&moe, &mixer).is_some_and(|k| self.kernel(&k).is_ok())
     }
 
+    /// The MoE step's half of a pair (its launch with the residual add and the norm's sums, no
+    /// normed row written) and the mixer's output (its add to the residual and norm).
+    fn pair_rows(
+        &self,
+        moe: (&MoeLayer<'_>, &CudaSlice<bf16>, usize, MoeLayerBufs<'_>),
+        mut out: PairOut<'_>,
+    ) -> Result<(LayerLaunch<MoeLayerArgs>, RowOut)> {
+        let m = self.pair_moe(moe, &mut out)?;
+        let into = CombineInto::AddNorm {
+            acc: out.acc,
+            w: out.mixer_norm,
+            normed: out.normed,
+            eps: out.eps,
+            offset: out.offset,
+        };
+        let row = self.layer_row_out("layer_pair", into, m.h)?;
+        Ok((m, row))
+    }
+
     /// The MoE step's half of a pair: its launch with the residual add and the norm's sums, no
     /// normed row written.
     fn pair_moe(
@@ -162,18 +181,10 @@ impl Gpu {
         pools: GdnPools<'_, CudaSlice<bf16>, CudaSlice<f32>>,
         seq: &DecodeSlots<'_, impl DevicePtr<u32>>,
         bufs: GdnLayerBufs<'_>,
-        mut out: PairOut<'_>,
+        out: PairOut<'_>,
         sync: LayerSync<'_>,
     ) -> Result<()> {
-        let m = self.pair_moe(moe, &mut out)?;
-        let into = CombineInto::AddNorm {
-            acc: out.acc,
-            w: out.mixer_norm,
-            normed: out.normed,
-            eps: out.eps,
-            offset: out.offset,
-        };
-        let row = self.layer_row_out("layer_pair", into, m.h)?;
+        let (m, row) = self.pair_rows(moe, out)?;
         let g = self.gdn_layer_args(layer, None, pools, seq, bufs, row)?;
         // SAFETY: both launches come from their checked builders.
         unsafe { self.launch_pair(m, g, sync) }
@@ -189,18 +200,10 @@ impl Gpu {
         rope: &LayerRope<'_>,
         seq: LayerSeq<'_, impl DevicePtr<u32>>,
         bufs: AttnLayerBufs<'_>,
-        mut out: PairOut<'_>,
+        out: PairOut<'_>,
         sync: LayerSync<'_>,
     ) -> Result<()> {
-        let m = self.pair_moe(moe, &mut out)?;
-        let into = CombineInto::AddNorm {
-            acc: out.acc,
-            w: out.mixer_norm,
-            normed: out.normed,
-            eps: out.eps,
-            offset: out.offset,
-        };
-        let row = self.layer_row_out("layer_pair", into, m.h)?;
+        let (m, row) = self.pair_rows(moe, out)?;
         let a = self.attn_layer_args(layer, None, rope, seq, bufs, row)?;
         // SAFETY: both launches come from their checked builders.
         unsafe { self.launch_pair(m, a, sync) }

@@ -135,7 +135,7 @@ impl CudaBackend {
                 sync: &mut sync,
             };
             self.gpu
-                .attn_layer_decode(l.layer, &c.x.buf, l.rope, l.seq, l.bufs, sync, into)
+                .attn_layer_decode(l.layer, &c.x.buf, l.rope, l.seq, (l.bufs, sync), into)
         })?;
         Ok(out)
     }

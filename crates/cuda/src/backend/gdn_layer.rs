@@ -100,7 +100,7 @@ impl CudaBackend {
                 sync: &mut sync,
             };
             self.gpu
-                .gdn_layer_decode(l.layer, &c.x.buf, l.pools, l.seq, l.bufs, sync, into)
+                .gdn_layer_decode(l.layer, &c.x.buf, l.pools, l.seq, (l.bufs, sync), into)
         })?;
         Ok(out)
     }

@@ -100,7 +100,7 @@ impl CudaBackend {
                 let block_size = s.kv.block_size;
                 self.with_gdn_layer((s.meta, s.states, block_size), mixer, |l| {
                     self.gpu
-                        .moe_gdn_layer_decode(m, l.layer, l.pools, l.seq, l.bufs, out, sync)
+                        .moe_gdn_layer_decode(m, (l.layer, l.pools, l.seq, l.bufs), out, sync)
                 })
             },
         )
@@ -138,7 +138,7 @@ impl CudaBackend {
                 let inv_freq = s.inv_freq.expect("the RoPE table was asked for");
                 self.with_attn_layer((s.meta, s.kv, inv_freq), mixer, layer, |l| {
                     self.gpu
-                        .moe_attn_layer_decode(m, l.layer, l.rope, l.seq, l.bufs, out, sync)
+                        .moe_attn_layer_decode(m, (l.layer, l.rope, l.seq, l.bufs), out, sync)
                 })
             },
         )

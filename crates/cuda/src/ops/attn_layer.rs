@@ -198,8 +198,7 @@ impl Gpu {
         x: &CudaSlice<bf16>,
         rope: &LayerRope<'_>,
         seq: LayerSeq<'_, impl DevicePtr<u32>>,
-        bufs: AttnLayerBufs<'_>,
-        sync: LayerSync<'_>,
+        (bufs, sync): (AttnLayerBufs<'_>, LayerSync<'_>),
         into: CombineInto<'_, CudaSlice<bf16>>,
     ) -> Result<()> {
         let out = self.layer_row_out(OP, into, layer.q.k)?;

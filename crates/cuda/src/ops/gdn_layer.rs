@@ -168,8 +168,7 @@ impl Gpu {
         x: &CudaSlice<bf16>,
         pools: GdnPools<'_, CudaSlice<bf16>, CudaSlice<f32>>,
         seq: &DecodeSlots<'_, impl DevicePtr<u32>>,
-        bufs: GdnLayerBufs<'_>,
-        sync: LayerSync<'_>,
+        (bufs, sync): (GdnLayerBufs<'_>, LayerSync<'_>),
         into: CombineInto<'_, CudaSlice<bf16>>,
     ) -> Result<()> {
         let out = self.layer_row_out(OP, into, layer.qkv.k)?;

@@ -60,6 +60,15 @@ fn pair_kernel(moe: &str, mixer: &str) -> Option<String> {
         .then(|| format!("moe_{kind}_m1_{s}_{p}_{uo}"))
 }
 
+/// A GDN pair's mixer half: the layer, its state pools, the sequence's slot and position, its
+/// scratch buffers ([`Gpu::gdn_layer_decode`]'s).
+pub type GdnHalf<'a, P> = (
+    &'a GdnLayer<'a>,
+    GdnPools<'a, CudaSlice<bf16>, CudaSlice<f32>>,
+    &'a DecodeSlots<'a, P>,
+    GdnLayerBufs<'a>,
+);
+
 /// The residual both halves add to, the MoE step's norm weight (its normed row is not written: the
 /// mixer stages it from the residual) and the mixer's: the pair's output is the mixer's output added
 /// to the residual and normed into `normed`, with `eps` and `offset` for both norms.
@@ -177,10 +186,7 @@ impl Gpu {
     pub fn moe_gdn_layer_decode(
         &self,
         moe: (&MoeLayer<'_>, &CudaSlice<bf16>, usize, MoeLayerBufs<'_>),
-        layer: &GdnLayer<'_>,
-        pools: GdnPools<'_, CudaSlice<bf16>, CudaSlice<f32>>,
-        seq: &DecodeSlots<'_, impl DevicePtr<u32>>,
-        bufs: GdnLayerBufs<'_>,
+        (layer, pools, seq, bufs): GdnHalf<'_, impl DevicePtr<u32>>,
         out: PairOut<'_>,
         sync: LayerSync<'_>,
     ) -> Result<()> {
@@ -192,14 +198,15 @@ impl Gpu {
 
     /// [`Gpu::moe_layer_decode`] then [`Gpu::attn_layer_decode`] in one launch, as
     /// [`Gpu::moe_gdn_layer_decode`].
-    #[allow(clippy::too_many_arguments)]
     pub fn moe_attn_layer_decode(
         &self,
         moe: (&MoeLayer<'_>, &CudaSlice<bf16>, usize, MoeLayerBufs<'_>),
-        layer: &AttnLayer<'_>,
-        rope: &LayerRope<'_>,
-        seq: LayerSeq<'_, impl DevicePtr<u32>>,
-        bufs: AttnLayerBufs<'_>,
+        (layer, rope, seq, bufs): (
+            &AttnLayer<'_>,
+            &LayerRope<'_>,
+            LayerSeq<'_, impl DevicePtr<u32>>,
+            AttnLayerBufs<'_>,
+        ),
         out: PairOut<'_>,
         sync: LayerSync<'_>,
     ) -> Result<()> {

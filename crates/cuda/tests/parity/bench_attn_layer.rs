@@ -138,11 +138,13 @@ fn bench_attn_layer() {
                 &xs[i % INPUTS],
                 &rope,
                 seq,
-                bufs,
-                LayerSync {
-                    partials: &mut partials,
-                    sync: &mut sync,
-                },
+                (
+                    bufs,
+                    LayerSync {
+                        partials: &mut partials,
+                        sync: &mut sync,
+                    },
+                ),
                 into,
             )
             .unwrap();

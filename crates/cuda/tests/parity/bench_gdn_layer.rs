@@ -134,11 +134,13 @@ fn bench_gdn_layer() {
                 &xs[i % INPUTS],
                 pools,
                 &seq,
-                bufs,
-                LayerSync {
-                    partials: &mut partials,
-                    sync: &mut sync,
-                },
+                (
+                    bufs,
+                    LayerSync {
+                        partials: &mut partials,
+                        sync: &mut sync,
+                    },
+                ),
                 into,
             )
             .unwrap();

@@ -133,56 +133,15 @@ __device__ __forceinline__ float ml_add_row(bf16* acc, int r, float res, bf16 v,
     return kept * kept;
 }
 
-// 1 / rms of the h-value row whose squares' per-block sums are partials[0 .. gridDim.x) (after the
-// barrier that completes them): summed in block order (deterministic: every block gets the same
-// value). Every thread calls it and gets the value.
-__device__ __forceinline__ float ml_norm_rn(const float* partials, int h, float eps) {
-    __shared__ float scratch[32];
-    float ss = 0.0f;
-    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) ss += __ldcg(partials + b);
-    ss = block_sum(ss, scratch);
-    return 1.0f / sqrtf(ss / (float)h + eps);
-}
-
-// A warp an output row r = gw + j·nw < h of the packed [h, k] projection (words w, scales s of `group`
-// inputs) of the row xs staged in ml_xs_chunk's order, the warp's first row's units already in `row`:
-// each rounded to bf16, then added to the residual (ml_add_row into acc, kept in s_res for
-// ml_norm_rows) or, without acc, written to y. Returns lane 0's sum of the new residual's squares.
-template <int BITS, int OU>
-__device__ __forceinline__ float ml_out_rows(MlRow<BITS, OU>& row, const u32* w, const float* s, int group, int k,
-                                            const bf16* xs, int h, bf16* acc, bf16* y,
-                                            float (*s_res)[ML_MAXROWS], int gw, int nw) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const size_t wpr = (size_t)(k >> 5) * BITS;
-    const int cols = (k + group - 1) / group;
-    float sq = 0.0f;
-#pragma unroll 1
-    for (int j = 0; j < ML_MAXROWS; ++j) {
-        const int r = gw + j * nw;
-        if (r >= h) break;
-        const float res = acc != nullptr && lane == 0 ? bf2f(acc[r]) : 0.0f;
-        if (j > 0) ml_load<BITS, 32, OU>(row, w + r * wpr, s + (size_t)r * cols, k, group, lane);
-        const float d = warp_sum(ml_dot<BITS, 32, OU, true>(row, xs, k, lane));
-        if (lane == 0) {
-            const bf16 v = f2bf(d);
-            if (acc != nullptr)
-                sq += ml_add_row(acc, r, res, v, s_res[warp][j]);
-            else
-                y[r] = v;
-        }
-    }
-    return sq;
-}
-
 // The RMSNorm of the h-value row the grid's warps added (ml_add_row: warp gw of nw holds rows gw + j·nw
 // in s_res[warp][j], lane 0's sq their squares): each block's sum into partials[blockIdx.x], the grid
 // barrier `target`, then every block sums the partials in block order (deterministic) and writes
-// normed[r] = bf16(res · rsqrt(mean + eps) · (offset + w[r])) for its rows (none when normed is null:
-// a layer pair's mixer stages them itself, ml_stage_normed). Every thread calls it.
+// normed[r] = bf16(res · rsqrt(mean + eps) · (offset + w[r])) for its rows. Every thread calls it.
 __device__ __forceinline__ void ml_norm_rows(float sq, const float (*s_res)[ML_MAXROWS], float* partials, u32* sync,
                                              u32 target, int h, float eps, float offset, const bf16* norm_w,
                                              bf16* normed, int gw, int nw, unsigned long long* last) {
     __shared__ float s_sq[ML_WARPS];
+    __shared__ float scratch[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) s_sq[warp] = sq;
     __syncthreads();
@@ -193,40 +152,16 @@ __device__ __forceinline__ void ml_norm_rows(float sq, const float (*s_res)[ML_M
         partials[blockIdx.x] = t;
     }
     ml_grid_sync(sync, target, last);
-    const float rn = ml_norm_rn(partials, h, eps);
-    if (lane == 0 && normed != nullptr) {
+    float ss = 0.0f;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) ss += __ldcg(partials + b);
+    ss = block_sum(ss, scratch);
+    const float rn = 1.0f / sqrtf(ss / (float)h + eps);
+    if (lane == 0) {
 #pragma unroll 1
         for (int j = 0; j < ML_MAXROWS; ++j) {
             const int r = gw + j * nw;
             if (r >= h) break;
             normed[r] = f2bf((s_res[warp][j] * rn) * (offset + bf2f(norm_w[r])));
         }
-    }
-}
-
-// A persistent launch's input row as the norm of the launch before it in the same grid left it: the
-// residual acc (its rows added before that norm's barrier), the norm's weight, its per-block partial
-// sums of squares (complete), eps and offset.
-struct MlNormIn {
-    const bf16* acc;
-    const bf16* w;
-    const float* partials;
-    float eps, offset;
-};
-
-// All h values of that norm (ml_norm_rows's values, bit for bit) into xs in ml_xs_chunk's order, in
-// place of staging the normed row from memory (which would need one more grid barrier). acc and w
-// 16-byte aligned, h % 8 == 0. Every thread calls it.
-__device__ __forceinline__ void ml_stage_normed(bf16* xs, const MlNormIn& n, int h) {
-    const float rn = ml_norm_rn(n.partials, h, n.eps);
-    for (int q = threadIdx.x; q < (h >> 3); q += blockDim.x) {
-        float r[8], w[8];
-        unpack8(__ldcg((const uint4*)n.acc + q), r);
-        unpack8(__ldg((const uint4*)n.w + q), w);
-        uint4 o;
-        bf16* ob = reinterpret_cast<bf16*>(&o);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) ob[j] = f2bf((r[j] * rn) * (n.offset + w[j]));
-        ((uint4*)xs)[ml_xs_chunk(q)] = o;
     }
 }

@@ -29,9 +29,6 @@ const GDN_LAYER_ENV: &str = "SANMAI_GDN_LAYER";
 /// An attention mixer's one-token CUDA decode step in one persistent launch.
 #[cfg(feature = "cuda")]
 const ATTN_LAYER_ENV: &str = "SANMAI_ATTN_LAYER";
-/// A MoE layer's one-token CUDA step and the next layer's GDN mixer in one persistent launch.
-#[cfg(feature = "cuda")]
-const LAYER_PAIR_ENV: &str = "SANMAI_LAYER_PAIR";
 /// FP8 prefill GEMMs on the FP8 tensor cores.
 #[cfg(feature = "cuda")]
 const FP8_TENSOR_CORES_ENV: &str = "SANMAI_FP8_TENSOR_CORES";
@@ -93,14 +90,6 @@ pub struct SwitchArgs {
     /// unless SANMAI_ATTN_LAYER=0].
     #[arg(long, overrides_with = "attn_layer")]
     pub no_attn_layer: bool,
-    /// A MoE layer's one-token CUDA step and the next layer's GDN mixer in one persistent launch,
-    /// with both one-launch steps (the default; overrides SANMAI_LAYER_PAIR=0).
-    #[arg(long, overrides_with = "no_layer_pair")]
-    pub layer_pair: bool,
-    /// The MoE step and the next GDN mixer in two launches, for A/B runs [default: one launch,
-    /// unless SANMAI_LAYER_PAIR=0].
-    #[arg(long, overrides_with = "layer_pair")]
-    pub no_layer_pair: bool,
     /// FP8 prefill GEMMs on the FP8 tensor cores where the GPU has them, the activations quantised
     /// per token and 128 columns, for A/B runs (overrides SANMAI_FP8_TENSOR_CORES=0).
     #[arg(long, overrides_with = "no_fp8_tensor_cores")]
@@ -185,8 +174,6 @@ impl SwitchArgs {
             (self.no_gdn_layer, "--no-gdn-layer"),
             (self.attn_layer, "--attn-layer"),
             (self.no_attn_layer, "--no-attn-layer"),
-            (self.layer_pair, "--layer-pair"),
-            (self.no_layer_pair, "--no-layer-pair"),
             (self.fp8_tensor_cores, "--fp8-tensor-cores"),
             (self.no_fp8_tensor_cores, "--no-fp8-tensor-cores"),
         ]
@@ -213,7 +200,6 @@ impl SwitchArgs {
             moe_layer: switch(self.moe_layer, self.no_moe_layer, MOE_LAYER_ENV),
             gdn_layer: switch(self.gdn_layer, self.no_gdn_layer, GDN_LAYER_ENV),
             attn_layer: switch(self.attn_layer, self.no_attn_layer, ATTN_LAYER_ENV),
-            layer_pair: switch(self.layer_pair, self.no_layer_pair, LAYER_PAIR_ENV),
         }
     }
 }

@@ -70,9 +70,6 @@ pub const HEADERS: &[Source] = &[
     source!("gemv.cuh"),
     source!("add_norm.cuh"),
     source!("layer.cuh"),
-    source!("moe_layer.cuh"),
-    source!("gdn_layer.cuh"),
-    source!("attn_layer.cuh"),
 ];
 
 /// The kernel sources, one file per op family.
@@ -97,7 +94,6 @@ pub const SOURCES: &[Source] = &[
     source!("kv.cu"),
     source!("moe.cu"),
     source!("moe_layer.cu"),
-    source!("layer_pair.cu"),
     source!("moe_gemm.cu"),
     source!("moe_gemm_f8.cu"),
     source!("elementwise.cu"),

@@ -553,36 +553,6 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
         let hc = layer.hc.as_ref();
-        let post = &layer.post_attention_norm;
-        // A pending MoE output before a mixer the backend runs whole: the MoE step, this layer's
-        // input norm and its mixer in one call (the mixer call's input is the norm's output, not
-        // `mx`).
-        if let (
-            None,
-            Some(Pending::Moe {
-                w: mw,
-                x: mx,
-                shared,
-            }),
-        ) = (hc, &pending)
-        {
-            let moe = pending::call(mw, mx, shared);
-            let (n, norm) = (rows.count(), &layer.input_norm);
-            let hn = match &layer.mixer {
-                Mixer::Gdn(w) if b.gdn_mixer_whole(w, &self.gdn_shape, n) => {
-                    let c = self.gdn_call(index, w, mx, rows);
-                    Some(b.moe_gdn_mixer_add_rms_norm(&moe, streams, norm, &c, post, eps, 1.0)?)
-                }
-                Mixer::Attention(w) if b.attn_mixer_whole(w, &self.attn_shape, n) => {
-                    let c = self.attn_call(index, w, mx, rows);
-                    Some(b.moe_attn_mixer_add_rms_norm(&moe, streams, norm, &c, post, eps, 1.0)?)
-                }
-                _ => None,
-            };
-            if let Some(hn) = hn {
-                return Ok(Some(self.ffn(layer, hn, n)?));
-            }
-        }
         let (hn, x) = match (hc, pending) {
             (None, Some(y)) => (
                 y.add_rms_norm(b, streams, &layer.input_norm, eps, 1.0)?,
@@ -608,6 +578,7 @@ impl<B: Backend> Model<B> {
             }
             _ => None,
         };
+        let post = &layer.post_attention_norm;
         if let (None, Mixer::Attention(w)) = (hc, &layer.mixer) {
             if b.attn_mixer_whole(w, &self.attn_shape, rows.count()) {
                 let c = self.attn_call(index, w, &hn, rows);

@@ -4,18 +4,15 @@
 //! head norms and RoPE, K/V write, attention and o_proj (with the residual add and the next norm) in
 //! one persistent launch instead of seven.
 
-use cudarc::driver::{CudaSlice, CudaView};
 use sanmai_model::backend::{AttnMixerCall, AttnShape, AttnWeights, Backend, OpResult};
 
 use super::attn::attn_dims;
-use super::cache::KvPools as KvPoolsState;
 use super::host_rows::Rows;
-use super::meta::Meta;
 use super::norm_after::NormAfter;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{At, CudaError, Result};
-use crate::ops::{AttnLayer, AttnLayerBufs, KvPools, LayerRope, LayerSeq, LayerSync};
+use crate::ops::{AttnLayer, AttnLayerBufs, KvPools, LayerRope, LayerSeq};
 use crate::Gpu;
 use std::sync::atomic::Ordering;
 
@@ -82,21 +79,9 @@ impl CudaBackend {
             && self.switches.attn_layer.load(Ordering::Relaxed)
     }
 
-    /// The one launch's layer for call `c`, where it takes it: one decoding row, plain RoPE of a
-    /// width it takes, both switches on (the K/V pools on the device are checked at launch).
-    pub(super) fn attn_layer_for<'a>(
-        &self,
-        c: &AttnMixerCall<'a, CudaTensor, CudaWeight>,
-    ) -> Option<AttnLayer<'a>> {
-        let one = c.x.rows == 1 && c.seqs.len() == 1 && all_decode(c.seqs) && c.mrope.is_none();
-        if !(one && self.attn_layer_on()) {
-            return None;
-        }
-        layer_of(&self.gpu, c.w, c.shape, c.rope.rot_dim)
-    }
-
-    /// [`Backend::attn_mixer_add_rms_norm`]: the one launch where it takes the call
-    /// ([`CudaBackend::attn_layer_for`]), else the mixer's ops and `o_proj` with the add and norm.
+    /// [`Backend::attn_mixer_add_rms_norm`]: the one launch where it takes the call (one decoding
+    /// row, plain RoPE of a width it takes, K/V pools on the device), else the mixer's ops and
+    /// `o_proj` with the add and norm.
     pub(super) fn attn_mixer_add_rms_norm_impl(
         &self,
         c: &AttnMixerCall<'_, CudaTensor, CudaWeight>,
@@ -105,7 +90,13 @@ impl CudaBackend {
         eps: f32,
         offset: f32,
     ) -> OpResult<CudaTensor> {
-        let Some(layer) = self.attn_layer_for(c) else {
+        let one = c.x.rows == 1 && c.seqs.len() == 1 && all_decode(c.seqs) && c.mrope.is_none();
+        let layer = if one && self.attn_layer_on() {
+            layer_of(&self.gpu, c.w, c.shape, c.rope.rot_dim)
+        } else {
+            None
+        };
+        let Some(layer) = layer else {
             let o = self.attn_from_input(c)?;
             return self.linear_add_rms_norm(&o, &c.w.o_proj, acc, norm, eps, offset);
         };
@@ -118,39 +109,9 @@ impl CudaBackend {
     fn attn_layer_step(
         &self,
         c: &AttnMixerCall<'_, CudaTensor, CudaWeight>,
-        layer: AttnLayer<'_>,
+        mut layer: AttnLayer<'_>,
         after: NormAfter<'_>,
     ) -> Result<CudaTensor> {
-        let mut st = self.lock();
-        let st = &mut *st;
-        let ri = st.rope_table(&self.gpu, &c.rope.inv_freq)?;
-        let mut partials = self.scratch::<f32>(self.gpu.moe_layer_max_blocks())?;
-        let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out = self.alloc(1, c.x.cols)?;
-        let tables = (&mut st.meta, &mut st.kv, &st.rope[ri].1);
-        self.with_attn_layer(tables, c, layer, |l| {
-            let into = NormAfter::combine_into(Some(after), &mut out);
-            let sync = LayerSync {
-                partials: &mut partials,
-                sync: &mut sync,
-            };
-            self.gpu
-                .attn_layer_decode(l.layer, &c.x.buf, l.rope, l.seq, (l.bufs, sync), into)
-        })?;
-        Ok(out)
-    }
-
-    /// Runs `launch` on the one launch of call `c` whose layer `layer` took ([`layer_of`]): the
-    /// layer with the cache's block size, its RoPE table (`inv_freq`, the device copy of the call's
-    /// frequencies), its K/V pools (`kv`), the sequence's context and block table (`meta`) and its
-    /// scratch buffers.
-    pub(super) fn with_attn_layer<R>(
-        &self,
-        (meta, kv, inv_freq): (&mut Meta, &mut KvPoolsState, &CudaSlice<f32>),
-        c: &AttnMixerCall<'_, CudaTensor, CudaWeight>,
-        mut layer: AttnLayer<'_>,
-        launch: impl FnOnce(AttnLaunch<'_>) -> Result<R>,
-    ) -> Result<R> {
         let g = &self.gpu;
         let bad = |msg: String| CudaError::Shape {
             op: "attn_mixer",
@@ -160,18 +121,21 @@ impl CudaBackend {
         if c.x.cols != h {
             return Err(bad(format!("input of {} columns for h = {h}", c.x.cols)));
         }
-        let bs = kv.block_size;
+        let mut st = self.lock();
+        let st = &mut *st;
+        let bs = st.kv.block_size;
         layer.dims.block_size = bs;
         let dims = layer.dims;
-        let m = meta.seqs(g, c.seqs, 1, bs)?;
-        let pool = kv.pool_mut(c.layer)?;
+        let m = st.meta.seqs(g, c.seqs, 1, bs)?;
+        let ri = st.rope_table(g, &c.rope.inv_freq)?;
+        let pool = st.kv.pool_mut(c.layer)?;
         let (Rows::Device(k_pool), Rows::Device(v_pool)) = (&mut pool.k, &mut pool.v) else {
             return Err(bad(
                 "the one-launch attention mixer reads K/V pools on the device".into(),
             ));
         };
-        let (lens, positions) = (meta.view(m.lens, 1), meta.view(m.positions, 1));
-        let (kv_dst, table) = (meta.view(m.kv_dst, 1), meta.view(m.tables, m.stride));
+        let (lens, positions) = (st.meta.view(m.lens, 1), st.meta.view(m.positions, 1));
+        let (kv_dst, table) = (st.meta.view(m.kv_dst, 1), st.meta.view(m.tables, m.stride));
         let seq = LayerSeq {
             pools: KvPools {
                 k: k_pool,
@@ -184,7 +148,7 @@ impl CudaBackend {
             max_blocks: m.stride,
         };
         let rope = LayerRope {
-            inv_freq,
+            inv_freq: &st.rope[ri].1,
             rot_dim: c.rope.rot_dim,
             mscale: c.rope.mscale,
         };
@@ -194,26 +158,20 @@ impl CudaBackend {
         let mut attn = self.scratch(nq)?;
         let mut part_o = self.scratch::<f32>(dims.hq * splits * d)?;
         let mut part_ml = self.scratch::<f32>(dims.hq * splits * 2)?;
+        let mut partials = self.scratch::<f32>(g.moe_layer_max_blocks())?;
+        let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
         let bufs = AttnLayerBufs {
             qkv: &mut qkv,
             attn: &mut attn,
             part_o: &mut part_o,
             part_ml: &mut part_ml,
+            partials: &mut partials,
+            sync: &mut sync,
             trace: None,
         };
-        launch(AttnLaunch {
-            layer: &layer,
-            rope: &rope,
-            seq,
-            bufs,
-        })
+        let mut out = self.alloc(1, h)?;
+        let into = NormAfter::combine_into(Some(after), &mut out);
+        g.attn_layer_decode(&layer, &c.x.buf, &rope, seq, bufs, into)?;
+        Ok(out)
     }
-}
-
-/// What [`CudaBackend::with_attn_layer`] hands its launch.
-pub(super) struct AttnLaunch<'a> {
-    pub layer: &'a AttnLayer<'a>,
-    pub rope: &'a LayerRope<'a>,
-    pub seq: LayerSeq<'a, CudaView<'a, u32>>,
-    pub bufs: AttnLayerBufs<'a>,
 }

@@ -6,20 +6,13 @@
 
 use std::sync::atomic::Ordering;
 
-use cudarc::driver::{CudaSlice, CudaView};
-use half::bf16;
-
 use sanmai_model::backend::{Backend, GdnMixerCall, GdnShape, GdnWeights, OpResult};
 
-use super::cache::StateSlots;
-use super::meta::Meta;
 use super::norm_after::NormAfter;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{At, CudaError, Result};
-use crate::ops::{
-    DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools, LayerSync,
-};
+use crate::ops::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools};
 use crate::Gpu;
 
 fn dims_of(sh: &GdnShape) -> GdnDims {
@@ -88,32 +81,6 @@ impl CudaBackend {
         c: &GdnMixerCall<'_, CudaTensor, CudaWeight>,
         after: Option<NormAfter<'_>>,
     ) -> Result<CudaTensor> {
-        let mut st = self.lock();
-        let st = &mut *st;
-        let mut partials = self.scratch::<f32>(self.gpu.moe_layer_max_blocks())?;
-        let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out = self.alloc(1, c.x.cols)?;
-        self.with_gdn_layer((&mut st.meta, &mut st.states, st.kv.block_size), c, |l| {
-            let into = NormAfter::combine_into(after, &mut out);
-            let sync = LayerSync {
-                partials: &mut partials,
-                sync: &mut sync,
-            };
-            self.gpu
-                .gdn_layer_decode(l.layer, &c.x.buf, l.pools, l.seq, (l.bufs, sync), into)
-        })?;
-        Ok(out)
-    }
-
-    /// Runs `launch` on the one-launch mixer of call `c` (one decoding row): the layer, the state
-    /// pools of its layer (`states`), the sequence's slot and position (`meta`, cache blocks of
-    /// `block_size`) and its scratch buffers.
-    pub(super) fn with_gdn_layer<R>(
-        &self,
-        (meta, states, block_size): (&mut Meta, &mut StateSlots, usize),
-        c: &GdnMixerCall<'_, CudaTensor, CudaWeight>,
-        launch: impl FnOnce(GdnLaunch<'_>) -> Result<R>,
-    ) -> Result<R> {
         let g = &self.gpu;
         let bad = |msg: String| CudaError::Shape {
             op: "gdn_mixer",
@@ -131,26 +98,33 @@ impl CudaBackend {
             return Err(bad(format!("input of {} columns for h = {h}", x.cols)));
         }
         let dims = layer.dims;
-        let m = meta.seqs(g, seqs, 1, block_size)?;
-        states.check(seqs[0].state)?;
-        let pool = states.layers.get_mut(&c.layer).ok_or_else(|| {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let bs = st.kv.block_size;
+        let m = st.meta.seqs(g, seqs, 1, bs)?;
+        st.states.check(seqs[0].state)?;
+        let pool = st.states.layers.get_mut(&c.layer).ok_or_else(|| {
             bad(format!(
                 "no GDN state for layer {}: init_cache first",
                 c.layer
             ))
         })?;
-        let slots = meta.view(m.slots, 1);
-        let positions = meta.view(m.positions, 1);
+        let slots = st.meta.view(m.slots, 1);
+        let positions = st.meta.view(m.positions, 1);
         let ko = dims.hv * dims.dv;
         let mut qkv = self.scratch(dims.conv_dim())?;
         let mut z = self.scratch(ko)?;
         let mut ab = self.scratch::<f32>(2 * dims.hv)?;
         let mut o = self.scratch::<f32>(ko)?;
+        let mut partials = self.scratch::<f32>(g.moe_layer_max_blocks())?;
+        let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
         let bufs = GdnLayerBufs {
             qkv: &mut qkv,
             z: &mut z,
             ab: &mut ab,
             o: &mut o,
+            partials: &mut partials,
+            sync: &mut sync,
             trace: None,
         };
         let pools = GdnPools {
@@ -162,12 +136,10 @@ impl CudaBackend {
             positions: &positions,
             batch: 1,
         };
-        launch(GdnLaunch {
-            layer: &layer,
-            pools,
-            seq: &seq,
-            bufs,
-        })
+        let mut out = self.alloc(1, h)?;
+        let into = NormAfter::combine_into(after, &mut out);
+        g.gdn_layer_decode(&layer, &x.buf, pools, &seq, bufs, into)?;
+        Ok(out)
     }
 
     /// [`Backend::gdn_mixer`](sanmai_model::Backend::gdn_mixer): the one launch where it takes the
@@ -200,12 +172,4 @@ impl CudaBackend {
             .and_then(|after| self.gdn_layer_step(c, Some(after)))
             .at("gdn_mixer_add_rms_norm")
     }
-}
-
-/// What [`CudaBackend::with_gdn_layer`] hands its launch.
-pub(super) struct GdnLaunch<'a> {
-    pub layer: &'a GdnLayer<'a>,
-    pub pools: GdnPools<'a, CudaSlice<bf16>, CudaSlice<f32>>,
-    pub seq: &'a DecodeSlots<'a, CudaView<'a, u32>>,
-    pub bufs: GdnLayerBufs<'a>,
 }

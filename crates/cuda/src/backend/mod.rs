@@ -27,7 +27,6 @@ mod graph;
 mod handover;
 mod hc;
 mod host_rows;
-mod layer_pair;
 mod linear;
 mod memory;
 mod meta;
@@ -659,32 +658,6 @@ impl Backend for CudaBackend {
         offset: f32,
     ) -> OpResult<CudaTensor> {
         self.gdn_mixer_add_rms_norm_impl(c, acc, norm, eps, offset)
-    }
-
-    fn moe_gdn_mixer_add_rms_norm(
-        &self,
-        moe: &MoeCall<'_, CudaTensor, CudaWeight>,
-        acc: &mut CudaTensor,
-        norm: &CudaWeight,
-        mixer: &GdnMixerCall<'_, CudaTensor, CudaWeight>,
-        post: &CudaWeight,
-        eps: f32,
-        offset: f32,
-    ) -> OpResult<CudaTensor> {
-        self.moe_gdn_mixer_impl(moe, acc, norm, mixer, post, eps, offset)
-    }
-
-    fn moe_attn_mixer_add_rms_norm(
-        &self,
-        moe: &MoeCall<'_, CudaTensor, CudaWeight>,
-        acc: &mut CudaTensor,
-        norm: &CudaWeight,
-        mixer: &AttnMixerCall<'_, CudaTensor, CudaWeight>,
-        post: &CudaWeight,
-        eps: f32,
-        offset: f32,
-    ) -> OpResult<CudaTensor> {
-        self.moe_attn_mixer_impl(moe, acc, norm, mixer, post, eps, offset)
     }
 
     fn attn_mixer_whole(&self, w: &AttnWeights<CudaWeight>, sh: &AttnShape, rows: usize) -> bool {

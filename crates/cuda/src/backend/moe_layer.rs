@@ -4,20 +4,16 @@
 //! experts and combine (with the residual add and the next norm) in one persistent launch instead
 //! of six.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-
-use cudarc::driver::CudaSlice;
-use half::bf16;
 
 use sanmai_model::backend::{MoeCall, MoeWeights};
 
-use super::moe_tables::{expert_format, ExpertTable};
+use super::moe_tables::expert_format;
 use super::norm_after::NormAfter;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};
-use crate::ops::{LayerSync, MoeLayer, MoeLayerBufs, MoeLayerShared};
+use crate::ops::{MoeLayer, MoeLayerBufs, MoeLayerShared};
 
 impl CudaBackend {
     /// Whether a step of `rows` rows on `w` takes [`CudaBackend::moe_layer_step`]: both switches on,
@@ -80,34 +76,6 @@ impl CudaBackend {
         c: &MoeCall<'_, CudaTensor, CudaWeight>,
         after: Option<NormAfter<'_>>,
     ) -> Result<CudaTensor> {
-        let mut st = self.lock();
-        let mut partials = self.scratch::<f32>(self.gpu.moe_layer_max_blocks())?;
-        let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out = self.alloc(1, c.x.cols)?;
-        let ((), ids) = self.with_moe_layer(&mut st.experts, c, |moe| {
-            let into = NormAfter::combine_into(after, &mut out);
-            let sync = LayerSync {
-                partials: &mut partials,
-                sync: &mut sync,
-            };
-            self.gpu
-                .moe_layer_decode(moe.0, moe.1, moe.2, moe.3, sync, into)
-        })?;
-        drop(sync);
-        drop(st);
-        self.log_routing(&ids, c.w.top_k, c.w.experts.len())?;
-        Ok(out)
-    }
-
-    /// Runs `launch` on the one-launch MoE step of call `c` (its experts' address tables from
-    /// `tables`): the layer, its input row, its width and its scratch buffers. Returns what `launch`
-    /// returns and the routed ids it wrote (for the routing log).
-    pub(super) fn with_moe_layer<R>(
-        &self,
-        tables: &mut HashMap<u64, ExpertTable>,
-        c: &MoeCall<'_, CudaTensor, CudaWeight>,
-        launch: impl FnOnce(MoeLaunch<'_>) -> Result<R>,
-    ) -> Result<(R, CudaSlice<u32>)> {
         let (x, w) = (c.x, c.w);
         let (h, e, k) = (x.cols, w.experts.len(), w.top_k);
         let inter = w.experts[0].inter;
@@ -131,7 +99,8 @@ impl CudaBackend {
         };
         let si = w.shared.as_ref().map_or(0, |s| s.inter);
         let format = expert_format("gate|up", w.experts.iter().map(|x| &x.gate_up))?;
-        let table = self.expert_table(tables, w)?;
+        let mut st = self.lock();
+        let table = self.expert_table(&mut st.experts, w)?;
         let (gate_up, down) = table.routed.experts(format, format, h, inter);
         let layer = MoeLayer {
             router: &router.data,
@@ -146,8 +115,10 @@ impl CudaBackend {
         let mut sgu = self.scratch(2 * si)?;
         let mut act = self.scratch(k * inter)?;
         let mut sdn = self.scratch::<f32>(if si > 0 { h } else { 0 })?;
+        let mut partials = self.scratch::<f32>(self.gpu.moe_layer_max_blocks())?;
         let mut ids = self.scratch::<u32>(k)?;
         let mut wts = self.scratch::<f32>(k)?;
+        let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
         let bufs = MoeLayerBufs {
             logits: &mut logits,
             shared_gate_up: &mut sgu,
@@ -155,18 +126,16 @@ impl CudaBackend {
             act: &mut act,
             ids: &mut ids,
             weights: &mut wts,
+            partials: &mut partials,
+            sync: &mut sync,
             trace: None,
         };
-        let r = launch((&layer, &x.buf, h, bufs))?;
-        Ok((r, ids))
+        let mut out = self.alloc(1, h)?;
+        let into = NormAfter::combine_into(after, &mut out);
+        self.gpu.moe_layer_decode(&layer, &x.buf, h, bufs, into)?;
+        drop(sync);
+        drop(st);
+        self.log_routing(&ids, k, e)?;
+        Ok(out)
     }
 }
-
-/// What [`CudaBackend::with_moe_layer`] hands its launch: the layer, its input row, its width and
-/// its scratch buffers.
-pub(super) type MoeLaunch<'a> = (
-    &'a MoeLayer<'a>,
-    &'a CudaSlice<bf16>,
-    usize,
-    MoeLayerBufs<'a>,
-);

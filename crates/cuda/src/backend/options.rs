@@ -26,9 +26,6 @@ pub struct CudaOptions {
     /// An attention mixer's one-token decode step in one persistent launch (`attn_layer.rs`; with
     /// `fused_decode`); off: its seven launches, for A/B runs.
     pub attn_layer: bool,
-    /// A MoE layer's one-token step and the next layer's GDN mixer in one persistent launch
-    /// (`layer_pair.rs`; with `moe_layer` and `gdn_layer`); off: their two launches, for A/B runs.
-    pub layer_pair: bool,
 }
 
 impl Default for CudaOptions {
@@ -41,7 +38,6 @@ impl Default for CudaOptions {
             moe_layer: true,
             gdn_layer: true,
             attn_layer: true,
-            layer_pair: true,
         }
     }
 }
@@ -52,7 +48,6 @@ pub(super) struct Switches {
     pub moe_layer: AtomicBool,
     pub gdn_layer: AtomicBool,
     pub attn_layer: AtomicBool,
-    pub layer_pair: AtomicBool,
 }
 
 impl Default for Switches {
@@ -62,7 +57,6 @@ impl Default for Switches {
             moe_layer: AtomicBool::new(true),
             gdn_layer: AtomicBool::new(true),
             attn_layer: AtomicBool::new(true),
-            layer_pair: AtomicBool::new(true),
         }
     }
 }
@@ -74,7 +68,6 @@ impl CudaBackend {
         self.set_moe_layer(options.moe_layer);
         self.set_gdn_layer(options.gdn_layer);
         self.set_attn_layer(options.attn_layer);
-        self.set_layer_pair(options.layer_pair);
     }
 
     /// Turns switch `s` to `on`; recorded steps of the other kind are dropped.
@@ -106,11 +99,5 @@ impl CudaBackend {
     /// steps of the other kind are dropped.
     pub fn set_attn_layer(&self, on: bool) {
         self.set(&self.switches.attn_layer, on);
-    }
-
-    /// Turns the pair launch of a MoE step and the next GDN mixer on or off
-    /// ([`CudaOptions::layer_pair`]); recorded steps of the other kind are dropped.
-    pub fn set_layer_pair(&self, on: bool) {
-        self.set(&self.switches.layer_pair, on);
     }
 }

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::attention::AttnDims;
-use super::layer::{check_packed, unit_scheme, LayerArgs, LayerLaunch, LayerSync, RowOut};
+use super::layer::{check_packed, unit_scheme};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use super::KvPools;
@@ -32,7 +32,7 @@ fn ring_smem(compute_capability: (u32, u32)) -> usize {
 /// The kernel's arguments (`AttnLayerArgs` in attn_layer.cu, field for field).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct AttnLayerArgs {
+struct AttnLayerArgs {
     x: u64,
     q_w: u64,
     q_s: u64,
@@ -85,12 +85,6 @@ pub(super) struct AttnLayerArgs {
 // bytes, 8-byte aligned).
 unsafe impl DeviceRepr for AttnLayerArgs {}
 
-impl LayerArgs for AttnLayerArgs {
-    fn set_sync(&mut self, partials: u64, sync: u64) {
-        (self.partials, self.sync) = (partials, sync);
-    }
-}
-
 /// An attention mixer's weights as [`Gpu::attn_layer_decode`] takes them: the packed projections
 /// `q` `[2·hq·d, h]` (each head's d query rows, then its d gate rows), `k`, `v` `[hkv·d, h]` and `o`
 /// `[h, hq·d]` of one bit width (q, k and v of one scheme), and the head norms' weights `[d]` (used
@@ -129,19 +123,20 @@ pub struct LayerSeq<'a, P: DevicePtr<u32>> {
 
 /// The buffers [`Gpu::attn_layer_decode`] writes besides its output and the K/V pools: `qkv`
 /// `[2·hq·d + 2·hkv·d]` and `attn` `[hq·d]` (bf16), `part_o` `[hq·S·d]` and `part_ml` `[hq·S·2]` (f32,
-/// `S` = [`Gpu::attn_layer_max_splits`]).
+/// `S` = [`Gpu::attn_layer_max_splits`]), `partials` (f32, one a block of the grid:
+/// [`Gpu::moe_layer_max_blocks`]), and `sync`: two `u32` that are 0 before the launch and are left 0
+/// (the backend's ticket buffer).
 pub struct AttnLayerBufs<'a> {
     pub qkv: &'a mut CudaSlice<bf16>,
     pub attn: &'a mut CudaSlice<bf16>,
     pub part_o: &'a mut CudaSlice<f32>,
     pub part_ml: &'a mut CudaSlice<f32>,
+    pub partials: &'a mut CudaSlice<f32>,
+    pub sync: &'a mut CudaSlice<u32>,
     /// `[16]` u64 or `None`: block 0's phase times (the device's global timer, ns) for the bench;
     /// slots 0..=8 and, from the last block, 9 and 10..=13 (the barriers' last arrivals).
     pub trace: Option<&'a mut CudaSlice<u64>>,
 }
-
-/// The op's name in errors.
-const OP: &str = "attn_layer_decode";
 
 impl Gpu {
     /// Whether [`Gpu::attn_layer_decode`] takes a layer of width `h`, heads `dims` and RoPE over
@@ -198,30 +193,10 @@ impl Gpu {
         x: &CudaSlice<bf16>,
         rope: &LayerRope<'_>,
         seq: LayerSeq<'_, impl DevicePtr<u32>>,
-        (bufs, sync): (AttnLayerBufs<'_>, LayerSync<'_>),
+        bufs: AttnLayerBufs<'_>,
         into: CombineInto<'_, CudaSlice<bf16>>,
     ) -> Result<()> {
-        let out = self.layer_row_out(OP, into, layer.q.k)?;
-        let l = self.attn_layer_args(layer, Some(x), rope, seq, bufs, out)?;
-        // SAFETY: `attn_layer_args` checked every buffer's length, the alignments and the kernel's
-        // shape limits; the kernel reads block ids from the `max_blocks` of the table only for
-        // positions below min(lens[0], max_blocks·bs), masks ids at or past the pools' blocks and
-        // writes pool row kv_dst[0] only below the pools' rows; the part buffers hold the splits of
-        // any grid up to `moe_layer_max_blocks`.
-        unsafe { self.launch_layer(OP, l, sync) }
-    }
-
-    /// [`Gpu::attn_layer_decode`]'s launch, checked and built, its output `out`; without `x` the kernel
-    /// must get its input row another way (a layer pair's norm: `layer_pair.rs`).
-    pub(super) fn attn_layer_args(
-        &self,
-        layer: &AttnLayer<'_>,
-        x: Option<&CudaSlice<bf16>>,
-        rope: &LayerRope<'_>,
-        seq: LayerSeq<'_, impl DevicePtr<u32>>,
-        bufs: AttnLayerBufs<'_>,
-        out: RowOut,
-    ) -> Result<LayerLaunch<AttnLayerArgs>> {
+        const OP: &str = "attn_layer_decode";
         let dims = layer.dims;
         let AttnDims {
             hq,
@@ -264,9 +239,7 @@ impl Gpu {
         ] {
             check_packed(OP, name, m)?;
         }
-        if let Some(x) = x {
-            check_len(OP, "x", x, h)?;
-        }
+        check_len(OP, "x", x, h)?;
         check_len(OP, "q_norm", layer.q_norm, d)?;
         check_len(OP, "k_norm", layer.k_norm, d)?;
         check_len(OP, "inv_freq", rope.inv_freq, rope.rot_dim / 2)?;
@@ -292,11 +265,12 @@ impl Gpu {
         check_len(OP, "attn", &*bufs.attn, ko)?;
         check_len(OP, "part_o", &*bufs.part_o, hq * splits * d)?;
         check_len(OP, "part_ml", &*bufs.part_ml, hq * splits * 2)?;
+        check_len(OP, "sync", &*bufs.sync, 2)?;
         if let Some(t) = &bufs.trace {
             check_len(OP, "trace", &**t, 16)?;
         }
         let mut a = AttnLayerArgs {
-            x: x.map_or(0, |x| self.addr(x)),
+            x: self.addr(x),
             q_w: self.addr(layer.q.words),
             q_s: self.addr(layer.q.scales),
             k_w: self.addr(layer.k.words),
@@ -318,6 +292,7 @@ impl Gpu {
             part_o: self.addr_mut(bufs.part_o),
             part_ml: self.addr_mut(bufs.part_ml),
             attn: self.addr_mut(bufs.attn),
+            sync: self.addr_mut(bufs.sync),
             trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
             h: h as i32,
             hq: hq as i32,
@@ -341,15 +316,22 @@ impl Gpu {
             OP,
             || "x, the head norms' weights and the pools must be 16-byte aligned".into(),
         )?;
+        let out = self.layer_row_out(OP, into, h)?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let bits = layer.q.scheme.bits;
-        Ok(LayerLaunch {
-            kernel: format!("attn_layer_m1_p{bits}_u2_o4"),
-            args: a,
-            smem: ring_smem(self.info().compute_capability),
-            h,
-        })
+        let kernel = self.kernel(&format!("attn_layer_m1_p{bits}_u2_o4"))?;
+        let smem = ring_smem(self.info().compute_capability);
+        // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
+        // and the kernel's shape limits are checked above; the kernel reads block ids from the
+        // `max_blocks` of the table only for positions below min(lens[0], max_blocks·bs), masks
+        // ids at or past the pools' blocks and writes pool row kv_dst[0] only below the pools'
+        // rows; the part buffers hold the splits of any grid up to `moe_layer_max_blocks`.
+        unsafe {
+            self.launch_layer(OP, (kernel, smem, h), bufs.partials, |partials| {
+                AttnLayerArgs { partials, ..a }
+            })
+        }
     }
 }
 

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnPools};
-use super::layer::{check_packed, unit_scheme, LayerArgs, LayerLaunch, LayerSync, RowOut};
+use super::layer::{check_packed, unit_scheme};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
@@ -27,7 +27,7 @@ const MAX_H: usize = 3072;
 /// The kernel's arguments (`GdnLayerArgs` in gdn_layer.cu, field for field).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct GdnLayerArgs {
+struct GdnLayerArgs {
     x: u64,
     qkv_w: u64,
     qkv_s: u64,
@@ -77,12 +77,6 @@ pub(super) struct GdnLayerArgs {
 // aligned).
 unsafe impl DeviceRepr for GdnLayerArgs {}
 
-impl LayerArgs for GdnLayerArgs {
-    fn set_sync(&mut self, partials: u64, sync: u64) {
-        (self.partials, self.sync) = (partials, sync);
-    }
-}
-
 /// A GDN mixer's weights as [`Gpu::gdn_layer_decode`] takes them: the packed projections `qkv`
 /// `[conv_dim, h]`, `z` `[hv·dv, h]` and `out` `[h, hv·dv]` of one bit width, the bf16 gate
 /// projections `w_b`, `w_a` `[hv, h]`, and what the GDN step reads besides
@@ -98,12 +92,16 @@ pub struct GdnLayer<'a> {
 }
 
 /// The buffers [`Gpu::gdn_layer_decode`] writes besides its output and the state pools: `qkv`
-/// `[conv_dim]` and `z` `[hv·dv]` (bf16), `ab` `[2·hv]` and `o` `[hv·dv]` (f32).
+/// `[conv_dim]` and `z` `[hv·dv]` (bf16), `ab` `[2·hv]` and `o` `[hv·dv]` (f32), `partials` (f32,
+/// one a block of the grid: [`Gpu::moe_layer_max_blocks`]), and `sync`: two `u32` that are 0 before
+/// the launch and are left 0 (the backend's ticket buffer).
 pub struct GdnLayerBufs<'a> {
     pub qkv: &'a mut CudaSlice<bf16>,
     pub z: &'a mut CudaSlice<bf16>,
     pub ab: &'a mut CudaSlice<f32>,
     pub o: &'a mut CudaSlice<f32>,
+    pub partials: &'a mut CudaSlice<f32>,
+    pub sync: &'a mut CudaSlice<u32>,
     /// `[16]` u64 or `None`: block 0's phase times (the device's global timer, ns) for the bench;
     /// slots 0..=7 and, from the last block, 9.
     pub trace: Option<&'a mut CudaSlice<u64>>,
@@ -120,9 +118,6 @@ fn instance(h: usize, ko: usize) -> Option<(usize, usize)> {
         None
     }
 }
-
-/// The op's name in errors.
-const OP: &str = "gdn_layer_decode";
 
 impl Gpu {
     /// Whether [`Gpu::gdn_layer_decode`] takes a layer of width `h`, GDN `dims` and conv `kernel`
@@ -168,27 +163,10 @@ impl Gpu {
         x: &CudaSlice<bf16>,
         pools: GdnPools<'_, CudaSlice<bf16>, CudaSlice<f32>>,
         seq: &DecodeSlots<'_, impl DevicePtr<u32>>,
-        (bufs, sync): (GdnLayerBufs<'_>, LayerSync<'_>),
+        bufs: GdnLayerBufs<'_>,
         into: CombineInto<'_, CudaSlice<bf16>>,
     ) -> Result<()> {
-        let out = self.layer_row_out(OP, into, layer.qkv.k)?;
-        let l = self.gdn_layer_args(layer, Some(x), pools, seq, bufs, out)?;
-        // SAFETY: `gdn_layer_args` checked every buffer's length, the alignments and the kernel's
-        // shape limits; slot ids at or past `num_slots` (which both pools hold) touch no state.
-        unsafe { self.launch_layer(OP, l, sync) }
-    }
-
-    /// [`Gpu::gdn_layer_decode`]'s launch, checked and built, its output `out`; without `x` the kernel
-    /// must get its input row another way (a layer pair's norm: `layer_pair.rs`).
-    pub(super) fn gdn_layer_args(
-        &self,
-        layer: &GdnLayer<'_>,
-        x: Option<&CudaSlice<bf16>>,
-        pools: GdnPools<'_, CudaSlice<bf16>, CudaSlice<f32>>,
-        seq: &DecodeSlots<'_, impl DevicePtr<u32>>,
-        bufs: GdnLayerBufs<'_>,
-        out: RowOut,
-    ) -> Result<LayerLaunch<GdnLayerArgs>> {
+        const OP: &str = "gdn_layer_decode";
         let dims = layer.dims;
         let GdnDims { hk, hv, dk, dv } = dims;
         let (h, cd, ko, kernel) = (layer.qkv.k, dims.conv_dim(), hv * dv, layer.step.kernel);
@@ -207,9 +185,7 @@ impl Gpu {
         for (name, m) in [("qkv", &layer.qkv), ("z", &layer.z), ("out", &layer.out)] {
             check_packed(OP, name, m)?;
         }
-        if let Some(x) = x {
-            check_len(OP, "x", x, h)?;
-        }
+        check_len(OP, "x", x, h)?;
         check_len(OP, "w_b", layer.w_b, hv * h)?;
         check_len(OP, "w_a", layer.w_a, hv * h)?;
         let w = &layer.step;
@@ -223,13 +199,14 @@ impl Gpu {
         check_len(OP, "z", &*bufs.z, ko)?;
         check_len(OP, "ab", &*bufs.ab, 2 * hv)?;
         check_len(OP, "o", &*bufs.o, ko)?;
+        check_len(OP, "sync", &*bufs.sync, 2)?;
         if let Some(t) = &bufs.trace {
             check_len(OP, "trace", &**t, 16)?;
         }
         // A slot must lie inside both pools.
         let num_slots = (pools.conv.len() / (kernel * cd)).min(pools.ssm.len() / dims.state_len());
         let mut a = GdnLayerArgs {
-            x: x.map_or(0, |x| self.addr(x)),
+            x: self.addr(x),
             qkv_w: self.addr(layer.qkv.words),
             qkv_s: self.addr(layer.qkv.scales),
             z_w: self.addr(layer.z.words),
@@ -250,6 +227,7 @@ impl Gpu {
             z: self.addr_mut(bufs.z),
             ab: self.addr_mut(bufs.ab),
             o: self.addr_mut(bufs.o),
+            sync: self.addr_mut(bufs.sync),
             trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
             h: h as i32,
             hk: hk as i32,
@@ -270,16 +248,21 @@ impl Gpu {
             OP,
             || "x and the gate weights must be 16-byte aligned".into(),
         )?;
+        let out = self.layer_row_out(OP, into, h)?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let (u, o) = instance(h, ko).expect("checked by gdn_layer_fits");
         let bits = layer.qkv.scheme.bits;
-        Ok(LayerLaunch {
-            kernel: format!("gdn_layer_m1_p{bits}_u{u}_o{o}"),
-            args: a,
-            smem: 0,
-            h,
-        })
+        let kernel = self.kernel(&format!("gdn_layer_m1_p{bits}_u{u}_o{o}"))?;
+        // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
+        // and the kernel's shape limits are checked above; slot ids at or past `num_slots` (which
+        // both pools hold) touch no state.
+        unsafe {
+            self.launch_layer(OP, (kernel, 0, h), bufs.partials, |partials| GdnLayerArgs {
+                partials,
+                ..a
+            })
+        }
     }
 }
 

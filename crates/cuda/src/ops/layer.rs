@@ -42,32 +42,9 @@ pub(super) fn check_packed(
     )
 }
 
-/// A persistent launch's argument struct whose grid-wide buffers are set at launch: `partials` (one
-/// f32 a block) and `sync` (two u32 counters, 0 before and after every launch).
-pub(super) trait LayerArgs {
-    fn set_sync(&mut self, partials: u64, sync: u64);
-}
-
-/// A persistent launch built but not queued: its kernel's name, argument struct, dynamic shared
-/// memory and output rows (`h`).
-pub(super) struct LayerLaunch<A> {
-    pub kernel: String,
-    pub args: A,
-    pub smem: usize,
-    pub h: usize,
-}
-
-/// The grid-wide buffers of a persistent launch: `partials` (f32, one a block of the grid:
-/// [`Gpu::moe_layer_max_blocks`]) and `sync`: two `u32` that are 0 before the launch and are left 0
-/// (allocate them zeroed once and pass the same buffer to every launch of the stream).
-pub struct LayerSync<'a> {
-    pub partials: &'a mut CudaSlice<f32>,
-    pub sync: &'a mut CudaSlice<u32>,
-}
-
 /// The output fields of a launch's argument struct: `y` (the row), or `acc`, `norm_w`, `normed`, `eps`
 /// and `offset` (its add to the residual and the norm); the others 0.
-#[derive(Default, Clone, Copy)]
+#[derive(Default)]
 pub(super) struct RowOut {
     pub y: u64,
     pub acc: u64,
@@ -136,35 +113,34 @@ impl Gpu {
         grid_u32(op, blocks)
     }
 
-    /// Launches `l` cooperatively over [`Gpu::layer_grid`]'s grid (opting in to its dynamic shared
-    /// memory above 48 KiB), its argument struct given the addresses of `s`'s buffers.
+    /// Launches the persistent layer `kernel` cooperatively over [`Gpu::layer_grid`]'s grid with
+    /// `smem` bytes of dynamic shared memory (opting in above 48 KiB) and the argument struct
+    /// `args(partials)` (given the address of `partials`, one f32 a block).
     ///
     /// # Safety
-    /// `l` must hold the kernel's argument struct with buffers and shapes it may read and write, as
-    /// the builder of `l` checked.
-    pub(super) unsafe fn launch_layer<A: DeviceRepr + LayerArgs>(
+    /// `args` must build the kernel's argument struct with buffers and shapes it may read and write,
+    /// as the caller checked.
+    pub(super) unsafe fn launch_layer<A: DeviceRepr>(
         &self,
         op: &'static str,
-        l: LayerLaunch<A>,
-        s: LayerSync<'_>,
+        (kernel, smem, h): (&Kernel, usize, usize),
+        partials: &mut CudaSlice<f32>,
+        args: impl FnOnce(u64) -> A,
     ) -> Result<()> {
-        let kernel = self.kernel(&l.kernel)?;
-        if l.smem > 48 << 10 {
+        if smem > 48 << 10 {
             kernel.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                l.smem as i32,
+                smem as i32,
             )?;
         }
-        check_len(op, "sync", &*s.sync, 2)?;
-        let grid = self.layer_grid(op, kernel, l.smem, s.partials, l.h)?;
-        let mut a = l.args;
-        a.set_sync(self.addr_mut(s.partials), self.addr_mut(s.sync));
+        let grid = self.layer_grid(op, kernel, smem, partials, h)?;
+        let a = args(self.addr_mut(partials));
         let mut b = self.launch(kernel);
         b.arg(&a).cooperative();
         // SAFETY: the caller vouches for the arguments; the grid is what the multiprocessors hold
         // at once (the occupancy API for this block size and shared memory), launched
         // cooperatively, as the kernels' grid barriers need.
-        unsafe { b.launch(cfg((grid, 1, 1), THREADS, l.smem as u32)) }?;
+        unsafe { b.launch(cfg((grid, 1, 1), THREADS, smem as u32)) }?;
         Ok(())
     }
 

@@ -23,7 +23,6 @@ mod gemv;
 pub(crate) mod hc;
 mod kv;
 mod layer;
-mod layer_pair;
 mod moe;
 mod moe_gemm;
 mod moe_layer;
@@ -49,8 +48,6 @@ pub use gdn_layer::{GdnLayer, GdnLayerBufs};
 pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;
 pub use kv::{HeadLayout, HeadNorm, MropeArgs, RopeArgs, QK_MAX_HEAD_DIM};
-pub use layer::LayerSync;
-pub use layer_pair::{PairMixer, PairOut};
 pub use moe::{
     moe_max_tiles, CombineInto, Experts, MoeOut, PairGroups, PairRows, Routed, SharedGate, SharedY,
     MOE_TILE, SWIGLU_FUSED_MAX_PAIRS,

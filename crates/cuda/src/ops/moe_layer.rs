@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::layer::{check_packed, LayerArgs, LayerLaunch, LayerSync, RowOut};
+use super::layer::check_packed;
 use super::moe::{CombineInto, Experts};
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
@@ -24,7 +24,7 @@ const MAX_E: usize = 512;
 /// The kernel's arguments (`MoeLayerArgs` in moe_layer.cu, field for field).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct MoeLayerArgs {
+struct MoeLayerArgs {
     x: u64,
     router: u64,
     shared_gate: u64,
@@ -68,12 +68,6 @@ pub(super) struct MoeLayerArgs {
 // aligned).
 unsafe impl DeviceRepr for MoeLayerArgs {}
 
-impl LayerArgs for MoeLayerArgs {
-    fn set_sync(&mut self, partials: u64, sync: u64) {
-        (self.partials, self.sync) = (partials, sync);
-    }
-}
-
 /// A layer's shared expert as [`Gpu::moe_layer_decode`] takes it: its gate row `[h]` (bf16), its
 /// packed gate|up `[2·si, h]` and down `[h, si]`.
 pub struct MoeLayerShared<'a> {
@@ -97,7 +91,9 @@ pub struct MoeLayer<'a> {
 
 /// The buffers [`Gpu::moe_layer_decode`] writes besides its output: `logits` `[e + 1]` (f32),
 /// `shared_gate_up` `[2·si]` and `shared_down` `[h]` (f32; any length without a shared expert),
-/// `act` `[k, inter]` (the chosen experts' SwiGLU rows), and the routed `ids` and `weights` `[k]`.
+/// `act` `[k, inter]` (the chosen experts' SwiGLU rows), the routed `ids` and `weights` `[k]`, `partials` (f32, one a block of
+/// the grid: [`Gpu::moe_layer_max_blocks`]), and `sync`: two `u32` that are 0 before the launch and are
+/// left 0 (allocate them zeroed once and pass the same buffer to every launch of the stream).
 pub struct MoeLayerBufs<'a> {
     pub logits: &'a mut CudaSlice<f32>,
     pub shared_gate_up: &'a mut CudaSlice<bf16>,
@@ -105,6 +101,8 @@ pub struct MoeLayerBufs<'a> {
     pub act: &'a mut CudaSlice<bf16>,
     pub ids: &'a mut CudaSlice<u32>,
     pub weights: &'a mut CudaSlice<f32>,
+    pub partials: &'a mut CudaSlice<f32>,
+    pub sync: &'a mut CudaSlice<u32>,
     /// `[16]` u64 or `None`: block 0's phase times (the device's global timer, ns) for the bench;
     /// slots 0..=8 and, from the last block, 9.
     pub trace: Option<&'a mut CudaSlice<u64>>,
@@ -117,9 +115,6 @@ fn unit_group(scheme: PackedScheme, k: usize) -> Option<usize> {
     (matches!(scheme.bits, 4 | 6 | 8) && k > 0 && k.is_multiple_of(32) && group.is_multiple_of(32))
         .then_some(group)
 }
-
-/// The op's name in errors.
-const OP: &str = "moe_layer_decode";
 
 impl Gpu {
     /// Whether [`Gpu::moe_layer_decode`] takes a layer of width `h`, `e` experts of which `k` are
@@ -164,25 +159,9 @@ impl Gpu {
         x: &CudaSlice<bf16>,
         h: usize,
         bufs: MoeLayerBufs<'_>,
-        sync: LayerSync<'_>,
         into: CombineInto<'_, CudaSlice<bf16>>,
     ) -> Result<()> {
-        let out = self.layer_row_out(OP, into, h)?;
-        let l = self.moe_layer_args(layer, x, h, bufs, out)?;
-        // SAFETY: `moe_layer_args` checked every buffer's length, the alignments and the kernel's
-        // shape limits; the dynamic shared memory holds the staged SwiGLU rows.
-        unsafe { self.launch_layer(OP, l, sync) }
-    }
-
-    /// [`Gpu::moe_layer_decode`]'s launch, checked and built, its output `out`.
-    pub(super) fn moe_layer_args(
-        &self,
-        layer: &MoeLayer<'_>,
-        x: &CudaSlice<bf16>,
-        h: usize,
-        bufs: MoeLayerBufs<'_>,
-        out: RowOut,
-    ) -> Result<LayerLaunch<MoeLayerArgs>> {
+        const OP: &str = "moe_layer_decode";
         let (e, k, inter) = (layer.experts, layer.top_k, layer.down.k);
         let shared = layer.shared.as_ref().map(|s| (s.down.scheme, s.down.k));
         ensure(
@@ -219,6 +198,7 @@ impl Gpu {
         )?;
         check_len(OP, "ids", &*bufs.ids, k)?;
         check_len(OP, "weights", &*bufs.weights, k)?;
+        check_len(OP, "sync", &*bufs.sync, 2)?;
         if let Some(t) = &bufs.trace {
             check_len(OP, "trace", &**t, 16)?;
         }
@@ -235,6 +215,7 @@ impl Gpu {
             act: self.addr_mut(bufs.act),
             ids: self.addr_mut(bufs.ids),
             weights: self.addr_mut(bufs.weights),
+            sync: self.addr_mut(bufs.sync),
             trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
             e: e as i32,
             h: h as i32,
@@ -278,15 +259,21 @@ impl Gpu {
                 "the shared gate must be 16-byte aligned".into()
             })?;
         }
+        let out = self.layer_row_out(OP, into, h)?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let units = if h <= 2048 { 2 } else { 3 };
-        Ok(LayerLaunch {
-            kernel: format!("moe_layer_m1_q4_s{shared_bits}_u{units}"),
-            args: a,
-            smem: (2 * k * inter).next_multiple_of(16),
-            h,
-        })
+        let name = format!("moe_layer_m1_q4_s{shared_bits}_u{units}");
+        let kernel = self.kernel(&name)?;
+        let smem = (2 * k * inter).next_multiple_of(16);
+        // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
+        // and the kernel's shape limits are checked above; the dynamic shared memory holds the
+        // staged SwiGLU rows.
+        unsafe {
+            self.launch_layer(OP, (kernel, smem, h), bufs.partials, |partials| {
+                MoeLayerArgs { partials, ..a }
+            })
+        }
     }
 }
 

@@ -7,8 +7,8 @@
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
-    AttnDims, AttnLayer, AttnLayerBufs, CombineInto, KvPools, LayerRope, LayerSeq, LayerSync,
-    PackedMat, PackedScheme,
+    AttnDims, AttnLayer, AttnLayerBufs, CombineInto, KvPools, LayerRope, LayerSeq, PackedMat,
+    PackedScheme,
 };
 
 use crate::bench::{int8_proj as proj, pattern, time, trace_medians};
@@ -113,6 +113,8 @@ fn bench_attn_layer() {
                 attn: &mut attn,
                 part_o: &mut part_o,
                 part_ml: &mut part_ml,
+                partials: &mut partials,
+                sync: &mut sync,
                 trace,
             };
             let seq = LayerSeq {
@@ -133,21 +135,8 @@ fn bench_attn_layer() {
                 eps: 1e-6,
                 offset: 1.0,
             };
-            g.attn_layer_decode(
-                &layer,
-                &xs[i % INPUTS],
-                &rope,
-                seq,
-                (
-                    bufs,
-                    LayerSync {
-                        partials: &mut partials,
-                        sync: &mut sync,
-                    },
-                ),
-                into,
-            )
-            .unwrap();
+            g.attn_layer_decode(&layer, &xs[i % INPUTS], &rope, seq, bufs, into)
+                .unwrap();
         };
         let mut call = 0usize;
         let us = 1e6

@@ -8,7 +8,7 @@ use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
     CombineInto, DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools,
-    LayerSync, PackedMat, PackedScheme,
+    PackedMat, PackedScheme,
 };
 
 use crate::bench::{int8_proj as proj, pattern, time, trace_medians};
@@ -111,6 +111,8 @@ fn bench_gdn_layer() {
                 z: &mut z,
                 ab: &mut ab,
                 o: &mut o,
+                partials: &mut partials,
+                sync: &mut sync,
                 trace,
             };
             let pools = GdnPools {
@@ -129,21 +131,8 @@ fn bench_gdn_layer() {
                 eps: 1e-6,
                 offset: 1.0,
             };
-            g.gdn_layer_decode(
-                &layer,
-                &xs[i % INPUTS],
-                pools,
-                &seq,
-                (
-                    bufs,
-                    LayerSync {
-                        partials: &mut partials,
-                        sync: &mut sync,
-                    },
-                ),
-                into,
-            )
-            .unwrap();
+            g.gdn_layer_decode(&layer, &xs[i % INPUTS], pools, &seq, bufs, into)
+                .unwrap();
         };
         let mut call = 0usize;
         let us = 1e6

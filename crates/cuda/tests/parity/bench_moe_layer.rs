@@ -8,7 +8,7 @@
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
-    CombineInto, Gpu, LayerSync, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
+    CombineInto, Gpu, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
 };
 
 use crate::bench::{pattern, time, trace_medians};
@@ -134,6 +134,8 @@ fn bench_moe_layer() {
                 act: &mut b.act,
                 ids: &mut b.ids,
                 weights: &mut b.wts,
+                partials: &mut b.partials,
+                sync: &mut b.sync,
                 trace: traced.then_some(&mut b.trace),
             };
             let into = CombineInto::AddNorm {
@@ -143,18 +145,7 @@ fn bench_moe_layer() {
                 eps: 1e-6,
                 offset: 1.0,
             };
-            g.moe_layer_decode(
-                &layer,
-                x,
-                h,
-                bufs,
-                LayerSync {
-                    partials: &mut b.partials,
-                    sync: &mut b.sync,
-                },
-                into,
-            )
-            .unwrap();
+            g.moe_layer_decode(&layer, x, h, bufs, into).unwrap();
         };
         let mut call = 0usize;
         let us = 1e6

@@ -21,23 +21,6 @@ pub struct GdnMixerCall<'a, T, W> {
     pub seqs: &'a [SeqChunk<'a>],
 }
 
-impl<'a, T, W> GdnMixerCall<'a, T, W> {
-    /// The same call on the normed input `x`.
-    pub fn on<'b>(&self, x: &'b T) -> GdnMixerCall<'b, T, W>
-    where
-        'a: 'b,
-    {
-        GdnMixerCall {
-            layer: self.layer,
-            shape: self.shape,
-            x,
-            w: self.w,
-            eps: self.eps,
-            seqs: self.seqs,
-        }
-    }
-}
-
 /// An attention mixer from the layer's normed input `x` `[rows, H]` ([`Backend::attn_from_input`],
 /// [`Backend::attn_mixer_add_rms_norm`]): attention layer `layer` of shape `shape`, RoPE `rope` and
 /// weights `w`, the step's chunks and their explicit MRoPE positions if any ([`AttnCall::mrope`]).
@@ -49,24 +32,6 @@ pub struct AttnMixerCall<'a, T, W> {
     pub w: &'a AttnWeights<W>,
     pub seqs: &'a [SeqChunk<'a>],
     pub mrope: Option<Mrope<'a>>,
-}
-
-impl<'a, T, W> AttnMixerCall<'a, T, W> {
-    /// The same call on the normed input `x`.
-    pub fn on<'b>(&self, x: &'b T) -> AttnMixerCall<'b, T, W>
-    where
-        'a: 'b,
-    {
-        AttnMixerCall {
-            layer: self.layer,
-            shape: self.shape,
-            rope: self.rope,
-            x,
-            w: self.w,
-            seqs: self.seqs,
-            mrope: self.mrope,
-        }
-    }
 }
 
 /// The results of [`Backend::linear_many`] of `n` weights as a slice of `n`.

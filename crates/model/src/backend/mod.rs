@@ -515,27 +515,6 @@ pub trait Backend: Send + Sync {
         self.linear_add_rms_norm(&o, &c.w.out_proj, acc, norm, eps, offset)
     }
 
-    /// A MoE FFN's output added to `acc` and normed with `norm` ([`Backend::moe_experts_add_rms_norm`]),
-    /// then the whole GDN mixer `mixer` on that normed row (its `x` is not read: the first norm's output
-    /// takes its place), added to `acc` and normed with `post` ([`Backend::gdn_mixer_add_rms_norm`]; the
-    /// model asks for it where [`Backend::gdn_mixer_whole`] holds): a layer's pending MoE output, the
-    /// next layer's input norm and its mixer in one call (one launch on a GPU). Both norms take `eps`
-    /// and `offset`; returns the second norm.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_gdn_mixer_add_rms_norm(
-        &self,
-        moe: &MoeCall<'_, Self::Tensor, Self::Weight>,
-        acc: &mut Self::Tensor,
-        norm: &Self::Weight,
-        mixer: &GdnMixerCall<'_, Self::Tensor, Self::Weight>,
-        post: &Self::Weight,
-        eps: f32,
-        offset: f32,
-    ) -> OpResult<Self::Tensor> {
-        let hn = self.moe_experts_add_rms_norm(moe, acc, norm, eps, offset)?;
-        self.gdn_mixer_add_rms_norm(&mixer.on(&hn), acc, post, eps, offset)
-    }
-
     /// The attention mixer's core for the normed input `c.x`: the q|gate, k and v projections and
     /// [`Backend::attention`], before `o_proj`.
     fn attn_from_input(
@@ -568,24 +547,6 @@ pub trait Backend: Send + Sync {
     ) -> OpResult<Self::Tensor> {
         let o = self.attn_from_input(c)?;
         self.linear_add_rms_norm(&o, &c.w.o_proj, acc, norm, eps, offset)
-    }
-
-    /// [`Backend::moe_gdn_mixer_add_rms_norm`] with a whole attention mixer
-    /// ([`Backend::attn_mixer_add_rms_norm`]; the model asks for it where
-    /// [`Backend::attn_mixer_whole`] holds): `mixer`'s `x` is not read.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_attn_mixer_add_rms_norm(
-        &self,
-        moe: &MoeCall<'_, Self::Tensor, Self::Weight>,
-        acc: &mut Self::Tensor,
-        norm: &Self::Weight,
-        mixer: &AttnMixerCall<'_, Self::Tensor, Self::Weight>,
-        post: &Self::Weight,
-        eps: f32,
-        offset: f32,
-    ) -> OpResult<Self::Tensor> {
-        let hn = self.moe_experts_add_rms_norm(moe, acc, norm, eps, offset)?;
-        self.attn_mixer_add_rms_norm(&mixer.on(&hn), acc, post, eps, offset)
     }
 
     /// Routed experts: softmax router, top-k, optional renormalisation, weighted SwiGLU experts; plus

@@ -22,7 +22,7 @@ pub(super) enum Pending<'l, T, W> {
 }
 
 /// The MoE call of a pending MoE output.
-pub(super) fn call<'a, T, W>(
+fn call<'a, T, W>(
     w: &'a MoeWeights<W>,
     x: &'a T,
     shared: &'a Option<(Option<T>, Option<T>)>,

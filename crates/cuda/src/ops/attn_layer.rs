@@ -328,7 +328,7 @@ impl Gpu {
         // ids at or past the pools' blocks and writes pool row kv_dst[0] only below the pools'
         // rows; the part buffers hold the splits of any grid up to `moe_layer_max_blocks`.
         unsafe {
-            self.launch_layer(OP, (kernel, smem, h), bufs.partials, |partials| {
+            self.launch_layer(OP, (kernel, smem, 1, h), bufs.partials, |partials| {
                 AttnLayerArgs { partials, ..a }
             })
         }

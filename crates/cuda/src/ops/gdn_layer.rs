@@ -258,9 +258,8 @@ impl Gpu {
         // and the kernel's shape limits are checked above; slot ids at or past `num_slots` (which
         // both pools hold) touch no state.
         unsafe {
-            self.launch_layer(OP, (kernel, 0, h), bufs.partials, |partials| GdnLayerArgs {
-                partials,
-                ..a
+            self.launch_layer(OP, (kernel, 0, 1, h), bufs.partials, |partials| {
+                GdnLayerArgs { partials, ..a }
             })
         }
     }

@@ -75,6 +75,7 @@ struct MoeLayerArgs {
     bf16* normed;             // [h]
     u32* sync;                // [2]
     int e, h, k, renorm, inter, si, m;  // m: rows (1 for moe_layer_m1_*)
+    int ahead;                // the multi-row form: bit 0 asks L2 for the next gate|up batch, bit 1 for the next item's down rows
     int gu_group, dn_group, sgu_group, sdn_group;
     float eps, offset;
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns), for the bench
@@ -456,6 +457,20 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
 // Most phase-3 items a warp takes (m · h ≤ ML_TITEMS · the grid's warps; the launcher checks).
 #define ML_TITEMS 32
 
+// Asks L2 for the units of a packed row that ml_load<BITS, G, MAXU> would load (and their scales).
+template <int BITS, int G, int MAXU>
+__device__ __forceinline__ void ml_ask_row(const u32* wr, const float* sr, int k, int group, int sub) {
+    const int units = k >> 5;
+#pragma unroll
+    for (int i = 0; i < MAXU; ++i) {
+        const int u = sub + i * G;
+        if (u < units) {
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(wr + (size_t)u * PackedUnit<BITS, true>::WORDS));
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(sr + scale_group(u << 5, k, group)));
+        }
+    }
+}
+
 // Phase 1 of the multi-row form, one item: router row i < e (+ the gate row at e), else shared
 // gate|up row i - e - gate, dotted with each of the m rows of xs ([m, h], ml_xs_chunk's order).
 template <int SB, int GU>
@@ -615,6 +630,20 @@ __device__ __forceinline__ void moe_layer_rows(const MoeLayerArgs& a) {
                     }
                 }
             }
+            if (a.ahead & 1) {
+#pragma unroll
+                for (int b = 0; b < B; ++b) {
+                    const int i = i0 + (B + b) * nw;
+                    if (i < items2) {
+                        const int p = i / a.inter, j = i - p * a.inter;
+#pragma unroll
+                        for (int gu = 0; gu < 2; ++gu) {
+                            const int r = j + gu * a.inter;
+                            ml_ask_row<EB, 32, GU>(s_gw[0][p] + r * wpr, s_gs[0][p] + (size_t)r * scols, h, a.gu_group, lane);
+                        }
+                    }
+                }
+            }
 #pragma unroll
             for (int b = 0; b < B; ++b) {
                 const int i = i0 + b * nw;
@@ -679,6 +708,13 @@ __device__ __forceinline__ void moe_layer_rows(const MoeLayerArgs& a) {
 #pragma unroll 1
         for (int c0 = 0; c0 < k; c0 += 2 * ML_ROUND) {
             if (j > 0 || c0 > 0) load_round(t, r, c0);
+            if ((a.ahead & 2) && c0 == 0 && i + nw < items3) {
+                // The next item's down rows into L2 while this one's are dotted.
+                const int tn = (i + nw) / h, rn = i + nw - tn * h;
+                for (int c = half; c < k; c += 2)
+                    ml_ask_row<EB, 16, ML_DUNITS>(s_gw[1][tn * k + c] + rn * dwpr, s_gs[1][tn * k + c] + (size_t)rn * dscols,
+                                                  a.inter, a.dn_group, sub);
+            }
 #pragma unroll
             for (int q = 0; q < ML_ROUND; ++q) {
                 const int c = c0 + 2 * q + half;

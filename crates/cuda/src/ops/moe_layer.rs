@@ -57,6 +57,7 @@ struct MoeLayerArgs {
     inter: i32,
     si: i32,
     m: i32,
+    ahead: i32,
     gu_group: i32,
     dn_group: i32,
     sgu_group: i32,
@@ -67,8 +68,8 @@ struct MoeLayerArgs {
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 8-byte addresses and 4-byte numbers, laid out as the
-// kernel's `MoeLayerArgs` (23 pointers, 11 ints, 2 floats, 4 bytes of padding, the trace pointer;
-// 248 bytes, 8-byte aligned).
+// kernel's `MoeLayerArgs` (23 pointers, 12 ints, 2 floats, the trace pointer; 248 bytes, 8-byte
+// aligned).
 unsafe impl DeviceRepr for MoeLayerArgs {}
 
 /// A layer's shared expert as [`Gpu::moe_layer_decode`] takes it: its gate row `[h]` (bf16), its
@@ -258,6 +259,10 @@ impl Gpu {
             renorm: i32::from(layer.renormalize),
             inter: inter as i32,
             m: rows as i32,
+            ahead: std::env::var("SANMAI_MOE_ROWS_AHEAD")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
             gu_group: scheme.group(h) as i32,
             dn_group: scheme.group(inter) as i32,
             ..MoeLayerArgs::default()
@@ -320,11 +325,10 @@ mod tests {
 
     #[test]
     fn the_argument_struct_has_the_kernels_layout() {
-        // 23 pointers, 11 ints, 2 floats, 4 bytes of padding, the trace pointer (moe_layer.cu's
-        // MoeLayerArgs).
+        // 23 pointers, 12 ints, 2 floats, the trace pointer (moe_layer.cu's MoeLayerArgs).
         assert_eq!(
             std::mem::size_of::<MoeLayerArgs>(),
-            23 * 8 + 11 * 4 + 2 * 4 + 4 + 8
+            23 * 8 + 12 * 4 + 2 * 4 + 8
         );
         assert_eq!(std::mem::align_of::<MoeLayerArgs>(), 8);
     }

@@ -248,7 +248,7 @@ impl Gpu {
             OP,
             || "x and the gate weights must be 16-byte aligned".into(),
         )?;
-        let out = self.layer_row_out(OP, into, h)?;
+        let out = self.layer_row_out(OP, into, (1, h))?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let (u, o) = instance(h, ko).expect("checked by gdn_layer_fits");

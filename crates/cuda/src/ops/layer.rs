@@ -57,17 +57,17 @@ pub(super) struct RowOut {
 }
 
 impl Gpu {
-    /// [`RowOut`] of `into` for `h` values (a row, or several), its buffers' lengths checked.
+    /// [`RowOut`] of `into` for `rows` rows of `h` values, its buffers' lengths checked.
     pub(super) fn layer_row_out(
         &self,
         op: &'static str,
         into: CombineInto<'_, CudaSlice<bf16>>,
-        h: usize,
+        (rows, h): (usize, usize),
     ) -> Result<RowOut> {
         let mut r = RowOut::default();
         match into {
             CombineInto::Rows(out) => {
-                check_len(op, "out", &*out, h)?;
+                check_len(op, "out", &*out, rows * h)?;
                 r.y = self.addr_mut(out);
             }
             CombineInto::AddNorm {
@@ -77,8 +77,8 @@ impl Gpu {
                 eps,
                 offset,
             } => {
-                check_len(op, "acc", &*acc, h)?;
-                check_len(op, "normed", &*normed, h)?;
+                check_len(op, "acc", &*acc, rows * h)?;
+                check_len(op, "normed", &*normed, rows * h)?;
                 check_len(op, "norm weight", w, h)?;
                 r.acc = self.addr_mut(acc);
                 r.norm_w = self.addr(w);

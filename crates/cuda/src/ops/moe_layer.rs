@@ -300,7 +300,7 @@ impl Gpu {
                 "the shared gate must be 16-byte aligned".into()
             })?;
         }
-        let out = self.layer_row_out(OP, into, rows * h)?;
+        let out = self.layer_row_out(OP, into, (rows, h))?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let units = if h <= 2048 { 2 } else { 3 };

@@ -266,9 +266,6 @@ __device__ __forceinline__ void ml_shared_down(const MoeLayerArgs& a, bf16* sact
     }
 }
 
-// Gate|up rows a warp loads before it computes in phase 2.
-#define ML_GU_BATCH 4
-
 // The experts' four address tables into L2, a 128-byte line a block (lines counted from the one
 // holding a table's first entry, clipped to the table; lines past the grid's blocks are left to the
 // top-k's loads): phase 2 reads the chosen experts' entries right after the top-k, where a miss to

@@ -280,112 +280,6 @@ __device__ __forceinline__ void ml_prefetch_tables(const MoeLayerArgs& a) {
     if (lo < hi) l2_prefetch((const void*)lo, (long long)(hi - lo));
 }
 
-// Units of 8 rows and one 128-value span a warp loads at once in ml_experts_gu_mma (a 16-byte run of
-// one row a lane), and the most a warp takes (two rounds).
-#define ML_MMA_UNITS 12
-#define ML_MMA_MAXU 16
-
-// The experts' gate|up on tensor cores (phase 2, where the experts are INT4 in groups of a multiple of
-// 128, h % 128 == 0 and h ≤ 2048, the u2 entry points): an item is rows j0 .. j0 + 7 of expert slot c's gate and the same rows
-// of its up, cut into units of one 128-value span of the 8 gate or the 8 up rows (item-major, then gate
-// before up, then span). A block takes three items at a time, its warps consecutive runs of their units
-// (ML_MMA_UNITS loads in flight a lane: the 16-byte run of values 32q .. 32q + 31 of row g of the unit).
-// Each unit is 8 mma.m16n8k16: the 8 rows as the B operand (codes decoded exactly to bf16, code pairs
-// as moe_gemv_q4_mma_tile pairs them), x as row 0 of A (the lanes of other rows feed zeros); a span's
-// f32 sums times the rows' group scale. Then each (item, gate or up, row)'s sum over the warps that hold
-// parts of it, in warp order (deterministic), each rounded to bf16, and their SwiGLU written out as the
-// warp-a-row dots do. The sums run in another order than those dots', so the results match theirs to
-// rounding.
-__device__ __forceinline__ void ml_experts_gu_mma(const MoeLayerArgs& a, const bf16* xs, const u32* const* gw,
-                                                  const float* const* gs) {
-    __shared__ float red[ML_WARPS][2][8];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, q = lane & 3;
-    const int spans = a.h >> 7, groups = a.inter >> 3, items = a.k * groups;
-    const int per_item = 2 * spans, block_units = 3 * per_item;
-    const int per_warp = (block_units + ML_WARPS - 1) / ML_WARPS;
-    const int u0 = warp * per_warp, u1 = min(u0 + per_warp, block_units);
-    const int k0 = u0 / spans;  // the first (item, gate or up) of the warp's units
-    const size_t wpr = (size_t)(a.h >> 3);
-    const int scols = (a.h + a.gu_group - 1) / a.gu_group;
-#pragma unroll 1
-    for (int base = 3 * blockIdx.x; base < items; base += 3 * gridDim.x) {
-        float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // [the warp's first or second (item, gu)][row 2q, 2q + 1]
-#pragma unroll 1
-        for (int r0 = u0; r0 < u1; r0 += ML_MMA_UNITS) {
-            uint4 w[ML_MMA_UNITS];
-            float sc[ML_MMA_UNITS][2];
-#pragma unroll
-            for (int i = 0; i < ML_MMA_UNITS; ++i) {
-                const int u = r0 + i, it = base + u / per_item;
-                if (u < u1 && it < items) {
-                    const int gu = (u / spans) & 1, sp = u % spans;
-                    const int c = it / groups, j0 = (it - c * groups) << 3;
-                    const u32* W = gw[c];
-                    w[i] = __ldcs((const uint4*)(W + (size_t)(gu * a.inter + j0 + g) * wpr) + q + 4 * sp);
-                    const float* S = gs[c] + (size_t)(gu * a.inter + j0 + 2 * q) * scols + scale_group(sp << 7, a.h, a.gu_group);
-                    sc[i][0] = g == 0 ? __ldg(S) : 0.0f;
-                    sc[i][1] = g == 0 ? __ldg(S + scols) : 0.0f;
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < ML_MMA_UNITS; ++i) {
-                const int u = r0 + i;
-                if (u >= u1 || base + u / per_item >= items) continue;
-                const int sp = u % spans;
-                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-                const u32 wv[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-                    const uint4 xv = g == 0 ? ((const uint4*)xs)[ml_xs_chunk(16 * sp + 4 * q + jj)] : make_uint4(0u, 0u, 0u, 0u);
-                    u32 pb[4];
-                    moe_q4_bf16x2(wv[jj], pb);
-                    // A row 0: x pairs matching the code pairs (c0, c4), (c1, c5), then (c2, c6), (c3, c7).
-                    moe_mma_bf16(t, __byte_perm(xv.x, xv.z, 0x5410), 0u, __byte_perm(xv.x, xv.z, 0x7632), 0u, pb[0], pb[1]);
-                    moe_mma_bf16(t, __byte_perm(xv.y, xv.w, 0x5410), 0u, __byte_perm(xv.y, xv.w, 0x7632), 0u, pb[2], pb[3]);
-                }
-                // Lane (0, q): rows 2q and 2q + 1 of the unit in t[0], t[1].
-                const int slot = u / spans - k0;
-#pragma unroll
-                for (int s = 0; s < 2; ++s) {
-                    if (s == slot) {
-                        acc[s][0] = fmaf(sc[i][0], t[0], acc[s][0]);
-                        acc[s][1] = fmaf(sc[i][1], t[1], acc[s][1]);
-                    }
-                }
-            }
-        }
-        if (g == 0) {
-#pragma unroll
-            for (int s = 0; s < 2; ++s) {
-                red[warp][s][2 * q] = acc[s][0];
-                red[warp][s][2 * q + 1] = acc[s][1];
-            }
-        }
-        __syncthreads();
-        if (threadIdx.x < 24) {
-            // Item i's row r: its gate's and its up's sums over the warps holding their units.
-            const int i = threadIdx.x >> 3, r = threadIdx.x & 7, it = base + i;
-            if (it < items) {
-                float sum[2];
-#pragma unroll
-                for (int gu = 0; gu < 2; ++gu) {
-                    const int kk = 2 * i + gu, lo = kk * spans, hi = lo + spans;  // the (item, gu)'s units
-                    float v = 0.0f;
-                    for (int w2 = 0; w2 < ML_WARPS; ++w2) {
-                        const int a0 = w2 * per_warp, a1 = min(a0 + per_warp, block_units);
-                        if (a0 < hi && a1 > lo) v += red[w2][kk - a0 / spans][r];
-                    }
-                    sum[gu] = v;
-                }
-                const int c = it / groups, j = ((it - c * groups) << 3) + r;
-                a.act[c * a.inter + j] = f2bf(silu_f(bf2f(f2bf(sum[0]))) * bf2f(f2bf(sum[1])));
-            }
-        }
-        __syncthreads();
-    }
-}
-
 template <int EB, int SB, int GU>
 __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     extern __shared__ uint4 ml_smem[];
@@ -429,9 +323,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     }
     __syncthreads();
     ml_mark(a.trace, 3);
-    if (EB == 4 && GU == 2 && (a.gu_group & 127) == 0 && (a.h & 127) == 0 && (3 * 2 * (a.h >> 7) + ML_WARPS - 1) / ML_WARPS <= ML_MMA_MAXU) {
-        ml_experts_gu_mma(a, s_x, s_gw[0], s_gs[0]);
-    } else {
+    {
         // An item is row j of expert slot c's gate and its row j of up: both dots, each rounded to
         // bf16 as the grouped GEMV writes them, then bf16(silu(gate) · up) as swiglu_bf16. Every load
         // of a warp's batch of items goes out before its first dot.

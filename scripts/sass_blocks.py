@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The instruction mix of a kernel's straight-line blocks, from its SASS: compiles a kernel source with
-NVRTC (as the backend does, with `--ptxas-options=-v`), disassembles one entry point with cuobjdump, cuts
-the code at branches and branch targets, and prints each block holding at least `--min-ffma` FFMAs: its
-address, its instruction count and its counts of the usual arithmetic, logic and memory operations. A
-block of a dot loop shows what a unit of values costs to issue (a GPU runs none of this).
+NVRTC with the backend's options (plus `--ptxas-options=-v`), disassembles one entry point with
+cuobjdump, cuts the code at branches and branch targets, and prints each block holding at least
+`--min-ffma` FFMAs or HMMAs: its address, its instruction count and its counts of the usual
+arithmetic, logic and memory operations. A block of a dot loop shows what a unit of values costs to
+issue (a GPU runs none of this).
 
     scripts/sass_blocks.py --cuda-dir NVRTC_DIR --cuobjdump CUOBJDUMP --nvdisasm NVDISASM \\
         kernels/moe_layer.cu moe_layer_m1_q4_s6_u2 [--arch sm_90] [--min-ffma 12]
@@ -33,7 +34,7 @@ def compile_cubin(cuda_dir, src, arch):
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), text, os.path.basename(src).encode(), 0, None, None):
         sys.exit(f"{src}: nvrtcCreateProgram failed")
     opts = [f"--gpu-architecture={arch}", "--std=c++17", f"-I{os.path.dirname(os.path.abspath(src))}",
-            f"-I{os.path.join(cuda_dir, 'include')}", "--ptxas-options=-v", "-default-device"]
+            f"-I{os.path.join(cuda_dir, 'include')}", "-lineinfo", "--ptxas-options=-v"]
     arr = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
     n = ctypes.c_size_t()
@@ -80,7 +81,7 @@ def main():
     p.add_argument("function")
     a = p.parse_args()
     cubin, log = compile_cubin(a.cuda_dir, a.source, a.arch)
-    props = [l for l in log.splitlines() if a.function in l or "registers" in l or "spill" in l]
+    log = log.splitlines()
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -91,10 +92,9 @@ def main():
         sys.exit(f"cuobjdump found no {a.function}: {out.stderr.strip()}")
     total = Counter()
     print(f"{a.function} ({a.arch})")
-    for line in props:
-        if "Function properties for " + a.function in line:
-            i = props.index(line)
-            print("  " + " / ".join(l.split(":", 1)[-1].strip() for l in props[i + 1:i + 3]))
+    for i, line in enumerate(log):
+        if line.endswith("Function properties for " + a.function):
+            print("  " + " / ".join(l.split(":", 1)[-1].strip() for l in log[i + 1:i + 3]))
     for addr, ops in blocks(out.stdout):
         total.update(ops)
         c = Counter(ops)

@@ -67,6 +67,8 @@ pub struct DeviceInfo {
     pub multiprocessors: u32,
     /// Whether the device runs cooperative launches (every block of a grid resident at once).
     pub cooperative_launch: bool,
+    /// The most shared memory a block may opt into, in bytes.
+    pub max_shared_per_block: usize,
     /// Driver version as the driver reports it (e.g. 13000 for 13.0).
     pub driver_version: i32,
 }
@@ -150,6 +152,9 @@ pub fn probe() -> Result<Vec<DeviceInfo>> {
                 total_memory: unsafe { result::device::total_mem(dev) }?,
                 multiprocessors: attr(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
                 cooperative_launch: attr(A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)? != 0,
+                max_shared_per_block: attr(
+                    A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )? as usize,
                 driver_version: driver,
             });
         }

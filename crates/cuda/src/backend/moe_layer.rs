@@ -1,8 +1,8 @@
-//! A MoE layer's one-token decode step in one launch ([`Gpu::moe_layer_decode`]): with the fused
-//! decode launches and the one-launch MoE layer on, a layer whose router and shared gate are bf16
-//! and whose experts are INT4 (and shared expert packed) takes its routing, shared expert, routed
-//! experts and combine (with the residual add and the next norm) in one persistent launch instead
-//! of six.
+//! A MoE layer's decode step of one to eight tokens in one launch ([`Gpu::moe_layer_decode`]): with
+//! the fused decode launches and the one-launch MoE layer on, a layer whose router and shared gate
+//! are bf16 and whose experts are INT4 (and shared expert packed) takes its routing, shared expert,
+//! routed experts and combine (with the residual add and the next norm) in one persistent launch
+//! instead of six or more.
 
 use std::sync::atomic::Ordering;
 
@@ -17,11 +17,11 @@ use crate::ops::{MoeLayer, MoeLayerBufs, MoeLayerShared};
 
 impl CudaBackend {
     /// Whether a step of `rows` rows on `w` takes [`CudaBackend::moe_layer_step`]: both switches on,
-    /// one row, a bf16 router `[e, h]`, packed experts of one scheme, a packed shared expert with a
-    /// bf16 gate row (or none of either) and the kernel's shapes ([`crate::Gpu::moe_layer_fits`]).
+    /// one to eight rows, a bf16 router `[e, h]`, packed experts of one scheme, a packed shared
+    /// expert with a bf16 gate row (or none of either) and the kernel's shapes
+    /// ([`crate::Gpu::moe_layer_fits`]).
     pub fn moe_layer_takes(&self, w: &MoeWeights<CudaWeight>, rows: usize) -> bool {
-        if rows != 1
-            || !self.switches.fused_decode.load(Ordering::Relaxed)
+        if !self.switches.fused_decode.load(Ordering::Relaxed)
             || !self.switches.moe_layer.load(Ordering::Relaxed)
         {
             return false;
@@ -66,18 +66,19 @@ impl CudaBackend {
         shaped
             && self
                 .gpu
-                .moe_layer_fits((h, e, w.top_k, inter), scheme, shared)
+                .moe_layer_fits(rows, (h, e, w.top_k, inter), scheme, shared)
     }
 
-    /// The one-launch decode step of one row ([`CudaBackend::moe_layer_takes`]): the combined row
-    /// into a new tensor, or (`after`) its add to the residual and the norm of that.
+    /// The one-launch decode step of the call's rows ([`CudaBackend::moe_layer_takes`]): the
+    /// combined rows into a new tensor, or (`after`) their add to the residual and the norm of
+    /// that.
     pub(super) fn moe_layer_step(
         &self,
         c: &MoeCall<'_, CudaTensor, CudaWeight>,
         after: Option<NormAfter<'_>>,
     ) -> Result<CudaTensor> {
         let (x, w) = (c.x, c.w);
-        let (h, e, k) = (x.cols, w.experts.len(), w.top_k);
+        let (m, h, e, k) = (x.rows, x.cols, w.experts.len(), w.top_k);
         let inter = w.experts[0].inter;
         let bad = |msg: &str| CudaError::Shape {
             op: "moe",
@@ -111,13 +112,13 @@ impl CudaBackend {
             renormalize: w.renormalize,
             shared,
         };
-        let mut logits = self.scratch::<f32>(e + 1)?;
-        let mut sgu = self.scratch(2 * si)?;
-        let mut act = self.scratch(k * inter)?;
-        let mut sdn = self.scratch::<f32>(if si > 0 { h } else { 0 })?;
-        let mut partials = self.scratch::<f32>(self.gpu.moe_layer_max_blocks())?;
-        let mut ids = self.scratch::<u32>(k)?;
-        let mut wts = self.scratch::<f32>(k)?;
+        let mut logits = self.scratch::<f32>(m * (e + 1))?;
+        let mut sgu = self.scratch(m * 2 * si)?;
+        let mut act = self.scratch(m * k * inter)?;
+        let mut sdn = self.scratch::<f32>(m * h * usize::from(si > 0))?;
+        let mut partials = self.scratch::<f32>(m * self.gpu.moe_layer_max_blocks())?;
+        let mut ids = self.scratch::<u32>(m * k)?;
+        let mut wts = self.scratch::<f32>(m * k)?;
         let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
         let bufs = MoeLayerBufs {
             logits: &mut logits,
@@ -130,12 +131,13 @@ impl CudaBackend {
             sync: &mut sync,
             trace: None,
         };
-        let mut out = self.alloc(1, h)?;
+        let mut out = self.alloc(m, h)?;
         let into = NormAfter::combine_into(after, &mut out);
-        self.gpu.moe_layer_decode(&layer, &x.buf, h, bufs, into)?;
+        self.gpu
+            .moe_layer_decode(&layer, &x.buf, (m, h), bufs, into)?;
         drop(sync);
         drop(st);
-        self.log_routing(&ids, k, e)?;
+        self.log_routing(&ids, m * k, e)?;
         Ok(out)
     }
 }

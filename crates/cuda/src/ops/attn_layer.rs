@@ -316,7 +316,7 @@ impl Gpu {
             OP,
             || "x, the head norms' weights and the pools must be 16-byte aligned".into(),
         )?;
-        let out = self.layer_row_out(OP, into, h)?;
+        let out = self.layer_row_out(OP, into, (1, h))?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let bits = layer.q.scheme.bits;
@@ -328,7 +328,7 @@ impl Gpu {
         // ids at or past the pools' blocks and writes pool row kv_dst[0] only below the pools'
         // rows; the part buffers hold the splits of any grid up to `moe_layer_max_blocks`.
         unsafe {
-            self.launch_layer(OP, (kernel, smem, h), bufs.partials, |partials| {
+            self.launch_layer(OP, (kernel, smem, 1, h), bufs.partials, |partials| {
                 AttnLayerArgs { partials, ..a }
             })
         }

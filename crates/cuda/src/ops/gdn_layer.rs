@@ -248,7 +248,7 @@ impl Gpu {
             OP,
             || "x and the gate weights must be 16-byte aligned".into(),
         )?;
-        let out = self.layer_row_out(OP, into, h)?;
+        let out = self.layer_row_out(OP, into, (1, h))?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let (u, o) = instance(h, ko).expect("checked by gdn_layer_fits");
@@ -258,9 +258,8 @@ impl Gpu {
         // and the kernel's shape limits are checked above; slot ids at or past `num_slots` (which
         // both pools hold) touch no state.
         unsafe {
-            self.launch_layer(OP, (kernel, 0, h), bufs.partials, |partials| GdnLayerArgs {
-                partials,
-                ..a
+            self.launch_layer(OP, (kernel, 0, 1, h), bufs.partials, |partials| {
+                GdnLayerArgs { partials, ..a }
             })
         }
     }

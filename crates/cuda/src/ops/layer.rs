@@ -16,8 +16,10 @@ use crate::registry::Kernel;
 pub(super) const THREADS: u32 = 256;
 /// Most blocks a multiprocessor runs (the kernels' `__launch_bounds__`).
 const MAX_BLOCKS_PER_SM: u32 = 2;
-/// Output rows a warp takes at most (`ML_MAXROWS`).
+/// Output values a warp takes at most: of one row (`ML_MAXROWS`), and of several (`ML_TITEMS`, the
+/// multi-row MoE layer).
 const MAX_ROWS_PER_WARP: usize = 4;
+const MAX_ITEMS_PER_WARP: usize = 32;
 
 /// Whether a packed scheme of `bits` over `k` inputs suits the layer launches' unit dots (`ml_dot`):
 /// `k % 32 == 0`, per-row scales or groups of a multiple of 32.
@@ -55,17 +57,17 @@ pub(super) struct RowOut {
 }
 
 impl Gpu {
-    /// [`RowOut`] of `into` for a row of `h` values, its buffers' lengths checked.
+    /// [`RowOut`] of `into` for `rows` rows of `h` values, its buffers' lengths checked.
     pub(super) fn layer_row_out(
         &self,
         op: &'static str,
         into: CombineInto<'_, CudaSlice<bf16>>,
-        h: usize,
+        (rows, h): (usize, usize),
     ) -> Result<RowOut> {
         let mut r = RowOut::default();
         match into {
             CombineInto::Rows(out) => {
-                check_len(op, "out", &*out, h)?;
+                check_len(op, "out", &*out, rows * h)?;
                 r.y = self.addr_mut(out);
             }
             CombineInto::AddNorm {
@@ -75,8 +77,8 @@ impl Gpu {
                 eps,
                 offset,
             } => {
-                check_len(op, "acc", &*acc, h)?;
-                check_len(op, "normed", &*normed, h)?;
+                check_len(op, "acc", &*acc, rows * h)?;
+                check_len(op, "normed", &*normed, rows * h)?;
                 check_len(op, "norm weight", w, h)?;
                 r.acc = self.addr_mut(acc);
                 r.norm_w = self.addr(w);
@@ -90,14 +92,15 @@ impl Gpu {
 
     /// The grid of a persistent launch of `kernel` with `smem` bytes of dynamic shared memory: the
     /// blocks the multiprocessors hold at once (at most two each, from the occupancy API), checked
-    /// against `partials` (one f32 a block) and an output of `h` rows (at most four a warp).
+    /// against `partials` (one f32 a block and row) and an output of `rows` rows of `h` values (at
+    /// most four values a warp of one row, 32 of several).
     pub(super) fn layer_grid(
         &self,
         op: &'static str,
         kernel: &Kernel,
         smem: usize,
         partials: &CudaSlice<f32>,
-        h: usize,
+        (rows, h): (usize, usize),
     ) -> Result<u32> {
         let per_sm = kernel
             .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)?
@@ -106,16 +109,22 @@ impl Gpu {
             format!("{smem} bytes of shared memory leave no block resident")
         })?;
         let blocks = per_sm as usize * self.info().multiprocessors as usize;
-        check_len(op, "partials", partials, blocks)?;
-        ensure(h <= MAX_ROWS_PER_WARP * 8 * blocks, op, || {
-            format!("h = {h} exceeds {MAX_ROWS_PER_WARP} rows a warp of {blocks} blocks")
+        check_len(op, "partials", partials, rows * blocks)?;
+        let per_warp = if rows == 1 {
+            MAX_ROWS_PER_WARP
+        } else {
+            MAX_ITEMS_PER_WARP
+        };
+        ensure(rows * h <= per_warp * 8 * blocks, op, || {
+            format!("{rows} rows of {h} exceed {per_warp} values a warp of {blocks} blocks")
         })?;
         grid_u32(op, blocks)
     }
 
     /// Launches the persistent layer `kernel` cooperatively over [`Gpu::layer_grid`]'s grid with
     /// `smem` bytes of dynamic shared memory (opting in above 48 KiB) and the argument struct
-    /// `args(partials)` (given the address of `partials`, one f32 a block).
+    /// `args(partials)` (given the address of `partials`, one f32 a block and output row), for an
+    /// output of `rows` rows of `h` values.
     ///
     /// # Safety
     /// `args` must build the kernel's argument struct with buffers and shapes it may read and write,
@@ -123,7 +132,7 @@ impl Gpu {
     pub(super) unsafe fn launch_layer<A: DeviceRepr>(
         &self,
         op: &'static str,
-        (kernel, smem, h): (&Kernel, usize, usize),
+        (kernel, smem, rows, h): (&Kernel, usize, usize, usize),
         partials: &mut CudaSlice<f32>,
         args: impl FnOnce(u64) -> A,
     ) -> Result<()> {
@@ -133,7 +142,7 @@ impl Gpu {
                 smem as i32,
             )?;
         }
-        let grid = self.layer_grid(op, kernel, smem, partials, h)?;
+        let grid = self.layer_grid(op, kernel, smem, partials, (rows, h))?;
         let a = args(self.addr_mut(partials));
         let mut b = self.launch(kernel);
         b.arg(&a).cooperative();

@@ -1,7 +1,7 @@
-//! A MoE layer's one-token decode step in one persistent launch ([`Gpu::moe_layer_decode`],
-//! `kernels/moe_layer.cu`): the router, top-k, the shared expert, the chosen experts' gate|up and
-//! down projections and the combine (with the residual add and the next norm) in phases of one
-//! cooperative grid, where the separate launches take six.
+//! A MoE layer's decode step of one to eight tokens in one persistent launch
+//! ([`Gpu::moe_layer_decode`], `kernels/moe_layer.cu`): the router, top-k, the shared expert, the
+//! chosen experts' gate|up and down projections and the combine (with the residual add and the next
+//! norm) in phases of one cooperative grid, where the separate launches take six or more.
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
@@ -18,6 +18,8 @@ use crate::gpu::{check_len, Gpu};
 const MAX_H: usize = 3072;
 const MAX_INTER: usize = 1024;
 const MAX_K: usize = 16;
+/// Most rows a launch takes (`ML_TOKENS`: the multi-row form's top-k warps).
+pub const MOE_LAYER_MAX_ROWS: usize = 8;
 /// Most experts of a layer (`32 · ML_TOPK_PER`: the one-warp top-k's registers).
 const MAX_E: usize = 512;
 
@@ -54,6 +56,8 @@ struct MoeLayerArgs {
     renorm: i32,
     inter: i32,
     si: i32,
+    m: i32,
+    ahead: i32,
     gu_group: i32,
     dn_group: i32,
     sgu_group: i32,
@@ -64,7 +68,7 @@ struct MoeLayerArgs {
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 8-byte addresses and 4-byte numbers, laid out as the
-// kernel's `MoeLayerArgs` (23 pointers, 10 ints, 2 floats, the trace pointer; 240 bytes, 8-byte
+// kernel's `MoeLayerArgs` (23 pointers, 12 ints, 2 floats, the trace pointer; 248 bytes, 8-byte
 // aligned).
 unsafe impl DeviceRepr for MoeLayerArgs {}
 
@@ -89,11 +93,12 @@ pub struct MoeLayer<'a> {
     pub shared: Option<MoeLayerShared<'a>>,
 }
 
-/// The buffers [`Gpu::moe_layer_decode`] writes besides its output: `logits` `[e + 1]` (f32),
-/// `shared_gate_up` `[2·si]` and `shared_down` `[h]` (f32; any length without a shared expert),
-/// `act` `[k, inter]` (the chosen experts' SwiGLU rows), the routed `ids` and `weights` `[k]`, `partials` (f32, one a block of
-/// the grid: [`Gpu::moe_layer_max_blocks`]), and `sync`: two `u32` that are 0 before the launch and are
-/// left 0 (allocate them zeroed once and pass the same buffer to every launch of the stream).
+/// The buffers [`Gpu::moe_layer_decode`] writes besides its output, for `m` rows: `logits`
+/// `[m, e + 1]` (f32), `shared_gate_up` `[m, 2·si]` and `shared_down` `[m, h]` (f32; any length
+/// without a shared expert), `act` `[m·k, inter]` (the chosen experts' SwiGLU rows), the routed `ids`
+/// and `weights` `[m, k]`, `partials` (f32, `m` a block of the grid: [`Gpu::moe_layer_max_blocks`]),
+/// and `sync`: two `u32` that are 0 before the launch and are left 0 (allocate them zeroed once and
+/// pass the same buffer to every launch of the stream).
 pub struct MoeLayerBufs<'a> {
     pub logits: &'a mut CudaSlice<f32>,
     pub shared_gate_up: &'a mut CudaSlice<bf16>,
@@ -116,14 +121,31 @@ fn unit_group(scheme: PackedScheme, k: usize) -> Option<usize> {
         .then_some(group)
 }
 
+/// The dynamic shared memory of a launch over `rows` rows: one row's form stages the chosen experts'
+/// SwiGLU rows `[k, inter]` (bf16), the multi-row form x and the shared expert's SwiGLU rows `[rows,
+/// h + si]`, then the pairs' SwiGLU rows `[rows·k, inter]` in the same bytes.
+fn dynamic_smem(rows: usize, (h, k, inter, si): (usize, usize, usize, usize)) -> usize {
+    let values = if rows == 1 {
+        k * inter
+    } else {
+        (rows * (h + si)).max(rows * k * inter)
+    };
+    (2 * values).next_multiple_of(16)
+}
+
+/// The multi-row form's static shared memory, bytes (what `ptxas` reports, rounded up).
+const ROWS_STATIC_SMEM: usize = 7 << 10;
+
 impl Gpu {
-    /// Whether [`Gpu::moe_layer_decode`] takes a layer of width `h`, `e` experts of which `k` are
-    /// chosen, routed experts of scheme `experts` (INT4) and intermediate size `inter`, and a shared
-    /// expert of scheme and intermediate size `shared` (any packed width): `h % 32 == 0` up to 3072,
-    /// `inter` and the shared size multiples of 32 up to 1024, `1 ≤ k ≤ 16`, `k ≤ e ≤ 512`, per-row
-    /// scales or groups of a multiple of 32, and a device that runs cooperative launches.
+    /// Whether [`Gpu::moe_layer_decode`] takes `rows` rows of a layer of width `h`, `e` experts of
+    /// which `k` are chosen, routed experts of scheme `experts` (INT4) and intermediate size `inter`,
+    /// and a shared expert of scheme and intermediate size `shared` (any packed width): 1 to 8 rows,
+    /// `h % 32 == 0` up to 3072, `inter` and the shared size multiples of 32 up to 1024, `1 ≤ k ≤
+    /// 16`, `k ≤ e ≤ 512`, per-row scales or groups of a multiple of 32, a device that runs
+    /// cooperative launches and, for several rows, holds their shared memory in one block.
     pub fn moe_layer_fits(
         &self,
+        rows: usize,
         (h, e, k, inter): (usize, usize, usize, usize),
         experts: Option<PackedScheme>,
         shared: Option<(PackedScheme, usize)>,
@@ -138,26 +160,35 @@ impl Gpu {
         let experts = experts.is_some_and(|s| {
             s.bits == 4 && unit_group(s, h).is_some() && unit_group(s, inter).is_some()
         });
+        let si = shared.map_or(0, |(_, si)| si);
         let shared = shared.is_none_or(|(s, si)| {
             (32..=MAX_INTER).contains(&si)
                 && unit_group(s, h).is_some()
                 && unit_group(s, si).is_some()
         });
-        dims && experts && shared && self.info().cooperative_launch
+        let smem = rows == 1
+            || dynamic_smem(rows, (h, k, inter, si)) + ROWS_STATIC_SMEM
+                <= self.info().max_shared_per_block;
+        (1..=MOE_LAYER_MAX_ROWS).contains(&rows)
+            && dims
+            && experts
+            && shared
+            && smem
+            && self.info().cooperative_launch
     }
 
-    /// A MoE layer's decode step of one token `x` (`[h]` bf16) in one launch: the router logits, the
-    /// softmax top-k (what [`Gpu::route_topk`] writes to `ids` and `weights`), the shared expert
-    /// (when `layer` has one) and the chosen experts (SwiGLU between their gate|up and down
+    /// A MoE layer's decode step of `rows` tokens `x` (`[rows, h]` bf16) in one launch: the router
+    /// logits, the softmax top-k (what [`Gpu::route_topk`] writes to `ids` and `weights`), the shared
+    /// expert (when `layer` has one) and the chosen experts (SwiGLU between their gate|up and down
     /// projections), and their combine `Σ_c weight_c · y_c + sigmoid(gate) · shared` rounded once to
-    /// bf16, into `into` (the row itself, or its add to the residual and the norm of that, as
+    /// bf16, into `into` (the rows themselves, or their add to the residual and the norm of that, as
     /// [`Gpu::add_rms_norm`] gives them, to rounding: the norm's sum runs in another order). Needs
     /// [`Gpu::moe_layer_fits`].
     pub fn moe_layer_decode(
         &self,
         layer: &MoeLayer<'_>,
         x: &CudaSlice<bf16>,
-        h: usize,
+        (rows, h): (usize, usize),
         bufs: MoeLayerBufs<'_>,
         into: CombineInto<'_, CudaSlice<bf16>>,
     ) -> Result<()> {
@@ -165,9 +196,14 @@ impl Gpu {
         let (e, k, inter) = (layer.experts, layer.top_k, layer.down.k);
         let shared = layer.shared.as_ref().map(|s| (s.down.scheme, s.down.k));
         ensure(
-            self.moe_layer_fits((h, e, k, inter), layer.gate_up.scheme, shared),
+            self.moe_layer_fits(rows, (h, e, k, inter), layer.gate_up.scheme, shared),
             OP,
-            || format!("h = {h}, e = {e}, k = {k}, inter = {inter}: outside the kernel's shapes"),
+            || {
+                format!(
+                    "{rows} rows, h = {h}, e = {e}, k = {k}, inter = {inter}: outside the kernel's \
+                     shapes"
+                )
+            },
         )?;
         ensure(
             (layer.gate_up.n, layer.gate_up.k, layer.down.n) == (2 * inter, h, h)
@@ -177,7 +213,7 @@ impl Gpu {
         )?;
         let scheme = layer.gate_up.scheme.expect("checked by moe_layer_fits");
         check_len(OP, "router", layer.router, e * h)?;
-        check_len(OP, "x", x, h)?;
+        check_len(OP, "x", x, rows * h)?;
         for t in [
             layer.gate_up.weights,
             layer.gate_up.scales,
@@ -187,17 +223,17 @@ impl Gpu {
             check_len(OP, "expert table", t, e)?;
         }
         let si = layer.shared.as_ref().map_or(0, |s| s.down.k);
-        check_len(OP, "logits", &*bufs.logits, e + 1)?;
-        check_len(OP, "shared gate|up", &*bufs.shared_gate_up, 2 * si)?;
-        check_len(OP, "act", &*bufs.act, k * inter)?;
+        check_len(OP, "logits", &*bufs.logits, rows * (e + 1))?;
+        check_len(OP, "shared gate|up", &*bufs.shared_gate_up, rows * 2 * si)?;
+        check_len(OP, "act", &*bufs.act, rows * k * inter)?;
         check_len(
             OP,
             "shared down",
             &*bufs.shared_down,
-            if si > 0 { h } else { 0 },
+            rows * h * usize::from(si > 0),
         )?;
-        check_len(OP, "ids", &*bufs.ids, k)?;
-        check_len(OP, "weights", &*bufs.weights, k)?;
+        check_len(OP, "ids", &*bufs.ids, rows * k)?;
+        check_len(OP, "weights", &*bufs.weights, rows * k)?;
         check_len(OP, "sync", &*bufs.sync, 2)?;
         if let Some(t) = &bufs.trace {
             check_len(OP, "trace", &**t, 16)?;
@@ -222,6 +258,11 @@ impl Gpu {
             k: k as i32,
             renorm: i32::from(layer.renormalize),
             inter: inter as i32,
+            m: rows as i32,
+            ahead: std::env::var("SANMAI_MOE_ROWS_AHEAD")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
             gu_group: scheme.group(h) as i32,
             dn_group: scheme.group(inter) as i32,
             ..MoeLayerArgs::default()
@@ -259,18 +300,19 @@ impl Gpu {
                 "the shared gate must be 16-byte aligned".into()
             })?;
         }
-        let out = self.layer_row_out(OP, into, h)?;
+        let out = self.layer_row_out(OP, into, (rows, h))?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let units = if h <= 2048 { 2 } else { 3 };
-        let name = format!("moe_layer_m1_q4_s{shared_bits}_u{units}");
+        let form = if rows == 1 { "m1" } else { "rows" };
+        let name = format!("moe_layer_{form}_q4_s{shared_bits}_u{units}");
         let kernel = self.kernel(&name)?;
-        let smem = (2 * k * inter).next_multiple_of(16);
+        let smem = dynamic_smem(rows, (h, k, inter, si));
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
-        // and the kernel's shape limits are checked above; the dynamic shared memory holds the
-        // staged SwiGLU rows.
+        // and the kernel's shape limits are checked above; the dynamic shared memory holds what
+        // the form stages (dynamic_smem).
         unsafe {
-            self.launch_layer(OP, (kernel, smem, h), bufs.partials, |partials| {
+            self.launch_layer(OP, (kernel, smem, rows, h), bufs.partials, |partials| {
                 MoeLayerArgs { partials, ..a }
             })
         }
@@ -283,12 +325,22 @@ mod tests {
 
     #[test]
     fn the_argument_struct_has_the_kernels_layout() {
-        // 23 pointers, 10 ints, 2 floats, the trace pointer (moe_layer.cu's MoeLayerArgs).
+        // 23 pointers, 12 ints, 2 floats, the trace pointer (moe_layer.cu's MoeLayerArgs).
         assert_eq!(
             std::mem::size_of::<MoeLayerArgs>(),
-            23 * 8 + 10 * 4 + 2 * 4 + 8
+            23 * 8 + 12 * 4 + 2 * 4 + 8
         );
         assert_eq!(std::mem::align_of::<MoeLayerArgs>(), 8);
+    }
+
+    #[test]
+    fn the_forms_stage_what_they_read() {
+        // One row: the chosen experts' SwiGLU rows; several: x and the shared SwiGLU rows, or the
+        // pairs' SwiGLU rows, whichever is larger (the 80B's and the 125B's shapes at 8 rows).
+        assert_eq!(dynamic_smem(1, (2048, 10, 512, 512)), 2 * 10 * 512);
+        assert_eq!(dynamic_smem(8, (2048, 10, 512, 512)), 2 * 8 * 10 * 512);
+        assert_eq!(dynamic_smem(8, (2560, 10, 640, 640)), 2 * 8 * 10 * 640);
+        assert_eq!(dynamic_smem(2, (3072, 2, 64, 1024)), 2 * 2 * (3072 + 1024));
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Timing (ignored by default; `--ignored` runs it) of the one-launch MoE layer (`moe_layer.cu`) at
 //! the 80B's shape (hidden 2048, 512 INT4 g128 experts of 512, top 10, an INT6 shared expert of 512)
-//! and the 125B's (hidden 2560, experts and shared expert of 640): microseconds a launch (CUDA events
+//! and the 125B's (hidden 2560, experts and shared expert of 640), one row and eight (the multi-row
+//! form): microseconds a launch (CUDA events
 //! around back-to-back launches whose inputs rotate, so the chosen experts change), GB/s of the bytes
 //! it must read, and block 0's phase times from the kernel's trace (medians over single launches).
 //! Prints `BENCH` lines.
@@ -76,7 +77,12 @@ fn bench_moe_layer() {
     let Some(g) = gpu("bench_moe_layer") else {
         return;
     };
-    for (h, inter) in [(2048usize, 512usize), (2560, 640)] {
+    for (m, h, inter) in [
+        (1usize, 2048usize, 512usize),
+        (8, 2048, 512),
+        (1, 2560, 640),
+        (8, 2560, 640),
+    ] {
         let si = inter;
         let gu = experts(g, 4, 128, 2 * inter, h, 3);
         let dn = experts(g, 4, 128, h, inter, 4);
@@ -110,21 +116,21 @@ fn bench_moe_layer() {
             }),
         };
         let xs: Vec<CudaSlice<bf16>> = (0..INPUTS)
-            .map(|i| g.upload(&pattern(h, 100 + i as u32)).unwrap())
+            .map(|i| g.upload(&pattern(m * h, 100 + i as u32)).unwrap())
             .collect();
         let mut b = Bufs {
-            logits: g.zeros(E + 1).unwrap(),
-            sgu: g.zeros(2 * si).unwrap(),
-            act: g.zeros(TOP_K * inter).unwrap(),
-            sdn: g.zeros(h).unwrap(),
-            partials: g.zeros(g.moe_layer_max_blocks()).unwrap(),
-            ids: g.zeros(TOP_K).unwrap(),
-            wts: g.zeros(TOP_K).unwrap(),
+            logits: g.zeros(m * (E + 1)).unwrap(),
+            sgu: g.zeros(m * 2 * si).unwrap(),
+            act: g.zeros(m * TOP_K * inter).unwrap(),
+            sdn: g.zeros(m * h).unwrap(),
+            partials: g.zeros(m * g.moe_layer_max_blocks()).unwrap(),
+            ids: g.zeros(m * TOP_K).unwrap(),
+            wts: g.zeros(m * TOP_K).unwrap(),
             sync: g.zeros(2).unwrap(),
             trace: g.zeros(16).unwrap(),
-            acc: g.upload(&pattern(h, 11)).unwrap(),
+            acc: g.upload(&pattern(m * h, 11)).unwrap(),
             nw: g.upload(&pattern(h, 12)).unwrap(),
-            normed: g.zeros(h).unwrap(),
+            normed: g.zeros(m * h).unwrap(),
         };
         let launch = |b: &mut Bufs, x: &CudaSlice<bf16>, traced: bool| {
             let bufs = MoeLayerBufs {
@@ -145,7 +151,7 @@ fn bench_moe_layer() {
                 eps: 1e-6,
                 offset: 1.0,
             };
-            g.moe_layer_decode(&layer, x, h, bufs, into).unwrap();
+            g.moe_layer_decode(&layer, x, (m, h), bufs, into).unwrap();
         };
         let mut call = 0usize;
         let us = 1e6
@@ -153,12 +159,13 @@ fn bench_moe_layer() {
                 launch(&mut b, &xs[call % INPUTS], false);
                 call += 1;
             });
-        // Router, shared expert, ten experts' gate|up and down (words and scales).
+        // Router, shared expert, each pair's expert's gate|up and down (words and scales; pairs
+        // naming one expert counted once each).
         let bytes = E * h * 2
             + h * 2
             + (2 * si * h + h * si) * 6 / 8
             + 3 * h * 4
-            + TOP_K * (gu.bytes + dn.bytes);
+            + m * TOP_K * (gu.bytes + dn.bytes);
         // Block 0's phases over single launches.
         let phases = trace_medians(40, &PHASES, |i| {
             launch(&mut b, &xs[i % INPUTS], true);
@@ -172,7 +179,7 @@ fn bench_moe_layer() {
             "the grid barrier counters after the launches"
         );
         println!(
-            "BENCH moe_layer h={h} inter={inter} e={E} k={TOP_K} bytes={bytes} us={us:.2} GB/s={:.0} phases_us: {}",
+            "BENCH moe_layer rows={m} h={h} inter={inter} e={E} k={TOP_K} bytes={bytes} us={us:.2} GB/s={:.0} phases_us: {}",
             bytes as f64 / us / 1e3,
             phases
         );

@@ -70,6 +70,7 @@ pub const HEADERS: &[Source] = &[
     source!("gemv.cuh"),
     source!("add_norm.cuh"),
     source!("layer.cuh"),
+    source!("moe_layer.cuh"),
 ];
 
 /// The kernel sources, one file per op family.
@@ -94,6 +95,7 @@ pub const SOURCES: &[Source] = &[
     source!("kv.cu"),
     source!("moe.cu"),
     source!("moe_layer.cu"),
+    source!("moe_layer_rows.cu"),
     source!("moe_gemm.cu"),
     source!("moe_gemm_f8.cu"),
     source!("elementwise.cu"),

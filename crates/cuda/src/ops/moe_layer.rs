@@ -1,7 +1,8 @@
 //! A MoE layer's decode step of one to eight tokens in one persistent launch
-//! ([`Gpu::moe_layer_decode`], `kernels/moe_layer.cu`): the router, top-k, the shared expert, the
-//! chosen experts' gate|up and down projections and the combine (with the residual add and the next
-//! norm) in phases of one cooperative grid, where the separate launches take six or more.
+//! ([`Gpu::moe_layer_decode`]; `kernels/moe_layer.cu` for one token, `kernels/moe_layer_rows.cu` for
+//! more): the router, top-k, the shared expert, the chosen experts' gate|up and down projections and
+//! the combine (with the residual add and the next norm) in phases of one cooperative grid, where the
+//! separate launches take six or more.
 
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;

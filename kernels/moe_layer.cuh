@@ -1,0 +1,259 @@
+// What the one-launch MoE layer's two forms share: the one-row form (moe_layer.cu, whose opening
+// comment tells the phases, the barriers and the counters) and the multi-row form (moe_layer_rows.cu).
+#pragma once
+#include "layer.cuh"
+#include "moe_route.cuh"  // router_key
+
+// Most 32-value units of a packed row a lane takes in the half-warp down dots (rows of ≤ 512 ·
+// ML_DUNITS values); the h-wide dots take GU units (a template parameter) and the router's bf16 rows
+// 4 · GU chunks of 8 values.
+#define ML_DUNITS 2
+// Most routed experts a token takes, and experts a lane of the top-k holds (e ≤ 32 · ML_TOPK_PER).
+#define ML_MAX_K 16
+#define ML_TOPK_PER 16
+// Down rows of routed experts a half-warp loads before it computes (ML_ROUND of them a round).
+#define ML_ROUND 5
+
+// The kernel's arguments (`MoeLayerArgs` in crates/cuda/src/ops/moe_layer.rs, field for field).
+// Packed weights are words [n, k / 32 · BITS] u32 and scales [n, ceil(k / group)] f32 (group = k: one
+// scale a row); the expert tables hold each expert's words and scales addresses.
+struct MoeLayerArgs {
+    const bf16* x;            // [h] the normed input row
+    const bf16* router;       // [e, h]
+    const bf16* shared_gate;  // [h] or null (then no shared expert)
+    const u32* sgu_w;         // shared gate|up [2 si, h]
+    const float* sgu_s;
+    const u32* sdn_w;         // shared down [h, si]
+    const float* sdn_s;
+    const unsigned long long* gu_w;  // [e] expert gate|up [2 inter, h]
+    const unsigned long long* gu_s;
+    const unsigned long long* dn_w;  // [e] expert down [h, inter]
+    const unsigned long long* dn_s;
+    float* logits;            // [e + 1] scratch
+    bf16* sgu;                // [2 si] scratch
+    bf16* act;                // [k, inter] scratch: the chosen experts' SwiGLU rows
+    u32* ids;                 // [k]
+    float* weights;           // [k]
+    float* sdn;               // [h] scratch: the shared expert's down row
+    float* partials;          // [gridDim.x] scratch: each block's sum of squares (with acc)
+    bf16* y;                  // [h] the combined row (without acc)
+    bf16* acc;                // [h] the residual, or null (no add and norm)
+    const bf16* norm_w;       // [h]
+    bf16* normed;             // [h]
+    u32* sync;                // [2]
+    int e, h, k, renorm, inter, si, m;  // m: rows (1 for moe_layer_m1_*)
+    int ahead;                // the multi-row form: bit 0 asks L2 for the next gate|up batch, bit 1 for the next item's down rows
+    int gu_group, dn_group, sgu_group, sdn_group;
+    float eps, offset;
+    unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns), for the bench
+};
+
+// Phase 1, one item: router row i < e (+ the gate row at e), else shared gate|up row i - e - gate.
+template <int SB, int GU>
+__device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, const bf16* xs, int i, int lane) {
+    const int gate_rows = a.shared_gate ? 1 : 0;
+    if (i < a.e + gate_rows) {
+        const uint4* wr = i < a.e ? (const uint4*)(a.router + (size_t)i * a.h) : (const uint4*)a.shared_gate;
+        const uint4* x4 = (const uint4*)xs;
+        const int chunks = a.h >> 3;
+        uint4 wv[4 * GU];
+#pragma unroll
+        for (int j = 0; j < 4 * GU; ++j) {
+            const int c = lane + 32 * j;
+            if (c < chunks) wv[j] = __ldcs(wr + c);
+        }
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4 * GU; ++j) {
+            const int c = lane + 32 * j;
+            if (c < chunks) {
+                float wf[8], xf[8];
+                unpack8(wv[j], wf);
+                unpack8(x4[ml_xs_chunk(c)], xf);
+#pragma unroll
+                for (int q = 0; q < 8; ++q) s = fmaf(wf[q], xf[q], s);
+            }
+        }
+        s = warp_sum(s);
+        // The gate's logit rounded to bf16, as its own GEMV (a bf16 output) rounds it.
+        if (lane == 0) a.logits[i] = i < a.e ? s : bf2f(f2bf(s));
+    } else {
+        const int r = i - a.e - gate_rows;
+        const size_t wpr = (size_t)(a.h >> 5) * SB;
+        const int scols = (a.h + a.sgu_group - 1) / a.sgu_group;
+        MlRow<SB, GU> row;
+        ml_load<SB, 32, GU>(row, a.sgu_w + r * wpr, a.sgu_s + (size_t)r * scols, a.h, a.sgu_group, lane);
+        const float s = warp_sum(ml_dot<SB, 32, GU, true>(row, xs, a.h, lane));
+        if (lane == 0) a.sgu[r] = f2bf(s);
+    }
+}
+
+// The softmax top-k of the e ≤ 32 · ML_TOPK_PER logits (written in this launch: read through L2) by
+// one warp, into ids and wts (shared memory, [k]) and the chosen experts' table entries (gate|up and
+// down words and scales): lane i holds experts i, i + 32, ...; p = exp(x - max) / sum, each
+// candidate's key router_key(p, id) (larger probability first, the lower id among equal ones), each
+// lane's candidates sorted by key, then k rounds of a warp-wide arg-max over the lanes' heads (two
+// redux operations: the largest probability, then the lowest id holding it), lane r keeping rank r;
+// with renorm the kept probabilities are divided by their sum taken in rank order (as
+// router_topk_rows).
+__device__ __forceinline__ void ml_topk_warp(const MoeLayerArgs& a, const float* logits, u32* ids, float* wts,
+                                             const u32** gw_gu, const float** gs_gu, const u32** gw_dn,
+                                             const float** gs_dn) {
+    const int e = a.e, k = a.k, renorm = a.renorm;
+    const int lane = threadIdx.x & 31;
+    float p[ML_TOPK_PER];
+    float m = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < ML_TOPK_PER; ++j) {
+        const int i = lane + 32 * j;
+        p[j] = i < e ? __ldcg(logits + i) : NEG_INF;
+        m = fmaxf(m, p[j]);
+    }
+    m = warp_max(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < ML_TOPK_PER; ++j) {
+        p[j] = lane + 32 * j < e ? expf(p[j] - m) : 0.0f;
+        s += p[j];
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int j = 0; j < ML_TOPK_PER; ++j) p[j] /= s;
+    // Each candidate's key, 0 once taken (and for the slots past e).
+    unsigned long long key[ML_TOPK_PER];
+#pragma unroll
+    for (int j = 0; j < ML_TOPK_PER; ++j) {
+        const int i = lane + 32 * j;
+        key[j] = i < e ? router_key(p[j], (u32)i) : 0ull;
+    }
+    // The lane's candidates sorted once, largest key first (a bitonic network over registers), so a
+    // round compares only the lanes' heads and the winner's list moves up by one.
+#pragma unroll
+    for (int kk = 2; kk <= ML_TOPK_PER; kk <<= 1)
+#pragma unroll
+        for (int jj = kk >> 1; jj > 0; jj >>= 1)
+#pragma unroll
+            for (int i = 0; i < ML_TOPK_PER; ++i) {
+                const int l = i ^ jj;
+                if (l > i) {
+                    const unsigned long long x = key[i], y = key[l];
+                    const bool sw = (i & kk) == 0 ? x < y : x > y;
+                    key[i] = sw ? y : x;
+                    key[l] = sw ? x : y;
+                }
+            }
+    u32 my_id = 0xffffffffu;
+    float my_p = 0.0f;
+    // Lane r's expert's table entries, asked for as soon as rank r is decided.
+    unsigned long long tab[4] = {0ull, 0ull, 0ull, 0ull};
+#pragma unroll 1
+    for (int r = 0; r < k; ++r) {
+        // The lane's best key (its list's head), then the warp's: the largest probability bits, and
+        // among the lanes that hold it the lowest id.
+        const unsigned long long best = key[0];
+        const u32 hi = (u32)(best >> 32);
+        const u32 top = __reduce_max_sync(0xffffffffu, hi);
+        const u32 id = __reduce_min_sync(0xffffffffu, hi == top ? ~(u32)best : 0xffffffffu);
+        // The owner's list moves up past the winner (keys of distinct experts differ: one owner).
+        if (best != 0ull && ~(u32)best == id && hi == top) {
+#pragma unroll
+            for (int j = 0; j + 1 < ML_TOPK_PER; ++j) key[j] = key[j + 1];
+            key[ML_TOPK_PER - 1] = 0ull;
+        }
+        if (lane == r) {
+            my_id = id;
+            my_p = __uint_as_float(top);
+            tab[0] = a.gu_w[id];
+            tab[1] = a.gu_s[id];
+            tab[2] = a.dn_w[id];
+            tab[3] = a.dn_s[id];
+        }
+    }
+    float total = 0.0f;
+#pragma unroll 1
+    for (int r = 0; r < k; ++r) total += __shfl_sync(0xffffffffu, my_p, r);
+    if (lane < k) {
+        ids[lane] = my_id;
+        wts[lane] = renorm ? my_p / total : my_p;
+        gw_gu[lane] = (const u32*)tab[0];
+        gs_gu[lane] = (const float*)tab[1];
+        gw_dn[lane] = (const u32*)tab[2];
+        gs_dn[lane] = (const float*)tab[3];
+    }
+}
+
+// bf16(silu(g) · u) of 8 gate values g and up values u, as swiglu_bf16.
+__device__ __forceinline__ uint4 ml_swiglu8(uint4 g, uint4 u) {
+    float gf[8], uf[8];
+    unpack8(g, gf);
+    unpack8(u, uf);
+    u32 o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        o[i] = pack_bf16x2(silu_f(gf[2 * i]) * uf[2 * i], silu_f(gf[2 * i + 1]) * uf[2 * i + 1]);
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// The shared expert's down rows (phase 2, by warps 1.. of every block while warp 0 takes the top-k):
+// a half-warp a row, x = bf16(silu(gate) · up) of the shared gate|up row (written in this launch:
+// through L2), staged in sact (shared memory, [si]) by these warps; f32 sums into a.sdn.
+// The half-warp's first shared down row (ml_shared_down's hw), loaded into row.
+template <int SB>
+__device__ __forceinline__ void ml_shared_first(const MoeLayerArgs& a, MlRow<SB, ML_DUNITS>& row, int warp, int lane) {
+    const int half = lane >> 4, sub = lane & 15;
+    const int hw = (blockIdx.x * (ML_WARPS - 1) + warp - 1) * 2 + half;
+    const size_t swpr = (size_t)(a.si >> 5) * SB;
+    const int sscols = (a.si + a.sdn_group - 1) / a.sdn_group;
+    if (hw < a.h) ml_load<SB, 16, ML_DUNITS>(row, a.sdn_w + hw * swpr, a.sdn_s + (size_t)hw * sscols, a.si, a.sdn_group, sub);
+}
+
+// row: the half-warp's first row (ml_shared_first, asked for before barrier 1: no phase writes the
+// weights); the SwiGLU row is staged by these warps' threads, then their own barrier (warp 0 is taking
+// the top-k).
+template <int SB>
+__device__ __forceinline__ void ml_shared_down(const MoeLayerArgs& a, bf16* sact, MlRow<SB, ML_DUNITS>& row, int warp,
+                                               int lane) {
+    const int half = lane >> 4, sub = lane & 15;
+    const int hw = (blockIdx.x * (ML_WARPS - 1) + warp - 1) * 2 + half, nhw = gridDim.x * (ML_WARPS - 1) * 2;
+    const size_t swpr = (size_t)(a.si >> 5) * SB;
+    const int sscols = (a.si + a.sdn_group - 1) / a.sdn_group;
+    const uint4* g4 = (const uint4*)a.sgu;
+    const uint4* u4 = (const uint4*)(a.sgu + a.si);
+#pragma unroll 1
+    for (int v = threadIdx.x - 32; v < (a.si >> 3); v += blockDim.x - 32)
+        ((uint4*)sact)[v] = ml_swiglu8(__ldcg(g4 + v), __ldcg(u4 + v));
+    asm volatile("bar.sync 1, %0;" ::"r"(blockDim.x - 32) : "memory");
+#pragma unroll 1
+    for (int r0 = hw - half; r0 < a.h; r0 += nhw) {
+        const int r = r0 + half;  // both halves run the loop's shuffles
+        if (r0 != hw - half && r < a.h)
+            ml_load<SB, 16, ML_DUNITS>(row, a.sdn_w + r * swpr, a.sdn_s + (size_t)r * sscols, a.si, a.sdn_group, sub);
+        float acc = r < a.h ? ml_dot<SB, 16, ML_DUNITS, false>(row, sact, a.si, sub) : 0.0f;
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        if (r < a.h && sub == 0) a.sdn[r] = acc;
+    }
+}
+
+// The experts' four address tables into L2, a 128-byte line a block (lines counted from the one
+// holding a table's first entry, clipped to the table; lines past the grid's blocks are left to the
+// top-k's loads): phase 2 reads the chosen experts' entries right after the top-k, where a miss to
+// DRAM would wait before every expert's first weight load.
+__device__ __forceinline__ void ml_prefetch_tables(const MoeLayerArgs& a) {
+    const int lines = (a.e * 8 + 127) / 128 + 1;  // one more where a table does not start a line
+    if ((int)blockIdx.x >= 4 * lines) return;
+    const int which = blockIdx.x / lines, line = blockIdx.x - which * lines;
+    const unsigned long long* t = which == 0 ? a.gu_w : which == 1 ? a.gu_s : which == 2 ? a.dn_w : a.dn_s;
+    const unsigned long long p = (unsigned long long)t, start = (p & ~127ull) + 128ull * (unsigned long long)line;
+    const unsigned long long lo = max(p, start), hi = min(p + 8ull * (unsigned long long)a.e, start + 128ull);
+    if (lo < hi) l2_prefetch((const void*)lo, (long long)(hi - lo));
+}
+
+// The router rows of this block's share (a contiguous slice of the router, for the prologue's L2
+// prefetch).
+__device__ __forceinline__ RowSpan ml_router_span(const MoeLayerArgs& a) {
+    const long long bytes = (long long)a.e * a.h * 2;
+    const long long per = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~15ll;
+    const long long b0 = (long long)blockIdx.x * per;
+    return RowSpan{(const char*)a.router + b0, b0 < bytes ? min(per, bytes - b0) : 0};
+}

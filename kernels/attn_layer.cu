@@ -82,6 +82,7 @@ struct AttnLayerArgs {
     float head_eps, mscale, scale, eps, offset;
     int pad;
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns)
+    LayerNext next;             // the next launch's first weights (layer_ask_next)
 };
 
 // The split of the context over the grid: AL_TILE-position tiles, `per` tiles an item, `splits` items a
@@ -424,6 +425,7 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
     ml_mark(a.trace, 1);
     ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
+    layer_ask_next(a.next);
 
     // 2. The attention partials, an item a block.
 #pragma unroll 1

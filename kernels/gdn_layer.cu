@@ -74,6 +74,7 @@ struct GdnLayerArgs {
     int qkv_group, z_group, out_group;
     float q_scale, geps, eps, offset;
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns)
+    LayerNext next;             // the next launch's first weights (layer_ask_next)
 };
 
 // Channels of the conv (the q|k|v projection's width).
@@ -380,6 +381,7 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     ml_mark(a.trace, 1);
     ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
+    layer_ask_next(a.next);
 
     // 2. The GDN step, an item a block (a bad slot: o = 0, nothing touched).
     if (!live) {

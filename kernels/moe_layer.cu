@@ -186,6 +186,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     ml_mark(a.trace, 1);
     ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
+    layer_ask_next(a.next);
 
     // 2. Top-k in every block's first warp (then the chosen experts' addresses), the shared expert's
     // down rows in the others; then the chosen experts' gate|up rows.

@@ -46,6 +46,7 @@ struct MoeLayerArgs {
     int gu_group, dn_group, sgu_group, sdn_group;
     float eps, offset;
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns), for the bench
+    LayerNext next;             // the next launch's first weights (layer_ask_next)
 };
 
 // Phase 1, one item: router row i < e (+ the gate row at e), else shared gate|up row i - e - gate.

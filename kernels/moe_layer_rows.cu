@@ -130,6 +130,7 @@ __device__ __forceinline__ void moe_layer_rows(const MoeLayerArgs& a) {
     ml_mark(a.trace, 1);
     ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
+    layer_ask_next(a.next);
 
     // 2. Row t's top-k in warp t of every block, the shared expert's SwiGLU rows staged meanwhile.
     if (warp < m) {

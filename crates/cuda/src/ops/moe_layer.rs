@@ -7,7 +7,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::layer::check_packed;
+use super::layer::{check_packed, LayerNext};
 use super::moe::{CombineInto, Experts};
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
@@ -66,11 +66,12 @@ struct MoeLayerArgs {
     eps: f32,
     offset: f32,
     trace: u64,
+    next: LayerNext,
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 8-byte addresses and 4-byte numbers, laid out as the
-// kernel's `MoeLayerArgs` (23 pointers, 12 ints, 2 floats, the trace pointer; 248 bytes, 8-byte
-// aligned).
+// kernel's `MoeLayerArgs` (23 pointers, 12 ints, 2 floats, the trace pointer, the next launch's
+// four spans; 312 bytes, 8-byte aligned).
 unsafe impl DeviceRepr for MoeLayerArgs {}
 
 /// A layer's shared expert as [`Gpu::moe_layer_decode`] takes it: its gate row `[h]` (bf16), its
@@ -92,6 +93,9 @@ pub struct MoeLayer<'a> {
     pub top_k: usize,
     pub renormalize: bool,
     pub shared: Option<MoeLayerShared<'a>>,
+    /// The weights the launch after this one reads first, asked of L2 during this launch
+    /// ([`LayerNext`]; `LayerNext::default()`: none).
+    pub next: LayerNext,
 }
 
 /// The buffers [`Gpu::moe_layer_decode`] writes besides its output, for `m` rows: `logits`
@@ -254,6 +258,7 @@ impl Gpu {
             weights: self.addr_mut(bufs.weights),
             sync: self.addr_mut(bufs.sync),
             trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
+            next: layer.next,
             e: e as i32,
             h: h as i32,
             k: k as i32,
@@ -329,7 +334,7 @@ mod tests {
         // 23 pointers, 12 ints, 2 floats, the trace pointer (moe_layer.cu's MoeLayerArgs).
         assert_eq!(
             std::mem::size_of::<MoeLayerArgs>(),
-            23 * 8 + 12 * 4 + 2 * 4 + 8
+            23 * 8 + 12 * 4 + 2 * 4 + 8 + 16 * LayerNext::SPANS
         );
         assert_eq!(std::mem::align_of::<MoeLayerArgs>(), 8);
     }

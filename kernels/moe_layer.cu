@@ -280,6 +280,125 @@ __device__ __forceinline__ void ml_prefetch_tables(const MoeLayerArgs& a) {
     if (lo < hi) l2_prefetch((const void*)lo, (long long)(hi - lo));
 }
 
+// Units of 8 rows and one 128-value span a warp loads at once in ml_experts_gu_mma (a 16-byte run of
+// one row a lane).
+#define ML_MMA_UNITS 12
+
+// Whether the one-row MoE launch takes its experts' gate|up on tensor cores: INT4 experts in groups of a
+// multiple of 128, h a power of two from 128 to 2048 (the u2 entry points).
+__device__ __forceinline__ bool ml_gu_mma(const MoeLayerArgs& a) {
+    return (a.gu_group & 127) == 0 && a.h >= 128 && a.h <= 2048 && (a.h & (a.h - 1)) == 0;
+}
+
+// x's 16-byte chunks as the A operands of ml_experts_gu_mma's two mma.m16n8k16 a chunk (every row of A
+// is x: only row 0 of the product is read): chunk c (values 8c .. 8c + 7) as the register quads
+// ((x0, x4), (x0, x4), (x1, x5), (x1, x5)) and ((x2, x6), (x2, x6), (x3, x7), (x3, x7)), matching
+// moe_q4_bf16x2's code pairs. Written while x is staged.
+__device__ __forceinline__ void ml_x_pairs(uint4 v, uint4* out) {
+    const u32 p04 = __byte_perm(v.x, v.z, 0x5410), p15 = __byte_perm(v.x, v.z, 0x7632);
+    const u32 p26 = __byte_perm(v.y, v.w, 0x5410), p37 = __byte_perm(v.y, v.w, 0x7632);
+    out[0] = make_uint4(p04, p04, p15, p15);
+    out[1] = make_uint4(p26, p26, p37, p37);
+}
+
+// The experts' gate|up on tensor cores (phase 2, ml_gu_mma): an item is rows j0 .. j0 + 7 of expert slot
+// c's gate and the same rows of its up, cut into units of one 128-value span of the 8 gate or the 8 up
+// rows (item-major, then gate before up, then span). A block takes three items at a time, its warps
+// consecutive runs of their units, ML_MMA_UNITS loads in flight a lane (the 16-byte run of values
+// 32q .. 32q + 31 of row g of the unit). A unit is 8 mma.m16n8k16: the 8 rows as the B operand (the codes
+// decoded exactly to bf16 pairs as moe_gemv_q4_mma_tile decodes them), x (xp: ml_x_pairs) as A; a span's
+// f32 sums times the rows' group scale. Then each (item, gate or up, row)'s sum over the warps holding
+// parts of it, in warp order (deterministic), each rounded to bf16, and their SwiGLU written out as the
+// warp-a-row dots do. The sums run in another order than those dots', so the results match theirs to
+// rounding.
+__device__ __forceinline__ void ml_experts_gu_mma(const MoeLayerArgs& a, const uint4* xp, const u32* const* gw,
+                                                  const float* const* gs) {
+    __shared__ float red[ML_WARPS][2][8];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const int ls = __ffs(a.h >> 7) - 1, spans = 1 << ls;  // spans a row, a power of two
+    const int groups = a.inter >> 3, items = a.k * groups;
+    const int block_units = 6 << ls;
+    const int per_warp = (block_units + ML_WARPS - 1) / ML_WARPS;
+    const int u0 = warp * per_warp, u1 = min(u0 + per_warp, block_units);
+    const int k0 = u0 >> ls;  // the first (item, gate or up) of the warp's units
+    const size_t wpr = (size_t)(a.h >> 3);
+    const int scols = (a.h + a.gu_group - 1) / a.gu_group;
+#pragma unroll 1
+    for (int base = 3 * blockIdx.x; base < items; base += 3 * gridDim.x) {
+        // Rows 2q and 2q + 1 of the warp's first (item, gate or up), then of its second.
+        float acc00 = 0.0f, acc01 = 0.0f, acc10 = 0.0f, acc11 = 0.0f;
+#pragma unroll 1
+        for (int r0 = u0; r0 < u1; r0 += ML_MMA_UNITS) {
+            uint4 w[ML_MMA_UNITS];
+            float sc[ML_MMA_UNITS];  // lane (0, q): row 2q's scale, lane (1, q): row 2q + 1's
+#pragma unroll
+            for (int i = 0; i < ML_MMA_UNITS; ++i) {
+                const int u = r0 + i, kk = u >> ls, it = base + (kk >> 1);
+                if (u < u1 && it < items) {
+                    const int sp = u & (spans - 1), c = it / groups;
+                    const int row = (kk & 1) * a.inter + ((it - c * groups) << 3);
+                    w[i] = __ldcs((const uint4*)(gw[c] + (size_t)(row + g) * wpr) + q + 4 * sp);
+                    const float* S = gs[c] + (size_t)(row + 2 * q + (g & 1)) * scols + scale_group(sp << 7, a.h, a.gu_group);
+                    sc[i] = g < 2 ? __ldg(S) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < ML_MMA_UNITS; ++i) {
+                const int u = r0 + i;
+                if (u >= u1 || base + (u >> (ls + 1)) >= items) continue;
+                const uint4* x = xp + 2 * (16 * (u & (spans - 1)) + 4 * q);
+                float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                const u32 wv[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    const uint4 xa = x[2 * jj], xb = x[2 * jj + 1];
+                    u32 pb[4];
+                    moe_q4_bf16x2(wv[jj], pb);
+                    moe_mma_bf16(t, xa.x, xa.y, xa.z, xa.w, pb[0], pb[1]);
+                    moe_mma_bf16(t, xb.x, xb.y, xb.z, xb.w, pb[2], pb[3]);
+                }
+                // Lane (0, q): rows 2q and 2q + 1 of the unit in t[0], t[1]; row 2q + 1's scale from lane (1, q).
+                const float s0 = sc[i], s1 = __shfl_down_sync(0xffffffffu, sc[i], 4);
+                if ((u >> ls) == k0) {
+                    acc00 = fmaf(s0, t[0], acc00);
+                    acc01 = fmaf(s1, t[1], acc01);
+                } else {
+                    acc10 = fmaf(s0, t[0], acc10);
+                    acc11 = fmaf(s1, t[1], acc11);
+                }
+            }
+        }
+        if (g == 0) {
+            red[warp][0][2 * q] = acc00;
+            red[warp][0][2 * q + 1] = acc01;
+            red[warp][1][2 * q] = acc10;
+            red[warp][1][2 * q + 1] = acc11;
+        }
+        __syncthreads();
+        if (threadIdx.x < 24) {
+            // Item i's row r: its gate's and its up's sums over the warps holding their units.
+            const int i = threadIdx.x >> 3, r = threadIdx.x & 7, it = base + i;
+            if (it < items) {
+                float sum[2];
+#pragma unroll
+                for (int gu = 0; gu < 2; ++gu) {
+                    const int kk = 2 * i + gu, lo = kk << ls, hi = lo + spans;  // the (item, gu)'s units
+                    float v = 0.0f;
+                    for (int w2 = 0; w2 < ML_WARPS; ++w2) {
+                        const int a0 = w2 * per_warp, a1 = min(a0 + per_warp, block_units);
+                        if (a0 < hi && a1 > lo) v += red[w2][kk - (a0 >> ls)][r];
+                    }
+                    sum[gu] = v;
+                }
+                const int c = it / groups, j = ((it - c * groups) << 3) + r;
+                a.act[c * a.inter + j] = f2bf(silu_f(bf2f(f2bf(sum[0]))) * bf2f(f2bf(sum[1])));
+            }
+        }
+        __syncthreads();
+    }
+}
+
 template <int EB, int SB, int GU>
 __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     extern __shared__ uint4 ml_smem[];
@@ -289,6 +408,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     __shared__ const float* s_gs[2][ML_MAX_K]; // and scales
     __shared__ float s_res[ML_WARPS][ML_MAXROWS];
     __shared__ __align__(16) bf16 s_x[1024 * GU];      // x, chunks in ml_xs_chunk's order
+    __shared__ uint4 s_xp[GU == 2 ? 512 : 1];          // x's chunks as ml_x_pairs (the tensor-core gate|up)
     __shared__ __align__(16) bf16 s_sact[32 * 16 * ML_DUNITS];  // the shared expert's SwiGLU row
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gw = blockIdx.x * ML_WARPS + warp, nw = gridDim.x * ML_WARPS;
@@ -297,6 +417,8 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     ml_mark(a.trace, 0);
     ml_prefetch_tables(a);
     ml_stage_x(s_x, a.x, a.h);
+    if (EB == 4 && GU == 2 && ml_gu_mma(a))
+        for (int c = threadIdx.x; c < (a.h >> 3); c += blockDim.x) ml_x_pairs(((const uint4*)a.x)[c], s_xp + 2 * c);
     __syncthreads();
 
     // 1. Router logits and the shared expert's gate|up rows.
@@ -323,7 +445,9 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     }
     __syncthreads();
     ml_mark(a.trace, 3);
-    {
+    if (EB == 4 && GU == 2 && ml_gu_mma(a)) {
+        ml_experts_gu_mma(a, s_xp, s_gw[0], s_gs[0]);
+    } else {
         // An item is row j of expert slot c's gate and its row j of up: both dots, each rounded to
         // bf16 as the grouped GEMV writes them, then bf16(silu(gate) · up) as swiglu_bf16. Every load
         // of a warp's batch of items goes out before its first dot.

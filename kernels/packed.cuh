@@ -89,3 +89,22 @@ __device__ __forceinline__ void decode8(const u32 w[PackedUnit<BITS, true>::WORD
         for (int e = 0; e < 8; ++e) q[e] = qval<BITS>(PackedUnit<BITS, true>::code(w, c * 8 + e));
     }
 }
+
+// ---- INT4 on tensor cores (moe.cu's grouped GEMV, moe_layer.cu's experts' gate|up) ----
+// Codes 0..7 of word w (LSB first) as four bf16x2 values (c0, c4), (c1, c5), (c2, c6), (c3, c7), each
+// code c as the exact bf16 c - 8.
+__device__ __forceinline__ void moe_q4_bf16x2(u32 w, u32 out[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 h = ((w >> (4 * i)) & 0x000f000fu) | 0x43004300u;
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out[i]) : "r"(h), "r"(0x3f803f80u), "r"(0xc308c308u));
+    }
+}
+
+__device__ __forceinline__ void moe_mma_bf16(float c[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}

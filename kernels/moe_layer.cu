@@ -293,7 +293,11 @@ __device__ __forceinline__ bool ml_gu_mma(const MoeLayerArgs& a) {
 // x's 16-byte chunks as the A operands of ml_experts_gu_mma's two mma.m16n8k16 a chunk (every row of A
 // is x: only row 0 of the product is read): chunk c (values 8c .. 8c + 7) as the register quads
 // ((x0, x4), (x0, x4), (x1, x5), (x1, x5)) and ((x2, x6), (x2, x6), (x3, x7), (x3, x7)), matching
-// moe_q4_bf16x2's code pairs. Written while x is staged.
+// moe_q4_bf16x2's code pairs. Written while x is staged, chunk c = 16 s + 4 q + j (span s, lane q of a
+// quad, word j of the lane's 16 bytes) at slot ml_xp_slot(c) = 16 s + 4 j + q: the four lanes of a quad
+// read four neighbouring slots for their word j (32 bytes apart: no two in one bank), where chunk order
+// put them 128 bytes apart, in the same banks (a four-way conflict on every A load).
+__device__ __forceinline__ int ml_xp_slot(int c) { return (c & ~15) | ((c & 3) << 2) | ((c >> 2) & 3); }
 __device__ __forceinline__ void ml_x_pairs(uint4 v, uint4* out) {
     const u32 p04 = __byte_perm(v.x, v.z, 0x5410), p15 = __byte_perm(v.x, v.z, 0x7632);
     const u32 p26 = __byte_perm(v.y, v.w, 0x5410), p37 = __byte_perm(v.y, v.w, 0x7632);
@@ -347,12 +351,12 @@ __device__ __forceinline__ void ml_experts_gu_mma(const MoeLayerArgs& a, const u
             for (int i = 0; i < ML_MMA_UNITS; ++i) {
                 const int u = r0 + i;
                 if (u >= u1 || base + (u >> (ls + 1)) >= items) continue;
-                const uint4* x = xp + 2 * (16 * (u & (spans - 1)) + 4 * q);
+                const uint4* x = xp + 2 * (16 * (u & (spans - 1)) + q);
                 float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
                 const u32 wv[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
 #pragma unroll
                 for (int jj = 0; jj < 4; ++jj) {
-                    const uint4 xa = x[2 * jj], xb = x[2 * jj + 1];
+                    const uint4 xa = x[8 * jj], xb = x[8 * jj + 1];
                     u32 pb[4];
                     moe_q4_bf16x2(wv[jj], pb);
                     moe_mma_bf16(t, xa.x, xa.y, xa.z, xa.w, pb[0], pb[1]);
@@ -418,7 +422,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     ml_prefetch_tables(a);
     ml_stage_x(s_x, a.x, a.h);
     if (EB == 4 && GU == 2 && ml_gu_mma(a))
-        for (int c = threadIdx.x; c < (a.h >> 3); c += blockDim.x) ml_x_pairs(((const uint4*)a.x)[c], s_xp + 2 * c);
+        for (int c = threadIdx.x; c < (a.h >> 3); c += blockDim.x) ml_x_pairs(((const uint4*)a.x)[c], s_xp + 2 * ml_xp_slot(c));
     __syncthreads();
 
     // 1. Router logits and the shared expert's gate|up rows.

@@ -32,13 +32,18 @@ pub struct CompileOptions {
     /// Folders searched for the CUDA headers before the standard ones
     /// ([`nvrtc::cuda_include_dir`]).
     pub include_dirs: Vec<PathBuf>,
+    /// A folder holding every file of [`SOURCES`] and [`HEADERS`] to compile in place of the
+    /// embedded texts ([`sources_of`]): kernel variants compared with one build. `None`: the
+    /// embedded kernels.
+    pub source_dir: Option<PathBuf>,
 }
 
 impl CompileOptions {
     /// The folders the caller's variables name, each looked up through `var` (a caller passes its
     /// environment; this crate reads none): the kernel cache `SANMAI_CACHE_DIR` (else
-    /// `XDG_CACHE_HOME/sanmai`, else `HOME/.cache/sanmai`) and the CUDA header folders
-    /// `SANMAI_CUDA_INCLUDE` (`:`-separated), then `CUDA_HOME/include` and `CUDA_PATH/include`.
+    /// `XDG_CACHE_HOME/sanmai`, else `HOME/.cache/sanmai`), the CUDA header folders
+    /// `SANMAI_CUDA_INCLUDE` (`:`-separated), then `CUDA_HOME/include` and `CUDA_PATH/include`, and
+    /// the kernel sources' folder `SANMAI_KERNEL_SOURCES` (unset: the embedded kernels).
     pub fn from_vars(var: impl Fn(&str) -> Option<std::ffi::OsString>) -> Self {
         let nonempty = |name: &str| var(name).filter(|v| !v.is_empty()).map(PathBuf::from);
         let mut include_dirs: Vec<PathBuf> =
@@ -55,8 +60,37 @@ impl CompileOptions {
                 .or_else(|| nonempty("XDG_CACHE_HOME").map(|p| p.join("sanmai")))
                 .or_else(|| nonempty("HOME").map(|p| p.join(".cache").join("sanmai"))),
             include_dirs,
+            source_dir: nonempty("SANMAI_KERNEL_SOURCES"),
         }
     }
+}
+
+/// The kernel sources and headers `options` name: [`SOURCES`] and [`HEADERS`], or (with
+/// [`CompileOptions::source_dir`]) the files of the same names read from that folder. A file
+/// missing there is an error that names it.
+pub fn sources_of(options: &CompileOptions) -> Result<(Vec<Source>, Vec<Source>)> {
+    let Some(dir) = &options.source_dir else {
+        return Ok((SOURCES.to_vec(), HEADERS.to_vec()));
+    };
+    // The texts live as long as the kernels compiled from them: read once a process.
+    let read = |set: &[Source]| -> Result<Vec<Source>> {
+        set.iter()
+            .map(|s| {
+                let path = dir.join(s.name);
+                let text = std::fs::read_to_string(&path).map_err(|e| {
+                    CudaError::Nvrtc(format!(
+                        "kernel source {} (SANMAI_KERNEL_SOURCES): {e}",
+                        path.display()
+                    ))
+                })?;
+                Ok(Source {
+                    name: s.name,
+                    text: Box::leak(text.into_boxed_str()),
+                })
+            })
+            .collect()
+    };
+    Ok((read(SOURCES)?, read(HEADERS)?))
 }
 
 /// Headers the kernels include with `#include "name"`.
@@ -151,8 +185,14 @@ pub fn entry_points(src: &Source) -> Vec<String> {
         .collect()
 }
 
-/// The cache key of `src` for `arch` under the given driver version.
-fn cache_key(src: &Source, arch: &str, driver: i32, nvrtc: (i32, i32)) -> String {
+/// The cache key of `src` (with `headers`) for `arch` under the given driver version.
+fn cache_key(
+    src: &Source,
+    headers: &[Source],
+    arch: &str,
+    driver: i32,
+    nvrtc: (i32, i32),
+) -> String {
     let mut h = KeyHasher::default();
     h.field(env!("CARGO_PKG_VERSION").as_bytes())
         .field(src.name.as_bytes())
@@ -161,45 +201,48 @@ fn cache_key(src: &Source, arch: &str, driver: i32, nvrtc: (i32, i32)) -> String
         .field(&driver.to_le_bytes())
         .field(&nvrtc.0.to_le_bytes())
         .field(&nvrtc.1.to_le_bytes());
-    for hd in HEADERS {
+    for hd in headers {
         h.field(hd.name.as_bytes()).field(hd.text.as_bytes());
     }
     h.hex()
 }
 
-/// Compiles (or takes from the cache under `options.cache_dir`) every source for `arch`, with the CUDA
-/// headers found from `options.include_dirs`; returns `(file name, cubin)` pairs. `driver` is the
-/// driver version (0 when compiling without a device). Sources compile in parallel.
+/// Compiles (or takes from the cache under `options.cache_dir`) every source `options` name
+/// ([`sources_of`]) for `arch`, with the CUDA headers found from `options.include_dirs`; returns
+/// each source with its cubin. `driver` is the driver version (0 when compiling without a device).
+/// Sources compile in parallel.
 pub fn compile_all(
     arch: &str,
     driver: i32,
     options: &CompileOptions,
-) -> Result<Vec<(&'static str, Vec<u8>)>> {
+) -> Result<Vec<(Source, Vec<u8>)>> {
+    let (sources, headers) = sources_of(options)?;
+    let headers = &headers;
     let nvrtc_v = nvrtc::nvrtc_version()?;
     let include = vec![nvrtc::cuda_include_dir(&options.include_dirs)?];
     let dir = options.cache_dir.as_ref().map(|d| d.join("kernels"));
-    let one = |src: &Source| -> Result<(&'static str, Vec<u8>)> {
+    let one = |src: &Source| -> Result<(Source, Vec<u8>)> {
         let stem = src.name.trim_end_matches(".cu");
         let path: Option<PathBuf> = dir.as_ref().map(|d| {
             d.join(format!(
                 "{stem}-{arch}-{}.cubin",
-                cache_key(src, arch, driver, nvrtc_v)
+                cache_key(src, headers, arch, driver, nvrtc_v)
             ))
         });
         if let Some(bytes) = path.as_deref().and_then(cache::load) {
             tracing::debug!("kernel cache hit: {}", src.name);
-            return Ok((src.name, bytes));
+            return Ok((*src, bytes));
         }
         let t0 = std::time::Instant::now();
-        let cubin = nvrtc::compile_cubin(src, HEADERS, arch, &include)?;
+        let cubin = nvrtc::compile_cubin(src, headers, arch, &include)?;
         tracing::debug!("compiled {} for {arch} in {:?}", src.name, t0.elapsed());
         if let Some(p) = &path {
             cache::store(p, &cubin);
         }
-        Ok((src.name, cubin))
+        Ok((*src, cubin))
     };
     std::thread::scope(|s| {
-        let handles: Vec<_> = SOURCES
+        let handles: Vec<_> = sources
             .iter()
             .map(|src| s.spawn(move || one(src)))
             .collect();
@@ -245,14 +288,14 @@ impl Kernels {
         let cubins = compile_all(arch, driver, options)?;
         let mut functions = HashMap::new();
         let mut modules = Vec::new();
-        for (src, (name, cubin)) in SOURCES.iter().zip(cubins) {
-            debug_assert_eq!(src.name, name);
+        for (src, cubin) in cubins {
+            let name = src.name;
             let module = ctx.load_module(Ptx::from_binary(cubin))?;
-            for f in entry_points(src) {
+            for f in entry_points(&src) {
                 let func = module.load_function(&f).map_err(|e| {
                     CudaError::Nvrtc(format!("{name}: kernel {f} not in the module: {e}"))
                 })?;
-                let pdl = opens_with_pdl_prologue(src, &f);
+                let pdl = opens_with_pdl_prologue(&src, &f);
                 let name = Arc::from(f.as_str());
                 functions.insert(f, Kernel { func, pdl, name });
             }
@@ -305,6 +348,42 @@ mod tests {
         all.dedup();
         assert_eq!(all.len(), n, "kernel names must be unique across files");
         assert!(all.iter().any(|k| k == "gemv_bf16_m1"));
+    }
+
+    #[test]
+    fn a_source_folder_replaces_the_embedded_texts_and_names_a_missing_file() {
+        let embedded = CompileOptions::default();
+        let (src, hdr) = sources_of(&embedded).unwrap();
+        assert_eq!(src.len(), SOURCES.len());
+        assert_eq!(hdr.len(), HEADERS.len());
+        // The repository's own kernels folder: the same texts as the embedded ones.
+        let repo = CompileOptions {
+            source_dir: Some(PathBuf::from(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../../kernels"
+            ))),
+            ..CompileOptions::default()
+        };
+        let (src, hdr) = sources_of(&repo).unwrap();
+        for (a, b) in src.iter().chain(&hdr).zip(SOURCES.iter().chain(HEADERS)) {
+            assert_eq!((a.name, a.text), (b.name, b.text));
+        }
+        // A folder without them: the error names the first file looked for.
+        let empty = std::env::temp_dir().join(format!("sanmai-no-kernels-{}", std::process::id()));
+        std::fs::create_dir_all(&empty).unwrap();
+        let bad = CompileOptions {
+            source_dir: Some(empty.clone()),
+            ..CompileOptions::default()
+        };
+        let err = sources_of(&bad).unwrap_err().to_string();
+        assert!(err.contains(SOURCES[0].name), "{err}");
+        assert!(err.contains("SANMAI_KERNEL_SOURCES"), "{err}");
+        std::fs::remove_dir(&empty).unwrap();
+        // The variable names the folder.
+        let vars = CompileOptions::from_vars(|v| {
+            (v == "SANMAI_KERNEL_SOURCES").then(|| std::ffi::OsString::from("/k"))
+        });
+        assert_eq!(vars.source_dir, Some(PathBuf::from("/k")));
     }
 
     #[test]

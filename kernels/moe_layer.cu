@@ -347,12 +347,14 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
                     }
                 }
             }
+            float d[2 * B];
+            ml_dots<EB, 32, GU, true, 2 * B>(rows, s_x, a.h, lane, d);
 #pragma unroll
             for (int b = 0; b < B; ++b) {
                 const int i = i0 + b * nw;
                 if (i < items2) {
-                    const float g = warp_sum(ml_dot<EB, 32, GU, true>(rows[2 * b], s_x, a.h, lane));
-                    const float u = warp_sum(ml_dot<EB, 32, GU, true>(rows[2 * b + 1], s_x, a.h, lane));
+                    const float g = warp_sum(d[2 * b]);
+                    const float u = warp_sum(d[2 * b + 1]);
                     if (lane == 0) a.act[i] = f2bf(silu_f(bf2f(f2bf(g))) * bf2f(f2bf(u)));
                 }
             }

@@ -3,7 +3,7 @@
 // the GDN step (conv, delta rule, gated RMSNorm: gdn_decode_fused_gates) and the output projection
 // with the residual add and the next norm (gemv_q*_m1_norm). Every block of one cooperative grid (as
 // many as the multiprocessors hold, layer.cuh) works through three phases, separated by grid barriers:
-//   1. the projections' rows, a warp a row, several rows' loads in flight a warp (x staged once a
+//   1. the q|k|v and gate rows, a warp a row, several rows' loads in flight a warp (x staged once a
 //      block in shared memory), each rounded to bf16 as the projection launches write them; meanwhile
 //      nothing of phase 2 waits: its state columns, conv ring entries and conv weights are asked for
 //      before the barrier;
@@ -12,8 +12,10 @@
 //      position written once: q, k by the first column tile of a key group's first value head, v by its
 //      own item), q and k l2-normalised, the delta rule on the item's columns of the f32 state (read
 //      and written once, in registers: column c = thread % 16, rows thread / 16 + 16 n), and o = Sᵀq of
-//      those columns before the norm; the first out_proj row of each warp is asked for before the
-//      barrier;
+//      those columns before the norm; the z rows (needed only in phase 3) are asked of L2 as the
+//      phase starts, so that DRAM streams them while the step runs its chain of dependent loads and
+//      barriers, and are computed after it; the first out_proj row of each warp is asked for before
+//      the barrier;
 //   3. every block stages the gated RMSNorm of all heads' o (w · o · rsqrt(mean(o²) + eps) · silu(z),
 //      bf16) into shared memory, then a warp an out_proj row; the row rounded to bf16 and added to the
 //      residual (add_rms_norm_row's rounding) or written out; with the residual, the norm of the new
@@ -231,10 +233,9 @@ __device__ __forceinline__ void gl_item(const GdnLayerArgs& a, int item, u32 slo
 
 // Phase 3's input, by groups of 4 values (group q: values 4q .. 4q + 3, all of one head): thread t
 // takes groups t + ML_THREADS·i, so that a head's dv / 4 groups are dv / 4 consecutive lanes of one
-// warp (dv a power of two, 16 ≤ dv ≤ 128). Its z and norm weights are asked for before barrier 2
-// (z was written in phase 1), o after it.
+// warp (dv a power of two, 16 ≤ dv ≤ 128). Its norm weights are asked for before barrier 2, z and o
+// (written in phase 2) after it.
 struct GlStage {
-    uint2 z[GL_OG];
     uint2 w[GL_OG];
 };
 __device__ __forceinline__ void gl_stage_prefetch(const GdnLayerArgs& a, GlStage& s) {
@@ -243,7 +244,6 @@ __device__ __forceinline__ void gl_stage_prefetch(const GdnLayerArgs& a, GlStage
     for (int i = 0; i < GL_OG; ++i) {
         const int q = threadIdx.x + ML_THREADS * i;
         if (q < groups) {
-            s.z[i] = __ldcg((const uint2*)a.z + q);
             s.w[i] = __ldg((const uint2*)a.gnorm_w + (q % (a.dv >> 2)));
         }
     }
@@ -254,10 +254,14 @@ __device__ __forceinline__ void gl_stage_prefetch(const GdnLayerArgs& a, GlStage
 __device__ __forceinline__ void gl_stage_o(const GdnLayerArgs& a, const GlStage& s, bf16* os) {
     const int groups = (a.hv * a.dv) >> 2, span = a.dv >> 2;
     float4 ov[GL_OG];
+    uint2 zv[GL_OG];
 #pragma unroll
     for (int i = 0; i < GL_OG; ++i) {
         const int q = threadIdx.x + ML_THREADS * i;
-        if (q < groups) ov[i] = __ldcg((const float4*)a.o + q);
+        if (q < groups) {
+            ov[i] = __ldcg((const float4*)a.o + q);
+            zv[i] = __ldcg((const uint2*)a.z + q);
+        }
     }
 #pragma unroll
     for (int i = 0; i < GL_OG; ++i) {
@@ -276,7 +280,7 @@ __device__ __forceinline__ void gl_stage_o(const GdnLayerArgs& a, const GlStage&
             if (m < span) ss += __shfl_xor_sync(0xffffffffu, ss, m);
         if (!live) continue;
         const float r = 1.0f / sqrtf(ss / (float)a.dv + a.geps);
-        const u32 zw[2] = {s.z[i].x, s.z[i].y}, ww[2] = {s.w[i].x, s.w[i].y};
+        const u32 zw[2] = {zv[i].x, zv[i].y}, ww[2] = {s.w[i].x, s.w[i].y};
         u32 out[2];
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
@@ -319,6 +323,32 @@ __device__ __forceinline__ void gl_gate_row(const GdnLayerArgs& a, const bf16* x
     if (lane == 0) a.ab[i] = bf2f(f2bf(s));
 }
 
+// Rows [0, n) of a packed projection (words w, scales sc of `cols` columns), a warp a row in batches
+// of B (every load of a batch out before its first dot), each sum rounded to bf16 into out.
+template <int BITS, int GU, int B>
+__device__ __forceinline__ void gl_rows(const u32* w, const float* sc, int cols, int group, int n, int h, size_t wpr,
+                                        const bf16* xs, bf16* out, int gw, int nw, int lane) {
+#pragma unroll 1
+    for (int i0 = gw; i0 < n; i0 += B * nw) {
+        MlRow<BITS, GU> rows[B];
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int i = i0 + b * nw;
+            if (i < n) ml_load<BITS, 32, GU>(rows[b], w + i * wpr, sc + (size_t)i * cols, h, group, lane);
+        }
+        float d[B];
+        ml_dots<BITS, 32, GU, true, B>(rows, xs, h, lane, d);
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int i = i0 + b * nw;
+            if (i < n) {
+                const float s = warp_sum(d[b]);
+                if (lane == 0) out[i] = f2bf(s);
+            }
+        }
+    }
+}
+
 template <int BITS, int GU, int OU>
 __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     __shared__ __align__(16) bf16 s_buf[GL_MAX_O];  // x (phase 1), then the normed o (phase 3)
@@ -342,36 +372,8 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     {
         constexpr int B = GU == 2 ? 3 : 2;
         const size_t wpr = (size_t)(a.h >> 5) * BITS;
-        const int qcols = (a.h + a.qkv_group - 1) / a.qkv_group, zcols = (a.h + a.z_group - 1) / a.z_group;
-        const int rows1 = c + zn;
-#pragma unroll 1
-        for (int i0 = gw; i0 < rows1; i0 += B * nw) {
-            MlRow<BITS, GU> rows[B];
-#pragma unroll
-            for (int b = 0; b < B; ++b) {
-                const int i = i0 + b * nw;
-                if (i < c)
-                    ml_load<BITS, 32, GU>(rows[b], a.qkv_w + i * wpr, a.qkv_s + (size_t)i * qcols, a.h, a.qkv_group, lane);
-                else if (i < rows1)
-                    ml_load<BITS, 32, GU>(rows[b], a.z_w + (i - c) * wpr, a.z_s + (size_t)(i - c) * zcols, a.h, a.z_group,
-                                          lane);
-            }
-            float d[B];
-            ml_dots<BITS, 32, GU, true, B>(rows, s_buf, a.h, lane, d);
-#pragma unroll
-            for (int b = 0; b < B; ++b) {
-                const int i = i0 + b * nw;
-                if (i < rows1) {
-                    const float s = warp_sum(d[b]);
-                    if (lane == 0) {
-                        if (i < c)
-                            a.qkv[i] = f2bf(s);
-                        else
-                            a.z[i - c] = f2bf(s);
-                    }
-                }
-            }
-        }
+        const int qcols = (a.h + a.qkv_group - 1) / a.qkv_group;
+        gl_rows<BITS, GU, B>(a.qkv_w, a.qkv_s, qcols, a.qkv_group, c, a.h, wpr, s_buf, a.qkv, gw, nw, lane);
 #pragma unroll 1
         for (int i = nw - 1 - gw; i < 2 * a.hv; i += nw) gl_gate_row<GU>(a, s_buf, i, lane);
     }
@@ -381,7 +383,20 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
 
-    // 2. The GDN step, an item a block (a bad slot: o = 0, nothing touched).
+    // 2. The z rows asked of L2 (DRAM streams them while the GDN step runs its chain), the GDN step,
+    // an item a block (a bad slot: o = 0, nothing touched), then the z rows.
+    const size_t wpr = (size_t)(a.h >> 5) * BITS;
+    const int zcols = (a.h + a.z_group - 1) / a.z_group;
+    if (lane == 0)
+#pragma unroll 1
+        for (int i = gw; i < zn; i += nw) {
+#if __CUDA_ARCH__ >= 900
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.z_w + i * wpr), "r"((u32)(wpr * 4)) : "memory");
+#else
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(a.z_w + i * wpr));
+#endif
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(a.z_s + (size_t)i * zcols));
+        }
     if (!live) {
         for (int v = blockIdx.x * ML_THREADS + threadIdx.x; v < zn; v += gridDim.x * ML_THREADS) a.o[v] = 0.0f;
     }
@@ -389,6 +404,10 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     for (int it = blockIdx.x; it < items2; it += gridDim.x) {
         gl_item(a, it, slot, pos, pre, xs, part, sums);
         if (it + (int)gridDim.x < items2) gl_prefetch(a, it + gridDim.x, slot, pos, pre);
+    }
+    {
+        constexpr int B = GU == 2 ? 3 : 2;
+        gl_rows<BITS, GU, B>(a.z_w, a.z_s, zcols, a.z_group, zn, a.h, wpr, s_buf, a.z, gw, nw, lane);
     }
     // The warp's first out_proj row is asked for before the barrier.
     const int kout = zn;

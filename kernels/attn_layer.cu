@@ -4,10 +4,10 @@
 // and o_proj with the residual add and the next norm (gemv_q*_m1_norm). Every block of one cooperative
 // grid (as many as the multiprocessors hold, layer.cuh) works through four phases, separated by grid
 // barriers:
-//   1. the projections' rows, a warp a row, several rows' loads in flight a warp (x staged once a block
+//   1. the q, k and v rows, a warp a row, several rows' loads in flight a warp (x staged once a block
 //      in shared memory), each rounded to bf16 as the projection launch writes them; meanwhile each block
 //      asks for the first AL_STAGES − 1 K/V tiles of its phase-2 item (cached positions, which no phase
-//      writes);
+//      writes); the gate rows wait for phase 2;
 //   2. an item is one KV head's span of AL_TILE-position tiles (the context split over the grid): each
 //      warp takes one query head of the KV head's group, its q normed (1 + w), roped and rounded to bf16
 //      as qk_norm_rope_bf16 writes it (the norm weights and the rotation's cos and sin read once a
@@ -15,7 +15,9 @@
 //      and Σ e·v (lane: 8 of the head's d = 256 values); the tiles stream through a cp.async ring
 //      (AL_STAGES tiles). The item holding the new position norms and ropes its k (the last warp),
 //      writes k and v into the pools at kv_dst (kv_write_bf16's bytes) and puts them into its tile.
-//      Each item writes its heads' (max, Σ e) and unnormalised Σ e·v, as attn_paged_partial;
+//      Each item writes its heads' (max, Σ e) and unnormalised Σ e·v, as attn_paged_partial. The gate
+//      rows (needed only in phase 3) are asked of L2 as the phase starts, so that DRAM streams them
+//      while the attention runs, and are computed after it;
 //   3. an item is one query head's 32 values: the merge of the splits (log-sum-exp), times
 //      sigmoid(gate), rounded to bf16 (attn_paged_reduce's result); each warp's first o_proj row is asked
 //      for before the barrier;
@@ -366,6 +368,45 @@ __device__ __forceinline__ void al_reduce(const AttnLayerArgs& a, int splits, in
     __syncthreads();  // red is read before the next item writes it
 }
 
+// The projections' rows into a.qkv, a warp a row in batches of B (every load of a batch out before its
+// first dot), each rounded to bf16: GATE, the gate rows of q|gate (d rows after each head's d q rows);
+// else the q rows, then k, then v.
+// Row j of the q rows (or, GATE, of the gate rows) in q|gate.
+template <bool GATE>
+__device__ __forceinline__ int al_qrow(int j) { return (j / AL_D) * 2 * AL_D + (GATE ? AL_D : 0) + j % AL_D; }
+
+template <int BITS, int GU, bool GATE>
+__device__ __forceinline__ void al_rows(const AttnLayerArgs& a, const bf16* xs, int gw, int nw, int lane) {
+    constexpr int B = GU == 2 ? 3 : 2;
+    const size_t wpr = (size_t)(a.h >> 5) * BITS;
+    const int cols = (a.h + a.qkv_group - 1) / a.qkv_group;
+    const int nq = a.hq * AL_D, nkv = a.hkv * AL_D, n = GATE ? nq : nq + 2 * nkv;
+#pragma unroll 1
+    for (int i0 = gw; i0 < n; i0 += B * nw) {
+        MlRow<BITS, GU> rows[B];
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int i = i0 + b * nw;
+            if (i < n) {
+                const u32* w = i < nq ? a.q_w : i < nq + nkv ? a.k_w : a.v_w;
+                const float* s = i < nq ? a.q_s : i < nq + nkv ? a.k_s : a.v_s;
+                const int r = i < nq ? al_qrow<GATE>(i) : i < nq + nkv ? i - nq : i - nq - nkv;
+                ml_load<BITS, 32, GU>(rows[b], w + r * wpr, s + (size_t)r * cols, a.h, a.qkv_group, lane);
+            }
+        }
+        float d[B];
+        ml_dots<BITS, 32, GU, true, B>(rows, xs, a.h, lane, d);
+#pragma unroll
+        for (int b = 0; b < B; ++b) {
+            const int i = i0 + b * nw;
+            if (i < n) {
+                const float s = warp_sum(d[b]);
+                if (lane == 0) a.qkv[i < nq ? al_qrow<GATE>(i) : nq + i] = f2bf(s);
+            }
+        }
+    }
+}
+
 template <int BITS, int GU, int OU>
 __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
     __shared__ __align__(16) bf16 s_buf[AL_MAX_O];  // x (phase 1), then the attention output (phase 4)
@@ -376,43 +417,16 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gw = blockIdx.x * ML_WARPS + warp, nw = gridDim.x * ML_WARPS;
     const bool norm = a.acc != nullptr;
-    const int nq = 2 * a.hq * AL_D, nkv = a.hkv * AL_D, rows1 = nq + 2 * nkv, ko = a.hq * AL_D;
+    const int ko = a.hq * AL_D;
     const AlSplit sp = al_split(a);
     const int items2 = a.hkv * sp.splits;
     ml_mark(a.trace, 0);
     ml_stage_x(s_buf, a.x, a.h);
     __syncthreads();
 
-    // 1. The projections' rows: q|gate, then k, then v rows, in batches of B a warp.
-    {
-        constexpr int B = GU == 2 ? 3 : 2;
-        const size_t wpr = (size_t)(a.h >> 5) * BITS;
-        const int cols = (a.h + a.qkv_group - 1) / a.qkv_group;
-#pragma unroll 1
-        for (int i0 = gw; i0 < rows1; i0 += B * nw) {
-            MlRow<BITS, GU> rows[B];
-#pragma unroll
-            for (int b = 0; b < B; ++b) {
-                const int i = i0 + b * nw;
-                if (i < rows1) {
-                    const u32* w = i < nq ? a.q_w : i < nq + nkv ? a.k_w : a.v_w;
-                    const float* s = i < nq ? a.q_s : i < nq + nkv ? a.k_s : a.v_s;
-                    const int r = i < nq ? i : i < nq + nkv ? i - nq : i - nq - nkv;
-                    ml_load<BITS, 32, GU>(rows[b], w + r * wpr, s + (size_t)r * cols, a.h, a.qkv_group, lane);
-                }
-            }
-            float d[B];
-            ml_dots<BITS, 32, GU, true, B>(rows, s_buf, a.h, lane, d);
-#pragma unroll
-            for (int b = 0; b < B; ++b) {
-                const int i = i0 + b * nw;
-                if (i < rows1) {
-                    const float s = warp_sum(d[b]);
-                    if (lane == 0) a.qkv[i] = f2bf(s);
-                }
-            }
-        }
-    }
+    // 1. The projections' rows: q (the gate rows wait for phase 2), then k, then v rows, in batches of
+    // B a warp.
+    al_rows<BITS, GU, false>(a, s_buf, gw, nw, lane);
     // The first tile of the block's first item: cached positions only, which no phase writes (the new
     // position's rows are replaced in phase 2).
     if ((int)blockIdx.x < items2) {
@@ -425,7 +439,23 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
     ml_grid_sync(a.sync, gridDim.x, ml_last(a.trace, 0));
     ml_mark(a.trace, 2);
 
-    // 2. The attention partials, an item a block.
+    // 2. The gate rows asked of L2 (DRAM streams them while the attention runs), the attention
+    // partials, an item a block, then the gate rows.
+    {
+        const size_t wpr = (size_t)(a.h >> 5) * BITS;
+        const int cols = (a.h + a.qkv_group - 1) / a.qkv_group;
+        if (lane == 0)
+#pragma unroll 1
+            for (int j = gw; j < a.hq * AL_D; j += nw) {
+                const int r = al_qrow<true>(j);
+#if __CUDA_ARCH__ >= 900
+                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a.q_w + r * wpr), "r"((u32)(wpr * 4)) : "memory");
+#else
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(a.q_w + r * wpr));
+#endif
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(a.q_s + (size_t)r * cols));
+            }
+    }
 #pragma unroll 1
     for (int it = blockIdx.x; it < items2; it += gridDim.x) {
         if (it != (int)blockIdx.x) {
@@ -435,6 +465,7 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
         }
         al_item(a, sp, it, ring, kv_new, consts);
     }
+    al_rows<BITS, GU, true>(a, s_buf, gw, nw, lane);
     ml_mark(a.trace, 3);
     ml_grid_sync(a.sync, 2 * gridDim.x, ml_last(a.trace, 1));
     ml_mark(a.trace, 4);
@@ -485,8 +516,9 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
 template <int BITS>
 __device__ __forceinline__ RowSpan al_first_rows(const AttnLayerArgs& a) {
     const long long row_bytes = (long long)(a.h >> 5) * BITS * 4;
-    const long long r0 = (long long)blockIdx.x * ML_WARPS, nq = 2ll * a.hq * AL_D;
-    return RowSpan{(const char*)a.q_w + r0 * row_bytes, r0 < nq ? min((long long)ML_WARPS, nq - r0) * row_bytes : 0};
+    const long long j0 = (long long)blockIdx.x * ML_WARPS, nq = (long long)a.hq * AL_D;
+    const long long r0 = (j0 / AL_D) * 2 * AL_D + j0 % AL_D;
+    return RowSpan{(const char*)a.q_w + r0 * row_bytes, j0 < nq ? min((long long)ML_WARPS, nq - j0) * row_bytes : 0};
 }
 
 // Entry points: projections of BITS bits (q|gate, k, v and o_proj of one width), 2 units of 32 values

@@ -84,6 +84,7 @@ struct AttnLayerArgs {
     float head_eps, mscale, scale, eps, offset;
     int pad;
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns)
+    LayerNext next;             // the next launch's first weights (layer_ask_next)
 };
 
 // The split of the context over the grid: AL_TILE-position tiles, `per` tiles an item, `splits` items a
@@ -508,6 +509,7 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
         }
     }
     ml_mark(a.trace, 8);
+    layer_ask_next(a.next);  // DRAM is idle from here to the next launch's first loads
     if (norm) ml_norm_rows(sq, s_res, a.partials, a.sync, 4 * gridDim.x, a.h, a.eps, a.offset, a.norm_w, a.normed, gw, nw, ml_last(a.trace, 3));
     ml_finish(a.sync, a.trace);
 }

@@ -76,6 +76,7 @@ struct GdnLayerArgs {
     int qkv_group, z_group, out_group;
     float q_scale, geps, eps, offset;
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns)
+    LayerNext next;             // the next launch's first weights (layer_ask_next)
 };
 
 // Channels of the conv (the q|k|v projection's width).
@@ -442,6 +443,7 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
         }
     }
     ml_mark(a.trace, 6);
+    layer_ask_next(a.next);  // DRAM is idle from here to the next launch's first loads
     if (norm) ml_norm_rows(sq, s_res, a.partials, a.sync, 3 * gridDim.x, a.h, a.eps, a.offset, a.norm_w, a.normed, gw, nw, ml_last(a.trace, 2));
     ml_mark(a.trace, 7);
     ml_finish(a.sync, a.trace);

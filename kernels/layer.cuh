@@ -14,6 +14,29 @@
 // launchers check).
 #define ML_MAXROWS 4
 
+// The weights the launch after this one reads first (its projections, or a MoE layer's router and
+// shared expert), up to LAYER_NEXT spans (bytes 0: none). A layer launch asks L2 for them once its
+// own last rows are done, each block its share of each span, so that they arrive while DRAM would
+// idle (the launch's norm phase and the gap to the next launch) instead of in the next launch's
+// first phase.
+#define LAYER_NEXT 4
+struct LayerNext {
+    const char* p[LAYER_NEXT];
+    long long bytes[LAYER_NEXT];
+};
+
+// This block's share of each of next's spans asked of L2 (by its first warp: l2_prefetch).
+__device__ __forceinline__ void layer_ask_next(const LayerNext& next) {
+#pragma unroll
+    for (int i = 0; i < LAYER_NEXT; ++i) {
+        const long long bytes = next.bytes[i];
+        if (bytes <= 0) continue;
+        const long long per = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~15ll;
+        const long long b0 = (long long)blockIdx.x * per;
+        if (b0 < bytes) l2_prefetch(next.p[i] + b0, min(per, bytes - b0));
+    }
+}
+
 // Phase time `i` of block 0 into trace (when given: the device's global timer, ns).
 __device__ __forceinline__ void ml_mark(unsigned long long* trace, int i) {
     if (trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {

@@ -78,6 +78,7 @@ struct MoeLayerArgs {
     int gu_group, dn_group, sgu_group, sdn_group;
     float eps, offset;
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns), for the bench
+    LayerNext next;             // the next launch's first weights (layer_ask_next)
 };
 
 // Phase 1, one item: router row i < e (+ the gate row at e), else shared gate|up row i - e - gate.
@@ -443,6 +444,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
 
     // 4. The norm: each block's sum of squares, a barrier, then every block sums them in block order
     // and writes its rows.
+    layer_ask_next(a.next);  // DRAM is idle from here to the next launch's first loads
     if (norm) ml_norm_rows(sq, s_res, a.partials, a.sync, 3 * gridDim.x, a.h, a.eps, a.offset, a.norm_w, a.normed, gw, nw, ml_last(a.trace, 2));
     ml_mark(a.trace, 8);
     ml_finish(a.sync, a.trace);

@@ -29,6 +29,9 @@ const GDN_LAYER_ENV: &str = "SANMAI_GDN_LAYER";
 /// An attention mixer's one-token CUDA decode step in one persistent launch.
 #[cfg(feature = "cuda")]
 const ATTN_LAYER_ENV: &str = "SANMAI_ATTN_LAYER";
+/// A persistent layer launch asks L2 for the next launch's first weights.
+#[cfg(feature = "cuda")]
+const READ_AHEAD_ENV: &str = "SANMAI_READ_AHEAD";
 /// FP8 prefill GEMMs on the FP8 tensor cores.
 #[cfg(feature = "cuda")]
 const FP8_TENSOR_CORES_ENV: &str = "SANMAI_FP8_TENSOR_CORES";
@@ -90,6 +93,14 @@ pub struct SwitchArgs {
     /// unless SANMAI_ATTN_LAYER=0].
     #[arg(long, overrides_with = "attn_layer")]
     pub no_attn_layer: bool,
+    /// Each persistent CUDA layer launch asks L2 for the first 8 MiB of the weights the launch after
+    /// it reads first, once its own last rows are done (the default; overrides SANMAI_READ_AHEAD=0).
+    #[arg(long, overrides_with = "no_read_ahead")]
+    pub read_ahead: bool,
+    /// The layer launches ask for no weights but their own, for A/B runs [default: read ahead,
+    /// unless SANMAI_READ_AHEAD=0].
+    #[arg(long, overrides_with = "read_ahead")]
+    pub no_read_ahead: bool,
     /// FP8 prefill GEMMs on the FP8 tensor cores where the GPU has them, the activations quantised
     /// per token and 128 columns, for A/B runs (overrides SANMAI_FP8_TENSOR_CORES=0).
     #[arg(long, overrides_with = "no_fp8_tensor_cores")]
@@ -174,6 +185,8 @@ impl SwitchArgs {
             (self.no_gdn_layer, "--no-gdn-layer"),
             (self.attn_layer, "--attn-layer"),
             (self.no_attn_layer, "--no-attn-layer"),
+            (self.read_ahead, "--read-ahead"),
+            (self.no_read_ahead, "--no-read-ahead"),
             (self.fp8_tensor_cores, "--fp8-tensor-cores"),
             (self.no_fp8_tensor_cores, "--no-fp8-tensor-cores"),
         ]
@@ -200,6 +213,7 @@ impl SwitchArgs {
             moe_layer: switch(self.moe_layer, self.no_moe_layer, MOE_LAYER_ENV),
             gdn_layer: switch(self.gdn_layer, self.no_gdn_layer, GDN_LAYER_ENV),
             attn_layer: switch(self.attn_layer, self.no_attn_layer, ATTN_LAYER_ENV),
+            read_ahead: switch(self.read_ahead, self.no_read_ahead, READ_AHEAD_ENV),
         }
     }
 }

@@ -118,7 +118,7 @@ pub use ops::{
     SharedY,
 };
 pub use ops::{ConvWeight, DecodeSlots, GdnGateProj, GdnGates, GdnPools, GdnProj, SeqRows};
-pub use ops::{GdnLayer, GdnLayerBufs, MoeLayer, MoeLayerBufs, MoeLayerShared};
+pub use ops::{GdnLayer, GdnLayerBufs, LayerNext, MoeLayer, MoeLayerBufs, MoeLayerShared};
 pub use ops::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows};
 pub use ops::{PackedMat, PackedScheme, RowAddNorm, NORM_MAX_D};
 pub use ops::{PleGateWeights, PleGated, PleLin};

@@ -23,6 +23,7 @@ use crate::backend::{
 };
 use crate::load::{Layer, Mixer, Model};
 
+mod ahead;
 mod multimodal;
 mod pending;
 
@@ -468,16 +469,20 @@ impl<B: Backend> Model<B> {
         };
         // The last sublayer's output, not yet added to the residual: the next norm adds it.
         let mut pending: Option<Pending<'_, B::Tensor, B::Weight>> = None;
-        for (i, layer) in self.stage.clone().zip(&self.layers) {
+        let mut layers = self.stage.clone().zip(&self.layers).peekable();
+        while let Some((i, layer)) = layers.next() {
             if let Some(w) = &layer.ple {
                 if let Some(y) = pending.take() {
+                    ahead::before_mixer_of(b, None);
                     y.add_to(b, &mut streams)?;
                 }
                 self.ple_mix(i, w, &mut streams, ple_rows, rows.seqs)?;
             }
-            pending = self.layer_forward(i, layer, &mut streams, pending, rows)?;
+            let next = layers.peek().map(|&(_, l)| l);
+            pending = self.layer_forward((i, layer), next, &mut streams, pending, rows)?;
         }
         if let Some(y) = pending {
+            ahead::before_mixer_of(b, None);
             y.add_to(b, &mut streams)?;
         }
         Ok(streams)
@@ -530,22 +535,27 @@ impl<B: Backend> Model<B> {
         )?;
         let h = b.rms_norm(h_prev, &mtp.pre_fc_norm_hidden, eps, 1.0)?;
         let mut x = b.linear(&b.concat_cols(&e, &h)?, &mtp.fc)?;
-        let h = match self.layer_forward(self.cfg.num_layers, &mtp.layer, &mut x, None, rows)? {
-            Some(y) => y.add_rms_norm(b, &mut x, &mtp.norm, eps, 1.0)?,
+        let layer = (self.cfg.num_layers, &mtp.layer);
+        let h = match self.layer_forward(layer, None, &mut x, None, rows)? {
+            Some(y) => {
+                ahead::before_mixer_of(b, None);
+                y.add_rms_norm(b, &mut x, &mtp.norm, eps, 1.0)?
+            }
             None => b.rms_norm(&x, &mtp.norm, eps, 1.0)?,
         };
         Ok(Some(h))
     }
 
-    /// One decoder layer on the residual `streams`. `pending` is the previous sublayer's output not
+    /// One decoder layer (`index`, `layer`) on the residual `streams`; `next` is the layer after it
+    /// in this pass (for [`Backend::read_ahead`]). `pending` is the previous sublayer's output not
     /// yet added (plain residual only): its add is fused with this layer's input norm (and a MoE
     /// output's combine with both, where the backend does so). Returns this
     /// layer's FFN output, not yet added, for the next norm to take (`None` with hyper-connections,
     /// whose gated residual is applied here).
     fn layer_forward<'l>(
         &self,
-        index: usize,
-        layer: &'l Layer<B::Weight>,
+        (index, layer): (usize, &'l Layer<B::Weight>),
+        next: Option<&Layer<B::Weight>>,
         streams: &mut B::Tensor,
         pending: Option<Pending<'_, B::Tensor, B::Weight>>,
         rows: Rows<'_>,
@@ -553,6 +563,7 @@ impl<B: Backend> Model<B> {
         let b = &self.backend;
         let eps = self.cfg.rms_norm_eps;
         let hc = layer.hc.as_ref();
+        ahead::before_mixer_of(b, Some(layer));
         let (hn, x) = match (hc, pending) {
             (None, Some(y)) => (
                 y.add_rms_norm(b, streams, &layer.input_norm, eps, 1.0)?,
@@ -570,6 +581,7 @@ impl<B: Backend> Model<B> {
                 (hn, x)
             }
         };
+        ahead::before_ffn_of(b, layer);
         // A GDN mixer the backend runs whole (one launch on a GPU), else the mixer's ops; an
         // attention mixer likewise where no hyper-connections take its rows.
         let whole = match &layer.mixer {
@@ -600,6 +612,7 @@ impl<B: Backend> Model<B> {
                 self.residual(streams, x.as_ref(), &mixed, a)?;
                 let x = b.hc_premix(streams, &f.pre)?;
                 let hn = b.rms_norm(&x, &layer.post_attention_norm, eps, 1.0)?;
+                ahead::before_mixer_of(b, next);
                 let out = self.ffn(layer, hn, rows.count())?.rows(b)?;
                 self.residual(streams, Some(&x), &out, f)?;
                 return Ok(None);

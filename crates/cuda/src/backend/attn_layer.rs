@@ -9,10 +9,11 @@ use sanmai_model::backend::{AttnMixerCall, AttnShape, AttnWeights, Backend, OpRe
 use super::attn::attn_dims;
 use super::host_rows::Rows;
 use super::norm_after::NormAfter;
+use super::read_ahead::take_next;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{At, CudaError, Result};
-use crate::ops::{AttnLayer, AttnLayerBufs, KvPools, LayerRope, LayerSeq};
+use crate::ops::{AttnLayer, AttnLayerBufs, KvPools, LayerNext, LayerRope, LayerSeq};
 use crate::Gpu;
 use std::sync::atomic::Ordering;
 
@@ -57,6 +58,7 @@ fn layer_of<'a>(
         q_norm,
         k_norm,
         head_eps: sh.eps,
+        next: LayerNext::default(),
     })
 }
 
@@ -123,6 +125,7 @@ impl CudaBackend {
         }
         let mut st = self.lock();
         let st = &mut *st;
+        layer.next = take_next(st);
         let bs = st.kv.block_size;
         layer.dims.block_size = bs;
         let dims = layer.dims;

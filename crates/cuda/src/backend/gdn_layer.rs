@@ -9,10 +9,13 @@ use std::sync::atomic::Ordering;
 use sanmai_model::backend::{Backend, GdnMixerCall, GdnShape, GdnWeights, OpResult};
 
 use super::norm_after::NormAfter;
+use super::read_ahead::take_next;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{At, CudaError, Result};
-use crate::ops::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools};
+use crate::ops::{
+    DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools, LayerNext,
+};
 use crate::Gpu;
 
 fn dims_of(sh: &GdnShape) -> GdnDims {
@@ -61,6 +64,7 @@ fn layer_of<'a>(gpu: &Gpu, w: &'a GdnWeights<CudaWeight>, sh: &GdnShape) -> Opti
             eps: 0.0,
         },
         out: out.mat(),
+        next: LayerNext::default(),
     })
 }
 
@@ -100,6 +104,7 @@ impl CudaBackend {
         let dims = layer.dims;
         let mut st = self.lock();
         let st = &mut *st;
+        layer.next = take_next(st);
         let bs = st.kv.block_size;
         let m = st.meta.seqs(g, seqs, 1, bs)?;
         st.states.check(seqs[0].state)?;

@@ -39,6 +39,7 @@ mod options;
 mod packed;
 mod ple;
 mod qsa;
+mod read_ahead;
 mod roofline;
 mod sample;
 mod tensor;
@@ -85,6 +86,8 @@ pub(crate) struct State {
     /// Context positions decode attention sizes its split grid for, while a decode step that may be
     /// recorded runs (see `graph`); `None`: the step's longest context.
     pub decode_span: Option<usize>,
+    /// What the next layer launch asks L2 for ([`Backend::read_ahead`], `read_ahead.rs`).
+    pub next: crate::ops::LayerNext,
     max_tokens: usize,
     max_seqs: usize,
 }
@@ -189,6 +192,7 @@ impl CudaBackend {
                 packed_ws: None,
                 rope: Vec::new(),
                 decode_span: None,
+                next: Default::default(),
                 max_tokens,
                 max_seqs,
             }),
@@ -639,6 +643,10 @@ impl Backend for CudaBackend {
 
     fn gdn_projects_gates(&self, w: &GdnWeights<CudaWeight>, sh: &GdnShape, rows: usize) -> bool {
         self.gdn_projects_gates_impl(w, sh, rows)
+    }
+
+    fn read_ahead(&self, next: &[&CudaWeight]) {
+        self.read_ahead_impl(next);
     }
 
     fn gdn_mixer_whole(&self, w: &GdnWeights<CudaWeight>, sh: &GdnShape, rows: usize) -> bool {

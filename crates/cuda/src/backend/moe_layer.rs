@@ -10,6 +10,7 @@ use sanmai_model::backend::{MoeCall, MoeWeights};
 
 use super::moe_tables::expert_format;
 use super::norm_after::NormAfter;
+use super::read_ahead::take_next;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};
@@ -100,6 +101,7 @@ impl CudaBackend {
         let si = w.shared.as_ref().map_or(0, |s| s.inter);
         let format = expert_format("gate|up", w.experts.iter().map(|x| &x.gate_up))?;
         let mut st = self.lock();
+        let next = take_next(&mut st);
         let table = self.expert_table(&mut st.experts, w)?;
         let (gate_up, down) = table.routed.experts(format, format, h, inter);
         let layer = MoeLayer {
@@ -110,6 +112,7 @@ impl CudaBackend {
             top_k: k,
             renormalize: w.renormalize,
             shared,
+            next,
         };
         let mut logits = self.scratch::<f32>(e + 1)?;
         let mut sgu = self.scratch(2 * si)?;

@@ -26,6 +26,10 @@ pub struct CudaOptions {
     /// An attention mixer's one-token decode step in one persistent launch (`attn_layer.rs`; with
     /// `fused_decode`); off: its seven launches, for A/B runs.
     pub attn_layer: bool,
+    /// A layer launch asks L2 for the weights the launch after it reads first
+    /// ([`Backend::read_ahead`](sanmai_model::Backend::read_ahead), `read_ahead.rs`); off: it asks
+    /// for none, for A/B runs.
+    pub read_ahead: bool,
 }
 
 impl Default for CudaOptions {
@@ -38,6 +42,7 @@ impl Default for CudaOptions {
             moe_layer: true,
             gdn_layer: true,
             attn_layer: true,
+            read_ahead: true,
         }
     }
 }
@@ -48,6 +53,7 @@ pub(super) struct Switches {
     pub moe_layer: AtomicBool,
     pub gdn_layer: AtomicBool,
     pub attn_layer: AtomicBool,
+    pub read_ahead: AtomicBool,
 }
 
 impl Default for Switches {
@@ -57,6 +63,7 @@ impl Default for Switches {
             moe_layer: AtomicBool::new(true),
             gdn_layer: AtomicBool::new(true),
             attn_layer: AtomicBool::new(true),
+            read_ahead: AtomicBool::new(true),
         }
     }
 }
@@ -68,6 +75,7 @@ impl CudaBackend {
         self.set_moe_layer(options.moe_layer);
         self.set_gdn_layer(options.gdn_layer);
         self.set_attn_layer(options.attn_layer);
+        self.set_read_ahead(options.read_ahead);
     }
 
     /// Turns switch `s` to `on`; recorded steps of the other kind are dropped.
@@ -99,5 +107,11 @@ impl CudaBackend {
     /// steps of the other kind are dropped.
     pub fn set_attn_layer(&self, on: bool) {
         self.set(&self.switches.attn_layer, on);
+    }
+
+    /// Turns the layer launches' read-ahead on or off ([`CudaOptions::read_ahead`]); recorded
+    /// steps of the other kind are dropped.
+    pub fn set_read_ahead(&self, on: bool) {
+        self.set(&self.switches.read_ahead, on);
     }
 }

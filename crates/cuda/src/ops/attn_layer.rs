@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::attention::AttnDims;
-use super::layer::{check_packed, unit_scheme};
+use super::layer::{check_packed, unit_scheme, LayerNext};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use super::KvPools;
@@ -78,11 +78,12 @@ struct AttnLayerArgs {
     offset: f32,
     pad: i32,
     trace: u64,
+    next: LayerNext,
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 8-byte addresses and 4-byte numbers, laid out as the
-// kernel's `AttnLayerArgs` (28 pointers, 10 ints, 5 floats, a padding int, the trace pointer; 296
-// bytes, 8-byte aligned).
+// kernel's `AttnLayerArgs` (28 pointers, 10 ints, 5 floats, a padding int, the trace pointer, the
+// next launch's four spans; 360 bytes, 8-byte aligned).
 unsafe impl DeviceRepr for AttnLayerArgs {}
 
 /// An attention mixer's weights as [`Gpu::attn_layer_decode`] takes them: the packed projections
@@ -98,6 +99,9 @@ pub struct AttnLayer<'a> {
     pub q_norm: &'a CudaSlice<bf16>,
     pub k_norm: &'a CudaSlice<bf16>,
     pub head_eps: f32,
+    /// The weights the launch after this one reads first, asked of L2 during this launch
+    /// ([`LayerNext`]; `LayerNext::default()`: none).
+    pub next: LayerNext,
 }
 
 /// The rotary embedding of the launch: the inverse frequencies `[rot_dim / 2]` (device), `rot_dim`
@@ -294,6 +298,7 @@ impl Gpu {
             attn: self.addr_mut(bufs.attn),
             sync: self.addr_mut(bufs.sync),
             trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
+            next: layer.next,
             h: h as i32,
             hq: hq as i32,
             hkv: hkv as i32,
@@ -344,7 +349,7 @@ mod tests {
         // 28 pointers, 10 ints, 5 floats, a padding int, the trace pointer (attn_layer.cu).
         assert_eq!(
             std::mem::size_of::<AttnLayerArgs>(),
-            28 * 8 + 10 * 4 + 5 * 4 + 4 + 8
+            28 * 8 + 10 * 4 + 5 * 4 + 4 + 8 + 16 * LayerNext::SPANS
         );
         assert_eq!(std::mem::align_of::<AttnLayerArgs>(), 8);
     }

@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnPools};
-use super::layer::{check_packed, unit_scheme};
+use super::layer::{check_packed, unit_scheme, LayerNext};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
@@ -70,11 +70,12 @@ struct GdnLayerArgs {
     eps: f32,
     offset: f32,
     trace: u64,
+    next: LayerNext,
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 8-byte addresses and 4-byte numbers, laid out as the
-// kernel's `GdnLayerArgs` (27 pointers, 10 ints, 4 floats, the trace pointer; 280 bytes, 8-byte
-// aligned).
+// kernel's `GdnLayerArgs` (27 pointers, 10 ints, 4 floats, the trace pointer, the next launch's
+// four spans; 344 bytes, 8-byte aligned).
 unsafe impl DeviceRepr for GdnLayerArgs {}
 
 /// A GDN mixer's weights as [`Gpu::gdn_layer_decode`] takes them: the packed projections `qkv`
@@ -89,6 +90,9 @@ pub struct GdnLayer<'a> {
     pub w_a: &'a CudaSlice<bf16>,
     pub step: GdnDecodeWeights<'a, CudaSlice<bf16>, CudaSlice<f32>>,
     pub out: PackedMat<'a, CudaSlice<u32>, CudaSlice<f32>>,
+    /// The weights the launch after this one reads first, asked of L2 during this launch
+    /// ([`LayerNext`]; `LayerNext::default()`: none).
+    pub next: LayerNext,
 }
 
 /// The buffers [`Gpu::gdn_layer_decode`] writes besides its output and the state pools: `qkv`
@@ -229,6 +233,7 @@ impl Gpu {
             o: self.addr_mut(bufs.o),
             sync: self.addr_mut(bufs.sync),
             trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
+            next: layer.next,
             h: h as i32,
             hk: hk as i32,
             hv: hv as i32,
@@ -275,7 +280,7 @@ mod tests {
         // 27 pointers, 10 ints, 4 floats, the trace pointer (gdn_layer.cu's GdnLayerArgs).
         assert_eq!(
             std::mem::size_of::<GdnLayerArgs>(),
-            27 * 8 + 10 * 4 + 4 * 4 + 8
+            27 * 8 + 10 * 4 + 4 * 4 + 8 + 16 * LayerNext::SPANS
         );
         assert_eq!(std::mem::align_of::<GdnLayerArgs>(), 8);
     }

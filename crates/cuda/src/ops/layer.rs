@@ -1,6 +1,7 @@
-//! What the persistent layer launches (`moe_layer.rs`, `gdn_layer.rs`; `kernels/layer.cuh`) share on
-//! the host: where a launch writes its output row (the row itself, or its add to the residual and the
-//! norm of that), and its grid (as many blocks as the multiprocessors hold at once).
+//! What the persistent layer launches (`moe_layer.rs`, `gdn_layer.rs`, `attn_layer.rs`;
+//! `kernels/layer.cuh`) share on the host: where a launch writes its output row (the row itself, or
+//! its add to the residual and the norm of that), its grid (as many blocks as the multiprocessors
+//! hold at once), and the next launch's weights it asks L2 for ([`LayerNext`]).
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DeviceRepr};
@@ -18,6 +19,38 @@ pub(super) const THREADS: u32 = 256;
 const MAX_BLOCKS_PER_SM: u32 = 2;
 /// Output rows a warp takes at most (`ML_MAXROWS`).
 const MAX_ROWS_PER_WARP: usize = 4;
+
+/// The weights the launch after a layer launch reads first (`LayerNext` in layer.cuh): up to
+/// [`LayerNext::SPANS`] device byte spans that each block of the layer launch asks L2 for, its share
+/// of each, once its last rows are done. [`LayerNext::default`]: none.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayerNext {
+    p: [u64; LayerNext::SPANS],
+    bytes: [i64; LayerNext::SPANS],
+}
+
+impl LayerNext {
+    /// Spans a launch takes (`LAYER_NEXT`).
+    pub const SPANS: usize = 4;
+
+    /// The spans `(device address, bytes)`: the first [`LayerNext::SPANS`] of them, empty ones
+    /// skipped.
+    pub fn new(spans: impl IntoIterator<Item = (u64, usize)>) -> Self {
+        let mut n = LayerNext::default();
+        let spans = spans.into_iter().filter(|&(p, bytes)| p != 0 && bytes > 0);
+        for (i, (p, bytes)) in spans.take(Self::SPANS).enumerate() {
+            n.p[i] = p;
+            n.bytes[i] = bytes as i64;
+        }
+        n
+    }
+
+    /// The spans' bytes in all.
+    pub fn bytes(&self) -> usize {
+        self.bytes.iter().map(|&b| b as usize).sum()
+    }
+}
 
 /// Whether a packed scheme of `bits` over `k` inputs suits the layer launches' unit dots (`ml_dot`):
 /// `k % 32 == 0`, per-row scales or groups of a multiple of 32.

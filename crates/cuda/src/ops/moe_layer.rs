@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::layer::check_packed;
+use super::layer::{check_packed, LayerNext};
 use super::moe::{CombineInto, Experts};
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
@@ -61,11 +61,12 @@ struct MoeLayerArgs {
     eps: f32,
     offset: f32,
     trace: u64,
+    next: LayerNext,
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 8-byte addresses and 4-byte numbers, laid out as the
-// kernel's `MoeLayerArgs` (23 pointers, 10 ints, 2 floats, the trace pointer; 240 bytes, 8-byte
-// aligned).
+// kernel's `MoeLayerArgs` (23 pointers, 10 ints, 2 floats, the trace pointer, the next launch's
+// four spans; 304 bytes, 8-byte aligned).
 unsafe impl DeviceRepr for MoeLayerArgs {}
 
 /// A layer's shared expert as [`Gpu::moe_layer_decode`] takes it: its gate row `[h]` (bf16), its
@@ -87,6 +88,9 @@ pub struct MoeLayer<'a> {
     pub top_k: usize,
     pub renormalize: bool,
     pub shared: Option<MoeLayerShared<'a>>,
+    /// The weights the launch after this one reads first, asked of L2 during this launch
+    /// ([`LayerNext`]; `LayerNext::default()`: none).
+    pub next: LayerNext,
 }
 
 /// The buffers [`Gpu::moe_layer_decode`] writes besides its output: `logits` `[e + 1]` (f32),
@@ -217,6 +221,7 @@ impl Gpu {
             weights: self.addr_mut(bufs.weights),
             sync: self.addr_mut(bufs.sync),
             trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
+            next: layer.next,
             e: e as i32,
             h: h as i32,
             k: k as i32,
@@ -286,7 +291,7 @@ mod tests {
         // 23 pointers, 10 ints, 2 floats, the trace pointer (moe_layer.cu's MoeLayerArgs).
         assert_eq!(
             std::mem::size_of::<MoeLayerArgs>(),
-            23 * 8 + 10 * 4 + 2 * 4 + 8
+            23 * 8 + 10 * 4 + 2 * 4 + 8 + 16 * LayerNext::SPANS
         );
         assert_eq!(std::mem::align_of::<MoeLayerArgs>(), 8);
     }

@@ -7,8 +7,8 @@
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
-    AttnDims, AttnLayer, AttnLayerBufs, CombineInto, KvPools, LayerRope, LayerSeq, PackedMat,
-    PackedScheme,
+    AttnDims, AttnLayer, AttnLayerBufs, CombineInto, KvPools, LayerNext, LayerRope, LayerSeq,
+    PackedMat, PackedScheme,
 };
 
 use crate::bench::{int8_proj as proj, pattern, time, trace_medians};
@@ -77,6 +77,7 @@ fn bench_attn_layer() {
         q_norm: &q_norm,
         k_norm: &k_norm,
         head_eps: 1e-6,
+        next: LayerNext::default(),
     };
     let inv: Vec<f32> = (0..32).map(|j| 1e7f32.powf(-(j as f32) / 32.0)).collect();
     let inv_freq = g.upload(&inv).unwrap();

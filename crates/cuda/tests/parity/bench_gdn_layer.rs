@@ -8,7 +8,7 @@ use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
     CombineInto, DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools,
-    PackedMat, PackedScheme,
+    LayerNext, PackedMat, PackedScheme,
 };
 
 use crate::bench::{int8_proj as proj, pattern, time, trace_medians};
@@ -85,6 +85,7 @@ fn bench_gdn_layer() {
                 eps: 1e-6,
             },
             out: mat(&ow, &os, h, ko),
+            next: LayerNext::default(),
         };
         let mut conv_pool = g.zeros::<bf16>(CONV * cd).unwrap();
         let mut ssm = g.zeros::<f32>(dims.state_len()).unwrap();

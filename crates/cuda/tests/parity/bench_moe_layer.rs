@@ -8,7 +8,7 @@
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
 use sanmai_cuda::{
-    CombineInto, Gpu, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
+    CombineInto, Gpu, LayerNext, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
 };
 
 use crate::bench::{pattern, time, trace_medians};
@@ -108,6 +108,7 @@ fn bench_moe_layer() {
                 gate_up: mat(&sgu_w, &sgu_s, 2 * si, h),
                 down: mat(&sdn_w, &sdn_s, h, si),
             }),
+            next: LayerNext::default(),
         };
         let xs: Vec<CudaSlice<bf16>> = (0..INPUTS)
             .map(|i| g.upload(&pattern(h, 100 + i as u32)).unwrap())

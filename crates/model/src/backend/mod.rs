@@ -482,6 +482,13 @@ pub trait Backend: Send + Sync {
         mixer::gdn_from_input(self, c)
     }
 
+    /// A hint the model gives before each mixer and MoE call of a layer: `next` are the weights the
+    /// call after the coming one reads first (the next mixer's input projections after a MoE call;
+    /// the layer's router and shared expert after a mixer call; none after the last layer). A
+    /// backend whose coming call is one launch may fetch them into a cache while that launch runs.
+    /// The results do not change. Default: nothing.
+    fn read_ahead(&self, _next: &[&Self::Weight]) {}
+
     /// Whether [`Backend::gdn_mixer`] and [`Backend::gdn_mixer_add_rms_norm`] run a call of `rows`
     /// rows on `w` their own way (one launch on a GPU); the model then calls them in place of the
     /// mixer's ops. Default: no.

@@ -45,8 +45,8 @@ bench() { # KERNELS_DIR, bench arguments...
   run "$k" bench --device cuda --load-format dummy --config "$config" --prompt-len 512 --gen-len 32 "$@" \
     >"$out/last.txt" 2>"$out/last.err" || { rc=1; tail -5 "$out/last.err" >>"$sum"; }
   cat "$out/last.txt" >>"$log"
-  grep -E '^batch' "$out/last.txt" | sed "s|^|$(name "$k") | |" >>"$sum"
-  grep -E '(moe|gdn|attn)_layer_m1|timed step' "$out/last.txt" | sed "s|^|    $(name "$k"): |" >>"$sum"
+  grep -E '^batch' "$out/last.txt" | sed "s#^#$(name "$k") | #" >>"$sum"
+  grep -E '(moe|gdn|attn)_layer_m1|timed step' "$out/last.txt" | sed "s#^#    $(name "$k"): #" >>"$sum"
 }
 ref=$1
 for k in "$@"; do

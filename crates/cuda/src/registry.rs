@@ -72,7 +72,8 @@ pub fn sources_of(options: &CompileOptions) -> Result<(Vec<Source>, Vec<Source>)
     let Some(dir) = &options.source_dir else {
         return Ok((SOURCES.to_vec(), HEADERS.to_vec()));
     };
-    // The texts live as long as the kernels compiled from them: read once a process.
+    // `Source` holds 'static text: the files are read and leaked at each load (a GPU context loads
+    // its kernels once; the folder is a development switch, off by default).
     let read = |set: &[Source]| -> Result<Vec<Source>> {
         set.iter()
             .map(|s| {

@@ -401,11 +401,13 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
                     ml_load<BITS, 32, GU>(rows[b], w + r * wpr, s + (size_t)r * cols, a.h, a.qkv_group, lane);
                 }
             }
+            float d[B];
+            ml_dots<BITS, 32, GU, true, B>(rows, s_buf, a.h, lane, d);
 #pragma unroll
             for (int b = 0; b < B; ++b) {
                 const int i = i0 + b * nw;
                 if (i < rows1) {
-                    const float s = warp_sum(ml_dot<BITS, 32, GU, true>(rows[b], s_buf, a.h, lane));
+                    const float s = warp_sum(d[b]);
                     if (lane == 0) a.qkv[i] = f2bf(s);
                 }
             }

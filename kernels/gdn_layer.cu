@@ -356,11 +356,13 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
                     ml_load<BITS, 32, GU>(rows[b], a.z_w + (i - c) * wpr, a.z_s + (size_t)(i - c) * zcols, a.h, a.z_group,
                                           lane);
             }
+            float d[B];
+            ml_dots<BITS, 32, GU, true, B>(rows, s_buf, a.h, lane, d);
 #pragma unroll
             for (int b = 0; b < B; ++b) {
                 const int i = i0 + b * nw;
                 if (i < rows1) {
-                    const float s = warp_sum(ml_dot<BITS, 32, GU, true>(rows[b], s_buf, a.h, lane));
+                    const float s = warp_sum(d[b]);
                     if (lane == 0) {
                         if (i < c)
                             a.qkv[i] = f2bf(s);

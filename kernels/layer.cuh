@@ -123,6 +123,39 @@ __device__ __forceinline__ float ml_dot(const MlRow<BITS, MAXU>& r, const bf16* 
     return acc;
 }
 
+// ml_dot of N rows with one x (the same sums, in the same order, for each row), each 16-byte chunk of
+// x unpacked once for all N rows: out[n] is row n's part.
+template <int BITS, int G, int MAXU, bool SWZ, int N>
+__device__ __forceinline__ void ml_dots(const MlRow<BITS, MAXU> (&r)[N], const bf16* x, int k, int sub, float (&out)[N]) {
+    const int units = k >> 5;
+#pragma unroll
+    for (int n = 0; n < N; ++n) out[n] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < MAXU; ++i) {
+        const int u = sub + i * G;
+        if (u < units) {
+            float d[N];
+#pragma unroll
+            for (int n = 0; n < N; ++n) d[n] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                float xf[8];
+                const int q8 = 4 * u + c;
+                unpack8(((const uint4*)x)[SWZ ? ml_xs_chunk(q8) : q8], xf);
+#pragma unroll
+                for (int n = 0; n < N; ++n) {
+                    float q[8];
+                    decode8<BITS>(r[n].w[i], c, q);
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) d[n] = fmaf(q[j], xf[j], d[n]);
+                }
+            }
+#pragma unroll
+            for (int n = 0; n < N; ++n) out[n] = fmaf(d[n], r[n].s[i], out[n]);
+        }
+    }
+}
+
 // The residual add of output row r's sum v (lane 0 of the row's warp; res = acc[r], loaded early),
 // rounded as add_rms_norm_row: acc[r] = bf16(res + v), kept in `kept` for ml_norm_rows; returns its
 // square.

@@ -300,7 +300,8 @@ __device__ __forceinline__ void moe_gemv_tile(const unsigned long long* __restri
 // k = 512, one span a warp), its slots hold the spans of R row groups, so a block reads R times the
 // weights for one x staging and one wait on the tile table (a block of 4 KB spent most of its life
 // there). Grid (ceil(n / (16 · R)), max_tiles); block 32 · MOE_MMA_WARPS threads; dynamic shared memory
-// MOE_TILE · (k / 8 + 1) · 16 bytes (each pair's x row, padded by 16 bytes against bank conflicts).
+// MOE_TILE · (k / 8 + 4) · 16 bytes (each pair's x row, padded by 64 bytes, its chunks in
+// moe_mma_x_slot's order: against bank conflicts).
 // Shape rules: k % 128 == 0, group % 128 == 0, words and x 16-byte aligned. Lanes of pair slots past
 // the tile's count feed zeros; rows ≥ n re-read row n - 1 and are not stored. SWIGLU (the down
 // projection of decode steps): X holds the pairs' gate|up rows [., 2k] and the staged x is
@@ -333,6 +334,12 @@ __device__ __forceinline__ int moe_mma_groups(int spans) {
     return c >= MOE_MMA_SPW ? 1 : MOE_MMA_SPW / c;
 }
 
+// Where chunk u (values 8u .. 8u + 7) of a staged x row lies: u = 16 s + 4 q + j (span s, lane q of a
+// quad, word j of the lane's 16 bytes) at 16 s + 4 j + q. A quarter-warp's lanes (g, g + 1; q = 0..3)
+// then read four neighbouring chunks of two rows 64 bytes apart (the padding): eight bank groups.
+// In chunk order, with 16 bytes of padding, the lanes q and q + 2 met in one bank group (two-way).
+__device__ __forceinline__ int moe_mma_x_slot(int u) { return (u & ~15) | ((u & 3) << 2) | ((u >> 2) & 3); }
+
 template <bool SWIGLU, typename OUT>
 __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* __restrict__ w_ptrs,
                                                      const unsigned long long* __restrict__ s_ptrs,
@@ -357,9 +364,9 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
     const int rb0 = blockIdx.x * 16 * R;
     const u32* W = (const u32*)w_ptrs[ex];
     const float* S = (const float*)s_ptrs[ex];
-    const int xrow = (k >> 3) + 1; // uint4 per staged x row
+    const int xrow = (k >> 3) + 4; // uint4 per staged x row
     const bool has_x = g < cnt;
-    const uint4* xs = sx + g * xrow + 4 * q;
+    const uint4* xs = sx + g * xrow + q;
 
     float acc[MOE_MMA_SPW][4];
 #pragma unroll
@@ -406,9 +413,9 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
             if constexpr (SWIGLU) {
                 // X is the pairs' gate|up rows [., 2k]: x = bf16(silu(gate) · up), as swiglu_bf16.
                 const uint4* gu = (const uint4*)(X + (size_t)moe_x_row(p, x_div, x_tail) * 2 * k);
-                sx[m * xrow + u] = swiglu8(gu, per, u);
+                sx[m * xrow + moe_mma_x_slot(u)] = swiglu8(gu, per, u);
             } else {
-                sx[m * xrow + u] = __ldg((const uint4*)(X + (size_t)moe_x_row(p, x_div, x_tail) * k) + u);
+                sx[m * xrow + moe_mma_x_slot(u)] = __ldg((const uint4*)(X + (size_t)moe_x_row(p, x_div, x_tail) * k) + u);
             }
         }
     }
@@ -426,7 +433,7 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
             const u32 wB[4] = {lb[i].x, lb[i].y, lb[i].z, lb[i].w};
 #pragma unroll
             for (int jj = 0; jj < 4; ++jj) {
-                const uint4 xv = has_x ? xs[16 * sp + jj] : make_uint4(0u, 0u, 0u, 0u);
+                const uint4 xv = has_x ? xs[16 * sp + 4 * jj] : make_uint4(0u, 0u, 0u, 0u);
                 // x pairs matching the code pairs (c0, c4), (c1, c5), (c2, c6), (c3, c7).
                 const u32 b0 = __byte_perm(xv.x, xv.z, 0x5410), b1 = __byte_perm(xv.x, xv.z, 0x7632);
                 const u32 b2 = __byte_perm(xv.y, xv.w, 0x5410), b3 = __byte_perm(xv.y, xv.w, 0x7632);

@@ -225,6 +225,14 @@ __device__ __forceinline__ uint4 ml_swiglu8(uint4 g, uint4 u) {
     return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
+// Where chunk v of the SwiGLU rows (rc chunks a row, a multiple of 4) goes in shared memory: each row
+// in ml_xs_chunk's order, so that the half-warp dots' lanes (64 bytes apart, four to a bank in chunk
+// order) read eight different banks a quarter-warp.
+__device__ __forceinline__ int ml_act_slot(int v, int rc) {
+    const int q = v % rc;
+    return v - q + ml_xs_chunk(q);
+}
+
 // The shared expert's down rows (phase 2, by warps 1.. of every block while warp 0 takes the top-k):
 // a half-warp a row, x = bf16(silu(gate) · up) of the shared gate|up row (written in this launch:
 // through L2), staged in sact (shared memory, [si]) by these warps; f32 sums into a.sdn.
@@ -252,14 +260,14 @@ __device__ __forceinline__ void ml_shared_down(const MoeLayerArgs& a, bf16* sact
     const uint4* u4 = (const uint4*)(a.sgu + a.si);
 #pragma unroll 1
     for (int v = threadIdx.x - 32; v < (a.si >> 3); v += blockDim.x - 32)
-        ((uint4*)sact)[v] = ml_swiglu8(__ldcg(g4 + v), __ldcg(u4 + v));
+        ((uint4*)sact)[ml_xs_chunk(v)] = ml_swiglu8(__ldcg(g4 + v), __ldcg(u4 + v));
     asm volatile("bar.sync 1, %0;" ::"r"(blockDim.x - 32) : "memory");
 #pragma unroll 1
     for (int r0 = hw - half; r0 < a.h; r0 += nhw) {
         const int r = r0 + half;  // both halves run the loop's shuffles
         if (r0 != hw - half && r < a.h)
             ml_load<SB, 16, ML_DUNITS>(row, a.sdn_w + r * swpr, a.sdn_s + (size_t)r * sscols, a.si, a.sdn_group, sub);
-        float acc = r < a.h ? ml_dot<SB, 16, ML_DUNITS, false>(row, sact, a.si, sub) : 0.0f;
+        float acc = r < a.h ? ml_dot<SB, 16, ML_DUNITS, true>(row, sact, a.si, sub) : 0.0f;
 #pragma unroll
         for (int o = 8; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
         if (r < a.h && sub == 0) a.sdn[r] = acc;
@@ -347,12 +355,14 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
                     }
                 }
             }
+            float d[2 * B];
+            ml_dots<EB, 32, GU, true, 2 * B>(rows, s_x, a.h, lane, d);
 #pragma unroll
             for (int b = 0; b < B; ++b) {
                 const int i = i0 + b * nw;
                 if (i < items2) {
-                    const float g = warp_sum(ml_dot<EB, 32, GU, true>(rows[2 * b], s_x, a.h, lane));
-                    const float u = warp_sum(ml_dot<EB, 32, GU, true>(rows[2 * b + 1], s_x, a.h, lane));
+                    const float g = warp_sum(d[2 * b]);
+                    const float u = warp_sum(d[2 * b + 1]);
                     if (lane == 0) a.act[i] = f2bf(silu_f(bf2f(f2bf(g))) * bf2f(f2bf(u)));
                 }
             }
@@ -393,7 +403,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 const int v = v0 + q * blockDim.x;
-                if (v < vecs) ((uint4*)act)[v] = t[q];
+                if (v < vecs) ((uint4*)act)[ml_act_slot(v, a.inter >> 3)] = t[q];
             }
         }
     }
@@ -416,7 +426,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
             for (int q = 0; q < ML_ROUND; ++q) {
                 const int c = c0 + 2 * q + half;
                 if (c < a.k)
-                    routed = fmaf(s_wts[c], ml_dot<EB, 16, ML_DUNITS, false>(rows[q], act + (size_t)c * a.inter, a.inter, sub),
+                    routed = fmaf(s_wts[c], ml_dot<EB, 16, ML_DUNITS, true>(rows[q], act + (size_t)c * a.inter, a.inter, sub),
                                   routed);
             }
         }

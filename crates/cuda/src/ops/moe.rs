@@ -50,9 +50,9 @@ pub fn moe_max_tiles(n_pairs: usize, e: usize) -> usize {
 }
 
 /// Dynamic shared memory of the INT4 tensor-core grouped GEMV: `MOE_TILE` staged x rows of `k`
-/// bf16, each padded by 16 bytes.
+/// bf16, each padded by 64 bytes.
 fn mma_smem(k: usize) -> usize {
-    MOE_TILE * (k / 8 + 1) * 16
+    MOE_TILE * (k / 8 + 4) * 16
 }
 
 /// Row groups of 16 rows a block of the tensor-core grouped GEMV takes for rows of `k` values

@@ -7,9 +7,9 @@
 #   1. the greedy 80B on dummy weights (32 tokens with log-probs): identical to the reference's or not;
 #   2. `sanmai bench --batch 1 --kernel-times` (µs a launch of every kernel of one replayed step);
 #   3. ROUNDS runs of `sanmai bench --batch 1,8`, the variants alternated within each round.
-# Writes OUT_DIR/summary.txt (the bench lines, the layer launches' rows of the kernel tables, the
-# greedy comparisons), OUT_DIR/bench.log (every run's output) and OUT_DIR/gen_*.json, and prints the
-# summary. Builds nothing.
+# Writes OUT_DIR/summary.txt (the bench lines, their roofline shares, the layer launches' rows and
+# the step totals of the kernel tables, the greedy comparisons), OUT_DIR/bench.log (every run's
+# output) and OUT_DIR/gen_*.json, and prints the summary. Builds nothing.
 #
 #   scripts/gpu_kernels_ab.sh OUT_DIR SANMAI ROUNDS KERNELS_DIR [KERNELS_DIR ...]
 #
@@ -46,7 +46,7 @@ bench() { # KERNELS_DIR, bench arguments...
     >"$out/last.txt" 2>"$out/last.err" || { rc=1; tail -5 "$out/last.err" >>"$sum"; }
   cat "$out/last.txt" >>"$log"
   grep -E '^batch' "$out/last.txt" | sed "s#^#$(name "$k") | #" >>"$sum"
-  grep -E '(moe|gdn|attn)_layer_m1|timed step' "$out/last.txt" | sed "s#^#    $(name "$k"): #" >>"$sum"
+  grep -E '(moe|gdn|attn)_layer_m1|us in all|achieved' "$out/last.txt" | sed "s#^#    $(name "$k"): #" >>"$sum"
 }
 ref=$1
 for k in "$@"; do

@@ -213,6 +213,17 @@ fn bench_prints_speeds_and_the_roofline() {
         ["batch 1 40", "batch 3 40", "batch 1 24", "batch 3 24"],
         "{text}"
     );
+    // The timed decode steps follow the untimed warm-up and graph-recording ones; the roofline's
+    // context is the middle of the timed ones.
+    assert_eq!(
+        text.matches("(4 steps after 2 untimed)").count(),
+        4,
+        "{text}"
+    );
+    assert!(
+        text.contains("at context 44 ") && text.contains("at context 28 "),
+        "{text}"
+    );
     assert_eq!(text.matches("roofline:").count(), 4, "{text}");
     assert!(text.contains("distinct experts per MoE layer"), "{text}");
     // Pipeline stages are measured through the server.

@@ -69,7 +69,8 @@ fn backend_moe_layer_launch_matches_cpu() {
     // (shared expert's format, hidden, inter, experts, top_k): small shapes with an INT6 per-row,
     // an INT4 g128 and an INT8 per-row shared expert; 512 experts, top 10 (the top-k's widest); the
     // 80B's and the 125B's hidden and intermediate sizes (64 of their 512 experts, which the CPU
-    // builds in a fraction of the time).
+    // builds in a fraction of the time; the 125B's rows outnumber an H100's warps, so some warps
+    // take two); top 16 (the most a token takes: two rounds of down rows a row).
     let cases = [
         (Format::Packed(6, 0), 256, 128, 32, 4),
         (Format::Packed(4, 128), 512, 256, 64, 8),
@@ -77,6 +78,7 @@ fn backend_moe_layer_launch_matches_cpu() {
         (Format::Packed(6, 0), 256, 128, 512, 10),
         (Format::Packed(6, 0), 2048, 512, 64, 10),
         (Format::Packed(6, 0), 2560, 640, 64, 10),
+        (Format::Packed(4, 128), 256, 128, 64, 16),
     ];
     let mut rng = Rng::new(91);
     for (case, &(fs, h, i, e, k)) in cases.iter().enumerate() {

@@ -14,7 +14,7 @@
 //      of up together, several rows' loads in flight, each rounded to bf16 as the grouped GEMV writes
 //      them and their SwiGLU bf16(silu(gate) · up) written out as swiglu_bf16 computes it;
 //   3. a warp takes one output row for every expert: it asks for the chosen experts' down rows (the
-//      first round before barrier 2; each slot its next round's row once its dot is taken), then
+//      first round before barrier 2), then
 //      the block copies the SwiGLU rows into shared memory, then the two half-warps each dot one
 //      expert's down row at a time and the warp sums
 //      Σ_c weight_c · y_c + sigmoid(gate) · shared, rounded once to bf16, and adds it to the residual
@@ -411,9 +411,6 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     ml_mark(a.trace, 6);
     const float sw = shared ? sigmoid_f(__ldcg(a.logits + a.e)) : 0.0f;
     float sq = 0.0f;
-    // The rounds (row r, experts from c0) in order: as soon as a slot's dot is taken, the slot asks
-    // for its row of the next round, so that a warp's second row (h > the grid's warps) or experts
-    // past 2 · ML_ROUND stream while the current round computes.
 #pragma unroll 1
     for (int j = 0; j < ML_MAXROWS; ++j) {
         const int r = gw + j * nw;
@@ -424,19 +421,13 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
         float routed = 0.0f;
 #pragma unroll 1
         for (int c0 = 0; c0 < a.k; c0 += 2 * ML_ROUND) {
-            const bool last_c = c0 + 2 * ML_ROUND >= a.k;
-            const int nr = last_c ? r + nw : r, nc0 = last_c ? 0 : c0 + 2 * ML_ROUND;
-            const bool next = nr < a.h && (!last_c || j + 1 < ML_MAXROWS);
+            if (j > 0 || c0 > 0) load_round(r, c0);
 #pragma unroll
             for (int q = 0; q < ML_ROUND; ++q) {
                 const int c = c0 + 2 * q + half;
                 if (c < a.k)
                     routed = fmaf(s_wts[c], ml_dot<EB, 16, ML_DUNITS, true>(rows[q], act + (size_t)c * a.inter, a.inter, sub),
                                   routed);
-                const int nc = nc0 + 2 * q + half;
-                if (next && nc < a.k)
-                    ml_load<EB, 16, ML_DUNITS>(rows[q], s_gw[1][nc] + nr * dwpr, s_gs[1][nc] + (size_t)nr * dscols, a.inter,
-                                               a.dn_group, sub);
             }
         }
         routed = warp_sum(routed);

@@ -14,6 +14,10 @@
 #   scripts/gpu_kernels_ab.sh OUT_DIR SANMAI ROUNDS KERNELS_DIR [KERNELS_DIR ...]
 #
 # The config is $SANMAI_BENCH_CONFIG (default the Qwen3-Next-80B-A3B config with its quantization mix).
+# With $SANMAI_PARITY (the sanmai-cuda `parity` test binary of the same build), each variant also runs
+# the MoE, GDN and attention layer launches' parity tests and their phase timings (bench_moe_layer,
+# bench_gdn_layer, bench_attn_layer) after its greedy output. Each command stops after $SANMAI_AB_TIMEOUT seconds
+# (default 300), so one hung variant does not take the run's time.
 set -uo pipefail
 usage="usage: gpu_kernels_ab.sh OUT_DIR SANMAI ROUNDS KERNELS_DIR [KERNELS_DIR ...]"
 out=${1:?$usage}
@@ -33,10 +37,21 @@ log="$out/bench.log"
 : >"$log"
 rc=0
 name() { basename "$1"; }
+limit=${SANMAI_AB_TIMEOUT:-300}
 run() { # KERNELS_DIR, sanmai arguments...
   local k=$1
   shift
-  SANMAI_KERNEL_SOURCES=$(realpath "$k") "$bin" "$@"
+  SANMAI_KERNEL_SOURCES=$(realpath "$k") timeout "$limit" "$bin" "$@"
+}
+parity() { # KERNELS_DIR: the layer launches' parity tests and phase timings
+  local k=$1 p
+  for p in moe_layer:: gdn_layer:: attn_layer::; do
+    SANMAI_KERNEL_SOURCES=$(realpath "$k") timeout "$limit" "$SANMAI_PARITY" "$p" >"$out/last.txt" 2>&1 || rc=1
+    grep -E '^test result|FAILED|panicked' "$out/last.txt" | sed "s#^#parity $(name "$k") $p: #" >>"$sum"
+  done
+  SANMAI_KERNEL_SOURCES=$(realpath "$k") timeout "$limit" "$SANMAI_PARITY" --ignored --nocapture --exact \
+    bench_moe_layer::bench_moe_layer bench_gdn_layer::bench_gdn_layer bench_attn_layer::bench_attn_layer >"$out/last.txt" 2>&1 || rc=1
+  grep -E '^BENCH' "$out/last.txt" | sed "s#^#    $(name "$k"): #" >>"$sum"
 }
 bench() { # KERNELS_DIR, bench arguments...
   local k=$1
@@ -58,6 +73,7 @@ for k in "$@"; do
   else
     echo "greedy $(name "$k"): differs from $(name "$ref")" >>"$sum"
   fi
+  [ -z "${SANMAI_PARITY:-}" ] || parity "$k"
 done
 for k in "$@"; do bench "$k" --batch 1 --kernel-times; done
 for _ in $(seq "$rounds"); do

@@ -16,8 +16,8 @@
 # The config is $SANMAI_BENCH_CONFIG (default the Qwen3-Next-80B-A3B config with its quantization mix).
 # With $SANMAI_PARITY (the sanmai-cuda `parity` test binary of the same build), each variant also runs
 # the MoE, GDN and attention layer launches' parity tests and their phase timings (bench_moe_layer,
-# bench_gdn_layer, bench_attn_layer) after its greedy output. Each command stops after $SANMAI_AB_TIMEOUT seconds
-# (default 300), so one hung variant does not take the run's time.
+# bench_gdn_layer, bench_attn_layer) after its greedy output. Each command stops after
+# $SANMAI_AB_TIMEOUT seconds (default 300), so one hung variant does not take the run's time.
 set -uo pipefail
 usage="usage: gpu_kernels_ab.sh OUT_DIR SANMAI ROUNDS KERNELS_DIR [KERNELS_DIR ...]"
 out=${1:?$usage}

@@ -38,18 +38,19 @@ log="$out/bench.log"
 rc=0
 name() { basename "$1"; }
 limit=${SANMAI_AB_TIMEOUT:-300}
-run() { # KERNELS_DIR, sanmai arguments...
+with() { # KERNELS_DIR, command...: the command on that variant's kernels, under the time limit
   local k=$1
   shift
-  SANMAI_KERNEL_SOURCES=$(realpath "$k") timeout "$limit" "$bin" "$@"
+  SANMAI_KERNEL_SOURCES=$(realpath "$k") timeout "$limit" "$@"
 }
+run() { with "$1" "$bin" "${@:2}"; } # KERNELS_DIR, sanmai arguments...
 parity() { # KERNELS_DIR: the layer launches' parity tests and phase timings
   local k=$1 p
   for p in moe_layer:: gdn_layer:: attn_layer::; do
-    SANMAI_KERNEL_SOURCES=$(realpath "$k") timeout "$limit" "$SANMAI_PARITY" "$p" >"$out/last.txt" 2>&1 || rc=1
+    with "$k" "$SANMAI_PARITY" "$p" >"$out/last.txt" 2>&1 || rc=1
     grep -E '^test result|FAILED|panicked' "$out/last.txt" | sed "s#^#parity $(name "$k") $p: #" >>"$sum"
   done
-  SANMAI_KERNEL_SOURCES=$(realpath "$k") timeout "$limit" "$SANMAI_PARITY" --ignored --nocapture --exact \
+  with "$k" "$SANMAI_PARITY" --ignored --nocapture --exact \
     bench_moe_layer::bench_moe_layer bench_gdn_layer::bench_gdn_layer bench_attn_layer::bench_attn_layer >"$out/last.txt" 2>&1 || rc=1
   grep -E '^BENCH' "$out/last.txt" | sed "s#^#    $(name "$k"): #" >>"$sum"
 }

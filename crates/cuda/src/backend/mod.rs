@@ -130,6 +130,9 @@ pub struct CudaBackend {
     capture: Mutex<()>,
     /// A pipeline stage's input streams for recorded decode steps (`graph.rs`).
     kept: Mutex<graph::KeptStreams>,
+    /// The norm the last one-launch layer left to the next launch, until that launch or another op
+    /// takes it (`norm_after.rs`).
+    left: Mutex<Option<norm_after::LeftNorm>>,
 }
 
 /// The rows of `x` as a norm kernel takes them.
@@ -198,6 +201,7 @@ impl CudaBackend {
             graphs: Mutex::new(graph::Graphs::new(&DEFAULT_GRAPH_BATCH_SIZES)),
             capture: Mutex::new(()),
             kept: Mutex::new(graph::KeptStreams::default()),
+            left: Mutex::new(None),
             epoch: AtomicU64::new(0),
             ple_in: Mutex::new(None),
             ticket,
@@ -243,12 +247,12 @@ impl CudaBackend {
     pub(crate) fn alloc(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
         // SAFETY: callers write every element before it is read.
         let buf = unsafe { self.gpu.stream().alloc::<bf16>((rows * cols).max(1)) }?;
-        Ok(CudaTensor { rows, cols, buf })
+        Ok(CudaTensor::new(rows, cols, buf))
     }
 
     pub(crate) fn zeros(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
         let buf = self.gpu.zeros::<bf16>((rows * cols).max(1))?;
-        Ok(CudaTensor { rows, cols, buf })
+        Ok(CudaTensor::new(rows, cols, buf))
     }
 
     /// An uninitialised scratch buffer of `n` values (written by the next op).
@@ -464,7 +468,7 @@ impl CudaBackend {
             });
         }
         let buf = self.upload_bf16(data)?;
-        Ok(CudaTensor { rows, cols, buf })
+        Ok(CudaTensor::new(rows, cols, buf))
     }
 
     fn to_host_impl(&self, x: &CudaTensor) -> Result<Vec<f32>> {
@@ -539,6 +543,7 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> OpResult<CudaTensor> {
+        self.settle().at("embed")?;
         self.embed_impl(table, ids).at("embed")
     }
 
@@ -549,30 +554,37 @@ impl Backend for CudaBackend {
         eps: f32,
         offset: f32,
     ) -> OpResult<CudaTensor> {
+        self.settle().at("rms_norm")?;
         self.rms_norm_impl(x, w, eps, offset).at("rms_norm")
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> OpResult<CudaTensor> {
+        self.settle().at("linear")?;
         self.linear_impl(x, w).at("linear")
     }
 
     fn linear_many(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> OpResult<Vec<CudaTensor>> {
+        self.settle().at("linear_many")?;
         self.linear_many_impl(x, ws).at("linear_many")
     }
 
     fn rows(&self, x: &CudaTensor, rows: &[usize]) -> OpResult<CudaTensor> {
+        self.settle().at("rows")?;
         self.rows_impl(x, rows).at("rows")
     }
 
     fn set_rows(&self, x: &mut CudaTensor, rows: &[usize], values: &CudaTensor) -> OpResult<()> {
+        self.settle().at("set_rows")?;
         self.set_rows_impl(x, rows, values).at("set_rows")
     }
 
     fn concat_cols(&self, a: &CudaTensor, b: &CudaTensor) -> OpResult<CudaTensor> {
+        self.settle().at("concat_cols")?;
         self.concat_cols_impl(a, b).at("concat_cols")
     }
 
     fn add(&self, acc: &mut CudaTensor, y: &CudaTensor) -> OpResult<()> {
+        self.settle().at("add")?;
         self.add_impl(acc, y).at("add")
     }
 
@@ -584,11 +596,13 @@ impl Backend for CudaBackend {
         eps: f32,
         offset: f32,
     ) -> OpResult<CudaTensor> {
+        self.settle().at("add_rms_norm")?;
         self.add_rms_norm_impl(acc, y, w, eps, offset)
             .at("add_rms_norm")
     }
 
     fn swiglu(&self, gate_up: &CudaTensor) -> OpResult<CudaTensor> {
+        self.settle().at("swiglu")?;
         self.swiglu_impl(gate_up).at("swiglu")
     }
 
@@ -601,27 +615,33 @@ impl Backend for CudaBackend {
         eps: f32,
         offset: f32,
     ) -> OpResult<CudaTensor> {
+        self.settle().at("linear_add_rms_norm")?;
         self.linear_add_rms_norm_impl(x, w, acc, norm, eps, offset)
             .at("linear_add_rms_norm")
     }
 
     fn swiglu_linear(&self, gate_up: &CudaTensor, w: &CudaWeight) -> OpResult<CudaTensor> {
+        self.settle().at("swiglu_linear")?;
         self.swiglu_linear_impl(gate_up, w).at("swiglu_linear")
     }
 
     fn silu(&self, x: &CudaTensor) -> OpResult<CudaTensor> {
+        self.settle().at("silu")?;
         self.silu_impl(x).at("silu")
     }
 
     fn attention(&self, c: &AttnCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        self.settle().at("attention")?;
         self.attention_impl(c).at("attention")
     }
 
     fn gdn(&self, c: &GdnCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        self.settle().at("gdn")?;
         self.gdn_impl(c).at("gdn")
     }
 
     fn moe_experts(&self, c: &MoeCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        self.settle().at("moe_experts")?;
         self.moe_impl(c, None).at("moe_experts")
     }
 
@@ -646,6 +666,7 @@ impl Backend for CudaBackend {
     }
 
     fn gdn_mixer(&self, c: &GdnMixerCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        self.settle().at("gdn_mixer")?;
         self.gdn_mixer_impl(c)
     }
 
@@ -684,27 +705,39 @@ impl Backend for CudaBackend {
         step: &DecodeStep<'_>,
         run: &dyn Fn() -> OpResult<Vec<CudaTensor>>,
     ) -> OpResult<Vec<CudaTensor>> {
-        self.decode_step_impl(step, run)
+        // A norm left by the step's last one-launch layer is written out inside the step (and its
+        // recording).
+        let run = || {
+            let out = run()?;
+            self.settle().at("decode_step")?;
+            Ok(out)
+        };
+        self.decode_step_impl(step, &run)
     }
 
     fn ple_step_rows(&self, rows: &CudaTensor) -> OpResult<()> {
+        self.settle().at("ple_step_rows")?;
         self.ple_step_rows_impl(rows).at("ple_step_rows")
     }
 
     fn keep_streams(&self, x: CudaTensor) -> OpResult<Option<CudaTensor>> {
+        self.settle().at("keep_streams")?;
         self.keep_streams_impl(x).at("keep_streams")?;
         Ok(None)
     }
 
     fn kept_streams(&self) -> OpResult<CudaTensor> {
+        self.settle().at("kept_streams")?;
         self.kept_streams_impl().at("kept_streams")
     }
 
     fn prepare_step(&self, ids: &[u32], seqs: &[SeqChunk<'_>], out_rows: &[usize]) -> OpResult<()> {
+        self.settle().at("prepare_step")?;
         self.begin_step(ids, seqs, out_rows).at("prepare_step")
     }
 
     fn hand_over(&self, x: CudaTensor) -> OpResult<Handover<CudaTensor>> {
+        self.settle().at("hand_over")?;
         self.hand_over_impl(x).at("hand_over")
     }
 
@@ -713,15 +746,18 @@ impl Backend for CudaBackend {
     }
 
     fn take_over(&self, h: Handover<CudaTensor>) -> OpResult<CudaTensor> {
+        self.settle().at("take_over")?;
         self.take_over_impl(h).at("take_over")
     }
 
     fn to_host(&self, x: CudaTensor) -> OpResult<(usize, usize, Vec<f32>)> {
+        self.settle().at("to_host")?;
         let v = self.to_host_impl(&x).at("to_host")?;
         Ok((x.rows, x.cols, v))
     }
 
     fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> OpResult<CudaTensor> {
+        self.settle().at("upload")?;
         self.tensor_from_host(rows, cols, &data).at("upload")
     }
 
@@ -730,6 +766,7 @@ impl Backend for CudaBackend {
         logits: CudaTensor,
         c: &SampleCall<'_>,
     ) -> OpResult<Vec<std::result::Result<Sampled, RowError>>> {
+        self.settle().at("sample")?;
         self.sample_impl(&logits, c.valid_vocab, c.rows)
             .at("sample")
     }
@@ -751,6 +788,7 @@ impl Backend for CudaBackend {
     }
 
     fn hc_premix(&self, streams: &CudaTensor, pre: &CudaWeight) -> OpResult<CudaTensor> {
+        self.settle().at("hc_premix")?;
         self.hc_premix_impl(streams, pre).at("hc_premix")
     }
 
@@ -760,6 +798,7 @@ impl Backend for CudaBackend {
         u: &CudaTensor,
         y: &CudaTensor,
     ) -> OpResult<()> {
+        self.settle().at("hc_gated_residual")?;
         self.hc_gated_residual_impl(streams, u, y)
             .at("hc_gated_residual")
     }
@@ -771,6 +810,7 @@ impl Backend for CudaBackend {
         y: &CudaTensor,
         w: &HcWeights<CudaWeight>,
     ) -> OpResult<()> {
+        self.settle().at("hc_residual")?;
         if self.hc_residual_fused(streams, x, y, w).at("hc_residual")? {
             return Ok(());
         }
@@ -778,6 +818,7 @@ impl Backend for CudaBackend {
     }
 
     fn qsa_attention(&self, c: &QsaCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
+        self.settle().at("qsa_attention")?;
         qsa::refuse_mrope("qsa_attention", &c.attn)?;
         self.qsa_impl(c).at("qsa_attention")
     }
@@ -787,6 +828,7 @@ impl Backend for CudaBackend {
         streams: &mut CudaTensor,
         c: &PleCall<'_, CudaTensor, CudaWeight>,
     ) -> OpResult<()> {
+        self.settle().at("ple_mix")?;
         self.ple_impl(streams, c).at("ple_mix")
     }
 }

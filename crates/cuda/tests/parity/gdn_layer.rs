@@ -16,7 +16,7 @@ use sanmai_config::QuantScheme;
 
 /// A GDN layer of hidden size `h` and shape `sh`, projections packed as `(bits, group)`, built from
 /// `seed` (the same values on every backend).
-fn layer<B: Backend>(
+pub fn layer<B: Backend>(
     b: &B,
     seed: u64,
     (bits, group_size): (u32, usize),

@@ -5,27 +5,11 @@
 //! out before it is read) as with every launch norming its own output; and so does every row of the
 //! chain read back afterwards.
 
-use sanmai_model::backend::{CacheSpec, GdnMixerCall, GdnShape, MoeCall, SeqChunk, SharedExpert};
+use sanmai_model::backend::{GdnMixerCall, GdnShape, MoeCall, SeqChunk, SharedExpert};
 use sanmai_model::Backend;
 
 use crate::common::{to_bf16, Rng};
 use crate::moe_fused::{fused_backend, Format};
-
-fn spec(sh: &GdnShape) -> CacheSpec {
-    CacheSpec {
-        num_blocks: 4,
-        block_size: 16,
-        attn_layers: vec![],
-        num_kv_heads: 1,
-        head_dim: 32,
-        index_head_dim: 0,
-        gdn_layers: vec![0, 1],
-        gdn: *sh,
-        ple_layers: vec![],
-        ple: None,
-        kv_host: None,
-    }
-}
 
 #[test]
 fn left_norms_give_the_same_bits() {
@@ -47,7 +31,7 @@ fn left_norms_give_the_same_bits() {
             v_head_dim: dv,
             conv_kernel: 4,
         };
-        b.init_cache(&spec(&sh)).unwrap();
+        b.init_cache(&crate::gdn_layer::spec(&sh)).unwrap();
         let seed = 1300 + case as u64;
         let gdn = [
             crate::gdn_layer::layer(&b, seed, (8, 0), h, &sh),

@@ -19,7 +19,6 @@ use crate::ops::{CombineInto, NormIn, NormLink};
 /// ([`CombineInto::AddNorm`]): the residual `[rows, H]`, the norm's weight `[H]`, eps and offset.
 pub(super) struct NormAfter<'a> {
     pub acc: &'a mut CudaTensor,
-
     pub w: &'a CudaSlice<bf16>,
     pub eps: f32,
     pub offset: f32,

@@ -29,9 +29,6 @@ const GDN_LAYER_ENV: &str = "SANMAI_GDN_LAYER";
 /// An attention mixer's one-token CUDA decode step in one persistent launch.
 #[cfg(feature = "cuda")]
 const ATTN_LAYER_ENV: &str = "SANMAI_ATTN_LAYER";
-/// A one-launch CUDA layer leaves its output's norm to the next launch.
-#[cfg(feature = "cuda")]
-const LEFT_NORM_ENV: &str = "SANMAI_LEFT_NORM";
 /// FP8 prefill GEMMs on the FP8 tensor cores.
 #[cfg(feature = "cuda")]
 const FP8_TENSOR_CORES_ENV: &str = "SANMAI_FP8_TENSOR_CORES";
@@ -93,15 +90,6 @@ pub struct SwitchArgs {
     /// unless SANMAI_ATTN_LAYER=0].
     #[arg(long, overrides_with = "attn_layer")]
     pub no_attn_layer: bool,
-    /// A one-launch CUDA decode layer leaves the norm of its output row to the next launch, which
-    /// norms the row as it reads it: one grid barrier fewer a layer launch, the same bits (the
-    /// default; overrides SANMAI_LEFT_NORM=0).
-    #[arg(long, overrides_with = "no_left_norm")]
-    pub left_norm: bool,
-    /// Each one-launch decode layer norms its own output row, for A/B runs [default: left to the
-    /// next launch, unless SANMAI_LEFT_NORM=0].
-    #[arg(long, overrides_with = "left_norm")]
-    pub no_left_norm: bool,
     /// FP8 prefill GEMMs on the FP8 tensor cores where the GPU has them, the activations quantised
     /// per token and 128 columns, for A/B runs (overrides SANMAI_FP8_TENSOR_CORES=0).
     #[arg(long, overrides_with = "no_fp8_tensor_cores")]
@@ -186,8 +174,6 @@ impl SwitchArgs {
             (self.no_gdn_layer, "--no-gdn-layer"),
             (self.attn_layer, "--attn-layer"),
             (self.no_attn_layer, "--no-attn-layer"),
-            (self.left_norm, "--left-norm"),
-            (self.no_left_norm, "--no-left-norm"),
             (self.fp8_tensor_cores, "--fp8-tensor-cores"),
             (self.no_fp8_tensor_cores, "--no-fp8-tensor-cores"),
         ]
@@ -214,7 +200,6 @@ impl SwitchArgs {
             moe_layer: switch(self.moe_layer, self.no_moe_layer, MOE_LAYER_ENV),
             gdn_layer: switch(self.gdn_layer, self.no_gdn_layer, GDN_LAYER_ENV),
             attn_layer: switch(self.attn_layer, self.no_attn_layer, ATTN_LAYER_ENV),
-            left_norm: switch(self.left_norm, self.no_left_norm, LEFT_NORM_ENV),
         }
     }
 }

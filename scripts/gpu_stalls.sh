@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Why the latency-bound decode kernels take the time they take: Nsight Compute's speed-of-light,
 # occupancy, launch and warp-state (stall reason) sections of one launch of each, taken from the parity
-# suite's timing tests (prebuilt by scripts/gpu_bins.sh; builds nothing). Run on a GPU host from the
+# suite's timing tests (prebuilt by scripts/gpu_bins.sh; builds nothing): the separate launches of
+# batches 2-8 and the persistent layer launches of batch 1 at the 80B's shapes and the 125B's (u3,
+# o6). In a persistent launch a warp waiting at a grid barrier counts as a `barrier` stall (its
+# block's __syncthreads) and the polling thread as `long_scoreboard`. Run on a GPU host from the
 # repository root.
 #
 #   scripts/gpu_stalls.sh OUT_DIR BIN_DIR
@@ -28,6 +31,11 @@ pairs=(
   "moe_combine_add_rms_norm bench_moe::bench_moe_decode"
   "add_rms_norm_bf16 bench_dense::bench_norms"
   "gemv_q8_m1 bench_dense::bench_dense_gemv"
+  "moe_layer_m1_q4_s6_u2 bench_moe_layer::bench_moe_layer"
+  "moe_layer_m1_q4_s6_u3 bench_moe_layer::bench_moe_layer"
+  "gdn_layer_m1_p8_u2_o4 bench_gdn_layer::bench_gdn_layer"
+  "gdn_layer_m1_p8_u3_o6 bench_gdn_layer::bench_gdn_layer"
+  "attn_layer_m1_p8_u2_o4 bench_attn_layer::bench_attn_layer"
 )
 sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
   --section MemoryWorkloadAnalysis)

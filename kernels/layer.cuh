@@ -176,6 +176,13 @@ __device__ __forceinline__ void ml_norm_rows(float sq, const float (*s_res)[ML_M
     __shared__ float s_sq[ML_WARPS];
     __shared__ float scratch[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // The norm weights of the warp's rows, asked for before the barrier (no kernel writes them).
+    float wv[ML_MAXROWS];
+#pragma unroll
+    for (int j = 0; j < ML_MAXROWS; ++j) {
+        const int r = gw + j * nw;
+        wv[j] = lane == 0 && r < h ? bf2f(norm_w[r]) : 0.0f;
+    }
     if (lane == 0) s_sq[warp] = sq;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -194,7 +201,7 @@ __device__ __forceinline__ void ml_norm_rows(float sq, const float (*s_res)[ML_M
         for (int j = 0; j < ML_MAXROWS; ++j) {
             const int r = gw + j * nw;
             if (r >= h) break;
-            normed[r] = f2bf((s_res[warp][j] * rn) * (offset + bf2f(norm_w[r])));
+            normed[r] = f2bf((s_res[warp][j] * rn) * (offset + wv[j]));
         }
     }
 }

@@ -7,10 +7,10 @@
 //      gate|up rows (packed), a warp a row over every warp of the grid (the prologue asks L2 for a
 //      slice of the router while the kernel ahead finishes); each half-warp that computes shared
 //      down rows in phase 2 asks for its first one before the barrier;
-//   2. every block's first warp takes the softmax top-k of the logits (ml_topk_warp: the keys and tie
-//      rule of router_topk_sort; block 0 writes the ids and weights out) and the chosen experts'
-//      addresses (each asked for as soon as its rank is decided), while its other warps compute the shared expert's down rows (its SwiGLU taken where
-//      it is read); then the chosen experts' gate and up rows (packed), a warp a row j of gate and
+//   2. every block computes the softmax keys of the logits (ml_topk_keys: the keys and tie rule of
+//      router_topk_sort), then its first warp takes their top-k (ml_topk_warp; block 0 writes the ids
+//      and weights out) and the chosen experts' addresses, while its other warps compute the shared
+//      expert's down rows (its SwiGLU taken where it is read); then the chosen experts' gate and up rows (packed), a warp a row j of gate and
 //      of up together, several rows' loads in flight, each rounded to bf16 as the grouped GEMV writes
 //      them and their SwiGLU bf16(silu(gate) · up) written out as swiglu_bf16 computes it;
 //   3. a warp takes one output row for every expert: it asks for the chosen experts' down rows (the
@@ -120,43 +120,62 @@ __device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, const bf16
     }
 }
 
-// The softmax top-k of the e ≤ 32 · ML_TOPK_PER logits (written in this launch: read through L2) by
-// one warp, into ids and wts (shared memory, [k]): lane i holds experts i, i + 32, ...; p = exp(x -
-// max) / sum, each candidate's key router_key(p, id) (larger probability first, the lower id among
-// equal ones), each lane's candidates sorted by key, then k rounds of a warp-wide arg-max over the
-// lanes' heads (two redux operations: the largest probability, then the lowest id holding it), lane r
-// keeping rank r; with renorm the kept
-// probabilities are divided by their sum taken in rank order (as router_topk_rows).
-__device__ __forceinline__ void ml_topk_warp(const MoeLayerArgs& a, u32* ids, float* wts, const u32* (*gw)[ML_MAX_K],
-                                             const float* (*gs)[ML_MAX_K]) {
-    const float* logits = a.logits;
-    const int e = a.e, k = a.k, renorm = a.renorm;
-    const int lane = threadIdx.x & 31;
-    float p[ML_TOPK_PER];
+// The softmax keys of the e ≤ 32 · ML_TOPK_PER logits (written in this launch: read through L2) by the
+// whole block, into keys (shared memory, [32 · ML_TOPK_PER]; 0 past e): p = exp(x - max) / sum, each
+// candidate's key router_key(p, id) (larger probability first, the lower id among equal ones). The sum
+// is a warp's: lane i adds experts i, i + 32, ... in turn, then the lanes' sums are added across the
+// warp. ex: shared memory, [32 · ML_TOPK_PER]; scratch: block_reduce's. Every thread calls it; it ends
+// with a barrier.
+__device__ __forceinline__ void ml_topk_keys(const MoeLayerArgs& a, float* ex, unsigned long long* keys,
+                                             float* scratch) {
+    constexpr int PER = 32 * ML_TOPK_PER / ML_THREADS;
+    const int e = a.e, lane = threadIdx.x & 31;
+    float x[PER];
     float m = NEG_INF;
 #pragma unroll
-    for (int j = 0; j < ML_TOPK_PER; ++j) {
-        const int i = lane + 32 * j;
-        p[j] = i < e ? __ldcg(logits + i) : NEG_INF;
-        m = fmaxf(m, p[j]);
+    for (int j = 0; j < PER; ++j) {
+        const int i = threadIdx.x + ML_THREADS * j;
+        x[j] = i < e ? __ldcg(a.logits + i) : NEG_INF;
+        m = fmaxf(m, x[j]);
     }
-    m = warp_max(m);
-    float s = 0.0f;
+    m = block_max(m, scratch);
 #pragma unroll
-    for (int j = 0; j < ML_TOPK_PER; ++j) {
-        p[j] = lane + 32 * j < e ? expf(p[j] - m) : 0.0f;
-        s += p[j];
+    for (int j = 0; j < PER; ++j) {
+        const int i = threadIdx.x + ML_THREADS * j;
+        ex[i] = i < e ? expf(x[j] - m) : 0.0f;
     }
-    s = warp_sum(s);
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float s = 0.0f;
 #pragma unroll
-    for (int j = 0; j < ML_TOPK_PER; ++j) p[j] /= s;
+        for (int j = 0; j < ML_TOPK_PER; ++j) s += ex[lane + 32 * j];
+        s = warp_sum(s);
+        if (lane == 0) scratch[0] = s;
+    }
+    __syncthreads();
+    const float s = scratch[0];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = threadIdx.x + ML_THREADS * j;
+        keys[i] = i < e ? router_key(ex[i] / s, (u32)i) : 0ull;
+    }
+    __syncthreads();
+}
+
+// The top-k of the keys (ml_topk_keys) by one warp, into ids and wts (shared memory, [k]): lane i holds
+// experts i, i + 32, ...; each lane's candidates sorted by key, then k rounds of a warp-wide arg-max over
+// the lanes' heads (two redux operations: the largest probability, then the lowest id holding it), lane
+// r keeping rank r, and then the chosen experts' addresses (each lane its rank's, all in flight at
+// once); with renorm the kept probabilities are divided by their sum taken in rank order (as
+// router_topk_rows).
+__device__ __forceinline__ void ml_topk_warp(const MoeLayerArgs& a, const unsigned long long* keys, u32* ids, float* wts,
+                                             const u32* (*gw)[ML_MAX_K], const float* (*gs)[ML_MAX_K]) {
+    const int k = a.k, renorm = a.renorm;
+    const int lane = threadIdx.x & 31;
     // Each candidate's key, 0 once taken (and for the slots past e).
     unsigned long long key[ML_TOPK_PER];
 #pragma unroll
-    for (int j = 0; j < ML_TOPK_PER; ++j) {
-        const int i = lane + 32 * j;
-        key[j] = i < e ? router_key(p[j], (u32)i) : 0ull;
-    }
+    for (int j = 0; j < ML_TOPK_PER; ++j) key[j] = keys[lane + 32 * j];
     // The lane's candidates sorted once, largest key first (a bitonic network over registers), so a
     // round compares only the lanes' heads and the winner's list moves up by one.
 #pragma unroll
@@ -175,8 +194,6 @@ __device__ __forceinline__ void ml_topk_warp(const MoeLayerArgs& a, u32* ids, fl
             }
     u32 my_id = 0xffffffffu;
     float my_p = 0.0f;
-    // Lane r's expert's table entries, asked for as soon as rank r is decided.
-    unsigned long long tab[4] = {0ull, 0ull, 0ull, 0ull};
 #pragma unroll 1
     for (int r = 0; r < k; ++r) {
         // The lane's best key (its list's head), then the warp's: the largest probability bits, and
@@ -194,10 +211,6 @@ __device__ __forceinline__ void ml_topk_warp(const MoeLayerArgs& a, u32* ids, fl
         if (lane == r) {
             my_id = id;
             my_p = __uint_as_float(top);
-            tab[0] = a.gu_w[id];
-            tab[1] = a.gu_s[id];
-            tab[2] = a.dn_w[id];
-            tab[3] = a.dn_s[id];
         }
     }
     float total = 0.0f;
@@ -206,10 +219,10 @@ __device__ __forceinline__ void ml_topk_warp(const MoeLayerArgs& a, u32* ids, fl
     if (lane < k) {
         ids[lane] = my_id;
         wts[lane] = renorm ? my_p / total : my_p;
-        gw[0][lane] = (const u32*)tab[0];
-        gs[0][lane] = (const float*)tab[1];
-        gw[1][lane] = (const u32*)tab[2];
-        gs[1][lane] = (const float*)tab[3];
+        gw[0][lane] = (const u32*)a.gu_w[my_id];
+        gs[0][lane] = (const float*)a.gu_s[my_id];
+        gw[1][lane] = (const u32*)a.dn_w[my_id];
+        gs[1][lane] = (const float*)a.dn_s[my_id];
     }
 }
 
@@ -298,6 +311,9 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     __shared__ float s_res[ML_WARPS][ML_MAXROWS];
     __shared__ __align__(16) bf16 s_x[1024 * GU];      // x, chunks in ml_xs_chunk's order
     __shared__ __align__(16) bf16 s_sact[32 * 16 * ML_DUNITS];  // the shared expert's SwiGLU row
+    __shared__ float s_ex[32 * ML_TOPK_PER];                  // the router's exponentials
+    __shared__ unsigned long long s_keys[32 * ML_TOPK_PER];   // and the top-k's keys
+    __shared__ float s_scratch[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int gw = blockIdx.x * ML_WARPS + warp, nw = gridDim.x * ML_WARPS;
     const bool shared = a.shared_gate != nullptr;
@@ -319,8 +335,9 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
 
     // 2. Top-k in every block's first warp (then the chosen experts' addresses), the shared expert's
     // down rows in the others; then the chosen experts' gate|up rows.
+    ml_topk_keys(a, s_ex, s_keys, s_scratch);
     if (warp == 0) {
-        ml_topk_warp(a, s_ids, s_wts, s_gw, s_gs);
+        ml_topk_warp(a, s_keys, s_ids, s_wts, s_gw, s_gs);
         __syncwarp();
         if (lane < a.k && blockIdx.x == 0) {
             a.ids[lane] = s_ids[lane];

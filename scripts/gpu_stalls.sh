@@ -9,8 +9,10 @@
 #
 #   scripts/gpu_stalls.sh OUT_DIR BIN_DIR
 #
-# Writes OUT_DIR/KERNEL.txt (ncu's details page of the launch) and OUT_DIR/stalls.md (each kernel's
-# duration, achieved occupancy, DRAM throughput and its three largest stall reasons). Exits 0 with
+# Writes OUT_DIR/KERNEL.ncu-rep (the report), OUT_DIR/KERNEL.txt (ncu's details page of the launch),
+# for the persistent layer launches OUT_DIR/KERNEL.phases.md (their stall samples phase by phase,
+# scripts/ncu_phases.py, from the SASS source page OUT_DIR/KERNEL.source.csv) and OUT_DIR/stalls.md
+# (each kernel's duration, achieved occupancy, DRAM throughput and its three largest stall reasons). Exits 0 with
 # "skipped: no ncu" where Nsight Compute is missing.
 set -uo pipefail
 out=${1:?usage: gpu_stalls.sh OUT_DIR BIN_DIR}
@@ -38,7 +40,7 @@ pairs=(
   "attn_layer_m1_p8_u2_o4 bench_attn_layer::bench_attn_layer"
 )
 sections=(--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats
-  --section MemoryWorkloadAnalysis)
+  --section MemoryWorkloadAnalysis --section SourceCounters)
 # Cycles a warp spends stalled per issued instruction, by reason (what WarpStateStats sums).
 reasons="barrier branch_resolving dispatch_stall drain imc_miss lg_throttle long_scoreboard math_pipe_throttle
   membar mio_throttle misc no_instruction not_selected selected short_scoreboard sleeping tex_throttle wait"
@@ -50,8 +52,16 @@ for p in "${pairs[@]}"; do
   set -- $p
   k=$1 test=$2
   # The sixth launch of the kernel: past the warm-up's first ones, caches as the timing loop has them.
-  "$ncu" --clock-control none -k "regex:^$k\$" -s 5 -c 1 "${sections[@]}" --page details \
-    "$bin/parity" --ignored --exact "$test" --test-threads=1 >"$out/$k.txt" 2>&1
+  "$ncu" --clock-control none -k "regex:^$k\$" -s 5 -c 1 "${sections[@]}" -o "$out/$k" -f \
+    "$bin/parity" --ignored --exact "$test" --test-threads=1 >"$out/$k.log" 2>&1
+  "$ncu" -i "$out/$k.ncu-rep" --page details >"$out/$k.txt" 2>&1
+  # A persistent layer launch: its stall samples cut at its phase marks (scripts/ncu_phases.py).
+  case $k in
+    *_layer_m1_*)
+      "$ncu" -i "$out/$k.ncu-rep" --page source --csv --print-source sass >"$out/$k.source.csv" 2>>"$out/$k.log" &&
+        python3 "$(dirname "$0")/ncu_phases.py" "$out/$k.source.csv" >"$out/$k.phases.md" 2>>"$out/$k.log"
+      ;;
+  esac
   python3 - "$out/$k.txt" "$k" "$test" >>"$out/stalls.md" <<'PY'
 import re, sys
 text = open(sys.argv[1], errors="replace").read()

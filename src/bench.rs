@@ -128,7 +128,7 @@ fn bench<B: Probe + 'static>(args: BenchArgs, mut loaded: Loaded<B>) -> Result<(
         if k > 0 {
             bail!("--kernel-times and --speculative-config measure apart: run one, then the other");
         }
-        if !m.backend.time_kernels(false) {
+        if !m.backend.time_kernels(false)? {
             bail!(
                 "--kernel-times: the {} backend launches no kernels to time (use --device cuda)",
                 loaded.device

@@ -1,10 +1,11 @@
 //! `sanmai bench --kernel-times`: one decode step's time by kernel, measured inside a CUDA graph replay
-//! (timed events between the kernels; see `sanmai_cuda::timer` for what an interval holds).
+//! (timed events between the kernels; see `sanmai_cuda::timer` for what an interval holds), and the
+//! phases of its persistent layer launches (their trace marks in the same replay).
 
 use std::collections::HashMap;
 
 use anyhow::Result;
-use sanmai_model::{Model, Probe};
+use sanmai_model::{Model, PhaseTable, Probe};
 
 /// Decode steps run with timing on: the warm-up of the timed recording, its capture (and first
 /// replay), and the replay that is read.
@@ -13,12 +14,14 @@ pub const STEPS: usize = 3;
 /// Runs [`STEPS`] decode steps (`step`, one each call) with kernel timing on and prints the last one
 /// by kernel, beside the untimed median step `itl` (seconds).
 pub fn run<B: Probe>(m: &Model<B>, mut step: impl FnMut() -> Result<()>, itl: f64) -> Result<()> {
-    m.backend.time_kernels(true);
+    m.backend.time_kernels(true)?;
     let steps = (0..STEPS).try_for_each(|_| step());
     let times = m.backend.kernel_times();
-    m.backend.time_kernels(false);
+    let phases = m.backend.layer_phases();
+    m.backend.time_kernels(false)?;
     steps?;
     let times = times?;
+    let phases = phases?;
     if times.is_empty() {
         println!(
             "  kernel times: none, no decode step of this batch size was replayed from a CUDA graph \
@@ -26,8 +29,28 @@ pub fn run<B: Probe>(m: &Model<B>, mut step: impl FnMut() -> Result<()>, itl: f6
         );
     } else {
         print!("{}", table(&times, itl));
+        print!("{}", phase_lines(&phases));
     }
     Ok(())
+}
+
+/// One line per persistent layer kernel: its launches and each phase's median µs.
+fn phase_lines(phases: &[PhaseTable]) -> String {
+    if phases.is_empty() {
+        return String::new();
+    }
+    let mut out = "  layer phases (block 0's trace marks in the same replay; medians over the launches, us; \
+                   from_last_exit: from the layer launch before ending to this one's first phase):\n"
+        .to_string();
+    for t in phases {
+        let spans: Vec<String> = t
+            .spans
+            .iter()
+            .map(|(n, us)| format!("{n}={us:.2}"))
+            .collect();
+        out += &format!("    {} x{}: {}\n", t.kernel, t.launches, spans.join(" "));
+    }
+    out
 }
 
 /// The step's kernels grouped by name, largest total first: launches, µs per step, µs a launch, the
@@ -109,5 +132,25 @@ mod tests {
             ["attn", "1", "15.0", "15.00", "15.00", "-", "37.5%"]
         );
         assert_eq!(rows[2], ["norm", "1", "3.0", "3.00", "3.00", "-", "7.5%"]);
+    }
+
+    #[test]
+    fn phase_lines_print_each_layer_kernel_once() {
+        assert_eq!(phase_lines(&[]), "");
+        let t = PhaseTable {
+            kernel: "moe_layer_m1_q4_s6_u2".into(),
+            launches: 48,
+            spans: vec![
+                ("from_last_exit".into(), 4.5),
+                ("router_shared_gu".into(), 2.304),
+            ],
+        };
+        let out = phase_lines(&[t]);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines.len(), 2, "{out}");
+        assert_eq!(
+            lines[1].trim(),
+            "moe_layer_m1_q4_s6_u2 x48: from_last_exit=4.50 router_shared_gu=2.30"
+        );
     }
 }

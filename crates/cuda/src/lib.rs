@@ -47,8 +47,9 @@
 //!   warm-up step, a stream capture at the next, replays after, outputs copied out of persistent
 //!   per-graph buffers. A failed capture logs a warning and leaves that key eager;
 //!   [`CudaBackend::graph_stats`] counts what ran how. With kernel timing on ([`timer`], through
-//!   `Probe::time_kernels`), captures put a timed event after each kernel and the last replay's
-//!   per-kernel times are read back (`sanmai bench --kernel-times`).
+//!   `Probe::time_kernels`), captures put a timed event after each kernel and give each persistent
+//!   layer launch a trace slot, and the last replay's per-kernel times and layer phases are read back
+//!   (`sanmai bench --kernel-times`).
 //! - Errors: every op returns `sanmai_model::OpResult`; a [`CudaError`] becomes the op's
 //!   `BackendError` ([`CudaError::at`]: shape and contract errors `Invalid`, driver, cuBLAS and NVRTC
 //!   failures `Device`). The backend also implements `sanmai_model::Probe` (copy bandwidth, routed
@@ -106,6 +107,7 @@ pub use device::{device_count, driver_version, gpu_present, probe, DeviceInfo, D
 pub use error::{CudaError, Result};
 pub use gpu::{device_memory, Gpu, GpuOptions};
 pub use ops::{fp8_fits, Fp8Experts, Fp8Mat, Fp8Part};
+pub use ops::{layer_phases, GdnLayer, GdnLayerBufs, MoeLayer, MoeLayerBufs, MoeLayerShared};
 pub use ops::{lt_block_scales, Fp8Lt, LtCheck, LT_BLOCK};
 pub use ops::{
     moe_max_tiles, AttnDims, ChunkRows, DecodeLens, GdnDecodeWeights, GdnDims, HeadLayout,
@@ -118,7 +120,6 @@ pub use ops::{
     SharedY,
 };
 pub use ops::{ConvWeight, DecodeSlots, GdnGateProj, GdnGates, GdnPools, GdnProj, SeqRows};
-pub use ops::{GdnLayer, GdnLayerBufs, MoeLayer, MoeLayerBufs, MoeLayerShared};
 pub use ops::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows};
 pub use ops::{PackedMat, PackedScheme, RowAddNorm, NORM_MAX_D};
 pub use ops::{PleGateWeights, PleGated, PleLin};

@@ -23,9 +23,9 @@ pub mod weight_plan;
 pub use backend::{
     AttnCall, AttnShape, AttnWeights, Backend, BackendError, DecodeStep, GdnCall, GdnGates,
     GdnShape, GdnWeights, Handover, HcWeights, IndexerWeights, KvHost, KvHostStats, MlpWeights,
-    MoeCall, MoeWeights, Mrope, OpResult, PleCall, PleShape, PleWeights, Probe, QsaCall, QsaShape,
-    Rope, RowCacheCounts, SampleCall, SeqChunk, SharedExpert, SharedFusion, StageLink, StageRecv,
-    StageSend,
+    MoeCall, MoeWeights, Mrope, OpResult, PhaseTable, PleCall, PleShape, PleWeights, Probe,
+    QsaCall, QsaShape, Rope, RowCacheCounts, SampleCall, SeqChunk, SharedExpert, SharedFusion,
+    StageLink, StageRecv, StageSend,
 };
 pub use forward::{
     OutRows, Prepared, StepChunk, StepEmbeds, StepError, StepInput, StepMultimodal, StepOutput,

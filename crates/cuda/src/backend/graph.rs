@@ -37,13 +37,14 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaGraph};
 use sanmai_model::{DecodeStep, OpResult, SeqChunk};
 
 use super::{all_decode, CudaBackend, CudaTensor};
 use crate::error::{At, Result};
-use crate::timer::{intervals, Mark};
+use crate::timer::{intervals, Armed, Mark, TraceArena, TRACE_SLOTS, TRACE_WORDS};
 
 /// The batch sizes recorded by default.
 pub const DEFAULT_GRAPH_BATCH_SIZES: [usize; 4] = [1, 2, 4, 8];
@@ -60,11 +61,13 @@ struct Key {
 }
 
 /// A recorded step: the graph and the persistent buffers its last nodes copy the outputs into, and
-/// with kernel timing on, the timed events after its kernels.
+/// with kernel timing on, the timed events after its kernels and the layer kernels given trace
+/// slots 0, 1, ...
 struct Recorded {
     graph: CudaGraph,
     outs: Vec<CudaTensor>,
     marks: Vec<Mark>,
+    traces: Vec<Arc<str>>,
 }
 
 // SAFETY: a CudaGraph holds raw driver handles that must not be used from two threads at once;
@@ -238,11 +241,40 @@ impl CudaBackend {
 
     /// Turns kernel timing of the decode steps recorded from now on on or off; drops the
     /// recordings made so far (the next steps warm up and capture again).
-    pub fn time_kernels(&self, on: bool) {
+    pub fn time_kernels(&self, on: bool) -> Result<()> {
+        let arena = if on {
+            let mut buf = self.gpu.zeros::<u64>(TRACE_SLOTS * TRACE_WORDS)?;
+            let base = self.gpu.addr_mut(&mut buf);
+            Some(TraceArena::new(buf, base))
+        } else {
+            None
+        };
+        self.gpu.timer().set_traces(arena);
         self.gpu.timer().set(on);
         let mut g = self.graphs();
         g.entries.clear();
         g.timed = None;
+        Ok(())
+    }
+
+    /// Each persistent layer launch of the last decode step replayed from a timed recording, in
+    /// launch order: its kernel and its trace slot's words (block 0's phase marks, the device's
+    /// global timer in ns; kernels/layer.cuh); empty when none was replayed.
+    pub fn layer_traces(&self) -> Result<Vec<(String, [u64; TRACE_WORDS])>> {
+        let g = self.graphs();
+        let Some(Entry::Ready(rec)) = g.timed.and_then(|k| g.entries.get(&k)) else {
+            return Ok(Vec::new());
+        };
+        let words = self
+            .gpu
+            .timer()
+            .read_traces(self.gpu.stream(), rec.traces.len())?;
+        Ok(rec
+            .traces
+            .iter()
+            .map(|k| k.to_string())
+            .zip(words)
+            .collect())
     }
 
     /// Each kernel of the last decode step replayed from a timed recording, in launch order, with
@@ -418,7 +450,7 @@ impl CudaBackend {
             drop(ts);
             Ok(())
         })();
-        let marks = self.gpu.timer().disarm();
+        let Armed { marks, traces } = self.gpu.timer().disarm();
         let graph = s.end_capture(sys::CUgraphInstantiate_flags(0));
         // Errors recorded by buffers freed under a failed capture.
         let _ = self.gpu.context().check_err();
@@ -426,7 +458,12 @@ impl CudaBackend {
         match graph {
             Ok(Some(graph)) => {
                 graph.upload().map_err(|e| e.to_string())?;
-                Ok(Recorded { graph, outs, marks })
+                Ok(Recorded {
+                    graph,
+                    outs,
+                    marks,
+                    traces,
+                })
             }
             Ok(None) => Err("the capture recorded nothing".into()),
             Err(e) => Err(e.to_string()),

@@ -321,6 +321,7 @@ impl Gpu {
         (a.eps, a.offset) = (out.eps, out.offset);
         let bits = layer.q.scheme.bits;
         let kernel = self.kernel(&format!("attn_layer_m1_p{bits}_u2_o4"))?;
+        a.trace = self.layer_trace(a.trace, kernel);
         let smem = ring_smem(self.info().compute_capability);
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
         // and the kernel's shape limits are checked above; the kernel reads block ids from the

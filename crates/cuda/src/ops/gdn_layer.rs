@@ -254,6 +254,7 @@ impl Gpu {
         let (u, o) = instance(h, ko).expect("checked by gdn_layer_fits");
         let bits = layer.qkv.scheme.bits;
         let kernel = self.kernel(&format!("gdn_layer_m1_p{bits}_u{u}_o{o}"))?;
+        a.trace = self.layer_trace(a.trace, kernel);
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
         // and the kernel's shape limits are checked above; slot ids at or past `num_slots` (which
         // both pools hold) touch no state.

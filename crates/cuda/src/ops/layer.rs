@@ -19,6 +19,78 @@ const MAX_BLOCKS_PER_SM: u32 = 2;
 /// Output rows a warp takes at most (`ML_MAXROWS`).
 const MAX_ROWS_PER_WARP: usize = 4;
 
+/// A phase of a layer launch's trace: its name, the slot it starts at and the slot it ends at.
+pub type Phase = (&'static str, usize, usize);
+
+/// The phases of each persistent layer kernel's trace (block 0's `ml_mark` slots, kernels/layer.cuh),
+/// by the kernel name's prefix: (name, from slot, to slot). Slot 9 is the last block's exit and slot
+/// 10 + p the last block's arrival at barrier p: from block 0's arrival to it is the blocks'
+/// imbalance (`skew`), from it to block 0's leaving the barrier itself (`release`).
+const LAYER_PHASES: [(&str, &[Phase]); 3] = [
+    (
+        "moe_layer",
+        &[
+            ("router_shared_gu", 0, 1),
+            ("barrier1", 1, 2),
+            ("topk_shared_down", 2, 3),
+            ("experts_gu", 3, 4),
+            ("barrier2", 4, 5),
+            ("stage_swiglu", 5, 6),
+            ("down_combine", 6, 7),
+            ("norm", 7, 8),
+            ("exit", 8, 9),
+            ("b1_skew", 1, 10),
+            ("b1_release", 10, 2),
+            ("b2_skew", 4, 11),
+            ("b2_release", 11, 5),
+        ],
+    ),
+    (
+        "gdn_layer",
+        &[
+            ("projections", 0, 1),
+            ("barrier1", 1, 2),
+            ("gdn_step", 2, 3),
+            ("barrier2", 3, 4),
+            ("stage_o", 4, 5),
+            ("out_proj_add", 5, 6),
+            ("norm", 6, 7),
+            ("exit", 7, 9),
+            ("b1_skew", 1, 10),
+            ("b1_release", 10, 2),
+            ("b2_skew", 3, 11),
+            ("b2_release", 11, 4),
+        ],
+    ),
+    (
+        "attn_layer",
+        &[
+            ("projections", 0, 1),
+            ("barrier1", 1, 2),
+            ("attention", 2, 3),
+            ("barrier2", 3, 4),
+            ("merge", 4, 5),
+            ("barrier3", 5, 6),
+            ("stage", 6, 7),
+            ("o_proj_add", 7, 8),
+            ("norm_exit", 8, 9),
+            ("b1_skew", 1, 10),
+            ("b2_skew", 3, 11),
+            ("b2_release", 11, 4),
+            ("b3_skew", 5, 12),
+        ],
+    ),
+];
+
+/// The phases of the trace of layer kernel `kernel` (an entry point's name, e.g.
+/// `moe_layer_m1_q4_s6_u2`): (name, from slot, to slot); `None` for a kernel without a trace.
+pub fn layer_phases(kernel: &str) -> Option<&'static [Phase]> {
+    LAYER_PHASES
+        .iter()
+        .find(|(prefix, _)| kernel.starts_with(prefix))
+        .map(|(_, p)| *p)
+}
+
 /// Whether a packed scheme of `bits` over `k` inputs suits the layer launches' unit dots (`ml_dot`):
 /// `k % 32 == 0`, per-row scales or groups of a multiple of 32.
 pub(super) fn unit_scheme(s: PackedScheme, bits: u32, k: usize) -> bool {
@@ -142,6 +214,16 @@ impl Gpu {
         // cooperatively, as the kernels' grid barriers need.
         unsafe { b.launch(cfg((grid, 1, 1), THREADS, smem as u32)) }?;
         Ok(())
+    }
+
+    /// A layer launch's trace address: `given` (the caller's buffer, or 0), else under a timed capture
+    /// a slot of the kernel timer's trace arena ([`crate::timer`]), else 0 (no trace).
+    pub(super) fn layer_trace(&self, given: u64, kernel: &Kernel) -> u64 {
+        if given != 0 {
+            given
+        } else {
+            self.timer().trace(&kernel.name)
+        }
     }
 
     /// The most blocks a persistent layer launch's grid takes (two a multiprocessor): what its

@@ -265,6 +265,7 @@ impl Gpu {
         let units = if h <= 2048 { 2 } else { 3 };
         let name = format!("moe_layer_m1_q4_s{shared_bits}_u{units}");
         let kernel = self.kernel(&name)?;
+        a.trace = self.layer_trace(a.trace, kernel);
         let smem = (2 * k * inter).next_multiple_of(16);
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
         // and the kernel's shape limits are checked above; the dynamic shared memory holds the

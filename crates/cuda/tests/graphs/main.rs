@@ -362,7 +362,7 @@ fn timed_graph_replay_equals_eager() {
     let Some(ms) = trio(name, "timed_graph_replay_equals_eager") else {
         return;
     };
-    ms[0].backend.time_kernels(true);
+    ms[0].backend.time_kernels(true).unwrap();
     let vocab = ms[0].cfg.vocab_size;
     let mut allocs = [0, 1, 2].map(|i| Alloc::new(&ms[i], 4));
     let prompts: Vec<Vec<u32>> = (0..2).map(|i| prompt(7 + 5 * i, i, vocab)).collect();
@@ -396,8 +396,14 @@ fn timed_graph_replay_equals_eager() {
         assert!(us.is_finite() && *us >= 0.0, "{k}: {us} us");
     }
     assert!(sum > 0.0);
+    // The persistent layer launches' traces in the same replay (this fixture's batch of 2 runs none):
+    // each a layer kernel's, its marks from its start to its last block's exit in time order.
+    for (k, t) in ms[0].backend.layer_traces().unwrap() {
+        assert!(sanmai_cuda::layer_phases(&k).is_some(), "{k} has no phases");
+        assert!(t[0] > 0 && t[0] <= t[1] && t[1] <= t[9], "{k}: {t:?}");
+    }
     // Off again: the recordings are dropped and nothing is timed.
-    ms[0].backend.time_kernels(false);
+    ms[0].backend.time_kernels(false).unwrap();
     assert!(ms[0].backend.kernel_times().unwrap().is_empty());
 }
 

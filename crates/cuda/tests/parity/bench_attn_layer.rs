@@ -6,6 +6,7 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
+use sanmai_cuda::layer_phases;
 use sanmai_cuda::{
     AttnDims, AttnLayer, AttnLayerBufs, CombineInto, KvPools, LayerRope, LayerSeq, PackedMat,
     PackedScheme,
@@ -17,24 +18,6 @@ use crate::common::gpu;
 /// Inputs the timed launches rotate through.
 const INPUTS: usize = 8;
 const BS: usize = 16;
-/// The trace's spans (name, from slot, to slot): block 0's phases, the last block's exit (slot 9),
-/// and around barriers 1 to 3 the last block's arrival (slots 10 to 12): from block 0's arrival to it
-/// (the blocks' imbalance), and from it to block 0's exit (the barrier itself).
-const PHASES: [(&str, usize, usize); 13] = [
-    ("projections", 0, 1),
-    ("barrier1", 1, 2),
-    ("attention", 2, 3),
-    ("barrier2", 3, 4),
-    ("merge", 4, 5),
-    ("barrier3", 5, 6),
-    ("stage", 6, 7),
-    ("o_proj_add", 7, 8),
-    ("norm_exit", 8, 9),
-    ("b1_skew", 1, 10),
-    ("b2_skew", 3, 11),
-    ("b2_release", 11, 4),
-    ("b3_skew", 5, 12),
-];
 
 #[test]
 #[ignore = "timing; run with --ignored on a GPU host"]
@@ -146,10 +129,14 @@ fn bench_attn_layer() {
             });
         // The four projections (words and scales) and the K/V rows of the context.
         let bytes = (2 * hq * d + 2 * hkv * d) * (h + 4) + h * (hq * d + 4) + 2 * ctx * hkv * d * 2;
-        let phases = trace_medians(40, &PHASES, |i| {
-            launch(i, Some(&mut trace));
-            g.download(&trace).unwrap()
-        });
+        let phases = trace_medians(
+            40,
+            layer_phases("attn_layer").expect("the attn_layer trace's phases"),
+            |i| {
+                launch(i, Some(&mut trace));
+                g.download(&trace).unwrap()
+            },
+        );
         let sync_after = g.download(&sync).unwrap();
         assert_eq!(
             sync_after,

@@ -6,6 +6,7 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
+use sanmai_cuda::layer_phases;
 use sanmai_cuda::{
     CombineInto, DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools,
     PackedMat, PackedScheme,
@@ -18,23 +19,6 @@ use crate::common::gpu;
 const INPUTS: usize = 8;
 /// Conv taps.
 const CONV: usize = 4;
-/// The trace's spans (name, from slot, to slot): block 0's phases, the last block's exit (slot 9),
-/// and around barriers 1 and 2 the last block's arrival (slots 10, 11): from block 0's arrival to it
-/// (the blocks' imbalance), and from it to block 0's exit (the barrier itself).
-const PHASES: [(&str, usize, usize); 12] = [
-    ("projections", 0, 1),
-    ("barrier1", 1, 2),
-    ("gdn_step", 2, 3),
-    ("barrier2", 3, 4),
-    ("stage_o", 4, 5),
-    ("out_proj_add", 5, 6),
-    ("norm", 6, 7),
-    ("exit", 7, 9),
-    ("b1_skew", 1, 10),
-    ("b1_release", 10, 2),
-    ("b2_skew", 3, 11),
-    ("b2_release", 11, 4),
-];
 
 #[test]
 #[ignore = "timing; run with --ignored on a GPU host"]
@@ -143,10 +127,14 @@ fn bench_gdn_layer() {
         // The three projections (words and scales), the gates, the state read and written.
         let bytes = (cd + ko) * (h + 4) + h * (ko + 4) + 2 * hv * h * 2 + 2 * 4 * dims.state_len();
         // Block 0's phases over single launches.
-        let phases = trace_medians(40, &PHASES, |i| {
-            launch(i, Some(&mut trace));
-            g.download(&trace).unwrap()
-        });
+        let phases = trace_medians(
+            40,
+            layer_phases("gdn_layer").expect("the gdn_layer trace's phases"),
+            |i| {
+                launch(i, Some(&mut trace));
+                g.download(&trace).unwrap()
+            },
+        );
         // The counters are back at 0 after the launches.
         let sync_after = g.download(&sync).unwrap();
         assert_eq!(

@@ -7,6 +7,7 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
+use sanmai_cuda::layer_phases;
 use sanmai_cuda::{
     CombineInto, Gpu, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
 };
@@ -19,24 +20,6 @@ use crate::launch::{expert_proj, packed_scheme};
 const TOP_K: usize = 10;
 /// Inputs the timed launches rotate through.
 const INPUTS: usize = 8;
-/// The trace's spans (name, from slot, to slot): block 0's phases, the last block's exit (slot 9),
-/// and around barriers 1 and 2 the last block's arrival (slots 10, 11): from block 0's arrival to it
-/// (the blocks' imbalance), and from it to block 0's exit (the barrier itself).
-const PHASES: [(&str, usize, usize); 13] = [
-    ("router_shared_gu", 0, 1),
-    ("barrier1", 1, 2),
-    ("topk_shared_down", 2, 3),
-    ("experts_gu", 3, 4),
-    ("barrier2", 4, 5),
-    ("stage_swiglu", 5, 6),
-    ("down_combine", 6, 7),
-    ("norm", 7, 8),
-    ("exit", 8, 9),
-    ("b1_skew", 1, 10),
-    ("b1_release", 10, 2),
-    ("b2_skew", 4, 11),
-    ("b2_release", 11, 5),
-];
 
 /// A packed `[n, k]` weight of `bits` with per-row scales, random words.
 fn shared_proj(
@@ -160,10 +143,14 @@ fn bench_moe_layer() {
             + 3 * h * 4
             + TOP_K * (gu.bytes + dn.bytes);
         // Block 0's phases over single launches.
-        let phases = trace_medians(40, &PHASES, |i| {
-            launch(&mut b, &xs[i % INPUTS], true);
-            g.download(&b.trace).unwrap()
-        });
+        let phases = trace_medians(
+            40,
+            layer_phases("moe_layer").expect("the moe_layer trace's phases"),
+            |i| {
+                launch(&mut b, &xs[i % INPUTS], true);
+                g.download(&b.trace).unwrap()
+            },
+        );
         // The counters are back at 0 after the launches.
         let sync_after = g.download(&b.sync).unwrap();
         assert_eq!(

@@ -212,7 +212,7 @@ pub use error::{BackendError, OpResult};
 pub use hc::{hc_residual_ops, HcWeights};
 pub use mixer::{AttnMixerCall, GdnMixerCall};
 pub use ple::{PleCall, PleShape, PleWeights};
-pub use probe::Probe;
+pub use probe::{PhaseTable, Probe};
 pub use qsa::{IndexerWeights, QsaCall, QsaShape};
 pub use sanmai_weights::quant::{PackedTensor, PackedWords};
 

@@ -1,6 +1,7 @@
 //! Measurements `sanmai bench` takes through a backend, kept off the [`Backend`] trait the forward
 //! pass uses: the device's copy bandwidth (the roofline's ceiling), the routed-expert record (the
-//! roofline's expert bytes) and, where a backend launches kernels, their times in a decode step.
+//! roofline's expert bytes) and, where a backend launches kernels, their times in a decode step and
+//! the phases of its persistent layer kernels there.
 
 use super::{Backend, OpResult};
 
@@ -21,9 +22,9 @@ pub trait Probe: Backend {
 
     /// Turns timing of each kernel of the decode steps on or off; `false` where the backend has
     /// no kernels to time (the CPU). Drops what was recorded for decode steps so far.
-    fn time_kernels(&self, on: bool) -> bool {
+    fn time_kernels(&self, on: bool) -> OpResult<bool> {
         let _ = on;
-        false
+        Ok(false)
     }
 
     /// With timing on: each kernel of the last timed decode step in launch order, with its
@@ -31,4 +32,20 @@ pub trait Probe: Backend {
     fn kernel_times(&self) -> OpResult<Vec<(String, f64)>> {
         Ok(Vec::new())
     }
+
+    /// With timing on: the phases of each persistent layer kernel in the last timed decode step, in
+    /// the order the kernels first ran; empty when none ran.
+    fn layer_phases(&self) -> OpResult<Vec<PhaseTable>> {
+        Ok(Vec::new())
+    }
+}
+
+/// One persistent layer kernel's phases in a timed decode step: its launches and each phase's
+/// median over them (µs), beginning with `from_last_exit`, the time from the layer launch before it
+/// ending (its last block's exit) to this one's first phase beginning.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PhaseTable {
+    pub kernel: String,
+    pub launches: usize,
+    pub spans: Vec<(String, f64)>,
 }

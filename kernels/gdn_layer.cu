@@ -12,11 +12,10 @@
 //      position written once: q, k by the first column tile of a key group's first value head, v by its
 //      own item), q and k l2-normalised, the delta rule on the item's columns of the f32 state (read
 //      and written once, in registers: column c = thread % 16, rows thread / 16 + 16 n), and o = Sᵀq of
-//      those columns before the norm, with what of the gated norm needs only them (silu(z) of the
-//      columns, the sum of their o²); the first out_proj row of each warp is asked for before the
+//      those columns before the norm; the first out_proj row of each warp is asked for before the
 //      barrier;
 //   3. every block stages the gated RMSNorm of all heads' o (w · o · rsqrt(mean(o²) + eps) · silu(z),
-//      bf16; each head's mean from its items' sums) into shared memory, then a warp an out_proj row; the row rounded to bf16 and added to the
+//      bf16) into shared memory, then a warp an out_proj row; the row rounded to bf16 and added to the
 //      residual (add_rms_norm_row's rounding) or written out; with the residual, the norm of the new
 //      residual over the grid (ml_norm_rows: a third barrier).
 // The arithmetic is each replaced launch's per value; the dots and sums run in another order, so the
@@ -38,6 +37,8 @@
 // Most values of a head (dv) and of all heads (hv · dv) in phase 3.
 #define GL_MAX_DV 128
 #define GL_MAX_O 6144
+// Groups of 4 o values a thread stages (GL_MAX_O / 4 / ML_THREADS).
+#define GL_OG (GL_MAX_O / 4 / ML_THREADS)
 
 // The kernel's arguments (`GdnLayerArgs` in crates/cuda/src/ops/gdn_layer.rs, field for field). Packed
 // weights are words [n, k / 32 · BITS] u32 and scales [n, ceil(k / group)] f32.
@@ -63,8 +64,6 @@ struct GdnLayerArgs {
     bf16* z;                // [hv dv] scratch
     float* ab;              // [2 hv] scratch: b then a, rounded to bf16
     float* o;               // [hv dv] scratch: o before the gated norm
-    float* sz;              // [hv dv] scratch: silu(z)
-    float* gpart;           // [hv dv / GL_TC] scratch: each phase-2 item's sum of its o values' squares
     float* partials;        // [gridDim.x] scratch (with acc)
     bf16* y;                // [h] the output row (without acc)
     bf16* acc;              // [h] the residual, or null (no add and norm)
@@ -220,25 +219,7 @@ __device__ __forceinline__ void gl_item(const GdnLayerArgs& a, int item, u32 slo
         sqp += part[1][w][col];
     }
     const float delta = (xs[2 * a.dk + col] - decay * mem) * beta;
-    const float ov = decay * sqp + delta * kq;
-    if (warp == 0) {
-        // The gated norm's operands that need only this item (gl_stage_o takes them): silu(z) of its
-        // columns, and the sum of their o values' squares in the order the norm's butterfly takes
-        // them (each group of 4 columns in turn, then the groups pairwise).
-        float s4 = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const float x = __shfl_sync(0xffffffffu, ov, (lane & ~3) + e);
-            s4 += x * x;
-        }
-        s4 += __shfl_xor_sync(0xffffffffu, s4, 4);
-        s4 += __shfl_xor_sync(0xffffffffu, s4, 8);
-        if (lane == 0) a.gpart[item] = s4;
-        if (g == 0) {
-            a.o[(size_t)vh * a.dv + j] = ov;
-            a.sz[(size_t)vh * a.dv + j] = silu_f(bf2f(__ldcg(a.z + (size_t)vh * a.dv + j)));
-        }
-    }
+    if (g == 0) a.o[(size_t)vh * a.dv + j] = decay * sqp + delta * kq;
     float* S = a.state_pool + ((size_t)slot * a.hv + vh) * (size_t)a.dk * a.dv;
 #pragma unroll
     for (int n = 0; n < GL_NR; ++n) {
@@ -250,63 +231,59 @@ __device__ __forceinline__ void gl_item(const GdnLayerArgs& a, int item, u32 slo
 
 // Phase 3's input, by groups of 4 values (group q: values 4q .. 4q + 3, all of one head): thread t
 // takes groups t + ML_THREADS·i, so that a head's dv / 4 groups are dv / 4 consecutive lanes of one
-// warp (dv a power of two, 16 ≤ dv ≤ 128). Its norm weights are asked for before barrier 2, o,
-// silu(z) and the items' square sums (all written in phase 2) after it.
-// OG: most groups a thread takes (hv · dv ≤ 1024 · OG: the out_proj dots' units, OU).
-template <int OG>
+// warp (dv a power of two, 16 ≤ dv ≤ 128). Its z and norm weights are asked for before barrier 2
+// (z was written in phase 1), o after it.
 struct GlStage {
-    uint2 w[OG];
+    uint2 z[GL_OG];
+    uint2 w[GL_OG];
 };
-template <int OG>
-__device__ __forceinline__ void gl_stage_prefetch(const GdnLayerArgs& a, GlStage<OG>& s) {
+__device__ __forceinline__ void gl_stage_prefetch(const GdnLayerArgs& a, GlStage& s) {
     const int groups = (a.hv * a.dv) >> 2;
 #pragma unroll
-    for (int i = 0; i < OG; ++i) {
+    for (int i = 0; i < GL_OG; ++i) {
         const int q = threadIdx.x + ML_THREADS * i;
-        if (q < groups) s.w[i] = __ldg((const uint2*)a.gnorm_w + (q % (a.dv >> 2)));
+        if (q < groups) {
+            s.z[i] = __ldcg((const uint2*)a.z + q);
+            s.w[i] = __ldg((const uint2*)a.gnorm_w + (q % (a.dv >> 2)));
+        }
     }
 }
 
 // The gated RMSNorm of every head's o (w · (o · rsqrt(mean(o²) + eps)) · silu(z), rounded once, as
-// gdn.cu) into os (shared memory, ml_xs_chunk's order). A head's sum of squares: its items' sums
-// (gl_item: each 16 columns' in a butterfly's order) added pairwise across the lanes, the butterfly's
-// next levels.
-template <int OG>
-__device__ __forceinline__ void gl_stage_o(const GdnLayerArgs& a, const GlStage<OG>& s, bf16* os) {
-    const int groups = (a.hv * a.dv) >> 2, span = a.dv >> 2, tiles = a.dv / GL_TC;
-    float4 ov[OG], sv[OG];
-    float pv[OG];
+// gdn.cu) into os (shared memory, ml_xs_chunk's order); a head's sum of squares over its lanes.
+__device__ __forceinline__ void gl_stage_o(const GdnLayerArgs& a, const GlStage& s, bf16* os) {
+    const int groups = (a.hv * a.dv) >> 2, span = a.dv >> 2;
+    float4 ov[GL_OG];
 #pragma unroll
-    for (int i = 0; i < OG; ++i) {
+    for (int i = 0; i < GL_OG; ++i) {
         const int q = threadIdx.x + ML_THREADS * i;
-        if (q < groups) {
-            ov[i] = __ldcg((const float4*)a.o + q);
-            sv[i] = __ldcg((const float4*)a.sz + q);
-            pv[i] = __ldcg(a.gpart + (q / span) * tiles + ((q % span) & (tiles - 1)));
-        }
+        if (q < groups) ov[i] = __ldcg((const float4*)a.o + q);
     }
 #pragma unroll
-    for (int i = 0; i < OG; ++i) {
+    for (int i = 0; i < GL_OG; ++i) {
         const int q = threadIdx.x + ML_THREADS * i;
         // Every lane of a warp runs the shuffles (groups is a multiple of 32 groups' heads or the
         // whole warp is past it).
         if (ML_THREADS * i >= groups) break;
         const bool live = q < groups;
-        float ss = live ? pv[i] : 0.0f;
+        const float o4[4] = {ov[i].x, ov[i].y, ov[i].z, ov[i].w};
+        float ss = 0.0f;
+        if (live)
 #pragma unroll
-        for (int m = 1; m < 8; m <<= 1)
-            if (m < tiles) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+            for (int e = 0; e < 4; ++e) ss += o4[e] * o4[e];
+#pragma unroll
+        for (int m = 1; m < 32; m <<= 1)
+            if (m < span) ss += __shfl_xor_sync(0xffffffffu, ss, m);
         if (!live) continue;
         const float r = 1.0f / sqrtf(ss / (float)a.dv + a.geps);
-        const float o4[4] = {ov[i].x, ov[i].y, ov[i].z, ov[i].w};
-        const float s4[4] = {sv[i].x, sv[i].y, sv[i].z, sv[i].w};
-        const u32 ww[2] = {s.w[i].x, s.w[i].y};
+        const u32 zw[2] = {s.z[i].x, s.z[i].y}, ww[2] = {s.w[i].x, s.w[i].y};
         u32 out[2];
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
+            const __nv_bfloat162 z2 = *reinterpret_cast<const __nv_bfloat162*>(&zw[p]);
             const __nv_bfloat162 w2 = *reinterpret_cast<const __nv_bfloat162*>(&ww[p]);
-            out[p] = pack_bf16x2((bf2f(w2.x) * (o4[2 * p] * r)) * s4[2 * p],
-                                 (bf2f(w2.y) * (o4[2 * p + 1] * r)) * s4[2 * p + 1]);
+            out[p] = pack_bf16x2((bf2f(w2.x) * (o4[2 * p] * r)) * silu_f(bf2f(z2.x)),
+                                 (bf2f(w2.y) * (o4[2 * p + 1] * r)) * silu_f(bf2f(z2.y)));
         }
         const int v = 4 * q;
         *reinterpret_cast<uint2*>(os + ml_xs_chunk(v >> 3) * 8 + (v & 7)) = make_uint2(out[0], out[1]);
@@ -406,11 +383,7 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
 
     // 2. The GDN step, an item a block (a bad slot: o = 0, nothing touched).
     if (!live) {
-        for (int v = blockIdx.x * ML_THREADS + threadIdx.x; v < zn; v += gridDim.x * ML_THREADS) {
-            a.o[v] = 0.0f;
-            a.sz[v] = silu_f(bf2f(__ldcg(a.z + v)));
-            if (v < zn / GL_TC) a.gpart[v] = 0.0f;
-        }
+        for (int v = blockIdx.x * ML_THREADS + threadIdx.x; v < zn; v += gridDim.x * ML_THREADS) a.o[v] = 0.0f;
     }
 #pragma unroll 1
     for (int it = blockIdx.x; it < items2; it += gridDim.x) {
@@ -423,14 +396,14 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     const int ocols = (kout + a.out_group - 1) / a.out_group;
     MlRow<BITS, OU> orow;
     if (gw < a.h) ml_load<BITS, 32, OU>(orow, a.out_w + gw * owpr, a.out_s + (size_t)gw * ocols, kout, a.out_group, lane);
-    GlStage<OU> stage;
-    gl_stage_prefetch<OU>(a, stage);
+    GlStage stage;
+    gl_stage_prefetch(a, stage);
     ml_mark(a.trace, 3);
     ml_grid_sync(a.sync, 2 * gridDim.x, ml_last(a.trace, 1));
     ml_mark(a.trace, 4);
 
     // 3. The gated norm of o into shared memory, then a warp an out_proj row.
-    gl_stage_o<OU>(a, stage, s_buf);
+    gl_stage_o(a, stage, s_buf);
     __syncthreads();
     ml_mark(a.trace, 5);
     float sq = 0.0f;

@@ -115,7 +115,7 @@ impl CudaBackend {
         let mut qkv = self.scratch(dims.conv_dim())?;
         let mut z = self.scratch(ko)?;
         let mut ab = self.scratch::<f32>(2 * dims.hv)?;
-        let mut o = self.scratch::<f32>(GdnLayerBufs::o_len(ko))?;
+        let mut o = self.scratch::<f32>(ko)?;
         let mut partials = self.scratch::<f32>(g.moe_layer_max_blocks())?;
         let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
         let bufs = GdnLayerBufs {

@@ -49,8 +49,6 @@ struct GdnLayerArgs {
     z: u64,
     ab: u64,
     o: u64,
-    sz: u64,
-    gpart: u64,
     partials: u64,
     y: u64,
     acc: u64,
@@ -75,7 +73,7 @@ struct GdnLayerArgs {
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 8-byte addresses and 4-byte numbers, laid out as the
-// kernel's `GdnLayerArgs` (29 pointers, 10 ints, 4 floats, the trace pointer; 296 bytes, 8-byte
+// kernel's `GdnLayerArgs` (27 pointers, 10 ints, 4 floats, the trace pointer; 280 bytes, 8-byte
 // aligned).
 unsafe impl DeviceRepr for GdnLayerArgs {}
 
@@ -94,8 +92,7 @@ pub struct GdnLayer<'a> {
 }
 
 /// The buffers [`Gpu::gdn_layer_decode`] writes besides its output and the state pools: `qkv`
-/// `[conv_dim]` and `z` `[hv·dv]` (bf16), `ab` `[2·hv]` and `o` (f32, [`GdnLayerBufs::o_len`]: the
-/// GDN step's o, silu(z) and each item's sum of its o²), `partials` (f32,
+/// `[conv_dim]` and `z` `[hv·dv]` (bf16), `ab` `[2·hv]` and `o` `[hv·dv]` (f32), `partials` (f32,
 /// one a block of the grid: [`Gpu::moe_layer_max_blocks`]), and `sync`: two `u32` that are 0 before
 /// the launch and are left 0 (the backend's ticket buffer).
 pub struct GdnLayerBufs<'a> {
@@ -108,14 +105,6 @@ pub struct GdnLayerBufs<'a> {
     /// `[16]` u64 or `None`: block 0's phase times (the device's global timer, ns) for the bench;
     /// slots 0..=7 and, from the last block, 9.
     pub trace: Option<&'a mut CudaSlice<u64>>,
-}
-
-impl GdnLayerBufs<'_> {
-    /// The f32 values of `o` for `hv·dv` value channels (`ko`): o, silu(z), and one sum of squares
-    /// for each 16 channels.
-    pub const fn o_len(ko: usize) -> usize {
-        2 * ko + ko / 16
-    }
 }
 
 /// The kernel instance's dot widths for inputs of `h` values and an out_proj of `ko` inputs: units
@@ -209,7 +198,7 @@ impl Gpu {
         check_len(OP, "qkv", &*bufs.qkv, cd)?;
         check_len(OP, "z", &*bufs.z, ko)?;
         check_len(OP, "ab", &*bufs.ab, 2 * hv)?;
-        check_len(OP, "o", &*bufs.o, GdnLayerBufs::o_len(ko))?;
+        check_len(OP, "o", &*bufs.o, ko)?;
         check_len(OP, "sync", &*bufs.sync, 2)?;
         if let Some(t) = &bufs.trace {
             check_len(OP, "trace", &**t, 16)?;
@@ -238,8 +227,6 @@ impl Gpu {
             z: self.addr_mut(bufs.z),
             ab: self.addr_mut(bufs.ab),
             o: self.addr_mut(bufs.o),
-            sz: 0,
-            gpart: 0,
             sync: self.addr_mut(bufs.sync),
             trace: bufs.trace.map_or(0, |t| self.addr_mut(t)),
             h: h as i32,
@@ -268,8 +255,6 @@ impl Gpu {
         let bits = layer.qkv.scheme.bits;
         let kernel = self.kernel(&format!("gdn_layer_m1_p{bits}_u{u}_o{o}"))?;
         a.trace = self.layer_trace(a.trace, kernel);
-        // silu(z) and the items' sums after o in its buffer.
-        (a.sz, a.gpart) = (a.o + 4 * ko as u64, a.o + 8 * ko as u64);
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments
         // and the kernel's shape limits are checked above; slot ids at or past `num_slots` (which
         // both pools hold) touch no state.
@@ -288,10 +273,10 @@ mod tests {
 
     #[test]
     fn the_argument_struct_has_the_kernels_layout() {
-        // 29 pointers, 10 ints, 4 floats, the trace pointer (gdn_layer.cu's GdnLayerArgs).
+        // 27 pointers, 10 ints, 4 floats, the trace pointer (gdn_layer.cu's GdnLayerArgs).
         assert_eq!(
             std::mem::size_of::<GdnLayerArgs>(),
-            29 * 8 + 10 * 4 + 4 * 4 + 8
+            27 * 8 + 10 * 4 + 4 * 4 + 8
         );
         assert_eq!(std::mem::align_of::<GdnLayerArgs>(), 8);
     }

@@ -82,7 +82,7 @@ fn bench_gdn_layer() {
         let mut qkv = g.zeros::<bf16>(cd).unwrap();
         let mut z = g.zeros::<bf16>(ko).unwrap();
         let mut ab = g.zeros::<f32>(2 * hv).unwrap();
-        let mut o = g.zeros::<f32>(GdnLayerBufs::o_len(ko)).unwrap();
+        let mut o = g.zeros::<f32>(ko).unwrap();
         let mut partials = g.zeros::<f32>(g.moe_layer_max_blocks()).unwrap();
         let mut sync = g.zeros::<u32>(2).unwrap();
         let mut trace = g.zeros::<u64>(16).unwrap();

@@ -40,14 +40,12 @@ pub fn pattern(n: usize, salt: u32) -> Vec<bf16> {
         .collect()
 }
 
-/// The medians over `n` traced launches of a persistent kernel's trace spans (name, from slot, to
-/// slot; the device's global timer in ns), as `name=µs` words: `traced(i)` runs launch `i` and returns
-/// its trace.
-pub fn trace_medians(
-    n: usize,
-    spans: &[(&str, usize, usize)],
-    mut traced: impl FnMut(usize) -> Vec<u64>,
-) -> String {
+/// The medians over `n` traced launches of a persistent layer kernel's trace spans
+/// (`sanmai_cuda::layer_phases` of `kernel`: name, from slot, to slot; the device's global timer in
+/// ns), as `name=µs` words: `traced(i)` runs launch `i` and returns its trace.
+pub fn trace_medians(n: usize, kernel: &str, mut traced: impl FnMut(usize) -> Vec<u64>) -> String {
+    let spans =
+        sanmai_cuda::layer_phases(kernel).unwrap_or_else(|| panic!("{kernel} has no trace phases"));
     let mut us: Vec<Vec<f64>> = vec![Vec::new(); spans.len()];
     for i in 0..n {
         let t = traced(i);

@@ -6,7 +6,6 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::layer_phases;
 use sanmai_cuda::{
     AttnDims, AttnLayer, AttnLayerBufs, CombineInto, KvPools, LayerRope, LayerSeq, PackedMat,
     PackedScheme,
@@ -129,14 +128,10 @@ fn bench_attn_layer() {
             });
         // The four projections (words and scales) and the K/V rows of the context.
         let bytes = (2 * hq * d + 2 * hkv * d) * (h + 4) + h * (hq * d + 4) + 2 * ctx * hkv * d * 2;
-        let phases = trace_medians(
-            40,
-            layer_phases("attn_layer").expect("the attn_layer trace's phases"),
-            |i| {
-                launch(i, Some(&mut trace));
-                g.download(&trace).unwrap()
-            },
-        );
+        let phases = trace_medians(40, "attn_layer", |i| {
+            launch(i, Some(&mut trace));
+            g.download(&trace).unwrap()
+        });
         let sync_after = g.download(&sync).unwrap();
         assert_eq!(
             sync_after,

@@ -6,7 +6,6 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::layer_phases;
 use sanmai_cuda::{
     CombineInto, DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools,
     PackedMat, PackedScheme,
@@ -127,14 +126,10 @@ fn bench_gdn_layer() {
         // The three projections (words and scales), the gates, the state read and written.
         let bytes = (cd + ko) * (h + 4) + h * (ko + 4) + 2 * hv * h * 2 + 2 * 4 * dims.state_len();
         // Block 0's phases over single launches.
-        let phases = trace_medians(
-            40,
-            layer_phases("gdn_layer").expect("the gdn_layer trace's phases"),
-            |i| {
-                launch(i, Some(&mut trace));
-                g.download(&trace).unwrap()
-            },
-        );
+        let phases = trace_medians(40, "gdn_layer", |i| {
+            launch(i, Some(&mut trace));
+            g.download(&trace).unwrap()
+        });
         // The counters are back at 0 after the launches.
         let sync_after = g.download(&sync).unwrap();
         assert_eq!(

@@ -7,7 +7,6 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::layer_phases;
 use sanmai_cuda::{
     CombineInto, Gpu, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
 };
@@ -143,14 +142,10 @@ fn bench_moe_layer() {
             + 3 * h * 4
             + TOP_K * (gu.bytes + dn.bytes);
         // Block 0's phases over single launches.
-        let phases = trace_medians(
-            40,
-            layer_phases("moe_layer").expect("the moe_layer trace's phases"),
-            |i| {
-                launch(&mut b, &xs[i % INPUTS], true);
-                g.download(&b.trace).unwrap()
-            },
-        );
+        let phases = trace_medians(40, "moe_layer", |i| {
+            launch(&mut b, &xs[i % INPUTS], true);
+            g.download(&b.trace).unwrap()
+        });
         // The counters are back at 0 after the launches.
         let sync_after = g.download(&b.sync).unwrap();
         assert_eq!(

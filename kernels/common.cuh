@@ -20,13 +20,6 @@ __device__ __forceinline__ void pdl_prologue() {
 #endif
 }
 
-// pdl_prologue after `started`, the value of what the kernel set going before it waits (copies of data
-// no kernel writes, such as its weight rows into shared memory): those overlap the kernel ahead.
-template <typename T>
-__device__ __forceinline__ void pdl_prologue_after(const T&) {
-    pdl_prologue();
-}
-
 // Bytes of an L2 prefetch request (one per thread of a block's first warp, as many rounds as needed).
 #define PDL_PREFETCH_PIECE 32768
 

@@ -319,45 +319,6 @@ __device__ __forceinline__ void gl_gate_row(const GdnLayerArgs& a, const bf16* x
     if (lane == 0) a.ab[i] = bf2f(f2bf(s));
 }
 
-// Phase 1's rows in rings: each warp's run, GL_RING_BYTES of dynamic shared memory a warp
-// (`GL_SMEM` a block, the barriers included: `GDN_LAYER_SMEM` in crates/cuda/src/ops/gdn_layer.rs).
-#define GL_RING_BYTES 10240
-#define GL_SMEM (ML_WARPS * (ML_RING_MAX * 8 + GL_RING_BYTES))
-extern __shared__ __align__(16) unsigned char gl_ring_smem[];
-
-// Warp gw's run of the packed q|k|v and z rows (c + hv·dv of them, split as evenly as the grid's nw
-// warps allow): rows r0 .. r0 + n − 1, each row_bytes.
-struct GlRun {
-    int r0, n;
-    u32 row_bytes;
-};
-template <int BITS>
-__device__ __forceinline__ GlRun gl_run(const GdnLayerArgs& a, int gw, int nw) {
-    const int rows = gl_conv_dim(a) + a.hv * a.dv, per = rows / nw, extra = rows - per * nw;
-    return GlRun{gw * per + min(gw, extra), per + (gw < extra ? 1 : 0), (u32)(a.h >> 5) * BITS * 4};
-}
-
-// Packed row i of phase 1: q|k|v row i, or z row i − c.
-template <int BITS>
-__device__ __forceinline__ const u32* gl_row_src(const GdnLayerArgs& a, int i) {
-    const int c = gl_conv_dim(a);
-    const size_t wpr = (size_t)(a.h >> 5) * BITS;
-    return i < c ? a.qkv_w + i * wpr : a.z_w + (i - c) * wpr;
-}
-
-// The prologue's work before the PDL wait: the warp's ring set up and its first rows asked for (the
-// weights no kernel writes).
-template <int BITS>
-__device__ __forceinline__ int gl_fill(const GdnLayerArgs& a) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int gw = blockIdx.x * ML_WARPS + warp, nw = gridDim.x * ML_WARPS;
-    const GlRun run = gl_run<BITS>(a, gw, nw);
-    const MlRing ring = ml_ring(gl_ring_smem, warp, GL_RING_BYTES, run.row_bytes, lane);
-#pragma unroll 1
-    for (int j = 0; j < min(run.n, ring.slots); ++j) ml_ring_fill(ring, j, gl_row_src<BITS>(a, run.r0 + j), lane);
-    return run.n;
-}
-
 template <int BITS, int GU, int OU>
 __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     __shared__ __align__(16) bf16 s_buf[GL_MAX_O];  // x (phase 1), then the normed o (phase 3)
@@ -376,52 +337,31 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     ml_stage_x(s_buf, a.x, a.h);
     __syncthreads();
 
-    // 1. The projections' rows: each warp a run of consecutive packed q|k|v then z rows, in its ring
-    // (filled before the PDL wait, gl_fill) and dotted B at a time, each batch's slots refilled with
-    // the run's next rows as soon as its words are in registers; the bf16 gate rows by the last warps
-    // of the grid first, while the rings fill.
+    // 1. The projections' rows: packed q|k|v then z rows in batches of B a warp, the bf16 gate rows
+    // by the last warps of the grid.
     {
         constexpr int B = GU == 2 ? 3 : 2;
-        const GlRun run = gl_run<BITS>(a, gw, nw);
-        const MlRing ring = ml_ring(gl_ring_smem, warp, GL_RING_BYTES, run.row_bytes, -1);
-#pragma unroll 1
-        for (int i = nw - 1 - gw; i < 2 * a.hv; i += nw) gl_gate_row<GU>(a, s_buf, i, lane);
-        // The per-row scales of the run, a lane a row (per-row schemes).
+        const size_t wpr = (size_t)(a.h >> 5) * BITS;
         const int qcols = (a.h + a.qkv_group - 1) / a.qkv_group, zcols = (a.h + a.z_group - 1) / a.z_group;
-        float sc = 0.0f;
-        if (lane < run.n) {
-            const int i = run.r0 + lane;
-            if (i < c ? a.qkv_group >= a.h : a.z_group >= a.h) sc = __ldg(i < c ? a.qkv_s + i : a.z_s + (i - c));
-        }
+        const int rows1 = c + zn;
 #pragma unroll 1
-        for (int j0 = 0; j0 < run.n; j0 += B) {
+        for (int i0 = gw; i0 < rows1; i0 += B * nw) {
             MlRow<BITS, GU> rows[B];
 #pragma unroll
             for (int b = 0; b < B; ++b) {
-                const int j = j0 + b, i = run.r0 + j;
-                const float rs = __shfl_sync(0xffffffffu, sc, j & 31);
-                if (j < run.n) {
-                    const u32 at = ml_ring_wait(ring, j);
-                    if (i < c)
-                        ml_load_s<BITS, 32, GU>(rows[b], at, a.qkv_s + (size_t)i * qcols, j < 32 ? rs : __ldg(a.qkv_s + i), a.h,
-                                                a.qkv_group, lane);
-                    else
-                        ml_load_s<BITS, 32, GU>(rows[b], at, a.z_s + (size_t)(i - c) * zcols,
-                                                j < 32 ? rs : __ldg(a.z_s + (i - c)), a.h, a.z_group, lane);
-                }
-            }
-            __syncwarp();
-#pragma unroll
-            for (int b = 0; b < B; ++b) {
-                const int j = j0 + b + ring.slots;
-                if (j < run.n) ml_ring_fill(ring, j, gl_row_src<BITS>(a, run.r0 + j), lane);
+                const int i = i0 + b * nw;
+                if (i < c)
+                    ml_load<BITS, 32, GU>(rows[b], a.qkv_w + i * wpr, a.qkv_s + (size_t)i * qcols, a.h, a.qkv_group, lane);
+                else if (i < rows1)
+                    ml_load<BITS, 32, GU>(rows[b], a.z_w + (i - c) * wpr, a.z_s + (size_t)(i - c) * zcols, a.h, a.z_group,
+                                          lane);
             }
             float d[B];
             ml_dots<BITS, 32, GU, true, B>(rows, s_buf, a.h, lane, d);
 #pragma unroll
             for (int b = 0; b < B; ++b) {
-                const int j = j0 + b, i = run.r0 + j;
-                if (j < run.n) {
+                const int i = i0 + b * nw;
+                if (i < rows1) {
                     const float s = warp_sum(d[b]);
                     if (lane == 0) {
                         if (i < c)
@@ -432,6 +372,8 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
                 }
             }
         }
+#pragma unroll 1
+        for (int i = nw - 1 - gw; i < 2 * a.hv; i += nw) gl_gate_row<GU>(a, s_buf, i, lane);
     }
     GlPre pre = {};
     if ((int)blockIdx.x < items2) gl_prefetch(a, blockIdx.x, slot, pos, pre);
@@ -486,12 +428,20 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     ml_finish(a.sync, a.trace);
 }
 
+// The q|k|v rows of this block's warps' first item (for the prologue's L2 prefetch).
+template <int BITS>
+__device__ __forceinline__ RowSpan gl_first_rows(const GdnLayerArgs& a) {
+    const long long row_bytes = (long long)(a.h >> 5) * BITS * 4;
+    const long long r0 = (long long)blockIdx.x * ML_WARPS, c = gl_conv_dim(a);
+    return RowSpan{(const char*)a.qkv_w + r0 * row_bytes, r0 < c ? min((long long)ML_WARPS, c - r0) * row_bytes : 0};
+}
+
 // Entry points: projections of BITS bits (q|k|v, z and out_proj of one width), GU units of 32 values a
 // lane in the h-wide dots (h ≤ 1024 · GU), OU in the out_proj dots (hv · dv ≤ 1024 · OU). Grid:
 // blocks_per_sm · multiprocessors blocks of ML_THREADS threads, launched cooperatively.
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p8_u2_o4(const GdnLayerArgs a) { pdl_prologue_after(gl_fill<8>(a)); gdn_layer_m1<8, 2, 4>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p8_u3_o6(const GdnLayerArgs a) { pdl_prologue_after(gl_fill<8>(a)); gdn_layer_m1<8, 3, 6>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p6_u2_o4(const GdnLayerArgs a) { pdl_prologue_after(gl_fill<6>(a)); gdn_layer_m1<6, 2, 4>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p6_u3_o6(const GdnLayerArgs a) { pdl_prologue_after(gl_fill<6>(a)); gdn_layer_m1<6, 3, 6>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p4_u2_o4(const GdnLayerArgs a) { pdl_prologue_after(gl_fill<4>(a)); gdn_layer_m1<4, 2, 4>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p4_u3_o6(const GdnLayerArgs a) { pdl_prologue_after(gl_fill<4>(a)); gdn_layer_m1<4, 3, 6>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p8_u2_o4(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<8>(a)); gdn_layer_m1<8, 2, 4>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p8_u3_o6(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<8>(a)); gdn_layer_m1<8, 3, 6>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p6_u2_o4(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<6>(a)); gdn_layer_m1<6, 2, 4>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p6_u3_o6(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<6>(a)); gdn_layer_m1<6, 3, 6>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p4_u2_o4(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<4>(a)); gdn_layer_m1<4, 2, 4>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p4_u3_o6(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<4>(a)); gdn_layer_m1<4, 3, 6>(a); }

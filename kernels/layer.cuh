@@ -65,101 +65,6 @@ __device__ __forceinline__ void ml_finish(u32* sync, unsigned long long* trace) 
     }
 }
 
-// A warp's ring of weight rows in shared memory (a row phase's operands asked for all at once, no
-// registers held while they arrive): `slots` slots of `bytes` at shared address `buf`, one mbarrier a
-// slot at `bars`. Row j of the warp's run goes to slot j % slots; on sm_90 the copy engine fills a slot
-// (cp.async.bulk, completing phase (j / slots) & 1 of its barrier), before sm_90 the warp's lanes do
-// (cp.async, waited for all at once). The dynamic shared memory a launch gives its warps' rings:
-// ML_WARPS · (ML_RING_MAX · 8 + ring bytes), the barriers first.
-#define ML_RING_MAX 8
-struct MlRing {
-    u32 buf, bars, bytes;
-    int slots;
-};
-
-// Warp `warp`'s ring in the dynamic shared memory at `base` (ring_bytes a warp) for rows of row_bytes
-// (a multiple of 16, at most ring_bytes); lane 0 sets its barriers up.
-__device__ __forceinline__ MlRing ml_ring(void* base, int warp, u32 ring_bytes, u32 row_bytes, int lane) {
-    const u32 b = (u32)__cvta_generic_to_shared(base);
-    MlRing r;
-    r.bars = b + (u32)(warp * ML_RING_MAX * 8);
-    r.buf = b + (u32)(ML_WARPS * ML_RING_MAX * 8) + (u32)warp * ring_bytes;
-    r.bytes = row_bytes;
-    r.slots = min(ML_RING_MAX, (int)(ring_bytes / row_bytes));
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (lane == 0) {
-        for (int s = 0; s < r.slots; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(r.bars + 8 * s) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
-#endif
-    __syncwarp();
-    return r;
-}
-
-// Row j of the warp's run (src: 16-byte aligned, r.bytes) into its slot. Every lane calls it.
-__device__ __forceinline__ void ml_ring_fill(const MlRing& r, int j, const void* src, int lane) {
-    const int s = j % r.slots;
-    const u32 dst = r.buf + (u32)s * r.bytes;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (lane == 0) {
-        const u32 bar = r.bars + 8 * s;
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(r.bytes) : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-                     "l"(src), "r"(r.bytes), "r"(bar)
-                     : "memory");
-    }
-#else
-    for (u32 q = (u32)lane; q < (r.bytes >> 4); q += 32)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst + 16 * q), "l"((const char*)src + 16 * q) : "memory");
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Waits until row j of the warp's run is in its slot (every lane); returns the slot's shared address.
-__device__ __forceinline__ u32 ml_ring_wait(const MlRing& r, int j) {
-    const int s = j % r.slots;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const u32 bar = r.bars + 8 * s, parity = (u32)(j / r.slots) & 1u;
-    u32 done;
-    do {
-        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                     : "=r"(done)
-                     : "r"(bar), "r"(parity)
-                     : "memory");
-    } while (!done);
-#else
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncwarp();
-#endif
-    return r.buf + (u32)s * r.bytes;
-}
-
-__device__ __forceinline__ uint4 lds4(u32 a) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-    return v;
-}
-__device__ __forceinline__ uint2 lds2(u32 a) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
-    return v;
-}
-
-// Unit u's words of a packed row at shared address row, as PackedUnit<BITS, ..>::load lays them out.
-template <int BITS>
-__device__ __forceinline__ void ml_unit_s(u32 row, int u, u32* w) {
-    if (BITS == 4) {
-        const uint4 v = lds4(row + 16 * u);
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    } else if (BITS == 8) {
-        const uint4 v = lds4(row + 32 * u), v2 = lds4(row + 32 * u + 16);
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w; w[4] = v2.x; w[5] = v2.y; w[6] = v2.z; w[7] = v2.w;
-    } else {
-        const uint2 v = lds2(row + 24 * u), v2 = lds2(row + 24 * u + 8), v3 = lds2(row + 24 * u + 16);
-        w[0] = v.x; w[1] = v.y; w[2] = v2.x; w[3] = v2.y; w[4] = v3.x; w[5] = v3.y;
-    }
-}
-
 // One packed row's units a lane takes (units sub, sub + G, ... below MAXU · G) and their scales.
 template <int BITS, int MAXU>
 struct MlRow {
@@ -177,22 +82,6 @@ __device__ __forceinline__ void ml_load(MlRow<BITS, MAXU>& r, const u32* __restr
         if (u < units) {
             PackedUnit<BITS, true>::load(wr, u, r.w[i]);
             r.s[i] = __ldg(sr + scale_group(u << 5, k, group));
-        }
-    }
-}
-
-// ml_load of a row in a ring slot (shared address row), its scales from global memory: the scale of
-// per-row schemes given (`row_scale`, group ≥ k), else loaded.
-template <int BITS, int G, int MAXU>
-__device__ __forceinline__ void ml_load_s(MlRow<BITS, MAXU>& r, u32 row, const float* __restrict__ sr, float row_scale, int k,
-                                          int group, int sub) {
-    const int units = k >> 5;
-#pragma unroll
-    for (int i = 0; i < MAXU; ++i) {
-        const int u = sub + i * G;
-        if (u < units) {
-            ml_unit_s<BITS>(row, u, r.w[i]);
-            r.s[i] = group >= k ? row_scale : __ldg(sr + scale_group(u << 5, k, group));
         }
     }
 }

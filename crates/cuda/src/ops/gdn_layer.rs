@@ -23,10 +23,6 @@ const MAX_DV: usize = 128;
 const MAX_CONV: usize = 4;
 const MAX_O: usize = 6144;
 const MAX_H: usize = 3072;
-/// Each warp's ring of phase-1 rows (`GL_RING_BYTES`), and the dynamic shared memory of a launch: eight
-/// warps' rings and their eight barriers each (`GL_SMEM`).
-const RING_BYTES: usize = 10240;
-const SMEM: usize = 8 * (8 * 8 + RING_BYTES);
 
 /// The kernel's arguments (`GdnLayerArgs` in gdn_layer.cu, field for field).
 #[repr(C)]
@@ -152,11 +148,7 @@ impl Gpu {
             && unit_scheme(qkv, bits, h)
             && unit_scheme(z, bits, h)
             && unit_scheme(out, bits, ko);
-        // Phase 1's rows go through the warps' rings whole, in 16-byte pieces, a batch of up to three
-        // rows in distinct slots.
-        let row = h / 32 * bits as usize * 4;
-        let ring = row.is_multiple_of(16) && 3 * row <= RING_BYTES;
-        shape && schemes && ring && self.info().cooperative_launch
+        shape && schemes && self.info().cooperative_launch
     }
 
     /// A GDN mixer's decode step of one token `x` (`[h]` bf16, the layer's normed input) in one
@@ -252,11 +244,9 @@ impl Gpu {
             ..GdnLayerArgs::default()
         };
         ensure(
-            [a.x, a.w_b, a.w_a, a.qkv_w, a.z_w]
-                .iter()
-                .all(|p| p.is_multiple_of(16)),
+            [a.x, a.w_b, a.w_a].iter().all(|p| p.is_multiple_of(16)),
             OP,
-            || "x, the gate weights and the q|k|v and z words must be 16-byte aligned".into(),
+            || "x and the gate weights must be 16-byte aligned".into(),
         )?;
         let out = self.layer_row_out(OP, into, h)?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
@@ -269,8 +259,9 @@ impl Gpu {
         // and the kernel's shape limits are checked above; slot ids at or past `num_slots` (which
         // both pools hold) touch no state.
         unsafe {
-            self.launch_layer(OP, (kernel, SMEM, h), bufs.partials, |partials| {
-                GdnLayerArgs { partials, ..a }
+            self.launch_layer(OP, (kernel, 0, h), bufs.partials, |partials| GdnLayerArgs {
+                partials,
+                ..a
             })
         }
     }

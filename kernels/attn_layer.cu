@@ -4,10 +4,10 @@
 // and o_proj with the residual add and the next norm (gemv_q*_m1_norm). Every block of one cooperative
 // grid (as many as the multiprocessors hold, layer.cuh) works through four phases, separated by grid
 // barriers:
-//   1. the projections' rows, a warp a row, several rows' loads in flight a warp (the first batch's
-//      before the PDL wait; x staged once a block in shared memory), each rounded to bf16 as the
-//      projection launch writes them; meanwhile each block asks for the first AL_STAGES − 1 K/V tiles
-//      of its phase-2 item (cached positions, which no phase writes);
+//   1. the projections' rows, a warp a row, several rows' loads in flight a warp (x staged once a block
+//      in shared memory), each rounded to bf16 as the projection launch writes them; meanwhile each block
+//      asks for the first AL_STAGES − 1 K/V tiles of its phase-2 item (cached positions, which no phase
+//      writes);
 //   2. an item is one KV head's span of AL_TILE-position tiles (the context split over the grid): each
 //      warp takes one query head of the KV head's group, its q normed (1 + w), roped and rounded to bf16
 //      as qk_norm_rope_bf16 writes it (the norm weights and the rotation's cos and sin read once a
@@ -377,35 +377,30 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
     const int gw = blockIdx.x * ML_WARPS + warp, nw = gridDim.x * ML_WARPS;
     const bool norm = a.acc != nullptr;
     const int nq = 2 * a.hq * AL_D, nkv = a.hkv * AL_D, rows1 = nq + 2 * nkv, ko = a.hq * AL_D;
-    constexpr int B = GU == 2 ? 3 : 2;
-    const size_t wpr = (size_t)(a.h >> 5) * BITS;
-    const int cols = (a.h + a.qkv_group - 1) / a.qkv_group;
-    MlRow<BITS, GU> rows[B];
-    // The warp's first batch of phase-1 rows is asked for before the PDL wait (weights: no kernel
-    // writes them), so that it arrives while the launch ahead ends.
-    auto load_batch = [&](int i0) {
-#pragma unroll
-        for (int b = 0; b < B; ++b) {
-            const int i = i0 + b * nw;
-            if (i < rows1) {
-                const u32* w = i < nq ? a.q_w : i < nq + nkv ? a.k_w : a.v_w;
-                const float* s = i < nq ? a.q_s : i < nq + nkv ? a.k_s : a.v_s;
-                const int r = i < nq ? i : i < nq + nkv ? i - nq : i - nq - nkv;
-                ml_load<BITS, 32, GU>(rows[b], w + r * wpr, s + (size_t)r * cols, a.h, a.qkv_group, lane);
-            }
-        }
-    };
-    load_batch(gw);
-    pdl_wait();
     const AlSplit sp = al_split(a);
     const int items2 = a.hkv * sp.splits;
     ml_mark(a.trace, 0);
     ml_stage_x(s_buf, a.x, a.h);
     __syncthreads();
+
+    // 1. The projections' rows: q|gate, then k, then v rows, in batches of B a warp.
     {
+        constexpr int B = GU == 2 ? 3 : 2;
+        const size_t wpr = (size_t)(a.h >> 5) * BITS;
+        const int cols = (a.h + a.qkv_group - 1) / a.qkv_group;
 #pragma unroll 1
         for (int i0 = gw; i0 < rows1; i0 += B * nw) {
-            if (i0 != gw) load_batch(i0);
+            MlRow<BITS, GU> rows[B];
+#pragma unroll
+            for (int b = 0; b < B; ++b) {
+                const int i = i0 + b * nw;
+                if (i < rows1) {
+                    const u32* w = i < nq ? a.q_w : i < nq + nkv ? a.k_w : a.v_w;
+                    const float* s = i < nq ? a.q_s : i < nq + nkv ? a.k_s : a.v_s;
+                    const int r = i < nq ? i : i < nq + nkv ? i - nq : i - nq - nkv;
+                    ml_load<BITS, 32, GU>(rows[b], w + r * wpr, s + (size_t)r * cols, a.h, a.qkv_group, lane);
+                }
+            }
             float d[B];
             ml_dots<BITS, 32, GU, true, B>(rows, s_buf, a.h, lane, d);
 #pragma unroll
@@ -498,6 +493,6 @@ __device__ __forceinline__ RowSpan al_first_rows(const AttnLayerArgs& a) {
 // a lane in the h-wide dots (h ≤ 2048), 4 in the o_proj dots (hq · d ≤ 4096). Grid: blocks_per_sm ·
 // multiprocessors blocks of ML_THREADS threads, launched cooperatively; dynamic shared memory
 // AL_STAGES · 16 KiB (4 stages from sm_90 on, else 2).
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p8_u2_o4(const AttnLayerArgs a) { pdl_prologue_deferred(al_first_rows<8>(a)); attn_layer_m1<8, 2, 4>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p6_u2_o4(const AttnLayerArgs a) { pdl_prologue_deferred(al_first_rows<6>(a)); attn_layer_m1<6, 2, 4>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p4_u2_o4(const AttnLayerArgs a) { pdl_prologue_deferred(al_first_rows<4>(a)); attn_layer_m1<4, 2, 4>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p8_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<8>(a)); attn_layer_m1<8, 2, 4>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p6_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<6>(a)); attn_layer_m1<6, 2, 4>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p4_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<4>(a)); attn_layer_m1<4, 2, 4>(a); }

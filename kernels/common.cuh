@@ -87,24 +87,6 @@ struct RowSpan {
 // pdl_prologue_prefetch of a block's weight rows.
 __device__ __forceinline__ void pdl_prologue_prefetch(RowSpan r) { pdl_prologue_prefetch(r.p, r.bytes); }
 
-// The prologue of a kernel that waits later: L2 asked for the block's span r and the next kernel let
-// in now. The kernel calls pdl_wait() before it reads another kernel's output or writes what another
-// kernel reads; before that it may load only what no kernel writes (its weights), and those loads
-// overlap the end of the kernel ahead.
-__device__ __forceinline__ void pdl_prologue_deferred(RowSpan r) {
-    l2_prefetch(r.p, r.bytes);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-// The wait of a kernel that opened with pdl_prologue_deferred.
-__device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // The weight rows of row-slot GEMV block `block` of a segment (256 threads in slots of 2^tpr_log2
 // threads, rps rows a slot, row_bytes a row): none for a block past n.
 __device__ __forceinline__ RowSpan gemv_slot_span(const GemvSeg& s, long long row_bytes) {

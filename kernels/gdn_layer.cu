@@ -3,10 +3,10 @@
 // the GDN step (conv, delta rule, gated RMSNorm: gdn_decode_fused_gates) and the output projection
 // with the residual add and the next norm (gemv_q*_m1_norm). Every block of one cooperative grid (as
 // many as the multiprocessors hold, layer.cuh) works through three phases, separated by grid barriers:
-//   1. the projections' rows, a warp a row, several rows' loads in flight a warp (the first batch's
-//      before the PDL wait; x staged once a block in shared memory), each rounded to bf16 as the
-//      projection launches write them; meanwhile nothing of phase 2 waits: its state columns, conv
-//      ring entries and conv weights are asked for before the barrier;
+//   1. the projections' rows, a warp a row, several rows' loads in flight a warp (x staged once a
+//      block in shared memory), each rounded to bf16 as the projection launches write them; meanwhile
+//      nothing of phase 2 waits: its state columns, conv ring entries and conv weights are asked for
+//      before the barrier;
 //   2. an item is one value head's GL_TC value columns (hv · dv / GL_TC items over the blocks): the conv
 //      and SiLU of the head's q and k and of its columns' v against the ring (the ring entry of this
 //      position written once: q, k by the first column tile of a key group's first value head, v by its
@@ -330,36 +330,32 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     const int gw = blockIdx.x * ML_WARPS + warp, nw = gridDim.x * ML_WARPS;
     const bool norm = a.acc != nullptr;
     const int c = gl_conv_dim(a), zn = a.hv * a.dv;
-    constexpr int B = GU == 2 ? 3 : 2;
-    const size_t wpr = (size_t)(a.h >> 5) * BITS;
-    const int qcols = (a.h + a.qkv_group - 1) / a.qkv_group, zcols = (a.h + a.z_group - 1) / a.z_group;
-    const int rows1 = c + zn;
-    MlRow<BITS, GU> rows[B];
-    // The warp's first batch of phase-1 rows is asked for before the PDL wait (weights: no kernel
-    // writes them), so that it arrives while the launch ahead ends.
-    auto load_batch = [&](int i0) {
-#pragma unroll
-        for (int b = 0; b < B; ++b) {
-            const int i = i0 + b * nw;
-            if (i < c)
-                ml_load<BITS, 32, GU>(rows[b], a.qkv_w + i * wpr, a.qkv_s + (size_t)i * qcols, a.h, a.qkv_group, lane);
-            else if (i < rows1)
-                ml_load<BITS, 32, GU>(rows[b], a.z_w + (i - c) * wpr, a.z_s + (size_t)(i - c) * zcols, a.h, a.z_group,
-                                      lane);
-        }
-    };
-    load_batch(gw);
-    pdl_wait();
     const u32 slot = a.slots[0], pos = a.positions[0];
     const bool live = slot < (u32)a.num_slots;
     const int items2 = live ? a.hv * (a.dv / GL_TC) : 0;
     ml_mark(a.trace, 0);
     ml_stage_x(s_buf, a.x, a.h);
     __syncthreads();
+
+    // 1. The projections' rows: packed q|k|v then z rows in batches of B a warp, the bf16 gate rows
+    // by the last warps of the grid.
     {
+        constexpr int B = GU == 2 ? 3 : 2;
+        const size_t wpr = (size_t)(a.h >> 5) * BITS;
+        const int qcols = (a.h + a.qkv_group - 1) / a.qkv_group, zcols = (a.h + a.z_group - 1) / a.z_group;
+        const int rows1 = c + zn;
 #pragma unroll 1
         for (int i0 = gw; i0 < rows1; i0 += B * nw) {
-            if (i0 != gw) load_batch(i0);
+            MlRow<BITS, GU> rows[B];
+#pragma unroll
+            for (int b = 0; b < B; ++b) {
+                const int i = i0 + b * nw;
+                if (i < c)
+                    ml_load<BITS, 32, GU>(rows[b], a.qkv_w + i * wpr, a.qkv_s + (size_t)i * qcols, a.h, a.qkv_group, lane);
+                else if (i < rows1)
+                    ml_load<BITS, 32, GU>(rows[b], a.z_w + (i - c) * wpr, a.z_s + (size_t)(i - c) * zcols, a.h, a.z_group,
+                                          lane);
+            }
             float d[B];
             ml_dots<BITS, 32, GU, true, B>(rows, s_buf, a.h, lane, d);
 #pragma unroll
@@ -443,9 +439,9 @@ __device__ __forceinline__ RowSpan gl_first_rows(const GdnLayerArgs& a) {
 // Entry points: projections of BITS bits (q|k|v, z and out_proj of one width), GU units of 32 values a
 // lane in the h-wide dots (h ≤ 1024 · GU), OU in the out_proj dots (hv · dv ≤ 1024 · OU). Grid:
 // blocks_per_sm · multiprocessors blocks of ML_THREADS threads, launched cooperatively.
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p8_u2_o4(const GdnLayerArgs a) { pdl_prologue_deferred(gl_first_rows<8>(a)); gdn_layer_m1<8, 2, 4>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p8_u3_o6(const GdnLayerArgs a) { pdl_prologue_deferred(gl_first_rows<8>(a)); gdn_layer_m1<8, 3, 6>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p6_u2_o4(const GdnLayerArgs a) { pdl_prologue_deferred(gl_first_rows<6>(a)); gdn_layer_m1<6, 2, 4>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p6_u3_o6(const GdnLayerArgs a) { pdl_prologue_deferred(gl_first_rows<6>(a)); gdn_layer_m1<6, 3, 6>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p4_u2_o4(const GdnLayerArgs a) { pdl_prologue_deferred(gl_first_rows<4>(a)); gdn_layer_m1<4, 2, 4>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p4_u3_o6(const GdnLayerArgs a) { pdl_prologue_deferred(gl_first_rows<4>(a)); gdn_layer_m1<4, 3, 6>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p8_u2_o4(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<8>(a)); gdn_layer_m1<8, 2, 4>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p8_u3_o6(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<8>(a)); gdn_layer_m1<8, 3, 6>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p6_u2_o4(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<6>(a)); gdn_layer_m1<6, 2, 4>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p6_u3_o6(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<6>(a)); gdn_layer_m1<6, 3, 6>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p4_u2_o4(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<4>(a)); gdn_layer_m1<4, 2, 4>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) gdn_layer_m1_p4_u3_o6(const GdnLayerArgs a) { pdl_prologue_prefetch(gl_first_rows<4>(a)); gdn_layer_m1<4, 3, 6>(a); }

@@ -80,46 +80,27 @@ struct MoeLayerArgs {
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns), for the bench
 };
 
-// Phase 1, one item: router row i < e (+ the gate row at e), else shared gate|up row i - e - gate. Its
-// words (ml_phase1_load; a warp's first item's before the PDL wait: weights), then its dot with x.
+// Phase 1, one item: router row i < e (+ the gate row at e), else shared gate|up row i - e - gate.
 template <int SB, int GU>
-struct MlP1 {
-    uint4 wv[4 * GU];   // a router (or gate) row's bf16 chunks
-    MlRow<SB, GU> row;  // or a shared gate|up row's units
-};
-
-template <int SB, int GU>
-__device__ __forceinline__ void ml_phase1_load(const MoeLayerArgs& a, int i, int lane, MlP1<SB, GU>& p) {
+__device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, const bf16* xs, int i, int lane) {
     const int gate_rows = a.shared_gate ? 1 : 0;
     if (i < a.e + gate_rows) {
         const uint4* wr = i < a.e ? (const uint4*)(a.router + (size_t)i * a.h) : (const uint4*)a.shared_gate;
+        const uint4* x4 = (const uint4*)xs;
         const int chunks = a.h >> 3;
+        uint4 wv[4 * GU];
 #pragma unroll
         for (int j = 0; j < 4 * GU; ++j) {
             const int c = lane + 32 * j;
-            if (c < chunks) p.wv[j] = __ldcs(wr + c);
+            if (c < chunks) wv[j] = __ldcs(wr + c);
         }
-    } else {
-        const int r = i - a.e - gate_rows;
-        const size_t wpr = (size_t)(a.h >> 5) * SB;
-        const int scols = (a.h + a.sgu_group - 1) / a.sgu_group;
-        ml_load<SB, 32, GU>(p.row, a.sgu_w + r * wpr, a.sgu_s + (size_t)r * scols, a.h, a.sgu_group, lane);
-    }
-}
-
-template <int SB, int GU>
-__device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, const bf16* xs, int i, int lane, const MlP1<SB, GU>& p) {
-    const int gate_rows = a.shared_gate ? 1 : 0;
-    if (i < a.e + gate_rows) {
-        const uint4* x4 = (const uint4*)xs;
-        const int chunks = a.h >> 3;
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < 4 * GU; ++j) {
             const int c = lane + 32 * j;
             if (c < chunks) {
                 float wf[8], xf[8];
-                unpack8(p.wv[j], wf);
+                unpack8(wv[j], wf);
                 unpack8(x4[ml_xs_chunk(c)], xf);
 #pragma unroll
                 for (int q = 0; q < 8; ++q) s = fmaf(wf[q], xf[q], s);
@@ -130,7 +111,11 @@ __device__ __forceinline__ void ml_phase1_item(const MoeLayerArgs& a, const bf16
         if (lane == 0) a.logits[i] = i < a.e ? s : bf2f(f2bf(s));
     } else {
         const int r = i - a.e - gate_rows;
-        const float s = warp_sum(ml_dot<SB, 32, GU, true>(p.row, xs, a.h, lane));
+        const size_t wpr = (size_t)(a.h >> 5) * SB;
+        const int scols = (a.h + a.sgu_group - 1) / a.sgu_group;
+        MlRow<SB, GU> row;
+        ml_load<SB, 32, GU>(row, a.sgu_w + r * wpr, a.sgu_s + (size_t)r * scols, a.h, a.sgu_group, lane);
+        const float s = warp_sum(ml_dot<SB, 32, GU, true>(row, xs, a.h, lane));
         if (lane == 0) a.sgu[r] = f2bf(s);
     }
 }
@@ -333,21 +318,15 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     const int gw = blockIdx.x * ML_WARPS + warp, nw = gridDim.x * ML_WARPS;
     const bool shared = a.shared_gate != nullptr;
     const bool norm = a.acc != nullptr;
-    // 1. Router logits and the shared expert's gate|up rows (the warp's first item's words asked for
-    // before the PDL wait).
-    const int items1 = a.e + (shared ? 1 + 2 * a.si : 0);
-    MlP1<SB, GU> p1;
-    if (gw < items1) ml_phase1_load<SB, GU>(a, gw, lane, p1);
-    pdl_wait();
     ml_mark(a.trace, 0);
     ml_prefetch_tables(a);
     ml_stage_x(s_x, a.x, a.h);
     __syncthreads();
+
+    // 1. Router logits and the shared expert's gate|up rows.
+    const int items1 = a.e + (shared ? 1 + 2 * a.si : 0);
 #pragma unroll 1
-    for (int i = gw; i < items1; i += nw) {
-        if (i != gw) ml_phase1_load<SB, GU>(a, i, lane, p1);
-        ml_phase1_item<SB, GU>(a, s_x, i, lane, p1);
-    }
+    for (int i = gw; i < items1; i += nw) ml_phase1_item<SB, GU>(a, s_x, i, lane);
     MlRow<SB, ML_DUNITS> srow;
     if (warp > 0 && shared) ml_shared_first<SB>(a, srow, warp, lane);
     ml_mark(a.trace, 1);
@@ -499,9 +478,9 @@ __device__ __forceinline__ RowSpan ml_router_span(const MoeLayerArgs& a) {
 // units of 32 values a lane in the h-wide dots (h ≤ 1024 · GU). Grid: blocks_per_sm · multiprocessors
 // blocks of ML_THREADS threads, launched cooperatively; dynamic shared memory 2 · k · inter bytes
 // (rounded up to 16).
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s4_u2(const MoeLayerArgs a) { pdl_prologue_deferred(ml_router_span(a)); moe_layer_m1<4, 4, 2>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s6_u2(const MoeLayerArgs a) { pdl_prologue_deferred(ml_router_span(a)); moe_layer_m1<4, 6, 2>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s8_u2(const MoeLayerArgs a) { pdl_prologue_deferred(ml_router_span(a)); moe_layer_m1<4, 8, 2>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s4_u3(const MoeLayerArgs a) { pdl_prologue_deferred(ml_router_span(a)); moe_layer_m1<4, 4, 3>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s6_u3(const MoeLayerArgs a) { pdl_prologue_deferred(ml_router_span(a)); moe_layer_m1<4, 6, 3>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s8_u3(const MoeLayerArgs a) { pdl_prologue_deferred(ml_router_span(a)); moe_layer_m1<4, 8, 3>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s4_u2(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 4, 2>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s6_u2(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 6, 2>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s8_u2(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 8, 2>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s4_u3(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 4, 3>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s6_u3(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 6, 3>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) moe_layer_m1_q4_s8_u3(const MoeLayerArgs a) { pdl_prologue_prefetch(ml_router_span(a)); moe_layer_m1<4, 8, 3>(a); }

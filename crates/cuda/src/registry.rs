@@ -144,13 +144,8 @@ pub const SOURCES: &[Source] = &[
 ];
 
 /// The statements a kernel may open with to take part in programmatic dependent launch
-/// (`common.cuh`): the plain prologue, the one that first asks L2 for the block's weights, or the one
-/// that defers the wait to the kernel's `pdl_wait()` (after it has asked for its first weight rows).
-pub const PDL_PROLOGUES: [&str; 3] = [
-    "pdl_prologue();",
-    "pdl_prologue_prefetch(",
-    "pdl_prologue_deferred(",
-];
+/// (`common.cuh`): the plain prologue, or the one that first asks L2 for the block's weights.
+pub const PDL_PROLOGUES: [&str; 2] = ["pdl_prologue();", "pdl_prologue_prefetch("];
 
 /// Whether the kernel `name` of `src` opens its body with one of [`PDL_PROLOGUES`]: only such kernels
 /// may be launched before the kernel ahead of them on the stream has finished (their first statement

@@ -481,9 +481,11 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
     ml_finish(a.sync, a.trace);
 }
 
-// The q|gate rows of this block's warps' first item (for the prologue's L2 prefetch).
+// The q|gate rows of this block's warps' first item (for the prologue's L2 prefetch); the block's
+// entry marked (ml_entered).
 template <int BITS>
 __device__ __forceinline__ RowSpan al_first_rows(const AttnLayerArgs& a) {
+    ml_entered(a.trace);
     const long long row_bytes = (long long)(a.h >> 5) * BITS * 4;
     const long long r0 = (long long)blockIdx.x * ML_WARPS, nq = 2ll * a.hq * AL_D;
     return RowSpan{(const char*)a.q_w + r0 * row_bytes, r0 < nq ? min((long long)ML_WARPS, nq - r0) * row_bytes : 0};

@@ -428,9 +428,11 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     ml_finish(a.sync, a.trace);
 }
 
-// The q|k|v rows of this block's warps' first item (for the prologue's L2 prefetch).
+// The q|k|v rows of this block's warps' first item (for the prologue's L2 prefetch); the block's
+// entry marked (ml_entered).
 template <int BITS>
 __device__ __forceinline__ RowSpan gl_first_rows(const GdnLayerArgs& a) {
+    ml_entered(a.trace);
     const long long row_bytes = (long long)(a.h >> 5) * BITS * 4;
     const long long r0 = (long long)blockIdx.x * ML_WARPS, c = gl_conv_dim(a);
     return RowSpan{(const char*)a.qkv_w + r0 * row_bytes, r0 < c ? min((long long)ML_WARPS, c - r0) * row_bytes : 0};

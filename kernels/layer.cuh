@@ -23,6 +23,17 @@ __device__ __forceinline__ void ml_mark(unsigned long long* trace, int i) {
     }
 }
 
+// A block's entry, before its PDL wait (when given a trace): block 0's time into slot 14, the latest
+// block's into slot 15 (each replay's entries are later than the last's, so a max keeps this one's).
+__device__ __forceinline__ void ml_entered(unsigned long long* trace) {
+    if (trace != nullptr && threadIdx.x == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        if (blockIdx.x == 0) trace[14] = t;
+        atomicMax(trace + 15, t);
+    }
+}
+
 // A grid-wide barrier: every block's writes before it are visible to every block after it (through
 // L2). `target`: the arrivals that complete this barrier (phase · gridDim.x). The block's barrier
 // orders its threads' writes before thread 0's release-add, whose acquire loads see the others'

@@ -466,8 +466,9 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
 }
 
 // The router rows of this block's share (a contiguous slice of the router, for the prologue's L2
-// prefetch).
+// prefetch); the block's entry marked (ml_entered).
 __device__ __forceinline__ RowSpan ml_router_span(const MoeLayerArgs& a) {
+    ml_entered(a.trace);
     const long long bytes = (long long)a.e * a.h * 2;
     const long long per = ((bytes + gridDim.x - 1) / gridDim.x + 15) & ~15ll;
     const long long b0 = (long long)blockIdx.x * per;

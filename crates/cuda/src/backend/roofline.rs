@@ -170,6 +170,8 @@ mod tests {
         assert_eq!(moe["from_last_exit"], 2.0);
         assert_eq!(moe["router_shared_gu"], 1.0);
         assert_eq!(moe["b1_skew"], 9.0);
+        // Block 0's entry (slot 14) to the latest block's (slot 15).
+        assert_eq!(moe["entry_skew"], 1.0);
         assert_eq!(t[0].spans[0].0, "from_last_exit");
         assert_eq!(
             t[0].spans.len(),

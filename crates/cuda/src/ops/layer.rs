@@ -25,7 +25,9 @@ pub type Phase = (&'static str, usize, usize);
 /// The phases of each persistent layer kernel's trace (block 0's `ml_mark` slots, kernels/layer.cuh),
 /// by the kernel name's prefix: (name, from slot, to slot). Slot 9 is the last block's exit and slot
 /// 10 + p the last block's arrival at barrier p: from block 0's arrival to it is the blocks'
-/// imbalance (`skew`), from it to block 0's leaving the barrier itself (`release`).
+/// imbalance (`skew`), from it to block 0's leaving the barrier itself (`release`). Slot 14 is block
+/// 0's entry before its PDL wait (`ml_entered`), slot 15 the latest block's: `pdl_wait` is from block
+/// 0's entry to its first mark, `entry_skew` from it to the last block's entry.
 const LAYER_PHASES: [(&str, &[Phase]); 3] = [
     (
         "moe_layer",
@@ -43,6 +45,8 @@ const LAYER_PHASES: [(&str, &[Phase]); 3] = [
             ("b1_release", 10, 2),
             ("b2_skew", 4, 11),
             ("b2_release", 11, 5),
+            ("pdl_wait", 14, 0),
+            ("entry_skew", 14, 15),
         ],
     ),
     (
@@ -60,6 +64,8 @@ const LAYER_PHASES: [(&str, &[Phase]); 3] = [
             ("b1_release", 10, 2),
             ("b2_skew", 3, 11),
             ("b2_release", 11, 4),
+            ("pdl_wait", 14, 0),
+            ("entry_skew", 14, 15),
         ],
     ),
     (
@@ -78,6 +84,8 @@ const LAYER_PHASES: [(&str, &[Phase]); 3] = [
             ("b2_skew", 3, 11),
             ("b2_release", 11, 4),
             ("b3_skew", 5, 12),
+            ("pdl_wait", 14, 0),
+            ("entry_skew", 14, 15),
         ],
     ),
 ];

@@ -30,6 +30,39 @@ pub fn time(g: &Gpu, warm: usize, iters: usize, mut f: impl FnMut()) -> f64 {
     start.elapsed_ms(&end).unwrap() as f64 / 1e3 / iters as f64
 }
 
+/// Bytes [`L2Flush`] writes: more than the L2 of the GPUs the benches run on (50 MB on an H100 or H200).
+const FLUSH_BYTES: usize = 128 << 20;
+
+/// A buffer larger than L2, written before a launch so that the launch finds its weights and code in
+/// DRAM, as a layer launch inside a decode step does (the other layers' weights passed through L2
+/// since its last run). A layer bench's launches one after another on the same weights keep part of
+/// them, and the kernel's code, in L2: faster than the step.
+pub struct L2Flush(CudaSlice<u8>);
+
+impl L2Flush {
+    pub fn new(g: &Gpu) -> Self {
+        Self(g.zeros(FLUSH_BYTES).unwrap())
+    }
+
+    /// Writes the buffer (queued on the GPU's stream, before what is queued next).
+    pub fn run(&mut self, g: &Gpu) {
+        g.stream().memset_zeros(&mut self.0).unwrap();
+    }
+}
+
+/// The median µs of `n` single launches `launch(i)`, each after `flush` (events around the launch
+/// alone).
+pub fn cold_us(g: &Gpu, n: usize, flush: &mut L2Flush, mut launch: impl FnMut(usize)) -> f64 {
+    let mut us: Vec<f64> = (0..n)
+        .map(|i| {
+            flush.run(g);
+            1e6 * time(g, 0, 1, || launch(i))
+        })
+        .collect();
+    us.sort_by(f64::total_cmp);
+    us[n / 2]
+}
+
 /// Cheap deterministic bf16 filler in about [-0.5, 0.5).
 pub fn pattern(n: usize, salt: u32) -> Vec<bf16> {
     (0..n as u32)

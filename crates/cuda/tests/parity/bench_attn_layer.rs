@@ -11,7 +11,7 @@ use sanmai_cuda::{
     PackedScheme,
 };
 
-use crate::bench::{int8_proj as proj, pattern, time, trace_medians};
+use crate::bench::{cold_us, int8_proj as proj, pattern, time, trace_medians, L2Flush};
 use crate::common::gpu;
 
 /// Inputs the timed launches rotate through.
@@ -132,6 +132,14 @@ fn bench_attn_layer() {
             launch(i, Some(&mut trace));
             g.download(&trace).unwrap()
         });
+        // The same after writing more than L2 (weights and code from DRAM, as in a decode step).
+        let mut flush = L2Flush::new(g);
+        let cold = cold_us(g, 20, &mut flush, |i| launch(i, None));
+        let cold_phases = trace_medians(40, "attn_layer", |i| {
+            flush.run(g);
+            launch(i, Some(&mut trace));
+            g.download(&trace).unwrap()
+        });
         let sync_after = g.download(&sync).unwrap();
         assert_eq!(
             sync_after,
@@ -139,9 +147,9 @@ fn bench_attn_layer() {
             "the grid barrier counters after the launches"
         );
         println!(
-            "BENCH attn_layer ctx={ctx} bytes={bytes} us={us:.2} GB/s={:.0} phases_us: {}",
+            "BENCH attn_layer ctx={ctx} bytes={bytes} us={us:.2} GB/s={:.0} phases_us: {phases} \
+             cold_us={cold:.2} cold_phases_us: {cold_phases}",
             bytes as f64 / us / 1e3,
-            phases
         );
     }
 }

@@ -11,7 +11,7 @@ use sanmai_cuda::{
     PackedMat, PackedScheme,
 };
 
-use crate::bench::{int8_proj as proj, pattern, time, trace_medians};
+use crate::bench::{cold_us, int8_proj as proj, pattern, time, trace_medians, L2Flush};
 use crate::common::gpu;
 
 /// Inputs the timed launches rotate through.
@@ -130,6 +130,14 @@ fn bench_gdn_layer() {
             launch(i, Some(&mut trace));
             g.download(&trace).unwrap()
         });
+        // The same after writing more than L2 (weights and code from DRAM, as in a decode step).
+        let mut flush = L2Flush::new(g);
+        let cold = cold_us(g, 20, &mut flush, |i| launch(i, None));
+        let cold_phases = trace_medians(40, "gdn_layer", |i| {
+            flush.run(g);
+            launch(i, Some(&mut trace));
+            g.download(&trace).unwrap()
+        });
         // The counters are back at 0 after the launches.
         let sync_after = g.download(&sync).unwrap();
         assert_eq!(
@@ -138,9 +146,9 @@ fn bench_gdn_layer() {
             "the grid barrier counters after the launches"
         );
         println!(
-            "BENCH gdn_layer h={h} hv={hv} bytes={bytes} us={us:.2} GB/s={:.0} phases_us: {}",
+            "BENCH gdn_layer h={h} hv={hv} bytes={bytes} us={us:.2} GB/s={:.0} phases_us: {phases} \
+             cold_us={cold:.2} cold_phases_us: {cold_phases}",
             bytes as f64 / us / 1e3,
-            phases
         );
     }
 }

@@ -11,7 +11,7 @@ use sanmai_cuda::{
     CombineInto, Gpu, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
 };
 
-use crate::bench::{pattern, time, trace_medians};
+use crate::bench::{cold_us, pattern, time, trace_medians, L2Flush};
 use crate::bench_moe::{experts, E};
 use crate::common::gpu;
 use crate::launch::{expert_proj, packed_scheme};
@@ -146,6 +146,16 @@ fn bench_moe_layer() {
             launch(&mut b, &xs[i % INPUTS], true);
             g.download(&b.trace).unwrap()
         });
+        // The same after writing more than L2 (weights and code from DRAM, as in a decode step).
+        let mut flush = L2Flush::new(g);
+        let cold = cold_us(g, 20, &mut flush, |i| {
+            launch(&mut b, &xs[i % INPUTS], false)
+        });
+        let cold_phases = trace_medians(40, "moe_layer", |i| {
+            flush.run(g);
+            launch(&mut b, &xs[i % INPUTS], true);
+            g.download(&b.trace).unwrap()
+        });
         // The counters are back at 0 after the launches.
         let sync_after = g.download(&b.sync).unwrap();
         assert_eq!(
@@ -154,9 +164,9 @@ fn bench_moe_layer() {
             "the grid barrier counters after the launches"
         );
         println!(
-            "BENCH moe_layer h={h} inter={inter} e={E} k={TOP_K} bytes={bytes} us={us:.2} GB/s={:.0} phases_us: {}",
+            "BENCH moe_layer h={h} inter={inter} e={E} k={TOP_K} bytes={bytes} us={us:.2} GB/s={:.0} phases_us: {phases} \
+             cold_us={cold:.2} cold_phases_us: {cold_phases}",
             bytes as f64 / us / 1e3,
-            phases
         );
     }
 }

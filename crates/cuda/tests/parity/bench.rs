@@ -37,30 +37,60 @@ const FLUSH_BYTES: usize = 128 << 20;
 /// DRAM, as a layer launch inside a decode step does (the other layers' weights passed through L2
 /// since its last run). A layer bench's launches one after another on the same weights keep part of
 /// them, and the kernel's code, in L2: faster than the step.
-pub struct L2Flush(CudaSlice<u8>);
+struct L2Flush(CudaSlice<u8>);
 
 impl L2Flush {
-    pub fn new(g: &Gpu) -> Self {
+    fn new(g: &Gpu) -> Self {
         Self(g.zeros(FLUSH_BYTES).unwrap())
     }
 
     /// Writes the buffer (queued on the GPU's stream, before what is queued next).
-    pub fn run(&mut self, g: &Gpu) {
+    fn run(&mut self, g: &Gpu) {
         g.stream().memset_zeros(&mut self.0).unwrap();
     }
 }
 
-/// The median µs of `n` single launches `launch(i)`, each after `flush` (events around the launch
-/// alone).
-pub fn cold_us(g: &Gpu, n: usize, flush: &mut L2Flush, mut launch: impl FnMut(usize)) -> f64 {
-    let mut us: Vec<f64> = (0..n)
+/// A layer kernel's launches each after [`L2Flush`]: the median µs of 20 single launches (`launch(i,
+/// false)`, events around the launch alone) and its trace medians over 40 (`launch(i, true)` returns
+/// the launch's trace; [`trace_medians`]).
+pub fn cold_launches(
+    g: &Gpu,
+    kernel: &str,
+    mut launch: impl FnMut(usize, bool) -> Vec<u64>,
+) -> (f64, String) {
+    let mut flush = L2Flush::new(g);
+    let mut us: Vec<f64> = (0..20)
         .map(|i| {
             flush.run(g);
-            1e6 * time(g, 0, 1, || launch(i))
+            1e6 * time(g, 0, 1, || {
+                launch(i, false);
+            })
         })
         .collect();
     us.sort_by(f64::total_cmp);
-    us[n / 2]
+    let phases = trace_medians(40, kernel, |i| {
+        flush.run(g);
+        launch(i, true)
+    });
+    (us[us.len() / 2], phases)
+}
+
+/// [`cold_launches`] of a launch that takes its trace buffer (`launch(i, Some(trace))` writes it).
+pub fn cold_launches_into(
+    g: &Gpu,
+    kernel: &str,
+    trace: &mut CudaSlice<u64>,
+    mut launch: impl FnMut(usize, Option<&mut CudaSlice<u64>>),
+) -> (f64, String) {
+    cold_launches(g, kernel, |i, traced| {
+        if traced {
+            launch(i, Some(&mut *trace));
+            g.download(&*trace).unwrap()
+        } else {
+            launch(i, None);
+            Vec::new()
+        }
+    })
 }
 
 /// Cheap deterministic bf16 filler in about [-0.5, 0.5).

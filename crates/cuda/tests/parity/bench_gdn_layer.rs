@@ -11,7 +11,7 @@ use sanmai_cuda::{
     PackedMat, PackedScheme,
 };
 
-use crate::bench::{cold_us, int8_proj as proj, pattern, time, trace_medians, L2Flush};
+use crate::bench::{cold_launches_into, int8_proj as proj, pattern, time, trace_medians};
 use crate::common::gpu;
 
 /// Inputs the timed launches rotate through.
@@ -131,13 +131,7 @@ fn bench_gdn_layer() {
             g.download(&trace).unwrap()
         });
         // The same after writing more than L2 (weights and code from DRAM, as in a decode step).
-        let mut flush = L2Flush::new(g);
-        let cold = cold_us(g, 20, &mut flush, |i| launch(i, None));
-        let cold_phases = trace_medians(40, "gdn_layer", |i| {
-            flush.run(g);
-            launch(i, Some(&mut trace));
-            g.download(&trace).unwrap()
-        });
+        let (cold, cold_phases) = cold_launches_into(g, "gdn_layer", &mut trace, &mut launch);
         // The counters are back at 0 after the launches.
         let sync_after = g.download(&sync).unwrap();
         assert_eq!(

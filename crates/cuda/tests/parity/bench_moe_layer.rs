@@ -11,7 +11,7 @@ use sanmai_cuda::{
     CombineInto, Gpu, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
 };
 
-use crate::bench::{cold_us, pattern, time, trace_medians, L2Flush};
+use crate::bench::{cold_launches, pattern, time, trace_medians};
 use crate::bench_moe::{experts, E};
 use crate::common::gpu;
 use crate::launch::{expert_proj, packed_scheme};
@@ -147,14 +147,14 @@ fn bench_moe_layer() {
             g.download(&b.trace).unwrap()
         });
         // The same after writing more than L2 (weights and code from DRAM, as in a decode step).
-        let mut flush = L2Flush::new(g);
-        let cold = cold_us(g, 20, &mut flush, |i| {
-            launch(&mut b, &xs[i % INPUTS], false)
-        });
-        let cold_phases = trace_medians(40, "moe_layer", |i| {
-            flush.run(g);
-            launch(&mut b, &xs[i % INPUTS], true);
-            g.download(&b.trace).unwrap()
+        let (cold, cold_phases) = cold_launches(g, "moe_layer", |i, traced| {
+            if traced {
+                launch(&mut b, &xs[i % INPUTS], true);
+                g.download(&b.trace).unwrap()
+            } else {
+                launch(&mut b, &xs[i % INPUTS], false);
+                Vec::new()
+            }
         });
         // The counters are back at 0 after the launches.
         let sync_after = g.download(&b.sync).unwrap();

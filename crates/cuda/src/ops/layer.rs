@@ -22,6 +22,13 @@ const MAX_ROWS_PER_WARP: usize = 4;
 /// A phase of a layer launch's trace: its name, the slot it starts at and the slot it ends at.
 pub type Phase = (&'static str, usize, usize);
 
+// A kernel's phases, then the entry phases every layer kernel records.
+macro_rules! phases {
+    ($($p:expr),* $(,)?) => {
+        &[$($p,)* ("pdl_wait", 14, 0), ("entry_skew", 14, 15)]
+    };
+}
+
 /// The phases of each persistent layer kernel's trace (block 0's `ml_mark` slots, kernels/layer.cuh),
 /// by the kernel name's prefix: (name, from slot, to slot). Slot 9 is the last block's exit and slot
 /// 10 + p the last block's arrival at barrier p: from block 0's arrival to it is the blocks'
@@ -31,7 +38,7 @@ pub type Phase = (&'static str, usize, usize);
 const LAYER_PHASES: [(&str, &[Phase]); 3] = [
     (
         "moe_layer",
-        &[
+        phases![
             ("router_shared_gu", 0, 1),
             ("barrier1", 1, 2),
             ("topk_shared_down", 2, 3),
@@ -45,13 +52,11 @@ const LAYER_PHASES: [(&str, &[Phase]); 3] = [
             ("b1_release", 10, 2),
             ("b2_skew", 4, 11),
             ("b2_release", 11, 5),
-            ("pdl_wait", 14, 0),
-            ("entry_skew", 14, 15),
         ],
     ),
     (
         "gdn_layer",
-        &[
+        phases![
             ("projections", 0, 1),
             ("barrier1", 1, 2),
             ("gdn_step", 2, 3),
@@ -64,13 +69,11 @@ const LAYER_PHASES: [(&str, &[Phase]); 3] = [
             ("b1_release", 10, 2),
             ("b2_skew", 3, 11),
             ("b2_release", 11, 4),
-            ("pdl_wait", 14, 0),
-            ("entry_skew", 14, 15),
         ],
     ),
     (
         "attn_layer",
-        &[
+        phases![
             ("projections", 0, 1),
             ("barrier1", 1, 2),
             ("attention", 2, 3),
@@ -84,8 +87,6 @@ const LAYER_PHASES: [(&str, &[Phase]); 3] = [
             ("b2_skew", 3, 11),
             ("b2_release", 11, 4),
             ("b3_skew", 5, 12),
-            ("pdl_wait", 14, 0),
-            ("entry_skew", 14, 15),
         ],
     ),
 ];

@@ -4,9 +4,7 @@
 // with the residual add and the next norm (gemv_q*_m1_norm). Every block of one cooperative grid (as
 // many as the multiprocessors hold, layer.cuh) works through three phases, separated by grid barriers:
 //   1. the projections' rows, a warp a row, several rows' loads in flight a warp (x staged once a
-//      block in shared memory), each rounded to bf16 as the projection launches write them (with INT8
-//      rows a bf16 gate row takes two slots of a warp's first batch, so that no warp runs a round of
-//      its own for it); meanwhile
+//      block in shared memory), each rounded to bf16 as the projection launches write them; meanwhile
 //      nothing of phase 2 waits: its state columns, conv ring entries and conv weights are asked for
 //      before the barrier;
 //   2. an item is one value head's GL_TC value columns (hv · dv / GL_TC items over the blocks): the conv
@@ -340,82 +338,30 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     __syncthreads();
 
     // 1. The projections' rows: packed q|k|v then z rows in batches of B a warp, the bf16 gate rows
-    // by the last warps of the grid. With INT8 rows, a gate row takes two slots of its warp's first
-    // batch (a bf16 row is two INT8 rows' bytes) and the two rows it displaces go to spare slots of
-    // the last batch: every warp then runs as many batches as the others (the gate rows were a round
-    // of their own after the batches).
+    // by the last warps of the grid.
     {
         constexpr int B = GU == 2 ? 3 : 2;
         const size_t wpr = (size_t)(a.h >> 5) * BITS;
         const int qcols = (a.h + a.qkv_group - 1) / a.qkv_group, zcols = (a.h + a.z_group - 1) / a.z_group;
-        const int rows1 = c + zn, G = 2 * a.hv;
-        const int T = (rows1 + B * nw - 1) / (B * nw);
-        const bool fold = BITS == 8 && T >= 2 && G <= nw && T * B * nw - rows1 >= 2 * G;
-        const int gate = fold && gw >= nw - G ? nw - 1 - gw : -1;
+        const int rows1 = c + zn;
 #pragma unroll 1
-        for (int t = 0; t < T; ++t) {
-            const bool gbatch = t == 0 && gate >= 0;
+        for (int i0 = gw; i0 < rows1; i0 += B * nw) {
             MlRow<BITS, GU> rows[B];
-            int idx[B];
 #pragma unroll
             for (int b = 0; b < B; ++b) {
-                int i = gw + t * B * nw + b * nw;
-                if (gbatch && b < 2)
-                    i = -1;
-                else if (i >= rows1)
-                    i = fold && t == T - 1 && i - rows1 < 2 * G ? nw - 1 - (i - rows1) / 2 + ((i - rows1) & 1) * nw : -1;
-                idx[b] = i;
-                if (i >= 0 && i < c)
+                const int i = i0 + b * nw;
+                if (i < c)
                     ml_load<BITS, 32, GU>(rows[b], a.qkv_w + i * wpr, a.qkv_s + (size_t)i * qcols, a.h, a.qkv_group, lane);
-                else if (i >= c)
+                else if (i < rows1)
                     ml_load<BITS, 32, GU>(rows[b], a.z_w + (i - c) * wpr, a.z_s + (size_t)(i - c) * zcols, a.h, a.z_group,
                                           lane);
             }
             float d[B];
-            if constexpr (BITS == 8) {
-                if (gbatch) {
-                    // gl_gate_row's loads into slots 0 and 1, then its sum in its order.
-                    const uint4* wr = (const uint4*)((gate < a.hv ? a.w_b : a.w_a) + (size_t)(gate < a.hv ? gate : gate - a.hv) * a.h);
-                    const int chunks = a.h >> 3;
-#pragma unroll
-                    for (int q = 0; q < 4 * GU; ++q) {
-                        const int cc = lane + 32 * q;
-                        const int sl = q / (2 * GU), k = q % (2 * GU);
-                        if (cc < chunks) {
-                            const uint4 v = __ldcs(wr + cc);
-                            u32* w = rows[sl].w[k >> 1] + (k & 1) * 4;
-                            w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-                        }
-                    }
-#pragma unroll
-                    for (int b = 2; b < B; ++b) d[b] = ml_dot<BITS, 32, GU, true>(rows[b], s_buf, a.h, lane);
-                    const uint4* x4 = (const uint4*)s_buf;
-                    float sg = 0.0f;
-#pragma unroll
-                    for (int q = 0; q < 4 * GU; ++q) {
-                        const int cc = lane + 32 * q;
-                        const int sl = q / (2 * GU), k = q % (2 * GU);
-                        if (cc < chunks) {
-                            const u32* w = rows[sl].w[k >> 1] + (k & 1) * 4;
-                            float wf[8], xf[8];
-                            unpack8(make_uint4(w[0], w[1], w[2], w[3]), wf);
-                            unpack8(x4[ml_xs_chunk(cc)], xf);
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) sg = fmaf(wf[e], xf[e], sg);
-                        }
-                    }
-                    sg = warp_sum(sg);
-                    if (lane == 0) a.ab[gate] = bf2f(f2bf(sg));
-                } else {
-                    ml_dots<BITS, 32, GU, true, B>(rows, s_buf, a.h, lane, d);
-                }
-            } else {
-                ml_dots<BITS, 32, GU, true, B>(rows, s_buf, a.h, lane, d);
-            }
+            ml_dots<BITS, 32, GU, true, B>(rows, s_buf, a.h, lane, d);
 #pragma unroll
             for (int b = 0; b < B; ++b) {
-                const int i = idx[b];
-                if (i >= 0) {
+                const int i = i0 + b * nw;
+                if (i < rows1) {
                     const float s = warp_sum(d[b]);
                     if (lane == 0) {
                         if (i < c)
@@ -426,10 +372,8 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
                 }
             }
         }
-        if (!fold) {
 #pragma unroll 1
-            for (int i = nw - 1 - gw; i < G; i += nw) gl_gate_row<GU>(a, s_buf, i, lane);
-        }
+        for (int i = nw - 1 - gw; i < 2 * a.hv; i += nw) gl_gate_row<GU>(a, s_buf, i, lane);
     }
     GlPre pre = {};
     if ((int)blockIdx.x < items2) gl_prefetch(a, blockIdx.x, slot, pos, pre);

@@ -299,11 +299,9 @@ __device__ __forceinline__ void moe_gemv_tile(const unsigned long long* __restri
 // where a warp's spans of a row group are fewer than its load slots (short rows: the down projection,
 // k = 512, one span a warp), its slots hold the spans of R row groups, so a block reads R times the
 // weights for one x staging and one wait on the tile table (a block of 4 KB spent most of its life
-// there). Grid (ceil(n / (16 · R)), max_tiles); block 32 · MOE_MMA_WARPS threads, at most 80
-// registers a thread so that six blocks fit a multiprocessor; dynamic shared memory MOE_TILE · (k / 8
-// + 4) · 16 bytes (each pair's x row, padded by 64 bytes, its chunks in moe_mma_x_slot's order:
-// against bank conflicts), or R · (MOE_MMA_WARPS − 1) · 512 bytes where that is more (after the dots
-// the warps' sums reuse it).
+// there). Grid (ceil(n / (16 · R)), max_tiles); block 32 · MOE_MMA_WARPS threads; dynamic shared memory
+// MOE_TILE · (k / 8 + 4) · 16 bytes (each pair's x row, padded by 64 bytes, its chunks in
+// moe_mma_x_slot's order: against bank conflicts).
 // Shape rules: k % 128 == 0, group % 128 == 0, words and x 16-byte aligned. Lanes of pair slots past
 // the tile's count feed zeros; rows ≥ n re-read row n - 1 and are not stored. SWIGLU (the down
 // projection of decode steps): X holds the pairs' gate|up rows [., 2k] and the staged x is
@@ -349,9 +347,7 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
                                                      const u32* __restrict__ perm, const u32* __restrict__ tiles,
                                                      OUT* __restrict__ Y, int n, int k, int group) {
     extern __shared__ uint4 sx[];
-    // After the dots the staged rows' bytes hold the warps' sums (the launcher sizes them for both):
-    // no static shared memory, so that six blocks fit a multiprocessor.
-    float(*red)[MOE_MMA_WARPS - 1][4][32] = reinterpret_cast<float(*)[MOE_MMA_WARPS - 1][4][32]>(sx);
+    __shared__ float red[MOE_MMA_SPW][MOE_MMA_WARPS - 1][4][32];
     const int cnt = (int)tiles[3 * blockIdx.y + 2];
     if (cnt == 0) return;
     const u32 ex = tiles[3 * blockIdx.y], start = tiles[3 * blockIdx.y + 1];
@@ -459,7 +455,6 @@ __device__ __forceinline__ void moe_gemv_q4_mma_tile(const unsigned long long* _
             }
         }
     }
-    __syncthreads();  // every warp's reads of the staged rows before red overwrites them
     if (warp > 0) {
 #pragma unroll
         for (int j = 0; j < MOE_MMA_SPW; ++j)
@@ -511,9 +506,9 @@ extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_bf16_m1(MOE_ARG
 extern "C" __global__ void __launch_bounds__(256, 3) moe_gemv_q8_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<8, 2, 1, 1, float>(MOE_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_bf16_m1(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<6, 2, 2, 1, bf16>(MOE_PASS); }
 extern "C" __global__ void __launch_bounds__(256, 4) moe_gemv_q6_f32_m1(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_tile<6, 2, 2, 1, float>(MOE_PASS); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS, 6) moe_gemv_q4_mma_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, bf16>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS, 6) moe_gemv_q4_mma_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, float>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
-extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS, 6) moe_gemv_q4_mma_swiglu_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<true, float>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_bf16(MOE_ARGS, bf16* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, bf16>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<false, float>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
+extern "C" __global__ void __launch_bounds__(32 * MOE_MMA_WARPS) moe_gemv_q4_mma_swiglu_f32(MOE_ARGS, float* Y, int n, int k, int group, int lanes) { pdl_prologue(); moe_gemv_q4_mma_tile<true, float>(w_ptrs, s_ptrs, X, x_div, x_tail, perm, tiles, Y, n, k, group); }
 #undef MOE_ARGS
 #undef MOE_PASS
 

@@ -50,12 +50,9 @@ pub fn moe_max_tiles(n_pairs: usize, e: usize) -> usize {
 }
 
 /// Dynamic shared memory of the INT4 tensor-core grouped GEMV: `MOE_TILE` staged x rows of `k`
-/// bf16, each padded by 64 bytes; after the dots the same bytes hold the warps' partial sums (f32,
-/// 32 lanes × 4 of each of the block's row groups for every warp but the first).
+/// bf16, each padded by 64 bytes.
 fn mma_smem(k: usize) -> usize {
-    let staged = MOE_TILE * (k / 8 + 4) * 16;
-    let sums = mma_groups(k) * (MMA_WARPS - 1) * 4 * 32 * 4;
-    staged.max(sums)
+    MOE_TILE * (k / 8 + 4) * 16
 }
 
 /// Row groups of 16 rows a block of the tensor-core grouped GEMV takes for rows of `k` values
@@ -686,7 +683,7 @@ impl Gpu {
 
 #[cfg(test)]
 mod tests {
-    use super::{mma_groups, mma_smem};
+    use super::mma_groups;
 
     #[test]
     fn short_rows_give_a_block_several_row_groups() {
@@ -695,9 +692,6 @@ mod tests {
         assert_eq!(mma_groups(512), 4);
         assert_eq!(mma_groups(768), 2);
         assert_eq!(mma_groups(2048), 1);
-        // The staged x rows, or the warps' sums where the rows are short.
-        assert_eq!(mma_smem(2048), 8 * 260 * 16);
-        assert_eq!(mma_smem(256), 4 * 3 * 4 * 32 * 4);
         assert_eq!(mma_groups(2560), 1);
         assert_eq!(mma_groups(128), 4);
         assert_eq!(mma_groups(1536), 1);

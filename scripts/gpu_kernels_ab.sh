@@ -15,8 +15,9 @@
 #
 # The config is $SANMAI_BENCH_CONFIG (default the Qwen3-Next-80B-A3B config with its quantization mix).
 # With $SANMAI_PARITY (the sanmai-cuda `parity` test binary of the same build), each variant also runs
-# the MoE, GDN and attention layer launches' parity tests and their phase timings (bench_moe_layer,
-# bench_gdn_layer, bench_attn_layer) after its greedy output. Each command stops after
+# the MoE, GDN and attention layer launches' parity tests (or the test filters in
+# $SANMAI_PARITY_FILTERS, e.g. "moe:: moe_fused:: gdn_layer::") and their phase timings
+# (bench_moe_layer, bench_gdn_layer, bench_attn_layer) after its greedy output. Each command stops after
 # $SANMAI_AB_TIMEOUT seconds (default 300), so one hung variant does not take the run's time.
 set -uo pipefail
 usage="usage: gpu_kernels_ab.sh OUT_DIR SANMAI ROUNDS KERNELS_DIR [KERNELS_DIR ...]"
@@ -46,7 +47,7 @@ with() { # KERNELS_DIR, command...: the command on that variant's kernels, under
 run() { with "$1" "$bin" "${@:2}"; } # KERNELS_DIR, sanmai arguments...
 parity() { # KERNELS_DIR: the layer launches' parity tests and phase timings
   local k=$1 p
-  for p in moe_layer:: gdn_layer:: attn_layer::; do
+  for p in ${SANMAI_PARITY_FILTERS:-moe_layer:: gdn_layer:: attn_layer::}; do
     with "$k" "$SANMAI_PARITY" "$p" >"$out/last.txt" 2>&1 || rc=1
     grep -E '^test result|FAILED|panicked' "$out/last.txt" | sed "s#^#parity $(name "$k") $p: #" >>"$sum"
   done

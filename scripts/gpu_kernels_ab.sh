@@ -45,7 +45,7 @@ with() { # KERNELS_DIR, command...: the command on that variant's kernels, under
   SANMAI_KERNEL_SOURCES=$(realpath "$k") timeout "$limit" "$@"
 }
 run() { with "$1" "$bin" "${@:2}"; } # KERNELS_DIR, sanmai arguments...
-parity() { # KERNELS_DIR: the layer launches' parity tests and phase timings
+parity() { # KERNELS_DIR: the parity tests (SANMAI_PARITY_FILTERS) and the layer launches' phase timings
   local k=$1 p
   for p in ${SANMAI_PARITY_FILTERS:-moe_layer:: gdn_layer:: attn_layer::}; do
     with "$k" "$SANMAI_PARITY" "$p" >"$out/last.txt" 2>&1 || rc=1

@@ -45,76 +45,100 @@ __device__ __forceinline__ float fp8_e4m3_decode(unsigned char b) {
     return (b & 0x80) ? -v : v;
 }
 
-// NeoX rotation of the first 2·half values of x (one head) at position p, as the CPU's rope_neox:
-// angle (f32) = p·f, cos/sin in f64 rounded to f32; a' = a·c + (−b)·s, b' = b·c + a·s.
-__device__ __forceinline__ void rope_head(float* x, u32 p, const float* inv_freq, int half) {
-    for (int j = 0; j < half; ++j) {
-        const float ang = __fmul_rn((float)p, inv_freq[j]);
-        const float c = (float)cos((double)ang), s = (float)sin((double)ang);
-        const float a = x[j], b = x[j + half];
-        x[j] = __fadd_rn(__fmul_rn(a, c), __fmul_rn(-b, s));
-        x[j + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-    }
+// Pair (a, b) = (x[j], x[j + half]) of NeoX RoPE at position p with frequency f = inv_freq[j], as the
+// CPU's rope_neox: angle (f32) = p·f, cos/sin in f64 rounded to f32; a' = a·c + (−b)·s, b' = b·c + a·s.
+__device__ __forceinline__ void rope_pair(float& a, float& b, u32 p, float f) {
+    const float ang = __fmul_rn((float)p, f);
+    const float c = (float)cos((double)ang), s = (float)sin((double)ang);
+    const float a0 = a, b0 = b;
+    a = __fadd_rn(__fmul_rn(a0, c), __fmul_rn(-b0, s));
+    b = __fadd_rn(__fmul_rn(b0, c), __fmul_rn(a0, s));
 }
 
-// One thread per row: kI = LayerNorm(ik; w, b, eps) (mean, biased variance, summed in order), NeoX
-// RoPE on the first 2·half dims at pos[r], the entry s = bf16(max|kI| / 448) (1 when 0), k8 =
-// fp8(kI / s), written to pool row dst[r] of idx_pool (a dst at or beyond pool_rows is skipped).
+// Grid (rows); block any multiple of 32 threads (the host: dI rounded up to 32, so a thread a dim).
+// Block r writes row r's entry: kI = LayerNorm(ik; w, b, eps) (mean, biased variance, summed in order),
+// NeoX RoPE on the first 2·half dims at pos[r], the entry s = bf16(max|kI| / 448) (1 when 0), k8 =
+// fp8(kI / s), to pool row dst[r] of idx_pool (a dst at or beyond pool_rows is skipped). Every value
+// takes the operations of the CPU's loops in their order: thread 0 alone does the two in-order sums.
 extern "C" __global__ void qsa_index_key_write(const bf16* __restrict__ ik, const bf16* __restrict__ w,
                                                const bf16* __restrict__ b, float eps, const u32* __restrict__ pos,
                                                const float* __restrict__ inv_freq, int half,
                                                const u32* __restrict__ dst, u32 pool_rows,
                                                unsigned char* __restrict__ idx_pool, int di, int rows) {
+    __shared__ float k[QSA_MAX_DI];
+    __shared__ float stat[2];  // mean, 1 / sqrt(var + eps)
+    __shared__ float scratch[32];
     pdl_prologue();
-    const int r = blockIdx.x * blockDim.x + threadIdx.x;
-    if (r >= rows || di > QSA_MAX_DI) return;
+    const int r = blockIdx.x;
+    if (r >= rows || di > QSA_MAX_DI) return;  // both uniform over the block
     const u32 d = dst[r];
     if (d >= pool_rows) return;
-    float k[QSA_MAX_DI];
-    float sum = 0.0f;
-    for (int i = 0; i < di; ++i) {
-        k[i] = bf2f(ik[(size_t)r * di + i]);
-        sum = __fadd_rn(sum, k[i]);
+    // Each thread stages its dims of the row.
+    for (int i = threadIdx.x; i < di; i += blockDim.x) k[i] = bf2f(ik[(size_t)r * di + i]);
+    __syncthreads();
+    // Thread 0: the mean and the variance, each summed over i = 0..di−1 in order.
+    if (threadIdx.x == 0) {
+        float sum = 0.0f;
+        for (int i = 0; i < di; ++i) sum = __fadd_rn(sum, k[i]);
+        const float mean = __fdiv_rn(sum, (float)di);
+        float var = 0.0f;
+        for (int i = 0; i < di; ++i) {
+            const float t = __fsub_rn(k[i], mean);
+            var = __fadd_rn(var, __fmul_rn(t, t));
+        }
+        var = __fdiv_rn(var, (float)di);
+        stat[0] = mean;
+        stat[1] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
     }
-    const float mean = __fdiv_rn(sum, (float)di);
-    float var = 0.0f;
-    for (int i = 0; i < di; ++i) {
-        const float t = __fsub_rn(k[i], mean);
-        var = __fadd_rn(var, __fmul_rn(t, t));
-    }
-    var = __fdiv_rn(var, (float)di);
-    const float rs = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(var, eps)));
-    for (int i = 0; i < di; ++i)
+    __syncthreads();
+    // Each thread normalises its dims.
+    const float mean = stat[0], rs = stat[1];
+    for (int i = threadIdx.x; i < di; i += blockDim.x)
         k[i] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(k[i], mean), rs), bf2f(w[i])), bf2f(b[i]));
-    if (half > 0) rope_head(k, pos[r], inv_freq, half);
+    __syncthreads();
+    // Thread j rotates pair (j, j + half) (the pairs are disjoint: no thread reads another's writes).
+    for (int j = threadIdx.x; j < half; j += blockDim.x) rope_pair(k[j], k[j + half], pos[r], inv_freq[j]);
+    __syncthreads();
+    // max|kI| (from 0, NaN ignored: fmaxf's result does not depend on the order), then the scale.
     float amax = 0.0f;
-    for (int i = 0; i < di; ++i) amax = fmaxf(amax, fabsf(k[i]));
+    for (int i = threadIdx.x; i < di; i += blockDim.x) amax = fmaxf(amax, fabsf(k[i]));
+    amax = block_max(amax, scratch);
     bf16 sb = f2bf(__fdiv_rn(amax, 448.0f));
     if (bf2f(sb) == 0.0f) sb = f2bf(1.0f);
     const float sv = bf2f(sb);
+    // Each thread encodes its dims; thread 0 also writes the scale.
     unsigned char* e = idx_pool + (size_t)d * (di + 2);
-    for (int i = 0; i < di; ++i) e[i] = fp8_e4m3_encode(__fdiv_rn(k[i], sv));
-    const unsigned short bits = __bfloat16_as_ushort(sb);
-    e[di] = (unsigned char)(bits & 0xff);
-    e[di + 1] = (unsigned char)(bits >> 8);
+    for (int i = threadIdx.x; i < di; i += blockDim.x) e[i] = fp8_e4m3_encode(__fdiv_rn(k[i], sv));
+    if (threadIdx.x == 0) {
+        const unsigned short bits = __bfloat16_as_ushort(sb);
+        e[di] = (unsigned char)(bits & 0xff);
+        e[di + 1] = (unsigned char)(bits >> 8);
+    }
 }
 
-// One thread per (row, head): the indexer query head in f32 (bf16 input), roped at pos[r], to
-// qi [rows, ni·di]; the thread of head 0... every head also writes its weight wts[r, h] = iw[r, h]·scale.
+// One thread per (row r, head h, u), u < dI − half, rh = r·ni + h: u < half rotates pair (u, u + half)
+// of the indexer query head (bf16 input) at pos[r], u ≥ half copies value u + half (past the rotated
+// 2·half), into qi [rows, ni·di] f32; u == 0 also writes the head's weight wts[rh] = iw[rh]·scale.
 extern "C" __global__ void qsa_query_prep(const bf16* __restrict__ iq, const bf16* __restrict__ iw,
                                           const u32* __restrict__ pos, const float* __restrict__ inv_freq,
                                           int half, float head_scale, float* __restrict__ qi,
                                           float* __restrict__ wts, int ni, int di, int rows) {
     pdl_prologue();
-    const int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= rows * ni || di > QSA_MAX_DI) return;
-    const int r = t / ni, h = t - r * ni;
-    float x[QSA_MAX_DI];
-    const size_t at = ((size_t)r * ni + h) * di;
-    for (int i = 0; i < di; ++i) x[i] = bf2f(iq[at + i]);
-    if (half > 0) rope_head(x, pos[r], inv_freq, half);
-    for (int i = 0; i < di; ++i) qi[at + i] = x[i];
-    wts[(size_t)r * ni + h] = __fmul_rn(bf2f(iw[(size_t)r * ni + h]), head_scale);
+    const int per = di - half;  // ≥ 1: 1 ≤ dI and 2·half ≤ dI
+    const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= (long long)rows * ni * per || di > QSA_MAX_DI) return;
+    const long long rh = t / per;
+    const int u = (int)(t - rh * per);
+    const size_t at = (size_t)rh * di;
+    if (u < half) {
+        float a = bf2f(iq[at + u]), b = bf2f(iq[at + u + half]);
+        rope_pair(a, b, pos[rh / ni], inv_freq[u]);
+        qi[at + u] = a;
+        qi[at + u + half] = b;
+    } else {
+        qi[at + u + half] = bf2f(iq[at + u + half]);
+    }
+    if (u == 0) wts[rh] = __fmul_rn(bf2f(iw[rh]), head_scale);
 }
 
 // The index score of one position from its entry e (dI fp8 bytes and the bf16 scale): Σ_h w_h ·

@@ -200,8 +200,12 @@ impl Gpu {
             .ptr_mut(idx_pool)
             .arg(&dii)
             .arg(&ri);
-        // SAFETY: argument types match the kernel; lengths checked; rows beyond the pool are skipped.
-        unsafe { l.launch(cfg((grid_u32(OP, rows.div_ceil(64))?, 1, 1), 64, 0)) }?;
+        // A block a row, a thread a dim (dI rounded up to whole warps, at most 256).
+        let threads = di.next_multiple_of(32) as u32;
+        // SAFETY: argument types match the kernel; lengths checked; block `r` touches only row `r` of
+        // `ik`, `positions`, `dst` and pool row `dst[r]` (skipped beyond the pool); the block is whole
+        // warps of at most 256 threads, as its block reduction needs.
+        unsafe { l.launch(cfg((grid_u32(OP, rows)?, 1, 1), threads, 0)) }?;
         Ok(())
     }
 
@@ -234,6 +238,8 @@ impl Gpu {
         if rows == 0 || ni == 0 {
             return Ok(());
         }
+        // A thread per (row, head, pair or unrotated value): dI − half of them a head.
+        let threads = rows * ni * (di - half);
         let (nii, dii, ri, half) = (
             int(OP, "nI", ni)?,
             int(OP, "dI", di)?,
@@ -252,8 +258,9 @@ impl Gpu {
             .arg(&nii)
             .arg(&dii)
             .arg(&ri);
-        // SAFETY: argument types match the kernel; lengths checked above.
-        unsafe { l.launch(cfg((grid_u32(OP, (rows * ni).div_ceil(64))?, 1, 1), 64, 0)) }?;
+        // SAFETY: argument types match the kernel; lengths checked above; threads past the last
+        // (row, head, value) return at once.
+        unsafe { l.launch(cfg((grid_u32(OP, threads.div_ceil(128))?, 1, 1), 128, 0)) }?;
         Ok(())
     }
 

@@ -35,6 +35,22 @@ pub(super) fn write_keys(
     rot: usize,
     rng: &mut Rng,
 ) -> (Vec<u8>, Vec<u8>) {
+    let dst: Vec<u32> = (0..pos.len() as u32).collect();
+    write_keys_at(b, ik, pos, (&dst, pos.len()), di, rot, rng)
+}
+
+/// Index keys of the rows of `ik` at `pos` written by the device to pool rows `dst` of a pool of
+/// `pool_rows` rows first filled with 0xA5 (a `dst` past the pool is skipped): the pool, and the CPU's
+/// entries of the rows (`[rows, di + 2]`).
+fn write_keys_at(
+    b: &CudaBackend,
+    ik: &[f32],
+    pos: &[u32],
+    (dst, pool_rows): (&[u32], usize),
+    di: usize,
+    rot: usize,
+    rng: &mut Rng,
+) -> (Vec<u8>, Vec<u8>) {
     let rows = pos.len();
     let w = rng.bf16s(di, 1.0, 0.3);
     let bias = rng.bf16s(di, 0.0, 0.2);
@@ -44,9 +60,8 @@ pub(super) fn write_keys(
         .upload(if f.is_empty() { &[0.0f32][..] } else { &f })
         .unwrap();
     let pd = g.upload(pos).unwrap();
-    let dst: Vec<u32> = (0..rows as u32).collect();
-    let dd = g.upload(&dst).unwrap();
-    let mut pool = g.zeros::<u8>(rows * (di + 2)).unwrap();
+    let dd = g.upload(dst).unwrap();
+    let mut pool = g.upload(&vec![0xA5u8; pool_rows * (di + 2)]).unwrap();
     let (wd, bd) = (to_dev(b, &w), to_dev(b, &bias));
     let norm = KeyNorm {
         w: &wd,
@@ -72,7 +87,19 @@ fn index_key_bytes_match_cpu() {
         return;
     };
     let mut rng = Rng::new(1);
-    for (rows, di, rot) in [(37, 64, 32), (300, 16, 8), (5, 128, 128), (64, 64, 0)] {
+    // Row r goes to pool row spread·(rows − 1 − r) of a pool of `rows` rows: with spread 2 every other
+    // pool row stays untouched and the first half of the rows lies past the pool (skipped).
+    for (rows, di, rot, spread) in [
+        (37, 64, 32, 1),
+        (300, 16, 8, 1),
+        (5, 128, 128, 1),
+        (64, 64, 0, 1),
+        (40, 64, 32, 2),
+        (7, 24, 12, 2),
+        (9, 256, 64, 2),
+        (3, 2, 2, 2),
+        (1, 64, 64, 1),
+    ] {
         let mut ik = Vec::new();
         for r in 0..rows {
             // Scales from tiny to huge, and an all-zero row (scale 1 after LayerNorm's bias).
@@ -80,13 +107,75 @@ fn index_key_bytes_match_cpu() {
             ik.extend(rng.bf16s(di, 0.1, scale));
         }
         let pos: Vec<u32> = (0..rows).map(|_| rng.below(262_144) as u32).collect();
-        let (got, want) = write_keys(&b, &ik, &pos, di, rot, &mut rng);
+        let dst: Vec<u32> = (0..rows)
+            .map(|r| (spread * (rows - 1 - r)) as u32)
+            .collect();
+        let (got, entries) = write_keys_at(&b, &ik, &pos, (&dst, rows), di, rot, &mut rng);
+        let row = di + 2;
+        let mut want = vec![0xA5u8; rows * row];
+        for (&d, e) in dst.iter().zip(entries.chunks_exact(row)) {
+            if (d as usize) < rows {
+                want[d as usize * row..(d as usize + 1) * row].copy_from_slice(e);
+            }
+        }
         let diff = got.iter().zip(&want).filter(|(a, b)| a != b).count();
         println!(
-            "PARITY op=qsa_index_key shape=rows{rows}_dI{di}_rot{rot} bytes={} differing={diff} tol=exact",
+            "PARITY op=qsa_index_key shape=rows{rows}_dI{di}_rot{rot}_spread{spread} bytes={} differing={diff} tol=exact",
             got.len()
         );
         assert_eq!(diff, 0, "index-key bytes differ (rows {rows}, dI {di})");
+    }
+}
+
+#[test]
+fn query_prep_matches_cpu() {
+    let Some(b) = backend("query_prep_matches_cpu") else {
+        return;
+    };
+    let g = b.gpu();
+    let mut rng = Rng::new(4);
+    for (rows, ni, di, rot) in [
+        (1, 16, 64, 64),
+        (1, 16, 64, 32),
+        (9, 4, 128, 64),
+        (3, 3, 24, 8),
+        (5, 2, 64, 0),
+        (2, 1, 256, 256),
+        (70, 16, 16, 16),
+    ] {
+        let iq = rng.bf16s(rows * ni * di, 0.0, 1.0);
+        let iw = rng.bf16s(rows * ni, 0.0, 1.0);
+        let qpos: Vec<u32> = (0..rows).map(|_| rng.below(262_144) as u32).collect();
+        let f = inv_freq(rot, 1e7);
+        let fd = g
+            .upload(if f.is_empty() { &[0.0f32][..] } else { &f })
+            .unwrap();
+        let mut qi = g.zeros::<f32>(rows * ni * di).unwrap();
+        let mut wts = g.zeros::<f32>(rows * ni).unwrap();
+        let heads = IndexHeads {
+            n_heads: ni,
+            head_dim: di,
+        };
+        query_prep(
+            &b,
+            (&iq, &iw),
+            (&qpos, &fd, rot),
+            heads,
+            (&mut qi, &mut wts),
+        );
+        let mut want_q = iq.clone();
+        cpu::rope_neox(&mut want_q, ni, di, rot, &qpos, &f, 1.0);
+        let head_scale = (ni as f32).powf(-0.5) * (di as f32).powf(-0.5);
+        let want_w: Vec<f32> = iw.iter().map(|x| x * head_scale).collect();
+        let diff = bits_differing(&want_q, &g.download(&qi).unwrap())
+            + bits_differing(&want_w, &g.download(&wts).unwrap());
+        println!(
+            "PARITY op=qsa_query_prep shape=rows{rows}_nI{ni}_dI{di}_rot{rot} bits_differing={diff} tol=exact"
+        );
+        assert_eq!(
+            diff, 0,
+            "indexer queries differ (nI {ni}, dI {di}, rot {rot})"
+        );
     }
 }
 

@@ -105,7 +105,6 @@ pub const HEADERS: &[Source] = &[
     source!("gemv.cuh"),
     source!("add_norm.cuh"),
     source!("layer.cuh"),
-    source!("norm.cuh"),
 ];
 
 /// The kernel sources, one file per op family.

@@ -1,18 +1,14 @@
 //! Hyper-connections on the device (spec §4): the pre-mix (and head collapse) and the gated residual
-//! over the `[rows, S·H]` residual streams, the whole gated residual of a decode-sized sublayer in
-//! two fused kernels (`ops::hc`), and for one row the gated residual with the next sublayer's
-//! pre-mix and norm in one launch ([`Gpu::hc_step`](crate::Gpu::hc_step)); other steps run the
-//! trait's op sequences ([`hc_residual_ops`](sanmai_model::backend::hc_residual_ops)).
+//! over the `[rows, S·H]` residual streams, and the whole gated residual of a decode-sized sublayer in
+//! two fused kernels (`ops::hc`); other steps run the trait's op sequence
+//! ([`hc_residual_ops`](sanmai_model::backend::hc_residual_ops)).
 
-use std::sync::atomic::Ordering;
-
-use sanmai_model::backend::{HcNext, HcWeights};
+use sanmai_model::backend::HcWeights;
 
 use super::tensor::{CudaTensor, CudaWeight, PackedWeight};
 use super::CudaBackend;
 use crate::error::{CudaError, Result};
 use crate::ops::hc::{hc_fused_shape, HC_MAX_ROWS};
-use crate::ops::{HcNextNorm, HcStepRows, HcStepWeights};
 
 impl CudaBackend {
     pub(crate) fn hc_premix_impl(
@@ -111,72 +107,6 @@ impl CudaBackend {
         self.gpu
             .hc_up_gate_mix(&up.mat(), &s.buf, &y.buf, &mut streams.buf, rows, h)?;
         Ok(true)
-    }
-}
-
-impl CudaBackend {
-    /// [`Backend::hc_residual_premix_norm`](sanmai_model::Backend::hc_residual_premix_norm) of one
-    /// decoding row in one launch ([`Gpu::hc_step`](crate::Gpu::hc_step); with the fused decode
-    /// launches on): `down` and `up` packed INT8 with one scale a row, `inject` bf16, the pre-mix
-    /// logits f32 and the norm weight bf16, shapes the kernel takes. `None`, having done nothing,
-    /// otherwise (the caller then runs the three ops).
-    pub fn hc_step_fused(
-        &self,
-        streams: &mut CudaTensor,
-        (x, y): (&CudaTensor, &CudaTensor),
-        w: &HcWeights<CudaWeight>,
-        next: &HcNext<'_, CudaWeight>,
-    ) -> Result<Option<(CudaTensor, CudaTensor)>> {
-        let (Some(down), Some(up), CudaWeight::Bf16(inject), Some(pre), CudaWeight::Bf16(norm)) = (
-            w.down.packed(),
-            w.up.packed(),
-            &w.inject,
-            next.pre.f32(),
-            next.norm,
-        ) else {
-            return Ok(None);
-        };
-        let (h, rank) = (y.cols, down.out_features());
-        let ns = next.pre.cols();
-        let takes = self.switches.fused_decode.load(Ordering::Relaxed)
-            && (x.rows, y.rows, streams.rows) == (1, 1, 1)
-            && int8_per_row(down)
-            && int8_per_row(up)
-            && self.gpu.hc_step_fits(ns, h, rank)
-            && down.in_features() == h
-            && inject.shape == [rank, h]
-            && up.shape == [ns * h, rank]
-            && (x.cols, streams.cols, norm.shape.as_slice()) == (h, ns * h, &[h][..]);
-        if !takes {
-            return Ok(None);
-        }
-        let mut xn = self.alloc(1, h)?;
-        let mut hn = self.alloc(1, h)?;
-        let mut s = self.scratch(rank)?;
-        let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
-        let weights = HcStepWeights {
-            down: down.mat(),
-            inject: &inject.data,
-            up: up.mat(),
-        };
-        let norm = HcNextNorm {
-            pre,
-            w: &norm.data,
-            eps: next.eps,
-            offset: next.offset,
-        };
-        let rows = HcStepRows {
-            x: &x.buf,
-            y: &y.buf,
-            streams: &mut streams.buf,
-            xn: &mut xn.buf,
-            hn: &mut hn.buf,
-            s: &mut s,
-            sync: &mut sync,
-            trace: None,
-        };
-        self.gpu.hc_step(&weights, &norm, rows)?;
-        Ok(Some((xn, hn)))
     }
 }
 

@@ -50,10 +50,10 @@ use std::sync::{Mutex, MutexGuard};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
-    hc_residual_ops, hc_residual_premix_norm_ops, AttnCall, AttnMixerCall, AttnShape, AttnWeights,
-    Backend, CacheSpec, DecodeStep, GdnCall, GdnMixerCall, GdnShape, GdnWeights, Handover, HcNext,
-    HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor, PleCall, QsaCall,
-    SampleCall, SeqChunk, SharedFusion,
+    hc_residual_ops, AttnCall, AttnMixerCall, AttnShape, AttnWeights, Backend, CacheSpec,
+    DecodeStep, GdnCall, GdnMixerCall, GdnShape, GdnWeights, Handover, HcWeights, KvHostStats,
+    MoeCall, MoeWeights, OpResult, PackedTensor, PleCall, QsaCall, SampleCall, SeqChunk,
+    SharedFusion,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
@@ -775,22 +775,6 @@ impl Backend for CudaBackend {
             return Ok(());
         }
         hc_residual_ops(self, streams, x, y, w)
-    }
-
-    fn hc_residual_premix_norm(
-        &self,
-        streams: &mut CudaTensor,
-        (x, y): (&CudaTensor, &CudaTensor),
-        w: &HcWeights<CudaWeight>,
-        next: HcNext<'_, CudaWeight>,
-    ) -> OpResult<(CudaTensor, CudaTensor)> {
-        if let Some(out) = self
-            .hc_step_fused(streams, (x, y), w, &next)
-            .at("hc_residual_premix_norm")?
-        {
-            return Ok(out);
-        }
-        hc_residual_premix_norm_ops(self, streams, (x, y), w, next)
     }
 
     fn qsa_attention(&self, c: &QsaCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {

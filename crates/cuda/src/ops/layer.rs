@@ -1,7 +1,6 @@
-//! What the persistent launches (`moe_layer.rs`, `gdn_layer.rs`, `attn_layer.rs`, `hc.rs`;
-//! `kernels/layer.cuh`) share on the host: where a layer launch writes its output row (the row
-//! itself, or its add to the residual and the norm of that), their grid (as many blocks as the
-//! multiprocessors hold at once), the cooperative launch and their phase tables.
+//! What the persistent layer launches (`moe_layer.rs`, `gdn_layer.rs`; `kernels/layer.cuh`) share on
+//! the host: where a launch writes its output row (the row itself, or its add to the residual and the
+//! norm of that), and its grid (as many blocks as the multiprocessors hold at once).
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DeviceRepr};
@@ -36,7 +35,7 @@ macro_rules! phases {
 /// imbalance (`skew`), from it to block 0's leaving the barrier itself (`release`). Slot 14 is block
 /// 0's entry before its PDL wait (`ml_entered`), slot 15 the latest block's: `pdl_wait` is from block
 /// 0's entry to its first mark, `entry_skew` from it to the last block's entry.
-const LAYER_PHASES: [(&str, &[Phase]); 4] = [
+const LAYER_PHASES: [(&str, &[Phase]); 3] = [
     (
         "moe_layer",
         phases![
@@ -88,19 +87,6 @@ const LAYER_PHASES: [(&str, &[Phase]); 4] = [
             ("b2_skew", 3, 11),
             ("b2_release", 11, 4),
             ("b3_skew", 5, 12),
-        ],
-    ),
-    (
-        "hc_step",
-        phases![
-            ("down_inject", 0, 1),
-            ("barrier1", 1, 2),
-            ("up_gate_mix", 2, 3),
-            ("barrier2", 3, 4),
-            ("norm", 4, 5),
-            ("exit", 5, 9),
-            ("b1_skew", 1, 10),
-            ("b2_skew", 3, 11),
         ],
     ),
 ];
@@ -194,50 +180,18 @@ impl Gpu {
         partials: &CudaSlice<f32>,
         h: usize,
     ) -> Result<u32> {
-        let blocks = self.persistent_blocks(op, kernel, smem)?;
-        check_len(op, "partials", partials, blocks)?;
-        ensure(h <= MAX_ROWS_PER_WARP * 8 * blocks, op, || {
-            format!("h = {h} exceeds {MAX_ROWS_PER_WARP} rows a warp of {blocks} blocks")
-        })?;
-        grid_u32(op, blocks)
-    }
-
-    /// The blocks of `THREADS` threads with `smem` bytes of dynamic shared memory the multiprocessors
-    /// hold at once (at most two each, from the occupancy API): a persistent launch's grid.
-    pub(super) fn persistent_blocks(
-        &self,
-        op: &'static str,
-        kernel: &Kernel,
-        smem: usize,
-    ) -> Result<usize> {
         let per_sm = kernel
             .occupancy_max_active_blocks_per_multiprocessor(THREADS, smem, None)?
             .min(MAX_BLOCKS_PER_SM);
         ensure(per_sm > 0, op, || {
             format!("{smem} bytes of shared memory leave no block resident")
         })?;
-        Ok(per_sm as usize * self.info().multiprocessors as usize)
-    }
-
-    /// Launches `kernel` cooperatively over `grid` blocks of `THREADS` threads with `smem` bytes of
-    /// dynamic shared memory and the argument struct `a`.
-    ///
-    /// # Safety
-    /// `a` must be the kernel's argument struct with buffers and shapes it may read and write, and
-    /// `grid` at most [`Gpu::persistent_blocks`] for `smem` (the kernel's grid barriers wait for
-    /// every block).
-    pub(super) unsafe fn launch_persistent<A: DeviceRepr>(
-        &self,
-        kernel: &Kernel,
-        (grid, smem): (u32, usize),
-        a: &A,
-    ) -> Result<()> {
-        let mut b = self.launch(kernel);
-        b.arg(a).cooperative();
-        // SAFETY: the caller vouches for the arguments and the grid; launched cooperatively, as
-        // the kernels' grid barriers need.
-        unsafe { b.launch(cfg((grid, 1, 1), THREADS, smem as u32)) }?;
-        Ok(())
+        let blocks = per_sm as usize * self.info().multiprocessors as usize;
+        check_len(op, "partials", partials, blocks)?;
+        ensure(h <= MAX_ROWS_PER_WARP * 8 * blocks, op, || {
+            format!("h = {h} exceeds {MAX_ROWS_PER_WARP} rows a warp of {blocks} blocks")
+        })?;
+        grid_u32(op, blocks)
     }
 
     /// Launches the persistent layer `kernel` cooperatively over [`Gpu::layer_grid`]'s grid with
@@ -262,9 +216,13 @@ impl Gpu {
         }
         let grid = self.layer_grid(op, kernel, smem, partials, h)?;
         let a = args(self.addr_mut(partials));
+        let mut b = self.launch(kernel);
+        b.arg(&a).cooperative();
         // SAFETY: the caller vouches for the arguments; the grid is what the multiprocessors hold
-        // at once (the occupancy API for this block size and shared memory).
-        unsafe { self.launch_persistent(kernel, (grid, smem), &a) }
+        // at once (the occupancy API for this block size and shared memory), launched
+        // cooperatively, as the kernels' grid barriers need.
+        unsafe { b.launch(cfg((grid, 1, 1), THREADS, smem as u32)) }?;
+        Ok(())
     }
 
     /// A layer launch's trace address: `given` (the caller's buffer, or 0), else under a timed capture

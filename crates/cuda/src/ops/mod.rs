@@ -47,7 +47,6 @@ pub use gdn_chunk::GdnGates;
 pub use gdn_layer::{GdnLayer, GdnLayerBufs};
 pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;
-pub use hc::{HcNextNorm, HcStepRows, HcStepWeights};
 pub use kv::{HeadLayout, HeadNorm, MropeArgs, RopeArgs, QK_MAX_HEAD_DIM};
 pub use layer::layer_phases;
 pub use moe::{

@@ -9,10 +9,10 @@
 
 #define QSA_MAX_DI 256
 // Selection entries a block of qsa_attn_partial reduces (its span): small for decode rows, so a row's
-// topk spreads over many blocks (2048 entries: 32 spans a head group); qsa_attn_partial_wide's (the
-// prefill form, whose split workspace grows with its many rows) four times that, which qsa_staged.cu's
-// QSA_SPLIT must equal.
-#define QSA_SPLIT_DECODE 64
+// topk spreads over many blocks (2048 entries: 64 spans a head group; a 528-token context 17, one
+// QSA_CHUNK each); qsa_attn_partial_wide's (the prefill form, whose split workspace grows with its many
+// rows) eight times that, which qsa_staged.cu's QSA_SPLIT must equal.
+#define QSA_SPLIT_DECODE 32
 #define QSA_SPLIT_WIDE 256
 #define QSA_MAX_D 256
 
@@ -743,29 +743,54 @@ extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial_wide(
     qsa_attn_partial_impl<QSA_SPLIT_WIDE>(QSA_PARTIAL_ARGS);
 }
 
-// Grid (hq, rows). Merges the splits of qsa_attn_partial and multiplies by sigmoid(gate) (gate, out:
-// [rows, hq·d]), one bf16 rounding.
+// Splits whose maxima and weights a block of qsa_attn_reduce holds in shared memory at a time.
+#define QSA_REDUCE_STAGE 128
+
+// Grid (hq, rows), blockDim.x ≥ d / 2 (the host: 128 for d ≤ 256). Merges the splits of
+// qsa_attn_partial and multiplies by sigmoid(gate) (gate, out: [rows, hq·d]), one bf16 rounding:
+// M = max_s m_s, den = Σ_s e^(m_s − M)·l_s and num_i = Σ_s e^(m_s − M)·o_s,i over the splits that
+// saw an entry (m_s > −inf), each sum in split order. The splits' maxima are read by the whole block
+// at once, a stage at a time, so only the sums run in order (thread 0 the denominator, each thread its
+// values' numerators, their loads unrolled).
 extern "C" __global__ void qsa_attn_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                            const bf16* __restrict__ gate, bf16* __restrict__ out, int hq, int d,
                                            int splits) {
+    __shared__ float m_s[QSA_REDUCE_STAGE], w_s[QSA_REDUCE_STAGE], scratch[32];
+    __shared__ float den_s;
     pdl_prologue();
     const int h = blockIdx.x, r = blockIdx.y;
     const size_t slot0 = ((size_t)r * hq + h) * splits;
     float M = NEG_INF;
-    for (int s = 0; s < splits; ++s) M = fmaxf(M, part_ml[2 * (slot0 + s)]);
-    float den = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-        const float m = part_ml[2 * (slot0 + s)];
-        if (m != NEG_INF) den += expf(m - M) * part_ml[2 * (slot0 + s) + 1];
-    }
-    const size_t at = ((size_t)r * hq + h) * d;
-    for (int i = threadIdx.x; i < d; i += blockDim.x) {
-        float num = 0.0f;
-        for (int s = 0; s < splits; ++s) {
-            const float m = part_ml[2 * (slot0 + s)];
-            if (m != NEG_INF) num += expf(m - M) * part_o[(slot0 + s) * d + i];
+    for (int s = threadIdx.x; s < splits; s += blockDim.x) M = fmaxf(M, part_ml[2 * (slot0 + s)]);
+    M = block_max(M, scratch);
+    const int i0 = threadIdx.x, i1 = threadIdx.x + blockDim.x;
+    float num0 = 0.0f, num1 = 0.0f, den = 0.0f;
+#pragma unroll 1
+    for (int s0 = 0; s0 < splits; s0 += QSA_REDUCE_STAGE) {
+        const int n = min(QSA_REDUCE_STAGE, splits - s0);
+        for (int s = threadIdx.x; s < n; s += blockDim.x) {
+            const float m = part_ml[2 * (slot0 + s0 + s)];
+            m_s[s] = m;
+            w_s[s] = m != NEG_INF ? expf(m - M) : 0.0f;
         }
-        const float o = den > 0.0f ? num / den : 0.0f;
-        out[at + i] = f2bf(o * sigmoid_f(bf2f(gate[at + i])));
+        __syncthreads();
+        if (threadIdx.x == 0)
+            for (int s = 0; s < n; ++s)
+                if (m_s[s] != NEG_INF) den += expf(m_s[s] - M) * part_ml[2 * (slot0 + s0 + s) + 1];
+        const float* po = part_o + (slot0 + s0) * d;
+#pragma unroll 8
+        for (int s = 0; s < n; ++s) {
+            if (m_s[s] != NEG_INF) {
+                if (i0 < d) num0 += w_s[s] * po[(size_t)s * d + i0];
+                if (i1 < d) num1 += w_s[s] * po[(size_t)s * d + i1];
+            }
+        }
+        __syncthreads();
     }
+    if (threadIdx.x == 0) den_s = den;
+    __syncthreads();
+    den = den_s;
+    const size_t at = ((size_t)r * hq + h) * d;
+    if (i0 < d) out[at + i0] = f2bf((den > 0.0f ? num0 / den : 0.0f) * sigmoid_f(bf2f(gate[at + i0])));
+    if (i1 < d) out[at + i1] = f2bf((den > 0.0f ? num1 / den : 0.0f) * sigmoid_f(bf2f(gate[at + i1])));
 }

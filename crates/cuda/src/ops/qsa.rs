@@ -23,7 +23,7 @@ pub const QSA_MAX_INDEX_DIM: usize = 256;
 pub const QSA_SPLIT: usize = 256;
 /// The same in the decode form (`QSA_SPLIT_DECODE`, `qsa_attn_partial`): a decode row's selection
 /// spread over more blocks.
-const QSA_SPLIT_DECODE: usize = 64;
+const QSA_SPLIT_DECODE: usize = 32;
 /// Query heads (of one KV head) a block of `qsa_attn_partial` serves at most (`QSA_GROUP` in qsa.cu).
 const QSA_GROUP: usize = 8;
 /// The largest attention head size of the gathered attention.
@@ -755,7 +755,7 @@ impl Gpu {
                 .arg(&hqi)
                 .arg(&di)
                 .arg(&spi);
-            // SAFETY: as above.
+            // SAFETY: as above; 128 threads take d ≤ QSA_MAX_HEAD_DIM (256) values, two a thread.
             unsafe { l.launch(cfg((hq as u32, rows as u32, 1), 128, 0)) }?;
         }
         Ok(())

@@ -1,6 +1,7 @@
 // The hyper-connections' gated residual (spec §4) of a decode step (M ≤ 8 rows) in two kernels:
 //   hc_down_inject_silu: s[m, r] = bf16(silu(down[r]·y[m] + inject[r]·x[m]))          s: [M, rank]
 //   hc_up_gate_mix:      R[m, j] = bf16(R[m, j] + sigmoid(up[j]·s[m]) · y[m, j % h])    R: [M, S·h]
+//                        and, when given pre, the next sublayer's pre-mix of the new R into xn [M, h]
 // down [rank, h] and up [S·h, rank] are packed INT8 with one f32 scale per row (compressed-tensors
 // channel strategy: value j of a row is the unsigned code q + 128 at bits 8(j%4) of word j/4), inject
 // [rank, h] is bf16. Dot products and the gate are f32; each output is rounded once. Requirements
@@ -12,6 +13,8 @@
 // Threads of a hc_up_gate_mix block, and threads per output row j (a row slot).
 #define HC_UP_THREADS 256
 #define HC_UP_TPR 8
+// Output rows a hc_up_gate_mix block computes (its row slots).
+#define HC_UP_ROWS (HC_UP_THREADS / HC_UP_TPR)
 
 // The 8 INT8 codes of words a (values 0..3) and b (values 4..7) as signed f32: each code becomes the low
 // byte of the float 2^23 + code (one byte permute), then the offset is subtracted; exact.
@@ -82,20 +85,27 @@ __device__ __forceinline__ void hc_down_inject_silu_impl(const u32* __restrict__
     }
 }
 
-// Row slots of HC_UP_TPR threads, one output j = blockIdx.x · (HC_UP_THREADS / HC_UP_TPR) + slot each
-// (n = S·h outputs). Thread p of a slot takes the 32-value units p, p + HC_UP_TPR, ... of up's row j
-// against s[m] for all M rows; the slot's sums are combined with shuffles (every thread of the slot gets
-// them), and thread p = m applies the gate to R[m, j]. A slot past n computes nothing but still takes
-// part in the shuffles.
+// Row slots of HC_UP_TPR threads; block b takes columns b·cpb .. b·cpb + cpb − 1 of every stream
+// (cpb = HC_UP_ROWS / S columns, S = n / h streams ≤ HC_UP_ROWS): slot k computes output j = c·h + i of
+// stream c = k / cpb, column i = b·cpb + k % cpb. Thread p of a slot takes the 32-value units p,
+// p + HC_UP_TPR, ... of up's row j against s[m] for all M rows; the slot's sums are combined with
+// shuffles (every thread of the slot gets them), and thread p = m applies the gate to R[m, j]. A slot
+// past its stream's h columns (or past S · cpb) computes nothing but still takes part in the shuffles.
+// With xn (and pre): the block then pre-mixes its columns, xn[m, i] = Σ_c softmax(pre)_c · R[m, c·h + i]
+// (hc_premix_bf16's sum: softmax in f32 with the max subtracted, the sum in stream order, one rounding).
 template <int M>
 __device__ __forceinline__ void hc_up_gate_mix_impl(const u32* __restrict__ up, const float* __restrict__ up_scales,
                                                     const bf16* __restrict__ s, const bf16* __restrict__ y,
-                                                    bf16* __restrict__ streams, int n, int h, int rank) {
+                                                    bf16* __restrict__ streams, int n, int h, int rank,
+                                                    const float* __restrict__ pre, bf16* __restrict__ xn) {
+    __shared__ float mixed[M][HC_UP_ROWS];
     const int slot = threadIdx.x / HC_UP_TPR, p = threadIdx.x % HC_UP_TPR;
-    const long long j = (long long)blockIdx.x * (HC_UP_THREADS / HC_UP_TPR) + slot;
-    const bool valid = j < n;
+    const int ns = n / h, cpb = HC_UP_ROWS / ns;
+    const int c = slot / cpb, i = blockIdx.x * cpb + slot % cpb;
+    const bool valid = c < ns && i < h;
+    const int j = c * h + i;
     const int units = valid ? rank / 32 : 0;
-    const u32* wrow = up + (valid ? j : 0) * (long long)(rank / 4);
+    const u32* wrow = up + (size_t)(valid ? j : 0) * (rank / 4);
     float acc[M];
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[m] = 0.0f;
@@ -104,14 +114,14 @@ __device__ __forceinline__ void hc_up_gate_mix_impl(const u32* __restrict__ up, 
         u32 w[8];
         PackedUnit<8, true>::load(wrow, u, w);
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-            float q[8];
-            hc_decode8(w[2 * c], w[2 * c + 1], q);
+        for (int q = 0; q < 4; ++q) {
+            float qv[8];
+            hc_decode8(w[2 * q], w[2 * q + 1], qv);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 float sf[8];
-                unpack8(__ldg((const uint4*)(s + (size_t)m * rank + u * 32 + c * 8)), sf);
-                acc[m] += hc_dot8(q, sf);
+                unpack8(__ldg((const uint4*)(s + (size_t)m * rank + u * 32 + q * 8)), sf);
+                acc[m] += hc_dot8(qv, sf);
             }
         }
     }
@@ -122,16 +132,29 @@ __device__ __forceinline__ void hc_up_gate_mix_impl(const u32* __restrict__ up, 
         for (int o = HC_UP_TPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
         acc[m] = v;
     }
-    if (!valid) return;
-    const float scale = __ldg(up_scales + j);
-    const int col = (int)(j % h);
+    if (valid) {
+        const float scale = __ldg(up_scales + j);
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-        if (m != p) continue;
-        const size_t i = (size_t)m * n + j;
-        const float gate = sigmoid_f(scale * acc[m]);
-        streams[i] = f2bf(bf2f(streams[i]) + gate * bf2f(y[(size_t)m * h + col]));
+        for (int m = 0; m < M; ++m) {
+            if (m != p) continue;
+            const size_t at = (size_t)m * n + j;
+            const float gate = sigmoid_f(scale * acc[m]);
+            const bf16 r = f2bf(bf2f(streams[at]) + gate * bf2f(y[(size_t)m * h + i]));
+            streams[at] = r;
+            mixed[m][slot] = bf2f(r);
+        }
     }
+    if (xn == nullptr) return;
+    __syncthreads();
+    const int t = threadIdx.x, m = t / cpb, col = t % cpb, ic = blockIdx.x * cpb + col;
+    if (m >= M || ic >= h) return;
+    float mx = NEG_INF;
+    for (int q = 0; q < ns; ++q) mx = fmaxf(mx, pre[q]);
+    float z = 0.0f;
+    for (int q = 0; q < ns; ++q) z += expf(pre[q] - mx);
+    float v = 0.0f;
+    for (int q = 0; q < ns; ++q) v += (expf(pre[q] - mx) / z) * mixed[m][q * cpb + col];
+    xn[(size_t)m * h + ic] = f2bf(v);
 }
 
 // Entry points per row count M (the host picks hc_down_inject_silu_m{M} / hc_up_gate_mix_m{M}). Grids:
@@ -152,13 +175,25 @@ extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_sil
 extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m7(HC_DOWN_ARGS) { pdl_prologue_prefetch(HC_DOWN_PREFETCH); hc_down_inject_silu_impl<7>(HC_DOWN_CALL); }
 extern "C" __global__ void __launch_bounds__(HC_DOWN_THREADS) hc_down_inject_silu_m8(HC_DOWN_ARGS) { pdl_prologue_prefetch(HC_DOWN_PREFETCH); hc_down_inject_silu_impl<8>(HC_DOWN_CALL); }
 
-#define HC_UP_ARGS \
-    const u32 *up, const float *up_scales, const bf16 *s, const bf16 *y, bf16 *streams, int n, int h, int rank
-#define HC_UP_ROWS (HC_UP_THREADS / HC_UP_TPR)
-#define HC_UP_PREFETCH \
-    up + (size_t)blockIdx.x * HC_UP_ROWS * (rank / 4), \
-        (long long)min(HC_UP_ROWS, n - (int)blockIdx.x * HC_UP_ROWS) * rank
-#define HC_UP_CALL up, up_scales, s, y, streams, n, h, rank
+#define HC_UP_ARGS                                                                                         \
+    const u32 *up, const float *up_scales, const bf16 *s, const bf16 *y, bf16 *streams, int n, int h, int rank, \
+        const float *pre, bf16 *xn
+#define HC_UP_CALL up, up_scales, s, y, streams, n, h, rank, pre, xn
+
+// The up rows block b reads: each stream's run of cpb rows (hc_up_gate_mix_impl's columns).
+struct HcUpRows {
+    const u32* up;
+    int n, h, rank;
+};
+
+// pdl_prologue, first asking L2 for the block's up rows (no kernel writes them).
+__device__ __forceinline__ void pdl_prologue_prefetch(const HcUpRows& r) {
+    const int ns = r.n / r.h, cpb = HC_UP_ROWS / ns, i0 = blockIdx.x * cpb;
+    const long long cols = min(cpb, r.h - i0);
+    for (int c = 0; c < ns; ++c) l2_prefetch(r.up + ((size_t)c * r.h + i0) * (r.rank / 4), cols * r.rank);
+    pdl_prologue();
+}
+#define HC_UP_PREFETCH HcUpRows{up, n, h, rank}
 
 extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m1(HC_UP_ARGS) { pdl_prologue_prefetch(HC_UP_PREFETCH); hc_up_gate_mix_impl<1>(HC_UP_CALL); }
 extern "C" __global__ void __launch_bounds__(HC_UP_THREADS) hc_up_gate_mix_m2(HC_UP_ARGS) { pdl_prologue_prefetch(HC_UP_PREFETCH); hc_up_gate_mix_impl<2>(HC_UP_CALL); }

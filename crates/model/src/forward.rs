@@ -19,7 +19,7 @@ use thiserror::Error;
 
 use crate::backend::{
     AttnCall, AttnMixerCall, AttnWeights, Backend, BackendError, DecodeStep, GdnMixerCall,
-    GdnWeights, HcWeights, MlpWeights, Mrope, OpResult, QsaCall, SeqChunk,
+    GdnWeights, HcNext, MlpWeights, Mrope, OpResult, QsaCall, SeqChunk,
 };
 use crate::load::{Layer, Mixer, Model};
 
@@ -538,10 +538,10 @@ impl<B: Backend> Model<B> {
     }
 
     /// One decoder layer on the residual `streams`. `pending` is the previous sublayer's output not
-    /// yet added (plain residual only): its add is fused with this layer's input norm (and a MoE
-    /// output's combine with both, where the backend does so). Returns this
-    /// layer's FFN output, not yet added, for the next norm to take (`None` with hyper-connections,
-    /// whose gated residual is applied here).
+    /// yet added: its add is fused with this layer's input norm (and a MoE output's combine with
+    /// both, where the backend does so), or with hyper-connections its gated residual with this
+    /// layer's pre-mix and input norm. Returns this layer's FFN output, not yet added, for the next
+    /// norm to take.
     fn layer_forward<'l>(
         &self,
         index: usize,
@@ -558,6 +558,16 @@ impl<B: Backend> Model<B> {
                 y.add_rms_norm(b, streams, &layer.input_norm, eps, 1.0)?,
                 None,
             ),
+            (Some((a, _)), Some(Pending::Hc { x, y, w })) => {
+                let next = HcNext {
+                    pre: &a.pre,
+                    norm: &layer.input_norm,
+                    eps,
+                    offset: 1.0,
+                };
+                let (x, hn) = b.hc_residual_premix_norm(streams, (&x, &y), w, next)?;
+                (hn, Some(x))
+            }
             (_, pending) => {
                 if let Some(y) = pending {
                     y.add_to(b, streams)?;
@@ -597,12 +607,21 @@ impl<B: Backend> Model<B> {
                     Some(c) => b.gdn_mixer(&c)?,
                     None => self.mixer(index, layer, &hn, rows)?.rows(b)?,
                 };
-                self.residual(streams, x.as_ref(), &mixed, a)?;
-                let x = b.hc_premix(streams, &f.pre)?;
-                let hn = b.rms_norm(&x, &layer.post_attention_norm, eps, 1.0)?;
-                let out = self.ffn(layer, hn, rows.count())?.rows(b)?;
-                self.residual(streams, Some(&x), &out, f)?;
-                return Ok(None);
+                let x = x.ok_or_else(|| {
+                    BackendError::invalid(
+                        "hc_residual",
+                        "a hyper-connection sublayer without its input",
+                    )
+                })?;
+                let next = HcNext {
+                    pre: &f.pre,
+                    norm: &layer.post_attention_norm,
+                    eps,
+                    offset: 1.0,
+                };
+                let (x, hn) = b.hc_residual_premix_norm(streams, (&x, &mixed), a, next)?;
+                let y = self.ffn(layer, hn, rows.count())?.rows(b)?;
+                return Ok(Some(Pending::Hc { x, y, w: f }));
             }
         };
         Ok(Some(self.ffn(layer, hn, rows.count())?))
@@ -703,24 +722,6 @@ impl<B: Backend> Model<B> {
             seqs: rows.seqs,
             mrope: rows.mrope,
         }
-    }
-
-    /// The hyper-connections' gated residual (x the sublayer's pre-mixed input):
-    /// `s = silu(down·y + inject·x)`, `u = up·s`, `R_c += sigmoid(u_c) ⊙ y` ([`Backend::hc_residual`]).
-    fn residual(
-        &self,
-        streams: &mut B::Tensor,
-        x: Option<&B::Tensor>,
-        y: &B::Tensor,
-        w: &HcWeights<B::Weight>,
-    ) -> OpResult<()> {
-        let x = x.ok_or_else(|| {
-            BackendError::invalid(
-                "hc_residual",
-                "a hyper-connection sublayer without its input",
-            )
-        })?;
-        self.backend.hc_residual(streams, x, y, w)
     }
 
     fn mlp(&self, m: &MlpWeights<B::Weight>, x: &B::Tensor) -> OpResult<B::Tensor> {

@@ -22,10 +22,10 @@ pub mod weight_plan;
 
 pub use backend::{
     AttnCall, AttnShape, AttnWeights, Backend, BackendError, DecodeStep, GdnCall, GdnGates,
-    GdnShape, GdnWeights, Handover, HcWeights, IndexerWeights, KvHost, KvHostStats, MlpWeights,
-    MoeCall, MoeWeights, Mrope, OpResult, PhaseTable, PleCall, PleShape, PleWeights, Probe,
-    QsaCall, QsaShape, Rope, RowCacheCounts, SampleCall, SeqChunk, SharedExpert, SharedFusion,
-    StageLink, StageRecv, StageSend,
+    GdnShape, GdnWeights, Handover, HcNext, HcWeights, IndexerWeights, KvHost, KvHostStats,
+    MlpWeights, MoeCall, MoeWeights, Mrope, OpResult, PhaseTable, PleCall, PleShape, PleWeights,
+    Probe, QsaCall, QsaShape, Rope, RowCacheCounts, SampleCall, SeqChunk, SharedExpert,
+    SharedFusion, StageLink, StageRecv, StageSend,
 };
 pub use forward::{
     OutRows, Prepared, StepChunk, StepEmbeds, StepError, StepInput, StepMultimodal, StepOutput,

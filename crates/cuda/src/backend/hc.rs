@@ -1,9 +1,11 @@
 //! Hyper-connections on the device (spec §4): the pre-mix (and head collapse) and the gated residual
 //! over the `[rows, S·H]` residual streams, and the whole gated residual of a decode-sized sublayer in
-//! two fused kernels (`ops::hc`); other steps run the trait's op sequence
+//! two fused kernels (`ops::hc`), the second of which can also pre-mix the streams for the next
+//! sublayer; other steps run the trait's op sequences
 //! ([`hc_residual_ops`](sanmai_model::backend::hc_residual_ops)).
 
-use sanmai_model::backend::HcWeights;
+use cudarc::driver::CudaSlice;
+use sanmai_model::backend::{HcNext, HcWeights};
 
 use super::tensor::{CudaTensor, CudaWeight, PackedWeight};
 use super::CudaBackend;
@@ -59,13 +61,15 @@ impl CudaBackend {
     /// `kernels/hc.cu` (no `u` tensor: only `s` `[rows, rank]` is allocated), when they take the step:
     /// at most [`HC_MAX_ROWS`] rows (decode), `down` and `up` packed INT8 with one scale per row,
     /// `inject` bf16, H and rank multiples of 32. Returns `false`, having done nothing, otherwise (the
-    /// caller then runs the op sequence, whose GEMMs serve prefill).
+    /// caller then runs the op sequence, whose GEMMs serve prefill). With `premix = (pre, xn)` (the
+    /// next sublayer's pre-mix logits, f32, and its `[rows, H]` output), the second kernel also
+    /// pre-mixes the new streams into `xn`.
     pub(crate) fn hc_residual_fused(
         &self,
         streams: &mut CudaTensor,
-        x: &CudaTensor,
-        y: &CudaTensor,
+        (x, y): (&CudaTensor, &CudaTensor),
         w: &HcWeights<CudaWeight>,
+        premix: Option<(&CudaSlice<f32>, &mut CudaTensor)>,
     ) -> Result<bool> {
         let (Some(down), Some(up), CudaWeight::Bf16(inject)) =
             (w.down.packed(), w.up.packed(), &w.inject)
@@ -104,9 +108,42 @@ impl CudaBackend {
             &mut s.buf,
             rows,
         )?;
-        self.gpu
-            .hc_up_gate_mix(&up.mat(), &s.buf, &y.buf, &mut streams.buf, rows, h)?;
+        let premix = premix.map(|(pre, xn)| (pre, &mut xn.buf));
+        self.gpu.hc_up_gate_mix(
+            &up.mat(),
+            (&s.buf, &y.buf),
+            &mut streams.buf,
+            premix,
+            rows,
+            h,
+        )?;
         Ok(true)
+    }
+
+    /// [`Backend::hc_residual_premix_norm`](sanmai_model::Backend::hc_residual_premix_norm) with the
+    /// next sublayer's pre-mix in the gated residual's second kernel ([`hc_residual_fused`](Self::hc_residual_fused)),
+    /// then the norm: the pre-mixed input and its norm, or `None`, having done nothing, where the
+    /// fused kernels do not take the step or `next.pre` is not an f32 vector of one logit a stream.
+    pub fn hc_residual_premixed(
+        &self,
+        streams: &mut CudaTensor,
+        (x, y): (&CudaTensor, &CudaTensor),
+        w: &HcWeights<CudaWeight>,
+        next: &HcNext<'_, CudaWeight>,
+    ) -> Result<Option<(CudaTensor, CudaTensor)>> {
+        let Some(pre) = next.pre.f32() else {
+            return Ok(None);
+        };
+        let h = y.cols;
+        if h == 0 || next.pre.cols() * h != streams.cols {
+            return Ok(None);
+        }
+        let mut xn = self.alloc(y.rows, h)?;
+        if !self.hc_residual_fused(streams, (x, y), w, Some((pre, &mut xn)))? {
+            return Ok(None);
+        }
+        let hn = self.rms_norm_impl(&xn, next.norm, next.eps, next.offset)?;
+        Ok(Some((xn, hn)))
     }
 }
 

@@ -1,8 +1,9 @@
 //! The hyper-connections' gated residual of a decode step as two fused kernels (`kernels/hc.cu`):
 //! `s = silu(down·y + inject·x)` ([`Gpu::hc_down_inject_silu`]) and `R_c += sigmoid(up_c·s) ⊙ y`
-//! ([`Gpu::hc_up_gate_mix`]), with `down` / `up` packed INT8 with one scale per row and `inject` bf16.
+//! ([`Gpu::hc_up_gate_mix`], which can also pre-mix the new streams for the next sublayer), with
+//! `down` / `up` packed INT8 with one scale per row and `inject` bf16.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 
 use super::{PackedMat, PackedScheme};
@@ -14,7 +15,7 @@ pub(crate) const HC_MAX_ROWS: usize = 8;
 /// Threads of a `hc_down_inject_silu` block (`HC_DOWN_THREADS` in hc.cu).
 const DOWN_THREADS: u32 = 128;
 /// Threads of a `hc_up_gate_mix` block and outputs a block computes (`HC_UP_THREADS`,
-/// `HC_UP_THREADS / HC_UP_TPR` in hc.cu).
+/// `HC_UP_ROWS` in hc.cu): `UP_ROWS / S` columns of each of S streams.
 const UP_THREADS: u32 = 256;
 const UP_ROWS: usize = 32;
 
@@ -104,13 +105,16 @@ impl Gpu {
     /// `streams[m, c·h + j] = bf16(streams[m, c·h + j] + sigmoid(u) · y[m, j])` with
     /// `u = scale[c·h + j] · (q_up[c·h + j] · s[m])` kept in f32, for `rows` ≤ 8 rows and `nstreams`
     /// streams of `h`: `up` packed INT8 `[nstreams·h, rank]` (`nstreams·h · rank/4` words) with one
-    /// scale a row, `s` `[rows, rank]`, `y` `[rows, h]`, `streams` `[rows, nstreams·h]`.
+    /// scale a row, `s` `[rows, rank]`, `y` `[rows, h]`, `streams` `[rows, nstreams·h]`. With
+    /// `premix = (pre, xn)`, also the next sublayer's pre-mix of the new streams, `xn[m] = Σ_c
+    /// softmax(pre)_c · streams[m, c]` (`pre` `[nstreams]` f32, `xn` `[rows, h]`), as `hc_premix`
+    /// computes it.
     pub fn hc_up_gate_mix(
         &self,
         up: &PackedMat<'_, impl DevicePtr<u32>, impl DevicePtr<f32>>,
-        s: &impl DevicePtr<bf16>,
-        y: &impl DevicePtr<bf16>,
+        (s, y): (&impl DevicePtr<bf16>, &impl DevicePtr<bf16>),
         streams: &mut impl DevicePtrMut<bf16>,
+        premix: Option<(&CudaSlice<f32>, &mut CudaSlice<bf16>)>,
         rows: usize,
         h: usize,
     ) -> Result<()> {
@@ -123,6 +127,9 @@ impl Gpu {
             format!("{up_rows} rows of up are not streams of {h}")
         })?;
         let nstreams = up_rows / h;
+        ensure(nstreams <= UP_ROWS, OP, || {
+            format!("{nstreams} streams: at most {UP_ROWS}")
+        })?;
         let n = nstreams * h;
         check_len(OP, "up", up, n * rank / 4)?;
         check_len(OP, "up_scales", up_scales, n)?;
@@ -133,7 +140,16 @@ impl Gpu {
             aligned(OP, what, p)?;
         }
         let (ni, hi, ri) = (int(OP, "n", n)?, int(OP, "h", h)?, int(OP, "rank", rank)?);
-        let blocks = grid_u32(OP, n.div_ceil(UP_ROWS))?;
+        // A block takes UP_ROWS / nstreams columns of every stream.
+        let blocks = grid_u32(OP, h.div_ceil(UP_ROWS / nstreams))?;
+        let (pre, xn) = match premix {
+            Some((pre, xn)) => {
+                check_len(OP, "pre", pre, nstreams)?;
+                check_len(OP, "xn", &*xn, rows * h)?;
+                (self.addr(pre), self.addr_mut(xn))
+            }
+            None => (0, 0),
+        };
         let mut b = self.launch(self.kernel(&format!("hc_up_gate_mix_m{rows}"))?);
         b.ptr(up)
             .ptr(up_scales)
@@ -142,9 +158,13 @@ impl Gpu {
             .ptr_mut(streams)
             .arg(&ni)
             .arg(&hi)
-            .arg(&ri);
+            .arg(&ri)
+            .arg(&pre)
+            .arg(&xn);
         // SAFETY: argument types match the kernel; lengths, shape rules and alignment checked above;
-        // blocks of UP_THREADS, UP_ROWS outputs each, cover the n outputs as the kernel assumes.
+        // blocks of UP_THREADS, UP_ROWS / nstreams columns of every stream each, cover the n outputs
+        // as the kernel assumes; `pre` and `xn` are both null or both hold what the kernel reads and
+        // writes.
         unsafe { b.launch(cfg((blocks, 1, 1), UP_THREADS, 0)) }?;
         Ok(())
     }

@@ -1,12 +1,15 @@
 //! The hyper-connections' gated residual (`Backend::hc_residual`, spec §4) on the CUDA backend against
 //! the CPU backend's op sequence (`hc_residual_ops`): decode-sized steps take the two fused kernels
 //! (`hc_down_inject_silu`, `hc_up_gate_mix`), a larger step the same op sequence on the device. The
-//! updated streams are compared. `bench_hc_residual` (ignored) times both paths at the real shape.
+//! updated streams are compared. A decode step's gated residual with the next sublayer's pre-mix and
+//! norm (`Backend::hc_residual_premix_norm`) pre-mixes in the second fused kernel: bit for bit the
+//! device's three calls, and near the CPU's. `bench_hc_residual` (ignored) times the paths at the real
+//! shape.
 
 use sanmai_config::QuantScheme;
 use sanmai_cpu::CpuBackend;
 use sanmai_cuda::{CudaBackend, CudaWeight};
-use sanmai_model::backend::{hc_residual_ops, HcWeights};
+use sanmai_model::backend::{hc_residual_ops, hc_residual_premix_norm_ops, HcNext, HcWeights};
 use sanmai_model::Backend;
 use sanmai_weights::quant::quantize;
 
@@ -97,6 +100,111 @@ fn hc_residual_matches_cpu() {
     }
 }
 
+/// The inputs of a gated residual and the next sublayer's pre-mix and norm: `rows` rows of streams
+/// `[S·h]`, `x` and `y` `[h]`, the norm weight `[h]` and the pre-mix logits `[S]`.
+struct StepInputs {
+    rows: usize,
+    r0: Vec<f32>,
+    x: Vec<f32>,
+    y: Vec<f32>,
+    pre: Vec<f32>,
+    norm: Vec<f32>,
+}
+
+/// The inputs uploaded to backend `b`: streams, x, y, then the pre-mix logits and the norm weight.
+fn uploads<B: Backend>(b: &B, i: &StepInputs) -> ([B::Tensor; 3], [B::Weight; 2]) {
+    let (h, s) = (i.norm.len(), i.pre.len());
+    let up = |cols, v: &Vec<f32>| b.upload(i.rows, cols, v.clone()).unwrap();
+    (
+        [up(s * h, &i.r0), up(h, &i.x), up(h, &i.y)],
+        [
+            b.weight(i.pre.clone(), &[s]).unwrap(),
+            b.weight(i.norm.clone(), &[h]).unwrap(),
+        ],
+    )
+}
+
+/// The next sublayer of weights `[pre, norm]`.
+fn next<W>([pre, norm]: &[W; 2]) -> HcNext<'_, W> {
+    HcNext {
+        pre,
+        norm,
+        eps: 1e-6,
+        offset: 1.0,
+    }
+}
+
+/// `hc_residual_premix_norm` on backend `b` (`ops`: the trait's three calls, else the backend's
+/// own): the updated streams, the pre-mixed input and its norm, on the host.
+fn step<B: Backend>(b: &B, i: &StepInputs, w: &HcWeights<B::Weight>, ops: bool) -> [Vec<f32>; 3] {
+    let ([mut r, x, y], nw) = uploads(b, i);
+    let (xn, hn) = match ops {
+        true => hc_residual_premix_norm_ops(b, &mut r, (&x, &y), w, next(&nw)),
+        false => b.hc_residual_premix_norm(&mut r, (&x, &y), w, next(&nw)),
+    }
+    .unwrap();
+    [r, xn, hn].map(|t| b.to_host(t).unwrap().2)
+}
+
+/// The real shape (S 4, H 2560, rank 256), the 80B's width with 3 streams and a small one, at 1 and 5
+/// rows: the pre-mix in the gated residual's kernel (`hc_residual_premixed` takes each) against the
+/// device's three calls bit for bit, and against the CPU's.
+#[test]
+fn hc_residual_premix_norm_matches_ops() {
+    let test = "hc_residual_premix_norm_matches_ops";
+    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            return;
+        }
+    };
+    let cpu = CpuBackend::default();
+    let mut rng = Rng::new(83);
+    for (s, h, rank) in [(4usize, 2560usize, 256usize), (3, 2048, 256), (2, 96, 32)] {
+        let down = rng.normals(rank * h, 0.0, (h as f32).powf(-0.5));
+        let inject = to_bf16(&rng.normals(rank * h, 0.0, (h as f32).powf(-0.5))).1;
+        let up = rng.normals(s * h * rank, 0.0, 2.0 * (rank as f32).powf(-0.5));
+        let wg = weights(&b, &down, &inject, &up, (s, h, rank));
+        let wc = weights(&cpu, &down, &inject, &up, (s, h, rank));
+        for rows in [1usize, 5] {
+            let i = StepInputs {
+                rows,
+                r0: to_bf16(&rng.normals(rows * s * h, 0.0, 0.5)).1,
+                x: to_bf16(&rng.normals(rows * h, 0.0, 1.0)).1,
+                y: to_bf16(&rng.normals(rows * h, 0.0, 1.0)).1,
+                pre: rng.normals(s, 0.0, 1.0),
+                norm: to_bf16(&rng.normals(h, 0.0, 0.1)).1,
+            };
+            let shape = format!("s{s}_h{h}_rank{rank}_rows{rows}");
+            // The fused kernels take the step (not the three calls' fallback).
+            let ([mut r, x, y], nw) = uploads(&b, &i);
+            let fused = b.hc_residual_premixed(&mut r, (&x, &y), &wg, &next(&nw));
+            assert!(fused.unwrap().is_some(), "{test}: {shape} not fused");
+            let got = step(&b, &i, &wg, false);
+            let ops = step(&b, &i, &wg, true);
+            let want = step(&cpu, &i, &wc, true);
+            for (k, name) in ["streams", "x", "hn"].iter().enumerate() {
+                let differ = got[k]
+                    .iter()
+                    .zip(&ops[k])
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                assert_eq!(
+                    differ, 0,
+                    "{test}: {shape} {name}: {differ} values differ from the device's three calls"
+                );
+                check_reduction(
+                    "hc_residual_premix_norm",
+                    &format!("{shape}_{name}"),
+                    &got[k],
+                    &want[k],
+                );
+            }
+        }
+    }
+}
+
 /// Timing of the gated residual at the real shape (S 4, H 2560, rank 256) for 1 and 8 rows: the two
 /// fused kernels against the six-op sequence, with the weight bytes one pass reads.
 #[test]
@@ -138,4 +246,25 @@ fn bench_hc_residual() {
             bytes as f64 / fused / 1e9
         );
     }
+    // One row's gated residual with the next pre-mix and norm: the pre-mix in the residual's kernel
+    // against the three calls.
+    let nw = [
+        b.weight(rng.normals(s, 0.0, 1.0), &[s]).unwrap(),
+        b.weight(rng.normals(h, 0.0, 0.1), &[h]).unwrap(),
+    ];
+    let x = b.upload(1, h, rng.normals(h, 0.0, 1.0)).unwrap();
+    let y = b.upload(1, h, rng.normals(h, 0.0, 1.0)).unwrap();
+    let mut r = b.upload(1, s * h, rng.normals(s * h, 0.0, 0.5)).unwrap();
+    let one = time(b.gpu(), 20, 200, || {
+        b.hc_residual_premix_norm(&mut r, (&x, &y), &w, next(&nw))
+            .unwrap();
+    });
+    let three = time(b.gpu(), 20, 200, || {
+        hc_residual_premix_norm_ops(&b, &mut r, (&x, &y), &w, next(&nw)).unwrap();
+    });
+    println!(
+        "BENCH hc_residual_premix_norm s={s} h={h} rank={rank} bytes={bytes} premixed_us={:.2} three_calls_us={:.2}",
+        one * 1e6,
+        three * 1e6
+    );
 }

@@ -15,6 +15,15 @@ pub struct HcWeights<W> {
     pub up: W,
 }
 
+/// The sublayer after a gated residual, for [`Backend::hc_residual_premix_norm`]: its pre-mix logits
+/// `pre` `[S]` and its norm (weight `norm`, `eps`, `offset` as [`Backend::rms_norm`] takes them).
+pub struct HcNext<'a, W> {
+    pub pre: &'a W,
+    pub norm: &'a W,
+    pub eps: f32,
+    pub offset: f32,
+}
+
 /// [`Backend::hc_residual`] as six ops, each rounding its output to the backend's activation type:
 /// `linear` down (of `y`) and inject (of `x`), `add`, `silu`, `linear` up, `hc_gated_residual`. The
 /// trait's default, and what a fusing backend falls back to for shapes its kernels do not take.
@@ -29,4 +38,20 @@ pub fn hc_residual_ops<B: Backend + ?Sized>(
     b.add(&mut pre, &b.linear(x, &w.inject)?)?;
     let u = b.linear(&b.silu(&pre)?, &w.up)?;
     b.hc_gated_residual(streams, &u, y)
+}
+
+/// [`Backend::hc_residual_premix_norm`] as its three calls: [`Backend::hc_residual`], the next
+/// sublayer's [`Backend::hc_premix`] and [`Backend::rms_norm`]. The trait's default, and what a
+/// fusing backend falls back to.
+pub fn hc_residual_premix_norm_ops<B: Backend + ?Sized>(
+    b: &B,
+    streams: &mut B::Tensor,
+    (x, y): (&B::Tensor, &B::Tensor),
+    w: &HcWeights<B::Weight>,
+    next: HcNext<'_, B::Weight>,
+) -> OpResult<(B::Tensor, B::Tensor)> {
+    b.hc_residual(streams, x, y, w)?;
+    let x = b.hc_premix(streams, next.pre)?;
+    let hn = b.rms_norm(&x, next.norm, next.eps, next.offset)?;
+    Ok((x, hn))
 }

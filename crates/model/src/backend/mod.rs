@@ -209,7 +209,7 @@ mod probe;
 mod qsa;
 
 pub use error::{BackendError, OpResult};
-pub use hc::{hc_residual_ops, HcWeights};
+pub use hc::{hc_residual_ops, hc_residual_premix_norm_ops, HcNext, HcWeights};
 pub use mixer::{AttnMixerCall, GdnMixerCall};
 pub use ple::{PleCall, PleShape, PleWeights};
 pub use probe::{PhaseTable, Probe};
@@ -714,6 +714,21 @@ pub trait Backend: Send + Sync {
         w: &HcWeights<Self::Weight>,
     ) -> OpResult<()> {
         hc_residual_ops(self, streams, x, y, w)
+    }
+
+    /// [`Backend::hc_residual`] of one sublayer, then the next sublayer's pre-mix
+    /// ([`Backend::hc_premix`] with `next.pre`) and its norm ([`Backend::rms_norm`] with
+    /// `next.norm`, `next.eps`, `next.offset`): returns the pre-mixed input and its norm. The default
+    /// runs the three ops ([`hc_residual_premix_norm_ops`]); a backend may fuse them, with the same
+    /// values.
+    fn hc_residual_premix_norm(
+        &self,
+        streams: &mut Self::Tensor,
+        (x, y): (&Self::Tensor, &Self::Tensor),
+        w: &HcWeights<Self::Weight>,
+        next: HcNext<'_, Self::Weight>,
+    ) -> OpResult<(Self::Tensor, Self::Tensor)> {
+        hc_residual_premix_norm_ops(self, streams, (x, y), w, next)
     }
 
     /// QSA attention of attention layer `c.attn.layer` (spec §2). Inputs per row (token) of the step:

@@ -1,9 +1,13 @@
 //! A sublayer's output not yet added to the residual ([`Pending`]): a sublayer hands it to the next
 //! norm, which adds it first. A mixer hands over its output projection before it runs, a MoE FFN
 //! its experts, so that the add can ask the backend for the last op, the add and the norm in one
-//! call ([`Backend::linear_add_rms_norm`], [`Backend::moe_experts_add_rms_norm`]).
+//! call ([`Backend::linear_add_rms_norm`], [`Backend::moe_experts_add_rms_norm`]). With
+//! hyper-connections a sublayer hands over its gated residual, which the next sublayer's pre-mix and
+//! norm take in one call ([`Backend::hc_residual_premix_norm`]).
 
-use crate::backend::{Backend, MoeCall, MoeWeights, OpResult, SharedExpert, SharedFusion};
+use crate::backend::{
+    Backend, BackendError, HcWeights, MoeCall, MoeWeights, OpResult, SharedExpert, SharedFusion,
+};
 use crate::load::{Ffn, Layer, Model};
 
 /// A sublayer's output not yet added to the residual.
@@ -19,6 +23,17 @@ pub(super) enum Pending<'l, T, W> {
         x: T,
         shared: Option<(Option<T>, Option<T>)>,
     },
+    /// The hyper-connections' gated residual ([`Backend::hc_residual`]) of output `y` for the
+    /// sublayer's pre-mixed input `x`: added to the streams, not to one residual row.
+    Hc { x: T, y: T, w: &'l HcWeights<W> },
+}
+
+/// The error of a gated residual asked for as rows or as a plain residual's add and norm.
+fn not_plain(op: &'static str) -> BackendError {
+    BackendError::invalid(
+        op,
+        "a gated residual (hyper-connections) is not a plain residual's add",
+    )
 }
 
 /// The MoE call of a pending MoE output.
@@ -44,16 +59,20 @@ impl<T, W> Pending<'_, T, W> {
             Pending::Rows(y) => Ok(y),
             Pending::Linear { x, w } => b.linear(&x, w),
             Pending::Moe { w, x, shared } => b.moe_experts(&call(w, &x, &shared)),
+            Pending::Hc { .. } => Err(not_plain("rows")),
         }
     }
 
-    /// `acc += output`.
+    /// `acc += output` (the gated residual into the streams `acc`).
     pub(super) fn add_to<B: Backend<Tensor = T, Weight = W>>(
         self,
         b: &B,
         acc: &mut T,
     ) -> OpResult<()> {
-        b.add(acc, &self.rows(b)?)
+        match self {
+            Pending::Hc { x, y, w } => b.hc_residual(acc, &x, &y, w),
+            plain => b.add(acc, &plain.rows(b)?),
+        }
     }
 
     /// `acc += output`, then [`Backend::rms_norm`] of the new `acc` (weight `norm`).
@@ -71,6 +90,7 @@ impl<T, W> Pending<'_, T, W> {
             Pending::Moe { w, x, shared } => {
                 b.moe_experts_add_rms_norm(&call(w, &x, &shared), acc, norm, eps, offset)
             }
+            Pending::Hc { .. } => Err(not_plain("add_rms_norm")),
         }
     }
 }

@@ -23,7 +23,6 @@ use std::path::{Path, PathBuf};
 use half::bf16;
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_cuda::CudaBackend;
 use sanmai_model::backend::CacheSpec;
 use sanmai_model::vision::{Grid, Vision};
 use sanmai_model::{
@@ -47,15 +46,7 @@ const MARGIN: f64 = 0.05;
 const MAX_TOL: f64 = 2.5;
 const GAP: f64 = 1.0;
 
-fn backend(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0, &options::cuda_options()) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            None
-        }
-    }
-}
+use options::backend;
 
 // ---------------------------------------------------------------------------------------------
 // The attention op

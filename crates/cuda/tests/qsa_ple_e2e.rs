@@ -23,22 +23,11 @@ use std::path::{Path, PathBuf};
 
 use sanmai_config::ModelConfig;
 use sanmai_cpu::CpuBackend;
-use sanmai_cuda::CudaBackend;
 use sanmai_model::{Backend, Model, PleSource};
 use sanmai_weights::Checkpoint;
 use serde_json::Value;
 
 use logits::{log_softmax, step_logits};
-
-fn backend(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0, &options::cuda_options()) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            None
-        }
-    }
-}
 
 const BLOCK: usize = 16;
 const BLOCKS_PER_SEQ: usize = 32;
@@ -137,7 +126,7 @@ struct Outcome {
 
 /// Prompt log-probs and QSA selections of `name` on both backends.
 fn e2e(name: &str, chunk: usize) -> Option<Outcome> {
-    let gpu = backend(&format!("e2e {name}"))?;
+    let gpu = options::backend(&format!("e2e {name}"))?;
     let gm = load(name, gpu);
     let cm = load(name, CpuBackend::new());
     let reference: Value = serde_json::from_str(

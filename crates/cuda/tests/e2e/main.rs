@@ -70,15 +70,7 @@ fn fixture(name: &str) -> PathBuf {
     dir.join(name)
 }
 
-fn backend(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0, &options::cuda_options()) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            None
-        }
-    }
-}
+use options::backend;
 
 fn load<B: Backend>(name: &str, b: B) -> Model<B> {
     let dir = fixture(name);

@@ -73,16 +73,6 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn backend(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0, &options::cuda_options()) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            None
-        }
-    }
-}
-
 /// A fixture with its PLE table when its config has a `ple` block.
 fn load_fixture(name: &str, b: CudaBackend) -> Model<CudaBackend> {
     let dir = fixture(name);
@@ -234,7 +224,11 @@ fn delta(after: GraphStats, before: GraphStats) -> GraphStats {
 
 /// Three copies of a fixture: graphs on, eager, eager (the control).
 fn trio(name: &str, test: &str) -> Option<[Model<CudaBackend>; 3]> {
-    let bs = [backend(test)?, backend(test)?, backend(test)?];
+    let bs = [
+        options::backend(test)?,
+        options::backend(test)?,
+        options::backend(test)?,
+    ];
     let [g, e, c] = bs.map(|b| load_fixture(name, b));
     e.backend.set_graph_batch_sizes(&[]);
     c.backend.set_graph_batch_sizes(&[]);
@@ -614,7 +608,7 @@ fn bench(label: &str, m: &Model<CudaBackend>, steps: usize) {
 #[ignore = "timing: run explicitly (scripts/gpu_check.sh does)"]
 fn graph_decode_timing_fixtures() {
     for name in FIXTURES {
-        let Some(b) = backend("graph_decode_timing_fixtures") else {
+        let Some(b) = options::backend("graph_decode_timing_fixtures") else {
             return;
         };
         bench(name, &load_fixture(name, b), 50);
@@ -624,7 +618,7 @@ fn graph_decode_timing_fixtures() {
 #[test]
 #[ignore = "timing: run explicitly (scripts/gpu_check.sh does)"]
 fn graph_decode_timing_dummy() {
-    let Some(b) = backend("graph_decode_timing_dummy") else {
+    let Some(b) = options::backend("graph_decode_timing_dummy") else {
         return;
     };
     let layers: usize = std::env::var("SANMAI_GRAPH_BENCH_LAYERS")

@@ -21,15 +21,7 @@ fn gpu(test: &str) -> Option<Gpu> {
     }
 }
 
-fn backend(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0, &crate::options::cuda_options()) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            None
-        }
-    }
-}
+use crate::options::backend;
 
 /// `p` as a weight of the GPU backend (which keeps it packed) and of the CPU backend.
 fn packed_weights(

@@ -8,7 +8,7 @@
 
 use sanmai_config::QuantScheme;
 use sanmai_cpu::CpuBackend;
-use sanmai_cuda::{CudaBackend, CudaWeight};
+use sanmai_cuda::CudaWeight;
 use sanmai_model::backend::{hc_residual_ops, hc_residual_premix_norm_ops, HcNext, HcWeights};
 use sanmai_model::Backend;
 use sanmai_weights::quant::quantize;
@@ -62,12 +62,8 @@ fn residual<B: Backend>(
 #[test]
 fn hc_residual_matches_cpu() {
     let test = "hc_residual_matches_cpu";
-    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            return;
-        }
+    let Some(b) = crate::options::backend(test) else {
+        return;
     };
     let cpu = CpuBackend::default();
     let mut rng = Rng::new(73);
@@ -152,12 +148,8 @@ fn step<B: Backend>(b: &B, i: &StepInputs, w: &HcWeights<B::Weight>, ops: bool) 
 #[test]
 fn hc_residual_premix_norm_matches_ops() {
     let test = "hc_residual_premix_norm_matches_ops";
-    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            return;
-        }
+    let Some(b) = crate::options::backend(test) else {
+        return;
     };
     let cpu = CpuBackend::default();
     let mut rng = Rng::new(83);
@@ -211,12 +203,8 @@ fn hc_residual_premix_norm_matches_ops() {
 #[ignore]
 fn bench_hc_residual() {
     let test = "bench_hc_residual";
-    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            return;
-        }
+    let Some(b) = crate::options::backend(test) else {
+        return;
     };
     let (s, h, rank) = (4usize, 2560usize, 256usize);
     let mut rng = Rng::new(79);

@@ -10,7 +10,7 @@ use half::bf16;
 use sanmai_config::{Fp8Config, QuantScheme};
 use sanmai_cpu::{ops, CpuBackend};
 use sanmai_cuda::cudarc::driver::{CudaSlice, DevicePtr};
-use sanmai_cuda::{CudaBackend, Gpu};
+use sanmai_cuda::Gpu;
 use sanmai_model::backend::{MlpWeights, MoeCall, MoeWeights};
 use sanmai_model::Backend;
 use sanmai_weights::fp8;
@@ -416,12 +416,8 @@ fn routed<B: Backend>(b: &B, (t, x): (usize, &[f32]), w: &MoeWeights<B::Weight>)
 #[test]
 fn backend_moe_prefill_matches_cpu() {
     let test = "backend_moe_prefill_matches_cpu";
-    let b = match CudaBackend::new(0, &crate::options::cuda_options()) {
-        Ok(b) => b,
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            return;
-        }
+    let Some(b) = crate::options::backend(test) else {
+        return;
     };
     let cpu = CpuBackend::default();
     let mut rng = Rng::new(62);

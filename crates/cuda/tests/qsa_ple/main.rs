@@ -21,6 +21,8 @@
 #[path = "../support/options.rs"]
 mod options;
 
+use options::backend;
+
 use half::bf16;
 use sanmai_cpu::{ops as cpu, CpuBackend};
 use sanmai_cuda::cudarc::driver::CudaSlice;
@@ -72,16 +74,6 @@ impl Rng {
     }
     fn below(&mut self, n: usize) -> usize {
         (self.next_u64() % n as u64) as usize
-    }
-}
-
-fn backend(test: &str) -> Option<CudaBackend> {
-    match CudaBackend::new(0, &options::cuda_options()) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            eprintln!("skipped: {test}: {e}");
-            None
-        }
     }
 }
 

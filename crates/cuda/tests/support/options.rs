@@ -6,7 +6,7 @@
 //! folders `SANMAI_CUDA_INCLUDE` (`:`-separated), `$CUDA_HOME/include` and `$CUDA_PATH/include`.
 
 use sanmai_cuda::registry::CompileOptions;
-use sanmai_cuda::{CudaOptions, GpuOptions};
+use sanmai_cuda::{CudaBackend, CudaOptions, GpuOptions};
 
 fn switched(var: &str, values: [&str; 3]) -> bool {
     std::env::var(var).is_ok_and(|v| values.contains(&v.trim().to_ascii_lowercase().as_str()))
@@ -45,5 +45,19 @@ pub fn cuda_options() -> CudaOptions {
         moe_layer: !switched_off("SANMAI_MOE_LAYER"),
         gdn_layer: !switched_off("SANMAI_GDN_LAYER"),
         attn_layer: !switched_off("SANMAI_ATTN_LAYER"),
+    }
+}
+
+/// The test's backend on device 0 with [`cuda_options`], or `None` after printing
+/// `skipped: <test>: <reason>` (no GPU, no driver). Test crates that open their devices otherwise
+/// (the NCCL link's two, the FP8 suite's checked open) leave it unused.
+#[allow(dead_code)]
+pub fn backend(test: &str) -> Option<CudaBackend> {
+    match CudaBackend::new(0, &cuda_options()) {
+        Ok(b) => Some(b),
+        Err(e) => {
+            eprintln!("skipped: {test}: {e}");
+            None
+        }
     }
 }

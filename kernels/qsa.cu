@@ -65,10 +65,10 @@ extern "C" __global__ void qsa_index_key_write(const bf16* __restrict__ ik, cons
                                                const float* __restrict__ inv_freq, int half,
                                                const u32* __restrict__ dst, u32 pool_rows,
                                                unsigned char* __restrict__ idx_pool, int di, int rows) {
+    pdl_prologue();
     __shared__ float k[QSA_MAX_DI];
     __shared__ float stat[2];  // mean, 1 / sqrt(var + eps)
     __shared__ float scratch[32];
-    pdl_prologue();
     const int r = blockIdx.x;
     if (r >= rows || di > QSA_MAX_DI) return;  // both uniform over the block
     const u32 d = dst[r];
@@ -755,9 +755,9 @@ extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial_wide(
 extern "C" __global__ void qsa_attn_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                            const bf16* __restrict__ gate, bf16* __restrict__ out, int hq, int d,
                                            int splits) {
+    pdl_prologue();
     __shared__ float m_s[QSA_REDUCE_STAGE], w_s[QSA_REDUCE_STAGE], scratch[32];
     __shared__ float den_s;
-    pdl_prologue();
     const int h = blockIdx.x, r = blockIdx.y;
     const size_t slot0 = ((size_t)r * hq + h) * splits;
     float M = NEG_INF;

@@ -5,14 +5,51 @@
 //! ([`hc_residual_ops`](sanmai_model::backend::hc_residual_ops)).
 
 use cudarc::driver::CudaSlice;
-use sanmai_model::backend::{HcNext, HcWeights};
+use sanmai_model::backend::{
+    hc_residual_ops, hc_residual_premix_norm_ops, HcNext, HcWeights, OpResult,
+};
 
 use super::tensor::{CudaTensor, CudaWeight, PackedWeight};
 use super::CudaBackend;
-use crate::error::{CudaError, Result};
+use crate::error::{At, CudaError, Result};
 use crate::ops::hc::{hc_fused_shape, HC_MAX_ROWS};
 
 impl CudaBackend {
+    /// [`Backend::hc_residual`](sanmai_model::Backend::hc_residual): the two fused kernels where
+    /// they take the step, else the op sequence.
+    pub(super) fn hc_residual_impl(
+        &self,
+        streams: &mut CudaTensor,
+        (x, y): (&CudaTensor, &CudaTensor),
+        w: &HcWeights<CudaWeight>,
+    ) -> OpResult<()> {
+        if self
+            .hc_residual_fused(streams, (x, y), w, None)
+            .at("hc_residual")?
+        {
+            return Ok(());
+        }
+        hc_residual_ops(self, streams, x, y, w)
+    }
+
+    /// [`Backend::hc_residual_premix_norm`](sanmai_model::Backend::hc_residual_premix_norm): the
+    /// pre-mix in the fused kernels where they take the step, else the three calls.
+    pub(super) fn hc_residual_premix_norm_impl(
+        &self,
+        streams: &mut CudaTensor,
+        (x, y): (&CudaTensor, &CudaTensor),
+        w: &HcWeights<CudaWeight>,
+        next: HcNext<'_, CudaWeight>,
+    ) -> OpResult<(CudaTensor, CudaTensor)> {
+        if let Some(out) = self
+            .hc_residual_premixed(streams, (x, y), w, &next)
+            .at("hc_residual_premix_norm")?
+        {
+            return Ok(out);
+        }
+        hc_residual_premix_norm_ops(self, streams, (x, y), w, next)
+    }
+
     pub(crate) fn hc_premix_impl(
         &self,
         streams: &CudaTensor,

@@ -50,10 +50,9 @@ use std::sync::{Mutex, MutexGuard};
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use half::bf16;
 use sanmai_model::backend::{
-    hc_residual_ops, hc_residual_premix_norm_ops, AttnCall, AttnMixerCall, AttnShape, AttnWeights,
-    Backend, CacheSpec, DecodeStep, GdnCall, GdnMixerCall, GdnShape, GdnWeights, Handover, HcNext,
-    HcWeights, KvHostStats, MoeCall, MoeWeights, OpResult, PackedTensor, PleCall, QsaCall,
-    SampleCall, SeqChunk, SharedFusion,
+    AttnCall, AttnMixerCall, AttnShape, AttnWeights, Backend, CacheSpec, DecodeStep, GdnCall,
+    GdnMixerCall, GdnShape, GdnWeights, Handover, HcNext, HcWeights, KvHostStats, MoeCall,
+    MoeWeights, OpResult, PackedTensor, PleCall, QsaCall, SampleCall, SeqChunk, SharedFusion,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
@@ -771,13 +770,7 @@ impl Backend for CudaBackend {
         y: &CudaTensor,
         w: &HcWeights<CudaWeight>,
     ) -> OpResult<()> {
-        if self
-            .hc_residual_fused(streams, (x, y), w, None)
-            .at("hc_residual")?
-        {
-            return Ok(());
-        }
-        hc_residual_ops(self, streams, x, y, w)
+        self.hc_residual_impl(streams, (x, y), w)
     }
 
     fn hc_residual_premix_norm(
@@ -787,13 +780,7 @@ impl Backend for CudaBackend {
         w: &HcWeights<CudaWeight>,
         next: HcNext<'_, CudaWeight>,
     ) -> OpResult<(CudaTensor, CudaTensor)> {
-        if let Some(out) = self
-            .hc_residual_premixed(streams, (x, y), w, &next)
-            .at("hc_residual_premix_norm")?
-        {
-            return Ok(out);
-        }
-        hc_residual_premix_norm_ops(self, streams, (x, y), w, next)
+        self.hc_residual_premix_norm_impl(streams, (x, y), w, next)
     }
 
     fn qsa_attention(&self, c: &QsaCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {

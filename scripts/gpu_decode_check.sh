@@ -59,7 +59,9 @@ for c in "${configs[@]}"; do
     exe="$bin/sanmai"
     [ "$arm" = off ] && exe=$off
     [ "$arm" = launches ] && exe=$launches
-    "$exe" generate --device cuda --load-format dummy --config "$c" \
+    # One request: room for a few sequences of 4,096 tokens (the 125B's default context does not fit
+    # beside its weights on an 80 GB card; the tokens do not depend on it).
+    "$exe" generate --device cuda --load-format dummy --config "$c" --max-num-seqs 8 --max-model-len 4096 \
       --prompt-ids 785,3974,13876,38835,34208,916,279,15678,5562,323,1221 --max-tokens 48 --logprobs 2 \
       --json >"$out/greedy-$name-$arm.json" 2>"$out/greedy-$name-$arm.err"
     status=$?

@@ -172,7 +172,7 @@ impl CudaBackend {
             return Ok(None);
         };
         let h = y.cols;
-        if h == 0 || next.pre.cols() * h != streams.cols {
+        if h == 0 || y.rows > HC_MAX_ROWS || next.pre.cols() * h != streams.cols {
             return Ok(None);
         }
         let mut xn = self.alloc(y.rows, h)?;

@@ -104,6 +104,7 @@ pub const HEADERS: &[Source] = &[
     source!("moe_gemm.cuh"),
     source!("gemv.cuh"),
     source!("add_norm.cuh"),
+    source!("norm.cuh"),
     source!("layer.cuh"),
 ];
 

@@ -7,7 +7,33 @@
 // read once with every load in flight; the sum of squares is reduced with shuffles inside a warp and
 // through shared memory when the slot spans several warps. Rows per block = blockDim.x / tpr (blockDim.x a
 // multiple of 32, at most 256). The `_any` kernels take any d: one block per row, the row read twice.
-#include "norm.cuh"
+#include "common.cuh"
+
+#define NORM_CHUNKS 4
+
+// Sum over the tpr threads of a slot (tpr a power of two ≤ 256); every thread of the slot gets it.
+// `red` holds 8 floats; the call has a barrier when tpr > 32 (uniform over the block).
+__device__ __forceinline__ float slot_sum(float v, int tpr, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        if (o < tpr) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (tpr > 32) {
+        const int warp = threadIdx.x >> 5, nw = tpr >> 5, first = warp & ~(nw - 1);
+        if ((threadIdx.x & 31) == 0) red[warp] = v;
+        __syncthreads();
+        v = 0.0f;
+        for (int i = 0; i < nw; ++i) v += red[first + i];
+    }
+    return v;
+}
+
+// One output of the row normalisations: x · r (r = rsqrt(mean(x²) + eps)) times (offset + w), or with
+// GATED w · (x · r) · silu(z).
+template <bool GATED>
+__device__ __forceinline__ float norm_out(float x, float r, float w, float z, float offset) {
+    if (GATED) return (w * (x * r)) * silu_f(z);
+    return (x * r) * (offset + w);
+}
 
 // The vector kernels' body (the file's head): z is read only when GATED, offset only when not.
 template <bool GATED>
@@ -30,14 +56,35 @@ __device__ __forceinline__ void rms_norm_rows(const bf16* __restrict__ x, const 
         if (GATED) zv[j] = ok ? __ldg(zr + c) : make_uint4(0, 0, 0, 0);
         wv[j] = ok ? __ldg((const uint4*)w + c) : make_uint4(0, 0, 0, 0);
     }
-    const float ss = norm_sumsq(xv, tpr, red);
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NORM_CHUNKS; ++j) {
+        float f[8];
+        unpack8(xv[j], f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
+    }
+    ss = slot_sum(ss, tpr, red);
     const float r = 1.0f / sqrtf(ss / (float)d + eps);
     if (!live) return;
     uint4* yr = (uint4*)(y + row * d);
 #pragma unroll
     for (int j = 0; j < NORM_CHUNKS; ++j) {
         const int c = p + j * tpr;
-        if (c < dv) yr[c] = norm_chunk<GATED>(xv[j], wv[j], GATED ? zv[j] : make_uint4(0, 0, 0, 0), r, offset);
+        if (c < dv) {
+            float f[8], g[8], h[8];
+            unpack8(xv[j], f);
+            unpack8(wv[j], g);
+            if (GATED) unpack8(zv[j], h);
+            u32 o[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = 2 * e;
+                o[e] = pack_bf16x2(norm_out<GATED>(f[i], r, g[i], GATED ? h[i] : 0.0f, offset),
+                                   norm_out<GATED>(f[i + 1], r, g[i + 1], GATED ? h[i + 1] : 0.0f, offset));
+            }
+            yr[c] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
     }
 }
 

@@ -104,7 +104,6 @@ pub const HEADERS: &[Source] = &[
     source!("moe_gemm.cuh"),
     source!("gemv.cuh"),
     source!("add_norm.cuh"),
-    source!("norm.cuh"),
     source!("layer.cuh"),
 ];
 

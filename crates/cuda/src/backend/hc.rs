@@ -1,9 +1,10 @@
 //! Hyper-connections on the device (spec §4): the pre-mix (and head collapse) and the gated residual
 //! over the `[rows, S·H]` residual streams, and the whole gated residual of a decode-sized sublayer in
-//! one launch (`ops::hc`), which can also pre-mix the streams for the next sublayer and norm them;
-//! other steps run the trait's op sequences
+//! two fused kernels (`ops::hc`), the second of which can also pre-mix the streams for the next
+//! sublayer; other steps run the trait's op sequences
 //! ([`hc_residual_ops`](sanmai_model::backend::hc_residual_ops)).
 
+use cudarc::driver::CudaSlice;
 use sanmai_model::backend::{
     hc_residual_ops, hc_residual_premix_norm_ops, HcNext, HcWeights, OpResult,
 };
@@ -11,11 +12,11 @@ use sanmai_model::backend::{
 use super::tensor::{CudaTensor, CudaWeight, PackedWeight};
 use super::CudaBackend;
 use crate::error::{At, CudaError, Result};
-use crate::ops::hc::{hc_fused_shape, HcFusedWeights, HcPremixNorm, HcRows, HC_MAX_ROWS};
+use crate::ops::hc::{hc_fused_shape, HC_MAX_ROWS};
 
 impl CudaBackend {
-    /// [`Backend::hc_residual`](sanmai_model::Backend::hc_residual): the fused launch where it
-    /// takes the step, else the op sequence.
+    /// [`Backend::hc_residual`](sanmai_model::Backend::hc_residual): the two fused kernels where
+    /// they take the step, else the op sequence.
     pub(super) fn hc_residual_impl(
         &self,
         streams: &mut CudaTensor,
@@ -25,7 +26,6 @@ impl CudaBackend {
         if self
             .hc_residual_fused(streams, (x, y), w, None)
             .at("hc_residual")?
-            .is_some()
         {
             return Ok(());
         }
@@ -33,7 +33,7 @@ impl CudaBackend {
     }
 
     /// [`Backend::hc_residual_premix_norm`](sanmai_model::Backend::hc_residual_premix_norm): the
-    /// pre-mix and norm in the fused launch where it takes the step, else the three calls.
+    /// pre-mix in the fused kernels where they take the step, else the three calls.
     pub(super) fn hc_residual_premix_norm_impl(
         &self,
         streams: &mut CudaTensor,
@@ -48,21 +48,6 @@ impl CudaBackend {
             return Ok(out);
         }
         hc_residual_premix_norm_ops(self, streams, (x, y), w, next)
-    }
-
-    /// [`Backend::hc_residual_premix_norm`](sanmai_model::Backend::hc_residual_premix_norm) in the
-    /// fused launch: the pre-mixed input and its norm, or `None`, having done nothing, where the
-    /// launch does not take the step.
-    pub fn hc_residual_premixed(
-        &self,
-        streams: &mut CudaTensor,
-        (x, y): (&CudaTensor, &CudaTensor),
-        w: &HcWeights<CudaWeight>,
-        next: &HcNext<'_, CudaWeight>,
-    ) -> Result<Option<(CudaTensor, CudaTensor)>> {
-        Ok(self
-            .hc_residual_fused(streams, (x, y), w, Some(next))?
-            .flatten())
     }
 
     pub(crate) fn hc_premix_impl(
@@ -109,25 +94,24 @@ impl CudaBackend {
             .hc_gated_residual(&mut streams.buf, &u.buf, &y.buf, rows, s, h)
     }
 
-    /// The gated residual ([`sanmai_model::Backend::hc_residual`]) in the one launch of
-    /// `kernels/hc.cu` (no `u` tensor: only `s` `[rows, rank]` is allocated), with the next
-    /// sublayer's pre-mix and norm when `next` is given, where it takes the step: at most
-    /// [`HC_MAX_ROWS`] rows (decode), `down` and `up` packed INT8 with one scale per row, `inject`
-    /// bf16, H and rank multiples of 32; with `next`, its logits an f32 vector of one a stream and
-    /// its norm a bf16 vector the norm kernels' vector form takes. Returns `None`, having done
-    /// nothing, otherwise (the caller then runs the op sequence, whose GEMMs serve prefill); else
-    /// the pre-mixed rows and their norm when `next` was given.
-    fn hc_residual_fused(
+    /// The gated residual ([`sanmai_model::Backend::hc_residual`]) in the two fused kernels of
+    /// `kernels/hc.cu` (no `u` tensor: only `s` `[rows, rank]` is allocated), when they take the step:
+    /// at most [`HC_MAX_ROWS`] rows (decode), `down` and `up` packed INT8 with one scale per row,
+    /// `inject` bf16, H and rank multiples of 32. Returns `false`, having done nothing, otherwise (the
+    /// caller then runs the op sequence, whose GEMMs serve prefill). With `premix = (pre, xn)` (the
+    /// next sublayer's pre-mix logits, f32, and its `[rows, H]` output), the second kernel also
+    /// pre-mixes the new streams into `xn`.
+    pub(crate) fn hc_residual_fused(
         &self,
         streams: &mut CudaTensor,
         (x, y): (&CudaTensor, &CudaTensor),
         w: &HcWeights<CudaWeight>,
-        next: Option<&HcNext<'_, CudaWeight>>,
-    ) -> Result<Option<Option<(CudaTensor, CudaTensor)>>> {
+        premix: Option<(&CudaSlice<f32>, &mut CudaTensor)>,
+    ) -> Result<bool> {
         let (Some(down), Some(up), CudaWeight::Bf16(inject)) =
             (w.down.packed(), w.up.packed(), &w.inject)
         else {
-            return Ok(None);
+            return Ok(false);
         };
         let (rows, h, rank) = (y.rows, y.cols, down.out_features());
         if !(1..=HC_MAX_ROWS).contains(&rows)
@@ -135,21 +119,8 @@ impl CudaBackend {
             || !int8_per_row(down)
             || !int8_per_row(up)
         {
-            return Ok(None);
+            return Ok(false);
         }
-        let norm = match next {
-            None => None,
-            Some(nx) => match (nx.pre.f32(), nx.norm) {
-                (Some(pre), CudaWeight::Bf16(nw))
-                    if nx.pre.cols() * h == streams.cols
-                        && nw.shape == [h]
-                        && self.gpu.hc_norm_fits(h, &nw.data) =>
-                {
-                    Some((pre, &nw.data, nx.eps, nx.offset))
-                }
-                _ => return Ok(None),
-            },
-        };
         let fits = down.in_features() == h
             && inject.shape == [rank, h]
             && up.in_features() == rank
@@ -165,38 +136,51 @@ impl CudaBackend {
                 ),
             });
         }
-        let weights = HcFusedWeights {
-            down: down.mat(),
-            inject: &inject.data,
-            up: up.mat(),
-        };
         let mut s = self.alloc(rows, rank)?;
-        let mut out = match norm {
-            Some(_) => Some((self.alloc(rows, h)?, self.alloc(rows, h)?)),
-            None => None,
-        };
-        let next = match (norm, out.as_mut()) {
-            (Some((pre, w, eps, offset)), Some((xn, hn))) => Some(HcPremixNorm {
-                pre,
-                w,
-                eps,
-                offset,
-                xn: &mut xn.buf,
-                hn: &mut hn.buf,
-            }),
-            _ => None,
-        };
-        let mut sync = self.ticket.lock().unwrap_or_else(|p| p.into_inner());
-        let hc_rows = HcRows {
+        self.gpu.hc_down_inject_silu(
+            &down.mat(),
+            &inject.data,
+            &x.buf,
+            &y.buf,
+            &mut s.buf,
             rows,
-            x: &x.buf,
-            y: &y.buf,
-            streams: &mut streams.buf,
-            s: &mut s.buf,
-            sync: &mut sync,
+        )?;
+        let premix = premix.map(|(pre, xn)| (pre, &mut xn.buf));
+        self.gpu.hc_up_gate_mix(
+            &up.mat(),
+            (&s.buf, &y.buf),
+            &mut streams.buf,
+            premix,
+            rows,
+            h,
+        )?;
+        Ok(true)
+    }
+
+    /// [`Backend::hc_residual_premix_norm`](sanmai_model::Backend::hc_residual_premix_norm) with the
+    /// next sublayer's pre-mix in the gated residual's second kernel ([`hc_residual_fused`](Self::hc_residual_fused)),
+    /// then the norm: the pre-mixed input and its norm, or `None`, having done nothing, where the
+    /// fused kernels do not take the step or `next.pre` is not an f32 vector of one logit a stream.
+    pub fn hc_residual_premixed(
+        &self,
+        streams: &mut CudaTensor,
+        (x, y): (&CudaTensor, &CudaTensor),
+        w: &HcWeights<CudaWeight>,
+        next: &HcNext<'_, CudaWeight>,
+    ) -> Result<Option<(CudaTensor, CudaTensor)>> {
+        let Some(pre) = next.pre.f32() else {
+            return Ok(None);
         };
-        self.gpu.hc_residual(&weights, next, hc_rows)?;
-        Ok(Some(out))
+        let h = y.cols;
+        if h == 0 || y.rows > HC_MAX_ROWS || next.pre.cols() * h != streams.cols {
+            return Ok(None);
+        }
+        let mut xn = self.alloc(y.rows, h)?;
+        if !self.hc_residual_fused(streams, (x, y), w, Some((pre, &mut xn)))? {
+            return Ok(None);
+        }
+        let hn = self.rms_norm_impl(&xn, next.norm, next.eps, next.offset)?;
+        Ok(Some((xn, hn)))
     }
 }
 

@@ -58,7 +58,6 @@ use sanmai_model::sample::{RowError, Sampled};
 
 use crate::error::{At, CudaError, Result};
 use crate::gpu::Gpu;
-use crate::ops::hc::HC_SYNC;
 use crate::ops::NormRows;
 pub use fp8::fp8_device_bytes;
 pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, MIN_GRAPH_SPAN};
@@ -119,8 +118,8 @@ pub struct CudaBackend {
     ple_in: Mutex<Option<ple::StagedRows>>,
     /// The last-block counters of the launches whose last block to finish does their final part (the
     /// one-launch decode routing, `moe_tables.rs`; a GEMV's add and norm, `packed.rs`; the one-launch
-    /// MoE layer, which also counts its grid barriers in the second, `moe_layer.rs`; the gated
-    /// residual's three, `hc.rs`): 0 between launches, which the stream orders one after another.
+    /// MoE layer, which also counts its grid barriers in the second, `moe_layer.rs`): 0 between
+    /// launches, which the stream orders one after another.
     ticket: Mutex<CudaSlice<u32>>,
     /// Which decode launches the steps take ([`CudaOptions`]' switches).
     switches: options::Switches,
@@ -177,7 +176,7 @@ impl CudaBackend {
     /// ([`CudaBackend::set_graph_batch_sizes`] changes them).
     pub fn from_gpu(gpu: Gpu, max_tokens: usize, max_seqs: usize) -> Result<Self> {
         let meta = meta::Meta::new(&gpu, max_tokens, max_seqs, 64)?;
-        let ticket = Mutex::new(gpu.zeros::<u32>(HC_SYNC)?);
+        let ticket = Mutex::new(gpu.zeros::<u32>(2)?);
         Ok(Self {
             gpu,
             state: Mutex::new(State {

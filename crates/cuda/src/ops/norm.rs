@@ -21,7 +21,7 @@ const NORM_MAX_D: usize = 8 * NORM_CHUNKS * NORM_THREADS;
 
 /// The vector kernels' launch for `rows` rows of `d` (`d % 8 == 0`, `d ≤ NORM_MAX_D`):
 /// (log2 threads per row, threads per block, blocks).
-pub(super) fn norm_plan(rows: usize, d: usize) -> (u32, u32, usize) {
+fn norm_plan(rows: usize, d: usize) -> (u32, u32, usize) {
     let chunks = d / 8;
     // Two chunks per thread where 256 threads allow, else up to four.
     let tpr = chunks
@@ -35,7 +35,7 @@ pub(super) fn norm_plan(rows: usize, d: usize) -> (u32, u32, usize) {
 }
 
 /// Whether the vector kernels take rows of `d` at these addresses.
-pub(super) fn vector_ok(d: usize, ptrs: &[u64]) -> bool {
+fn vector_ok(d: usize, ptrs: &[u64]) -> bool {
     d.is_multiple_of(8) && d <= NORM_MAX_D && ptrs.iter().all(|p| p % 16 == 0)
 }
 

@@ -749,14 +749,14 @@ extern "C" __global__ void __launch_bounds__(QSA_THREADS) qsa_attn_partial_wide(
 // Grid (hq, rows), blockDim.x ≥ d / 2 (the host: 128 for d ≤ 256). Merges the splits of
 // qsa_attn_partial and multiplies by sigmoid(gate) (gate, out: [rows, hq·d]), one bf16 rounding:
 // M = max_s m_s, den = Σ_s e^(m_s − M)·l_s and num_i = Σ_s e^(m_s − M)·o_s,i over the splits that
-// saw an entry (m_s > −inf), each sum in split order. The splits' maxima are read by the whole block
-// at once, a stage at a time, so only the sums run in order (thread 0 the denominator, each thread its
-// values' numerators, their loads unrolled).
+// saw an entry (m_s > −inf), each sum in split order. The splits' maxima and weights are read by the
+// whole block at once, a stage at a time, so only the sums run in order (thread 0 the denominator from
+// shared memory, each thread its values' numerators, their loads unrolled).
 extern "C" __global__ void qsa_attn_reduce(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                            const bf16* __restrict__ gate, bf16* __restrict__ out, int hq, int d,
                                            int splits) {
     pdl_prologue();
-    __shared__ float m_s[QSA_REDUCE_STAGE], w_s[QSA_REDUCE_STAGE], scratch[32];
+    __shared__ float m_s[QSA_REDUCE_STAGE], w_s[QSA_REDUCE_STAGE], l_s[QSA_REDUCE_STAGE], scratch[32];
     __shared__ float den_s;
     const int h = blockIdx.x, r = blockIdx.y;
     const size_t slot0 = ((size_t)r * hq + h) * splits;
@@ -772,13 +772,15 @@ extern "C" __global__ void qsa_attn_reduce(const float* __restrict__ part_o, con
             const float m = part_ml[2 * (slot0 + s0 + s)];
             m_s[s] = m;
             w_s[s] = m != NEG_INF ? expf(m - M) : 0.0f;
+            l_s[s] = part_ml[2 * (slot0 + s0 + s) + 1];
         }
         __syncthreads();
         if (threadIdx.x == 0)
-            for (int s = 0; s < n; ++s)
-                if (m_s[s] != NEG_INF) den += expf(m_s[s] - M) * part_ml[2 * (slot0 + s0 + s) + 1];
-        const float* po = part_o + (slot0 + s0) * d;
 #pragma unroll 8
+            for (int s = 0; s < n; ++s)
+                if (m_s[s] != NEG_INF) den += w_s[s] * l_s[s];
+        const float* po = part_o + (slot0 + s0) * d;
+#pragma unroll 16
         for (int s = 0; s < n; ++s) {
             if (m_s[s] != NEG_INF) {
                 if (i0 < d) num0 += w_s[s] * po[(size_t)s * d + i0];

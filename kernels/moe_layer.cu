@@ -356,17 +356,6 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
         const size_t wpr = (size_t)(a.h >> 5) * EB;
         const int scols = (a.h + a.gu_group - 1) / a.gu_group;
         const int items2 = a.k * a.inter;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-        // The rows of the warp's later rounds (up to two) asked of L2 now, a lane a row: their loads
-        // then find them there instead of waiting on DRAM a round at a time.
-        {
-            const int i = gw + (B + (lane >> 1)) * nw;
-            if (lane < 4 * B && i < items2) {
-                const int c = i / a.inter, j = i - c * a.inter, r = j + (lane & 1) * a.inter;
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(s_gw[0][c] + r * wpr), "r"((unsigned)(wpr * 4)) : "memory");
-            }
-        }
-#endif
 #pragma unroll 1
         for (int i0 = gw; i0 < items2; i0 += B * nw) {
             MlRow<EB, GU> rows[2 * B];

@@ -60,13 +60,6 @@ __device__ __forceinline__ void gemv_rows_m1(const GemvSegs& t, const bf16* __re
     bf16* Y = (bf16*)s.y;
     const size_t wpr = (size_t)(k >> 5) * BITS;
     const int scols = (k + group - 1) / group;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // The rows of the warp's later rounds asked of L2 now, a lane a row.
-    {
-        const int i = gw + (B + lane) * nw;
-        if (i < s.n) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(W + i * wpr), "r"((unsigned)(wpr * 4)) : "memory");
-    }
-#endif
 #pragma unroll 1
     for (int i0 = gw; i0 < s.n; i0 += B * nw) {
         MlRow<BITS, GU> rows[B];

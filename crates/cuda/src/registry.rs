@@ -115,7 +115,6 @@ pub const SOURCES: &[Source] = &[
     source!("embed.cu"),
     source!("gemv.cu"),
     source!("quant.cu"),
-    source!("gemv_rows.cu"),
     source!("fp8.cu"),
     source!("embed_packed.cu"),
     source!("router.cu"),

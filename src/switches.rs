@@ -29,6 +29,9 @@ const GDN_LAYER_ENV: &str = "SANMAI_GDN_LAYER";
 /// An attention mixer's one-token CUDA decode step in one persistent launch.
 #[cfg(feature = "cuda")]
 const ATTN_LAYER_ENV: &str = "SANMAI_ATTN_LAYER";
+/// One-row packed GEMVs a warp a row, as the layer launches' row phases.
+#[cfg(feature = "cuda")]
+const ROW_GEMV_ENV: &str = "SANMAI_ROW_GEMV";
 /// FP8 prefill GEMMs on the FP8 tensor cores.
 #[cfg(feature = "cuda")]
 const FP8_TENSOR_CORES_ENV: &str = "SANMAI_FP8_TENSOR_CORES";
@@ -90,6 +93,15 @@ pub struct SwitchArgs {
     /// unless SANMAI_ATTN_LAYER=0].
     #[arg(long, overrides_with = "attn_layer")]
     pub no_attn_layer: bool,
+    /// One-row packed CUDA GEMVs (INT8, INT6, INT4; 1024 to 6144 inputs) a warp a row with several
+    /// rows' loads in flight, as the layer launches' row phases (the default; overrides
+    /// SANMAI_ROW_GEMV=0).
+    #[arg(long, overrides_with = "no_row_gemv")]
+    pub row_gemv: bool,
+    /// One-row packed GEMVs on the 32-value unit kernel, for A/B runs [default: a warp a row,
+    /// unless SANMAI_ROW_GEMV=0].
+    #[arg(long, overrides_with = "row_gemv")]
+    pub no_row_gemv: bool,
     /// FP8 prefill GEMMs on the FP8 tensor cores where the GPU has them, the activations quantised
     /// per token and 128 columns, for A/B runs (overrides SANMAI_FP8_TENSOR_CORES=0).
     #[arg(long, overrides_with = "no_fp8_tensor_cores")]
@@ -174,6 +186,8 @@ impl SwitchArgs {
             (self.no_gdn_layer, "--no-gdn-layer"),
             (self.attn_layer, "--attn-layer"),
             (self.no_attn_layer, "--no-attn-layer"),
+            (self.row_gemv, "--row-gemv"),
+            (self.no_row_gemv, "--no-row-gemv"),
             (self.fp8_tensor_cores, "--fp8-tensor-cores"),
             (self.no_fp8_tensor_cores, "--no-fp8-tensor-cores"),
         ]
@@ -193,6 +207,7 @@ impl SwitchArgs {
                     self.no_fp8_tensor_cores,
                     FP8_TENSOR_CORES_ENV,
                 ),
+                row_gemv: switch(self.row_gemv, self.no_row_gemv, ROW_GEMV_ENV),
                 compile: cuda::compile_options(),
             },
             cuda_graphs: switch(self.cuda_graphs, self.no_cuda_graphs, CUDA_GRAPHS_ENV),

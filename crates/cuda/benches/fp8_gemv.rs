@@ -123,6 +123,7 @@ fn main() {
     let options = GpuOptions {
         pdl: !std::env::var("SANMAI_PDL").is_ok_and(|v| matches!(v.trim(), "0" | "off" | "false")),
         fp8_tensor_cores: true,
+        row_gemv: true,
         compile: CompileOptions::from_vars(|v| std::env::var_os(v)),
     };
     let g = match Gpu::new(0, &options) {

@@ -1,15 +1,17 @@
 //! The packed decode GEMV (`Gpu::gemv_packed`) at the projection shapes of Qwen3-Next-80B-A3B (hidden
 //! 2048): INT8 per-row (GDN in_proj_qkvz and out_proj, attention q, k/v and o), INT6 per-row (the shared
-//! expert's gate|up and down) and INT4 groups of 128 (an expert's gate|up and down, and one large
-//! matrix), at one and eight rows of x.
+//! expert's gate|up and down) and INT4 groups of 128 (an expert's gate|up and down), one large matrix
+//! of INT4 and of INT6, and the 125B qwen4_exp QSA layers' INT8 q|k|v and o_proj (hidden 2560), at one
+//! and eight rows of x.
 //!
 //! Each case is timed with CUDA events around many back-to-back launches whose weights rotate through
 //! copies spanning 512 MiB, so that every launch reads its weights from HBM (the GPU's L2 holds one
 //! projection), as a decode step does. The table gives the weight bytes read per second and that as a
 //! share of the device-to-device copy bandwidth measured first (bytes read plus written per second,
-//! as `sanmai bench` counts it). One-row INT8 and INT4 cases run every kernel choice of
-//! `Gpu::set_packed_gemv_m1_rows` (0: the 32-value unit GEMV; 1, 2, 4: the 16-byte chunk GEMV with
-//! that many rows a slot). Criterion then times the default choice of each case.
+//! as `sanmai bench` counts it). One-row cases run every kernel choice of `Gpu::set_packed_gemv_m1`
+//! that takes them (`PackedM1`: the 32-value unit GEMV; for INT8 and INT4 the 16-byte chunk GEMV with
+//! 1, 2 or 4 rows a slot; for INT8 with 1024 ≤ k ≤ 6144 the row-phase GEMV, a warp a row). Criterion then
+//! times the default choice of each case.
 //!
 //!   cargo bench -p sanmai-cuda --bench gemv
 //!
@@ -24,7 +26,7 @@ use criterion::Criterion;
 use cudarc::driver::{CudaSlice, CudaView};
 use half::bf16;
 use sanmai_cuda::registry::CompileOptions;
-use sanmai_cuda::{gpu_present, Gpu, GpuOptions, PackedMat, PackedScheme};
+use sanmai_cuda::{gpu_present, Gpu, GpuOptions, PackedM1, PackedMat, PackedScheme};
 
 /// Bytes of the rotating weight pool.
 const POOL_BYTES: usize = 512 << 20;
@@ -110,6 +112,27 @@ const CASES: &[Case] = &[
         group: 128,
         n: 12288,
         k: 2048,
+    },
+    Case {
+        name: "int6.large",
+        bits: 6,
+        group: 0,
+        n: 12288,
+        k: 2048,
+    },
+    Case {
+        name: "125b.qsa.q_k_v",
+        bits: 8,
+        group: 0,
+        n: 13312,
+        k: 2560,
+    },
+    Case {
+        name: "125b.qsa.o_proj",
+        bits: 8,
+        group: 0,
+        n: 2560,
+        k: 6144,
     },
 ];
 
@@ -216,6 +239,7 @@ fn main() {
     let options = GpuOptions {
         pdl: !std::env::var("SANMAI_PDL").is_ok_and(|v| matches!(v.trim(), "0" | "off" | "false")),
         fp8_tensor_cores: true,
+        row_gemv: true,
         compile: CompileOptions::from_vars(|v| std::env::var_os(v)),
     };
     let g = match Gpu::new(0, &options) {
@@ -225,7 +249,7 @@ fn main() {
             return;
         }
     };
-    let default_rows = g.packed_gemv_m1_rows();
+    let default_m1 = g.packed_gemv_m1();
     let copy = g.copy_bandwidth().expect("copy bandwidth");
     println!(
         "device: {}; copy bandwidth {:.0} GB/s (read + written); PDL {}",
@@ -242,17 +266,24 @@ fn main() {
     for case in CASES {
         for m in [1usize, 8] {
             let mut setup = Setup::new(&g, &pool, case, m);
-            let choices: &[usize] = if m == 1 && case.bits != 6 {
-                &[0, 1, 2, 4]
+            let choices: Vec<PackedM1> = if m == 1 {
+                let mut c = vec![PackedM1::Units];
+                if case.bits != 6 {
+                    c.extend([1, 2, 4].map(PackedM1::Chunks));
+                }
+                if case.bits == 8 && (1024..=6144).contains(&case.k) {
+                    c.push(PackedM1::Rows);
+                }
+                c
             } else {
-                &[default_rows]
+                vec![default_m1]
             };
-            for &rows in choices {
-                g.set_packed_gemv_m1_rows(rows);
-                let kernel = match (m, case.bits, rows) {
-                    (1, 6, _) => "unit".to_string(),
-                    (1, _, 0) => "unit".to_string(),
-                    (1, _, r) => format!("chunk R={r}"),
+            for &choice in &choices {
+                g.set_packed_gemv_m1(choice);
+                let kernel = match (m, choice) {
+                    (1, PackedM1::Units) => "unit".to_string(),
+                    (1, PackedM1::Chunks(r)) => format!("chunk R={r}"),
+                    (1, PackedM1::Rows) => "rows".to_string(),
                     _ => "tensor cores".to_string(),
                 };
                 let t = setup.time(&g, LAUNCHES);
@@ -274,7 +305,7 @@ fn main() {
             }
         }
     }
-    g.set_packed_gemv_m1_rows(default_rows);
+    g.set_packed_gemv_m1(default_m1);
 
     let mut c = Criterion::default()
         .configure_from_args()

@@ -28,6 +28,8 @@ pub struct Gpu {
     pdl: bool,
     /// [`GpuOptions::fp8_tensor_cores`].
     pub(crate) fp8_tc: bool,
+    /// The one-row packed GEMV's kernel ([`Gpu::set_packed_gemv_m1`]), as `PackedM1::code`.
+    pub(crate) m1: std::sync::atomic::AtomicUsize,
     /// Times each launch while a timed capture is in progress.
     timer: KernelTimer,
     /// cuBLASLt for the FP8 tensor-core GEMM, opened at its first use (`None`: not available).
@@ -48,16 +50,22 @@ pub struct GpuOptions {
     /// the bf16 tiles, which on an H100 prefilled 3–13% faster and without the activations' e4m3
     /// rounding (`docs/gpu/fp8-2026-12-05.md`).
     pub fp8_tensor_cores: bool,
+    /// One-row packed GEMVs cut as the layer launches' row phases, a warp a row
+    /// (`PackedM1::Rows`, `kernels/gemv_rows.cu`) where the shape allows; off: the 32-value unit
+    /// GEMV (`PackedM1::Units`), for A/B runs.
+    pub row_gemv: bool,
     /// Where the kernels' CUDA headers and cache are.
     pub compile: CompileOptions,
 }
 
 impl Default for GpuOptions {
-    /// PDL on, the FP8 tensor cores off, no kernel cache, the standard header folders only.
+    /// PDL on, the FP8 tensor cores off, the row-phase one-row GEMV on, no kernel cache, the
+    /// standard header folders only.
     fn default() -> Self {
         GpuOptions {
             pdl: true,
             fp8_tensor_cores: false,
+            row_gemv: true,
             compile: CompileOptions::default(),
         }
     }
@@ -90,6 +98,9 @@ impl Gpu {
             blas,
             pdl,
             fp8_tc: options.fp8_tensor_cores,
+            m1: std::sync::atomic::AtomicUsize::new(
+                crate::ops::PackedM1::of_options(options).code(),
+            ),
             timer: KernelTimer::default(),
             fp8_lt: std::sync::OnceLock::new(),
             fp8_mma_check: crate::ops::LtVerdict::default(),

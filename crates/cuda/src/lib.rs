@@ -121,7 +121,7 @@ pub use ops::{
 };
 pub use ops::{ConvWeight, DecodeSlots, GdnGateProj, GdnGates, GdnPools, GdnProj, SeqRows};
 pub use ops::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows};
-pub use ops::{PackedMat, PackedScheme, RowAddNorm, NORM_MAX_D};
+pub use ops::{PackedM1, PackedMat, PackedScheme, RowAddNorm, NORM_MAX_D};
 pub use ops::{PleGateWeights, PleGated, PleLin};
 pub use ops::{RowCache, RowCacheBufs, RowCacheState, ROW_CACHE_MAX_LINES};
 pub use ops::{SampleBatch, SampleBuffers};

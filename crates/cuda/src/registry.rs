@@ -115,6 +115,7 @@ pub const SOURCES: &[Source] = &[
     source!("embed.cu"),
     source!("gemv.cu"),
     source!("quant.cu"),
+    source!("gemv_rows.cu"),
     source!("fp8.cu"),
     source!("embed_packed.cu"),
     source!("router.cu"),

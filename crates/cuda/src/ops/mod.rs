@@ -58,7 +58,7 @@ pub use norm::NormRows;
 pub use ple::{PleDims, PleGateWeights, PleGated, PleLin};
 pub use qsa::{IndexCache, IndexHeads, IndexProj, IndexQueries, KeyNorm, ScoreRows, Selection};
 pub use qsa_staged::{SeqKv, StagingArena};
-pub use quant::{PackedMat, PackedScheme, RowAddNorm, NORM_MAX_D};
+pub use quant::{PackedM1, PackedMat, PackedScheme, RowAddNorm, NORM_MAX_D};
 pub use router::{DecodeRouting, RouteDims, ROUTER_MAX_K};
 pub use row_cache::{RowCache, RowCacheBufs, RowCacheState, ROW_CACHE_MAX_LINES};
 pub(crate) use sample::SAMPLE_MAX_VOCAB;

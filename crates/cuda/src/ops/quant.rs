@@ -7,9 +7,9 @@
 //! - Decode: [`Gpu::gemv_packed`] / [`Gpu::gemv_packed_f32`], `y[m, :] = dequant(W) · x[m, :]` for
 //!   1 ≤ m ≤ 8, f32 accumulation, one rounding per output. Batches of 2..8 rows run on the tensor cores
 //!   at any n (each weight decoded once for every row of x); one row, and INT8/INT4 k or groups that
-//!   are not whole k-blocks (INT6: groups only), on the FMA GEMV; one row of INT8 or INT4 streams
-//!   16-byte chunks with 8 loads in flight a thread (`gemv_q{4,8}v{R}_m1`, chosen by
-//!   [`Gpu::set_packed_gemv_m1_rows`], off by default). [`Gpu::gemv_packed_many`] runs up to
+//!   are not whole k-blocks (INT6: groups only), on the FMA GEMV; one INT8 row with 1024 ≤ k ≤ 6144 runs
+//!   a warp a row, as the layer launches' row phases (`gemv_q8_rows_u{GU}`), or on the choice of
+//!   [`Gpu::set_packed_gemv_m1`] ([`PackedM1`]). [`Gpu::gemv_packed_many`] runs up to
 //!   `GEMV_SEGS` weights of one format that read the same x in one launch (see `gemv.rs`).
 //! - Prefill: [`Gpu::gemm_packed`] dequantises W tile by tile into a caller-owned bf16 workspace
 //!   ([`Gpu::dequant_packed`]) and multiplies each tile with cuBLAS; no dequantised copy outlives the call.
@@ -17,7 +17,7 @@
 //! Shape rules (errors, never panics): bits ∈ {4, 6, 8}; `k % 32 == 0` for INT4/INT8 and `k % 8 == 0`
 //! for INT6; `group_size % 8 == 0` (or 0); W, x 16-byte aligned.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 
 use cudarc::cublas::sys;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
@@ -33,19 +33,90 @@ use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
 /// Most rows of W one row slot of the packed GEMV owns (`QROWS` in quant.cu).
 const QROWS: usize = 2;
 
-/// The one-row kernel choice when nothing else is asked for ([`Gpu::set_packed_gemv_m1_rows`]): 0,
-/// the 32-value unit GEMV. The 16-byte chunk GEMV reads the 80B model's INT8 projections 8-20% faster
-/// on a GPU host (docs/gpu/gemv-2026-12-04.md) but its end-to-end gain stayed inside the runs' spread,
-/// so it is opt-in ([`Gpu::set_packed_gemv_m1_rows`]; `crates/cuda/benches/gemv.rs` compares them).
-const CHUNK_ROWS_DEFAULT: usize = 0;
+/// The kernel a one-row packed GEMV runs ([`Gpu::set_packed_gemv_m1`]; `crates/cuda/benches/gemv.rs`
+/// compares them). Each applies where its shape rules hold; elsewhere the unit GEMV runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackedM1 {
+    /// `gemv_q{4,6,8}_m1`: row slots of 32-value units (every shape).
+    Units,
+    /// `gemv_q{4,8}v{R}_m1`: 16-byte chunks, R ∈ {1, 2, 4} rows a slot (INT8 and INT4; read the 80B
+    /// model's INT8 projections 8-20% faster than the units on a GPU host, docs/gpu/gemv-2026-12-04.md).
+    Chunks(usize),
+    /// `gemv_q8_rows_u{GU}`: a warp a row, several rows' loads in flight a warp, x in shared memory,
+    /// the layer launches' row phase (`kernels/gemv_rows.cu`; INT8, bf16 output, 1024 ≤ k ≤ 6144;
+    /// 72–76% of the copy bandwidth at the 80B's and the 125B's widest projections on an H100, where
+    /// INT6 ran slower than its unit GEMV, docs/gpu/row-gemv-2026-12-07.md). The default
+    /// ([`GpuOptions::row_gemv`](crate::GpuOptions::row_gemv)).
+    Rows,
+}
 
-/// The kernel a one-row INT8 / INT4 packed GEMV runs ([`Gpu::set_packed_gemv_m1_rows`]): 0 the 32-value
-/// unit kernel (`gemv_q{4,8}_m1`), 1, 2 or 4 the 16-byte chunk kernel with that many rows a slot.
-static M1_ROWS: AtomicUsize = AtomicUsize::new(CHUNK_ROWS_DEFAULT);
+impl PackedM1 {
+    /// The choice a [`GpuOptions`](crate::GpuOptions) opens with.
+    pub(crate) fn of_options(options: &crate::GpuOptions) -> Self {
+        if options.row_gemv {
+            PackedM1::Rows
+        } else {
+            PackedM1::Units
+        }
+    }
 
-/// The current choice of [`M1_ROWS`].
-fn m1_rows() -> usize {
-    M1_ROWS.load(Ordering::Relaxed)
+    /// As stored in [`Gpu`]'s atomic: 0 units, 1, 2, 4 chunks, 8 rows.
+    pub(crate) fn code(self) -> usize {
+        match self {
+            PackedM1::Units => 0,
+            PackedM1::Chunks(r) => r,
+            PackedM1::Rows => 8,
+        }
+    }
+
+    fn of_code(code: usize) -> Self {
+        match code {
+            1 | 2 | 4 => PackedM1::Chunks(code),
+            8 => PackedM1::Rows,
+            _ => PackedM1::Units,
+        }
+    }
+}
+
+/// Most inputs a row-phase GEMV row takes (`GU` 6 in gemv_rows.cu), and fewest (below, a warp a row
+/// leaves lanes idle: the unit GEMV's narrower slots serve such rows).
+const ROWS_MAX_K: usize = 6144;
+const ROWS_MIN_K: usize = 1024;
+/// Warps of a row-phase GEMV block (`ML_WARPS`), and its blocks a multiprocessor.
+const ROWS_WARPS: usize = 8;
+const ROWS_BLOCKS_PER_SM: usize = 2;
+
+/// The units of 32 inputs a lane takes in the row-phase GEMV of `k` inputs (its kernel's `GU`), when
+/// that kernel takes a one-row GEMV of `bits` with effective `group` and bf16 output (INT8 only).
+fn rows_gemv_units(bits: u32, group: usize, m: usize, k: usize) -> Option<usize> {
+    let fits = m == 1
+        && bits == 8
+        && k.is_multiple_of(32)
+        && (ROWS_MIN_K..=ROWS_MAX_K).contains(&k)
+        && (group >= k || group.is_multiple_of(32));
+    fits.then(|| {
+        [2, 3, 4, 6]
+            .into_iter()
+            .find(|&gu| k <= 1024 * gu)
+            .unwrap_or(6)
+    })
+}
+
+/// Rows a warp of the row-phase GEMV has in flight (`gr_batch` in gemv_rows.cu): about 48 words of
+/// INT8 codes a lane, 8 a unit.
+fn rows_batch(gu: usize) -> usize {
+    (48 / (gu * 8)).max(1)
+}
+
+/// Blocks of the row-phase GEMV for a segment of `n` of the launch's `total` rows: its share of
+/// [`ROWS_BLOCKS_PER_SM`] blocks a multiprocessor, then as few as give each warp the same number of
+/// rounds of `batch` rows.
+fn rows_blocks(n: usize, total: usize, batch: usize, sms: usize) -> usize {
+    let per_block = ROWS_WARPS * batch;
+    let share = (ROWS_BLOCKS_PER_SM * sms.max(1) * n).div_ceil(total.max(1));
+    let blocks = n.div_ceil(per_block).min(share).max(1);
+    let rounds = n.div_ceil(per_block * blocks);
+    n.div_ceil(per_block * rounds)
 }
 
 /// Whether a one-row packed GEMV runs on 16-byte chunks (`gemv_q{4,8}v{R}_m1`): INT8 or INT4, m = 1,
@@ -253,17 +324,21 @@ impl Gpu {
     }
 
     /// Whether [`Gpu::gemv_packed_add_rms_norm`] takes a weight of `scheme` with `k` inputs and `n`
-    /// outputs: the one-row GEMV of 32-value units (not the 16-byte chunk one that
-    /// [`Gpu::set_packed_gemv_m1_rows`] may choose), and the row fits shared memory.
+    /// outputs: the one-row GEMV of 32-value units (not the 16-byte chunk or row-phase one that [`Gpu::set_packed_gemv_m1`] may choose), and the row fits shared memory.
     pub fn gemv_packed_norm_fits(&self, scheme: PackedScheme, n: usize, k: usize) -> bool {
         let group = if scheme.group_size == 0 {
             k
         } else {
             scheme.group_size
         };
+        let other = match self.packed_gemv_m1() {
+            PackedM1::Units => false,
+            PackedM1::Chunks(_) => chunk_gemv(scheme.bits, group, 1, k),
+            PackedM1::Rows => rows_gemv_units(scheme.bits, group, 1, k).is_some(),
+        };
         matches!(scheme.bits, 4 | 6 | 8)
             && !tensor_core_gemv(scheme.bits, group, 1, k)
-            && !(m1_rows() > 0 && chunk_gemv(scheme.bits, group, 1, k))
+            && !other
             && (1..=NORM_MAX_D).contains(&n)
     }
 
@@ -293,19 +368,19 @@ impl Gpu {
         self.gemv_q(GemvInput::X(""), scheme, x, parts, m, k)
     }
 
-    /// Chooses the kernel of one-row INT8 and INT4 packed GEMVs (per-row scales or groups of whole
-    /// 16-byte chunks) for the whole process: `rows` 1, 2 or 4 runs the 16-byte chunk GEMV with that
-    /// many rows of W a slot (8 loads of 16 bytes in flight a thread), 0 the 32-value unit GEMV.
-    /// The default is 0. Other values are ignored. Set it before recording CUDA graphs: a recorded step keeps the kernels it recorded.
-    pub fn set_packed_gemv_m1_rows(&self, rows: usize) {
-        if matches!(rows, 0 | 1 | 2 | 4) {
-            M1_ROWS.store(rows, Ordering::Relaxed);
+    /// Chooses the kernel of this device's one-row packed GEMVs ([`PackedM1`]; `Chunks` takes 1, 2
+    /// or 4 rows a slot, other counts are ignored). It opens with
+    /// [`GpuOptions::row_gemv`](crate::GpuOptions::row_gemv)'s choice. Set it before recording CUDA
+    /// graphs: a recorded step keeps the kernels it recorded.
+    pub fn set_packed_gemv_m1(&self, choice: PackedM1) {
+        if !matches!(choice, PackedM1::Chunks(r) if !matches!(r, 1 | 2 | 4)) {
+            self.m1.store(choice.code(), Ordering::Relaxed);
         }
     }
 
-    /// The current choice of [`Gpu::set_packed_gemv_m1_rows`].
-    pub fn packed_gemv_m1_rows(&self) -> usize {
-        m1_rows()
+    /// The current choice of [`Gpu::set_packed_gemv_m1`].
+    pub fn packed_gemv_m1(&self) -> PackedM1 {
+        PackedM1::of_code(self.m1.load(Ordering::Relaxed))
     }
 
     fn gemv_q<O, W: DevicePtr<u32>, S: DevicePtr<f32>, Y: DevicePtrMut<O>>(
@@ -344,19 +419,25 @@ impl Gpu {
         let (ki, gi, mi) = (int(OP, "k", k)?, int(OP, "group", group)?, int(OP, "m", m)?);
         let staged = matches!(input, GemvInput::GateUp);
         let tc = !staged && tensor_core_gemv(bits, group, m, k);
-        let rows = m1_rows();
-        // The 16-byte chunk GEMV's rows a slot (0: the unit GEMV or the tensor cores).
-        let chunk = if !tc && !staged && rows > 0 && chunk_gemv(bits, group, m, k) {
-            rows
-        } else {
-            0
+        let choice = self.packed_gemv_m1();
+        // The row-phase GEMV's units a lane (bf16 output only), else the 16-byte chunk GEMV's rows a
+        // slot (0: the unit GEMV or the tensor cores).
+        let row_units = match (choice, &input) {
+            (PackedM1::Rows, GemvInput::X("")) if !tc => rows_gemv_units(bits, group, m, k),
+            _ => None,
+        };
+        let chunk = match choice {
+            PackedM1::Chunks(r) if !tc && !staged && chunk_gemv(bits, group, m, k) => r,
+            _ => 0,
         };
         // The row a following add and norm takes (one part).
         let n = parts.first().map_or(0, |p| p.3);
         if let GemvInput::XThenAddNorm(t) = &input {
-            ensure(m == 1 && parts.len() == 1 && !tc && chunk == 0, OP, || {
-                "the add and norm follow one bf16 row of the 32-value unit GEMV".into()
-            })?;
+            ensure(
+                m == 1 && parts.len() == 1 && !tc && chunk == 0 && row_units.is_none(),
+                OP,
+                || "the add and norm follow one bf16 row of the 32-value unit GEMV".into(),
+            )?;
             ensure((1..=NORM_MAX_D).contains(&n), OP, || {
                 format!("a row of {n} values to norm, at most {NORM_MAX_D}")
             })?;
@@ -372,6 +453,7 @@ impl Gpu {
         let s = self.stream();
         let mut table = SegTable::new();
         let mut guards = Vec::with_capacity(3 * parts.len());
+        let total_rows: usize = parts.iter().map(|p| p.3).sum();
         for (w, sc, y, n) in parts.iter_mut().filter(|p| p.3 > 0) {
             let (wp, gw) = w.device_ptr(s);
             let (sp, gs) = sc.device_ptr(s);
@@ -385,6 +467,14 @@ impl Gpu {
                     y: yp,
                 };
                 table.push(OP, addrs, *n, n.div_ceil(TC_ROWS), None)?;
+            } else if let Some(gu) = row_units {
+                let blocks = rows_blocks(*n, total_rows, rows_batch(gu), sms);
+                let addrs = SegAddrs {
+                    w: wp,
+                    s: sp,
+                    y: yp,
+                };
+                table.push(OP, addrs, *n, blocks, None)?;
             } else if chunk > 0 {
                 // Work items of a row: 16-byte chunks.
                 let plan = gemv_plan(*n, k * bits as usize / 128, chunk, sms);
@@ -416,6 +506,13 @@ impl Gpu {
             // SAFETY: argument types match the kernel; every segment's lengths and alignment and the
             // kernel's k and group rules (tensor_core_gemv) checked above; 2 ≤ m ≤ 8, each segment's
             // blocks cover its n ≥ 1.
+            unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
+        } else if let Some(gu) = row_units {
+            let mut b = self.launch(self.kernel(&format!("gemv_q8_rows_u{gu}"))?);
+            b.arg(segs).ptr(x).arg(&ki).arg(&gi);
+            // SAFETY: argument types match the kernel; lengths and alignment checked above, and the
+            // row kernel's k, group and output rules (rows_gemv_units: k % 32 == 0, k ≤ 1024 · gu,
+            // whole-unit groups, bf16 y); each segment's blocks own its rows grid-stride.
             unsafe { b.launch(cfg((grid, 1, 1), GEMV_THREADS as u32, 0)) }?;
         } else if chunk > 0 {
             let mut b = self.launch(self.kernel(&format!("gemv_q{bits}v{chunk}{suffix}_m1"))?);
@@ -683,5 +780,44 @@ mod tests {
         assert!(!tensor_core_gemv(6, 2048, 1, 2048));
         assert!(!tensor_core_gemv(8, 96, 8, 96));
         assert!(!tensor_core_gemv(4, 32, 8, 512));
+    }
+
+    #[test]
+    fn the_row_phase_gemv_takes_one_row_of_whole_units_from_1024_to_6144_inputs() {
+        assert_eq!(rows_gemv_units(8, 2560, 1, 2560), Some(3));
+        assert_eq!(rows_gemv_units(8, 6144, 1, 6144), Some(6));
+        assert_eq!(rows_gemv_units(8, 4096, 1, 4096), Some(4));
+        assert_eq!(rows_gemv_units(4, 128, 1, 2048), None);
+        assert_eq!(rows_gemv_units(6, 1024, 1, 1024), None);
+        assert_eq!(rows_gemv_units(8, 5120, 1, 5120), Some(6));
+        assert_eq!(rows_gemv_units(8, 2048, 2, 2048), None);
+        assert_eq!(rows_gemv_units(8, 512, 1, 512), None);
+        assert_eq!(rows_gemv_units(8, 6176, 1, 6176), None);
+        assert_eq!(rows_gemv_units(8, 16, 1, 2048), None);
+        assert_eq!(rows_gemv_units(6, 1000, 1, 1000), None);
+        // The kernel's gr_batch: about 48 words of codes a lane.
+        assert_eq!(rows_batch(2), 3);
+        assert_eq!(rows_batch(3), 2);
+        assert_eq!(rows_batch(6), 1);
+    }
+
+    #[test]
+    fn row_phase_blocks_cover_their_rows_in_even_rounds() {
+        for (n, total, batch, sms) in [
+            (13312, 14336, 2, 132),
+            (512, 14336, 2, 132),
+            (2560, 2560, 1, 132),
+            (1, 1, 3, 132),
+            (7, 9000, 6, 8),
+            (248_320, 248_320, 2, 132),
+        ] {
+            let blocks = rows_blocks(n, total, batch, sms);
+            let per_round = blocks * ROWS_WARPS * batch;
+            let rounds = n.div_ceil(per_round);
+            assert!(blocks >= 1 && blocks <= n.div_ceil(ROWS_WARPS * batch));
+            assert!(blocks <= (ROWS_BLOCKS_PER_SM * sms * n).div_ceil(total).max(1));
+            // One block fewer would take another round.
+            assert!(blocks == 1 || n > (blocks - 1) * ROWS_WARPS * batch * rounds);
+        }
     }
 }

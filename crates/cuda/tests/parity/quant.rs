@@ -7,7 +7,7 @@
 
 use half::bf16;
 use sanmai_cpu::ops;
-use sanmai_cuda::{Gpu, NormRows, PackedScheme, RowAddNorm};
+use sanmai_cuda::{Gpu, NormRows, PackedM1, PackedScheme, RowAddNorm};
 
 use crate::common::{check_reduction, from_bf16, gpu, packed_mat, stats, to_bf16, Rng};
 
@@ -154,18 +154,18 @@ fn gemv_packed_matches_cpu() {
     gemv_case(g, &mut rng, &p, 1, true);
 }
 
-/// The one-row INT8 and INT4 GEMV under every kernel choice (`Gpu::set_packed_gemv_m1_rows`: the
-/// 32-value unit GEMV, and the 16-byte chunk GEMV with 1, 2 and 4 rows a slot): per-row scales and
-/// groups (INT8 groups of 16 and 32, INT4 of 32 and 128), n off every cut (1, odd, below and above a
-/// slot's rows), k from one chunk to a row wider than a slot's round, bf16 and f32 outputs. The choice
-/// is process-wide; every choice computes the same products, so tests running beside this one are
-/// unaffected.
+/// The one-row GEMV under every kernel choice (`Gpu::set_packed_gemv_m1`: the 32-value unit GEMV,
+/// the 16-byte chunk GEMV with 1, 2 and 4 rows a slot, the row-phase GEMV): per-row scales and groups
+/// (INT8 groups of 16 and 32, INT4 of 32 and 128, INT6 of 32), n off every cut (1, odd, below and
+/// above a slot's or a block's rows), k from one chunk to a row wider than a slot's round and each
+/// row-phase width (2048, 2560, 4096, 6144 and the 1024 and 6176 edges), bf16 and f32 outputs. The
+/// choice is a device's own: this test opens its own, so the tests beside it keep the default.
 #[test]
 fn gemv_packed_m1_kernels_match_cpu() {
-    let Some(g) = gpu("gemv_packed_m1_kernels_match_cpu") else {
+    if gpu("gemv_packed_m1_kernels_match_cpu").is_none() {
         return;
-    };
-    let before = g.packed_gemv_m1_rows();
+    }
+    let g = Gpu::new(0, &crate::options::gpu_options()).expect("a second device context");
     let mut rng = Rng::new(46);
     let shapes = [
         (8, 0, 12288, 2048),
@@ -175,23 +175,36 @@ fn gemv_packed_m1_kernels_match_cpu() {
         (8, 0, 3, 96),
         (8, 16, 77, 1024),
         (8, 32, 300, 8192),
+        (8, 0, 13312, 2560),
+        (8, 0, 2560, 6144),
+        (8, 0, 97, 6176),
+        (8, 32, 1, 1024),
         (4, 128, 1024, 2048),
         (4, 128, 2048, 512),
         (4, 32, 5, 4128),
         (4, 0, 129, 64),
+        (4, 128, 1000, 6144),
+        (6, 0, 777, 2048),
+        (6, 32, 130, 3072),
     ];
     let mats: Vec<Packed> = shapes
         .iter()
         .map(|&(bits, group, n, k)| make(&mut rng, bits, group, n, k))
         .collect();
-    for rows in [0, 1, 2, 4] {
-        g.set_packed_gemv_m1_rows(rows);
-        assert_eq!(g.packed_gemv_m1_rows(), rows);
+    let choices = [
+        PackedM1::Units,
+        PackedM1::Chunks(1),
+        PackedM1::Chunks(2),
+        PackedM1::Chunks(4),
+        PackedM1::Rows,
+    ];
+    for choice in choices {
+        g.set_packed_gemv_m1(choice);
+        assert_eq!(g.packed_gemv_m1(), choice);
         for p in &mats {
-            gemv_case(g, &mut rng, p, 1, true);
+            gemv_case(&g, &mut rng, p, 1, true);
         }
     }
-    g.set_packed_gemv_m1_rows(before);
 }
 
 /// The one-row GEMV with the SwiGLU staged (`gemv_packed_swiglu`: an MLP's down projection of a
@@ -228,7 +241,7 @@ fn gemv_packed_swiglu_equals_swiglu_then_gemv() {
         g.gemv_packed_swiglu(&mat, &gu, &mut staged).unwrap();
         let (apart, staged) = (g.download(&apart).unwrap(), g.download(&staged).unwrap());
         let shape = name(&p, 1);
-        if bits == 6 || g.packed_gemv_m1_rows() == 0 {
+        if bits == 6 || g.packed_gemv_m1() == PackedM1::Units {
             let differ = apart
                 .iter()
                 .zip(&staged)
@@ -320,9 +333,9 @@ fn gemv_packed_add_rms_norm_equals_gemv_then_add_rms_norm() {
 
 /// Several packed weights of one format that read one x in one launch (`gemv_packed_many`): each output
 /// against the CPU product with its own weight. INT4 (group 128), INT8 (per row, as in_proj_qkv /
-/// in_proj_z), INT6 (per row, k off the 32 grid), and INT8 groups of 32 (the row-slot GEMV at every m);
-/// 2, 3 and 4 segments of different n (n = 1, n off the 16-row tiles and the slot blocks) at m = 1, 2,
-/// 5 and 8.
+/// in_proj_z, and as the 125B's QSA q|k|v), INT6 (per row, k off the 32 grid), and INT8 groups of 32
+/// (the row-slot GEMV at every m); 2, 3 and 4 segments of different n (n = 1, n off the 16-row tiles
+/// and the slot blocks) at m = 1, 2, 5 and 8.
 #[test]
 fn gemv_packed_many_matches_cpu() {
     let Some(g) = gpu("gemv_packed_many_matches_cpu") else {
@@ -335,6 +348,7 @@ fn gemv_packed_many_matches_cpu() {
         (8, 0, 2048),
         (6, 0, 1000),
         (8, 32, 512),
+        (8, 0, 2560),
     ] {
         for ns in sets {
             let ps: Vec<Packed> = ns

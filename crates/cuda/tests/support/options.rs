@@ -1,6 +1,7 @@
 //! How the CUDA tests open their device. The crate reads no environment variable; the tests read the
 //! ones the `sanmai` binary reads, so that `scripts/gpu_check.sh` and CI steer them the same way:
-//! `SANMAI_PDL`, `SANMAI_CUDA_GRAPHS`, `SANMAI_FUSED_DECODE` and `SANMAI_MOE_LAYER` (`0`, `off` or `false` turn them off),
+//! `SANMAI_PDL`, `SANMAI_CUDA_GRAPHS`, `SANMAI_FUSED_DECODE`, `SANMAI_MOE_LAYER`, `SANMAI_GDN_LAYER`,
+//! `SANMAI_ATTN_LAYER` and `SANMAI_ROW_GEMV` (`0`, `off` or `false` turn them off),
 //! `SANMAI_FP8_TENSOR_CORES` (`1`, `on` or `true` turn the backend's FP8 tensor cores on), the kernel cache
 //! `SANMAI_CACHE_DIR` (else `$XDG_CACHE_HOME/sanmai`, else `~/.cache/sanmai`) and the CUDA header
 //! folders `SANMAI_CUDA_INCLUDE` (`:`-separated), `$CUDA_HOME/include` and `$CUDA_PATH/include`.
@@ -32,6 +33,7 @@ pub fn gpu_options() -> GpuOptions {
     GpuOptions {
         pdl: !switched_off("SANMAI_PDL"),
         fp8_tensor_cores: fp8_tensor_cores(),
+        row_gemv: !switched_off("SANMAI_ROW_GEMV"),
         compile: compile_options(),
     }
 }

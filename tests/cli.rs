@@ -296,6 +296,7 @@ fn switch_flags_parse_and_cuda_ones_warn_on_the_cpu() {
         "--cuda-graphs",
         "--no-cuda-graphs",
         "--no-pdl",
+        "--no-left-norm",
         "--no-ple-prefetch",
         "--ple-prefetch",
     ]);
@@ -304,7 +305,8 @@ fn switch_flags_parse_and_cuda_ones_warn_on_the_cpu() {
     assert!(
         err.contains("no effect on the CPU")
             && err.contains("--no-cuda-graphs")
-            && err.contains("--no-pdl"),
+            && err.contains("--no-pdl")
+            && err.contains("--no-left-norm"),
         "{err}"
     );
     assert!(

@@ -73,10 +73,6 @@ impl CudaBackend {
             }
         }
         self.gpu.synchronize()?;
-        Ok(CudaTensor {
-            rows: x.rows,
-            cols: x.cols,
-            buf,
-        })
+        Ok(CudaTensor::new(x.rows, x.cols, buf))
     }
 }

@@ -43,6 +43,7 @@ mod gdn_gates;
 mod gdn_layer;
 mod hc;
 mod kv;
+mod left_norm;
 mod moe;
 mod moe_fused;
 mod moe_gemm;

@@ -21,8 +21,7 @@
 //      for before the barrier;
 //   4. every block stages the attention output in shared memory, then a warp an o_proj row, rounded to
 //      bf16 and added to the residual (add_rms_norm_row's rounding) or written out; with the residual,
-//      the norm of the new residual over the grid (ml_norm_rows: a fourth barrier), or its blocks' sums
-//      of squares left to the next launch (MlNormIn). The input row x may be such a left norm (`in`).
+//      the norm of the new residual over the grid (ml_norm_rows: a fourth barrier).
 // Each value's arithmetic is that of the launches it replaces; the sums run in another order (norm sums
 // over a warp, softmax over spans of other sizes), so the results match theirs to rounding, not bit for
 // bit (deterministically: no float atomics). The parity suite checks them against the CPU and against
@@ -83,7 +82,6 @@ struct AttnLayerArgs {
     float head_eps, mscale, scale, eps, offset;
     int pad;
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns)
-    MlNormIn in;                // the input row's norm when the launch before left it (x written then)
 };
 
 // The split of the context over the grid: AL_TILE-position tiles, `per` tiles an item, `splits` items a
@@ -382,7 +380,7 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
     const AlSplit sp = al_split(a);
     const int items2 = a.hkv * sp.splits;
     ml_mark(a.trace, 0);
-    ml_stage_in(s_buf, a.x, a.in, a.h);
+    ml_stage_x(s_buf, a.x, a.h);
     __syncthreads();
 
     // 1. The projections' rows: q|gate, then k, then v rows, in batches of B a warp.

@@ -17,8 +17,7 @@
 //   3. every block stages the gated RMSNorm of all heads' o (w · o · rsqrt(mean(o²) + eps) · silu(z),
 //      bf16) into shared memory, then a warp an out_proj row; the row rounded to bf16 and added to the
 //      residual (add_rms_norm_row's rounding) or written out; with the residual, the norm of the new
-//      residual over the grid (ml_norm_rows: a third barrier), or its blocks' sums of squares left to
-//      the next launch (MlNormIn). The input row x may be such a left norm (`in`).
+//      residual over the grid (ml_norm_rows: a third barrier).
 // The arithmetic is each replaced launch's per value; the dots and sums run in another order, so the
 // results match theirs to rounding, not bit for bit (deterministically: no float atomics). The parity
 // suite checks them against the CPU and against the three launches.
@@ -75,7 +74,6 @@ struct GdnLayerArgs {
     int qkv_group, z_group, out_group;
     float q_scale, geps, eps, offset;
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns)
-    MlNormIn in;                // the input row's norm when the launch before left it (x written then)
 };
 
 // Channels of the conv (the q|k|v projection's width).
@@ -336,7 +334,7 @@ __device__ __forceinline__ void gdn_layer_m1(const GdnLayerArgs& a) {
     const bool live = slot < (u32)a.num_slots;
     const int items2 = live ? a.hv * (a.dv / GL_TC) : 0;
     ml_mark(a.trace, 0);
-    ml_stage_in(s_buf, a.x, a.in, a.h);
+    ml_stage_x(s_buf, a.x, a.h);
     __syncthreads();
 
     // 1. The projections' rows: packed q|k|v then z rows in batches of B a warp, the bf16 gate rows

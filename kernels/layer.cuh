@@ -3,9 +3,8 @@
 // on a counter (sync[0]: barrier p waits for p · gridDim.x arrivals; sync[1] counts the blocks past
 // their last barrier, the last of which sets both back to 0). Data a phase writes is read by other
 // blocks only after a barrier and only through L2 (__ldcg). Here: the barrier, the phase trace, x
-// staged in shared memory (or normed while staged: MlNormIn), a warp's packed-row dots, and the
-// residual add and RMSNorm of a row the grid computed a warp a value (or its blocks' sums of squares
-// left to the next launch).
+// staged in shared memory, a warp's packed-row dots, and the residual add and RMSNorm of a row the
+// grid computed a warp a value.
 #pragma once
 #include "packed.cuh"
 
@@ -108,124 +107,6 @@ __device__ __forceinline__ void ml_stage_x(bf16* xs, const bf16* x, int n) {
     for (int q = threadIdx.x; q < (n >> 3); q += blockDim.x) ((uint4*)xs)[ml_xs_chunk(q)] = ((const uint4*)x)[q];
 }
 
-// The RMSNorm of a row that the launch before left to this one, which norms the row while it stages
-// it: a layer launch's residual (its grid's last phase wrote the residual `acc` and each block's sum
-// of squares, partials[0 .. blocks), and no normed row), or (`partials` null) a row `acc` written
-// whole, whose sum of squares this launch takes as rms_norm_bf16 (norm.cu) does for one row of its
-// width, `blocks` being that launch's threads a row (a power of two ≤ 256). `acc` null: the input
-// row is ready (x). `MlNormIn` in crates/cuda/src/ops/layer.rs, field for field.
-struct MlNormIn {
-    const bf16* acc;        // [h] the residual, or the row to norm
-    const float* partials;  // [blocks] or null
-    const bf16* w;          // [h] the norm's weight
-    int blocks;
-    float eps, offset;
-};
-
-// rsqrt(mean + eps) of the row whose `blocks` blocks' sums of squares are in partials: summed in block
-// order, a thread the blocks t, t + blockDim.x, ..., then over the block (the same sums in the same
-// order wherever it runs, so every launch that norms a row gets the same bits). Every thread calls it.
-__device__ __forceinline__ float ml_rnorm(const float* partials, int blocks, int h, float eps) {
-    __shared__ float scratch[32];
-    float ss = 0.0f;
-    for (int b = threadIdx.x; b < blocks; b += blockDim.x) ss += __ldcg(partials + b);
-    ss = block_sum(ss, scratch);
-    return 1.0f / sqrtf(ss / (float)h + eps);
-}
-
-// rsqrt(mean + eps) of the h-value row `acc` as rms_norm_bf16 takes it for one row with tpr threads
-// (norm.cu: rms_norm_rows and slot_sum): thread t < tpr sums the squares of chunks t, t + tpr, ...
-// (8 values each, in order), the sums go through the same shuffles, and over the slot's warps in
-// order. The same bits as that launch. Every thread calls it (tpr ≤ blockDim.x).
-__device__ __forceinline__ float ml_rnorm_row(const bf16* acc, int tpr, int h, float eps) {
-    __shared__ float red[8];
-    const int t = threadIdx.x, n8 = h >> 3;
-    float ss = 0.0f;
-    if (t < tpr) {
-#pragma unroll 1
-        for (int c = t; c < n8; c += tpr) {
-            float f[8];
-            unpack8(__ldcg((const uint4*)acc + c), f);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) ss += f[e] * f[e];
-        }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-        if (o < tpr) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (tpr > 32) {
-        if ((t & 31) == 0 && t < tpr) red[t >> 5] = ss;
-        __syncthreads();
-        ss = 0.0f;
-        for (int i = 0; i < (tpr >> 5); ++i) ss += red[i];
-    } else {
-        // Only the slot's lanes hold the sum (every one of them the same bits): thread 0's to all.
-        if (t == 0) red[0] = ss;
-        __syncthreads();
-        ss = red[0];
-    }
-    __syncthreads();
-    return 1.0f / sqrtf(ss / (float)h + eps);
-}
-
-// rsqrt(mean + eps) of the row an MlNormIn describes (acc not null). Every thread calls it.
-__device__ __forceinline__ float ml_in_rnorm(const MlNormIn& in, int h) {
-    return in.partials != nullptr ? ml_rnorm(in.partials, in.blocks, h, in.eps)
-                                  : ml_rnorm_row(in.acc, in.blocks, h, in.eps);
-}
-
-// Eight normed values of the residual (acc chunk a, weight chunk w) as bf16: bf16(res · rn · (offset
-// + w)), ml_norm_rows' rounding.
-__device__ __forceinline__ uint4 ml_norm8(uint4 a, uint4 w, float rn, float offset) {
-    float af[8], wf[8];
-    unpack8(a, af);
-    unpack8(w, wf);
-    u32 o[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        o[i] = pack_bf16x2((af[2 * i] * rn) * (offset + wf[2 * i]), (af[2 * i + 1] * rn) * (offset + wf[2 * i + 1]));
-    return make_uint4(o[0], o[1], o[2], o[3]);
-}
-
-// Most 16-byte chunks of the row a thread loads before the norm's sum (h ≤ 8 · ML_NORM_CHUNKS ·
-// ML_THREADS values ahead; the rest after it).
-#define ML_NORM_CHUNKS 2
-
-// The input row into xs (ml_stage_x's order): x, or (in.acc) the norm of in.acc, which block 0 also
-// writes to x (global) for any later reader of the row. The row's and weight's chunks are asked for
-// before the norm's sum. Every thread calls it.
-__device__ __forceinline__ void ml_stage_in(bf16* xs, const bf16* x, const MlNormIn& in, int h) {
-    if (in.acc == nullptr) {
-        ml_stage_x(xs, x, h);
-        return;
-    }
-    const int n8 = h >> 3;
-    uint4 av[ML_NORM_CHUNKS], wv[ML_NORM_CHUNKS];
-#pragma unroll
-    for (int i = 0; i < ML_NORM_CHUNKS; ++i) {
-        const int q = threadIdx.x + i * blockDim.x;
-        if (q < n8) {
-            av[i] = __ldcg((const uint4*)in.acc + q);
-            wv[i] = __ldg((const uint4*)in.w + q);
-        }
-    }
-    const float rn = ml_in_rnorm(in, h);
-#pragma unroll
-    for (int i = 0; i < ML_NORM_CHUNKS; ++i) {
-        const int q = threadIdx.x + i * blockDim.x;
-        if (q < n8) {
-            const uint4 v = ml_norm8(av[i], wv[i], rn, in.offset);
-            ((uint4*)xs)[ml_xs_chunk(q)] = v;
-            if (blockIdx.x == 0) ((uint4*)x)[q] = v;
-        }
-    }
-    for (int q = threadIdx.x + ML_NORM_CHUNKS * blockDim.x; q < n8; q += blockDim.x) {
-        const uint4 v = ml_norm8(__ldcg((const uint4*)in.acc + q), __ldg((const uint4*)in.w + q), rn, in.offset);
-        ((uint4*)xs)[ml_xs_chunk(q)] = v;
-        if (blockIdx.x == 0) ((uint4*)x)[q] = v;
-    }
-}
-
 // The lane's part of row · x: per unit the codes' dot with x (f32), times the unit's scale. x: bf16 in
 // shared memory, in ml_xs_chunk's order when SWZ.
 
@@ -296,11 +177,23 @@ __device__ __forceinline__ float ml_add_row(bf16* acc, int r, float res, bf16 v,
     return kept * kept;
 }
 
-// The block's sum of the squares its warps' lane 0 hold (sq) into partials[blockIdx.x]. Every thread
-// calls it.
-__device__ __forceinline__ void ml_block_sq(float sq, float* partials) {
+// The RMSNorm of the h-value row the grid's warps added (ml_add_row: warp gw of nw holds rows gw + j·nw
+// in s_res[warp][j], lane 0's sq their squares): each block's sum into partials[blockIdx.x], the grid
+// barrier `target`, then every block sums the partials in block order (deterministic) and writes
+// normed[r] = bf16(res · rsqrt(mean + eps) · (offset + w[r])) for its rows. Every thread calls it.
+__device__ __forceinline__ void ml_norm_rows(float sq, const float (*s_res)[ML_MAXROWS], float* partials, u32* sync,
+                                             u32 target, int h, float eps, float offset, const bf16* norm_w,
+                                             bf16* normed, int gw, int nw, unsigned long long* last) {
     __shared__ float s_sq[ML_WARPS];
+    __shared__ float scratch[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // The norm weights of the warp's rows, asked for before the barrier (no kernel writes them).
+    float wv[ML_MAXROWS];
+#pragma unroll
+    for (int j = 0; j < ML_MAXROWS; ++j) {
+        const int r = gw + j * nw;
+        wv[j] = lane == 0 && r < h ? bf2f(norm_w[r]) : 0.0f;
+    }
     if (lane == 0) s_sq[warp] = sq;
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -309,29 +202,11 @@ __device__ __forceinline__ void ml_block_sq(float sq, float* partials) {
         for (int w = 0; w < ML_WARPS; ++w) t += s_sq[w];
         partials[blockIdx.x] = t;
     }
-}
-
-// The RMSNorm of the h-value row the grid's warps added (ml_add_row: warp gw of nw holds rows gw + j·nw
-// in s_res[warp][j], lane 0's sq their squares): each block's sum into partials[blockIdx.x]; then,
-// with `normed`, the grid barrier `target` and every block sums the partials in block order
-// (ml_rnorm) and writes normed[r] = bf16(res · rsqrt(mean + eps) · (offset + w[r])) for its rows.
-// Without `normed` the norm is the next launch's (MlNormIn: the partials are its input, no barrier
-// here). Every thread calls it.
-__device__ __forceinline__ void ml_norm_rows(float sq, const float (*s_res)[ML_MAXROWS], float* partials, u32* sync,
-                                             u32 target, int h, float eps, float offset, const bf16* norm_w,
-                                             bf16* normed, int gw, int nw, unsigned long long* last) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    // The norm weights of the warp's rows, asked for before the barrier (no kernel writes them).
-    float wv[ML_MAXROWS];
-#pragma unroll
-    for (int j = 0; j < ML_MAXROWS; ++j) {
-        const int r = gw + j * nw;
-        wv[j] = normed != nullptr && lane == 0 && r < h ? bf2f(norm_w[r]) : 0.0f;
-    }
-    ml_block_sq(sq, partials);
-    if (normed == nullptr) return;
     ml_grid_sync(sync, target, last);
-    const float rn = ml_rnorm(partials, gridDim.x, h, eps);
+    float ss = 0.0f;
+    for (int b = threadIdx.x; b < (int)gridDim.x; b += blockDim.x) ss += __ldcg(partials + b);
+    ss = block_sum(ss, scratch);
+    const float rn = 1.0f / sqrtf(ss / (float)h + eps);
     if (lane == 0) {
 #pragma unroll 1
         for (int j = 0; j < ML_MAXROWS; ++j) {

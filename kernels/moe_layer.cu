@@ -19,10 +19,8 @@
 //      expert's down row at a time and the warp sums
 //      Σ_c weight_c · y_c + sigmoid(gate) · shared, rounded once to bf16, and adds it to the residual
 //      (rounded, as add_rms_norm_row) or writes it out;
-//   4. with a residual: each block's sum of the rounded sums' squares, then (with `normed`) a third
-//      barrier and every block sums those in block order and writes the RMSNorm of its rows, or
-//      (without) the next launch does so as it stages the row (MlNormIn, layer.cuh: the same bits).
-// The input row is x, or the RMSNorm the launch before left to this one (`in`), normed as it is staged.
+//   4. with a residual: each block's sum of the rounded sums' squares, a third barrier, then every
+//      block sums those in block order and writes the RMSNorm of its rows.
 // The dots and the norm's sum run in another order than the separate launches', so the results match
 // theirs to rounding, not bit for bit (deterministically: no float atomics); the parity suite checks
 // them against the CPU.
@@ -80,7 +78,6 @@ struct MoeLayerArgs {
     int gu_group, dn_group, sgu_group, sdn_group;
     float eps, offset;
     unsigned long long* trace;  // [16] or null: block 0's phase times (globaltimer, ns), for the bench
-    MlNormIn in;                // the input row's norm when the launch before left it (x written then)
 };
 
 // Phase 1, one item: router row i < e (+ the gate row at e), else shared gate|up row i - e - gate.
@@ -323,7 +320,7 @@ __device__ __forceinline__ void moe_layer_m1(const MoeLayerArgs& a) {
     const bool norm = a.acc != nullptr;
     ml_mark(a.trace, 0);
     ml_prefetch_tables(a);
-    ml_stage_in(s_x, a.x, a.in, a.h);
+    ml_stage_x(s_x, a.x, a.h);
     __syncthreads();
 
     // 1. Router logits and the shared expert's gate|up rows.

@@ -7,8 +7,7 @@
 // read once with every load in flight; the sum of squares is reduced with shuffles inside a warp and
 // through shared memory when the slot spans several warps. Rows per block = blockDim.x / tpr (blockDim.x a
 // multiple of 32, at most 256). The `_any` kernels take any d: one block per row, the row read twice.
-// `ml_norm_in` writes out the norm a persistent layer launch left to the next one (layer.cuh).
-#include "layer.cuh"
+#include "common.cuh"
 
 #define NORM_CHUNKS 4
 
@@ -133,13 +132,4 @@ extern "C" __global__ void rms_norm_bf16_any(const bf16* __restrict__ x, const b
 extern "C" __global__ void gated_rms_norm_bf16_any(const bf16* __restrict__ x, const bf16* __restrict__ z, const bf16* __restrict__ w, bf16* __restrict__ y, int d, float eps) {
     pdl_prologue();
     rms_norm_row_any<true>(x, z, w, y, d, eps, 0.0f);
-}
-
-// The norm an MlNormIn describes, written out (normed [h]) by one block: for a reader of the row that
-// is not a layer launch. The same bits as ml_stage_in's.
-extern "C" __global__ void __launch_bounds__(ML_THREADS) ml_norm_in(const MlNormIn in, bf16* normed, int h) {
-    pdl_prologue();
-    const float rn = ml_in_rnorm(in, h);
-    for (int q = threadIdx.x; q < (h >> 3); q += blockDim.x)
-        ((uint4*)normed)[q] = ml_norm8(__ldcg((const uint4*)in.acc + q), __ldg((const uint4*)in.w + q), rn, in.offset);
 }

@@ -29,9 +29,6 @@ const GDN_LAYER_ENV: &str = "SANMAI_GDN_LAYER";
 /// An attention mixer's one-token CUDA decode step in one persistent launch.
 #[cfg(feature = "cuda")]
 const ATTN_LAYER_ENV: &str = "SANMAI_ATTN_LAYER";
-/// A one-launch CUDA layer leaves its output's norm to the next launch.
-#[cfg(feature = "cuda")]
-const LEFT_NORM_ENV: &str = "SANMAI_LEFT_NORM";
 /// One-row packed GEMVs a warp a row, as the layer launches' row phases.
 #[cfg(feature = "cuda")]
 const ROW_GEMV_ENV: &str = "SANMAI_ROW_GEMV";
@@ -96,15 +93,6 @@ pub struct SwitchArgs {
     /// unless SANMAI_ATTN_LAYER=0].
     #[arg(long, overrides_with = "attn_layer")]
     pub no_attn_layer: bool,
-    /// A one-launch CUDA decode layer leaves the norm of its output row to the next launch, which
-    /// norms the row as it reads it: one grid barrier fewer a layer launch, the same bits (the
-    /// default; overrides SANMAI_LEFT_NORM=0).
-    #[arg(long, overrides_with = "no_left_norm")]
-    pub left_norm: bool,
-    /// Each one-launch decode layer norms its own output row, for A/B runs [default: left to the
-    /// next launch, unless SANMAI_LEFT_NORM=0].
-    #[arg(long, overrides_with = "left_norm")]
-    pub no_left_norm: bool,
     /// One-row packed CUDA GEMVs (INT8, INT6, INT4; 1024 to 6144 inputs) a warp a row with several
     /// rows' loads in flight, as the layer launches' row phases (the default; overrides
     /// SANMAI_ROW_GEMV=0).
@@ -198,8 +186,6 @@ impl SwitchArgs {
             (self.no_gdn_layer, "--no-gdn-layer"),
             (self.attn_layer, "--attn-layer"),
             (self.no_attn_layer, "--no-attn-layer"),
-            (self.left_norm, "--left-norm"),
-            (self.no_left_norm, "--no-left-norm"),
             (self.row_gemv, "--row-gemv"),
             (self.no_row_gemv, "--no-row-gemv"),
             (self.fp8_tensor_cores, "--fp8-tensor-cores"),
@@ -229,7 +215,6 @@ impl SwitchArgs {
             moe_layer: switch(self.moe_layer, self.no_moe_layer, MOE_LAYER_ENV),
             gdn_layer: switch(self.gdn_layer, self.no_gdn_layer, GDN_LAYER_ENV),
             attn_layer: switch(self.attn_layer, self.no_attn_layer, ATTN_LAYER_ENV),
-            left_norm: switch(self.left_norm, self.no_left_norm, LEFT_NORM_ENV),
         }
     }
 }

@@ -114,7 +114,7 @@ pub use ops::{
     HeadNorm, KvPools, MoeOut, MropeArgs, NormRows, PagedCache, PleDims, Queries, RopeArgs,
     Selection, ATTN_MAX_HEAD_DIM, GEMV_MAX_M, MOE_TILE, QK_MAX_HEAD_DIM, ROUTER_MAX_K,
 };
-pub use ops::{AttnLayer, AttnLayerBufs, LayerRope, LayerSeq, NormIn, NormLink};
+pub use ops::{AttnLayer, AttnLayerBufs, LayerRope, LayerSeq};
 pub use ops::{
     CombineInto, DecodeRouting, Experts, PairGroups, PairRows, RouteDims, Routed, SharedGate,
     SharedY,

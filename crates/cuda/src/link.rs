@@ -306,7 +306,7 @@ impl LinkReceiver {
         if n > 0 {
             nccl_call("ncclRecv", || self.rank.comm.recv(&mut buf, 0).map(drop))?;
         }
-        Ok(CudaTensor::new(rows, cols, buf))
+        Ok(CudaTensor { rows, cols, buf })
     }
 
     /// `(sending device, receiving device)` ordinals.

@@ -97,7 +97,6 @@ impl CudaBackend {
             None
         };
         let Some(layer) = layer else {
-            self.settle().at("attn_mixer_add_rms_norm")?;
             let o = self.attn_from_input(c)?;
             return self.linear_add_rms_norm(&o, &c.w.o_proj, acc, norm, eps, offset);
         };
@@ -122,8 +121,6 @@ impl CudaBackend {
         if c.x.cols != h {
             return Err(bad(format!("input of {} columns for h = {h}", c.x.cols)));
         }
-        let leave = self.leaves_norm(true);
-        let (link, _taken) = self.norm_link(c.x, leave)?;
         let mut st = self.lock();
         let st = &mut *st;
         let bs = st.kv.block_size;
@@ -171,16 +168,10 @@ impl CudaBackend {
             partials: &mut partials,
             sync: &mut sync,
             trace: None,
-            link,
         };
         let mut out = self.alloc(1, h)?;
-        let input = after.norm_in(g);
         let into = NormAfter::combine_into(Some(after), &mut out);
-        let blocks = g.attn_layer_decode(&layer, &c.x.buf, &rope, seq, bufs, into)?;
-        drop(sync);
-        if leave {
-            self.left_norm(&mut out, input, partials, blocks);
-        }
+        g.attn_layer_decode(&layer, &c.x.buf, &rope, seq, bufs, into)?;
         Ok(out)
     }
 }

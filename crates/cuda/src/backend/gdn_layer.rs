@@ -98,8 +98,6 @@ impl CudaBackend {
             return Err(bad(format!("input of {} columns for h = {h}", x.cols)));
         }
         let dims = layer.dims;
-        let leave = self.leaves_norm(after.is_some());
-        let (link, _taken) = self.norm_link(x, leave)?;
         let mut st = self.lock();
         let st = &mut *st;
         let bs = st.kv.block_size;
@@ -128,7 +126,6 @@ impl CudaBackend {
             partials: &mut partials,
             sync: &mut sync,
             trace: None,
-            link,
         };
         let pools = GdnPools {
             conv: &mut pool.conv,
@@ -140,13 +137,8 @@ impl CudaBackend {
             batch: 1,
         };
         let mut out = self.alloc(1, h)?;
-        let input = after.as_ref().map(|a| a.norm_in(g));
         let into = NormAfter::combine_into(after, &mut out);
-        let blocks = g.gdn_layer_decode(&layer, &x.buf, pools, &seq, bufs, into)?;
-        drop(sync);
-        if let (true, Some(input)) = (leave, input) {
-            self.left_norm(&mut out, input, partials, blocks);
-        }
+        g.gdn_layer_decode(&layer, &x.buf, pools, &seq, bufs, into)?;
         Ok(out)
     }
 
@@ -157,7 +149,6 @@ impl CudaBackend {
         c: &GdnMixerCall<'_, CudaTensor, CudaWeight>,
     ) -> OpResult<CudaTensor> {
         if !self.gdn_layer_takes(c.w, c.shape, c.x.rows) {
-            self.settle().at("gdn_mixer")?;
             return self.linear(&self.gdn_from_input(c)?, &c.w.out_proj);
         }
         self.gdn_layer_step(c, None).at("gdn_mixer")
@@ -174,7 +165,6 @@ impl CudaBackend {
         offset: f32,
     ) -> OpResult<CudaTensor> {
         if !self.gdn_layer_takes(c.w, c.shape, c.x.rows) {
-            self.settle().at("gdn_mixer_add_rms_norm")?;
             let o = self.gdn_from_input(c)?;
             return self.linear_add_rms_norm(&o, &c.w.out_proj, acc, norm, eps, offset);
         }

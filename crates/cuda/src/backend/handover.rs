@@ -73,6 +73,10 @@ impl CudaBackend {
             }
         }
         self.gpu.synchronize()?;
-        Ok(CudaTensor::new(x.rows, x.cols, buf))
+        Ok(CudaTensor {
+            rows: x.rows,
+            cols: x.cols,
+            buf,
+        })
     }
 }

@@ -179,12 +179,7 @@ impl CudaBackend {
         if !self.hc_residual_fused(streams, (x, y), w, Some((pre, &mut xn)))? {
             return Ok(None);
         }
-        // At one row the norm is left to the next launch, which a one-launch layer takes as it
-        // stages its input (`norm_after.rs`).
-        let hn = match self.left_row_norm(&xn, next.norm.bf16()?, next.eps, next.offset)? {
-            Some(hn) => hn,
-            None => self.rms_norm_impl(&xn, next.norm, next.eps, next.offset)?,
-        };
+        let hn = self.rms_norm_impl(&xn, next.norm, next.eps, next.offset)?;
         Ok(Some((xn, hn)))
     }
 }

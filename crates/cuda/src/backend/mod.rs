@@ -40,7 +40,6 @@ mod packed;
 mod ple;
 mod qsa;
 mod roofline;
-mod rows;
 mod sample;
 mod tensor;
 
@@ -59,6 +58,7 @@ use sanmai_model::sample::{RowError, Sampled};
 
 use crate::error::{At, CudaError, Result};
 use crate::gpu::Gpu;
+use crate::ops::NormRows;
 pub use fp8::fp8_device_bytes;
 pub use graph::{GraphStats, DEFAULT_GRAPH_BATCH_SIZES, MIN_GRAPH_SPAN};
 pub use memory::MemoryReport;
@@ -129,9 +129,15 @@ pub struct CudaBackend {
     capture: Mutex<()>,
     /// A pipeline stage's input streams for recorded decode steps (`graph.rs`).
     kept: Mutex<graph::KeptStreams>,
-    /// The norm the last one-launch layer left to the next launch, until that launch or another op
-    /// takes it (`norm_after.rs`).
-    left: Mutex<Option<norm_after::LeftNorm>>,
+}
+
+/// The rows of `x` as a norm kernel takes them.
+fn norm_rows(x: &CudaTensor, eps: f32) -> NormRows {
+    NormRows {
+        rows: x.rows,
+        d: x.cols,
+        eps,
+    }
 }
 
 /// Whether every chunk is one token and chunk `i` is row `i` (the batched decode launches).
@@ -191,7 +197,6 @@ impl CudaBackend {
             graphs: Mutex::new(graph::Graphs::new(&DEFAULT_GRAPH_BATCH_SIZES)),
             capture: Mutex::new(()),
             kept: Mutex::new(graph::KeptStreams::default()),
-            left: Mutex::new(None),
             epoch: AtomicU64::new(0),
             ple_in: Mutex::new(None),
             ticket,
@@ -237,12 +242,12 @@ impl CudaBackend {
     pub(crate) fn alloc(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
         // SAFETY: callers write every element before it is read.
         let buf = unsafe { self.gpu.stream().alloc::<bf16>((rows * cols).max(1)) }?;
-        Ok(CudaTensor::new(rows, cols, buf))
+        Ok(CudaTensor { rows, cols, buf })
     }
 
     pub(crate) fn zeros(&self, rows: usize, cols: usize) -> Result<CudaTensor> {
         let buf = self.gpu.zeros::<bf16>((rows * cols).max(1))?;
-        Ok(CudaTensor::new(rows, cols, buf))
+        Ok(CudaTensor { rows, cols, buf })
     }
 
     /// An uninitialised scratch buffer of `n` values (written by the next op).
@@ -299,6 +304,146 @@ impl CudaBackend {
         Ok(out)
     }
 
+    fn rows_impl(&self, x: &CudaTensor, rows: &[usize]) -> Result<CudaTensor> {
+        let mut out = self.alloc(rows.len(), x.cols)?;
+        if let Some(&bad) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(CudaError::Shape {
+                op: "rows",
+                msg: format!("row {bad} of a {}-row tensor", x.rows),
+            });
+        }
+        let contiguous = rows.windows(2).all(|w| w[1] == w[0] + 1);
+        if rows.is_empty() {
+            return Ok(out);
+        }
+        if contiguous {
+            let c = x.cols;
+            let src = x.buf.slice(rows[0] * c..(rows[0] + rows.len()) * c);
+            self.gpu
+                .stream()
+                .memcpy_dtod(&src, &mut out.buf.slice_mut(..rows.len() * c))?;
+        } else {
+            let mut st = self.lock();
+            let at = st.meta.out_rows(&self.gpu, rows)?;
+            let view = st.meta.view(at, rows.len());
+            self.gpu
+                .gather_rows(&x.buf, &view, &mut out.buf, x.rows, rows.len(), x.cols)?;
+        }
+        Ok(out)
+    }
+
+    fn rms_norm_impl(
+        &self,
+        x: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> Result<CudaTensor> {
+        let mut y = self.alloc(x.rows, x.cols)?;
+        self.gpu
+            .rms_norm(&x.buf, w.bf16()?, &mut y.buf, norm_rows(x, eps), offset)?;
+        Ok(y)
+    }
+
+    /// Row `rows[i]` of `x` becomes row `i` of `values`: one device copy per run of consecutive
+    /// rows (an image's placeholder rows are one run).
+    fn set_rows_impl(&self, x: &mut CudaTensor, rows: &[usize], values: &CudaTensor) -> Result<()> {
+        let bad = |msg: String| CudaError::Shape {
+            op: "set_rows",
+            msg,
+        };
+        if values.rows != rows.len() || values.cols != x.cols {
+            return Err(bad(format!(
+                "values [{}, {}] for {} rows {} wide",
+                values.rows,
+                values.cols,
+                rows.len(),
+                x.cols
+            )));
+        }
+        if let Some(&r) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(bad(format!("row {r} of a {}-row tensor", x.rows)));
+        }
+        let c = x.cols;
+        let mut i = 0;
+        while i < rows.len() {
+            let mut n = 1;
+            while i + n < rows.len() && rows[i + n] == rows[i] + n {
+                n += 1;
+            }
+            let src = values.buf.slice(i * c..(i + n) * c);
+            let mut dst = x.buf.slice_mut(rows[i] * c..(rows[i] + n) * c);
+            self.gpu.stream().memcpy_dtod(&src, &mut dst)?;
+            i += n;
+        }
+        Ok(())
+    }
+
+    fn concat_cols_impl(&self, a: &CudaTensor, b: &CudaTensor) -> Result<CudaTensor> {
+        if a.rows != b.rows {
+            return Err(CudaError::Shape {
+                op: "concat_cols",
+                msg: format!("{} rows against {}", a.rows, b.rows),
+            });
+        }
+        let mut y = self.alloc(a.rows, a.cols + b.cols)?;
+        self.gpu
+            .concat_cols(&a.buf, &b.buf, &mut y.buf, a.rows, a.cols, b.cols)?;
+        Ok(y)
+    }
+
+    fn add_impl(&self, acc: &mut CudaTensor, y: &CudaTensor) -> Result<()> {
+        let n = acc.len();
+        if y.len() != n {
+            return Err(CudaError::Shape {
+                op: "add",
+                msg: format!("{n} values plus {}", y.len()),
+            });
+        }
+        self.gpu.add_bf16(&mut acc.buf, &y.buf, n)
+    }
+
+    fn add_rms_norm_impl(
+        &self,
+        acc: &mut CudaTensor,
+        y: &CudaTensor,
+        w: &CudaWeight,
+        eps: f32,
+        offset: f32,
+    ) -> Result<CudaTensor> {
+        if y.rows != acc.rows || y.cols != acc.cols {
+            return Err(CudaError::Shape {
+                op: "add_rms_norm",
+                msg: format!("[{}, {}] plus [{}, {}]", acc.rows, acc.cols, y.rows, y.cols),
+            });
+        }
+        let (r, c) = (acc.rows, acc.cols);
+        let mut out = self.alloc(r, c)?;
+        let shape = norm_rows(acc, eps);
+        self.gpu
+            .add_rms_norm(&mut acc.buf, &y.buf, w.bf16()?, &mut out.buf, shape, offset)?;
+        Ok(out)
+    }
+
+    fn swiglu_impl(&self, gate_up: &CudaTensor) -> Result<CudaTensor> {
+        if !gate_up.cols.is_multiple_of(2) {
+            return Err(CudaError::Shape {
+                op: "swiglu",
+                msg: format!("{} columns are not gate|up halves", gate_up.cols),
+            });
+        }
+        let i = gate_up.cols / 2;
+        let mut y = self.alloc(gate_up.rows, i)?;
+        self.gpu.swiglu(&gate_up.buf, &mut y.buf, gate_up.rows, i)?;
+        Ok(y)
+    }
+
+    fn silu_impl(&self, x: &CudaTensor) -> Result<CudaTensor> {
+        let mut y = self.alloc(x.rows, x.cols)?;
+        self.gpu.silu(&x.buf, &mut y.buf, x.len())?;
+        Ok(y)
+    }
+
     /// Host values rounded to bf16 in a new device buffer (one zero for no values: a buffer is never
     /// empty).
     fn upload_bf16(&self, data: &[f32]) -> Result<CudaSlice<bf16>> {
@@ -318,7 +463,7 @@ impl CudaBackend {
             });
         }
         let buf = self.upload_bf16(data)?;
-        Ok(CudaTensor::new(rows, cols, buf))
+        Ok(CudaTensor { rows, cols, buf })
     }
 
     fn to_host_impl(&self, x: &CudaTensor) -> Result<Vec<f32>> {
@@ -393,7 +538,6 @@ impl Backend for CudaBackend {
     }
 
     fn embed(&self, table: &CudaWeight, ids: &[u32]) -> OpResult<CudaTensor> {
-        self.settle().at("embed")?;
         self.embed_impl(table, ids).at("embed")
     }
 
@@ -404,37 +548,30 @@ impl Backend for CudaBackend {
         eps: f32,
         offset: f32,
     ) -> OpResult<CudaTensor> {
-        self.settle().at("rms_norm")?;
         self.rms_norm_impl(x, w, eps, offset).at("rms_norm")
     }
 
     fn linear(&self, x: &CudaTensor, w: &CudaWeight) -> OpResult<CudaTensor> {
-        self.settle().at("linear")?;
         self.linear_impl(x, w).at("linear")
     }
 
     fn linear_many(&self, x: &CudaTensor, ws: &[&CudaWeight]) -> OpResult<Vec<CudaTensor>> {
-        self.settle().at("linear_many")?;
         self.linear_many_impl(x, ws).at("linear_many")
     }
 
     fn rows(&self, x: &CudaTensor, rows: &[usize]) -> OpResult<CudaTensor> {
-        self.settle().at("rows")?;
         self.rows_impl(x, rows).at("rows")
     }
 
     fn set_rows(&self, x: &mut CudaTensor, rows: &[usize], values: &CudaTensor) -> OpResult<()> {
-        self.settle().at("set_rows")?;
         self.set_rows_impl(x, rows, values).at("set_rows")
     }
 
     fn concat_cols(&self, a: &CudaTensor, b: &CudaTensor) -> OpResult<CudaTensor> {
-        self.settle().at("concat_cols")?;
         self.concat_cols_impl(a, b).at("concat_cols")
     }
 
     fn add(&self, acc: &mut CudaTensor, y: &CudaTensor) -> OpResult<()> {
-        self.settle().at("add")?;
         self.add_impl(acc, y).at("add")
     }
 
@@ -446,13 +583,11 @@ impl Backend for CudaBackend {
         eps: f32,
         offset: f32,
     ) -> OpResult<CudaTensor> {
-        self.settle().at("add_rms_norm")?;
         self.add_rms_norm_impl(acc, y, w, eps, offset)
             .at("add_rms_norm")
     }
 
     fn swiglu(&self, gate_up: &CudaTensor) -> OpResult<CudaTensor> {
-        self.settle().at("swiglu")?;
         self.swiglu_impl(gate_up).at("swiglu")
     }
 
@@ -465,28 +600,23 @@ impl Backend for CudaBackend {
         eps: f32,
         offset: f32,
     ) -> OpResult<CudaTensor> {
-        self.settle().at("linear_add_rms_norm")?;
         self.linear_add_rms_norm_impl(x, w, acc, norm, eps, offset)
             .at("linear_add_rms_norm")
     }
 
     fn swiglu_linear(&self, gate_up: &CudaTensor, w: &CudaWeight) -> OpResult<CudaTensor> {
-        self.settle().at("swiglu_linear")?;
         self.swiglu_linear_impl(gate_up, w).at("swiglu_linear")
     }
 
     fn silu(&self, x: &CudaTensor) -> OpResult<CudaTensor> {
-        self.settle().at("silu")?;
         self.silu_impl(x).at("silu")
     }
 
     fn attention(&self, c: &AttnCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
-        self.settle().at("attention")?;
         self.attention_impl(c).at("attention")
     }
 
     fn gdn(&self, c: &GdnCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
-        self.settle().at("gdn")?;
         self.gdn_impl(c).at("gdn")
     }
 
@@ -553,39 +683,27 @@ impl Backend for CudaBackend {
         step: &DecodeStep<'_>,
         run: &dyn Fn() -> OpResult<Vec<CudaTensor>>,
     ) -> OpResult<Vec<CudaTensor>> {
-        // A norm left by the step's last one-launch layer is written out inside the step (and its
-        // recording).
-        let run = || {
-            let out = run()?;
-            self.settle().at("decode_step")?;
-            Ok(out)
-        };
-        self.decode_step_impl(step, &run)
+        self.decode_step_impl(step, run)
     }
 
     fn ple_step_rows(&self, rows: &CudaTensor) -> OpResult<()> {
-        self.settle().at("ple_step_rows")?;
         self.ple_step_rows_impl(rows).at("ple_step_rows")
     }
 
     fn keep_streams(&self, x: CudaTensor) -> OpResult<Option<CudaTensor>> {
-        self.settle().at("keep_streams")?;
         self.keep_streams_impl(x).at("keep_streams")?;
         Ok(None)
     }
 
     fn kept_streams(&self) -> OpResult<CudaTensor> {
-        self.settle().at("kept_streams")?;
         self.kept_streams_impl().at("kept_streams")
     }
 
     fn prepare_step(&self, ids: &[u32], seqs: &[SeqChunk<'_>], out_rows: &[usize]) -> OpResult<()> {
-        self.settle().at("prepare_step")?;
         self.begin_step(ids, seqs, out_rows).at("prepare_step")
     }
 
     fn hand_over(&self, x: CudaTensor) -> OpResult<Handover<CudaTensor>> {
-        self.settle().at("hand_over")?;
         self.hand_over_impl(x).at("hand_over")
     }
 
@@ -594,18 +712,15 @@ impl Backend for CudaBackend {
     }
 
     fn take_over(&self, h: Handover<CudaTensor>) -> OpResult<CudaTensor> {
-        self.settle().at("take_over")?;
         self.take_over_impl(h).at("take_over")
     }
 
     fn to_host(&self, x: CudaTensor) -> OpResult<(usize, usize, Vec<f32>)> {
-        self.settle().at("to_host")?;
         let v = self.to_host_impl(&x).at("to_host")?;
         Ok((x.rows, x.cols, v))
     }
 
     fn upload(&self, rows: usize, cols: usize, data: Vec<f32>) -> OpResult<CudaTensor> {
-        self.settle().at("upload")?;
         self.tensor_from_host(rows, cols, &data).at("upload")
     }
 
@@ -614,7 +729,6 @@ impl Backend for CudaBackend {
         logits: CudaTensor,
         c: &SampleCall<'_>,
     ) -> OpResult<Vec<std::result::Result<Sampled, RowError>>> {
-        self.settle().at("sample")?;
         self.sample_impl(&logits, c.valid_vocab, c.rows)
             .at("sample")
     }
@@ -636,7 +750,6 @@ impl Backend for CudaBackend {
     }
 
     fn hc_premix(&self, streams: &CudaTensor, pre: &CudaWeight) -> OpResult<CudaTensor> {
-        self.settle().at("hc_premix")?;
         self.hc_premix_impl(streams, pre).at("hc_premix")
     }
 
@@ -646,7 +759,6 @@ impl Backend for CudaBackend {
         u: &CudaTensor,
         y: &CudaTensor,
     ) -> OpResult<()> {
-        self.settle().at("hc_gated_residual")?;
         self.hc_gated_residual_impl(streams, u, y)
             .at("hc_gated_residual")
     }
@@ -658,7 +770,6 @@ impl Backend for CudaBackend {
         y: &CudaTensor,
         w: &HcWeights<CudaWeight>,
     ) -> OpResult<()> {
-        self.settle().at("hc_residual")?;
         self.hc_residual_impl(streams, (x, y), w)
     }
 
@@ -669,12 +780,10 @@ impl Backend for CudaBackend {
         w: &HcWeights<CudaWeight>,
         next: HcNext<'_, CudaWeight>,
     ) -> OpResult<(CudaTensor, CudaTensor)> {
-        self.settle().at("hc_residual_premix_norm")?;
         self.hc_residual_premix_norm_impl(streams, (x, y), w, next)
     }
 
     fn qsa_attention(&self, c: &QsaCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
-        self.settle().at("qsa_attention")?;
         qsa::refuse_mrope("qsa_attention", &c.attn)?;
         self.qsa_impl(c).at("qsa_attention")
     }
@@ -684,7 +793,6 @@ impl Backend for CudaBackend {
         streams: &mut CudaTensor,
         c: &PleCall<'_, CudaTensor, CudaWeight>,
     ) -> OpResult<()> {
-        self.settle().at("ple_mix")?;
         self.ple_impl(streams, c).at("ple_mix")
     }
 }

@@ -126,7 +126,6 @@ impl CudaBackend {
         if (c.shared.is_none() || (fused && gate_folded)) && self.moe_layer_takes(w, t) {
             return self.moe_layer_step(c, after);
         }
-        self.settle()?;
         let gu_format = expert_format("gate|up", w.experts.iter().map(|x| &x.gate_up))?;
         let dn_format = expert_format("down", w.experts.iter().map(|x| &x.down))?;
         let out = self.alloc(t, h)?;

@@ -99,8 +99,6 @@ impl CudaBackend {
         };
         let si = w.shared.as_ref().map_or(0, |s| s.inter);
         let format = expert_format("gate|up", w.experts.iter().map(|x| &x.gate_up))?;
-        let leave = self.leaves_norm(after.is_some());
-        let (link, _taken) = self.norm_link(x, leave)?;
         let mut st = self.lock();
         let table = self.expert_table(&mut st.experts, w)?;
         let (gate_up, down) = table.routed.experts(format, format, h, inter);
@@ -131,17 +129,12 @@ impl CudaBackend {
             partials: &mut partials,
             sync: &mut sync,
             trace: None,
-            link,
         };
         let mut out = self.alloc(1, h)?;
-        let input = after.as_ref().map(|a| a.norm_in(&self.gpu));
         let into = NormAfter::combine_into(after, &mut out);
-        let blocks = self.gpu.moe_layer_decode(&layer, &x.buf, h, bufs, into)?;
+        self.gpu.moe_layer_decode(&layer, &x.buf, h, bufs, into)?;
         drop(sync);
         drop(st);
-        if let (true, Some(input)) = (leave, input) {
-            self.left_norm(&mut out, input, partials, blocks);
-        }
         self.log_routing(&ids, k, e)?;
         Ok(out)
     }

@@ -26,10 +26,6 @@ pub struct CudaOptions {
     /// An attention mixer's one-token decode step in one persistent launch (`attn_layer.rs`; with
     /// `fused_decode`); off: its seven launches, for A/B runs.
     pub attn_layer: bool,
-    /// A one-launch layer leaves the norm of its output to the next launch, which norms the row as
-    /// it stages it (`norm_after.rs`; with `fused_decode`); off: each launch ends with a grid barrier
-    /// and the norm, for A/B runs. The same bits either way.
-    pub left_norm: bool,
 }
 
 impl Default for CudaOptions {
@@ -42,7 +38,6 @@ impl Default for CudaOptions {
             moe_layer: true,
             gdn_layer: true,
             attn_layer: true,
-            left_norm: true,
         }
     }
 }
@@ -53,7 +48,6 @@ pub(super) struct Switches {
     pub moe_layer: AtomicBool,
     pub gdn_layer: AtomicBool,
     pub attn_layer: AtomicBool,
-    pub left_norm: AtomicBool,
 }
 
 impl Default for Switches {
@@ -63,7 +57,6 @@ impl Default for Switches {
             moe_layer: AtomicBool::new(true),
             gdn_layer: AtomicBool::new(true),
             attn_layer: AtomicBool::new(true),
-            left_norm: AtomicBool::new(true),
         }
     }
 }
@@ -75,7 +68,6 @@ impl CudaBackend {
         self.set_moe_layer(options.moe_layer);
         self.set_gdn_layer(options.gdn_layer);
         self.set_attn_layer(options.attn_layer);
-        self.set_left_norm(options.left_norm);
     }
 
     /// Turns switch `s` to `on`; recorded steps of the other kind are dropped.
@@ -107,11 +99,5 @@ impl CudaBackend {
     /// steps of the other kind are dropped.
     pub fn set_attn_layer(&self, on: bool) {
         self.set(&self.switches.attn_layer, on);
-    }
-
-    /// Turns on or off the one-launch layers' norms left to the next launch
-    /// ([`CudaOptions::left_norm`]); recorded steps of the other kind are dropped.
-    pub fn set_left_norm(&self, on: bool) {
-        self.set(&self.switches.left_norm, on);
     }
 }

@@ -44,7 +44,11 @@ impl CudaBackend {
                 let cap = rows.rows.next_power_of_two().max(8) * rows.cols;
                 let buf = self.gpu.zeros(cap.max(1))?;
                 staged.insert(StagedRows {
-                    rows: CudaTensor::new(rows.rows, rows.cols, buf),
+                    rows: CudaTensor {
+                        rows: rows.rows,
+                        cols: rows.cols,
+                        buf,
+                    },
                     live: false,
                 })
             }

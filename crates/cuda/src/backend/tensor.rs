@@ -2,8 +2,6 @@
 //! integer form (compressed-tensors INT4/INT8, INT6 gapless; see `ops::quant`) or as block-scaled FP8
 //! bytes (see `ops::fp8`).
 
-use std::sync::Arc;
-
 use cudarc::driver::{CudaSlice, DevicePtr};
 use half::bf16;
 
@@ -16,22 +14,9 @@ pub struct CudaTensor {
     pub rows: usize,
     pub cols: usize,
     pub(crate) buf: CudaSlice<bf16>,
-    /// Held by a row whose norm a one-launch layer left to the next launch (`norm_after.rs`): the
-    /// backend writes the row out only while its tensor lives.
-    pub(crate) token: Option<Arc<()>>,
 }
 
 impl CudaTensor {
-    /// A tensor of `rows · cols` values in `buf`.
-    pub(crate) fn new(rows: usize, cols: usize, buf: CudaSlice<bf16>) -> Self {
-        CudaTensor {
-            rows,
-            cols,
-            buf,
-            token: None,
-        }
-    }
-
     /// The device buffer (`rows·cols` values, possibly one more when the tensor is empty).
     pub fn buf(&self) -> &CudaSlice<bf16> {
         &self.buf

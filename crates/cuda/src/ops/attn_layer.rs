@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::attention::AttnDims;
-use super::layer::{check_packed, unit_scheme, NormIn, NormLink};
+use super::layer::{check_packed, unit_scheme};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use super::KvPools;
@@ -78,11 +78,10 @@ struct AttnLayerArgs {
     offset: f32,
     pad: i32,
     trace: u64,
-    norm_in: NormIn,
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 8-byte addresses and 4-byte numbers, laid out as the
-// kernel's `AttnLayerArgs` (28 pointers, 10 ints, 5 floats, a padding int, the trace pointer, a `NormIn`; 336
+// kernel's `AttnLayerArgs` (28 pointers, 10 ints, 5 floats, a padding int, the trace pointer; 296
 // bytes, 8-byte aligned).
 unsafe impl DeviceRepr for AttnLayerArgs {}
 
@@ -137,8 +136,6 @@ pub struct AttnLayerBufs<'a> {
     /// `[16]` u64 or `None`: block 0's phase times (the device's global timer, ns) for the bench;
     /// slots 0..=8 and, from the last block, 9 and 10..=13 (the barriers' last arrivals).
     pub trace: Option<&'a mut CudaSlice<u64>>,
-    /// How the launch's input and output norms link to the launches around it.
-    pub link: NormLink,
 }
 
 impl Gpu {
@@ -198,7 +195,7 @@ impl Gpu {
         seq: LayerSeq<'_, impl DevicePtr<u32>>,
         bufs: AttnLayerBufs<'_>,
         into: CombineInto<'_, CudaSlice<bf16>>,
-    ) -> Result<u32> {
+    ) -> Result<()> {
         const OP: &str = "attn_layer_decode";
         let dims = layer.dims;
         let AttnDims {
@@ -319,8 +316,7 @@ impl Gpu {
             OP,
             || "x, the head norms' weights and the pools must be 16-byte aligned".into(),
         )?;
-        let out = self.layer_row_out(OP, into, h, bufs.link.leave)?;
-        a.norm_in = bufs.link.input.unwrap_or_default();
+        let out = self.layer_row_out(OP, into, h)?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let bits = layer.q.scheme.bits;
@@ -346,10 +342,10 @@ mod tests {
 
     #[test]
     fn the_argument_struct_has_the_kernels_layout() {
-        // 28 pointers, 10 ints, 5 floats, a padding int, the trace pointer, a NormIn (attn_layer.cu).
+        // 28 pointers, 10 ints, 5 floats, a padding int, the trace pointer (attn_layer.cu).
         assert_eq!(
             std::mem::size_of::<AttnLayerArgs>(),
-            28 * 8 + 10 * 4 + 5 * 4 + 4 + 8 + 40
+            28 * 8 + 10 * 4 + 5 * 4 + 4 + 8
         );
         assert_eq!(std::mem::align_of::<AttnLayerArgs>(), 8);
     }

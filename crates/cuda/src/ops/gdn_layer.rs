@@ -8,7 +8,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr};
 use half::bf16;
 
 use super::gdn::{DecodeSlots, GdnDecodeWeights, GdnDims, GdnPools};
-use super::layer::{check_packed, unit_scheme, NormIn, NormLink};
+use super::layer::{check_packed, unit_scheme};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
@@ -70,11 +70,10 @@ struct GdnLayerArgs {
     eps: f32,
     offset: f32,
     trace: u64,
-    norm_in: NormIn,
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 8-byte addresses and 4-byte numbers, laid out as the
-// kernel's `GdnLayerArgs` (27 pointers, 10 ints, 4 floats, the trace pointer, a `NormIn`; 320 bytes, 8-byte
+// kernel's `GdnLayerArgs` (27 pointers, 10 ints, 4 floats, the trace pointer; 280 bytes, 8-byte
 // aligned).
 unsafe impl DeviceRepr for GdnLayerArgs {}
 
@@ -106,8 +105,6 @@ pub struct GdnLayerBufs<'a> {
     /// `[16]` u64 or `None`: block 0's phase times (the device's global timer, ns) for the bench;
     /// slots 0..=7 and, from the last block, 9.
     pub trace: Option<&'a mut CudaSlice<u64>>,
-    /// How the launch's input and output norms link to the launches around it.
-    pub link: NormLink,
 }
 
 /// The kernel instance's dot widths for inputs of `h` values and an out_proj of `ko` inputs: units
@@ -168,7 +165,7 @@ impl Gpu {
         seq: &DecodeSlots<'_, impl DevicePtr<u32>>,
         bufs: GdnLayerBufs<'_>,
         into: CombineInto<'_, CudaSlice<bf16>>,
-    ) -> Result<u32> {
+    ) -> Result<()> {
         const OP: &str = "gdn_layer_decode";
         let dims = layer.dims;
         let GdnDims { hk, hv, dk, dv } = dims;
@@ -251,8 +248,7 @@ impl Gpu {
             OP,
             || "x and the gate weights must be 16-byte aligned".into(),
         )?;
-        let out = self.layer_row_out(OP, into, h, bufs.link.leave)?;
-        a.norm_in = bufs.link.input.unwrap_or_default();
+        let out = self.layer_row_out(OP, into, h)?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let (u, o) = instance(h, ko).expect("checked by gdn_layer_fits");
@@ -277,10 +273,10 @@ mod tests {
 
     #[test]
     fn the_argument_struct_has_the_kernels_layout() {
-        // 27 pointers, 10 ints, 4 floats, the trace pointer, a NormIn (gdn_layer.cu's GdnLayerArgs).
+        // 27 pointers, 10 ints, 4 floats, the trace pointer (gdn_layer.cu's GdnLayerArgs).
         assert_eq!(
             std::mem::size_of::<GdnLayerArgs>(),
-            27 * 8 + 10 * 4 + 4 * 4 + 8 + 40
+            27 * 8 + 10 * 4 + 4 * 4 + 8
         );
         assert_eq!(std::mem::align_of::<GdnLayerArgs>(), 8);
     }

@@ -1,8 +1,6 @@
-//! What the persistent layer launches (`moe_layer.rs`, `gdn_layer.rs`, `attn_layer.rs`;
-//! `kernels/layer.cuh`) share on the host: where a launch writes its output row (the row itself, or
-//! its add to the residual and the norm of that), how a norm passes from one launch to the next
-//! ([`NormLink`]; [`Gpu::norm_in`] writes one out for other readers), and its grid (as many blocks as
-//! the multiprocessors hold at once).
+//! What the persistent layer launches (`moe_layer.rs`, `gdn_layer.rs`; `kernels/layer.cuh`) share on
+//! the host: where a launch writes its output row (the row itself, or its add to the residual and the
+//! norm of that), and its grid (as many blocks as the multiprocessors hold at once).
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DeviceRepr};
@@ -11,7 +9,7 @@ use half::bf16;
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
-use crate::gpu::{cfg, check_len, grid_u32, int, Gpu};
+use crate::gpu::{cfg, check_len, grid_u32, Gpu};
 use crate::registry::Kernel;
 
 /// Threads per block (`ML_THREADS` in layer.cuh).
@@ -125,38 +123,6 @@ pub(super) fn check_packed(
     )
 }
 
-/// The RMSNorm of a row that a launch left to the next one (`MlNormIn` in layer.cuh, field for
-/// field): the residual `acc` `[h]` of a layer launch with its blocks' sums of squares (`partials`,
-/// the first `blocks` f32), or (`partials` 0) a whole row `acc` whose sum the next launch takes as
-/// the vector RMSNorm kernel does for one row of `blocks` threads ([`Gpu::rms_norm_row_threads`]);
-/// the norm's weight `w` `[h]`, `eps` and `offset`. Device addresses: whoever builds one keeps the
-/// buffers alive and unchanged until the launch that reads it.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct NormIn {
-    pub acc: u64,
-    pub partials: u64,
-    pub w: u64,
-    pub blocks: i32,
-    pub eps: f32,
-    pub offset: f32,
-}
-
-// SAFETY: a plain `#[repr(C)]` struct of three 8-byte addresses, an int and two floats (40 bytes with
-// its padding, 8-byte aligned), laid out as layer.cuh's `MlNormIn`.
-unsafe impl DeviceRepr for NormIn {}
-
-/// How a layer launch's norms link to its neighbours': `input`, the norm of its input row that the
-/// launch before left to it (the launch norms the row as it stages it and writes it to its `x`), and
-/// `leave`, whether it leaves the norm of its own output row to the next launch (with
-/// [`CombineInto::AddNorm`]: the residual add and each block's sum of squares into its `partials`,
-/// no grid barrier and no `normed` row). The same bits either way.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct NormLink {
-    pub input: Option<NormIn>,
-    pub leave: bool,
-}
-
 /// The output fields of a launch's argument struct: `y` (the row), or `acc`, `norm_w`, `normed`, `eps`
 /// and `offset` (its add to the residual and the norm); the others 0.
 #[derive(Default)]
@@ -171,18 +137,15 @@ pub(super) struct RowOut {
 
 impl Gpu {
     /// [`RowOut`] of `into` for a row of `h` values, its buffers' lengths checked.
-    /// With `leave` (the norm left to the next launch: [`NormLink`]) `normed` stays 0.
     pub(super) fn layer_row_out(
         &self,
         op: &'static str,
         into: CombineInto<'_, CudaSlice<bf16>>,
         h: usize,
-        leave: bool,
     ) -> Result<RowOut> {
         let mut r = RowOut::default();
         match into {
             CombineInto::Rows(out) => {
-                ensure(!leave, op, || "a norm to leave needs the residual".into())?;
                 check_len(op, "out", &*out, h)?;
                 r.y = self.addr_mut(out);
             }
@@ -198,9 +161,7 @@ impl Gpu {
                 check_len(op, "norm weight", w, h)?;
                 r.acc = self.addr_mut(acc);
                 r.norm_w = self.addr(w);
-                if !leave {
-                    r.normed = self.addr_mut(normed);
-                }
+                r.normed = self.addr_mut(normed);
                 r.eps = eps;
                 r.offset = offset;
             }
@@ -235,7 +196,7 @@ impl Gpu {
 
     /// Launches the persistent layer `kernel` cooperatively over [`Gpu::layer_grid`]'s grid with
     /// `smem` bytes of dynamic shared memory (opting in above 48 KiB) and the argument struct
-    /// `args(partials)` (given the address of `partials`, one f32 a block). Returns the grid's blocks.
+    /// `args(partials)` (given the address of `partials`, one f32 a block).
     ///
     /// # Safety
     /// `args` must build the kernel's argument struct with buffers and shapes it may read and write,
@@ -246,7 +207,7 @@ impl Gpu {
         (kernel, smem, h): (&Kernel, usize, usize),
         partials: &mut CudaSlice<f32>,
         args: impl FnOnce(u64) -> A,
-    ) -> Result<u32> {
+    ) -> Result<()> {
         if smem > 48 << 10 {
             kernel.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -261,26 +222,6 @@ impl Gpu {
         // at once (the occupancy API for this block size and shared memory), launched
         // cooperatively, as the kernels' grid barriers need.
         unsafe { b.launch(cfg((grid, 1, 1), THREADS, smem as u32)) }?;
-        Ok(grid)
-    }
-
-    /// Writes the norm `n` left ([`NormIn`]) into the row at address `normed` (`[h]`), for a reader
-    /// of the row that is not a layer launch: one block, the same bits as a layer launch that takes
-    /// `n` as its input.
-    ///
-    /// # Safety
-    /// `n` must hold live buffers of `h` residual and weight values and `n.blocks` partial sums, and
-    /// `normed` a live buffer of `h` values that nothing else reads or writes until the launch.
-    pub unsafe fn norm_in(&self, n: &NormIn, normed: u64, h: usize) -> Result<()> {
-        const OP: &str = "ml_norm_in";
-        ensure(h.is_multiple_of(8), OP, || {
-            format!("h = {h} is not a multiple of 8")
-        })?;
-        let hi = int(OP, "h", h)?;
-        let mut b = self.launch(self.kernel(OP)?);
-        b.arg(n).arg(&normed).arg(&hi);
-        // SAFETY: the argument types match the kernel's; the caller vouches for the buffers.
-        unsafe { b.launch(cfg((1, 1, 1), THREADS, 0)) }?;
         Ok(())
     }
 
@@ -313,12 +254,5 @@ mod tests {
         assert!(!unit_scheme(s(4, 128), 8, 4096));
         assert!(!unit_scheme(s(8, 16), 8, 2048));
         assert!(!unit_scheme(s(8, 0), 8, 2040));
-    }
-
-    #[test]
-    fn a_left_norm_has_the_kernels_layout() {
-        // Three pointers, an int, two floats and 4 bytes of padding (layer.cuh's MlNormIn).
-        assert_eq!(std::mem::size_of::<NormIn>(), 40);
-        assert_eq!(std::mem::align_of::<NormIn>(), 8);
     }
 }

@@ -48,7 +48,7 @@ pub use gdn_layer::{GdnLayer, GdnLayerBufs};
 pub use gemv::GEMV_MAX_M;
 pub(crate) use gemv::GEMV_SEGS;
 pub use kv::{HeadLayout, HeadNorm, MropeArgs, RopeArgs, QK_MAX_HEAD_DIM};
-pub use layer::{layer_phases, NormIn, NormLink};
+pub use layer::layer_phases;
 pub use moe::{
     moe_max_tiles, CombineInto, Experts, MoeOut, PairGroups, PairRows, Routed, SharedGate, SharedY,
     MOE_TILE, SWIGLU_FUSED_MAX_PAIRS,

@@ -6,7 +6,7 @@
 use cudarc::driver::{CudaSlice, DeviceRepr};
 use half::bf16;
 
-use super::layer::{check_packed, NormIn, NormLink};
+use super::layer::check_packed;
 use super::moe::{CombineInto, Experts};
 use super::quant::{PackedMat, PackedScheme};
 use crate::error::{ensure, Result};
@@ -61,11 +61,10 @@ struct MoeLayerArgs {
     eps: f32,
     offset: f32,
     trace: u64,
-    norm_in: NormIn,
 }
 
 // SAFETY: a plain `#[repr(C)]` struct of 8-byte addresses and 4-byte numbers, laid out as the
-// kernel's `MoeLayerArgs` (23 pointers, 10 ints, 2 floats, the trace pointer, a `NormIn`; 280 bytes, 8-byte
+// kernel's `MoeLayerArgs` (23 pointers, 10 ints, 2 floats, the trace pointer; 240 bytes, 8-byte
 // aligned).
 unsafe impl DeviceRepr for MoeLayerArgs {}
 
@@ -107,8 +106,6 @@ pub struct MoeLayerBufs<'a> {
     /// `[16]` u64 or `None`: block 0's phase times (the device's global timer, ns) for the bench;
     /// slots 0..=8 and, from the last block, 9.
     pub trace: Option<&'a mut CudaSlice<u64>>,
-    /// How the launch's input and output norms link to the launches around it.
-    pub link: NormLink,
 }
 
 /// The effective group of a packed scheme over `k` inputs when the kernel takes it: 4, 6 or 8 bits,
@@ -163,7 +160,7 @@ impl Gpu {
         h: usize,
         bufs: MoeLayerBufs<'_>,
         into: CombineInto<'_, CudaSlice<bf16>>,
-    ) -> Result<u32> {
+    ) -> Result<()> {
         const OP: &str = "moe_layer_decode";
         let (e, k, inter) = (layer.experts, layer.top_k, layer.down.k);
         let shared = layer.shared.as_ref().map(|s| (s.down.scheme, s.down.k));
@@ -262,8 +259,7 @@ impl Gpu {
                 "the shared gate must be 16-byte aligned".into()
             })?;
         }
-        let out = self.layer_row_out(OP, into, h, bufs.link.leave)?;
-        a.norm_in = bufs.link.input.unwrap_or_default();
+        let out = self.layer_row_out(OP, into, h)?;
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let units = if h <= 2048 { 2 } else { 3 };
@@ -288,10 +284,10 @@ mod tests {
 
     #[test]
     fn the_argument_struct_has_the_kernels_layout() {
-        // 23 pointers, 10 ints, 2 floats, the trace pointer, a NormIn (moe_layer.cu's MoeLayerArgs).
+        // 23 pointers, 10 ints, 2 floats, the trace pointer (moe_layer.cu's MoeLayerArgs).
         assert_eq!(
             std::mem::size_of::<MoeLayerArgs>(),
-            23 * 8 + 10 * 4 + 2 * 4 + 8 + 40
+            23 * 8 + 10 * 4 + 2 * 4 + 8
         );
         assert_eq!(std::mem::align_of::<MoeLayerArgs>(), 8);
     }

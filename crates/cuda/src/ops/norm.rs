@@ -34,15 +34,6 @@ fn norm_plan(rows: usize, d: usize) -> (u32, u32, usize) {
     (tpr.trailing_zeros(), block as u32, rows.div_ceil(per_block))
 }
 
-impl Gpu {
-    /// The threads a row of `d` gets in [`Gpu::rms_norm`]'s vector kernel when it takes one row at
-    /// these addresses (`MlNormIn`'s `blocks` for a whole row: the same sum in the same order), else
-    /// `None` (the kernel for any `d`).
-    pub fn rms_norm_row_threads(&self, d: usize, ptrs: &[u64]) -> Option<i32> {
-        vector_ok(d, ptrs).then(|| 1 << norm_plan(1, d).0)
-    }
-}
-
 /// Whether the vector kernels take rows of `d` at these addresses.
 fn vector_ok(d: usize, ptrs: &[u64]) -> bool {
     d.is_multiple_of(8) && d <= NORM_MAX_D && ptrs.iter().all(|p| p % 16 == 0)

@@ -6,7 +6,6 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::NormLink;
 use sanmai_cuda::{
     AttnDims, AttnLayer, AttnLayerBufs, CombineInto, KvPools, LayerRope, LayerSeq, PackedMat,
     PackedScheme,
@@ -99,7 +98,6 @@ fn bench_attn_layer() {
                 partials: &mut partials,
                 sync: &mut sync,
                 trace,
-                link: NormLink::default(),
             };
             let seq = LayerSeq {
                 pools: KvPools {

@@ -6,7 +6,6 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::NormLink;
 use sanmai_cuda::{
     CombineInto, DecodeSlots, GdnDecodeWeights, GdnDims, GdnLayer, GdnLayerBufs, GdnPools,
     PackedMat, PackedScheme,
@@ -98,7 +97,6 @@ fn bench_gdn_layer() {
                 partials: &mut partials,
                 sync: &mut sync,
                 trace,
-                link: NormLink::default(),
             };
             let pools = GdnPools {
                 conv: &mut conv_pool,

@@ -7,7 +7,6 @@
 
 use half::bf16;
 use sanmai_cuda::cudarc::driver::CudaSlice;
-use sanmai_cuda::NormLink;
 use sanmai_cuda::{
     CombineInto, Gpu, MoeLayer, MoeLayerBufs, MoeLayerShared, PackedMat, PackedScheme,
 };
@@ -120,7 +119,6 @@ fn bench_moe_layer() {
                 partials: &mut b.partials,
                 sync: &mut b.sync,
                 trace: traced.then_some(&mut b.trace),
-                link: NormLink::default(),
             };
             let into = CombineInto::AddNorm {
                 acc: &mut b.acc,

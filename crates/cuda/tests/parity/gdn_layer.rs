@@ -16,7 +16,7 @@ use sanmai_config::QuantScheme;
 
 /// A GDN layer of hidden size `h` and shape `sh`, projections packed as `(bits, group)`, built from
 /// `seed` (the same values on every backend).
-pub fn layer<B: Backend>(
+fn layer<B: Backend>(
     b: &B,
     seed: u64,
     (bits, group_size): (u32, usize),
@@ -68,8 +68,7 @@ pub fn layer<B: Backend>(
     }
 }
 
-/// A cache of GDN state for layers 0 and 1 of shape `sh`, no attention layers.
-pub fn spec(sh: &GdnShape) -> CacheSpec {
+fn spec(sh: &GdnShape) -> CacheSpec {
     CacheSpec {
         num_blocks: 4,
         block_size: 16,
@@ -77,7 +76,7 @@ pub fn spec(sh: &GdnShape) -> CacheSpec {
         num_kv_heads: 1,
         head_dim: 32,
         index_head_dim: 0,
-        gdn_layers: vec![0, 1],
+        gdn_layers: vec![0],
         gdn: *sh,
         ple_layers: vec![],
         ple: None,

@@ -18,7 +18,7 @@ use crate::common::{check_reduction, to_bf16, Rng};
 
 /// One sublayer's random hyper-connection weights on a backend: `down` `[rank, h]` and `up`
 /// `[s·h, rank]` INT8 with one scale per row, `inject` `[rank, h]` bf16 (values given as f32).
-pub(crate) fn weights<B: Backend>(
+fn weights<B: Backend>(
     b: &B,
     down: &[f32],
     inject: &[f32],

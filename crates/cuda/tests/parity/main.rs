@@ -43,7 +43,6 @@ mod gdn_gates;
 mod gdn_layer;
 mod hc;
 mod kv;
-mod left_norm;
 mod moe;
 mod moe_fused;
 mod moe_gemm;

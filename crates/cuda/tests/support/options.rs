@@ -47,7 +47,6 @@ pub fn cuda_options() -> CudaOptions {
         moe_layer: !switched_off("SANMAI_MOE_LAYER"),
         gdn_layer: !switched_off("SANMAI_GDN_LAYER"),
         attn_layer: !switched_off("SANMAI_ATTN_LAYER"),
-        left_norm: !switched_off("SANMAI_LEFT_NORM"),
     }
 }
 

@@ -27,6 +27,7 @@ mod moe;
 mod moe_gemm;
 mod moe_layer;
 mod norm;
+mod packed_m1;
 mod ple;
 mod qsa;
 mod qsa_staged;

@@ -154,12 +154,9 @@ fn gemv_packed_matches_cpu() {
     gemv_case(g, &mut rng, &p, 1, true);
 }
 
-/// The one-row GEMV under every kernel choice (`Gpu::set_packed_gemv_m1`: the 32-value unit GEMV,
-/// the 16-byte chunk GEMV with 1, 2 and 4 rows a slot, the row-phase GEMV): per-row scales and groups
-/// (INT8 groups of 16 and 32, INT4 of 32 and 128, INT6 of 32), n off every cut (1, odd, below and
-/// above a slot's or a block's rows), k from one chunk to a row wider than a slot's round and each
-/// row-phase width (2048, 2560, 4096, 6144 and the 1024 and 6176 edges), bf16 and f32 outputs. The
-/// choice is a device's own: this test opens its own, so the tests beside it keep the default.
+/// The one-row GEMV under every `Gpu::set_packed_gemv_m1` choice (units; chunks of 1, 2, 4 rows a
+/// slot; INT8 rows): per-row scales and groups, n off every cut, k from one chunk to each row-phase
+/// width and its edges, bf16 and f32 outputs, on a device of its own (the others keep the default).
 #[test]
 fn gemv_packed_m1_kernels_match_cpu() {
     if gpu("gemv_packed_m1_kernels_match_cpu").is_none() {

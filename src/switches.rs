@@ -93,9 +93,8 @@ pub struct SwitchArgs {
     /// unless SANMAI_ATTN_LAYER=0].
     #[arg(long, overrides_with = "attn_layer")]
     pub no_attn_layer: bool,
-    /// One-row packed CUDA GEMVs (INT8, INT6, INT4; 1024 to 6144 inputs) a warp a row with several
-    /// rows' loads in flight, as the layer launches' row phases (the default; overrides
-    /// SANMAI_ROW_GEMV=0).
+    /// One-row INT8 CUDA GEMVs (1024 to 6144 inputs) a warp a row with several rows' loads in
+    /// flight, as the layer launches' row phases (the default; overrides SANMAI_ROW_GEMV=0).
     #[arg(long, overrides_with = "no_row_gemv")]
     pub row_gemv: bool,
     /// One-row packed GEMVs on the 32-value unit kernel, for A/B runs [default: a warp a row,

@@ -50,7 +50,7 @@ pub struct GpuOptions {
     /// the bf16 tiles, which on an H100 prefilled 3–13% faster and without the activations' e4m3
     /// rounding (`docs/gpu/fp8-2026-12-05.md`).
     pub fp8_tensor_cores: bool,
-    /// One-row packed GEMVs cut as the layer launches' row phases, a warp a row
+    /// One-row INT8 GEMVs cut as the layer launches' row phases, a warp a row
     /// (`PackedM1::Rows`, `kernels/gemv_rows.cu`) where the shape allows; off: the 32-value unit
     /// GEMV (`PackedM1::Units`), for A/B runs.
     pub row_gemv: bool,

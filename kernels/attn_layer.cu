@@ -9,9 +9,9 @@
 //      asks for the first AL_STAGES − 1 K/V tiles of its phase-2 item (cached positions, which no phase
 //      writes);
 //   2. an item is one KV head's span of AL_TILE-position tiles (the context split over the grid): each
-//      warp takes one query head of the KV head's group, its q normed (1 + w), roped and rounded to bf16
-//      as qk_norm_rope_bf16 writes it (the norm weights and the rotation's cos and sin read once a
-//      block before barrier 1); per tile the scores (a warp_sum a position), an online softmax
+//      warp takes one query head of the KV head's group (two in the wide instance), its q normed
+//      (1 + w), roped and rounded to bf16 as qk_norm_rope_bf16 writes it (the norm weights and the
+//      rotation's cos and sin read once a block before barrier 1); per tile the scores (a warp_sum a position), an online softmax
 //      and Σ e·v (lane: 8 of the head's d = 256 values); the tiles stream through a cp.async ring
 //      (AL_STAGES tiles). The item holding the new position norms and ropes its k (the last warp),
 //      writes k and v into the pools at kv_dst (kv_write_bf16's bytes) and puts them into its tile.
@@ -28,12 +28,10 @@
 // the separate launches.
 #include "layer.cuh"
 
-// Positions of a K/V tile, the head size the kernel takes, query heads of a KV head at most (a warp
-// each), and the attention output it stages (hq · d).
+// Positions of a K/V tile and the head size the kernel takes (the query heads of a KV head and the
+// attention output it stages are the instance's: see the entry points).
 #define AL_TILE 16
 #define AL_D 256
-#define AL_MAX_GROUP ML_WARPS
-#define AL_MAX_O 4096
 // 16-byte chunks of one K (or V) tile, and those a thread copies.
 #define AL_CHUNKS (AL_TILE * AL_D / 8)
 #define AL_PER_T (AL_CHUNKS / ML_THREADS)
@@ -205,8 +203,9 @@ __device__ __forceinline__ void al_norm_rope(const AttnLayerArgs& a, float x[8],
     for (int e = 0; e < 8; ++e) x[e] = bf2f(f2bf(x[e]));
 }
 
-// Phase 2, item `it` of the split: warp g attends query head kh·group + g over the item's tiles. The
-// item's first tiles were issued (al_prime) before the call.
+// Phase 2, item `it` of the split: warp g attends query heads kh·group + g + j·ML_WARPS (j < HW) over
+// the item's tiles. The item's first tiles were issued (al_prime) before the call.
+template <int HW>
 __device__ __forceinline__ void al_item(const AttnLayerArgs& a, const AlSplit& s, int it, bf16* ring, bf16* kv_new,
                                         const AlConst& c) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -216,13 +215,15 @@ __device__ __forceinline__ void al_item(const AttnLayerArgs& a, const AlSplit& s
     const int qrow = 2 * a.hq * AL_D, krow = qrow + kh * AL_D, vrow = qrow + a.hkv * AL_D + kh * AL_D;
     const int newp = s.len - 1, newt = newp / AL_TILE;
     const bool has_new = newt >= t0 && newt < t1;
-    // q of the warp's head (its d q values of the q|gate row), normed, roped and rounded.
-    const bool head = warp < group;
-    float q[8];
-    {
-        const int hq_i = kh * group + (head ? warp : 0);
-        unpack8(__ldcg((const uint4*)(a.qkv + (size_t)hq_i * 2 * AL_D) + lane), q);
-        al_norm_rope(a, q, c.qw, c);
+    // q of the warp's heads (each its d q values of the q|gate row), normed, roped and rounded.
+    bool head[HW];
+    float q[HW][8];
+#pragma unroll
+    for (int u = 0; u < HW; ++u) {
+        head[u] = warp + u * ML_WARPS < group;
+        const int hq_i = kh * group + (head[u] ? warp + u * ML_WARPS : 0);
+        unpack8(__ldcg((const uint4*)(a.qkv + (size_t)hq_i * 2 * AL_D) + lane), q[u]);
+        al_norm_rope(a, q[u], c.qw, c);
     }
     // The new position's k (normed, roped, rounded) and v, by the last warp of the item that holds it,
     // into the pools and kv_new ([2][AL_D], which the same warp copies into the tile).
@@ -242,9 +243,14 @@ __device__ __forceinline__ void al_item(const AttnLayerArgs& a, const AlSplit& s
             ((uint4*)(a.v_pool + at))[lane] = vn;
         }
     }
-    float m = NEG_INF, l = 0.0f, acc[8];
+    float m[HW], l[HW], acc[HW][8];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = 0.0f;
+    for (int u = 0; u < HW; ++u) {
+        m[u] = NEG_INF;
+        l[u] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+    }
 #pragma unroll 1
     for (int t = t0; t < t1; ++t) {
         bf16* st = ring + (size_t)((t - t0) % AL_STAGES) * AL_STAGE_ELEMS;
@@ -259,53 +265,78 @@ __device__ __forceinline__ void al_item(const AttnLayerArgs& a, const AlSplit& s
             ((uint4*)(st + AL_TILE * AL_D + j * AL_D))[lane] = ((const uint4*)(kv_new + AL_D))[lane];
         }
         __syncthreads();
-        if (head) {
+        if (head[0]) {
             // Lane j < AL_TILE: position t·AL_TILE + j's score (−inf where not visible).
-            float sc = NEG_INF;
+            float sc[HW];
+#pragma unroll
+            for (int u = 0; u < HW; ++u) sc[u] = NEG_INF;
 #pragma unroll
             for (int j = 0; j < AL_TILE; ++j) {
                 float kf[8];
                 unpack8(((const uint4*)(st + j * AL_D))[lane], kf);
-                float d = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) d += q[e] * kf[e];
-                d = warp_sum(d);
-                if (lane == j) sc = d * a.scale;
+                for (int u = 0; u < HW; ++u) {
+                    float d = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) d += q[u][e] * kf[e];
+                    d = warp_sum(d);
+                    if (lane == j) sc[u] = d * a.scale;
+                }
             }
             if (lane < AL_TILE) {
                 size_t row;
-                if (!al_row(a, t * AL_TILE + lane, s.len, row)) sc = NEG_INF;
-            }
-            const float mt = fmaxf(m, warp_max(sc));
-            if (mt != NEG_INF) {
-                const float alpha = m == NEG_INF ? 0.0f : expf(m - mt);
-                const float e = sc == NEG_INF ? 0.0f : expf(sc - mt);
-                l = l * alpha + warp_sum(e);
+                if (!al_row(a, t * AL_TILE + lane, s.len, row)) {
 #pragma unroll
-                for (int i = 0; i < 8; ++i) acc[i] *= alpha;
-#pragma unroll
-                for (int j = 0; j < AL_TILE; ++j) {
-                    const float ej = __shfl_sync(0xffffffffu, e, j);
-                    if (ej == 0.0f) continue;
-                    float vf[8];
-                    unpack8(((const uint4*)(st + AL_TILE * AL_D + j * AL_D))[lane], vf);
-#pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[i] += ej * vf[i];
+                    for (int u = 0; u < HW; ++u) sc[u] = NEG_INF;
                 }
-                m = mt;
+            }
+            float e[HW];
+            bool live[HW];
+#pragma unroll
+            for (int u = 0; u < HW; ++u) {
+                const float mt = fmaxf(m[u], warp_max(sc[u]));
+                live[u] = head[u] && mt != NEG_INF;
+                e[u] = 0.0f;
+                if (live[u]) {
+                    const float alpha = m[u] == NEG_INF ? 0.0f : expf(m[u] - mt);
+                    e[u] = sc[u] == NEG_INF ? 0.0f : expf(sc[u] - mt);
+                    l[u] = l[u] * alpha + warp_sum(e[u]);
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[u][i] *= alpha;
+                    m[u] = mt;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < AL_TILE; ++j) {
+                float ej[HW];
+                bool any = false;
+#pragma unroll
+                for (int u = 0; u < HW; ++u) {
+                    ej[u] = __shfl_sync(0xffffffffu, e[u], j);
+                    any |= ej[u] != 0.0f;
+                }
+                if (!any) continue;
+                float vf[8];
+                unpack8(((const uint4*)(st + AL_TILE * AL_D + j * AL_D))[lane], vf);
+#pragma unroll
+                for (int u = 0; u < HW; ++u)
+#pragma unroll
+                    for (int i = 0; i < 8; ++i) acc[u][i] += ej[u] * vf[i];
             }
         }
         __syncthreads();  // the stage is read before the next tile is issued into it
     }
     al_wait_all();  // only empty groups are left
-    if (head) {
-        const size_t slot = (size_t)(kh * group + warp) * a.max_splits + sp;
+#pragma unroll
+    for (int u = 0; u < HW; ++u) {
+        if (!head[u]) continue;
+        const size_t slot = (size_t)(kh * group + warp + u * ML_WARPS) * a.max_splits + sp;
         float4* po = (float4*)(a.part_o + slot * AL_D) + 2 * lane;
-        po[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-        po[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+        po[0] = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
+        po[1] = make_float4(acc[u][4], acc[u][5], acc[u][6], acc[u][7]);
         if (lane == 0) {
-            a.part_ml[2 * slot] = m;
-            a.part_ml[2 * slot + 1] = l;
+            a.part_ml[2 * slot] = m[u];
+            a.part_ml[2 * slot + 1] = l[u];
         }
     }
 }
@@ -366,9 +397,10 @@ __device__ __forceinline__ void al_reduce(const AttnLayerArgs& a, int splits, in
     __syncthreads();  // red is read before the next item writes it
 }
 
-template <int BITS, int GU, int OU>
+template <int BITS, int GU, int OU, int HW>
 __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
-    __shared__ __align__(16) bf16 s_buf[AL_MAX_O];  // x (phase 1), then the attention output (phase 4)
+    // x (phase 1), then the attention output (phase 4)
+    __shared__ __align__(16) bf16 s_buf[(GU > OU ? GU : OU) * 32 * 32];
     extern __shared__ __align__(16) bf16 ring[];  // AL_STAGES K/V tiles in phase 2; phase 3's sums
     __shared__ __align__(16) bf16 kv_new[2 * AL_D];                // the new position's k and v
     __shared__ __align__(16) AlConst consts;
@@ -433,7 +465,7 @@ __device__ __forceinline__ void attn_layer_m1(const AttnLayerArgs& a) {
             al_span(sp, it, kh, s0, t0, t1);
             al_prime(a, ring, kh, t0, t1, sp.len);
         }
-        al_item(a, sp, it, ring, kv_new, consts);
+        al_item<HW>(a, sp, it, ring, kv_new, consts);
     }
     ml_mark(a.trace, 3);
     ml_grid_sync(a.sync, 2 * gridDim.x, ml_last(a.trace, 1));
@@ -492,9 +524,12 @@ __device__ __forceinline__ RowSpan al_first_rows(const AttnLayerArgs& a) {
 }
 
 // Entry points: projections of BITS bits (q|gate, k, v and o_proj of one width), 2 units of 32 values
-// a lane in the h-wide dots (h ≤ 2048), 4 in the o_proj dots (hq · d ≤ 4096). Grid: blocks_per_sm ·
-// multiprocessors blocks of ML_THREADS threads, launched cooperatively; dynamic shared memory
-// AL_STAGES · 16 KiB (4 stages from sm_90 on, else 2).
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p8_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<8>(a)); attn_layer_m1<8, 2, 4>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p6_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<6>(a)); attn_layer_m1<6, 2, 4>(a); }
-extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p4_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<4>(a)); attn_layer_m1<4, 2, 4>(a); }
+// a lane in the h-wide dots (h ≤ 2048), 4 in the o_proj dots (hq · d ≤ 4096), a query head a warp
+// (8 a KV head); and for INT8 at the qwen4_exp width, 3 units (h ≤ 3072), 6 (hq · d ≤ 6144) and two
+// query heads a warp (16 a KV head). Grid: blocks_per_sm · multiprocessors blocks of ML_THREADS
+// threads, launched cooperatively; dynamic shared memory AL_STAGES · 16 KiB (4 stages from sm_90 on,
+// else 2).
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p8_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<8>(a)); attn_layer_m1<8, 2, 4, 1>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p6_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<6>(a)); attn_layer_m1<6, 2, 4, 1>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p4_u2_o4(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<4>(a)); attn_layer_m1<4, 2, 4, 1>(a); }
+extern "C" __global__ void __launch_bounds__(ML_THREADS, 2) attn_layer_m1_p8_u3_o6(const AttnLayerArgs a) { pdl_prologue_prefetch(al_first_rows<8>(a)); attn_layer_m1<8, 3, 6, 2>(a); }

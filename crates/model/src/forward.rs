@@ -19,7 +19,7 @@ use thiserror::Error;
 
 use crate::backend::{
     AttnCall, AttnMixerCall, AttnWeights, Backend, BackendError, DecodeStep, GdnMixerCall,
-    GdnWeights, HcNext, MlpWeights, Mrope, OpResult, QsaCall, SeqChunk,
+    GdnWeights, HcNext, MlpWeights, Mrope, OpResult, QsaCall, QsaMixerCall, SeqChunk,
 };
 use crate::load::{Layer, Mixer, Model};
 
@@ -658,6 +658,17 @@ impl<B: Backend> Model<B> {
                 let qsa = self.qsa.as_ref().ok_or_else(|| {
                     BackendError::invalid("qsa_attention", "QSA weights without a QSA shape")
                 })?;
+                let whole = QsaMixerCall {
+                    mixer: self.attn_call(index, w, hn, rows),
+                    qsa,
+                    indexer: iw,
+                };
+                let within = seqs.iter().all(|s| s.pos0 + s.len <= qsa.topk);
+                if within {
+                    if let Some(o) = b.qsa_mixer_within_topk(&whole)? {
+                        return Ok(Pending::Rows(o));
+                    }
+                }
                 let [q, k, v, iq, ik, ig] = linear_n(
                     b,
                     hn,

@@ -2,19 +2,33 @@
 //! fused decode launches and the one-launch attention mixer on, a layer whose q|gate, k, v and o
 //! projections are packed in one width, with head size 256 and plain RoPE, takes its projections,
 //! head norms and RoPE, K/V write, attention and o_proj (with the residual add and the next norm) in
-//! one persistent launch instead of seven.
+//! one persistent launch instead of seven. A QSA layer whose context is within its topk (every
+//! position selected: the dense attention) takes it too, after its index key's projection and write
+//! ([`CudaBackend::qsa_mixer_within_topk_impl`]), where its separate launches take about ten.
 
-use sanmai_model::backend::{AttnMixerCall, AttnShape, AttnWeights, Backend, OpResult};
+use sanmai_model::backend::{
+    AttnMixerCall, AttnShape, AttnWeights, Backend, IndexerWeights, OpResult, QsaMixerCall,
+    QsaShape,
+};
 
 use super::attn::attn_dims;
 use super::host_rows::Rows;
 use super::norm_after::NormAfter;
+use super::qsa::INDEX_NORM_EPS;
 use super::tensor::{CudaTensor, CudaWeight};
 use super::{all_decode, CudaBackend};
 use crate::error::{At, CudaError, Result};
-use crate::ops::{AttnLayer, AttnLayerBufs, KvPools, LayerRope, LayerSeq};
+use crate::ops::{AttnLayer, AttnLayerBufs, KeyNorm, KvPools, LayerRope, LayerSeq, RopeArgs};
 use crate::Gpu;
 use std::sync::atomic::Ordering;
+
+/// A QSA layer's index key for the one launch's row: `ik = wk·x` `[1, dI]` (before its LayerNorm),
+/// the QSA shape and the indexer's weights.
+struct IndexKey<'a> {
+    ik: &'a CudaTensor,
+    qsa: &'a QsaShape,
+    indexer: &'a IndexerWeights<CudaWeight>,
+}
 
 /// The layer's weights as the one launch takes them for RoPE over `rot_dim` values, or `None` where
 /// their formats or shapes do not suit it (packed q `[2·hq·d, h]`, k and v `[hkv·d, h]`, o
@@ -101,16 +115,56 @@ impl CudaBackend {
             return self.linear_add_rms_norm(&o, &c.w.o_proj, acc, norm, eps, offset);
         };
         NormAfter::for_rows(acc, c.x, norm, eps, offset)
-            .and_then(|after| self.attn_layer_step(c, layer, after))
+            .and_then(|after| self.attn_layer_step(c, layer, Some(after), None))
             .at("attn_mixer_add_rms_norm")
     }
 
-    /// The one launch for a decoding row whose layer `layer` took ([`layer_of`]).
+    /// [`Backend::qsa_mixer_within_topk`](sanmai_model::Backend::qsa_mixer_within_topk): the index
+    /// key's projection and write, then the one launch, where it takes the call (one decoding row
+    /// within topk, the attention's weights as [`layer_of`] takes them, K/V pools on the device
+    /// without host rows, no selections traced), else `None`.
+    pub(super) fn qsa_mixer_within_topk_impl(
+        &self,
+        c: &QsaMixerCall<'_, CudaTensor, CudaWeight>,
+    ) -> Result<Option<CudaTensor>> {
+        let m = &c.mixer;
+        let one = m.x.rows == 1 && m.seqs.len() == 1 && all_decode(m.seqs) && m.mrope.is_none();
+        let within = m.seqs.iter().all(|s| s.pos0 + s.len <= c.qsa.topk);
+        if !(one && within && self.attn_layer_on()) {
+            return Ok(None);
+        }
+        {
+            let mut st = self.lock();
+            st.kv.qsa_topk = Some(c.qsa.topk);
+            let kv = &st.kv;
+            let on_device = kv.pool(m.layer).is_ok_and(|p| {
+                matches!((&p.k, &p.v), (Rows::Device(_), Rows::Device(_))) && p.idx.is_some()
+            });
+            let plain = kv.qsa_trace.is_none() && kv.arena.is_none();
+            if !(on_device && plain && kv.idx_row == c.qsa.head_dim + 2) {
+                return Ok(None);
+            }
+        }
+        let Some(layer) = layer_of(&self.gpu, m.w, m.shape, m.rope.rot_dim) else {
+            return Ok(None);
+        };
+        let ik = self.linear_impl(m.x, &c.indexer.wk)?;
+        let index = IndexKey {
+            ik: &ik,
+            qsa: c.qsa,
+            indexer: c.indexer,
+        };
+        self.attn_layer_step(m, layer, None, Some(index)).map(Some)
+    }
+
+    /// The one launch for a decoding row whose layer `layer` took ([`layer_of`]): its output row,
+    /// or with `after` the new residual's norm; a QSA layer's `index` key is written first.
     fn attn_layer_step(
         &self,
         c: &AttnMixerCall<'_, CudaTensor, CudaWeight>,
         mut layer: AttnLayer<'_>,
-        after: NormAfter<'_>,
+        after: Option<NormAfter<'_>>,
+        index: Option<IndexKey<'_>>,
     ) -> Result<CudaTensor> {
         let g = &self.gpu;
         let bad = |msg: String| CudaError::Shape {
@@ -128,14 +182,39 @@ impl CudaBackend {
         let dims = layer.dims;
         let m = st.meta.seqs(g, c.seqs, 1, bs)?;
         let ri = st.rope_table(g, &c.rope.inv_freq)?;
+        let qi = match &index {
+            Some(ix) => st.rope_table(g, &ix.qsa.rope.inv_freq)?,
+            None => ri,
+        };
+        let (lens, positions) = (st.meta.view(m.lens, 1), st.meta.view(m.positions, 1));
+        let (kv_dst, table) = (st.meta.view(m.kv_dst, 1), st.meta.view(m.tables, m.stride));
+        if let Some(ix) = index {
+            let rope = RopeArgs {
+                positions: &positions,
+                inv_freq: &st.rope[qi].1,
+                rot_dim: ix.qsa.rope.rot_dim,
+                mscale: 1.0,
+            };
+            let norm = KeyNorm {
+                w: ix.indexer.k_norm.bf16()?,
+                b: ix.indexer.k_norm_bias.bf16()?,
+                eps: INDEX_NORM_EPS,
+                dim: ix.qsa.head_dim,
+            };
+            let idx = st
+                .kv
+                .pool_mut(c.layer)?
+                .idx
+                .as_mut()
+                .ok_or_else(|| bad(format!("layer {} has no index-key pool", c.layer)))?;
+            g.qsa_index_key_write(&ix.ik.buf, &norm, &rope, &kv_dst, idx, 1)?;
+        }
         let pool = st.kv.pool_mut(c.layer)?;
         let (Rows::Device(k_pool), Rows::Device(v_pool)) = (&mut pool.k, &mut pool.v) else {
             return Err(bad(
                 "the one-launch attention mixer reads K/V pools on the device".into(),
             ));
         };
-        let (lens, positions) = (st.meta.view(m.lens, 1), st.meta.view(m.positions, 1));
-        let (kv_dst, table) = (st.meta.view(m.kv_dst, 1), st.meta.view(m.tables, m.stride));
         let seq = LayerSeq {
             pools: KvPools {
                 k: k_pool,
@@ -170,7 +249,7 @@ impl CudaBackend {
             trace: None,
         };
         let mut out = self.alloc(1, h)?;
-        let into = NormAfter::combine_into(Some(after), &mut out);
+        let into = NormAfter::combine_into(after, &mut out);
         g.attn_layer_decode(&layer, &c.x.buf, &rope, seq, bufs, into)?;
         Ok(out)
     }

@@ -43,6 +43,9 @@ pub(crate) struct KvPools {
     pub qsa_trace: Option<Vec<QsaPick>>,
     /// The VRAM arena of K/V rows kept in host memory (`None` when they are on the device).
     pub arena: Option<Arena>,
+    /// The topk of the QSA layers' calls (set by each call; `None` before the first): a recorded
+    /// decode step whose contexts are all within it ran its QSA layers dense (`graph`'s key).
+    pub qsa_topk: Option<usize>,
 }
 
 /// The staging arena of K/V rows kept in host memory (`KvHost::row_cache_rows` rows of K and of

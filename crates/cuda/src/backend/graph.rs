@@ -21,9 +21,12 @@
 //! key eager; if it fails, its error is the step's error and the key stays warm. An error of an
 //! eager or warm-up step is the step's error.
 //!
-//! QSA layers record their batched decode form (indexer scan over the span, exact top-k, attention
-//! over the selected rows; each sequence's context and whether it selects at all read on the
-//! device), and PLE layers read the step's rows from the persistent buffer that
+//! A step whose contexts are all within the QSA layers' topk may run those layers in one launch each
+//! (dense attention: every position selected), so whether they are is part of the key.
+//!
+//! QSA layers otherwise record their batched decode form (indexer scan over the span, exact top-k,
+//! attention over the selected rows; each sequence's context and whether it selects at all read on
+//! the device), and PLE layers read the step's rows from the persistent buffer that
 //! [`Backend::ple_step_rows`](sanmai_model::Backend::ple_step_rows) fills before the step.
 //!
 //! With kernel timing on ([`CudaBackend::time_kernels`], `sanmai bench --kernel-times`) a capture puts a
@@ -58,6 +61,8 @@ struct Key {
     batch: usize,
     out_rows: usize,
     span: usize,
+    /// Every context within the QSA layers' topk (their one-launch dense form recorded).
+    qsa_within_topk: bool,
 }
 
 /// A recorded step: the graph and the persistent buffers its last nodes copy the outputs into, and
@@ -327,11 +332,13 @@ impl CudaBackend {
             g.entries.clear();
             g.epoch = epoch;
         }
+        let within = |k: usize| step.seqs.iter().all(|s| s.pos0 + s.len <= k);
         let key = Key {
             region: step.region,
             batch,
             out_rows: step.out_rows.len(),
             span,
+            qsa_within_topk: self.lock().kv.qsa_topk.is_some_and(within),
         };
         match g.entries.get(&key) {
             Some(Entry::Ready(rec)) => {

@@ -52,7 +52,8 @@ use half::bf16;
 use sanmai_model::backend::{
     AttnCall, AttnMixerCall, AttnShape, AttnWeights, Backend, CacheSpec, DecodeStep, GdnCall,
     GdnMixerCall, GdnShape, GdnWeights, Handover, HcNext, HcWeights, KvHostStats, MoeCall,
-    MoeWeights, OpResult, PackedTensor, PleCall, QsaCall, SampleCall, SeqChunk, SharedFusion,
+    MoeWeights, OpResult, PackedTensor, PleCall, QsaCall, QsaMixerCall, SampleCall, SeqChunk,
+    SharedFusion,
 };
 use sanmai_model::sample::{RowError, Sampled};
 
@@ -786,6 +787,13 @@ impl Backend for CudaBackend {
     fn qsa_attention(&self, c: &QsaCall<'_, CudaTensor, CudaWeight>) -> OpResult<CudaTensor> {
         qsa::refuse_mrope("qsa_attention", &c.attn)?;
         self.qsa_impl(c).at("qsa_attention")
+    }
+
+    fn qsa_mixer_within_topk(
+        &self,
+        c: &QsaMixerCall<'_, CudaTensor, CudaWeight>,
+    ) -> OpResult<Option<CudaTensor>> {
+        self.qsa_mixer_within_topk_impl(c).at("qsa_mixer")
     }
 
     fn ple_mix(

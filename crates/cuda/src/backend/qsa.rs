@@ -28,7 +28,7 @@ use crate::ops::{
 use crate::Gpu;
 
 /// Epsilon of the indexer's key LayerNorm.
-const INDEX_NORM_EPS: f32 = 1e-6;
+pub(super) const INDEX_NORM_EPS: f32 = 1e-6;
 /// Score scratch per group of query rows, in f32 values (128 MiB).
 const SCORE_BUDGET: usize = 32 << 20;
 /// Query rows per score / select / attend launch at most (the grid's y limit).
@@ -92,6 +92,7 @@ impl CudaBackend {
         }
         let mut st = self.lock();
         let st = &mut *st;
+        st.kv.qsa_topk = Some(c.qsa.topk);
         // The arena is lent to this call (and returned whatever it answers), so the K/V pools it
         // stages rows from stay borrowed alongside it.
         let mut arena = st.kv.arena.take();

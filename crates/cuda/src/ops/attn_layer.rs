@@ -12,16 +12,26 @@ use super::layer::{check_packed, unit_scheme};
 use super::moe::CombineInto;
 use super::quant::{PackedMat, PackedScheme};
 use super::KvPools;
-use crate::error::{ensure, Result};
+use crate::error::{ensure, CudaError, Result};
 use crate::gpu::{check_len, Gpu};
 
-/// The kernel's shape limits (attn_layer.cu): the head size (`AL_D`), query heads of a KV head (a
-/// warp each, `AL_MAX_GROUP`), the attention output it stages (`AL_MAX_O`) and the input width of its
-/// dots (2 units of 32 values a lane).
+/// The head size the kernel takes (`AL_D` in attn_layer.cu).
 const HEAD_DIM: usize = 256;
-const MAX_GROUP: usize = 8;
-const MAX_O: usize = 4096;
-const MAX_H: usize = 2048;
+
+/// The kernel instance for input width `h`, `group` query heads a KV head, an attention output of
+/// `ko` values and `bits`-bit projections: its units of 32 values a lane in the h-wide and the
+/// o_proj dots (attn_layer.cu's entry points: `u2_o4`, a query head a warp, for every width;
+/// `u3_o6`, two a warp, for INT8).
+fn instance(h: usize, group: usize, ko: usize, bits: u32) -> Option<(usize, usize)> {
+    if h <= 2048 && group <= 8 && ko <= 4096 {
+        Some((2, 4))
+    } else if h <= 3072 && group <= 16 && ko <= 6144 && bits == 8 {
+        Some((3, 6))
+    } else {
+        None
+    }
+}
+
 /// The K/V tile ring's dynamic shared memory (`AL_STAGES` tiles of 16 KiB in attn_layer.cu): four
 /// from compute capability 9.0 on, else two (two blocks in an sm_86 multiprocessor).
 fn ring_smem(compute_capability: (u32, u32)) -> usize {
@@ -140,10 +150,11 @@ pub struct AttnLayerBufs<'a> {
 
 impl Gpu {
     /// Whether [`Gpu::attn_layer_decode`] takes a layer of width `h`, heads `dims` and RoPE over
-    /// `rot_dim` values whose projections are packed as `q`, `k`, `v` and `o`: head size 256, at most
-    /// 8 query heads a KV head, `hq·d ≤ 4096`, `h % 32 == 0` up to 2048, `rot_dim` a multiple of 16
-    /// up to the head size, one width of 4, 6 or 8 bits (q, k and v of one scheme) with per-row
-    /// scales or groups of a multiple of 32, and a device that runs cooperative launches.
+    /// `rot_dim` values whose projections are packed as `q`, `k`, `v` and `o`: head size 256, one
+    /// width of 4, 6 or 8 bits (q, k and v of one scheme) with per-row scales or groups of a
+    /// multiple of 32, `h % 32 == 0` up to 2048 with at most 8 query heads a KV head and `hq·d ≤
+    /// 4096`, or for INT8 up to 3072 with at most 16 and `hq·d ≤ 6144`; `rot_dim` a multiple of 16
+    /// up to the head size, and a device that runs cooperative launches.
     pub fn attn_layer_fits(
         &self,
         h: usize,
@@ -157,10 +168,9 @@ impl Gpu {
         let shape = head_dim == HEAD_DIM
             && hkv > 0
             && hq.is_multiple_of(hkv)
-            && hq / hkv <= MAX_GROUP
-            && hq * head_dim <= MAX_O
             && h.is_multiple_of(32)
-            && (32..=MAX_H).contains(&h)
+            && h >= 32
+            && instance(h, hq / hkv, hq * head_dim, q.bits).is_some()
             && rot_dim.is_multiple_of(16)
             && rot_dim <= head_dim
             && dims.block_size > 0;
@@ -320,7 +330,11 @@ impl Gpu {
         (a.y, a.acc, a.norm_w, a.normed) = (out.y, out.acc, out.norm_w, out.normed);
         (a.eps, a.offset) = (out.eps, out.offset);
         let bits = layer.q.scheme.bits;
-        let kernel = self.kernel(&format!("attn_layer_m1_p{bits}_u2_o4"))?;
+        let (u, o) = instance(h, hq / hkv, ko, bits).ok_or_else(|| CudaError::Shape {
+            op: OP,
+            msg: format!("no instance for h = {h}, {dims:?}"),
+        })?;
+        let kernel = self.kernel(&format!("attn_layer_m1_p{bits}_u{u}_o{o}"))?;
         a.trace = self.layer_trace(a.trace, kernel);
         let smem = ring_smem(self.info().compute_capability);
         // SAFETY: the argument struct matches the kernel's; every buffer's length, the alignments

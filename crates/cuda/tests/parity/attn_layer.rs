@@ -18,12 +18,12 @@ use crate::common::{check_composite, to_bf16, Rng};
 use crate::moe_fused::fused_backend;
 use sanmai_config::QuantScheme;
 
-const BS: usize = 16;
+pub(crate) const BS: usize = 16;
 const D: usize = 256;
 
 /// An attention layer of hidden size `h` and shape `sh`, projections packed as `(bits, group)`,
 /// built from `seed` (the same values on every backend).
-fn layer<B: Backend>(
+pub(crate) fn layer<B: Backend>(
     b: &B,
     seed: u64,
     (bits, group_size): (u32, usize),
@@ -58,7 +58,7 @@ fn layer<B: Backend>(
 }
 
 /// Qwen3-Next's RoPE over `rot_dim` of the head's values (theta 1e7).
-fn rope(rot_dim: usize) -> Rope {
+pub(crate) fn rope(rot_dim: usize) -> Rope {
     Rope {
         rot_dim,
         inv_freq: (0..rot_dim / 2)
@@ -68,7 +68,7 @@ fn rope(rot_dim: usize) -> Rope {
     }
 }
 
-fn spec(sh: &AttnShape, num_blocks: usize) -> CacheSpec {
+pub(crate) fn spec(sh: &AttnShape, num_blocks: usize) -> CacheSpec {
     CacheSpec {
         num_blocks,
         block_size: BS,

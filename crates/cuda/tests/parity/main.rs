@@ -48,6 +48,7 @@ mod moe_fused;
 mod moe_gemm;
 mod moe_layer;
 mod norm;
+mod qsa_layer;
 mod quant;
 mod router;
 mod sample;

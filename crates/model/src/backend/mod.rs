@@ -213,7 +213,7 @@ pub use hc::{hc_residual_ops, hc_residual_premix_norm_ops, HcNext, HcWeights};
 pub use mixer::{AttnMixerCall, GdnMixerCall};
 pub use ple::{PleCall, PleShape, PleWeights};
 pub use probe::{PhaseTable, Probe};
-pub use qsa::{IndexerWeights, QsaCall, QsaShape};
+pub use qsa::{IndexerWeights, QsaCall, QsaMixerCall, QsaShape};
 pub use sanmai_weights::quant::{PackedTensor, PackedWords};
 
 use crate::sample::{RowError, RowSampling, Sampled};
@@ -747,6 +747,19 @@ pub trait Backend: Send + Sync {
     /// Explicit MRoPE positions (`c.attn.mrope`) are refused: the indexer's keys have no
     /// multimodal positions.
     fn qsa_attention(&self, c: &QsaCall<'_, Self::Tensor, Self::Weight>) -> OpResult<Self::Tensor>;
+
+    /// A QSA mixer whose every sequence's context (the new positions included) is within
+    /// `c.qsa.topk`, run whole where the backend has its own way (one launch on a GPU): every
+    /// position is selected, so QSA is the dense gated attention (spec §2); the index keys of the
+    /// new positions are written as [`Backend::qsa_attention`] writes them, and the result is the
+    /// mixer's output after `o_proj`, `[rows, hidden]`. `None`: the backend does not take the call
+    /// (nothing was run; the caller runs the mixer's ops). Default: `None`.
+    fn qsa_mixer_within_topk(
+        &self,
+        _c: &QsaMixerCall<'_, Self::Tensor, Self::Weight>,
+    ) -> OpResult<Option<Self::Tensor>> {
+        Ok(None)
+    }
 
     /// The PLE mix of layer `c.layer` (spec §3.7), in place on the residual streams `[rows, S·H]`
     /// (S = `shape.streams`; S = 1 is the plain residual). `c.rows` `[rows, E]` are the tokens' table

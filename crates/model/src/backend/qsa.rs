@@ -1,7 +1,7 @@
 //! QSA (spec §2): the lightning indexer's shapes and weights, and the arguments of
 //! [`Backend::qsa_attention`](super::Backend::qsa_attention).
 
-use super::{AttnCall, Rope};
+use super::{AttnCall, AttnMixerCall, Rope};
 
 /// Static shapes of a QSA layer call.
 #[derive(Debug, Clone)]
@@ -40,5 +40,13 @@ pub struct QsaCall<'a, T, W> {
     pub iq: &'a T,
     pub ik: &'a T,
     pub iw: &'a T,
+    pub indexer: &'a IndexerWeights<W>,
+}
+
+/// A QSA mixer from the layer's normed input ([`Backend::qsa_mixer_within_topk`]): the gated
+/// attention mixer's call ([`AttnMixerCall`]), the QSA shape and the indexer's weights.
+pub struct QsaMixerCall<'a, T, W> {
+    pub mixer: AttnMixerCall<'a, T, W>,
+    pub qsa: &'a QsaShape,
     pub indexer: &'a IndexerWeights<W>,
 }

@@ -134,8 +134,7 @@ impl CudaBackend {
             return Ok(None);
         }
         {
-            let mut st = self.lock();
-            st.kv.qsa_topk = Some(c.qsa.topk);
+            let st = self.lock();
             let kv = &st.kv;
             let on_device = kv.pool(m.layer).is_ok_and(|p| {
                 matches!((&p.k, &p.v), (Rows::Device(_), Rows::Device(_))) && p.idx.is_some()
@@ -148,6 +147,7 @@ impl CudaBackend {
         let Some(layer) = layer_of(&self.gpu, m.w, m.shape, m.rope.rot_dim) else {
             return Ok(None);
         };
+        self.lock().kv.qsa_whole_topk = Some(c.qsa.topk);
         let ik = self.linear_impl(m.x, &c.indexer.wk)?;
         let index = IndexKey {
             ik: &ik,

@@ -43,9 +43,9 @@ pub(crate) struct KvPools {
     pub qsa_trace: Option<Vec<QsaPick>>,
     /// The VRAM arena of K/V rows kept in host memory (`None` when they are on the device).
     pub arena: Option<Arena>,
-    /// The topk of the QSA layers' calls (set by each call; `None` before the first): a recorded
-    /// decode step whose contexts are all within it ran its QSA layers dense (`graph`'s key).
-    pub qsa_topk: Option<usize>,
+    /// The topk of the QSA layers once one ran in one launch (`None` before): a recorded decode
+    /// step whose contexts are all within it may have run them so (`graph`'s key).
+    pub qsa_whole_topk: Option<usize>,
 }
 
 /// The staging arena of K/V rows kept in host memory (`KvHost::row_cache_rows` rows of K and of
@@ -74,6 +74,15 @@ pub(crate) struct Arena {
     pub topk: usize,
     /// The counters as last read from the device, and when.
     pub read: Option<(std::time::Instant, KvHostStats)>,
+}
+
+impl super::CudaBackend {
+    /// Bytes of one GDN state slot over `layers` GDN layers of shape `g`: conv state (bf16) plus
+    /// recurrent state (f32). `Model::state_bytes(CACHE_ELEM_BYTES)` counts both at 2 bytes a value;
+    /// this is the exact figure.
+    pub fn state_bytes_per_slot(g: &GdnShape, layers: usize) -> usize {
+        layers * (2 * conv_len(g) + 4 * ssm_len(g))
+    }
 }
 
 impl Arena {

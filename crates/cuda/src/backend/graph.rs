@@ -338,7 +338,7 @@ impl CudaBackend {
             batch,
             out_rows: step.out_rows.len(),
             span,
-            qsa_within_topk: self.lock().kv.qsa_topk.is_some_and(within),
+            qsa_within_topk: self.lock().kv.qsa_whole_topk.is_some_and(within),
         };
         match g.entries.get(&key) {
             Some(Entry::Ready(rec)) => {

@@ -209,13 +209,6 @@ impl CudaBackend {
         &self.gpu
     }
 
-    /// Bytes of one GDN state slot over `layers` GDN layers of shape `g`: conv state (bf16) plus
-    /// recurrent state (f32). `Model::state_bytes(CACHE_ELEM_BYTES)` counts both at 2 bytes a value;
-    /// this is the exact figure.
-    pub fn state_bytes_per_slot(g: &GdnShape, layers: usize) -> usize {
-        layers * (2 * cache::conv_len(g) + 4 * cache::ssm_len(g))
-    }
-
     /// Uploads a step's metadata (the ids `forward` gets, its chunks and output rows) in one copy; the
     /// ops of the step then find it on the device. Optional: ops upload what is missing themselves.
     pub fn begin_step(&self, ids: &[u32], seqs: &[SeqChunk<'_>], out_rows: &[usize]) -> Result<()> {

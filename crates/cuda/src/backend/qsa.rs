@@ -92,7 +92,6 @@ impl CudaBackend {
         }
         let mut st = self.lock();
         let st = &mut *st;
-        st.kv.qsa_topk = Some(c.qsa.topk);
         // The arena is lent to this call (and returned whatever it answers), so the K/V pools it
         // stages rows from stay borrowed alongside it.
         let mut arena = st.kv.arena.take();

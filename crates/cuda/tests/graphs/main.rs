@@ -642,3 +642,75 @@ fn graph_decode_timing_dummy() {
     );
     bench(&format!("qwen3.5-35b-a3b-{layers}layers"), &m, 30);
 }
+
+/// The 125B qwen4_exp config (dummy weights in its quantization mix; 4 layers, the last a QSA layer,
+/// 64 experts, no MTP, PLE or vision, topk 24): one sequence decoding from within topk, where its
+/// QSA layer runs in one launch, to past it, where it selects. The recordings equal eager bit for
+/// bit on both sides, and the step within topk and the one past it are recorded apart (the one
+/// launch in the first's timed kernels only).
+#[test]
+fn graph_qsa_one_launch_equals_eager() {
+    let test = "graph_qsa_one_launch_equals_eager";
+    let (Some(bg), Some(be)) = (options::backend(test), options::backend(test)) else {
+        return;
+    };
+    let path = repo_path("configs/models/qwen4-exp-125b-a6b.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let topk = 24;
+    v["num_hidden_layers"] = 4.into();
+    v["mtp_num_hidden_layers"] = 0.into();
+    v["num_experts"] = 64.into();
+    v["qsa"]["index_topk"] = topk.into();
+    for k in ["ple", "vision_config"] {
+        v.as_object_mut().unwrap().remove(k);
+    }
+    let [g, e] = [bg, be].map(|b| {
+        let cfg = ModelConfig::from_value(&v, "qwen4-exp-125b-a6b.json").unwrap();
+        let m = Model::load(cfg, &Dummy::new(11), b).unwrap();
+        m.init_cache(NUM_BLOCKS, BLOCK).unwrap();
+        m
+    });
+    e.backend.set_graph_batch_sizes(&[]);
+    g.backend.time_kernels(true).unwrap();
+    let vocab = g.cfg.vocab_size;
+    let p = prompt(topk - 4, 3, vocab);
+    let mut seqs = [&g, &e].map(|m| {
+        let mut s = vec![Alloc::new(m, 1).seq(topk + 8)];
+        prefill(m, &mut s, std::slice::from_ref(&p));
+        s
+    });
+    let before = g.backend.graph_stats();
+    let one_launch = "attn_layer_m1_p8_u3_o6";
+    let mut ids = vec![7u32];
+    for pos in topk - 4..topk + 4 {
+        let og = decode(&g, &mut seqs[0], &ids, true);
+        let oe = decode(&e, &mut seqs[1], &ids, true);
+        let d = max_abs(&og.0, &oe.0).max(max_abs(&og.1, &oe.1));
+        println!("GRAPH {test} pos={pos} max_abs_graph_vs_eager={d:e}");
+        assert_eq!(
+            d, 0.0,
+            "{test}: position {pos}: graph replay differs from eager"
+        );
+        let timed = g.backend.kernel_times().unwrap();
+        let took = timed.iter().any(|(k, _)| k == one_launch);
+        if pos == topk - 1 {
+            assert!(
+                took,
+                "{test}: position {pos}: the one launch recorded within topk"
+            );
+        }
+        if pos >= topk + 1 {
+            assert!(!took, "{test}: position {pos}: no one launch past topk");
+        }
+        ids = argmax_rows(&oe.1, 1);
+    }
+    // Within topk: the first step's key (before any one launch ran) and the within-topk key warm up,
+    // the second is captured; past topk the first key is captured and replayed.
+    let d = delta(g.backend.graph_stats(), before);
+    assert_eq!(
+        (d.warmups, d.captures, d.replays, d.eager, d.failures),
+        (2, 2, 6, 0, 0),
+        "{test}: (warm-ups, captures, replays, eager steps, failures)"
+    );
+}

@@ -133,9 +133,12 @@ impl CudaBackend {
         if !(one && within && self.attn_layer_on()) {
             return Ok(None);
         }
+        let Some(layer) = layer_of(&self.gpu, m.w, m.shape, m.rope.rot_dim) else {
+            return Ok(None);
+        };
         {
-            let st = self.lock();
-            let kv = &st.kv;
+            let mut st = self.lock();
+            let kv = &mut st.kv;
             let on_device = kv.pool(m.layer).is_ok_and(|p| {
                 matches!((&p.k, &p.v), (Rows::Device(_), Rows::Device(_))) && p.idx.is_some()
             });
@@ -143,11 +146,8 @@ impl CudaBackend {
             if !(on_device && plain && kv.idx_row == c.qsa.head_dim + 2) {
                 return Ok(None);
             }
+            kv.qsa_whole_topk = Some(c.qsa.topk);
         }
-        let Some(layer) = layer_of(&self.gpu, m.w, m.shape, m.rope.rot_dim) else {
-            return Ok(None);
-        };
-        self.lock().kv.qsa_whole_topk = Some(c.qsa.topk);
         let ik = self.linear_impl(m.x, &c.indexer.wk)?;
         let index = IndexKey {
             ik: &ik,
